@@ -1,0 +1,343 @@
+"""The Agent: owns the components, the agent thread, the exporters and the agent's own health."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+
+from hpar_agent import __version__
+from hpar_agent.catalogue import ALERT_NAMES
+from hpar_agent.component import Component
+from hpar_agent.config import AgentConfig
+from hpar_agent.events import EventLog
+from hpar_agent.families import Families
+from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.topology import Topology, detect
+
+log = logging.getLogger("hpar_agent")
+
+_current: Agent | None = None
+_lock = threading.Lock()
+
+
+class Agent:
+    """One per process. Use ``hpar_agent.attach()``; ``Agent`` is also a context manager."""
+
+    def __init__(
+        self,
+        model: Any = None,
+        *,
+        optimizer: Any = None,
+        mesh: Any = None,
+        config: AgentConfig | None = None,
+        **overrides: Any,
+    ) -> None:
+        self.config = AgentConfig.load(config, overrides)
+        self.model = model
+        self.optimizer = optimizer
+        self.mesh = mesh
+        self.enabled = not self.config.disable
+        self.topology: Topology = Topology()
+        self.components: list[Component] = []
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.families = Families(["0", "0"])
+        self.errors: Counter[str] = Counter()
+        self.collect_seconds: dict[str, float] = {}
+        self._logged: set[tuple[str, str]] = set()
+        self._step_hooks: list[Component] = []
+        self._pending_spans: dict[int, list[SpanRecord]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tick_lock = threading.Lock()
+        self.events = EventLog(None, 0)
+        self.metrics_url: str | None = None
+        self.run_dir = ""
+        self.server: Any = None
+        self.tracing: Any = None
+        self.started = False
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    def start(self) -> Agent:
+        """Detect the topology, install every component and start the agent thread and endpoint."""
+        if not self.enabled or self.started:
+            return self
+        self.started = True
+        self.topology = detect(self.model, self.mesh, self.config)
+        topo = self.topology
+        self.families = Families([str(topo.rank), str(topo.pp_stage)])
+        self.run_dir = self.config.run_dir or os.path.join("hpar-runs", topo.job_id)
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+        except OSError as exc:
+            self.record_error("agent", exc)
+        if self.config.event_log:
+            try:
+                self.events = EventLog(os.path.join(self.run_dir, f"events.rank{topo.rank}.jsonl"), topo.rank)
+            except OSError as exc:
+                self.record_error("events", exc)
+                self.events = EventLog(None, topo.rank)
+        self.events.emit("attach", topology=topo.info_labels(), agent_version=__version__)
+        from hpar_agent.collectors import default_components
+
+        for comp in default_components(self):
+            self.add_component(comp)
+        self.registry.register(_AgentCollector(self))
+        self._start_tracing()
+        self._start_endpoint()
+        self._thread = threading.Thread(target=self._run, name="hpar-agent", daemon=True)
+        self._thread.start()
+        return self
+
+    def add_component(self, comp: Component) -> None:
+        try:
+            comp.install(self)
+        except Exception as exc:
+            comp.up = False
+            self.record_error(comp.name, exc)
+        self.components.append(comp)
+        if type(comp).step_hook is not Component.step_hook:
+            self._step_hooks.append(comp)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Remove every hook, stop the thread, flush traces (bounded) and close the endpoint."""
+        if not self.started:
+            return
+        self.started = False
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        try:
+            self.tick()  # final drain so the last steps reach the exporters
+        except Exception as exc:
+            self.record_error("agent", exc)
+        for comp in reversed(self.components):
+            try:
+                comp.uninstall()
+            except Exception as exc:
+                self.record_error(comp.name, exc)
+        if self.tracing is not None:
+            try:
+                self.tracing.shutdown(timeout)
+            except Exception as exc:
+                self.record_error("tracing", exc)
+        if self.server is not None:
+            from hpar_agent.exporters.prometheus import close_endpoint
+
+            close_endpoint(self.server)
+            self.server = None
+        self.events.emit("detach")
+        self.events.close()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        detach_agent(self)
+
+    # ------------------------------------------------------------------------------------ training API
+    def step(self, tokens: int | None = None) -> None:
+        """Mark a step boundary (for loops without an optimizer step) and optionally report tokens."""
+        steps = self.component("steps")
+        if steps is not None:
+            steps.mark(tokens=tokens, explicit=True)  # type: ignore[attr-defined]
+
+    def report_tokens(self, tokens: int) -> None:
+        """Tokens processed in the current step (feeds ``hpar_tokens_total``)."""
+        steps = self.component("steps")
+        if steps is not None:
+            steps.tokens_pending += tokens  # type: ignore[attr-defined]
+
+    def watch_pipeline(self, stages: Iterable[Any], schedule: Any = None) -> None:
+        """Time every forward/backward chunk of these PipelineStages (per stage and microbatch)."""
+        pipe = self.component("pipeline")
+        if pipe is not None:
+            self.guard("pipeline", pipe.watch, list(stages), schedule)  # type: ignore[attr-defined]
+
+    def component(self, name: str) -> Component | None:
+        for c in self.components:
+            if c.name == name:
+                return c
+        return None
+
+    # ------------------------------------------------------------------------------------ internals
+    def record_error(self, component: str, exc: BaseException) -> None:
+        """Count an exception of a component and log it once per (component, type)."""
+        self.errors[component] += 1
+        key = (component, type(exc).__name__)
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("hpar_agent: %s failed (%s: %s); training continues", component, key[1], exc)
+
+    def guard(self, component: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.record_error(component, exc)
+            return None
+
+    def on_step_boundary(self, step: int, t_ns: int) -> None:
+        """Training thread: fan the step boundary out to components' O(µs) step hooks."""
+        for comp in self._step_hooks:
+            try:
+                comp.step_hook(step, t_ns)
+            except Exception as exc:
+                self.record_error(comp.name, exc)
+
+    def add_span(self, span: SpanRecord) -> None:
+        """Agent thread: a child span of ``span.step``'s trace, exported when that step completes."""
+        pending = self._pending_spans.setdefault(span.step, [])
+        if len(pending) < 4096:
+            pending.append(span)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.interval):
+            try:
+                self.tick()
+            except Exception as exc:  # never let the thread die
+                self.record_error("agent", exc)
+
+    def tick(self) -> None:
+        """One agent-thread pass: poll every component, then finish completed steps."""
+        with self._tick_lock:
+            now = time.time()
+            for comp in self.components:
+                t0 = time.perf_counter()
+                try:
+                    comp.poll(now)
+                except Exception as exc:
+                    self.record_error(comp.name, exc)
+                self.collect_seconds[comp.name] = time.perf_counter() - t0
+            steps = self.component("steps")
+            completed: list[StepRecord] = steps.take_completed() if steps is not None else []  # type: ignore[attr-defined]
+            for rec in completed:
+                rec.children.extend(self._pending_spans.pop(rec.step, ()))
+                for comp in self.components:
+                    try:
+                        comp.on_step(rec)
+                    except Exception as exc:
+                        self.record_error(comp.name, exc)
+                if self.tracing is not None:
+                    self.guard("tracing", self.tracing.export_step, rec)
+            if completed:
+                horizon = completed[-1].step - 64
+                for s in [s for s in self._pending_spans if s < horizon]:
+                    del self._pending_spans[s]
+
+    def _start_endpoint(self) -> None:
+        if self.config.metrics_port < 0:
+            return
+        from hpar_agent.exporters.prometheus import open_endpoint
+
+        try:
+            self.server, self.metrics_url = open_endpoint(
+                self.registry, self.config, self.topology.local_rank
+            )
+        except Exception as exc:
+            self.record_error("prometheus", exc)
+
+    def _start_tracing(self) -> None:
+        if self.config.traces == "none" or self.config.trace_every == 0:
+            return
+        try:
+            from hpar_agent.exporters.otel import Tracing
+        except ImportError as exc:
+            self.record_error("tracing", exc)
+            return
+        try:
+            self.tracing = Tracing(self)
+        except Exception as exc:
+            self.record_error("tracing", exc)
+
+    def health_metrics(self) -> Iterable[Metric]:
+        f = self.families
+        topo = self.topology
+        info = topo.info_labels()
+        info["agent_version"] = __version__
+        yield f.info("hpar_rank_info", info)
+        errors = f.counter("hpar_agent_errors_total")
+        up = f.gauge("hpar_agent_component_up")
+        took = f.gauge("hpar_agent_collect_duration_seconds")
+        names = sorted({c.name for c in self.components} | set(self.errors) | {"agent"})
+        comps = {c.name: c for c in self.components}
+        for name in names:
+            f.add(errors, [name], self.errors.get(name, 0))
+            f.add(up, [name], 1.0 if comps.get(name, None) is None or comps[name].up else 0.0)
+            if name in self.collect_seconds:
+                f.add(took, [name], self.collect_seconds[name])
+        yield errors
+        yield up
+        yield took
+        drops = f.counter("hpar_agent_buffer_dropped_total")
+        for comp in self.components:
+            for buf in getattr(comp, "buffers", ()):
+                f.add(drops, [buf.name], buf.dropped)
+        yield drops
+        spans_dropped = f.counter("hpar_agent_spans_dropped_total")
+        f.add(spans_dropped, [], getattr(self.tracing, "dropped", 0))
+        yield spans_dropped
+
+
+class _AgentCollector:
+    """The registry's single collector: the agent's health plus every component's families."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterable[Metric]:
+        agent = self.agent
+        yield from agent.health_metrics()
+        for comp in agent.components:
+            try:
+                yield from list(comp.collect())
+            except Exception as exc:
+                agent.record_error(comp.name, exc)
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+# ---------------------------------------------------------------------------------------- module API
+def attach_agent(
+    model: Any = None, *, optimizer: Any = None, mesh: Any = None, config: AgentConfig | None = None, **overrides: Any
+) -> Agent:
+    global _current
+    with _lock:
+        if _current is not None and _current.started:
+            warnings.warn("hpar_agent.attach() called twice; returning the running agent", stacklevel=3)
+            return _current
+        agent = Agent(model, optimizer=optimizer, mesh=mesh, config=config, **overrides)
+        if not agent.enabled:
+            return agent
+        _current = agent
+    try:
+        agent.start()
+    except Exception as exc:  # attach must never break training
+        agent.record_error("agent", exc)
+    return agent
+
+
+def detach_agent(agent: Agent | None = None) -> None:
+    global _current
+    with _lock:
+        target = agent or _current
+        if target is None:
+            return
+        if target is _current:
+            _current = None
+    target.stop()
+
+
+def current() -> Agent | None:
+    return _current
+
+
+__all__ = ["ALERT_NAMES", "Agent", "attach_agent", "current", "detach_agent"]

@@ -1,0 +1,40 @@
+"""A bounded, lock-free (GIL-atomic) buffer between training-thread hooks and the agent thread."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class BoundedBuffer(Generic[T]):
+    """Hooks ``put``; the agent thread ``drain``s. When full, new items are dropped and counted.
+
+    ``deque.append``/``popleft`` and ``len`` are atomic under the GIL, so no lock sits on the
+    training thread's path. Dropping the newest (not the oldest) keeps drain's view consistent.
+    """
+
+    __slots__ = ("_items", "capacity", "dropped", "name")
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.dropped = 0
+        self._items: deque[T] = deque()
+
+    def put(self, item: T) -> None:
+        if len(self._items) >= self.capacity:
+            self.dropped += 1
+            return
+        self._items.append(item)
+
+    def drain(self) -> list[T]:
+        items = self._items
+        out = []
+        for _ in range(len(items)):
+            out.append(items.popleft())
+        return out
+
+    def __len__(self) -> int:
+        return len(self._items)

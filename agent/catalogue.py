@@ -1,0 +1,239 @@
+"""The one catalogue of names users, dashboards and alert rules depend on.
+
+Every metric, label, span, span attribute, alert and environment variable the agent emits or reads is
+declared here as data. Exporters, docs, dashboards and rules are generated from or tested against it,
+so a name changes in exactly one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ---------------------------------------------------------------------------------------------- labels
+RANK = "rank"
+PP_STAGE = "pp_stage"
+PG = "pg"
+OP = "op"
+STREAM = "stream"
+COMPONENT = "component"
+ALERT = "alert"
+REASON = "reason"
+PHASE = "phase"
+OUTCOME = "outcome"
+TRIGGER = "trigger"
+CACHE = "cache"
+RESULT = "result"
+KIND = "kind"
+SOURCE = "source"
+BUFFER = "buffer"
+CLOCK = "clock"
+ERROR_TYPE = "error_type"
+PEER = "peer"
+
+#: Labels every series carries, in this order.
+COMMON_LABELS: tuple[str, ...] = (RANK, PP_STAGE)
+
+#: Label keys of the info metric (static identity; never repeated on other series).
+INFO_LABELS: tuple[str, ...] = (
+    "job",
+    "host",
+    "local_rank",
+    "world_size",
+    "dp",
+    "tp",
+    "pp",
+    "dp_rank",
+    "tp_rank",
+    "pp_rank",
+    "backend",
+    "device",
+    "torch_version",
+    "agent_version",
+)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric family. ``name`` is the exposition name (counters include ``_total``)."""
+
+    name: str
+    type: str  # counter | gauge | histogram | info
+    help: str
+    labels: tuple[str, ...] = ()
+    unit: str = ""
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        return COMMON_LABELS + self.labels
+
+    @property
+    def family(self) -> str:
+        """Name prometheus_client expects for the family (counters and info without suffix)."""
+        if self.type == "counter" and self.name.endswith("_total"):
+            return self.name[: -len("_total")]
+        if self.type == "info" and self.name.endswith("_info"):
+            return self.name[: -len("_info")]
+        return self.name
+
+
+def _m(name: str, type_: str, help_: str, *labels: str, unit: str = "") -> MetricSpec:
+    return MetricSpec(name, type_, help_, tuple(labels), unit)
+
+
+# Histogram bounds: 10 µs .. ~10 s, x~2.15 per bucket (three per decade) — resolves p99 of fast TP
+# all-reduces and multi-second stalls in one family.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    1e-5, 2.2e-5, 4.6e-5, 1e-4, 2.2e-4, 4.6e-4, 1e-3, 2.2e-3, 4.6e-3, 1e-2, 2.2e-2, 4.6e-2,
+    0.085, 0.1, 0.22, 0.46, 1.0, 2.2, 4.6, 10.0,
+)  # fmt: skip
+#: Step and compile times are longer: 1 ms .. ~10 min.
+STEP_BUCKETS: tuple[float, ...] = (
+    1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+METRICS: tuple[MetricSpec, ...] = (
+    # identity and agent health
+    _m("hpar_rank_info", "info", "Static identity of this rank: job, topology, host and versions."),
+    _m("hpar_agent_errors_total", "counter", "Exceptions caught inside an agent component (never raised into training).", COMPONENT),
+    _m("hpar_agent_component_up", "gauge", "1 when the component's source is available and working, else 0.", COMPONENT),
+    _m("hpar_agent_collect_duration_seconds", "gauge", "Time the agent thread spent in the component's last poll.", COMPONENT, unit="seconds"),
+    _m("hpar_agent_buffer_dropped_total", "counter", "Hook events dropped because a bounded buffer was full.", BUFFER),
+    _m("hpar_agent_spans_dropped_total", "counter", "Spans dropped by the bounded span queue or a failing exporter."),
+    # steps and pipeline
+    _m("hpar_step_duration_seconds", "histogram", "Wall time of one training step on this rank (optimizer step to optimizer step).", unit="seconds"),
+    _m("hpar_steps_total", "counter", "Training steps completed on this rank."),
+    _m("hpar_last_step_timestamp_seconds", "gauge", "Unix time at which the last step completed.", unit="seconds"),
+    _m("hpar_tokens_total", "counter", "Tokens processed, as reported by the training loop."),
+    _m("hpar_pp_chunk_duration_seconds", "histogram", "Compute time of one pipeline microbatch chunk on this stage.", PHASE, STREAM, unit="seconds"),
+    _m("hpar_pp_busy_seconds", "gauge", "Forward+backward compute time of this stage in the last step.", unit="seconds"),
+    _m("hpar_pp_bubble_ratio", "gauge", "Idle fraction of the last step on this stage: 1 - busy / step time.", unit="ratio"),
+    # collectives
+    _m("hpar_collective_duration_seconds", "histogram", "Latency of a collective or p2p op, from the best timing source available.", PG, OP, STREAM, unit="seconds"),
+    _m("hpar_collectives_total", "counter", "Collective and p2p ops observed (timed or not).", PG, OP),
+    _m("hpar_collective_bytes_total", "counter", "Payload bytes of collective and p2p ops (input size x element size).", PG, OP, unit="bytes"),
+    _m("hpar_collective_busbw_bytes_per_second", "gauge", "Bus bandwidth of the last timed op (nccl-tests factors, group size of the pg).", PG, OP, unit="bytes"),
+    _m("hpar_collective_inflight", "gauge", "Ops enqueued but not completed on the group.", PG),
+    _m("hpar_collective_oldest_inflight_age_seconds", "gauge", "Age of the oldest op not yet completed on the group.", PG, unit="seconds"),
+    _m("hpar_collective_last_completed_seq", "gauge", "Sequence number of the last completed collective on the group.", PG),
+    _m("hpar_collective_unobserved_total", "counter", "Flight-recorder entries overwritten before the agent read them.", PG),
+    # torch.compile
+    _m("hpar_dynamo_compiles_total", "counter", "Dynamo compile attempts by outcome (ok, graph_break, failed, limit) and trigger.", OUTCOME, TRIGGER),
+    _m("hpar_dynamo_recompiles_total", "counter", "Recompiles of an already compiled frame, by failed-guard kind.", REASON),
+    _m("hpar_dynamo_graph_breaks_total", "counter", "Graph breaks by registry code (gbNNNN) or a short stable key.", REASON),
+    _m("hpar_dynamo_recompile_limit_hits_total", "counter", "Frames that hit torch._dynamo.config.recompile_limit and fell back to eager."),
+    _m("hpar_dynamo_cache_events_total", "counter", "AOTAutograd and Inductor FX graph cache lookups by result.", CACHE, RESULT),
+    _m("hpar_dynamo_compile_duration_seconds", "histogram", "Compile time per attempt by phase (entire_frame, backend, inductor, code_gen).", PHASE, unit="seconds"),
+    _m("hpar_dynamo_unique_graphs", "gauge", "Distinct graphs compiled by this process."),
+    _m("hpar_dynamo_graph_fingerprint", "gauge", "Order-independent hash (< 2**52) of the graphs this rank compiled; equal across ranks of a stage."),
+    # memory
+    _m("hpar_gpu_memory_used_bytes", "gauge", "NVML: device memory in use (all processes).", unit="bytes"),
+    _m("hpar_gpu_memory_total_bytes", "gauge", "NVML: device memory capacity.", unit="bytes"),
+    _m("hpar_gpu_process_memory_bytes", "gauge", "NVML: device memory used by this process.", unit="bytes"),
+    _m("hpar_gpu_utilization_ratio", "gauge", "NVML: fraction of time a kernel ran over the last sample period.", unit="ratio"),
+    _m("hpar_gpu_power_watts", "gauge", "NVML: board power draw.", unit="watts"),
+    _m("hpar_gpu_temperature_celsius", "gauge", "NVML: GPU core temperature.", unit="celsius"),
+    _m("hpar_gpu_clock_hertz", "gauge", "NVML: current clock by domain (sm, mem).", CLOCK, unit="hertz"),
+    _m("hpar_gpu_ecc_errors_total", "counter", "NVML: volatile ECC error count by type (corrected, uncorrected).", ERROR_TYPE),
+    _m("hpar_gpu_throttle_active", "gauge", "NVML: 1 while a clock-throttle reason is active.", REASON),
+    _m("hpar_allocator_bytes", "gauge", "CUDA caching allocator current bytes by kind (allocated, reserved, active).", KIND, unit="bytes"),
+    _m("hpar_allocator_peak_bytes", "gauge", "CUDA caching allocator peak bytes by kind.", KIND, unit="bytes"),
+    _m("hpar_allocator_alloc_retries_total", "counter", "cudaMalloc retries after freeing cached blocks (memory pressure)."),
+    _m("hpar_allocator_ooms_total", "counter", "Out-of-memory errors seen by the CUDA caching allocator."),
+    _m("hpar_host_rss_bytes", "gauge", "Resident set size of this process.", unit="bytes"),
+    _m("hpar_memory_post_step_bytes", "gauge", "Memory sampled right after the last step, by source (allocator, nvml, rss).", SOURCE, unit="bytes"),
+    # detectors
+    _m("hpar_alert_active", "gauge", "1 while the named detector's condition holds on this rank.", ALERT),
+    _m("hpar_alerts_total", "counter", "Times the named alert went from inactive to active.", ALERT),
+    _m("hpar_detector_value", "gauge", "The signal each detector compares with its threshold (units per detector, see docs).", ALERT),
+)
+
+METRICS_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+
+def metric(name: str) -> MetricSpec:
+    """Look a metric up; a KeyError here means a name was used that the catalogue does not hold."""
+    return METRICS_BY_NAME[name]
+
+
+# ---------------------------------------------------------------------------------------------- alerts
+@dataclass(frozen=True)
+class AlertSpec:
+    name: str
+    severity: str
+    summary: str
+
+
+ALERTS: tuple[AlertSpec, ...] = (
+    AlertSpec("RecompileStorm", "warning", "Recompiles per window above threshold or compile-cache hit ratio collapsed."),
+    AlertSpec("GraphBreaks", "warning", "A new graph-break reason appeared after warm-up."),
+    AlertSpec("CompileDivergence", "critical", "Ranks of the same pipeline stage compiled different graphs."),
+    AlertSpec("ReplicaDivergence", "critical", "Parameters that must be identical across replicas differ."),
+    AlertSpec("CollectiveMismatch", "critical", "Ranks disagree on op, size or dtype of the same collective."),
+    AlertSpec("MemoryLeak", "warning", "Post-step memory keeps rising after warm-up."),
+    AlertSpec("CollectiveLatencyHigh", "warning", "Collective p99 latency above its SLO."),
+    AlertSpec("Straggler", "warning", "A rank is persistently slower than its group."),
+    AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout."),
+)
+ALERT_NAMES: tuple[str, ...] = tuple(a.name for a in ALERTS)
+
+# ---------------------------------------------------------------------------------------------- spans
+SPAN_STEP = "train.step"
+SPAN_PP_FORWARD = "pp.forward"
+SPAN_PP_BACKWARD = "pp.backward"
+SPAN_COLLECTIVE_PREFIX = "collective."  # + op, e.g. collective.all_reduce
+SPAN_COMPILE = "dynamo.compile"
+SPAN_NAMES: tuple[str, ...] = (SPAN_STEP, SPAN_PP_FORWARD, SPAN_PP_BACKWARD, SPAN_COMPILE)
+
+# span attributes
+ATTR_RANK = "hpar.rank"
+ATTR_PP_STAGE = "hpar.pp.stage"
+ATTR_STEP = "hpar.step"
+ATTR_MICROBATCH = "hpar.microbatch"
+ATTR_JOB = "hpar.job.id"
+ATTR_STREAM = "cuda.stream"
+ATTR_PG = "collective.pg"
+ATTR_OP = "collective.op"
+ATTR_SEQ = "collective.seq"
+ATTR_BYTES = "collective.bytes"
+ATTR_PEER = "collective.peer"
+ATTR_BUSBW = "collective.busbw"
+ATTR_COMPILE_ID = "dynamo.compile_id"
+ATTR_COMPILE_TRIGGER = "dynamo.trigger"
+ATTR_ALERT = "hpar.alert"
+#: Span event names
+EVENT_GRAPH_BREAK = "graph_break"
+EVENT_ALERT = "hpar.alert"
+
+
+# ---------------------------------------------------------------------------------------------- env vars
+@dataclass(frozen=True)
+class EnvVar:
+    """An ``HPAR_*`` environment variable: ``field`` is the AgentConfig field it sets (if any)."""
+
+    name: str
+    field: str
+    help: str
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("HPAR_DISABLE", "disable", "1/true turns attach() into a no-op that installs nothing."),
+    EnvVar("HPAR_METRICS_PORT", "metrics_port", "Base port of the Prometheus endpoint; a rank serves on base + local_rank (0: ephemeral, -1: no endpoint)."),
+    EnvVar("HPAR_METRICS_ADDR", "metrics_addr", "Bind address of the Prometheus endpoint."),
+    EnvVar("HPAR_METRICS_PORT_FALLBACK", "port_fallback", "When the port is taken, try the next free ports (true) or serve no endpoint (false)."),
+    EnvVar("HPAR_TLS_CERT", "tls_cert", "PEM certificate file: serve /metrics over HTTPS (needs HPAR_TLS_KEY)."),
+    EnvVar("HPAR_TLS_KEY", "tls_key", "PEM private key file for HPAR_TLS_CERT."),
+    EnvVar("HPAR_RUN_DIR", "run_dir", "Directory for the event log, evidence files and local traces."),
+    EnvVar("HPAR_JOB_ID", "job_id", "Job identifier shared by all ranks (default: torchrun's run id, else generated)."),
+    EnvVar("HPAR_INTERVAL", "interval", "Seconds between agent-thread polls."),
+    EnvVar("HPAR_TRACE_EVERY", "trace_every", "Keep the trace of every Nth step (slow or anomalous steps are always kept; 0: no traces)."),
+    EnvVar("HPAR_TRACES", "traces", "Where spans go: auto (OTLP when OTEL_EXPORTER_OTLP_*ENDPOINT is set, else a local file), otlp, file, none."),
+    EnvVar("HPAR_EVENT_LOG", "event_log", "Write the per-rank JSONL event log (true/false)."),
+    EnvVar("HPAR_BUFFER_SIZE", "buffer_size", "Capacity of each hook buffer; events beyond it are dropped and counted."),
+    EnvVar("HPAR_DETECTORS", "detectors", "Run the in-process detectors (true/false)."),
+    EnvVar("HPAR_EVIDENCE", "evidence", "Collect evidence (py-spy stacks, allocator snapshots, FR dumps) when an alert fires."),
+    EnvVar("HPAR_DP", "dp", "Override the data-parallel degree when it cannot be read from a mesh or model."),
+    EnvVar("HPAR_TP", "tp", "Override the tensor-parallel degree."),
+    EnvVar("HPAR_PP", "pp", "Override the pipeline-parallel degree."),
+    EnvVar("HPAR_PP_STAGE", "pp_stage", "Override this rank's pipeline stage."),
+)
+ENV_BY_NAME: dict[str, EnvVar] = {e.name: e for e in ENV_VARS}

@@ -1,0 +1,162 @@
+"""Per-stage, per-microbatch forward/backward compute time and the bubble ratio.
+
+Every pipelining schedule (GPipe, 1F1B, interleaved) calls ``PipelineStage.forward_one_chunk`` and
+``backward_one_chunk`` once per microbatch, so wrapping those two methods on the stage instances gives
+(stage, microbatch, phase, time) for all of them. On CUDA the time comes from CUDA events resolved on
+the agent thread with ``query()``; the training thread never synchronizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from hpar_agent import catalogue as cat
+from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.catalogue import LATENCY_BUCKETS
+from hpar_agent.component import Component
+from hpar_agent.histogram import Histogram
+from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.streams import stream_label
+
+_TAG = "_hpar_wrapped"
+_METHODS = (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"))
+
+
+class PipelineCollector(Component):
+    name = "pipeline"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffer: BoundedBuffer[tuple] = BoundedBuffer("pipeline", 1 << 16)
+        self.buffers = (self.buffer,)
+        self._wrapped: list[tuple[Any, str]] = []
+        self._pending: list[tuple] = []  # CUDA chunks whose end event has not completed yet
+        self.hists: dict[tuple[str, str], Histogram] = {}
+        self.busy_by_step: dict[int, float] = {}
+        self.last_busy = 0.0
+        self.last_bubble: float | None = None
+        self.schedule = ""
+        self.stage_times: dict[tuple[int, str], list[float]] = {}
+
+    def install(self, agent: Any) -> None:
+        super().install(agent)
+        self.buffer.capacity = agent.config.buffer_size
+
+    def watch(self, stages: list[Any], schedule: Any = None) -> None:
+        """Wrap the one-chunk methods of each stage (idempotent)."""
+        if schedule is not None:
+            self.schedule = type(schedule).__name__
+        for stage in stages:
+            for method, phase in _METHODS:
+                orig = getattr(stage, method, None)
+                if orig is None or getattr(orig, _TAG, False):
+                    continue
+                setattr(stage, method, self._wrap(stage, orig, phase))
+                self._wrapped.append((stage, method))
+
+    def uninstall(self) -> None:
+        for stage, method in self._wrapped:
+            fn = stage.__dict__.get(method)
+            if fn is not None and getattr(fn, _TAG, False):
+                delattr(stage, method)  # the class method shows through again
+        self._wrapped.clear()
+
+    def _wrap(self, stage: Any, orig: Any, phase: str) -> Any:
+        buffer = self.buffer
+        device = getattr(stage, "device", None)
+        cuda = getattr(device, "type", "cpu") == "cuda"
+        stream = stream_label(device)
+        stage_index = int(getattr(stage, "stage_index", 0))
+        steps = self.agent.component("steps") if self.agent else None  # type: ignore[union-attr]
+
+        @functools.wraps(orig)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            chunk = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+            step = steps.count if steps is not None else 0  # type: ignore[attr-defined]
+            t0 = time.time_ns()
+            if cuda:
+                import torch
+
+                e0 = torch.cuda.Event(enable_timing=True)
+                e0.record()
+                out = orig(*args, **kwargs)
+                e1 = torch.cuda.Event(enable_timing=True)
+                e1.record()
+                buffer.put((step, stage_index, chunk, phase, stream, t0, 0, e0, e1))
+            else:
+                out = orig(*args, **kwargs)
+                buffer.put((step, stage_index, chunk, phase, stream, t0, time.time_ns(), None, None))
+            return out
+
+        setattr(timed, _TAG, True)
+        return timed
+
+    def poll(self, now: float) -> None:
+        agent = self.agent
+        assert agent is not None
+        items = self._pending + self.buffer.drain()
+        self._pending = []
+        for item in items:
+            step, stage_index, chunk, phase, stream, t0, t1, e0, e1 = item
+            if e1 is not None:
+                if not e1.query():
+                    self._pending.append(item)
+                    continue
+                dur = e0.elapsed_time(e1) / 1e3
+                t1 = t0 + int(dur * 1e9)
+            else:
+                dur = (t1 - t0) / 1e9
+            self.hists.setdefault((phase, stream), Histogram(LATENCY_BUCKETS)).observe(dur)
+            self.busy_by_step[step] = self.busy_by_step.get(step, 0.0) + dur
+            times = self.stage_times.setdefault((stage_index, phase), [])
+            times.append(dur)
+            del times[:-256]
+            agent.add_span(
+                SpanRecord(
+                    name=cat.SPAN_PP_FORWARD if phase == "forward" else cat.SPAN_PP_BACKWARD,
+                    start_ns=t0,
+                    end_ns=t1,
+                    step=step,
+                    attributes={
+                        cat.ATTR_PP_STAGE: stage_index,
+                        cat.ATTR_MICROBATCH: int(chunk),
+                        cat.ATTR_STREAM: stream,
+                    },
+                )
+            )
+
+    def on_step(self, rec: StepRecord) -> None:
+        busy = self.busy_by_step.pop(rec.step, None)
+        for s in [s for s in self.busy_by_step if s < rec.step - 64]:
+            del self.busy_by_step[s]
+        if busy is None or rec.duration_s <= 0:
+            return
+        self.last_busy = busy
+        self.last_bubble = min(1.0, max(0.0, 1.0 - busy / rec.duration_s))
+
+    def collect(self) -> Iterable[Metric]:
+        if not self._wrapped:
+            return
+        f = self.agent.families  # type: ignore[union-attr]
+        h = f.histogram("hpar_pp_chunk_duration_seconds")
+        for (phase, stream), hist in sorted(self.hists.items()):
+            h.add_metric(f.labels(phase, stream), hist.buckets(), hist.sum)
+        yield h
+        busy = f.gauge("hpar_pp_busy_seconds")
+        f.add(busy, [], self.last_busy)
+        yield busy
+        bubble = f.gauge("hpar_pp_bubble_ratio")
+        if self.last_bubble is not None:
+            f.add(bubble, [], self.last_bubble)
+        yield bubble
+
+    def summary(self) -> dict:
+        per_stage = {
+            f"{stage}/{phase}": sorted(v)[len(v) // 2] for (stage, phase), v in sorted(self.stage_times.items()) if v
+        }
+        return {"schedule": self.schedule, "chunk_seconds_p50": per_stage, "bubble_ratio": self.last_bubble}

@@ -1,0 +1,125 @@
+"""Step boundaries from the global optimizer step hook (no user code), or ``Agent.step()``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.catalogue import STEP_BUCKETS
+from hpar_agent.component import Component
+from hpar_agent.histogram import Histogram
+from hpar_agent.spans import StepRecord
+from hpar_agent.traceids import trace_id_hex
+
+
+class StepCollector(Component):
+    """Counts steps and times them boundary to boundary; the first step starts at attach."""
+
+    name = "steps"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0  # boundaries seen; also the index of the step in progress
+        self.tokens_pending = 0
+        self.explicit = False
+        self._optimizer_id: int | None = None
+        self._handle: Any = None
+        self.buffer: BoundedBuffer[tuple[int, int, int]] = BoundedBuffer("steps", 1 << 16)
+        self.buffers = (self.buffer,)
+        self.hist = Histogram(STEP_BUCKETS)
+        self.total = 0
+        self.tokens_total = 0
+        self.last_end_ns = time.time_ns()
+        self.last_step_ts = 0.0
+        self.durations: list[float] = []  # recent, for the summary and "slow step" decisions
+        self._completed: list[StepRecord] = []
+
+    def install(self, agent: Any) -> None:
+        super().install(agent)
+        self.buffer.capacity = agent.config.buffer_size
+        if agent.optimizer is not None:
+            self._optimizer_id = id(agent.optimizer)
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._handle = register_optimizer_step_post_hook(self._on_optimizer_step)
+
+    def uninstall(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    # training thread ---------------------------------------------------------------------------
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.explicit:
+            return
+        if self._optimizer_id is None:
+            self._optimizer_id = id(optimizer)  # first optimizer to step defines the step
+        elif id(optimizer) != self._optimizer_id:
+            return
+        self.mark()
+
+    def mark(self, tokens: int | None = None, explicit: bool = False) -> None:
+        """Record one boundary: O(1), appends only."""
+        if explicit:
+            self.explicit = True
+        t = time.time_ns()
+        step = self.count
+        self.count = step + 1
+        if tokens is not None:
+            self.tokens_pending += tokens
+        self.buffer.put((step, t, self.tokens_pending))
+        self.tokens_pending = 0
+        agent = self.agent
+        if agent is not None:
+            agent.on_step_boundary(step, t)
+
+    # agent thread ------------------------------------------------------------------------------
+    def poll(self, now: float) -> None:
+        agent = self.agent
+        assert agent is not None
+        every = agent.config.trace_every
+        for step, end_ns, tokens in self.buffer.drain():
+            rec = StepRecord(step=step, start_ns=self.last_end_ns, end_ns=end_ns)
+            self.last_end_ns = end_ns
+            self.total += 1
+            self.tokens_total += tokens
+            self.last_step_ts = end_ns / 1e9
+            dur = rec.duration_s
+            kept = every > 0 and step % every == 0
+            self.hist.observe(dur, trace_id_hex(agent.topology.job_id, step) if kept else None, end_ns / 1e9)
+            self.durations.append(dur)
+            del self.durations[:-512]
+            self._completed.append(rec)
+
+    def take_completed(self) -> list[StepRecord]:
+        out, self._completed = self._completed, []
+        return out
+
+    def collect(self) -> Iterable[Metric]:
+        f = self.agent.families  # type: ignore[union-attr]
+        h = f.histogram("hpar_step_duration_seconds")
+        h.add_metric(f.labels(), self.hist.buckets(), self.hist.sum)
+        yield h
+        c = f.counter("hpar_steps_total")
+        f.add(c, [], self.total)
+        yield c
+        g = f.gauge("hpar_last_step_timestamp_seconds")
+        if self.total:
+            f.add(g, [], self.last_step_ts)
+        yield g
+        t = f.counter("hpar_tokens_total")
+        f.add(t, [], self.tokens_total)
+        yield t
+
+    def summary(self) -> dict:
+        d = sorted(self.durations)
+        return {
+            "steps": self.total,
+            "tokens": self.tokens_total,
+            "step_seconds_p50": d[len(d) // 2] if d else None,
+            "step_seconds_max": d[-1] if d else None,
+        }

@@ -1,0 +1,51 @@
+"""The shape every collector and detector takes inside the agent.
+
+A component installs its hooks on attach (training thread; they only append to a BoundedBuffer),
+drains and derives state in ``poll`` (agent thread), renders fresh metric families in ``collect``
+(scrape thread) and removes exactly what it installed in ``uninstall``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import Metric
+
+if TYPE_CHECKING:
+    from hpar_agent.agent import Agent
+    from hpar_agent.spans import StepRecord
+
+
+class Component:
+    """Base class; subclasses override what they need. ``name`` is the ``component`` label value."""
+
+    name: str = "component"
+
+    def __init__(self) -> None:
+        self.agent: Agent | None = None
+        self.up = True
+
+    def install(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def uninstall(self) -> None:
+        """Remove every hook/handler/callback ``install`` added."""
+
+    def poll(self, now: float) -> None:
+        """Agent thread: drain buffers, poll sources, update state."""
+
+    def step_hook(self, step: int, t_ns: int) -> None:
+        """Training thread, inside the step-boundary hook: must be O(µs), only append. Only
+        components that override it are called."""
+
+    def on_step(self, rec: StepRecord) -> None:
+        """Agent thread: called once per completed step, after every component's ``poll``."""
+
+    def collect(self) -> Iterable[Metric]:
+        """Scrape: build and return fresh metric families from state."""
+        return ()
+
+    def summary(self) -> dict:
+        """A JSON-able digest for the demo summary and the run report."""
+        return {}

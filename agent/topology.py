@@ -1,0 +1,145 @@
+"""Where this rank sits: rank, world, host, job id and its dp/tp/pp coordinates.
+
+Read from, in order: the ``mesh`` argument, the model (DTensor parameters' mesh, a PipelineStage or its
+submodule, a DDP/replicate process group), then ``HPAR_*`` overrides. Works without torch.distributed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpar_agent.config import AgentConfig
+
+_MESH_DIMS = ("dp", "tp", "pp")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Static identity of this rank; what ``hpar_rank_info`` and the OTel Resource carry."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    host: str = ""
+    job_id: str = ""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    dp_rank: int = 0
+    tp_rank: int = 0
+    pp_rank: int = 0
+    pp_stage: int = 0
+    backend: str = "none"
+    device: str = "cpu"
+
+    def info_labels(self) -> dict[str, str]:
+        d = asdict(self)
+        d["job"] = d.pop("job_id")
+        d.pop("rank")
+        d.pop("pp_stage")
+        return {k: str(v) for k, v in d.items()}
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _mesh_from_model(model: Any) -> Any:
+    """The DeviceMesh of the first DTensor parameter, if any."""
+    if model is None or not hasattr(model, "parameters"):
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return None
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return p.device_mesh
+    return None
+
+
+def _stage_index(model: Any) -> int | None:
+    """Stage index from a PipelineStage, or a submodule a PipelineStage was built from."""
+    idx = getattr(model, "stage_index", None)
+    if isinstance(idx, int):
+        return idx
+    return None
+
+
+def _dp_group_size(model: Any) -> int | None:
+    pg = getattr(model, "process_group", None)  # DistributedDataParallel
+    if pg is not None and dist.is_initialized():
+        try:
+            return dist.get_world_size(pg)
+        except Exception:
+            return None
+    return None
+
+
+def _job_id(config: AgentConfig) -> str:
+    if config.job_id:
+        return config.job_id
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    # One generated id for the whole job: rank 0 writes it to the store, others read it.
+    if dist.is_initialized():
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            store = _get_default_store()
+            if dist.get_rank() == 0:
+                store.set("hpar/job_id", uuid.uuid4().hex[:12])
+            return store.get("hpar/job_id").decode()
+        except Exception:
+            pass
+    return f"local-{uuid.uuid4().hex[:8]}"
+
+
+def detect(model: Any = None, mesh: Any = None, config: AgentConfig | None = None) -> Topology:
+    """Build this rank's Topology; never raises for a missing source, falls back to env and 1s."""
+    config = config or AgentConfig()
+    initialized = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialized else _env_int("RANK", 0)
+    world = dist.get_world_size() if initialized else _env_int("WORLD_SIZE", 1)
+    coords = {d: (1, 0) for d in _MESH_DIMS}  # dim -> (degree, coordinate)
+    mesh = mesh if mesh is not None else _mesh_from_model(model)
+    if mesh is not None and getattr(mesh, "mesh_dim_names", None):
+        for i, name in enumerate(mesh.mesh_dim_names):
+            if name in coords:
+                coords[name] = (mesh.size(i), mesh.get_local_rank(i))
+    elif (dp := _dp_group_size(model)) is not None:
+        coords["dp"] = (dp, rank % dp)
+    degree = {d: getattr(config, d) or coords[d][0] for d in _MESH_DIMS}
+    stage = config.pp_stage
+    if stage is None:
+        stage = _stage_index(model)
+    if stage is None:
+        stage = coords["pp"][1]
+    backend = dist.get_backend() if initialized else "none"
+    return Topology(
+        rank=rank,
+        world_size=world,
+        local_rank=_env_int("LOCAL_RANK", 0),
+        host=socket.gethostname(),
+        job_id=_job_id(config),
+        dp=degree["dp"],
+        tp=degree["tp"],
+        pp=degree["pp"],
+        dp_rank=coords["dp"][1],
+        tp_rank=coords["tp"][1],
+        pp_rank=coords["pp"][1],
+        pp_stage=stage,
+        backend=str(backend),
+        device="cuda" if torch.cuda.is_available() else "cpu",
+    )

@@ -1,0 +1,1 @@
+"""Exporters: Prometheus (pull, per-rank endpoint), OpenTelemetry traces (OTLP or local OTLP-JSON)."""

@@ -1,0 +1,224 @@
+"""Command-line flags and the validated training configuration."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, NoReturn
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+COMPILE_BACKENDS = ("none", "eager", "aot_eager", "inductor")
+
+# name -> one-line description shown in --help; kept next to the flags so docs cannot drift.
+INJECTIONS: dict[str, str] = {
+    "recompile-storm": "from --inject-step a Python int (the step) that changes every step reaches every "
+    "compiled block as a specialised module attribute: one recompile per step until Dynamo's "
+    "recompile limit (all ranks; needs --compile)",
+    "graph-break": "a .item() inside every compiled block forward breaks the graph (all ranks; needs --compile)",
+    "divergent-graph": "the inject rank adds an extra op (h + zeros_like(h)) to its compiled blocks, so its "
+    "graphs differ from its stage peers (needs --compile)",
+    "ddp-nesting": "the first block of every stage is detached while DP wraps the stage and re-attached "
+    "afterwards, so its parameters are outside DP gradient sync and dp replicas drift (all ranks; dp >= 2)",
+    "tp-grad-skip": "the tp all-reduce of the q/k-norm weight grads (replicated params fed by sharded "
+    "heads) is skipped, so tp replicas drift (all ranks; tp >= 2)",
+    "dtype-mismatch": "from --inject-step the inject rank's DDP comm hook all-reduces gradient buckets in "
+    "bf16 while peers use fp32; gloo aborts on the size mismatch (dp >= 2, --dp-mode ddp)",
+    "compile-leak": "the inject rank compiles a fresh callable per microbatch (eager backend) capturing "
+    "--inject-size bytes and keeps it alive: RSS and Dynamo frames grow",
+    "tensor-leak": "the inject rank keeps --inject-size bytes of tensors alive every step: RSS grows",
+    "straggler": "the inject rank sleeps --inject-delay inside its first forward of every step",
+    "slow-collective": "the inject rank sleeps --inject-delay before every DP gradient all-reduce "
+    "(dp group, DDP comm hook): peers wait inside the collective (dp >= 2, --dp-mode ddp)",
+    "hang": "at --inject-step the inject rank skips the step's collectives and waits in a world barrier "
+    "the peers never reach: every rank fails after --pg-timeout (default 20 s in this mode)",
+}
+NEEDS_COMPILE = {"recompile-storm", "graph-break", "divergent-graph"}
+NEEDS_DDP = {"dtype-mismatch", "slow-collective"}
+
+EPILOG = "injections (--inject NAME, repeatable; rank = --inject-rank, default the last rank; " \
+    "step = --inject-step, default 3):\n" + "\n".join(f"  {k:16} {v}" for k, v in INJECTIONS.items())
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything one training run needs; identical on every rank."""
+
+    dp: int = 1
+    """Data-parallel degree (outermost mesh dim)."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    tp: int = 1
+    """Tensor-parallel degree (innermost mesh dim, fastest links)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b or interleaved-1f1b."""
+    microbatches: int = 0
+    """Pipeline microbatches per step; 0 means 2 * pp."""
+    stages_per_rank: int = 2
+    """Virtual stages per pp rank for interleaved-1f1b (1 for the other schedules)."""
+    dp_mode: str = "replicate"
+    """DDP or composable replicate; replicate is the one that also works with TP inside a stage."""
+    compile: str = "none"
+    """torch.compile backend applied per transformer block, or none."""
+    dtype: str = "fp32"
+    """Parameter/compute dtype: fp32 or bf16."""
+    steps: int = 10
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seed for init and data; same seed gives same losses in every layout."""
+    global_batch: int = 16
+    """Sequences per step over all dp ranks."""
+    seq_len: int = 32
+    """Tokens per sequence."""
+    layers: int = 4
+    """Transformer blocks."""
+    dim: int = 64
+    """Model width."""
+    heads: int = 4
+    """Attention heads (divisible by tp)."""
+    vocab: int = 128
+    """Vocabulary size."""
+    lr: float = 3e-3
+    """AdamW learning rate."""
+    device: str = "auto"
+    """auto, cpu or cuda; auto picks cuda when available."""
+    log_every: int = 1
+    """Log loss and step time every N steps."""
+    no_agent: bool = False
+    """Do not attach the hpar_agent observability agent."""
+    pg_timeout: float = 0.0
+    """Process-group timeout in seconds; 0 means 300 (20 with --inject hang)."""
+    inject: list[str] = field(default_factory=list)
+    """Failure injections to reproduce."""
+    inject_rank: int = -1
+    """Global rank for rank-specific injections; -1 means the last rank."""
+    inject_step: int = 3
+    """First step an injection is active at (where it applies)."""
+    inject_delay: float = 0.2
+    """Seconds of delay for straggler / slow-collective."""
+    inject_size: int = 4 << 20
+    """Bytes leaked per step (tensor-leak) or per microbatch (compile-leak)."""
+    out: str | None = None
+    """JSON summary path (rank 0); every rank also writes <stem>.rank<r>.json."""
+
+    def __post_init__(self) -> None:
+        if self.microbatches == 0:
+            self.microbatches = 2 * self.pp
+        if self.schedule != "interleaved-1f1b":
+            self.stages_per_rank = 1
+        if self.pg_timeout == 0:
+            self.pg_timeout = 20.0 if "hang" in self.inject else 300.0
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("dp", "pp", "tp", "microbatches", "stages_per_rank", "steps", "global_batch",
+                     "seq_len", "layers", "dim", "heads", "vocab", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("dp-mode", self.dp_mode, ("ddp", "replicate"))
+        _choice("compile", self.compile, COMPILE_BACKENDS)
+        _choice("dtype", self.dtype, ("fp32", "bf16"))
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        if self.heads % self.tp:
+            raise ValueError(f"--heads {self.heads} is not divisible by --tp {self.tp}")
+        if self.dim % self.heads:
+            raise ValueError(f"--dim {self.dim} is not divisible by --heads {self.heads}")
+        if self.layers % self.num_stages:
+            raise ValueError(f"--layers {self.layers} is not divisible by pp*stages-per-rank = {self.num_stages}")
+        if self.global_batch % (self.dp * self.microbatches):
+            raise ValueError(f"--global-batch {self.global_batch} is not divisible by "
+                             f"dp*microbatches = {self.dp * self.microbatches}")
+        for name in self.inject:
+            _choice("inject", name, tuple(INJECTIONS))
+            if name in NEEDS_COMPILE and self.compile == "none":
+                raise ValueError(f"--inject {name} needs --compile eager|aot_eager|inductor")
+            if name in NEEDS_DDP and (self.dp < 2 or self.dp_mode != "ddp"):
+                raise ValueError(f"--inject {name} needs --dp >= 2 and --dp-mode ddp")
+        if "ddp-nesting" in self.inject and self.dp < 2:
+            raise ValueError("--inject ddp-nesting needs --dp >= 2")
+        if "tp-grad-skip" in self.inject and self.tp < 2:
+            raise ValueError("--inject tp-grad-skip needs --tp >= 2")
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages over all pp ranks."""
+        return self.pp * self.stages_per_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise unless the mesh degrees multiply to the launched world size."""
+        if self.world_size != world_size:
+            raise ValueError(f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} "
+                             f"but WORLD_SIZE is {world_size}")
+        if "hang" in self.inject and world_size < 2:
+            raise ValueError("--inject hang needs at least 2 ranks")
+        if self.inject and not -world_size <= self.inject_rank < world_size:
+            raise ValueError(f"--inject-rank {self.inject_rank} is outside 0..{world_size - 1}")
+
+    def injected_rank(self, world_size: int) -> int:
+        return self.inject_rank % world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"--{flag} {value!r} is not one of {', '.join(allowed)}")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Errors are one line (no usage dump) so every rank of a bad launch prints one clear line."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig.__dataclass_fields__
+    p = _OneLineParser(prog="hpar-train", description="Train a small GPT with DP x TP x PP.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    for name in ("dp", "tp", "pp"):
+        add(f"--{name}", type=int, default=1, help=f"{name} degree; dp*tp*pp must equal WORLD_SIZE")
+    add("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
+    add("--microbatches", type=int, default=0, help="pipeline microbatches (default 2*pp)")
+    add("--stages-per-rank", type=int, default=2, help="virtual stages per rank for interleaved-1f1b")
+    add("--dp-mode", choices=("ddp", "replicate"), default="replicate",
+        help="data parallelism (default replicate: torch 2.11 cannot run DDP with TP inside a pipeline stage)")
+    add("--compile", choices=COMPILE_BACKENDS, default="none", help="torch.compile backend per block")
+    add("--dtype", choices=("fp32", "bf16"), default="fp32")
+    for name in ("steps", "seed", "global_batch", "seq_len", "layers", "dim", "heads", "vocab", "log_every"):
+        add(f"--{name.replace('_', '-')}", type=int, default=d[name].default, help=f"(default {d[name].default})")
+    add("--lr", type=float, default=d["lr"].default)
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto",
+        help="auto: cuda if available; cpu uses gloo and 1 thread per rank, cuda uses nccl")
+    add("--no-agent", action="store_true", help="do not attach the hpar_agent observability agent")
+    add("--pg-timeout", type=float, default=0.0, help="process-group timeout in s (default 300; 20 for hang)")
+    add("--inject", action="append", default=[], metavar="NAME", help="failure to reproduce (see below)")
+    add("--inject-rank", type=int, default=-1, help="rank for rank-specific injections (default last rank)")
+    add("--inject-step", type=int, default=3, help="step an injection starts at, where it applies (default 3)")
+    add("--inject-delay", type=float, default=0.2, help="straggler/slow-collective delay in s (default 0.2)")
+    add("--inject-size", type=int, default=4 << 20, help="bytes leaked per step/microbatch (default 4 MiB)")
+    add("--out", default=None, help="JSON summary written by rank 0 (plus <stem>.rank<r>.json per rank)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> TrainConfig:
+    """Parse and validate flags; exits 2 with one line on any error (on every rank, before any collective)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = TrainConfig(**vars(ns))
+        cfg.check_world_size(world_size)
+    except ValueError as e:
+        parser.error(str(e))
+    return cfg
