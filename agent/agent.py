@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import json
 import logging
 import os
 import threading
@@ -95,6 +97,7 @@ class Agent:
         self._start_endpoint()
         self._thread = threading.Thread(target=self._run, name="hpar-agent", daemon=True)
         self._thread.start()
+        atexit.register(self.stop)  # flush traces and write the summary if the user never detaches
         return self
 
     def add_component(self, comp: Component) -> None:
@@ -112,6 +115,7 @@ class Agent:
         if not self.started:
             return
         self.started = False
+        atexit.unregister(self.stop)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -134,8 +138,38 @@ class Agent:
 
             close_endpoint(self.server)
             self.server = None
+        self.write_summary()
         self.events.emit("detach")
         self.events.close()
+
+    def summary(self) -> dict[str, Any]:
+        """Everything the demo and the run report show for this rank."""
+        comps = {}
+        for comp in self.components:
+            try:
+                comps[comp.name] = comp.summary()
+            except Exception as exc:
+                self.record_error(comp.name, exc)
+        return {
+            "rank": self.topology.rank,
+            "pp_stage": self.topology.pp_stage,
+            "topology": self.topology.info_labels(),
+            "metrics_url": self.metrics_url,
+            "run_dir": self.run_dir,
+            "errors": dict(self.errors),
+            "components": comps,
+        }
+
+    def write_summary(self) -> None:
+        """Write ``summary.rank<R>.json`` into the run directory (read by ``hpar-agent demo``)."""
+        if not self.run_dir:
+            return
+        path = os.path.join(self.run_dir, f"summary.rank{self.topology.rank}.json")
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(self.summary(), fh, indent=1, default=str)
+        except OSError as exc:
+            self.record_error("agent", exc)
 
     def __enter__(self) -> Agent:
         return self
@@ -270,7 +304,7 @@ class Agent:
         comps = {c.name: c for c in self.components}
         for name in names:
             f.add(errors, [name], self.errors.get(name, 0))
-            f.add(up, [name], 1.0 if comps.get(name, None) is None or comps[name].up else 0.0)
+            f.add(up, [name], 1.0 if comps.get(name) is None or comps[name].up else 0.0)
             if name in self.collect_seconds:
                 f.add(took, [name], self.collect_seconds[name])
         yield errors

@@ -35,7 +35,7 @@ COMMON_LABELS: tuple[str, ...] = (RANK, PP_STAGE)
 
 #: Label keys of the info metric (static identity; never repeated on other series).
 INFO_LABELS: tuple[str, ...] = (
-    "job",
+    "job_id",  # not "job": Prometheus owns that label for the scrape job
     "host",
     "local_rank",
     "world_size",
@@ -122,7 +122,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_dynamo_graph_breaks_total", "counter", "Graph breaks by registry code (gbNNNN) or a short stable key.", REASON),
     _m("hpar_dynamo_recompile_limit_hits_total", "counter", "Frames that hit torch._dynamo.config.recompile_limit and fell back to eager."),
     _m("hpar_dynamo_cache_events_total", "counter", "AOTAutograd and Inductor FX graph cache lookups by result.", CACHE, RESULT),
-    _m("hpar_dynamo_compile_duration_seconds", "histogram", "Compile time per attempt by phase (entire_frame, backend, inductor, code_gen).", PHASE, unit="seconds"),
+    _m("hpar_dynamo_compile_duration_seconds", "histogram", "Compile time per attempt by phase (entire_frame, backend, inductor, code_gen; lazy_backward for a deferred backward compile).", PHASE, unit="seconds"),
     _m("hpar_dynamo_unique_graphs", "gauge", "Distinct graphs compiled by this process."),
     _m("hpar_dynamo_graph_fingerprint", "gauge", "Order-independent hash (< 2**52) of the graphs this rank compiled; equal across ranks of a stage."),
     # memory
@@ -199,7 +199,24 @@ ATTR_PEER = "collective.peer"
 ATTR_BUSBW = "collective.busbw"
 ATTR_COMPILE_ID = "dynamo.compile_id"
 ATTR_COMPILE_TRIGGER = "dynamo.trigger"
+ATTR_COMPILE_OUTCOME = "dynamo.outcome"
+ATTR_COMPILE_FUNCTION = "dynamo.function"  # co_name file:line of the compiled frame
+ATTR_GRAPH_BREAK_REASON = "dynamo.graph_break.reason"  # the bounded reason key (gbNNNN or slug)
+ATTR_USER_FRAME = "dynamo.user_frame"  # innermost user file:line of a graph break
 ATTR_ALERT = "hpar.alert"
+ATTR_TRACE_REASON = "hpar.trace.reason"  # why the step's trace was kept: sampled | anomalous | slow
+#: Span attributes every span carries (Jaeger tag search keys).
+SPAN_COMMON_ATTRS: tuple[str, ...] = (ATTR_RANK, ATTR_PP_STAGE, ATTR_STEP)
+
+# OTel Resource (static identity of the rank; never repeated on spans)
+SERVICE_NAME_DEFAULT = "hpar-trainer"  # unless OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES set it
+RES_WORLD_SIZE = "hpar.world_size"
+RES_DP = "hpar.dp.size"
+RES_TP = "hpar.tp.size"
+RES_PP = "hpar.pp.size"
+RES_DP_RANK = "hpar.dp.rank"
+RES_TP_RANK = "hpar.tp.rank"
+RES_PP_RANK = "hpar.pp.rank"
 #: Span event names
 EVENT_GRAPH_BREAK = "graph_break"
 EVENT_ALERT = "hpar.alert"

@@ -129,8 +129,7 @@ def _parse_env(name: str, raw: str, defaults: AgentConfig, field_name: str) -> A
             value = float(text)
         else:
             value = text
-        probe = dataclasses.replace(defaults, **{field_name: value}) if value is not None else None
-        del probe  # validation happens in __post_init__
+        dataclasses.replace(defaults, **{field_name: value})  # __post_init__ validates the value
     except (ValueError, TypeError) as exc:
         if name not in _warned:
             _warned.add(name)

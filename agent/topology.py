@@ -41,7 +41,6 @@ class Topology:
 
     def info_labels(self) -> dict[str, str]:
         d = asdict(self)
-        d["job"] = d.pop("job_id")
         d.pop("rank")
         d.pop("pp_stage")
         return {k: str(v) for k, v in d.items()}

@@ -40,7 +40,7 @@ def open_endpoint(registry: CollectorRegistry, config: AgentConfig, local_rank: 
                 raise
             last_error = exc
             continue
-        host, bound = server.server_address[:2]
+        host, bound = str(server.server_address[0]), int(server.server_address[1])
         if i:
             log.warning("hpar_agent: metrics port %d is in use; serving on %d instead", first, bound)
         scheme = "https" if config.tls_cert else "http"

@@ -11,8 +11,17 @@ if TYPE_CHECKING:
 
 
 def default_components(agent: Agent) -> list[Component]:
+    from hpar_agent.collectors.collectives import CollectiveCollector
+    from hpar_agent.collectors.compile import CompileCollector
+    from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
     from hpar_agent.collectors.pipeline import PipelineCollector
     from hpar_agent.collectors.steps import StepCollector
 
     comps: list[Component] = [StepCollector(), PipelineCollector()]
+    comps += [CollectiveCollector(), NvmlCollector(), MemoryCollector()]
+    comps.append(CompileCollector())
+    if agent.config.detectors:
+        from hpar_agent.detectors import DetectorsComponent
+
+        comps.append(DetectorsComponent())  # last: polls after the collectors it reads
     return comps

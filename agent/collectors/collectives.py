@@ -1,0 +1,482 @@
+"""Every collective and p2p op of every process group: counts, bytes, latency, bus bandwidth, in-flight.
+
+Sources, all read on the agent thread except two O(µs) wrappers:
+- the c10d flight recorder (``torch_compat.flight_recorder``), read incrementally by record_id; a
+  ``pg_status``-only probe (µs) decides whether a full dump is needed at all. Entries overwritten before
+  a read are counted as unobserved (record_id gaps, attributed to groups by their seq gaps).
+  NCCL entries carry ``duration_ms`` when TORCH_NCCL_ENABLE_TIMING=1; gloo entries carry no timing.
+- the pipelining schedules' ``_batch_p2p``/``_wait_batch_p2p`` module functions, wrapped while
+  installed: gloo's FR records no send/recv, and gloo p2p Works have no future, so the issue time and
+  the observed completion (the Work was already complete when the schedule waited, else wait's return)
+  give PP traffic its counts, bytes and an upper-bound latency. On NCCL the FR records p2p itself, so
+  the wrapper's ops are not counted twice.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import re
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from hpar_agent import catalogue as cat
+from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.catalogue import LATENCY_BUCKETS
+from hpar_agent.component import Component
+from hpar_agent.histogram import Histogram
+from hpar_agent.spans import SpanRecord
+from hpar_agent.streams import comm_stream_label
+from hpar_agent.torch_compat import flight_recorder as fr
+from hpar_agent.traceids import trace_id_hex
+
+#: profiling_name suffixes (c10d spellings across backends/versions) -> the ``op`` label.
+_OP_ALIASES: dict[str, str] = {
+    "all_reduce": "all_reduce", "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
+    "all_reduce_coalesced": "all_reduce", "all_gather": "all_gather", "allgather": "all_gather",
+    "_allgather_base": "all_gather", "all_gather_into_tensor": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "allgather_coalesced": "all_gather", "reduce_scatter": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "broadcast": "broadcast", "reduce": "reduce",
+    "all_to_all": "all_to_all", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
+    "all_to_all_single": "all_to_all", "send": "send", "recv": "recv", "recv_any_source": "recv",
+    "barrier": "barrier", "gather": "gather", "scatter": "scatter", "coalesced": "coalesced",
+}  # fmt: skip
+#: nccl-tests bus-bandwidth factors as functions of the group size n.
+_BUSBW: dict[str, Any] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+FULL_EVERY_S = 5.0
+PP_PG = "pp"
+UNKNOWN_PG = "unknown"
+OTHER = "other"
+
+
+def op_label(profiling_name: str) -> str:
+    """``"gloo:all_reduce"`` -> ``"all_reduce"``; unknown names -> ``"other"`` (bounded label)."""
+    base = str(profiling_name).rsplit(":", 1)[-1].strip().lower()
+    return _OP_ALIASES.get(base, OTHER)
+
+
+def pg_label(name: str, desc: str) -> str:
+    """FR ``process_group`` [name, desc] -> ``pg``: mesh_dp -> dp, default_pg, else a short key."""
+    desc = str(desc or "")
+    if desc.startswith("mesh_") and len(desc) > 5:
+        desc = desc[5:]
+    if desc in ("", "undefined"):
+        return f"pg{name}" if name != "" else UNKNOWN_PG
+    return re.sub(r"[^a-zA-Z0-9_]", "_", desc)[:32]
+
+
+def entry_bytes(sizes: Any, dtypes: Any) -> int:
+    """Sum over tensors of numel x element size (FR ``input_sizes``/``input_dtypes``)."""
+    total = 0
+    for shape, dtype in zip(sizes or (), dtypes or (), strict=False):
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        total += numel * fr.DTYPE_BYTES.get(str(dtype), 0)
+    return total
+
+
+def busbw_factor(op: str, n: int | None) -> float | None:
+    """nccl-tests factor: all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, p2p 1."""
+    f = _BUSBW.get(op)
+    if f is None or (op not in ("send", "recv") and (not n or n < 1)):
+        return None
+    return float(f(n or 1))
+
+
+def busbw(op: str, data_bytes: int, seconds: float, n: int | None) -> float | None:
+    """Bus bandwidth in bytes/s; ``data_bytes`` is nccl-tests' size (the larger of in and out)."""
+    factor = busbw_factor(op, n)
+    if factor is None or seconds <= 0:
+        return None
+    return data_bytes / seconds * factor
+
+
+@dataclass(slots=True)
+class _Op:
+    pg: str
+    op: str
+    seq: int
+    nbytes: int
+    data_bytes: int
+    start_ns: int
+    stream: str
+    size: int | None = None
+    peer: int = -1
+
+
+class CollectiveCollector(Component):
+    """Collective and p2p telemetry per process group (see the module docstring for the sources)."""
+
+    name = "collectives"
+
+    def __init__(self, recent: int = 2048, max_pgs: int = 16, max_pending: int = 4096) -> None:
+        super().__init__()
+        self.p2p_buffer: BoundedBuffer[tuple] = BoundedBuffer("collectives_p2p", 1 << 16)
+        self.step_buffer: BoundedBuffer[tuple[int, int]] = BoundedBuffer("collectives_steps", 4096)
+        self.buffers = (self.p2p_buffer, self.step_buffer)
+        self.max_pgs = max_pgs
+        self.max_pending = max_pending
+        self.recent_entries: deque[dict[str, Any]] = deque(maxlen=recent)
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.bytes: Counter[tuple[str, str]] = Counter()
+        self.hists: dict[tuple[str, str, str], Histogram] = {}
+        self.last_busbw: dict[tuple[str, str], float] = {}
+        self.unobserved: Counter[str] = Counter()
+        self.inflight: dict[str, int] = {}
+        self.oldest_age: dict[str, float] = {}
+        self.last_completed: dict[str, int] = {}
+        self.timed = 0
+        self.recorders: list[str] = []
+        self._cursor: dict[str, int] = {}  # recorder -> next record_id to read
+        self._status: dict[str, Any] = {}  # recorder -> last pg_status seen
+        self._full_at: dict[str, float] = {}  # recorder -> time of the last full dump
+        self._seq: dict[tuple[str, str, bool], int] = {}  # (recorder, pg, is_p2p) -> last seq
+        self._pg_ids: dict[tuple[str, str], str] = {}  # (recorder, pg_id) -> pg label
+        self._open: dict[str, dict[int, int]] = {}  # pg -> {seq: created ns} not yet completed
+        self._labels: dict[tuple[str, str], str] = {}
+        self._sizes: dict[str, int | None] = {}
+        self._pending_fr: dict[tuple[str, int], _Op] = {}  # NCCL entries awaiting completion
+        self._pending_p2p: dict[int, list[_Op]] = {}  # id(Work) -> ops awaiting a wait record
+        self._bound_t: list[int] = []
+        self._bound_s: list[int] = []
+        self._attach_ns = 0
+        self._p2p_patch: tuple[Any, Any, Any] | None = None
+        self._active = False
+
+    # ------------------------------------------------------------------------------------ install
+    def install(self, agent: Any) -> None:
+        super().install(agent)
+        self.p2p_buffer.capacity = agent.config.buffer_size
+        self._attach_ns = time.time_ns()
+        self.recorders = fr.available_recorders()
+        self.up = bool(self.recorders)
+        mod = fr.p2p_module()
+        if mod is not None:
+            orig_batch = mod._batch_p2p
+            orig_wait = getattr(mod, "_wait_batch_p2p", None)
+            mod._batch_p2p = self._wrap_batch(orig_batch)
+            if orig_wait is not None:
+                mod._wait_batch_p2p = self._wrap_wait(orig_wait)
+            self._p2p_patch = (mod, orig_batch, orig_wait)
+        self._active = True
+
+    def uninstall(self) -> None:
+        self._active = False
+        if self._p2p_patch is not None:
+            mod, orig_batch, orig_wait = self._p2p_patch
+            if getattr(mod._batch_p2p, "__wrapped__", None) is orig_batch:
+                mod._batch_p2p = orig_batch
+            if orig_wait is not None and getattr(mod._wait_batch_p2p, "__wrapped__", None) is orig_wait:
+                mod._wait_batch_p2p = orig_wait
+            self._p2p_patch = None
+
+    def _wrap_batch(self, orig: Any) -> Any:
+        put = self.p2p_buffer.put
+
+        @functools.wraps(orig)
+        def batch_p2p(p2p_ops: Any, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.time_ns()
+            out = orig(p2p_ops, *args, **kwargs)
+            if self._active:
+                try:
+                    put(("issue", t0, fr.p2p_ops_info(p2p_ops), [id(w) for w in fr.works_of(out)]))
+                except Exception as exc:
+                    self.agent.record_error(self.name, exc)  # type: ignore[union-attr]
+            return out
+
+        return batch_p2p
+
+    def _wrap_wait(self, orig: Any) -> Any:
+        put = self.p2p_buffer.put
+
+        @functools.wraps(orig)
+        def wait_batch_p2p(work: Any, *args: Any, **kwargs: Any) -> Any:
+            done: list[tuple[int, bool]] = []
+            t0 = time.time_ns()
+            if self._active:
+                try:
+                    done = [(id(w), bool(w.is_completed())) for w in fr.works_of(work)]
+                except Exception as exc:
+                    self.agent.record_error(self.name, exc)  # type: ignore[union-attr]
+            out = orig(work, *args, **kwargs)
+            if done:
+                put(("wait", t0, done, time.time_ns()))
+            return out
+
+        return wait_batch_p2p
+
+    def step_hook(self, step: int, t_ns: int) -> None:
+        self.step_buffer.put((t_ns, step))
+
+    # ------------------------------------------------------------------------------------ agent thread
+    def poll(self, now: float) -> None:
+        p2p = self.p2p_buffer.drain()
+        dumps = [(rec, d) for rec in self.recorders if (d := self._read(rec, now)) is not None]
+        for t_ns, step in self.step_buffer.drain():  # after the reads: every boundary before them
+            self._bound_t.append(t_ns)
+            self._bound_s.append(step)
+        del self._bound_t[:-512], self._bound_s[:-512]
+        self._process_p2p(p2p)
+        now_ns = int(now * 1e9)
+        for rec, data in dumps:
+            self._process_dump(rec, data)
+            self._update_status(rec, data.get("pg_status") or {}, now_ns)
+        if self._pending_p2p:
+            oldest = min(o.start_ns for ops in self._pending_p2p.values() for o in ops)
+            self.inflight[PP_PG] = sum(len(v) for v in self._pending_p2p.values())
+            self.oldest_age[PP_PG] = max(0.0, (now_ns - oldest) / 1e9)
+        elif any(pg == PP_PG for pg, _ in self.counts):
+            self.inflight[PP_PG] = 0
+            self.oldest_age[PP_PG] = 0.0
+
+    def _read(self, rec: str, now: float) -> dict[str, Any] | None:
+        """Full dump only when pg_status moved, NCCL entries await completion, or every
+        ``FULL_EVERY_S`` (pg_status tracks collectives, not p2p)."""
+        status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
+        pending = any(k[0] == rec for k in self._pending_fr)
+        quiet = status == self._status.get(rec) and now - self._full_at.get(rec, 0.0) < FULL_EVERY_S
+        if quiet and not pending and rec in self._cursor:
+            return {"entries": [], "pg_status": status}
+        self._status[rec] = status
+        self._full_at[rec] = now
+        return fr.dump(rec, include_collectives=True)
+
+    def step_of(self, t_ns: int) -> int:
+        """The step whose window (previous boundary, boundary] contains ``t_ns``."""
+        i = bisect.bisect_left(self._bound_t, t_ns)
+        if i < len(self._bound_s):
+            return self._bound_s[i]
+        return self._bound_s[-1] + 1 if self._bound_s else 0
+
+    def _label(self, name: str, desc: str) -> str:
+        key = (str(name), str(desc))
+        label = self._labels.get(key)
+        if label is None:
+            label = pg_label(*key)
+            if label not in self._labels.values() and len(set(self._labels.values())) >= self.max_pgs:
+                label = OTHER
+            self._labels[key] = label
+        return label
+
+    def _size(self, name: str) -> int | None:
+        if name not in self._sizes:
+            self._sizes[name] = fr.group_size(name)
+        return self._sizes[name]
+
+    def _process_dump(self, rec: str, data: dict[str, Any]) -> None:
+        entries = sorted(data.get("entries") or (), key=lambda e: e.get("record_id", 0))
+        if self._pending_fr:
+            self._complete_pending(rec, entries)
+        if not entries:
+            return
+        first_read = rec not in self._cursor
+        nxt = self._cursor.get(rec, entries[0]["record_id"])
+        gap = 0
+        seq_gaps: Counter[str] = Counter()
+        for e in entries:
+            rid = int(e["record_id"])
+            if rid < nxt:
+                continue
+            gap += rid - nxt
+            nxt = rid + 1
+            name, desc = [*(e.get("process_group") or ()), "", ""][:2]
+            pg = self._label(name, desc)
+            self._pg_ids[(rec, str(e.get("pg_id", "")))] = pg
+            is_p2p = bool(e.get("is_p2p", False))
+            seq = int(e.get("p2p_seq_id" if is_p2p else "collective_seq_id", 0) or 0)
+            last = self._seq.get((rec, pg, is_p2p))
+            if last is not None and seq > last + 1:
+                seq_gaps[pg] += seq - last - 1
+            self._seq[(rec, pg, is_p2p)] = max(seq, last if last is not None else seq)
+            created = int(e.get("time_created_ns") or 0)
+            opened = self._open.setdefault(pg, {})
+            if not is_p2p and len(opened) < self.max_pending:
+                opened[seq] = created  # in-flight age counts ops from before attach too
+            if first_read and created < self._attach_ns:
+                continue  # before attach: baseline only
+            self._observe_entry(rec, e, pg, name, seq, is_p2p, created)
+        self._cursor[rec] = nxt
+        if gap:  # attribute to groups by their seq gaps, the rest to "unknown"
+            for pg, n in seq_gaps.items():
+                take = min(n, gap)
+                self.unobserved[pg] += take
+                gap -= take
+            if gap:
+                self.unobserved[UNKNOWN_PG] += gap
+
+    def _observe_entry(
+        self, rec: str, e: dict[str, Any], pg: str, name: str, seq: int, is_p2p: bool, created: int
+    ) -> None:
+        op = op_label(e.get("profiling_name", ""))
+        nbytes = entry_bytes(e.get("input_sizes"), e.get("input_dtypes"))
+        out_bytes = entry_bytes(e.get("output_sizes"), e.get("output_dtypes"))
+        self.counts[(pg, op)] += 1
+        self.bytes[(pg, op)] += nbytes
+        self.recent_entries.append(
+            {
+                "pg": pg,
+                "seq": seq,
+                "is_p2p": is_p2p,
+                "op": op,
+                "input_sizes": e.get("input_sizes"),
+                "input_dtypes": e.get("input_dtypes"),
+                "output_sizes": e.get("output_sizes"),
+                "time": created / 1e9,
+                "record_id": e.get("record_id"),
+            }
+        )
+        backend = "nccl" if str(e.get("profiling_name", "")).startswith("nccl:") or rec == "nccl" else "gloo"
+        item = _Op(pg, op, seq, nbytes, max(nbytes, out_bytes), created, comm_stream_label(pg, backend))
+        item.size = self._size(name)
+        if e.get("duration_ms") is not None:
+            self._finish(
+                item, int(e.get("time_discovered_started_ns") or created), float(e["duration_ms"]) / 1e3
+            )
+        elif rec == "nccl" and e.get("state") != "completed" and len(self._pending_fr) < self.max_pending:
+            self._pending_fr[(rec, int(e["record_id"]))] = item
+
+    def _complete_pending(self, rec: str, entries: list[dict[str, Any]]) -> None:
+        live = {int(e["record_id"]): e for e in entries}
+        for key in [k for k in self._pending_fr if k[0] == rec]:
+            e = live.get(key[1])
+            if e is None:  # overwritten before it completed: stays counted, untimed
+                del self._pending_fr[key]
+            elif e.get("duration_ms") is not None:
+                item = self._pending_fr.pop(key)
+                self._finish(
+                    item,
+                    int(e.get("time_discovered_started_ns") or item.start_ns),
+                    float(e["duration_ms"]) / 1e3,
+                )
+            elif e.get("state") == "completed":
+                del self._pending_fr[key]  # completed without timing (TORCH_NCCL_ENABLE_TIMING off)
+
+    def _process_p2p(self, records: list[tuple]) -> None:
+        for rec in records:
+            if rec[0] == "issue":
+                _, t0, infos, work_ids = rec
+                ops = []
+                for op, peer, nbytes, group in infos:
+                    backend = fr.group_backend(group)
+                    item = _Op(PP_PG, op, -1, nbytes, nbytes, t0, comm_stream_label(PP_PG, backend), 1, peer)
+                    if not (backend == "nccl" and "nccl" in self.recorders):  # else the FR counts it
+                        self.counts[(PP_PG, op)] += 1
+                        self.bytes[(PP_PG, op)] += nbytes
+                        ops.append(item)
+                if not work_ids or not ops:
+                    continue
+                if len(work_ids) == len(ops):
+                    pairs = [(w, [o]) for w, o in zip(work_ids, ops, strict=True)]
+                else:  # coalesced: the last Work completes the batch
+                    pairs = [(work_ids[-1], ops)]
+                for wid, wops in pairs:
+                    self._pending_p2p[wid] = wops
+                while len(self._pending_p2p) > self.max_pending:
+                    del self._pending_p2p[next(iter(self._pending_p2p))]
+            else:
+                _, t_enter, done, t_exit = rec
+                for wid, was_done in done:
+                    for item in self._pending_p2p.pop(wid, ()):
+                        end = t_enter if was_done else t_exit
+                        self._finish(item, item.start_ns, max(0, end - item.start_ns) / 1e9)
+
+    def _finish(self, item: _Op, start_ns: int, seconds: float) -> None:
+        """A timed op: histogram (with the step's trace id as exemplar), busbw and a span."""
+        agent = self.agent
+        assert agent is not None
+        step = self.step_of(start_ns)
+        every = agent.config.trace_every
+        exemplar = trace_id_hex(agent.topology.job_id, step) if every > 0 and step % every == 0 else None
+        hist = self.hists.setdefault((item.pg, item.op, item.stream), Histogram(LATENCY_BUCKETS))
+        hist.observe(seconds, exemplar, (start_ns + seconds * 1e9) / 1e9)
+        self.timed += 1
+        bw = busbw(item.op, item.data_bytes, seconds, item.size)
+        if bw is not None:
+            self.last_busbw[(item.pg, item.op)] = bw
+        attrs: dict[str, Any] = {
+            cat.ATTR_PG: item.pg,
+            cat.ATTR_OP: item.op,
+            cat.ATTR_SEQ: item.seq,
+            cat.ATTR_BYTES: item.nbytes,
+            cat.ATTR_STREAM: item.stream,
+        }
+        if item.peer >= 0:
+            attrs[cat.ATTR_PEER] = item.peer
+        if bw is not None:
+            attrs[cat.ATTR_BUSBW] = bw
+        end_ns = start_ns + int(seconds * 1e9)
+        agent.add_span(SpanRecord(cat.SPAN_COLLECTIVE_PREFIX + item.op, start_ns, end_ns, step, attrs))
+
+    def _update_status(self, rec: str, status: dict[str, Any], now_ns: int) -> None:
+        for pg_id, st in status.items():
+            pg = self._pg_ids.get((rec, str(pg_id)))
+            if pg is None:
+                continue
+            enq = int(st.get("last_enqueued_collective", -1))
+            done = int(st.get("last_completed_collective", -1))
+            self.inflight[pg] = max(0, enq - done)
+            if done >= 0:
+                self.last_completed[pg] = done
+            opened = self._open.get(pg, {})
+            for seq in [s for s in opened if s <= done]:
+                del opened[seq]
+            live = [t for s, t in opened.items() if s <= enq]
+            self.oldest_age[pg] = max(0.0, (now_ns - min(live)) / 1e9) if live and enq > done else 0.0
+
+    # ------------------------------------------------------------------------------------ scrape
+    def collect(self) -> Iterable[Metric]:
+        f = self.agent.families  # type: ignore[union-attr]
+        total = f.counter("hpar_collectives_total")
+        nbytes = f.counter("hpar_collective_bytes_total")
+        for (pg, op), n in sorted(self.counts.items()):
+            f.add(total, [pg, op], n)
+            f.add(nbytes, [pg, op], self.bytes[(pg, op)])
+        yield total
+        yield nbytes
+        h = f.histogram("hpar_collective_duration_seconds")
+        for (pg, op, stream), hist in sorted(self.hists.items()):
+            h.add_metric(f.labels(pg, op, stream), hist.buckets(), hist.sum)
+        yield h
+        bw = f.gauge("hpar_collective_busbw_bytes_per_second")
+        for (pg, op), v in sorted(self.last_busbw.items()):
+            f.add(bw, [pg, op], v)
+        yield bw
+        for name, values in (
+            ("hpar_collective_inflight", self.inflight),
+            ("hpar_collective_oldest_inflight_age_seconds", self.oldest_age),
+            ("hpar_collective_last_completed_seq", self.last_completed),
+        ):
+            g = f.gauge(name)
+            for pg, v in sorted(values.items()):
+                f.add(g, [pg], v)
+            yield g
+        un = f.counter("hpar_collective_unobserved_total")
+        for pg, n in sorted(self.unobserved.items()):
+            f.add(un, [pg], n)
+        yield un
+
+    def summary(self) -> dict:
+        return {
+            "recorders": self.recorders,
+            "ops": {f"{pg}/{op}": n for (pg, op), n in sorted(self.counts.items())},
+            "timed": self.timed,
+            "unobserved": dict(self.unobserved),
+            "p2p_wrapped": self._p2p_patch is not None,
+        }

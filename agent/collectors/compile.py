@@ -1,0 +1,506 @@
+"""torch.compile telemetry: compiles, recompiles, graph breaks, cache lookups, compile time, and a
+per-rank graph fingerprint, from dynamo's own push points (no per-step cost).
+
+Training-thread side (only while dynamo compiles): the compile start/end callbacks, a handler on the
+logger that receives every ``CompilationMetrics`` and handlers on the graph-break/recompile artifact
+loggers. Each only appends a tuple to one BoundedBuffer. The agent thread turns those into counters,
+``dynamo.compile`` spans, and JSONL events that keep the full text (reasons, user file:line stacks,
+guard failures) out of label values. Cache hit/miss counts come from diffing dynamo's process-global
+``counters`` once per poll. Every private torch name is reached through ``torch_compat.dynamo``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from hpar_agent import catalogue as cat
+from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.catalogue import STEP_BUCKETS
+from hpar_agent.component import Component
+from hpar_agent.histogram import Histogram
+from hpar_agent.spans import SpanRecord
+from hpar_agent.torch_compat import dynamo
+
+PHASES = (
+    ("entire_frame", "entire_frame_compile_time_s"),
+    ("backend", "backend_compile_time_s"),
+    ("inductor", "inductor_compile_time_s"),
+    ("code_gen", "code_gen_time_s"),
+)
+#: Distinct graph-break keys kept as label values; later new keys count as "other".
+MAX_BREAK_KEYS = 32
+_GB_CODE = re.compile(r"/gb/(gb\d{3,5})\.html")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_AT = re.compile(r"in user code at (.+?):(\d+)")
+_GUARD_PREFIX = re.compile(r"^\s*(?:- )?\d+/\d+: ")
+#: First failed guard -> bounded recompile reason (first match wins).
+_GUARD_KINDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(p), k)
+    for p, k in (
+        (r"(size|rank) mismatch", "tensor_size"),
+        (r"stride mismatch", "tensor_stride"),
+        (r"dtype mismatch", "tensor_dtype"),
+        (r"device mismatch", "tensor_device"),
+        (r"requires_grad mismatch", "requires_grad"),
+        (r"dispatch key set mismatch", "dispatch_keys"),
+        (r"___check_type_id|type\(|isinstance|is None|is not None", "type"),
+        (r"___check_obj_id|\bid\(", "object_id"),
+        (r"len\(", "length"),
+        (r"grad_mode|GLOBAL_STATE|global state|autocast|deterministic", "global_state"),
+        (r"\b(Eq|Ne|Lt|Le|Gt|Ge)\(|\bs\d+\b", "dynamic_shape"),
+        (r"== -?\d+\s*(#|$)", "int_value"),
+        (r"== -?\d*\.\d+", "float_value"),
+    )
+)
+_TRIGGER_LABEL = {"dynamo": "forward"}
+
+
+def graph_break_key(text: str) -> str:
+    """Bounded key of a graph-break message: its registry code (gbNNNN), else a slug of the reason's
+    first line cut before any quoted/bracketed detail (which may hold user values)."""
+    m = _GB_CODE.search(text)
+    if m:
+        return m.group(1)
+    reason = text.split("Graph Break Reason:", 1)[-1]
+    first = next((ln.strip() for ln in reason.splitlines() if ln.strip()), "")
+    first = re.split(r"[:(\[{`'\"<]", first, maxsplit=1)[0]
+    slug = "_".join(re.sub(r"[^a-z0-9]+", " ", first.lower()).split()[:6])
+    return slug[:40] or "unknown"
+
+
+def guard_kind(guard: str) -> str:
+    """Bounded recompile reason from the text of a failed guard."""
+    g = _GUARD_PREFIX.sub("", guard.splitlines()[0] if guard else "")
+    g = g.split("  #", 1)[0]  # drop the source excerpt dynamo appends after the guard
+    for pattern, kind in _GUARD_KINDS:
+        if pattern.search(g):
+            return kind
+    return "other"
+
+
+def user_frames(text: str) -> list[str]:
+    """``file:line in fn`` frames of a graph-break message, outermost first (the innermost is last)."""
+    frames = [f"{f}:{ln} in {fn}" for f, ln, fn in _FRAME.findall(text.split("User code traceback:", 1)[-1])]
+    if not frames:
+        m = _AT.search(text)
+        if m:
+            frames = [f"{m.group(1)}:{m.group(2)}"]
+    return frames
+
+
+def _first_line(text: Any) -> str:
+    s = str(text or "").strip()
+    return s.splitlines()[0][:300] if s else ""
+
+
+def _fingerprint(digests: Iterable[str]) -> int:
+    """Order-independent hash of a set of graph digests, < 2**52 so a float64 gauge holds it exactly."""
+    joined = "\n".join(sorted(digests)).encode()
+    return int(hashlib.sha256(joined).hexdigest()[:13], 16)
+
+
+class _Capture(logging.Handler):
+    """Training thread: enqueue a log record's payload; forward to the ancestors' handlers what the
+    user saw before the agent took over the logger's level/propagation."""
+
+    def __init__(self, owner: CompileCollector, kind: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.owner = owner
+        self.kind = kind  # "metrics" | "graph_breaks" | "recompiles"
+        self.forward: dict[str, int] = {}  # logger name -> level at/above which the user saw records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            owner = self.owner
+            if self.kind == "metrics":
+                if record.args and isinstance(record.args, tuple):
+                    obj = record.args[0]
+                    if dynamo.is_compilation_metrics(obj):
+                        owner.buffer.put(("metrics", obj, time.time_ns(), 0, 0))
+            else:
+                text = record.getMessage()
+                if record.exc_info and record.exc_info[1] is not None:
+                    text += "\n" + str(record.exc_info[1])
+                owner.buffer.put((self.kind, text, time.time_ns(), dynamo.current_compile_id(), 0))
+            floor = self.forward.get(record.name)
+            if floor is not None and record.levelno >= floor:
+                _call_ancestors(logging.getLogger(record.name), record)
+        except Exception as exc:
+            if owner.agent is not None:
+                owner.agent.record_error(owner.name, exc)
+
+
+def _call_ancestors(logger: logging.Logger, record: logging.LogRecord) -> None:
+    """What ``Logger.callHandlers`` does past the logger itself (its propagation)."""
+    c = logger.parent
+    while c is not None:
+        for h in c.handlers:
+            if record.levelno >= h.level:
+                h.handle(record)
+        if not c.propagate:
+            break
+        c = c.parent
+
+
+class CompileCollector(Component):
+    name = "compile"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffer: BoundedBuffer[tuple] = BoundedBuffer("compile", 1 << 14)
+        self.buffers = (self.buffer,)
+        self._handlers = {k: _Capture(self, k) for k in ("metrics", "graph_breaks", "recompiles")}
+        self._saved: dict[str, tuple[int, bool]] = {}  # logger -> (level, propagate) before install
+        self._owned_artifacts: set[str] = set()
+        self._callbacks = False
+        self._steps: Any = None
+        # state (agent thread)
+        self.compiles: Counter[tuple[str, str]] = Counter()
+        self.recompiles: Counter[str] = Counter()
+        self.recompile_examples: dict[str, list[str]] = {}
+        self.graph_breaks: Counter[str] = Counter()
+        self.break_info: dict[str, dict[str, Any]] = {}
+        self.limit_hits = 0
+        self.cache: Counter[tuple[str, str]] = Counter()
+        self.hists = {p: Histogram(STEP_BUCKETS) for p in [*(p for p, _ in PHASES), "lazy_backward"]}
+        self.compile_seconds = 0.0
+        self.graphs: set[str] = set()
+        self.fingerprint = _fingerprint(())
+        self.resets = 0
+        self._seen: dict[Any, int] = {}  # last raw value of each diffed dynamo counter
+        self._open: dict[tuple[str, str], tuple[int, int]] = {}  # (cid, trigger) -> (start ns, step)
+        self._ended: dict[tuple[str, str], tuple[SpanRecord, int]] = {}  # span waiting for its metrics
+        self._cid_breaks: dict[str, list[tuple[str, str, int]]] = {}  # cid -> (key, frame, t_ns)
+        self._recompile_text: dict[str, str] = {}
+        self._polls = 0
+        self._metrics_level = logging.INFO
+
+    # --------------------------------------------------------------------------------- install
+    def install(self, agent: Any) -> None:
+        super().install(agent)
+        self.buffer.capacity = agent.config.buffer_size
+        self._steps = agent.component("steps")
+        import torch._dynamo  # noqa: F401 - artifact loggers must exist before we configure them
+
+        snap = dynamo.counters_snapshot()
+        self._diff(snap, count=False)
+        self._callbacks = dynamo.register_callbacks(self._on_start, self._on_end)
+        self._capture_metrics()
+        for art in ("graph_breaks", "recompiles"):
+            self._capture_artifact(art)
+        self.up = self._callbacks
+
+    def _capture_metrics(self) -> None:
+        log = logging.getLogger(dynamo.COMPILE_METRICS_LOGGER)
+        h = self._handlers["metrics"]
+        if log.name not in self._saved:
+            self._saved[log.name] = (log.level, log.propagate)
+            h.forward[log.name] = log.getEffectiveLevel() if log.propagate else logging.CRITICAL + 1
+            self._metrics_level = min(logging.INFO, log.getEffectiveLevel())
+        if h not in log.handlers:
+            log.addHandler(h)
+        log.setLevel(self._metrics_level)
+        log.propagate = False
+
+    def _capture_artifact(self, art: str) -> None:
+        user_on = dynamo.artifact_enabled(art) and art not in self._owned_artifacts
+        if not user_on and dynamo.enable_artifact(art):
+            self._owned_artifacts.add(art)
+        h = self._handlers[art]
+        for log in dynamo.artifact_loggers([art]):
+            if log.name not in self._saved:
+                self._saved[log.name] = (log.level, log.propagate)
+            if h not in log.handlers:
+                log.addHandler(h)
+            log.setLevel(logging.DEBUG)
+            if not user_on:
+                log.propagate = False  # quiet: no stderr unless the user asked for this artifact
+
+    def uninstall(self) -> None:
+        if self._callbacks:
+            dynamo.remove_callbacks(self._on_start, self._on_end)
+            self._callbacks = False
+        for name, (level, propagate) in self._saved.items():
+            log = logging.getLogger(name)
+            for h in self._handlers.values():
+                log.removeHandler(h)
+            log.setLevel(level)
+            log.propagate = propagate
+        self._saved.clear()
+        for art in self._owned_artifacts:
+            dynamo.disable_artifact(art)
+        self._owned_artifacts.clear()
+
+    # --------------------------------------------------------------------------------- training thread
+    def _on_start(self, args: Any) -> None:
+        try:
+            step = self._steps.count if self._steps is not None else 0
+            self.buffer.put(
+                ("start", dynamo.compile_id_of(args), time.time_ns(), dynamo.trigger_name(args), step)
+            )
+        except Exception as exc:
+            if self.agent is not None:
+                self.agent.record_error(self.name, exc)
+
+    def _on_end(self, args: Any) -> None:
+        try:
+            self.buffer.put(("end", dynamo.compile_id_of(args), time.time_ns(), dynamo.trigger_name(args), 0))
+        except Exception as exc:
+            if self.agent is not None:
+                self.agent.record_error(self.name, exc)
+
+    # --------------------------------------------------------------------------------- agent thread
+    def poll(self, now: float) -> None:
+        self._polls += 1
+        self._heal()
+        for kind, payload, t_ns, extra, step in self.buffer.drain():
+            if kind == "start":
+                self._open[(payload, extra)] = (t_ns, step)
+            elif kind == "end":
+                self._end_span(payload, extra, t_ns)
+            elif kind == "metrics":
+                self._on_metrics(dynamo.metrics_fields(payload))
+            elif kind == "graph_breaks":
+                self._on_graph_break(payload, t_ns, extra)
+            elif kind == "recompiles":
+                self._recompile_text[extra] = payload
+        for key, (span, polled) in list(self._ended.items()):
+            if polled < self._polls - 1:  # its metrics never came (e.g. an aborted compile)
+                del self._ended[key]
+                self.agent.add_span(span)  # type: ignore[union-attr]
+        self._diff(dynamo.counters_snapshot(), count=True)
+        for d in (self._open, self._cid_breaks, self._recompile_text):
+            if len(d) > 1024:
+                d.clear()
+
+    def _heal(self) -> None:
+        """Re-register after ``torch._dynamo.reset()`` (it clears the callbacks) and re-capture the
+        loggers when ``torch._logging.set_logs`` reset them; a few attribute reads per poll."""
+        if self._callbacks and not dynamo.callbacks_registered(self._on_start, self._on_end):
+            self.resets += 1
+            self._open.clear()
+            self._ended.clear()
+            dynamo.register_callbacks(self._on_start, self._on_end)
+            self.agent.events.emit("dynamo_reset", resets=self.resets)  # type: ignore[union-attr]
+        log = logging.getLogger(dynamo.COMPILE_METRICS_LOGGER)
+        if self._handlers["metrics"] not in log.handlers or log.level != self._metrics_level or log.propagate:
+            self._capture_metrics()
+        for art in ("graph_breaks", "recompiles"):
+            if art in self._owned_artifacts and not dynamo.artifact_enabled(art):
+                self._owned_artifacts.discard(art)
+                self._capture_artifact(art)
+
+    def _diff(self, snap: dict[str, Any], count: bool) -> None:
+        """Accumulate increases of dynamo's process-global counters since install (a counter that went
+        down was cleared: its new value is the increase)."""
+        items: list[tuple[Any, int]] = [(("cache", *k), v) for k, v in snap["caches"].items()]
+        items.append((("limit",), snap["limit"]))
+        if "graph_breaks" not in self._owned_artifacts and not dynamo.artifact_enabled("graph_breaks"):
+            items += [(("gb", k), v) for k, v in snap["graph_break"].items()]  # fallback: no artifact text
+        for key, value in items:
+            last = self._seen.get(key, 0)
+            delta = value - last if value >= last else value
+            self._seen[key] = value
+            if not count or delta <= 0:
+                continue
+            if key[0] == "cache":
+                self.cache[(key[1], key[2])] += delta
+            elif key[0] == "limit":
+                self.limit_hits += delta
+            else:
+                self._count_break(graph_break_key(key[1]), key[1], "", delta)
+
+    def _count_break(self, key: str, text: str, frame: str, n: int = 1) -> str:
+        if key not in self.break_info and len(self.break_info) >= MAX_BREAK_KEYS:
+            key = "other"
+        info = self.break_info.setdefault(key, {"reason": "", "user_frames": set()})
+        if not info["reason"]:
+            reason = text.split("Graph Break Reason:", 1)[-1]
+            info["reason"] = _first_line(reason.split("Encountered graph break", 1)[0] or reason)
+        if frame and len(info["user_frames"]) < 16:
+            info["user_frames"].add(frame)
+        self.graph_breaks[key] += n
+        return key
+
+    def _on_graph_break(self, text: str, t_ns: int, cid: str) -> None:
+        frames = user_frames(text)
+        m = _AT.search(text)
+        frame = f"{m.group(1)}:{m.group(2)}" if m else (frames[-1].rsplit(" in ", 1)[0] if frames else "")
+        key = self._count_break(graph_break_key(text), text, frame)
+        self._cid_breaks.setdefault(cid, []).append((key, frame, t_ns))
+        self.agent.events.emit(  # type: ignore[union-attr]
+            "graph_break", compile_id=cid, reason=key, user_frame=frame, frames=frames, message=text
+        )
+
+    def _end_span(self, cid: str, trigger: str, t_ns: int) -> None:
+        opened = self._open.pop((cid, trigger), None)
+        if opened is None:
+            return
+        start_ns, step = opened
+        trig = _TRIGGER_LABEL.get(trigger, trigger)
+        span = SpanRecord(
+            name=cat.SPAN_COMPILE,
+            start_ns=start_ns,
+            end_ns=t_ns,
+            step=step,
+            attributes={cat.ATTR_COMPILE_ID: cid, cat.ATTR_COMPILE_TRIGGER: trig},
+            anomalous=True,  # compiles are rare after warm-up: always keep the step's trace
+        )
+        if trig == "forward":
+            for key, frame, t in self._cid_breaks.get(cid, ()):
+                span.events.append(
+                    (cat.EVENT_GRAPH_BREAK, t, {cat.ATTR_GRAPH_BREAK_REASON: key, cat.ATTR_USER_FRAME: frame})
+                )
+        self._ended[(cid, trig)] = (span, self._polls)
+
+    def _on_metrics(self, m: dict[str, Any]) -> None:
+        agent = self.agent
+        assert agent is not None
+        cid = str(m["compile_id"] or "")
+        forward = m["is_forward"] is not False
+        trigger = "runtime" if m["is_runtime"] else ("forward" if forward else "lazy_backward")
+        fail_type, fail_reason = m["fail_type"], str(m["fail_reason"] or "")
+        breaks = self._cid_breaks.pop(cid, []) if forward else []
+        if fail_type:
+            outcome = "limit" if fail_reason.startswith(dynamo.RECOMPILE_LIMIT_PREFIX) else "failed"
+        elif forward and (breaks or m["restart_reasons"]):
+            outcome = "graph_break"
+        else:
+            outcome = "ok"
+        self.compiles[(outcome, trigger)] += 1
+        seconds = 0.0
+        if forward:
+            for phase, field in PHASES:
+                v = m[field]
+                if v is not None:
+                    self.hists[phase].observe(float(v))
+            seconds = float(m["entire_frame_compile_time_s"] or 0.0)
+        elif m["duration_us"] is not None:
+            seconds = m["duration_us"] / 1e6
+            self.hists["lazy_backward"].observe(seconds)
+        self.compile_seconds += seconds
+        where = f"{m['co_name']} {m['co_filename']}:{m['co_firstlineno']}" if m["co_name"] else ""
+        if forward and not fail_type and m["graph_op_count"] is not None:
+            self._add_graph(m)
+        if forward and (m["cache_size"] or 0) > 0 and m["recompile_reason"]:
+            self._on_recompile(cid, where, str(m["recompile_reason"]))
+        span_entry = self._ended.pop((cid, trigger), None)
+        if span_entry is not None:
+            span = span_entry[0]
+            span.attributes[cat.ATTR_COMPILE_OUTCOME] = outcome
+            if where:
+                span.attributes[cat.ATTR_COMPILE_FUNCTION] = where
+            agent.add_span(span)
+        agent.events.emit(
+            "compile",
+            compile_id=cid,
+            trigger=trigger,
+            outcome=outcome,
+            function=where,
+            seconds=seconds,
+            graph_op_count=m["graph_op_count"],
+            cache_size=m["cache_size"],
+            fail_type=fail_type,
+            fail_reason=_first_line(fail_reason),
+        )
+
+    def _add_graph(self, m: dict[str, Any]) -> None:
+        """Identity of a compiled graph that is equal on identical ranks: code location (basename, so
+        install prefixes may differ) and graph shape; never ids, compile ids or timings."""
+        ident = "|".join(
+            str(x)
+            for x in (
+                os.path.basename(str(m["co_filename"])), m["co_firstlineno"], m["co_name"], m["graph_op_count"],
+                m["graph_node_count"], m["graph_input_count"], m["graph_node_shapes"],
+            )
+        )  # fmt: skip
+        digest = hashlib.sha1(ident.encode()).hexdigest()
+        if digest not in self.graphs:
+            self.graphs.add(digest)
+            self.fingerprint = _fingerprint(self.graphs)
+
+    def _on_recompile(self, cid: str, where: str, first_guard: str) -> None:
+        kind = guard_kind(first_guard)
+        self.recompiles[kind] += 1
+        examples = self.recompile_examples.setdefault(kind, [])
+        guard = _first_line(_GUARD_PREFIX.sub("", first_guard).split("  #", 1)[0])
+        if len(examples) < 5 and f"{where}: {guard}" not in examples:
+            examples.append(f"{where}: {guard}")
+        text = self._recompile_text.pop(cid, "")
+        failed = [ln.strip()[2:] for ln in text.splitlines() if re.match(r"\s*- \d+/\d+: ", ln)]
+        self.agent.events.emit(  # type: ignore[union-attr]
+            "recompile",
+            compile_id=cid,
+            function=where,
+            reason=kind,
+            guard=first_guard,
+            failed_guards=failed or [first_guard],
+            message=text,
+        )
+
+    # --------------------------------------------------------------------------------- scrape
+    def collect(self) -> Iterable[Metric]:
+        f = self.agent.families  # type: ignore[union-attr]
+        c = f.counter("hpar_dynamo_compiles_total")
+        for (outcome, trigger), n in sorted(self.compiles.copy().items()):
+            f.add(c, [outcome, trigger], n)
+        yield c
+        for name, counts in (
+            ("hpar_dynamo_recompiles_total", self.recompiles),
+            ("hpar_dynamo_graph_breaks_total", self.graph_breaks),
+        ):
+            fam = f.counter(name)
+            for reason, n in sorted(counts.copy().items()):
+                f.add(fam, [reason], n)
+            yield fam
+        lim = f.counter("hpar_dynamo_recompile_limit_hits_total")
+        f.add(lim, [], self.limit_hits)
+        yield lim
+        cache = f.counter("hpar_dynamo_cache_events_total")
+        for (name, result), n in sorted(self.cache.copy().items()):
+            f.add(cache, [name, result], n)
+        yield cache
+        h = f.histogram("hpar_dynamo_compile_duration_seconds")
+        for phase, hist in self.hists.items():
+            if hist.count:
+                h.add_metric(f.labels(phase), hist.buckets(), hist.sum)
+        yield h
+        g = f.gauge("hpar_dynamo_unique_graphs")
+        f.add(g, [], len(self.graphs))
+        yield g
+        fp = f.gauge("hpar_dynamo_graph_fingerprint")
+        f.add(fp, [], self.fingerprint)
+        yield fp
+
+    def summary(self) -> dict:
+        return {
+            "graphs": len(self.graphs),
+            "fingerprint": self.fingerprint,
+            "compiles": {f"{o}/{t}": n for (o, t), n in sorted(self.compiles.items())},
+            "compile_seconds_total": round(self.compile_seconds, 6),
+            "graph_breaks": [
+                {
+                    "reason": key,
+                    "count": self.graph_breaks[key],
+                    "message": info["reason"],
+                    "user_frames": sorted(info["user_frames"]),
+                }
+                for key, info in sorted(self.break_info.items())
+            ],
+            "recompiles": [
+                {"reason": k, "count": n, "examples": self.recompile_examples.get(k, [])}
+                for k, n in sorted(self.recompiles.items())
+            ],
+            "recompile_limit_hits": self.limit_hits,
+            "cache": {f"{c}/{r}": n for (c, r), n in sorted(self.cache.items())},
+            "dynamo_resets": self.resets,
+        }

@@ -1,0 +1,316 @@
+"""Memory: NVML (device and process), the CUDA caching allocator, host RSS, and post-step samples.
+
+``NvmlCollector`` (component ``nvml``) owns NVML so its availability shows as
+``hpar_agent_component_up{component="nvml"}``: 0 on hosts without a GPU or without nvidia-ml-py,
+while everything else keeps working. Each NVML field degrades on its own: a field the device does not
+support (NVMLError_NotSupported) is dropped for good, other errors skip one sample.
+
+``MemoryCollector`` (component ``memory``) reads the allocator only once CUDA is initialized (it never
+initializes CUDA itself) and RSS from ``/proc/self/statm``. Post-step samples (RSS, allocated and
+reserved bytes: host-side reads) are taken in the step hook and kept per step for the leak detector.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.component import Component
+
+#: NVML clock-event (throttle) reason bits -> ``reason`` label.
+THROTTLE_REASONS: tuple[tuple[int, str], ...] = (
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal"),
+    (0x40, "hw_thermal"),
+    (0x80, "hw_power_brake"),
+    (0x100, "display_clocks"),
+)
+POST_STEP_HISTORY = 512
+
+
+def read_rss(proc_root: str = "/proc", pid: str = "self") -> int | None:
+    """Resident set size in bytes from ``<proc_root>/<pid>/statm`` (second field, in pages)."""
+    try:
+        with open(os.path.join(proc_root, pid, "statm"), "rb") as fh:
+            fields = fh.read().split()
+        return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _call(nv: Any, fn: str, handle: Any, *consts: str) -> Any:
+    """``nv.<fn>(handle, nv.<const>...)``: NVML calls taking enum constants by name."""
+    return getattr(nv, fn)(handle, *(getattr(nv, c) for c in consts))
+
+
+class NvmlCollector(Component):
+    """NVML device and process telemetry for this rank's GPU."""
+
+    name = "nvml"
+
+    def __init__(self, nvml: Any = None) -> None:
+        super().__init__()
+        self.up = False
+        self._nvml = nvml  # injectable for tests; else ``import pynvml``
+        self._handle: Any = None
+        self._unsupported: set[str] = set()
+        self.values: dict[str, Any] = {}  # field -> value (dicts for labelled fields)
+        self.process_bytes: int | None = None
+
+    def install(self, agent: Any) -> None:
+        super().install(agent)
+        try:
+            nv: Any = self._nvml
+            if nv is None:
+                import pynvml
+
+                nv = pynvml
+            nv.nvmlInit()
+            self._nvml = nv
+            self._handle = self._device_handle(nv, agent.topology.local_rank)
+            self.up = True
+        except Exception:  # no driver, no GPU, no nvidia-ml-py: a normal state, not an error
+            self.up = False
+            self._handle = None
+
+    @staticmethod
+    def _device_handle(nv: Any, local_rank: int) -> Any:
+        """This rank's device without initializing CUDA: the current device if CUDA already is,
+        else LOCAL_RANK, mapped through CUDA_VISIBLE_DEVICES (indices or UUIDs)."""
+        import torch
+
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else local_rank
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if visible and index < len(visible):
+            dev = visible[index]
+            if not dev.isdigit():
+                return nv.nvmlDeviceGetHandleByUUID(dev)
+            index = int(dev)
+        return nv.nvmlDeviceGetHandleByIndex(index)
+
+    def uninstall(self) -> None:
+        if self.up and self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                pass
+        self.up = False
+
+    def _get(self, field: str, fn: Callable[[], Any]) -> Any:
+        if field in self._unsupported:
+            return None
+        nv = self._nvml
+        try:
+            return fn()
+        except Exception as exc:
+            if nv is not None and isinstance(exc, getattr(nv, "NVMLError_NotSupported", ())):
+                self._unsupported.add(field)
+            return None
+
+    def poll(self, now: float) -> None:
+        if not self.up:
+            return
+        nv, h = self._nvml, self._handle
+        v: dict[str, Any] = {}
+        mem = self._get("memory", lambda: nv.nvmlDeviceGetMemoryInfo(h))
+        if mem is not None:
+            v["used"], v["total"] = int(mem.used), int(mem.total)
+        procs = self._get("processes", lambda: nv.nvmlDeviceGetComputeRunningProcesses(h))
+        if procs is not None:
+            pid = os.getpid()
+            mine = [p.usedGpuMemory for p in procs if p.pid == pid and p.usedGpuMemory is not None]
+            self.process_bytes = int(sum(mine)) if mine else None
+        util = self._get("utilization", lambda: nv.nvmlDeviceGetUtilizationRates(h))
+        if util is not None:
+            v["utilization"] = util.gpu / 100.0
+        power = self._get("power", lambda: nv.nvmlDeviceGetPowerUsage(h))
+        if power is not None:
+            v["power"] = power / 1000.0
+        temp = self._get("temperature", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+        if temp is not None:
+            v["temperature"] = float(temp)
+        clocks = {}
+        for label, const in (("sm", "NVML_CLOCK_SM"), ("mem", "NVML_CLOCK_MEM")):
+            mhz = self._get(
+                f"clock_{label}", functools.partial(_call, nv, "nvmlDeviceGetClockInfo", h, const)
+            )
+            if mhz is not None:
+                clocks[label] = mhz * 1e6
+        v["clocks"] = clocks
+        ecc = {}
+        for label, const in (
+            ("corrected", "NVML_MEMORY_ERROR_TYPE_CORRECTED"),
+            ("uncorrected", "NVML_MEMORY_ERROR_TYPE_UNCORRECTED"),
+        ):
+            n = self._get(
+                f"ecc_{label}",
+                functools.partial(_call, nv, "nvmlDeviceGetTotalEccErrors", h, const, "NVML_VOLATILE_ECC"),
+            )
+            if n is not None:
+                ecc[label] = int(n)
+        v["ecc"] = ecc
+        reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
+        mask = self._get("throttle", lambda: reasons_fn(h)) if reasons_fn is not None else None
+        v["throttle"] = (
+            {} if mask is None else {name: int(bool(mask & bit)) for bit, name in THROTTLE_REASONS}
+        )
+        self.values = v
+
+    def collect(self) -> Iterable[Metric]:
+        if not self.up:
+            return
+        f = self.agent.families  # type: ignore[union-attr]
+        v = self.values
+        for name, key in (
+            ("hpar_gpu_memory_used_bytes", "used"),
+            ("hpar_gpu_memory_total_bytes", "total"),
+            ("hpar_gpu_utilization_ratio", "utilization"),
+            ("hpar_gpu_power_watts", "power"),
+            ("hpar_gpu_temperature_celsius", "temperature"),
+        ):
+            g = f.gauge(name)
+            if key in v:
+                f.add(g, [], v[key])
+            yield g
+        g = f.gauge("hpar_gpu_process_memory_bytes")
+        if self.process_bytes is not None:
+            f.add(g, [], self.process_bytes)
+        yield g
+        clock = f.gauge("hpar_gpu_clock_hertz")
+        for label, hz in sorted(v.get("clocks", {}).items()):
+            f.add(clock, [label], hz)
+        yield clock
+        ecc = f.counter("hpar_gpu_ecc_errors_total")
+        for label, n in sorted(v.get("ecc", {}).items()):
+            f.add(ecc, [label], n)
+        yield ecc
+        thr = f.gauge("hpar_gpu_throttle_active")
+        for label, on in sorted(v.get("throttle", {}).items()):
+            f.add(thr, [label], on)
+        yield thr
+
+    def summary(self) -> dict:
+        return {
+            "up": self.up,
+            "process_bytes": self.process_bytes,
+            **{k: self.values.get(k) for k in ("used", "total")},
+        }
+
+
+class MemoryCollector(Component):
+    """Allocator, RSS and the per-step memory history the MemoryLeak detector reads."""
+
+    name = "memory"
+
+    def __init__(self, proc_root: str = "/proc", cuda: Any = None, history: int = POST_STEP_HISTORY) -> None:
+        super().__init__()
+        self.proc_root = proc_root
+        self._cuda = cuda  # injectable torch.cuda stand-in for tests
+        self.buffer: BoundedBuffer[tuple[int, int | None, int | None, int | None]] = BoundedBuffer(
+            "memory", 4096
+        )
+        self.buffers = (self.buffer,)
+        self.history = history
+        self.post_step: dict[str, deque[tuple[int, int]]] = {}
+        self.last_post: dict[str, int] = {}
+        self.rss: int | None = None
+        self.allocator: dict[str, float] = {}
+
+    def install(self, agent: Any) -> None:
+        super().install(agent)
+        if self._cuda is None:
+            import torch
+
+            self._cuda = torch.cuda
+
+    def _cuda_ready(self) -> bool:
+        cuda = self._cuda
+        return cuda is not None and bool(cuda.is_available()) and bool(cuda.is_initialized())
+
+    def step_hook(self, step: int, t_ns: int) -> None:
+        """Training thread: host-side reads only (statm, the allocator's counters), then append."""
+        rss = read_rss(self.proc_root)
+        alloc = reserved = None
+        if self._cuda_ready():
+            alloc, reserved = int(self._cuda.memory_allocated()), int(self._cuda.memory_reserved())
+        self.buffer.put((step, rss, alloc, reserved))
+
+    def _post(self, source: str, step: int, value: int | None) -> None:
+        if value is None:
+            return
+        self.post_step.setdefault(source, deque(maxlen=self.history)).append((step, value))
+        self.last_post[source] = value
+
+    def poll(self, now: float) -> None:
+        last_step = None
+        for step, rss, alloc, reserved in self.buffer.drain():
+            self._post("rss", step, rss)
+            self._post("allocator", step, alloc)
+            self._post("reserved", step, reserved)
+            last_step = step
+        nvml = self.agent.component("nvml") if self.agent is not None else None
+        if last_step is not None and nvml is not None and nvml.up:
+            self._post("nvml", last_step, getattr(nvml, "process_bytes", None))
+        self.rss = read_rss(self.proc_root)
+        if self._cuda_ready():
+            s = self._cuda.memory_stats()
+            self.allocator = {
+                key: float(s.get(stat, 0))
+                for key, stat in (
+                    ("allocated", "allocated_bytes.all.current"),
+                    ("reserved", "reserved_bytes.all.current"),
+                    ("active", "active_bytes.all.current"),
+                    ("allocated_peak", "allocated_bytes.all.peak"),
+                    ("reserved_peak", "reserved_bytes.all.peak"),
+                    ("active_peak", "active_bytes.all.peak"),
+                    ("retries", "num_alloc_retries"),
+                    ("ooms", "num_ooms"),
+                )
+            }
+
+    def collect(self) -> Iterable[Metric]:
+        f = self.agent.families  # type: ignore[union-attr]
+        rss = f.gauge("hpar_host_rss_bytes")
+        if self.rss is not None:
+            f.add(rss, [], self.rss)
+        yield rss
+        post = f.gauge("hpar_memory_post_step_bytes")
+        for source, value in sorted(self.last_post.items()):
+            f.add(post, [source], value)
+        yield post
+        if not self.allocator:
+            return
+        a = self.allocator
+        cur, peak = f.gauge("hpar_allocator_bytes"), f.gauge("hpar_allocator_peak_bytes")
+        for kind in ("allocated", "reserved", "active"):
+            f.add(cur, [kind], a[kind])
+            f.add(peak, [kind], a[f"{kind}_peak"])
+        yield cur
+        yield peak
+        retries, ooms = (
+            f.counter("hpar_allocator_alloc_retries_total"),
+            f.counter("hpar_allocator_ooms_total"),
+        )
+        f.add(retries, [], a["retries"])
+        f.add(ooms, [], a["ooms"])
+        yield retries
+        yield ooms
+
+    def summary(self) -> dict:
+        return {
+            "rss_bytes": self.rss,
+            "post_step_last": dict(self.last_post),
+            "allocator": dict(self.allocator),
+        }

@@ -1,0 +1,312 @@
+"""Cross-rank detectors: each rank publishes a small payload to the store, reads its peers' and raises
+the alert only where it is itself the offender (attributed by majority), so ``hpar_alert_active`` is 1
+on the offending rank's own series and no rank has to be a coordinator that could itself be stuck."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.detectors import signals as sig
+from hpar_agent.detectors import sources as src
+from hpar_agent.detectors.base import Detector, Verdict
+
+if TYPE_CHECKING:
+    from hpar_agent.detectors.component import DetectorsComponent
+
+DP_KEYS = ("tp", "pp")  # ranks of one dp group share tp and pp coordinates
+TP_KEYS = ("dp", "pp")
+
+
+def _my_group(ctx: DetectorsComponent, keys: tuple[str, ...], need: str) -> list[int]:
+    """The ranks of this rank's group (by equal coordinates on ``keys``) whose payload has ``need``."""
+    coords = {r: p["c"] for r, p in ctx.peers.items() if need in p and "c" in p}
+    for group in sig.groups_by(coords, keys):
+        if ctx.rank in group:
+            return group
+    return []
+
+
+class CompileDivergence(Detector):
+    """Ranks of one pipeline stage that compiled different graphs (rank-dependent code, config drift).
+
+    | param | default | meaning |
+    |---|---|---|
+    | warmup_steps | 3 | fingerprints are compared once every rank of the stage completed this many steps |
+
+    Confirmed on two consecutive exchanges (ranks compile at slightly different times). The odd rank(s)
+    are the minority; a 1-1 split flags both. Value: ranks of the stage whose fingerprint differs from ours.
+    """
+
+    name = "CompileDivergence"
+    defaults = {"warmup_steps": 3}
+    threshold_param = "warmup_steps"
+    cross_rank = True
+    confirm = 2
+
+    def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
+        fp = src.graph_fingerprint(ctx.agent)
+        return {} if fp is None else {"fp": fp}
+
+    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+        if not ctx.peers_fresh:
+            return None
+        stage = {
+            r: p["fp"]
+            for r, p in ctx.peers.items()
+            if "fp" in p and p.get("c", {}).get("stage") == ctx.stage and p.get("step", 0) >= self.p("warmup_steps")
+        }
+        if ctx.rank not in stage or len(stage) < 2:
+            return None
+        odd = sig.odd_ranks(stage)
+        differ = sum(1 for v in stage.values() if v != stage[ctx.rank])
+        return Verdict(ctx.rank in odd, float(differ), {"fingerprints": {str(r): v for r, v in sorted(stage.items())}})
+
+
+class ChecksumSampler:
+    """A fixed strided sample of every parameter, copied off the device without synchronizing.
+
+    Training thread (every ``every`` steps, after the optimizer step): slice ``per_param`` elements of
+    each parameter, ``cat`` them, and on CUDA start a non_blocking copy into pinned memory plus an event.
+    Agent thread: once the event completes, sum and abs-sum each parameter's sample in float64.
+    """
+
+    def __init__(self, per_param: int = 16, max_params: int = 1024) -> None:
+        self.per_param = per_param
+        self.max_params = max_params
+        self.plan: list[tuple[str, Any, bool]] | None = None  # (name, param, tp-replicated)
+        self.buffer: BoundedBuffer[tuple[int, list[str], list[int], Any, Any]] = BoundedBuffer("checksums", 8)
+        self.pending: list[tuple[int, list[str], list[int], Any, Any]] = []
+        self.param_bits = 32
+
+    def _make_plan(self, model: Any) -> list[tuple[str, Any, bool]]:
+        try:
+            from torch.distributed.tensor import DTensor, Replicate
+        except ImportError:  # pragma: no cover
+            DTensor, Replicate = (), ()  # type: ignore[assignment,misc]
+        plan = []
+        bits = []
+        for name, p in list(model.named_parameters())[: self.max_params]:
+            replicated = not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements)
+            plan.append((name, p, replicated))
+            if p.is_floating_point():
+                bits.append(p.element_size() * 8)
+        self.param_bits = max(bits, default=32)
+        return plan
+
+    def capture(self, model: Any, step: int) -> None:
+        import torch
+
+        if self.plan is None:
+            self.plan = self._make_plan(model)
+        if not self.plan:
+            return
+        parts, names, sizes = [], [], []
+        with torch.no_grad():
+            for name, p, _ in self.plan:
+                t = p.detach()
+                t = t.to_local() if hasattr(t, "to_local") else t
+                flat = t.reshape(-1)
+                stride = max(1, flat.numel() // self.per_param)
+                part = flat[::stride][: self.per_param].float()
+                parts.append(part)
+                names.append(name)
+                sizes.append(part.numel())
+            cat = torch.cat(parts)
+            event = None
+            if cat.is_cuda:
+                host = torch.empty(cat.shape, dtype=cat.dtype, pin_memory=True)
+                host.copy_(cat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                cat = host
+        self.buffer.put((step, names, sizes, cat, event))
+
+    def resolve(self) -> list[tuple[int, dict[str, list[float]]]]:
+        """Agent thread: checksums of every capture whose copy completed (never waits)."""
+        out = []
+        items, self.pending = self.pending + self.buffer.drain(), []
+        for item in items:
+            step, names, sizes, host, event = item
+            if event is not None and not event.query():
+                self.pending.append(item)
+                continue
+            chunks = host.double().split(sizes)
+            out.append((step, {n: [float(c.sum()), float(c.abs().sum())] for n, c in zip(names, chunks, strict=True)}))
+        return out
+
+    def replicated(self) -> list[str]:
+        return [n for n, _, rep in self.plan or () if rep]
+
+
+class ReplicaDivergence(Detector):
+    """Parameters that must be identical across replicas are not (DDP coverage/nesting errors, TP
+    gradients of replicated parameters not reduced).
+
+    | param | default | meaning |
+    |---|---|---|
+    | every_steps | 10 | checksum a fixed sample of every parameter every N steps |
+    | per_param | 16 | elements sampled per parameter (strided over the whole tensor) |
+
+    Compared at the latest step every member checksummed: within the dp group (all parameters: the
+    local shards of dp replicas are identical) and the tp group (only non-DTensor / Replicate
+    parameters). Value: parameters whose checksum differs from the group's majority on this rank.
+    """
+
+    name = "ReplicaDivergence"
+    defaults = {"every_steps": 10, "per_param": 16}
+    threshold_param = "every_steps"
+    cross_rank = True
+
+    def __init__(self, thresholds: dict[str, float] | None = None) -> None:
+        super().__init__(thresholds)
+        self.sampler = ChecksumSampler(int(self.p("per_param")))
+        self.history: deque[tuple[int, dict[str, list[float]]]] = deque(maxlen=3)
+
+    def step_hook(self, model: Any, step: int) -> None:
+        if model is not None and step > 0 and step % int(self.p("every_steps")) == 0:
+            self.sampler.capture(model, step)
+
+    def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
+        self.history.extend(self.sampler.resolve())
+        if not self.history:
+            return {}
+        return {"cks": {str(s): v for s, v in self.history}, "rep": self.sampler.replicated()}
+
+    def _compare(self, ctx: DetectorsComponent, group: list[int], names: list[str] | None) -> tuple[int, list[str]]:
+        steps = set.intersection(*(set(ctx.peers[r]["cks"]) for r in group))
+        if not steps:
+            return -1, []
+        step = max(steps, key=int)
+        offenders = sig.replica_offenders({r: ctx.peers[r]["cks"][step] for r in group}, names)
+        return int(step), offenders.get(ctx.rank, [])
+
+    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+        if not ctx.peers_fresh:
+            return None
+        bad: dict[str, Any] = {}
+        compared = False
+        for label, keys in (("dp", DP_KEYS), ("tp", TP_KEYS)):
+            group = _my_group(ctx, keys, "cks")
+            if len(group) < 2:
+                continue
+            names = None
+            if label == "tp":
+                names = sorted(set.intersection(*(set(ctx.peers[r].get("rep", ())) for r in group)))
+            step, diff = self._compare(ctx, group, names)
+            compared = compared or step >= 0
+            if diff:
+                bad[label] = {"step": step, "ranks": group, "params": diff[:8], "count": len(diff)}
+        if not compared:
+            return None
+        return Verdict(bool(bad), float(sum(b["count"] for b in bad.values())), bad)
+
+
+def _peer_fr(ctx: DetectorsComponent) -> tuple[dict[int, list[sig.FrEntry]], dict[str, int]]:
+    """Peers' published entries, and each pg's member count from the topology (by its label)."""
+    fr = {r: [tuple(e) for e in p["fr"]] for r, p in ctx.peers.items() if "fr" in p}
+    topo = ctx.agent.topology
+    by_label = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp, "default_pg": topo.world_size}
+    sizes = {}
+    for entries in fr.values():
+        for e in entries:
+            label = src.pg_label(e[0])
+            if label in by_label:
+                sizes[e[0]] = by_label[label]
+    return fr, sizes  # type: ignore[return-value]
+
+
+def _grad_pgs(ctx: DetectorsComponent, entries: list[sig.FrEntry]) -> list[str]:
+    """pg uids that carry gradient reductions: the dp groups (the default group when dp is the world)."""
+    topo = ctx.agent.topology
+    out = []
+    for uid in {e[0] for e in entries}:
+        low = src.pg_label(uid).lower()
+        if "dp" in low or "replicate" in low or (low == "default_pg" and topo.tp == 1 and topo.pp == 1):
+            out.append(uid)
+    return out
+
+
+class CollectiveMismatch(Detector):
+    """Ranks disagree on op, size or dtype of the same collective (same pg and sequence number), or a
+    gradient reduction runs in lower precision than the parameters (e.g. a bf16 compress hook on an
+    fp32 model on one rank).
+
+    | param | default | meaning |
+    |---|---|---|
+    | max_entries | 256 | recent flight-recorder entries each rank publishes |
+
+    Attributed by majority within the pg. Value: mismatched collectives + low-precision reductions
+    seen on this rank in the latest window.
+    """
+
+    name = "CollectiveMismatch"
+    defaults = {"max_entries": 256}
+    threshold_param = "max_entries"
+    cross_rank = True
+    evidence = ("fr",)
+    clear = 3
+
+    def __init__(self, thresholds: dict[str, float] | None = None) -> None:
+        super().__init__(thresholds)
+        self.param_bits: int | None = None
+        self.cross: list[dict[str, Any]] = []
+
+    def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
+        entries = src.fr_entries(ctx.agent, int(self.p("max_entries")))
+        return {"fr": entries} if entries else {}
+
+    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+        if self.param_bits is None:
+            rep = ctx.detector(ReplicaDivergence)
+            self.param_bits = rep.sampler.param_bits if rep is not None and rep.sampler.plan else None
+        if ctx.peers_fresh:
+            fr, sizes = _peer_fr(ctx)
+            self.cross = sig.collective_mismatches(fr, sizes).get(ctx.rank, []) if len(fr) >= 2 else []
+        entries = src.fr_entries(ctx.agent, int(self.p("max_entries")))
+        if not entries and not self.cross:
+            return None
+        low = sig.low_precision_reductions(entries, self.param_bits or 32, _grad_pgs(ctx, entries)) if self.param_bits else []
+        details = {
+            "mismatched": self.cross[:8],
+            "low_precision": [{"pg": e[0], "seq": e[1], "op": e[2], "dtypes": e[4]} for e in low[:8]],
+            "param_bits": self.param_bits,
+        }
+        return Verdict(bool(self.cross or low), float(len(self.cross) + len(low)), details)
+
+
+class Straggler(Detector):
+    """One rank persistently slower than its group, holding everyone at every collective.
+
+    Why arrival skew: with synchronous collectives every rank's step time equalizes (the fast ranks
+    wait), so step time cannot tell who is slow; per-chunk compute time includes the TP all-reduces
+    that wait for the slow rank too. The flight recorder's ``time_created_ns`` (enqueue time, on gloo
+    and NCCL) shows who arrives last at each (pg, seq): that rank is blamed for the wait it caused.
+
+    | param | default | meaning |
+    |---|---|---|
+    | max_lag_ratio | 0.1 | fire when others wait for this rank more than this share of wall time (a 1.2x slower rank scores ~0.17) |
+    | min_collectives | 8 | common collectives in the window before judging |
+
+    Confirmed on two consecutive exchanges. Value: this rank's lag ratio. Clock skew between hosts
+    adds to every lag: keep hosts NTP/PTP-synced (typical skew << step time).
+    """
+
+    name = "Straggler"
+    defaults = {"max_lag_ratio": 0.1, "min_collectives": 8}
+    threshold_param = "max_lag_ratio"
+    cross_rank = True
+    confirm = 2
+
+    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+        if not ctx.peers_fresh:
+            return None
+        fr, sizes = _peer_fr(ctx)
+        if ctx.rank not in fr or len(fr) < 2:
+            return None
+        n = len(sig.common_collectives(fr, sizes))
+        if n < self.p("min_collectives"):
+            return None
+        ratio = sig.arrival_lag_ratio(fr, sizes).get(ctx.rank, 0.0)
+        return Verdict(ratio > self.p("max_lag_ratio"), ratio, {"collectives": n})

@@ -1,0 +1,254 @@
+"""Pure signal functions behind the detectors.
+
+They take plain numbers and dicts (no torch, no agent) so each failure shape and each "clean run"
+shape can be unit-tested with synthetic data, independently of when the collectors fill their state.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from itertools import pairwise
+from statistics import median
+from typing import Any
+
+# ------------------------------------------------------------------------------------------ trends
+
+
+def theil_sen_slope(points: Sequence[tuple[float, float]]) -> float:
+    """Median of pairwise slopes: robust to a few outliers (a checkpoint spike, one GC) unlike a fit."""
+    slopes = [
+        (y2 - y1) / (x2 - x1)
+        for i, (x1, y1) in enumerate(points)
+        for x2, y2 in points[i + 1 :]
+        if x2 != x1
+    ]
+    return median(slopes) if slopes else 0.0
+
+
+def increase_fraction(values: Sequence[float], min_increase: float) -> float:
+    """Fraction of consecutive samples that rose by at least ``min_increase`` (the stair-step test)."""
+    if len(values) < 2:
+        return 0.0
+    ups = sum(1 for a, b in pairwise(values) if b - a >= min_increase)
+    return ups / (len(values) - 1)
+
+
+def leak_signal(
+    samples: Sequence[tuple[int, float]],
+    *,
+    warmup_steps: int,
+    window: int,
+    min_slope: float,
+    min_increase_fraction: float,
+) -> tuple[float, bool]:
+    """(bytes/step slope, leaking?) over the last ``window`` post-warm-up (step, bytes) samples.
+
+    Leaking needs all three: the Theil-Sen slope over the window >= ``min_slope``; the slope of the
+    window's second half >= ``min_slope / 2`` (memory still rising: an allocator that grew to a plateau
+    fails this); and at least ``min_increase_fraction`` of steps rising by >= ``min_slope / 2`` (one
+    checkpoint-like jump moves the median slope but is a single step).
+    """
+    pts = [(float(s), float(b)) for s, b in samples if s >= warmup_steps][-window:]
+    if len(pts) < max(window, 4):
+        return (theil_sen_slope(pts) if len(pts) >= 2 else 0.0), False
+    slope = theil_sen_slope(pts)
+    late = theil_sen_slope(pts[len(pts) // 2 :])
+    frac = increase_fraction([b for _, b in pts], min_slope / 2)
+    return slope, slope >= min_slope and late >= min_slope / 2 and frac >= min_increase_fraction
+
+
+# ------------------------------------------------------------------------------------------ compile
+
+
+def count_in_window(times: Sequence[float], now: float, window_s: float) -> int:
+    """Events (epoch seconds) within the last ``window_s`` seconds."""
+    return sum(1 for t in times if now - window_s <= t <= now)
+
+
+def hit_ratio(hits: float, misses: float) -> float:
+    lookups = hits + misses
+    return hits / lookups if lookups > 0 else math.nan
+
+
+def new_reasons(first_seen: Mapping[str, int], warmup_steps: int, since_step: int) -> list[str]:
+    """Graph-break reasons first seen after warm-up and at or after ``since_step``."""
+    return sorted(r for r, s in first_seen.items() if s >= warmup_steps and s >= since_step)
+
+
+# ------------------------------------------------------------------------------------------ cross-rank
+
+
+def odd_ranks(values: Mapping[int, Hashable]) -> set[int]:
+    """Ranks whose value differs from the group's strict majority; all ranks when there is no strict
+    majority (a 1-1 split cannot say who is wrong); none when all agree."""
+    if len(set(values.values())) <= 1:
+        return set()
+    counts = Counter(values.values()).most_common()
+    if len(counts) > 1 and counts[0][1] == counts[1][1]:
+        return set(values)
+    majority = counts[0][0]
+    return {r for r, v in values.items() if v != majority}
+
+
+def groups_by(coords: Mapping[int, Mapping[str, int]], keys: Sequence[str]) -> list[list[int]]:
+    """Partition ranks by equal coordinates on ``keys`` (dp group: same tp/pp; tp group: same dp/pp)."""
+    out: dict[tuple, list[int]] = {}
+    for rank, c in coords.items():
+        out.setdefault(tuple(c.get(k) for k in keys), []).append(rank)
+    return [sorted(g) for g in out.values()]
+
+
+def _checksum_key(v: Sequence[float]) -> tuple[str, ...]:
+    return tuple(f"{x:.9g}" for x in v)  # strings: NaN sums compare equal to NaN sums
+
+
+def replica_offenders(
+    sums: Mapping[int, Mapping[str, Sequence[float]]], names: Sequence[str] | None = None
+) -> dict[int, list[str]]:
+    """For one replica group at one step: rank -> parameter names whose checksum is not the majority's.
+
+    Replicas that are in sync hold bitwise-identical tensors, so their checksums agree to the printed
+    precision; ``names`` restricts the comparison (tp groups compare only replicated parameters).
+    """
+    common = set.intersection(*(set(s) for s in sums.values())) if sums else set()
+    if names is not None:
+        common &= set(names)
+    out: dict[int, list[str]] = {}
+    for name in sorted(common):
+        for r in odd_ranks({r: _checksum_key(s[name]) for r, s in sums.items()}):
+            out.setdefault(r, []).append(name)
+    return out
+
+
+FrEntry = tuple[str, int, str, str, str, int]  # (pg uid, seq, op, sizes, dtypes, time_created_ns)
+_SIZE_FREE_OPS = ("all_to_all", "alltoall", "gather", "scatter", "barrier")
+
+
+def common_collectives(
+    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None
+) -> dict[tuple[str, int], dict[int, FrEntry]]:
+    """(pg, seq) -> rank -> entry, keeping only keys every member of the pg reported: windows of
+    different ranks overlap only partly, and a member that has not published yet must not turn a
+    3-rank majority into a 1-1 tie. ``sizes`` gives a pg's member count where known; otherwise the
+    members are the ranks that reported any entry of that pg."""
+    members: dict[str, set[int]] = {}
+    keyed: dict[tuple[str, int], dict[int, FrEntry]] = {}
+    for rank, entries in entries_by_rank.items():
+        for e in entries:
+            members.setdefault(e[0], set()).add(rank)
+            keyed.setdefault((e[0], e[1]), {})[rank] = e
+    sizes = sizes or {}
+    return {
+        k: v
+        for k, v in keyed.items()
+        if len(v) >= 2 and set(v) == members[k[0]] and len(v) >= sizes.get(k[0], 0)
+    }
+
+
+def collective_mismatches(
+    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None
+) -> dict[int, list[dict[str, Any]]]:
+    """rank -> collectives (same pg and seq) where its op, sizes or dtypes differ from the majority's."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for (pg, seq), by_rank in sorted(common_collectives(entries_by_rank, sizes).items()):
+        def sig(e: FrEntry) -> tuple:
+            op = e[2].split(":")[-1]
+            return (op, e[4]) if any(s in op for s in _SIZE_FREE_OPS) else (op, e[3], e[4])
+
+        for r in odd_ranks({r: sig(e) for r, e in by_rank.items()}):
+            e = by_rank[r]
+            out.setdefault(r, []).append({"pg": pg, "seq": seq, "op": e[2], "sizes": e[3], "dtypes": e[4]})
+    return out
+
+
+_FLOAT_BITS = {"float64": 64, "double": 64, "float32": 32, "float": 32, "float16": 16, "half": 16,
+               "bfloat16": 16, "float8_e4m3fn": 8, "float8_e5m2": 8}  # fmt: skip
+
+
+def dtype_bits(name: str) -> int | None:
+    """Bits of a floating dtype name as FR/torch print it (``torch.float32``, ``Float``, ``BFloat16``)."""
+    key = name.lower().removeprefix("torch.")
+    return _FLOAT_BITS.get(key)
+
+
+def low_precision_reductions(entries: Sequence[FrEntry], param_bits: int, pgs: Sequence[str]) -> list[FrEntry]:
+    """Reductions on the gradient groups ``pgs`` whose dtype has fewer bits than the parameters."""
+    out = []
+    for e in entries:
+        if e[0] not in pgs or "reduce" not in e[2]:
+            continue
+        bits = [b for b in (dtype_bits(d) for d in e[4].split(",") if d) if b is not None]
+        if bits and min(bits) < param_bits:
+            out.append(e)
+    return out
+
+
+def arrival_lag_ratio(
+    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None
+) -> dict[int, float]:
+    """Per rank: the share of wall time its groups spent waiting for it to arrive at collectives.
+
+    For every (pg, seq) all members reported, the last rank to enqueue is blamed for the gap to the
+    second-to-last (the time everyone else sat waiting for it); a rank's blame summed over the window
+    and divided by the window's span is its ratio. A rank 1.2x slower than its peers scores ~0.17;
+    random jitter spreads across ranks and stays small.
+    """
+    keyed = common_collectives(entries_by_rank, sizes)
+    if not keyed:
+        return {}
+    blame: dict[int, float] = dict.fromkeys(entries_by_rank, 0.0)
+    t_min, t_max = math.inf, -math.inf
+    for by_rank in keyed.values():
+        ts = sorted((e[5], r) for r, e in by_rank.items())
+        blame[ts[-1][1]] += (ts[-1][0] - ts[-2][0]) / 1e9
+        t_min, t_max = min(t_min, ts[0][0]), max(t_max, ts[-1][0])
+    span = (t_max - t_min) / 1e9
+    if span <= 0:
+        return {}
+    return {r: b / span for r, b in blame.items()}
+
+
+# ------------------------------------------------------------------------------------------ latency
+
+
+def quantile_from_counts(bounds: Sequence[float], counts: Sequence[int], q: float) -> float:
+    """Upper bound of the bucket holding the q-quantile of per-bucket (non-cumulative) counts; the
+    last count is the +Inf bucket. Matches what ``histogram_quantile`` reports at a bucket edge."""
+    total = sum(counts)
+    if total <= 0:
+        return math.nan
+    target = q * total
+    acc = 0
+    for i, c in enumerate(counts):
+        acc += c
+        if acc >= target:
+            return bounds[i] if i < len(bounds) else math.inf
+    return math.inf
+
+
+def bucket_of(bounds: Sequence[float], value: float) -> int:
+    return bisect.bisect_left(bounds, value)
+
+
+# ------------------------------------------------------------------------------------------ hang
+
+
+def stalled_seconds(now: float, last_step_ts: float, steps_done: int, warmup_steps: int) -> float:
+    """Seconds since the last step completed; 0 until warm-up (the first steps compile for minutes)."""
+    if steps_done < warmup_steps or last_step_ts <= 0:
+        return 0.0
+    return max(0.0, now - last_step_ts)
+
+
+def hang_timeout(default_s: float, pg_timeout_s: float | None, median_step_s: float | None) -> float:
+    """The silence that counts as a hang: the default, raised to 10 median steps for slow jobs, and
+    kept below the process-group timeout (80%) so evidence is taken before the watchdog aborts."""
+    t = default_s
+    if median_step_s:
+        t = max(t, 10 * median_step_s)
+    if pg_timeout_s:
+        t = min(t, 0.8 * pg_timeout_s)
+    return t

@@ -1,0 +1,179 @@
+"""Defensive readers of the collectors' state: the one place that knows their attribute names.
+
+Collectors evolve independently; a missing collector or attribute reads as "no data" (None/empty),
+never as an exception, so a detector simply stays silent until its source exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from hpar_agent.detectors.signals import FrEntry
+
+if TYPE_CHECKING:
+    from hpar_agent.agent import Agent
+
+
+def _get(obj: Any, *names: str) -> Any:
+    for n in names:
+        v = getattr(obj, n, None)
+        if v is not None:
+            return v
+    return None
+
+
+def _total(v: Any) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, Mapping):
+        return float(sum(x for x in v.values() if isinstance(x, (int, float))))
+    if isinstance(v, (int, float)):
+        return float(v)
+    return None
+
+
+def recompiles_total(agent: Agent) -> float | None:
+    """Recompiles plus recompile-limit hits so far (a limit hit is a recompile that was refused)."""
+    c = agent.component("compile")
+    if c is None:
+        return None
+    rec = _total(_get(c, "recompiles", "recompiles_total", "recompile_count"))
+    if rec is None:
+        return None
+    return rec + (_total(_get(c, "limit_hits", "recompile_limit_hits")) or 0.0)
+
+
+def cache_lookups(agent: Agent) -> tuple[float, float] | None:
+    """(hits, misses) summed over the compile caches so far."""
+    c = agent.component("compile")
+    ev = _get(c, "cache_events", "cache", "caches") if c is not None else None
+    if not isinstance(ev, Mapping):
+        return None
+    hits = misses = 0.0
+    for key, n in ev.items():
+        result = key[-1] if isinstance(key, tuple) else str(key).rsplit("_", 1)[-1]
+        if result == "hit":
+            hits += n
+        elif result == "miss":
+            misses += n
+    return hits, misses
+
+
+def graph_break_reasons(agent: Agent) -> dict[str, Any]:
+    """reason key -> count (or any value) of graph breaks seen so far."""
+    c = agent.component("compile")
+    v = _get(c, "graph_breaks", "breaks") if c is not None else None
+    return dict(v) if isinstance(v, Mapping) else {}
+
+
+def graph_break_detail(agent: Agent, reason: str) -> str:
+    """The user stack / message the compile collector logged for ``reason`` (for the alert details)."""
+    c = agent.component("compile")
+    info = _get(c, "break_info") if c is not None else None
+    if isinstance(info, Mapping) and isinstance(info.get(reason), Mapping):
+        entry = info[reason]
+        frames = sorted(str(f) for f in entry.get("user_frames") or ())[:4]
+        return "; ".join([str(entry.get("reason", ""))[:500], *frames])
+    return ""
+
+
+def graph_fingerprint(agent: Agent) -> int | None:
+    c = agent.component("compile")
+    v = _get(c, "fingerprint", "graph_fingerprint") if c is not None else None
+    return int(v) if isinstance(v, (int, float)) else None
+
+
+def memory_series(agent: Agent) -> dict[str, list[tuple[int, float]]]:
+    """source -> [(step, bytes)] sampled right after each step."""
+    c = agent.component("memory")
+    v = _get(c, "post_step") if c is not None else None
+    if not isinstance(v, Mapping):
+        return {}
+    return {str(k): [(int(s), float(b)) for s, b in list(d)] for k, d in v.items()}
+
+
+def latency_histograms(agent: Agent) -> dict[tuple[str, str], tuple[tuple[float, ...], list[int]]]:
+    """(pg, op) -> (bucket bounds, per-bucket counts) of collective latency, summed over streams."""
+    c = agent.component("collectives")
+    v = _get(c, "hists", "histograms", "latency") if c is not None else None
+    if not isinstance(v, Mapping):
+        return {}
+    out: dict[tuple[str, str], tuple[tuple[float, ...], list[int]]] = {}
+    for k, h in list(v.items()):
+        if not (isinstance(k, tuple) and len(k) >= 2 and hasattr(h, "counts")):
+            continue
+        key = (str(k[0]), str(k[1]))
+        if key in out:
+            out[key] = (out[key][0], [a + b for a, b in zip(out[key][1], h.counts, strict=True)])
+        else:
+            out[key] = (tuple(h.bounds), list(h.counts))
+    return out
+
+
+def oldest_inflight(agent: Agent) -> dict[str, float]:
+    """pg -> age in seconds of its oldest op not yet completed."""
+    c = agent.component("collectives")
+    v = _get(c, "oldest_age", "oldest_inflight_age", "oldest_inflight") if c is not None else None
+    return {str(k): float(a) for k, a in v.items() if a is not None} if isinstance(v, Mapping) else {}
+
+
+def pg_timeout_s(agent: Agent) -> float | None:
+    c = agent.component("collectives")
+    v = _get(c, "pg_timeout_s", "timeout_s") if c is not None else None
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+
+
+def _group_key(label: str, coords: Mapping[str, Any]) -> str:
+    """A pg id equal on every member of one group and different between groups: the label (``dp``
+    is the label of every dp group) plus the coordinates the group's members share."""
+    low = label.lower()
+    for dim, shared in (("dp", ("tp", "pp")), ("tp", ("dp", "pp")), ("pp", ("dp", "tp"))):
+        if dim in low:
+            return f"{label}@" + ",".join(str(coords.get(k)) for k in shared)
+    return label
+
+
+def fr_entries(agent: Agent, limit: int = 256) -> list[FrEntry]:
+    """Recent collectives (p2p excluded: its sequence numbers are per peer pair) as compact tuples
+    (pg id, seq, op, sizes, dtypes, time_created_ns); the pg id is made unique per group."""
+    c = agent.component("collectives")
+    v = _get(c, "recent_entries") if c is not None else None
+    if v is None:
+        return []
+    topo = agent.topology
+    coords = {"dp": topo.dp_rank, "tp": topo.tp_rank, "pp": topo.pp_rank}
+    out: list[FrEntry] = []
+    for e in list(v)[-limit:]:
+        if not isinstance(e, Mapping) or e.get("is_p2p"):
+            continue
+        pg, seq = e.get("pg"), e.get("seq")
+        if pg is None or seq is None:
+            continue
+        sizes = e.get("input_sizes", e.get("sizes", ""))
+        dtypes = e.get("input_dtypes", e.get("dtypes", ""))
+        t = e.get("time_created_ns", e.get("time", 0))
+        t_ns = int(t * 1e9) if isinstance(t, float) and t < 1e12 else int(t or 0)
+        out.append((_group_key(str(pg), coords), int(seq), str(e.get("op", "")), sizes if isinstance(sizes, str) else str(sizes), _flat(dtypes), t_ns))
+    return out
+
+
+def pg_label(uid: str) -> str:
+    """The pg label back from an id made by ``_group_key``."""
+    return uid.split("@", 1)[0]
+
+
+def _flat(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, (list, tuple)):
+        return ",".join(_flat(x) if isinstance(x, (list, tuple)) else str(x) for x in v)
+    return str(v)
+
+
+def step_state(agent: Agent) -> tuple[int, float, list[float]]:
+    """(steps completed, unix time of the last step, recent step durations)."""
+    c = agent.component("steps")
+    if c is None:
+        return 0, 0.0, []
+    return int(getattr(c, "total", 0)), float(getattr(c, "last_step_ts", 0.0)), list(getattr(c, "durations", []))

@@ -1,0 +1,59 @@
+"""README tables generated from the catalogue (``python -m hpar_agent.docs README.md`` rewrites them).
+
+Each table sits between ``<!-- catalogue:NAME -->`` and ``<!-- /catalogue:NAME -->`` markers; a test
+fails when the README drifts from the catalogue.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from hpar_agent import catalogue as cat
+from hpar_agent.config import AgentConfig
+
+
+def env_table() -> str:
+    defaults = AgentConfig()
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for var in cat.ENV_VARS:
+        default = getattr(defaults, var.field)
+        shown = "unset" if default in (None, "") else f"`{default}`"
+        rows.append(f"| `{var.name}` | {shown} | {var.help} |")
+    return "\n".join(rows)
+
+
+def metrics_table() -> str:
+    rows = ["| metric | type | labels (besides rank, pp_stage) | meaning |", "|---|---|---|---|"]
+    for m in cat.METRICS:
+        labels = ", ".join(m.labels) or "-"
+        rows.append(f"| `{m.name}` | {m.type} | {labels} | {m.help} |")
+    return "\n".join(rows)
+
+
+def alerts_table() -> str:
+    rows = ["| alert | severity | meaning |", "|---|---|---|"]
+    rows += [f"| `{a.name}` | {a.severity} | {a.summary} |" for a in cat.ALERTS]
+    return "\n".join(rows)
+
+
+TABLES = {"env": env_table, "metrics": metrics_table, "alerts": alerts_table}
+
+
+def render(text: str) -> str:
+    for name, fn in TABLES.items():
+        pattern = re.compile(rf"(<!-- catalogue:{name} -->\n)(?:.*?\n)?(<!-- /catalogue:{name} -->)", re.S)
+        text = pattern.sub(lambda m, fn=fn: m.group(1) + fn() + "\n" + m.group(2), text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    path = Path(args[0] if args else "README.md")
+    path.write_text(render(path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

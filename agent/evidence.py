@@ -1,0 +1,188 @@
+"""Evidence files written when an alert fires: py-spy stacks, CUDA allocator snapshots, FR dumps.
+
+Runs on the agent thread (never the training thread), which keeps running while training is stuck in
+C++. Every kind is rate-limited and size-bounded, and files are created 0600 in ``<run_dir>/evidence``
+(0700): stacks and allocation traces reveal code paths and data shapes. Missing tools (py-spy, no
+ptrace permission, a CPU-only build) give one clear log line, never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("hpar_agent")
+
+PYSPY_TIMEOUT_S = 20.0
+
+
+class Evidence:
+    """Per-process evidence writer; ``min_interval_s`` applies per kind, ``max_files`` per process."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        rank: int,
+        *,
+        enabled: bool = True,
+        min_interval_s: float = 300.0,
+        max_files: int = 64,
+        max_bytes: int = 64 << 20,
+    ) -> None:
+        self.dir = os.path.join(run_dir, "evidence")
+        self.rank = rank
+        self.enabled = enabled and bool(run_dir)
+        self.min_interval_s = min_interval_s
+        self.max_files = max_files
+        self.max_bytes = max_bytes
+        self.files: list[str] = []
+        self._last: dict[str, float] = {}
+        self._said: set[str] = set()
+        self.history_started = False
+
+    # ------------------------------------------------------------------------------------ plumbing
+    def _say_once(self, key: str, msg: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.warning("hpar_agent evidence: %s", msg)
+
+    def _allowed(self, kind: str) -> bool:
+        if not self.enabled or len(self.files) >= self.max_files:
+            return False
+        last = self._last.get(kind)
+        if last is not None and time.monotonic() - last < self.min_interval_s:
+            return False
+        self._last[kind] = time.monotonic()
+        return True
+
+    def _write(self, name: str, data: bytes) -> str | None:
+        if len(data) > self.max_bytes:
+            self._say_once(f"size:{name}", f"{name}: {len(data)} bytes exceeds the {self.max_bytes} limit; skipped")
+            return None
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        path = os.path.join(self.dir, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chmod(path, 0o600)  # O_CREAT's mode is masked by umask and ignored for an existing file
+        self.files.append(path)
+        return path
+
+    def _name(self, tag: str, kind: str, ext: str) -> str:
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        return f"{tag}.rank{self.rank}.{stamp}.{len(self.files)}.{kind}.{ext}"
+
+    # ------------------------------------------------------------------------------------ kinds
+    def py_spy(self, tag: str) -> list[str]:
+        """``py-spy dump`` of every thread of this process, as text and as JSON."""
+        if not self._allowed("pyspy"):
+            return []
+        exe = shutil.which("py-spy") or _beside_python("py-spy")
+        if exe is None:
+            self._say_once("pyspy", "py-spy not found (pip install py-spy); no stack dump")
+            return []
+        out = []
+        for ext, extra in (("txt", []), ("json", ["--json"])):
+            try:
+                res = subprocess.run(
+                    [exe, "dump", "--pid", str(os.getpid()), *extra],
+                    capture_output=True,
+                    timeout=PYSPY_TIMEOUT_S,
+                    check=False,
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                self._say_once("pyspy-run", f"py-spy dump failed ({exc}); no stack dump")
+                break
+            if res.returncode != 0:
+                why = res.stderr.decode(errors="replace").strip().splitlines()
+                self._say_once(
+                    "pyspy-rc",
+                    f"py-spy dump exited {res.returncode} ({why[-1] if why else 'no message'}); in a "
+                    "container it needs CAP_SYS_PTRACE",
+                )
+                break
+            path = self._write(self._name(tag, "pyspy", ext), res.stdout)
+            if path:
+                out.append(path)
+        return out
+
+    def start_memory_history(self, max_entries: int = 100_000) -> bool:
+        """Start recording CUDA allocations with stacks (lazily: only once a leak is suspected)."""
+        if self.history_started or not self.enabled:
+            return self.history_started
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return False
+            torch.cuda.memory._record_memory_history(max_entries=max_entries)
+        except Exception as exc:
+            self._say_once("history", f"allocator history unavailable ({exc})")
+            return False
+        self.history_started = True
+        return True
+
+    def allocator_snapshot(self, tag: str) -> list[str]:
+        """A ``torch.cuda.memory._snapshot()`` pickle (open it in pytorch.org/memory_viz)."""
+        if not self.history_started or not self._allowed("allocator"):
+            return []
+        try:
+            import pickle
+
+            import torch
+
+            data = pickle.dumps(torch.cuda.memory._snapshot())
+        except Exception as exc:
+            self._say_once("snapshot", f"allocator snapshot failed ({exc})")
+            return []
+        path = self._write(self._name(tag, "allocator", "pickle"), data)
+        return [path] if path else []
+
+    def fr_dump(self, tag: str) -> list[str]:
+        """Flight-recorder JSON of every recorder this build has, without stack traces."""
+        if not self._allowed("fr"):
+            return []
+        try:
+            import torch._C._distributed_c10d as c10d
+        except ImportError:
+            return []
+        out = []
+        for recorder, fn_name in (("gloo", "_dump_fr_trace_json"), ("nccl", "_dump_nccl_trace_json")):
+            fn: Any = getattr(c10d, fn_name, None)
+            if fn is None:
+                continue
+            try:
+                data = fn(includeCollectives=True, onlyActive=False)
+            except Exception as exc:
+                self._say_once(f"fr:{recorder}", f"{fn_name} failed ({exc})")
+                continue
+            path = self._write(self._name(tag, f"fr-{recorder}", "json"), bytes(data))
+            if path:
+                out.append(path)
+        return out
+
+    def collect(self, tag: str, kinds: tuple[str, ...]) -> list[str]:
+        """Every kind of evidence in ``kinds`` (pyspy, allocator, fr); the paths written."""
+        paths: list[str] = []
+        for kind in kinds:
+            try:
+                if kind == "pyspy":
+                    paths += self.py_spy(tag)
+                elif kind == "allocator":
+                    paths += self.allocator_snapshot(tag)
+                elif kind == "fr":
+                    paths += self.fr_dump(tag)
+            except OSError as exc:
+                self._say_once(f"os:{kind}", f"writing {kind} evidence failed ({exc})")
+        return paths
+
+
+def _beside_python(name: str) -> str | None:
+    """Console scripts of the interpreter's environment when its bin/ is not on PATH."""
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return path if os.access(path, os.X_OK) else None

@@ -1,0 +1,114 @@
+"""The one adapter for the c10d flight recorder (FR) and the pipelining p2p helpers.
+
+Everything here is private torch API, feature-detected at call time, so a change in torch touches this
+file only. Facts (torch 2.11 CUDA, 2.13 CPU): gloo groups record into ``_dump_fr_trace`` (no durations,
+no send/recv), NCCL groups into ``_dump_nccl_trace`` (``duration_ms`` with TORCH_NCCL_ENABLE_TIMING=1,
+p2p included). Both return a pickle with ``entries`` and ``pg_status``; stack traces are never
+requested (their first symbolization costs seconds).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+#: Recorder name -> function name in ``torch._C._distributed_c10d``.
+RECORDERS: tuple[tuple[str, str], ...] = (("gloo", "_dump_fr_trace"), ("nccl", "_dump_nccl_trace"))
+
+#: FR scalar-type names (c10 ScalarType spelling) -> element size in bytes.
+DTYPE_BYTES: dict[str, int] = {
+    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
+    "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "ComplexHalf": 4,
+    "Float8_e4m3fn": 1, "Float8_e5m2": 1, "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1, "UInt16": 2,
+    "UInt32": 4, "UInt64": 8,
+}  # fmt: skip
+
+
+def _c10d() -> Any:
+    try:
+        import torch._C._distributed_c10d as c10d
+    except ImportError:
+        return None
+    return c10d
+
+
+def available_recorders() -> list[str]:
+    """Names of the recorders this torch build exposes (``gloo``; ``nccl`` on CUDA builds)."""
+    c10d = _c10d()
+    return [name for name, fn in RECORDERS if c10d is not None and hasattr(c10d, fn)]
+
+
+def dump(recorder: str, include_collectives: bool = True) -> dict[str, Any]:
+    """One FR snapshot without stack traces: ``{"entries": [...], "pg_status": {...}, ...}``.
+
+    ``include_collectives=False`` returns only ``pg_status`` (10-20 µs): enough to see whether
+    anything was enqueued since the last full read.
+    """
+    fn: Callable[..., bytes] = getattr(_c10d(), dict(RECORDERS)[recorder])
+    try:
+        raw = fn(includeCollectives=include_collectives, includeStackTraces=False, onlyActive=False)
+    except TypeError:  # older signature: positional or only includeStackTraces
+        raw = fn(includeStackTraces=False)
+    data = pickle.loads(raw)  # produced in-process by torch itself
+    return data if isinstance(data, dict) else {}
+
+
+def group_size(name: str) -> int | None:
+    """Size of the process group registered under ``name`` (the FR ``process_group[0]``)."""
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return int(_resolve_process_group(name).size())  # type: ignore[arg-type]
+    except Exception:
+        return None
+
+
+def group_name(group: Any) -> tuple[str, str]:
+    """(name, desc) of a ProcessGroup object (None: the default group), as the FR spells them."""
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    return str(getattr(pg, "group_name", "")), str(getattr(pg, "group_desc", "") or "")
+
+
+def group_backend(group: Any) -> str:
+    try:
+        import torch.distributed as dist
+
+        return str(dist.get_backend(group))
+    except Exception:
+        return "unknown"
+
+
+def p2p_module() -> Any:
+    """The module whose globals the pipelining schedules call ``_batch_p2p`` through, or None."""
+    try:
+        import torch.distributed.pipelining.schedules as schedules
+    except ImportError:
+        return None
+    return schedules if hasattr(schedules, "_batch_p2p") else None
+
+
+def p2p_ops_info(p2p_ops: Any) -> list[tuple[str, int, int, Any]]:
+    """(op "send"/"recv", global peer, bytes, group) of each ``dist.P2POp``: O(ops), no allocation
+    beyond the list."""
+    import torch.distributed as dist
+
+    out = []
+    for p in p2p_ops or ():
+        t = p.tensor
+        op = "send" if p.op in (dist.isend, dist.send) else "recv"
+        out.append((op, int(getattr(p, "peer", -1)), t.numel() * t.element_size(), getattr(p, "group", None)))
+    return out
+
+
+def works_of(result: Any) -> list[Any]:
+    """Flatten what ``_batch_p2p`` returned across versions (a list, a dict by peer, one Work, None)."""
+    if result is None:
+        return []
+    if isinstance(result, dict):
+        return [w for ws in result.values() for w in works_of(ws)]
+    if isinstance(result, (list, tuple)):
+        return list(result)
+    return [result]

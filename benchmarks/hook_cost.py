@@ -1,0 +1,81 @@
+"""Per-step cost of the agent's training-thread hooks, measured side by side in one run.
+
+Times ``optimizer.step()`` on a tiny model in interleaved blocks with the agent attached and detached
+(so drift in machine load hits both equally), then one ``StepCollector.mark()`` called directly. The
+optimizer step is the only per-step hook the agent installs when nothing compiles; the difference of
+the block medians is what the agent costs a training step.
+
+    python benchmarks/hook_cost.py [--steps 10000] [--blocks 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+import hpar_agent
+
+
+def _time_steps(opt: torch.optim.Optimizer, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        opt.step()
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10_000, help="optimizer steps per configuration")
+    ap.add_argument("--blocks", type=int, default=10, help="interleaved on/off blocks (steps split evenly)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    model(torch.randn(4, 8)).sum().backward()  # grads stay, so every step does real work
+    per_block = max(1, args.steps // args.blocks)
+    run_dir = tempfile.mkdtemp(prefix="hpar-bench-")
+    kwargs = dict(metrics_port=-1, traces="none", event_log=False, run_dir=run_dir)
+    hpar_agent.detach()
+    _time_steps(opt, per_block)  # warm-up
+    on: list[float] = []
+    off: list[float] = []
+    for _ in range(args.blocks):
+        off.append(_time_steps(opt, per_block))
+        hpar_agent.attach(**kwargs)
+        try:
+            on.append(_time_steps(opt, per_block))
+        finally:
+            hpar_agent.detach()
+    agent = hpar_agent.attach(**kwargs)
+    try:
+        steps = agent.component("steps")
+        assert steps is not None
+        n = args.steps
+        t0 = time.perf_counter()
+        for _ in range(n):
+            steps.mark()  # type: ignore[attr-defined]
+        mark_us = (time.perf_counter() - t0) / n * 1e6
+        per_hook = {}
+        for comp in agent._step_hooks:  # the components mark() fans out to
+            t0 = time.perf_counter()
+            for i in range(n):
+                comp.step_hook(i, time.time_ns())
+            per_hook[comp.name] = (time.perf_counter() - t0) / n * 1e6
+    finally:
+        hpar_agent.detach()
+    off_us, on_us = statistics.median(off) * 1e6, statistics.median(on) * 1e6
+    print(f"torch {torch.__version__}; {args.blocks} interleaved blocks x {per_block} optimizer.step() each")
+    print(f"optimizer.step() detached : {off_us:8.2f} us/step (median of blocks)")
+    print(f"optimizer.step() attached : {on_us:8.2f} us/step (median of blocks)")
+    print(f"agent hook cost per step  : {on_us - off_us:8.2f} us  ({on_us / off_us:.3f}x of a bare step)")
+    print(f"StepCollector.mark()      : {mark_us:8.2f} us/call (direct, agent attached)")
+    for name, us in per_hook.items():
+        print(f"  of which {name + '.step_hook':<16}: {us:8.2f} us/call")
+
+
+if __name__ == "__main__":
+    main()

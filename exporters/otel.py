@@ -1,0 +1,450 @@
+"""OpenTelemetry traces: one trace per training step, shared by every rank of the job.
+
+All span creation happens on the agent thread from timestamps the hooks recorded, so the training
+thread never touches OTel. The TracerProvider belongs to the agent: it is never installed as the global
+provider, so a user's own OTel setup is left alone.
+
+Trace ids are derived from (job id, step) and rank 0's ``train.step`` span id from (job, step, 0), so
+each rank builds its part of the same trace independently: rank 0's step span is the root, the other
+ranks' step spans name it as a remote parent, and every child hangs off its own rank's step span.
+
+Drops are counted honestly through public interfaces only: a wrapper processor bounds the spans in
+flight (accepted but not yet handed to the exporter) at the queue size, so the SDK's own queue never
+overflows silently, and a wrapper exporter counts spans whose export failed. Whatever was accepted but
+not confirmed exported when ``shutdown`` gives up is counted as dropped too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from hpar_agent import __version__
+from hpar_agent import catalogue as cat
+from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.traceids import step_span_id, trace_id
+
+log = logging.getLogger("hpar_agent")
+
+DEFAULT_MAX_QUEUE_SIZE = 2048
+DEFAULT_EXPORT_TIMEOUT_S = 5.0  # used unless OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT is set
+SLOW_FACTOR = 2.0  # a step slower than this x the running median is always traced
+SLOW_MIN_HISTORY = 5  # steps needed before "slow" means anything (the first steps compile)
+_HISTORY = 64
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+# ------------------------------------------------------------------------------------------ ids
+class StepIdGenerator(IdGenerator):
+    """Random ids, except the next trace/span id set with ``preset`` (consumed once, per thread)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._random = RandomIdGenerator()
+
+    def preset(self, span_id: int = 0, trace_id: int = 0) -> None:
+        self._local.span_id = span_id
+        self._local.trace_id = trace_id
+
+    def generate_span_id(self) -> int:
+        value = getattr(self._local, "span_id", 0)
+        if value:
+            self._local.span_id = 0
+            return value
+        return self._random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        value = getattr(self._local, "trace_id", 0)
+        if value:
+            self._local.trace_id = 0
+            return value
+        return self._random.generate_trace_id()
+
+
+# ------------------------------------------------------------------------------------------ exporters
+class OtlpJsonFileExporter(SpanExporter):
+    """Writes each batch as one OTLP/JSON ``ExportTraceServiceRequest`` per line (the format of the
+    OTel file exporter spec and the Collector's ``otlpjsonfile`` receiver: ids as hex, enums as ints)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: Any = None
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        from google.protobuf.json_format import MessageToDict
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        doc = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+        _ids_to_hex(doc)
+        line = json.dumps(doc, separators=(",", ":")) + "\n"
+        try:
+            with self._lock:
+                if self._file is None:
+                    os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                    self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+                self._file.write(line)
+                self._file.flush()
+        except OSError as exc:
+            log.warning("hpar_agent: cannot write traces to %s: %s", self.path, exc)
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def _walk_ids(doc: Any, convert: Any) -> None:
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            if key in _ID_FIELDS and isinstance(value, str):
+                doc[key] = convert(value)
+            else:
+                _walk_ids(value, convert)
+    elif isinstance(doc, list):
+        for item in doc:
+            _walk_ids(item, convert)
+
+
+def _ids_to_hex(doc: Any) -> None:
+    import base64
+
+    _walk_ids(doc, lambda v: base64.b64decode(v).hex())
+
+
+def parse_otlp_json_line(line: str) -> Any:
+    """One line of a traces file back into an ``ExportTraceServiceRequest`` (hex ids -> bytes)."""
+    import base64
+
+    from google.protobuf.json_format import ParseDict
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    doc = json.loads(line)
+    _walk_ids(doc, lambda v: base64.b64encode(bytes.fromhex(v)).decode())
+    return ParseDict(doc, ExportTraceServiceRequest())
+
+
+class _CountingExporter(SpanExporter):
+    """Counts spans handed to the real exporter and how each export ended; never raises."""
+
+    def __init__(self, inner: SpanExporter) -> None:
+        self.inner = inner
+        self.handed = 0
+        self.ok = 0
+        self.failed = 0
+        self.closed = False  # after shutdown gave up: late results no longer count (already lost)
+        self.lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        n = len(spans)
+        with self.lock:
+            self.handed += n
+        try:
+            result = self.inner.export(spans)
+        except Exception as exc:
+            log.warning("hpar_agent: span export failed: %s", exc)
+            result = SpanExportResult.FAILURE
+        with self.lock:
+            if not self.closed:
+                if result == SpanExportResult.SUCCESS:
+                    self.ok += n
+                else:
+                    self.failed += n
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class _BoundedProcessor(SpanProcessor):
+    """Keeps at most ``max_queue`` spans accepted-but-not-handed-to-the-exporter, counting the rest as
+    dropped, so the BatchSpanProcessor's own queue (same size) can never drop behind our back."""
+
+    def __init__(
+        self, exporter: _CountingExporter, max_queue: int, schedule_delay_millis: float | None
+    ) -> None:
+        self.exporter = exporter
+        self.max_queue = max_queue
+        self.offered = 0  # written by the agent thread only
+        self.queue_drops = 0
+        self.batch = BatchSpanProcessor(
+            exporter,
+            max_queue_size=max_queue,
+            schedule_delay_millis=schedule_delay_millis,
+            max_export_batch_size=min(512, max_queue) if max_queue < 512 else None,
+        )
+
+    @property
+    def in_flight(self) -> int:
+        return self.offered - self.exporter.handed
+
+    def on_start(self, span: Span, parent_context: Any = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self.in_flight >= self.max_queue:
+            self.queue_drops += 1
+            return
+        self.offered += 1
+        self.batch.on_end(span)
+
+    def shutdown(self) -> None:
+        self.batch.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.batch.force_flush(timeout_millis)
+
+
+def _otlp_exporter() -> tuple[SpanExporter, str] | None:
+    """The OTLP exporter the standard OTEL_* variables ask for (each class reads its own env)."""
+    protocol = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or ""
+    ).strip().lower() or "http/protobuf"
+    timed = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT" in os.environ or "OTEL_EXPORTER_OTLP_TIMEOUT" in os.environ
+    kwargs: dict[str, Any] = {} if timed else {"timeout": DEFAULT_EXPORT_TIMEOUT_S}
+    if protocol == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        except ImportError:
+            log.warning(
+                "hpar_agent: OTLP protocol grpc needs `pip install hpar-agent[grpc]`; writing traces to a file"
+            )
+            return None
+        return GrpcExporter(**kwargs), "otlp-grpc"
+    if protocol != "http/protobuf":
+        log.warning("hpar_agent: OTLP protocol %r is not supported; using http/protobuf", protocol)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    return HttpExporter(**kwargs), "otlp-http"
+
+
+def _endpoint_configured() -> bool:
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
+
+
+def _attr(value: Any) -> Any:
+    """OTel accepts str/bool/int/float (and sequences of them); anything else becomes its str."""
+    return value if isinstance(value, str | bool | int | float) else str(value)
+
+
+# ------------------------------------------------------------------------------------------ tracing
+class Tracing:
+    """The agent's span pipeline. ``exporter`` overrides the choice made from config/env (tests)."""
+
+    def __init__(
+        self,
+        agent: Any,
+        exporter: SpanExporter | None = None,
+        *,
+        max_queue_size: int | None = None,
+        schedule_delay_millis: float | None = None,
+    ) -> None:
+        self.agent = agent
+        topo = agent.topology
+        self.job_id: str = topo.job_id
+        self.rank: int = topo.rank
+        self.pp_stage: int = topo.pp_stage
+        self.trace_every: int = agent.config.trace_every
+        self.path: str | None = None
+        if exporter is not None:
+            self.kind = "custom"
+        else:
+            exporter, self.kind = self._choose_exporter(agent.config.traces)
+        if max_queue_size is None:
+            try:
+                max_queue_size = int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_MAX_QUEUE_SIZE))
+            except ValueError:
+                max_queue_size = DEFAULT_MAX_QUEUE_SIZE
+        self._exporter = _CountingExporter(exporter)
+        self._processor = _BoundedProcessor(self._exporter, max(1, max_queue_size), schedule_delay_millis)
+        self._ids = StepIdGenerator()
+        self.provider = TracerProvider(
+            resource=self._resource(topo),
+            sampler=ALWAYS_ON,  # steps are sampled here, at step end; the SDK keeps what we create
+            id_generator=self._ids,
+            shutdown_on_exit=False,  # shutdown() is bounded; an atexit flush could hang exit
+        )
+        self.provider.add_span_processor(self._processor)
+        self.tracer = self.provider.get_tracer("hpar_agent", __version__)
+        self._recent: deque[float] = deque(maxlen=_HISTORY)
+        self.steps_traced = 0
+        self.steps_skipped = 0
+        self.spans_created = 0
+        self._lost_at_shutdown = 0
+        self._closed = False
+
+    def _choose_exporter(self, mode: str) -> tuple[SpanExporter, str]:
+        if mode == "otlp" or (mode == "auto" and _endpoint_configured()):
+            chosen = _otlp_exporter()
+            if chosen is not None:
+                return chosen
+        run_dir = getattr(self.agent, "run_dir", "") or "."
+        self.path = os.path.join(run_dir, f"traces.rank{self.rank}.jsonl")
+        return OtlpJsonFileExporter(self.path), "file"
+
+    @staticmethod
+    def _resource(topo: Any) -> Resource:
+        """Our identity defaults, overridden by OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, with the
+        hpar.* topology always ours (it must match the metrics)."""
+        user = OTELResourceDetector().detect()  # the SDK parses OTEL_RESOURCE_ATTRIBUTES/SERVICE_NAME
+        defaults = {
+            "service.name": cat.SERVICE_NAME_DEFAULT,
+            "service.instance.id": f"{topo.job_id}-{topo.rank}",
+            "host.name": topo.host,
+        }
+        hpar = {
+            cat.ATTR_JOB: topo.job_id,
+            cat.ATTR_RANK: topo.rank,
+            cat.ATTR_PP_STAGE: topo.pp_stage,
+            cat.RES_WORLD_SIZE: topo.world_size,
+            cat.RES_DP: topo.dp,
+            cat.RES_TP: topo.tp,
+            cat.RES_PP: topo.pp,
+            cat.RES_DP_RANK: topo.dp_rank,
+            cat.RES_TP_RANK: topo.tp_rank,
+            cat.RES_PP_RANK: topo.pp_rank,
+        }
+        return Resource.create({**defaults, **user.attributes, **hpar})
+
+    # ----------------------------------------------------------------------------- agent thread
+    def keep_reason(self, rec: StepRecord) -> str | None:
+        """Why this step's trace is kept (sampled | anomalous | slow), or None to create nothing."""
+        dur = rec.duration_s
+        slow = False
+        if len(self._recent) >= SLOW_MIN_HISTORY:
+            slow = dur > SLOW_FACTOR * statistics.median(self._recent)
+        self._recent.append(dur)
+        if rec.anomalous or any(c.anomalous for c in rec.children):
+            return "anomalous"
+        if slow:
+            return "slow"
+        if self.trace_every > 0 and rec.step % self.trace_every == 0:
+            return "sampled"
+        return None
+
+    def export_step(self, rec: StepRecord) -> bool:
+        """Build this rank's spans of one completed step (agent thread); True when the step was kept."""
+        if self._closed:
+            return False
+        reason = self.keep_reason(rec)
+        if reason is None:
+            self.steps_skipped += 1
+            return False
+        common = {cat.ATTR_RANK: self.rank, cat.ATTR_PP_STAGE: self.pp_stage, cat.ATTR_STEP: rec.step}
+        tid = trace_id(self.job_id, rec.step)
+        root_id = step_span_id(self.job_id, rec.step, 0)
+        parent: Context
+        if self.rank == 0:
+            parent = Context()  # the root (not the caller's current span); trace id from the preset
+        else:
+            remote = SpanContext(tid, root_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+            parent = trace.set_span_in_context(NonRecordingSpan(remote))
+        self._ids.preset(span_id=step_span_id(self.job_id, rec.step, self.rank), trace_id=tid)
+        step_span = self.tracer.start_span(
+            cat.SPAN_STEP,
+            context=parent,
+            attributes={**common, cat.ATTR_TRACE_REASON: reason},
+            start_time=rec.start_ns,
+        )
+        self._ids.preset()  # nothing left over for the children
+        for name, ts, attrs in rec.events:
+            step_span.add_event(name, {k: _attr(v) for k, v in attrs.items()}, timestamp=ts)
+        ctx = trace.set_span_in_context(step_span)
+        for child in rec.children:
+            self._child(child, ctx, common)
+        step_span.end(end_time=max(rec.end_ns, rec.start_ns))
+        self.spans_created += 1 + len(rec.children)
+        self.steps_traced += 1
+        return True
+
+    def _child(self, rec: SpanRecord, ctx: Any, common: dict[str, Any]) -> None:
+        # Real times, no clamping: children are recorded between the step's boundaries, and one that
+        # is not (e.g. a compile straddling a boundary) is worth seeing as it was.
+        attrs = {**common, **{k: _attr(v) for k, v in rec.attributes.items()}}
+        span = self.tracer.start_span(rec.name, context=ctx, attributes=attrs, start_time=rec.start_ns)
+        for name, ts, ev_attrs in rec.events:
+            span.add_event(name, {k: _attr(v) for k, v in ev_attrs.items()}, timestamp=ts)
+        span.end(end_time=max(rec.end_ns, rec.start_ns))
+
+    # ----------------------------------------------------------------------------- accounting
+    @property
+    def dropped(self) -> int:
+        """Spans lost: queue full, failed exports, and those still unexported when shutdown gave up."""
+        return self._processor.queue_drops + self._exporter.failed + self._lost_at_shutdown
+
+    @property
+    def in_flight(self) -> int:
+        """Spans accepted but not yet handed to the exporter (bounded by the queue size)."""
+        return self._processor.in_flight
+
+    @property
+    def max_queue_size(self) -> int:
+        return self._processor.max_queue
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Export what is queued now (bounded wait: runs in a helper thread)."""
+        return self._bounded(self._processor.force_flush, timeout)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Flush and stop within ``timeout`` seconds whatever the endpoint does; count what is lost."""
+        if self._closed:
+            return
+        self._closed = True
+        self._bounded(self.provider.shutdown, timeout)
+        exp = self._exporter
+        with exp.lock:
+            exp.closed = True
+            self._lost_at_shutdown = max(0, self._processor.offered - exp.ok - exp.failed)
+
+    @staticmethod
+    def _bounded(fn: Any, timeout: float) -> bool:
+        """Run ``fn`` in a daemon thread and wait at most ``timeout``: a hung export cannot hang us."""
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:
+                log.warning("hpar_agent: tracing %s failed: %s", getattr(fn, "__name__", "call"), exc)
+            finally:
+                done.set()
+
+        t0 = time.monotonic()
+        threading.Thread(target=run, name="hpar-tracing-flush", daemon=True).start()
+        return done.wait(max(0.0, timeout - (time.monotonic() - t0)))
+
+    def summary(self) -> dict:
+        return {
+            "exporter": self.kind,
+            "path": self.path,
+            "steps_traced": self.steps_traced,
+            "steps_skipped": self.steps_skipped,
+            "spans": self.spans_created,
+            "spans_dropped": self.dropped,
+        }

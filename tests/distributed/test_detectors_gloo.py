@@ -1,0 +1,38 @@
+"""2 gloo ranks of the reference trainer (dp=2) with real injections on rank 1: tensor-leak and
+straggler. The alerts must fire on rank 1's own series/events only, with evidence; rank 0 stays quiet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from hpar_trainer.launch import run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+
+def _alerts(run: Path, rank: int) -> list[dict]:
+    with open(run / f"events.rank{rank}.jsonl", encoding="utf-8") as fh:
+        return [r for r in map(json.loads, fh) if r["kind"] == "alert"]
+
+
+def test_leak_and_straggler_attributed_to_the_injected_rank(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    env = {"HPAR_RUN_DIR": str(run), "HPAR_METRICS_PORT": "-1", "HPAR_TRACES": "none"}
+    args = ["--dp", "2", "--steps", "45", "--inject", "tensor-leak", "--inject", "straggler", "--inject-delay", "0.1"]
+    res = run_torchrun(2, args, env=env, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _alerts(run, 0) == []
+    fired = {e["alert"]: e for e in _alerts(run, 1) if e["state"] == "firing"}
+    assert {"MemoryLeak", "Straggler"} <= set(fired), fired
+    leak = fired["MemoryLeak"]
+    assert leak["rank"] == 1 and leak["value"] >= 1 << 20
+    assert leak["evidence"] and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in leak["evidence"])
+    assert fired["Straggler"]["value"] > 0.1
+    summary = json.loads((run / "summary.rank1.json").read_text())["components"]["detectors"]
+    assert summary["MemoryLeak"]["fired"] >= 1 and summary["Straggler"]["fired"] >= 1

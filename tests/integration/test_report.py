@@ -1,0 +1,262 @@
+"""``hpar-agent report``: a run directory of 4 ranks becomes one offline HTML page whose plots really
+draw in headless Chromium, with every text from the files escaped and evidence linked relatively."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("plotly")
+
+from hpar_agent import catalogue as cat
+from hpar_agent import report
+from hpar_agent.agent import Agent
+from hpar_agent.cli import main as cli_main
+from hpar_agent.events import EventLog
+from hpar_agent.exporters.otel import Tracing
+from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.topology import Topology
+
+pytestmark = pytest.mark.integration
+
+JOB = "job-report"
+MS = 1_000_000
+T0 = 1_700_000_000 * 1_000_000_000
+RANKS = 4  # dp1 x tp2 x pp2: ranks 0,1 are stage 0, ranks 2,3 stage 1
+STEPS = 6
+HOSTILE = "<script>alert('x')</script>"  # free text a graph break could carry
+
+
+def step_ms(rank: int, step: int) -> int:
+    """Step time of the fixture: the first step compiles, rank 3 straggles at step 4."""
+    return 900 if step == 0 else 100 + 10 * rank + (250 if (rank, step) == (3, 4) else 0)
+
+
+def allreduce_ms(rank: int, step: int) -> int:
+    return 2 + (rank + step) % 3
+
+
+def _stage(rank: int) -> int:
+    return rank // 2
+
+
+def _tracing(run_dir: Path, rank: int) -> Tracing:
+    """The agent's own span pipeline writing ``traces.rank<R>.jsonl`` (the real OTLP/JSON exporter)."""
+    agent = Agent(metrics_port=-1, run_dir=str(run_dir), trace_every=1, traces="file")
+    agent.topology = Topology(
+        rank=rank, world_size=RANKS, job_id=JOB, host="node0", tp=2, pp=2,
+        tp_rank=rank % 2, pp_rank=_stage(rank), pp_stage=_stage(rank),
+    )  # fmt: skip
+    agent.run_dir = str(run_dir)
+    tracing = Tracing(agent)
+    assert tracing.kind == "file"
+    return tracing
+
+
+def _step_record(rank: int, step: int) -> StepRecord:
+    start = T0 + step * 2000 * MS
+    dur = step_ms(rank, step)
+    kids = [
+        SpanRecord(cat.SPAN_PP_FORWARD, start + (5 + 20 * mb) * MS, start + (15 + 20 * mb) * MS, step,
+                   {cat.ATTR_MICROBATCH: mb, cat.ATTR_STREAM: "cpu"})
+        for mb in range(2)
+    ]  # fmt: skip
+    ar = start + 50 * MS
+    kids.append(
+        SpanRecord(cat.SPAN_COLLECTIVE_PREFIX + "all_reduce", ar, ar + allreduce_ms(rank, step) * MS, step,
+                   {cat.ATTR_PG: "tp", cat.ATTR_OP: "all_reduce", cat.ATTR_BYTES: 4096, cat.ATTR_SEQ: step})
+    )  # fmt: skip
+    if _stage(rank) == 0:
+        kids.append(
+            SpanRecord(cat.SPAN_COLLECTIVE_PREFIX + "send", ar + 5 * MS, ar + 6 * MS, step,
+                       {cat.ATTR_PG: "pp", cat.ATTR_OP: "send", cat.ATTR_PEER: rank + 2})
+        )  # fmt: skip
+    return StepRecord(step=step, start_ns=start, end_ns=start + dur * MS, children=kids)
+
+
+def _summary(rank: int, run_dir: Path) -> dict:
+    return {
+        "rank": rank,
+        "pp_stage": _stage(rank),
+        "topology": {"job": JOB, "host": "node0", "world_size": str(RANKS), "dp": "1", "tp": "2", "pp": "2",
+                     "backend": "gloo", "device": "cpu", "torch_version": "2.13.0"},
+        "metrics_url": None,
+        "run_dir": str(run_dir),
+        "errors": {"collectives": 1} if rank == 1 else {},
+        "components": {
+            "steps": {"steps": STEPS, "tokens": 0, "step_seconds_p50": step_ms(rank, 2) / 1e3,
+                      "step_seconds_max": max(step_ms(rank, s) for s in range(STEPS)) / 1e3},
+            "pipeline": {"bubble_ratio": 0.25 + 0.05 * _stage(rank)},
+            "collectives": {"ops": {"tp/all_reduce": 6 * STEPS}, "timed": 0},
+            "memory": {"rss_bytes": (900 + 100 * rank) * 2**20, "post_step_last": {"rss": (890 + 100 * rank) * 2**20},
+                       "allocator": {}},
+            "nvml": {"up": False, "process_bytes": None},
+        },
+    }  # fmt: skip
+
+
+def make_run(run_dir: Path) -> Path:
+    """A run directory as 4 ranks of ``hpar-agent demo`` leave it (events, summaries, traces, trainer)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    evidence = run_dir / "evidence"
+    evidence.mkdir()
+    stack = evidence / "MemoryLeak-rank2-pyspy.txt"
+    stack.write_text("Thread 0x1 (active): MainThread\n    step (train.py:120)\n")
+    t0 = T0 / 1e9
+    for rank in range(RANKS):
+        log = EventLog(str(run_dir / f"events.rank{rank}.jsonl"), rank)
+        log.emit("attach", topology={"job": JOB})
+        log.emit("compile", compile_id="0/0", function="Block.forward model.py:40", outcome="ok", seconds=4.2)
+        if rank in (0, 2):
+            log.emit("graph_break", reason="gb0170", user_frame="model.py:57", text=f"print() {HOSTILE}")
+            log.emit("recompile", compile_id="0/1", reason="size", guard="L['x'].size()[0] == 8")
+        if rank == 2:
+            log.emit("alert", alert="MemoryLeak", state="firing", value=4.5e7, threshold=2**20, step=4,
+                     details={"source": "rss", "slope_bytes_per_step": 8 * 2**20}, evidence=[str(stack)])  # fmt: skip
+            log.emit("alert", alert="MemoryLeak", state="resolved", value=0.0, evidence=[])
+        log.emit("detach")
+        log.close()
+        (run_dir / f"summary.rank{rank}.json").write_text(json.dumps(_summary(rank, run_dir)))
+        tracing = _tracing(run_dir, rank)
+        for step in range(STEPS):
+            assert tracing.export_step(_step_record(rank, step))
+        tracing.shutdown(5.0)
+        assert tracing.dropped == 0
+    # events' ts are wall time; pin them so the compile timeline is ordered and ranks interleave
+    for rank in range(RANKS):
+        path = run_dir / f"events.rank{rank}.jsonl"
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        for i, rec in enumerate(lines):
+            rec["ts"] = t0 + i + 0.1 * rank
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"ts": 1, "kind": "torn')
+    for rank in range(RANKS):  # the reference trainer's per-rank records: every step, RSS leaking on rank 2
+        steps = [{"step": i, "step_s": step_ms(rank, i) / 1e3, "rss_mb": 400.0 + (8 * i if rank == 2 else 0)}
+                 for i in range(STEPS)]  # fmt: skip
+        (run_dir / f"trainer.rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}))
+    losses = [4.0 - 0.3 * i for i in range(STEPS)]
+    (run_dir / "trainer.json").write_text(json.dumps({"losses": losses, "step_times": [0.9, 0.1, 0.1, 0.1]}))
+    return run_dir
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return make_run(tmp_path / "run")
+
+
+# ---------------------------------------------------------------------------------------- parsing
+def test_load_run_reads_every_file(run_dir: Path) -> None:
+    run = report.load_run(run_dir)
+    assert run.ranks == [0, 1, 2, 3]
+    assert sorted(run.summaries) == [0, 1, 2, 3]
+    steps = {(s.rank, s.attrs[cat.ATTR_STEP]): s.seconds for s in run.spans if s.name == cat.SPAN_STEP}
+    assert len(steps) == RANKS * STEPS
+    for (rank, step), secs in steps.items():
+        assert secs == pytest.approx(step_ms(rank, step) / 1e3)
+    samples = report.collective_samples(run)
+    assert sorted(samples) == [("pp", "send"), ("tp", "all_reduce")]
+    assert len(samples[("pp", "send")]) == 2 * STEPS  # stage-0 ranks only
+    expected = sorted(allreduce_ms(r, s) / 1e3 for r in range(RANKS) for s in range(STEPS))
+    assert sorted(samples[("tp", "all_reduce")]) == pytest.approx(expected)
+    kinds = [e["kind"] for e in run.events]
+    assert kinds.count("alert") == 2 and kinds.count("graph_break") == 2 and kinds.count("attach") == 4
+    assert run.trainer["losses"][0] == 4.0
+    assert [r["rss_mb"] for r in run.trainer_steps[2]] == [400.0 + 8 * i for i in range(STEPS)]
+    assert sum("unreadable line" in p for p in run.problems) == RANKS  # the torn last lines
+
+
+# ------------------------------------------------------------------------------------------ page
+def _tags(page: str) -> list[tuple[str, dict[str, str | None]]]:
+    """Every start tag of the page (script bodies are not parsed as markup, as in a browser)."""
+    found: list[tuple[str, dict[str, str | None]]] = []
+
+    class Collect(HTMLParser):
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            found.append((tag, dict(attrs)))
+
+    Collect().feed(page)
+    return found
+
+
+def test_page_is_offline_escaped_and_links_evidence(run_dir: Path, tmp_path: Path) -> None:
+    out = report.build_report(run_dir)
+    assert out == run_dir / "report.html"
+    page = out.read_text()
+    assert 'data-plots-expected="6"' in page.replace("'", '"')
+    tags = _tags(page)
+    assert not [a for t, a in tags if "src" in a or ("href" in a and t == "link")]  # nothing to fetch
+    assert [t for t, _ in tags].count("script") == 3  # plotly.js inline, the figures, the drawing code
+    assert "Plotly.newPlot" in page and len(page) > 1_000_000
+    assert HOSTILE not in page and "alert(&#x27;x&#x27;)" in page
+    assert '<a href="evidence/MemoryLeak-rank2-pyspy.txt">' in page
+    assert "MemoryLeak" in page and "gb0170" in page and "job-report" in page and "<td>4.5e+07</td>" in page
+    # written elsewhere, the link still reaches the file relative to the page
+    other = report.build_report(run_dir, tmp_path / "pages" / "r.html")
+    assert '<a href="../run/evidence/MemoryLeak-rank2-pyspy.txt">' in other.read_text()
+
+
+def test_empty_run_dir_still_renders(tmp_path: Path) -> None:
+    out = report.build_report(tmp_path)
+    page = out.read_text()
+    assert 'data-plots-expected="0"' in page.replace("'", '"')
+    assert "no train.step spans" in page and "no alerts fired" in page
+
+
+def test_cli_and_demo_hook(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "cli.html"
+    assert cli_main(["report", str(run_dir), "-o", str(target)]) == 0
+    assert target.stat().st_size > 1_000_000 and str(target) in capsys.readouterr().out
+    assert cli_main(["report", str(tmp_path / "missing")]) == 1
+    assert report.write_report(tmp_path / "missing") is None  # the demo's call never raises
+    assert report.write_report(run_dir) == run_dir / "report.html"
+
+
+# -------------------------------------------------------------------------------------- browser
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def _browser(page: Path, profile: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    exe = _chromium()
+    assert exe
+    flags = [
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=10000",
+    ]  # fmt: skip
+    return subprocess.run(
+        [exe, *flags, *extra, page.resolve().as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium not installed (apt-get install chromium)")
+def test_every_plot_draws_in_chromium(run_dir: Path, tmp_path: Path) -> None:
+    page = report.build_report(run_dir)
+    res = _browser(page, tmp_path / "profile", "--dump-dom")
+    assert res.returncode == 0, res.stderr[-2000:]
+    body = re.search(r"<body[^>]*>", res.stdout)
+    assert body, res.stdout[:500]
+    attrs = dict(re.findall(r'data-([\w-]+)="([^"]*)"', body.group(0)))
+    assert attrs.get("plots-expected") == "6"
+    assert attrs.get("plots-drawn") == "6", (attrs, res.stderr[-2000:])
+    assert "errors" not in attrs, attrs
+    console = [ln for ln in res.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
+    assert not console, console
+    # the collective box plot drew one box per (pg, op); the step plot one line per rank
+    assert res.stdout.count('class="trace boxes"') == 2
+    # steps: a trainer line and a span trace per rank; RSS over steps: one line per rank; loss; compile kinds
+    assert res.stdout.count('class="trace scatter') == 2 * RANKS + RANKS + 1 + 3
+    if os.environ.get("HPAR_REPORT_SCREENSHOT"):
+        shot = Path(os.environ["HPAR_REPORT_SCREENSHOT"])
+        _browser(page, tmp_path / "profile2", f"--screenshot={shot}", "--window-size=1280,4200")
+        assert shot.stat().st_size > 10_000

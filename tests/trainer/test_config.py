@@ -1,0 +1,49 @@
+"""Flag validation: bad flags are one clear line and exit code 2 on every rank, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpar_trainer.config import INJECTIONS, parse_args
+from hpar_trainer.launch import run_torchrun
+
+
+def test_defaults_are_valid():
+    cfg = parse_args([], world_size=1)
+    assert (cfg.dp, cfg.tp, cfg.pp, cfg.schedule, cfg.dp_mode) == (1, 1, 1, "1f1b", "replicate")
+    assert cfg.microbatches == 2 and cfg.stages_per_rank == 1
+
+
+def test_help_documents_every_injection(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert all(name in text for name in INJECTIONS)
+    assert "torch 2.11 cannot run DDP with TP" in " ".join(text.split())
+
+
+@pytest.mark.parametrize(("argv", "world", "needle"), [
+    (["--dp", "2"], 4, "WORLD_SIZE is 4"),
+    (["--tp", "3"], 3, "--heads 4 is not divisible by --tp 3"),
+    (["--pp", "2", "--layers", "3"], 2, "--layers 3 is not divisible"),
+    (["--pp", "2", "--schedule", "interleaved-1f1b", "--layers", "2"], 2, "--layers 2 is not divisible"),
+    (["--inject", "nope"], 1, "--inject 'nope'"),
+    (["--dp", "2", "--global-batch", "6"], 2, "--global-batch 6 is not divisible"),
+    (["--inject", "graph-break"], 1, "needs --compile"),
+    (["--schedule", "zigzag"], 1, "invalid choice"),
+])
+def test_bad_flags_exit_2_with_one_line(capsys, argv, world, needle):
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=world)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hpar-train: error: ") and needle in err, err
+
+
+@pytest.mark.distributed
+def test_bad_flags_under_torchrun_fail_fast_on_every_rank():
+    res = run_torchrun(2, ["--tp", "2", "--heads", "3", "--dim", "63"], timeout=60)
+    assert res.returncode != 0
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("hpar-train: error:")]
+    assert len(lines) == 2 and "--heads 3 is not divisible by --tp 2" in lines[0]
+    assert "config.py" not in res.stderr  # no worker traceback (torchrun's own summary is expected)

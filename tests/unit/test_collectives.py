@@ -1,0 +1,233 @@
+"""Collectives: label mapping, bytes, busbw, and the flight-recorder reader on synthetic FR dumps."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpar_agent.agent import Agent
+from hpar_agent.collectors import collectives as coll
+from hpar_agent.torch_compat import flight_recorder as fr
+
+L = {"rank": "0", "pp_stage": "0"}
+
+
+def test_op_and_pg_labels():
+    assert coll.op_label("gloo:all_reduce") == "all_reduce"
+    assert coll.op_label("nccl:_allgather_base") == "all_gather"
+    assert coll.op_label("nccl:reduce_scatter_tensor_coalesced") == "reduce_scatter"
+    assert coll.op_label("nccl:send 0->1") == "other"  # free text never becomes a label
+    assert coll.pg_label("1", "mesh_dp") == "dp"
+    assert coll.pg_label("3", "mesh_tp") == "tp"
+    assert coll.pg_label("0", "default_pg") == "default_pg"
+    assert coll.pg_label("7", "undefined") == "pg7"
+    assert coll.pg_label("8", "my group/1") == "my_group_1"
+
+
+def test_bytes_and_busbw_factors():
+    assert coll.entry_bytes([[4, 2], [3]], ["Float", "BFloat16"]) == 8 * 4 + 3 * 2
+    assert coll.busbw_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert coll.busbw_factor("all_gather", 4) == pytest.approx(0.75)
+    assert coll.busbw_factor("reduce_scatter", 2) == pytest.approx(0.5)
+    assert coll.busbw_factor("broadcast", 8) == 1.0
+    assert coll.busbw_factor("send", None) == 1.0
+    assert coll.busbw_factor("barrier", 4) is None
+    assert coll.busbw("all_reduce", 1000, 0.001, 2) == pytest.approx(1e6)
+
+
+class FakeRecorder:
+    """Stands in for the NCCL flight recorder: a ring of entries plus pg_status."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict] = []
+        self.status: dict[str, dict] = {}
+        self.full_dumps = 0
+
+    def add(self, rid, pg_id, pg, desc, seq, name="nccl:all_reduce", n=256, dur=None, state="completed"):
+        self.entries.append(
+            {
+                "record_id": rid,
+                "pg_id": pg_id,
+                "process_group": (pg, desc),
+                "collective_seq_id": seq,
+                "p2p_seq_id": 0,
+                "is_p2p": False,
+                "profiling_name": name,
+                "time_created_ns": time.time_ns(),
+                "time_discovered_started_ns": time.time_ns(),
+                "input_sizes": [[n]],
+                "input_dtypes": ["Float"],
+                "output_sizes": [[n]],
+                "output_dtypes": ["Float"],
+                "state": state,
+                "duration_ms": dur,
+            }
+        )
+        self.status[str(pg_id)] = {"last_enqueued_collective": seq, "last_completed_collective": seq}
+
+    def dump(self, recorder, include_collectives=True):
+        assert recorder == "nccl"
+        if not include_collectives:
+            return {"pg_status": {k: dict(v) for k, v in self.status.items()}}
+        self.full_dumps += 1
+        return {"entries": [dict(e) for e in self.entries], "pg_status": self.status}
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    rec = FakeRecorder()
+    monkeypatch.setattr(fr, "available_recorders", lambda: ["nccl"])
+    monkeypatch.setattr(fr, "dump", rec.dump)
+    monkeypatch.setattr(fr, "group_size", lambda name: 4)
+    agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), trace_every=1, job_id="j")
+    agent.start()
+    try:
+        yield rec, agent, agent.component("collectives")
+    finally:
+        agent.stop()
+
+
+def test_reads_entries_once_times_them_and_attaches_spans(fake):
+    rec, agent, c = fake
+    rec.add(0, 1, "1", "mesh_dp", 1, n=1000, dur=2.0)
+    rec.add(1, 2, "3", "mesh_tp", 1, name="nccl:_allgather_base", n=10)
+    agent.tick()
+    agent.tick()  # nothing new: must not count again
+    get = agent.registry.get_sample_value
+    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 1
+    assert get("hpar_collective_bytes_total", {**L, "pg": "dp", "op": "all_reduce"}) == 4000
+    assert get("hpar_collectives_total", {**L, "pg": "tp", "op": "all_gather"}) == 1
+    hl = {**L, "pg": "dp", "op": "all_reduce", "stream": "nccl:dp"}
+    assert get("hpar_collective_duration_seconds_count", hl) == 1
+    assert get("hpar_collective_duration_seconds_sum", hl) == pytest.approx(0.002)
+    # all_reduce busbw = bytes / t * 2(n-1)/n with n = 4
+    bw = get("hpar_collective_busbw_bytes_per_second", {**L, "pg": "dp", "op": "all_reduce"})
+    assert bw == pytest.approx(4000 / 0.002 * 1.5)
+    spans = [s for ss in agent._pending_spans.values() for s in ss]
+    assert [s.name for s in spans] == ["collective.all_reduce"]
+    assert spans[0].attributes["collective.pg"] == "dp" and spans[0].attributes["cuda.stream"] == "nccl:dp"
+    assert [(e["pg"], e["seq"], e["op"]) for e in c.recent_entries] == [
+        ("dp", 1, "all_reduce"),
+        ("tp", 1, "all_gather"),
+    ]
+    assert get("hpar_collective_last_completed_seq", {**L, "pg": "dp"}) == 1
+
+
+def test_record_id_gaps_are_unobserved_per_pg(fake):
+    rec, agent, _ = fake
+    rec.add(0, 1, "1", "mesh_dp", 1)
+    rec.add(1, 2, "3", "mesh_tp", 1)
+    agent.tick()
+    rec.entries.clear()  # ring overwrote record ids 2..6: dp seqs 2..4 and two entries of unknown pg
+    rec.add(7, 1, "1", "mesh_dp", 5)
+    rec.add(8, 2, "3", "mesh_tp", 2)
+    agent.tick()
+    get = agent.registry.get_sample_value
+    assert get("hpar_collective_unobserved_total", {**L, "pg": "dp"}) == 3
+    assert get("hpar_collective_unobserved_total", {**L, "pg": "unknown"}) == 2
+    assert get("hpar_collective_unobserved_total", {**L, "pg": "tp"}) is None
+    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 2
+
+
+def test_pending_nccl_entry_is_timed_when_it_completes_and_inflight_age(fake):
+    rec, agent, c = fake
+    c._attach_ns -= 10_000_000_000  # the op below was enqueued 3 s ago, after attach
+    rec.add(0, 1, "1", "mesh_dp", 1, state="scheduled")
+    rec.status["1"]["last_completed_collective"] = 0
+    rec.entries[0]["time_created_ns"] -= 3_000_000_000
+    agent.tick()
+    get = agent.registry.get_sample_value
+    assert get("hpar_collective_inflight", {**L, "pg": "dp"}) == 1
+    assert get("hpar_collective_oldest_inflight_age_seconds", {**L, "pg": "dp"}) >= 3.0
+    hl = {**L, "pg": "dp", "op": "all_reduce", "stream": "nccl:dp"}
+    assert not get("hpar_collective_duration_seconds_count", hl)
+    rec.entries[0].update(state="completed", duration_ms=5.0)
+    rec.status["1"]["last_completed_collective"] = 1
+    agent.tick()
+    assert get("hpar_collective_duration_seconds_count", hl) == 1
+    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 1
+    assert get("hpar_collective_inflight", {**L, "pg": "dp"}) == 0
+    assert get("hpar_collective_oldest_inflight_age_seconds", {**L, "pg": "dp"}) == 0
+
+
+def test_entries_from_before_attach_are_baseline_only(fake):
+    rec, agent, _ = fake
+    rec.add(0, 1, "1", "mesh_dp", 1)
+    rec.entries[0]["time_created_ns"] -= 10_000_000_000
+    rec.add(1, 1, "1", "mesh_dp", 2)
+    agent.tick()
+    assert (
+        agent.registry.get_sample_value("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 1
+    )
+
+
+def test_status_probe_skips_full_dump_when_nothing_moved(fake):
+    rec, agent, _ = fake
+    rec.add(0, 1, "1", "mesh_dp", 1)
+    agent.tick()
+    before = rec.full_dumps
+    agent.tick()
+    agent.tick()
+    assert rec.full_dumps == before
+    rec.add(1, 1, "1", "mesh_dp", 2)
+    agent.tick()
+    assert rec.full_dumps == before + 1
+
+
+def test_step_of_uses_boundaries(fake):
+    _, agent, c = fake
+    c.step_hook(0, 100)
+    c.step_hook(1, 200)
+    agent.tick()
+    assert [c.step_of(t) for t in (50, 100, 150, 250)] == [0, 0, 1, 2]
+
+
+def test_p2p_wrappers_count_time_and_restore(tmp_path):
+    import torch.distributed.pipelining.schedules as sched
+
+    orig_batch, orig_wait = sched._batch_p2p, sched._wait_batch_p2p
+    agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), trace_every=1)
+    agent.start()
+    try:
+        assert sched._batch_p2p is not orig_batch and sched._wait_batch_p2p is not orig_wait
+        c = agent.component("collectives")
+
+        class Work:
+            def __init__(self, done):
+                self.done = done
+
+            def is_completed(self):
+                return self.done
+
+            def wait(self):
+                time.sleep(0.01)
+                return True
+
+        works = [Work(False), Work(True)]
+        batch = c._wrap_batch(lambda ops, desc=None: works)
+        wait = c._wrap_wait(lambda ws: [w.wait() for w in ws])
+        ops = [
+            SimpleNamespace(op=dist.isend, tensor=torch.zeros(8), peer=1, group=None),
+            SimpleNamespace(op=dist.irecv, tensor=torch.zeros(2, 3, dtype=torch.float64), peer=3, group=None),
+        ]
+        wait(batch(ops))
+        agent.tick()
+        get = agent.registry.get_sample_value
+        assert get("hpar_collectives_total", {**L, "pg": "pp", "op": "send"}) == 1
+        assert get("hpar_collective_bytes_total", {**L, "pg": "pp", "op": "recv"}) == 48
+        send = get("hpar_collective_duration_seconds_sum", {**L, "pg": "pp", "op": "send", "stream": "cpu"})
+        recv = get("hpar_collective_duration_seconds_sum", {**L, "pg": "pp", "op": "recv", "stream": "cpu"})
+        assert send >= 0.01 > recv  # recv was complete when waited: timed to the wait's entry
+        spans = {s.name: s for ss in agent._pending_spans.values() for s in ss}
+        assert spans["collective.recv"].attributes["collective.peer"] == 3
+        assert get("hpar_collective_inflight", {**L, "pg": "pp"}) == 0
+        batch(ops)  # issued, never waited: in flight
+        agent.tick()
+        assert get("hpar_collective_inflight", {**L, "pg": "pp"}) == 2
+    finally:
+        agent.stop()
+    assert sched._batch_p2p is orig_batch and sched._wait_batch_p2p is orig_wait

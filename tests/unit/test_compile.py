@@ -1,0 +1,250 @@
+"""torch.compile telemetry on CPU: graph breaks, recompiles, limit hits, caches, fingerprint, hygiene."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+import torch._dynamo
+
+from hpar_agent.agent import Agent
+from hpar_agent.collectors.compile import CompileCollector, graph_break_key, guard_kind
+from hpar_agent.torch_compat import dynamo
+
+L = {"rank": "0", "pp_stage": "0"}
+_LOGGERS = [dynamo.COMPILE_METRICS_LOGGER, *(q for qs in dynamo.ARTIFACT_LOGGERS.values() for q in qs)]
+
+
+def _start(tmp_path) -> Agent:
+    return Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600).start()
+
+
+@pytest.fixture
+def agent(tmp_path):
+    torch._dynamo.reset()
+    a = _start(tmp_path)
+    try:
+        yield a
+    finally:
+        a.stop()
+        torch._dynamo.reset()
+
+
+def _val(agent: Agent, name: str, **labels: str) -> float | None:
+    return agent.registry.get_sample_value(name, {**L, **labels})
+
+
+def _events(agent: Agent, kind: str) -> list[dict]:
+    return [e for e in agent.events.recent if e["kind"] == kind]
+
+
+def _logger_state() -> dict:
+    from torch._logging import _internal
+
+    return {
+        "loggers": {
+            n: (lg.level, lg.propagate, list(lg.handlers)) for n in _LOGGERS for lg in [logging.getLogger(n)]
+        },
+        "artifacts": set(_internal.log_state.artifact_names),
+        "callbacks": dynamo.registered_callbacks(),
+    }
+
+
+# ------------------------------------------------------------------------------------- pure helpers
+def test_reason_keys_are_bounded():
+    assert (
+        graph_break_key("... please visit: https://x.github.io/compile-graph-break-site/gb/gb0170.html")
+        == "gb0170"
+    )
+    old_style = "Graph Break Reason: call_function BuiltinVariable(print) [ConstantVariable(str: 'hi')]"
+    assert graph_break_key(old_style) == "call_function_builtinvariable"  # user values cut off
+    assert guard_kind("2/0: tensor 'x' size mismatch at index 0. expected 3, actual 4") == "tensor_size"
+    assert guard_kind("2/2: tensor 'x' dtype mismatch. expected Float, actual Double") == "tensor_dtype"
+    assert (
+        guard_kind("2/1: n == 2                      # return x*n  # f.py:29 in g\nUser stack trace:")
+        == "int_value"
+    )
+    assert guard_kind("3/0: o is None             # def h(x, o): ...") == "type"
+    assert guard_kind("0/0: something new") == "other"
+
+
+# ------------------------------------------------------------------------------------- graph breaks
+def _breaks(x):
+    y = x * 2
+    print("graph break here")
+    return y + 1
+
+
+BREAK_LINE = _breaks.__code__.co_firstlineno + 2
+
+
+def test_graph_break_counted_with_gb_key_and_user_frame_in_event_log(agent, capfd):
+    torch.compile(_breaks, backend="eager")(torch.ones(3))
+    agent.tick()
+    assert _val(agent, "hpar_dynamo_graph_breaks_total", reason="gb0059") == 1.0
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="graph_break", trigger="forward") == 1.0
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward") == 1.0  # the resume fn
+    where = f"{__file__}:{BREAK_LINE}"
+    (ev,) = _events(agent, "graph_break")
+    assert ev["reason"] == "gb0059" and ev["user_frame"] == where and ev["compile_id"] == "0/0"
+    assert any(f.startswith(where) for f in ev["frames"]) and "print" in ev["message"]
+    with open(os.path.join(agent.run_dir, "events.rank0.jsonl"), encoding="utf-8") as fh:
+        logged = [json.loads(line) for line in fh]
+    assert any(e["kind"] == "graph_break" and e["user_frame"] == where for e in logged)
+    summary = agent.component("compile").summary()
+    (brk,) = summary["graph_breaks"]
+    assert brk["reason"] == "gb0059" and brk["count"] == 1 and where in brk["user_frames"]
+    assert summary["graphs"] == 2 and summary["compile_seconds_total"] > 0
+    # compile spans, with the graph break as a span event on the frame that broke
+    spans = [s for s in agent._pending_spans.get(0, []) if s.name == "dynamo.compile"]
+    assert [s.attributes["dynamo.compile_id"] for s in spans] == ["0/0", "1/0"]
+    assert spans[0].attributes["dynamo.outcome"] == "graph_break" and spans[0].end_ns > spans[0].start_ns
+    assert [e[0] for e in spans[0].events] == ["graph_break"]
+    assert spans[0].events[0][2]["dynamo.user_frame"] == where
+    h = _val(agent, "hpar_dynamo_compile_duration_seconds_count", phase="entire_frame")
+    assert h == 2.0
+    # captured quietly: nothing reached the terminal from the artifact/metrics loggers
+    err = capfd.readouterr().err
+    assert "Graph break" not in err and "CompilationMetrics" not in err
+
+
+# ------------------------------------------------------------------------------------- recompiles
+def _scale(x, n):
+    return x * n
+
+
+def test_shape_int_dtype_changes_are_recompiles_with_reasons(agent):
+    fn = torch.compile(_scale, backend="eager", dynamic=False)
+    fn(torch.ones(3), 2)
+    fn(torch.ones(4), 2)  # size
+    fn(torch.ones(4), 3)  # int value
+    fn(torch.ones(4, dtype=torch.float64), 3)  # dtype
+    agent.tick()
+    for reason in ("tensor_size", "int_value", "tensor_dtype"):
+        assert _val(agent, "hpar_dynamo_recompiles_total", reason=reason) == 1.0, reason
+    evs = _events(agent, "recompile")
+    assert [e["reason"] for e in evs] == ["tensor_size", "int_value", "tensor_dtype"]
+    # every cached entry's failed guard is in the event, not only the first one
+    assert len(evs[2]["failed_guards"]) == 3 and "dtype mismatch" in evs[2]["failed_guards"][0]
+    assert all(e["function"].startswith("_scale ") for e in evs)
+    rec = {r["reason"]: r for r in agent.component("compile").summary()["recompiles"]}
+    assert rec["int_value"]["count"] == 1 and "n == 2" in rec["int_value"]["examples"][0]
+
+
+def test_recompile_limit_hit(agent):
+    fn = torch.compile(_scale, backend="eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for n in range(4):
+            fn(torch.ones(2), n)
+    agent.tick()
+    assert _val(agent, "hpar_dynamo_recompile_limit_hits_total") == 1.0
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="limit", trigger="forward") == 1.0
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward") == 2.0
+
+
+# ------------------------------------------------------------------------------------- fingerprint
+def _blockA(x):
+    return torch.relu(x @ x.T).sum(0)
+
+
+def _blockB(x):
+    return (x.sin() * 3).cumsum(0)
+
+
+def _work(extra: bool) -> None:
+    torch.compile(_blockA, backend="eager")(torch.ones(3, 3))
+    torch.compile(_breaks, backend="eager")(torch.ones(3))
+    if extra:
+        torch.compile(_blockB, backend="eager")(torch.ones(4))
+
+
+def _fingerprint_of(tmp_path, extra: bool) -> tuple[float, float]:
+    torch._dynamo.reset()
+    a = _start(tmp_path)
+    try:
+        _work(extra)
+        a.tick()
+        return _val(a, "hpar_dynamo_graph_fingerprint"), _val(a, "hpar_dynamo_unique_graphs")
+    finally:
+        a.stop()
+        torch._dynamo.reset()
+
+
+def test_fingerprint_equal_for_identical_work_and_differs_with_an_extra_graph(tmp_path):
+    fp1, n1 = _fingerprint_of(tmp_path / "a", extra=False)
+    fp2, n2 = _fingerprint_of(tmp_path / "b", extra=False)
+    fp3, n3 = _fingerprint_of(tmp_path / "c", extra=True)
+    assert n1 == n2 == 3.0 and n3 == 4.0
+    assert fp1 == fp2 and fp1 != fp3
+    assert 0 < fp1 < 2**52 and float(int(fp1)) == fp1
+
+
+# ------------------------------------------------------------------------------------- hygiene
+def test_attach_detach_leaves_no_handlers_callbacks_or_artifact_flags(tmp_path):
+    import hpar_agent
+
+    before = _logger_state()
+    agent = hpar_agent.attach(metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600)
+    try:
+        comp = agent.component("compile")
+        assert isinstance(comp, CompileCollector) and comp.up
+        starts, ends = dynamo.registered_callbacks()
+        assert comp._on_start in starts and comp._on_end in ends
+        metrics_log = logging.getLogger(dynamo.COMPILE_METRICS_LOGGER)
+        assert comp._handlers["metrics"] in metrics_log.handlers
+        assert dynamo.artifact_enabled("graph_breaks") and dynamo.artifact_enabled("recompiles")
+        # torch._dynamo.reset() drops every callback: the next poll re-registers ours
+        torch._dynamo.reset()
+        assert comp._on_start not in dynamo.registered_callbacks()[0]
+        agent.tick()
+        assert comp._on_start in dynamo.registered_callbacks()[0] and comp.resets == 1
+        torch.compile(_blockA, backend="eager")(torch.ones(2, 2))
+        agent.tick()
+        assert any(s.name == "dynamo.compile" for s in agent._pending_spans.get(0, []))
+    finally:
+        hpar_agent.detach()
+        torch._dynamo.reset()
+    assert _logger_state() == before
+
+
+def test_no_compile_means_no_training_thread_work(agent):
+    comp = agent.component("compile")
+    assert comp not in agent._step_hooks  # nothing runs at step boundaries
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    assert len(comp.buffer) == 0
+    agent.tick()
+    assert _val(agent, "hpar_dynamo_unique_graphs") == 0.0
+
+
+# ------------------------------------------------------------------------------------- caches (inductor)
+def _tiny(x):
+    return x.sin() + 1
+
+
+def test_inductor_cache_counters_move_cold_to_warm(agent, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+    x = torch.ones(8)
+    with torch.no_grad():
+        torch.compile(_tiny, backend="inductor")(x)
+        agent.tick()
+        cold = {
+            r: _val(agent, "hpar_dynamo_cache_events_total", cache="fx_graph", result=r) or 0
+            for r in ("hit", "miss")
+        }
+        torch._dynamo.reset()
+        torch.compile(_tiny, backend="inductor")(x)
+        agent.tick()
+    warm_hits = sum(
+        _val(agent, "hpar_dynamo_cache_events_total", cache=c, result="hit") or 0
+        for c in ("fx_graph", "aot_autograd")
+    )
+    assert cold["miss"] >= 1 and cold["hit"] == 0
+    assert (_val(agent, "hpar_dynamo_compile_duration_seconds_count", phase="inductor") or 0) >= 1
+    assert warm_hits >= 1

@@ -1,0 +1,436 @@
+"""Detectors: pure signals on synthetic shapes (failing and clean), the alert outputs, evidence and the
+cross-rank exchange over a real TCPStore."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import time
+from collections import Counter, deque
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hpar_agent import catalogue as cat
+from hpar_agent.agent import Agent
+from hpar_agent.component import Component
+from hpar_agent.crossrank import Exchange
+from hpar_agent.detectors import signals as sig
+from hpar_agent.detectors.cluster import CompileDivergence, ReplicaDivergence
+from hpar_agent.detectors.component import DetectorsComponent
+from hpar_agent.detectors.local import CollectiveLatencyHigh, GraphBreaks, Hang, MemoryLeak, RecompileStorm
+from hpar_agent.evidence import Evidence
+from hpar_agent.families import Families
+from hpar_agent.histogram import Histogram
+from hpar_agent.spans import StepRecord
+from hpar_agent.topology import Topology
+
+MiB = 1 << 20
+LEAK = {"warmup_steps": 5, "window": 20, "min_slope": float(MiB), "min_increase_fraction": 0.2}
+
+
+# ------------------------------------------------------------------------------------------ signals
+def test_leak_fires_on_steady_and_stair_step_growth() -> None:
+    steady = [(s, 1e9 + 4 * MiB * s) for s in range(40)]
+    stairs = [(s, 1e9 + 8 * MiB * (s // 4)) for s in range(40)]  # +8 MiB every 4th step
+    for samples in (steady, stairs):
+        slope, leaking = sig.leak_signal(samples, **LEAK)
+        assert leaking and slope >= MiB
+
+
+def test_leak_quiet_on_plateau_checkpoint_and_noise() -> None:
+    plateau = [(s, 1e9 + 50 * MiB * min(s, 12)) for s in range(40)]  # allocator grows, then plateaus
+    checkpoint = [(s, 1e9 + (300 * MiB if s >= 25 else 0)) for s in range(40)]  # one jump, stays
+    pause = [(s, 1e9 + (300 * MiB if s == 25 else 0)) for s in range(40)]  # one spike
+    noise = [(s, 1e9 + ((s * 7919) % 13) * 300_000) for s in range(40)]
+    for samples in (plateau, checkpoint, pause, noise):
+        assert not sig.leak_signal(samples, **LEAK)[1]
+    assert not sig.leak_signal([(s, 4 * MiB * s) for s in range(12)], **LEAK)[1]  # too few post-warm-up
+
+
+def test_theil_sen_ignores_an_outlier() -> None:
+    pts = [(float(x), 2.0 * x) for x in range(10)]
+    pts[4] = (4.0, 1000.0)
+    assert sig.theil_sen_slope(pts) == pytest.approx(2.0)
+
+
+def test_odd_ranks_majority_and_tie() -> None:
+    assert sig.odd_ranks({0: 1, 1: 1, 2: 7, 3: 1}) == {2}
+    assert sig.odd_ranks({0: 1, 1: 2}) == {0, 1}
+    assert sig.odd_ranks({0: 5, 1: 5}) == set()
+
+
+def test_replica_offenders_dp_and_tp_subset() -> None:
+    same = {"w": [1.5, 3.0], "b": [0.25, 0.25]}
+    sums = {0: same, 1: same, 2: {"w": [1.5000001, 3.0], "b": [0.25, 0.25]}}
+    assert sig.replica_offenders(sums) == {2: ["w"]}
+    assert sig.replica_offenders(sums, names=["b"]) == {}
+    nan = {0: {"w": [float("nan"), 1.0]}, 1: {"w": [float("nan"), 1.0]}}
+    assert sig.replica_offenders(nan) == {}
+
+
+def _fr(pg: str, seq: int, op: str = "all_reduce", sizes: str = "[[4]]", dt: str = "Float", t: int = 0) -> tuple:
+    return (pg, seq, op, sizes, dt, t)
+
+
+def test_collective_mismatch_by_majority_and_partial_windows() -> None:
+    good = [_fr("dp@0,0", s) for s in range(5)]
+    bad = [*good[:3], _fr("dp@0,0", 3, dt="BFloat16"), _fr("dp@0,0", 4, sizes="[[8]]")]
+    out = sig.collective_mismatches({0: good, 1: good, 2: bad})
+    assert set(out) == {2} and [m["seq"] for m in out[2]] == [3, 4]
+    # rank 1's window moved on: seq 0-1 are not compared, nothing is flagged
+    assert sig.collective_mismatches({0: good, 1: good[2:]}) == {}
+    # a member that has not published yet must not turn a majority into a tie
+    assert sig.collective_mismatches({0: good, 2: bad}, sizes={"dp@0,0": 3}) == {}
+
+
+def test_low_precision_reduction_only_on_gradient_groups() -> None:
+    entries = [_fr("dp@0,0", 1, dt="BFloat16"), _fr("tp@0,0", 1, dt="BFloat16"), _fr("dp@0,0", 2)]
+    low = sig.low_precision_reductions(entries, 32, ["dp@0,0"])
+    assert [e[1] for e in low] == [1] and low[0][0] == "dp@0,0"
+    assert sig.low_precision_reductions(entries, 16, ["dp@0,0"]) == []
+
+
+def test_arrival_lag_flags_the_late_rank_not_jitter() -> None:
+    step = 300_000_000  # 0.3 s steps, 6 collectives per step
+    def entries(rank: int, late_ns: int) -> list[tuple]:
+        return [_fr("tp@0,0", i, t=(i // 6) * step + (i % 6) * 1_000_000 + late_ns + (rank * 37 * i) % 500_000)
+                for i in range(60)]  # fmt: skip
+
+    ratios = sig.arrival_lag_ratio({0: entries(0, 0), 1: entries(1, 0), 2: entries(2, 60_000_000)})
+    assert ratios[2] > 0.1 and max(ratios[0], ratios[1]) < 0.02
+    calm = sig.arrival_lag_ratio({r: entries(r, 0) for r in range(3)})
+    assert max(calm.values()) < 0.02
+
+
+def test_hang_timeout_and_warmup() -> None:
+    assert sig.stalled_seconds(1000.0, 900.0, steps_done=1, warmup_steps=2) == 0.0
+    assert sig.stalled_seconds(1000.0, 900.0, steps_done=5, warmup_steps=2) == 100.0
+    assert sig.hang_timeout(60, None, 0.3) == 60
+    assert sig.hang_timeout(60, None, 20.0) == 200  # slow steps: 10 steps of silence
+    assert sig.hang_timeout(60, 30.0, None) == 24  # below the pg timeout
+
+
+def test_quantile_from_counts_uses_bucket_upper_bound() -> None:
+    bounds = cat.LATENCY_BUCKETS
+    counts = [0] * (len(bounds) + 1)
+    counts[sig.bucket_of(bounds, 0.05)] = 99
+    counts[sig.bucket_of(bounds, 0.3)] = 1
+    assert sig.quantile_from_counts(bounds, counts, 0.99) == 0.085
+    counts[sig.bucket_of(bounds, 0.3)] = 5
+    assert sig.quantile_from_counts(bounds, counts, 0.99) == 0.46
+
+
+# ------------------------------------------------------------------------------------------ harness
+class Fake(Component):
+    """A stand-in collector exposing just the attributes a detector reads."""
+
+    def __init__(self, name: str, **state: Any) -> None:
+        super().__init__()
+        self.name = name
+        self.__dict__.update(state)
+
+    def take_completed(self) -> list[StepRecord]:  # the agent asks "steps" for completed steps
+        return []
+
+
+def make_agent(tmp_path: Any, rank: int = 0, world: int = 1, comps: tuple[Component, ...] = (), exchange: Exchange | None = None,
+               coords: dict[str, int] | None = None, model: Any = None, **thresholds: float) -> tuple[Agent, DetectorsComponent]:  # fmt: skip
+    """An agent wired by hand (no thread, no endpoint) so several fake ranks can live in one process."""
+    agent = Agent(model, metrics_port=-1, traces="none", run_dir=str(tmp_path / f"r{rank}"), thresholds=thresholds)
+    c = coords or {}
+    agent.topology = Topology(rank=rank, world_size=world, job_id="job", dp=c.get("dpn", 1), dp_rank=c.get("dp", 0),
+                              tp_rank=c.get("tp", 0), pp_rank=c.get("pp", 0), pp_stage=c.get("pp", 0))  # fmt: skip
+    agent.families = Families([str(rank), str(c.get("pp", 0))])
+    agent.run_dir = str(tmp_path / f"r{rank}")
+    os.makedirs(agent.run_dir, exist_ok=True)
+    from hpar_agent.events import EventLog
+
+    agent.events = EventLog(os.path.join(agent.run_dir, f"events.rank{rank}.jsonl"), rank)
+    for comp in comps:
+        agent.add_component(comp)
+    det = DetectorsComponent(exchange=exchange)
+    agent.add_component(det)
+    return agent, det
+
+
+def sample(det: DetectorsComponent, metric: str, alert: str) -> float:
+    for fam in det.collect():
+        for s in fam.samples:
+            if s.name == metric and s.labels["alert"] == alert:
+                return s.value
+    raise AssertionError(f"{metric}{{alert={alert}}} not exported")
+
+
+def alert_events(agent: Agent) -> list[dict]:
+    with open(agent.events.path or "", encoding="utf-8") as fh:
+        return [r for r in map(json.loads, fh) if r["kind"] == "alert"]
+
+
+def steps(total: int, last_ts: float | None = None) -> Fake:
+    return Fake("steps", total=total, last_step_ts=time.time() if last_ts is None else last_ts, durations=[0.3] * 8)
+
+
+# ------------------------------------------------------------------------------------------ outputs
+def test_every_alert_exported_from_the_start_and_clean_loop_is_quiet(tmp_path: Any) -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = Agent(model, optimizer=opt, metrics_port=-1, traces="none", run_dir=str(tmp_path), trace_every=0)
+    try:
+        agent.start()
+        agent.tick()
+        for name in cat.ALERT_NAMES:
+            labels = {"rank": "0", "pp_stage": "0", "alert": name}
+            assert agent.registry.get_sample_value("hpar_alert_active", labels) == 0.0
+            assert agent.registry.get_sample_value("hpar_alerts_total", labels) == 0.0
+        det = agent.component("detectors")
+        assert isinstance(det, DetectorsComponent) and det is agent.components[-1]
+        for _ in range(6):  # a clean loop with the real collectors: no alert, no detector error
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            agent.tick()
+        assert agent.errors.get("detectors", 0) == 0
+        assert not any(s["active"] for s in det.summary().values())
+    finally:
+        agent.stop()
+
+
+def test_memory_leak_fires_with_evidence_then_resolves(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    series: deque = deque(maxlen=64)
+    mem = Fake("memory", post_step={"rss": series})
+    agent, det = make_agent(tmp_path, comps=(steps(40), mem))
+    caplog.set_level(logging.INFO, logger="hpar_agent")
+    for s in range(40):
+        series.append((s, 10**9 + 4 * MiB * s))
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "MemoryLeak") == 1.0
+    assert sample(det, "hpar_alerts_total", "MemoryLeak") == 1.0
+    assert sample(det, "hpar_detector_value", "MemoryLeak") == pytest.approx(4 * MiB)
+    fired = alert_events(agent)
+    assert [(e["alert"], e["state"], e["rank"], e["pp_stage"]) for e in fired] == [("MemoryLeak", "firing", 0, 0)]
+    txt = [p for p in fired[0]["evidence"] if p.endswith(".pyspy.txt")]
+    assert txt, fired[0]["evidence"]
+    assert stat.S_IMODE(os.stat(txt[0]).st_mode) == 0o600
+    with open(txt[0], encoding="utf-8") as fh:
+        assert "Thread" in fh.read()  # py-spy's dump of this very process
+    rec = StepRecord(step=40, start_ns=0, end_ns=1)
+    det.on_step(rec)
+    assert rec.anomalous and rec.events[0][0] == cat.EVENT_ALERT and rec.events[0][2][cat.ATTR_ALERT] == "MemoryLeak"
+
+    series.extend((s, 10**9 + 4 * MiB * 40) for s in range(40, 80))  # flat: the leak stopped
+    for _ in range(MemoryLeak.clear):
+        agent.tick()
+    assert sample(det, "hpar_alert_active", "MemoryLeak") == 0.0
+    assert [e["state"] for e in alert_events(agent)] == ["firing", "resolved"]
+
+    series.extend((s, 10**9 + 4 * MiB * s) for s in range(80, 120))  # leaks again: fires, no new log line
+    agent.tick()
+    assert sample(det, "hpar_alerts_total", "MemoryLeak") == 2.0
+    assert alert_events(agent)[-1]["evidence"] == []  # evidence is rate-limited too
+    warnings = [r for r in caplog.records if "alert MemoryLeak firing" in r.getMessage()]
+    assert len(warnings) == 1
+    assert det.summary()["MemoryLeak"]["fired"] == 2
+
+
+def test_hang_on_no_progress_with_threshold_override(tmp_path: Any) -> None:
+    st = steps(5, last_ts=time.time() - 30)
+    agent, det = make_agent(tmp_path, comps=(st,), **{"Hang.timeout_s": 10.0})
+    agent.config.evidence = False
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "Hang") == 1.0
+    assert sample(det, "hpar_detector_value", "Hang") >= 30
+    st.last_step_ts = time.time()  # progress again
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "Hang") == 0.0
+
+
+def test_hang_default_timeout_is_not_a_checkpoint_pause(tmp_path: Any) -> None:
+    agent, det = make_agent(tmp_path, comps=(steps(50, last_ts=time.time() - 40),))
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "Hang") == 0.0
+
+
+def test_hang_on_collective_in_flight(tmp_path: Any) -> None:
+    coll = Fake("collectives", oldest_age={"dp": 90.0, "tp": 0.0}, recent_entries=deque())
+    agent, det = make_agent(tmp_path, comps=(steps(5), coll))
+    agent.config.evidence = False
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "Hang") == 1.0
+    assert det.states["Hang"].details["pg"] == "dp"
+
+
+def test_recompile_storm_and_cache_hit_ratio(tmp_path: Any) -> None:
+    comp = Fake("compile", recompiles=Counter({"size": 3}), limit_hits=0, cache=Counter(), graph_breaks=Counter())
+    st = steps(10)
+    agent, det = make_agent(tmp_path, comps=(st, comp))
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "RecompileStorm") == 0.0
+    comp.recompiles["int"] += 9  # 12 in the window
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "RecompileStorm") == 1.0
+    assert sample(det, "hpar_detector_value", "RecompileStorm") == 12.0  # counted since attach
+    # a second process: no recompiles, but the cache misses after warm-up
+    comp2 = Fake("compile", recompiles=Counter(), limit_hits=0, cache=Counter({("fx_graph", "hit"): 2}))
+    agent2, det2 = make_agent(tmp_path / "b", comps=(steps(10), comp2))
+    agent2.tick()
+    comp2.cache[("fx_graph", "miss")] += 25
+    comp2.cache[("fx_graph", "hit")] += 5
+    agent2.tick()
+    assert sample(det2, "hpar_alert_active", "RecompileStorm") == 1.0
+
+
+def test_graph_breaks_after_warmup_only(tmp_path: Any) -> None:
+    comp = Fake("compile", graph_breaks=Counter({"gb0007": 2}), break_info={"gb0170": {"reason": "item()", "user_frames": {"model.py:12"}}})
+    st = steps(1)
+    agent, det = make_agent(tmp_path, comps=(st, comp))
+    agent.tick()  # warm-up break: baseline
+    st.total = 10
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "GraphBreaks") == 0.0
+    comp.graph_breaks["gb0170"] += 1
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "GraphBreaks") == 1.0
+    assert "model.py:12" in alert_events(agent)[-1]["details"]["reasons"]["gb0170"]
+    st.total = 40  # hold_steps (20) later without a new reason: resolved
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "GraphBreaks") == 0.0
+
+
+def test_collective_latency_p99_above_slo(tmp_path: Any) -> None:
+    h = Histogram(cat.LATENCY_BUCKETS)
+    coll = Fake("collectives", hists={("dp", "all_reduce", "cpu"): h}, recent_entries=deque())
+    agent, det = make_agent(tmp_path, comps=(steps(5), coll))
+    for _ in range(100):
+        h.observe(0.02)
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "CollectiveLatencyHigh") == 0.0
+    for _ in range(10):
+        h.observe(0.4)
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "CollectiveLatencyHigh") == 1.0
+    assert sample(det, "hpar_detector_value", "CollectiveLatencyHigh") == 0.46
+
+
+def test_thresholds_override_defaults() -> None:
+    d = MemoryLeak({"MemoryLeak.window": 8, "Hang.timeout_s": 1})
+    assert d.p("window") == 8 and d.p("min_slope_bytes") == MiB
+    assert RecompileStorm().threshold == 10 and CollectiveLatencyHigh().threshold == 0.085
+    assert GraphBreaks().p("warmup_steps") == 3 and Hang().threshold == 60
+
+
+# ------------------------------------------------------------------------------------------ evidence
+def test_evidence_pyspy_json_and_rate_limit(tmp_path: Any) -> None:
+    ev = Evidence(str(tmp_path), rank=3, min_interval_s=60)
+    paths = ev.py_spy("Hang-1")
+    assert sorted(p.rsplit(".", 2)[-2:][1] for p in paths) == ["json", "txt"]
+    for p in paths:
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600 and ".rank3." in p
+    with open(next(p for p in paths if p.endswith(".json")), encoding="utf-8") as fh:
+        assert any(t.get("frames") for t in json.load(fh))
+    assert stat.S_IMODE(os.stat(tmp_path / "evidence").st_mode) == 0o700
+    assert ev.py_spy("Hang-2") == []  # rate-limited
+    assert ev.allocator_snapshot("x") == []  # no CUDA history started on CPU
+
+
+def test_evidence_fr_dump_and_missing_pyspy(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    ev = Evidence(str(tmp_path), rank=0)
+    paths = ev.fr_dump("CollectiveMismatch-1")
+    assert paths and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in paths)
+    with open(paths[0], encoding="utf-8") as fh:
+        assert "version" in json.load(fh)
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setattr("hpar_agent.evidence._beside_python", lambda name: None)
+    caplog.set_level(logging.WARNING, logger="hpar_agent")
+    assert Evidence(str(tmp_path / "b"), rank=0).py_spy("Hang-1") == []
+    assert any("py-spy not found" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------------------------------ cross-rank
+@pytest.fixture
+def store() -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def test_exchange_over_tcpstore(store: Any) -> None:
+    a, b = Exchange(store, "j1", 0), Exchange(store, "j1", 1)
+    a.publish({"fp": 1})
+    t0 = time.perf_counter()
+    assert set(b.read(range(4))) == {0}  # ranks 1-3 never published: no wait
+    assert time.perf_counter() - t0 < 1.0
+    b.publish({"fp": 2})
+    b.publish({"fp": 3})  # overwrites: one key per rank
+    got = a.read(range(2))
+    assert got[0]["fp"] == 1 and got[1]["fp"] == 3 and got[1]["rank"] == 1
+    assert a.read(range(2), max_age_s=-1) == {}  # stale payloads are dropped
+    assert Exchange(store, "other", 0).read(range(2)) == {}  # namespaced by job
+
+
+def test_compile_divergence_attributed_to_minority(store: Any, tmp_path: Any) -> None:
+    ranks = []
+    for r in range(3):
+        comp = Fake("compile", fingerprint=111 if r != 2 else 222)
+        ranks.append(make_agent(tmp_path, rank=r, world=3, comps=(steps(10), comp), exchange=Exchange(store, "job", r),
+                                coords={"dp": r, "dpn": 3}, **{"detectors.exchange_s": 0.0}))  # fmt: skip
+    for _ in range(3):  # round 1 publishes; two confirmations follow
+        for agent, _det in ranks:
+            agent.tick()
+    actives = [sample(det, "hpar_alert_active", "CompileDivergence") for _, det in ranks]
+    assert actives == [0.0, 0.0, 1.0]
+    assert sample(ranks[2][1], "hpar_detector_value", "CompileDivergence") == 2.0
+    assert ranks[2][1].states["CompileDivergence"].fired == 1 and CompileDivergence.confirm == 2
+
+
+def test_replica_divergence_dp_group(store: Any, tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    ranks = []
+    for r in range(3):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        model.load_state_dict(base.state_dict())
+        if r == 1:
+            with torch.no_grad():
+                model[1].weight.add_(1e-3)  # a block that missed its gradient all-reduce
+        ranks.append(make_agent(tmp_path, rank=r, world=3, comps=(steps(10),), exchange=Exchange(store, "job", r),
+                                coords={"dp": r, "dpn": 3}, model=model, **{"detectors.exchange_s": 0.0}))  # fmt: skip
+    for agent, det in ranks:
+        det.step_hook(10, 0)  # training thread: capture at the checksum step
+        assert agent.errors == {}
+    for _ in range(2):
+        for agent, _det in ranks:
+            agent.tick()
+    assert [sample(det, "hpar_alert_active", "ReplicaDivergence") for _, det in ranks] == [0.0, 1.0, 0.0]
+    details = ranks[1][1].states["ReplicaDivergence"].details
+    assert details["dp"]["params"] == ["1.weight"] and details["dp"]["step"] == 10
+    rep = ranks[0][1].detector(ReplicaDivergence)
+    assert rep is not None and rep.sampler.replicated() == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: Any) -> None:
+    step = 300_000_000
+    ranks = []
+    for r in range(3):
+        entries = deque(
+            {"pg": "dp", "seq": i, "op": "all_reduce", "is_p2p": False, "input_sizes": [[4]],
+             "input_dtypes": ["BFloat16" if (r == 0 and i == 7) else "Float"],
+             "time": ((i // 4) * step + i * 1_000_000 + (80_000_000 if r == 2 else 0)) / 1e9}
+            for i in range(40)
+        )  # fmt: skip
+        coll = Fake("collectives", recent_entries=entries)
+        ranks.append(make_agent(tmp_path, rank=r, world=3, comps=(steps(10), coll), exchange=Exchange(store, "job", r),
+                                coords={"dp": r, "dpn": 3}, **{"detectors.exchange_s": 0.0}))  # fmt: skip
+    for agent, _det in ranks:
+        agent.config.evidence = False
+    for _ in range(3):
+        for agent, _det in ranks:
+            agent.tick()
+    assert [sample(d, "hpar_alert_active", "CollectiveMismatch") for _, d in ranks] == [1.0, 0.0, 0.0]
+    assert ranks[0][1].states["CollectiveMismatch"].details["mismatched"][0]["seq"] == 7
+    assert [sample(d, "hpar_alert_active", "Straggler") for _, d in ranks] == [0.0, 0.0, 1.0]
+    assert sample(ranks[2][1], "hpar_detector_value", "Straggler") > 0.1

@@ -1,0 +1,218 @@
+"""Memory: RSS from /proc, the allocator behind a fake torch.cuda, post-step history, NVML degradation."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from hpar_agent.agent import Agent
+from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector, read_rss
+
+L = {"rank": "0", "pp_stage": "0"}
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _proc(tmp_path, rss_pages):
+    d = tmp_path / "proc" / "self"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "statm").write_text(f"1000 {rss_pages} 50 10 0 300 0\n")
+    return str(tmp_path / "proc")
+
+
+def test_read_rss_from_fake_proc_root(tmp_path):
+    assert read_rss(_proc(tmp_path, 25)) == 25 * PAGE
+    assert read_rss(str(tmp_path / "missing")) is None
+
+
+class FakeCuda:
+    def __init__(self, initialized=True):
+        self.initialized = initialized
+        self.allocated = 1000
+        self.reads = 0
+
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return self.initialized
+
+    def memory_allocated(self):
+        self.reads += 1
+        return self.allocated
+
+    def memory_reserved(self):
+        return 4096
+
+    def memory_stats(self):
+        self.reads += 1
+        return {
+            "allocated_bytes.all.current": self.allocated,
+            "allocated_bytes.all.peak": 5000,
+            "reserved_bytes.all.current": 4096,
+            "reserved_bytes.all.peak": 8192,
+            "active_bytes.all.current": 900,
+            "active_bytes.all.peak": 1200,
+            "num_alloc_retries": 2,
+            "num_ooms": 1,
+        }
+
+
+def _replace(agent, comp):
+    """Swap the default component of the same name for ``comp`` (one family source per scrape)."""
+    old = agent.component(comp.name)
+    old.uninstall()
+    agent.components.remove(old)
+    if old in agent._step_hooks:
+        agent._step_hooks.remove(old)
+    agent.add_component(comp)
+
+
+@pytest.fixture
+def agent(tmp_path):
+    a = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    a.start()
+    try:
+        yield a
+    finally:
+        a.stop()
+
+
+def test_post_step_history_and_allocator(agent, tmp_path):
+    root = _proc(tmp_path, 10)
+    cuda = FakeCuda()
+    mem = MemoryCollector(proc_root=root, cuda=cuda, history=3)
+    _replace(agent, mem)
+    for step in range(5):
+        cuda.allocated = 1000 * (step + 1)
+        _proc(tmp_path, 10 + step)
+        agent.on_step_boundary(step, 0)
+    agent.tick()
+    assert list(mem.post_step["allocator"]) == [(2, 3000), (3, 4000), (4, 5000)]  # bounded history
+    assert [v for _, v in mem.post_step["rss"]] == [12 * PAGE, 13 * PAGE, 14 * PAGE]
+    get = agent.registry.get_sample_value
+    assert get("hpar_memory_post_step_bytes", {**L, "source": "allocator"}) == 5000
+    assert get("hpar_memory_post_step_bytes", {**L, "source": "reserved"}) == 4096
+    assert get("hpar_host_rss_bytes", L) == 14 * PAGE
+    assert get("hpar_allocator_bytes", {**L, "kind": "active"}) == 900
+    assert get("hpar_allocator_peak_bytes", {**L, "kind": "reserved"}) == 8192
+    assert get("hpar_allocator_alloc_retries_total", L) == 2
+    assert get("hpar_allocator_ooms_total", L) == 1
+
+
+def test_allocator_untouched_until_cuda_is_initialized(agent, tmp_path):
+    cuda = FakeCuda(initialized=False)
+    mem = MemoryCollector(proc_root=_proc(tmp_path, 7), cuda=cuda)
+    _replace(agent, mem)
+    agent.on_step_boundary(0, 0)
+    agent.tick()
+    assert cuda.reads == 0
+    assert "allocator" not in mem.post_step
+    assert agent.registry.get_sample_value("hpar_allocator_bytes", {**L, "kind": "allocated"}) is None
+    assert agent.registry.get_sample_value("hpar_memory_post_step_bytes", {**L, "source": "rss"}) == 7 * PAGE
+
+
+def test_default_memory_reads_real_rss(agent):
+    agent.tick()
+    rss = agent.registry.get_sample_value("hpar_host_rss_bytes", L)
+    assert rss is not None and rss > 10 * 2**20  # a Python process with torch loaded
+
+
+def test_nvml_missing_is_down_not_an_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    a = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    a.start()
+    try:
+        a.tick()
+        get = a.registry.get_sample_value
+        assert get("hpar_agent_component_up", {**L, "component": "nvml"}) == 0
+        assert get("hpar_agent_errors_total", {**L, "component": "nvml"}) == 0
+        assert get("hpar_agent_component_up", {**L, "component": "memory"}) == 1
+        assert get("hpar_host_rss_bytes", L) > 0
+        assert get("hpar_gpu_memory_used_bytes", L) is None
+    finally:
+        a.stop()
+
+
+class NotSupported(Exception):
+    pass
+
+
+class FakeNvml:
+    NVMLError_NotSupported = NotSupported
+    NVML_TEMPERATURE_GPU = 0
+    NVML_CLOCK_SM = 1
+    NVML_CLOCK_MEM = 2
+    NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+    NVML_VOLATILE_ECC = 0
+
+    def __init__(self, fail_init=False):
+        self.fail_init = fail_init
+        self.power_calls = 0
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return ("dev", i)
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return type("M", (), {"used": 3 << 30, "total": 80 << 30})()
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [type("P", (), {"pid": os.getpid(), "usedGpuMemory": 1 << 30})()]
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return type("U", (), {"gpu": 75})()
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        self.power_calls += 1
+        raise NotSupported()
+
+    def nvmlDeviceGetTemperature(self, h, kind):
+        return 61
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        return 1980 if kind == self.NVML_CLOCK_SM else 2619
+
+    def nvmlDeviceGetTotalEccErrors(self, h, etype, counter):
+        return 4 if etype == self.NVML_MEMORY_ERROR_TYPE_CORRECTED else 0
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return 0x4 | 0x40
+
+
+def test_nvml_init_failing_is_down(agent):
+    nv = NvmlCollector(nvml=FakeNvml(fail_init=True))
+    _replace(agent, nv)
+    agent.tick()
+    assert agent.registry.get_sample_value("hpar_agent_component_up", {**L, "component": "nvml"}) == 0
+
+
+def test_nvml_fields_degrade_one_by_one(agent):
+    fake = FakeNvml()
+    nv = NvmlCollector(nvml=fake)
+    _replace(agent, nv)
+    mem = MemoryCollector()
+    _replace(agent, mem)
+    agent.on_step_boundary(0, 0)
+    agent.tick()
+    agent.tick()
+    get = agent.registry.get_sample_value
+    assert get("hpar_agent_component_up", {**L, "component": "nvml"}) == 1
+    assert get("hpar_gpu_memory_used_bytes", L) == 3 << 30
+    assert get("hpar_gpu_process_memory_bytes", L) == 1 << 30
+    assert get("hpar_gpu_utilization_ratio", L) == 0.75
+    assert get("hpar_gpu_power_watts", L) is None  # NotSupported: dropped ...
+    assert fake.power_calls == 1  # ... and never asked again
+    assert get("hpar_gpu_temperature_celsius", L) == 61
+    assert get("hpar_gpu_clock_hertz", {**L, "clock": "sm"}) == 1980e6
+    assert get("hpar_gpu_ecc_errors_total", {**L, "error_type": "corrected"}) == 4
+    assert get("hpar_gpu_throttle_active", {**L, "reason": "hw_thermal"}) == 1
+    assert get("hpar_gpu_throttle_active", {**L, "reason": "gpu_idle"}) == 0

@@ -1,0 +1,135 @@
+"""Failure injections: each reproduces its problem for real, with no monitoring involved.
+
+See config.INJECTIONS for what each one does; the model calls ``Block.inject_hook`` inside the
+compiled region, everything else is a hook installed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from .config import TrainConfig
+from .metrics import RankRecorder
+from .model import GPT, Block
+
+
+def _recompile_storm(block: Block, h: torch.Tensor) -> torch.Tensor:
+    # Dynamo treats int attributes of nn.Modules as static: every new step value fails a guard -> recompile.
+    return h + 0.0 * block.inject_tag
+
+
+def _graph_break(block: Block, h: torch.Tensor) -> torch.Tensor:
+    if h.detach().float().abs().mean().item() > 1e9:  # .item() + data-dependent branch: graph break
+        h = h * 0.5
+    return h
+
+
+def _divergent_graph(block: Block, h: torch.Tensor) -> torch.Tensor:
+    return h + torch.zeros_like(h)
+
+
+class Injector:
+    """Installs the configured injections on this rank and drives their per-step state."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, recorder: RankRecorder) -> None:
+        self.cfg, self.rank, self.rec = cfg, rank, recorder
+        self.names = set(cfg.inject)
+        self.on_rank = bool(cfg.inject) and rank == cfg.injected_rank(world_size)
+        self.step = 0
+        self._kept: list[Any] = []
+        self._slept_this_step = False
+
+    def _live(self, name: str, rank_specific: bool = True) -> bool:
+        return name in self.names and (self.on_rank or not rank_specific) and self.step >= self.cfg.inject_step
+
+    # --- build time -------------------------------------------------------------------------
+    def prepare_blocks(self, part: GPT) -> None:
+        """Set the in-graph hooks before the blocks are compiled."""
+        hook = None
+        if "recompile-storm" in self.names:
+            hook = _recompile_storm
+        elif "graph-break" in self.names:
+            hook = _graph_break
+        elif "divergent-graph" in self.names and self.on_rank:
+            hook = _divergent_graph
+        for block in part.layers.values():
+            block.inject_hook = hook
+
+    def install_forward_hooks(self, part: nn.Module) -> None:
+        """Straggler and compile-leak act on the stage's (unwrapped) forward."""
+        if self.on_rank and self.names & {"straggler", "compile-leak"}:
+            part.register_forward_pre_hook(self._pre_forward)
+
+    @contextlib.contextmanager
+    def outside_dp(self, part: GPT) -> Iterator[None]:
+        """ddp-nesting: detach the stage's first block while DP wraps it, then re-attach it."""
+        if "ddp-nesting" not in self.names:
+            yield
+            return
+        blocks = dict(part.layers.items())
+        first = next(iter(blocks))
+        del part.layers[first]
+        yield
+        part.layers = nn.ModuleDict(blocks)
+
+    def install_comm_hook(self, ddp: nn.Module, group: dist.ProcessGroup) -> None:
+        """dtype-mismatch / slow-collective act inside the DDP gradient all-reduce of the dp group."""
+        if not self.names & {"dtype-mismatch", "slow-collective"}:
+            return
+
+        def hook(_, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations here
+            if self._live("slow-collective"):
+                time.sleep(self.cfg.inject_delay)
+            bf16 = self._live("dtype-mismatch")
+            dtype = str(torch.bfloat16 if bf16 else bucket.buffer().dtype)
+            if self.rec.current.get("reduce_dtype") != dtype:
+                self.rec.current["reduce_dtype"] = dtype
+                self.rec.data["last_reduce_dtype"] = dtype
+                self.rec.flush()  # a mismatched reduce can abort the process: record it first
+            t0 = time.perf_counter()
+            fut = (default_hooks.bf16_compress_hook if bf16 else default_hooks.allreduce_hook)(group, bucket)
+
+            def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+                self.rec.current["dp_wait_s"] = self.rec.current.get("dp_wait_s", 0.0) + time.perf_counter() - t0
+                return f.value()
+
+            return fut.then(done)
+
+        ddp.register_comm_hook(None, hook)
+
+    # --- run time ---------------------------------------------------------------------------
+    def before_step(self, step: int, parts: list[GPT]) -> None:
+        self.step = step
+        self._slept_this_step = False
+        if self._live("recompile-storm", rank_specific=False):
+            for part in parts:
+                for block in part.layers.values():
+                    block.inject_tag = step
+        if self._live("tensor-leak"):
+            self._kept.append(torch.ones(self.cfg.inject_size // 4))
+            self.rec.data["leaked_bytes"] += self.cfg.inject_size
+
+    def hangs(self, step: int) -> bool:
+        return "hang" in self.names and self.on_rank and step == self.cfg.inject_step
+
+    def skip_tp_grad_sync(self) -> bool:
+        return "tp-grad-skip" in self.names
+
+    def _pre_forward(self, _: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._live("straggler") and not self._slept_this_step:
+            self._slept_this_step = True
+            time.sleep(self.cfg.inject_delay)
+        if self._live("compile-leak"):
+            buf = torch.ones(self.cfg.inject_size // 4)
+            fn = torch.compile(lambda x: x.float().mean() + buf.mean(), backend="eager")
+            fn(args[0].detach())
+            self._kept.append(fn)  # keeps the callable, its Dynamo cache entry and buf alive
+            self.rec.data["leaked_bytes"] += self.cfg.inject_size

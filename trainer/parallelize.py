@@ -1,0 +1,104 @@
+"""Apply TP -> compile -> DP to one model part (a whole model or one pipeline stage)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .config import TrainConfig
+from .inject import Injector
+from .model import GPT, Attention
+
+log = logging.getLogger(__name__)
+
+TP_PLAN = {
+    "attn.wq": ColwiseParallel(),
+    "attn.wk": ColwiseParallel(),
+    "attn.wv": ColwiseParallel(),
+    "attn.wo": RowwiseParallel(),
+    "mlp.w_in": ColwiseParallel(),
+    "mlp.w_out": RowwiseParallel(),
+}
+
+
+def _replicate_fn() -> tuple[Callable[..., Any], bool]:
+    """Composable replicate: the FSDP2-based one (torch >= 2.11) or the older DDP-based one."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        return replicate, True
+    except ImportError:
+        from torch.distributed._composable import replicate
+
+        return replicate, False
+
+
+def counting_backend(name: str, stats: dict[str, int]) -> Callable[..., Any]:
+    """Wrap a Dynamo backend so each rank can report how many graphs/ops it compiled."""
+    inner = torch._dynamo.lookup_backend(name)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        stats["graphs"] += 1
+        stats["ops"] += sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        return inner(gm, example_inputs)
+
+    return backend
+
+
+def parallelize(part: GPT, mesh: DeviceMesh, cfg: TrainConfig, injector: Injector,
+                compile_stats: dict[str, int], device: torch.device) -> nn.Module:
+    """TP -> compile -> DP, the torchtitan order.
+
+    TP first so compiled blocks trace the sharded (local-heads) computation; compile per block before
+    DP so DP hooks stay outside the graphs (torch 2.13 DDP cannot take a whole compiled stage).
+    Returns the module to call (a DDP wrapper in ddp mode, the part itself otherwise).
+    """
+    if cfg.tp > 1:
+        for block in part.layers.values():
+            parallelize_module(block, mesh["tp"], TP_PLAN)
+    injector.prepare_blocks(part)
+    if cfg.compile != "none":
+        backend = counting_backend(cfg.compile, compile_stats)
+        for block in part.layers.values():
+            block.compile(backend=backend)
+    if cfg.dp == 1:
+        log.info("dp == 1: no data parallelism applied")
+        return part
+    dp_mesh = mesh["dp"]
+    with injector.outside_dp(part):
+        if cfg.dp_mode == "ddp":
+            ids = [device.index] if device.type == "cuda" else None
+            wrapped = DDP(part, process_group=dp_mesh.get_group(), device_ids=ids)
+            injector.install_comm_hook(wrapped, dp_mesh.get_group())
+            return wrapped
+        replicate, fsdp_based = _replicate_fn()
+        if fsdp_based:
+            replicate(part, mesh=dp_mesh)
+        else:
+            replicate(part, process_group=dp_mesh.get_group())
+    return part
+
+
+def sync_tp_replicated_grads(parts: list[GPT], tp_group: dist.ProcessGroup) -> None:
+    """Sum the q/k-norm weight grads over tp: replicated params that only saw this rank's heads."""
+    grads = []
+    for part in parts:
+        for m in part.modules():
+            if isinstance(m, Attention):
+                grads += [p.grad for p in (m.q_norm.weight, m.k_norm.weight) if p.grad is not None]
+    if not grads:
+        return
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, group=tp_group)
+    for g, chunk in zip(local, flat.split([g.numel() for g in local]), strict=True):
+        g.copy_(chunk.view_as(g))

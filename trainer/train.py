@@ -1,0 +1,179 @@
+"""Training entry point: process group, mesh, model parts, loop, summary."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import TrainConfig, parse_args
+from .data import MarkovData
+from .inject import Injector
+from .metrics import RankRecorder
+from .model import GPT, ModelArgs, build_model
+from .parallelize import parallelize, sync_tp_replicated_grads
+from .pipeline import build_schedule, split_stage, stage_ids
+
+log = logging.getLogger("hpar_trainer")
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def init_distributed(cfg: TrainConfig) -> torch.device:
+    """Start the process group (torchrun env://, or a one-rank group for a plain process)."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    timeout = datetime.timedelta(seconds=cfg.pg_timeout)
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device, backend = torch.device("cuda", local), "nccl"
+    else:
+        torch.set_num_threads(1)  # ranks share the cores; more threads make TP blocks much slower
+        device, backend = torch.device("cpu"), "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return device
+
+
+def attach_observability(cfg: TrainConfig, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
+                         mesh: DeviceMesh, stages: Any) -> Any:
+    """Hook point for the hpar_agent: attach it to the built model unless --no-agent or unavailable."""
+    if cfg.no_agent:
+        return None
+    try:
+        import hpar_agent
+
+        attach = getattr(hpar_agent, "attach", None)
+        if attach is None:
+            return None
+        return attach(model_parts[0], optimizer=optimizer, mesh=mesh)
+    except Exception:
+        log.exception("attaching hpar_agent failed; training continues without it")
+        return None
+
+
+class Trainer:
+    """Builds the rank's model parts (one per owned stage) and runs the steps."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.mesh = init_device_mesh(device.type, (cfg.dp, cfg.pp, cfg.tp), mesh_dim_names=("dp", "pp", "tp"))
+        self.dp_rank = self.mesh["dp"].get_local_rank()
+        self.pp_rank = self.mesh["pp"].get_local_rank()
+        self.tp_rank = self.mesh["tp"].get_local_rank()
+        self.is_last_pp = self.pp_rank == cfg.pp - 1
+        self.is_log_rank = self.is_last_pp and self.dp_rank == 0 and self.tp_rank == 0
+        coords = {"dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}
+        self.rec = RankRecorder(cfg.out, self.rank, coords)
+        self.injector = Injector(cfg, self.rank, world, self.rec)
+        self.data = MarkovData(vocab=cfg.vocab, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed)
+        self._build()
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        args = ModelArgs(vocab=cfg.vocab, dim=cfg.dim, heads=cfg.heads, layers=cfg.layers, seq_len=cfg.seq_len)
+        full = build_model(args, cfg.seed).to(self.device, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+        self.stages = stage_ids(self.pp_rank, cfg) if cfg.pp > 1 else [0]
+        self.parts: list[GPT] = [split_stage(full, s, cfg.num_stages) for s in self.stages] if cfg.pp > 1 else [full]
+        self.modules: list[nn.Module] = []
+        for part in self.parts:
+            self.rec.forward_timer(part)
+            self.injector.install_forward_hooks(part)
+            self.modules.append(parallelize(part, self.mesh, cfg, self.injector, self.rec.compile_stats, self.device))
+        params = [p for m in self.modules for p in m.parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, foreach=False)
+        self.schedule = (build_schedule(self.modules, self.stages, cfg, self.mesh, self.device, loss_fn)
+                         if cfg.pp > 1 else None)
+        self.has_first = 0 in self.stages
+        self.has_last = cfg.num_stages - 1 in self.stages
+
+    def step(self, step: int) -> float | None:
+        """One optimizer step; returns the dp-mean loss on last-stage ranks, None elsewhere."""
+        x, y = (t.to(self.device) for t in self.data.batch(step, self.dp_rank, self.cfg.dp))
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.schedule is None:
+            loss = loss_fn(self.modules[0](x), y)
+            loss.backward()
+            local = loss.detach()
+        else:
+            losses: list[torch.Tensor] = []
+            args = (x,) if self.has_first else ()
+            if self.has_last:
+                self.schedule.step(*args, target=y, losses=losses)
+            else:
+                self.schedule.step(*args)
+            local = torch.stack(losses).mean().detach() if self.has_last else None
+        if self.cfg.tp > 1 and not self.injector.skip_tp_grad_sync():
+            sync_tp_replicated_grads(self.parts, self.mesh["tp"].get_group())
+        self.optimizer.step()
+        if local is None:
+            return None
+        # Loss is a logging value only: mean over the dp replicas of the last stage (same tp/pp coords).
+        total = local.float().clone()
+        if self.cfg.dp > 1:
+            dist.all_reduce(total, group=self.mesh["dp"].get_group())
+        return float(total) / self.cfg.dp
+
+    def run(self) -> list[float | None]:
+        losses: list[float | None] = []
+        for step in range(self.cfg.steps):
+            self.rec.begin_step(step)
+            self.injector.before_step(step, self.parts)
+            t0 = time.perf_counter()
+            if self.injector.hangs(step):
+                log.warning("rank %d: injected hang: skipping step %d's collectives", self.rank, step)
+                dist.barrier()  # the peers are inside step collectives: nobody completes
+            loss = self.step(step)
+            dt = time.perf_counter() - t0
+            losses.append(loss)
+            self.rec.end_step(dt, loss)
+            if self.is_log_rank and (step % self.cfg.log_every == 0 or step == self.cfg.steps - 1):
+                log.info("step %d loss %.4f step_time %.3fs", step, loss, dt)
+        self.rec.finish(self.parts)
+        return losses
+
+    def write_summary(self, losses: list[float | None]) -> None:
+        """Rank 0 writes --out with the log rank's losses (one object broadcast at the end)."""
+        log_rank = int(self.mesh.mesh[0, self.cfg.pp - 1, 0])
+        box = [losses]
+        dist.broadcast_object_list(box, src=log_rank)
+        if self.rank == 0 and self.cfg.out:
+            summary = {"config": self.cfg.to_dict(), "world_size": dist.get_world_size(), "losses": box[0],
+                       "step_times": [s["step_s"] for s in self.rec.data["steps"]]}
+            Path(self.cfg.out).write_text(json.dumps(summary, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    device = init_distributed(cfg)
+    try:
+        trainer = Trainer(cfg, device)
+        attach_observability(cfg, trainer.modules, trainer.optimizer, trainer.mesh, trainer.schedule)
+        losses = trainer.run()
+        trainer.write_summary(losses)
+    except Exception as e:
+        traceback.print_exc()
+        sys.stderr.write(f"hpar-train: rank {dist.get_rank()}: error: {type(e).__name__}: {str(e).splitlines()[0]}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)  # never block in process-group teardown after a failed collective
+    dist.destroy_process_group()
+    return 0
