@@ -190,11 +190,15 @@ class Agent:
         if steps is not None:
             steps.tokens_pending += tokens  # type: ignore[attr-defined]
 
-    def watch_pipeline(self, stages: Iterable[Any], schedule: Any = None) -> None:
-        """Time every forward/backward chunk of these PipelineStages (per stage and microbatch)."""
+    def watch_pipeline(self, stages: Iterable[Any] = (), schedule: Any = None) -> None:
+        """Time every forward/backward chunk of these PipelineStages, or of the schedule's stages."""
         pipe = self.component("pipeline")
-        if pipe is not None:
-            self.guard("pipeline", pipe.watch, list(stages), schedule)  # type: ignore[attr-defined]
+        if pipe is None:
+            return
+        stages = list(stages)
+        if schedule is not None and not stages:
+            stages = list(getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)])
+        self.guard("pipeline", pipe.watch, [s for s in stages if s is not None], schedule)  # type: ignore[attr-defined]
 
     def component(self, name: str) -> Component | None:
         for c in self.components:

@@ -521,7 +521,7 @@ _CSS = """
 body{font-family:system-ui,sans-serif;margin:0 2em 2em;color:#222}
 h1{margin-bottom:.2em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
 table{border-collapse:collapse;font-size:13px;margin:.5em 0} th,td{border:1px solid #ddd;padding:3px 8px;
-text-align:left;vertical-align:top} th{background:#f4f4f4} pre{margin:0;white-space:pre-wrap;max-width:90em}
+text-align:left;vertical-align:top} th{background:#f4f4f4} pre{margin:0;white-space:pre-wrap;overflow-wrap:anywhere;max-width:90em}
 .plot{min-height:380px} .none{color:#888} .state-firing,.state-active{color:#b00;font-weight:bold}
 .state-resolved,.state-inactive{color:#070} .missing{color:#b00} .meta{color:#555}
 """

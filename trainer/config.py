@@ -25,11 +25,11 @@ INJECTIONS: dict[str, str] = {
     "heads) is skipped, so tp replicas drift (all ranks; tp >= 2)",
     "dtype-mismatch": "from --inject-step the inject rank's DDP comm hook all-reduces gradient buckets in "
     "bf16 while peers use fp32; gloo aborts on the size mismatch (dp >= 2, --dp-mode ddp)",
-    "compile-leak": "the inject rank compiles a fresh callable per microbatch (eager backend) capturing "
+    "compile-leak": "from --inject-step the inject rank compiles a fresh callable per microbatch (eager backend) capturing "
     "--inject-size bytes and keeps it alive: RSS and Dynamo frames grow",
-    "tensor-leak": "the inject rank keeps --inject-size bytes of tensors alive every step: RSS grows",
-    "straggler": "the inject rank sleeps --inject-delay inside its first forward of every step",
-    "slow-collective": "the inject rank sleeps --inject-delay before every DP gradient all-reduce "
+    "tensor-leak": "from --inject-step the inject rank keeps --inject-size bytes of tensors alive every step: RSS grows",
+    "straggler": "from --inject-step the inject rank sleeps --inject-delay inside its first forward of every step",
+    "slow-collective": "from --inject-step the inject rank sleeps --inject-delay before every DP gradient all-reduce "
     "(dp group, DDP comm hook): peers wait inside the collective (dp >= 2, --dp-mode ddp)",
     "hang": "at --inject-step the inject rank skips the step's collectives and waits in a world barrier "
     "the peers never reach: every rank fails after --pg-timeout (default 20 s in this mode)",

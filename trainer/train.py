@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -52,20 +53,33 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
 
 
 def attach_observability(cfg: TrainConfig, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
-                         mesh: DeviceMesh, stages: Any) -> Any:
-    """Hook point for the hpar_agent: attach it to the built model unless --no-agent or unavailable."""
+                         mesh: DeviceMesh, schedule: Any) -> Any:
+    """Attach the hpar_agent to the built model (unless --no-agent); it must never stop training."""
     if cfg.no_agent:
         return None
     try:
         import hpar_agent
 
-        attach = getattr(hpar_agent, "attach", None)
-        if attach is None:
-            return None
-        return attach(model_parts[0], optimizer=optimizer, mesh=mesh)
+        agent = hpar_agent.attach(model_parts[0], optimizer=optimizer, mesh=mesh)
+        if schedule is not None:
+            agent.watch_pipeline(schedule=schedule)
+        return agent
+    except ValueError:
+        raise  # a bad explicit setting: the user must fix it
     except Exception:
         log.exception("attaching hpar_agent failed; training continues without it")
         return None
+
+
+def detach_observability(timeout: float = 15.0) -> None:
+    """Flush the agent (traces, summary) in bounded time, also after a failed collective."""
+    try:
+        import hpar_agent
+    except ImportError:
+        return
+    worker = threading.Thread(target=hpar_agent.detach, name="hpar-detach", daemon=True)
+    worker.start()
+    worker.join(timeout)
 
 
 class Trainer:
@@ -83,6 +97,7 @@ class Trainer:
         coords = {"dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}
         self.rec = RankRecorder(cfg.out, self.rank, coords)
         self.injector = Injector(cfg, self.rank, world, self.rec)
+        self.agent: Any = None  # set by attach_observability
         self.data = MarkovData(vocab=cfg.vocab, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed)
         self._build()
 
@@ -122,6 +137,8 @@ class Trainer:
             local = torch.stack(losses).mean().detach() if self.has_last else None
         if self.cfg.tp > 1 and not self.injector.skip_tp_grad_sync():
             sync_tp_replicated_grads(self.parts, self.mesh["tp"].get_group())
+        if self.agent is not None:
+            self.agent.report_tokens(self.cfg.global_batch // self.cfg.dp * self.cfg.seq_len)
         self.optimizer.step()
         if local is None:
             return None
@@ -166,12 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     device = init_distributed(cfg)
     try:
         trainer = Trainer(cfg, device)
-        attach_observability(cfg, trainer.modules, trainer.optimizer, trainer.mesh, trainer.schedule)
+        trainer.agent = attach_observability(cfg, trainer.modules, trainer.optimizer, trainer.mesh, trainer.schedule)
         losses = trainer.run()
         trainer.write_summary(losses)
+        detach_observability()
     except Exception as e:
         traceback.print_exc()
         sys.stderr.write(f"hpar-train: rank {dist.get_rank()}: error: {type(e).__name__}: {str(e).splitlines()[0]}\n")
+        detach_observability()
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)  # never block in process-group teardown after a failed collective

@@ -133,6 +133,7 @@ class CollectiveCollector(Component):
         self.buffers = (self.p2p_buffer, self.step_buffer)
         self.max_pgs = max_pgs
         self.max_pending = max_pending
+        self.pg_timeout_s: float | None = None
         self.recent_entries: deque[dict[str, Any]] = deque(maxlen=recent)
         self.counts: Counter[tuple[str, str]] = Counter()
         self.bytes: Counter[tuple[str, str]] = Counter()
@@ -306,6 +307,9 @@ class CollectiveCollector(Component):
                 seq_gaps[pg] += seq - last - 1
             self._seq[(rec, pg, is_p2p)] = max(seq, last if last is not None else seq)
             created = int(e.get("time_created_ns") or 0)
+            if e.get("timeout_ms"):  # the Hang detector must fire before the watchdog aborts
+                t = float(e["timeout_ms"]) / 1e3
+                self.pg_timeout_s = t if self.pg_timeout_s is None else min(self.pg_timeout_s, t)
             opened = self._open.setdefault(pg, {})
             if not is_p2p and len(opened) < self.max_pending:
                 opened[seq] = created  # in-flight age counts ops from before attach too
@@ -346,9 +350,7 @@ class CollectiveCollector(Component):
         item = _Op(pg, op, seq, nbytes, max(nbytes, out_bytes), created, comm_stream_label(pg, backend))
         item.size = self._size(name)
         if e.get("duration_ms") is not None:
-            self._finish(
-                item, int(e.get("time_discovered_started_ns") or created), float(e["duration_ms"]) / 1e3
-            )
+            self._finish(item, float(e["duration_ms"]) / 1e3)
         elif rec == "nccl" and e.get("state") != "completed" and len(self._pending_fr) < self.max_pending:
             self._pending_fr[(rec, int(e["record_id"]))] = item
 
@@ -360,11 +362,7 @@ class CollectiveCollector(Component):
                 del self._pending_fr[key]
             elif e.get("duration_ms") is not None:
                 item = self._pending_fr.pop(key)
-                self._finish(
-                    item,
-                    int(e.get("time_discovered_started_ns") or item.start_ns),
-                    float(e["duration_ms"]) / 1e3,
-                )
+                self._finish(item, float(e["duration_ms"]) / 1e3)
             elif e.get("state") == "completed":
                 del self._pending_fr[key]  # completed without timing (TORCH_NCCL_ENABLE_TIMING off)
 
@@ -395,13 +393,16 @@ class CollectiveCollector(Component):
                 for wid, was_done in done:
                     for item in self._pending_p2p.pop(wid, ()):
                         end = t_enter if was_done else t_exit
-                        self._finish(item, item.start_ns, max(0, end - item.start_ns) / 1e9)
+                        self._finish(item, max(0, end - item.start_ns) / 1e9)
 
-    def _finish(self, item: _Op, start_ns: int, seconds: float) -> None:
-        """A timed op: histogram (with the step's trace id as exemplar), busbw and a span."""
+    def _finish(self, item: _Op, seconds: float) -> None:
+        """A timed op: histogram (with the step's trace id as exemplar), busbw and a span starting at
+        enqueue (``item.start_ns``), in the step it was enqueued in. NCCL's ``time_discovered_started_ns``
+        is when the watchdog noticed, which lagged by whole steps on the H200, so it is not used."""
+        start_ns = item.start_ns
         agent = self.agent
         assert agent is not None
-        step = self.step_of(start_ns)
+        step = self.step_of(item.start_ns)
         every = agent.config.trace_every
         exemplar = trace_id_hex(agent.topology.job_id, step) if every > 0 and step % every == 0 else None
         hist = self.hists.setdefault((item.pg, item.op, item.stream), Histogram(LATENCY_BUCKETS))

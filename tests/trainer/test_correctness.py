@@ -24,7 +24,7 @@ def dp2_tp2(launch):
     ("--tp", "2", "--pp", "2"),
     ("--dp", "2", "--pp", "2", "--schedule", "gpipe"),
     ("--dp", "2", "--pp", "2", "--schedule", "1f1b"),
-    ("--pp", "2", "--schedule", "interleaved-1f1b", "--compile", "aot_eager"),
+    ("--pp", "2", "--schedule", "interleaved-1f1b", "--compile", "eager"),
 ], ids=lambda a: "-".join(x.strip("-") for x in a))
 def test_layout_matches_single_rank(launch, reference, layout):
     nproc = 1

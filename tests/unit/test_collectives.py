@@ -93,7 +93,9 @@ def fake(monkeypatch, tmp_path):
 
 def test_reads_entries_once_times_them_and_attaches_spans(fake):
     rec, agent, c = fake
+    agent.step()  # the ops below run in step 1
     rec.add(0, 1, "1", "mesh_dp", 1, n=1000, dur=2.0)
+    rec.entries[0]["time_discovered_started_ns"] += 10**12  # discovered late: must not move the step
     rec.add(1, 2, "3", "mesh_tp", 1, name="nccl:_allgather_base", n=10)
     agent.tick()
     agent.tick()  # nothing new: must not count again
@@ -108,7 +110,7 @@ def test_reads_entries_once_times_them_and_attaches_spans(fake):
     bw = get("hpar_collective_busbw_bytes_per_second", {**L, "pg": "dp", "op": "all_reduce"})
     assert bw == pytest.approx(4000 / 0.002 * 1.5)
     spans = [s for ss in agent._pending_spans.values() for s in ss]
-    assert [s.name for s in spans] == ["collective.all_reduce"]
+    assert [(s.name, s.step) for s in spans] == [("collective.all_reduce", 1)]
     assert spans[0].attributes["collective.pg"] == "dp" and spans[0].attributes["cuda.stream"] == "nccl:dp"
     assert [(e["pg"], e["seq"], e["op"]) for e in c.recent_entries] == [
         ("dp", 1, "all_reduce"),
