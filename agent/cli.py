@@ -42,6 +42,11 @@ def _demo(args: argparse.Namespace) -> int:
     trainer = json.loads(out.read_text()) if out.exists() else {}
     ranks = load_rank_summaries(run_dir)
     print(render_summary(trainer, ranks, run_dir, wall, proc.returncode))
+    from hpar_agent.report import write_report
+
+    page = write_report(run_dir)
+    if page is not None:
+        print(f"  report: {page}  (open it in a browser; no server needed)")
     return 0 if proc.returncode == 0 or args.inject else proc.returncode
 
 

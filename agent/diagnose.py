@@ -32,6 +32,8 @@ EXPECTED: dict[str, str] = {
 #: 4 CPU ranks, every dimension a failure needs: dp peers, tp peers, compiled blocks.
 LAYOUT = ["--dp", "2", "--tp", "2", "--pp", "1", "--compile", "aot_eager", "--log-every", "10"]
 STEPS = {"hang": 12, "compile-leak": 40, "tensor-leak": 40}
+#: modes that act through a DDP comm hook need DDP rather than the default composable replicate.
+NEEDS_DDP = {"dtype-mismatch", "slow-collective"}
 
 
 @dataclass
@@ -92,8 +94,8 @@ def diagnose(injection: str, run_dir: Path, *, steps: int = 0, timeout: float = 
         "--out", str(run_dir / "trainer.json"),
         *(extra or []),
     ]  # fmt: skip
-    if injection == "hang":
-        args += ["--pg-timeout", "30"]
+    if injection in NEEDS_DDP:
+        args += ["--dp-mode", "ddp"]
     env = {"HPAR_RUN_DIR": str(run_dir), "HPAR_JOB_ID": run_dir.name, "HPAR_METRICS_PORT": "0"}
     t0 = time.time()
     proc = run_trainer(4, args, env=env, timeout=timeout, capture=True)

@@ -89,4 +89,96 @@ def _render_generic(name: str, ranks: list[dict[str, Any]]) -> list[str]:
     return lines if len(lines) > 1 else []
 
 
-RENDERERS: dict[str, Any] = {}
+def _render_compile(name: str, ranks: list[dict[str, Any]]) -> list[str]:
+    """Per pipeline stage: graphs, breaks with reasons and user frames, recompiles, compile time."""
+    by_stage: dict[Any, list[dict[str, Any]]] = {}
+    for r in ranks:
+        if r.get("components", {}).get(name):
+            by_stage.setdefault(r.get("pp_stage"), []).append(r)
+    if not by_stage:
+        return []
+    lines = ["torch.compile per stage:"]
+    for stage, members in sorted(by_stage.items()):
+        digests = [m["components"][name] for m in members]
+        graphs = sorted({d.get("graphs", 0) for d in digests})
+        secs = max(d.get("compile_seconds_total", 0.0) for d in digests)
+        recompiles = sum(rc["count"] for d in digests for rc in d.get("recompiles", []))
+        fingerprints = {d.get("fingerprint") for d in digests}
+        lines.append(
+            f"  stage {stage}: graphs {'/'.join(map(str, graphs))}, compile time up to {secs:.1f} s, "
+            f"recompiles {recompiles} (all ranks), fingerprints {'equal' if len(fingerprints) == 1 else 'DIFFER'}"
+        )
+        breaks: dict[str, dict[str, Any]] = {}
+        for d in digests:
+            for b in d.get("graph_breaks", []):
+                entry = breaks.setdefault(b["reason"], {"count": 0, "frames": set(), "message": b.get("message", "")})
+                entry["count"] += b.get("count", 0)
+                entry["frames"].update(b.get("user_frames", []))
+        for key, b in sorted(breaks.items()):
+            frames = ", ".join(sorted(b["frames"])[:3]) or "-"
+            lines.append(f"    graph break {key} x{b['count']}: {str(b['message'])[:90]} at {frames}")
+        reasons: dict[str, int] = {}
+        for d in digests:
+            for rc in d.get("recompiles", []):
+                reasons[rc["reason"]] = reasons.get(rc["reason"], 0) + rc["count"]
+        for key, n in sorted(reasons.items()):
+            lines.append(f"    recompile ({key}) x{n}")
+    return lines
+
+
+def _render_collectives(name: str, ranks: list[dict[str, Any]]) -> list[str]:
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in ranks:
+        for t in r.get("components", {}).get(name, {}).get("table", []):
+            row = rows.setdefault((t["pg"], t["op"]), {"count": 0, "timed": 0, "p50": [], "p99": [], "bw": []})
+            row["count"] += t["count"]
+            row["timed"] += t.get("timed", 0)
+            for key, src in (("p50", "p50_s"), ("p99", "p99_s"), ("bw", "busbw_bytes_per_s")):
+                if t.get(src) is not None:
+                    row[key].append(t[src])
+    if not rows:
+        return []
+    table = []
+    for (pg, op), row in sorted(rows.items()):
+        bw = max(row["bw"]) if row["bw"] else None
+        table.append([
+            pg, op, row["count"], row["timed"],
+            _fmt_s(max(row["p50"])) if row["p50"] else "-", _fmt_s(max(row["p99"])) if row["p99"] else "-",
+            f"{bw / 1e9:.2f} GB/s" if bw else "-",
+        ])  # fmt: skip
+    return [
+        "collectives (all ranks; p50/p99 are histogram bucket bounds, worst rank):",
+        *_table(["pg", "op", "count", "timed", "p50", "p99", "busbw"], table),
+    ]
+
+
+def _render_detectors(name: str, ranks: list[dict[str, Any]]) -> list[str]:
+    fired = []
+    for r in ranks:
+        for alert, st in r.get("components", {}).get(name, {}).items():
+            if st.get("fired"):
+                evidence = ", ".join(Path(e).name for e in st.get("evidence", [])) or "-"
+                fired.append([alert, r.get("rank"), r.get("pp_stage"), st.get("fired"), st.get("last_fired_step"), evidence])
+    if not fired:
+        n = len({a for r in ranks for a in r.get("components", {}).get(name, {})})
+        return [f"alerts: none fired ({n} detectors ran on every rank)"] if n else []
+    return ["alerts:", *_table(["alert", "rank", "stage", "times", "step", "evidence"], fired)]
+
+
+def _render_memory(name: str, ranks: list[dict[str, Any]]) -> list[str]:
+    rows = []
+    for r in ranks:
+        d = r.get("components", {}).get(name, {})
+        last = d.get("post_step_last", {})
+        if last:
+            rows.append([r.get("rank"), *(f"{last[k] / 2**20:.0f} MiB" if k in last else "-" for k in ("rss", "allocator", "nvml"))])
+    return ["memory after the last step:", *_table(["rank", "rss", "allocator", "nvml"], rows)] if rows else []
+
+
+RENDERERS: dict[str, Any] = {
+    "compile": _render_compile,
+    "collectives": _render_collectives,
+    "detectors": _render_detectors,
+    "memory": _render_memory,
+    "nvml": lambda _name, _ranks: [],
+}

@@ -199,24 +199,30 @@ def main(argv: list[str] | None = None) -> int:
         runs.append({"arm": arm, "pair": pair, "step_s": st, "wall_s": time.perf_counter() - t0})
         print(f"[{i + 1}/{len(schedule)}] {arm:8} pair {pair:2}: step {st * 1e3:9.2f} ms "
               f"(run {time.perf_counter() - t0:5.1f} s)", flush=True)
-    ratios = summarize(runs, arms)
-    off = [r["step_s"] for r in runs if r["arm"] == "off"]
-    result = {
-        "config": name, "trainer_args": cfg["args"], "steps": cfg["steps"], "skip": cfg["skip"],
-        "nproc": cfg["nproc"], "mode": "in-process" if inprocess else "torchrun", "pairs": a.pairs,
-        "torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d", time.gmtime(t_start)),
-        "wall_s": time.time() - t_start, "off_step_s_median": statistics.median(off), "ratios": ratios,
-        "runs": runs,
-    }  # fmt: skip
+        result = report(name, cfg, a.pairs, inprocess, t_start, runs, arms)
+        if a.json:  # after every run: a run cut short by a time limit still leaves its figures
+            Path(a.json).write_text(json.dumps(result, indent=1))
     print(f"\nconfig {name} ({result['mode']}, {cfg['nproc']} rank(s), torch {torch.__version__}, "
           f"{result['device']}); off step time median {result['off_step_s_median'] * 1e3:.2f} ms")
     print(f"{'arm':10} {'ratio vs off (median)':>22} {'min':>8} {'max':>8} {'pairs':>6}")
-    for arm, s in ratios.items():
+    for arm, s in result["ratios"].items():
         print(f"{arm:10} {s['median']:22.4f} {s['min']:8.4f} {s['max']:8.4f} {s['pairs']:6d}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def report(name: str, cfg: dict[str, Any], pairs: int, inprocess: bool, t_start: float,
+           runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
+    """The JSON result: configuration, environment, per-arm ratios and every run."""
+    ratios = summarize(runs, arms)
+    off = [r["step_s"] for r in runs if r["arm"] == "off"]
+    return {
+        "config": name, "trainer_args": cfg["args"], "steps": cfg["steps"], "skip": cfg["skip"],
+        "nproc": cfg["nproc"], "mode": "in-process" if inprocess else "torchrun", "pairs": pairs,
+        "torch": torch.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d", time.gmtime(t_start)),
+        "wall_s": time.time() - t_start, "off_step_s_median": statistics.median(off) if off else None,
+        "ratios": ratios, "runs": runs,
+    }  # fmt: skip
 
 
 def child(argv: list[str]) -> int:

@@ -7,6 +7,7 @@ compiled region, everything else is a hook installed here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +37,13 @@ def _divergent_graph(block: Block, h: torch.Tensor) -> torch.Tensor:
     return h + torch.zeros_like(h)
 
 
+def _chain(hooks: tuple[Any, ...], block: Block, h: torch.Tensor) -> torch.Tensor:
+    """Several in-graph injections at once (e.g. recompile-storm with graph-break)."""
+    for hook in hooks:
+        h = hook(block, h)
+    return h
+
+
 class Injector:
     """Installs the configured injections on this rank and drives their per-step state."""
 
@@ -53,13 +61,10 @@ class Injector:
     # --- build time -------------------------------------------------------------------------
     def prepare_blocks(self, part: GPT) -> None:
         """Set the in-graph hooks before the blocks are compiled."""
-        hook = None
-        if "recompile-storm" in self.names:
-            hook = _recompile_storm
-        elif "graph-break" in self.names:
-            hook = _graph_break
-        elif "divergent-graph" in self.names and self.on_rank:
-            hook = _divergent_graph
+        hooks = [fn for name, fn in (("recompile-storm", _recompile_storm), ("graph-break", _graph_break)) if name in self.names]
+        if "divergent-graph" in self.names and self.on_rank:
+            hooks.append(_divergent_graph)
+        hook = None if not hooks else hooks[0] if len(hooks) == 1 else functools.partial(_chain, tuple(hooks))
         for block in part.layers.values():
             block.inject_hook = hook
 

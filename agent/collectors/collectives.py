@@ -474,8 +474,20 @@ class CollectiveCollector(Component):
         yield un
 
     def summary(self) -> dict:
+        table = []
+        for (pg, op), n in sorted(self.counts.items()):
+            merged = [h for (hpg, hop, _stream), h in self.hists.items() if (hpg, hop) == (pg, op)]
+            hist = merged[0] if len(merged) == 1 else None
+            table.append({
+                "pg": pg, "op": op, "count": n, "bytes": self.bytes[(pg, op)],
+                "timed": sum(h.count for h in merged),
+                "p50_s": hist.quantile(0.5) if hist and hist.count else None,
+                "p99_s": hist.quantile(0.99) if hist and hist.count else None,
+                "busbw_bytes_per_s": self.last_busbw.get((pg, op)),
+            })  # fmt: skip
         return {
             "recorders": self.recorders,
+            "table": table,
             "ops": {f"{pg}/{op}": n for (pg, op), n in sorted(self.counts.items())},
             "timed": self.timed,
             "unobserved": dict(self.unobserved),

@@ -1,0 +1,318 @@
+"""GPU validation of the agent's numbers against independent sources (one rank, NCCL, the device run).
+
+Checks, each printed with its figures and written to ``--json``:
+  collectives  explicit ``dist.all_reduce`` / ``all_gather_into_tensor`` on a few sizes with
+               TORCH_NCCL_ENABLE_TIMING=1: the flight recorder has ``duration_ms``, and the agent's
+               ``hpar_collective_duration_seconds`` mean per op is compared with torch.profiler's device
+               time of the same ops (NCCL kernels, or what NCCL ran instead at world size 1)
+  nvml         ``hpar_gpu_*`` series non-zero, from the registry and from the live /metrics endpoint
+  cuda_leak    CUDA tensors held every step from a named function: MemoryLeak fires (allocator/NVML) and
+               the allocator snapshot's frames name that function
+  trainer_leak the trainer's ``--inject tensor-leak`` / ``--inject compile-leak`` (torchrun, 1 rank):
+               MemoryLeak fires; the step, source, evidence files and whether the allocator snapshot
+               names the trainer's inject module
+  trainer      one-rank trainer ``--compile inductor --dtype bf16``: step time, loss first/last
+Why in one process (except the trainer runs): one rank cannot hold two NCCL groups' GPUs twice, and
+world size 1 needs no launcher. ``--cpu-smoke`` runs every check on CPU (gloo, tiny model, no
+profiler device times, no NVML) so the script is tested before the one device call.
+
+    TORCH_NCCL_ENABLE_TIMING=1 python benchmarks/gpu_validate.py --json gpu-validate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")  # read when the NCCL group is created
+
+import torch
+import torch.distributed as dist
+
+import hpar_agent
+from hpar_agent.torch_compat import flight_recorder as fr
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import CONFIGS  # the benchmark's model sizes, shared
+
+MiB = 1 << 20
+COMM_KERNEL = re.compile(r"nccl|onerank", re.I)
+COPY = re.compile(r"memcpy|memset", re.I)
+
+
+def sample_sum(agent: hpar_agent.Agent, sample: str, **labels: str) -> float:
+    """Sum of a sample over every series whose labels include ``labels`` (from the agent's registry)."""
+    total = 0.0
+    for fam in agent.registry.collect():
+        for s in fam.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def device_events(prof: Any) -> list[tuple[str, float]]:
+    """(name, µs) of every device-side event (kernels, memcpy/memset) a profile recorded."""
+    out = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out.append((e.name, float(e.time_range.elapsed_us())))
+    return out
+
+
+def check_collectives(agent: hpar_agent.Agent, device: torch.device, reps: int) -> dict[str, Any]:
+    """Agent (FR duration_ms) vs torch.profiler device time per op, per (op, size)."""
+    cuda = device.type == "cuda"
+    results = []
+    variants = [("all_reduce", "sum"), ("all_reduce", "avg"), ("all_gather", "-")]
+    sizes = (1 * MiB, 16 * MiB, 128 * MiB) if cuda else (64 * 1024,)
+    last_rid = -1
+    for op, red in variants:
+        for nbytes in sizes:
+            x = torch.ones(nbytes // 4, device=device)
+            outbuf = torch.empty_like(x)
+            before = (sample_sum(agent, "hpar_collective_duration_seconds_sum", op=op),
+                      sample_sum(agent, "hpar_collective_duration_seconds_count", op=op))
+
+            rop = dist.ReduceOp.AVG if red == "avg" else dist.ReduceOp.SUM
+            collective = (lambda: dist.all_gather_into_tensor(outbuf, x)) if op == "all_gather" else (  # noqa: B023
+                lambda: dist.all_reduce(x, op=rop))  # noqa: B023
+            collective()  # warm-up outside the profile
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            with torch.profiler.profile(activities=acts) as prof:
+                for _ in range(reps):
+                    collective()
+                if cuda:
+                    torch.cuda.synchronize()
+            deadline = time.monotonic() + 10
+            while True:  # the watchdog stamps duration_ms after completion: poll until all are timed
+                agent.tick()
+                got = sample_sum(agent, "hpar_collective_duration_seconds_count", op=op) - before[1]
+                if got >= reps + 1 or time.monotonic() > deadline or not cuda:
+                    break
+                time.sleep(0.1)
+            d_sum = sample_sum(agent, "hpar_collective_duration_seconds_sum", op=op) - before[0]
+            d_cnt = sample_sum(agent, "hpar_collective_duration_seconds_count", op=op) - before[1]
+            entries = [e for e in fr.dump(fr.available_recorders()[-1]).get("entries", [])
+                       if e.get("record_id", -1) > last_rid]
+            if entries:
+                last_rid = max(e["record_id"] for e in entries)
+            fr_ms = [float(e["duration_ms"]) for e in entries if e.get("duration_ms") is not None]
+            dev = device_events(prof)
+            names = sorted({n for n, _ in dev})
+            comm = [us for n, us in dev if COMM_KERNEL.search(n)] or [us for n, us in dev if COPY.search(n)]
+            prof_us = sum(comm) / reps if comm else None
+            agent_us = d_sum / d_cnt * 1e6 if d_cnt else None
+            row = {
+                "op": op, "reduce": red, "bytes": nbytes, "reps": reps + 1, "fr_entries": len(entries),
+                "fr_timed": len(fr_ms), "fr_median_us": statistics.median(fr_ms) * 1e3 if fr_ms else None,
+                "agent_timed": d_cnt, "agent_mean_us": agent_us, "profiler_device_us_per_op": prof_us,
+                "profiler_device_events": names[:8],
+                "ratio_agent_to_profiler": agent_us / prof_us if agent_us and prof_us else None,
+            }  # fmt: skip
+            results.append(row)
+            print(f"  {op:10} {red:3} {nbytes / MiB:7.2f} MiB: FR timed {len(fr_ms):2}/{len(entries):2} "
+                  f"median {_fmt(row['fr_median_us'])} us; agent {int(d_cnt):2} timed, mean {_fmt(agent_us)} us; "
+                  f"profiler {_fmt(prof_us)} us/op ({', '.join(n[:40] for n in names[:3]) or 'no device events'})"
+                  f"; ratio {_fmt(row['ratio_agent_to_profiler'], '.3f')}", flush=True)
+    ratios = [r["ratio_agent_to_profiler"] for r in results if r["ratio_agent_to_profiler"]]
+    return {
+        "rows": results,
+        "fr_durations_present": any(r["fr_timed"] for r in results),
+        "median_ratio_agent_to_profiler": statistics.median(ratios) if ratios else None,
+    }
+
+
+def check_nvml(agent: hpar_agent.Agent) -> dict[str, Any]:
+    agent.tick()
+    names = ("hpar_gpu_memory_used_bytes", "hpar_gpu_memory_total_bytes", "hpar_gpu_process_memory_bytes",
+             "hpar_gpu_utilization_ratio", "hpar_gpu_power_watts", "hpar_gpu_temperature_celsius",
+             "hpar_gpu_clock_hertz")
+    values = {n: sample_sum(agent, n) for n in names}
+    scraped: dict[str, float] = {}
+    if agent.metrics_url:
+        text = urllib.request.urlopen(agent.metrics_url, timeout=5).read().decode()
+        for line in text.splitlines():
+            m = re.match(r"^(hpar_gpu_[a-z_]+)\{[^}]*\} ([0-9.eE+-]+)$", line)
+            if m:
+                scraped[m.group(1)] = scraped.get(m.group(1), 0.0) + float(m.group(2))
+    real = all(values[n] > 0 for n in ("hpar_gpu_memory_used_bytes", "hpar_gpu_process_memory_bytes",
+                                       "hpar_gpu_power_watts"))
+    for n in names:
+        print(f"  {n:34} registry {values[n]:.4g}  /metrics {scraped.get(n, float('nan')):.4g}")
+    return {"registry": values, "scraped": scraped, "real": real}
+
+
+def _leak_cuda_tensor(kept: list[torch.Tensor], nbytes: int, device: torch.device) -> None:
+    """The leak site the allocator snapshot must name."""
+    kept.append(torch.ones(nbytes // 4, device=device))
+
+
+def alert_events(run_dir: str, alert: str) -> list[dict[str, Any]]:
+    out = []
+    for path in Path(run_dir).glob("events.rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") == "alert" and rec.get("alert") == alert:
+                out.append(rec)
+    return out
+
+
+def snapshot_sites(paths: list[str], pattern: str) -> dict[str, Any]:
+    """Frames (file:line name) of allocator-snapshot blocks/traces matching ``pattern``."""
+    hits: dict[str, int] = {}
+    pickles = [p for p in paths if p.endswith(".pickle")]
+    for p in pickles:
+        snap = pickle.loads(Path(p).read_bytes())
+        frame_lists = [b.get("frames", []) for seg in snap.get("segments", []) for b in seg.get("blocks", [])]
+        frame_lists += [t.get("frames", []) for dev in snap.get("device_traces", []) for t in dev]
+        for frames in frame_lists:
+            for f in frames:
+                site = f"{f.get('filename', '')}:{f.get('line', '')} {f.get('name', '')}"
+                if re.search(pattern, site):
+                    key = f"{os.path.basename(f.get('filename', ''))}:{f.get('line', '')} {f.get('name', '')}"
+                    hits[key] = hits.get(key, 0) + 1
+    return {"snapshots": pickles, "sites": hits, "named": bool(hits)}
+
+
+def check_cuda_leak(agent: hpar_agent.Agent, device: torch.device, steps: int, nbytes: int) -> dict[str, Any]:
+    model = torch.nn.Linear(256, 256, device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    kept: list[torch.Tensor] = []
+    first_fire = None
+    for step in range(steps):
+        model(torch.randn(64, 256, device=device)).sum().backward()
+        _leak_cuda_tensor(kept, nbytes, device)
+        opt.step()  # the agent's step boundary (global optimizer hook)
+        opt.zero_grad()
+        agent.tick()
+        if first_fire is None and sample_sum(agent, "hpar_alert_active", alert="MemoryLeak") > 0:
+            first_fire = step
+    fired = alert_events(agent.run_dir, "MemoryLeak")
+    firing = [e for e in fired if e.get("state") == "firing"]
+    evidence = [p for e in firing for p in e.get("evidence", [])]
+    sites = snapshot_sites(evidence, r"_leak_cuda_tensor")
+    res = {"steps": steps, "bytes_per_step": nbytes, "fired_at_step": first_fire,
+           "details": firing[0].get("details") if firing else None, "value": firing[0].get("value") if firing else None,
+           "evidence": [os.path.basename(p) for p in evidence], **sites}  # fmt: skip
+    print(f"  fired at step {first_fire} ({res['details']}), value {_fmt(res['value'], '.4g')} B/step; "
+          f"evidence {res['evidence']}; snapshot names leak site: {sites['named']} {sites['sites']}")
+    kept.clear()
+    return res
+
+
+def run_trainer(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           "-m", "hpar_trainer", *args]
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def check_trainer_leak(inject: str, base: list[str], steps: int, work: str, timeout: float) -> dict[str, Any]:
+    run_dir = os.path.join(work, inject)
+    out = os.path.join(work, f"{inject}.json")
+    env = {"HPAR_RUN_DIR": run_dir, "HPAR_TRACES": "none", "HPAR_METRICS_PORT": "0", "HPAR_INTERVAL": "0.2",
+           "HPAR_JOB_ID": f"validate-{inject}"}
+    res = run_trainer([*base, "--steps", str(steps), "--inject", inject, "--inject-rank", "0", "--log-every", "1000",
+                       "--out", out], env, timeout)
+    firing = [e for e in alert_events(run_dir, "MemoryLeak") if e.get("state") == "firing"]
+    evidence = [p for e in firing for p in e.get("evidence", [])]
+    sites = snapshot_sites(evidence, r"hpar_trainer|inject\.py|/trainer/")
+    row = {"inject": inject, "rc": res.returncode, "steps": steps, "fired": bool(firing),
+           "fired_at_step": firing[0].get("step") if firing else None,
+           "details": firing[0].get("details") if firing else None,
+           "value_bytes_per_step": firing[0].get("value") if firing else None,
+           "evidence": [os.path.basename(p) for p in evidence], **sites}  # fmt: skip
+    if res.returncode:
+        row["stderr_tail"] = res.stderr[-1500:]
+    print(f"  {inject}: rc {res.returncode}, MemoryLeak fired {row['fired']} at step {row['fired_at_step']} "
+          f"({row['details']}, {_fmt(row['value_bytes_per_step'], '.4g')} B/step); evidence {row['evidence']}; "
+          f"snapshot names the trainer's inject site: {sites['named']} {list(sites['sites'])[:3]}", flush=True)
+    return row
+
+
+def check_trainer(base: list[str], steps: int, skip: int, work: str, timeout: float) -> dict[str, Any]:
+    out = os.path.join(work, "trainer.json")
+    env = {"HPAR_RUN_DIR": os.path.join(work, "trainer"), "HPAR_TRACES": "file", "HPAR_METRICS_PORT": "0"}
+    res = run_trainer([*base, "--steps", str(steps), "--log-every", "1000", "--out", out], env, timeout)
+    if res.returncode:
+        print(f"  trainer failed rc {res.returncode}: {res.stderr[-1500:]}")
+        return {"rc": res.returncode, "stderr_tail": res.stderr[-1500:]}
+    s = json.loads(Path(out).read_text())
+    times, losses = s["step_times"], [v for v in s["losses"] if v is not None]
+    row = {"rc": 0, "args": base, "steps": steps, "step_s_median": statistics.median(times[skip:]),
+           "first_step_s": times[0], "loss_first": losses[0], "loss_last": losses[-1]}
+    print(f"  {' '.join(base)}: step {row['step_s_median'] * 1e3:.2f} ms (median after {skip}; first "
+          f"{times[0]:.1f} s), loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    return row
+
+
+def _fmt(v: Any, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu-smoke", action="store_true", help="every check on CPU (gloo, tiny), to test the script")
+    ap.add_argument("--reps", type=int, default=10, help="collectives per (op, size)")
+    ap.add_argument("--leak-steps", type=int, default=40, help="steps of the leak runs")
+    ap.add_argument("--skip", nargs="*", default=[], help="checks to leave out (collectives nvml cuda_leak "
+                    "trainer_leak trainer)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per trainer subprocess")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available() and not a.cpu_smoke
+    if not cuda and not a.cpu_smoke:
+        sys.exit("no GPU: use --cpu-smoke")
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    work = tempfile.mkdtemp(prefix="hpar-validate-")
+    result: dict[str, Any] = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
+                              "date": time.strftime("%Y-%m-%d"), "nccl_timing": os.environ["TORCH_NCCL_ENABLE_TIMING"]}
+    print(f"torch {torch.__version__} on {result['device']}; TORCH_NCCL_ENABLE_TIMING={result['nccl_timing']}")
+    if cuda:
+        result["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if cuda else None)
+    agent = hpar_agent.attach(metrics_port=0, traces="none", run_dir=os.path.join(work, "inproc"), interval=3600.0)
+    try:
+        if "collectives" not in a.skip:
+            print("collectives (agent FR durations vs torch.profiler device time):")
+            result["collectives"] = check_collectives(agent, device, a.reps)
+        if "nvml" not in a.skip:
+            print("nvml:")
+            result["nvml"] = check_nvml(agent)
+        if "cuda_leak" not in a.skip:
+            print("cuda_leak (in-process, CUDA tensors held every step):")
+            result["cuda_leak"] = check_cuda_leak(agent, device, a.leak_steps, 8 * MiB if cuda else 2 * MiB)
+    finally:
+        hpar_agent.detach()
+        dist.destroy_process_group()
+    base = CONFIGS["gpu" if cuda else "cpu-smoke"]["args"]
+    small = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq-len", "32", "--global-batch", "8",
+             "--device", "cuda" if cuda else "cpu"]
+    if "trainer_leak" not in a.skip:
+        print("trainer_leak (torchrun, 1 rank, --inject):")
+        result["trainer_leak"] = [check_trainer_leak(i, small, a.leak_steps, work, a.timeout)
+                                  for i in ("tensor-leak", "compile-leak")]
+    if "trainer" not in a.skip:
+        print("trainer (1 rank):")
+        result["trainer"] = check_trainer(base, 30 if cuda else 8, 5 if cuda else 3, work, a.timeout)
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
