@@ -6,6 +6,7 @@ fails when the README drifts from the catalogue.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from pathlib import Path
@@ -41,10 +42,14 @@ def alerts_table() -> str:
 TABLES = {"env": env_table, "metrics": metrics_table, "alerts": alerts_table}
 
 
+def _fill(table: str, m: re.Match[str]) -> str:
+    return m.group(1) + table + "\n" + m.group(2)
+
+
 def render(text: str) -> str:
     for name, fn in TABLES.items():
         pattern = re.compile(rf"(<!-- catalogue:{name} -->\n)(?:.*?\n)?(<!-- /catalogue:{name} -->)", re.S)
-        text = pattern.sub(lambda m, fn=fn: m.group(1) + fn() + "\n" + m.group(2), text)
+        text = pattern.sub(functools.partial(_fill, fn()), text)
     return text
 
 

@@ -66,7 +66,7 @@ class Injector:
             hooks.append(_divergent_graph)
         hook = None if not hooks else hooks[0] if len(hooks) == 1 else functools.partial(_chain, tuple(hooks))
         for block in part.layers.values():
-            block.inject_hook = hook
+            block.inject_hook = hook  # type: ignore[assignment]
 
     def install_forward_hooks(self, part: nn.Module) -> None:
         """Straggler and compile-leak act on the stage's (unwrapped) forward."""
@@ -108,7 +108,7 @@ class Injector:
 
             return fut.then(done)
 
-        ddp.register_comm_hook(None, hook)
+        ddp.register_comm_hook(None, hook)  # type: ignore[operator]
 
     # --- run time ---------------------------------------------------------------------------
     def before_step(self, step: int, parts: list[GPT]) -> None:
@@ -117,7 +117,7 @@ class Injector:
         if self._live("recompile-storm", rank_specific=False):
             for part in parts:
                 for block in part.layers.values():
-                    block.inject_tag = step
+                    block.inject_tag = step  # type: ignore[assignment]
         if self._live("tensor-leak"):
             self._kept.append(torch.ones(self.cfg.inject_size // 4))
             self.rec.data["leaked_bytes"] += self.cfg.inject_size

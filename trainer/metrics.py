@@ -86,6 +86,6 @@ def param_checksums(parts: list[nn.Module]) -> dict[str, float]:
     sums: dict[str, float] = {}
     for part in parts:
         for name, p in part.named_parameters():
-            local = p.detach().to_local() if isinstance(p, DTensor) else p.detach()
+            local = p.detach().to_local() if isinstance(p, DTensor) else p.detach()  # type: ignore[attr-defined]
             sums[name] = float(local.double().sum()) + float(local.double().abs().sum())
     return sums

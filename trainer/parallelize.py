@@ -37,7 +37,7 @@ def _replicate_fn() -> tuple[Callable[..., Any], bool]:
 
         return replicate, True
     except ImportError:
-        from torch.distributed._composable import replicate
+        from torch.distributed._composable import replicate  # type: ignore[no-redef]
 
         return replicate, False
 

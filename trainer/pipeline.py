@@ -48,6 +48,8 @@ def build_schedule(parts: list[nn.Module], stages: list[int], cfg: TrainConfig, 
     pipe_stages = [PipelineStage(p, s, cfg.num_stages, device, group=group)
                    for p, s in zip(parts, stages, strict=True)]
     if cfg.schedule == "interleaved-1f1b":
-        return ScheduleInterleaved1F1B(pipe_stages, n_microbatches=cfg.microbatches, loss_fn=loss_fn)
+        return ScheduleInterleaved1F1B(
+            pipe_stages, n_microbatches=cfg.microbatches, loss_fn=loss_fn  # type: ignore[arg-type]
+        )
     cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
     return cls(pipe_stages[0], n_microbatches=cfg.microbatches, loss_fn=loss_fn)

@@ -134,7 +134,7 @@ class Trainer:
                 self.schedule.step(*args, target=y, losses=losses)
             else:
                 self.schedule.step(*args)
-            local = torch.stack(losses).mean().detach() if self.has_last else None
+            local = torch.stack(losses).mean().detach() if self.has_last else None  # type: ignore[assignment]
         if self.cfg.tp > 1 and not self.injector.skip_tp_grad_sync():
             sync_tp_replicated_grads(self.parts, self.mesh["tp"].get_group())
         if self.agent is not None:
@@ -163,7 +163,7 @@ class Trainer:
             self.rec.end_step(dt, loss)
             if self.is_log_rank and (step % self.cfg.log_every == 0 or step == self.cfg.steps - 1):
                 log.info("step %d loss %.4f step_time %.3fs", step, loss, dt)
-        self.rec.finish(self.parts)
+        self.rec.finish(self.parts)  # type: ignore[arg-type]
         return losses
 
     def write_summary(self, losses: list[float | None]) -> None:
