@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import urllib.request
@@ -218,3 +220,20 @@ def test_disabled_import_costs_nothing():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_tls_endpoint_serves_https(attach, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    agent = attach(tls_cert=str(cert), tls_key=str(key))
+    assert agent.metrics_url.startswith("https://")
+    ctx = ssl.create_default_context(cafile=str(cert))
+    body = urllib.request.urlopen(agent.metrics_url, timeout=5, context=ctx).read().decode()
+    assert "hpar_rank_info" in body
+    with pytest.raises(ValueError, match="tls_cert and tls_key"):
+        AgentConfig(tls_cert=str(cert))
