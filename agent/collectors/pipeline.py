@@ -25,6 +25,7 @@ from hpar_agent.streams import stream_label
 
 _TAG = "_hpar_wrapped"
 _METHODS = (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"))
+BUBBLE_WARMUP_STEPS = 2  # steps left out of bubble_ratio_mean: the first ones run shape inference and compiles
 
 
 class PipelineCollector(Component):
@@ -40,6 +41,7 @@ class PipelineCollector(Component):
         self.busy_by_step: dict[int, float] = {}
         self.last_busy = 0.0
         self.last_bubble: float | None = None
+        self.bubbles: list[tuple[int, float]] = []  # (step, bubble ratio), recent
         self.schedule = ""
         self.stage_times: dict[tuple[int, str], list[float]] = {}
 
@@ -138,6 +140,8 @@ class PipelineCollector(Component):
             return
         self.last_busy = busy
         self.last_bubble = min(1.0, max(0.0, 1.0 - busy / rec.duration_s))
+        self.bubbles.append((rec.step, self.last_bubble))
+        del self.bubbles[:-512]
 
     def collect(self) -> Iterable[Metric]:
         if not self._wrapped:
@@ -159,4 +163,11 @@ class PipelineCollector(Component):
         per_stage = {
             f"{stage}/{phase}": sorted(v)[len(v) // 2] for (stage, phase), v in sorted(self.stage_times.items()) if v
         }
-        return {"schedule": self.schedule, "chunk_seconds_p50": per_stage, "bubble_ratio": self.last_bubble}
+        warm = [b for step, b in self.bubbles if step >= BUBBLE_WARMUP_STEPS] or [b for _, b in self.bubbles]
+        return {
+            "schedule": self.schedule,
+            "chunk_seconds_p50": per_stage,
+            "bubble_ratio": self.last_bubble,
+            "bubble_ratio_mean": sum(warm) / len(warm) if warm else None,  # over the steps after warm-up
+            "bubble_ratio_steps": len(warm),
+        }

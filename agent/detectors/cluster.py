@@ -289,7 +289,7 @@ class Straggler(Detector):
     | max_lag_ratio | 0.25 | fire when others wait for this rank more than this share of wall time (a 1.5x slower rank scores ~0.33) |
     | min_collectives | 8 | common collectives in the window before judging |
 
-    Confirmed on three consecutive exchanges (oversubscribed CPU ranks take turns being last). Value: this rank's lag ratio. Clock skew between hosts
+    Confirmed on two consecutive exchanges. Value: this rank's lag ratio. Clock skew between hosts
     adds to every lag: keep hosts NTP/PTP-synced (typical skew << step time).
     """
 
@@ -297,7 +297,7 @@ class Straggler(Detector):
     defaults = {"max_lag_ratio": 0.25, "min_collectives": 8}
     threshold_param = "max_lag_ratio"
     cross_rank = True
-    confirm = 3
+    confirm = 2
 
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
         if not ctx.peers_fresh:

@@ -38,21 +38,26 @@ class RecompileStorm(Detector):
     | param | default | meaning |
     |---|---|---|
     | max_recompiles | 10 | fire when more recompiles (+ limit hits) than this happen within window_s |
+    | max_limit_hits | 0 | ... or when more frames than this hit Dynamo's recompile limit within window_s |
     | window_s | 300 | window of the recompile count, seconds |
     | min_hit_ratio | 0.3 | ... or when the compile-cache hit ratio after warm-up is below this |
     | min_lookups | 20 | ... over at least this many cache lookups after warm-up |
     | warmup_steps | 3 | cache lookups before this step (cold caches) are not judged |
 
-    Value: recompiles in the window.
+    A limit hit is a storm by itself: the frame already recompiled ``recompile_limit`` times (8 by
+    default, shared by every module instance of one code object, so a per-step storm on identical
+    blocks never exceeds 10 recompiles) and now runs uncompiled for good. Value: recompiles in the window.
     """
 
     name = "RecompileStorm"
-    defaults = {"max_recompiles": 10, "window_s": 300, "min_hit_ratio": 0.3, "min_lookups": 20, "warmup_steps": 3}
+    defaults = {"max_recompiles": 10, "max_limit_hits": 0, "window_s": 300, "min_hit_ratio": 0.3, "min_lookups": 20,
+                "warmup_steps": 3}
     threshold_param = "max_recompiles"
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         super().__init__(thresholds)
         self.window = _Windowed()
+        self.limit_window = _Windowed()
         self.cache_base: tuple[float, float] | None = None
 
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
@@ -60,7 +65,8 @@ class RecompileStorm(Detector):
         if total is None:
             return None
         n = self.window.increase(ctx.now, total, self.p("window_s"))
-        details: dict[str, Any] = {"recompiles_in_window": n}
+        hits = self.limit_window.increase(ctx.now, src.recompile_limit_hits(ctx.agent), self.p("window_s"))
+        details: dict[str, Any] = {"recompiles_in_window": n, "limit_hits_in_window": hits}
         ratio = math.nan
         lookups = src.cache_lookups(ctx.agent)
         if lookups is not None and ctx.steps_done >= self.p("warmup_steps"):
@@ -72,7 +78,7 @@ class RecompileStorm(Detector):
             if hits + misses < self.p("min_lookups"):
                 ratio = math.nan
         low_hits = not math.isnan(ratio) and ratio < self.p("min_hit_ratio")
-        return Verdict(n > self.p("max_recompiles") or low_hits, n, details)
+        return Verdict(n > self.p("max_recompiles") or hits > self.p("max_limit_hits") or low_hits, n, details)
 
 
 class GraphBreaks(Detector):

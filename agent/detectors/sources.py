@@ -44,6 +44,12 @@ def recompiles_total(agent: Agent) -> float | None:
     return rec + (_total(_get(c, "limit_hits", "recompile_limit_hits")) or 0.0)
 
 
+def recompile_limit_hits(agent: Agent) -> float:
+    """Frames that hit Dynamo's recompile limit so far (0 without a compile collector)."""
+    c = agent.component("compile")
+    return (_total(_get(c, "limit_hits", "recompile_limit_hits")) or 0.0) if c is not None else 0.0
+
+
 def cache_lookups(agent: Agent) -> tuple[float, float] | None:
     """(hits, misses) summed over the compile caches so far."""
     c = agent.component("compile")
