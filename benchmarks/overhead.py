@@ -49,7 +49,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gpu": {
         "nproc": 1,
         "args": ["--compile", "inductor", "--dtype", "bf16", "--layers", "12", "--dim", "2048", "--heads", "16",
-                 "--seq-len", "1024", "--global-batch", "8", "--vocab", "8192", "--device", "cuda"],
+                 "--seq-len", "1024", "--global-batch", "8", "--vocab", "8192", "--lr", "3e-4", "--device", "cuda"],
         "steps": 25,
         "skip": 5,
     },

@@ -44,24 +44,50 @@ def _chain(hooks: tuple[Any, ...], block: Block, h: torch.Tensor) -> torch.Tenso
     return h
 
 
+def _bf16_same_bytes_hook(group: dist.ProcessGroup, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """bf16 compression sent as a message of the fp32 bucket's byte size (the bf16 values, then zeros).
+
+    Neither gloo nor NCCL checks dtypes: with equal byte counts the reduction completes and every rank
+    reads its peers' bytes in its own dtype, so the gradients are silently corrupted (the realistic
+    outcome of a rank whose mixed-precision setting drifted). The flight recorder still records each
+    rank's own dtype and element count, which is what CollectiveMismatch compares.
+    """
+    buf = bucket.buffer()
+    packed = torch.zeros(max(buf.numel(), buf.numel() * buf.element_size() // 2), dtype=torch.bfloat16, device=buf.device)
+    packed[: buf.numel()] = buf / group.size()
+
+    def decompress(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        buf.copy_(fut.value()[0][: buf.numel()])
+        return buf
+
+    return dist.all_reduce(packed, group=group, async_op=True).get_future().then(decompress)  # type: ignore[union-attr]
+
+
 class Injector:
     """Installs the configured injections on this rank and drives their per-step state."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, recorder: RankRecorder) -> None:
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, recorder: RankRecorder,
+                 device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")  # leaks live where the model lives (NVML sees them)
         self.cfg, self.rank, self.rec = cfg, rank, recorder
         self.names = set(cfg.inject)
         self.on_rank = bool(cfg.inject) and rank == cfg.injected_rank(world_size)
         self.step = 0
         self._kept: list[Any] = []
         self._slept_this_step = False
+        self._breaking = False
 
     def _live(self, name: str, rank_specific: bool = True) -> bool:
         return name in self.names and (self.on_rank or not rank_specific) and self.step >= self.cfg.inject_step
 
     # --- build time -------------------------------------------------------------------------
     def prepare_blocks(self, part: GPT) -> None:
-        """Set the in-graph hooks before the blocks are compiled."""
-        hooks = [fn for name, fn in (("recompile-storm", _recompile_storm), ("graph-break", _graph_break)) if name in self.names]
+        """Set the in-graph hooks before the blocks are compiled (graph-break's from --inject-step)."""
+        self._set_block_hooks(part, graph_break=False)
+
+    def _set_block_hooks(self, part: GPT, *, graph_break: bool) -> None:
+        named = [("recompile-storm", _recompile_storm), ("graph-break", _graph_break)]
+        hooks = [fn for name, fn in named if name in self.names and (graph_break or name != "graph-break")]
         if "divergent-graph" in self.names and self.on_rank:
             hooks.append(_divergent_graph)
         hook = None if not hooks else hooks[0] if len(hooks) == 1 else functools.partial(_chain, tuple(hooks))
@@ -100,7 +126,7 @@ class Injector:
                 self.rec.data["last_reduce_dtype"] = dtype
                 self.rec.flush()  # a mismatched reduce can abort the process: record it first
             t0 = time.perf_counter()
-            fut = (default_hooks.bf16_compress_hook if bf16 else default_hooks.allreduce_hook)(group, bucket)
+            fut = (_bf16_same_bytes_hook if bf16 else default_hooks.allreduce_hook)(group, bucket)
 
             def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
                 self.rec.current["dp_wait_s"] = self.rec.current.get("dp_wait_s", 0.0) + time.perf_counter() - t0
@@ -114,12 +140,16 @@ class Injector:
     def before_step(self, step: int, parts: list[GPT]) -> None:
         self.step = step
         self._slept_this_step = False
+        if self._live("graph-break", rank_specific=False) and not self._breaking:
+            self._breaking = True  # a new hook: the blocks recompile and break from this step on
+            for part in parts:
+                self._set_block_hooks(part, graph_break=True)
         if self._live("recompile-storm", rank_specific=False):
             for part in parts:
                 for block in part.layers.values():
                     block.inject_tag = step  # type: ignore[assignment]
         if self._live("tensor-leak"):
-            self._kept.append(torch.ones(self.cfg.inject_size // 4))
+            self._kept.append(torch.ones(self.cfg.inject_size // 4, device=self.device))
             self.rec.data["leaked_bytes"] += self.cfg.inject_size
 
     def hangs(self, step: int) -> bool:
@@ -133,7 +163,7 @@ class Injector:
             self._slept_this_step = True
             time.sleep(self.cfg.inject_delay)
         if self._live("compile-leak"):
-            buf = torch.ones(self.cfg.inject_size // 4)
+            buf = torch.ones(self.cfg.inject_size // 4, device=self.device)
             fn = torch.compile(lambda x: x.float().mean() + buf.mean(), backend="eager")
             fn(args[0].detach())
             self._kept.append(fn)  # keeps the callable, its Dynamo cache entry and buf alive

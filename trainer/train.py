@@ -52,6 +52,19 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
     return device
 
 
+def apply_pg_timeout(mesh: DeviceMesh, seconds: float) -> None:
+    """--pg-timeout for the mesh's groups too: torch gives new groups its 30-minute default, so a rank
+    stuck in a dp or tp collective would otherwise outlive the default group's timeout by far."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # private; torch >= 2.3
+    if set_timeout is None:
+        return
+    for name in mesh.mesh_dim_names or ():
+        try:
+            set_timeout(datetime.timedelta(seconds=seconds), mesh[name].get_group())
+        except (AssertionError, RuntimeError, ValueError) as exc:
+            log.debug("--pg-timeout not applied to the %s group: %s", name, exc)
+
+
 def attach_observability(cfg: TrainConfig, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
                          mesh: DeviceMesh, schedule: Any) -> Any:
     """Attach the hpar_agent to the built model (unless --no-agent); it must never stop training."""
@@ -89,6 +102,7 @@ class Trainer:
         self.cfg, self.device = cfg, device
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.mesh = init_device_mesh(device.type, (cfg.dp, cfg.pp, cfg.tp), mesh_dim_names=("dp", "pp", "tp"))
+        apply_pg_timeout(self.mesh, cfg.pg_timeout)
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.pp_rank = self.mesh["pp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
@@ -96,7 +110,7 @@ class Trainer:
         self.is_log_rank = self.is_last_pp and self.dp_rank == 0 and self.tp_rank == 0
         coords = {"dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}
         self.rec = RankRecorder(cfg.out, self.rank, coords)
-        self.injector = Injector(cfg, self.rank, world, self.rec)
+        self.injector = Injector(cfg, self.rank, world, self.rec, device)
         self.agent: Any = None  # set by attach_observability
         self.data = MarkovData(vocab=cfg.vocab, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed)
         self._build()
@@ -148,11 +162,22 @@ class Trainer:
             dist.all_reduce(total, group=self.mesh["dp"].get_group())
         return float(total) / self.cfg.dp
 
+    def pause(self) -> None:
+        """--pause-at: a checkpoint-like stall on every rank: a staging copy of the parameters is
+        held for --pause-seconds (no collective runs meanwhile), then freed."""
+        log.info("rank %d: pausing %.1fs before step %d (--pause-at)", self.rank, self.cfg.pause_seconds, self.cfg.pause_at)
+        with torch.no_grad():
+            staged = [p.detach().clone() for m in self.modules for p in m.parameters()]
+        time.sleep(self.cfg.pause_seconds)
+        del staged
+
     def run(self) -> list[float | None]:
         losses: list[float | None] = []
         for step in range(self.cfg.steps):
             self.rec.begin_step(step)
             self.injector.before_step(step, self.parts)
+            if step == self.cfg.pause_at:
+                self.pause()
             t0 = time.perf_counter()
             if self.injector.hangs(step):
                 log.warning("rank %d: injected hang: skipping step %d's collectives", self.rank, step)

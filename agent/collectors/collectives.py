@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import os
 import re
 import time
 from collections import Counter, deque
@@ -39,7 +40,7 @@ from hpar_agent.traceids import trace_id_hex
 _OP_ALIASES: dict[str, str] = {
     "all_reduce": "all_reduce", "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
     "all_reduce_coalesced": "all_reduce", "all_gather": "all_gather", "allgather": "all_gather",
-    "_allgather_base": "all_gather", "all_gather_into_tensor": "all_gather",
+    "_allgather_base": "all_gather", "_all_gather_base": "all_gather", "all_gather_into_tensor": "all_gather",
     "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
     "allgather_coalesced": "all_gather", "reduce_scatter": "reduce_scatter",
     "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
@@ -48,6 +49,10 @@ _OP_ALIASES: dict[str, str] = {
     "all_to_all_single": "all_to_all", "send": "send", "recv": "recv", "recv_any_source": "recv",
     "barrier": "barrier", "gather": "gather", "scatter": "scatter", "coalesced": "coalesced",
 }  # fmt: skip
+#: Timestamps above this are epoch nanoseconds; below, a monotonic clock (not comparable with attach time).
+_EPOCH_2001_NS = 978_307_200 * 10**9
+#: How long a completed NCCL entry may wait for its duration before it is counted untimed.
+PENDING_TIMEOUT_NS = 30 * 10**9
 #: nccl-tests bus-bandwidth factors as functions of the group size n.
 _BUSBW: dict[str, Any] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -158,6 +163,7 @@ class CollectiveCollector(Component):
         self._bound_t: list[int] = []
         self._bound_s: list[int] = []
         self._attach_ns = 0
+        self._nccl_timing = False
         self._p2p_patch: tuple[Any, Any, Any] | None = None
         self._active = False
 
@@ -166,8 +172,10 @@ class CollectiveCollector(Component):
         super().install(agent)
         self.p2p_buffer.capacity = agent.config.buffer_size
         self._attach_ns = time.time_ns()
+        self._nccl_timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") not in ("0", "")
         self.recorders = fr.available_recorders()
         self.up = bool(self.recorders)
+        self._label_mesh_groups(agent)
         mod = fr.p2p_module()
         if mod is not None:
             orig_batch = mod._batch_p2p
@@ -177,6 +185,24 @@ class CollectiveCollector(Component):
                 mod._wait_batch_p2p = self._wrap_wait(orig_wait)
             self._p2p_patch = (mod, orig_batch, orig_wait)
         self._active = True
+
+    def _label_mesh_groups(self, agent: Any) -> None:
+        """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
+        that group by its dim (dp for a dp-only job), as the other dims' ``mesh_<dim>`` groups are."""
+        from hpar_agent.topology import _mesh_from_model
+
+        mesh = getattr(agent, "mesh", None)
+        if mesh is None:
+            mesh = _mesh_from_model(getattr(agent, "model", None))
+        for dim in getattr(mesh, "mesh_dim_names", None) or ():
+            try:
+                if mesh[dim].size() < 2:
+                    continue
+                name, desc = fr.group_name(mesh.get_group(dim))
+            except Exception:
+                continue
+            if not desc.startswith("mesh_"):
+                self._labels[(name, desc)] = pg_label("", dim)
 
     def uninstall(self) -> None:
         self._active = False
@@ -313,8 +339,8 @@ class CollectiveCollector(Component):
             opened = self._open.setdefault(pg, {})
             if not is_p2p and len(opened) < self.max_pending:
                 opened[seq] = created  # in-flight age counts ops from before attach too
-            if first_read and created < self._attach_ns:
-                continue  # before attach: baseline only
+            if first_read and created > _EPOCH_2001_NS and created < self._attach_ns:
+                continue  # before attach: baseline only (epoch clocks only; a monotonic stamp can't tell)
             self._observe_entry(rec, e, pg, name, seq, is_p2p, created)
         self._cursor[rec] = nxt
         if gap:  # attribute to groups by their seq gaps, the rest to "unknown"
@@ -351,7 +377,11 @@ class CollectiveCollector(Component):
         item.size = self._size(name)
         if e.get("duration_ms") is not None:
             self._finish(item, float(e["duration_ms"]) / 1e3)
-        elif rec == "nccl" and e.get("state") != "completed" and len(self._pending_fr) < self.max_pending:
+        elif (
+            rec == "nccl"
+            and (e.get("state") != "completed" or self._nccl_timing)
+            and len(self._pending_fr) < self.max_pending
+        ):  # the watchdog can mark an entry completed a poll before it retires it with its duration
             self._pending_fr[(rec, int(e["record_id"]))] = item
 
     def _complete_pending(self, rec: str, entries: list[dict[str, Any]]) -> None:
@@ -363,7 +393,9 @@ class CollectiveCollector(Component):
             elif e.get("duration_ms") is not None:
                 item = self._pending_fr.pop(key)
                 self._finish(item, float(e["duration_ms"]) / 1e3)
-            elif e.get("state") == "completed":
+            elif e.get("state") == "completed" and (
+                not self._nccl_timing or time.time_ns() - self._pending_fr[key].start_ns > PENDING_TIMEOUT_NS
+            ):
                 del self._pending_fr[key]  # completed without timing (TORCH_NCCL_ENABLE_TIMING off)
 
     def _process_p2p(self, records: list[tuple]) -> None:
