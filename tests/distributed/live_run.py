@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import time
@@ -14,13 +15,11 @@ from hpar_agent.launch import torchrun_cmd
 
 
 def free_base_port(n: int) -> int:
-    """A base port with ``n`` consecutive free ports after it."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
+    """A base port with ``n`` consecutive free ports, below the ephemeral range (32768+) so the ranks'
+    own gloo connections cannot take one between this check and the agent's bind."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
         ok = True
         for p in range(base, base + n):
             with socket.socket() as s:
