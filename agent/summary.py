@@ -58,10 +58,36 @@ def render_summary(
                 r.get("metrics_url") or "-",
             ])  # fmt: skip
         lines += _table(["rank", "stage", "steps", "step p50", "bubble", "agent errors", "metrics"], rows)
+    stage_rows = _stage_rows(ranks)
+    if stage_rows:
+        lines += ["", "pipeline stages (chunk time p50, slowest rank of the stage):"]
+        lines += _table(["stage", "ranks", "forward p50", "backward p50"], stage_rows)
     for section in _component_sections(ranks):
         lines += ["", *section]
     lines += ["", f"outputs: {run_dir}", "  events.rank<R>.jsonl (event log), summary.rank<R>.json, trainer.json"]
     return "\n".join(lines)
+
+
+def _stage_rows(ranks: list[dict[str, Any]]) -> list[list[Any]]:
+    """One row per pipeline stage (virtual stages too) from ``components.pipeline.chunk_seconds_p50``."""
+    stages: dict[int, dict[str, list[float]]] = {}
+    members: dict[int, list[Any]] = {}
+    for r in ranks:
+        p50 = (r.get("components", {}).get("pipeline") or {}).get("chunk_seconds_p50") or {}
+        for key, secs in p50.items():
+            stage, _, phase = str(key).partition("/")
+            try:
+                index = int(stage)
+            except ValueError:
+                continue
+            stages.setdefault(index, {}).setdefault(phase, []).append(secs)
+            if r.get("rank") not in members.setdefault(index, []):
+                members[index].append(r.get("rank"))
+    return [
+        [index, ",".join(map(str, members[index])),
+         *(_fmt_s(max(phases[p])) if phases.get(p) else "-" for p in ("forward", "backward"))]
+        for index, phases in sorted(stages.items())
+    ]  # fmt: skip
 
 
 def _component_sections(ranks: list[dict[str, Any]]) -> list[list[str]]:

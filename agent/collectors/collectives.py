@@ -188,7 +188,8 @@ class CollectiveCollector(Component):
 
     def _label_mesh_groups(self, agent: Any) -> None:
         """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
-        that group by its dim (dp for a dp-only job), as the other dims' ``mesh_<dim>`` groups are."""
+        that group by its dim (dp for a dp-only job), as the other dims' ``mesh_<dim>`` groups are. Not
+        pp: that label's in-flight view is the p2p wrapper's, and would hide a stalled world collective."""
         from hpar_agent.topology import _mesh_from_model
 
         mesh = getattr(agent, "mesh", None)
@@ -201,8 +202,9 @@ class CollectiveCollector(Component):
                 name, desc = fr.group_name(mesh.get_group(dim))
             except Exception:
                 continue
-            if not desc.startswith("mesh_"):
-                self._labels[(name, desc)] = pg_label("", dim)
+            label = pg_label("", dim)
+            if not desc.startswith("mesh_") and label != PP_PG:
+                self._labels[(name, desc)] = label
 
     def uninstall(self) -> None:
         self._active = False
