@@ -53,7 +53,7 @@ _GUARD_KINDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"requires_grad mismatch", "requires_grad"),
         (r"dispatch key set mismatch", "dispatch_keys"),
         (r"___check_type_id|type\(|isinstance|is None|is not None", "type"),
-        (r"___check_obj_id|\bid\(", "object_id"),
+        (r"___check_obj_id|\bid\(|\S \bis\b \S", "object_id"),  # `x is y`: an identity guard
         (r"len\(", "length"),
         (r"grad_mode|GLOBAL_STATE|global state|autocast|deterministic", "global_state"),
         (r"\b(Eq|Ne|Lt|Le|Gt|Ge)\(|\bs\d+\b", "dynamic_shape"),
