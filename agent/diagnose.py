@@ -25,15 +25,40 @@ EXPECTED: dict[str, str] = {
     "compile-leak": "MemoryLeak",
     "tensor-leak": "MemoryLeak",
     "straggler": "Straggler",
-    "slow-collective": "CollectiveLatencyHigh",
+    # gloo's flight recorder has no durations: a rank late to the dp all-reduce is seen by arrival skew.
+    "slow-collective": "Straggler",
     "hang": "Hang",
+}
+#: what the matrix says under the table for modes whose CPU result needs a word.
+NOTES: dict[str, str] = {
+    "slow-collective": "dp4 x tp1 with DDP. gloo's flight recorder has no collective durations, so "
+    "CollectiveLatencyHigh cannot judge the dp all-reduce on CPU; the rank that arrives late is named by "
+    "arrival skew (Straggler). CollectiveLatencyHigh judges timed ops: NCCL with TORCH_NCCL_ENABLE_TIMING=1 "
+    "(there the waiting peers' all-reduces are the slow ones; not part of this CPU matrix) and pipelining p2p.",
+    "dtype-mismatch": "dp4 x tp1 with DDP (DDP cannot wrap TP's DTensor parameters): the inject rank reduces "
+    "in bf16 padded to the fp32 byte size, so gloo completes and the gradients are silently corrupted "
+    "(loss NaN); the flight recorder shows its BFloat16 entry against its peers' Float.",
+    "hang": "every rank is stuck, so Hang fires on all four at 80% of the 20 s pg timeout, before gloo "
+    "aborts; rank 3's details and stacks show it in a default_pg barrier, its peers in dp/tp all-reduces.",
+    "ddp-nesting": "all ranks train the detached block unsynchronised: every dp pair drifts (a 1-1 split "
+    "names both ranks).",
+    "tp-grad-skip": "all ranks skip the sync: every tp pair drifts (a 1-1 split names both ranks).",
+    "compile-leak": "the leaked callables are compiled graphs its peers never compile, so CompileDivergence "
+    "may name the inject rank too.",
 }
 
 #: 4 CPU ranks, every dimension a failure needs: dp peers, tp peers, compiled blocks.
 LAYOUT = ["--dp", "2", "--tp", "2", "--pp", "1", "--compile", "aot_eager", "--log-every", "10"]
-STEPS = {"hang": 12, "compile-leak": 40, "tensor-leak": 40}
-#: modes that act through a DDP comm hook need DDP rather than the default composable replicate.
+#: modes that act through a DDP comm hook need DDP rather than the default composable replicate, and
+#: DDP cannot wrap TP's DTensor parameters: 4 dp ranks (a 3-1 majority names the odd rank).
 NEEDS_DDP = {"dtype-mismatch", "slow-collective"}
+LAYOUT_DDP = ["--dp", "4", "--tp", "1", "--pp", "1", "--dp-mode", "ddp", "--compile", "aot_eager", "--log-every", "10"]
+#: steps per mode (default 100): leaks need warm-up plus a 20-step trend, and the cross-rank detectors
+#: compare over the store every 3 s and confirm on a second exchange: about 10 s, which fast steps outrun.
+STEPS = {"hang": 12}
+DEFAULT_STEPS = 100
+#: modes built into the model or the step from step 0 (the others start at --inject-step).
+FROM_START = {"divergent-graph", "ddp-nesting", "tp-grad-skip"}
 
 
 @dataclass
@@ -52,12 +77,12 @@ class Finding:
     def row(self) -> list[str]:
         hits = self.detected
         if not hits:
-            return [self.injection, self.expected, "not fired", "-", "-", "-"]
+            return [self.injection, self.expected, "not fired", "-", "-", "-", self.others()]
         first = min(hits, key=lambda f: f.get("step", 0))
         ranks = sorted({f["rank"] for f in hits})
         stages = sorted({f.get("pp_stage", 0) for f in hits})
         steps = max(0, int(first.get("step", 0)) - self.inject_step)
-        evidence = sorted({Path(e).name.split(".")[0].rsplit("-", 1)[0] for f in hits for e in f.get("evidence", [])})
+        evidence = sorted({evidence_kind(e) for f in hits for e in f.get("evidence", [])})
         return [
             self.injection,
             self.expected,
@@ -65,7 +90,21 @@ class Finding:
             ",".join(map(str, stages)),
             str(steps),
             ", ".join(evidence) or "-",
+            self.others(),
         ]
+
+    def others(self) -> str:
+        """Alerts other than the expected one, as ``Alert@ranks``."""
+        ranks: dict[str, set[int]] = {}
+        for f in self.fired:
+            if f["alert"] != self.expected:
+                ranks.setdefault(f["alert"], set()).add(int(f["rank"]))
+        return ", ".join(f"{a}@{','.join(map(str, sorted(r)))}" for a, r in sorted(ranks.items())) or "-"
+
+
+def evidence_kind(path: str) -> str:
+    """``Hang-1.rank3.<time>.0.pyspy.txt`` -> ``pyspy.txt``; ``...fr-gloo.json`` -> ``fr-gloo.json``."""
+    return ".".join(Path(path).name.split(".")[-2:])
 
 
 def read_alerts(run_dir: Path) -> list[dict[str, Any]]:
@@ -88,26 +127,26 @@ def diagnose(injection: str, run_dir: Path, *, steps: int = 0, timeout: float = 
     run_dir.mkdir(parents=True, exist_ok=True)
     inject_step = 3
     args = [
-        *LAYOUT,
-        "--steps", str(steps or STEPS.get(injection, 30)),
+        *(LAYOUT_DDP if injection in NEEDS_DDP else LAYOUT),
+        "--steps", str(steps or STEPS.get(injection, DEFAULT_STEPS)),
         "--inject", injection, "--inject-step", str(inject_step),
         "--out", str(run_dir / "trainer.json"),
         *(extra or []),
     ]  # fmt: skip
-    if injection in NEEDS_DDP:
-        args += ["--dp-mode", "ddp"]
     env = {"HPAR_RUN_DIR": str(run_dir), "HPAR_JOB_ID": run_dir.name, "HPAR_METRICS_PORT": "0"}
     t0 = time.time()
     proc = run_trainer(4, args, env=env, timeout=timeout, capture=True)
-    finding = Finding(injection, EXPECTED[injection], read_alerts(run_dir), proc.returncode, time.time() - t0, inject_step)
+    active_from = 0 if injection in FROM_START else inject_step
+    finding = Finding(injection, EXPECTED[injection], read_alerts(run_dir), proc.returncode, time.time() - t0, active_from)
     (run_dir / "diagnose.log").write_text((proc.stdout or "") + (proc.stderr or ""))
     return finding
 
 
-HEADERS = ["injection", "expected alert", "fired on rank", "stage", "steps to detect", "evidence"]
+HEADERS = ["injection", "expected alert", "fired on rank", "stage", "steps to detect", "evidence", "other alerts"]
 
 
 def markdown(findings: list[Finding]) -> str:
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(f.row()) + " |" for f in findings]
-    return "\n".join(lines)
+    notes = [f"- `{f.injection}`: {NOTES[f.injection]}" for f in findings if f.injection in NOTES]
+    return "\n".join(lines + (["", *notes] if notes else []))

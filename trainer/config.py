@@ -16,7 +16,8 @@ INJECTIONS: dict[str, str] = {
     "recompile-storm": "from --inject-step a Python int (the step) that changes every step reaches every "
     "compiled block as a specialised module attribute: one recompile per step until Dynamo's "
     "recompile limit (all ranks; needs --compile)",
-    "graph-break": "a .item() inside every compiled block forward breaks the graph (all ranks; needs --compile)",
+    "graph-break": "from --inject-step a .item() inside every compiled block forward breaks the graph: a new "
+    "break after warm-up (all ranks; needs --compile)",
     "divergent-graph": "the inject rank adds an extra op (h + zeros_like(h)) to its compiled blocks, so its "
     "graphs differ from its stage peers (needs --compile)",
     "ddp-nesting": "the first block of every stage is detached while DP wraps the stage and re-attached "
@@ -24,7 +25,8 @@ INJECTIONS: dict[str, str] = {
     "tp-grad-skip": "the tp all-reduce of the q/k-norm weight grads (replicated params fed by sharded "
     "heads) is skipped, so tp replicas drift (all ranks; tp >= 2)",
     "dtype-mismatch": "from --inject-step the inject rank's DDP comm hook all-reduces gradient buckets in "
-    "bf16 while peers use fp32; gloo aborts on the size mismatch (dp >= 2, --dp-mode ddp)",
+    "bf16 (padded to the fp32 byte size) while peers use fp32: the reduction completes and silently "
+    "corrupts the gradients (dp >= 2, --dp-mode ddp)",
     "compile-leak": "from --inject-step the inject rank compiles a fresh callable per microbatch (eager backend) capturing "
     "--inject-size bytes and keeps it alive: RSS and Dynamo frames grow",
     "tensor-leak": "from --inject-step the inject rank keeps --inject-size bytes of tensors alive every step: RSS grows",
@@ -99,6 +101,10 @@ class TrainConfig:
     """Seconds of delay for straggler / slow-collective."""
     inject_size: int = 4 << 20
     """Bytes leaked per step (tensor-leak) or per microbatch (compile-leak)."""
+    pause_at: int = -1
+    """Step before which rank 0 makes a checkpoint-like pause, the others waiting for it (-1: never)."""
+    pause_seconds: float = 0.0
+    """Length of that pause in seconds (every rank stages a copy of its parameters)."""
     out: str | None = None
     """JSON summary path (rank 0); every rank also writes <stem>.rank<r>.json."""
 
@@ -138,6 +144,8 @@ class TrainConfig:
                 raise ValueError(f"--inject {name} needs --dp >= 2 and --dp-mode ddp")
         if "ddp-nesting" in self.inject and self.dp < 2:
             raise ValueError("--inject ddp-nesting needs --dp >= 2")
+        if self.pause_seconds < 0:
+            raise ValueError("--pause-seconds must be >= 0")
         if "tp-grad-skip" in self.inject and self.tp < 2:
             raise ValueError("--inject tp-grad-skip needs --tp >= 2")
 
@@ -206,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--inject-step", type=int, default=3, help="step an injection starts at, where it applies (default 3)")
     add("--inject-delay", type=float, default=0.2, help="straggler/slow-collective delay in s (default 0.2)")
     add("--inject-size", type=int, default=4 << 20, help="bytes leaked per step/microbatch (default 4 MiB)")
+    add("--pause-at", type=int, default=-1, metavar="STEP",
+        help="before STEP rank 0 pauses like a checkpoint save while the others wait for it (default -1: never)")
+    add("--pause-seconds", type=float, default=0.0, metavar="S", help="length of the --pause-at pause")
     add("--out", default=None, help="JSON summary written by rank 0 (plus <stem>.rank<r>.json per rank)")
     return p
 

@@ -163,12 +163,14 @@ class Trainer:
         return float(total) / self.cfg.dp
 
     def pause(self) -> None:
-        """--pause-at: a checkpoint-like stall on every rank: a staging copy of the parameters is
-        held for --pause-seconds (no collective runs meanwhile), then freed."""
-        log.info("rank %d: pausing %.1fs before step %d (--pause-at)", self.rank, self.cfg.pause_seconds, self.cfg.pause_at)
+        """--pause-at: a checkpoint-like stall. Every rank stages a copy of its parameters; rank 0, the
+        writer, holds it for --pause-seconds while the others go on and wait for it in the next
+        collective; then the copy is freed."""
         with torch.no_grad():
             staged = [p.detach().clone() for m in self.modules for p in m.parameters()]
-        time.sleep(self.cfg.pause_seconds)
+        if self.rank == 0:
+            log.info("rank 0: checkpoint-like pause of %.1fs before step %d", self.cfg.pause_seconds, self.cfg.pause_at)
+            time.sleep(self.cfg.pause_seconds)
         del staged
 
     def run(self) -> list[float | None]:

@@ -5,6 +5,7 @@ on the offending rank's own series and no rank has to be a coordinator that coul
 from __future__ import annotations
 
 from collections import deque
+from statistics import median
 from typing import TYPE_CHECKING, Any
 
 from hpar_agent.buffer import BoundedBuffer
@@ -228,6 +229,15 @@ def _grad_pgs(ctx: DetectorsComponent, entries: list[sig.FrEntry]) -> list[str]:
     return out
 
 
+def _param_bits(model: Any) -> int | None:
+    """Widest floating parameter dtype of the model in bits (metadata only; None without a model)."""
+    try:
+        bits = [p.element_size() * 8 for p in model.parameters() if p.is_floating_point()]
+    except (AttributeError, TypeError):
+        return None
+    return max(bits, default=None)
+
+
 class CollectiveMismatch(Detector):
     """Ranks disagree on op, size or dtype of the same collective (same pg and sequence number), or a
     gradient reduction runs in lower precision than the parameters (e.g. a bf16 compress hook on an
@@ -237,7 +247,8 @@ class CollectiveMismatch(Detector):
     |---|---|---|
     | max_entries | 256 | recent flight-recorder entries each rank publishes |
 
-    Attributed by majority within the pg. Value: mismatched collectives + low-precision reductions
+    Attributed by majority within the pg; a 1-1 split goes to the rank reducing in a dtype narrower
+    than the parameters, if only one does. Value: mismatched collectives + low-precision reductions
     seen on this rank in the latest window.
     """
 
@@ -259,11 +270,10 @@ class CollectiveMismatch(Detector):
 
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
         if self.param_bits is None:
-            rep = ctx.detector(ReplicaDivergence)
-            self.param_bits = rep.sampler.param_bits if rep is not None and rep.sampler.plan else None
+            self.param_bits = _param_bits(ctx.agent.model)
         if ctx.peers_fresh:
             fr, sizes = _peer_fr(ctx)
-            self.cross = sig.collective_mismatches(fr, sizes).get(ctx.rank, []) if len(fr) >= 2 else []
+            self.cross = sig.collective_mismatches(fr, sizes, self.param_bits).get(ctx.rank, []) if len(fr) >= 2 else []
         entries = src.fr_entries(ctx.agent, int(self.p("max_entries")))
         if not entries and not self.cross:
             return None
@@ -282,31 +292,49 @@ class Straggler(Detector):
     Why arrival skew: with synchronous collectives every rank's step time equalizes (the fast ranks
     wait), so step time cannot tell who is slow; per-chunk compute time includes the TP all-reduces
     that wait for the slow rank too. The flight recorder's ``time_created_ns`` (enqueue time, on gloo
-    and NCCL) shows who arrives last at each (pg, seq): that rank is blamed for the wait it caused.
+    and NCCL) shows who arrives last at each (pg, seq): that rank is blamed for the wait it caused,
+    net of the waits it suffered, in each third of the window (``signals.arrival_lag_ratio``).
 
     | param | default | meaning |
     |---|---|---|
-    | max_lag_ratio | 0.25 | fire when others wait for this rank more than this share of wall time (a 1.5x slower rank scores ~0.33) |
+    | max_lag_ratio | 0.25 | fire when others wait for this rank more than this share of wall time (net, in every third of the window; a 1.5x slower rank scores ~0.33) |
     | min_collectives | 8 | common collectives in the window before judging |
+    | warmup_steps | 3 | collectives enqueued before this rank completed this many steps (compiles) are not judged |
+    | min_window_steps | 3 | the judged collectives must span this many median step times (persistence, not one step) |
 
     Confirmed on two consecutive exchanges. Value: this rank's lag ratio. Clock skew between hosts
     adds to every lag: keep hosts NTP/PTP-synced (typical skew << step time).
     """
 
     name = "Straggler"
-    defaults = {"max_lag_ratio": 0.25, "min_collectives": 8}
+    defaults = {"max_lag_ratio": 0.25, "min_collectives": 8, "warmup_steps": 3, "min_window_steps": 3}
     threshold_param = "max_lag_ratio"
     cross_rank = True
     confirm = 2
 
+    def __init__(self, thresholds: dict[str, float] | None = None) -> None:
+        super().__init__(thresholds)
+        self.warm_ns: int | None = None  # when this rank completed warmup_steps steps
+
+    def step_hook(self, step: int, t_ns: int) -> None:
+        if self.warm_ns is None and step + 1 >= self.p("warmup_steps"):
+            self.warm_ns = t_ns
+
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
-        if not ctx.peers_fresh:
+        if not ctx.peers_fresh or ctx.steps_done < self.p("warmup_steps"):
             return None
         fr, sizes = _peer_fr(ctx)
+        if self.warm_ns is not None:
+            fr = {r: [e for e in entries if e[5] >= self.warm_ns] for r, entries in fr.items()}
         if ctx.rank not in fr or len(fr) < 2:
             return None
-        n = len(sig.common_collectives(fr, sizes))
-        if n < self.p("min_collectives"):
+        common = sig.common_collectives(fr, sizes)
+        if len(common) < self.p("min_collectives"):
             return None
+        times = [e[5] for by_rank in common.values() for e in by_rank.values()]
+        span_s = (max(times) - min(times)) / 1e9
+        steps = ctx.step_durations[-64:]
+        if steps and span_s < self.p("min_window_steps") * median(steps):
+            return None  # e.g. a job stuck in its first judged step: too short to call anything persistent
         ratio = sig.arrival_lag_ratio(fr, sizes).get(ctx.rank, 0.0)
-        return Verdict(ratio > self.p("max_lag_ratio"), ratio, {"collectives": n})
+        return Verdict(ratio > self.p("max_lag_ratio"), ratio, {"collectives": len(common), "window_s": span_s})

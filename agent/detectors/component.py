@@ -107,6 +107,9 @@ class DetectorsComponent(Component):
                 rep.step_hook(self.agent.model, step)
             except Exception as exc:
                 self.agent.record_error(self.name, exc)
+        straggler = self.detector(Straggler)
+        if straggler is not None:
+            straggler.step_hook(step, t_ns)
 
     # ------------------------------------------------------------------------------------ agent thread
     def _exchange(self) -> None:

@@ -65,8 +65,8 @@ class RecompileStorm(Detector):
         if total is None:
             return None
         n = self.window.increase(ctx.now, total, self.p("window_s"))
-        hits = self.limit_window.increase(ctx.now, src.recompile_limit_hits(ctx.agent), self.p("window_s"))
-        details: dict[str, Any] = {"recompiles_in_window": n, "limit_hits_in_window": hits}
+        limit_hits = self.limit_window.increase(ctx.now, src.recompile_limit_hits(ctx.agent), self.p("window_s"))
+        details: dict[str, Any] = {"recompiles_in_window": n, "limit_hits_in_window": limit_hits}
         ratio = math.nan
         lookups = src.cache_lookups(ctx.agent)
         if lookups is not None and ctx.steps_done >= self.p("warmup_steps"):
@@ -78,7 +78,8 @@ class RecompileStorm(Detector):
             if hits + misses < self.p("min_lookups"):
                 ratio = math.nan
         low_hits = not math.isnan(ratio) and ratio < self.p("min_hit_ratio")
-        return Verdict(n > self.p("max_recompiles") or hits > self.p("max_limit_hits") or low_hits, n, details)
+        storm = n > self.p("max_recompiles") or limit_hits > self.p("max_limit_hits")
+        return Verdict(storm or low_hits, n, details)
 
 
 class GraphBreaks(Detector):

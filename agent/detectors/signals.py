@@ -149,16 +149,24 @@ def common_collectives(
 
 
 def collective_mismatches(
-    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None
+    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None,
+    param_bits: int | None = None,
 ) -> dict[int, list[dict[str, Any]]]:
-    """rank -> collectives (same pg and seq) where its op, sizes or dtypes differ from the majority's."""
+    """rank -> collectives (same pg and seq) where its op, sizes or dtypes differ from the majority's.
+
+    With no majority (a 1-1 split of a 2-rank group), ``param_bits`` breaks the tie: when only some
+    ranks reduce in a dtype narrower than the parameters, they are the odd ones."""
     out: dict[int, list[dict[str, Any]]] = {}
     for (pg, seq), by_rank in sorted(common_collectives(entries_by_rank, sizes).items()):
         def sig(e: FrEntry) -> tuple:
             op = e[2].split(":")[-1]
             return (op, e[4]) if any(s in op for s in _SIZE_FREE_OPS) else (op, e[3], e[4])
 
-        for r in odd_ranks({r: sig(e) for r, e in by_rank.items()}):
+        odd = odd_ranks({r: sig(e) for r, e in by_rank.items()})
+        if param_bits and len(odd) == len(by_rank) > 1:
+            narrow = {r for r, e in by_rank.items() if "reduce" in e[2] and _min_bits(e[4]) < param_bits}
+            odd = narrow or odd
+        for r in sorted(odd):
             e = by_rank[r]
             out.setdefault(r, []).append({"pg": pg, "seq": seq, "op": e[2], "sizes": e[3], "dtypes": e[4]})
     return out
@@ -174,41 +182,74 @@ def dtype_bits(name: str) -> int | None:
     return _FLOAT_BITS.get(key)
 
 
+def _min_bits(dtypes: str) -> float:
+    """Fewest bits among the floating dtypes of an entry's comma-separated dtype list (inf: none)."""
+    bits = [b for b in (dtype_bits(d) for d in dtypes.split(",") if d) if b is not None]
+    return min(bits, default=math.inf)
+
+
 def low_precision_reductions(entries: Sequence[FrEntry], param_bits: int, pgs: Sequence[str]) -> list[FrEntry]:
     """Reductions on the gradient groups ``pgs`` whose dtype has fewer bits than the parameters."""
-    out = []
-    for e in entries:
-        if e[0] not in pgs or "reduce" not in e[2]:
-            continue
-        bits = [b for b in (dtype_bits(d) for d in e[4].split(",") if d) if b is not None]
-        if bits and min(bits) < param_bits:
-            out.append(e)
-    return out
+    return [e for e in entries if e[0] in pgs and "reduce" in e[2] and _min_bits(e[4]) < param_bits]
 
 
 def arrival_lag_ratio(
-    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None
+    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None, slices: int = 3
 ) -> dict[int, float]:
-    """Per rank: the share of wall time its groups spent waiting for it to arrive at collectives.
+    """Per rank: the share of wall time its groups spent waiting for it, net of the time it spent
+    waiting for them, in the least affected of ``slices`` consecutive parts of the window.
 
-    For every (pg, seq) all members reported, the last rank to enqueue is blamed for the gap to the
-    second-to-last (the time everyone else sat waiting for it); a rank's blame summed over the window
-    and divided by the window's span is its ratio. A rank 1.2x slower than its peers scores ~0.17;
-    random jitter spreads across ranks and stays small.
+    For every (pg, seq) all members reported, the last rank to enqueue kept the others waiting from
+    the second-to-last arrival to its own. A rank's blame in a group is the union of those intervals:
+    a rank 0.2 s behind through a burst of asynchronous reductions kept its peers waiting 0.2 s once,
+    not once per reduction. Within one group and slice, a rank's blame minus the mean blame of its
+    peers, over the slice's span of that group, is its net lag there; a rank's value in a slice is the
+    mean over its groups. Net: jitter, and ranks taking turns being last on oversubscribed cores,
+    cancel out (~0) instead of adding up on every rank. Minimum over slices: a straggler is late in
+    every part of the window, while a one-off stall (a compile, a descheduled process, a checkpoint
+    pause) fills one part only. A rank 1.5x slower than its peers scores ~0.33.
     """
-    keyed = common_collectives(entries_by_rank, sizes)
+    keyed = sorted(common_collectives(entries_by_rank, sizes).items(), key=lambda kv: min(e[5] for e in kv[1].values()))
     if not keyed:
         return {}
-    blame: dict[int, float] = dict.fromkeys(entries_by_rank, 0.0)
-    t_min, t_max = math.inf, -math.inf
-    for by_rank in keyed.values():
+    k = max(1, min(slices, len(keyed) // 2))
+    per_slice = [_net_lag(keyed[i * len(keyed) // k : (i + 1) * len(keyed) // k]) for i in range(k)]
+    ranks = set.intersection(*(set(p) for p in per_slice))
+    return {r: min(p[r] for p in per_slice) for r in ranks}
+
+
+def _net_lag(collectives: Sequence[tuple[tuple[str, int], Mapping[int, FrEntry]]]) -> dict[int, float]:
+    """rank -> mean over its groups of (its blame - its peers' mean blame) / the group's span."""
+    waits: dict[str, dict[int, list[tuple[int, int]]]] = {}  # pg -> rank -> intervals others waited for it
+    span: dict[str, tuple[int, int]] = {}
+    for (pg, _seq), by_rank in collectives:
         ts = sorted((e[5], r) for r, e in by_rank.items())
-        blame[ts[-1][1]] += (ts[-1][0] - ts[-2][0]) / 1e9
-        t_min, t_max = min(t_min, ts[0][0]), max(t_max, ts[-1][0])
-    span = (t_max - t_min) / 1e9
-    if span <= 0:
-        return {}
-    return {r: b / span for r, b in blame.items()}
+        group = waits.setdefault(pg, {})
+        for _, r in ts:
+            group.setdefault(r, [])
+        group[ts[-1][1]].append((ts[-2][0], ts[-1][0]))
+        lo, hi = span.get(pg, (ts[0][0], ts[-1][0]))
+        span[pg] = (min(lo, ts[0][0]), max(hi, ts[-1][0]))
+    nets: dict[int, list[float]] = {}
+    for pg, group in waits.items():
+        seconds = (span[pg][1] - span[pg][0]) / 1e9
+        if seconds <= 0 or len(group) < 2:
+            continue
+        blame = {r: _union_ns(iv) / 1e9 for r, iv in group.items()}
+        total = sum(blame.values())
+        for r, v in blame.items():
+            nets.setdefault(r, []).append((v - (total - v) / (len(blame) - 1)) / seconds)
+    return {r: sum(v) / len(v) for r, v in nets.items()}
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    """Total length of the union of [start, end] intervals."""
+    total, end = 0, -math.inf
+    for a, b in sorted(intervals):
+        if b > end:
+            total += int(b - max(a, end))
+            end = b
+    return total
 
 
 # ------------------------------------------------------------------------------------------ latency

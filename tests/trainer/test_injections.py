@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -29,9 +30,11 @@ def test_recompile_storm(launch):
 
 
 def test_graph_break(launch):
-    run = launch(1, "--compile", "eager", "--inject", "graph-break", "--steps", "2")
+    run = launch(1, "--compile", "eager", "--inject", "graph-break", "--steps", "3", "--inject-step", "2")
     assert run.returncode == 0, run.output
     assert run.ranks[0]["dynamo"]["graph_breaks"] > 0
+    before = launch(1, "--compile", "eager", "--inject", "graph-break", "--steps", "2", "--inject-step", "2")
+    assert before.ranks[0]["dynamo"]["graph_breaks"] == 0  # the break appears at --inject-step (after warm-up)
 
 
 def test_divergent_graph(launch):
@@ -55,12 +58,14 @@ def test_tp_grad_skip_tp_replicas_drift(launch):
     assert any("q_norm" in k for k in drifted), drifted
 
 
-def test_dtype_mismatch_aborts_after_recording(launch):
+def test_dtype_mismatch_silently_corrupts(launch):
     run = launch(2, "--dp", "2", "--dp-mode", "ddp", "--inject", "dtype-mismatch", *STEPS)
-    assert run.returncode != 0
+    assert run.returncode == 0, run.output  # equal byte counts: the reduction completes, no error
     assert run.ranks[1]["last_reduce_dtype"] == "torch.bfloat16"
     assert run.ranks[0]["last_reduce_dtype"] == "torch.float32"
-    assert len(run.ranks[0]["steps"]) == 2  # steps before --inject-step completed
+    assert run.summary is not None
+    losses = run.summary["losses"]
+    assert all(math.isfinite(x) for x in losses[:3]) and not all(math.isfinite(x) for x in losses[3:]), losses
 
 
 @pytest.mark.parametrize("name", ["tensor-leak", "compile-leak"])

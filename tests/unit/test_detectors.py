@@ -88,6 +88,14 @@ def test_collective_mismatch_by_majority_and_partial_windows() -> None:
     assert sig.collective_mismatches({0: good, 2: bad}, sizes={"dp@0,0": 3}) == {}
 
 
+def test_collective_mismatch_tie_goes_to_the_narrow_dtype() -> None:
+    good = [_fr("dp@0,0", s) for s in range(3)]
+    bf16 = [*good[:2], _fr("dp@0,0", 2, sizes="[[8]]", dt="BFloat16")]
+    assert set(sig.collective_mismatches({0: good, 1: bf16})) == {0, 1}  # no majority, no dtype rule
+    assert set(sig.collective_mismatches({0: good, 1: bf16}, param_bits=32)) == {1}
+    assert set(sig.collective_mismatches({0: good, 1: bf16}, param_bits=16)) == {0, 1}  # bf16 model: no rule
+
+
 def test_low_precision_reduction_only_on_gradient_groups() -> None:
     entries = [_fr("dp@0,0", 1, dt="BFloat16"), _fr("tp@0,0", 1, dt="BFloat16"), _fr("dp@0,0", 2)]
     low = sig.low_precision_reductions(entries, 32, ["dp@0,0"])
@@ -105,6 +113,34 @@ def test_arrival_lag_flags_the_late_rank_not_jitter() -> None:
     assert ratios[2] > 0.1 and max(ratios[0], ratios[1]) < 0.02
     calm = sig.arrival_lag_ratio({r: entries(r, 0) for r in range(3)})
     assert max(calm.values()) < 0.02
+
+
+def _lagged(late: dict[int, dict[int, int]], n_ranks: int = 2, steps: int = 30, per_step: int = 6) -> dict[int, list[tuple]]:
+    """Synchronous collectives 1 ms apart, 0.3 s steps; ``late[rank][i]`` ns added to op i of that rank
+    only (its peers waited there, so the following ops start together again)."""
+    step = 300_000_000
+    out: dict[int, list[tuple]] = {}
+    for r in range(n_ranks):
+        out[r] = [_fr("tp@0,0", i, t=(i // per_step) * step + (i % per_step) * 1_000_000 + late.get(r, {}).get(i, 0))
+                  for i in range(steps * per_step)]  # fmt: skip
+    return out
+
+
+def test_arrival_lag_is_net_persistent_and_counts_a_burst_once() -> None:
+    # rank 1 arrives 60 ms late at every step: others wait 60 ms per 0.3 s step
+    late = {1: {i: 60_000_000 for i in range(0, 180, 6)}}
+    ratios = sig.arrival_lag_ratio(_lagged(late))
+    assert ratios[1] == pytest.approx(0.2, abs=0.02) and ratios[0] < 0
+    # the same 60 ms late through an asynchronous burst of 6 ops per step: still 60 ms of waiting per step
+    burst = {1: {i: 60_000_000 for i in range(180)}}
+    assert 0.15 < sig.arrival_lag_ratio(_lagged(burst))[1] < 0.3  # not 6 x 60 ms per step
+    # ranks taking turns being last (oversubscribed cores) net out
+    turns = {r: {i: 20_000_000 for i in range(r * 6, 180, 12)} for r in (0, 1)}
+    assert max(sig.arrival_lag_ratio(_lagged(turns)).values()) < 0.02
+    # one 5 s stall (a checkpoint pause, a compile) is not persistent: it fills one third of the window
+    stall = {0: {90: 5_000_000_000}}
+    assert max(sig.arrival_lag_ratio(_lagged(stall)).values()) < 0.02
+    assert sig.arrival_lag_ratio(_lagged(stall), slices=1)[0] > 0.25  # what a plain sum would have said
 
 
 def test_hang_timeout_and_warmup() -> None:
@@ -282,6 +318,17 @@ def test_recompile_storm_and_cache_hit_ratio(tmp_path: Any) -> None:
     comp2.cache[("fx_graph", "hit")] += 5
     agent2.tick()
     assert sample(det2, "hpar_alert_active", "RecompileStorm") == 1.0
+
+
+def test_recompile_limit_hit_is_a_storm(tmp_path: Any) -> None:
+    comp = Fake("compile", recompiles=Counter({"int_value": 7}), limit_hits=0, cache=Counter(), graph_breaks=Counter())
+    agent, det = make_agent(tmp_path, comps=(steps(10), comp))
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "RecompileStorm") == 0.0  # 7 recompiles: under 10
+    comp.limit_hits = 1  # the 8th recompile was refused: the frame runs eager from now on
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "RecompileStorm") == 1.0
+    assert det.states["RecompileStorm"].details["limit_hits_in_window"] == 1
 
 
 def test_graph_breaks_after_warmup_only(tmp_path: Any) -> None:

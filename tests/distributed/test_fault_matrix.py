@@ -1,0 +1,211 @@
+"""The fault matrix on CPU ranks: injected failures raise the right alert on the right rank, with evidence,
+and a clean run of 200 steps with a checkpoint-like pause raises none.
+
+Four trainer runs serve every test here (module-scoped, about 3 minutes on 2 cores):
+- ``combined``: 4 ranks dp2 x tp2, eager compile, with divergent-graph, tp-grad-skip, tensor-leak,
+  graph-break and straggler at once (they act on different signals and do not mask each other);
+- ``hang``: 4 ranks dp2 x tp2, rank 3 skips step 3's collectives; every rank is stuck until gloo's
+  20 s timeout, so Hang must fire on all of them, with stacks and a flight-recorder dump, before that;
+- ``ddp``: 2 ranks dp2 under DDP, rank 1's comm hook reduces in bf16 (dtype-mismatch) after sleeping
+  (slow-collective): a 1-1 split that only the dtype can attribute;
+- ``clean``: 2 ranks dp2, a tiny model compiled with the eager backend, 200 steps, rank 0 pausing 12 s
+  at step 100 (a checkpoint-like pause) while rank 1 waits for it in the next collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpar_agent import catalogue as cat
+from hpar_agent.diagnose import evidence_kind, read_alerts
+from hpar_agent.launch import run_trainer
+
+pytestmark = pytest.mark.distributed
+
+DP2_TP2 = ["--dp", "2", "--tp", "2", "--pp", "1", "--log-every", "10"]
+RUNS: dict[str, tuple[int, list[str]]] = {
+    "combined": (4, [*DP2_TP2, "--compile", "eager", "--steps", "40",
+                     "--inject", "divergent-graph", "--inject", "tp-grad-skip", "--inject", "tensor-leak",
+                     "--inject", "graph-break", "--inject", "straggler", "--inject-delay", "0.4"]),
+    "hang": (4, [*DP2_TP2, "--steps", "8", "--inject", "hang"]),
+    "ddp": (2, ["--dp", "2", "--dp-mode", "ddp", "--steps", "80", "--log-every", "10",
+                "--inject", "dtype-mismatch", "--inject", "slow-collective"]),
+    "clean": (2, ["--dp", "2", "--compile", "eager", "--steps", "200", "--log-every", "50",
+                  "--layers", "2", "--dim", "32", "--heads", "2", "--seq-len", "16", "--global-batch", "8",
+                  "--pause-at", "100", "--pause-seconds", "12"]),
+}  # fmt: skip
+INJECT_STEP = 3  # the trainer's default --inject-step
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    returncode: int
+    output: str
+    nproc: int
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Every alert that went firing, from every rank's event log."""
+        return read_alerts(self.run_dir)
+
+    def fired(self, alert: str) -> dict[int, dict[str, Any]]:
+        """rank -> its first firing event of ``alert``."""
+        out: dict[int, dict[str, Any]] = {}
+        for a in sorted(self.alerts(), key=lambda a: a["ts"]):
+            if a["alert"] == alert:
+                out.setdefault(a["rank"], a)
+        return out
+
+    def summary(self, rank: int) -> dict[str, Any]:
+        return json.loads((self.run_dir / f"summary.rank{rank}.json").read_text())
+
+
+def _launch(tmp_path_factory: pytest.TempPathFactory, name: str) -> Run:
+    nproc, args = RUNS[name]
+    run_dir = tmp_path_factory.mktemp("matrix") / name
+    run_dir.mkdir()
+    env = {"HPAR_RUN_DIR": str(run_dir), "HPAR_JOB_ID": name, "HPAR_METRICS_PORT": "-1", "HPAR_TRACES": "none"}
+    proc = run_trainer(nproc, [*args, "--out", str(run_dir / "trainer.json")], env=env, timeout=400)
+    return Run(run_dir, proc.returncode, (proc.stdout or "") + (proc.stderr or ""), nproc)
+
+
+@pytest.fixture(scope="module")
+def combined(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _launch(tmp_path_factory, "combined")
+
+
+@pytest.fixture(scope="module")
+def hang(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _launch(tmp_path_factory, "hang")
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _launch(tmp_path_factory, "ddp")
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _launch(tmp_path_factory, "clean")
+
+
+def _private_files(paths: list[str]) -> None:
+    assert paths
+    for p in paths:
+        assert os.path.getsize(p) > 0, p
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+
+
+# ------------------------------------------------------------------------------------------ combined
+def test_combined_run_completes(combined: Run) -> None:
+    assert combined.returncode == 0, combined.output[-3000:]
+
+
+def test_divergent_graph_on_the_inject_rank_only(combined: Run) -> None:
+    fired = combined.fired("CompileDivergence")
+    assert set(fired) == {3}, fired
+    fps = fired[3]["details"]["fingerprints"]
+    assert len({fps[r] for r in ("0", "1", "2")}) == 1 and fps["3"] != fps["0"], fps
+
+
+def test_tp_grad_skip_on_every_tp_group(combined: Run) -> None:
+    fired = combined.fired("ReplicaDivergence")
+    assert set(fired) == {0, 1, 2, 3}, fired  # every tp pair drifts apart: no majority, all ranks flagged
+    for rank, event in fired.items():
+        assert set(event["details"]) == {"tp"}, event["details"]  # dp replicas stay in sync
+        tp = event["details"]["tp"]
+        assert rank in tp["ranks"] and len(tp["ranks"]) == 2
+        assert all("q_norm" in p or "k_norm" in p for p in tp["params"]), tp["params"]
+
+
+def test_tensor_leak_on_the_inject_rank_with_stacks(combined: Run) -> None:
+    fired = combined.fired("MemoryLeak")
+    assert set(fired) == {3}, fired
+    leak = fired[3]
+    assert leak["value"] >= 1 << 20 and leak["pp_stage"] == 0
+    _private_files(leak["evidence"])
+    assert {evidence_kind(p) for p in leak["evidence"]} >= {"pyspy.txt", "pyspy.json"}
+    assert "Trainer.run" in Path(next(p for p in leak["evidence"] if p.endswith(".txt"))).read_text()
+
+
+def test_graph_break_after_warmup_on_every_rank(combined: Run) -> None:
+    fired = combined.fired("GraphBreaks")
+    assert set(fired) == {0, 1, 2, 3}, fired
+    for event in fired.values():
+        assert event["step"] >= INJECT_STEP
+        assert any("inject.py" in text for text in event["details"]["reasons"].values()), event["details"]
+
+
+def test_straggler_on_the_inject_rank(combined: Run) -> None:
+    fired = combined.fired("Straggler")
+    assert 3 in fired and fired[3]["value"] > fired[3]["threshold"], fired
+    assert not {0, 1} & set(fired), fired  # the other tp pair is never blamed
+
+
+# ------------------------------------------------------------------------------------------ hang
+def test_hang_fires_on_every_stuck_rank_before_the_job_dies(hang: Run) -> None:
+    assert hang.returncode != 0  # gloo aborts every rank after --pg-timeout (20 s)
+    fired = hang.fired("Hang")
+    assert set(fired) == {0, 1, 2, 3}, hang.output[-3000:]
+    for event in fired.values():
+        assert event["step"] == INJECT_STEP  # the stuck step
+        details = event["details"]
+        assert details["timeout_s"] == pytest.approx(16.0)  # 80% of the 20 s pg timeout
+        assert details["timeout_s"] < event["value"] < 20.0
+        _private_files(event["evidence"])
+        assert {evidence_kind(p) for p in event["evidence"]} == {"pyspy.txt", "pyspy.json", "fr-gloo.json"}
+    # the culprit is visible: rank 3 waits in a barrier of the default group, its peers in dp/tp ops
+    assert fired[3]["details"]["pg"] == "default_pg"
+    assert {fired[r]["details"]["pg"] for r in (0, 1, 2)} <= {"dp", "tp"}
+    stacks = Path(next(p for p in fired[3]["evidence"] if p.endswith(".txt"))).read_text()
+    assert "barrier" in stacks, stacks
+
+
+# ------------------------------------------------------------------------------------------ ddp
+def test_dtype_mismatch_attributed_to_the_bf16_rank(ddp: Run) -> None:
+    assert ddp.returncode == 0, ddp.output[-3000:]  # equal byte counts: gloo reduces garbage silently
+    fired = ddp.fired("CollectiveMismatch")
+    assert set(fired) == {1}, fired  # a 1-1 split, broken by the reduction dtype
+    event = fired[1]
+    assert event["step"] - INJECT_STEP <= 3
+    assert event["details"]["param_bits"] == 32
+    assert any(e["dtypes"] == "BFloat16" for e in event["details"]["low_precision"]), event["details"]
+    _private_files(event["evidence"])
+    assert [evidence_kind(p) for p in event["evidence"]] == ["fr-gloo.json"]
+    dump = json.loads(Path(event["evidence"][0]).read_text())
+    assert any(e["input_dtypes"] == ["BFloat16"] for e in dump["entries"])
+    # the exchange also saw the peers disagree on the same (pg, seq)
+    summary = ddp.summary(1)["components"]["detectors"]["CollectiveMismatch"]
+    assert summary["fired"] >= 1 and summary["active"]
+
+
+def test_slow_collective_shows_as_the_late_rank(ddp: Run) -> None:
+    fired = ddp.fired("Straggler")
+    assert set(fired) == {1}, fired  # gloo has no collective durations: arrival skew names the late rank
+    assert ddp.summary(0)["components"]["detectors"]["Straggler"]["value"] < 0  # rank 0 only waited
+
+
+# ------------------------------------------------------------------------------------------ clean
+def test_clean_run_with_a_pause_fires_nothing(clean: Run) -> None:
+    assert clean.returncode == 0, clean.output[-3000:]
+    assert "checkpoint-like pause" in clean.output
+    assert clean.alerts() == []
+    for rank in range(clean.nproc):
+        s = clean.summary(rank)
+        assert s["components"]["steps"]["steps"] == 200
+        assert s["components"]["steps"]["step_seconds_max"] > 10  # the pause was inside a step
+        detectors = s["components"]["detectors"]
+        assert set(detectors) == set(cat.ALERT_NAMES)
+        for name, state in detectors.items():
+            assert state["fired"] == 0 and not state["active"], (rank, name, state)
+            assert set(state) >= {"value", "threshold", "params"}
+        # the cross-rank detectors really compared something
+        assert detectors["Straggler"]["value"] != 0.0
+        assert detectors["ReplicaDivergence"]["value"] == 0.0
