@@ -73,7 +73,9 @@ def _diagnose(args: argparse.Namespace) -> int:
     findings = []
     for mode in modes:
         print(f"diagnose: running {mode} ...", flush=True)
-        finding = diagnose(mode, base / mode, steps=args.steps, timeout=args.timeout)
+        finding = diagnose(
+            mode, base / mode, steps=args.steps, timeout=args.timeout, extra=args.trainer_args, nproc=args.nproc
+        )
         print(f"  exit {finding.exit_code} after {finding.wall_s:.0f} s; fired: "
               f"{sorted({(f['alert'], f['rank']) for f in finding.fired}) or 'nothing'}", flush=True)
         findings.append(finding)
@@ -108,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--steps", type=int, default=0, help="training steps (default per mode)")
     diag.add_argument("--run-dir", help="output directory (one subdirectory per mode)")
     diag.add_argument("--timeout", type=float, default=600, help="per-mode time limit in seconds")
+    diag.add_argument("--nproc", type=int, default=4, help="ranks (the default layout needs 4)")
+    diag.add_argument("trainer_args", nargs=argparse.REMAINDER, help="hpar-train flags after --, e.g. a GPU layout")
     diag.set_defaults(func=_diagnose)
     return p
 

@@ -121,7 +121,16 @@ def read_alerts(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def diagnose(injection: str, run_dir: Path, *, steps: int = 0, timeout: float = 600, extra: list[str] | None = None) -> Finding:
+def diagnose(
+    injection: str,
+    run_dir: Path,
+    *,
+    steps: int = 0,
+    timeout: float = 600,
+    extra: list[str] | None = None,
+    nproc: int = 4,
+) -> Finding:
+    """One injected run; ``extra`` trainer flags override the CPU layout (e.g. a GPU layout)."""
     if injection not in EXPECTED:
         raise ValueError(f"unknown injection {injection!r}; one of: {', '.join(EXPECTED)}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +144,7 @@ def diagnose(injection: str, run_dir: Path, *, steps: int = 0, timeout: float = 
     ]  # fmt: skip
     env = {"HPAR_RUN_DIR": str(run_dir), "HPAR_JOB_ID": run_dir.name, "HPAR_METRICS_PORT": "0"}
     t0 = time.time()
-    proc = run_trainer(4, args, env=env, timeout=timeout, capture=True)
+    proc = run_trainer(nproc, args, env=env, timeout=timeout, capture=True)
     active_from = 0 if injection in FROM_START else inject_step
     finding = Finding(injection, EXPECTED[injection], read_alerts(run_dir), proc.returncode, time.time() - t0, active_from)
     (run_dir / "diagnose.log").write_text((proc.stdout or "") + (proc.stderr or ""))
