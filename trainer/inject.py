@@ -124,7 +124,7 @@ class Injector:
             if self.rec.current.get("reduce_dtype") != dtype:
                 self.rec.current["reduce_dtype"] = dtype
                 self.rec.data["last_reduce_dtype"] = dtype
-                self.rec.flush()  # a mismatched reduce can abort the process: record it first
+                self.rec.flush()  # recorded before the reduction that corrupts the step
             t0 = time.perf_counter()
             fut = (_bf16_same_bytes_hook if bf16 else default_hooks.allreduce_hook)(group, bucket)
 

@@ -293,11 +293,11 @@ class Straggler(Detector):
     wait), so step time cannot tell who is slow; per-chunk compute time includes the TP all-reduces
     that wait for the slow rank too. The flight recorder's ``time_created_ns`` (enqueue time, on gloo
     and NCCL) shows who arrives last at each (pg, seq): that rank is blamed for the wait it caused,
-    net of the waits it suffered, in each third of the window (``signals.arrival_lag_ratio``).
+    net of the waits it suffered, in each half of the window (``signals.arrival_lag_ratio``).
 
     | param | default | meaning |
     |---|---|---|
-    | max_lag_ratio | 0.25 | fire when others wait for this rank more than this share of wall time (net, in every third of the window; a 1.5x slower rank scores ~0.33) |
+    | max_lag_ratio | 0.25 | fire when others wait for this rank more than this share of wall time (net, in both halves of the window; a 1.5x slower rank scores ~0.33) |
     | min_collectives | 8 | common collectives in the window before judging |
     | warmup_steps | 3 | collectives enqueued before this rank completed this many steps (compiles) are not judged |
     | min_window_steps | 3 | the judged collectives must span this many median step times (persistence, not one step) |

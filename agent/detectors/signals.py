@@ -194,52 +194,52 @@ def low_precision_reductions(entries: Sequence[FrEntry], param_bits: int, pgs: S
 
 
 def arrival_lag_ratio(
-    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None, slices: int = 3
+    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None, slices: int = 2
 ) -> dict[int, float]:
     """Per rank: the share of wall time its groups spent waiting for it, net of the time it spent
-    waiting for them, in the least affected of ``slices`` consecutive parts of the window.
+    waiting for them, in the less affected half (``slices``) of each group's window.
 
     For every (pg, seq) all members reported, the last rank to enqueue kept the others waiting from
     the second-to-last arrival to its own. A rank's blame in a group is the union of those intervals:
     a rank 0.2 s behind through a burst of asynchronous reductions kept its peers waiting 0.2 s once,
-    not once per reduction. Within one group and slice, a rank's blame minus the mean blame of its
-    peers, over the slice's span of that group, is its net lag there; a rank's value in a slice is the
-    mean over its groups. Net: jitter, and ranks taking turns being last on oversubscribed cores,
-    cancel out (~0) instead of adding up on every rank. Minimum over slices: a straggler is late in
-    every part of the window, while a one-off stall (a compile, a descheduled process, a checkpoint
-    pause) fills one part only. A rank 1.5x slower than its peers scores ~0.33.
+    not once per reduction. Within one slice of a group, a rank's blame minus the mean blame of its
+    peers, over the slice's span, is its net lag there. Per group the minimum over its slices is
+    taken, and a rank's value is the mean over its groups. Net: jitter, and ranks taking turns being
+    last on oversubscribed cores, cancel out (~0) instead of adding up on every rank. Minimum over
+    slices: a straggler is late in every part of the window, while a one-off stall (a compile, a
+    descheduled process, a checkpoint pause) fills one part only. Groups with fewer than
+    ``2 * slices`` common collectives are not judged. A rank 1.5x slower than its peers scores ~0.33.
     """
-    keyed = sorted(common_collectives(entries_by_rank, sizes).items(), key=lambda kv: min(e[5] for e in kv[1].values()))
-    if not keyed:
-        return {}
-    k = max(1, min(slices, len(keyed) // 2))
-    per_slice = [_net_lag(keyed[i * len(keyed) // k : (i + 1) * len(keyed) // k]) for i in range(k)]
-    ranks = set.intersection(*(set(p) for p in per_slice))
-    return {r: min(p[r] for p in per_slice) for r in ranks}
-
-
-def _net_lag(collectives: Sequence[tuple[tuple[str, int], Mapping[int, FrEntry]]]) -> dict[int, float]:
-    """rank -> mean over its groups of (its blame - its peers' mean blame) / the group's span."""
-    waits: dict[str, dict[int, list[tuple[int, int]]]] = {}  # pg -> rank -> intervals others waited for it
-    span: dict[str, tuple[int, int]] = {}
-    for (pg, _seq), by_rank in collectives:
-        ts = sorted((e[5], r) for r, e in by_rank.items())
-        group = waits.setdefault(pg, {})
-        for _, r in ts:
-            group.setdefault(r, [])
-        group[ts[-1][1]].append((ts[-2][0], ts[-1][0]))
-        lo, hi = span.get(pg, (ts[0][0], ts[-1][0]))
-        span[pg] = (min(lo, ts[0][0]), max(hi, ts[-1][0]))
+    by_pg: dict[str, list[Mapping[int, FrEntry]]] = {}
+    for (pg, _seq), by_rank in common_collectives(entries_by_rank, sizes).items():
+        by_pg.setdefault(pg, []).append(by_rank)
     nets: dict[int, list[float]] = {}
-    for pg, group in waits.items():
-        seconds = (span[pg][1] - span[pg][0]) / 1e9
-        if seconds <= 0 or len(group) < 2:
+    for ops in by_pg.values():
+        if len(ops) < 2 * slices:
             continue
-        blame = {r: _union_ns(iv) / 1e9 for r, iv in group.items()}
-        total = sum(blame.values())
-        for r, v in blame.items():
-            nets.setdefault(r, []).append((v - (total - v) / (len(blame) - 1)) / seconds)
+        ops.sort(key=lambda br: min(e[5] for e in br.values()))
+        parts = [_group_net(ops[i * len(ops) // slices : (i + 1) * len(ops) // slices]) for i in range(slices)]
+        for r in set.intersection(*(set(p) for p in parts)):
+            nets.setdefault(r, []).append(min(p[r] for p in parts))
     return {r: sum(v) / len(v) for r, v in nets.items()}
+
+
+def _group_net(ops: Sequence[Mapping[int, FrEntry]]) -> dict[int, float]:
+    """One group's collectives -> rank: (its blame - its peers' mean blame) / the collectives' span."""
+    waits: dict[int, list[tuple[int, int]]] = {}  # rank -> intervals the others waited for it
+    t_min, t_max = math.inf, -math.inf
+    for by_rank in ops:
+        ts = sorted((e[5], r) for r, e in by_rank.items())
+        for _, r in ts:
+            waits.setdefault(r, [])
+        waits[ts[-1][1]].append((ts[-2][0], ts[-1][0]))
+        t_min, t_max = min(t_min, ts[0][0]), max(t_max, ts[-1][0])
+    seconds = (t_max - t_min) / 1e9
+    if seconds <= 0 or len(waits) < 2:
+        return {}
+    blame = {r: _union_ns(iv) / 1e9 for r, iv in waits.items()}
+    total = sum(blame.values())
+    return {r: (v - (total - v) / (len(blame) - 1)) / seconds for r, v in blame.items()}
 
 
 def _union_ns(intervals: list[tuple[int, int]]) -> int:

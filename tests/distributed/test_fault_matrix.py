@@ -111,8 +111,10 @@ def test_combined_run_completes(combined: Run) -> None:
 def test_divergent_graph_on_the_inject_rank_only(combined: Run) -> None:
     fired = combined.fired("CompileDivergence")
     assert set(fired) == {3}, fired
-    fps = fired[3]["details"]["fingerprints"]
-    assert len({fps[r] for r in ("0", "1", "2")}) == 1 and fps["3"] != fps["0"], fps
+    fps = fired[3]["details"]["fingerprints"]  # a peer may be caught mid-compile; rank 3 differs from all
+    assert fps["3"] not in {fps[r] for r in ("0", "1", "2")}, fps
+    final = {r: combined.summary(r)["components"]["compile"]["fingerprint"] for r in range(4)}
+    assert len({final[r] for r in (0, 1, 2)}) == 1 and final[3] != final[0], final
 
 
 def test_tp_grad_skip_on_every_tp_group(combined: Run) -> None:

@@ -137,7 +137,7 @@ def test_arrival_lag_is_net_persistent_and_counts_a_burst_once() -> None:
     # ranks taking turns being last (oversubscribed cores) net out
     turns = {r: {i: 20_000_000 for i in range(r * 6, 180, 12)} for r in (0, 1)}
     assert max(sig.arrival_lag_ratio(_lagged(turns)).values()) < 0.02
-    # one 5 s stall (a checkpoint pause, a compile) is not persistent: it fills one third of the window
+    # one 5 s stall (a checkpoint pause, a compile) is not persistent: it fills one half of the window
     stall = {0: {90: 5_000_000_000}}
     assert max(sig.arrival_lag_ratio(_lagged(stall)).values()) < 0.02
     assert sig.arrival_lag_ratio(_lagged(stall), slices=1)[0] > 0.25  # what a plain sum would have said
