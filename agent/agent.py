@@ -9,7 +9,7 @@ import os
 import threading
 import time
 import warnings
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,6 +24,11 @@ from hpar_agent.events import EventLog
 from hpar_agent.families import Families
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.topology import Topology, detect
+
+#: A completed step's trace waits at most this long for late child spans (FR reads are periodic).
+SPAN_WAIT_NS = 30 * 10**9
+#: ... and at most this many steps wait (a fast loop must not queue without bound).
+MAX_UNEXPORTED = 4096
 
 log = logging.getLogger("hpar_agent")
 
@@ -57,6 +62,7 @@ class Agent:
         self._logged: set[tuple[str, str]] = set()
         self._step_hooks: list[Component] = []
         self._pending_spans: dict[int, list[SpanRecord]] = {}
+        self._unexported: deque[StepRecord] = deque()  # completed steps whose spans may still come
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tick_lock = threading.Lock()
@@ -120,7 +126,7 @@ class Agent:
         if self._thread is not None:
             self._thread.join(timeout)
         try:
-            self.tick()  # final drain so the last steps reach the exporters
+            self.tick(final=True)  # final drain so the last steps reach the exporters
         except Exception as exc:
             self.record_error("agent", exc)
         for comp in reversed(self.components):
@@ -236,14 +242,26 @@ class Agent:
         if len(pending) < 4096:
             pending.append(span)
 
+    @property
+    def stopping(self) -> bool:
+        """True from ``stop()`` on: the final tick reads every source in full."""
+        return self._stop.is_set()
+
+    def _until_next_tick(self) -> float:
+        """Seconds to the next multiple of the interval on the wall clock. Every rank's agent then
+        works at the same instants: a synchronous job stalls whenever any one rank stalls, so passes
+        at random phases would add up over the ranks, aligned ones overlap."""
+        iv = self.config.interval
+        return iv - time.time() % iv
+
     def _run(self) -> None:
-        while not self._stop.wait(self.config.interval):
+        while not self._stop.wait(self._until_next_tick()):
             try:
                 self.tick()
             except Exception as exc:  # never let the thread die
                 self.record_error("agent", exc)
 
-    def tick(self) -> None:
+    def tick(self, final: bool = False) -> None:
         """One agent-thread pass: poll every component, then finish completed steps."""
         with self._tick_lock:
             now = time.time()
@@ -257,18 +275,39 @@ class Agent:
             steps = self.component("steps")
             completed: list[StepRecord] = steps.take_completed() if steps is not None else []  # type: ignore[attr-defined]
             for rec in completed:
-                rec.children.extend(self._pending_spans.pop(rec.step, ()))
                 for comp in self.components:
                     try:
                         comp.on_step(rec)
                     except Exception as exc:
                         self.record_error(comp.name, exc)
-                if self.tracing is not None:
-                    self.guard("tracing", self.tracing.export_step, rec)
-            if completed:
-                horizon = completed[-1].step - 64
-                for s in [s for s in self._pending_spans if s < horizon]:
-                    del self._pending_spans[s]
+                self._unexported.append(rec)
+            self._export_steps(final)
+
+    def _export_steps(self, final: bool) -> None:
+        """Hand completed steps with their child spans to tracing once every component has delivered
+        the spans that start before the step's end (the FR is read once per ``fr_interval``), after
+        ``SPAN_WAIT_NS`` at the latest, and every step on the final tick."""
+        now = time.time_ns()
+        mark = now
+        if not final:
+            for comp in self.components:
+                try:
+                    wm = comp.span_watermark_ns() if comp.up else None
+                except Exception as exc:
+                    self.record_error(comp.name, exc)
+                    wm = None
+                mark = min(mark, wm) if wm is not None else mark
+        queue, last = self._unexported, None
+        while queue and (final or queue[0].end_ns <= mark or queue[0].end_ns < now - SPAN_WAIT_NS
+                         or len(queue) > MAX_UNEXPORTED):
+            rec = queue.popleft()
+            last = rec.step
+            rec.children.extend(self._pending_spans.pop(rec.step, ()))
+            if self.tracing is not None:
+                self.guard("tracing", self.tracing.export_step, rec)
+        if last is not None:
+            for s in [s for s in self._pending_spans if s < last - 64]:
+                del self._pending_spans[s]
 
     def _start_endpoint(self) -> None:
         if self.config.metrics_port < 0:

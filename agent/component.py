@@ -42,6 +42,11 @@ class Component:
     def on_step(self, rec: StepRecord) -> None:
         """Agent thread: called once per completed step, after every component's ``poll``."""
 
+    def span_watermark_ns(self) -> int | None:
+        """Agent thread: every child span starting before this epoch time has been handed to the
+        agent (``None``: spans are never late). A step's trace is exported once it passes its end."""
+        return None
+
     def collect(self) -> Iterable[Metric]:
         """Scrape: build and return fresh metric families from state."""
         return ()

@@ -45,7 +45,9 @@ class AgentConfig:
     job_id: str = ""
     """Shared by all ranks; empty means torchrun's run id, else generated and shared via the store."""
     interval: float = 1.0
-    """Seconds between agent-thread polls."""
+    """Seconds between agent-thread polls (aligned to the wall clock on every rank)."""
+    fr_interval: float = 5.0
+    """Seconds between full flight-recorder reads (hangs and a filling ring read earlier)."""
     trace_every: int = 10
     """Keep every Nth step's trace (slow/anomalous steps always); 0 disables tracing."""
     traces: str = "auto"
@@ -144,6 +146,8 @@ def _problems(c: AgentConfig) -> list[str]:
         out.append(f"metrics_port must be -1..65535, got {c.metrics_port}")
     if not c.interval > 0:
         out.append(f"interval must be > 0 seconds, got {c.interval}")
+    if not c.fr_interval > 0:
+        out.append(f"fr_interval must be > 0 seconds, got {c.fr_interval}")
     if c.trace_every < 0:
         out.append(f"trace_every must be >= 0, got {c.trace_every}")
     if c.traces not in TRACE_MODES:

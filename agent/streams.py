@@ -19,3 +19,25 @@ def stream_label(device: Any = None) -> str:
 
 def comm_stream_label(pg: str, backend: str) -> str:
     return f"nccl:{pg}" if backend == "nccl" else CPU
+
+
+#: Distinct ``stream`` values one collector exports; more (code that makes a stream per step) share OTHER.
+MAX_STREAMS = 4
+OTHER = "cuda:other"
+
+
+class StreamCap:
+    """Bounds one collector's ``stream`` label values (agent thread): the first ``cap`` seen keep
+    their name, later ones become ``cuda:other``, so a series count never grows with user streams."""
+
+    def __init__(self, cap: int = MAX_STREAMS) -> None:
+        self.cap = cap
+        self.seen: set[str] = set()
+
+    def __call__(self, label: str) -> str:
+        if label in self.seen:
+            return label
+        if len(self.seen) >= self.cap:
+            return OTHER
+        self.seen.add(label)
+        return label

@@ -1,15 +1,28 @@
 #!/usr/bin/env bash
-# The one device call: GPU validation, then the GPU overhead benchmark (results under $OUT).
+# Device calls: GPU validation, the overhead benchmark (GPU config, and the CPU config on the device's
+# quiet cores) and the component costs; results under $OUT. Pick parts with RUN (default: all):
+#   RUN="overhead-gpu components-gpu" bash benchmarks/gpu_run.sh
 # The device call's command installs the carried wheels to /tmp/site first (see BENCHMARKS.md).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
+RUN=${RUN:-"validate overhead-gpu overhead-cpu components-gpu"}
 export PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null 2>&1 \
   || { echo "pip install of hpar-agent failed"; exit 1; }
 python3 -c "import hpar_agent, hpar_trainer, opentelemetry.sdk, torch; print('imports ok', torch.__version__)" || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$OUT/machine.txt"
-python3 benchmarks/gpu_validate.py --json "$OUT/gpu-validate.json" 2>&1 | grep -v '^20..-..-.. .*hpar_trainer' \
-  | tee "$OUT/gpu-validate.log"
-python3 benchmarks/overhead.py --config gpu --pairs "${PAIRS:-5}" --json "$OUT/overhead-gpu.json" 2>&1 \
-  | grep -v '^20..-..-.. .*hpar_trainer' | tee "$OUT/overhead-gpu.log"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
+  echo "cpus $(nproc)"; } | tee "$OUT/machine.txt"
+quiet() { grep -v -e '^20..-..-.. .*hpar_trainer' -e '^USDT' -e 'profiler_st'; }
+for part in $RUN; do
+  case "$part" in
+    validate) python3 benchmarks/gpu_validate.py --json "$OUT/gpu-validate.json" 2>&1 | quiet | tee "$OUT/gpu-validate.log" ;;
+    overhead-gpu) python3 benchmarks/overhead.py --config gpu --json "$OUT/overhead-gpu.json" 2>&1 | quiet \
+      | tee "$OUT/overhead-gpu.log" | tail -n 8 ;;
+    overhead-cpu) CUDA_VISIBLE_DEVICES= python3 benchmarks/overhead.py --config cpu --json "$OUT/overhead-cpu.json" 2>&1 \
+      | quiet | tee "$OUT/overhead-cpu.log" | tail -n 8 ;;
+    components-gpu) python3 benchmarks/components.py --device cuda --json "$OUT/components-gpu.json" 2>&1 | quiet \
+      | tee "$OUT/components-gpu.log" | tail -n 40 ;;
+    *) echo "unknown part $part" ;;
+  esac
+done

@@ -1,22 +1,35 @@
 """Training-step overhead of the agent (and of torch.profiler / NCCL timing), measured side by side.
 
-Arms, run INTERLEAVED after one warm-up run so machine drift hits every arm alike:
-  off       trainer with ``--no-agent``
-  on        trainer with the agent: every collector, detectors, tracing at the default sampling, traces
-            to a local file (``HPAR_TRACES=file``)
-  profiler  ``--no-agent`` inside ``torch.profiler.profile`` (CPU, plus CUDA activities on a GPU)
-  nccl      ``--no-agent`` with ``TORCH_NCCL_ENABLE_TIMING=1`` (CUDA only)
-A run's step time is the median of the trainer's ``step_times`` after ``--skip`` steps (compile and
-warm-up); a pair's ratio is arm / off of the same pair. Printed: median ratio with min/max over pairs.
+Arms:
+  off       the trainer with no agent
+  on        the agent with its defaults: every collector, detectors, tracing at the default sampling,
+            traces to a local file (``HPAR_TRACES=file``), metrics endpoint on an ephemeral port
+  profiler  no agent, inside ``torch.profiler.profile`` (CPU, plus CUDA activities on a GPU)
+  nccl      no agent, ``TORCH_NCCL_ENABLE_TIMING=1`` (CUDA only; ``--design runs`` only: the env is read
+            when the process group starts)
 
-Configurations: ``--config cpu`` launches 4 gloo ranks with torchrun (dp1 x tp2 x pp2, aot_eager, tiny
-model); ``--config gpu`` runs the trainer's entry in-process, world size 1 (inductor, bf16, a model whose
-step takes >= 50 ms on an H200). In-process runs let the profiler wrap the trainer without a trainer
-flag and reuse the warm compile caches, so 20 runs fit in a few device minutes. ``--cpu-smoke`` runs the
-gpu configuration's in-process path on CPU with a tiny model (to test this script without a GPU).
+Two designs, both interleaved so machine drift hits every arm alike:
+  blocks (default)  ONE trainer process (torchrun ranks, or in-process at world size 1) runs
+                    ``--block``-step blocks; before each block every rank attaches the agent (or starts
+                    the profiler), after it detaches (stops) it. A pair is one block of every arm, the
+                    order rotating from pair to pair; warm-up blocks of every arm come first (compile,
+                    caches, the graphs Dynamo keeps for hooks on and off). A block's step time is the
+                    median after its first ``--block-skip`` steps (the agent's first polls and
+                    exchanges). One process means one compile, one memory layout and one set of
+                    caches: the run-to-run spread of separate processes (5-7 % on the H200) would
+                    otherwise swamp a sub-percent overhead.
+  runs              one trainer process per arm and pair (the first design; needed for the nccl arm).
+A pair's ratio is arm / off of the same pair. Printed: median ratio over pairs, its mean with the
+standard error, and min/max.
 
-    python benchmarks/overhead.py --config cpu --pairs 5 --json overhead-cpu.json
-    python benchmarks/overhead.py --config gpu --pairs 5 --json overhead-gpu.json
+Configurations: ``--config cpu`` is 4 gloo ranks under torchrun (dp1 x tp2 x pp2, 1F1B, aot_eager, a small
+model); ``--config gpu`` is world size 1 in-process (inductor, bf16, a model whose step takes >= 50 ms on
+an H200). ``--cpu-smoke`` runs the gpu configuration's in-process path on CPU with a tiny model (to test
+this script without a GPU).
+
+    python benchmarks/overhead.py --config cpu --json overhead-cpu.json
+    python benchmarks/overhead.py --config gpu --json overhead-gpu.json
+    python benchmarks/overhead.py --config gpu --design runs --pairs 5 --json overhead-gpu-runs.json
 """
 
 from __future__ import annotations
@@ -45,6 +58,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
                  "--device", "cpu"],
         "steps": 16,
         "skip": 4,
+        "block": 20,
+        "block_skip": 3,
+        "pairs": 10,
     },
     "gpu": {
         "nproc": 1,
@@ -52,6 +68,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
                  "--seq-len", "1024", "--global-batch", "8", "--vocab", "8192", "--lr", "3e-4", "--device", "cuda"],
         "steps": 25,
         "skip": 5,
+        "block": 30,
+        "block_skip": 5,
+        "pairs": 15,
     },
     "cpu-smoke": {  # the gpu configuration's in-process path on CPU, tiny
         "nproc": 1,
@@ -59,6 +78,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
                  "--global-batch", "8", "--device", "cpu"],
         "steps": 8,
         "skip": 3,
+        "block": 6,
+        "block_skip": 2,
+        "pairs": 3,
     },
 }
 
@@ -79,16 +101,21 @@ def trainer_args(cfg: dict[str, Any], arm: str, out: str) -> list[str]:
     return args if arm == "on" else [*args, "--no-agent"]
 
 
-@contextlib.contextmanager
-def maybe_profiler(on: bool) -> Iterator[None]:
-    """torch.profiler over the whole trainer run (CPU activities, plus CUDA when a GPU is present)."""
-    if not on:
-        yield
-        return
+def profiler() -> torch.profiler.profile:
+    """torch.profiler as users run it: CPU activities, plus CUDA when a GPU is present."""
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts):
+    return torch.profiler.profile(activities=acts)
+
+
+@contextlib.contextmanager
+def maybe_profiler(on: bool) -> Iterator[None]:
+    """torch.profiler over the whole trainer run."""
+    if not on:
+        yield
+        return
+    with profiler():
         yield
 
 
@@ -134,6 +161,91 @@ def run_torchrun(arm: str, nproc: int, args: list[str], env: dict[str, str], tim
         raise RuntimeError(f"{arm} run failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
 
 
+def block_order(arms: list[str], pairs: int, warm: int) -> list[tuple[str, int]]:
+    """(arm, pair) of each block: ``warm`` rounds of every arm (pair -1), then the pairs, the arm order
+    rotating by one from pair to pair so that no arm always runs first."""
+    order = [(arm, -1) for _ in range(warm) for arm in arms]
+    for p in range(pairs):
+        k = p % len(arms)
+        order += [(arm, p) for arm in arms[k:] + arms[:k]]
+    return order
+
+
+def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
+    """Every rank: build the trainer once, then run the blocks of ``spec``, attaching the agent (or
+    starting the profiler) before an arm's block and detaching (stopping) after it. Rank 0 writes
+    each block's step times to ``spec["out"]``. Step times are rank 0's wall time of ``Trainer.step``,
+    as in the trainer's own record."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import hpar_agent
+    from hpar_trainer.config import parse_args
+    from hpar_trainer.train import Trainer, attach_observability, init_distributed
+
+    cfg = parse_args([*trainer_argv, "--no-agent"])
+    device = init_distributed(cfg)
+    trainer = Trainer(cfg, device)
+    on_cfg = dataclasses.replace(cfg, no_agent=False)
+    rank, step, blocks = dist.get_rank(), 0, []
+    for i, (arm, pair) in enumerate(spec["order"]):
+        prof = None
+        if arm == "on":  # a fresh job id a block: no stale cross-rank keys from the previous attach
+            os.environ.update(arm_env("on", os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}"))
+            trainer.agent = attach_observability(on_cfg, trainer.modules, trainer.optimizer, trainer.mesh,
+                                                 trainer.schedule)
+        elif arm == "profiler":
+            prof = profiler()
+            prof.__enter__()
+        times = []
+        for _ in range(spec["block"]):
+            t0 = time.perf_counter()
+            trainer.step(step)
+            times.append(time.perf_counter() - t0)
+            step += 1
+        if arm == "on":
+            hpar_agent.detach()
+            trainer.agent = None
+        elif prof is not None:
+            prof.__exit__(None, None, None)
+        blocks.append({"arm": arm, "pair": pair, "times": times})
+        if rank == 0:
+            med = statistics.median(times[spec["block_skip"]:])
+            print(f"[block {i + 1}/{len(spec['order'])}] {arm:8} pair {pair:2}: step {med * 1e3:9.3f} ms",
+                  flush=True)
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps({"blocks": blocks}))
+    dist.destroy_process_group()
+    return 0
+
+
+def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Namespace,
+                  inprocess: bool) -> dict[str, Any]:
+    """Run the block design (one process) and summarize it."""
+    t_start = time.time()
+    work = tempfile.mkdtemp(prefix="hpar-overhead-")
+    spec = {"order": block_order(arms, cfg["pairs"], a.warm), "block": cfg["block"],
+            "block_skip": cfg["block_skip"], "work": work, "out": os.path.join(work, "blocks.json")}
+    argv = [*cfg["args"], "--log-every", "1000000"]
+    if inprocess:
+        run_blocks(spec, argv)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg['nproc']}",
+               os.path.abspath(__file__), "--child-blocks", json.dumps(spec), "--", *argv]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        res = subprocess.run(cmd, env=env, stdout=None, stderr=subprocess.PIPE, text=True,
+                             timeout=a.timeout, check=False)
+        if res.returncode:
+            raise RuntimeError(f"block run failed (rc {res.returncode}):\n{res.stderr[-4000:]}")
+    blocks = json.loads(Path(spec["out"]).read_text())["blocks"]
+    runs = [{"arm": b["arm"], "pair": b["pair"], "step_s": statistics.median(b["times"][cfg["block_skip"]:])}
+            for b in blocks]
+    result = report(name, cfg, cfg["pairs"], inprocess, t_start, runs, arms)
+    result.update(design="blocks", block=cfg["block"], block_skip=cfg["block_skip"], warm=a.warm, blocks=blocks)
+    return result
+
+
 def step_time(out: str, skip: int) -> float:
     times = json.loads(Path(out).read_text())["step_times"]
     if len(times) <= skip:
@@ -142,7 +254,10 @@ def step_time(out: str, skip: int) -> float:
 
 
 def ratio_stats(ratios: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    """Median, mean with its standard error, min and max of the per-pair ratios."""
+    sem = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
+    return {"median": statistics.median(ratios), "mean": statistics.fmean(ratios), "sem": sem,
+            "min": min(ratios), "max": max(ratios)}
 
 
 def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, dict[str, float]]:
@@ -161,31 +276,13 @@ def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, dict[str
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", choices=("cpu", "gpu"), default="cpu")
-    ap.add_argument("--cpu-smoke", action="store_true", help="gpu config's in-process path on CPU, tiny model")
-    ap.add_argument("--pairs", type=int, default=5, help="interleaved rounds after the warm-up (>= 5 for figures)")
-    ap.add_argument("--steps", type=int, default=0, help="trainer steps per run (default per config)")
-    ap.add_argument("--skip", type=int, default=-1, help="steps left out of a run's median (default per config)")
-    ap.add_argument("--no-profiler", action="store_true", help="leave the torch.profiler arm out")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun run")
-    ap.add_argument("--json", default=None, help="write the results here")
-    a = ap.parse_args(argv)
-    name = "cpu-smoke" if a.cpu_smoke else a.config
-    cfg = dict(CONFIGS[name])
-    if a.steps:
-        cfg["steps"] = a.steps
-    if a.skip >= 0:
-        cfg["skip"] = a.skip
-    inprocess = cfg["nproc"] == 1
-    if name == "gpu" and not torch.cuda.is_available():
-        sys.exit("--config gpu needs a GPU (use --cpu-smoke to test the path on CPU)")
-    arms = ["off", "on"] + ([] if a.no_profiler else ["profiler"]) + (["nccl"] if name == "gpu" else [])
+def runs_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Namespace,
+                inprocess: bool) -> dict[str, Any]:
+    """One trainer process per arm and pair, after a warm-up run that fills the caches."""
     work = tempfile.mkdtemp(prefix="hpar-overhead-")
     runs: list[dict[str, Any]] = []
     t_start = time.time()
-    schedule = [("on", -1)] + [(arm, p) for p in range(a.pairs) for arm in arms]  # warm-up: fills caches
+    schedule = [("on", -1)] + [(arm, p) for p in range(cfg["pairs"]) for arm in arms]
     for i, (arm, pair) in enumerate(schedule):
         out = os.path.join(work, f"run{i}-{arm}.json")
         env = arm_env(arm, os.path.join(work, f"agent{i}"), f"overhead-{i}")
@@ -199,14 +296,54 @@ def main(argv: list[str] | None = None) -> int:
         runs.append({"arm": arm, "pair": pair, "step_s": st, "wall_s": time.perf_counter() - t0})
         print(f"[{i + 1}/{len(schedule)}] {arm:8} pair {pair:2}: step {st * 1e3:9.2f} ms "
               f"(run {time.perf_counter() - t0:5.1f} s)", flush=True)
-        result = report(name, cfg, a.pairs, inprocess, t_start, runs, arms)
+        result = report(name, cfg, cfg["pairs"], inprocess, t_start, runs, arms)
+        result["design"] = "runs"
         if a.json:  # after every run: a run cut short by a time limit still leaves its figures
             Path(a.json).write_text(json.dumps(result, indent=1))
-    print(f"\nconfig {name} ({result['mode']}, {cfg['nproc']} rank(s), torch {torch.__version__}, "
-          f"{result['device']}); off step time median {result['off_step_s_median'] * 1e3:.2f} ms")
-    print(f"{'arm':10} {'ratio vs off (median)':>22} {'min':>8} {'max':>8} {'pairs':>6}")
-    for arm, s in result["ratios"].items():
-        print(f"{arm:10} {s['median']:22.4f} {s['min']:8.4f} {s['max']:8.4f} {s['pairs']:6d}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", choices=("cpu", "gpu"), default="cpu")
+    ap.add_argument("--cpu-smoke", action="store_true", help="gpu config's in-process path on CPU, tiny model")
+    ap.add_argument("--design", choices=("blocks", "runs"), default="blocks")
+    ap.add_argument("--pairs", type=int, default=0, help="interleaved pairs after warm-up (default per config)")
+    ap.add_argument("--block", type=int, default=0, help="blocks: steps per block (default per config)")
+    ap.add_argument("--block-skip", type=int, default=-1, help="blocks: steps left out of a block's median")
+    ap.add_argument("--warm", type=int, default=2, help="blocks: warm-up rounds of every arm")
+    ap.add_argument("--steps", type=int, default=0, help="runs: trainer steps per run (default per config)")
+    ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")
+    ap.add_argument("--no-profiler", action="store_true", help="leave the torch.profiler arm out")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per torchrun process")
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args(argv)
+    name = "cpu-smoke" if a.cpu_smoke else a.config
+    cfg = dict(CONFIGS[name])
+    for key, val in (("pairs", a.pairs), ("block", a.block), ("steps", a.steps)):
+        if val > 0:
+            cfg[key] = val
+    for key, val in (("block_skip", a.block_skip), ("skip", a.skip)):
+        if val >= 0:
+            cfg[key] = val
+    inprocess = cfg["nproc"] == 1
+    if name == "gpu" and not torch.cuda.is_available():
+        sys.exit("--config gpu needs a GPU (use --cpu-smoke to test the path on CPU)")
+    arms = ["off", "on"] + ([] if a.no_profiler else ["profiler"])
+    if name == "gpu" and a.design == "runs":
+        arms.append("nccl")
+    if a.design == "blocks":
+        result = blocks_design(name, cfg, arms, a, inprocess)
+    else:
+        result = runs_design(name, cfg, arms, a, inprocess)
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    print(f"\nconfig {name}, design {result['design']} ({result['mode']}, {cfg['nproc']} rank(s), torch "
+          f"{torch.__version__}, {result['device']}); off step time median {result['off_step_s_median'] * 1e3:.3f} ms")
+    print(f"{'arm':10} {'ratio vs off (median)':>22} {'mean':>8} {'+-sem':>8} {'min':>8} {'max':>8} {'pairs':>6}")
+    for arm, st in result["ratios"].items():
+        print(f"{arm:10} {st['median']:22.4f} {st['mean']:8.4f} {st['sem']:8.4f} {st['min']:8.4f} "
+              f"{st['max']:8.4f} {st['pairs']:6d}")
     return 0
 
 
@@ -237,4 +374,6 @@ def child(argv: list[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         sys.exit(child(sys.argv[2:]))
+    if len(sys.argv) > 2 and sys.argv[1] == "--child-blocks":
+        sys.exit(run_blocks(json.loads(sys.argv[2]), sys.argv[4:] if sys.argv[3:4] == ["--"] else sys.argv[3:]))
     sys.exit(main())

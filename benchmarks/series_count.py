@@ -84,6 +84,7 @@ def samples_per_series(spec: cat.MetricSpec) -> int:
 
 def caps() -> dict[str, dict[str, Any]]:
     """Every label besides rank/pp_stage: how many values it can take and what bounds it (read from the code)."""
+    from hpar_agent import streams
     from hpar_agent.collectors import collectives, compile, memory, pipeline
     from hpar_agent.torch_compat import dynamo
 
@@ -107,9 +108,9 @@ def caps() -> dict[str, dict[str, Any]]:
             "bound": "one per pg: 'nccl:<pg>' on NCCL, 'cpu' on gloo (comm_stream_label)",
         },
         "stream (pipeline)": {
-            "max": None,
-            "bound": "not capped in code: 'cpu', 'cuda:default' or 'cuda:<stream_id>' of the stream a stage "
-            "chunk ran on (a pipeline uses 1-2 streams)",
+            "max": streams.MAX_STREAMS + 1,
+            "bound": f"'cpu', 'cuda:default' or 'cuda:<stream_id>' of the stream a stage chunk ran on; the first "
+            f"{streams.MAX_STREAMS} seen keep their name, later ones share '{streams.OTHER}' (StreamCap)",
         },
         "phase (pipeline)": {"max": len(pipeline._METHODS), "bound": "forward, backward"},
         "phase (compile)": {
@@ -162,7 +163,7 @@ def worst_case(observed: dict[str, int]) -> dict[str, int]:
         "hpar_dynamo_graph_breaks_total": c["reason (graph breaks)"]["max"],
         "hpar_dynamo_cache_events_total": c["cache x result"]["max"],
         "hpar_dynamo_compile_duration_seconds": c["phase (compile)"]["max"],
-        "hpar_pp_chunk_duration_seconds": c["phase (pipeline)"]["max"] * 2,  # assume 2 streams
+        "hpar_pp_chunk_duration_seconds": c["phase (pipeline)"]["max"] * c["stream (pipeline)"]["max"],
         "hpar_gpu_clock_hertz": 2,
         "hpar_gpu_ecc_errors_total": 2,
         "hpar_gpu_throttle_active": c["reason (throttle)"]["max"],

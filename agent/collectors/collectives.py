@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import os
 import re
 import time
@@ -64,7 +65,8 @@ _BUSBW: dict[str, Any] = {
     "send": lambda n: 1.0,
     "recv": lambda n: 1.0,
 }
-FULL_EVERY_S = 5.0
+#: Entries a flight recorder keeps when its size env var is unset (torch's default).
+FR_DEFAULT_ENTRIES = 2000
 PP_PG = "pp"
 UNKNOWN_PG = "unknown"
 OTHER = "other"
@@ -84,6 +86,28 @@ def pg_label(name: str, desc: str) -> str:
     if desc in ("", "undefined"):
         return f"pg{name}" if name != "" else UNKNOWN_PG
     return re.sub(r"[^a-zA-Z0-9_]", "_", desc)[:32]
+
+
+def _stuck(status: dict[str, Any], before: dict[str, Any] | None) -> bool:
+    """A group's op that was in flight at the previous probe still is, with no completion in between
+    (``pg_status`` of two probes)."""
+    for pg_id, st in status.items():
+        prev = (before or {}).get(pg_id)
+        if prev is None:
+            continue
+        done = st.get("last_completed_collective", -1)
+        if prev.get("last_enqueued_collective", -1) > done == prev.get("last_completed_collective", -1):
+            return True
+    return False
+
+
+def _enqueued_since(status: dict[str, Any], before: dict[str, Any] | None) -> int:
+    """Collectives enqueued (all groups) between two ``pg_status`` snapshots."""
+    old = before or {}
+    return sum(
+        max(0, int(st.get("last_enqueued_collective", -1)) - int(old.get(pg_id, {}).get("last_enqueued_collective", -1)))
+        for pg_id, st in status.items()
+    )
 
 
 def entry_bytes(sizes: Any, dtypes: Any) -> int:
@@ -151,8 +175,14 @@ class CollectiveCollector(Component):
         self.timed = 0
         self.recorders: list[str] = []
         self._cursor: dict[str, int] = {}  # recorder -> next record_id to read
-        self._status: dict[str, Any] = {}  # recorder -> last pg_status seen
-        self._full_at: dict[str, float] = {}  # recorder -> time of the last full dump
+        self._status: dict[str, Any] = {}  # recorder -> pg_status at the last full dump
+        self._probe: dict[str, Any] = {}  # recorder -> pg_status at the last probe
+        self._slot: dict[str, int] = {}  # recorder -> wall-clock slot of the last full dump
+        self._read_ns: dict[str, int] = {}  # recorder -> epoch ns of the last full dump
+        self._poll_ns = 0
+        self._p2p_in_fr: dict[str, bool] = {}  # recorder -> its entries include p2p ops
+        self.full_reads = 0
+        self._ring = FR_DEFAULT_ENTRIES
         self._seq: dict[tuple[str, str, bool], int] = {}  # (recorder, pg, is_p2p) -> last seq
         self._pg_ids: dict[tuple[str, str], str] = {}  # (recorder, pg_id) -> pg label
         self._open: dict[str, dict[int, int]] = {}  # pg -> {seq: created ns} not yet completed
@@ -173,6 +203,7 @@ class CollectiveCollector(Component):
         self.p2p_buffer.capacity = agent.config.buffer_size
         self._attach_ns = time.time_ns()
         self._nccl_timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") not in ("0", "")
+        self._ring = fr.ring_entries() or FR_DEFAULT_ENTRIES
         self.recorders = fr.available_recorders()
         self.up = bool(self.recorders)
         self._label_mesh_groups(agent)
@@ -256,6 +287,7 @@ class CollectiveCollector(Component):
 
     # ------------------------------------------------------------------------------------ agent thread
     def poll(self, now: float) -> None:
+        self._poll_ns = int(now * 1e9)
         p2p = self.p2p_buffer.drain()
         dumps = [(rec, d) for rec in self.recorders if (d := self._read(rec, now)) is not None]
         for t_ns, step in self.step_buffer.drain():  # after the reads: every boundary before them
@@ -276,16 +308,47 @@ class CollectiveCollector(Component):
             self.oldest_age[PP_PG] = 0.0
 
     def _read(self, rec: str, now: float) -> dict[str, Any] | None:
-        """Full dump only when pg_status moved, NCCL entries await completion, or every
-        ``FULL_EVERY_S`` (pg_status tracks collectives, not p2p)."""
+        """The recorder's new entries, when they are worth a full dump.
+
+        A full dump pickles the whole ring (about 35 ms for 2,000 entries on a loaded 2-core VM) with
+        the GIL held, stalling the training thread, and a synchronous job stalls with its slowest rank.
+        So the full read happens at most once per ``fr_interval`` wall-clock slot, the same instants
+        on every rank (their stalls overlap instead of adding up across ranks), when something moved
+        (``pg_status``, or p2p / untimed entries it cannot show); earlier only when it must: the first
+        read, a group whose in-flight op has not completed since the last probe (a hang or a straggler
+        in the making: its entry must be seen now), a ring half refilled since the last full read, or
+        the final tick. Between reads a ``pg_status``-only probe (µs) keeps in-flight state fresh."""
         status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
-        pending = any(k[0] == rec for k in self._pending_fr)
-        quiet = status == self._status.get(rec) and now - self._full_at.get(rec, 0.0) < FULL_EVERY_S
-        if quiet and not pending and rec in self._cursor:
+        last_probe, self._probe[rec] = self._probe.get(rec), status
+        agent: Any = self.agent
+        slot = int(now // agent.config.fr_interval)
+        moved = status != self._status.get(rec) or self._p2p_in_fr.get(rec) or any(
+            k[0] == rec for k in self._pending_fr
+        )  # pg_status does not track p2p
+        must = (
+            rec not in self._cursor
+            or agent.stopping
+            or (moved and slot != self._slot.get(rec))
+            or _stuck(status, last_probe)
+            or _enqueued_since(status, self._status.get(rec)) >= self._ring // 2
+        )
+        if not must:
             return {"entries": [], "pg_status": status}
         self._status[rec] = status
-        self._full_at[rec] = now
+        self._slot[rec] = slot
+        self._read_ns[rec] = int(now * 1e9)
+        self.full_reads += 1
         return fr.dump(rec, include_collectives=True)
+
+    def span_watermark_ns(self) -> int | None:
+        """Spans come from timed FR entries (NCCL with timing: up to the last full read, less those
+        still awaiting their duration) and from the p2p wrapper (each poll, less the ops in flight)."""
+        marks = [self._poll_ns]
+        if self._nccl_timing and "nccl" in self._read_ns:
+            marks.append(self._read_ns["nccl"])
+        marks.extend(o.start_ns for o in self._pending_fr.values())
+        marks.extend(o.start_ns for ops in self._pending_p2p.values() for o in ops)
+        return min(marks)
 
     def step_of(self, t_ns: int) -> int:
         """The step whose window (previous boundary, boundary] contains ``t_ns``."""
@@ -310,7 +373,9 @@ class CollectiveCollector(Component):
         return self._sizes[name]
 
     def _process_dump(self, rec: str, data: dict[str, Any]) -> None:
-        entries = sorted(data.get("entries") or (), key=lambda e: e.get("record_id", 0))
+        entries = data.get("entries") or []
+        if any(a["record_id"] > b["record_id"] for a, b in itertools.pairwise(entries)):  # FR: oldest first
+            entries = sorted(entries, key=lambda e: e.get("record_id", 0))
         if self._pending_fr:
             self._complete_pending(rec, entries)
         if not entries:
@@ -329,6 +394,8 @@ class CollectiveCollector(Component):
             pg = self._label(name, desc)
             self._pg_ids[(rec, str(e.get("pg_id", "")))] = pg
             is_p2p = bool(e.get("is_p2p", False))
+            if is_p2p:
+                self._p2p_in_fr[rec] = True
             seq = int(e.get("p2p_seq_id" if is_p2p else "collective_seq_id", 0) or 0)
             last = self._seq.get((rec, pg, is_p2p))
             if last is not None and seq > last + 1:

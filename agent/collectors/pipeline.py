@@ -21,7 +21,7 @@ from hpar_agent.catalogue import LATENCY_BUCKETS
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord, StepRecord
-from hpar_agent.streams import stream_label
+from hpar_agent.streams import StreamCap, stream_label
 
 _TAG = "_hpar_wrapped"
 _METHODS = (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"))
@@ -38,6 +38,7 @@ class PipelineCollector(Component):
         self._wrapped: list[tuple[Any, str]] = []
         self._pending: list[tuple] = []  # CUDA chunks whose end event has not completed yet
         self.hists: dict[tuple[str, str], Histogram] = {}
+        self.streams = StreamCap()
         self.busy_by_step: dict[int, float] = {}
         self.last_busy = 0.0
         self.last_bubble: float | None = None
@@ -72,7 +73,7 @@ class PipelineCollector(Component):
         buffer = self.buffer
         device = getattr(stage, "device", None)
         cuda = getattr(device, "type", "cpu") == "cuda"
-        stream = stream_label(device)
+        cpu_stream = stream_label(None)
         stage_index = int(getattr(stage, "stage_index", 0))
         steps = self.agent.component("steps") if self.agent else None  # type: ignore[union-attr]
 
@@ -84,6 +85,7 @@ class PipelineCollector(Component):
             if cuda:
                 import torch
 
+                stream = stream_label(device)  # where the events below are recorded (~1 µs)
                 e0 = torch.cuda.Event(enable_timing=True)
                 e0.record()
                 out = orig(*args, **kwargs)
@@ -92,7 +94,7 @@ class PipelineCollector(Component):
                 buffer.put((step, stage_index, chunk, phase, stream, t0, 0, e0, e1))
             else:
                 out = orig(*args, **kwargs)
-                buffer.put((step, stage_index, chunk, phase, stream, t0, time.time_ns(), None, None))
+                buffer.put((step, stage_index, chunk, phase, cpu_stream, t0, time.time_ns(), None, None))
             return out
 
         setattr(timed, _TAG, True)
@@ -113,7 +115,7 @@ class PipelineCollector(Component):
                 t1 = t0 + int(dur * 1e9)
             else:
                 dur = (t1 - t0) / 1e9
-            self.hists.setdefault((phase, stream), Histogram(LATENCY_BUCKETS)).observe(dur)
+            self.hists.setdefault((phase, self.streams(stream)), Histogram(LATENCY_BUCKETS)).observe(dur)
             self.busy_by_step[step] = self.busy_by_step.get(step, 0.0) + dur
             times = self.stage_times.setdefault((stage_index, phase), [])
             times.append(dur)

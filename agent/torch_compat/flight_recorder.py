@@ -54,6 +54,18 @@ def dump(recorder: str, include_collectives: bool = True) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def ring_entries() -> int | None:
+    """The FR ring's capacity as configured (``TORCH_FR_BUFFER_SIZE``, or the older NCCL name)."""
+    import os
+
+    for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        try:
+            return int(os.environ[var])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
 def group_size(name: str) -> int | None:
     """Size of the process group registered under ``name`` (the FR ``process_group[0]``)."""
     try:

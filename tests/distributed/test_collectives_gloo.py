@@ -50,6 +50,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
         traces="none",
         run_dir=out_dir,
         job_id="gloo-test",
+        fr_interval=0.001,  # the tick below reads the FR in full (the default reads once per 5 s slot)
     )
     try:
         x = torch.ones(64)

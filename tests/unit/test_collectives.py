@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -83,7 +84,8 @@ def fake(monkeypatch, tmp_path):
     monkeypatch.setattr(fr, "available_recorders", lambda: ["nccl"])
     monkeypatch.setattr(fr, "dump", rec.dump)
     monkeypatch.setattr(fr, "group_size", lambda name: 4)
-    agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), trace_every=1, job_id="j")
+    # every tick a new fr_interval slot: full reads whenever something moved
+    agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), trace_every=1, job_id="j", fr_interval=1e-6)
     agent.start()
     try:
         yield rec, agent, agent.component("collectives")
@@ -178,6 +180,55 @@ def test_status_probe_skips_full_dump_when_nothing_moved(fake):
     rec.add(1, 1, "1", "mesh_dp", 2)
     agent.tick()
     assert rec.full_dumps == before + 1
+
+
+def test_full_reads_once_per_slot_unless_stuck_or_ring_filling(fake):
+    rec, agent, c = fake
+    agent.config.fr_interval = 3600.0  # one slot for the whole test
+    rec.add(0, 1, "1", "mesh_dp", 1)
+    agent.tick()  # the first read is always full
+    n = rec.full_dumps
+    rec.add(1, 1, "1", "mesh_dp", 2)
+    agent.tick()  # moved, same slot: probe only, nothing counted yet
+    assert rec.full_dumps == n
+    get = agent.registry.get_sample_value
+    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 1
+    rec.add(2, 1, "1", "mesh_dp", 3, state="scheduled")
+    rec.status["1"]["last_completed_collective"] = 2
+    agent.tick()  # in flight, but nothing to compare with yet
+    assert rec.full_dumps == n
+    agent.tick()  # still in flight with no completion since the last probe: read now
+    assert rec.full_dumps == n + 1
+    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 3
+    c._ring = 8
+    for i in range(4):
+        rec.add(3 + i, 1, "1", "mesh_dp", 4 + i)
+    agent.tick()  # four collectives since the last full read: half the ring
+    assert rec.full_dumps == n + 2
+    rec.add(7, 1, "1", "mesh_dp", 8)
+    agent.config.fr_interval = 1e-6
+    agent.tick()  # a new slot with something moved
+    assert rec.full_dumps == n + 3
+    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 8
+
+
+def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):
+    rec, agent, c = fake
+    c._nccl_timing = True
+    agent.config.fr_interval = 3600.0
+    exported: list[tuple[int, list[str]]] = []
+    agent.tracing = types.SimpleNamespace(
+        export_step=lambda r: exported.append((r.step, [s.name for s in r.children])), shutdown=lambda t: None
+    )
+    rec.add(0, 1, "1", "mesh_dp", 1, dur=1.0)
+    agent.tick()  # first read: the op above
+    rec.add(1, 1, "1", "mesh_dp", 2, name="nccl:broadcast", dur=1.0)
+    agent.step()  # step 0 ends after both ops
+    agent.tick()  # same slot: probe only, so step 0 must wait for its broadcast
+    assert exported == []
+    agent.config.fr_interval = 1e-6
+    agent.tick()
+    assert exported == [(0, ["collective.all_reduce", "collective.broadcast"])]
 
 
 def test_step_of_uses_boundaries(fake):

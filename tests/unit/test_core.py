@@ -237,3 +237,19 @@ def test_tls_endpoint_serves_https(attach, tmp_path):
     assert "hpar_rank_info" in body
     with pytest.raises(ValueError, match="tls_cert and tls_key"):
         AgentConfig(tls_cert=str(cert))
+
+
+def test_stream_label_values_are_capped():
+    from hpar_agent.streams import MAX_STREAMS, OTHER, StreamCap
+
+    cap = StreamCap()
+    names = [cap(f"cuda:{i}") for i in range(3 * MAX_STREAMS)]
+    assert names[:MAX_STREAMS] == [f"cuda:{i}" for i in range(MAX_STREAMS)]
+    assert set(names[MAX_STREAMS:]) == {OTHER}
+    assert cap("cuda:0") == "cuda:0"  # a name seen before keeps its label
+
+
+def test_agent_ticks_at_the_same_wall_clock_instants(attach, monkeypatch):
+    agent = attach(interval=2.0)
+    monkeypatch.setattr("time.time", lambda: 1000.5)
+    assert agent._until_next_tick() == pytest.approx(1.5)  # every rank: next multiple of 2 s
