@@ -5,6 +5,7 @@ Arms:
   on        the agent with its defaults: every collector, detectors, tracing at the default sampling,
             traces to a local file (``HPAR_TRACES=file``), metrics endpoint on an ephemeral port
   profiler  no agent, inside ``torch.profiler.profile`` (CPU, plus CUDA activities on a GPU)
+  aa        no agent, a second "off" (``--aa``): the A/A control, whose ratio to off is the noise floor
   nccl      no agent, ``TORCH_NCCL_ENABLE_TIMING=1`` (CUDA only; ``--design runs`` only: the env is read
             when the process group starts)
 
@@ -315,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="runs: trainer steps per run (default per config)")
     ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")
     ap.add_argument("--no-profiler", action="store_true", help="leave the torch.profiler arm out")
+    ap.add_argument("--aa", action="store_true", help="add an A/A control arm (no agent, like off)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per torchrun process")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     inprocess = cfg["nproc"] == 1
     if name == "gpu" and not torch.cuda.is_available():
         sys.exit("--config gpu needs a GPU (use --cpu-smoke to test the path on CPU)")
-    arms = ["off", "on"] + ([] if a.no_profiler else ["profiler"])
+    arms = ["off", "on"] + ([] if a.no_profiler else ["profiler"]) + (["aa"] if a.aa else [])
     if name == "gpu" and a.design == "runs":
         arms.append("nccl")
     if a.design == "blocks":
