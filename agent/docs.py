@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from hpar_agent import catalogue as cat
@@ -51,6 +52,20 @@ def render(text: str) -> str:
         pattern = re.compile(rf"(<!-- catalogue:{name} -->\n)(?:.*?\n)?(<!-- /catalogue:{name} -->)", re.S)
         text = pattern.sub(functools.partial(_fill, fn()), text)
     return text
+
+
+def sync_generated(files: Mapping[Path, str], check: bool, regenerate: str) -> int:
+    """Write generated files; with ``check``, write nothing and return 1 if a committed file differs
+    (the dashboards and manifests generators share this, so CI catches an edit made by hand)."""
+    if not check:
+        for path, text in files.items():
+            path.write_text(text)
+        return 0
+    stale = [path.name for path, text in files.items() if not path.exists() or path.read_text() != text]
+    if stale:
+        print(f"stale (run {regenerate}): {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

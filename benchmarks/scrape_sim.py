@@ -28,10 +28,8 @@ import functools
 import gzip
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.distributed.live_run import free_base_port  # noqa: E402
 
 RULES_DIR = ROOT / "deploy" / "prometheus" / "rules"
 CONTENT_TYPE = b"application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -188,28 +187,6 @@ def serve(scrapes: list[Path], base: int, n: int, interval: float, use_gzip: boo
 
 
 # ------------------------------------------------------------------------------------- measuring
-def free_range(n: int) -> int:
-    """A base port with ``n`` free ports after it, below the kernel's ephemeral range (outgoing connections
-    of other processes take ephemeral ports at any moment, so a range chosen there can be taken before it
-    is bound)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(100):
-        base = rng.randrange(10000, max(10001, low - n))
-        ok = True
-        for port in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError(f"no {n} free ports")
 
 
 def prom_metrics(port: int) -> dict[str, float]:
@@ -284,7 +261,7 @@ def run_case(
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="hpar-scrape-sim-"))
     for _attempt in range(5):  # a port of the range can still be taken between the check and the bind
-        base = free_range(targets)
+        base = free_base_port(targets)
         sim = subprocess.Popen(
             [sys.executable, __file__, "--serve", "--base", str(base), "--targets", str(targets),
              "--interval", str(interval), "--scrapes", *map(str, scrapes), *(["--gzip"] if use_gzip else [])],
@@ -296,7 +273,7 @@ def run_case(
         sim.wait(30)
     else:
         raise RuntimeError("the simulator could not bind its ports")
-    prom_port = free_range(1)
+    prom_port = free_base_port(1)
     prom: subprocess.Popen[bytes] | None = None
     try:
         rules = work / "rules"

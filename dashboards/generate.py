@@ -32,6 +32,8 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as dc
 from grafana_foundation_sdk.models import dashboard as dm
 
+from hpar_agent.docs import sync_generated
+
 OUT_DIR = Path(__file__).resolve().parent
 GPU_MARK = "Needs a CUDA GPU."
 DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -858,19 +860,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if committed JSON differs from the code")
     ap.add_argument("--out", type=Path, default=OUT_DIR, help="output directory (default: next to this file)")
     args = ap.parse_args(argv)
-    stale = []
-    for name, text in render().items():
-        path = args.out / name
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(name)
-        else:
-            path.write_text(text)
-    if stale:
-        print(f"stale dashboards (run python dashboards/generate.py): {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
-
+    files = {args.out / name: text for name, text in render().items()}
+    return sync_generated(files, args.check, "python dashboards/generate.py")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from hpar_agent.docs import sync_generated
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 RULES_DIR = ROOT / "deploy" / "prometheus" / "rules"
@@ -80,19 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "--check", action="store_true", help="exit 1 if a committed file differs from its sources"
     )
     args = ap.parse_args(argv)
-    stale = []
-    for name, text in render().items():
-        path = HERE / name
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(name)
-        else:
-            path.write_text(text)
-    if stale:
-        print(f"stale (run python deploy/k8s/generate.py): {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
-
+    return sync_generated({HERE / name: text for name, text in render().items()}, args.check, "python deploy/k8s/generate.py")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -90,36 +91,32 @@ def _check_two_rank_traces(spans: list[ReceivedSpan], steps: range) -> None:
         assert len(coll) == 2 and all(s.attributes[cat.ATTR_PG] == "dp" for s in coll)
 
 
+def _export_two_ranks(tmp_path: Any, rx: Any, kind: str) -> None:
+    """Two ranks' tracings export 3 steps each into ``rx``; the traces must join up there."""
+    tracings = [Tracing(_rank_agent(tmp_path, r, r)) for r in (0, 1)]
+    assert [t.kind for t in tracings] == [kind, kind]
+    for step in range(3):
+        for r, t in enumerate(tracings):
+            t.export_step(_step(step, r))
+    for t in tracings:
+        t.shutdown(5.0)
+    spans = rx.wait_for(18)
+    assert all(t.dropped == 0 for t in tracings)
+    _check_two_rank_traces(spans, range(3))
+
+
 def test_http_protobuf_two_ranks_one_trace(tmp_path, monkeypatch):
     with HttpReceiver() as rx:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.base_endpoint)  # SDK appends /v1/traces
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip")
-        tracings = [Tracing(_rank_agent(tmp_path, r, r)) for r in (0, 1)]
-        assert [t.kind for t in tracings] == ["otlp-http", "otlp-http"]
-        for step in range(3):
-            for r, t in enumerate(tracings):
-                t.export_step(_step(step, r))
-        for t in tracings:
-            t.shutdown(5.0)
-        spans = rx.wait_for(18)
-        assert all(t.dropped == 0 for t in tracings)
-    _check_two_rank_traces(spans, range(3))
+        _export_two_ranks(tmp_path, rx, "otlp-http")
 
 
 def test_grpc_two_ranks_one_trace(tmp_path, monkeypatch):
     with GrpcReceiver() as rx:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", rx.endpoint)
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
-        tracings = [Tracing(_rank_agent(tmp_path, r, r)) for r in (0, 1)]
-        assert [t.kind for t in tracings] == ["otlp-grpc", "otlp-grpc"]
-        for step in range(3):
-            for r, t in enumerate(tracings):
-                t.export_step(_step(step, r))
-        for t in tracings:
-            t.shutdown(5.0)
-        spans = rx.wait_for(18)
-        assert all(t.dropped == 0 for t in tracings)
-    _check_two_rank_traces(spans, range(3))
+        _export_two_ranks(tmp_path, rx, "otlp-grpc")
 
 
 def test_attached_agent_exports_its_steps(tmp_path, monkeypatch):
