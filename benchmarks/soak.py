@@ -8,6 +8,16 @@ tracing on (``HPAR_TRACE_EVERY`` small, ``HPAR_TRACES=otlp``) into a real OTLP/H
 ``hpar_steps_total``, dropped spans, agent errors), and it rewrites the JSON after every sample, so an
 interrupted soak still leaves its data.
 
+RSS is read from ``/proc/<pid>/status`` (VmRSS) in both arms; with the agent on, its
+``hpar_host_rss_bytes`` is kept next to it (``metric_rss_bytes``). The step number is the trainer's own:
+the log rank's ``step N loss ... step_time`` lines (``--log-every``) read from torchrun's output as it
+streams (ranks of the PP schedule run in lockstep); with the agent on, ``hpar_steps_total`` is kept too
+(``agent_steps``).
+
+``--no-agent`` is the baseline arm: the trainer runs with ``--no-agent``, no OTLP receiver or flapper is
+started and nothing is scraped; the ranks are sampled from /proc exactly as with the agent on, so the
+two arms' RSS slopes can be read against each other.
+
 At the end it fits a least-squares line to RSS and to the thread count against the step number, after
 warm-up, per rank. The trainer itself keeps a small record per step in memory (``RankRecorder`` step
 dicts and the loss list); ``trainer_record_bytes_per_step`` measures that growth with tracemalloc so the
@@ -15,6 +25,7 @@ RSS slope can be read against it. ``--out`` is not passed to the trainer: with i
 whole per-step JSON after every step, which is quadratic over 10,000 steps.
 
     python benchmarks/soak.py --steps 10000 --json soak.json
+    python benchmarks/soak.py --no-agent --steps 10000 --json soak-off.json
 
 Stop early with ``--max-minutes`` (the run is ended and the JSON says how many steps it reached).
 """
@@ -25,6 +36,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,6 +100,39 @@ def flapper(receiver: CountingReceiver, down_s: float, up_s: float, stop: thread
         log.append((time.time(), "up"))
 
 
+STEP_LINE = re.compile(rb"hpar_trainer: step (\d+) loss \S+ step_time")
+
+
+class LogSteps:
+    """The trainer's step count from its log rank's ``step N loss ... step_time`` lines in torchrun's output
+    (the file torchrun writes to), read incrementally: ``steps`` is N + 1, the steps completed, as
+    ``hpar_steps_total`` counts them; None before the first line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+        self.steps: int | None = None
+        self.lines = 0
+
+    def poll(self) -> int | None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return self.steps
+        self.offset += len(chunk)
+        data = self.partial + chunk
+        *lines, self.partial = data.split(b"\n")
+        for line in lines:
+            m = STEP_LINE.search(line)
+            if m:
+                self.lines += 1
+                self.steps = max(int(m.group(1)) + 1, self.steps or 0)
+        return self.steps
+
+
 def rank_pids(job_id: str) -> dict[int, int]:
     """rank -> pid of this soak's trainer processes (torchrun workers carry RANK and our job id)."""
     found: dict[int, int] = {}
@@ -123,8 +168,8 @@ def proc_status(pid: int) -> dict[str, int]:
 def scrape_values(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     want = {
-        "hpar_host_rss_bytes": "rss_bytes",
-        "hpar_steps_total": "steps",
+        "hpar_host_rss_bytes": "metric_rss_bytes",
+        "hpar_steps_total": "agent_steps",
         "hpar_agent_spans_dropped_total": "spans_dropped",
         "hpar_agent_errors_total": "agent_errors",
         "hpar_agent_buffer_dropped_total": "buffer_dropped",
@@ -167,9 +212,11 @@ def trainer_record_bytes_per_step(n: int = 10_000) -> float:
 
 
 def analyse(samples: list[dict[str, Any]], nproc: int, warmup: int, calib: float) -> dict[str, Any]:
+    """Per rank fits over the samples taken inside the training loop after warm-up (a sample whose step
+    count already reads the last step was taken in teardown: summary, detach, process-group exit)."""
     out: dict[str, Any] = {}
     for r in range(nproc):
-        rows = [s["ranks"][str(r)] for s in samples if str(r) in s["ranks"]]
+        rows = [s["ranks"][str(r)] for s in samples if str(r) in s["ranks"] and not s.get("teardown")]
         rows = [x for x in rows if "steps" in x and "rss_bytes" in x]
         after = [x for x in rows if x["steps"] >= warmup]
         if len(after) < 3:
@@ -182,6 +229,7 @@ def analyse(samples: list[dict[str, Any]], nproc: int, warmup: int, calib: float
         rss_slope = fit(steps, rss) or 0.0
         thr_slope = fit(steps, threads) or 0.0
         out[str(r)] = {
+            "rss_source": "/proc VmRSS",
             "samples_after_warmup": len(after),
             "steps_range": [steps[0], steps[-1]],
             "rss_first_mb": round(rss[0] / 2**20, 1),
@@ -196,16 +244,33 @@ def analyse(samples: list[dict[str, Any]], nproc: int, warmup: int, calib: float
             "threads_slope_per_1k_steps": round(thr_slope * 1000, 4),
             "fds_min": min(fds),
             "fds_max": max(fds),
-            "spans_dropped": after[-1].get("spans_dropped"),
-            "agent_errors": after[-1].get("agent_errors"),
-            "buffer_dropped": after[-1].get("buffer_dropped"),
         }
+        # Agent on: its own RSS gauge against its own step counter, as the earlier soaks reported it.
+        metric = [
+            x for x in rows if "agent_steps" in x and "metric_rss_bytes" in x and x["agent_steps"] >= warmup
+        ]
+        if len(metric) >= 3:
+            m_slope = fit([x["agent_steps"] for x in metric], [x["metric_rss_bytes"] for x in metric]) or 0.0
+            out[str(r)].update(
+                metric_rss_slope_bytes_per_step=round(m_slope, 1),
+                metric_rss_first_mb=round(metric[0]["metric_rss_bytes"] / 2**20, 1),
+                metric_rss_last_mb=round(metric[-1]["metric_rss_bytes"] / 2**20, 1),
+                spans_dropped=after[-1].get("spans_dropped"),
+                agent_errors=after[-1].get("agent_errors"),
+                buffer_dropped=after[-1].get("buffer_dropped"),
+            )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10_000)
+    p.add_argument(
+        "--no-agent",
+        action="store_true",
+        help="baseline arm: trainer --no-agent, no OTLP receiver, no scrape",
+    )
+    p.add_argument("--log-every", type=int, default=10, help="trainer --log-every: the step number's source")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--trace-every", type=int, default=5, help="HPAR_TRACE_EVERY")
     p.add_argument("--sample-every", type=float, default=15.0, help="seconds between samples")
@@ -229,31 +294,41 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(a.run_dir) if a.run_dir else Path(tmp.name) / "soak"
     run_dir.mkdir(parents=True, exist_ok=True)
     job_id = f"soak-{os.getpid()}-{int(time.time())}"
-    base = free_base_port(a.nproc)
     calib = trainer_record_bytes_per_step()
 
-    receiver = CountingReceiver()
-    receiver.__enter__()
+    agent_on = not a.no_agent
+    base = free_base_port(a.nproc) if agent_on else 0
+    receiver: CountingReceiver | None = None
     stop = threading.Event()
     flaps: list[tuple[float, str]] = []
-    flap_thread = threading.Thread(
-        target=flapper, args=(receiver, a.flap_down, a.flap_up, stop, flaps), name="flapper", daemon=True
-    )
-    args = [*TRAINER_ARGS, "--steps", str(a.steps), "--log-every", "500"]
+    flap_thread: threading.Thread | None = None
+    args = [*TRAINER_ARGS, "--steps", str(a.steps), "--log-every", str(a.log_every)]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "HPAR_RUN_DIR": str(run_dir),
-        "HPAR_JOB_ID": job_id,
-        "HPAR_METRICS_PORT": str(base),
-        "HPAR_METRICS_ADDR": "127.0.0.1",
-        "HPAR_METRICS_PORT_FALLBACK": "0",
-        "HPAR_TRACE_EVERY": str(a.trace_every),
-        "HPAR_TRACES": "otlp",
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
+        "HPAR_JOB_ID": job_id,  # how rank_pids finds the ranks; the trainer ignores it with --no-agent
     }
-    log = open(run_dir / "torchrun.log", "w")  # noqa: SIM115 - closed below
+    if agent_on:
+        receiver = CountingReceiver()
+        receiver.__enter__()
+        flap_thread = threading.Thread(
+            target=flapper, args=(receiver, a.flap_down, a.flap_up, stop, flaps), name="flapper", daemon=True
+        )
+        env.update({
+            "HPAR_METRICS_PORT": str(base),
+            "HPAR_METRICS_ADDR": "127.0.0.1",
+            "HPAR_METRICS_PORT_FALLBACK": "0",
+            "HPAR_TRACE_EVERY": str(a.trace_every),
+            "HPAR_TRACES": "otlp",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
+        })  # fmt: skip
+    else:
+        args.append("--no-agent")
+    log_path = run_dir / "torchrun.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed below
+    log_steps = LogSteps(log_path)
     t0 = time.time()
     proc = subprocess.Popen(
         torchrun_cmd(a.nproc, "hpar_trainer", args),
@@ -262,16 +337,21 @@ def main(argv: list[str] | None = None) -> int:
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: ended as a group if --max-minutes runs out
     )
-    flap_thread.start()
+    if flap_thread is not None:
+        flap_thread.start()
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "command": "python benchmarks/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "trainer_args": args,
+        "arm": "agent_on" if agent_on else "agent_off",
+        "rss_source": "/proc/<pid>/status VmRSS"
+        + (" (+ hpar_host_rss_bytes as metric_rss_bytes)" if agent_on else ""),
+        "step_source": f"trainer log rank 'step N loss' lines, --log-every {a.log_every} (steps = N + 1)",
         "nproc": a.nproc,
         "steps_requested": a.steps,
-        "trace_every": a.trace_every,
-        "flap": {"down_s": a.flap_down, "up_s": a.flap_up},
+        "trace_every": a.trace_every if agent_on else None,
+        "flap": {"down_s": a.flap_down, "up_s": a.flap_up} if agent_on else None,
         "warmup_steps": warmup,
         "trainer_record_bytes_per_step": round(calib, 1),
         "samples": [],
@@ -287,28 +367,41 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(a.sample_every)
             if len(pids) < a.nproc:
                 pids = rank_pids(job_id)
-            sample: dict[str, Any] = {
-                "t": round(time.time() - t0, 1),
-                "otlp_mode": receiver.mode,
-                "spans_received": receiver.span_count,
-                "otlp_requests": receiver.requests,
-                "last_traced_step": dict(receiver.last_step),
-                "ranks": {},
-            }
+            sample: dict[str, Any] = {"t": round(time.time() - t0, 1), "ranks": {}}
+            if receiver is not None:
+                sample.update(
+                    otlp_mode=receiver.mode,
+                    spans_received=receiver.span_count,
+                    otlp_requests=receiver.requests,
+                    last_traced_step=dict(receiver.last_step),
+                )
             for r, pid in sorted(pids.items()):
-                row: dict[str, Any] = {"pid": pid, **proc_status(pid)}  # /proc first: no scrape thread in it
-                try:
-                    row.update(scrape_values(f"http://127.0.0.1:{base + r}/metrics"))
-                except OSError:
-                    pass
+                status = proc_status(pid)  # /proc first: no scrape thread in it
+                if "vmrss_bytes" not in status:
+                    continue  # the rank has exited or is a zombie (torchrun outlives its workers a few seconds)
+                row: dict[str, Any] = {"pid": pid, **status}
+                if "vmrss_bytes" in row:
+                    row["rss_bytes"] = row.pop("vmrss_bytes")
+                if agent_on:
+                    try:
+                        row.update(scrape_values(f"http://127.0.0.1:{base + r}/metrics"))
+                    except OSError:
+                        pass
                 sample["ranks"][str(r)] = row
+            # The step after the /proc reads: the log line lags the step by < --log-every steps either way.
+            steps_now = log_steps.poll()
+            sample["log_steps"] = steps_now
+            sample["teardown"] = steps_now is not None and steps_now >= a.steps
+            if steps_now is not None:
+                for row in sample["ranks"].values():
+                    row["steps"] = steps_now
             samples.append(sample)
-            steps_now = [x.get("steps", 0) for x in sample["ranks"].values()]
+            otlp = f" spans={receiver.span_count} otlp={receiver.mode}" if receiver is not None else ""
             print(
-                f"t={sample['t']:7.0f}s steps={min(steps_now, default=0):.0f} "
+                f"t={sample['t']:7.0f}s steps={steps_now} "
                 f"rss_mb={[round(x.get('rss_bytes', 0) / 2**20) for x in sample['ranks'].values()]} "
                 f"threads={[x.get('threads') for x in sample['ranks'].values()]} "
-                f"spans={receiver.span_count} otlp={receiver.mode}",
+                f"fds={[x.get('fds') for x in sample['ranks'].values()]}{otlp}",
                 flush=True,
             )
             result["analysis"] = analyse(samples, a.nproc, warmup, calib)
@@ -322,13 +415,13 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
         stop.set()
-        flap_thread.join(a.flap_down + a.flap_up + 5)
-        receiver.__exit__(None, None, None)
+        if flap_thread is not None:
+            flap_thread.join(a.flap_down + a.flap_up + 5)
+        if receiver is not None:
+            receiver.__exit__(None, None, None)
         log.close()
 
-    reached = max(
-        (min(x.get("steps", 0) for x in s["ranks"].values()) for s in samples if s["ranks"]), default=0
-    )
+    reached = log_steps.poll() or 0  # the whole log, to the last line the trainer wrote
     analysis = analyse(samples, a.nproc, warmup, calib)
     per_rank = [v for v in analysis.values() if "rss_slope_bytes_per_step" in v]
     result.update(
@@ -336,9 +429,15 @@ def main(argv: list[str] | None = None) -> int:
         trainer_rc=proc.returncode,
         ended_early=ended_early,
         steps_reached=reached,
-        flaps=len([f for f in flaps if f[1] == "down"]),
-        spans_received=receiver.span_count,
-        otlp_requests=receiver.requests,
+        agent_steps_reached=max(
+            (min(x.get("agent_steps", 0) for x in s["ranks"].values()) for s in samples if s["ranks"]),
+            default=0,
+        )
+        if agent_on
+        else None,
+        flaps=len([f for f in flaps if f[1] == "down"]) if agent_on else None,
+        spans_received=receiver.span_count if receiver is not None else None,
+        otlp_requests=receiver.requests if receiver is not None else None,
         analysis=analysis,
         rss_flat=bool(per_rank)
         and all(abs(v["rss_slope_minus_trainer_record"]) <= a.max_rss_slope for v in per_rank),
