@@ -236,6 +236,11 @@ class Agent:
             except Exception as exc:
                 self.record_error(comp.name, exc)
 
+    @property
+    def tracing_on(self) -> bool:
+        """Whether spans go anywhere: components build no ``SpanRecord`` otherwise."""
+        return self.tracing is not None
+
     def add_span(self, span: SpanRecord) -> None:
         """Agent thread: a child span of ``span.step``'s trace, exported when that step completes."""
         pending = self._pending_spans.setdefault(span.step, [])
@@ -262,7 +267,12 @@ class Agent:
                 self.record_error("agent", exc)
 
     def tick(self, final: bool = False) -> None:
-        """One agent-thread pass: poll every component, then finish completed steps."""
+        """One agent-thread pass: poll every component, then finish completed steps.
+
+        The pass yields the GIL (``sleep(0)``) between components and between exported steps: the
+        training thread drops the GIL around every torch op and, against a thread that keeps it,
+        waits up to the 5 ms switch interval to get it back, op after op (a 180 ms pass of span
+        building stretched steps by 100-450 ms before it yielded)."""
         with self._tick_lock:
             now = time.time()
             for comp in self.components:
@@ -272,6 +282,7 @@ class Agent:
                 except Exception as exc:
                     self.record_error(comp.name, exc)
                 self.collect_seconds[comp.name] = time.perf_counter() - t0
+                time.sleep(0)
             steps = self.component("steps")
             completed: list[StepRecord] = steps.take_completed() if steps is not None else []  # type: ignore[attr-defined]
             for rec in completed:
@@ -305,6 +316,7 @@ class Agent:
             rec.children.extend(self._pending_spans.pop(rec.step, ()))
             if self.tracing is not None:
                 self.guard("tracing", self.tracing.export_step, rec)
+                time.sleep(0)  # hand the GIL back between steps (see tick)
         if last is not None:
             for s in [s for s in self._pending_spans if s < last - 64]:
                 del self._pending_spans[s]

@@ -512,6 +512,8 @@ class CollectiveCollector(Component):
         bw = busbw(item.op, item.data_bytes, seconds, item.size)
         if bw is not None:
             self.last_busbw[(item.pg, item.op)] = bw
+        if not agent.tracing_on:
+            return
         attrs: dict[str, Any] = {
             cat.ATTR_PG: item.pg,
             cat.ATTR_OP: item.op,

@@ -115,8 +115,10 @@ class NvmlCollector(Component):
         else LOCAL_RANK, mapped through CUDA_VISIBLE_DEVICES (indices or UUIDs)."""
         import torch
 
-        index = torch.cuda.current_device() if torch.cuda.is_initialized() else local_rank
         visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if "CUDA_VISIBLE_DEVICES" in os.environ and not visible:
+            raise RuntimeError("this process sees no GPU")  # a CPU rank on a GPU host: no GPU series
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else local_rank
         if visible and index < len(visible):
             dev = visible[index]
             if not dev.isdigit():

@@ -104,6 +104,7 @@ class PipelineCollector(Component):
         agent = self.agent
         assert agent is not None
         items = self._pending + self.buffer.drain()
+        tracing = agent.tracing_on
         self._pending = []
         for item in items:
             step, stage_index, chunk, phase, stream, t0, t1, e0, e1 = item
@@ -120,6 +121,8 @@ class PipelineCollector(Component):
             times = self.stage_times.setdefault((stage_index, phase), [])
             times.append(dur)
             del times[:-256]
+            if not tracing:
+                continue
             agent.add_span(
                 SpanRecord(
                     name=cat.SPAN_PP_FORWARD if phase == "forward" else cat.SPAN_PP_BACKWARD,

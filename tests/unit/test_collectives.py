@@ -85,7 +85,7 @@ def fake(monkeypatch, tmp_path):
     monkeypatch.setattr(fr, "dump", rec.dump)
     monkeypatch.setattr(fr, "group_size", lambda name: 4)
     # every tick a new fr_interval slot: full reads whenever something moved
-    agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), trace_every=1, job_id="j", fr_interval=1e-6)
+    agent = Agent(metrics_port=-1, traces="file", run_dir=str(tmp_path), trace_every=1, job_id="j", fr_interval=1e-6)
     agent.start()
     try:
         yield rec, agent, agent.component("collectives")
@@ -231,6 +231,17 @@ def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):
     assert exported == [(0, ["collective.all_reduce", "collective.broadcast"])]
 
 
+def test_no_spans_are_built_with_tracing_off(fake):
+    rec, agent, _ = fake
+    agent.tracing = None
+    rec.add(0, 1, "1", "mesh_dp", 1, dur=1.0)
+    agent.tick()
+    assert agent.registry.get_sample_value(
+        "hpar_collective_duration_seconds_count", {**L, "pg": "dp", "op": "all_reduce", "stream": "nccl:dp"}
+    ) == 1
+    assert not agent._pending_spans
+
+
 def test_step_of_uses_boundaries(fake):
     _, agent, c = fake
     c.step_hook(0, 100)
@@ -243,7 +254,7 @@ def test_p2p_wrappers_count_time_and_restore(tmp_path):
     import torch.distributed.pipelining.schedules as sched
 
     orig_batch, orig_wait = sched._batch_p2p, sched._wait_batch_p2p
-    agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), trace_every=1)
+    agent = Agent(metrics_port=-1, traces="file", run_dir=str(tmp_path), trace_every=1)
     agent.start()
     try:
         assert sched._batch_p2p is not orig_batch and sched._wait_batch_p2p is not orig_wait

@@ -195,6 +195,13 @@ def test_nvml_init_failing_is_down(agent):
     assert agent.registry.get_sample_value("hpar_agent_component_up", {**L, "component": "nvml"}) == 0
 
 
+def test_nvml_is_down_in_a_process_that_sees_no_gpu(agent, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU rank on a GPU host must not report GPU 0
+    _replace(agent, NvmlCollector(nvml=FakeNvml()))
+    agent.tick()
+    assert agent.registry.get_sample_value("hpar_agent_component_up", {**L, "component": "nvml"}) == 0
+
+
 def test_nvml_fields_degrade_one_by_one(agent):
     fake = FakeNvml()
     nv = NvmlCollector(nvml=fake)
