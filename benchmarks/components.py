@@ -240,6 +240,21 @@ def measure_hook_cost(steps: int, blocks: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ 2. agent-thread CPU
+def time_ticks(agent: Any, record: Callable[[float, float], None]) -> None:
+    """Report (start, end) of each agent pass: ``tick`` wrapped as an instance attribute (the agent
+    thread's loop calls ``self.tick()``)."""
+    orig_tick = agent.tick
+
+    def tick(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return orig_tick(*args, **kwargs)
+        finally:
+            record(t0, time.perf_counter())
+
+    agent.tick = tick
+
+
 def time_agent_parts(agent: Any, acc: dict[str, float], active: threading.Event, ticks: list[float]) -> None:
     """Wrap (on the instances) every component's ``poll``/``on_step`` and ``Tracing.export_step`` to add up
     the CPU time of the calling thread (the agent thread) spent in each while ``active`` is set, and
@@ -262,17 +277,7 @@ def time_agent_parts(agent: Any, acc: dict[str, float], active: threading.Event,
         comp.on_step = timed(comp.name, comp.on_step)
     if getattr(agent, "tracing", None) is not None:
         agent.tracing.export_step = timed("tracing (build spans)", agent.tracing.export_step)
-    orig_tick = agent.tick
-
-    def tick(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return orig_tick(*args, **kwargs)
-        finally:
-            if active.is_set():
-                ticks.append(time.perf_counter() - t0)
-
-    agent.tick = tick  # the agent thread's loop calls self.tick()
+    time_ticks(agent, lambda t0, t1: ticks.append(t1 - t0) if active.is_set() else None)
 
 
 class Sampler(threading.Thread):
@@ -712,16 +717,7 @@ def instrument_tracing(agent: Any) -> dict[str, Any]:
     which threads build and export spans and for how long one call takes; and ``tick`` (each agent pass)."""
     seen: dict[str, Any] = {"build_threads": set(), "detach_build_threads": set(), "export_threads": set(),
                             "export_step_s": [], "export_s": [], "detaching": False, "ticks": []}  # fmt: skip
-    orig_tick = agent.tick
-
-    def tick(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return orig_tick(*args, **kwargs)
-        finally:
-            seen["ticks"].append((t0, time.perf_counter()))
-
-    agent.tick = tick  # the agent thread's loop calls self.tick()
+    time_ticks(agent, lambda t0, t1: seen["ticks"].append((t0, t1)))
     tracing = getattr(agent, "tracing", None)
     if tracing is None:
         return seen
