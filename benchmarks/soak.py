@@ -195,6 +195,15 @@ def fit(xs: list[float], ys: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
 
 
+def robust_fit(xs: list[float], ys: list[float]) -> float | None:
+    """Theil-Sen slope: the median of the pairwise slopes. RSS dips for a sample or two now and then
+    (memory handed back and taken again), which tilts a least-squares line; the median ignores it."""
+    slopes = sorted(
+        (ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]
+    )
+    return slopes[len(slopes) // 2] if len(slopes) >= 3 else None
+
+
 def trainer_record_bytes_per_step(n: int = 10_000) -> float:
     """Python heap the trainer's own per-step record takes (RankRecorder step dict + losses list entry)."""
     tracemalloc.start()
@@ -227,6 +236,7 @@ def analyse(samples: list[dict[str, Any]], nproc: int, warmup: int, calib: float
         threads = [x.get("threads", 0) for x in after]
         fds = [x.get("fds", 0) for x in after]
         rss_slope = fit(steps, rss) or 0.0
+        robust = robust_fit(steps, rss) or 0.0
         thr_slope = fit(steps, threads) or 0.0
         out[str(r)] = {
             "rss_source": "/proc VmRSS",
@@ -239,6 +249,8 @@ def analyse(samples: list[dict[str, Any]], nproc: int, warmup: int, calib: float
             "rss_slope_bytes_per_step": round(rss_slope, 1),
             "rss_slope_minus_trainer_record": round(rss_slope - calib, 1),
             "rss_growth_per_10k_steps_mb": round(rss_slope * 10_000 / 2**20, 2),
+            "rss_slope_robust_bytes_per_step": round(robust, 1),
+            "rss_slope_robust_minus_trainer_record": round(robust - calib, 1),
             "threads_min": min(threads),
             "threads_max": max(threads),
             "threads_slope_per_1k_steps": round(thr_slope * 1000, 4),
