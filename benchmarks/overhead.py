@@ -261,7 +261,7 @@ def ratio_stats(ratios: list[float]) -> dict[str, float]:
             "min": min(ratios), "max": max(ratios)}
 
 
-def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, dict[str, float]]:
+def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, dict[str, Any]]:
     """Per arm: median / min / max over pairs of (arm step time / off step time of the same pair)."""
     by_pair: dict[int, dict[str, float]] = {}
     for r in runs:
