@@ -48,8 +48,11 @@ for sched in 1f1b interleaved-1f1b; do
   wait $pid; echo "$sched exit $?" >> "$RES/machine.txt"
 done
 
-python3 benchmarks/overhead.py --config gpu --pairs "${PAIRS:-5}" --json "$RES/overhead.json" \
-  > "$RES/overhead.log" 2>&1
+# agent on/off (+ A/A control) in blocks of one job; then NCCL timing on/off, which needs a process per run
+python3 benchmarks/overhead.py --config gpu --nproc "$NGPU" --extra "${LAYOUT[*]} ${MODEL[*]} --schedule 1f1b --microbatches 8" \
+  --aa --no-profiler --pairs "${PAIRS:-20}" --json "$RES/overhead-blocks.json" > "$RES/overhead-blocks.log" 2>&1
+python3 benchmarks/overhead.py --config gpu --nproc "$NGPU" --extra "${LAYOUT[*]} ${MODEL[*]} --schedule 1f1b --microbatches 8" \
+  --design runs --no-profiler --pairs 5 --json "$RES/overhead-runs.json" > "$RES/overhead-runs.log" 2>&1
 
 python3 -m hpar_agent.cli diagnose --all --nproc "$NGPU" --run-dir "$RES/matrix" --timeout 400 \
   -- "${LAYOUT[@]}" --device cuda --dtype bf16 > "$RES/matrix.log" 2>&1

@@ -31,6 +31,7 @@ this script without a GPU).
     python benchmarks/overhead.py --config cpu --json overhead-cpu.json
     python benchmarks/overhead.py --config gpu --json overhead-gpu.json
     python benchmarks/overhead.py --config gpu --design runs --pairs 5 --json overhead-gpu-runs.json
+    python benchmarks/overhead.py --config gpu --nproc 8 --extra "--dp 2 --tp 2 --pp 2" --aa   # 8 GPUs
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import contextlib
 import gc
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -317,12 +319,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")
     ap.add_argument("--no-profiler", action="store_true", help="leave the torch.profiler arm out")
     ap.add_argument("--aa", action="store_true", help="add an A/A control arm (no agent, like off)")
+    ap.add_argument("--nproc", type=int, default=0, help="ranks (default per config; > 1 runs under torchrun)")
+    ap.add_argument("--extra", default="", help="more trainer arguments (later ones win), e.g. '--dp 2 --tp 2 --pp 2'")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per torchrun process")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     name = "cpu-smoke" if a.cpu_smoke else a.config
     cfg = dict(CONFIGS[name])
-    for key, val in (("pairs", a.pairs), ("block", a.block), ("steps", a.steps)):
+    cfg["args"] = [*cfg["args"], *shlex.split(a.extra)]
+    for key, val in (("pairs", a.pairs), ("block", a.block), ("steps", a.steps), ("nproc", a.nproc)):
         if val > 0:
             cfg[key] = val
     for key, val in (("block_skip", a.block_skip), ("skip", a.skip)):
