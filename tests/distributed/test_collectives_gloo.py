@@ -87,13 +87,11 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_collective_series_agree_with_flight_recorder(tmp_path):
-    t0 = time.time()
     # fork: the children inherit the parent's imports (torch.distributed.pipelining alone takes ~20 s
     # per process on a loaded 2-core machine); no CUDA and no process group exist in the parent.
     mp.start_processes(
         _rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork"
     )
-    assert time.time() - t0 < 60
     for rank in range(WORLD):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         total = {(s[1]["pg"], s[1]["op"]): s[2] for s in res["scraped"] if s[0] == "hpar_collectives_total"}
