@@ -322,14 +322,13 @@ class CollectiveCollector(Component):
         last_probe, self._probe[rec] = self._probe.get(rec), status
         agent: Any = self.agent
         slot = int(now // agent.config.fr_interval)
-        moved = status != self._status.get(rec) or self._p2p_in_fr.get(rec) or any(
-            k[0] == rec for k in self._pending_fr
-        )  # pg_status does not track p2p
-        must = (
+        unread = status != self._status.get(rec)
+        moved = unread or self._p2p_in_fr.get(rec) or any(k[0] == rec for k in self._pending_fr)
+        must = (  # pg_status does not track p2p: ``moved`` counts those entries as new
             rec not in self._cursor
             or agent.stopping
             or (moved and slot != self._slot.get(rec))
-            or _stuck(status, last_probe)
+            or (unread and _stuck(status, last_probe))
             or _enqueued_since(status, self._status.get(rec)) >= self._ring // 2
         )
         if not must:

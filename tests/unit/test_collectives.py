@@ -199,6 +199,8 @@ def test_full_reads_once_per_slot_unless_stuck_or_ring_filling(fake):
     assert rec.full_dumps == n
     agent.tick()  # still in flight with no completion since the last probe: read now
     assert rec.full_dumps == n + 1
+    agent.tick()  # still stuck, but nothing new since that read: probe only
+    assert rec.full_dumps == n + 1
     assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 3
     c._ring = 8
     for i in range(4):
