@@ -67,6 +67,8 @@ _BUSBW: dict[str, Any] = {
 }
 #: Entries a flight recorder keeps when its size env var is unset (torch's default).
 FR_DEFAULT_ENTRIES = 2000
+#: Step boundaries kept to place FR entries in their step: covers an ``fr_interval`` of fast steps.
+MAX_BOUNDARIES = 4096
 PP_PG = "pp"
 UNKNOWN_PG = "unknown"
 OTHER = "other"
@@ -293,7 +295,7 @@ class CollectiveCollector(Component):
         for t_ns, step in self.step_buffer.drain():  # after the reads: every boundary before them
             self._bound_t.append(t_ns)
             self._bound_s.append(step)
-        del self._bound_t[:-512], self._bound_s[:-512]
+        del self._bound_t[:-MAX_BOUNDARIES], self._bound_s[:-MAX_BOUNDARIES]
         self._process_p2p(p2p)
         now_ns = int(now * 1e9)
         for rec, data in dumps:
