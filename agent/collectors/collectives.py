@@ -183,6 +183,8 @@ class CollectiveCollector(Component):
         self._read_ns: dict[str, int] = {}  # recorder -> epoch ns of the last full dump
         self._poll_ns = 0
         self._p2p_in_fr: dict[str, bool] = {}  # recorder -> its entries include p2p ops
+        self._last_read: dict[str, tuple[int, int | None]] = {}  # recorder -> (read ns, cursor) before
+        self._rate: dict[str, float] = {}  # recorder -> entries per second between the last two reads
         self.full_reads = 0
         self._ring = FR_DEFAULT_ENTRIES
         self._seq: dict[tuple[str, str, bool], int] = {}  # (recorder, pg, is_p2p) -> last seq
@@ -318,8 +320,8 @@ class CollectiveCollector(Component):
         on every rank (their stalls overlap instead of adding up across ranks), when something moved
         (``pg_status``, or p2p / untimed entries it cannot show); earlier only when it must: the first
         read, a group whose in-flight op has not completed since the last probe (a hang or a straggler
-        in the making: its entry must be seen now), a ring half refilled since the last full read, or
-        the final tick. Between reads a ``pg_status``-only probe (µs) keeps in-flight state fresh."""
+        in the making: its entry must be seen now), a ring half refilled since the last full read (by
+        ``pg_status``, or by the entry rate for the p2p it does not count), or the final tick. Between reads a ``pg_status``-only probe (µs) keeps in-flight state fresh."""
         status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
         last_probe, self._probe[rec] = self._probe.get(rec), status
         agent: Any = self.agent
@@ -331,15 +333,22 @@ class CollectiveCollector(Component):
             or agent.stopping
             or (moved and slot != self._slot.get(rec))
             or (unread and _stuck(status, last_probe))
-            or _enqueued_since(status, self._status.get(rec)) >= self._ring // 2
+            or self._new_entries(rec, status, now) >= self._ring // 2
         )
         if not must:
             return {"entries": [], "pg_status": status}
         self._status[rec] = status
         self._slot[rec] = slot
+        self._last_read[rec] = (self._read_ns.get(rec, 0), self._cursor.get(rec))
         self._read_ns[rec] = int(now * 1e9)
         self.full_reads += 1
         return fr.dump(rec, include_collectives=True)
+
+    def _new_entries(self, rec: str, status: dict[str, Any], now: float) -> float:
+        """Entries the ring took since the last full read: the collectives ``pg_status`` counts, or the
+        record-id rate of the last two reads (p2p included) times the time since, the larger."""
+        since_s = now - self._read_ns.get(rec, 0) / 1e9
+        return max(_enqueued_since(status, self._status.get(rec)), self._rate.get(rec, 0.0) * since_s)
 
     def span_watermark_ns(self) -> int | None:
         """Spans come from timed FR entries (NCCL with timing: up to the last full read, less those
@@ -413,6 +422,9 @@ class CollectiveCollector(Component):
                 continue  # before attach: baseline only (epoch clocks only; a monotonic stamp can't tell)
             self._observe_entry(rec, e, pg, name, seq, is_p2p, created)
         self._cursor[rec] = nxt
+        prev_ns, prev_cursor = self._last_read.get(rec, (0, None))
+        if prev_cursor is not None and self._read_ns.get(rec, 0) > prev_ns > 0:
+            self._rate[rec] = (nxt - prev_cursor) / ((self._read_ns[rec] - prev_ns) / 1e9)
         if gap:  # attribute to groups by their seq gaps, the rest to "unknown"
             for pg, n in seq_gaps.items():
                 take = min(n, gap)

@@ -48,15 +48,15 @@ class FakeRecorder:
         self.status: dict[str, dict] = {}
         self.full_dumps = 0
 
-    def add(self, rid, pg_id, pg, desc, seq, name="nccl:all_reduce", n=256, dur=None, state="completed"):
+    def add(self, rid, pg_id, pg, desc, seq, name="nccl:all_reduce", n=256, dur=None, state="completed", p2p=False):
         self.entries.append(
             {
                 "record_id": rid,
                 "pg_id": pg_id,
                 "process_group": (pg, desc),
                 "collective_seq_id": seq,
-                "p2p_seq_id": 0,
-                "is_p2p": False,
+                "p2p_seq_id": seq if p2p else 0,
+                "is_p2p": p2p,
                 "profiling_name": name,
                 "time_created_ns": time.time_ns(),
                 "time_discovered_started_ns": time.time_ns(),
@@ -68,7 +68,8 @@ class FakeRecorder:
                 "duration_ms": dur,
             }
         )
-        self.status[str(pg_id)] = {"last_enqueued_collective": seq, "last_completed_collective": seq}
+        if not p2p:  # pg_status counts collectives only
+            self.status[str(pg_id)] = {"last_enqueued_collective": seq, "last_completed_collective": seq}
 
     def dump(self, recorder, include_collectives=True):
         assert recorder == "nccl"
@@ -212,6 +213,28 @@ def test_full_reads_once_per_slot_unless_stuck_or_ring_filling(fake):
     agent.tick()  # a new slot with something moved
     assert rec.full_dumps == n + 3
     assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 8
+
+
+def test_p2p_entry_rate_reads_before_the_ring_overflows(fake, monkeypatch):
+    rec, agent, c = fake
+    c._ring = 40
+    clock = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    rid = 0
+    dumps = []
+    for second in range(5):  # 10 p2p sends a second, which pg_status does not count
+        for _ in range(10):
+            rec.add(rid, 2, "2", "mesh_pp", rid + 1, name="nccl:send", p2p=True)
+            rid += 1
+        clock[0] += 1.0
+        agent.config.fr_interval = 1e-6 if second < 2 else 3600.0  # two slots, then one long one
+        agent.tick()
+        dumps.append(rec.full_dumps)
+    # reads in the short slots give the rate (10/s); in the long slot (entered at the third tick) the
+    # next read comes once half the ring (20 entries) piled up, not at the slot's end
+    assert [d - dumps[0] for d in dumps] == [0, 1, 2, 2, 3]
+    get = agent.registry.get_sample_value
+    assert get("hpar_collectives_total", {**L, "pg": "pp", "op": "send"}) == rid
 
 
 def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):
