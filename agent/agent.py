@@ -300,7 +300,7 @@ class Agent:
         ``SPAN_WAIT_NS`` at the latest, and every step on the final tick."""
         now = time.time_ns()
         mark = now
-        if not final:
+        if not final and self.tracing is not None:  # without tracing no step waits for anything
             for comp in self.components:
                 try:
                     wm = comp.span_watermark_ns() if comp.up else None

@@ -11,6 +11,8 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hpar_agent.torch_compat import flight_recorder as fr
+
 OK, DEGRADED, MISSING = "ok", "degraded", "missing"
 
 
@@ -52,24 +54,24 @@ def _torch() -> list[Check]:
         ok = _resolve(path)
         fix = "" if ok else "telemetry from this hook is unavailable on this torch build"
         out.append(Check(label, OK if ok else DEGRADED, path, fix))
-    size = os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "default"))
+    size = fr.ring_entries()
     out.append(
         Check(
             "flight recorder buffer",
-            DEGRADED if size == "0" else OK,
-            f"TORCH_FR_BUFFER_SIZE={size}",
-            "unset TORCH_FR_BUFFER_SIZE=0 to see collectives" if size == "0" else "",
+            DEGRADED if size == 0 else OK,
+            f"TORCH_FR_BUFFER_SIZE={'default' if size is None else size}",
+            "unset TORCH_FR_BUFFER_SIZE=0 to see collectives" if size == 0 else "",
         )
     )
-    timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0")
     if not cuda:
         return out
+    timing = fr.nccl_timing()
     out.append(
         Check(
             "NCCL collective timing",
-            OK if timing == "1" else DEGRADED,
-            f"TORCH_NCCL_ENABLE_TIMING={timing}",
-            "" if timing == "1" else "set TORCH_NCCL_ENABLE_TIMING=1 for NCCL durations (measure step time)",
+            OK if timing else DEGRADED,
+            f"TORCH_NCCL_ENABLE_TIMING={os.environ.get('TORCH_NCCL_ENABLE_TIMING', '0')}",
+            "" if timing else "set TORCH_NCCL_ENABLE_TIMING=1 for NCCL durations (measure step time)",
         )
     )
     return out

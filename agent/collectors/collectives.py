@@ -17,7 +17,6 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
-import os
 import re
 import time
 from collections import Counter, deque
@@ -183,7 +182,7 @@ class CollectiveCollector(Component):
         self._read_ns: dict[str, int] = {}  # recorder -> epoch ns of the last full dump
         self._poll_ns = 0
         self._p2p_in_fr: dict[str, bool] = {}  # recorder -> its entries include p2p ops
-        self._last_read: dict[str, tuple[int, int | None]] = {}  # recorder -> (read ns, cursor) before
+        self._prev_read_ns: dict[str, int] = {}  # recorder -> epoch ns of the full dump before the last
         self._rate: dict[str, float] = {}  # recorder -> entries per second between the last two reads
         self.full_reads = 0
         self._ring = FR_DEFAULT_ENTRIES
@@ -206,7 +205,7 @@ class CollectiveCollector(Component):
         super().install(agent)
         self.p2p_buffer.capacity = agent.config.buffer_size
         self._attach_ns = time.time_ns()
-        self._nccl_timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") not in ("0", "")
+        self._nccl_timing = fr.nccl_timing()
         self._ring = fr.ring_entries() or FR_DEFAULT_ENTRIES
         self.recorders = fr.available_recorders()
         self.up = bool(self.recorders)
@@ -339,7 +338,7 @@ class CollectiveCollector(Component):
             return {"entries": [], "pg_status": status}
         self._status[rec] = status
         self._slot[rec] = slot
-        self._last_read[rec] = (self._read_ns.get(rec, 0), self._cursor.get(rec))
+        self._prev_read_ns[rec] = self._read_ns.get(rec, 0)
         self._read_ns[rec] = int(now * 1e9)
         self.full_reads += 1
         return fr.dump(rec, include_collectives=True)
@@ -391,7 +390,7 @@ class CollectiveCollector(Component):
         if not entries:
             return
         first_read = rec not in self._cursor
-        nxt = self._cursor.get(rec, entries[0]["record_id"])
+        start = nxt = self._cursor.get(rec, entries[0]["record_id"])
         gap = 0
         seq_gaps: Counter[str] = Counter()
         for e in entries:
@@ -422,9 +421,9 @@ class CollectiveCollector(Component):
                 continue  # before attach: baseline only (epoch clocks only; a monotonic stamp can't tell)
             self._observe_entry(rec, e, pg, name, seq, is_p2p, created)
         self._cursor[rec] = nxt
-        prev_ns, prev_cursor = self._last_read.get(rec, (0, None))
-        if prev_cursor is not None and self._read_ns.get(rec, 0) > prev_ns > 0:
-            self._rate[rec] = (nxt - prev_cursor) / ((self._read_ns[rec] - prev_ns) / 1e9)
+        prev_ns = self._prev_read_ns.get(rec, 0)
+        if not first_read and self._read_ns.get(rec, 0) > prev_ns > 0:
+            self._rate[rec] = (nxt - start) / ((self._read_ns[rec] - prev_ns) / 1e9)
         if gap:  # attribute to groups by their seq gaps, the rest to "unknown"
             for pg, n in seq_gaps.items():
                 take = min(n, gap)

@@ -62,6 +62,7 @@ class DetectorsComponent(Component):
     def __init__(self, exchange: Exchange | None = None, evidence: Evidence | None = None) -> None:
         super().__init__()
         self.detectors: list[Detector] = []
+        self._step_detectors: tuple[ReplicaDivergence | None, Straggler | None] = (None, None)
         self.states: dict[str, AlertState] = {a: AlertState() for a in cat.ALERT_NAMES}
         self.exchange = exchange
         self.evidence = evidence
@@ -88,6 +89,7 @@ class DetectorsComponent(Component):
         self.log_interval_s = float(th.get("detectors.log_interval_s", 60.0))
         self.stale_s = float(th.get("detectors.stale_s", 30.0))
         self.detectors = [cls(th) for cls in ALL_DETECTORS]
+        self._step_detectors = (self.detector(ReplicaDivergence), self.detector(Straggler))  # looked up once
         self.rank = agent.topology.rank
         self.stage = agent.topology.pp_stage
         if self.evidence is None:
@@ -101,13 +103,12 @@ class DetectorsComponent(Component):
 
     # ------------------------------------------------------------------------------------ training thread
     def step_hook(self, step: int, t_ns: int) -> None:
-        rep = self.detector(ReplicaDivergence)
+        rep, straggler = self._step_detectors
         if rep is not None and self.agent is not None and self.agent.topology.world_size > 1:
             try:
                 rep.step_hook(self.agent.model, step)
             except Exception as exc:
                 self.agent.record_error(self.name, exc)
-        straggler = self.detector(Straggler)
         if straggler is not None:
             straggler.step_hook(step, t_ns)
 

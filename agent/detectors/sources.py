@@ -39,9 +39,7 @@ def recompiles_total(agent: Agent) -> float | None:
     if c is None:
         return None
     rec = _total(_get(c, "recompiles", "recompiles_total", "recompile_count"))
-    if rec is None:
-        return None
-    return rec + (_total(_get(c, "limit_hits", "recompile_limit_hits")) or 0.0)
+    return None if rec is None else rec + recompile_limit_hits(agent)
 
 
 def recompile_limit_hits(agent: Agent) -> float:

@@ -9,6 +9,7 @@ requested (their first symbolization costs seconds).
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -55,15 +56,19 @@ def dump(recorder: str, include_collectives: bool = True) -> dict[str, Any]:
 
 
 def ring_entries() -> int | None:
-    """The FR ring's capacity as configured (``TORCH_FR_BUFFER_SIZE``, or the older NCCL name)."""
-    import os
-
+    """The FR ring's capacity as configured (``TORCH_FR_BUFFER_SIZE``, or the older NCCL name); None
+    when unset (torch's default)."""
     for var in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         try:
             return int(os.environ[var])
         except (KeyError, ValueError):
             continue
     return None
+
+
+def nccl_timing() -> bool:
+    """Whether NCCL groups stamp ``duration_ms`` on their entries (``TORCH_NCCL_ENABLE_TIMING``)."""
+    return os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") not in ("0", "")
 
 
 def group_size(name: str) -> int | None:
