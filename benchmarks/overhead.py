@@ -193,25 +193,22 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
     on_cfg = dataclasses.replace(cfg, no_agent=False)
     rank, step, blocks = dist.get_rank(), 0, []
     for i, (arm, pair) in enumerate(spec["order"]):
-        prof = None
         if arm == "on":  # a fresh job id a block: no stale cross-rank keys from the previous attach
             os.environ.update(arm_env("on", os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}"))
             trainer.agent = attach_observability(on_cfg, trainer.modules, trainer.optimizer, trainer.mesh,
                                                  trainer.schedule)
-        elif arm == "profiler":
-            prof = profiler()
-            prof.__enter__()
+            if trainer.agent is None:  # the trainer trains on without it: that block would measure nothing
+                raise RuntimeError("attaching the agent failed (see the log above)")
         times = []
-        for _ in range(spec["block"]):
-            t0 = time.perf_counter()
-            trainer.step(step)
-            times.append(time.perf_counter() - t0)
-            step += 1
+        with maybe_profiler(arm == "profiler"):
+            for _ in range(spec["block"]):
+                t0 = time.perf_counter()
+                trainer.step(step)
+                times.append(time.perf_counter() - t0)
+                step += 1
         if arm == "on":
             hpar_agent.detach()
             trainer.agent = None
-        elif prof is not None:
-            prof.__exit__(None, None, None)
         blocks.append({"arm": arm, "pair": pair, "times": times})
         if rank == 0:
             med = statistics.median(times[spec["block_skip"]:])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -286,14 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         "1",
         "--device",
         "cpu",
-        *a.extra.split(),
+        *shlex.split(a.extra),
     ]
     tmp = tempfile.TemporaryDirectory(prefix="hpar-series-")
     run_dir = Path(a.run_dir) if a.run_dir else Path(tmp.name) / "series-count"
     t0 = time.time()
     run = LiveRun(run_dir, args, nproc=a.nproc, env={"HPAR_TRACE_EVERY": "1", "HPAR_TRACES": "file"})
     try:
-        texts = run.wait_for_steps(a.scrape_at, timeout=a.timeout)
+        run.wait_for_steps(a.scrape_at, timeout=a.timeout)
         oms = [scrape(run.url(r), openmetrics=True) for r in range(a.nproc)]
         texts = [scrape(run.url(r)) for r in range(a.nproc)]  # the same moment as the OpenMetrics scrape
         rc = run.wait(timeout=a.timeout)

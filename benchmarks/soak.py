@@ -54,6 +54,7 @@ if str(ROOT) not in sys.path:
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from hpar_agent.detectors.signals import theil_sen_slope  # noqa: E402
 from hpar_agent.launch import torchrun_cmd  # noqa: E402
 from tests.distributed.live_run import free_base_port  # noqa: E402
 from tests.otlp_receiver import HttpReceiver  # noqa: E402
@@ -195,15 +196,6 @@ def fit(xs: list[float], ys: list[float]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
 
 
-def robust_fit(xs: list[float], ys: list[float]) -> float | None:
-    """Theil-Sen slope: the median of the pairwise slopes. RSS dips for a sample or two now and then
-    (memory handed back and taken again), which tilts a least-squares line; the median ignores it."""
-    slopes = sorted(
-        (ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]
-    )
-    return slopes[len(slopes) // 2] if len(slopes) >= 3 else None
-
-
 def trainer_record_bytes_per_step(n: int = 10_000) -> float:
     """Python heap the trainer's own per-step record takes (RankRecorder step dict + losses list entry)."""
     tracemalloc.start()
@@ -236,7 +228,7 @@ def analyse(samples: list[dict[str, Any]], nproc: int, warmup: int, calib: float
         threads = [x.get("threads", 0) for x in after]
         fds = [x.get("fds", 0) for x in after]
         rss_slope = fit(steps, rss) or 0.0
-        robust = robust_fit(steps, rss) or 0.0
+        robust = theil_sen_slope(list(zip(steps, rss, strict=True)))  # RSS dips now and then: a median ignores them
         thr_slope = fit(steps, threads) or 0.0
         out[str(r)] = {
             "rss_source": "/proc VmRSS",
@@ -452,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         otlp_requests=receiver.requests if receiver is not None else None,
         analysis=analysis,
         rss_flat=bool(per_rank)
-        and all(abs(v["rss_slope_minus_trainer_record"]) <= a.max_rss_slope for v in per_rank),
+        and all(abs(v["rss_slope_robust_minus_trainer_record"]) <= a.max_rss_slope for v in per_rank),
         threads_flat=bool(per_rank) and all(v["threads_max"] - v["threads_min"] <= 1 for v in per_rank),
     )
     _write(a.json, result)
