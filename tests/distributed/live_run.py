@@ -95,7 +95,8 @@ class LiveRun:
         self.log.close()
 
     def tail(self) -> str:
-        self.log.flush()
+        if not self.log.closed:  # wait() and kill() close it; the failure messages come after them
+            self.log.flush()
         return (self.run_dir / "torchrun.log").read_text()[-3000:]
 
 

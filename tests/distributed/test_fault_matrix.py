@@ -76,24 +76,17 @@ def _launch(tmp_path_factory: pytest.TempPathFactory, name: str) -> Run:
     return Run(run_dir, proc.returncode, (proc.stdout or "") + (proc.stderr or ""), nproc)
 
 
-@pytest.fixture(scope="module")
-def combined(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _launch(tmp_path_factory, "combined")
+def _run_fixture(name: str) -> Any:
+    """A module-scoped fixture that launches the ``RUNS[name]`` run once for the tests that read it."""
+
+    @pytest.fixture(scope="module", name=name)
+    def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+        return _launch(tmp_path_factory, name)
+
+    return run
 
 
-@pytest.fixture(scope="module")
-def hang(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _launch(tmp_path_factory, "hang")
-
-
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _launch(tmp_path_factory, "ddp")
-
-
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return _launch(tmp_path_factory, "clean")
+combined, hang, ddp, clean = (_run_fixture(n) for n in ("combined", "hang", "ddp", "clean"))
 
 
 def _private_files(paths: list[str]) -> None:
@@ -177,7 +170,7 @@ def test_dtype_mismatch_attributed_to_the_bf16_rank(ddp: Run) -> None:
     assert set(fired) == {1}, fired  # a 1-1 split, broken by the reduction dtype
     event = fired[1]
     # the local dtype check needs only the flight recorder; the bound leaves room for a loaded machine,
-    # where polls (every interval) fall several fast steps apart
+    # where full FR reads (once per fr_interval slot) fall several fast steps apart
     assert 0 <= event["step"] - INJECT_STEP <= 20
     assert event["details"]["param_bits"] == 32
     assert any(e["dtypes"] == "BFloat16" for e in event["details"]["low_precision"]), event["details"]
@@ -210,6 +203,5 @@ def test_clean_run_with_a_pause_fires_nothing(clean: Run) -> None:
         for name, state in detectors.items():
             assert state["fired"] == 0 and not state["active"], (rank, name, state)
             assert set(state) >= {"value", "threshold", "params"}
-        # the cross-rank detectors really compared something
+        # the cross-rank exchange really compared arrivals (a Straggler that never ran stays at 0.0)
         assert detectors["Straggler"]["value"] != 0.0
-        assert detectors["ReplicaDivergence"]["value"] == 0.0

@@ -34,6 +34,7 @@ def test_graph_break(launch):
     assert run.returncode == 0, run.output
     assert run.ranks[0]["dynamo"]["graph_breaks"] > 0
     before = launch(1, "--compile", "eager", "--inject", "graph-break", "--steps", "2", "--inject-step", "2")
+    assert before.returncode == 0, before.output
     assert before.ranks[0]["dynamo"]["graph_breaks"] == 0  # the break appears at --inject-step (after warm-up)
 
 
