@@ -173,7 +173,7 @@ def test_dtype_mismatch_attributed_to_the_bf16_rank(ddp: Run) -> None:
     event = fired[1]
     # the local dtype check needs only the flight recorder; the bound leaves room for a loaded machine,
     # where full FR reads (once per fr_interval slot) fall several fast steps apart
-    assert 0 <= event["step"] - INJECT_STEP <= 20
+    assert 0 <= event["step"] - INJECT_STEP <= 40  # within one 5 s FR slot plus an exchange at fast steps
     assert event["details"]["param_bits"] == 32
     assert any(e["dtypes"] == "BFloat16" for e in event["details"]["low_precision"]), event["details"]
     _private_files(event["evidence"])
