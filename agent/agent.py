@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ class Agent:
         self.mesh = mesh
         self.enabled = not self.config.disable
         self.topology: Topology = Topology()
+        self.device: Any = None  # torch.device of this rank, fixed at start (see hpar_agent.device)
         self.components: list[Component] = []
         self.registry = CollectorRegistry(auto_describe=True)
         self.families = Families(["0", "0"])
@@ -79,8 +81,11 @@ class Agent:
         if not self.enabled or self.started:
             return self
         self.started = True
-        self.topology = detect(self.model, self.mesh, self.config)
-        topo = self.topology
+        from hpar_agent.device import resolve_device
+
+        topo = detect(self.model, self.mesh, self.config)
+        self.device = resolve_device(self.model, self.mesh, topo.local_rank)
+        self.topology = topo = dataclasses.replace(topo, device=str(self.device))
         self.families = Families([str(topo.rank), str(topo.pp_stage)])
         self.run_dir = self.config.run_dir or os.path.join("hpar-runs", topo.job_id)
         try:

@@ -116,6 +116,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_collective_oldest_inflight_age_seconds", "gauge", "Age of the oldest op not yet completed on the group.", PG, unit="seconds"),
     _m("hpar_collective_last_completed_seq", "gauge", "Sequence number of the last completed collective on the group.", PG),
     _m("hpar_collective_unobserved_total", "counter", "Flight-recorder entries overwritten before the agent read them.", PG),
+    _m("hpar_collective_timing_enabled", "gauge", "1 when the group's ops carry durations (NCCL with timing on, pipelining p2p), else 0.", PG),
     # torch.compile
     _m("hpar_dynamo_compiles_total", "counter", "Dynamo compile attempts by outcome (ok, graph_break, failed, limit) and trigger.", OUTCOME, TRIGGER),
     _m("hpar_dynamo_recompiles_total", "counter", "Recompiles of an already compiled frame, by failed-guard kind.", REASON),
@@ -247,6 +248,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("HPAR_TRACES", "traces", "Where spans go: auto (OTLP when OTEL_EXPORTER_OTLP_*ENDPOINT is set, else a local file), otlp, file, none."),
     EnvVar("HPAR_EVENT_LOG", "event_log", "Write the per-rank JSONL event log (true/false)."),
     EnvVar("HPAR_BUFFER_SIZE", "buffer_size", "Capacity of each hook buffer; events beyond it are dropped and counted."),
+    EnvVar("HPAR_NCCL_TIMING", "nccl_timing", "Time NCCL collectives (latency, busbw, spans): switched on for every NCCL group at attach and as groups appear (false: leave TORCH_NCCL_ENABLE_TIMING to the user)."),
     EnvVar("HPAR_DETECTORS", "detectors", "Run the in-process detectors (true/false)."),
     EnvVar("HPAR_EVIDENCE", "evidence", "Collect evidence (py-spy stacks, allocator snapshots, FR dumps) when an alert fires."),
     EnvVar("HPAR_DP", "dp", "Override the data-parallel degree when it cannot be read from a mesh or model."),

@@ -56,6 +56,8 @@ class AgentConfig:
     """Write the per-rank JSONL event log into the run directory."""
     buffer_size: int = 65536
     """Capacity of each hook buffer; overflow is dropped and counted."""
+    nccl_timing: bool = True
+    """Time NCCL collectives (CUDA events per op): switched on for every NCCL group, existing or new."""
     detectors: bool = True
     """Run the in-process detectors."""
     evidence: bool = True

@@ -44,6 +44,7 @@ class Evidence:
         self._last: dict[str, float] = {}
         self._said: set[str] = set()
         self.history_started = False
+        self.device: Any = None  # this rank's CUDA device (the agent thread's current one is device 0)
 
     # ------------------------------------------------------------------------------------ plumbing
     def _say_once(self, key: str, msg: str) -> None:
@@ -120,12 +121,29 @@ class Evidence:
 
             if not torch.cuda.is_available():
                 return False
-            torch.cuda.memory._record_memory_history(max_entries=max_entries)
+            # Python stacks only: C++ unwinding on every allocation and free cost several % of step
+            # time on the H200, and the Python frames are what names the leaking code.
+            torch.cuda.memory._record_memory_history(
+                max_entries=max_entries, stacks="python", device=self.device
+            )
         except Exception as exc:
             self._say_once("history", f"allocator history unavailable ({exc})")
             return False
         self.history_started = True
         return True
+
+    def stop_memory_history(self) -> None:
+        """Stop recording allocations (a suspicion that cleared, or the snapshot is taken): recording
+        costs every allocation and free for as long as it runs."""
+        if not self.history_started:
+            return
+        self.history_started = False
+        try:
+            import torch
+
+            torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+        except Exception as exc:
+            self._say_once("history-stop", f"allocator history could not be stopped ({exc})")
 
     def allocator_snapshot(self, tag: str) -> list[str]:
         """A ``torch.cuda.memory._snapshot()`` pickle (open it in pytorch.org/memory_viz)."""
@@ -136,10 +154,12 @@ class Evidence:
 
             import torch
 
-            data = pickle.dumps(torch.cuda.memory._snapshot())
+            data = pickle.dumps(torch.cuda.memory._snapshot(self.device))
         except Exception as exc:
             self._say_once("snapshot", f"allocator snapshot failed ({exc})")
             return []
+        finally:
+            self.stop_memory_history()
         path = self._write(self._name(tag, "allocator", "pickle"), data)
         return [path] if path else []
 

@@ -7,13 +7,13 @@ from typing import Any
 CPU = "cpu"
 
 
-def stream_label(device: Any = None) -> str:
-    """Label of the current stream of ``device`` (cheap: no synchronization)."""
+def stream_label(device: Any = None, stream: Any = None) -> str:
+    """Label of ``stream``, else of the current stream of ``device`` (cheap: no synchronization)."""
     import torch
 
     if device is None or getattr(device, "type", str(device).split(":")[0]) != "cuda":
         return CPU
-    s = torch.cuda.current_stream(device)
+    s = stream if stream is not None else torch.cuda.current_stream(device)
     return "cuda:default" if s.stream_id == 0 else f"cuda:{s.stream_id}"
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+import logging
+import os
 import re
 import time
 from collections import Counter, deque
@@ -35,6 +37,8 @@ from hpar_agent.spans import SpanRecord
 from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat import flight_recorder as fr
 from hpar_agent.traceids import trace_id_hex
+
+log = logging.getLogger("hpar_agent")
 
 #: profiling_name suffixes (c10d spellings across backends/versions) -> the ``op`` label.
 _OP_ALIASES: dict[str, str] = {
@@ -68,6 +72,7 @@ _BUSBW: dict[str, Any] = {
 FR_DEFAULT_ENTRIES = 2000
 #: Step boundaries kept to place FR entries in their step: covers an ``fr_interval`` of fast steps.
 MAX_BOUNDARIES = 4096
+_P2P_PEER = re.compile(r"(?:->|<-)\s*(\d+)")
 PP_PG = "pp"
 UNKNOWN_PG = "unknown"
 OTHER = "other"
@@ -76,7 +81,14 @@ OTHER = "other"
 def op_label(profiling_name: str) -> str:
     """``"gloo:all_reduce"`` -> ``"all_reduce"``; unknown names -> ``"other"`` (bounded label)."""
     base = str(profiling_name).rsplit(":", 1)[-1].strip().lower()
+    base = base.split(" ", 1)[0]  # NCCL p2p: "nccl:send 0->1", "nccl:recv 1<-0" (group ranks)
     return _OP_ALIASES.get(base, OTHER)
+
+
+def p2p_peer(profiling_name: str) -> int | None:
+    """The group-local peer of an NCCL p2p entry: ``"nccl:send 0->1"`` -> 1, ``"nccl:recv 1<-0"`` -> 0."""
+    m = _P2P_PEER.search(str(profiling_name))
+    return int(m.group(1)) if m else None
 
 
 def pg_label(name: str, desc: str) -> str:
@@ -190,6 +202,7 @@ class CollectiveCollector(Component):
         self._pg_ids: dict[tuple[str, str], str] = {}  # (recorder, pg_id) -> pg label
         self._open: dict[str, dict[int, int]] = {}  # pg -> {seq: created ns} not yet completed
         self._labels: dict[tuple[str, str], str] = {}
+        self._backend_of: dict[str, str] = {}  # pg label -> recorder its collectives came from
         self._sizes: dict[str, int | None] = {}
         self._pending_fr: dict[tuple[str, int], _Op] = {}  # NCCL entries awaiting completion
         self._pending_p2p: dict[int, list[_Op]] = {}  # id(Work) -> ops awaiting a wait record
@@ -197,6 +210,12 @@ class CollectiveCollector(Component):
         self._bound_s: list[int] = []
         self._attach_ns = 0
         self._nccl_timing = False
+        self._timing_seen: set[int] = set()  # id() of groups already offered timing
+        self._timed_groups: set[tuple[str, str]] = set()  # (name, desc) of NCCL groups timed by us
+        self._untimed_said = False
+        self._pp_groups: set[tuple[str, str]] = set()  # groups pipelining p2p runs on: p2p there is "pp"
+        self._open_batch: dict[tuple[str, str], list[tuple[str, int]]] = {}  # p2p since the last coalesced
+        self._batches: dict[tuple[str, int], list[_Op]] = {}  # coalesced entry -> the p2p ops it completes
         self._p2p_patch: tuple[Any, Any, Any] | None = None
         self._active = False
 
@@ -210,15 +229,23 @@ class CollectiveCollector(Component):
         self.recorders = fr.available_recorders()
         self.up = bool(self.recorders)
         self._label_mesh_groups(agent)
-        mod = fr.p2p_module()
-        if mod is not None:
-            orig_batch = mod._batch_p2p
-            orig_wait = getattr(mod, "_wait_batch_p2p", None)
-            mod._batch_p2p = self._wrap_batch(orig_batch)
-            if orig_wait is not None:
-                mod._wait_batch_p2p = self._wrap_wait(orig_wait)
-            self._p2p_patch = (mod, orig_batch, orig_wait)
+        if agent.config.nccl_timing and "nccl" in self.recorders:
+            self._enable_timing()
         self._active = True
+        self._patch_p2p()
+
+    def _patch_p2p(self) -> None:
+        """Wrap the schedules' p2p helpers once the program imported pipelining (at attach, else on the
+        first poll after: a schedule built after attach imports it before its first step)."""
+        mod = fr.p2p_module() if self._p2p_patch is None and self._active else None
+        if mod is None:
+            return
+        orig_batch = mod._batch_p2p
+        orig_wait = getattr(mod, "_wait_batch_p2p", None)
+        mod._batch_p2p = self._wrap_batch(orig_batch)
+        if orig_wait is not None:
+            mod._wait_batch_p2p = self._wrap_wait(orig_wait)
+        self._p2p_patch = (mod, orig_batch, orig_wait)
 
     def _label_mesh_groups(self, agent: Any) -> None:
         """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
@@ -237,8 +264,48 @@ class CollectiveCollector(Component):
             except Exception:
                 continue
             label = pg_label("", dim)
-            if not desc.startswith("mesh_") and label != PP_PG:
+            if label == PP_PG:
+                self._pp_groups.add((name, desc))
+            elif not desc.startswith("mesh_"):
                 self._labels[(name, desc)] = label
+
+    def _enable_timing(self) -> None:
+        """Switch timing on for every NCCL group not offered it yet (agent thread, each poll: groups
+        appear after attach too). One log line, with the fix, if a group cannot be timed."""
+        for pg in fr.process_groups():
+            if id(pg) in self._timing_seen:
+                continue
+            self._timing_seen.add(id(pg))
+            if fr.group_backend(pg) != "nccl":
+                continue
+            key = fr.group_name(pg)
+            # ProcessGroupNCCL reads the variable when it is built: NCCL groups made after this one
+            # are timed from their first op; existing ones are switched on here.
+            os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
+            try:
+                ok = fr.enable_timing(pg)
+            except Exception:
+                ok = False
+            if ok:
+                self._timed_groups.add(key)
+                self._nccl_timing = True
+            elif not fr.nccl_timing() and not self._untimed_said:
+                self._untimed_said = True
+                log.warning(
+                    "hpar_agent: NCCL group %s is not timed (no latency, busbw or spans): set "
+                    "TORCH_NCCL_ENABLE_TIMING=1 before init_process_group", key[1] or key[0]
+                )
+
+    def timing_enabled(self) -> dict[str, bool]:
+        """pg label -> whether its ops carry durations (the ``hpar_collective_timing_enabled`` series)."""
+        timed_labels = {self._label(*k) for k in self._timed_groups}
+        env = fr.nccl_timing()
+        out: dict[str, bool] = {}
+        for pg, _op in self.counts:
+            out[pg] = pg in timed_labels or (pg == PP_PG) or any(
+                h.count for (hpg, _o, _s), h in self.hists.items() if hpg == pg
+            ) or (env and self._backend_of.get(pg) == "nccl")
+        return out
 
     def uninstall(self) -> None:
         self._active = False
@@ -291,6 +358,10 @@ class CollectiveCollector(Component):
     # ------------------------------------------------------------------------------------ agent thread
     def poll(self, now: float) -> None:
         self._poll_ns = int(now * 1e9)
+        agent: Any = self.agent
+        if agent.config.nccl_timing and "nccl" in self.recorders:
+            self._enable_timing()
+        self._patch_p2p()
         p2p = self.p2p_buffer.drain()
         dumps = [(rec, d) for rec in self.recorders if (d := self._read(rec, now)) is not None]
         for t_ns, step in self.step_buffer.drain():  # after the reads: every boundary before them
@@ -400,9 +471,11 @@ class CollectiveCollector(Component):
             gap += rid - nxt
             nxt = rid + 1
             name, desc = [*(e.get("process_group") or ()), "", ""][:2]
-            pg = self._label(name, desc)
-            self._pg_ids[(rec, str(e.get("pg_id", "")))] = pg
             is_p2p = bool(e.get("is_p2p", False))
+            pg = PP_PG if is_p2p and (str(name), str(desc)) in self._pp_groups else self._label(name, desc)
+            if not is_p2p:
+                self._pg_ids[(rec, str(e.get("pg_id", "")))] = pg
+                self._backend_of.setdefault(pg, rec)
             if is_p2p:
                 self._p2p_in_fr[rec] = True
             seq = int(e.get("p2p_seq_id" if is_p2p else "collective_seq_id", 0) or 0)
@@ -435,11 +508,15 @@ class CollectiveCollector(Component):
     def _observe_entry(
         self, rec: str, e: dict[str, Any], pg: str, name: str, seq: int, is_p2p: bool, created: int
     ) -> None:
-        op = op_label(e.get("profiling_name", ""))
+        pname = str(e.get("profiling_name", ""))
+        op = op_label(pname)
         nbytes = entry_bytes(e.get("input_sizes"), e.get("input_dtypes"))
         out_bytes = entry_bytes(e.get("output_sizes"), e.get("output_dtypes"))
-        self.counts[(pg, op)] += 1
-        self.bytes[(pg, op)] += nbytes
+        batch_key = (rec, str(name))
+        batch = self._open_batch.pop(batch_key, None) if op == "coalesced" else None
+        if not batch:  # a coalesced entry that closes a p2p batch is its ops' completion, not an op
+            self.counts[(pg, op)] += 1
+            self.bytes[(pg, op)] += nbytes
         self.recent_entries.append(
             {
                 "pg": pg,
@@ -453,9 +530,21 @@ class CollectiveCollector(Component):
                 "record_id": e.get("record_id"),
             }
         )
-        backend = "nccl" if str(e.get("profiling_name", "")).startswith("nccl:") or rec == "nccl" else "gloo"
+        backend = "nccl" if pname.startswith("nccl:") or rec == "nccl" else "gloo"
         item = _Op(pg, op, seq, nbytes, max(nbytes, out_bytes), created, comm_stream_label(pg, backend))
         item.size = self._size(name)
+        key = (rec, int(e["record_id"]))
+        if is_p2p and (peer := p2p_peer(pname)) is not None:
+            item.peer = fr.global_rank(str(name), peer)
+        if batch:  # the p2p ops of a batch_isend_irecv: timed by the coalesced entry that ends it
+            ops = [self._pending_fr.pop(k) for k in batch if k in self._pending_fr]
+            if e.get("duration_ms") is not None:
+                for o in ops:
+                    self._finish(o, float(e["duration_ms"]) / 1e3)
+            elif rec == "nccl" and len(self._pending_fr) < self.max_pending:
+                self._batches[key] = ops
+                self._pending_fr[key] = item
+            return
         if e.get("duration_ms") is not None:
             self._finish(item, float(e["duration_ms"]) / 1e3)
         elif (
@@ -463,7 +552,9 @@ class CollectiveCollector(Component):
             and (e.get("state") != "completed" or self._nccl_timing)
             and len(self._pending_fr) < self.max_pending
         ):  # the watchdog can mark an entry completed a poll before it retires it with its duration
-            self._pending_fr[(rec, int(e["record_id"]))] = item
+            self._pending_fr[key] = item
+            if is_p2p:  # inside a coalesced batch NCCL records p2p ops without events of their own
+                self._open_batch.setdefault(batch_key, []).append(key)
 
     def _complete_pending(self, rec: str, entries: list[dict[str, Any]]) -> None:
         live = {int(e["record_id"]): e for e in entries}
@@ -471,13 +562,19 @@ class CollectiveCollector(Component):
             e = live.get(key[1])
             if e is None:  # overwritten before it completed: stays counted, untimed
                 del self._pending_fr[key]
+                self._batches.pop(key, None)
             elif e.get("duration_ms") is not None:
                 item = self._pending_fr.pop(key)
-                self._finish(item, float(e["duration_ms"]) / 1e3)
-            elif e.get("state") == "completed" and (
-                not self._nccl_timing or time.time_ns() - self._pending_fr[key].start_ns > PENDING_TIMEOUT_NS
-            ):
+                for o in self._batches.pop(key, None) or [item]:
+                    self._finish(o, float(e["duration_ms"]) / 1e3)
+            elif time.time_ns() - self._pending_fr[key].start_ns > PENDING_TIMEOUT_NS and (
+                e.get("is_p2p") or e.get("state") == "completed"
+            ):  # completed untimed (timing off), or a p2p entry no coalesced entry ever closed
+                del self._pending_fr[key]
+                self._batches.pop(key, None)
+            elif e.get("state") == "completed" and not self._nccl_timing:
                 del self._pending_fr[key]  # completed without timing (TORCH_NCCL_ENABLE_TIMING off)
+                self._batches.pop(key, None)
 
     def _process_p2p(self, records: list[tuple]) -> None:
         for rec in records:
@@ -486,6 +583,8 @@ class CollectiveCollector(Component):
                 ops = []
                 for op, peer, nbytes, group in infos:
                     backend = fr.group_backend(group)
+                    if backend == "nccl":
+                        self._pp_groups.add(fr.group_name(group))
                     item = _Op(PP_PG, op, -1, nbytes, nbytes, t0, comm_stream_label(PP_PG, backend), 1, peer)
                     if not (backend == "nccl" and "nccl" in self.recorders):  # else the FR counts it
                         self.counts[(PP_PG, op)] += 1
@@ -587,6 +686,10 @@ class CollectiveCollector(Component):
         for pg, n in sorted(self.unobserved.items()):
             f.add(un, [pg], n)
         yield un
+        timing = f.gauge("hpar_collective_timing_enabled")
+        for pg, on in sorted(self.timing_enabled().items()):
+            f.add(timing, [pg], 1.0 if on else 0.0)
+        yield timing
 
     def summary(self) -> dict:
         table = []
@@ -607,4 +710,5 @@ class CollectiveCollector(Component):
             "timed": self.timed,
             "unobserved": dict(self.unobserved),
             "p2p_wrapped": self._p2p_patch is not None,
+            "timing": self.timing_enabled(),
         }

@@ -103,27 +103,28 @@ class NvmlCollector(Component):
                 nv = pynvml
             nv.nvmlInit()
             self._nvml = nv
-            self._handle = self._device_handle(nv, agent.topology.local_rank)
+            self._handle = self._device_handle(nv, agent.device)
             self.up = True
         except Exception:  # no driver, no GPU, no nvidia-ml-py: a normal state, not an error
+            if self._nvml is not None and self._handle is None:
+                try:
+                    self._nvml.nvmlShutdown()  # initialised, but no handle: leave NVML as we found it
+                except Exception:
+                    pass
             self.up = False
             self._handle = None
 
     @staticmethod
-    def _device_handle(nv: Any, local_rank: int) -> Any:
-        """This rank's device without initializing CUDA: the current device if CUDA already is,
-        else LOCAL_RANK, mapped through CUDA_VISIBLE_DEVICES (indices or UUIDs)."""
-        import torch
+    def _device_handle(nv: Any, device: Any) -> Any:
+        """The NVML handle of this rank's device (``agent.device``, fixed at attach): never the reading
+        thread's current device, which is device 0 on every thread the agent starts."""
+        from hpar_agent.device import nvml_index
 
-        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-        if "CUDA_VISIBLE_DEVICES" in os.environ and not visible:
-            raise RuntimeError("this process sees no GPU")  # a CPU rank on a GPU host: no GPU series
-        index = torch.cuda.current_device() if torch.cuda.is_initialized() else local_rank
-        if visible and index < len(visible):
-            dev = visible[index]
-            if not dev.isdigit():
-                return nv.nvmlDeviceGetHandleByUUID(dev)
-            index = int(dev)
+        if getattr(device, "type", "cpu") != "cuda":
+            raise RuntimeError("this rank has no GPU")  # a CPU rank on a GPU host: no GPU series
+        index = nvml_index(device)
+        if isinstance(index, str):
+            return nv.nvmlDeviceGetHandleByUUID(index)
         return nv.nvmlDeviceGetHandleByIndex(index)
 
     def uninstall(self) -> None:
@@ -257,9 +258,11 @@ class MemoryCollector(Component):
         self.allocator: dict[str, float] = {}
         self._rss = RssReader(proc_root)
         self._cuda_seen = False
+        self._device: Any = None
 
     def install(self, agent: Any) -> None:
         super().install(agent)
+        self._device = getattr(agent, "device", None)
         if self._cuda is None:
             import torch
 
@@ -272,7 +275,8 @@ class MemoryCollector(Component):
         """CUDA in use by the program (never initialized by us); once true it stays true, cached."""
         if not self._cuda_seen:
             cuda = self._cuda
-            self._cuda_seen = cuda is not None and bool(cuda.is_initialized()) and bool(cuda.is_available())
+            on_gpu = getattr(self._device, "type", "cuda") == "cuda"  # a CPU rank reads no allocator
+            self._cuda_seen = on_gpu and cuda is not None and bool(cuda.is_initialized()) and bool(cuda.is_available())
         return self._cuda_seen
 
     def step_hook(self, step: int, t_ns: int) -> None:
@@ -280,7 +284,8 @@ class MemoryCollector(Component):
         rss = self._rss.read()
         alloc = reserved = None
         if self._cuda_ready():
-            alloc, reserved = int(self._cuda.memory_allocated()), int(self._cuda.memory_reserved())
+            dev = self._device
+            alloc, reserved = int(self._cuda.memory_allocated(dev)), int(self._cuda.memory_reserved(dev))
         self.buffer.put((step, rss, alloc, reserved))
 
     def _post(self, source: str, step: int, value: int | None) -> None:
@@ -301,7 +306,7 @@ class MemoryCollector(Component):
             self._post("nvml", last_step, getattr(nvml, "process_bytes", None))
         self.rss = read_rss(self.proc_root)
         if self._cuda_ready():
-            s = self._cuda.memory_stats()
+            s = self._cuda.memory_stats(self._device)
             self.allocator = {
                 key: float(s.get(stat, 0))
                 for key, stat in (

@@ -85,12 +85,13 @@ class PipelineCollector(Component):
             if cuda:
                 import torch
 
-                stream = stream_label(device)  # where the events below are recorded (~1 µs)
+                cs = torch.cuda.current_stream(device)  # the stage's device, not the thread's
+                stream = stream_label(device, cs)  # where the events below are recorded (~1 µs)
                 e0 = torch.cuda.Event(enable_timing=True)
-                e0.record()
+                e0.record(cs)
                 out = orig(*args, **kwargs)
                 e1 = torch.cuda.Event(enable_timing=True)
-                e1.record()
+                e1.record(torch.cuda.current_stream(device))
                 buffer.put((step, stage_index, chunk, phase, stream, t0, 0, e0, e1))
             else:
                 out = orig(*args, **kwargs)

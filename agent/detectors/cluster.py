@@ -120,7 +120,7 @@ class ChecksumSampler:
                 host = torch.empty(cat.shape, dtype=cat.dtype, pin_memory=True)
                 host.copy_(cat, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(cat.device))  # the copy's stream, not device 0's
                 cat = host
         self.buffer.put((step, names, sizes, cat, event))
 

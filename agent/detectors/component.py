@@ -94,6 +94,7 @@ class DetectorsComponent(Component):
         self.stage = agent.topology.pp_stage
         if self.evidence is None:
             self.evidence = Evidence(agent.run_dir, self.rank, enabled=agent.config.evidence)
+            self.evidence.device = agent.device
 
     def detector(self, cls: type[D]) -> D | None:
         for d in self.detectors:

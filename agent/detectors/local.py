@@ -153,8 +153,11 @@ class MemoryLeak(Detector):
             if (leaking, slope) > (worst[1], worst[0]):
                 worst = (slope, leaking, source)
         slope, leaking, source = worst
-        if slope >= self.p("min_slope_bytes") and ctx.evidence is not None and ctx.agent.config.evidence:
-            ctx.evidence.start_memory_history()  # suspected: record stacks for the confirmation
+        if ctx.evidence is not None and ctx.agent.config.evidence:
+            if slope >= self.p("min_slope_bytes"):
+                ctx.evidence.start_memory_history()  # suspected: record stacks for the confirmation
+            elif not leaking:
+                ctx.evidence.stop_memory_history()  # cleared: recording costs every allocation
         return Verdict(leaking, slope if math.isfinite(slope) else 0.0, {"source": source})
 
 

@@ -71,6 +71,40 @@ def nccl_timing() -> bool:
     return os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") not in ("0", "")
 
 
+def process_groups() -> list[Any]:
+    """Every live ProcessGroup of this process (the default group and each ``new_group``/mesh group)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return list(c10d._world.pg_map.keys())
+    except Exception:
+        return []
+
+
+def enable_timing(pg: Any) -> bool:
+    """Switch CUDA-event timing on for one NCCL group (``ProcessGroup._enable_collectives_timing``,
+    the in-process twin of ``TORCH_NCCL_ENABLE_TIMING``, which ProcessGroupNCCL reads only when it is
+    constructed). Entries enqueued from then on get ``duration_ms``. False for other backends."""
+    if group_backend(pg) != "nccl":
+        return False
+    fn = getattr(pg, "_enable_collectives_timing", None)
+    if fn is None:
+        return False
+    fn()
+    return True
+
+
+def global_rank(group_name_: str, group_rank: int) -> int:
+    """A group-local rank (as NCCL p2p profiling names spell peers) as a global rank; -1 if unknown."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return int(dist.get_global_rank(_resolve_process_group(group_name_), group_rank))  # type: ignore[arg-type]
+    except Exception:
+        return -1
+
+
 def group_size(name: str) -> int | None:
     """Size of the process group registered under ``name`` (the FR ``process_group[0]``)."""
     try:
@@ -99,11 +133,12 @@ def group_backend(group: Any) -> str:
 
 
 def p2p_module() -> Any:
-    """The module whose globals the pipelining schedules call ``_batch_p2p`` through, or None."""
-    try:
-        import torch.distributed.pipelining.schedules as schedules
-    except ImportError:
-        return None
+    """The module whose globals the pipelining schedules call ``_batch_p2p`` through, once the program
+    imported it (None before: importing pipelining pulls in DTensor and sympy, seconds of a start-up
+    that a program without pipelines should not pay)."""
+    import sys
+
+    schedules = sys.modules.get("torch.distributed.pipelining.schedules")
     return schedules if hasattr(schedules, "_batch_p2p") else None
 
 

@@ -20,7 +20,10 @@ def test_op_and_pg_labels():
     assert coll.op_label("gloo:all_reduce") == "all_reduce"
     assert coll.op_label("nccl:_allgather_base") == "all_gather"
     assert coll.op_label("nccl:reduce_scatter_tensor_coalesced") == "reduce_scatter"
-    assert coll.op_label("nccl:send 0->1") == "other"  # free text never becomes a label
+    assert coll.op_label("nccl:send 0->1") == "send"  # NCCL p2p names carry group ranks
+    assert coll.op_label("nccl:recv 1<-0") == "recv"
+    assert coll.p2p_peer("nccl:send 0->1") == 1 and coll.p2p_peer("nccl:recv 1<-0") == 0
+    assert coll.op_label("nccl:something new") == "other"  # free text never becomes a label
     assert coll.pg_label("1", "mesh_dp") == "dp"
     assert coll.pg_label("3", "mesh_tp") == "tp"
     assert coll.pg_label("0", "default_pg") == "default_pg"
@@ -120,6 +123,38 @@ def test_reads_entries_once_times_them_and_attaches_spans(fake):
         ("tp", 1, "all_gather"),
     ]
     assert get("hpar_collective_last_completed_seq", {**L, "pg": "dp"}) == 1
+
+
+def test_nccl_p2p_batch_is_labelled_pp_with_peer_bytes_and_the_coalesced_duration(fake, monkeypatch):
+    """batch_isend_irecv on NCCL: the FR records each p2p op (bytes, no events of its own) and then one
+    ``nccl:coalesced`` entry (0 bytes) whose duration is the batch's. On a pipeline's group they are
+    pg="pp", op send/recv with the global peer; the coalesced entry is their completion, not an op."""
+    rec, agent, c = fake
+    monkeypatch.setattr(fr, "global_rank", lambda name, r: r + 10)  # group rank -> global rank
+    c._pp_groups.add(("0", "default_pg"))  # as the _batch_p2p wrapper registers the stage's group
+    agent.step()
+    rec.add(0, 0, "0", "default_pg", 1, name="nccl:send 0->1", n=1000, state="scheduled", p2p=True)
+    rec.add(1, 0, "0", "default_pg", 2, name="nccl:recv 0<-1", n=500, state="scheduled", p2p=True)
+    rec.add(2, 0, "0", "default_pg", 1, name="nccl:coalesced", n=0, state="scheduled")
+    agent.tick()
+    get = agent.registry.get_sample_value
+    assert get("hpar_collectives_total", {**L, "pg": "pp", "op": "send"}) == 1
+    assert get("hpar_collective_bytes_total", {**L, "pg": "pp", "op": "send"}) == 4000
+    assert get("hpar_collective_bytes_total", {**L, "pg": "pp", "op": "recv"}) == 2000
+    assert get("hpar_collectives_total", {**L, "pg": "default_pg", "op": "coalesced"}) is None
+    rec.entries[2].update(state="completed", duration_ms=4.0)
+    agent.tick()
+    hl = {**L, "pg": "pp", "op": "send", "stream": "nccl:pp"}
+    assert get("hpar_collective_duration_seconds_count", hl) == 1
+    assert get("hpar_collective_duration_seconds_sum", hl) == pytest.approx(0.004)
+    assert get("hpar_collective_busbw_bytes_per_second", {**L, "pg": "pp", "op": "recv"}) == pytest.approx(2000 / 0.004)
+    spans = sorted((s for ss in agent._pending_spans.values() for s in ss), key=lambda s: s.name)
+    assert [(s.name, s.attributes["collective.pg"], s.attributes["collective.peer"]) for s in spans] == [
+        ("collective.recv", "pp", 11),
+        ("collective.send", "pp", 11),
+    ]
+    assert not c._pending_fr  # nothing left holding the span watermark
+    assert get("hpar_collective_timing_enabled", {**L, "pg": "pp"}) == 1
 
 
 def test_record_id_gaps_are_unobserved_per_pg(fake):

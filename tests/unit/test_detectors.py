@@ -481,3 +481,22 @@ def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: A
     assert ranks[0][1].states["CollectiveMismatch"].details["mismatched"][0]["seq"] == 7
     assert [sample(d, "hpar_alert_active", "Straggler") for _, d in ranks] == [0.0, 0.0, 1.0]
     assert sample(ranks[2][1], "hpar_detector_value", "Straggler") > 0.1
+
+
+def test_allocator_history_runs_only_while_a_leak_is_suspected(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recording every allocation's stack costs every step: a warm-up rise starts it, the plateau after
+    stops it (left running it cost users 2-7% from the first steps on)."""
+    series: deque = deque(maxlen=64)
+    mem = Fake("memory", post_step={"allocator": series})
+    agent, det = make_agent(tmp_path, comps=(steps(60), mem))
+    calls: list[str] = []
+    assert det.evidence is not None
+    monkeypatch.setattr(det.evidence, "start_memory_history", lambda: calls.append("start") or True)
+    monkeypatch.setattr(det.evidence, "stop_memory_history", lambda: calls.append("stop"))
+    series.extend((s, 10**9 + 8 * MiB * s) for s in range(5, 15))  # warm-up growth: suspected
+    agent.tick()
+    assert calls == ["start"]
+    series.extend((s, 10**9 + 8 * MiB * 15) for s in range(15, 60))  # plateau: cleared
+    agent.tick()
+    assert calls[-1] == "stop"
+    assert sample(det, "hpar_alert_active", "MemoryLeak") == 0.0

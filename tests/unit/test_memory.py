@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hpar_agent.agent import Agent
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector, read_rss
+from hpar_agent.device import resolve_device
 
 L = {"rank": "0", "pp_stage": "0"}
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -27,10 +30,13 @@ def test_read_rss_from_fake_proc_root(tmp_path):
 
 
 class FakeCuda:
+    """torch.cuda's read API; records the device each read named (the agent thread's own is device 0)."""
+
     def __init__(self, initialized=True):
         self.initialized = initialized
         self.allocated = 1000
         self.reads = 0
+        self.devices = set()
 
     def is_available(self):
         return True
@@ -38,15 +44,18 @@ class FakeCuda:
     def is_initialized(self):
         return self.initialized
 
-    def memory_allocated(self):
+    def memory_allocated(self, device=None):
         self.reads += 1
+        self.devices.add(device)
         return self.allocated
 
-    def memory_reserved(self):
+    def memory_reserved(self, device=None):
+        self.devices.add(device)
         return 4096
 
-    def memory_stats(self):
+    def memory_stats(self, device=None):
         self.reads += 1
+        self.devices.add(device)
         return {
             "allocated_bytes.all.current": self.allocated,
             "allocated_bytes.all.peak": 5000,
@@ -69,10 +78,14 @@ def _replace(agent, comp):
     agent.add_component(comp)
 
 
+GPU1 = torch.device("cuda", 1)
+
+
 @pytest.fixture
 def agent(tmp_path):
     a = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path))
     a.start()
+    a.device = GPU1  # as resolve_device fixes it at attach in local rank 1 of a GPU job
     try:
         yield a
     finally:
@@ -90,6 +103,7 @@ def test_post_step_history_and_allocator(agent, tmp_path):
         agent.on_step_boundary(step, 0)
     agent.tick()
     assert list(mem.post_step["allocator"]) == [(2, 3000), (3, 4000), (4, 5000)]  # bounded history
+    assert cuda.devices == {GPU1}  # every read names the rank's device, never the thread's current one
     assert [v for _, v in mem.post_step["rss"]] == [12 * PAGE, 13 * PAGE, 14 * PAGE]
     get = agent.registry.get_sample_value
     assert get("hpar_memory_post_step_bytes", {**L, "source": "allocator"}) == 5000
@@ -160,7 +174,12 @@ class FakeNvml:
         pass
 
     def nvmlDeviceGetHandleByIndex(self, i):
+        self.index = i
         return ("dev", i)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self.index = uuid
+        return ("dev", uuid)
 
     def nvmlDeviceGetMemoryInfo(self, h):
         return type("M", (), {"used": 3 << 30, "total": 80 << 30})()
@@ -197,9 +216,31 @@ def test_nvml_init_failing_is_down(agent):
 
 def test_nvml_is_down_in_a_process_that_sees_no_gpu(agent, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU rank on a GPU host must not report GPU 0
+    agent.device = resolve_device(None, None, 1)
+    assert agent.device == torch.device("cpu")
     _replace(agent, NvmlCollector(nvml=FakeNvml()))
     agent.tick()
     assert agent.registry.get_sample_value("hpar_agent_component_up", {**L, "component": "nvml"}) == 0
+
+
+@pytest.mark.parametrize(("visible", "expected"), [(None, 1), ("3,5", 5), ("GPU-aa,GPU-bb", "GPU-bb")])
+def test_nvml_handle_is_the_ranks_device_through_cuda_visible_devices(agent, monkeypatch, visible, expected):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    fake = FakeNvml()
+    _replace(agent, NvmlCollector(nvml=fake))
+    assert fake.index == expected
+
+
+def test_resolve_device_prefers_the_models_cuda_parameters():
+    class Model:
+        def parameters(self):
+            return iter([SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(device=GPU1)])
+
+    assert resolve_device(Model(), None, 0) == GPU1
+    assert resolve_device(None, SimpleNamespace(device_type="cpu"), 3) == torch.device("cpu")
 
 
 def test_nvml_fields_degrade_one_by_one(agent):
