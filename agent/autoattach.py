@@ -2,8 +2,8 @@
 
 The shim (``zerocode_site/sitecustomize.py``) decides *when* (after ``init_process_group`` in a
 torchrun worker, after ``import torch`` in a plain script); this module attaches the agent with the
-``HPAR_*`` environment as its configuration and adds the ``zerocode`` component, which says once, at
-exit and in the rank's summary, when the script gave the agent no step boundaries.
+``HPAR_*`` environment as its configuration and adds the ``zerocode`` component, which says in one
+line at exit (once per host) and in each rank's summary when the script gave no step boundaries.
 """
 
 from __future__ import annotations
@@ -38,8 +38,11 @@ class ZeroCode(Component):
         return int(getattr(steps, "count", 0))
 
     def uninstall(self) -> None:
-        """At detach (before the summary is written): the one line when no step was seen."""
-        if self._steps() == 0 and not self._noted:
+        """At detach (before the summary is written): the one line when no step was seen, from the
+        first rank of each host (every rank's summary carries it)."""
+        agent = self.agent
+        local_rank = agent.topology.local_rank if agent is not None else 0
+        if self._steps() == 0 and not self._noted and local_rank == 0:
             self._noted = True
             log.warning(NO_STEPS)
 

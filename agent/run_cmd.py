@@ -88,23 +88,38 @@ def _run_forwarding(cmd: Sequence[str], env: Mapping[str, str]) -> int:
     return _exit_status(rc)
 
 
-def _rank_lines(run_dir: Path) -> list[str]:
+#: Above this many ranks the end of the run prints totals instead of a line per rank.
+RANK_LINES_MAX = 16
+
+
+def rank_lines(run_dir: Path) -> list[str]:
+    """What the end of the run says about the ranks, from their ``summary.rank<R>.json``."""
     ranks = load_rank_summaries(run_dir)
     if not ranks:
         return [
             "  no rank wrote a summary: the agent did not attach (is hpar_agent importable by the "
-            "command's Python? did the script import torch?)"
+            "command's Python? a torchrun worker attaches at init_process_group, a plain script at "
+            "import torch)"
         ]
     lines = [f"  ranks observed: {len(ranks)} (summary.rank<R>.json, events.rank<R>.jsonl)"]
-    for r in ranks:
+    worlds = {int(r.get("topology", {}).get("world_size", 0) or 0) for r in ranks}
+    seen = {r.get("rank") for r in ranks}
+    missing = [i for i in range(max(worlds)) if i not in seen] if len(worlds) == 1 else []
+    if missing:
+        shown = ", ".join(map(str, missing[:32])) + (" ..." if len(missing) > 32 else "")
+        lines.append(f"  no summary from rank(s) {shown} of {max(worlds)} (crashed, killed, or another host's run dir)")
+    steps = [int(r.get("components", {}).get("steps", {}).get("steps", 0)) for r in ranks]
+    errors = [sum(r.get("errors", {}).values()) for r in ranks]
+    if len(ranks) > RANK_LINES_MAX:
+        lines.append(f"  steps per rank: min {min(steps)}, max {max(steps)}; agent errors: {sum(errors)}")
+        return lines
+    for r, n, err in zip(ranks, steps, errors, strict=True):
         comps = r.get("components", {})
-        steps = comps.get("steps", {})
+        p50 = comps.get("steps", {}).get("step_seconds_p50")
         attached = comps.get("zerocode", {}).get("attached_at", "attach()")
-        p50 = steps.get("step_seconds_p50")
         lines.append(
-            f"  rank {r.get('rank')}/{r.get('topology', {}).get('world_size', '?')}: "
-            f"{steps.get('steps', 0)} steps, step p50 {'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, "
-            f"attached at {attached}, agent errors {sum(r.get('errors', {}).values())}, "
+            f"  rank {r.get('rank')}/{r.get('topology', {}).get('world_size', '?')}: {n} steps, step p50 "
+            f"{'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, attached at {attached}, agent errors {err}, "
             f"metrics {r.get('metrics_url') or '-'}"
         )
     return lines
@@ -126,6 +141,6 @@ def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, st
     t0 = time.time()
     status = _run_forwarding(cmd, child_env(environ, rd))
     _say(f"exit code {status} after {time.time() - t0:.1f} s; outputs in {rd}")
-    for line in _rank_lines(rd):
+    for line in rank_lines(rd):
         print(line, file=sys.stderr)
     return status

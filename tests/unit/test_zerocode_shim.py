@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hpar_agent.run_cmd import SHIM_DIR, child_env, fresh_run_dir, run
+from hpar_agent.run_cmd import RANK_LINES_MAX, SHIM_DIR, child_env, fresh_run_dir, rank_lines, run
 
 PROBE = (
     "import json, os, sys; sc = sys.modules['sitecustomize']; "
@@ -98,3 +98,30 @@ def test_run_without_a_command_is_a_usage_error(capsys: pytest.CaptureFixture[st
 
 def test_missing_program_exits_127(tmp_path: Path) -> None:
     assert run(["--", str(tmp_path / "nope")], run_dir=str(tmp_path / "run"), environ={}) == 127
+
+
+def _write_summaries(run_dir: Path, world: int, ranks: list[int], steps: int = 5) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for r in ranks:
+        (run_dir / f"summary.rank{r}.json").write_text(json.dumps({
+            "rank": r, "topology": {"world_size": str(world)}, "errors": {"steps": r % 2},
+            "components": {"steps": {"steps": steps + r, "step_seconds_p50": 0.01},
+                           "zerocode": {"attached_at": "init_process_group"}},
+        }))  # fmt: skip
+
+
+def test_end_of_run_names_ranks_without_a_summary(tmp_path: Path) -> None:
+    assert "no rank wrote a summary" in rank_lines(tmp_path)[0]
+    _write_summaries(tmp_path, 3, [0, 2])
+    lines = rank_lines(tmp_path)
+    assert lines[0] == "  ranks observed: 2 (summary.rank<R>.json, events.rank<R>.jsonl)"
+    assert lines[1].startswith("  no summary from rank(s) 1 of 3")
+    assert lines[2].startswith("  rank 0/3: 5 steps, step p50 10.0 ms, attached at init_process_group")
+    assert lines[3].startswith("  rank 2/3: 7 steps") and len(lines) == 4
+
+
+def test_end_of_run_totals_many_ranks(tmp_path: Path) -> None:
+    n = RANK_LINES_MAX + 4
+    _write_summaries(tmp_path, n, list(range(n)))
+    lines = rank_lines(tmp_path)
+    assert lines[1:] == [f"  steps per rank: min 5, max {5 + n - 1}; agent errors: {n // 2}"]
