@@ -1,4 +1,4 @@
-"""The zero-code shim and the ``hpar-agent run`` environment, without torch: plain ``python -c``."""
+"""Zero-code mode without starting torch: the shim (plain `python -c`), the launcher side, the note."""
 
 from __future__ import annotations
 
@@ -125,3 +125,22 @@ def test_end_of_run_totals_many_ranks(tmp_path: Path) -> None:
     _write_summaries(tmp_path, n, list(range(n)))
     lines = rank_lines(tmp_path)
     assert lines[1:] == [f"  steps per rank: min 5, max {5 + n - 1}; agent errors: {n // 2}"]
+
+
+@pytest.mark.parametrize(("local_rank", "steps", "lines"), [(0, 0, 1), (1, 0, 0), (0, 3, 0)])
+def test_no_step_line_once_per_host(
+    caplog: pytest.LogCaptureFixture, local_rank: int, steps: int, lines: int
+) -> None:
+    from types import SimpleNamespace
+
+    from hpar_agent.autoattach import NO_STEPS, ZeroCode
+
+    counter = SimpleNamespace(count=steps)
+    agent = SimpleNamespace(topology=SimpleNamespace(local_rank=local_rank), component=lambda name: counter)
+    comp = ZeroCode("init_process_group")
+    comp.agent = agent  # type: ignore[assignment]
+    with caplog.at_level("WARNING", logger="hpar_agent"):
+        comp.uninstall()
+        comp.uninstall()
+    assert [r.getMessage() for r in caplog.records].count(NO_STEPS) == lines
+    assert ("note" in comp.summary()) == (steps == 0)  # every rank's summary carries it
