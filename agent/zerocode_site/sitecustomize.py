@@ -4,7 +4,8 @@
 Standard library only, and nothing is imported here: the torchrun launcher and helper processes pay
 one environment lookup. What it installs (each tagged ``_hpar_autoattach``):
 
-- in a torchrun worker (``TORCHELASTIC_RUN_ID`` set): a wrapper of ``init_process_group`` that attaches
+- in a torchrun worker (``TORCHELASTIC_RUN_ID`` set), or one of several ranks another launcher
+  started (``WORLD_SIZE``, ``SLURM_NTASKS``, ``OMPI_COMM_WORLD_SIZE`` or ``PMI_SIZE`` above 1): a wrapper of ``init_process_group`` that attaches
   the agent right after the default group exists (rank, world, backend, store: before the first step;
   ``init_device_mesh`` creates its group through the same function);
 - in any other Python process (``python train.py``): the agent attaches as soon as ``import torch``
@@ -23,12 +24,25 @@ import sys
 _ENV = "HPAR_AUTOATTACH"
 _TRUE = ("1", "true", "yes", "on")
 _LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")
+_WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
 def _is_torchrun_launcher(argv):
     if len(argv) > 1 and os.path.basename(argv[1]) == "torchrun":
         return True
     return any(a == "-m" and i + 1 < len(argv) and argv[i + 1] in _LAUNCHERS for i, a in enumerate(argv))
+
+
+def _one_of_many(environ):
+    """Started as one of several ranks by another launcher (srun, mpirun, a script that sets
+    WORLD_SIZE): the rank is only known once the process group exists."""
+    for name in _WORLD_VARS:
+        try:
+            if int(environ.get(name, "1")) > 1:
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def _attach(trigger):
@@ -104,7 +118,7 @@ def _boot(environ):
         return "off"
     if _is_torchrun_launcher(getattr(sys, "orig_argv", sys.argv)):
         return "launcher"
-    if "TORCHELASTIC_RUN_ID" in environ:
+    if "TORCHELASTIC_RUN_ID" in environ or _one_of_many(environ):
         _after_import("torch.distributed.distributed_c10d", _wrap_init_process_group)
         return "worker"
     environ.pop(_ENV, None)

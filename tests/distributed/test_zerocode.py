@@ -30,7 +30,8 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def _env(run_dir: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPAR_", "TORCHELASTIC_"))}
+    launch_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPAR_", "TORCHELASTIC_")) and k not in launch_vars}
     env.update(HPAR_RUN_DIR=str(run_dir), HPAR_METRICS_ADDR="127.0.0.1", HPAR_METRICS_PORT="0",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # fmt: skip
     env.update(extra)

@@ -13,6 +13,8 @@ import pytest
 
 from hpar_agent.run_cmd import RANK_LINES_MAX, SHIM_DIR, child_env, fresh_run_dir, rank_lines, run
 
+#: What a launcher around the test run may have set; the shim reads them.
+LAUNCH_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}
 PROBE = (
     "import json, os, sys; sc = sys.modules['sitecustomize']; "
     "print(json.dumps([sc.__file__, sc._hpar_mode, os.environ.get('HPAR_AUTOATTACH'), 'torch' in sys.modules, "
@@ -20,8 +22,13 @@ PROBE = (
 )
 
 
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("HPAR_", "TORCHELASTIC_", "PYTHONPATH")) and k not in LAUNCH_VARS}  # fmt: skip
+
+
 def _probe(env: dict[str, str]) -> list[Any]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("HPAR_", "TORCHELASTIC_", "PYTHONPATH"))}
+    base = _clean_env()
     out = subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True,
                          timeout=30, check=True)  # fmt: skip
     return json.loads(out.stdout)
@@ -49,16 +56,20 @@ def test_fresh_run_dir_never_reuses_one(tmp_path: Path) -> None:
     assert second != first and second.name.startswith(first.name)
 
 
-def test_worker_patches_the_process_group_only_after_torch_distributed(tmp_path: Path) -> None:
-    """A torchrun worker: a finder waits for distributed_c10d; nothing imported, env kept for its children."""
-    sc, mode, var, torch_loaded, finders = _probe({**child_env({}, tmp_path), "TORCHELASTIC_RUN_ID": "x"})
+@pytest.mark.parametrize("rank_env", [{"TORCHELASTIC_RUN_ID": "x"}, {"WORLD_SIZE": "2"}, {"SLURM_NTASKS": "8"}])
+def test_worker_patches_the_process_group_only_after_torch_distributed(
+    tmp_path: Path, rank_env: dict[str, str]
+) -> None:
+    """A torchrun worker, or a rank another launcher started: a finder waits for distributed_c10d;
+    nothing imported, env kept for its children."""
+    sc, mode, var, torch_loaded, finders = _probe({**child_env({}, tmp_path), **rank_env})
     assert Path(sc).resolve() == (SHIM_DIR / "sitecustomize.py").resolve()
     assert (mode, var, torch_loaded, finders) == ("worker", "1", False, ["_AfterImport"])
 
 
 def test_plain_script_consumes_the_marker(tmp_path: Path) -> None:
     """``python train.py``: waits for ``import torch``; its own children are not observed."""
-    _, mode, var, torch_loaded, finders = _probe(child_env({}, tmp_path))
+    _, mode, var, torch_loaded, finders = _probe({**child_env({}, tmp_path), "WORLD_SIZE": "1"})
     assert (mode, var, torch_loaded, finders) == ("script", None, False, ["_AfterImport"])
 
 
@@ -84,7 +95,7 @@ def test_an_existing_sitecustomize_still_runs(tmp_path: Path) -> None:
     theirs.mkdir()
     (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = 'yes'\n")
     env = child_env({"PYTHONPATH": str(theirs)}, tmp_path / "run")
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("HPAR_", "TORCHELASTIC_", "PYTHONPATH"))}
+    base = _clean_env()
     out = subprocess.run([sys.executable, "-c", "import os, sitecustomize; print(os.environ.get('THEIRS_RAN'), "
                           "sitecustomize._hpar_mode)"], env={**base, **env}, capture_output=True, text=True,
                          timeout=30, check=True)  # fmt: skip
