@@ -38,6 +38,6 @@ def detach() -> None:
     detach_agent()
 
 
-from hpar_agent.agent import Agent, attach_agent, detach_agent  # noqa: E402
+from hpar_agent.agent import Agent, attach_agent, current, detach_agent  # noqa: E402
 
-__all__ = ["Agent", "AgentConfig", "__version__", "attach", "detach"]
+__all__ = ["Agent", "AgentConfig", "__version__", "attach", "current", "detach"]

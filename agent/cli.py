@@ -86,6 +86,12 @@ def _diagnose(args: argparse.Namespace) -> int:
     return 0 if all(f.detected for f in findings) else 1
 
 
+def _run(args: argparse.Namespace) -> int:
+    from hpar_agent.run_cmd import run
+
+    return run(args.cmd, args.run_dir)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpar-agent", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -113,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--nproc", type=int, default=4, help="ranks (the default layout needs 4)")
     diag.add_argument("trainer_args", nargs=argparse.REMAINDER, help="hpar-train flags after --, e.g. a GPU layout")
     diag.set_defaults(func=_diagnose)
+    run = sub.add_parser("run", help="observe an unmodified script: hpar-agent run -- torchrun ... train.py")
+    run.add_argument("--run-dir", help="output directory (default $HPAR_RUN_DIR, else hpar-runs/run-<time>)")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command after --")
+    run.set_defaults(func=_run)
     return p
 
 

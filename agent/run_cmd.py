@@ -1,0 +1,146 @@
+"""``hpar-agent run -- CMD ...``: observe an unmodified training script (zero-code mode).
+
+CMD is ``torchrun ... train.py`` or ``python train.py`` (anything that starts Python processes). The
+children get the shim directory first on PYTHONPATH (its ``sitecustomize`` attaches the agent, see
+``zerocode_site/``), ``HPAR_AUTOATTACH=1``, ``HPAR_RUN_DIR``, ``HPAR_JOB_ID``, and what must be set
+before a process group exists (``TORCH_NCCL_ENABLE_TIMING=1`` unless set). The command runs in its own
+process group: SIGINT/SIGTERM/SIGHUP are forwarded to the whole group (a second one sends SIGKILL), and
+its exit status is ours (128 + N when a signal N ended it).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpar_agent.config import _TRUE
+from hpar_agent.summary import load_rank_summaries
+
+SHIM_DIR = Path(__file__).resolve().with_name("zerocode_site")
+#: Set before any process group exists; a user's own value wins.
+PRE_PG_ENV = {"TORCH_NCCL_ENABLE_TIMING": "1"}
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _say(msg: str) -> None:
+    print(f"hpar-agent run: {msg}", file=sys.stderr, flush=True)
+
+
+def fresh_run_dir(base: Path | None = None) -> Path:
+    """``hpar-runs/run-<time>``, made unique with a suffix when that name exists."""
+    base = base or Path("hpar-runs")
+    stem = f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base / stem, 1
+    while path.exists():
+        n += 1
+        path = base / f"{stem}-{n}"
+    return path
+
+
+def child_env(environ: Mapping[str, str], run_dir: Path) -> dict[str, str]:
+    """The children's environment: the shim on PYTHONPATH, the run dir and the pre-PG settings."""
+    env = dict(environ)
+    old = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = f"{SHIM_DIR}{os.pathsep}{old}" if old else str(SHIM_DIR)
+    env["HPAR_AUTOATTACH"] = "1"
+    env["HPAR_RUN_DIR"] = str(run_dir)
+    env.setdefault("HPAR_JOB_ID", run_dir.name)
+    for name, value in PRE_PG_ENV.items():
+        env.setdefault(name, value)
+    return env
+
+
+def _exit_status(rc: int) -> int:
+    return 128 - rc if rc < 0 else rc
+
+
+def _run_forwarding(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run ``cmd`` in its own process group, forward termination signals to the group, return its
+    exit status."""
+    try:
+        proc = subprocess.Popen(list(cmd), env=dict(env), preexec_fn=os.setpgrp)
+    except OSError as exc:
+        _say(f"cannot start {cmd[0]!r}: {exc}")
+        return 127
+    received: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        sig = signal.SIGKILL if received else signum
+        received.append(signum)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    previous = {s: signal.signal(s, forward) for s in _FORWARDED}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return _exit_status(rc)
+
+
+#: Above this many ranks the end of the run prints totals instead of a line per rank.
+RANK_LINES_MAX = 16
+
+
+def rank_lines(run_dir: Path) -> list[str]:
+    """What the end of the run says about the ranks, from their ``summary.rank<R>.json``."""
+    ranks = load_rank_summaries(run_dir)
+    if not ranks:
+        return [
+            "  no rank wrote a summary: the agent did not attach (is hpar_agent importable by the "
+            "command's Python? a torchrun worker attaches at init_process_group, a plain script at "
+            "import torch)"
+        ]
+    lines = [f"  ranks observed: {len(ranks)} (summary.rank<R>.json, events.rank<R>.jsonl)"]
+    worlds = {int(r.get("topology", {}).get("world_size", 0) or 0) for r in ranks}
+    seen = {r.get("rank") for r in ranks}
+    missing = [i for i in range(max(worlds)) if i not in seen] if len(worlds) == 1 else []
+    if missing:
+        shown = ", ".join(map(str, missing[:32])) + (" ..." if len(missing) > 32 else "")
+        lines.append(f"  no summary from rank(s) {shown} of {max(worlds)} (crashed, killed, or another host's run dir)")
+    steps = [int(r.get("components", {}).get("steps", {}).get("steps", 0)) for r in ranks]
+    errors = [sum(r.get("errors", {}).values()) for r in ranks]
+    if len(ranks) > RANK_LINES_MAX:
+        lines.append(f"  steps per rank: min {min(steps)}, max {max(steps)}; agent errors: {sum(errors)}")
+        return lines
+    for r, n, err in zip(ranks, steps, errors, strict=True):
+        comps = r.get("components", {})
+        p50 = comps.get("steps", {}).get("step_seconds_p50")
+        attached = comps.get("zerocode", {}).get("attached_at", "attach()")
+        lines.append(
+            f"  rank {r.get('rank')}/{r.get('topology', {}).get('world_size', '?')}: {n} steps, step p50 "
+            f"{'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, attached at {attached}, agent errors {err}, "
+            f"metrics {r.get('metrics_url') or '-'}"
+        )
+    return lines
+
+
+def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """``hpar-agent run``: returns the command's exit status (2 for a usage error)."""
+    environ = os.environ if environ is None else environ
+    cmd = list(cmd[1:] if cmd[:1] == ["--"] else cmd)
+    if not cmd:
+        _say("error: give the command after --, e.g. hpar-agent run -- torchrun --nproc-per-node 2 train.py")
+        return 2
+    if environ.get("HPAR_DISABLE", "").strip().lower() in _TRUE:
+        _say("HPAR_DISABLE is set: running the command unobserved")
+        return _run_forwarding(cmd, environ)
+    rd = Path(run_dir or environ.get("HPAR_RUN_DIR") or fresh_run_dir()).resolve()
+    rd.mkdir(parents=True, exist_ok=True)
+    _say(f"observing `{shlex.join(cmd)}`; outputs in {rd}")
+    t0 = time.time()
+    status = _run_forwarding(cmd, child_env(environ, rd))
+    _say(f"exit code {status} after {time.time() - t0:.1f} s; outputs in {rd}")
+    for line in rank_lines(rd):
+        print(line, file=sys.stderr)
+    return status

@@ -1,0 +1,208 @@
+"""Zero-code mode: ``hpar-agent run -- ...`` observes scripts that never import hpar_agent.
+
+The scripts (tests/zerocode_scripts/) are not the reference trainer: DDP, DTensor TP and FSDP2 on 2
+gloo ranks under torchrun, a single-process loop without an optimizer, a script that exits 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hpar_agent.autoattach import NO_STEPS
+from tests.distributed.live_run import free_base_port
+
+pytestmark = pytest.mark.distributed
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "zerocode_scripts"
+STEPS = 4
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def _env(run_dir: Path, **extra: str) -> dict[str, str]:
+    launch_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPAR_", "TORCHELASTIC_")) and k not in launch_vars}
+    env.update(HPAR_RUN_DIR=str(run_dir), HPAR_METRICS_ADDR="127.0.0.1", HPAR_METRICS_PORT="0",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # fmt: skip
+    env.update(extra)
+    return env
+
+
+def _run_cmd(cmd: list[str]) -> list[str]:
+    return [sys.executable, "-m", "hpar_agent.cli", "run", "--", *cmd]
+
+
+def hpar_run(run_dir: Path, cmd: list[str], timeout: float = 90, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_run_cmd(cmd), env=_env(run_dir, **env), capture_output=True, text=True,
+                          timeout=timeout, check=False)  # fmt: skip
+
+
+def torchrun(script: str, *args: str, launcher: str = "module") -> list[str]:
+    head = [str(TORCHRUN)] if launcher == "torchrun" else [sys.executable, "-m", "torch.distributed.run"]
+    return [*head, "--standalone", "--nproc-per-node=2", str(SCRIPTS / script), *args]
+
+
+def _summaries(run_dir: Path) -> dict[int, dict[str, Any]]:
+    return {int(p.stem.split("rank")[-1]): json.loads(p.read_text()) for p in run_dir.glob("summary.rank*.json")}
+
+
+def _attach_event(run_dir: Path, rank: int) -> dict[str, Any]:
+    for line in (run_dir / f"events.rank{rank}.jsonl").read_text().splitlines():
+        ev = json.loads(line)
+        if ev["kind"] == "attach":
+            return ev
+    raise AssertionError(f"rank {rank} logged no attach event")
+
+
+def _assert_every_rank_observed(
+    run_dir: Path, proc: subprocess.CompletedProcess[str] | None = None, backend: str = "gloo"
+) -> None:
+    why = "" if proc is None else proc.stderr[-3000:]
+    ranks = _summaries(run_dir)
+    assert sorted(ranks) == [0, 1], why
+    for r, s in ranks.items():
+        assert s["rank"] == r
+        assert s["topology"]["world_size"] == "2" and s["topology"]["backend"] == backend
+        assert s["components"]["steps"]["steps"] == STEPS, why
+        zc = s["components"]["zerocode"]
+        assert zc == {"attached_at": "init_process_group", "step_boundaries": STEPS}
+        assert sum(t["count"] for t in s["components"]["collectives"]["table"]) > 0  # FR read after attach
+        assert s["errors"] == {}, s["errors"]
+        assert _attach_event(run_dir, r)["topology"]["world_size"] == "2"
+
+
+def _scrape(url: str) -> dict[str, list[Any]]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, list[Any]] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def test_ddp_under_torchrun_scraped_mid_run(tmp_path: Path) -> None:
+    """(a) DDP with an optimizer, launched by the ``torchrun`` script: every rank serves its own
+    /metrics while the job runs, with the right rank info and every step counted."""
+    base = free_base_port(2)
+    release = tmp_path / "release"
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(_run_cmd(torchrun("ddp_train.py", str(STEPS), str(release), launcher="torchrun")),
+                            env=_env(run_dir, HPAR_METRICS_PORT=str(base)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 60
+        seen: dict[int, dict[str, list[Any]]] = {}
+        while len(seen) < 2 and time.time() < deadline and proc.poll() is None:
+            for r in (0, 1):
+                try:
+                    fams = _scrape(f"http://127.0.0.1:{base + r}/metrics")
+                except OSError:
+                    continue
+                steps = fams.get("hpar_steps_total", [])
+                if steps and steps[0].value == STEPS:
+                    seen[r] = fams
+            time.sleep(0.3)
+        release.touch()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sorted(seen) == [0, 1], err[-3000:]
+    for r, fams in seen.items():
+        (info,) = fams["hpar_rank_info"]
+        assert info.labels["rank"] == str(r) and info.labels["world_size"] == "2"
+        assert info.labels["backend"] == "gloo" and info.labels["local_rank"] == str(r)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"outputs in {run_dir.resolve()}" in err and "exit code 0" in err
+    _assert_every_rank_observed(run_dir)
+
+
+def test_tp_dtensor(tmp_path: Path) -> None:
+    """(b) TP with DTensor: ``init_device_mesh`` creates the process group itself (with no backend
+    named, which ``dist.get_backend()`` reports as "undefined")."""
+    proc = hpar_run(tmp_path, torchrun("tp_train.py", str(STEPS)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_every_rank_observed(tmp_path, proc, backend="undefined")
+
+
+def test_fsdp2(tmp_path: Path) -> None:
+    """(c) FSDP2 (``fully_shard``) on gloo."""
+    proc = hpar_run(tmp_path, torchrun("fsdp2_train.py", str(STEPS)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_every_rank_observed(tmp_path, proc)
+
+
+def test_loop_without_optimizer_says_so_once(tmp_path: Path) -> None:
+    """(d) no process group, no optimizer: observed from ``import torch``; one line at exit names the
+    fix, and the summary carries it. Applying the fix gives every step."""
+    proc = hpar_run(tmp_path / "plain", [sys.executable, str(SCRIPTS / "no_optimizer.py"), "3"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no-optimizer loop done" in proc.stdout
+    assert proc.stderr.count("no step boundaries") == 1, proc.stderr
+    assert NO_STEPS in proc.stderr and "hpar_agent.current().step()" in NO_STEPS
+    (s,) = _summaries(tmp_path / "plain").values()
+    assert s["components"]["zerocode"]["note"] == NO_STEPS
+    assert s["components"]["zerocode"]["attached_at"] == "import torch"
+    assert s["topology"]["world_size"] == "1" and s["topology"]["backend"] == "none"
+
+    fixed = hpar_run(tmp_path / "fixed", [sys.executable, str(SCRIPTS / "no_optimizer.py"), "3", "mark"])
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert "no step boundaries" not in fixed.stderr
+    (s,) = _summaries(tmp_path / "fixed").values()
+    assert s["components"]["steps"]["steps"] == 3
+    assert "note" not in s["components"]["zerocode"]
+
+
+def test_exit_code_and_disable(tmp_path: Path) -> None:
+    """(e) the script's exit status is the command's, observed or not; HPAR_DISABLE=1 installs nothing."""
+    cmd = [sys.executable, str(SCRIPTS / "exit_code.py"), "3"]
+    proc = hpar_run(tmp_path / "on", cmd)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "exit code 3" in proc.stderr
+    assert list(_summaries(tmp_path / "on")) == [0]
+    off = hpar_run(tmp_path / "off", cmd, HPAR_DISABLE="1")
+    assert off.returncode == 3
+    assert not (tmp_path / "off").exists() or not any((tmp_path / "off").iterdir())
+
+
+def test_sigterm_reaches_the_whole_process_group(tmp_path: Path) -> None:
+    """SIGTERM to ``hpar-agent run`` reaches the child and its own children; status 128 + 15."""
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")  # fmt: skip
+    proc = subprocess.Popen(_run_cmd([sys.executable, "-c", code]), env=_env(tmp_path / "run"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 20
+        while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
+            time.sleep(0.05)
+        grandchild = int(pid_file.read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    deadline = time.time() + 5
+    while _alive(grandchild) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie left to an init that does not reap counts as dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
