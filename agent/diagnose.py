@@ -7,12 +7,15 @@ steps, and with which evidence; ``--all`` runs every mode and prints the README'
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpar_agent.launch import run_trainer
+from hpar_agent.launch import torchrun_cmd
 
 #: injection -> the alert that must fire for it (the trainer's ``--inject`` names).
 EXPECTED: dict[str, str] = {
@@ -47,12 +50,30 @@ NOTES: dict[str, str] = {
     "may name the inject rank too.",
 }
 
-#: 4 CPU ranks, every dimension a failure needs: dp peers, tp peers, compiled blocks.
-LAYOUT = ["--dp", "2", "--tp", "2", "--pp", "1", "--compile", "aot_eager", "--log-every", "10"]
 #: modes that act through a DDP comm hook need DDP rather than the default composable replicate, and
-#: DDP cannot wrap TP's DTensor parameters: 4 dp ranks (a 3-1 majority names the odd rank).
+#: DDP cannot wrap TP's DTensor parameters: every rank in dp (4 ranks: a 3-1 majority names the odd rank).
 NEEDS_DDP = {"dtype-mismatch", "slow-collective"}
-LAYOUT_DDP = ["--dp", "4", "--tp", "1", "--pp", "1", "--dp-mode", "ddp", "--compile", "aot_eager", "--log-every", "10"]
+#: modes that need tp peers (on 2 ranks: tp2 instead of dp2).
+NEEDS_TP = {"tp-grad-skip"}
+COMMON = ["--pp", "1", "--compile", "aot_eager", "--log-every", "10"]
+
+
+def layout(injection: str, nproc: int) -> list[str]:
+    """The default layout of a mode on ``nproc`` ranks: 4 ranks dp2 x tp2 (dp peers, tp peers, compiled
+    blocks), every rank in dp under DDP for the comm-hook modes; on 2 ranks dp2, or tp2 for NEEDS_TP.
+    Trainer flags after ``--`` come later on the command line and win (e.g. ``--device cuda``)."""
+    if injection in NEEDS_DDP:
+        return ["--dp", str(nproc), "--tp", "1", "--dp-mode", "ddp", *COMMON]
+    if nproc >= 4 and nproc % 2 == 0:
+        return ["--dp", str(nproc // 2), "--tp", "2", *COMMON]
+    if injection in NEEDS_TP:
+        return ["--dp", "1", "--tp", str(nproc), *COMMON]
+    return ["--dp", str(nproc), "--tp", "1", *COMMON]
+
+
+#: 4 CPU ranks, every dimension a failure needs: dp peers, tp peers, compiled blocks.
+LAYOUT = layout("", 4)
+LAYOUT_DDP = layout("slow-collective", 4)
 #: steps per mode (default 100): leaks need warm-up plus a 20-step trend, and the cross-rank detectors
 #: compare over the store every 3 s and confirm on a second exchange: about 10 s, which fast steps outrun.
 STEPS = {"hang": 12}
@@ -69,26 +90,39 @@ class Finding:
     exit_code: int = 0
     wall_s: float = 0.0
     inject_step: int = 0
+    #: rank -> unix time the injection became active there (see ``injection_times``)
+    started: dict[int, float] = field(default_factory=dict)
+    timed_out: float = 0.0  # the time limit the run hit, 0 when it ended by itself
+    pgid: int = 0  # the run's process group (killed before diagnose returns)
 
     @property
     def detected(self) -> list[dict[str, Any]]:
         return [f for f in self.fired if f["alert"] == self.expected]
 
+    def seconds_to_detect(self) -> float | None:
+        """From the injection becoming active on the firing rank to its first firing event."""
+        secs = [f["ts"] - self.started[f["rank"]] for f in self.detected if f.get("rank") in self.started and "ts" in f]
+        return max(0.0, min(secs)) if secs else None
+
     def row(self) -> list[str]:
         hits = self.detected
+        timeout = f"timed out after {self.timed_out:.0f} s" if self.timed_out else ""
         if not hits:
-            return [self.injection, self.expected, "not fired", "-", "-", "-", self.others()]
+            fired = f"not fired ({timeout})" if timeout else "not fired"
+            return [self.injection, self.expected, fired, "-", "-", "-", "-", self.others()]
         first = min(hits, key=lambda f: f.get("step", 0))
-        ranks = sorted({f["rank"] for f in hits})
+        ranks = ",".join(map(str, sorted({f["rank"] for f in hits})))
         stages = sorted({f.get("pp_stage", 0) for f in hits})
         steps = max(0, int(first.get("step", 0)) - self.inject_step)
+        secs = self.seconds_to_detect()
         evidence = sorted({evidence_kind(e) for f in hits for e in f.get("evidence", [])})
         return [
             self.injection,
             self.expected,
-            ",".join(map(str, ranks)),
+            f"{ranks} ({timeout})" if timeout else ranks,
             ",".join(map(str, stages)),
             str(steps),
+            "-" if secs is None else f"{secs:.1f}",
             ", ".join(evidence) or "-",
             self.others(),
         ]
@@ -121,6 +155,71 @@ def read_alerts(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def injection_times(run_dir: Path, step: int, from_start: bool) -> dict[int, float]:
+    """rank -> unix time its injection became active, from the trainer's per-rank records
+    (``trainer.rank<R>.json``): the start of ``step``, or for built-in modes the end of step 0 (the
+    compiled graphs, the model and its first update exist from then)."""
+    out = {}
+    for path in run_dir.glob("trainer.rank*.json"):
+        try:
+            data = json.loads(path.read_text())
+            steps = {s["step"]: s for s in data["steps"] if "t0" in s}
+            if from_start and 0 in steps:
+                out[int(data["rank"])] = steps[0]["t0"] + steps[0].get("step_s", 0.0)
+            elif step in steps:
+                out[int(data["rank"])] = steps[step]["t0"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def run_group(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> tuple[int, bool, int]:
+    """Run ``cmd`` in a session of its own, output to ``log_path``; (exit code, timed out, pgid).
+
+    Whatever happens (timeout, Ctrl-C), every process of the group is killed before this returns:
+    torchrun's ranks outlive torchrun when only it is killed."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            kill_group(proc.pid)
+            proc.wait()
+    return proc.returncode, timed_out, proc.pid
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group, from /proc."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields after "(comm)": state, ppid, pgrp
+            pids.append(int(d.name))
+    return pids
+
+
+def kill_group(pgid: int, grace_s: float = 5.0) -> None:
+    """SIGTERM the group, SIGKILL what is left after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not group_alive(pgid):
+                return
+            time.sleep(0.1)
+
+
 def diagnose(
     injection: str,
     run_dir: Path,
@@ -130,28 +229,43 @@ def diagnose(
     extra: list[str] | None = None,
     nproc: int = 4,
 ) -> Finding:
-    """One injected run; ``extra`` trainer flags override the CPU layout (e.g. a GPU layout)."""
+    """One injected run; ``extra`` trainer flags override the mode's layout (e.g. ``--device cuda``).
+
+    Never raises for a failed or stuck run: a run past ``timeout`` is killed (its whole process group)
+    and reported as timed out with whatever fired until then."""
     if injection not in EXPECTED:
         raise ValueError(f"unknown injection {injection!r}; one of: {', '.join(EXPECTED)}")
     run_dir.mkdir(parents=True, exist_ok=True)
     inject_step = 3
     args = [
-        *(LAYOUT_DDP if injection in NEEDS_DDP else LAYOUT),
+        *layout(injection, nproc),
         "--steps", str(steps or STEPS.get(injection, DEFAULT_STEPS)),
         "--inject", injection, "--inject-step", str(inject_step),
         "--out", str(run_dir / "trainer.json"),
         *(extra or []),
     ]  # fmt: skip
-    env = {"HPAR_RUN_DIR": str(run_dir), "HPAR_JOB_ID": run_dir.name, "HPAR_METRICS_PORT": "0"}
+    env = {
+        **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        "HPAR_RUN_DIR": str(run_dir), "HPAR_JOB_ID": run_dir.name, "HPAR_METRICS_PORT": "0",
+    }  # fmt: skip
     t0 = time.time()
-    proc = run_trainer(nproc, args, env=env, timeout=timeout, capture=True)
-    active_from = 0 if injection in FROM_START else inject_step
-    finding = Finding(injection, EXPECTED[injection], read_alerts(run_dir), proc.returncode, time.time() - t0, active_from)
-    (run_dir / "diagnose.log").write_text((proc.stdout or "") + (proc.stderr or ""))
-    return finding
+    code, timed_out, pgid = run_group(torchrun_cmd(nproc, "hpar_trainer", args), env, run_dir / "diagnose.log", timeout)
+    from_start = injection in FROM_START
+    return Finding(
+        injection,
+        EXPECTED[injection],
+        read_alerts(run_dir),
+        code,
+        time.time() - t0,
+        0 if from_start else inject_step,
+        injection_times(run_dir, inject_step, from_start),
+        timeout if timed_out else 0.0,
+        pgid,
+    )
 
 
-HEADERS = ["injection", "expected alert", "fired on rank", "stage", "steps to detect", "evidence", "other alerts"]
+HEADERS = ["injection", "expected alert", "fired on rank", "stage", "steps to detect", "seconds to detect", "evidence",
+           "other alerts"]
 
 
 def markdown(findings: list[Finding]) -> str:

@@ -35,19 +35,27 @@ class CompileDivergence(Detector):
     | param | default | meaning |
     |---|---|---|
     | warmup_steps | 3 | fingerprints are compared once every rank of the stage completed this many steps |
+    | settle_s | 2 | a rank publishes its fingerprint once its compiles were quiet this long |
 
-    Confirmed on two consecutive exchanges (ranks compile at slightly different times). The odd rank(s)
-    are the minority; a 1-1 split flags both. Value: ranks of the stage whose fingerprint differs from ours.
+    A rank publishes its fingerprint only once its compile activity has settled (a rank mid-compile,
+    or a moment after, publishes none), and the exchange carries a newly settled one at the next poll
+    rather than the next 3 s slot. Confirmed on two consecutive exchanges. The odd rank(s) are the
+    minority; a 1-1 split flags both. Value: ranks of the stage whose fingerprint differs from ours.
     """
 
     name = "CompileDivergence"
-    defaults = {"warmup_steps": 3}
+    defaults = {"warmup_steps": 3, "settle_s": 2}
     threshold_param = "warmup_steps"
     cross_rank = True
     confirm = 2
 
+    def settled_fingerprint(self, ctx: DetectorsComponent) -> int | None:
+        if ctx.compile_quiet_s < self.p("settle_s"):
+            return None
+        return src.graph_fingerprint(ctx.agent)
+
     def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
-        fp = src.graph_fingerprint(ctx.agent)
+        fp = self.settled_fingerprint(ctx)
         return {} if fp is None else {"fp": fp}
 
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
