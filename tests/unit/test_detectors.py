@@ -641,3 +641,46 @@ def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: A
     assert ranks[0][1].states["CollectiveMismatch"].details["mismatched"][0]["seq"] == 7
     assert [sample(d, "hpar_alert_active", "Straggler") for _, d in ranks] == [0.0, 0.0, 1.0]
     assert sample(ranks[2][1], "hpar_detector_value", "Straggler") > 0.1
+
+
+def test_straggler_ignores_a_late_ranks_compile_warmup(store: Any, tmp_path: Any) -> None:
+    # The clean dp2 x pp2 run with rank 1 starting 10 s late: it still compiled through its step 3, so
+    # in steps 3-8 its peers waited for it (lag ratio 0.67 over 11 collectives) and Straggler fired.
+    # Its collectives count once its own compiles have been quiet 3 steps; a lag that persists then fires.
+    t0 = time.time()
+    ranks = []
+    for r in range(2):
+        entries: deque = deque(maxlen=512)
+        comp = Fake("compile", compiles=Counter(), _open={}, compile_seconds=0.0, graphs=set())
+        st = steps(4)
+        agent, det = make_agent(tmp_path, rank=r, world=2, comps=(st, comp, Fake("collectives", recent_entries=entries)),
+                                exchange=Exchange(store, "job", r), coords={"dp": r, "dpn": 2},
+                                **{"detectors.exchange_s": 0.0})  # fmt: skip
+        agent.config.evidence = False
+        ranks.append((agent, det, entries, comp, st))
+
+    def ops(first: int, n: int, start: float, late_s: float) -> None:
+        for i in range(first, first + n):  # 4 all-reduces per 0.3 s step, rank 1 late by late_s
+            t = start + (i - first) // 4 * 0.3 + (i % 4) * 0.001
+            for r, (*_, entries, _comp, _st) in enumerate(ranks):
+                entries.append({"pg": "dp", "seq": i, "op": "all_reduce", "is_p2p": False, "input_sizes": [[4]],
+                                "input_dtypes": ["Float"], "time": t + (late_s if r == 1 else 0.0), "record_id": i})
+
+    ranks[1][3].compiles[("ok", "x")] += 1  # rank 1 compiles at its step 4
+    for *_, st in ranks:
+        st.total = 4
+    ops(0, 40, t0, 0.2)
+    for _ in range(3):
+        for agent, *_ in ranks:
+            agent.tick()
+    assert not ranks[1][1].warmed_up(3, 10)
+    assert [d.states["Straggler"].fired for _a, d, *_ in ranks] == [0, 0]
+    for *_, st in ranks:  # compiles quiet for 4 steps; the lag goes on: rank 1 is a straggler now
+        st.total = 8
+    for agent, *_ in ranks:
+        agent.tick()
+    ops(40, 40, time.time(), 0.2)
+    for _ in range(3):
+        for agent, *_ in ranks:
+            agent.tick()
+    assert [d.states["Straggler"].active for _a, d, *_ in ranks] == [False, True]
