@@ -34,11 +34,11 @@ EXPECTED: dict[str, str] = {
 }
 #: what the matrix says under the table for modes whose CPU result needs a word.
 NOTES: dict[str, str] = {
-    "slow-collective": "dp4 x tp1 with DDP. gloo's flight recorder has no collective durations, so "
-    "CollectiveLatencyHigh cannot judge the dp all-reduce on CPU; the rank that arrives late is named by "
-    "arrival skew (Straggler). CollectiveLatencyHigh judges timed ops: NCCL with TORCH_NCCL_ENABLE_TIMING=1 "
-    "(there the waiting peers' all-reduces are the slow ones; not part of this CPU matrix) and pipelining p2p.",
-    "dtype-mismatch": "dp4 x tp1 with DDP (DDP cannot wrap TP's DTensor parameters): the inject rank reduces "
+    "slow-collective": "every rank in dp with DDP. The inject rank arrives late at every dp all-reduce: "
+    "arrival skew names it (Straggler). CollectiveLatencyHigh judges the transfer (a timed op's duration less "
+    "the wait for the last member to arrive), so the peers' long waits do not raise it; gloo records no "
+    "collective durations anyway.",
+    "dtype-mismatch": "every rank in dp with DDP (DDP cannot wrap TP's DTensor parameters): the inject rank reduces "
     "in bf16 padded to the fp32 byte size, so gloo completes and the gradients are silently corrupted "
     "(loss NaN); the flight recorder shows its BFloat16 entry against its peers' Float.",
     "hang": "every rank is stuck, so Hang fires on all four at 80% of the 20 s pg timeout, before gloo "
@@ -46,8 +46,8 @@ NOTES: dict[str, str] = {
     "ddp-nesting": "all ranks train the detached block unsynchronised: every dp pair drifts (a 1-1 split "
     "names both ranks).",
     "tp-grad-skip": "all ranks skip the sync: every tp pair drifts (a 1-1 split names both ranks).",
-    "compile-leak": "the leaked callables are compiled graphs its peers never compile, so CompileDivergence "
-    "may name the inject rank too.",
+    "compile-leak": "the leaked callables are compiled graphs its peers never compile; the inject rank "
+    "compiles every step, so its fingerprint never settles and CompileDivergence stays silent.",
 }
 
 #: modes that act through a DDP comm hook need DDP rather than the default composable replicate, and
@@ -93,7 +93,7 @@ class Finding:
     #: rank -> unix time the injection became active there (see ``injection_times``)
     started: dict[int, float] = field(default_factory=dict)
     timed_out: float = 0.0  # the time limit the run hit, 0 when it ended by itself
-    pgid: int = 0  # the run's process group (killed before diagnose returns)
+    token: str = ""  # the run's token (RUN_TAG): every process carrying it is killed before diagnose returns
 
     @property
     def detected(self) -> list[dict[str, Any]]:
@@ -173,49 +173,63 @@ def injection_times(run_dir: Path, step: int, from_start: bool) -> dict[int, flo
     return out
 
 
-def run_group(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> tuple[int, bool, int]:
-    """Run ``cmd`` in a session of its own, output to ``log_path``; (exit code, timed out, pgid).
+#: every process a diagnose run starts inherits this variable (with the run's token): torchrun starts
+#: each rank in a session of its own, so killing torchrun's process group alone leaves the ranks running.
+RUN_TAG = "HPAR_DIAGNOSE_RUN"
 
-    Whatever happens (timeout, Ctrl-C), every process of the group is killed before this returns:
-    torchrun's ranks outlive torchrun when only it is killed."""
+
+def run_group(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> tuple[int, bool, str]:
+    """Run ``cmd`` in a session of its own, output to ``log_path``; (exit code, timed out, run token).
+
+    Whatever happens (timeout, Ctrl-C), every process the run started is killed before this returns:
+    its process group, and every process that carries the run's token in its environment (ranks that
+    torchrun put in sessions of their own, and their children)."""
+    token = f"{os.getpid()}-{time.time_ns()}"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env={**env, RUN_TAG: token}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         timed_out = False
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            kill_group(proc.pid)
+            kill_run(token, proc.pid)
             proc.wait()
-    return proc.returncode, timed_out, proc.pid
+    return proc.returncode, timed_out, token
 
 
-def group_alive(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group, from /proc."""
+def tagged(token: str) -> list[int]:
+    """Live processes whose environment carries ``RUN_TAG=token`` (zombies have an empty environment)."""
+    needle = f"{RUN_TAG}={token}".encode()
     pids = []
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
             continue
         try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                pids.append(int(d.name))
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":  # fields after "(comm)": state, ppid, pgrp
-            pids.append(int(d.name))
     return pids
 
 
-def kill_group(pgid: int, grace_s: float = 5.0) -> None:
-    """SIGTERM the group, SIGKILL what is left after ``grace_s``."""
+def kill_run(token: str, pgid: int, grace_s: float = 5.0) -> None:
+    """SIGTERM the run's process group and every tagged process, SIGKILL what is left after ``grace_s``."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
-            return
+            pass
+        for pid in tagged(token):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            if not group_alive(pgid):
+            if not tagged(token):
                 return
             time.sleep(0.1)
 
@@ -249,7 +263,7 @@ def diagnose(
         "HPAR_RUN_DIR": str(run_dir), "HPAR_JOB_ID": run_dir.name, "HPAR_METRICS_PORT": "0",
     }  # fmt: skip
     t0 = time.time()
-    code, timed_out, pgid = run_group(torchrun_cmd(nproc, "hpar_trainer", args), env, run_dir / "diagnose.log", timeout)
+    code, timed_out, token = run_group(torchrun_cmd(nproc, "hpar_trainer", args), env, run_dir / "diagnose.log", timeout)
     from_start = injection in FROM_START
     return Finding(
         injection,
@@ -260,7 +274,7 @@ def diagnose(
         0 if from_start else inject_step,
         injection_times(run_dir, inject_step, from_start),
         timeout if timed_out else 0.0,
-        pgid,
+        token,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpar_agent import cli
-from hpar_agent.diagnose import Finding, diagnose, group_alive, kill_group, layout, markdown
+from hpar_agent.diagnose import Finding, diagnose, layout, markdown, run_group, tagged
 
 
 def test_a_mode_past_its_timeout_becomes_a_row_and_leaves_no_process(tmp_path: Path) -> None:
@@ -22,19 +23,20 @@ def test_a_mode_past_its_timeout_becomes_a_row_and_leaves_no_process(tmp_path: P
     row = finding.row()
     assert row[0] == "hang" and "timed out after 5 s" in row[2], row
     assert "timed out after 5 s" in markdown([finding])
-    assert finding.pgid > 0 and group_alive(finding.pgid) == []
+    assert finding.token and tagged(finding.token) == []
 
 
-def test_kill_group_ends_grandchildren() -> None:
-    # a parent that ignores SIGTERM and a grandchild: both must be gone
-    code = "import os,signal,subprocess,sys,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
-           "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
-    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-    time.sleep(1.0)
-    assert len(group_alive(proc.pid)) == 2
-    kill_group(proc.pid, grace_s=0.5)
-    proc.wait(5)
-    assert group_alive(proc.pid) == []
+def test_a_timed_out_run_leaves_no_process_in_any_session(tmp_path: Path) -> None:
+    # like torchrun: a parent that ignores SIGTERM starts a child in a session of its own
+    code = ("import signal,subprocess,sys,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+            "time.sleep(60)")  # fmt: skip
+    t0 = time.monotonic()
+    _code, timed_out, token = run_group([sys.executable, "-c", code], dict(os.environ), tmp_path / "log", 2.0)
+    assert timed_out and time.monotonic() - t0 < 20
+    assert tagged(token) == []
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert "import time; time.sleep(60)" not in out.replace(code, "")
 
 
 def test_a_bad_injection_name_is_refused_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
