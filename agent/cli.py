@@ -69,6 +69,11 @@ def _diagnose(args: argparse.Namespace) -> int:
     if not modes:
         print("hpar-agent diagnose: error: give --inject NAME (repeatable) or --all", file=sys.stderr)
         return 2
+    unknown = [m for m in modes if m not in EXPECTED]
+    if unknown:  # refused before any run starts
+        print(f"hpar-agent diagnose: error: unknown injection {', '.join(unknown)}; one of: {', '.join(EXPECTED)}",
+              file=sys.stderr)
+        return 2
     base = Path(args.run_dir or f"hpar-runs/diagnose-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     findings = []
     for mode in modes:
@@ -76,12 +81,15 @@ def _diagnose(args: argparse.Namespace) -> int:
         finding = diagnose(
             mode, base / mode, steps=args.steps, timeout=args.timeout, extra=args.trainer_args, nproc=args.nproc
         )
-        print(f"  exit {finding.exit_code} after {finding.wall_s:.0f} s; fired: "
+        ended = f"timed out after {finding.timed_out:.0f} s" if finding.timed_out else f"exit {finding.exit_code}"
+        print(f"  {ended} after {finding.wall_s:.0f} s; fired: "
               f"{sorted({(f['alert'], f['rank']) for f in finding.fired}) or 'nothing'}", flush=True)
         findings.append(finding)
     import torch
 
-    print(f"\nfault matrix ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, 4 CPU ranks dp2 x tp2, aot_eager):\n")
+    extra = f", extra flags: {' '.join(args.trainer_args)}" if args.trainer_args else ""
+    print(f"\nfault matrix ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {args.nproc} ranks, "
+          f"default layout per mode{extra}):\n")
     print(markdown(findings))
     return 0 if all(f.detected for f in findings) else 1
 

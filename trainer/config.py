@@ -105,6 +105,10 @@ class TrainConfig:
     """Step before which rank 0 makes a checkpoint-like pause, the others waiting for it (-1: never)."""
     pause_seconds: float = 0.0
     """Length of that pause in seconds (every rank stages a copy of its parameters)."""
+    start_delay_rank: int = -1
+    """Rank that starts training --start-delay seconds after the others (-1: none)."""
+    start_delay: float = 0.0
+    """Seconds that rank sleeps after setup, before its first step (its peers wait in step 0's collectives)."""
     out: str | None = None
     """JSON summary path (rank 0); every rank also writes <stem>.rank<r>.json."""
 
@@ -146,6 +150,8 @@ class TrainConfig:
             raise ValueError("--inject ddp-nesting needs --dp >= 2")
         if self.pause_seconds < 0:
             raise ValueError("--pause-seconds must be >= 0")
+        if self.start_delay < 0:
+            raise ValueError("--start-delay must be >= 0")
         if "tp-grad-skip" in self.inject and self.tp < 2:
             raise ValueError("--inject tp-grad-skip needs --tp >= 2")
 
@@ -165,6 +171,8 @@ class TrainConfig:
                              f"but WORLD_SIZE is {world_size}")
         if "hang" in self.inject and world_size < 2:
             raise ValueError("--inject hang needs at least 2 ranks")
+        if self.start_delay_rank >= world_size:
+            raise ValueError(f"--start-delay-rank {self.start_delay_rank} is outside 0..{world_size - 1}")
         if self.inject and not -world_size <= self.inject_rank < world_size:
             raise ValueError(f"--inject-rank {self.inject_rank} is outside 0..{world_size - 1}")
 
@@ -217,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--pause-at", type=int, default=-1, metavar="STEP",
         help="before STEP rank 0 pauses like a checkpoint save while the others wait for it (default -1: never)")
     add("--pause-seconds", type=float, default=0.0, metavar="S", help="length of the --pause-at pause")
+    add("--start-delay-rank", type=int, default=-1, metavar="RANK",
+        help="this rank starts training --start-delay s after the others (default -1: none)")
+    add("--start-delay", type=float, default=0.0, metavar="S", help="how late --start-delay-rank starts")
     add("--out", default=None, help="JSON summary written by rank 0 (plus <stem>.rank<r>.json per rank)")
     return p
 

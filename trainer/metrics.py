@@ -57,7 +57,7 @@ class RankRecorder:
             self._fwd_t0 = None
 
     def begin_step(self, step: int) -> None:
-        self.current = {"step": step, "fwd_s": 0.0}
+        self.current = {"step": step, "fwd_s": 0.0, "t0": time.time()}  # t0: when diagnose counts from
 
     def end_step(self, step_s: float, loss: float | None) -> None:
         self.current.update(step_s=step_s, loss=loss, rss_mb=rss_mb(), leaked_bytes=self.data["leaked_bytes"])

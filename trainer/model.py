@@ -43,8 +43,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (z.reshape(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        # Contiguous (b, h, t, d) into SDPA: aot_eager traces the backward with SDPA's meta strides, and
+        # for fp32 on CUDA (the memory-efficient kernel) those of transposed inputs differed from the
+        # real gradients', so a view in the traced backward failed ("view size is not compatible").
+        q, k, v = self.q_norm(q).contiguous(), self.k_norm(k).contiguous(), v.contiguous()
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 

@@ -34,6 +34,37 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
+#: NCCL settings that make a hung collective end the job (set unless the environment already has them).
+NCCL_TEARDOWN = {
+    # 3 = on a timed-out or failed collective the watchdog takes the process down without aborting the
+    # communicator: ncclCommAbort can itself hang while kernels of the stuck collective spin on the GPU.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    # wait() stays non-blocking: with blocking wait a timeout raises only in a thread that waits, and
+    # DDP/replicate bucket all-reduces are waited inside autograd, where no error reaches the loop; the
+    # watchdog sees every Work against its timeout either way.
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+    # keep the flight-recorder dump of a timeout, but bound how long the watchdog waits for it
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "5000",
+    # the heartbeat monitor ends a process whose watchdog is itself stuck (e.g. in a CUDA call while
+    # handling the timeout): after 20 s, not the default 8 minutes
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "20",
+}
+
+
+def configure_nccl_teardown(inject: bool) -> None:
+    """Before init_process_group (ProcessGroupNCCL reads these once, when it is created): a hang ends
+    within the pg timeout plus the dump wait, on every rank. The pg timeout itself reaches every group
+    (apply_pg_timeout). Injected runs also write no core file: a CUDA process's core can take minutes."""
+    for key, value in NCCL_TEARDOWN.items():
+        os.environ.setdefault(key, value)
+    if inject:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+
+
 def init_distributed(cfg: TrainConfig) -> torch.device:
     """Start the process group (torchrun env://, or a one-rank group for a plain process)."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
@@ -42,6 +73,7 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device, backend = torch.device("cuda", local), "nccl"
+        configure_nccl_teardown(bool(cfg.inject))
     else:
         torch.set_num_threads(1)  # ranks share the cores; more threads make TP blocks much slower
         device, backend = torch.device("cpu"), "gloo"
@@ -175,6 +207,9 @@ class Trainer:
 
     def run(self) -> list[float | None]:
         losses: list[float | None] = []
+        if self.rank == self.cfg.start_delay_rank and self.cfg.start_delay > 0:
+            log.info("rank %d: starting %.1fs late", self.rank, self.cfg.start_delay)
+            time.sleep(self.cfg.start_delay)  # a slow start (data, a late node): the peers wait in step 0
         for step in range(self.cfg.steps):
             self.rec.begin_step(step)
             self.injector.before_step(step, self.parts)

@@ -186,6 +186,8 @@ class CollectiveCollector(Component):
         self.oldest_age: dict[str, float] = {}
         self.last_completed: dict[str, int] = {}
         self.timed = 0
+        #: the last timed ops (pg, op, seq, enqueue ns, seconds): CollectiveLatencyHigh nets out arrival skew
+        self.timed_ops: deque[tuple[str, str, int, int, float]] = deque(maxlen=recent)
         self.recorders: list[str] = []
         self._cursor: dict[str, int] = {}  # recorder -> next record_id to read
         self._status: dict[str, Any] = {}  # recorder -> pg_status at the last full dump
@@ -619,6 +621,7 @@ class CollectiveCollector(Component):
         exemplar = trace_id_hex(agent.topology.job_id, step) if every > 0 and step % every == 0 else None
         hist = self.hists.setdefault((item.pg, item.op, item.stream), Histogram(LATENCY_BUCKETS))
         hist.observe(seconds, exemplar, (start_ns + seconds * 1e9) / 1e9)
+        self.timed_ops.append((item.pg, item.op, item.seq, start_ns, seconds))
         self.timed += 1
         bw = busbw(item.op, item.data_bytes, seconds, item.size)
         if bw is not None:

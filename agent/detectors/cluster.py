@@ -35,19 +35,27 @@ class CompileDivergence(Detector):
     | param | default | meaning |
     |---|---|---|
     | warmup_steps | 3 | fingerprints are compared once every rank of the stage completed this many steps |
+    | settle_s | 2 | a rank publishes its fingerprint once its compiles were quiet this long |
 
-    Confirmed on two consecutive exchanges (ranks compile at slightly different times). The odd rank(s)
-    are the minority; a 1-1 split flags both. Value: ranks of the stage whose fingerprint differs from ours.
+    A rank publishes its fingerprint only once its compile activity has settled (a rank mid-compile,
+    or a moment after, publishes none), and the exchange carries a newly settled one at the next poll
+    rather than the next 3 s slot. Confirmed on two consecutive exchanges. The odd rank(s) are the
+    minority; a 1-1 split flags both. Value: ranks of the stage whose fingerprint differs from ours.
     """
 
     name = "CompileDivergence"
-    defaults = {"warmup_steps": 3}
+    defaults = {"warmup_steps": 3, "settle_s": 2}
     threshold_param = "warmup_steps"
     cross_rank = True
     confirm = 2
 
+    def settled_fingerprint(self, ctx: DetectorsComponent) -> int | None:
+        if ctx.compile_quiet_s < self.p("settle_s"):
+            return None
+        return src.graph_fingerprint(ctx.agent)
+
     def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
-        fp = src.graph_fingerprint(ctx.agent)
+        fp = self.settled_fingerprint(ctx)
         return {} if fp is None else {"fp": fp}
 
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
@@ -300,6 +308,8 @@ class Straggler(Detector):
     | max_lag_ratio | 0.25 | fire when others wait for this rank more than this share of wall time (net, in both halves of the window; a 1.5x slower rank scores ~0.33) |
     | min_collectives | 8 | common collectives in the window before judging |
     | warmup_steps | 3 | collectives enqueued before this rank completed this many steps (compiles) are not judged |
+    | quiet_steps | 3 | ... nor before this rank's compiles were quiet this many steps (ranks compile at different speeds) |
+    | max_busy_steps | 10 | compiles going on for more steps than this are steady state, not warm-up |
     | min_window_steps | 3 | the judged collectives must span this many median step times (persistence, not one step) |
 
     Confirmed on two consecutive exchanges. Value: this rank's lag ratio. Clock skew between hosts
@@ -307,7 +317,8 @@ class Straggler(Detector):
     """
 
     name = "Straggler"
-    defaults = {"max_lag_ratio": 0.25, "min_collectives": 8, "warmup_steps": 3, "min_window_steps": 3}
+    defaults = {"max_lag_ratio": 0.25, "min_collectives": 8, "warmup_steps": 3, "min_window_steps": 3, "quiet_steps": 3,
+                "max_busy_steps": 10}  # fmt: skip
     threshold_param = "max_lag_ratio"
     cross_rank = True
     confirm = 2
@@ -323,9 +334,12 @@ class Straggler(Detector):
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
         if not ctx.peers_fresh or ctx.steps_done < self.p("warmup_steps"):
             return None
+        if not ctx.warmed_up(int(self.p("quiet_steps")), int(self.p("max_busy_steps"))):
+            return None  # ranks compiling at different speeds (a rank that started late still compiles)
         fr, sizes = _peer_fr(ctx)
-        if self.warm_ns is not None:
-            fr = {r: [e for e in entries if e[5] >= self.warm_ns] for r, entries in fr.items()}
+        since = max(self.warm_ns or 0, int(ctx.compile_last_ts * 1e9))
+        if since:
+            fr = {r: [e for e in entries if e[5] >= since] for r, entries in fr.items()}
         if ctx.rank not in fr or len(fr) < 2:
             return None
         common = sig.common_collectives(fr, sizes)

@@ -20,6 +20,7 @@ from prometheus_client.core import Metric
 from hpar_agent import catalogue as cat
 from hpar_agent.component import Component
 from hpar_agent.crossrank import Exchange, open_store
+from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector
 from hpar_agent.detectors.cluster import CollectiveMismatch, CompileDivergence, ReplicaDivergence, Straggler
 from hpar_agent.detectors.local import CollectiveLatencyHigh, GraphBreaks, Hang, MemoryLeak, RecompileStorm
@@ -53,8 +54,13 @@ class DetectorsComponent(Component):
     """Runs last in poll order, after the collectors whose state it reads.
 
     Defaults of the component itself (``AgentConfig.thresholds``): ``detectors.exchange_s`` = 3 (seconds
-    between store exchanges), ``detectors.log_interval_s`` = 60 (one log line per alert per interval),
-    ``detectors.stale_s`` = 30 (peer payloads older than this are ignored).
+    between store exchanges), ``detectors.exchange_min_s`` = 1 (an exchange comes this soon after the
+    last one when something changed: see ``_due``), ``detectors.log_interval_s`` = 60 (one log line per
+    alert per interval), ``detectors.stale_s`` = 30 (peer payloads older than this are ignored).
+
+    Compile activity (any compile started, ended or added a graph) is tracked here once for the
+    detectors that must not judge compile warm-up: ``compile_quiet_s`` / ``compile_quiet_steps`` say
+    how long it has been quiet, ``compile_busy_steps`` how many steps the current busy stretch lasted.
     """
 
     name = "detectors"
@@ -78,14 +84,23 @@ class DetectorsComponent(Component):
         self._span_events: list[tuple[str, int, dict[str, Any]]] = []
         self._store_tried = exchange is not None
         self.exchange_s = 3.0
+        self.exchange_min_s = 1.0
         self.log_interval_s = 60.0
         self.stale_s = 30.0
+        self._token: tuple[Any, ...] = ()  # what the last publish was built from (see _change_token)
+        self._followup = False
+        self._compile_token: tuple[float, ...] | None = None
+        self.compile_last_ts = 0.0  # agent-thread time compile activity was last seen (0: never)
+        self.compile_last_step = 0
+        self.compile_busy_since = 0  # first step of the current stretch of polls that saw compile work
+        self._compile_busy = False
 
     # ------------------------------------------------------------------------------------ lifecycle
     def install(self, agent: Any) -> None:
         super().install(agent)
         th = dict(agent.config.thresholds)
         self.exchange_s = float(th.get("detectors.exchange_s", 3.0))
+        self.exchange_min_s = min(self.exchange_s, float(th.get("detectors.exchange_min_s", 1.0)))
         self.log_interval_s = float(th.get("detectors.log_interval_s", 60.0))
         self.stale_s = float(th.get("detectors.stale_s", 30.0))
         self.detectors = [cls(th) for cls in ALL_DETECTORS]
@@ -118,8 +133,11 @@ class DetectorsComponent(Component):
         agent = self.agent
         assert agent is not None
         self.peers_fresh = False
-        if self.now - self._last_exchange < self.exchange_s:
+        token = self._change_token()
+        if not self._due(token):
             return
+        self._followup = token != self._token
+        self._token = token
         self._last_exchange = self.now
         if self.exchange is None and not self._store_tried:
             self._store_tried = True
@@ -140,6 +158,66 @@ class DetectorsComponent(Component):
         self.exchange.publish(payload)
         self.peers = self.exchange.read(self._peer_ranks(), max_age_s=self.stale_s)
         self.peers_fresh = True
+
+    def _change_token(self) -> tuple[Any, ...]:
+        """What a publish would carry that peers act on at once: new flight-recorder entries, a settled
+        graph fingerprint, and this rank reaching the detectors' warm-up step (3). Checksums (every 10
+        steps: every poll on fast steps) keep the regular cadence."""
+        agent = self.agent
+        assert agent is not None
+        cd = self.detector(CompileDivergence)
+        fp = cd.settled_fingerprint(self) if cd is not None else None
+        return (src.fr_mark(agent), fp, min(self.steps_done, 3))
+
+    def _due(self, token: tuple[Any, ...]) -> bool:
+        """Every ``exchange_s``; after ``exchange_min_s`` already when the payload changed (then once
+        more, to read the peers that published the same change in the same poll) or while a
+        cross-rank alert waits for its confirmation. All ranks read the flight recorder at the same
+        wall-clock slots, so a change reaches every peer's verdict about one poll after it is read."""
+        since = self.now - self._last_exchange
+        if since >= self.exchange_s:
+            return True
+        if since < self.exchange_min_s:
+            return False
+        confirming = any(
+            d.cross_rank and self.states[d.name].streak > 0 and not self.states[d.name].active for d in self.detectors
+        )
+        return confirming or self._followup or token != self._token
+
+    def _track_compiles(self) -> None:
+        token = src.compile_activity(self.agent)  # type: ignore[arg-type]
+        if token is None:
+            self._compile_busy = False
+            return
+        prev = self._compile_token
+        busy = token[-1] > 0 or (token != prev if prev is not None else any(token))
+        self._compile_token = token
+        if busy:
+            if not self._compile_busy:
+                self.compile_busy_since = self.steps_done
+            self.compile_last_ts = self.now
+            self.compile_last_step = self.steps_done
+        self._compile_busy = busy
+
+    @property
+    def compile_quiet_s(self) -> float:
+        """Seconds since compile activity was last seen (inf when never)."""
+        return self.now - self.compile_last_ts if self.compile_last_ts else float("inf")
+
+    @property
+    def compile_quiet_steps(self) -> int:
+        return self.steps_done - self.compile_last_step
+
+    @property
+    def compile_busy_steps(self) -> int:
+        """Steps the current stretch of compile activity has lasted (0 when quiet): warm-up compiles
+        last a few steps, a leak or storm that compiles every step lasts as long as it runs."""
+        return self.steps_done - self.compile_busy_since if self._compile_busy else 0
+
+    def warmed_up(self, quiet_steps: int, max_busy_steps: int) -> bool:
+        """Past compile warm-up: compiles quiet for ``quiet_steps`` steps, or compiling steadily for more
+        than ``max_busy_steps`` steps (that is the job's steady state, not a warm-up)."""
+        return self.compile_quiet_steps >= quiet_steps or self.compile_busy_steps > max_busy_steps
 
     def _peer_ranks(self) -> list[int]:
         """Ranks sharing this rank's pp coordinate when the mesh says which (the only ones any
@@ -163,6 +241,10 @@ class DetectorsComponent(Component):
             return
         self.now = now
         self.steps_done, self.last_step_ts, self.step_durations = step_state(agent)
+        try:
+            self._track_compiles()
+        except Exception as exc:
+            agent.record_error(self.name, exc)
         try:
             self._exchange()
         except Exception as exc:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
+from hpar_agent.detectors.cluster import _peer_fr
 
 if TYPE_CHECKING:
     from hpar_agent.detectors.component import DetectorsComponent
@@ -121,31 +122,43 @@ class MemoryLeak(Detector):
     | param | default | meaning |
     |---|---|---|
     | warmup_steps | 5 | samples before this step are ignored (allocator and caches filling) |
-    | window | 20 | post-step samples in the trend window |
+    | quiet_steps | 3 | ... and samples before compiles have been quiet this many steps (compile caches, loaded kernels) |
+    | max_busy_steps | 10 | compiles going on for more steps than this are the job's steady state (a leak of compiled graphs), not warm-up |
+    | window | 12 | post-step samples in the trend window |
     | min_slope_bytes | 1048576 | Theil-Sen slope (bytes/step) that counts as growth (1 MiB) |
-    | min_increase_fraction | 0.2 | fraction of steps that must rise (stair-steps; one jump is not a leak) |
+    | min_increase_fraction | 0.15 | fraction of steps that must rise (stair-steps; one jump is not a leak) |
 
-    Per source (allocator, nvml, rss); the worst source fires. Value: slope in bytes/step. An allocator
-    that grows to a plateau fails the "second half still rising" test; see ``signals.leak_signal``.
+    Per source (allocator, reserved, nvml, rss); the worst source fires. Value: slope in bytes/step. Growth must
+    go on across the whole window (``signals.leak_signal``): an allocator or RSS that grows through
+    warm-up and flattens fails, a stair-step leak passes. Detection: about ``quiet_steps + window`` steps
+    after the first compiles (a 4 MiB/step leak from step 3 fires near step 16).
     On CUDA the allocator's history recording starts when a leak is first suspected (slope above
     threshold), so the snapshot taken at confirmation has allocation stacks.
     """
 
     name = "MemoryLeak"
-    defaults = {"warmup_steps": 5, "window": 20, "min_slope_bytes": MiB, "min_increase_fraction": 0.2}
+    defaults = {"warmup_steps": 5, "quiet_steps": 3, "max_busy_steps": 10, "window": 12, "min_slope_bytes": MiB,
+                "min_increase_fraction": 0.15}  # fmt: skip
     threshold_param = "min_slope_bytes"
     evidence = ("pyspy", "allocator")
     clear = 3
+
+    def __init__(self, thresholds: dict[str, float] | None = None) -> None:
+        super().__init__(thresholds)
+        self.start = 0  # first step of the trend: after warm-up and after the compiles of warm-up
 
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
         series = src.memory_series(ctx.agent)
         if not series:
             return None
+        if ctx.compile_busy_steps <= self.p("max_busy_steps"):
+            self.start = max(self.start, ctx.compile_last_step + int(self.p("quiet_steps")))
+        start = max(int(self.p("warmup_steps")), self.start)
         worst: tuple[float, bool, str] = (-math.inf, False, "")
         for source, samples in series.items():
             slope, leaking = sig.leak_signal(
                 samples,
-                warmup_steps=int(self.p("warmup_steps")),
+                warmup_steps=start,
                 window=int(self.p("window")),
                 min_slope=self.p("min_slope_bytes"),
                 min_increase_fraction=self.p("min_increase_fraction"),
@@ -158,11 +171,11 @@ class MemoryLeak(Detector):
                 ctx.evidence.start_memory_history()  # suspected: record stacks for the confirmation
             elif not leaking:
                 ctx.evidence.stop_memory_history()  # cleared: recording costs every allocation
-        return Verdict(leaking, slope if math.isfinite(slope) else 0.0, {"source": source})
+        return Verdict(leaking, slope if math.isfinite(slope) else 0.0, {"source": source, "trend_from_step": start})
 
 
 class CollectiveLatencyHigh(Detector):
-    """Slow links or long tails: a (pg, op)'s p99 over the recent window above its SLO.
+    """Slow links or long tails: a (pg, op)'s p99 transfer time over the recent window above its SLO.
 
     | param | default | meaning |
     |---|---|---|
@@ -170,39 +183,90 @@ class CollectiveLatencyHigh(Detector):
     | slo_s.<op> | - | SLO of another op, e.g. ``CollectiveLatencyHigh.slo_s.all_gather``; ops without one
       are not judged: a p2p recv's time includes waiting for the peer's compute, not only the link |
     | window_s | 60 | window of the p99, seconds |
-    | min_count | 20 | ops in the window before the p99 is judged |
+    | min_count | 20 | judged ops in the window before the p99 is judged |
+    | quiet_steps | 3 | ops enqueued before compiles have been quiet this many steps are not judged |
+    | max_busy_steps | 10 | compiles going on for more steps than this are steady state, not warm-up |
+    | match_s | 30 | an op whose peers' entries did not arrive within this is dropped unjudged |
 
-    Value: p99 in seconds of the (pg, op) furthest above its SLO (bucket upper bound, as histogram_quantile).
+    Judges the transfer, not the wait for a late peer: a timed op's duration (NCCL starts timing when
+    the kernel starts, and the kernel waits for every member) includes the time until the last member
+    enqueued. Each op of a group with peers is matched with the peers' flight-recorder entries of the
+    same (pg, seq) from the cross-rank exchange, and its arrival skew (last member's enqueue time minus
+    ours) is subtracted (``signals.net_of_skew``): what remains is what the last-arriving rank timed.
+    Ops no peer entry matched are not judged; ops of a single-rank job are judged as timed. A rank
+    late to every collective is a Straggler, not a slow link. Compile warm-up (ranks compiling at
+    different speeds) is skipped. Value: the p99 in seconds of the (pg, op) furthest above its SLO.
     """
 
     name = "CollectiveLatencyHigh"
-    defaults = {"slo_s": 0.085, "window_s": 60, "min_count": 20}
+    defaults = {"slo_s": 0.085, "window_s": 60, "min_count": 20, "quiet_steps": 3, "max_busy_steps": 10,
+                "match_s": 30}  # fmt: skip
     threshold_param = "slo_s"
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         super().__init__(thresholds)
-        self.snaps: dict[tuple[str, str], deque[tuple[float, list[int]]]] = {}
+        self.seen = 0  # ops timed so far that were read
+        self.pending: deque[tuple[str, str, int, int, float, float]] = deque(maxlen=8192)  # + time read
+        self.judged: dict[tuple[str, str], deque[tuple[float, float]]] = {}  # (pg, op) -> (time, net seconds)
+        self.open_ns = 0  # ops enqueued before this (epoch ns) are warm-up: 0 while warming up
+
+    def _slo(self, op: str) -> float | None:
+        return self.params.get(f"slo_s.{op}", self.p("slo_s") if op == "all_reduce" else None)
+
+    def _read(self, ctx: DetectorsComponent) -> None:
+        total, ops = src.timed_ops(ctx.agent)
+        new = min(total - self.seen, len(ops))
+        self.seen = total
+        warm = ctx.warmed_up(int(self.p("quiet_steps")), int(self.p("max_busy_steps")))
+        if not warm:
+            self.open_ns = 0
+        elif not self.open_ns:
+            self.open_ns = int(ctx.now * 1e9)
+        for pg, op, seq, created, seconds in ops[len(ops) - new :] if new > 0 else ():
+            if self.open_ns and created >= self.open_ns and self._slo(op) is not None:
+                self.pending.append((pg, op, seq, created, seconds, ctx.now))
+
+    def _match(self, ctx: DetectorsComponent) -> None:
+        """Move pending ops to the window, net of skew, once the peers' entries show every arrival."""
+        single = ctx.agent.topology.world_size <= 1
+        arrivals: dict[tuple[str, int], list[int]] = {}
+        if not single and ctx.peers_fresh:
+            fr, sizes = _peer_fr(ctx)
+            for key, by_rank in sig.common_collectives(fr, sizes).items():
+                arrivals[key] = [e[5] for e in by_rank.values()]
+        keep: deque[tuple[str, str, int, int, float, float]] = deque(maxlen=self.pending.maxlen)
+        for item in self.pending:
+            pg, op, seq, created, seconds, t_read = item
+            if single or seq < 0:  # p2p: no (pg, seq) to match; judged as timed where it has an SLO
+                net = seconds
+            elif (src.group_key(ctx.agent, pg), seq) in arrivals:
+                net = sig.net_of_skew(seconds, created, arrivals[(src.group_key(ctx.agent, pg), seq)])
+            else:
+                if ctx.now - t_read < self.p("match_s"):
+                    keep.append(item)
+                continue
+            self.judged.setdefault((pg, op), deque(maxlen=4096)).append((created / 1e9, net))
+        self.pending = keep
 
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
-        hists = src.latency_histograms(ctx.agent)
-        if not hists:
+        self._read(ctx)
+        self._match(ctx)
+        if not self.judged:
             return None
         worst = (0.0, 0.0, "")  # (p99 / slo, p99, "pg/op")
-        for (pg, op), (bounds, counts) in hists.items():
-            snaps = self.snaps.setdefault((pg, op), deque([(ctx.now, [0] * len(counts))], maxlen=1024))
-            snaps.append((ctx.now, counts))
-            while len(snaps) > 1 and snaps[1][0] <= ctx.now - self.p("window_s"):
-                snaps.popleft()
-            delta = [a - b for a, b in zip(counts, snaps[0][1], strict=True)]
-            if sum(delta) < self.p("min_count"):
+        counted = 0
+        for (pg, op), window in self.judged.items():
+            while window and window[0][0] <= ctx.now - self.p("window_s"):
+                window.popleft()
+            slo = self._slo(op)
+            counted += len(window)
+            if slo is None or len(window) < self.p("min_count"):
                 continue
-            p99 = sig.quantile_from_counts(bounds, delta, 0.99)
-            slo = self.params.get(f"slo_s.{op}", self.p("slo_s") if op == "all_reduce" else None)
-            if slo is None:
-                continue
+            p99 = sig.quantile([v for _, v in window], 0.99)
             if p99 / slo > worst[0]:
                 worst = (p99 / slo, p99, f"{pg}/{op}")
-        return Verdict(worst[0] > 1.0, worst[1], {"worst": worst[2], "ratio_to_slo": worst[0]})
+        details = {"worst": worst[2], "ratio_to_slo": worst[0], "judged": counted, "unmatched": len(self.pending)}
+        return Verdict(worst[0] > 1.0, worst[1], details)
 
 
 class Hang(Detector):

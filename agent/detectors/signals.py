@@ -43,13 +43,17 @@ def leak_signal(
     window: int,
     min_slope: float,
     min_increase_fraction: float,
+    parts: int = 3,
 ) -> tuple[float, bool]:
-    """(bytes/step slope, leaking?) over the last ``window`` post-warm-up (step, bytes) samples.
+    """(bytes/step slope, leaking?) over the last ``window`` (step, bytes) samples from ``warmup_steps`` on.
 
-    Leaking needs all three: the Theil-Sen slope over the window >= ``min_slope``; the slope of the
+    Leaking needs all four: the Theil-Sen slope over the window >= ``min_slope``; the slope of the
     window's second half >= ``min_slope / 2`` (memory still rising: an allocator that grew to a plateau
-    fails this); and at least ``min_increase_fraction`` of steps rising by >= ``min_slope / 2`` (one
-    checkpoint-like jump moves the median slope but is a single step).
+    fails this); at least ``min_increase_fraction`` of steps rising by >= ``min_slope / 2`` (one
+    checkpoint-like jump moves the median slope but is a single step); and growth across the whole
+    window: the medians of its ``parts`` consecutive parts each exceed the previous one by a quarter
+    of what ``min_slope`` adds over a part (warm-up growth that is flattening out fails in the last part;
+    medians of parts keep a stair-step leak, +N MiB every few steps, rising).
     """
     pts = [(float(s), float(b)) for s, b in samples if s >= warmup_steps][-window:]
     if len(pts) < max(window, 4):
@@ -57,7 +61,39 @@ def leak_signal(
     slope = theil_sen_slope(pts)
     late = theil_sen_slope(pts[len(pts) // 2 :])
     frac = increase_fraction([b for _, b in pts], min_slope / 2)
-    return slope, slope >= min_slope and late >= min_slope / 2 and frac >= min_increase_fraction
+    return slope, (
+        slope >= min_slope
+        and late >= min_slope / 2
+        and frac >= min_increase_fraction
+        and rising_parts([b for _, b in pts], parts, min_slope / 4)
+    )
+
+
+def rising_parts(values: Sequence[float], parts: int, min_step_rise: float) -> bool:
+    """The medians of ``parts`` consecutive slices of ``values`` each rise by >= ``min_step_rise`` per
+    sample of a slice over the previous slice's median."""
+    n = len(values) // parts
+    if n < 1:
+        return False
+    medians = [median(values[i * n : (i + 1) * n]) for i in range(parts)]
+    return all(b - a >= min_step_rise * n for a, b in pairwise(medians))
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile of ``values`` (nearest rank; nan when empty)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def net_of_skew(
+    seconds: float, created_ns: int, arrivals_ns: Sequence[int]
+) -> float:
+    """An op's duration less the time it waited for the last member of its group to arrive (enqueue):
+    what the transfer itself took, as the last-arriving rank would time it."""
+    wait = max(0.0, (max(arrivals_ns, default=created_ns) - created_ns) / 1e9)
+    return max(0.0, seconds - wait)
 
 
 # ------------------------------------------------------------------------------------------ compile

@@ -88,6 +88,20 @@ def graph_fingerprint(agent: Agent) -> int | None:
     return int(v) if isinstance(v, (int, float)) else None
 
 
+def compile_activity(agent: Agent) -> tuple[float, ...] | None:
+    """A token that changes whenever the compile collector saw compile work (a compile started,
+    ended, added a graph or compile time), and whether a compile is in progress (last element);
+    None without a compile collector."""
+    c = agent.component("compile")
+    if c is None:
+        return None
+    compiles = _total(_get(c, "compiles")) or 0.0
+    seconds = float(getattr(c, "compile_seconds", 0.0) or 0.0)
+    graphs = float(len(getattr(c, "graphs", ()) or ()))
+    opened = float(len(getattr(c, "_open", ()) or ()))
+    return compiles, seconds, graphs, opened
+
+
 def memory_series(agent: Agent) -> dict[str, list[tuple[int, float]]]:
     """source -> [(step, bytes)] sampled right after each step."""
     c = agent.component("memory")
@@ -113,6 +127,28 @@ def latency_histograms(agent: Agent) -> dict[tuple[str, str], tuple[tuple[float,
         else:
             out[key] = (tuple(h.bounds), list(h.counts))
     return out
+
+
+def timed_ops(agent: Agent) -> tuple[int, list[tuple[str, str, int, int, float]]]:
+    """(ops timed so far, the most recent timed ops as (pg label, op, seq, enqueue ns, seconds))."""
+    c = agent.component("collectives")
+    if c is None:
+        return 0, []
+    v = _get(c, "timed_ops")
+    return int(getattr(c, "timed", 0) or 0), (list(v) if v is not None else [])
+
+
+def group_key(agent: Agent, label: str) -> str:
+    """The pg id ``fr_entries`` gives this rank's group of ``label`` (to match timed ops with entries)."""
+    topo = agent.topology
+    return _group_key(label, {"dp": topo.dp_rank, "tp": topo.tp_rank, "pp": topo.pp_rank})
+
+
+def fr_mark(agent: Agent) -> Any:
+    """Changes when new flight-recorder entries were read (the record id of the newest one)."""
+    c = agent.component("collectives")
+    v = _get(c, "recent_entries") if c is not None else None
+    return v[-1].get("record_id") if v else None
 
 
 def oldest_inflight(agent: Agent) -> dict[str, float]:

@@ -8,8 +8,9 @@ Four trainer runs serve every test here (module-scoped, about 3 minutes on 2 cor
   20 s timeout, so Hang must fire on all of them, with stacks and a flight-recorder dump, before that;
 - ``ddp``: 2 ranks dp2 under DDP, rank 1's comm hook reduces in bf16 (dtype-mismatch) after sleeping
   (slow-collective): a 1-1 split that only the dtype can attribute;
-- ``clean``: 2 ranks dp2, a tiny model compiled with the eager backend, 200 steps, rank 0 pausing 12 s
-  at step 100 (a checkpoint-like pause) while rank 1 waits for it in the next collective.
+- ``clean``: 4 ranks dp2 x pp2 (1F1B), a tiny model compiled with aot_eager (compile warm-up on every
+  rank), 100 steps, rank 1 starting 10 s late (its peers wait in step 0) and rank 0 pausing 12 s at
+  step 60 (a checkpoint-like pause) while the others wait for it in the next collective.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "hang": (4, [*DP2_TP2, "--steps", "8", "--inject", "hang"]),
     "ddp": (2, ["--dp", "2", "--dp-mode", "ddp", "--steps", "80", "--log-every", "10",
                 "--inject", "dtype-mismatch", "--inject", "slow-collective"]),
-    "clean": (2, ["--dp", "2", "--compile", "eager", "--steps", "200", "--log-every", "50",
-                  "--layers", "2", "--dim", "32", "--heads", "2", "--seq-len", "16", "--global-batch", "8",
-                  "--pause-at", "100", "--pause-seconds", "12"]),
+    "clean": (4, ["--dp", "2", "--pp", "2", "--schedule", "1f1b", "--compile", "aot_eager", "--steps", "100",
+                  "--log-every", "50", "--layers", "2", "--dim", "32", "--heads", "2", "--seq-len", "16",
+                  "--global-batch", "8", "--microbatches", "2", "--pause-at", "60", "--pause-seconds", "12",
+                  "--start-delay-rank", "1", "--start-delay", "10"]),
 }  # fmt: skip
 INJECT_STEP = 3  # the trainer's default --inject-step
 
@@ -192,14 +194,14 @@ def test_slow_collective_shows_as_the_late_rank(ddp: Run) -> None:
 
 
 # ------------------------------------------------------------------------------------------ clean
-def test_clean_run_with_a_pause_fires_nothing(clean: Run) -> None:
+def test_clean_run_with_a_pause_and_a_late_rank_fires_nothing(clean: Run) -> None:
     assert clean.returncode == 0, clean.output[-3000:]
-    assert "checkpoint-like pause" in clean.output
+    assert "checkpoint-like pause" in clean.output and "rank 1: starting 10.0s late" in clean.output
     assert clean.alerts() == []
     for rank in range(clean.nproc):
         s = clean.summary(rank)
-        assert s["components"]["steps"]["steps"] == 200
-        assert s["components"]["steps"]["step_seconds_max"] > 10  # the pause was inside a step
+        assert s["components"]["steps"]["steps"] == 100
+        assert s["components"]["steps"]["step_seconds_max"] > 10  # the pause (and the late start) inside a step
         detectors = s["components"]["detectors"]
         assert set(detectors) == set(cat.ALERT_NAMES)
         for name, state in detectors.items():

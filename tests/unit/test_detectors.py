@@ -25,7 +25,6 @@ from hpar_agent.detectors.component import DetectorsComponent
 from hpar_agent.detectors.local import CollectiveLatencyHigh, GraphBreaks, Hang, MemoryLeak, RecompileStorm
 from hpar_agent.evidence import Evidence
 from hpar_agent.families import Families
-from hpar_agent.histogram import Histogram
 from hpar_agent.spans import StepRecord
 from hpar_agent.topology import Topology
 
@@ -273,6 +272,73 @@ def test_memory_leak_fires_with_evidence_then_resolves(tmp_path: Any, caplog: py
     assert det.summary()["MemoryLeak"]["fired"] == 2
 
 
+#: steps at which the clean pp2 1F1B inductor run compiled: both stages' blocks in the first steps, then
+#: lazily compiled backward and microbatch-shape variants now and then until step 27
+WARMUP_COMPILES = (0, 1, 2, 6, 13, 20, 27)
+
+
+def _warmup_rss(s: int) -> float:
+    """Host RSS of that run's shape: +40 MiB a step in the first compiles, then +2 MiB a step while
+    compiles still come now and then (kernels loaded, caches filling: a trend window of 20 steps from
+    step 10 saw a leak and fired at step 30), then a tail that fades out after the last compile, flat."""
+    import math
+
+    grow = 40 * MiB * min(s, 3) + 2 * MiB * min(max(s - 3, 0), 24)
+    tail = 0 if s < 27 else 8 * MiB * (1 - math.exp(-(s - 27) / 4))
+    return 2e9 + grow + tail + ((s * 7919) % 5) * 100_000
+
+
+def _run_memory(tmp_path: Any, series: dict[str, list[tuple[int, float]]], compiles: Any, steps_to: int) -> tuple[DetectorsComponent, list[int]]:
+    """Tick the detectors once per step as the agent would, with a compile at each step of
+    ``compiles``; returns the steps (completed) at which MemoryLeak was active."""
+    fed: dict[str, deque] = {k: deque(maxlen=256) for k in series}
+    comp = Fake("compile", compiles=Counter(), _open={}, compile_seconds=0.0, graphs=set())
+    st = steps(0)
+    agent, det = make_agent(tmp_path, comps=(st, comp, Fake("memory", post_step=fed)))
+    agent.config.evidence = False
+    active = []
+    for s in range(steps_to):
+        if s in compiles:
+            comp.compiles[("ok", "x")] += 1
+        for k, v in series.items():
+            fed[k].append(v[s])
+        st.total = s + 1
+        agent.tick()
+        if det.states["MemoryLeak"].active:
+            active.append(s + 1)
+    return det, active
+
+
+def test_memory_leak_ignores_warmup_growth_that_flattens(tmp_path: Any) -> None:
+    rss = [(s, _warmup_rss(s)) for s in range(90)]
+    # the old trend (20 steps from step 5 on) saw a leak here
+    assert sig.leak_signal(rss[:31], warmup_steps=5, window=20, min_slope=MiB, min_increase_fraction=0.2)[1]
+    det, active = _run_memory(tmp_path, {"rss": rss}, WARMUP_COMPILES, steps_to=90)
+    assert active == [], active
+    assert det.states["MemoryLeak"].fired == 0
+
+
+def test_memory_leak_catches_4mib_per_step_on_host_and_device_within_the_bound(tmp_path: Any) -> None:
+    inject = 3
+    host = [(s, _warmup_rss(s) + 4 * MiB * max(0, s - inject)) for s in range(60)]
+    # allocated bytes grow 4 MiB a step; the caching allocator reserves 20 MiB segments: a stair, +20 MiB
+    # every 5 steps (judged alone too: reserved and NVML bytes see only the stairs)
+    allocated = [(s, 1e9 + 4 * MiB * max(0, s - inject)) for s in range(60)]
+    reserved = [(s, 1e9 + 20 * MiB * (max(0, s - inject) // 5)) for s in range(60)]
+    for name, series in (("host", {"rss": host}), ("device", {"allocator": allocated}), ("stairs", {"reserved": reserved})):
+        det, active = _run_memory(tmp_path / name, series, range(2), steps_to=60)
+        assert active, name
+        assert active[0] - inject <= 20, (name, active[0])
+        assert det.states["MemoryLeak"].details["source"] == next(iter(series))
+
+
+def test_memory_leak_of_compiled_graphs_is_not_warmup(tmp_path: Any) -> None:
+    # compile-leak: a compile every step for good; that is not warm-up, the trend is judged anyway
+    series = {"rss": [(s, 1e9 + 4 * MiB * s) for s in range(60)]}
+    _det, active = _run_memory(tmp_path, series, range(60), steps_to=60)
+    assert active and active[0] <= 30, active
+
+
 def test_hang_on_no_progress_with_threshold_override(tmp_path: Any) -> None:
     st = steps(5, last_ts=time.time() - 30)
     agent, det = make_agent(tmp_path, comps=(st,), **{"Hang.timeout_s": 10.0})
@@ -348,19 +414,113 @@ def test_graph_breaks_after_warmup_only(tmp_path: Any) -> None:
     assert sample(det, "hpar_alert_active", "GraphBreaks") == 0.0
 
 
-def test_collective_latency_p99_above_slo(tmp_path: Any) -> None:
-    h = Histogram(cat.LATENCY_BUCKETS)
-    coll = Fake("collectives", hists={("dp", "all_reduce", "cpu"): h}, recent_entries=deque())
+class TimedOps(Fake):
+    """A collectives stand-in fed like the real one: timed ops (pg, op, seq, enqueue ns, seconds) and
+    the flight-recorder entries this rank publishes for the exchange."""
+
+    def __init__(self) -> None:
+        super().__init__("collectives", timed_ops=deque(maxlen=2048), timed=0, recent_entries=deque(maxlen=2048))
+
+    def op(self, seq: int, created_s: float, seconds: float, pg: str = "dp") -> None:
+        self.timed_ops.append((pg, "all_reduce", seq, int(created_s * 1e9), seconds))
+        self.timed += 1
+        self.recent_entries.append({"pg": pg, "seq": seq, "op": "all_reduce", "is_p2p": False, "record_id": seq,
+                                    "input_sizes": [[1024]], "input_dtypes": ["Float"], "time": created_s})
+
+
+def test_collective_latency_single_rank_p99_above_slo(tmp_path: Any) -> None:
+    coll = TimedOps()
     agent, det = make_agent(tmp_path, comps=(steps(5), coll))
-    for _ in range(100):
-        h.observe(0.02)
+    agent.tick()  # warm-up over (no compiles): ops enqueued from now on are judged
+    t0 = time.time()
+    for i in range(100):
+        coll.op(i, t0 + 0.01 * i, 0.02)
     agent.tick()
     assert sample(det, "hpar_alert_active", "CollectiveLatencyHigh") == 0.0
-    for _ in range(10):
-        h.observe(0.4)
+    for i in range(100, 110):
+        coll.op(i, t0 + 0.01 * i, 0.4)
     agent.tick()
     assert sample(det, "hpar_alert_active", "CollectiveLatencyHigh") == 1.0
-    assert sample(det, "hpar_detector_value", "CollectiveLatencyHigh") == 0.46
+    assert sample(det, "hpar_detector_value", "CollectiveLatencyHigh") == pytest.approx(0.4)
+
+
+def _dp_pair(store: Any, tmp_path: Any, compile_state: dict[str, Any]) -> list[tuple[Agent, DetectorsComponent, TimedOps, Fake]]:
+    out = []
+    for r in range(2):
+        coll, st = TimedOps(), steps(1)
+        comp = Fake("compile", compiles=Counter(compile_state["compiles"]), _open=dict(compile_state["open"]),
+                    compile_seconds=0.0, graphs=set(), fingerprint=7)
+        agent, det = make_agent(tmp_path, rank=r, world=2, comps=(st, comp, coll), exchange=Exchange(store, "job", r),
+                                coords={"dp": r, "dpn": 2}, **{"detectors.exchange_s": 0.0})  # fmt: skip
+        agent.config.evidence = False
+        out.append((agent, det, coll, st))
+    return out
+
+
+def _all_reduces(pair: list, first_seq: int, n: int, late_rank: int, skew_s: float, transfer_s: float) -> None:
+    """n all-reduces of a dp pair as NCCL times them: every rank's duration runs from its kernel start to
+    the end, so the rank that arrived first also times the wait for ``late_rank`` (``skew_s``)."""
+    t0 = time.time()
+    for i in range(n):
+        seq, start = first_seq + i, t0 + 0.3 * i
+        for r, (_agent, _det, coll, _st) in enumerate(pair):
+            late = skew_s if r == late_rank else 0.0
+            coll.op(seq, start + late, transfer_s + (skew_s - late))
+
+
+def _tick(pair: list, times: int = 2) -> None:
+    for _ in range(times):  # one round publishes, the next reads every peer's entries
+        for agent, *_ in pair:
+            agent.tick()
+
+
+def test_collective_latency_ignores_peer_waits_in_compile_warmup_and_after(store: Any, tmp_path: Any) -> None:
+    # The clean dp2 H200 run: rank 1 still compiling, rank 0's all-reduces wait for it (p99 0.22 s).
+    pair = _dp_pair(store, tmp_path, {"compiles": {("ok", "x"): 1}, "open": {("1/0", "x"): (0, 0)}})
+    _tick(pair, 1)
+    _all_reduces(pair, 0, 40, late_rank=1, skew_s=0.22, transfer_s=0.003)
+    _tick(pair)
+    for _agent, det, _coll, st in pair:  # compiles end (seen at step 5); warm-up is over 3 quiet steps later
+        det.agent.component("compile")._open = {}  # type: ignore[union-attr]
+        st.total = 5
+    _tick(pair)
+    assert not pair[0][1].warmed_up(3, 10)
+    for *_, st in pair:
+        st.total = 8
+    _tick(pair)
+    assert pair[0][1].warmed_up(3, 10)
+    for _agent, det, *_ in pair:
+        assert sample(det, "hpar_alert_active", "CollectiveLatencyHigh") == 0.0
+        assert det.detector(CollectiveLatencyHigh).judged == {}  # type: ignore[union-attr]  # nothing of warm-up
+    # after warm-up a peer is still late at every op (a straggler, a checkpoint-like pause): the waiting
+    # rank times 0.25 s, but the transfer took 3 ms
+    _all_reduces(pair, 40, 40, late_rank=1, skew_s=0.25, transfer_s=0.003)
+    _tick(pair)
+    for _agent, det, *_ in pair:
+        assert sample(det, "hpar_alert_active", "CollectiveLatencyHigh") == 0.0
+        assert sample(det, "hpar_detector_value", "CollectiveLatencyHigh") < 0.01
+        assert [len(w) for w in det.detector(CollectiveLatencyHigh).judged.values()] == [40]  # type: ignore[union-attr]
+    assert pair[1][1].states["Straggler"].active and not pair[0][1].states["Straggler"].active  # who was late
+    # a genuinely slow link: both arrive within 1 ms, the transfer takes 0.2 s: fires on both ranks
+    _all_reduces(pair, 80, 30, late_rank=1, skew_s=0.001, transfer_s=0.2)
+    _tick(pair)
+    for _agent, det, *_ in pair:
+        assert sample(det, "hpar_alert_active", "CollectiveLatencyHigh") == 1.0
+        assert sample(det, "hpar_detector_value", "CollectiveLatencyHigh") == pytest.approx(0.2, abs=0.002)
+
+
+def test_collective_latency_leaves_unmatched_ops_unjudged(store: Any, tmp_path: Any) -> None:
+    pair = _dp_pair(store, tmp_path, {"compiles": {}, "open": {}})
+    for *_, st in pair:
+        st.total = 10
+    _tick(pair, 1)
+    t0 = time.time()
+    for i in range(30):  # only rank 0 saw these (its peer's entries were overwritten): not judged
+        pair[0][2].op(i, t0 + 0.01 * i, 0.5)
+    _tick(pair)
+    lat = pair[0][1].detector(CollectiveLatencyHigh)
+    assert lat is not None and lat.judged == {} and len(lat.pending) == 30
+    assert sample(pair[0][1], "hpar_alert_active", "CollectiveLatencyHigh") == 0.0
 
 
 def test_thresholds_override_defaults() -> None:
@@ -500,3 +660,46 @@ def test_allocator_history_runs_only_while_a_leak_is_suspected(tmp_path: Any, mo
     agent.tick()
     assert calls[-1] == "stop"
     assert sample(det, "hpar_alert_active", "MemoryLeak") == 0.0
+
+
+def test_straggler_ignores_a_late_ranks_compile_warmup(store: Any, tmp_path: Any) -> None:
+    # The clean dp2 x pp2 run with rank 1 starting 10 s late: it still compiled through its step 3, so
+    # in steps 3-8 its peers waited for it (lag ratio 0.67 over 11 collectives) and Straggler fired.
+    # Its collectives count once its own compiles have been quiet 3 steps; a lag that persists then fires.
+    t0 = time.time()
+    ranks = []
+    for r in range(2):
+        entries: deque = deque(maxlen=512)
+        comp = Fake("compile", compiles=Counter(), _open={}, compile_seconds=0.0, graphs=set())
+        st = steps(4)
+        agent, det = make_agent(tmp_path, rank=r, world=2, comps=(st, comp, Fake("collectives", recent_entries=entries)),
+                                exchange=Exchange(store, "job", r), coords={"dp": r, "dpn": 2},
+                                **{"detectors.exchange_s": 0.0})  # fmt: skip
+        agent.config.evidence = False
+        ranks.append((agent, det, entries, comp, st))
+
+    def ops(first: int, n: int, start: float, late_s: float) -> None:
+        for i in range(first, first + n):  # 4 all-reduces per 0.3 s step, rank 1 late by late_s
+            t = start + (i - first) // 4 * 0.3 + (i % 4) * 0.001
+            for r, (*_, entries, _comp, _st) in enumerate(ranks):
+                entries.append({"pg": "dp", "seq": i, "op": "all_reduce", "is_p2p": False, "input_sizes": [[4]],
+                                "input_dtypes": ["Float"], "time": t + (late_s if r == 1 else 0.0), "record_id": i})
+
+    ranks[1][3].compiles[("ok", "x")] += 1  # rank 1 compiles at its step 4
+    for *_, st in ranks:
+        st.total = 4
+    ops(0, 40, t0, 0.2)
+    for _ in range(3):
+        for agent, *_ in ranks:
+            agent.tick()
+    assert not ranks[1][1].warmed_up(3, 10)
+    assert [d.states["Straggler"].fired for _a, d, *_ in ranks] == [0, 0]
+    for *_, st in ranks:  # compiles quiet for 4 steps; the lag goes on: rank 1 is a straggler now
+        st.total = 8
+    for agent, *_ in ranks:
+        agent.tick()
+    ops(40, 40, time.time(), 0.2)
+    for _ in range(3):
+        for agent, *_ in ranks:
+            agent.tick()
+    assert [d.states["Straggler"].active for _a, d, *_ in ranks] == [False, True]
