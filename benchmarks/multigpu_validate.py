@@ -4,7 +4,9 @@ Parts, each one torchrun job that fits a 10-minute device call with the others o
   pp-1f1b, pp-interleaved  the trainer, pp2 (x dp N/2), inductor, bf16: p2p labelled pg="pp" op send/recv
                            with bytes and durations, the bubble ratio next to its theoretical value
   dp-ddp                   the trainer, dpN with DDP: the dp all-reduces timed
+  dp-replicate             the trainer, dpN with composable replicate
   tp                       the trainer, tp2 (x dp N/2): the tp collectives timed
+  pause-late               dpN DDP with a 10 s checkpoint-like pause and the last rank starting 10 s late
   user-ddp                 benchmarks/user_ddp.py, a user's program: each rank's allocator series within 1%
                            of torch.cuda.memory_allocated() read in that rank, NVML process memory
                            differing by the extra GiB the last rank holds
@@ -14,7 +16,8 @@ scraped once it passed ``--scrape-step``. Checks per trainer part: every rank's 
 device is ``cuda:<local rank>`` and its allocator and NVML process series are non-zero; every group
 with collectives has durations (``hpar_collective_timing_enabled`` 1); busbw below ``--link-gbs``;
 pipeline parts: p2p as pp/send and pp/recv with bytes, no ``coalesced``/``other`` ops, spans of
-``collective.send``/``recv`` with a peer. Results: ``<out>/validate.json`` and a markdown table
+``collective.send``/``recv`` with a peer. Every part is a clean run: any alert in any rank's event log
+is a problem (the zero-false-alert check). Results: ``<out>/validate.json`` and a markdown table
 ``<out>/validate.md`` (dated, with torch and NCCL versions) for BENCHMARKS.md.
 
     python3 benchmarks/multigpu_validate.py --parts pp-1f1b,dp-ddp,user-ddp --out DIR
@@ -48,7 +51,11 @@ def layouts(n: int) -> dict[str, list[str]]:
         "pp-interleaved": ["--dp", half, "--pp", "2", "--schedule", "interleaved-1f1b",
                            "--stages-per-rank", "2", "--microbatches", "8"],
         "dp-ddp": ["--dp", str(n), "--dp-mode", "ddp"],
+        "dp-replicate": ["--dp", str(n), "--dp-mode", "replicate"],
         "tp": ["--dp", half, "--tp", "2"],
+        # a checkpoint-like 10 s pause of rank 0 and the last rank starting 10 s late: still no alert
+        "pause-late": ["--dp", str(n), "--dp-mode", "ddp", "--pause-at", "150", "--pause-seconds", "10",
+                       "--start-delay-rank", str(n - 1), "--start-delay", "10"],
     }  # fmt: skip
 
 
@@ -200,6 +207,8 @@ def check_trainer(part: str, args: list[str], n: int, out: Path, a: argparse.Nam
         probs.append(f"torchrun exit {rc}")
     alerts = fired_alerts(run)
     res["alerts"] = alerts
+    if alerts:
+        probs.append(f"alerts in a clean run: {alerts}")
     return res
 
 
@@ -279,6 +288,8 @@ def check_user_ddp(n: int, out: Path, a: argparse.Namespace) -> dict[str, Any]:
         res["problems"].append(f"{len(ranks)}/{n} ranks wrote results")
     res["ranks"] = rows
     res["alerts"] = fired_alerts(run)
+    if res["alerts"]:
+        res["problems"].append(f"alerts in a clean run: {res['alerts']}")
     if rc != 0:
         res["problems"].append(f"torchrun exit {rc}")
     return res
@@ -338,8 +349,8 @@ def main() -> int:
     ap.add_argument("--parts", default="p2p-probe,pp-1f1b,dp-ddp,user-ddp")
     ap.add_argument("--out", default=os.environ.get("OUT", "validate-out"))
     ap.add_argument("--nproc", type=int, default=torch.cuda.device_count())
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--scrape-step", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--scrape-step", type=int, default=200)
     ap.add_argument("--timeout", type=float, default=240.0, help="per part")
     ap.add_argument("--port", type=int, default=19470)
     ap.add_argument(
