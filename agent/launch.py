@@ -66,15 +66,19 @@ def stop(proc: subprocess.Popen[str], grace: float = 10.0) -> int:
     return len(workers)
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _stop_uninterrupted(proc: subprocess.Popen[str]) -> int:
     """``stop`` that a second Ctrl-C cannot cut short (which would leave ranks running)."""
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    previous = [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)] if main else []
     try:
         return stop(proc)
     finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
+        for s, handler in zip((signal.SIGINT, signal.SIGTERM), previous, strict=False):
+            signal.signal(s, handler)
 
 
 def _alive(pid: int) -> bool:
@@ -203,6 +207,9 @@ def launch_observed(
     reader = threading.Thread(target=pump, name="hpar-torchrun-output", daemon=True)
     reader.start()
     result = Launch(returncode=0, wall_s=0.0, log_dir=log_dir, torchrun_tail=tail)
+    main = threading.current_thread() is threading.main_thread()
+    # SIGTERM (a job scheduler, kill) ends the ranks the way Ctrl-C does instead of orphaning them.
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
     try:
         result.returncode = proc.wait(timeout=timeout)
     except KeyboardInterrupt:
@@ -211,6 +218,9 @@ def launch_observed(
     except subprocess.TimeoutExpired:
         result.timed_out, result.returncode = True, 124
         result.stopped_workers = _stop_uninterrupted(proc)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     reader.join(timeout=5)
     result.wall_s = time.monotonic() - t0
     return result

@@ -75,7 +75,8 @@ def test_ranks_without_numpy_fail_the_demo_and_are_named(tmp_path):
     assert "ChildFailedError" in (run_dir / "logs" / "torchrun.log").read_text()
 
 
-def test_ctrl_c_stops_every_rank_promptly(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_stops_every_rank_promptly(tmp_path, sig):
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpar_agent", "demo", "--run-dir", str(tmp_path / "run"), "--steps", "100000",
          *SMALL, *SMALL_TRAINER],
@@ -93,7 +94,7 @@ def test_ctrl_c_stops_every_rank_promptly(tmp_path):
         tree = _descendants(proc.pid)
         assert len(tree) >= 3  # torchrun and two ranks (plus their helpers)
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)  # what the terminal sends on Ctrl-C (to hpar-agent only)
+        proc.send_signal(sig)  # SIGINT: what the terminal sends on Ctrl-C (to hpar-agent's group only)
         rc = proc.wait(timeout=60)
         stopped_after = time.monotonic() - t0
         err = proc.stderr.read() if proc.stderr else ""
