@@ -115,8 +115,28 @@ def render_summary(
             section = [f"alerts: none fired on ranks {_span([p for p in present if p is not None])}; "
                        f"ranks {_span(missing)} wrote no summary"]
         lines += ["", *section]
-    lines += ["", f"outputs: {run_dir}", "  events.rank<R>.jsonl (event log), summary.rank<R>.json, trainer.json"]
+    lines += ["", f"outputs: {run_dir}", f"  {_outputs(run_dir)}"]
     return "\n".join(lines)
+
+
+#: What a run directory may hold, as the summary names it.
+OUTPUTS = [
+    ("events.rank*.jsonl", "events.rank<R>.jsonl (event log)"),
+    ("summary.rank*.json", "summary.rank<R>.json"),
+    ("traces.rank*.jsonl", "traces.rank<R>.jsonl (OTLP/JSON spans)"),
+    ("trainer.json", "trainer.json"),
+    ("logs", "logs/ (torchrun and rank logs)"),
+]
+
+
+def _outputs(run_dir: Path) -> str:
+    """The outputs that exist (a crashed run must not point at files it never wrote)."""
+    found = []
+    for pattern, label in OUTPUTS:
+        n = len(list(run_dir.glob(pattern)))
+        if n:
+            found.append(f"{label} x{n}" if "<R>" in label else label)
+    return ", ".join(found) or "nothing was written"
 
 
 def _stage_rows(ranks: list[dict[str, Any]]) -> list[list[Any]]:

@@ -109,3 +109,14 @@ def test_a_clean_run_says_every_rank_ran_the_detectors():
     text = render_summary({"losses": [1.0]}, ranks, Path("run"), 3.0, 0, nproc=2)
     assert "alerts: none fired (2 detectors ran on every rank)" in text
     assert "FAILED" not in text and "no summary from" not in text
+
+
+def test_outputs_line_lists_only_files_that_exist(tmp_path):
+    (tmp_path / "logs").mkdir()
+    assert render_summary({}, [], tmp_path, 1.0, 1).splitlines()[-1] == "  logs/ (torchrun and rank logs)"
+    for r in range(2):
+        (tmp_path / f"events.rank{r}.jsonl").write_text("")
+    (tmp_path / "trainer.json").write_text("{}")
+    last = render_summary({}, [], tmp_path, 1.0, 0).splitlines()[-1]
+    assert last == "  events.rank<R>.jsonl (event log) x2, trainer.json, logs/ (torchrun and rank logs)"
+    assert render_summary({}, [], tmp_path / "none", 1.0, 1).splitlines()[-1] == "  nothing was written"
