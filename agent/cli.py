@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from hpar_agent._version import __version__
 from hpar_agent.launch import launch_observed
@@ -20,9 +20,10 @@ DEMO_ARGS = [
 ]  # fmt: skip
 
 
-def _check_trainer_args(trainer_args: list[str], nproc: int) -> str | None:
+def _check_trainer_args(trainer_args: list[str], nproc: int) -> tuple[Any, str | None]:
     """The trainer's own validation, run here so a bad flag or injection name is refused in one line
-    before any rank starts (the trainer is imported lazily: only the demo needs its flags)."""
+    before any rank starts (the trainer is imported lazily: only the demo needs its flags).
+    Returns ``(config, None)`` or ``(None, the error)``."""
     import contextlib
     import io
 
@@ -31,12 +32,11 @@ def _check_trainer_args(trainer_args: list[str], nproc: int) -> str | None:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            parse_args(trainer_args, world_size=nproc)
+            return parse_args(trainer_args, world_size=nproc), None
     except SystemExit as exc:
         if exc.code in (0, None):  # --help after --: print it and stop
             raise
-        return err.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
-    return None
+        return None, (err.getvalue().strip().splitlines() or ["invalid trainer flags"])[-1].split("error: ", 1)[-1]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -46,7 +46,7 @@ def _demo(args: argparse.Namespace) -> int:
     for name in args.inject or ():
         trainer_args += ["--inject", name]
     trainer_args += args.trainer_args
-    problem = _check_trainer_args(trainer_args, args.nproc)
+    cfg, problem = _check_trainer_args(trainer_args, args.nproc)
     if problem:
         print(f"hpar-agent demo: error: {problem}", file=sys.stderr)
         return 2
@@ -63,7 +63,8 @@ def _demo(args: argparse.Namespace) -> int:
     ports = (
         f"{args.metrics_port}..{args.metrics_port + args.nproc - 1}" if args.metrics_port else "<free port>"
     )
-    print(f"hpar-agent demo: {args.nproc} CPU ranks (dp1 x tp2 x pp2, 1F1B, aot_eager); outputs in {run_dir}", flush=True)
+    layout = f"dp{cfg.dp} x tp{cfg.tp} x pp{cfg.pp}, {cfg.schedule}, {cfg.compile}"
+    print(f"hpar-agent demo: {args.nproc} CPU ranks ({layout}); outputs in {run_dir}", flush=True)
     print(f"  metrics while it runs: http://127.0.0.1:{ports}/metrics (Ctrl-C stops every rank)", flush=True)
     run = launch_observed(args.nproc, "hpar_trainer", trainer_args, log_dir=run_dir / "logs", env=env, timeout=args.timeout)
     if run.interrupted or run.timed_out:
