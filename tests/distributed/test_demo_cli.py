@@ -131,3 +131,18 @@ def test_demo_output_is_rank_prefixed_and_summarised(tmp_path):
     assert "[rank0]:" in res.stdout and "=== hpar-agent demo summary ===" in res.stdout
     assert "FAILED" not in res.stdout and "no summary from" not in res.stdout
     assert Path(run_dir / "report.html").stat().st_size > 0
+
+
+def test_run_trainer_timeout_stops_every_rank(tmp_path):
+    """``launch.run_trainer`` (diagnose, benchmarks) raises TimeoutExpired like subprocess.run, but only
+    after torchrun and every rank are gone (subprocess.run would SIGKILL torchrun and orphan them)."""
+    from hpar_agent.launch import run_trainer
+
+    marker = str(tmp_path / "trainer.json")
+    args = ["--pp", "2", "--compile", "eager", "--steps", "100000", "--no-agent", "--out", marker]
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_trainer(2, args, timeout=15)
+    assert time.monotonic() - t0 < 40
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    assert not left, f"ranks still running: {left}"
