@@ -10,11 +10,14 @@ detectors for the hybrid-parallel failure modes. ``HPAR_DISABLE=1`` turns it int
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from typing import Any
-
+from hpar_agent._version import __version__
 from hpar_agent.config import AgentConfig
+
+if TYPE_CHECKING:
+    from hpar_agent.agent import Agent
 
 
 def attach(
@@ -30,14 +33,26 @@ def attach(
     Step boundaries come from the global optimizer step hook; call ``Agent.step()`` in loops without
     an optimizer. Attaching twice warns and returns the running agent.
     """
+    from hpar_agent.agent import attach_agent
+
     return attach_agent(model, optimizer=optimizer, mesh=mesh, config=config, **overrides)
 
 
 def detach() -> None:
     """Remove every hook the agent installed, stop its thread and close its endpoint."""
+    from hpar_agent.agent import detach_agent
+
     detach_agent()
 
 
-from hpar_agent.agent import Agent, attach_agent, current, detach_agent  # noqa: E402
+def __getattr__(name: str) -> Any:
+    """``Agent`` and the ``agent`` module load on first use: ``import hpar_agent`` (the CLI, ``doctor``
+    on a machine without torch) must not need torch."""
+    if name in ("Agent", "attach_agent", "current", "detach_agent"):
+        return getattr(importlib.import_module("hpar_agent.agent"), name)
+    if name == "agent":
+        return importlib.import_module("hpar_agent.agent")
+    raise AttributeError(f"module 'hpar_agent' has no attribute {name!r}")
+
 
 __all__ = ["Agent", "AgentConfig", "__version__", "attach", "current", "detach"]

@@ -8,9 +8,11 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, NoReturn
 
-from hpar_agent.launch import run_trainer
-from hpar_agent.summary import load_rank_summaries, render_summary
+from hpar_agent._version import __version__
+from hpar_agent.launch import launch_observed
+from hpar_agent.summary import load_rank_summaries, never_stepped, render_summary
 
 DEMO_ARGS = [
     "--dp", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
@@ -18,42 +20,85 @@ DEMO_ARGS = [
 ]  # fmt: skip
 
 
+def _check_trainer_args(trainer_args: list[str], nproc: int) -> tuple[Any, str | None]:
+    """The trainer's own validation, run here so a bad flag or injection name is refused in one line
+    before any rank starts (the trainer is imported lazily: only the demo needs its flags).
+    Returns ``(config, None)`` or ``(None, the error)``."""
+    import contextlib
+    import io
+
+    from hpar_trainer.config import parse_args
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse_args(trainer_args, world_size=nproc), None
+    except SystemExit as exc:
+        if exc.code in (0, None):  # --help after --: print it and stop
+            raise
+        return None, (err.getvalue().strip().splitlines() or ["invalid trainer flags"])[-1].split("error: ", 1)[-1]
+
+
 def _demo(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir or f"hpar-runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    out = run_dir / "trainer.json"
-    trainer_args = [*DEMO_ARGS, "--out", str(out)]
+    trainer_args = list(DEMO_ARGS)
     if args.steps:
         trainer_args += ["--steps", str(args.steps)]
     for name in args.inject or ():
         trainer_args += ["--inject", name]
     trainer_args += args.trainer_args
+    cfg, problem = _check_trainer_args(trainer_args, args.nproc)
+    if problem:
+        print(f"hpar-agent demo: error: {problem}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or f"hpar-runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "trainer.json"
+    trainer_args += ["--out", str(out)]
     env = {
         "HPAR_RUN_DIR": str(run_dir),
         "HPAR_JOB_ID": run_dir.name,
         "HPAR_METRICS_PORT": str(args.metrics_port),
         "HPAR_METRICS_ADDR": "127.0.0.1",
     }
-    print(f"hpar-agent demo: 4 CPU ranks (dp1 x tp2 x pp2, 1F1B, aot_eager); outputs in {run_dir}", flush=True)
-    print(f"  metrics while it runs: http://127.0.0.1:{args.metrics_port}..{args.metrics_port + 3}/metrics", flush=True)
-    t0 = time.time()
-    proc = run_trainer(args.nproc, trainer_args, env=env, capture=False, timeout=args.timeout)
-    wall = time.time() - t0
+    ports = (
+        f"{args.metrics_port}..{args.metrics_port + args.nproc - 1}" if args.metrics_port else "<free port>"
+    )
+    layout = f"dp{cfg.dp} x tp{cfg.tp} x pp{cfg.pp}, {cfg.schedule}, {cfg.compile}"
+    print(f"hpar-agent demo: {args.nproc} CPU ranks ({layout}); outputs in {run_dir}", flush=True)
+    print(f"  metrics while it runs: http://127.0.0.1:{ports}/metrics (Ctrl-C stops every rank)", flush=True)
+    run = launch_observed(args.nproc, "hpar_trainer", trainer_args, log_dir=run_dir / "logs", env=env, timeout=args.timeout)
+    if run.interrupted or run.timed_out:
+        why = "interrupted" if run.interrupted else f"timed out after {args.timeout:g} s"
+        print(f"hpar-agent demo: {why}; stopped torchrun and {run.stopped_workers} rank(s); "
+              f"partial outputs in {run_dir}", file=sys.stderr)
+        return run.returncode
     trainer = json.loads(out.read_text()) if out.exists() else {}
     ranks = load_rank_summaries(run_dir)
-    print(render_summary(trainer, ranks, run_dir, wall, proc.returncode))
-    from hpar_agent.report import write_report
+    failures = run.rank_errors() if run.returncode else {}
+    print(render_summary(trainer, ranks, run_dir, run.wall_s, run.returncode,
+                         nproc=args.nproc, failures=failures, torchrun_tail=run.torchrun_tail,
+                         exit_codes=run.exit_codes() if run.returncode else None))
+    if never_stepped(trainer, ranks):
+        print("  report: none (the run never stepped)")
+    else:
+        from hpar_agent.report import write_report
 
-    page = write_report(run_dir)
-    if page is not None:
-        print(f"  report: {page}  (open it in a browser; no server needed)")
-    return 0 if proc.returncode == 0 or args.inject else proc.returncode
+        page = write_report(run_dir)
+        if page is not None:
+            print(f"  report: {page}  (open it in a browser; no server needed)")
+    return run.returncode
 
 
-def _doctor() -> int:
+def _doctor(args: argparse.Namespace) -> int:
     from hpar_agent.doctor import main as doctor_main
 
-    return doctor_main()
+    return doctor_main(as_json=args.json)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from hpar_agent.export import main as export_main
+
+    return export_main(args.kind, args.out)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -100,20 +145,33 @@ def _run(args: argparse.Namespace) -> int:
     return run(args.cmd, args.run_dir)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line on stderr and exit 2 (no usage dump); ``--help`` shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpar-agent", description=__doc__)
+    p = _OneLineParser(prog="hpar-agent", description=__doc__)
+    p.add_argument("--version", action="version", version=f"hpar-agent {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the reference trainer on 4 CPU ranks with the agent attached")
     demo.add_argument("--run-dir", help="output directory (default hpar-runs/demo-<time>)")
     demo.add_argument("--steps", type=int, default=0, help="training steps (default 40)")
     demo.add_argument("--nproc", type=int, default=4, help=argparse.SUPPRESS)
     demo.add_argument("--inject", action="append", help="inject a failure mode (see hpar-train --help)")
-    demo.add_argument("--metrics-port", type=int, default=9470, help="base metrics port (rank r: base + r)")
+    demo.add_argument("--metrics-port", type=int, default=9470, help="base metrics port (rank r: base + r; 0: free ports)")
     demo.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
     demo.add_argument("trainer_args", nargs=argparse.REMAINDER, help="extra hpar-train flags after --")
     demo.set_defaults(func=_demo)
     doctor = sub.add_parser("doctor", help="check what the agent can rely on here (ok / degraded / missing)")
-    doctor.set_defaults(func=lambda _args: _doctor())
+    doctor.add_argument("--json", action="store_true", help="one JSON object (ok, missing, checks) for scripts")
+    doctor.set_defaults(func=_doctor)
+    export = sub.add_parser("export", help="write the packaged dashboards, Prometheus rules or compose stack")
+    export.add_argument("kind", choices=("dashboards", "rules", "compose"))
+    export.add_argument("--out", required=True, metavar="DIR", help="directory to write into (created)")
+    export.set_defaults(func=_export)
     report = sub.add_parser("report", help="write one self-contained HTML page of a run (no Prometheus)")
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (HPAR_RUN_DIR of the run)")
     report.add_argument("-o", "--output", help="output file (default RUN_DIR/report.html)")

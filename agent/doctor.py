@@ -1,7 +1,14 @@
-"""``hpar-agent doctor``: what the agent can rely on here — ok / degraded / missing, with the fix."""
+"""``hpar-agent doctor``: what the agent can rely on here — ok / degraded / missing, with the fix.
+
+A ``missing`` required check (an import the agent or the trainer needs at run time) makes the command
+exit 1, so a broken install fails before a run does; ``--json`` prints the same for scripts.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import json
 import os
 import shutil
 import socket
@@ -22,13 +29,67 @@ class Check:
     status: str
     detail: str
     fix: str = ""
+    #: A required check that is ``missing`` fails the command (runs would fail or lose telemetry).
+    required: bool = False
+
+
+#: Imports the agent (a) and the reference trainer (t) make at run time: (label, module, why, fix).
+REQUIRED_IMPORTS = [
+    ("numpy", "numpy", "torch.distributed.pipelining (t) converts through numpy", "pip install numpy"),
+    ("prometheus_client", "prometheus_client", "metrics endpoint (a)", "pip install prometheus-client"),
+    ("opentelemetry sdk", "opentelemetry.sdk.trace", "spans (a)", "pip install opentelemetry-sdk"),
+    ("otlp http exporter", "opentelemetry.exporter.otlp.proto.http.trace_exporter", "span export (a)",
+     "pip install opentelemetry-exporter-otlp-proto-http"),
+    ("otlp json files", "opentelemetry.proto.collector.trace.v1.trace_service_pb2", "trace files (a)",
+     "pip install opentelemetry-proto"),
+    ("protobuf json_format", "google.protobuf.json_format", "trace files (a)", "pip install protobuf"),
+    ("pynvml", "pynvml", "GPU metrics (a)", "pip install nvidia-ml-py"),
+    ("plotly", "plotly", "the run report (hpar-agent report)", "pip install plotly"),
+    ("torch.distributed.pipelining", "torch.distributed.pipelining", "pipeline stages (a, t)",
+     "install a torch build with distributed support"),
+    ("torch.distributed.tensor", "torch.distributed.tensor.parallel", "tensor parallel (t)",
+     "install a torch build with distributed support"),
+]  # fmt: skip
+#: Optional imports: missing ones are ``degraded`` with the way to add them.
+OPTIONAL_IMPORTS = [
+    ("otlp grpc exporter", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+     "OTEL_EXPORTER_OTLP_PROTOCOL=grpc", "pip install 'hpar-agent[grpc]'"),
+]  # fmt: skip
+
+
+def _imports() -> list[Check]:
+    out = []
+    for table, required in ((REQUIRED_IMPORTS, True), (OPTIONAL_IMPORTS, False)):
+        for label, module, why, fix in table:
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # ImportError, or a broken install raising anything else
+                status = MISSING if required else DEGRADED
+                out.append(Check(label, status, f"{module}: {type(exc).__name__}: {exc}"[:200], fix, required))
+                continue
+            version = getattr(importlib.import_module(module.split(".")[0]), "__version__", "")
+            out.append(Check(label, OK, f"{module} {version}".strip() + f" ({why})", required=required))
+    return out
+
+
+def _torch_numpy() -> list[Check]:
+    """torch without numpy imports fine and fails at the first tensor.numpy() in pipelining."""
+    try:
+        import torch
+
+        torch.zeros(1).numpy()
+    except ImportError:
+        return []  # torch itself is reported missing by _torch
+    except Exception as exc:
+        return [Check("torch <-> numpy", MISSING, f"{type(exc).__name__}: {exc}", "pip install numpy", True)]
+    return [Check("torch <-> numpy", OK, "tensor.numpy() works", required=True)]
 
 
 def _torch() -> list[Check]:
     try:
         import torch
     except ImportError:
-        return [Check("torch", MISSING, "not importable", "pip install torch>=2.6")]
+        return [Check("torch", MISSING, "not importable", "pip install torch>=2.6", True)]
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     out = [
         Check(
@@ -36,6 +97,7 @@ def _torch() -> list[Check]:
             OK if (major, minor) >= (2, 6) else DEGRADED,
             torch.__version__,
             "" if (major, minor) >= (2, 6) else "upgrade to torch >= 2.6",
+            True,
         )
     ]
     hooks = {
@@ -98,19 +160,22 @@ def _resolve(path: str) -> bool:
 def _nvml() -> list[Check]:
     try:
         import pynvml
-
+    except ImportError:
+        return []  # reported by _imports
+    try:
         pynvml.nvmlInit()
         n = pynvml.nvmlDeviceGetCount()
         pynvml.nvmlShutdown()
         return [Check("NVML", OK, f"{n} GPU(s)")]
     except Exception as exc:
-        return [Check("NVML", MISSING, f"{type(exc).__name__}: {exc}", "GPU metrics need an NVIDIA driver")]
+        return [Check("NVML", DEGRADED, f"{type(exc).__name__}: {exc}", "GPU metrics need an NVIDIA driver")]
 
 
 def _pyspy() -> list[Check]:
-    exe = shutil.which("py-spy")
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")  # a venv's bin/ not on PATH
+    exe = shutil.which("py-spy") or (beside if os.access(beside, os.X_OK) else None)
     if exe is None:
-        return [Check("py-spy", MISSING, "not on PATH", "pip install py-spy (hang/leak stack evidence)")]
+        return [Check("py-spy", MISSING, "not on PATH", "pip install py-spy (hang/leak stack evidence)", True)]
     try:
         res = subprocess.run(
             [exe, "dump", "--pid", str(os.getpid())], capture_output=True, text=True, timeout=20
@@ -126,7 +191,7 @@ def _pyspy() -> list[Check]:
                 "allow ptrace: run as root, or add SYS_PTRACE (containers)",
             )
         ]
-    return [Check("py-spy", OK, f"{exe}; can dump this process")]
+    return [Check("py-spy", OK, f"{exe}; can dump this process", required=True)]
 
 
 def _port(addr: str, port: int) -> list[Check]:
@@ -158,6 +223,8 @@ def run_checks() -> list[Check]:
     cfg = AgentConfig.load()
     sources: list[Callable[[], list[Check]]] = [
         _torch,
+        _imports,
+        _torch_numpy,
         _nvml,
         _pyspy,
         lambda: _port(cfg.metrics_addr, max(cfg.metrics_port, 0)),
@@ -172,15 +239,35 @@ def run_checks() -> list[Check]:
     return checks
 
 
-def main() -> int:
+def failed(checks: list[Check]) -> list[Check]:
+    return [c for c in checks if c.required and c.status == MISSING]
+
+
+def main(as_json: bool = False) -> int:
+    """Print the checks (a table, or one JSON object); exit 1 when a required one is missing."""
     checks = run_checks()
+    bad = failed(checks)
+    if as_json:
+        from hpar_agent._version import __version__
+
+        doc = {
+            "ok": not bad,
+            "version": __version__,
+            "python": sys.executable,
+            "missing": [c.name for c in bad],
+            "checks": [dataclasses.asdict(c) for c in checks],
+        }
+        print(json.dumps(doc, indent=2))
+        return 1 if bad else 0
     width = max(len(c.name) for c in checks)
     for c in checks:
         line = f"{c.status:<9} {c.name:<{width}}  {c.detail}"
         if c.fix:
             line += f"  -> {c.fix}"
         print(line)
-    return 0 if all(c.status != MISSING or c.name == "NVML" for c in checks) else 1
+    if bad:
+        print(f"doctor: required but missing: {', '.join(c.name for c in bad)}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

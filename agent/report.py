@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -653,23 +654,33 @@ def write_report(
     try:
         return build_report(run_dir, output)
     except ImportError as exc:
-        log.warning("hpar_agent: no run report (%s); pip install 'hpar-agent[report]'", exc)
+        log.warning("hpar_agent: no run report (%s); reinstall hpar-agent (plotly is a dependency)", exc)
     except Exception as exc:
         log.warning("hpar_agent: no run report for %s: %s: %s", run_dir, type(exc).__name__, exc)
     return None
 
 
+#: Files that make a directory a run directory (the agent's and the trainer's outputs).
+RUN_FILES = ("summary.rank*.json", "events.rank*.jsonl", "traces.rank*.jsonl", "trainer.json")
+
+
 def main(run_dir: str, output: str | None = None) -> int:
-    """The ``hpar-agent report`` command: print where the page is, exit 1 when it cannot be written."""
+    """The ``hpar-agent report`` command: print where the page is; exit 2 (one line, nothing written)
+    for a path that is not a run directory, 1 when the page cannot be written."""
+    path = Path(run_dir)
+    if not path.is_dir() or not any(next(path.glob(g), None) for g in RUN_FILES):
+        what = "not found" if not path.exists() else "has no summary/events/traces/trainer files"
+        print(f"hpar-agent report: error: {run_dir}: {what}", file=sys.stderr)
+        return 2
     try:
-        path = build_report(run_dir, output)
+        out = build_report(run_dir, output)
     except ImportError as exc:
-        print(f"hpar-agent report: {exc}; install it with pip install 'hpar-agent[report]'")
+        print(f"hpar-agent report: {exc}; reinstall hpar-agent (plotly is a dependency)", file=sys.stderr)
         return 1
     except Exception as exc:
-        print(f"hpar-agent report: {type(exc).__name__}: {exc}")
+        print(f"hpar-agent report: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    print(f"report: {path}")
+    print(f"report: {out}")
     return 0
 
 

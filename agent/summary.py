@@ -32,9 +32,33 @@ def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
     return lines
 
 
+def _steps(rank: dict[str, Any]) -> int:
+    return int(rank.get("components", {}).get("steps", {}).get("steps", 0) or 0)
+
+
+def never_stepped(trainer: dict[str, Any], ranks: list[dict[str, Any]]) -> bool:
+    """No rank finished a step: nothing to plot, and no detector had anything to judge."""
+    return not any(v is not None for v in trainer.get("losses", [])) and not any(_steps(r) for r in ranks)
+
+
+def _span(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
 def render_summary(
-    trainer: dict[str, Any], ranks: list[dict[str, Any]], run_dir: Path, wall: float, rc: int
+    trainer: dict[str, Any],
+    ranks: list[dict[str, Any]],
+    run_dir: Path,
+    wall: float,
+    rc: int,
+    *,
+    nproc: int | None = None,
+    failures: dict[int, str] | None = None,
+    torchrun_tail: list[str] | None = None,
+    exit_codes: dict[int, int] | None = None,
 ) -> str:
+    """The summary; with ``nproc`` it names the ranks that wrote no summary, with ``failures``
+    (``{rank: first error line}``) the failed ranks, and claims nothing for ranks it has not heard from."""
     lines = ["", "=== hpar-agent demo summary ==="]
     losses = [v for v in trainer.get("losses", []) if v is not None]
     if losses:
@@ -43,6 +67,28 @@ def render_summary(
     if len(times) > 1:
         lines.append(f"step time (rank 0, after step 0): median {_fmt_s(statistics.median(times[1:]))}")
     lines.append(f"trainer exit code {rc}; wall time {wall:.1f} s")
+    codes = exit_codes or {}
+    failed = sorted({*(failures or {}), *(r for r, c in codes.items() if c > 0)})
+    if failed:
+        lines.append(f"FAILED ranks: {_span(failed)}")
+        for rank in failed:
+            code = f" (exit {codes[rank]})" if rank in codes else ""
+            lines.append(f"  rank {rank}{code}: {(failures or {}).get(rank, 'no error line in its stderr')}")
+        stopped = sorted(r for r, c in codes.items() if c < 0 and r not in failed)
+        if stopped:
+            lines.append(f"stopped by torchrun after the failure: ranks {_span(stopped)}")
+    elif rc:
+        last = [t for t in (torchrun_tail or []) if t.strip()][-1:]
+        lines.append("FAILED: no rank logged an error" + (f"; torchrun: {last[0][:200]}" if last else ""))
+    if rc:
+        lines.append(f"  rank logs: {run_dir / 'logs'} (torchrun.log, <run>/attempt_0/<rank>/stderr.log)")
+    present = [r.get("rank") for r in ranks]
+    missing = [r for r in range(nproc or 0) if r not in present]
+    if missing:
+        lines.append(f"no summary from ranks: {_span(missing)} (they ended before the agent wrote one)")
+    stepped = not never_stepped(trainer, ranks)
+    if not stepped:
+        lines.append("the run never stepped: no step, alert or report to show")
     if ranks:
         lines.append("")
         lines.append("ranks:")
@@ -63,9 +109,34 @@ def render_summary(
         lines += ["", "pipeline stages (chunk time p50, slowest rank of the stage):"]
         lines += _table(["stage", "ranks", "forward p50", "backward p50"], stage_rows)
     for section in _component_sections(ranks):
+        if section[0].startswith("alerts: none fired") and (missing or not stepped):
+            if not stepped:
+                continue  # detectors that never saw a step have nothing to say
+            section = [f"alerts: none fired on ranks {_span([p for p in present if p is not None])}; "
+                       f"ranks {_span(missing)} wrote no summary"]
         lines += ["", *section]
-    lines += ["", f"outputs: {run_dir}", "  events.rank<R>.jsonl (event log), summary.rank<R>.json, trainer.json"]
+    lines += ["", f"outputs: {run_dir}", f"  {_outputs(run_dir)}"]
     return "\n".join(lines)
+
+
+#: What a run directory may hold, as the summary names it.
+OUTPUTS = [
+    ("events.rank*.jsonl", "events.rank<R>.jsonl (event log)"),
+    ("summary.rank*.json", "summary.rank<R>.json"),
+    ("traces.rank*.jsonl", "traces.rank<R>.jsonl (OTLP/JSON spans)"),
+    ("trainer.json", "trainer.json"),
+    ("logs", "logs/ (torchrun and rank logs)"),
+]
+
+
+def _outputs(run_dir: Path) -> str:
+    """The outputs that exist (a crashed run must not point at files it never wrote)."""
+    found = []
+    for pattern, label in OUTPUTS:
+        n = len(list(run_dir.glob(pattern)))
+        if n:
+            found.append(f"{label} x{n}" if "<R>" in label else label)
+    return ", ".join(found) or "nothing was written"
 
 
 def _stage_rows(ranks: list[dict[str, Any]]) -> list[list[Any]]:

@@ -212,7 +212,7 @@ def test_cli_and_demo_hook(run_dir: Path, tmp_path: Path, capsys: pytest.Capture
     target = tmp_path / "cli.html"
     assert cli_main(["report", str(run_dir), "-o", str(target)]) == 0
     assert target.stat().st_size > 1_000_000 and str(target) in capsys.readouterr().out
-    assert cli_main(["report", str(tmp_path / "missing")]) == 1
+    assert cli_main(["report", str(tmp_path / "missing")]) == 2  # refused in one line, nothing written
     assert report.write_report(tmp_path / "missing") is None  # the demo's call never raises
     assert report.write_report(run_dir) == run_dir / "report.html"
 

@@ -49,7 +49,7 @@ def attach(tmp_path):
 
 
 def test_public_api_is_small():
-    assert sorted(hpar_agent.__all__) == ["Agent", "AgentConfig", "__version__", "attach", "detach"]
+    assert sorted(hpar_agent.__all__) == ["Agent", "AgentConfig", "__version__", "attach", "current", "detach"]
 
 
 def test_steps_from_global_optimizer_hook(attach):

@@ -38,7 +38,60 @@ def test_doctor_flags_unreachable_otlp(monkeypatch):
     assert check.status == doctor.DEGRADED
 
 
-def test_doctor_flags_pyspy_missing(monkeypatch):
+def test_doctor_flags_pyspy_missing(monkeypatch, tmp_path):
     monkeypatch.setattr(doctor.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(doctor.sys, "executable", str(tmp_path / "python"))  # no py-spy beside it either
     check = _by_name(doctor.run_checks())["py-spy"]
     assert check.status == doctor.MISSING and "pip install py-spy" in check.fix
+
+
+BLOCK = """
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if any(name == m or name.startswith(m + ".") for m in {blocked!r}):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, _Block())
+from hpar_agent.cli import main
+sys.exit(main(["doctor", "--json"]))
+"""
+
+
+def _doctor_json(*blocked: str) -> tuple[int, dict, str]:
+    """``hpar-agent doctor --json`` in a fresh interpreter where ``blocked`` modules cannot be imported."""
+    import json
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-c", BLOCK.format(blocked=list(blocked))], capture_output=True, text=True, timeout=120
+    )
+    return res.returncode, json.loads(res.stdout), res.stderr
+
+
+def test_doctor_json_passes_on_this_install():
+    rc, doc, _ = _doctor_json()
+    names = {c["name"] for c in doc["checks"] if c["required"]}
+    assert rc == 0 and doc["ok"] is True and doc["missing"] == []
+    assert {"torch", "numpy", "torch <-> numpy", "prometheus_client", "opentelemetry sdk", "otlp http exporter",
+            "pynvml", "plotly", "torch.distributed.pipelining", "py-spy"} <= names
+
+
+def test_doctor_fails_when_numpy_is_missing():
+    """The issue's case: torch imports without numpy, pipelining then fails on every rank."""
+    rc, doc, err = _doctor_json("numpy")
+    assert rc == 1 and doc["ok"] is False, err
+    assert {"numpy", "torch <-> numpy"} <= set(doc["missing"])
+    fix = {c["name"]: c["fix"] for c in doc["checks"]}
+    assert fix["numpy"] == "pip install numpy"
+
+
+def test_doctor_reports_missing_torch_without_a_traceback():
+    rc, doc, err = _doctor_json("torch")
+    assert rc == 1 and "torch" in doc["missing"] and "Traceback" not in err
+
+
+def test_doctor_optional_grpc_exporter_is_a_warning():
+    rc, doc, _ = _doctor_json("opentelemetry.exporter.otlp.proto.grpc")
+    grpc = next(c for c in doc["checks"] if c["name"] == "otlp grpc exporter")
+    assert rc == 0 and grpc["status"] == doctor.DEGRADED and "hpar-agent[grpc]" in grpc["fix"]

@@ -73,3 +73,50 @@ def test_load_rank_summaries_orders_by_rank_number(tmp_path):
         (tmp_path / f"summary.rank{rank}.json").write_text(json.dumps(_rank(rank, 0, {})))
     (tmp_path / "summary.rank3.json").write_text("{not json")
     assert [r["rank"] for r in load_rank_summaries(tmp_path)] == [0, 2, 10]
+
+
+def _with_detectors(rank: dict, fired: bool = False) -> dict:
+    rank["components"]["detectors"] = {"Hang": {"fired": 1 if fired else 0}, "GraphBreak": {"fired": 0}}
+    return rank
+
+
+def test_failed_ranks_are_named_with_their_error_and_silent_ranks_listed():
+    """One rank of four wrote a summary; two crashed, one was stopped by torchrun: no clean-run claims."""
+    ranks = [_with_detectors(_rank(0, 0, {}))]
+    text = render_summary(
+        {"losses": [4.0]}, ranks, Path("run"), 9.0, 1, nproc=4,
+        failures={2: "RuntimeError: Numpy is not available", 3: "RuntimeError: Numpy is not available"},
+        exit_codes={1: -15, 2: 1, 3: 1},
+    )  # fmt: skip
+    assert "FAILED ranks: 2, 3" in text
+    assert "  rank 2 (exit 1): RuntimeError: Numpy is not available" in text
+    assert "stopped by torchrun after the failure: ranks 1" in text
+    assert "no summary from ranks: 1, 2, 3" in text
+    assert "every rank" not in text
+    assert "alerts: none fired on ranks 0; ranks 1, 2, 3 wrote no summary" in text
+
+
+def test_a_run_that_never_stepped_claims_no_alerts():
+    ranks = [_with_detectors(_rank(r, 0, {})) for r in range(2)]
+    for r in ranks:
+        r["components"]["steps"]["steps"] = 0
+    text = render_summary({}, ranks, Path("run"), 3.0, 1, nproc=2, failures={0: "ValueError: x"})
+    assert "the run never stepped" in text and "alerts" not in text
+
+
+def test_a_clean_run_says_every_rank_ran_the_detectors():
+    ranks = [_with_detectors(_rank(r, 0, {})) for r in range(2)]
+    text = render_summary({"losses": [1.0]}, ranks, Path("run"), 3.0, 0, nproc=2)
+    assert "alerts: none fired (2 detectors ran on every rank)" in text
+    assert "FAILED" not in text and "no summary from" not in text
+
+
+def test_outputs_line_lists_only_files_that_exist(tmp_path):
+    (tmp_path / "logs").mkdir()
+    assert render_summary({}, [], tmp_path, 1.0, 1).splitlines()[-1] == "  logs/ (torchrun and rank logs)"
+    for r in range(2):
+        (tmp_path / f"events.rank{r}.jsonl").write_text("")
+    (tmp_path / "trainer.json").write_text("{}")
+    last = render_summary({}, [], tmp_path, 1.0, 0).splitlines()[-1]
+    assert last == "  events.rank<R>.jsonl (event log) x2, trainer.json, logs/ (torchrun and rank logs)"
+    assert render_summary({}, [], tmp_path / "none", 1.0, 1).splitlines()[-1] == "  nothing was written"

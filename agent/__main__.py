@@ -1,0 +1,7 @@
+"""``python -m hpar_agent``: the ``hpar-agent`` command, for environments whose scripts are not on PATH."""
+
+import sys
+
+from hpar_agent.cli import main
+
+sys.exit(main())
