@@ -127,15 +127,24 @@ def _torch() -> list[Check]:
     )
     if not cuda:
         return out
-    timing = fr.nccl_timing()
-    out.append(
-        Check(
-            "NCCL collective timing",
-            OK if timing else DEGRADED,
-            f"TORCH_NCCL_ENABLE_TIMING={os.environ.get('TORCH_NCCL_ENABLE_TIMING', '0')}",
-            "" if timing else "set TORCH_NCCL_ENABLE_TIMING=1 for NCCL durations (measure step time)",
-        )
+    from hpar_agent.config import AgentConfig
+
+    env_on = fr.nccl_timing()
+    agent_on = AgentConfig.load().nccl_timing
+    api = hasattr(torch.distributed, "ProcessGroup") and hasattr(
+        torch.distributed.ProcessGroup, "_enable_collectives_timing"
     )
+    if env_on:
+        state, detail, fix = OK, "TORCH_NCCL_ENABLE_TIMING=1: every NCCL group is timed", ""
+    elif agent_on and api:
+        state, detail, fix = OK, "the agent switches timing on for every NCCL group (HPAR_NCCL_TIMING)", ""
+    elif agent_on:
+        state, detail = DEGRADED, "this torch has no ProcessGroup._enable_collectives_timing"
+        fix = "set TORCH_NCCL_ENABLE_TIMING=1 before init_process_group"
+    else:
+        state, detail = DEGRADED, "HPAR_NCCL_TIMING=0 and TORCH_NCCL_ENABLE_TIMING unset: no NCCL durations"
+        fix = "unset HPAR_NCCL_TIMING or set TORCH_NCCL_ENABLE_TIMING=1 before init_process_group"
+    out.append(Check("NCCL collective timing", state, detail, fix))
     return out
 
 
