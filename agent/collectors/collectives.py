@@ -224,16 +224,16 @@ class CollectiveCollector(Component):
         """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
         that group by its dim (dp for a dp-only job), as the other dims' ``mesh_<dim>`` groups are. Not
         pp: that label's in-flight view is the p2p wrapper's, and would hide a stalled world collective."""
-        from hpar_agent.topology import _mesh_from_model
+        from hpar_agent.topology import _mesh_from_model, mesh_dim_names
 
         mesh = getattr(agent, "mesh", None)
         if mesh is None:
             mesh = _mesh_from_model(getattr(agent, "model", None))
-        for dim in getattr(mesh, "mesh_dim_names", None) or ():
+        for i, dim in enumerate(mesh_dim_names(mesh, getattr(agent, "model", None))):  # unnamed FSDP: dp_shard
             try:
-                if mesh[dim].size() < 2:
+                if mesh.size(i) < 2:
                     continue
-                name, desc = fr.group_name(mesh.get_group(dim))
+                name, desc = fr.group_name(mesh.get_group(i))
             except Exception:
                 continue
             label = pg_label("", dim)
