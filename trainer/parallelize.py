@@ -44,13 +44,25 @@ def _replicate_fn() -> tuple[Callable[..., Any], bool]:
         return replicate, False
 
 
+_COMM_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "wait_tensor")
+
+
+def _is_collective(target: Any) -> bool:
+    name = str(getattr(target, "__name__", target))
+    return any(c in name for c in _COMM_NAMES)
+
+
 def counting_backend(name: str, stats: dict[str, int]) -> Callable[..., Any]:
-    """Wrap a Dynamo backend so each rank can report how many graphs/ops it compiled."""
+    """Wrap a Dynamo backend so each rank can report how many graphs/ops it compiled, and how many of
+    those ops are collectives (FSDP's all-gather/reduce-scatter must stay outside the graphs: 0)."""
     inner = torch._dynamo.lookup_backend(name)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
         stats["graphs"] += 1
-        stats["ops"] += sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        stats["ops"] += len(calls)
+        # collectives traced into a graph (TP's functional ones, or FSDP's if its hooks were traced)
+        stats["comm_ops"] = stats.get("comm_ops", 0) + sum(1 for n in calls if _is_collective(n.target))
         return inner(gm, example_inputs)
 
     return backend
