@@ -222,8 +222,8 @@ class CollectiveCollector(Component):
 
     def _label_mesh_groups(self, agent: Any) -> None:
         """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
-        that group by its dim (dp for a dp-only job), as the other dims' ``mesh_<dim>`` groups are. Not
-        pp: that label's in-flight view is the p2p wrapper's, and would hide a stalled world collective."""
+        that group by its dim (dp for a dp-only job; a flattened dim such as HSDP's ``dp`` when no atomic
+        dim spans the world), as the other dims' ``mesh_<dim>`` groups are. Not pp: that label's in-flight view is the p2p wrapper's, and would hide a stalled world collective."""
         from hpar_agent.topology import _mesh_from_model, mesh_dim_names
 
         mesh = getattr(agent, "mesh", None)
@@ -239,6 +239,16 @@ class CollectiveCollector(Component):
             label = pg_label("", dim)
             if not desc.startswith("mesh_") and label != PP_PG:
                 self._labels[(name, desc)] = label
+        flattened = getattr(mesh, "_flatten_mapping", None) or {}  # torchtitan's dp, dp_shard_cp (private)
+        for dim, sub in list(flattened.items()):
+            try:
+                if sub.size() < 2:
+                    continue
+                name, desc = fr.group_name(sub.get_group())
+            except Exception:
+                continue
+            if not desc.startswith("mesh_"):  # an atomic dim spanning the same ranks keeps its label
+                self._labels.setdefault((name, desc), pg_label("", dim))
 
     def uninstall(self) -> None:
         self._active = False
