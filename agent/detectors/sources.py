@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hpar_agent.detectors.signals import FrEntry
+from hpar_agent.topology import ATOMIC_DIMS, FLATTENED_DIMS
 
 if TYPE_CHECKING:
     from hpar_agent.agent import Agent
@@ -133,8 +134,6 @@ def _group_key(label: str, coords: Mapping[str, Any]) -> str:
     is the label of every dp group) plus the coordinates the group's members share. ``coords`` holds
     the atomic dims (dp_replicate, dp_shard, cp, tp, pp); a label that is a mesh dim, flattened or not
     (``dp_shard``, ``dp`` = dp_replicate x dp_shard, ``dp_shard_cp``), spans its atomic dims."""
-    from hpar_agent.topology import ATOMIC_DIMS, FLATTENED_DIMS
-
     low = label.lower()
     spans = FLATTENED_DIMS.get(low) or ((low,) if low in ATOMIC_DIMS else None)
     if spans is None:  # a label that only contains a dim name (e.g. a user's "dp_grads")
