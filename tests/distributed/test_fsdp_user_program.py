@@ -3,7 +3,8 @@ with nothing else: an unnamed 1-D mesh, ``fully_shard`` per layer then the root,
 gradient reduction (MixedPrecisionPolicy). The clean run must raise no alert (ReplicaDivergence must not
 compare the two ranks' different shards, CollectiveMismatch must not flag the agreed bf16 reduction),
 ``hpar_rank_info`` must say dp_shard=2, and the collective series must carry FSDP's all-gathers under
-``pg="dp_shard"`` with the flight recorder's counts and bytes.
+``pg="dp_shard"`` with the flight recorder's counts and bytes. Also: a DDP program with torch's compress
+hook on every rank raises no CollectiveMismatch.
 """
 
 from __future__ import annotations
@@ -103,3 +104,48 @@ def test_user_fsdp2_program_is_quiet_and_its_series_are_right(tmp_path):
         # gloo runs FSDP's reduce-scatter as an all-reduce of the whole bf16 gradient (the FR says so)
         reductions = [e for e in res["fr"] if op_label(e[0]) == "all_reduce" and e[2] == ["BFloat16"]]
         assert len(reductions) >= 2 * STEPS and total[("dp_shard", "all_reduce")] >= len(reductions)
+
+
+def _ddp_compressed_program(rank: int, port: int, out_dir: str) -> None:
+    """DDP with torch's compress hook on every rank: an intended, agreed low-precision reduction (fp16:
+    DDP refuses its bf16 hook without NCCL; the unit tests cover the bf16 hook's recognition)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)))
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    agent = hpar_agent.attach(model, metrics_port=0, metrics_addr="127.0.0.1", traces="none", run_dir=out_dir,
+                              job_id="ddp-fp16", fr_interval=0.001, thresholds={"detectors.exchange_s": 0.0})
+    try:
+        for _ in range(STEPS):
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for _ in range(3):
+            dist.barrier()
+            agent.tick()
+        with urllib.request.urlopen(agent.metrics_url, timeout=10) as resp:
+            text = resp.read().decode()
+        alerts = {s.labels["alert"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                  if s.name == "hpar_alert_active"}  # fmt: skip
+        half = [e for e in fr.dump("gloo")["entries"] if e["input_dtypes"] == ["Half"]]
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump({"alerts": alerts, "half_reductions": len(half)}, fh)
+        dist.barrier()
+    finally:
+        hpar_agent.detach()
+        dist.destroy_process_group()
+
+
+def test_ddp_compress_hook_on_every_rank_is_quiet(tmp_path):
+    mp.start_processes(_ddp_compressed_program, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True,
+                       start_method="fork")  # fmt: skip
+    for rank in range(WORLD):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert res["half_reductions"] >= STEPS  # the gradients really were reduced in 16 bits
+        assert res["alerts"] and not any(res["alerts"].values()), res["alerts"]
