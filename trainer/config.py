@@ -35,7 +35,7 @@ INJECTIONS: dict[str, str] = {
     "(dp group, DDP comm hook): peers wait inside the collective (dp >= 2, --dp-mode ddp)",
     "hsdp-replicate-skip": "from --inject-step the inject rank drops the result of FSDP's replicate-dimension "
     "gradient all-reduce (it still joins the collective, keeping its own reduce-scatter output), so its "
-    "shards drift from their replicas (--dp-mode fsdp, --dp-replicate >= 2)",
+    "shards drift from their replicas (--dp-replicate >= 2 --dp-shard >= 2)",
     "hang": "at --inject-step the inject rank skips the step's collectives and waits in a world barrier "
     "the peers never reach: every rank fails after --pg-timeout (default 20 s in this mode)",
 }
@@ -149,15 +149,16 @@ class TrainConfig:
                 raise ValueError(f"--dp {self.dp} != dp_replicate*dp_shard = {rep}*{shard}")
             self.dp = rep * shard
         elif shard:
-            if self.dp % shard:
+            if self.dp != 1 and self.dp % shard:
                 raise ValueError(f"--dp {self.dp} is not divisible by --dp-shard {shard}")
             rep = max(1, self.dp // shard)
             self.dp = rep * shard
         else:
             rep = rep or 1
-            if self.dp % rep:
+            if self.dp != 1 and self.dp % rep:
                 raise ValueError(f"--dp {self.dp} is not divisible by --dp-replicate {rep}")
-            shard = self.dp // rep
+            shard = max(1, self.dp // rep)
+            self.dp = rep * shard
         self.dp_replicate, self.dp_shard = rep, shard
 
     def _validate(self) -> None:
@@ -194,8 +195,10 @@ class TrainConfig:
             raise ValueError("--pause-seconds must be >= 0")
         if "tp-grad-skip" in self.inject and self.tp < 2:
             raise ValueError("--inject tp-grad-skip needs --tp >= 2")
-        if "hsdp-replicate-skip" in self.inject and (self.dp_mode != "fsdp" or self.dp_replicate < 2):
-            raise ValueError("--inject hsdp-replicate-skip needs --dp-mode fsdp and --dp-replicate >= 2")
+        if "hsdp-replicate-skip" in self.inject and (self.dp_mode != "fsdp" or self.dp_replicate < 2
+                                                      or self.dp_shard < 2):
+            # with one shard FSDP copies instead of calling its reduce-scatter, which the injection wraps
+            raise ValueError("--inject hsdp-replicate-skip needs --dp-mode fsdp, --dp-replicate >= 2 and --dp-shard >= 2")
 
     @property
     def num_stages(self) -> int:

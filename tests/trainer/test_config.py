@@ -19,6 +19,8 @@ def test_defaults_are_valid():
     (["--dp", "4", "--dp-shard", "2"], (2, 2)),
     (["--dp", "4", "--dp-mode", "fsdp"], (1, 4)),  # plain FSDP
     (["--dp", "4", "--dp-replicate", "4"], (4, 1)),  # replicate-only through fully_shard's 2-D mesh
+    (["--dp-shard", "4"], (1, 4)),  # --dp follows the factors given
+    (["--dp-replicate", "4"], (4, 1)),
 ])
 def test_fsdp_degrees_resolve(argv, rep_shard):
     cfg = parse_args(argv, world_size=4)
@@ -59,6 +61,7 @@ def test_help_documents_every_injection(capsys):
     (["--dp", "4", "--dp-shard", "3"], 4, "--dp 4 is not divisible by --dp-shard 3"),
     (["--dp", "2", "--dp-replicate", "2", "--dp-shard", "2"], 4, "--dp 2 != dp_replicate*dp_shard"),
     (["--dp-mode", "fsdp", "--dp", "2", "--inject", "hsdp-replicate-skip"], 2, "--dp-replicate >= 2"),
+    (["--dp-replicate", "2", "--inject", "hsdp-replicate-skip"], 2, "--dp-shard >= 2"),
 ])
 def test_bad_flags_exit_2_with_one_line(capsys, argv, world, needle):
     with pytest.raises(SystemExit) as exc:
