@@ -48,6 +48,9 @@ _OP_ALIASES: dict[str, str] = {
     "all_to_all": "all_to_all", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
     "all_to_all_single": "all_to_all", "send": "send", "recv": "recv", "recv_any_source": "recv",
     "barrier": "barrier", "gather": "gather", "scatter": "scatter", "coalesced": "coalesced",
+    # torch >= 2.13 spellings FSDP2 calls (reduce_scatter_single / all_gather_single)
+    "reduce_scatter_single": "reduce_scatter", "reduce_scatter_single_coalesced": "reduce_scatter",
+    "all_gather_single": "all_gather", "allgather_single": "all_gather",
 }  # fmt: skip
 #: Timestamps above this are epoch nanoseconds; below, a monotonic clock (not comparable with attach time).
 _EPOCH_2001_NS = 978_307_200 * 10**9
