@@ -45,6 +45,13 @@ INFO_LABELS: tuple[str, ...] = (
     "dp_rank",
     "tp_rank",
     "pp_rank",
+    "dp_replicate",  # torchtitan mesh dims: dp = dp_replicate x dp_shard (HSDP); FSDP alone: dp_shard
+    "dp_shard",
+    "cp",
+    "dp_replicate_rank",
+    "dp_shard_rank",
+    "cp_rank",
+    "mesh_dims",  # the mesh as read: name=size,... in mesh order
     "backend",
     "device",
     "torch_version",

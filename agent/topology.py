@@ -2,6 +2,11 @@
 
 Read from, in order: the ``mesh`` argument, the model (DTensor parameters' mesh, a PipelineStage or its
 submodule, a DDP/replicate process group), then ``HPAR_*`` overrides. Works without torch.distributed.
+
+Mesh dimensions use torchtitan's names: ``dp_replicate`` (DDP/replicate, HSDP's outer dim), ``dp_shard``
+(FSDP), ``cp``, ``tp``, ``pp``, and flattened ones (``dp`` = dp_replicate x dp_shard, ``dp_shard_cp``,
+``dp_cp``). A dim named plain ``dp`` is read as dp_shard when parameters are ``Shard`` on it (FSDP over a
+``dp`` mesh) and as dp_replicate otherwise; an unnamed FSDP mesh is named by its parameters' placements.
 """
 
 from __future__ import annotations
@@ -18,6 +23,14 @@ import torch.distributed as dist
 from hpar_agent.config import AgentConfig
 
 _MESH_DIMS = ("dp", "tp", "pp")
+#: Atomic data/context/model-parallel dims (torchtitan's names), outermost first.
+ATOMIC_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+#: Flattened dims -> the atomic dims they span.
+FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,21 @@ class Topology:
     pp_stage: int = 0
     backend: str = "none"
     device: str = "cpu"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    dp_replicate_rank: int = 0
+    dp_shard_rank: int = 0
+    cp_rank: int = 0
+    mesh_dims: str = ""
+    """The mesh as read, ``name=size`` comma-separated in mesh order (empty without a named mesh)."""
+
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate on every atomic dim (dp_replicate, dp_shard, cp, tp, pp)."""
+        out = {d: getattr(self, f"{d}_rank") for d in ATOMIC_DIMS}
+        if self.dp_rank and not (self.dp_replicate_rank or self.dp_shard_rank):  # dp set alone (HPAR_*, tests)
+            out["dp_replicate"] = self.dp_rank
+        return out
 
     def info_labels(self) -> dict[str, str]:
         d = asdict(self)
@@ -65,6 +93,56 @@ def _mesh_from_model(model: Any) -> Any:
         if isinstance(p, DTensor):
             return p.device_mesh
     return None
+
+
+def _is_shard(placement: Any) -> bool:
+    return type(placement).__name__ in ("Shard", "_StridedShard")
+
+
+def _shard_dim_names(model: Any) -> set[str]:
+    """Names of the mesh dims some DTensor parameter is ``Shard`` on (its placements)."""
+    sharded: set[str] = set()
+    if model is None or not hasattr(model, "parameters"):
+        return sharded
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return sharded
+    for p in model.parameters():
+        if not isinstance(p, DTensor):
+            continue
+        names = p.device_mesh.mesh_dim_names or ()
+        for i, pl in enumerate(p.placements):
+            if _is_shard(pl):
+                sharded.add(names[i] if i < len(names) else f"#{i}")
+    return sharded
+
+
+def mesh_dim_names(mesh: Any, model: Any = None) -> tuple[str, ...]:
+    """The mesh's dim names; an unnamed mesh of an FSDP model is named by placement: 1-D -> dp_shard,
+    2-D (HSDP) -> (dp_replicate, dp_shard); other unnamed meshes -> ()."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if names or mesh is None:
+        return names
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return ()
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in getattr(model, "modules", list)()):
+        return {1: ("dp_shard",), 2: ("dp_replicate", "dp_shard")}.get(mesh.ndim, ())
+    return ()
+
+
+def _atomic_coords(dims: dict[str, tuple[int, int]], sharded: set[str]) -> dict[str, tuple[int, int]]:
+    """(size, coordinate) of every atomic dim from the named dims read (flattened ones fill the atomic
+    dims they span when those are not named themselves)."""
+    out = {d: dims[d] for d in ATOMIC_DIMS if d in dims}
+    if "dp" in dims and "dp_replicate" not in out and "dp_shard" not in out:
+        out["dp_shard" if "dp" in sharded else "dp_replicate"] = dims["dp"]
+    for flat, parts in FLATTENED_DIMS.items():
+        if flat in dims and flat != "dp" and not any(p in out for p in parts):
+            out[parts[0] if parts[0] != "dp_replicate" else "dp_shard"] = dims[flat]
+    return {d: out.get(d, (1, 0)) for d in ATOMIC_DIMS}
 
 
 def _stage_index(model: Any) -> int | None:
@@ -113,12 +191,24 @@ def detect(model: Any = None, mesh: Any = None, config: AgentConfig | None = Non
     world = dist.get_world_size() if initialized else _env_int("WORLD_SIZE", 1)
     coords = {d: (1, 0) for d in _MESH_DIMS}  # dim -> (degree, coordinate)
     mesh = mesh if mesh is not None else _mesh_from_model(model)
-    if mesh is not None and getattr(mesh, "mesh_dim_names", None):
-        for i, name in enumerate(mesh.mesh_dim_names):
-            if name in coords:
-                coords[name] = (mesh.size(i), mesh.get_local_rank(i))
+    names = mesh_dim_names(mesh, model)
+    dims: dict[str, tuple[int, int]] = {}
+    try:
+        dims = {name: (mesh.size(i), mesh.get_local_rank(i)) for i, name in enumerate(names)}
+    except Exception:  # a mesh this rank is not part of
+        dims = {}
+    atomic = {d: (1, 0) for d in ATOMIC_DIMS}
+    if dims:
+        sharded = _shard_dim_names(model)
+        if not getattr(mesh, "mesh_dim_names", None):  # named by placement above
+            sharded |= {n for n in names if n == "dp_shard"}
+        atomic = _atomic_coords(dims, sharded)
+        (rs, rr), (ss, sr) = atomic["dp_replicate"], atomic["dp_shard"]
+        coords["dp"] = dims.get("dp", (rs * ss, rr * ss + sr))
+        coords["tp"], coords["pp"] = atomic["tp"], atomic["pp"]
     elif (dp := _dp_group_size(model)) is not None:
         coords["dp"] = (dp, rank % dp)
+        atomic["dp_replicate"] = coords["dp"]
     degree = {d: getattr(config, d) or coords[d][0] for d in _MESH_DIMS}
     stage = config.pp_stage
     if stage is None:
@@ -141,4 +231,11 @@ def detect(model: Any = None, mesh: Any = None, config: AgentConfig | None = Non
         pp_stage=stage,
         backend=str(backend),
         device="cuda" if torch.cuda.is_available() else "cpu",
+        dp_replicate=atomic["dp_replicate"][0],
+        dp_shard=atomic["dp_shard"][0],
+        cp=atomic["cp"][0],
+        dp_replicate_rank=atomic["dp_replicate"][1],
+        dp_shard_rank=atomic["dp_shard"][1],
+        cp_rank=atomic["cp"][1],
+        mesh_dims=",".join(f"{n}={dims[n][0]}" for n in names if n in dims),
     )

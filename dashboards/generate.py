@@ -434,6 +434,29 @@ def collectives() -> Board:
         ],
         "short",
     )
+    b.row("FSDP (sharded data parallel)")
+    fsdp = SELPG + ',pg=~"dp_shard.*|dp_replicate|dp",op=~"all_gather|reduce_scatter|all_reduce"'
+    ts(
+        b,
+        "FSDP all-gather / reduce-scatter bytes per second",
+        "FSDP2's parameter all-gathers and gradient reduce-scatters on the dp_shard group, and HSDP's "
+        "gradient all-reduce on dp_replicate (gloo runs a reduce-scatter as an all_reduce).",
+        [Q(f"sum by (pg, op) (rate(hpar_collective_bytes_total{{{fsdp}}}[{RI}]))", "{{pg}} {{op}}")],
+        "Bps",
+    )
+    ts(
+        b,
+        "FSDP all-gather / reduce-scatter p99 latency by rank",
+        "Per-rank p99 of FSDP's collectives; empty where the backend gives no durations (gloo).",
+        [
+            Q(
+                f"histogram_quantile(0.99, sum by (rank, pg, op, le) (rate(hpar_collective_duration_seconds_bucket{{{fsdp}}}[{RI}])))",
+                "rank {{rank}} {{pg}} {{op}}",
+                exemplar=True,
+            )
+        ],
+        "s",
+    )
     b.row("In flight and skew")
     ts(
         b,

@@ -33,11 +33,16 @@ INJECTIONS: dict[str, str] = {
     "straggler": "from --inject-step the inject rank sleeps --inject-delay inside its first forward of every step",
     "slow-collective": "from --inject-step the inject rank sleeps --inject-delay before every DP gradient all-reduce "
     "(dp group, DDP comm hook): peers wait inside the collective (dp >= 2, --dp-mode ddp)",
+    "hsdp-replicate-skip": "from --inject-step the inject rank drops the result of FSDP's replicate-dimension "
+    "gradient all-reduce (it still joins the collective, keeping its own reduce-scatter output), so its "
+    "shards drift from their replicas (--dp-replicate >= 2 --dp-shard >= 2)",
     "hang": "at --inject-step the inject rank skips the step's collectives and waits in a world barrier "
     "the peers never reach: every rank fails after --pg-timeout (default 20 s in this mode)",
 }
 NEEDS_COMPILE = {"recompile-storm", "graph-break", "divergent-graph"}
 NEEDS_DDP = {"dtype-mismatch", "slow-collective"}
+DP_MODES = ("ddp", "replicate", "fsdp")
+MP_DTYPES = ("fp32", "bf16")
 
 EPILOG = "injections (--inject NAME, repeatable; rank = --inject-rank, default the last rank; " \
     "step = --inject-step, default 3):\n" + "\n".join(f"  {k:16} {v}" for k, v in INJECTIONS.items())
@@ -59,8 +64,17 @@ class TrainConfig:
     """Pipeline microbatches per step; 0 means 2 * pp."""
     stages_per_rank: int = 2
     """Virtual stages per pp rank for interleaved-1f1b (1 for the other schedules)."""
-    dp_mode: str = "replicate"
-    """DDP or composable replicate; replicate is the one that also works with TP inside a stage."""
+    dp_mode: str = ""
+    """ddp, replicate (composable) or fsdp (FSDP2 fully_shard); empty: fsdp when --dp-replicate/--dp-shard
+    is given, else replicate (the one that also works with TP inside a stage)."""
+    dp_replicate: int = 0
+    """fsdp: replicate degree of HSDP (0: dp / dp_shard, or 1)."""
+    dp_shard: int = 0
+    """fsdp: shard degree (0: dp / dp_replicate); dp = dp_replicate * dp_shard."""
+    mp_param_dtype: str = ""
+    """fsdp: MixedPrecisionPolicy param_dtype (compute/all-gather dtype), fp32 or bf16; empty: --dtype."""
+    mp_reduce_dtype: str = ""
+    """fsdp: MixedPrecisionPolicy reduce_dtype (reduce-scatter/all-reduce dtype); empty: the param dtype."""
     compile: str = "none"
     """torch.compile backend applied per transformer block, or none."""
     dtype: str = "fp32"
@@ -113,6 +127,7 @@ class TrainConfig:
     """JSON summary path (rank 0); every rank also writes <stem>.rank<r>.json."""
 
     def __post_init__(self) -> None:
+        self._resolve_dp()
         if self.microbatches == 0:
             self.microbatches = 2 * self.pp
         if self.schedule != "interleaved-1f1b":
@@ -121,13 +136,45 @@ class TrainConfig:
             self.pg_timeout = 20.0 if "hang" in self.inject else 300.0
         self._validate()
 
+    def _resolve_dp(self) -> None:
+        """dp = dp_replicate * dp_shard in fsdp mode; either factor may be left to the other and --dp."""
+        hsdp_flags = self.dp_replicate > 0 or self.dp_shard > 0
+        if not self.dp_mode:
+            self.dp_mode = "fsdp" if hsdp_flags else "replicate"
+        if self.dp_mode != "fsdp":
+            if hsdp_flags or self.mp_param_dtype or self.mp_reduce_dtype:
+                raise ValueError("--dp-replicate/--dp-shard/--mp-*-dtype need --dp-mode fsdp")
+            return
+        if self.dp_replicate < 0 or self.dp_shard < 0:
+            raise ValueError("--dp-replicate and --dp-shard must be >= 1")
+        rep, shard = self.dp_replicate, self.dp_shard
+        if rep and shard:
+            if self.dp not in (1, rep * shard):
+                raise ValueError(f"--dp {self.dp} != dp_replicate*dp_shard = {rep}*{shard}")
+            self.dp = rep * shard
+        elif shard:
+            if self.dp != 1 and self.dp % shard:
+                raise ValueError(f"--dp {self.dp} is not divisible by --dp-shard {shard}")
+            rep = max(1, self.dp // shard)
+            self.dp = rep * shard
+        else:
+            rep = rep or 1
+            if self.dp != 1 and self.dp % rep:
+                raise ValueError(f"--dp {self.dp} is not divisible by --dp-replicate {rep}")
+            shard = max(1, self.dp // rep)
+            self.dp = rep * shard
+        self.dp_replicate, self.dp_shard = rep, shard
+
     def _validate(self) -> None:
         for name in ("dp", "pp", "tp", "microbatches", "stages_per_rank", "steps", "global_batch",
                      "seq_len", "layers", "dim", "heads", "vocab", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         _choice("schedule", self.schedule, SCHEDULES)
-        _choice("dp-mode", self.dp_mode, ("ddp", "replicate"))
+        _choice("dp-mode", self.dp_mode, DP_MODES)
+        for flag in ("mp_param_dtype", "mp_reduce_dtype"):
+            if getattr(self, flag):
+                _choice(flag.replace("_", "-"), getattr(self, flag), MP_DTYPES)
         _choice("compile", self.compile, COMPILE_BACKENDS)
         _choice("dtype", self.dtype, ("fp32", "bf16"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
@@ -154,6 +201,10 @@ class TrainConfig:
             raise ValueError("--start-delay must be >= 0")
         if "tp-grad-skip" in self.inject and self.tp < 2:
             raise ValueError("--inject tp-grad-skip needs --tp >= 2")
+        if "hsdp-replicate-skip" in self.inject and (self.dp_mode != "fsdp" or self.dp_replicate < 2
+                                                      or self.dp_shard < 2):
+            # with one shard FSDP copies instead of calling its reduce-scatter, which the injection wraps
+            raise ValueError("--inject hsdp-replicate-skip needs --dp-mode fsdp, --dp-replicate >= 2 and --dp-shard >= 2")
 
     @property
     def num_stages(self) -> int:
@@ -206,8 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
     add("--microbatches", type=int, default=0, help="pipeline microbatches (default 2*pp)")
     add("--stages-per-rank", type=int, default=2, help="virtual stages per rank for interleaved-1f1b")
-    add("--dp-mode", choices=("ddp", "replicate"), default="replicate",
-        help="data parallelism (default replicate: torch 2.11 cannot run DDP with TP inside a pipeline stage)")
+    add("--dp-mode", choices=DP_MODES, default="",
+        help="data parallelism: ddp, replicate or fsdp (FSDP2 per block, then the root); default replicate "
+        "(torch 2.11 cannot run DDP with TP inside a pipeline stage), fsdp when --dp-replicate/--dp-shard is given")
+    add("--dp-replicate", type=int, default=0, metavar="M", help="fsdp: HSDP replicate degree (mesh dim dp_replicate)")
+    add("--dp-shard", type=int, default=0, metavar="N", help="fsdp: shard degree (mesh dim dp_shard); dp = M*N")
+    add("--mp-param-dtype", choices=MP_DTYPES, default="", help="fsdp: MixedPrecisionPolicy param_dtype")
+    add("--mp-reduce-dtype", choices=MP_DTYPES, default="", help="fsdp: MixedPrecisionPolicy reduce_dtype")
     add("--compile", choices=COMPILE_BACKENDS, default="none", help="torch.compile backend per block")
     add("--dtype", choices=("fp32", "bf16"), default="fp32")
     for name in ("steps", "seed", "global_batch", "seq_len", "layers", "dim", "heads", "vocab", "log_every"):

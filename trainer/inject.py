@@ -63,6 +63,34 @@ def _bf16_same_bytes_hook(group: dist.ProcessGroup, bucket: Any) -> torch.future
     return dist.all_reduce(packed, group=group, async_op=True).get_future().then(decompress)  # type: ignore[union-attr]
 
 
+class _KeepLocalShard:
+    """hsdp-replicate-skip on one FSDP module: the reduce-scatter (over dp_shard) runs as usual and its
+    output is kept; after the replicate-dimension all-reduce, the all-reduce hook puts the kept output
+    back. Every rank still makes the same collective calls (nothing hangs, FR stays aligned), but this
+    rank's gradient shards miss their replicas' contributions and its parameters drift from them."""
+
+    def __init__(self, live: Any) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+        self.live = live
+        self.kept: torch.Tensor | None = None
+        keeper = self
+
+        class KeepingReduceScatter(DefaultReduceScatter):
+            def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                         async_op: bool = False) -> Any:
+                work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+                keeper.kept = output_tensor.clone() if keeper.live() else None  # same stream: ordered after RS
+                return work
+
+        self.reduce_scatter = KeepingReduceScatter()
+
+    def all_reduce_hook(self, reduce_output: torch.Tensor) -> None:
+        if self.kept is not None:
+            reduce_output.copy_(self.kept)
+            self.kept = None
+
+
 class Injector:
     """Installs the configured injections on this rank and drives their per-step state."""
 
@@ -135,6 +163,19 @@ class Injector:
             return fut.then(done)
 
         ddp.register_comm_hook(None, hook)  # type: ignore[operator]
+
+    def install_fsdp_hooks(self, part: nn.Module) -> None:
+        """hsdp-replicate-skip: on the inject rank, every FSDP module of the part keeps its local shard."""
+        if not ("hsdp-replicate-skip" in self.names and self.on_rank):
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                keep = _KeepLocalShard(lambda: self._live("hsdp-replicate-skip"))
+                module.set_custom_reduce_scatter(keep.reduce_scatter)
+                module.set_all_reduce_hook(keep.all_reduce_hook)
+                self._kept.append(keep)
 
     # --- run time ---------------------------------------------------------------------------
     def before_step(self, step: int, parts: list[GPT]) -> None:

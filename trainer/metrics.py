@@ -35,7 +35,7 @@ class RankRecorder:
 
     def __init__(self, out: str | None, rank: int, coords: dict[str, int]) -> None:
         self.path = rank_path(out, rank) if out else None
-        self.data: dict[str, Any] = {"rank": rank, "coords": coords, "steps": [], "compile": {"graphs": 0, "ops": 0},
+        self.data: dict[str, Any] = {"rank": rank, "coords": coords, "steps": [], "compile": {"graphs": 0, "ops": 0, "comm_ops": 0},
                                      "leaked_bytes": 0}
         self.current: dict[str, Any] = {}
         self._fwd_t0: float | None = None

@@ -84,6 +84,18 @@ def init_distributed(cfg: TrainConfig) -> torch.device:
     return device
 
 
+def build_mesh(cfg: TrainConfig, device: torch.device) -> tuple[DeviceMesh, DeviceMesh]:
+    """(dp, pp, tp); fsdp: torchtitan's names (dp_replicate, dp_shard, pp, tp) with ``dp`` flattened
+    from the first two (data sharding and the loss mean use it, FSDP uses the 2-D or dp_shard one).
+    Returns (mesh, dp mesh)."""
+    if cfg.dp_mode != "fsdp":
+        mesh = init_device_mesh(device.type, (cfg.dp, cfg.pp, cfg.tp), mesh_dim_names=("dp", "pp", "tp"))
+        return mesh, mesh["dp"]
+    mesh = init_device_mesh(device.type, (cfg.dp_replicate, cfg.dp_shard, cfg.pp, cfg.tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"))
+    return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")  # private; what torchtitan does
+
+
 def apply_pg_timeout(mesh: DeviceMesh, seconds: float) -> None:
     """--pg-timeout for the mesh's groups too: torch gives new groups its 30-minute default, so a rank
     stuck in a dp or tp collective would otherwise outlive the default group's timeout by far."""
@@ -133,9 +145,10 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         self.cfg, self.device = cfg, device
         self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_device_mesh(device.type, (cfg.dp, cfg.pp, cfg.tp), mesh_dim_names=("dp", "pp", "tp"))
+        self.mesh, self.dp_mesh = build_mesh(cfg, device)
         apply_pg_timeout(self.mesh, cfg.pg_timeout)
-        self.dp_rank = self.mesh["dp"].get_local_rank()
+        apply_pg_timeout(self.dp_mesh, cfg.pg_timeout)
+        self.dp_rank = self.dp_mesh.get_local_rank()
         self.pp_rank = self.mesh["pp"].get_local_rank()
         self.tp_rank = self.mesh["tp"].get_local_rank()
         self.is_last_pp = self.pp_rank == cfg.pp - 1
@@ -157,7 +170,8 @@ class Trainer:
         for part in self.parts:
             self.rec.forward_timer(part)
             self.injector.install_forward_hooks(part)
-            self.modules.append(parallelize(part, self.mesh, cfg, self.injector, self.rec.compile_stats, self.device))
+            self.modules.append(parallelize(part, self.mesh, cfg, self.injector, self.rec.compile_stats, self.device,
+                                            self.dp_mesh))
         params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, foreach=False)
         self.schedule = (build_schedule(self.modules, self.stages, cfg, self.mesh, self.device, loss_fn)
@@ -191,7 +205,7 @@ class Trainer:
         # Loss is a logging value only: mean over the dp replicas of the last stage (same tp/pp coords).
         total = local.float().clone()
         if self.cfg.dp > 1:
-            dist.all_reduce(total, group=self.mesh["dp"].get_group())
+            dist.all_reduce(total, group=self.dp_mesh.get_group())
         return float(total) / self.cfg.dp
 
     def pause(self) -> None:
@@ -230,7 +244,8 @@ class Trainer:
 
     def write_summary(self, losses: list[float | None]) -> None:
         """Rank 0 writes --out with the log rank's losses (one object broadcast at the end)."""
-        log_rank = int(self.mesh.mesh[0, self.cfg.pp - 1, 0])
+        names = self.mesh.mesh_dim_names or ()
+        log_rank = int(self.mesh.mesh[tuple(self.cfg.pp - 1 if n == "pp" else 0 for n in names)])
         box = [losses]
         dist.broadcast_object_list(box, src=log_rank)
         if self.rank == 0 and self.cfg.out:

@@ -52,6 +52,9 @@ _OP_ALIASES: dict[str, str] = {
     "all_to_all": "all_to_all", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
     "all_to_all_single": "all_to_all", "send": "send", "recv": "recv", "recv_any_source": "recv",
     "barrier": "barrier", "gather": "gather", "scatter": "scatter", "coalesced": "coalesced",
+    # torch >= 2.13 spellings FSDP2 calls (reduce_scatter_single / all_gather_single)
+    "reduce_scatter_single": "reduce_scatter", "reduce_scatter_single_coalesced": "reduce_scatter",
+    "all_gather_single": "all_gather", "allgather_single": "all_gather",
 }  # fmt: skip
 #: Timestamps above this are epoch nanoseconds; below, a monotonic clock (not comparable with attach time).
 _EPOCH_2001_NS = 978_307_200 * 10**9
@@ -251,18 +254,18 @@ class CollectiveCollector(Component):
 
     def _label_mesh_groups(self, agent: Any) -> None:
         """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
-        that group by its dim (dp for a dp-only job), as the other dims' ``mesh_<dim>`` groups are. Not
-        pp: that label's in-flight view is the p2p wrapper's, and would hide a stalled world collective."""
-        from hpar_agent.topology import _mesh_from_model
+        that group by its dim (dp for a dp-only job; a flattened dim such as HSDP's ``dp`` when no atomic
+        dim spans the world), as the other dims' ``mesh_<dim>`` groups are. Not pp: that label's in-flight view is the p2p wrapper's, and would hide a stalled world collective."""
+        from hpar_agent.topology import _mesh_from_model, mesh_dim_names
 
         mesh = getattr(agent, "mesh", None)
         if mesh is None:
             mesh = _mesh_from_model(getattr(agent, "model", None))
-        for dim in getattr(mesh, "mesh_dim_names", None) or ():
+        for i, dim in enumerate(mesh_dim_names(mesh, getattr(agent, "model", None))):  # unnamed FSDP: dp_shard
             try:
-                if mesh[dim].size() < 2:
+                if mesh.size(i) < 2:
                     continue
-                name, desc = fr.group_name(mesh.get_group(dim))
+                name, desc = fr.group_name(mesh.get_group(i))
             except Exception:
                 continue
             label = pg_label("", dim)
@@ -270,6 +273,16 @@ class CollectiveCollector(Component):
                 self._pp_groups.add((name, desc))
             elif not desc.startswith("mesh_"):
                 self._labels[(name, desc)] = label
+        flattened = getattr(mesh, "_flatten_mapping", None) or {}  # torchtitan's dp, dp_shard_cp (private)
+        for dim, sub in list(flattened.items()):
+            try:
+                if sub.size() < 2:
+                    continue
+                name, desc = fr.group_name(sub.get_group())
+            except Exception:
+                continue
+            if not desc.startswith("mesh_"):  # an atomic dim spanning the same ranks keeps its label
+                self._labels.setdefault((name, desc), pg_label("", dim))
 
     def _enable_timing(self) -> None:
         """Switch timing on for every NCCL group not offered it yet (agent thread, each poll: groups

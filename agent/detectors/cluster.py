@@ -84,21 +84,16 @@ class ChecksumSampler:
     def __init__(self, per_param: int = 16, max_params: int = 1024) -> None:
         self.per_param = per_param
         self.max_params = max_params
-        self.plan: list[tuple[str, Any, bool]] | None = None  # (name, param, tp-replicated)
+        self.plan: list[tuple[str, Any, str]] | None = None  # (name, param, shard key)
         self.buffer: BoundedBuffer[tuple[int, list[str], list[int], Any, Any]] = BoundedBuffer("checksums", 8)
         self.pending: list[tuple[int, list[str], list[int], Any, Any]] = []
         self.param_bits = 32
 
-    def _make_plan(self, model: Any) -> list[tuple[str, Any, bool]]:
-        try:
-            from torch.distributed.tensor import DTensor, Replicate
-        except ImportError:  # pragma: no cover
-            DTensor, Replicate = (), ()  # type: ignore[assignment,misc]
-        plan = []
+    def _make_plan(self, model: Any) -> list[tuple[str, Any, str]]:
         bits = []
+        plan = []
         for name, p in list(model.named_parameters())[: self.max_params]:
-            replicated = not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements)
-            plan.append((name, p, replicated))
+            plan.append((name, p, shard_key(p)))
             if p.is_floating_point():
                 bits.append(p.element_size() * 8)
         self.param_bits = max(bits, default=32)
@@ -146,21 +141,44 @@ class ChecksumSampler:
         return out
 
     def replicated(self) -> list[str]:
-        return [n for n, _, rep in self.plan or () if rep]
+        """Parameters held whole (plain tensors, or DTensors Replicate on every mesh dim)."""
+        return [n for n, _, key in self.plan or () if not key]
+
+    def shard_keys(self) -> dict[str, str]:
+        """name -> shard key, for the sharded parameters only."""
+        return {n: key for n, _, key in self.plan or () if key}
+
+
+def shard_key(p: Any) -> str:
+    """Which piece of the parameter this rank holds: ``dim=coordinate`` for every mesh dim its DTensor
+    placement is not Replicate on (TP ``Shard``, FSDP ``Shard(0)`` on dp_shard), "" for a whole one.
+    Two ranks hold copies of the same values exactly when their keys are equal (and both sync)."""
+    placements = getattr(p, "placements", None)
+    mesh = getattr(p, "device_mesh", None)
+    if placements is None or mesh is None:
+        return ""
+    names = mesh.mesh_dim_names or ()
+    parts = []
+    for i, pl in enumerate(placements):
+        if type(pl).__name__ != "Replicate":
+            parts.append(f"{names[i] if i < len(names) else i}={mesh.get_local_rank(i)}")
+    return ",".join(parts)
 
 
 class ReplicaDivergence(Detector):
     """Parameters that must be identical across replicas are not (DDP coverage/nesting errors, TP
-    gradients of replicated parameters not reduced).
+    gradients of replicated parameters not reduced, an HSDP replica that missed the replicate all-reduce).
 
     | param | default | meaning |
     |---|---|---|
     | every_steps | 10 | checksum a fixed sample of every parameter every N steps |
     | per_param | 16 | elements sampled per parameter (strided over the whole tensor) |
 
-    Compared at the latest step every member checksummed: within the dp group (all parameters: the
-    local shards of dp replicas are identical) and the tp group (only non-DTensor / Replicate
-    parameters). Value: parameters whose checksum differs from the group's majority on this rank.
+    Compared at the latest step every member checksummed, within the dp group (same tp/pp) and the tp
+    group (same dp/pp), and there only among ranks holding the same piece of a parameter: equal shard
+    keys (see ``shard_key``). Replicated parameters are compared across the whole group; TP shards across
+    dp replicas; FSDP shards (``Shard(0)`` on dp_shard) only with the same shard across dp_replicate (HSDP),
+    never shard against shard. Value: parameters whose checksum differs from the majority on this rank.
     """
 
     name = "ReplicaDivergence"
@@ -181,15 +199,15 @@ class ReplicaDivergence(Detector):
         self.history.extend(self.sampler.resolve())
         if not self.history:
             return {}
-        return {"cks": {str(s): v for s, v in self.history}, "rep": self.sampler.replicated()}
+        return {"cks": {str(s): v for s, v in self.history}, "sk": self.sampler.shard_keys()}
 
-    def _compare(self, ctx: DetectorsComponent, group: list[int], names: list[str] | None) -> tuple[int, list[str]]:
+    def _compare(self, ctx: DetectorsComponent, group: list[int]) -> tuple[int, list[str]]:
         steps = set.intersection(*(set(ctx.peers[r]["cks"]) for r in group))
         if not steps:
             return -1, []
         step = max(steps, key=int)
-        offenders = sig.replica_offenders({r: ctx.peers[r]["cks"][step] for r in group}, names)
-        return int(step), offenders.get(ctx.rank, [])
+        sums = {r: ctx.peers[r]["cks"][step] for r in group}
+        return int(step), sig.same_shard_offenders(sums, {r: ctx.peers[r].get("sk", {}) for r in group}, ctx.rank)
 
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
         if not ctx.peers_fresh:
@@ -200,10 +218,7 @@ class ReplicaDivergence(Detector):
             group = _my_group(ctx, keys, "cks")
             if len(group) < 2:
                 continue
-            names = None
-            if label == "tp":
-                names = sorted(set.intersection(*(set(ctx.peers[r].get("rep", ())) for r in group)))
-            step, diff = self._compare(ctx, group, names)
+            step, diff = self._compare(ctx, group)
             compared = compared or step >= 0
             if diff:
                 bad[label] = {"step": step, "ranks": group, "params": diff[:8], "count": len(diff)}
@@ -216,7 +231,8 @@ def _peer_fr(ctx: DetectorsComponent) -> tuple[dict[int, list[sig.FrEntry]], dic
     """Peers' published entries, and each pg's member count from the topology (by its label)."""
     fr = {r: [tuple(e) for e in p["fr"]] for r, p in ctx.peers.items() if "fr" in p}
     topo = ctx.agent.topology
-    by_label = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp, "default_pg": topo.world_size}
+    by_label = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp, "default_pg": topo.world_size,
+                "dp_replicate": topo.dp_replicate, "dp_shard": topo.dp_shard, "cp": topo.cp}
     sizes = {}
     for entries in fr.values():
         for e in entries:
@@ -246,18 +262,54 @@ def _param_bits(model: Any) -> int | None:
     return max(bits, default=None)
 
 
+_COMPRESS_HOOKS = {"bf16_compress_hook": 16, "fp16_compress_hook": 16,
+                   "bf16_compress_wrapper_hook": 16, "fp16_compress_wrapper_hook": 16}  # fmt: skip
+
+
+def intended_reduce_bits(model: Any) -> set[int]:
+    """Reduction widths the model declares on purpose: FSDP2's MixedPrecisionPolicy reduce dtype (its
+    param dtype when unset) and torch's DDP fp16/bf16 compress hooks. Read once, from metadata only."""
+    import torch
+
+    out: set[int] = set()
+    try:
+        modules = list(model.modules())
+    except (AttributeError, TypeError):
+        return out
+    for m in modules:
+        state_fn = getattr(m, "_get_fsdp_state", None)  # FSDPModule (private state: guarded)
+        if state_fn is not None:
+            try:
+                mp = state_fn()._mp_policy
+                dtype = mp.reduce_dtype or mp.param_dtype
+                if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                    out.add(torch.finfo(dtype).bits)
+            except Exception:
+                pass
+        for hook, _ in getattr(m, "_comm_hooks", None) or ():  # DistributedDataParallel
+            bits = _COMPRESS_HOOKS.get(getattr(hook, "__name__", ""))
+            if bits:
+                out.add(bits)
+    return out
+
+
 class CollectiveMismatch(Detector):
     """Ranks disagree on op, size or dtype of the same collective (same pg and sequence number), or a
-    gradient reduction runs in lower precision than the parameters (e.g. a bf16 compress hook on an
-    fp32 model on one rank).
+    gradient reduction runs in lower precision than the parameters on this rank while its peers do not
+    (e.g. a bf16 compress hook on an fp32 model on one rank).
 
     | param | default | meaning |
     |---|---|---|
     | max_entries | 256 | recent flight-recorder entries each rank publishes |
 
-    Attributed by majority within the pg; a 1-1 split goes to the rank reducing in a dtype narrower
-    than the parameters, if only one does. Value: mismatched collectives + low-precision reductions
-    seen on this rank in the latest window.
+    Only cross-rank disagreement fires: a low-precision reduction that every rank runs (FSDP
+    ``MixedPrecisionPolicy(reduce_dtype=bf16)``, DDP's bf16 compress hook) never counts, and one the model
+    declares is skipped outright. A narrow reduction counts when the latest exchange shows a peer
+    running the same (pg, op, message bytes) wider: that needs no overlap of the ranks' FR windows, so it
+    is as fast as the flight-recorder read once one exchange has carried the peers' entries. Attributed
+    by majority within the pg; a 1-1 split goes to the rank reducing in a dtype narrower than the
+    parameters, if only one does. Value: mismatched collectives + narrower-than-peers reductions seen
+    on this rank in the latest window.
     """
 
     name = "CollectiveMismatch"
@@ -270,7 +322,9 @@ class CollectiveMismatch(Detector):
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         super().__init__(thresholds)
         self.param_bits: int | None = None
+        self.intended: set[int] = set()
         self.cross: list[dict[str, Any]] = []
+        self.peer_bits: dict[sig.ReductionKey, float] = {}
 
     def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
         entries = src.fr_entries(ctx.agent, int(self.p("max_entries")))
@@ -279,19 +333,23 @@ class CollectiveMismatch(Detector):
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
         if self.param_bits is None:
             self.param_bits = _param_bits(ctx.agent.model)
+            self.intended = intended_reduce_bits(ctx.agent.model) if self.param_bits else set()
         if ctx.peers_fresh:
             fr, sizes = _peer_fr(ctx)
             self.cross = sig.collective_mismatches(fr, sizes, self.param_bits).get(ctx.rank, []) if len(fr) >= 2 else []
+            self.peer_bits = sig.peer_reduction_bits(fr, ctx.rank)
         entries = src.fr_entries(ctx.agent, int(self.p("max_entries")))
         if not entries and not self.cross:
             return None
         low = sig.low_precision_reductions(entries, self.param_bits or 32, _grad_pgs(ctx, entries)) if self.param_bits else []
+        unconfirmed = sig.narrower_than_peers([e for e in low if sig.entry_bits(e) not in self.intended], self.peer_bits)
         details = {
             "mismatched": self.cross[:8],
-            "low_precision": [{"pg": e[0], "seq": e[1], "op": e[2], "dtypes": e[4]} for e in low[:8]],
+            "low_precision": [{"pg": e[0], "seq": e[1], "op": e[2], "dtypes": e[4]} for e in unconfirmed[:8]],
+            "agreed_low_precision": len(low) - len(unconfirmed),
             "param_bits": self.param_bits,
         }
-        return Verdict(bool(self.cross or low), float(len(self.cross) + len(low)), details)
+        return Verdict(bool(self.cross or unconfirmed), float(len(self.cross) + len(unconfirmed)), details)
 
 
 class Straggler(Detector):

@@ -6,6 +6,7 @@ shape can be unit-tested with synthetic data, independently of when the collecto
 
 from __future__ import annotations
 
+import ast
 import bisect
 import math
 from collections import Counter
@@ -159,6 +160,26 @@ def replica_offenders(
     return out
 
 
+def same_shard_offenders(
+    sums: Mapping[int, Mapping[str, Sequence[float]]], keys: Mapping[int, Mapping[str, str]], rank: int
+) -> list[str]:
+    """``rank``'s parameters whose checksum is not the majority's among the ranks holding the same
+    piece of that parameter (equal shard key; missing key: a whole, replicated parameter). Shards of
+    one FSDP parameter on different ranks are different values and are never compared."""
+    mine = sums.get(rank, {})
+    mkeys = keys.get(rank, {})
+    by_members: dict[tuple[int, ...], list[str]] = {}
+    for name in mine:
+        key = mkeys.get(name, "")
+        members = tuple(r for r, s in sums.items() if name in s and keys.get(r, {}).get(name, "") == key)
+        if len(members) >= 2:
+            by_members.setdefault(members, []).append(name)
+    out: list[str] = []
+    for members, names in by_members.items():
+        out += replica_offenders({r: sums[r] for r in members}, names).get(rank, [])
+    return sorted(out)
+
+
 FrEntry = tuple[str, int, str, str, str, int]  # (pg uid, seq, op, sizes, dtypes, time_created_ns)
 _SIZE_FREE_OPS = ("all_to_all", "alltoall", "gather", "scatter", "barrier")
 
@@ -184,6 +205,11 @@ def common_collectives(
     }
 
 
+def _signature(e: FrEntry) -> tuple:
+    op = e[2].split(":")[-1]
+    return (op, e[4]) if any(s in op for s in _SIZE_FREE_OPS) else (op, e[3], e[4])
+
+
 def collective_mismatches(
     entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None,
     param_bits: int | None = None,
@@ -194,11 +220,7 @@ def collective_mismatches(
     ranks reduce in a dtype narrower than the parameters, they are the odd ones."""
     out: dict[int, list[dict[str, Any]]] = {}
     for (pg, seq), by_rank in sorted(common_collectives(entries_by_rank, sizes).items()):
-        def sig(e: FrEntry) -> tuple:
-            op = e[2].split(":")[-1]
-            return (op, e[4]) if any(s in op for s in _SIZE_FREE_OPS) else (op, e[3], e[4])
-
-        odd = odd_ranks({r: sig(e) for r, e in by_rank.items()})
+        odd = odd_ranks({r: _signature(e) for r, e in by_rank.items()})
         if param_bits and len(odd) == len(by_rank) > 1:
             narrow = {r for r, e in by_rank.items() if "reduce" in e[2] and _min_bits(e[4]) < param_bits}
             odd = narrow or odd
@@ -222,6 +244,47 @@ def _min_bits(dtypes: str) -> float:
     """Fewest bits among the floating dtypes of an entry's comma-separated dtype list (inf: none)."""
     bits = [b for b in (dtype_bits(d) for d in dtypes.split(",") if d) if b is not None]
     return min(bits, default=math.inf)
+
+
+def entry_bits(e: FrEntry) -> float:
+    """Fewest floating bits among an entry's dtypes (inf: none)."""
+    return _min_bits(e[4])
+
+
+def entry_bytes(e: FrEntry) -> int:
+    """Message bytes of an entry: its input elements (from the sizes text) x the entry's narrowest
+    dtype; -1 when the sizes or dtypes do not parse."""
+    bits = _min_bits(e[4])
+    try:
+        shapes = ast.literal_eval(e[3]) if e[3] else []
+    except (ValueError, SyntaxError):
+        return -1
+    if math.isinf(bits) or not isinstance(shapes, (list, tuple)):
+        return -1
+    numel = sum(math.prod(int(d) for d in shape) for shape in shapes if isinstance(shape, (list, tuple)))
+    return int(numel * bits) // 8
+
+
+ReductionKey = tuple[str, str, int]  # (pg uid, op, message bytes)
+
+
+def peer_reduction_bits(entries_by_rank: Mapping[int, Sequence[FrEntry]], rank: int) -> dict[ReductionKey, float]:
+    """What the other ranks reduce: (pg, op, bytes) -> the widest dtype bits seen for it."""
+    out: dict[ReductionKey, float] = {}
+    for r, entries in entries_by_rank.items():
+        if r == rank:
+            continue
+        for e in entries:
+            if "reduce" in e[2] and not math.isinf(bits := _min_bits(e[4])):
+                k = (e[0], e[2], entry_bytes(e))
+                out[k] = max(out.get(k, 0.0), bits)
+    return out
+
+
+def narrower_than_peers(low: Sequence[FrEntry], peers: Mapping[ReductionKey, float]) -> list[FrEntry]:
+    """Low-precision reductions of this rank that its peers run wider: the same pg, op and message
+    bytes (a bucket sent as bf16 padded to the fp32 size counts) in a dtype with more bits."""
+    return [e for e in low if peers.get((e[0], e[2], entry_bytes(e)), 0.0) > _min_bits(e[4])]
 
 
 def low_precision_reductions(entries: Sequence[FrEntry], param_bits: int, pgs: Sequence[str]) -> list[FrEntry]:

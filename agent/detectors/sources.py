@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hpar_agent.detectors.signals import FrEntry
+from hpar_agent.topology import ATOMIC_DIMS, FLATTENED_DIMS
 
 if TYPE_CHECKING:
     from hpar_agent.agent import Agent
@@ -166,12 +167,19 @@ def pg_timeout_s(agent: Agent) -> float | None:
 
 def _group_key(label: str, coords: Mapping[str, Any]) -> str:
     """A pg id equal on every member of one group and different between groups: the label (``dp``
-    is the label of every dp group) plus the coordinates the group's members share."""
+    is the label of every dp group) plus the coordinates the group's members share. ``coords`` holds
+    the atomic dims (dp_replicate, dp_shard, cp, tp, pp); a label that is a mesh dim, flattened or not
+    (``dp_shard``, ``dp`` = dp_replicate x dp_shard, ``dp_shard_cp``), spans its atomic dims."""
     low = label.lower()
-    for dim, shared in (("dp", ("tp", "pp")), ("tp", ("dp", "pp")), ("pp", ("dp", "tp"))):
-        if dim in low:
-            return f"{label}@" + ",".join(str(coords.get(k)) for k in shared)
-    return label
+    spans = FLATTENED_DIMS.get(low) or ((low,) if low in ATOMIC_DIMS else None)
+    if spans is None:  # a label that only contains a dim name (e.g. a user's "dp_grads")
+        for dim in ("dp", "tp", "pp"):
+            if dim in low:
+                spans = FLATTENED_DIMS.get(dim, (dim,))
+                break
+    if spans is None:
+        return label
+    return f"{label}@" + ",".join(str(coords.get(k)) for k in ATOMIC_DIMS if k not in spans)
 
 
 def fr_entries(agent: Agent, limit: int = 256) -> list[FrEntry]:
@@ -182,7 +190,7 @@ def fr_entries(agent: Agent, limit: int = 256) -> list[FrEntry]:
     if v is None:
         return []
     topo = agent.topology
-    coords = {"dp": topo.dp_rank, "tp": topo.tp_rank, "pp": topo.pp_rank}
+    coords = topo.coords() if hasattr(topo, "coords") else {"tp": topo.tp_rank, "pp": topo.pp_rank}
     out: list[FrEntry] = []
     for e in list(v)[-limit:]:
         if not isinstance(e, Mapping) or e.get("is_p2p"):

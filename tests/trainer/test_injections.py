@@ -98,3 +98,4 @@ def test_hang_times_out(launch):
     assert run.returncode != 0
     assert run.seconds < 90, run.seconds
     assert "timed out" in run.output.lower() or "timeout" in run.output.lower(), run.output[-2000:]
+
