@@ -31,9 +31,13 @@ EXPECTED: dict[str, str] = {
     # gloo's flight recorder has no durations: a rank late to the dp all-reduce is seen by arrival skew.
     "slow-collective": "Straggler",
     "hang": "Hang",
+    "hsdp-replicate-skip": "ReplicaDivergence",
 }
 #: what the matrix says under the table for modes whose CPU result needs a word.
 NOTES: dict[str, str] = {
+    "hsdp-replicate-skip": "HSDP 2 x 2 (FSDP2): rank 3 keeps its own reduce-scatter output instead of the "
+    "replicate all-reduce result (it still joins every collective); it and rank 1 (same shard, other replica) "
+    "drift, and the 1-1 split names both; ranks 0 and 2 (shard 0) stay quiet. Needs 4 ranks.",
     "slow-collective": "every rank in dp with DDP. The inject rank arrives late at every dp all-reduce: "
     "arrival skew names it (Straggler). CollectiveLatencyHigh judges the transfer (a timed op's duration less "
     "the wait for the last member to arrive), so the peers' long waits do not raise it; gloo records no "
@@ -53,6 +57,8 @@ NOTES: dict[str, str] = {
 #: modes that act through a DDP comm hook need DDP rather than the default composable replicate, and
 #: DDP cannot wrap TP's DTensor parameters: every rank in dp (4 ranks: a 3-1 majority names the odd rank).
 NEEDS_DDP = {"dtype-mismatch", "slow-collective"}
+#: modes that need a replicate x shard mesh (FSDP2 HSDP): 4 ranks, 2 replicas of 2 shards.
+NEEDS_HSDP = {"hsdp-replicate-skip"}
 #: modes that need tp peers (on 2 ranks: tp2 instead of dp2).
 NEEDS_TP = {"tp-grad-skip"}
 COMMON = ["--pp", "1", "--compile", "aot_eager", "--log-every", "10"]
@@ -62,6 +68,8 @@ def layout(injection: str, nproc: int) -> list[str]:
     """The default layout of a mode on ``nproc`` ranks: 4 ranks dp2 x tp2 (dp peers, tp peers, compiled
     blocks), every rank in dp under DDP for the comm-hook modes; on 2 ranks dp2, or tp2 for NEEDS_TP.
     Trainer flags after ``--`` come later on the command line and win (e.g. ``--device cuda``)."""
+    if injection in NEEDS_HSDP:
+        return ["--dp-replicate", "2", "--dp-shard", str(max(2, nproc // 2)), "--tp", "1", *COMMON]
     if injection in NEEDS_DDP:
         return ["--dp", str(nproc), "--tp", "1", "--dp-mode", "ddp", *COMMON]
     if nproc >= 4 and nproc % 2 == 0:
