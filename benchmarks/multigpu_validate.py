@@ -6,6 +6,8 @@ Parts, each one torchrun job that fits a 10-minute device call with the others o
   dp-ddp                   the trainer, dpN with DDP: the dp all-reduces timed
   dp-replicate             the trainer, dpN with composable replicate
   tp                       the trainer, tp2 (x dp N/2): the tp collectives timed
+  fsdp                     the trainer, FSDP2 over dpN, bf16 params and reduce: dp_shard all_gather and
+                           reduce_scatter timed, no alert (an agreed low-precision reduction)
   pause-late               dpN DDP with a 10 s checkpoint-like pause and the last rank starting 10 s late
   user-ddp                 benchmarks/user_ddp.py, a user's program: each rank's allocator series within 1%
                            of torch.cuda.memory_allocated() read in that rank, NVML process memory
@@ -53,6 +55,7 @@ def layouts(n: int) -> dict[str, list[str]]:
         "dp-ddp": ["--dp", str(n), "--dp-mode", "ddp"],
         "dp-replicate": ["--dp", str(n), "--dp-mode", "replicate"],
         "tp": ["--dp", half, "--tp", "2"],
+        "fsdp": ["--dp", str(n), "--dp-mode", "fsdp", "--mp-param-dtype", "bf16", "--mp-reduce-dtype", "bf16"],
         # a checkpoint-like 10 s pause of rank 0 and the last rank starting 10 s late: still no alert
         "pause-late": ["--dp", str(n), "--dp-mode", "ddp", "--pause-at", "150", "--pause-seconds", "10",
                        "--start-delay-rank", str(n - 1), "--start-delay", "10"],
@@ -194,6 +197,8 @@ def check_trainer(part: str, args: list[str], n: int, out: Path, a: argparse.Nam
         probs.append(f"groups without durations: {sorted(untimed)}")
     if busbw > a.link_gbs * 1e9:
         probs.append(f"busbw {busbw / 1e9:.0f} GB/s above the link's {a.link_gbs} GB/s")
+    if any(op.endswith("/other") for op in bad_ops):
+        probs.append(f"ops the decoder does not know: {sorted(o for o in bad_ops if o.endswith('/other'))}")
     if theory_bubble(args) is not None:
         if not (pp_ops.get("send") and pp_ops.get("recv")):
             probs.append(f"p2p not labelled pp/send+recv with bytes: {pp_ops}")
