@@ -46,12 +46,14 @@ NOTES: dict[str, str] = {
     "in bf16 padded to the fp32 byte size, so gloo completes and the gradients are silently corrupted "
     "(loss NaN); the flight recorder shows its BFloat16 entry against its peers' Float.",
     "hang": "every rank is stuck, so Hang fires on all four at 80% of the 20 s pg timeout, before gloo "
-    "aborts; rank 3's details and stacks show it in a default_pg barrier, its peers in dp/tp all-reduces.",
+    "aborts (by design later than 10 s: a checkpoint-like pause of 12 s must not fire it); rank 3's details "
+    "and stacks show it in a default_pg barrier, its peers in dp/tp all-reduces; every rank exits after the "
+    "pg timeout.",
     "ddp-nesting": "all ranks train the detached block unsynchronised: every dp pair drifts (a 1-1 split "
     "names both ranks).",
     "tp-grad-skip": "all ranks skip the sync: every tp pair drifts (a 1-1 split names both ranks).",
-    "compile-leak": "the leaked callables are compiled graphs its peers never compile; the inject rank "
-    "compiles every step, so its fingerprint never settles and CompileDivergence stays silent.",
+    "compile-leak": "the leaked callables are compiled graphs its peers never compile, so CompileDivergence "
+    "may name the inject rank too.",
 }
 
 #: modes that act through a DDP comm hook need DDP rather than the default composable replicate, and
@@ -165,8 +167,9 @@ def read_alerts(run_dir: Path) -> list[dict[str, Any]]:
 
 def injection_times(run_dir: Path, step: int, from_start: bool) -> dict[int, float]:
     """rank -> unix time its injection became active, from the trainer's per-rank records
-    (``trainer.rank<R>.json``): the start of ``step``, or for built-in modes the end of step 0 (the
-    compiled graphs, the model and its first update exist from then)."""
+    (``trainer.rank<R>.json``, written as each step ends): the start of ``step`` (the end of the step
+    before when ``step`` never ended), or for built-in modes the end of step 0 (the compiled graphs,
+    the model and its first update exist from then)."""
     out = {}
     for path in run_dir.glob("trainer.rank*.json"):
         try:
@@ -176,6 +179,8 @@ def injection_times(run_dir: Path, step: int, from_start: bool) -> dict[int, flo
                 out[int(data["rank"])] = steps[0]["t0"] + steps[0].get("step_s", 0.0)
             elif step in steps:
                 out[int(data["rank"])] = steps[step]["t0"]
+            elif step - 1 in steps:  # the injected step never ended (hang): it began as the one before ended
+                out[int(data["rank"])] = steps[step - 1]["t0"] + steps[step - 1].get("step_s", 0.0)
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return out

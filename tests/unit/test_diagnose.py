@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hpar_agent import cli
-from hpar_agent.diagnose import Finding, diagnose, layout, markdown, run_group, tagged
+from hpar_agent.diagnose import Finding, diagnose, injection_times, layout, markdown, run_group, tagged
 
 
 def test_a_mode_past_its_timeout_becomes_a_row_and_leaves_no_process(tmp_path: Path) -> None:
@@ -59,3 +60,11 @@ def test_layouts_fit_the_rank_count() -> None:
     assert layout("straggler", 2)[:4] == ["--dp", "2", "--tp", "1"]
     assert layout("slow-collective", 2)[:6] == ["--dp", "2", "--tp", "1", "--dp-mode", "ddp"]
     assert layout("divergent-graph", 4)[:4] == ["--dp", "2", "--tp", "2"]
+
+
+def test_injection_times_from_the_rank_records(tmp_path: Path) -> None:
+    steps = [{"step": s, "t0": 100.0 + s, "step_s": 0.5} for s in range(3)]  # step 3 never ended (hang)
+    (tmp_path / "trainer.rank1.json").write_text(json.dumps({"rank": 1, "steps": steps}))
+    assert injection_times(tmp_path, 3, False) == {1: 102.5}
+    assert injection_times(tmp_path, 2, False) == {1: 102.0}
+    assert injection_times(tmp_path, 3, True) == {1: 100.5}  # built in: from the end of step 0
