@@ -220,7 +220,7 @@ def _render_anatomy(name: str, ranks: list[dict[str, Any]]) -> list[str]:
         rows.append(cells)
     if not rows:
         return []
-    note = " (CPU-side launch times on CUDA)" if clock == "cpu-launch" else ""
+    note = " (GPU stream time, from CUDA events)" if clock == "cuda-events" else ""
     lines = [
         f"where the step time goes (p50 and share of step time, after warm-up){note}:",
         *_table(["rank", "step p50", *STEP_PHASES, "other", "bottleneck"], rows),

@@ -16,8 +16,12 @@ Hooks, all installed by ``attach(model)``, only append ``(step, code, epoch ns)`
 Pipeline schedules: forward/backward are the pipeline collector's chunk times, data wait ends at the
 first stage-0 forward chunk. Every hook is a no-op while torch.compile traces.
 
-Clock: CPU wall clock. On CUDA these are CPU-side (launch) times: a phase that launches kernels
-asynchronously looks short and the time shows up wherever the CPU next waits for the GPU.
+Clock: on CPU, wall clock. On CUDA wall-clock phases would be launch times (the time shows up wherever
+the CPU next waits for the GPU, e.g. a loss ``.item()`` in the data wait), so each hook also records a
+CUDA event on the current stream (plus one at the end of the optimizer step), and the agent thread
+turns them into GPU-stream phases once the step's last event has completed (``query()``, never a
+sync), as the pipeline collector does for chunks. The data wait is then the time the stream sat idle
+between the last optimizer kernel and the first forward kernel: the GPU waiting for its input.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord, StepRecord
 
-FWD0, FWD1, BWD0, BWD1, OPT0, LOAD = range(6)
+FWD0, FWD1, BWD0, BWD1, OPT0, LOAD, OPT1 = range(7)
+MAX_WAITING = 256  # CUDA steps whose events have not completed yet
 PHASES = cat.STEP_PHASES
 WARMUP_STEPS = 2  # left out of the verdict: the first steps compile and allocate
 WINDOW = 64  # recent steps the shares and the verdict are computed over
@@ -65,7 +70,7 @@ class AnatomyCollector(Component):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buffer: BoundedBuffer[tuple[int, int, int, int]] = BoundedBuffer("anatomy", 1 << 16)
+        self.buffer: BoundedBuffer[tuple[int, int, int, int, Any]] = BoundedBuffer("anatomy", 1 << 16)
         self.buffers = (self.buffer,)
         self._handles: list[Any] = []
         self._loader_patch: tuple[Any, Any] | None = None
@@ -73,7 +78,11 @@ class AnatomyCollector(Component):
         self._pipe: Any = None
         self._compiling: Any = lambda: False
         self._queue_callback: Any = None
-        self._events: dict[int, list[tuple[int, int, int]]] = {}
+        self._events: dict[int, list[tuple[int, int, int, Any]]] = {}
+        self._waiting: list[tuple[StepRecord, list[tuple[int, int, int, Any]]]] = []
+        self._last_end_event: Any = None
+        self._event: Any = None  # torch.cuda.Event on CUDA
+        self.clock = "cpu"
         self.hists: dict[str, Histogram] = {p: Histogram(cat.LATENCY_BUCKETS) for p in PHASES}
         self.history: list[tuple[int, float, dict[str, float], float]] = []  # (step, step s, phases, loader s)
         self.verdict: str | None = None
@@ -101,9 +110,12 @@ class AnatomyCollector(Component):
                 self.cuda = next(model.parameters()).device.type == "cuda"
             except StopIteration:
                 pass
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+        if self.cuda:
+            self._event = torch.cuda.Event
+            self._handles.append(register_optimizer_step_post_hook(self._opt_post))
         self._patch_loader()
 
     def _patch_loader(self) -> None:
@@ -119,7 +131,7 @@ class AnatomyCollector(Component):
             try:
                 return orig(it)
             finally:
-                put((steps.count if steps is not None else 0, LOAD, t0, time.time_ns()))
+                put((steps.count if steps is not None else 0, LOAD, t0, time.time_ns(), None))
 
         __next__._hpar_orig = orig  # type: ignore[attr-defined]
         _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
@@ -140,15 +152,22 @@ class AnatomyCollector(Component):
         steps = self._steps
         return steps.count if steps is not None else 0  # type: ignore[no-any-return]
 
+    def _mark(self, step: int, code: int) -> None:
+        ev = None
+        if self._event is not None:
+            ev = self._event(enable_timing=True)
+            ev.record()  # on the current stream; resolved on the agent thread
+        self.buffer.put((step, code, time.time_ns(), 0, ev))
+
     def _fwd_pre(self, module: Any, args: Any) -> None:
         if self._compiling():
             return
-        self.buffer.put((self._step(), FWD0, time.time_ns(), 0))
+        self._mark(self._step(), FWD0)
 
     def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
         if self._compiling():
             return
-        self.buffer.put((self._step(), FWD1, time.time_ns(), 0))
+        self._mark(self._step(), FWD1)
         t = out
         if isinstance(t, (tuple, list)) and t:
             t = t[0]
@@ -161,7 +180,7 @@ class AnatomyCollector(Component):
                     self.agent.record_error(self.name, exc)
 
     def _bwd_pre(self, grad_outputs: Any) -> None:
-        self.buffer.put((self._step(), BWD0, time.time_ns(), 0))
+        self._mark(self._step(), BWD0)
         try:
             self._queue_callback(self._bwd_end)
         except Exception as exc:
@@ -169,7 +188,7 @@ class AnatomyCollector(Component):
                 self.agent.record_error(self.name, exc)
 
     def _bwd_end(self) -> None:
-        self.buffer.put((self._step(), BWD1, time.time_ns(), 0))
+        self._mark(self._step(), BWD1)
 
     def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         steps = self._steps
@@ -178,21 +197,62 @@ class AnatomyCollector(Component):
         oid = steps._optimizer_id
         if oid is not None and id(optimizer) != oid:
             return
-        self.buffer.put((steps.count, OPT0, time.time_ns(), 0))
+        self._mark(steps.count, OPT0)
+
+    def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """CUDA only: an event after the optimizer's kernels (the step collector's post-hook, installed
+        first, has already counted the step)."""
+        steps = self._steps
+        if steps is None or steps.explicit or steps._optimizer_id != id(optimizer):
+            return
+        self._mark(steps.count - 1, OPT1)
 
     # ------------------------------------------------------------------------------------ agent thread
     def poll(self, now: float) -> None:
-        for step, code, t0, t1 in self.buffer.drain():
-            self._events.setdefault(step, []).append((code, t0, t1))
+        for step, code, t0, t1, ev in self.buffer.drain():
+            self._events.setdefault(step, []).append((code, t0, t1, ev))
+        self._flush()
 
     def on_step(self, rec: StepRecord) -> None:
         events = self._events.pop(rec.step, [])
         for s in [s for s in self._events if s < rec.step - WINDOW]:
             del self._events[s]
-        phases, spans, loader = self.phases(rec, events)
+        self._waiting.append((rec, events))
+        if len(self._waiting) > MAX_WAITING:
+            del self._waiting[0]
+            self._last_end_event = None
+        self._flush()
+
+    def span_watermark_ns(self) -> int | None:
+        return self._waiting[0][0].start_ns if self._waiting else None
+
+    def _flush(self) -> None:
+        """Finish the steps in order, each once its CUDA events (if any) have completed."""
+        while self._waiting:
+            rec, events = self._waiting[0]
+            end = next((ev for code, _t0, _t1, ev in events if code == OPT1 and ev is not None), None)
+            if end is not None and not end.query():
+                return
+            del self._waiting[0]
+            step_s = rec.duration_s
+            if end is not None and self._last_end_event is not None:
+                try:
+                    phases, spans, loader, step_s = self.gpu_phases(rec, events, self._last_end_event, end)
+                    self.clock = "cuda-events"
+                except Exception as exc:  # an event not recorded (e.g. another device): CPU times
+                    if self.agent is not None:
+                        self.agent.record_error(self.name, exc)
+                    phases, spans, loader = self.phases(rec, events)
+            else:
+                phases, spans, loader = self.phases(rec, events)
+            self._last_end_event = end
+            self._finish(rec, phases, spans, loader, step_s)
+
+    def _finish(self, rec: StepRecord, phases: dict[str, float], spans: list[tuple[str, int, int]],
+                loader: float, step_s: float) -> None:
         for phase, secs in phases.items():
             self.hists[phase].observe(secs)
-        self.history.append((rec.step, rec.duration_s, phases, loader))
+        self.history.append((rec.step, step_s, phases, loader))
         del self.history[:-WINDOW]
         self._judge()
         agent = self.agent
@@ -200,17 +260,62 @@ class AnatomyCollector(Component):
             for phase, t0, t1 in spans[:32]:
                 agent.add_span(SpanRecord(cat.SPAN_STEP_PHASES[phase], t0, t1, rec.step))
 
+    def gpu_phases(
+        self, rec: StepRecord, events: list[tuple[int, int, int, Any]], prev_end: Any, end: Any
+    ) -> tuple[dict[str, float], list[tuple[str, int, int]], float, float]:
+        """Phases on the GPU stream from CUDA events (all complete: ``end`` is the last one). Offsets
+        are measured from the previous step's end event; spans are placed at the step's start plus
+        those offsets."""
+        out: dict[str, float] = {}
+        spans: list[tuple[str, int, int]] = []
+        opened: dict[int, Any] = {}
+        first_fwd: Any = None
+        opt0: Any = None
+        loader = 0.0
+
+        def off(ev: Any) -> float:
+            return float(prev_end.elapsed_time(ev)) / 1e3
+
+        def at(ev: Any) -> int:
+            return rec.start_ns + int(off(ev) * 1e9)
+
+        for code, t0, t1, ev in sorted(events, key=lambda e: e[1]):
+            if code == LOAD:
+                loader += (t1 - t0) / 1e9
+            elif ev is None:
+                continue
+            elif code in (FWD0, BWD0):
+                opened.setdefault(code, ev)
+                if code == FWD0 and first_fwd is None:
+                    first_fwd = ev
+            elif code in (FWD1, BWD1):
+                start = opened.pop(code - 1, None)
+                if start is not None:
+                    phase = "forward" if code == FWD1 else "backward"
+                    out[phase] = out.get(phase, 0.0) + float(start.elapsed_time(ev)) / 1e3
+                    spans.append((phase, at(start), at(ev)))
+            elif code == OPT0:
+                opt0 = ev
+        if first_fwd is not None:
+            out["data_wait"] = off(first_fwd)
+            spans.insert(0, ("data_wait", rec.start_ns, at(first_fwd)))
+        if opt0 is not None:
+            out["optimizer"] = float(opt0.elapsed_time(end)) / 1e3
+            spans.append(("optimizer", at(opt0), at(end)))
+        return out, spans, loader, off(end)
+
     def phases(
-        self, rec: StepRecord, events: list[tuple[int, int, int]]
+        self, rec: StepRecord, events: list[tuple[int, int, int, Any]]
     ) -> tuple[dict[str, float], list[tuple[str, int, int]], float]:
-        """Phase seconds of one step, the spans behind them and the seconds spent in the loader."""
+        """Phase seconds of one step from CPU wall-clock times, the spans behind them and the seconds
+        spent in the data loader."""
         out: dict[str, float] = {}
         spans: list[tuple[str, int, int]] = []
         opened: dict[int, int] = {}
         first_fwd: int | None = None
         opt0: int | None = None
         loader = 0.0
-        for code, t0, t1 in sorted(events, key=lambda e: e[1]):
+        for code, t0, t1, _ev in sorted(events, key=lambda e: e[1]):
             if code in (FWD0, BWD0):
                 opened.setdefault(code, t0)
                 if code == FWD0 and first_fwd is None:
@@ -306,7 +411,7 @@ class AnatomyCollector(Component):
             if vals:
                 p50[p] = statistics.median(vals)
         return {
-            "clock": "cpu-launch" if self.cuda else "cpu",
+            "clock": self.clock,
             "source": self.forward_source,
             "phase_seconds_p50": p50,
             "step_seconds_p50": statistics.median([h[1] for h in hist]) if hist else None,

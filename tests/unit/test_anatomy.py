@@ -55,14 +55,14 @@ def _loop(model: torch.nn.Module, steps: int, data_s: float = 0.0, opt_s: float 
 def test_phases_from_hooks_match_the_time_spent(agent) -> None:
     model = Slow(0.02, 0.03)
     a = agent(model)
-    _loop(model, 6, data_s=0.01, opt_s=0.015)
+    _loop(model, 6, data_s=0.005, opt_s=0.015)
     a.tick()
     s = a.component("anatomy").summary()
     p50 = s["phase_seconds_p50"]
     assert set(p50) == {"data_wait", "forward", "backward", "optimizer"}  # no comm timing on CPU
     assert 0.02 <= p50["forward"] < 0.035
     assert 0.03 <= p50["backward"] < 0.045
-    assert 0.01 <= p50["data_wait"] < 0.025
+    assert 0.005 <= p50["data_wait"] < 0.02
     assert 0.015 <= p50["optimizer"] < 0.03
     assert s["verdict"] == "compute-bound"
     assert s["source"] == "module-hooks" and s["clock"] == "cpu"
@@ -121,6 +121,9 @@ def test_hooks_are_silent_while_compiling(agent) -> None:
     compiled = torch.compile(model, backend="eager")
     compiled(torch.randn(2, 4))  # the root's hooks run inside the traced region: nothing recorded
     assert [e for e in comp.buffer.drain() if e[1] == 0] == []
+    comp._compiling = lambda: False  # the same call outside tracing records
+    comp._fwd_pre(model, ())
+    assert [e[1] for e in comp.buffer.drain()] == [0]
 
 
 def test_exported_series(agent) -> None:
@@ -143,7 +146,8 @@ def test_phase_spans_are_children_of_the_step() -> None:
     c = AnatomyCollector()
     ms = 1_000_000
     rec = StepRecord(step=5, start_ns=0, end_ns=100 * ms)
-    events = [(0, 10 * ms, 0), (1, 40 * ms, 0), (2, 45 * ms, 0), (3, 85 * ms, 0), (4, 90 * ms, 0), (5, 1 * ms, 8 * ms)]
+    events = [(0, 10 * ms, 0, None), (1, 40 * ms, 0, None), (2, 45 * ms, 0, None), (3, 85 * ms, 0, None),
+              (4, 90 * ms, 0, None), (5, 1 * ms, 8 * ms, None)]
     phases, spans, loader = c.phases(rec, events)
     assert phases == pytest.approx({"data_wait": 0.01, "forward": 0.03, "backward": 0.04, "optimizer": 0.01})
     assert [s[0] for s in spans] == ["data_wait", "forward", "backward", "optimizer"]
@@ -163,3 +167,41 @@ def test_phase_spans_are_children_of_the_step() -> None:
 )
 def test_verdict_on_synthetic_shares(shares, straggler, verdict) -> None:
     assert bottleneck(shares, straggler=straggler) == verdict
+
+
+class FakeEvent:
+    """A CUDA event stand-in: completes when told, times in ms on a fake stream clock."""
+
+    def __init__(self, ms: float, done: bool = True) -> None:
+        self.ms, self.done = ms, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        assert self.done and other.done, "elapsed_time on an incomplete event would sync"
+        return other.ms - self.ms
+
+
+def test_cuda_events_give_stream_phases_and_wait_for_completion() -> None:
+    """On CUDA the phases come from events: the CPU timestamps (launch times) are ignored, and a step
+    is finished only once its end event has completed."""
+    from hpar_agent.spans import StepRecord
+
+    c = AnatomyCollector()
+    ms = 1_000_000
+    c._last_end_event = FakeEvent(0.0)  # the previous step's end on the stream
+    end = FakeEvent(110.0, done=False)
+    # CPU order and times: launches all within 5 ms; the stream: idle 30 ms (input), fwd 30, bwd 40, opt 10
+    events = [(0, 1 * ms, 0, FakeEvent(30.0)), (1, 2 * ms, 0, FakeEvent(60.0)), (2, 3 * ms, 0, FakeEvent(60.0)),
+              (3, 4 * ms, 0, FakeEvent(100.0)), (4, 5 * ms, 0, FakeEvent(100.0)), (6, 6 * ms, 0, end)]
+    c._events[3] = events  # as poll() leaves them
+    c.on_step(StepRecord(step=3, start_ns=0, end_ns=6 * ms))
+    assert c.history == [] and c.span_watermark_ns() == 0  # the end event is still pending
+    end.done = True
+    c._flush()
+    (step, step_s, phases, _loader), = c.history
+    assert step == 3 and step_s == pytest.approx(0.11)
+    assert phases == pytest.approx({"data_wait": 0.03, "forward": 0.03, "backward": 0.04, "optimizer": 0.01})
+    assert c.clock == "cuda-events" and c._last_end_event is end and c.span_watermark_ns() is None
+    assert c.verdict == "input-bound"  # 27% of the stream's step time idle, waiting for input
