@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,6 +64,7 @@ def main() -> None:
             on.append(_time_steps(opt, per_block))
         finally:
             hpar_agent.detach()
+    x = torch.randn(4, 8)
     agent = hpar_agent.attach(**kwargs)
     try:
         steps = agent.component("steps")
@@ -72,6 +74,28 @@ def main() -> None:
         for _ in range(n):
             steps.mark()  # type: ignore[attr-defined]
         mark_us = (time.perf_counter() - t0) / n * 1e6
+        anat: Any = agent.component("anatomy")
+        assert anat is not None
+        m = min(n, 5000)
+        outs = [model(torch.randn(4, 8)) for _ in range(m)]  # fresh grad_fns, as every forward makes
+        t0 = time.perf_counter()
+        for out in outs:
+            anat._fwd_pre(model, ())
+            anat._fwd_post(model, (), out)
+            anat._opt_pre(opt, (), {})
+        anatomy_us = (time.perf_counter() - t0) / m * 1e6
+        # backward: the grad_fn pre-hook and the engine callback it queues, paired with a bare backward
+        diffs = []
+        for _ in range(m // 5):
+            a_out, b_out = model(x).sum(), model(x).sum()
+            a_out.grad_fn.register_prehook(anat._bwd_pre)
+            t0 = time.perf_counter()
+            a_out.backward()
+            t1 = time.perf_counter()
+            b_out.backward()
+            diffs.append((t1 - t0) - (time.perf_counter() - t1))
+        bwd_us = statistics.median(diffs) * 1e6
+        anat.buffer.drain()
         per_hook = {}
         for comp in agent._step_hooks:  # the components mark() fans out to
             t0 = time.perf_counter()
@@ -80,13 +104,14 @@ def main() -> None:
             per_hook[comp.name] = (time.perf_counter() - t0) / n * 1e6
     finally:
         hpar_agent.detach()
-    x = torch.randn(4, 8)
     _time_full_steps(model, opt, x, per_block)  # warm-up
     full_on: list[float] = []
     full_off: list[float] = []
     for _ in range(args.blocks):
         full_off.append(_time_full_steps(model, opt, x, per_block))
-        hpar_agent.attach(model, **kwargs)
+        # no agent pass inside the block: this is the training thread's cost alone (a pass drains the
+        # block's events afterwards; at ~20k steps/s its per-step work would compete for the GIL)
+        hpar_agent.attach(model, **kwargs, interval=3600.0)
         try:
             full_on.append(_time_full_steps(model, opt, x, per_block))
         finally:
@@ -100,8 +125,10 @@ def main() -> None:
     print(f"StepCollector.mark()      : {mark_us:8.2f} us/call (direct, agent attached)")
     for name, us in per_hook.items():
         print(f"  of which {name + '.step_hook':<16}: {us:8.2f} us/call")
+    print(f"anatomy hooks, direct     : {anatomy_us:8.2f} us/step (forward pre+post with grad_fn pre-hook, optimizer pre)")
+    print(f"anatomy backward hooks    : {bwd_us:8.2f} us/step (pre-hook + engine callback, median of paired backwards)")
     print(f"full step detached        : {full_off_us:8.2f} us/step (forward + backward + optimizer.step)")
-    print(f"full step attach(model)   : {full_on_us:8.2f} us/step (+ step anatomy module/autograd hooks)")
+    print(f"full step attach(model)   : {full_on_us:8.2f} us/step (+ step anatomy module/autograd hooks; no agent pass)")
     print(f"agent cost per full step  : {full_on_us - full_off_us:8.2f} us  ({full_on_us / full_off_us:.3f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps({
@@ -109,7 +136,8 @@ def main() -> None:
             "detached_us": off_us, "attached_us": on_us, "hook_cost_us": on_us - off_us,
             "mark_us": mark_us, "step_hooks_us": per_hook,
             "full_step_detached_us": full_off_us, "full_step_attached_us": full_on_us,
-            "full_step_hook_cost_us": full_on_us - full_off_us,
+            "full_step_hook_cost_us": full_on_us - full_off_us, "anatomy_hooks_direct_us": anatomy_us,
+            "anatomy_backward_us": bwd_us,
         }, indent=1))  # fmt: skip
 
 

@@ -227,12 +227,15 @@ class AnatomyCollector(Component):
         return self._waiting[0][0].start_ns if self._waiting else None
 
     def _flush(self) -> None:
-        """Finish the steps in order, each once its CUDA events (if any) have completed."""
+        """Finish the steps in order, each once its CUDA events (if any) have completed; then judge
+        once (not per step: a fast loop finishes thousands of steps per pass)."""
+        finished = 0
         while self._waiting:
             rec, events = self._waiting[0]
             end = next((ev for code, _t0, _t1, ev in events if code == OPT1 and ev is not None), None)
             if end is not None and not end.query():
-                return
+                break
+            finished += 1
             del self._waiting[0]
             step_s = rec.duration_s
             if end is not None and self._last_end_event is not None:
@@ -247,14 +250,16 @@ class AnatomyCollector(Component):
                 phases, spans, loader = self.phases(rec, events)
             self._last_end_event = end
             self._finish(rec, phases, spans, loader, step_s)
+        if finished:
+            self._judge()
 
     def _finish(self, rec: StepRecord, phases: dict[str, float], spans: list[tuple[str, int, int]],
                 loader: float, step_s: float) -> None:
         for phase, secs in phases.items():
             self.hists[phase].observe(secs)
         self.history.append((rec.step, step_s, phases, loader))
-        del self.history[:-WINDOW]
-        self._judge()
+        if len(self.history) > 2 * WINDOW:
+            del self.history[:-WINDOW]
         agent = self.agent
         if agent is not None and agent.tracing_on:
             for phase, t0, t1 in spans[:32]:
@@ -350,7 +355,8 @@ class AnatomyCollector(Component):
         return out, spans, loader
 
     def _judge(self) -> None:
-        hist = [h for h in self.history if h[0] >= WARMUP_STEPS] or self.history
+        recent = self.history[-WINDOW:]
+        hist = [h for h in recent if h[0] >= WARMUP_STEPS] or recent
         total = sum(h[1] for h in hist)
         if total <= 0:
             return
@@ -404,7 +410,8 @@ class AnatomyCollector(Component):
         yield b
 
     def summary(self) -> dict:
-        hist = [h for h in self.history if h[0] >= WARMUP_STEPS] or self.history
+        recent = self.history[-WINDOW:]
+        hist = [h for h in recent if h[0] >= WARMUP_STEPS] or recent
         p50 = {}
         for p in PHASES:
             vals = [h[2][p] for h in hist if p in h[2]]
