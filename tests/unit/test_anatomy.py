@@ -205,3 +205,23 @@ def test_cuda_events_give_stream_phases_and_wait_for_completion() -> None:
     assert phases == pytest.approx({"data_wait": 0.03, "forward": 0.03, "backward": 0.04, "optimizer": 0.01})
     assert c.clock == "cuda-events" and c._last_end_event is end and c.span_watermark_ns() is None
     assert c.verdict == "input-bound"  # 27% of the stream's step time idle, waiting for input
+
+
+def test_the_rank_straggler_names_is_the_slow_rank(tmp_path) -> None:
+    """slow-rank comes from the rank's own Straggler detector state (arrival lag at collectives)."""
+    from prometheus_client import generate_latest
+
+    model = Slow(0.01, 0.01)
+    a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    try:
+        st = a.component("detectors").states["Straggler"]
+        st.active, st.value = True, 0.4
+        _loop(model, 4)
+        a.tick()
+        s = a.component("anatomy").summary()
+        assert s["verdict"] == "slow-rank"
+        assert s["evidence"]["slow_rank"] == 0 and s["evidence"]["straggler_lag_ratio"] == 0.4
+        text = generate_latest(a.registry).decode()
+        assert 'hpar_step_bottleneck{pp_stage="0",rank="0",verdict="slow-rank"} 1.0' in text
+    finally:
+        hpar_agent.detach()
