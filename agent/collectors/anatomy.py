@@ -13,8 +13,8 @@ Hooks, all installed by ``attach(model)``, only append ``(step, code, epoch ns)`
   and queues an autograd-engine callback (``queue_callback``, as DDP does) that marks its end;
 - optimizer: the global optimizer step pre-hook; the step boundary (post-hook) ends it;
 - data loader: ``_BaseDataLoaderIter.__next__`` wrapped while attached (time inside the loader).
-Pipeline schedules: forward/backward are the pipeline collector's chunk times, data wait ends at the
-first stage-0 forward chunk. Every hook is a no-op while torch.compile traces.
+Pipeline schedules: forward/backward are the pipeline collector's chunk times (CUDA events there on a
+GPU), data wait ends at the first stage-0 forward chunk (CPU clock). Every hook is a no-op while torch.compile traces.
 
 Clock: on CPU, wall clock. On CUDA wall-clock phases would be launch times (the time shows up wherever
 the CPU next waits for the GPU, e.g. a loss ``.item()`` in the data wait), so each hook also records a
@@ -153,11 +153,16 @@ class AnatomyCollector(Component):
         return steps.count if steps is not None else 0  # type: ignore[no-any-return]
 
     def _mark(self, step: int, code: int) -> None:
-        ev = None
-        if self._event is not None:
-            ev = self._event(enable_timing=True)
-            ev.record()  # on the current stream; resolved on the agent thread
-        self.buffer.put((step, code, time.time_ns(), 0, ev))
+        """Append one timestamp (and on CUDA an event); never raises into the training loop."""
+        try:
+            ev = None
+            if self._event is not None:
+                ev = self._event(enable_timing=True)
+                ev.record()  # on the current stream; resolved on the agent thread
+            self.buffer.put((step, code, time.time_ns(), 0, ev))
+        except Exception as exc:
+            if self.agent is not None:
+                self.agent.record_error(self.name, exc)
 
     def _fwd_pre(self, module: Any, args: Any) -> None:
         if self._compiling():
@@ -168,16 +173,14 @@ class AnatomyCollector(Component):
         if self._compiling():
             return
         self._mark(self._step(), FWD1)
-        t = out
-        if isinstance(t, (tuple, list)) and t:
-            t = t[0]
-        fn = getattr(t, "grad_fn", None)
-        if fn is not None:
-            try:
+        try:
+            t = out[0] if isinstance(out, (tuple, list)) and out else out
+            fn = getattr(t, "grad_fn", None)
+            if fn is not None:
                 fn.register_prehook(self._bwd_pre)
-            except Exception as exc:  # never into the training loop
-                if self.agent is not None:
-                    self.agent.record_error(self.name, exc)
+        except Exception as exc:  # never into the training loop
+            if self.agent is not None:
+                self.agent.record_error(self.name, exc)
 
     def _bwd_pre(self, grad_outputs: Any) -> None:
         self._mark(self._step(), BWD0)
@@ -238,7 +241,8 @@ class AnatomyCollector(Component):
             finished += 1
             del self._waiting[0]
             step_s = rec.duration_s
-            if end is not None and self._last_end_event is not None:
+            piped = self._pipe is not None and bool(getattr(self._pipe, "_wrapped", None))
+            if end is not None and self._last_end_event is not None and not piped:
                 try:
                     phases, spans, loader, step_s = self.gpu_phases(rec, events, self._last_end_event, end)
                     self.clock = "cuda-events"

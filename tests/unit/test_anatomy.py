@@ -225,3 +225,16 @@ def test_the_rank_straggler_names_is_the_slow_rank(tmp_path) -> None:
         assert 'hpar_step_bottleneck{pp_stage="0",rank="0",verdict="slow-rank"} 1.0' in text
     finally:
         hpar_agent.detach()
+
+
+def test_a_failing_hook_is_counted_not_raised(agent) -> None:
+    model = Slow(0.0, 0.0)
+    a = agent(model)
+    comp = a.component("anatomy")
+
+    def broken(**_kw):
+        raise RuntimeError("no event today")
+
+    comp._event = broken  # as if CUDA events failed
+    _loop(model, 2)  # training goes on
+    assert a.errors["anatomy"] >= 1
