@@ -580,6 +580,8 @@ def _header(run: Run) -> str:
 def anatomy_table(run: Run) -> str:
     """Per rank: phase medians, shares of step time and the bottleneck verdict with its evidence."""
     rows = []
+    digests = [(s.get("components") or {}).get("anatomy") or {} for s in run.summaries.values()]
+    phases = [p for p in cat.STEP_PHASES if any(p in (d.get("phase_seconds_p50") or {}) for d in digests)]
     for rank in run.ranks:
         a = (run.summaries.get(rank, {}).get("components") or {}).get("anatomy") or {}
         if not a:
@@ -588,7 +590,7 @@ def anatomy_table(run: Run) -> str:
         ev = a.get("evidence") or {}
         shares = ev.get("shares") or {}
         cells = [_esc(rank), _esc(_fmt_s(a.get("step_seconds_p50")))]
-        for p in cat.STEP_PHASES:
+        for p in phases:
             share = _num(shares.get(p))
             cells.append(_esc(_fmt_s(p50.get(p))) + ("" if share is None else f" ({share:.0%})"))
         other = _num(ev.get("other_share"))
@@ -597,7 +599,7 @@ def anatomy_table(run: Run) -> str:
         rows.append(cells)
     if not rows:
         return ""
-    heads = ["rank", "step p50", *(f"{p} p50 (share)" for p in cat.STEP_PHASES), "other", "verdict", "evidence"]
+    heads = ["rank", "step p50", *(f"{p} p50 (share)" for p in phases), "other", "verdict", "evidence"]
     return _table(heads, rows)
 
 

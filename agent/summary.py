@@ -206,6 +206,8 @@ def _render_anatomy(name: str, ranks: list[dict[str, Any]]) -> list[str]:
     from hpar_agent.catalogue import STEP_PHASES
 
     rows, clock = [], "cpu"
+    digests = [r.get("components", {}).get(name) or {} for r in ranks]
+    phases = [p for p in STEP_PHASES if any(p in (d.get("phase_seconds_p50") or {}) for d in digests)]
     for r in ranks:
         a = r.get("components", {}).get(name) or {}
         if not a.get("verdict"):
@@ -215,7 +217,7 @@ def _render_anatomy(name: str, ranks: list[dict[str, Any]]) -> list[str]:
         ev = a.get("evidence") or {}
         shares = ev.get("shares") or {}
         cells = [r.get("rank"), _fmt_s(a.get("step_seconds_p50"))]
-        cells += [f"{_fmt_s(p50[p])} {shares.get(p, 0):.0%}" if p in p50 else "-" for p in STEP_PHASES]
+        cells += [f"{_fmt_s(p50[p])} {shares.get(p, 0):.0%}" if p in p50 else "-" for p in phases]
         cells += [f"{ev.get('other_share', 0):.0%}", a["verdict"]]
         rows.append(cells)
     if not rows:
@@ -223,7 +225,7 @@ def _render_anatomy(name: str, ranks: list[dict[str, Any]]) -> list[str]:
     note = " (GPU stream time, from CUDA events)" if clock == "cuda-events" else ""
     lines = [
         f"where the step time goes (p50 and share of step time, after warm-up){note}:",
-        *_table(["rank", "step p50", *STEP_PHASES, "other", "bottleneck"], rows),
+        *_table(["rank", "step p50", *phases, "other", "bottleneck"], rows),
     ]
     held = [str(row[0]) for row in rows if row[-1] in ("input-bound", "slow-rank")]
     if held and len(held) < len(rows):
