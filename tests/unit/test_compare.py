@@ -88,6 +88,8 @@ def test_report_shows_anatomy_and_the_comparison(tmp_path: Path) -> None:
 
     a = _run(tmp_path / "a", 0.100, 0.050, verdicts=("compute-bound", "input-bound"))
     b = _run(tmp_path / "b", 0.130, 0.050)
-    page = build_report(a, compare=b).read_text()
+    assert cli_main(["report", str(a), "--compare", str(b), "-o", str(tmp_path / "page.html")]) == 0
+    page = (tmp_path / "page.html").read_text()
     assert "Where the step time goes" in page and "<b>input-bound</b>" in page
     assert "Compared with b" in page and "+30.0%" in page
+    assert "Compared with" not in build_report(a).read_text()
