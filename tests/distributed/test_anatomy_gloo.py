@@ -24,7 +24,7 @@ RUNS = {
     "clean": [],
     "clean2": [],
     "slow-data": ["--inject", "slow-data", "--inject-delay", "0.5"],
-    "straggler": ["--inject", "straggler", "--inject-delay", "1.0"],
+    "straggler": ["--inject", "straggler", "--inject-delay", "2.0"],
     "pp": ["--dp", "1", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4", "--dim", "64"],
 }
 
@@ -83,11 +83,11 @@ def test_compare_flags_the_straggler_and_passes_two_clean_runs(
     anatomy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     clean, clean2, straggler = (str(anatomy_runs[k]) for k in ("clean", "clean2", "straggler"))
-    # 2 shared CPU cores: two clean runs can differ by tens of percent (0.2-0.6 s steps under load);
-    # the straggler adds 1 s to every step of both ranks
-    assert cli_main(["compare", clean, clean2, "--max-regression", "60%"]) == 0, capsys.readouterr().out
+    # 2 shared CPU cores: two clean runs back to back differed by up to +73% (0.18-0.6 s steps as the
+    # machine's load changed); the straggler adds 2 s to every step of both ranks
+    assert cli_main(["compare", clean, clean2, "--max-regression", "150%"]) == 0, capsys.readouterr().out
     capsys.readouterr()
-    assert cli_main(["compare", clean, straggler, "--max-regression", "60%", "--phase", "forward"]) == 1
+    assert cli_main(["compare", clean, straggler, "--max-regression", "150%", "--phase", "forward"]) == 1
     out = capsys.readouterr().out
     assert "REGRESSION: step time p50 (slowest rank)" in out
     assert "REGRESSION: forward p50 (slowest rank)" in out
