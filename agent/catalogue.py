@@ -29,6 +29,7 @@ BUFFER = "buffer"
 CLOCK = "clock"
 ERROR_TYPE = "error_type"
 PEER = "peer"
+VERDICT = "verdict"
 
 #: Labels every series carries, in this order.
 COMMON_LABELS: tuple[str, ...] = (RANK, PP_STAGE)
@@ -98,6 +99,11 @@ STEP_BUCKETS: tuple[float, ...] = (
     1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
 
+#: Step anatomy: the fixed ``phase`` values of hpar_step_phase_duration_seconds (comm_exposed only where
+#: collective timing exists) and the ``verdict`` values of hpar_step_bottleneck.
+STEP_PHASES: tuple[str, ...] = ("data_wait", "forward", "backward", "optimizer", "comm_exposed")
+VERDICTS: tuple[str, ...] = ("input-bound", "compute-bound", "communication-bound", "slow-rank")
+
 METRICS: tuple[MetricSpec, ...] = (
     # identity and agent health
     _m("hpar_rank_info", "info", "Static identity of this rank: job, topology, host and versions."),
@@ -111,6 +117,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_steps_total", "counter", "Training steps completed on this rank."),
     _m("hpar_last_step_timestamp_seconds", "gauge", "Unix time at which the last step completed.", unit="seconds"),
     _m("hpar_tokens_total", "counter", "Tokens processed, as reported by the training loop."),
+    _m("hpar_step_phase_duration_seconds", "histogram", "Time of one phase of a step on this rank (data_wait, forward, backward, optimizer, comm_exposed); CPU wall clock.", PHASE, unit="seconds"),
+    _m("hpar_step_phase_ratio", "gauge", "Share of step time spent in the phase over the recent steps (after warm-up).", PHASE, unit="ratio"),
+    _m("hpar_step_bottleneck", "gauge", "1 for this rank's current bottleneck verdict (input-bound, compute-bound, communication-bound, slow-rank), 0 for the others.", VERDICT),
     _m("hpar_pp_chunk_duration_seconds", "histogram", "Compute time of one pipeline microbatch chunk on this stage.", PHASE, STREAM, unit="seconds"),
     _m("hpar_pp_busy_seconds", "gauge", "Forward+backward compute time of this stage in the last step.", unit="seconds"),
     _m("hpar_pp_bubble_ratio", "gauge", "Idle fraction of the last step on this stage: 1 - busy / step time.", unit="ratio"),
@@ -190,7 +199,9 @@ SPAN_PP_FORWARD = "pp.forward"
 SPAN_PP_BACKWARD = "pp.backward"
 SPAN_COLLECTIVE_PREFIX = "collective."  # + op, e.g. collective.all_reduce
 SPAN_COMPILE = "dynamo.compile"
-SPAN_NAMES: tuple[str, ...] = (SPAN_STEP, SPAN_PP_FORWARD, SPAN_PP_BACKWARD, SPAN_COMPILE)
+#: Step anatomy: one child span of train.step per phase, named step.<phase>
+SPAN_STEP_PHASES: dict[str, str] = {p: f"step.{p}" for p in STEP_PHASES}
+SPAN_NAMES: tuple[str, ...] = (SPAN_STEP, SPAN_PP_FORWARD, SPAN_PP_BACKWARD, SPAN_COMPILE, *SPAN_STEP_PHASES.values())
 
 # span attributes
 ATTR_RANK = "hpar.rank"

@@ -104,7 +104,7 @@ def _export(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from hpar_agent.report import main as report_main
 
-    return report_main(args.run_dir, args.output)
+    return report_main(args.run_dir, args.output, compare=args.compare)
 
 
 def _diagnose(args: argparse.Namespace) -> int:
@@ -175,7 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write one self-contained HTML page of a run (no Prometheus)")
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (HPAR_RUN_DIR of the run)")
     report.add_argument("-o", "--output", help="output file (default RUN_DIR/report.html)")
+    report.add_argument("--compare", metavar="RUN_B", help="add a side-by-side table against another run")
     report.set_defaults(func=_report)
+    from hpar_agent import compare
+
+    cmp = sub.add_parser("compare", help="two runs side by side; exit 1 when step time (or --phase) regressed")
+    compare.add_arguments(cmp)
+    cmp.set_defaults(func=compare.run)
     diag = sub.add_parser("diagnose", help="run the trainer with an injected failure; report what fired")
     diag.add_argument("--inject", action="append", help="failure mode (repeatable)")
     diag.add_argument("--all", action="store_true", help="every failure mode: the fault matrix")

@@ -578,7 +578,33 @@ def _header(run: Run) -> str:
     return "<p class='meta'>" + " · ".join(facts) + "</p>"
 
 
-def render(run: Run, out_dir: Path) -> str:
+def anatomy_table(run: Run) -> str:
+    """Per rank: phase medians, shares of step time and the bottleneck verdict with its evidence."""
+    rows = []
+    digests = [(s.get("components") or {}).get("anatomy") or {} for s in run.summaries.values()]
+    phases = [p for p in cat.STEP_PHASES if any(p in (d.get("phase_seconds_p50") or {}) for d in digests)]
+    for rank in run.ranks:
+        a = (run.summaries.get(rank, {}).get("components") or {}).get("anatomy") or {}
+        if not a:
+            continue
+        p50 = a.get("phase_seconds_p50") or {}
+        ev = a.get("evidence") or {}
+        shares = ev.get("shares") or {}
+        cells = [_esc(rank), _esc(_fmt_s(a.get("step_seconds_p50")))]
+        for p in phases:
+            share = _num(shares.get(p))
+            cells.append(_esc(_fmt_s(p50.get(p))) + ("" if share is None else f" ({share:.0%})"))
+        other = _num(ev.get("other_share"))
+        cells += ["-" if other is None else f"{other:.0%}", f"<b>{_esc(a.get('verdict') or '-')}</b>",
+                  _esc(", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("shares",)))]
+        rows.append(cells)
+    if not rows:
+        return ""
+    heads = ["rank", "step p50", *(f"{p} p50 (share)" for p in phases), "other", "verdict", "evidence"]
+    return _table(heads, rows)
+
+
+def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
     """The page as a string; ``out_dir`` is where it will live (evidence links are relative to it)."""
     import plotly.graph_objects as go
     from plotly.offline import get_plotlyjs
@@ -600,6 +626,13 @@ def render(run: Run, out_dir: Path) -> str:
             sections.append(f'<p class="none">{_esc(none)}</p>')
         sections.append(extra)
 
+    anatomy = anatomy_table(run)
+    if anatomy:
+        sections += ["<h2>Where the step time goes</h2>", anatomy]
+    if compare is not None:
+        from hpar_agent.compare import html_table
+
+        sections += [f"<h2>Compared with {_esc(compare.name)}</h2>", html_table(run.run_dir, compare)]
     alerts = [e for e in run.events if e.get("kind") == "alert"]
     sections.append("<h2>Alerts</h2>")
     sections.append(alerts_table(run, out_dir) if alerts else '<p class="none">no alerts fired</p>')
@@ -633,14 +666,21 @@ def render(run: Run, out_dir: Path) -> str:
     )
 
 
-def build_report(run_dir: str | os.PathLike[str], output: str | os.PathLike[str] | None = None) -> Path:
-    """Write the report (default ``RUN_DIR/report.html``) and return its path; raises on failure."""
+def build_report(
+    run_dir: str | os.PathLike[str],
+    output: str | os.PathLike[str] | None = None,
+    compare: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write the report (default ``RUN_DIR/report.html``) and return its path; raises on failure.
+    ``compare``: another run directory shown side by side."""
     run_path = Path(run_dir)
     if not run_path.is_dir():
         raise FileNotFoundError(f"run directory not found: {run_path}")
     out = Path(output) if output else run_path / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)
-    page = render(load_run(run_path), out.parent)
+    if compare is not None and not Path(compare).is_dir():
+        raise FileNotFoundError(f"run directory not found: {compare}")
+    page = render(load_run(run_path), out.parent, Path(compare) if compare is not None else None)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(page, encoding="utf-8")
     tmp.replace(out)  # a reader never sees half a page
@@ -664,7 +704,7 @@ def write_report(
 RUN_FILES = ("summary.rank*.json", "events.rank*.jsonl", "traces.rank*.jsonl", "trainer.json")
 
 
-def main(run_dir: str, output: str | None = None) -> int:
+def main(run_dir: str, output: str | None = None, compare: str | None = None) -> int:
     """The ``hpar-agent report`` command: print where the page is; exit 2 (one line, nothing written)
     for a path that is not a run directory, 1 when the page cannot be written."""
     path = Path(run_dir)
@@ -673,7 +713,7 @@ def main(run_dir: str, output: str | None = None) -> int:
         print(f"hpar-agent report: error: {run_dir}: {what}", file=sys.stderr)
         return 2
     try:
-        out = build_report(run_dir, output)
+        out = build_report(run_dir, output, compare)
     except ImportError as exc:
         print(f"hpar-agent report: {exc}; reinstall hpar-agent (plotly is a dependency)", file=sys.stderr)
         return 1

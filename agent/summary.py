@@ -272,7 +272,41 @@ def _render_memory(name: str, ranks: list[dict[str, Any]]) -> list[str]:
     return ["memory after the last step:", *_table(["rank", "rss", "allocator", "nvml"], rows)] if rows else []
 
 
+def _render_anatomy(name: str, ranks: list[dict[str, Any]]) -> list[str]:
+    """Where the step time goes per rank (phase medians and shares) and the bottleneck verdict."""
+    from hpar_agent.catalogue import STEP_PHASES
+
+    rows, clock = [], "cpu"
+    digests = [r.get("components", {}).get(name) or {} for r in ranks]
+    phases = [p for p in STEP_PHASES if any(p in (d.get("phase_seconds_p50") or {}) for d in digests)]
+    for r in ranks:
+        a = r.get("components", {}).get(name) or {}
+        if not a.get("verdict"):
+            continue
+        clock = a.get("clock", clock)
+        p50 = a.get("phase_seconds_p50") or {}
+        ev = a.get("evidence") or {}
+        shares = ev.get("shares") or {}
+        cells = [r.get("rank"), _fmt_s(a.get("step_seconds_p50"))]
+        cells += [f"{_fmt_s(p50[p])} {shares.get(p, 0):.0%}" if p in p50 else "-" for p in phases]
+        cells += [f"{ev.get('other_share', 0):.0%}", a["verdict"]]
+        rows.append(cells)
+    if not rows:
+        return []
+    note = " (GPU stream time, from CUDA events)" if clock == "cuda-events" else ""
+    lines = [
+        f"where the step time goes (p50 and share of step time, after warm-up){note}:",
+        *_table(["rank", "step p50", *phases, "other", "bottleneck"], rows),
+    ]
+    held = [str(row[0]) for row in rows if row[-1] in ("input-bound", "slow-rank")]
+    if held and len(held) < len(rows):
+        lines.append(f"  rank {', '.join(held)} holds the others back: they wait for it inside collectives "
+                     "(counted in their forward/backward)")
+    return lines
+
+
 RENDERERS: dict[str, Any] = {
+    "anatomy": _render_anatomy,
     "compile": _render_compile,
     "collectives": _render_collectives,
     "detectors": _render_detectors,

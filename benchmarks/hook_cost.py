@@ -2,8 +2,10 @@
 
 Times ``optimizer.step()`` on a tiny model in interleaved blocks with the agent attached and detached
 (so drift in machine load hits both equally), then one ``StepCollector.mark()`` called directly. The
-optimizer step is the only per-step hook the agent installs when nothing compiles; the difference of
-the block medians is what the agent costs a training step.
+difference of the block medians is what the optimizer hooks (step boundary, anatomy's optimizer phase)
+cost a training step. Then the same for a whole step (forward, backward, optimizer step) of the tiny
+model attached with ``attach(model)``: that adds the step anatomy's root-module forward hooks and its
+backward hooks (a grad_fn pre-hook and an autograd-engine callback per forward).
 
     python benchmarks/hook_cost.py [--steps 10000] [--blocks 10]
 """
@@ -16,6 +18,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +28,14 @@ import hpar_agent
 def _time_steps(opt: torch.optim.Optimizer, n: int) -> float:
     t0 = time.perf_counter()
     for _ in range(n):
+        opt.step()
+    return (time.perf_counter() - t0) / n
+
+
+def _time_full_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        model(x).sum().backward()
         opt.step()
     return (time.perf_counter() - t0) / n
 
@@ -53,6 +64,7 @@ def main() -> None:
             on.append(_time_steps(opt, per_block))
         finally:
             hpar_agent.detach()
+    x = torch.randn(4, 8)
     agent = hpar_agent.attach(**kwargs)
     try:
         steps = agent.component("steps")
@@ -62,6 +74,28 @@ def main() -> None:
         for _ in range(n):
             steps.mark()  # type: ignore[attr-defined]
         mark_us = (time.perf_counter() - t0) / n * 1e6
+        anat: Any = agent.component("anatomy")
+        assert anat is not None
+        m = min(n, 5000)
+        outs = [model(torch.randn(4, 8)) for _ in range(m)]  # fresh grad_fns, as every forward makes
+        t0 = time.perf_counter()
+        for out in outs:
+            anat._fwd_pre(model, ())
+            anat._fwd_post(model, (), out)
+            anat._opt_pre(opt, (), {})
+        anatomy_us = (time.perf_counter() - t0) / m * 1e6
+        # backward: the grad_fn pre-hook and the engine callback it queues, paired with a bare backward
+        diffs = []
+        for _ in range(m // 5):
+            a_out, b_out = model(x).sum(), model(x).sum()
+            a_out.grad_fn.register_prehook(anat._bwd_pre)
+            t0 = time.perf_counter()
+            a_out.backward()
+            t1 = time.perf_counter()
+            b_out.backward()
+            diffs.append((t1 - t0) - (time.perf_counter() - t1))
+        bwd_us = statistics.median(diffs) * 1e6
+        anat.buffer.drain()
         per_hook = {}
         for comp in agent._step_hooks:  # the components mark() fans out to
             t0 = time.perf_counter()
@@ -70,6 +104,19 @@ def main() -> None:
             per_hook[comp.name] = (time.perf_counter() - t0) / n * 1e6
     finally:
         hpar_agent.detach()
+    _time_full_steps(model, opt, x, per_block)  # warm-up
+    full_on: list[float] = []
+    full_off: list[float] = []
+    for _ in range(args.blocks):
+        full_off.append(_time_full_steps(model, opt, x, per_block))
+        # no agent pass inside the block: this is the training thread's cost alone (a pass drains the
+        # block's events afterwards; at ~20k steps/s its per-step work would compete for the GIL)
+        hpar_agent.attach(model, **kwargs, interval=3600.0)
+        try:
+            full_on.append(_time_full_steps(model, opt, x, per_block))
+        finally:
+            hpar_agent.detach()
+    full_off_us, full_on_us = statistics.median(full_off) * 1e6, statistics.median(full_on) * 1e6
     off_us, on_us = statistics.median(off) * 1e6, statistics.median(on) * 1e6
     print(f"torch {torch.__version__}; {args.blocks} interleaved blocks x {per_block} optimizer.step() each")
     print(f"optimizer.step() detached : {off_us:8.2f} us/step (median of blocks)")
@@ -78,11 +125,19 @@ def main() -> None:
     print(f"StepCollector.mark()      : {mark_us:8.2f} us/call (direct, agent attached)")
     for name, us in per_hook.items():
         print(f"  of which {name + '.step_hook':<16}: {us:8.2f} us/call")
+    print(f"anatomy hooks, direct     : {anatomy_us:8.2f} us/step (forward pre+post with grad_fn pre-hook, optimizer pre)")
+    print(f"anatomy backward hooks    : {bwd_us:8.2f} us/step (pre-hook + engine callback, median of paired backwards)")
+    print(f"full step detached        : {full_off_us:8.2f} us/step (forward + backward + optimizer.step)")
+    print(f"full step attach(model)   : {full_on_us:8.2f} us/step (+ step anatomy module/autograd hooks; no agent pass)")
+    print(f"agent cost per full step  : {full_on_us - full_off_us:8.2f} us  ({full_on_us / full_off_us:.3f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "torch": torch.__version__, "blocks": args.blocks, "steps_per_block": per_block,
             "detached_us": off_us, "attached_us": on_us, "hook_cost_us": on_us - off_us,
             "mark_us": mark_us, "step_hooks_us": per_hook,
+            "full_step_detached_us": full_off_us, "full_step_attached_us": full_on_us,
+            "full_step_hook_cost_us": full_on_us - full_off_us, "anatomy_hooks_direct_us": anatomy_us,
+            "anatomy_backward_us": bwd_us,
         }, indent=1))  # fmt: skip
 
 

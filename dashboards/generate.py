@@ -265,6 +265,30 @@ def overview() -> Board:
         [Q(f"rank:hpar_step_duration_seconds:ratio_to_median5m{{{SEL}}}", "rank {{rank}}")],
         "short",
     )
+    ts(
+        b,
+        "Where the step time goes",
+        "Share of each rank's step time by phase (data_wait, forward, backward, optimizer; recording rule, "
+        "5m window). CPU wall clock: on CUDA, CPU-side launch times.",
+        [Q(f"rank_phase:hpar_step_phase_duration_seconds:ratio5m{{{SEL}}}", "rank {{rank}} {{phase}}")],
+        "percentunit",
+        max_val=1,
+    )
+    ts(
+        b,
+        "Input-bound for 10 minutes",
+        "1 on a rank whose bottleneck verdict has been input-bound for the whole last 10 minutes "
+        "(InputBound fires); the table next to it gives every rank's current verdict.",
+        [Q(f'min_over_time(hpar_step_bottleneck{{{SEL},verdict="input-bound"}}[10m])', "rank {{rank}}")],
+        "short",
+        max_val=1,
+    )
+    table(
+        b,
+        "Bottleneck by rank",
+        "Each rank's current verdict: input-bound, compute-bound, communication-bound or slow-rank.",
+        [Q(f"max by (rank, pp_stage, verdict) (hpar_step_bottleneck{{{SEL}}}) == 1", instant=True)],
+    )
     b.row("Alerts")
     table(
         b,

@@ -31,6 +31,8 @@ INJECTIONS: dict[str, str] = {
     "--inject-size bytes and keeps it alive: RSS and Dynamo frames grow",
     "tensor-leak": "from --inject-step the inject rank keeps --inject-size bytes of tensors alive every step: RSS grows",
     "straggler": "from --inject-step the inject rank sleeps --inject-delay inside its first forward of every step",
+    "slow-data": "from --inject-step the inject rank's data source sleeps --inject-delay per batch (a slow "
+    "data loader): the rank waits for input, its peers wait for it in the next collective",
     "slow-collective": "from --inject-step the inject rank sleeps --inject-delay before every DP gradient all-reduce "
     "(dp group, DDP comm hook): peers wait inside the collective (dp >= 2, --dp-mode ddp)",
     "hsdp-replicate-skip": "from --inject-step the inject rank drops the result of FSDP's replicate-dimension "
@@ -276,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--inject", action="append", default=[], metavar="NAME", help="failure to reproduce (see below)")
     add("--inject-rank", type=int, default=-1, help="rank for rank-specific injections (default last rank)")
     add("--inject-step", type=int, default=3, help="step an injection starts at, where it applies (default 3)")
-    add("--inject-delay", type=float, default=0.2, help="straggler/slow-collective delay in s (default 0.2)")
+    add("--inject-delay", type=float, default=0.2, help="straggler/slow-collective/slow-data delay in s (default 0.2)")
     add("--inject-size", type=int, default=4 << 20, help="bytes leaked per step/microbatch (default 4 MiB)")
     add("--pause-at", type=int, default=-1, metavar="STEP",
         help="before STEP rank 0 pauses like a checkpoint save while the others wait for it (default -1: never)")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Protocol
+
 import torch
 
 BRANCHES = 2  # successors per token: the achievable loss is about ln(2)
@@ -34,3 +37,20 @@ class MarkovData:
         n = self.global_batch // dp
         shard = self.global_batch_at(step)[dp_rank * n:(dp_rank + 1) * n]
         return shard[:, :-1].contiguous(), shard[:, 1:].contiguous()
+
+
+class DataSource(Protocol):
+    def batch(self, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class SlowData:
+    """A data source that takes ``delay`` seconds longer per batch from step ``start`` on: a loader
+    that cannot keep up (slow storage, heavy decoding), for ``--inject slow-data``."""
+
+    def __init__(self, inner: DataSource, delay: float, start: int) -> None:
+        self.inner, self.delay, self.start = inner, delay, start
+
+    def batch(self, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step >= self.start:
+            time.sleep(self.delay)
+        return self.inner.batch(step, dp_rank, dp)

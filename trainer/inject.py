@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .config import TrainConfig
+from .data import DataSource, SlowData
 from .metrics import RankRecorder
 from .model import GPT, Block
 
@@ -176,6 +177,12 @@ class Injector:
                 module.set_custom_reduce_scatter(keep.reduce_scatter)
                 module.set_all_reduce_hook(keep.all_reduce_hook)
                 self._kept.append(keep)
+
+    def data_source(self, data: DataSource) -> DataSource:
+        """slow-data: the inject rank's batches come from a loader that cannot keep up."""
+        if "slow-data" in self.names and self.on_rank:
+            return SlowData(data, self.cfg.inject_delay, self.cfg.inject_step)
+        return data
 
     # --- run time ---------------------------------------------------------------------------
     def before_step(self, step: int, parts: list[GPT]) -> None:

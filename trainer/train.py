@@ -157,7 +157,8 @@ class Trainer:
         self.rec = RankRecorder(cfg.out, self.rank, coords)
         self.injector = Injector(cfg, self.rank, world, self.rec, device)
         self.agent: Any = None  # set by attach_observability
-        self.data = MarkovData(vocab=cfg.vocab, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed)
+        self.data = self.injector.data_source(
+            MarkovData(vocab=cfg.vocab, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed))
         self._build()
 
     def _build(self) -> None:

@@ -11,13 +11,14 @@ if TYPE_CHECKING:
 
 
 def default_components(agent: Agent) -> list[Component]:
+    from hpar_agent.collectors.anatomy import AnatomyCollector
     from hpar_agent.collectors.collectives import CollectiveCollector
     from hpar_agent.collectors.compile import CompileCollector
     from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
     from hpar_agent.collectors.pipeline import PipelineCollector
     from hpar_agent.collectors.steps import StepCollector
 
-    comps: list[Component] = [StepCollector(), PipelineCollector()]
+    comps: list[Component] = [StepCollector(), PipelineCollector(), AnatomyCollector()]
     comps += [CollectiveCollector(), NvmlCollector(), MemoryCollector()]
     comps.append(CompileCollector())
     if agent.config.detectors:

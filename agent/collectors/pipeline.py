@@ -45,6 +45,9 @@ class PipelineCollector(Component):
         self.bubbles: list[tuple[int, float]] = []  # (step, bubble ratio), recent
         self.schedule = ""
         self.stage_times: dict[tuple[int, str], list[float]] = {}
+        # per step: chunk seconds by phase and the first stage-0 forward's start (read by the anatomy)
+        self.phase_by_step: dict[int, dict[str, float]] = {}
+        self.first_forward_ns: dict[int, int] = {}
 
     def install(self, agent: Any) -> None:
         super().install(agent)
@@ -119,6 +122,10 @@ class PipelineCollector(Component):
                 dur = (t1 - t0) / 1e9
             self.hists.setdefault((phase, self.streams(stream)), Histogram(LATENCY_BUCKETS)).observe(dur)
             self.busy_by_step[step] = self.busy_by_step.get(step, 0.0) + dur
+            by_phase = self.phase_by_step.setdefault(step, {})
+            by_phase[phase] = by_phase.get(phase, 0.0) + dur
+            if phase == "forward" and stage_index == 0:
+                self.first_forward_ns[step] = min(t0, self.first_forward_ns.get(step, t0))
             times = self.stage_times.setdefault((stage_index, phase), [])
             times.append(dur)
             del times[:-256]
@@ -142,6 +149,9 @@ class PipelineCollector(Component):
         busy = self.busy_by_step.pop(rec.step, None)
         for s in [s for s in self.busy_by_step if s < rec.step - 64]:
             del self.busy_by_step[s]
+        for d in (self.phase_by_step, self.first_forward_ns):
+            for s in [s for s in d if s < rec.step - 64]:
+                del d[s]  # type: ignore[attr-defined]
         if busy is None or rec.duration_s <= 0:
             return
         self.last_busy = busy

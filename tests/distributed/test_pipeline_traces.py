@@ -136,7 +136,7 @@ def test_pipeline_and_collective_spans_are_children_inside_their_step(traces):
         for s in mine:
             if s.name == cat.SPAN_STEP:
                 continue
-            assert s.name in (cat.SPAN_PP_FORWARD, cat.SPAN_PP_BACKWARD) or s.name.startswith(
+            assert s.name in (cat.SPAN_PP_FORWARD, cat.SPAN_PP_BACKWARD, *cat.SPAN_STEP_PHASES.values()) or s.name.startswith(
                 cat.SPAN_COLLECTIVE_PREFIX
             ), s.name
             parent = step_spans[s.resource[cat.ATTR_RANK]]
@@ -150,6 +150,7 @@ def test_pipeline_and_collective_spans_are_children_inside_their_step(traces):
     assert seen[cat.SPAN_PP_BACKWARD] == per_rank_step * MICROBATCHES
     # stage 0 sends activations and receives gradients, stage 1 the reverse: one of each per microbatch
     assert seen["collective.send"] == seen["collective.recv"] == per_rank_step * MICROBATCHES
+    assert seen[cat.SPAN_STEP_PHASES["optimizer"]] == per_rank_step  # the step anatomy's phases, one per step
 
 
 def test_span_attributes_name_rank_stage_microbatch_and_group(traces):

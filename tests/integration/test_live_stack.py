@@ -272,7 +272,7 @@ def test_injected_compile_failures_fire_their_alerts_too(stack: PromStack, leak:
 def test_every_shipped_rule_evaluates_cleanly_on_live_data(leak: Run) -> None:
     rules = [r for g in leak.rules for r in g["rules"]]
     assert {r["name"] for r in rules if r["type"] == "alerting"} == {a.name for a in cat.ALERTS} | {
-        "GpuMemoryNearFull", "GpuEccErrors", "HparAgentDown", "HparAgentErrors",
+        "GpuMemoryNearFull", "GpuEccErrors", "HparAgentDown", "HparAgentErrors", "InputBound",
     }  # fmt: skip
     bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
     assert bad == [], bad

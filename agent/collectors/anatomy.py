@@ -1,0 +1,431 @@
+"""Step anatomy: where each rank's step time goes, and the bottleneck verdict that follows from it.
+
+Phases of step s (from the end of step s-1's optimizer step to the end of step s's):
+``data_wait`` (to the first forward), ``forward``, ``backward``, ``optimizer`` (optimizer step pre-hook
+to the step boundary). What is left (loss, clipping, DDP's wait for its last bucket, logging) is
+"other" in the summary. ``comm_exposed`` is in the fixed phase set but is only exported where a
+collective-timing source can tell overlapped from exposed time; none does yet, so it is left out.
+
+Hooks, all installed by ``attach(model)``, only append ``(step, code, epoch ns)`` to a bounded buffer:
+- forward: pre-hook (prepended: the user's own pre-hooks count as forward) and post-hook on the
+  attached ROOT module only (global module hooks would cost µs per submodule call);
+- backward: at forward exit, a pre-hook on the output's ``grad_fn`` marks the start of that backward
+  and queues an autograd-engine callback (``queue_callback``, as DDP does) that marks its end;
+- optimizer: the global optimizer step pre-hook; the step boundary (post-hook) ends it;
+- data loader: ``_BaseDataLoaderIter.__next__`` wrapped while attached (time inside the loader).
+Pipeline schedules: forward/backward are the pipeline collector's chunk times (CUDA events there on a
+GPU), data wait ends at the first stage-0 forward chunk (CPU clock). Every hook is a no-op while torch.compile traces.
+
+Clock: on CPU, wall clock. On CUDA wall-clock phases would be launch times (the time shows up wherever
+the CPU next waits for the GPU, e.g. a loss ``.item()`` in the data wait), so each hook also records a
+CUDA event on the current stream (plus one at the end of the optimizer step), and the agent thread
+turns them into GPU-stream phases once the step's last event has completed (``query()``, never a
+sync), as the pipeline collector does for chunks. The data wait is then the time the stream sat idle
+between the last optimizer kernel and the first forward kernel: the GPU waiting for its input.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from hpar_agent import catalogue as cat
+from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.component import Component
+from hpar_agent.histogram import Histogram
+from hpar_agent.spans import SpanRecord, StepRecord
+
+FWD0, FWD1, BWD0, BWD1, OPT0, LOAD, OPT1 = range(7)
+MAX_WAITING = 256  # CUDA steps whose events have not completed yet
+PHASES = cat.STEP_PHASES
+WARMUP_STEPS = 2  # left out of the verdict: the first steps compile and allocate
+WINDOW = 64  # recent steps the shares and the verdict are computed over
+DEFAULTS = {"anatomy.input_share": 0.2, "anatomy.comm_share": 0.3}
+
+
+def bottleneck(
+    shares: dict[str, float],
+    *,
+    straggler: bool = False,
+    input_share: float = DEFAULTS["anatomy.input_share"],
+    comm_share: float = DEFAULTS["anatomy.comm_share"],
+) -> str:
+    """The verdict from phase shares of step time. Input first: a rank whose loader is slow also
+    arrives last at collectives (the Straggler signal), and the loader is the cause to name."""
+    if shares.get("data_wait", 0.0) >= input_share:
+        return "input-bound"
+    if straggler:
+        return "slow-rank"
+    if shares.get("comm_exposed", 0.0) >= comm_share:
+        return "communication-bound"
+    return "compute-bound"
+
+
+class AnatomyCollector(Component):
+    name = "anatomy"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffer: BoundedBuffer[tuple[int, int, int, int, Any]] = BoundedBuffer("anatomy", 1 << 16)
+        self.buffers = (self.buffer,)
+        self._handles: list[Any] = []
+        self._loader_patch: tuple[Any, Any] | None = None
+        self._steps: Any = None
+        self._pipe: Any = None
+        self._compiling: Any = lambda: False
+        self._queue_callback: Any = None
+        self._events: dict[int, list[tuple[int, int, int, Any]]] = {}
+        self._waiting: list[tuple[StepRecord, list[tuple[int, int, int, Any]]]] = []
+        self._last_end_event: Any = None
+        self._event: Any = None  # torch.cuda.Event on CUDA
+        self.clock = "cpu"
+        self.hists: dict[str, Histogram] = {p: Histogram(cat.LATENCY_BUCKETS) for p in PHASES}
+        self.history: list[tuple[int, float, dict[str, float], float]] = []  # (step, step s, phases, loader s)
+        self.verdict: str | None = None
+        self.evidence: dict[str, Any] = {}
+        self.shares: dict[str, float] = {}
+        self.forward_source = "none"
+        self.cuda = False
+
+    # ------------------------------------------------------------------------------------ install
+    def install(self, agent: Any) -> None:
+        super().install(agent)
+        import torch
+
+        self.buffer.capacity = agent.config.buffer_size
+        self._steps = agent.component("steps")
+        self._pipe = agent.component("pipeline")
+        self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+        self._queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+        model = agent.model
+        if isinstance(model, torch.nn.Module):
+            self._handles.append(model.register_forward_pre_hook(self._fwd_pre, prepend=True))
+            self._handles.append(model.register_forward_hook(self._fwd_post))
+            self.forward_source = "module-hooks"
+            try:
+                self.cuda = next(model.parameters()).device.type == "cuda"
+            except StopIteration:
+                pass
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+        if self.cuda:
+            self._event = torch.cuda.Event
+            self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+        self._patch_loader()
+
+    def _patch_loader(self) -> None:
+        try:
+            from torch.utils.data.dataloader import _BaseDataLoaderIter
+        except ImportError:
+            return
+        orig = _BaseDataLoaderIter.__next__
+        put, steps = self.buffer.put, self._steps
+
+        def __next__(it: Any) -> Any:
+            t0 = time.time_ns()
+            try:
+                return orig(it)
+            finally:
+                put((steps.count if steps is not None else 0, LOAD, t0, time.time_ns(), None))
+
+        __next__._hpar_orig = orig  # type: ignore[attr-defined]
+        _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
+        self._loader_patch = (_BaseDataLoaderIter, orig)
+
+    def uninstall(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._loader_patch is not None:
+            cls, orig = self._loader_patch
+            if getattr(cls.__next__, "_hpar_orig", None) is orig:
+                cls.__next__ = orig
+            self._loader_patch = None
+
+    # ------------------------------------------------------------------------------------ training thread
+    def _step(self) -> int:
+        steps = self._steps
+        return steps.count if steps is not None else 0  # type: ignore[no-any-return]
+
+    def _mark(self, step: int, code: int) -> None:
+        """Append one timestamp (and on CUDA an event); never raises into the training loop."""
+        try:
+            ev = None
+            if self._event is not None:
+                ev = self._event(enable_timing=True)
+                ev.record()  # on the current stream; resolved on the agent thread
+            self.buffer.put((step, code, time.time_ns(), 0, ev))
+        except Exception as exc:
+            if self.agent is not None:
+                self.agent.record_error(self.name, exc)
+
+    def _fwd_pre(self, module: Any, args: Any) -> None:
+        if self._compiling():
+            return
+        self._mark(self._step(), FWD0)
+
+    def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
+        if self._compiling():
+            return
+        self._mark(self._step(), FWD1)
+        try:
+            t = out[0] if isinstance(out, (tuple, list)) and out else out
+            fn = getattr(t, "grad_fn", None)
+            if fn is not None:
+                fn.register_prehook(self._bwd_pre)
+        except Exception as exc:  # never into the training loop
+            if self.agent is not None:
+                self.agent.record_error(self.name, exc)
+
+    def _bwd_pre(self, grad_outputs: Any) -> None:
+        self._mark(self._step(), BWD0)
+        try:
+            self._queue_callback(self._bwd_end)
+        except Exception as exc:
+            if self.agent is not None:
+                self.agent.record_error(self.name, exc)
+
+    def _bwd_end(self) -> None:
+        self._mark(self._step(), BWD1)
+
+    def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        steps = self._steps
+        if steps is None or steps.explicit:
+            return
+        oid = steps._optimizer_id
+        if oid is not None and id(optimizer) != oid:
+            return
+        self._mark(steps.count, OPT0)
+
+    def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """CUDA only: an event after the optimizer's kernels (the step collector's post-hook, installed
+        first, has already counted the step)."""
+        steps = self._steps
+        if steps is None or steps.explicit or steps._optimizer_id != id(optimizer):
+            return
+        self._mark(steps.count - 1, OPT1)
+
+    # ------------------------------------------------------------------------------------ agent thread
+    def poll(self, now: float) -> None:
+        for step, code, t0, t1, ev in self.buffer.drain():
+            self._events.setdefault(step, []).append((code, t0, t1, ev))
+        self._flush()
+
+    def on_step(self, rec: StepRecord) -> None:
+        events = self._events.pop(rec.step, [])
+        for s in [s for s in self._events if s < rec.step - WINDOW]:
+            del self._events[s]
+        self._waiting.append((rec, events))
+        if len(self._waiting) > MAX_WAITING:
+            del self._waiting[0]
+            self._last_end_event = None
+        self._flush()
+
+    def span_watermark_ns(self) -> int | None:
+        return self._waiting[0][0].start_ns if self._waiting else None
+
+    def _flush(self) -> None:
+        """Finish the steps in order, each once its CUDA events (if any) have completed; then judge
+        once (not per step: a fast loop finishes thousands of steps per pass)."""
+        finished = 0
+        while self._waiting:
+            rec, events = self._waiting[0]
+            end = next((ev for code, _t0, _t1, ev in events if code == OPT1 and ev is not None), None)
+            if end is not None and not end.query():
+                break
+            finished += 1
+            del self._waiting[0]
+            step_s = rec.duration_s
+            piped = self._pipe is not None and bool(getattr(self._pipe, "_wrapped", None))
+            if end is not None and self._last_end_event is not None and not piped:
+                try:
+                    phases, spans, loader, step_s = self.gpu_phases(rec, events, self._last_end_event, end)
+                    self.clock = "cuda-events"
+                except Exception as exc:  # an event not recorded (e.g. another device): CPU times
+                    if self.agent is not None:
+                        self.agent.record_error(self.name, exc)
+                    phases, spans, loader = self.phases(rec, events)
+            else:
+                phases, spans, loader = self.phases(rec, events)
+            self._last_end_event = end
+            self._finish(rec, phases, spans, loader, step_s)
+        if finished:
+            self._judge()
+
+    def _finish(self, rec: StepRecord, phases: dict[str, float], spans: list[tuple[str, int, int]],
+                loader: float, step_s: float) -> None:
+        for phase, secs in phases.items():
+            self.hists[phase].observe(secs)
+        self.history.append((rec.step, step_s, phases, loader))
+        if len(self.history) > 2 * WINDOW:
+            del self.history[:-WINDOW]
+        agent = self.agent
+        if agent is not None and agent.tracing_on:
+            for phase, t0, t1 in spans[:32]:
+                agent.add_span(SpanRecord(cat.SPAN_STEP_PHASES[phase], t0, t1, rec.step))
+
+    def gpu_phases(
+        self, rec: StepRecord, events: list[tuple[int, int, int, Any]], prev_end: Any, end: Any
+    ) -> tuple[dict[str, float], list[tuple[str, int, int]], float, float]:
+        """Phases on the GPU stream from CUDA events (all complete: ``end`` is the last one). Offsets
+        are measured from the previous step's end event; spans are placed at the step's start plus
+        those offsets."""
+        out: dict[str, float] = {}
+        spans: list[tuple[str, int, int]] = []
+        opened: dict[int, Any] = {}
+        first_fwd: Any = None
+        opt0: Any = None
+        loader = 0.0
+
+        def off(ev: Any) -> float:
+            return float(prev_end.elapsed_time(ev)) / 1e3
+
+        def at(ev: Any) -> int:
+            return rec.start_ns + int(off(ev) * 1e9)
+
+        for code, t0, t1, ev in sorted(events, key=lambda e: e[1]):
+            if code == LOAD:
+                loader += (t1 - t0) / 1e9
+            elif ev is None:
+                continue
+            elif code in (FWD0, BWD0):
+                opened.setdefault(code, ev)
+                if code == FWD0 and first_fwd is None:
+                    first_fwd = ev
+            elif code in (FWD1, BWD1):
+                start = opened.pop(code - 1, None)
+                if start is not None:
+                    phase = "forward" if code == FWD1 else "backward"
+                    out[phase] = out.get(phase, 0.0) + float(start.elapsed_time(ev)) / 1e3
+                    spans.append((phase, at(start), at(ev)))
+            elif code == OPT0:
+                opt0 = ev
+        if first_fwd is not None:
+            out["data_wait"] = off(first_fwd)
+            spans.insert(0, ("data_wait", rec.start_ns, at(first_fwd)))
+        if opt0 is not None:
+            out["optimizer"] = float(opt0.elapsed_time(end)) / 1e3
+            spans.append(("optimizer", at(opt0), at(end)))
+        return out, spans, loader, off(end)
+
+    def phases(
+        self, rec: StepRecord, events: list[tuple[int, int, int, Any]]
+    ) -> tuple[dict[str, float], list[tuple[str, int, int]], float]:
+        """Phase seconds of one step from CPU wall-clock times, the spans behind them and the seconds
+        spent in the data loader."""
+        out: dict[str, float] = {}
+        spans: list[tuple[str, int, int]] = []
+        opened: dict[int, int] = {}
+        first_fwd: int | None = None
+        opt0: int | None = None
+        loader = 0.0
+        for code, t0, t1, _ev in sorted(events, key=lambda e: e[1]):
+            if code in (FWD0, BWD0):
+                opened.setdefault(code, t0)
+                if code == FWD0 and first_fwd is None:
+                    first_fwd = t0
+            elif code in (FWD1, BWD1):
+                start = opened.pop(code - 1, None)
+                if start is not None:
+                    phase = "forward" if code == FWD1 else "backward"
+                    out[phase] = out.get(phase, 0.0) + (t0 - start) / 1e9
+                    spans.append((phase, start, t0))
+            elif code == OPT0:
+                opt0 = t0
+            elif code == LOAD:
+                loader += (t1 - t0) / 1e9
+        pipe = self._pipe
+        if pipe is not None and getattr(pipe, "_wrapped", None):
+            self.forward_source = "pipeline-chunks"
+            spans = []  # pp.forward / pp.backward spans already show the chunks
+            chunked = pipe.phase_by_step.pop(rec.step, {})
+            for phase in ("forward", "backward"):
+                if phase in chunked:
+                    out[phase] = chunked[phase]
+                else:
+                    out.pop(phase, None)
+            first_fwd = pipe.first_forward_ns.pop(rec.step, None)  # data is loaded for stage 0 only
+        if first_fwd is not None and first_fwd >= rec.start_ns:
+            out["data_wait"] = (first_fwd - rec.start_ns) / 1e9
+            spans.insert(0, ("data_wait", rec.start_ns, first_fwd))
+        if opt0 is not None and rec.start_ns <= opt0 <= rec.end_ns:
+            out["optimizer"] = (rec.end_ns - opt0) / 1e9
+            spans.append(("optimizer", opt0, rec.end_ns))
+        return out, spans, loader
+
+    def _judge(self) -> None:
+        recent = self.history[-WINDOW:]
+        hist = [h for h in recent if h[0] >= WARMUP_STEPS] or recent
+        total = sum(h[1] for h in hist)
+        if total <= 0:
+            return
+        sums = {p: sum(h[2].get(p, 0.0) for h in hist) for p in PHASES}
+        seen = {p for h in hist for p in h[2]}
+        self.shares = {p: sums[p] / total for p in PHASES if p in seen}
+        th = dict(self.agent.config.thresholds) if self.agent is not None else {}
+        straggler, lag = self._straggler()
+        self.verdict = bottleneck(
+            self.shares,
+            straggler=straggler,
+            input_share=float(th.get("anatomy.input_share", DEFAULTS["anatomy.input_share"])),
+            comm_share=float(th.get("anatomy.comm_share", DEFAULTS["anatomy.comm_share"])),
+        )
+        rank = self.agent.topology.rank if self.agent is not None else 0
+        self.evidence = {
+            "steps": len(hist),
+            "step_seconds_mean": total / len(hist),
+            "shares": {p: round(v, 4) for p, v in self.shares.items()},
+            "other_share": round(max(0.0, 1.0 - sum(self.shares.values())), 4),
+            "loader_seconds_mean": sum(h[3] for h in hist) / len(hist),
+        }
+        if lag is not None:
+            self.evidence["straggler_lag_ratio"] = round(lag, 4)
+        if self.verdict == "slow-rank":
+            self.evidence["slow_rank"] = rank
+
+    def _straggler(self) -> tuple[bool, float | None]:
+        """This rank's Straggler state (arrival lag at collectives, exchanged through the store)."""
+        det = self.agent.component("detectors") if self.agent is not None else None
+        st = getattr(det, "states", {}).get("Straggler")
+        if st is None:
+            return False, None
+        return bool(st.active), (float(st.value) if st.value else None)
+
+    def collect(self) -> Iterable[Metric]:
+        f = self.agent.families  # type: ignore[union-attr]
+        h = f.histogram("hpar_step_phase_duration_seconds")
+        for phase, hist in self.hists.items():
+            if hist.count:
+                h.add_metric(f.labels(phase), hist.buckets(), hist.sum)
+        yield h
+        r = f.gauge("hpar_step_phase_ratio")
+        for phase, share in self.shares.items():
+            f.add(r, [phase], share)
+        yield r
+        b = f.gauge("hpar_step_bottleneck")
+        if self.verdict is not None:
+            for v in cat.VERDICTS:
+                f.add(b, [v], 1.0 if v == self.verdict else 0.0)
+        yield b
+
+    def summary(self) -> dict:
+        recent = self.history[-WINDOW:]
+        hist = [h for h in recent if h[0] >= WARMUP_STEPS] or recent
+        p50 = {}
+        for p in PHASES:
+            vals = [h[2][p] for h in hist if p in h[2]]
+            if vals:
+                p50[p] = statistics.median(vals)
+        return {
+            "clock": self.clock,
+            "source": self.forward_source,
+            "phase_seconds_p50": p50,
+            "step_seconds_p50": statistics.median([h[1] for h in hist]) if hist else None,
+            "verdict": self.verdict,
+            "evidence": self.evidence,
+        }

@@ -1,0 +1,106 @@
+"""Step anatomy and run comparison on real 2-rank gloo runs of the reference trainer (dp=2, eager).
+
+Five short runs, shared by every test here through one session fixture: two clean ones, one with a
+slow data loader on rank 1 (``--inject slow-data``), one with a straggler on rank 1, and a pp=2 1F1B
+run (the pipeline's phases come from its chunks).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpar_agent.cli import main as cli_main
+from hpar_trainer.launch import run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+# --dim 256: compute dominates a clean step (at the default dim 64 the synthetic data takes ~30%)
+BASE = ["--dp", "2", "--compile", "eager", "--dim", "256", "--steps", "12", "--inject-step", "2", "--log-every", "100"]
+RUNS = {
+    "clean": [],
+    "clean2": [],
+    "slow-data": ["--inject", "slow-data", "--inject-delay", "0.5"],
+    "straggler": ["--inject", "straggler", "--inject-delay", "2.0"],
+    "pp": ["--dp", "1", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4", "--dim", "64"],
+}
+
+
+@pytest.fixture(scope="session")
+def anatomy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("anatomy")
+    out = {}
+    for name, extra in RUNS.items():  # one after the other: one multi-rank run at a time
+        run = base / name
+        env = {"HPAR_RUN_DIR": str(run), "HPAR_JOB_ID": name, "HPAR_METRICS_PORT": "-1",
+               "HPAR_TRACES": "file" if name == "slow-data" else "none", "HPAR_TRACE_EVERY": "1"}
+        res = run_torchrun(2, [*BASE, *extra, "--out", str(run / "trainer.json")], env=env, timeout=300)
+        assert res.returncode == 0, (name, res.stderr[-3000:])
+        out[name] = run
+    return out
+
+
+def _anatomy(run: Path, rank: int) -> dict[str, Any]:
+    return json.loads((run / f"summary.rank{rank}.json").read_text())["components"]["anatomy"]
+
+
+def test_slow_data_is_input_bound_on_the_injected_rank(anatomy_runs: dict[str, Path]) -> None:
+    slow, peer = _anatomy(anatomy_runs["slow-data"], 1), _anatomy(anatomy_runs["slow-data"], 0)
+    assert slow["verdict"] == "input-bound", slow
+    assert slow["evidence"]["shares"]["data_wait"] > 0.3  # ~0.7 on an idle machine
+    assert 0.49 < slow["phase_seconds_p50"]["data_wait"] < 0.9  # the injected 0.5 s per batch
+    assert peer["verdict"] != "input-bound", peer
+    assert peer["phase_seconds_p50"]["data_wait"] < 0.1
+
+
+def test_clean_run_is_compute_bound(anatomy_runs: dict[str, Path]) -> None:
+    for rank in (0, 1):
+        a = _anatomy(anatomy_runs["clean"], rank)
+        assert a["verdict"] == "compute-bound", a
+        assert set(a["phase_seconds_p50"]) == {"data_wait", "forward", "backward", "optimizer"}
+        assert a["evidence"]["shares"]["data_wait"] < 0.2
+        assert a["evidence"]["shares"]["forward"] + a["evidence"]["shares"]["backward"] > 0.5
+
+
+def test_phase_spans_are_children_of_the_step_span(anatomy_runs: dict[str, Path]) -> None:
+    spans = []
+    for line in (anatomy_runs["slow-data"] / "traces.rank1.jsonl").read_text().splitlines():
+        for rs in json.loads(line).get("resourceSpans", []):
+            for ss in rs.get("scopeSpans", []):
+                spans += ss.get("spans", [])
+    steps = {s["spanId"]: s for s in spans if s["name"] == "train.step"}
+    waits = [s for s in spans if s["name"] == "step.data_wait"]
+    assert {"step.forward", "step.backward", "step.optimizer"} <= {s["name"] for s in spans}
+    assert waits and all(s["parentSpanId"] in steps for s in waits)
+    longest = max((int(s["endTimeUnixNano"]) - int(s["startTimeUnixNano"])) / 1e9 for s in waits)
+    assert longest > 0.49
+
+
+def test_compare_flags_the_straggler_and_passes_two_clean_runs(
+    anatomy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    clean, clean2, straggler = (str(anatomy_runs[k]) for k in ("clean", "clean2", "straggler"))
+    # 2 shared CPU cores: two clean runs back to back differed by up to +73% (0.18-0.6 s steps as the
+    # machine's load changed); the straggler adds 2 s to every step of both ranks
+    assert cli_main(["compare", clean, clean2, "--max-regression", "150%"]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+    assert cli_main(["compare", clean, straggler, "--max-regression", "150%", "--phase", "forward"]) == 1
+    out = capsys.readouterr().out
+    assert "REGRESSION: step time p50 (slowest rank)" in out
+    assert "REGRESSION: forward p50 (slowest rank)" in out
+
+
+def test_pipeline_phases_come_from_its_chunks(anatomy_runs: dict[str, Path]) -> None:
+    for rank in (0, 1):
+        comps = json.loads((anatomy_runs["pp"] / f"summary.rank{rank}.json").read_text())["components"]
+        a, chunks = comps["anatomy"], comps["pipeline"]["chunk_seconds_p50"]
+        assert a["source"] == "pipeline-chunks" and a["verdict"] == "compute-bound", a
+        for phase in ("forward", "backward"):  # 4 microbatches per step, each a chunk of this stage
+            per_chunk = chunks[f"{rank}/{phase}"]
+            assert 2 * per_chunk < a["phase_seconds_p50"][phase] < a["step_seconds_p50"], (phase, a, chunks)
+    # only stage 0 consumes the batch: stage 1's wait for activations is not a data wait
+    assert "data_wait" in _anatomy(anatomy_runs["pp"], 0)["phase_seconds_p50"]
+    assert "data_wait" not in _anatomy(anatomy_runs["pp"], 1)["phase_seconds_p50"]

@@ -1,0 +1,240 @@
+"""Step anatomy: phases from the root-module, autograd and optimizer hooks; the bottleneck verdict."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import hpar_agent
+from hpar_agent.collectors.anatomy import AnatomyCollector, bottleneck
+
+
+class Slow(torch.nn.Module):
+    """A model whose forward and backward take a known time (sleep inside autograd too)."""
+
+    def __init__(self, fwd_s: float, bwd_s: float) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.fwd_s = fwd_s
+        self.bwd_s = bwd_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.fwd_s)
+        h = self.lin(x)
+        h.register_hook(lambda g: time.sleep(self.bwd_s))  # runs inside the model's backward
+        return h * 2.0
+
+
+@pytest.fixture
+def agent(tmp_path):
+    agents = []
+
+    def _attach(model, **kw):
+        a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path), detectors=False, **kw)
+        agents.append(a)
+        return a
+
+    yield _attach
+    hpar_agent.detach()
+
+
+def _loop(model: torch.nn.Module, steps: int, data_s: float = 0.0, opt_s: float = 0.0) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if opt_s:
+        opt.register_step_pre_hook(lambda *_: time.sleep(opt_s))
+    for _ in range(steps):
+        time.sleep(data_s)
+        x = torch.randn(2, 4)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_phases_from_hooks_match_the_time_spent(agent) -> None:
+    model = Slow(0.02, 0.03)
+    a = agent(model)
+    _loop(model, 6, data_s=0.005, opt_s=0.015)
+    a.tick()
+    s = a.component("anatomy").summary()
+    p50 = s["phase_seconds_p50"]
+    assert set(p50) == {"data_wait", "forward", "backward", "optimizer"}  # no comm timing on CPU
+    assert 0.02 <= p50["forward"] < 0.035
+    assert 0.03 <= p50["backward"] < 0.045
+    assert 0.005 <= p50["data_wait"] < 0.02
+    assert 0.015 <= p50["optimizer"] < 0.03
+    assert s["verdict"] == "compute-bound"
+    assert s["source"] == "module-hooks" and s["clock"] == "cpu"
+
+
+def test_slow_input_is_named_input_bound_with_its_share(agent) -> None:
+    model = Slow(0.0, 0.0)
+    a = agent(model)
+    _loop(model, 6, data_s=0.03)
+    a.tick()
+    s = a.component("anatomy").summary()
+    assert s["verdict"] == "input-bound"
+    assert s["evidence"]["shares"]["data_wait"] > 0.5
+
+
+def test_dataloader_time_is_measured_and_the_patch_is_restored(agent) -> None:
+    from torch.utils.data import DataLoader
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    orig = _BaseDataLoaderIter.__next__
+
+    class Sleepy(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            time.sleep(0.01)
+            return torch.randn(4)
+
+    model = Slow(0.0, 0.0)
+    a = agent(model)
+    assert _BaseDataLoaderIter.__next__ is not orig
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x in DataLoader(Sleepy(), batch_size=2):
+        model(x).sum().backward()
+        opt.step()
+    a.tick()
+    ev = a.component("anatomy").summary()["evidence"]
+    assert ev["loader_seconds_mean"] >= 0.015  # two 10 ms items per batch
+    hpar_agent.detach()
+    assert _BaseDataLoaderIter.__next__ is orig
+
+
+def test_hooks_are_removed_on_detach(agent) -> None:
+    model = Slow(0.0, 0.0)
+    agent(model)
+    assert model._forward_pre_hooks and model._forward_hooks
+    hpar_agent.detach()
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_hooks_are_silent_while_compiling(agent) -> None:
+    model = torch.nn.Linear(4, 4)
+    a = agent(model)
+    comp = a.component("anatomy")
+    compiled = torch.compile(model, backend="eager")
+    compiled(torch.randn(2, 4))  # the root's hooks run inside the traced region: nothing recorded
+    assert [e for e in comp.buffer.drain() if e[1] == 0] == []
+    comp._compiling = lambda: False  # the same call outside tracing records
+    comp._fwd_pre(model, ())
+    assert [e[1] for e in comp.buffer.drain()] == [0]
+
+
+def test_exported_series(agent) -> None:
+    from prometheus_client import generate_latest
+
+    model = Slow(0.0, 0.0)
+    a = agent(model)
+    _loop(model, 4, data_s=0.02)
+    a.tick()
+    text = generate_latest(a.registry).decode()
+    assert 'hpar_step_phase_duration_seconds_count{phase="forward",pp_stage="0",rank="0"} 4.0' in text
+    assert 'hpar_step_bottleneck{pp_stage="0",rank="0",verdict="input-bound"} 1.0' in text
+    assert 'hpar_step_bottleneck{pp_stage="0",rank="0",verdict="compute-bound"} 0.0' in text
+    assert 'hpar_step_phase_ratio{phase="data_wait"' in text
+
+
+def test_phase_spans_are_children_of_the_step() -> None:
+    from hpar_agent.spans import StepRecord
+
+    c = AnatomyCollector()
+    ms = 1_000_000
+    rec = StepRecord(step=5, start_ns=0, end_ns=100 * ms)
+    events = [(0, 10 * ms, 0, None), (1, 40 * ms, 0, None), (2, 45 * ms, 0, None), (3, 85 * ms, 0, None),
+              (4, 90 * ms, 0, None), (5, 1 * ms, 8 * ms, None)]
+    phases, spans, loader = c.phases(rec, events)
+    assert phases == pytest.approx({"data_wait": 0.01, "forward": 0.03, "backward": 0.04, "optimizer": 0.01})
+    assert [s[0] for s in spans] == ["data_wait", "forward", "backward", "optimizer"]
+    assert loader == pytest.approx(0.007)
+
+
+@pytest.mark.parametrize(
+    ("shares", "straggler", "verdict"),
+    [
+        ({"data_wait": 0.3, "forward": 0.3, "backward": 0.3}, False, "input-bound"),
+        ({"data_wait": 0.3, "forward": 0.3}, True, "input-bound"),  # the loader is the cause to name
+        ({"data_wait": 0.05, "forward": 0.6}, True, "slow-rank"),
+        ({"data_wait": 0.05, "comm_exposed": 0.4, "forward": 0.3}, False, "communication-bound"),
+        ({"data_wait": 0.19, "comm_exposed": 0.29, "forward": 0.3}, False, "compute-bound"),
+        ({}, False, "compute-bound"),
+    ],
+)
+def test_verdict_on_synthetic_shares(shares, straggler, verdict) -> None:
+    assert bottleneck(shares, straggler=straggler) == verdict
+
+
+class FakeEvent:
+    """A CUDA event stand-in: completes when told, times in ms on a fake stream clock."""
+
+    def __init__(self, ms: float, done: bool = True) -> None:
+        self.ms, self.done = ms, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        assert self.done and other.done, "elapsed_time on an incomplete event would sync"
+        return other.ms - self.ms
+
+
+def test_cuda_events_give_stream_phases_and_wait_for_completion() -> None:
+    """On CUDA the phases come from events: the CPU timestamps (launch times) are ignored, and a step
+    is finished only once its end event has completed."""
+    from hpar_agent.spans import StepRecord
+
+    c = AnatomyCollector()
+    ms = 1_000_000
+    c._last_end_event = FakeEvent(0.0)  # the previous step's end on the stream
+    end = FakeEvent(110.0, done=False)
+    # CPU order and times: launches all within 5 ms; the stream: idle 30 ms (input), fwd 30, bwd 40, opt 10
+    events = [(0, 1 * ms, 0, FakeEvent(30.0)), (1, 2 * ms, 0, FakeEvent(60.0)), (2, 3 * ms, 0, FakeEvent(60.0)),
+              (3, 4 * ms, 0, FakeEvent(100.0)), (4, 5 * ms, 0, FakeEvent(100.0)), (6, 6 * ms, 0, end)]
+    c._events[3] = events  # as poll() leaves them
+    c.on_step(StepRecord(step=3, start_ns=0, end_ns=6 * ms))
+    assert c.history == [] and c.span_watermark_ns() == 0  # the end event is still pending
+    end.done = True
+    c._flush()
+    (step, step_s, phases, _loader), = c.history
+    assert step == 3 and step_s == pytest.approx(0.11)
+    assert phases == pytest.approx({"data_wait": 0.03, "forward": 0.03, "backward": 0.04, "optimizer": 0.01})
+    assert c.clock == "cuda-events" and c._last_end_event is end and c.span_watermark_ns() is None
+    assert c.verdict == "input-bound"  # 27% of the stream's step time idle, waiting for input
+
+
+def test_the_rank_straggler_names_is_the_slow_rank(tmp_path) -> None:
+    """slow-rank comes from the rank's own Straggler detector state (arrival lag at collectives)."""
+    from prometheus_client import generate_latest
+
+    model = Slow(0.01, 0.01)
+    a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    try:
+        st = a.component("detectors").states["Straggler"]
+        st.active, st.value = True, 0.4
+        _loop(model, 4)
+        a.tick()
+        s = a.component("anatomy").summary()
+        assert s["verdict"] == "slow-rank"
+        assert s["evidence"]["slow_rank"] == 0 and s["evidence"]["straggler_lag_ratio"] == 0.4
+        text = generate_latest(a.registry).decode()
+        assert 'hpar_step_bottleneck{pp_stage="0",rank="0",verdict="slow-rank"} 1.0' in text
+    finally:
+        hpar_agent.detach()
+
+
+def test_a_failing_hook_is_counted_not_raised(agent) -> None:
+    model = Slow(0.0, 0.0)
+    a = agent(model)
+    comp = a.component("anatomy")
+
+    def broken(**_kw):
+        raise RuntimeError("no event today")
+
+    comp._event = broken  # as if CUDA events failed
+    _loop(model, 2)  # training goes on
+    assert a.errors["anatomy"] >= 1
