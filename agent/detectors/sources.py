@@ -142,7 +142,8 @@ def timed_ops(agent: Agent) -> tuple[int, list[tuple[str, str, int, int, float]]
 def group_key(agent: Agent, label: str) -> str:
     """The pg id ``fr_entries`` gives this rank's group of ``label`` (to match timed ops with entries)."""
     topo = agent.topology
-    return _group_key(label, {"dp": topo.dp_rank, "tp": topo.tp_rank, "pp": topo.pp_rank})
+    coords = topo.coords() if hasattr(topo, "coords") else {"tp": topo.tp_rank, "pp": topo.pp_rank}
+    return _group_key(label, coords)  # the same coordinates as fr_entries, or no op ever matches
 
 
 def fr_mark(agent: Agent) -> Any:
