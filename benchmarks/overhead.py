@@ -465,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         "--extra", default="", help="more trainer arguments (later ones win), e.g. '--dp 2 --tp 2 --pp 2'"
     )
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per torchrun process")
+    ap.add_argument("--in-process", action="store_true", help="runs at world size 1: reuse this process")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     name = "cpu-smoke" if a.cpu_smoke else a.config
@@ -476,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, val in (("block_skip", a.block_skip), ("skip", a.skip)):
         if val >= 0:
             cfg[key] = val
-    inprocess = cfg["nproc"] == 1
+    # runs design: one fresh process per run by default (what users get); --in-process reuses this one
+    inprocess = cfg["nproc"] == 1 and (a.design == "blocks" or a.in_process)
     if name == "gpu" and not torch.cuda.is_available():
         sys.exit("--config gpu needs a GPU (use --cpu-smoke to test the path on CPU)")
     arms = ["off", "on"] + ([] if a.no_profiler else ["profiler"]) + (["aa"] if a.aa else [])
