@@ -6,6 +6,7 @@ submodule, a DDP/replicate process group), then ``HPAR_*`` overrides. Works with
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -18,6 +19,8 @@ import torch.distributed as dist
 from hpar_agent.config import AgentConfig
 
 _MESH_DIMS = ("dp", "tp", "pp")
+
+log = logging.getLogger("hpar_agent")
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,10 @@ def _job_id(config: AgentConfig) -> str:
     return f"local-{uuid.uuid4().hex[:8]}"
 
 
+def _warn_stage(stage: int, pp: int) -> None:
+    log.warning("hpar_agent: ignoring pp_stage=%d (must be < %d); using the detected stage", stage, pp)
+
+
 def detect(model: Any = None, mesh: Any = None, config: AgentConfig | None = None) -> Topology:
     """Build this rank's Topology; never raises for a missing source, falls back to env and 1s."""
     config = config or AgentConfig()
@@ -123,6 +130,11 @@ def detect(model: Any = None, mesh: Any = None, config: AgentConfig | None = Non
     stage = config.pp_stage
     if stage is None:
         stage = _stage_index(model)
+    pp_known = config.pp is not None or coords["pp"][0] > 1
+    limit = degree["pp"] if pp_known else world  # a stage beyond the pipeline (or the job) is a typo
+    if stage is not None and stage >= limit:
+        _warn_stage(stage, limit)
+        stage = None
     if stage is None:
         stage = coords["pp"][1]
     backend = dist.get_backend() if initialized else "none"
