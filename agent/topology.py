@@ -6,8 +6,10 @@ submodule, a DDP/replicate process group), then ``HPAR_*`` overrides. Works with
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import socket
 import uuid
 from dataclasses import asdict, dataclass
@@ -21,6 +23,7 @@ from hpar_agent.config import AgentConfig
 _MESH_DIMS = ("dp", "tp", "pp")
 
 log = logging.getLogger("hpar_agent")
+JOB_ID_KEY = "hpar/job_id"
 
 
 @dataclass(frozen=True)
@@ -89,23 +92,37 @@ def _dp_group_size(model: Any) -> int | None:
 
 
 def _job_id(config: AgentConfig) -> str:
+    """The same id on every rank, without waiting on any peer.
+
+    ``job_id`` / ``HPAR_JOB_ID`` first, then torchrun's run id. Else one ``compare_set`` on the job's
+    store: the first rank to arrive writes its candidate, every later rank gets that value back in the
+    same round trip. Unlike ``store.get`` (which blocks until rank 0 has written, up to the store
+    timeout), nothing here waits for a peer that attaches late. Without a store: a local id.
+    """
     if config.job_id:
         return config.job_id
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
-        return run_id
-    # One generated id for the whole job: rank 0 writes it to the store, others read it.
-    if dist.is_initialized():
+        return _safe_id(run_id)
+    if dist.is_available() and dist.is_initialized():
         try:
             from torch.distributed.distributed_c10d import _get_default_store
 
             store = _get_default_store()
-            if dist.get_rank() == 0:
-                store.set("hpar/job_id", uuid.uuid4().hex[:12])
-            return store.get("hpar/job_id").decode()
-        except Exception:
-            pass
+            got = store.compare_set(JOB_ID_KEY, "", uuid.uuid4().hex[:12])
+            return _safe_id(got.decode() if isinstance(got, bytes) else str(got))
+        except Exception as exc:  # a store without compare_set: ids derived from the rendezvous
+            log.debug("hpar_agent: job id from the store failed (%s)", exc)
+            addr = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+            if addr != ":":
+                return "job-" + hashlib.sha256(addr.encode()).hexdigest()[:12]
     return f"local-{uuid.uuid4().hex[:8]}"
+
+
+def _safe_id(raw: str) -> str:
+    """Ids name the run directory: anything but ``[A-Za-z0-9._-]`` becomes ``_``, no leading dot."""
+    out = re.sub(r"[^A-Za-z0-9._-]", "_", raw)[:128].lstrip(".") or "job"
+    return out
 
 
 def _warn_stage(stage: int, pp: int) -> None:
