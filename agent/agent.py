@@ -22,6 +22,7 @@ from hpar_agent.component import Component
 from hpar_agent.config import AgentConfig
 from hpar_agent.events import EventLog
 from hpar_agent.families import Families
+from hpar_agent.safefiles import private_dir, write_atomic
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.topology import Topology, detect
 
@@ -84,12 +85,15 @@ class Agent:
         self.families = Families([str(topo.rank), str(topo.pp_stage)])
         self.run_dir = self.config.run_dir or os.path.join("hpar-runs", topo.job_id)
         try:
-            os.makedirs(self.run_dir, exist_ok=True)
+            private_dir(self.run_dir)  # 0700, not a symlink, ours
         except OSError as exc:
             self.record_error("agent", exc)
         if self.config.event_log:
             try:
-                self.events = EventLog(os.path.join(self.run_dir, f"events.rank{topo.rank}.jsonl"), topo.rank)
+                self.events = EventLog(
+                    os.path.join(self.run_dir, f"events.rank{topo.rank}.jsonl"), topo.rank,
+                    on_error=lambda exc: self.record_error("events", exc),
+                )  # fmt: skip
             except OSError as exc:
                 self.record_error("events", exc)
                 self.events = EventLog(None, topo.rank)
@@ -145,8 +149,8 @@ class Agent:
             close_endpoint(self.server)
             self.server = None
         self.write_summary()
-        self.events.emit("detach")
-        self.events.close()
+        self.guard("events", self.events.emit, "detach")
+        self.guard("events", self.events.close)
 
     def summary(self) -> dict[str, Any]:
         """Everything the demo and the run report show for this rank."""
@@ -172,9 +176,8 @@ class Agent:
             return
         path = os.path.join(self.run_dir, f"summary.rank{self.topology.rank}.json")
         try:
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump(self.summary(), fh, indent=1, default=str)
-        except OSError as exc:
+            write_atomic(path, json.dumps(self.summary(), indent=1, default=str).encode())
+        except Exception as exc:  # a full disk keeps the previous summary whole
             self.record_error("agent", exc)
 
     def __enter__(self) -> Agent:
