@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+import hpar_agent.lifecycle  # noqa: F401 - registers the at-fork reset
 from hpar_agent import __version__
 from hpar_agent.catalogue import ALERT_NAMES
 from hpar_agent.component import Component

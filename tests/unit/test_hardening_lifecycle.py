@@ -1,0 +1,63 @@
+"""Fork and termination signals: a forked child exits normally, SIGTERM/SIGINT flush and then do what
+they would have done without the agent."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX only")
+
+_ENV = {k: v for k, v in os.environ.items() if not k.startswith("HPAR_")}
+
+_FORK = textwrap.dedent(
+    """
+    import os, sys, time, torch, hpar_agent
+    from hpar_agent.agent import current
+    run = sys.argv[1]
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = hpar_agent.attach(model, metrics_port=0, metrics_addr="127.0.0.1", traces="file", run_dir=run)
+    model(torch.randn(2, 4)).sum().backward(); opt.step()
+    sock_fd, log_fd = a.server.socket.fileno(), a.events._file._fh.fileno()
+    assert not os.get_inheritable(sock_fd) and not os.get_inheritable(log_fd)  # close-on-exec
+    pid = os.fork()
+    if pid == 0:  # the child: a DataLoader worker would do its work and exit normally
+        assert current() is None and not a.started and a.server is None
+        assert os.readlink(f"/proc/self/fd/{log_fd}") == os.devnull  # the event log is not shared
+        try:
+            os.fstat(sock_fd)
+            raise SystemExit("the child still holds the listening socket")
+        except OSError:
+            pass
+        a.events.emit("from-child")  # harmless: goes nowhere
+        sys.exit(0)  # normal exit: atexit runs
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise SystemExit("the forked child hung at exit")
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    import urllib.request
+    assert b"hpar_rank_info" in urllib.request.urlopen(a.metrics_url, timeout=10).read()  # parent serves on
+    hpar_agent.detach()
+    kinds = [__import__("json").loads(line)["kind"] for line in open(os.path.join(run, "events.rank0.jsonl"))]
+    assert "from-child" not in kinds and kinds[-1] == "detach", kinds
+    print("ok")
+    """
+)
+
+
+def test_forked_child_exits_normally(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env=_ENV)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
