@@ -16,13 +16,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-import hpar_agent.lifecycle  # noqa: F401 - registers the at-fork reset
 from hpar_agent import __version__
 from hpar_agent.catalogue import ALERT_NAMES
 from hpar_agent.component import Component
 from hpar_agent.config import AgentConfig
 from hpar_agent.events import EventLog
 from hpar_agent.families import Families
+from hpar_agent.lifecycle import SignalFlush
 from hpar_agent.safefiles import private_dir, write_atomic
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.topology import Topology, detect
@@ -72,6 +72,7 @@ class Agent:
         self.metrics_url: str | None = None
         self.run_dir = ""
         self.server: Any = None
+        self._signals: SignalFlush | None = None
         self.tracing: Any = None
         self.started = False
 
@@ -109,6 +110,8 @@ class Agent:
         self._thread = threading.Thread(target=self._run, name="hpar-agent", daemon=True)
         self._thread.start()
         atexit.register(self.stop)  # flush traces and write the summary if the user never detaches
+        self._signals = SignalFlush(self)
+        self.guard("agent", self._signals.install)  # SIGTERM/SIGINT: flush, then what they did before
         return self
 
     def add_component(self, comp: Component) -> None:
@@ -127,6 +130,8 @@ class Agent:
             return
         self.started = False
         atexit.unregister(self.stop)
+        if self._signals is not None:
+            self.guard("agent", self._signals.uninstall)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -152,6 +157,18 @@ class Agent:
         self.write_summary()
         self.guard("events", self.events.emit, "detach")
         self.guard("events", self.events.close)
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Export finished steps and queued spans, and write the summary, within about ``timeout``;
+        the agent keeps running (a signal handler calls this before the previous handler)."""
+        if not self.started:
+            return
+        if self._tick_lock.acquire(timeout=timeout / 2):  # not if this thread was stopped mid-tick
+            self._tick_lock.release()
+            self.guard("agent", self.tick, True)
+        if self.tracing is not None:
+            self.guard("tracing", self.tracing.flush, timeout / 2)
+        self.write_summary()
 
     def summary(self) -> dict[str, Any]:
         """Everything the demo and the run report show for this rank."""

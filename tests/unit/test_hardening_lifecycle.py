@@ -3,7 +3,9 @@ they would have done without the agent."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -61,3 +63,62 @@ def test_forked_child_exits_normally(tmp_path):
     out = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path)], capture_output=True, text=True,
                          timeout=120, env=_ENV)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+_SIGNAL = textwrap.dedent(
+    """
+    import os, signal, sys, time, torch, hpar_agent
+    run, how = sys.argv[1], sys.argv[2]
+    if how == "user":
+        def mine(signum, frame):
+            print("user handler", flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, mine)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hpar_agent.attach(model, metrics_port=-1, traces="file", run_dir=run)
+    step = 0
+    while True:  # training, until the launcher terminates us
+        model(torch.randn(2, 4)).sum().backward(); opt.step()
+        step += 1
+        if step == 30:  # traced steps are queued (every 10th) and not yet exported
+            print("ready", flush=True)
+        time.sleep(0.01)
+    """
+)
+
+
+def _run_until_signal(tmp_path, sig: int, how: str = "default") -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL, str(tmp_path), how], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_ENV)  # fmt: skip
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _flushed(tmp_path) -> None:
+    summary = json.loads((tmp_path / "summary.rank0.json").read_text())
+    assert summary["components"]["steps"]  # the summary was written
+    assert (tmp_path / "traces.rank0.jsonl").stat().st_size > 0  # queued spans reached the file
+
+
+def test_sigterm_flushes_then_dies_by_the_signal(tmp_path):
+    res = _run_until_signal(tmp_path, signal.SIGTERM)
+    assert res.returncode == -signal.SIGTERM, res.stderr[-3000:]
+    _flushed(tmp_path)
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "events.rank0.jsonl").read_text().splitlines()]
+    assert kinds[-1] == "detach"
+
+
+def test_sigterm_chains_to_the_users_handler(tmp_path):
+    res = _run_until_signal(tmp_path, signal.SIGTERM, "user")
+    assert res.returncode == 7 and "user handler" in res.stdout, res.stderr[-3000:]
+    _flushed(tmp_path)
+
+
+def test_sigint_flushes_then_raises_keyboard_interrupt(tmp_path):
+    res = _run_until_signal(tmp_path, signal.SIGINT)
+    assert "KeyboardInterrupt" in res.stderr and res.returncode == -signal.SIGINT, res.stderr[-3000:]  # as plain Python
+    _flushed(tmp_path)
