@@ -2,13 +2,14 @@
 never in label values.
 
 The file is private (0600, never through a symlink), rotates at ``max_bytes`` and a record is bounded:
-each string value is cut to ``MAX_FIELD_CHARS`` and a record still over ``MAX_RECORD_BYTES`` keeps only
-its small fields. A failed write (full or read-only disk) is handed to ``on_error`` and never raised:
+each string value is cut to ``MAX_FIELD_CHARS`` (16 KiB), and a record still over ``MAX_RECORD_BYTES``
+(64 KiB) is cut harder until it fits, else keeps only its small fields. A failed write (full or read-only disk) is handed to ``on_error`` and never raised:
 ``emit`` runs in hooks and in ``attach``/``detach``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -23,29 +24,40 @@ MAX_FIELD_CHARS = 16 * 1024
 MAX_RECORD_BYTES = 64 * 1024
 
 
-def _cut(value: Any, depth: int = 0) -> Any:
+def _cut(value: Any, chars: int = MAX_FIELD_CHARS, items: int = 256, depth: int = 0) -> Any:
     if isinstance(value, str):
-        if len(value) > MAX_FIELD_CHARS:
-            return value[:MAX_FIELD_CHARS] + f"...[truncated {len(value) - MAX_FIELD_CHARS} chars]"
+        if len(value) > chars:
+            return value[:chars] + f"...[truncated {len(value) - chars} chars]"
         return value
     if depth > 8:
-        return _cut(str(value), depth)
+        return _cut(str(value), chars, items, depth)
     if isinstance(value, dict):
-        return {str(k)[:256]: _cut(v, depth + 1) for k, v in list(value.items())[:256]}
+        return {str(k)[:256]: _cut(v, chars, items, depth + 1) for k, v in list(value.items())[:items]}
     if isinstance(value, (list, tuple)):
-        return [_cut(v, depth + 1) for v in list(value)[:256]]
+        return [_cut(v, chars, items, depth + 1) for v in list(value)[:items]]
     return value
 
 
+def _cut_str(value: object, chars: int) -> str:
+    return str(_cut(str(value), chars))
+
+
 def bound_record(record: dict[str, Any]) -> str:
-    """The record as one JSON line of at most about ``MAX_RECORD_BYTES``."""
-    line = json.dumps(_cut(record), default=lambda o: _cut(str(o)))
-    if len(line) > MAX_RECORD_BYTES:
-        small = {k: v for k, v in record.items() if isinstance(v, (int, float, bool)) or v is None
-                 or (isinstance(v, str) and len(v) <= 256)}  # fmt: skip
-        small["truncated_bytes"] = len(line)
-        line = json.dumps(small, default=str)
-    return line
+    """The record as one JSON line of at most ``MAX_RECORD_BYTES``: string values cut to
+    ``MAX_FIELD_CHARS``, then shorter and lists shorter until it fits, else only its small fields."""
+    size = 0
+    for chars, items in ((MAX_FIELD_CHARS, 256), (4096, 64), (1024, 16), (256, 8)):
+        cut = _cut(record, chars, items)
+        if size:
+            cut["truncated_bytes"] = size  # the size before cutting harder (ts, rank, kind come first)
+        line = json.dumps(cut, default=functools.partial(_cut_str, chars=chars))
+        if len(line.encode()) <= MAX_RECORD_BYTES:
+            return line
+        size = size or len(line.encode())
+    small = {k: v for k, v in record.items() if isinstance(v, (int, float, bool)) or v is None
+             or (isinstance(v, str) and len(v) <= 256)}  # fmt: skip
+    small["truncated_bytes"] = size
+    return json.dumps(small, default=str)
 
 
 class EventLog:
