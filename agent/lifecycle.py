@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
@@ -28,6 +29,8 @@ log = logging.getLogger("hpar_agent")
 #: Seconds the flush on a signal may take in all (thread join, final tick, span export).
 SIGNAL_FLUSH_S = 5.0
 SIGNALS = ("SIGTERM", "SIGINT")
+#: Seconds the watcher gives the main thread to start the Python handler before acting itself.
+HANDLER_GRACE_S = 1.0
 
 
 # ---------------------------------------------------------------------------------------------- fork
@@ -68,11 +71,21 @@ if hasattr(os, "register_at_fork"):
 
 # ---------------------------------------------------------------------------------------------- signals
 class SignalFlush:
-    """Flush-then-chain handlers for SIGTERM/SIGINT, installed for one agent."""
+    """Flush-then-chain handlers for SIGTERM/SIGINT, installed for one agent.
+
+    A Python handler runs only when the main thread next executes bytecode. A rank whose peer died is
+    usually blocked in a collective inside C++, where it would sit until the launcher's SIGKILL (and
+    without the agent, SIGTERM would have ended it at once). So a watcher thread also learns of the
+    signal through ``signal.set_wakeup_fd`` (when no one else uses it, e.g. asyncio); if the handler
+    has not started within ``HANDLER_GRACE_S`` and the previous action was the default one, the watcher
+    flushes and ends the process by the signal itself."""
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
         self.previous: dict[int, Any] = {}
+        self._once = threading.Lock()  # one flush-and-terminate, whichever thread gets there first
+        self._started = threading.Event()
+        self._wake: tuple[Any, Any] | None = None
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -89,6 +102,53 @@ class SignalFlush:
                 self.previous[signum] = prev
             except (ValueError, OSError) as exc:
                 log.debug("hpar_agent: no %s handler (%s)", name, exc)
+        if self.previous.get(signal.SIGTERM) is signal.SIG_DFL:
+            self._watch()
+
+    def _watch(self) -> None:
+        r, w = socket.socketpair()
+        r.set_inheritable(False)
+        w.set_inheritable(False)
+        w.setblocking(False)
+        try:
+            old = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            r.close()
+            w.close()
+            return
+        if old != -1:  # someone else's (asyncio): give it back, rely on the Python handler only
+            signal.set_wakeup_fd(old)
+            r.close()
+            w.close()
+            return
+        self._wake = (r, w)
+        threading.Thread(target=self._watcher, args=(r,), name="hpar-signals", daemon=True).start()
+
+    def _watcher(self, r: Any) -> None:
+        while True:
+            try:
+                data = r.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGTERM in data and not self._started.wait(HANDLER_GRACE_S):
+                self._terminate_from_watcher(signal.SIGTERM)
+
+    def _terminate_from_watcher(self, signum: int) -> None:
+        """The main thread is stuck in C: flush here and die by the signal, as without the agent."""
+        if not self._once.acquire(blocking=False):
+            return
+        with contextlib.suppress(Exception):
+            self.agent.stop(timeout=SIGNAL_FLUSH_S / 2)
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).signal(signum, 0)  # SIG_DFL at the OS level (signal.signal is main-only)
+            os.kill(os.getpid(), signum)
+        except Exception:
+            pass
+        os._exit(128 + signum)  # if the signal could not be re-raised
 
     def uninstall(self) -> None:
         """Put the previous handlers back, unless someone replaced ours since."""
@@ -99,10 +159,24 @@ class SignalFlush:
                 if signal.getsignal(signum) == self._handle:
                     signal.signal(signum, prev)
         self.previous.clear()
+        if self._wake is not None:
+            r, w = self._wake
+            self._wake = None
+            with contextlib.suppress(ValueError, OSError):
+                old = signal.set_wakeup_fd(-1)
+                if old != w.fileno():
+                    signal.set_wakeup_fd(old)  # replaced since (asyncio): it stays theirs
+            with contextlib.suppress(OSError):
+                r.shutdown(socket.SHUT_RDWR)  # the watcher thread ends
+            r.close()
+            w.close()
 
     def _handle(self, signum: int, frame: Any) -> None:
+        self._started.set()
         prev = self.previous.get(signum, signal.SIG_DFL)
         agent = self.agent
+        if not self._once.acquire(timeout=SIGNAL_FLUSH_S * 2):
+            pass  # the watcher is flushing; it ends the process
         try:
             if prev is signal.SIG_DFL:
                 agent.stop(timeout=SIGNAL_FLUSH_S / 2)  # the process ends: a full, bounded stop
@@ -111,8 +185,13 @@ class SignalFlush:
         except Exception as exc:
             with contextlib.suppress(Exception):
                 agent.record_error("agent", exc)
+        finally:
+            self._started.clear()
+            with contextlib.suppress(RuntimeError):
+                self._once.release()
         if callable(prev):
             prev(signum, frame)
             return
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)  # the default action: the exit status says the signal
+

@@ -122,3 +122,38 @@ def test_sigint_flushes_then_raises_keyboard_interrupt(tmp_path):
     res = _run_until_signal(tmp_path, signal.SIGINT)
     assert "KeyboardInterrupt" in res.stderr and res.returncode == -signal.SIGINT, res.stderr[-3000:]  # as plain Python
     _flushed(tmp_path)
+
+
+_STUCK = textwrap.dedent(
+    """
+    import datetime, socket, sys, torch, hpar_agent
+    import torch.distributed as dist
+    run = sys.argv[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=600))
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=run)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward(); opt.step()
+    print("ready", flush=True)
+    store.get("never-set")  # the main thread blocks in C++, as in a collective whose peer died
+    """
+)
+
+
+def test_sigterm_while_the_main_thread_is_stuck_in_cpp(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _STUCK, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_ENV)  # fmt: skip
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("SIGTERM did not end a process blocked in C++ (without the agent it would have)")
+    assert proc.returncode == -signal.SIGTERM, err[-3000:]
+    assert json.loads((tmp_path / "summary.rank0.json").read_text())["components"]["steps"]
