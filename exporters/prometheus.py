@@ -5,8 +5,8 @@ agent serves nothing and says so once.
 
 What bounds it (prometheus_client's own server has none of these):
 
-- the rendered exposition is cached for ``CACHE_S``: a scrape flood costs one render per interval
-  (rendering holds the GIL the training thread needs);
+- the rendered exposition (text or OpenMetrics, as the scraper asks) is cached for ``CACHE_S``: a
+  scrape flood costs one render per interval and format (rendering holds the GIL training needs);
 - at most ``MAX_CONNECTIONS`` connections are served at once; one more is closed at once;
 - every socket read and write has a ``TIMEOUT_S`` timeout and a connection lives at most
   ``DEADLINE_S`` (enforced by the accepting thread): idle or trickling clients give their slot back;
@@ -28,7 +28,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from hpar_agent.config import AgentConfig
 
@@ -59,10 +60,10 @@ class _Handler(BaseHTTPRequestHandler):
         return super().parse_request()
 
     def do_GET(self) -> None:
-        gz = "gzip" in self.headers.get("Accept-Encoding", "")
-        body = self.server.exposition(gz)
+        gz = gzip_accepted(self.headers.get("Accept-Encoding", ""))
+        body, content_type = self.server.exposition(self.headers.get("Accept", ""), gz)
         self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Type", content_type)
         if gz:
             self.send_header("Content-Encoding", "gzip")
         self.send_header("Content-Length", str(len(body)))
@@ -104,23 +105,26 @@ class MetricsServer(ThreadingHTTPServer):
         self._conns: dict[Any, list[Any]] = {}  # accepted socket -> [at, no request yet, socket in use]
         self._conns_lock = threading.Lock()
         self._render_lock = threading.Lock()
-        self._cache: dict[bool, tuple[float, bytes]] = {}
+        self._cache: dict[tuple[str, bool], tuple[float, bytes]] = {}
 
-    def exposition(self, gz: bool) -> bytes:
-        """The registry rendered at most once per ``CACHE_S`` (concurrent scrapes share the render)."""
+    def exposition(self, accept: str, gz: bool) -> tuple[bytes, str]:
+        """The registry rendered at most once per ``CACHE_S`` per format (text or OpenMetrics, which
+        carries the exemplars), shared by concurrent scrapes; (body, content type)."""
+        encoder, content_type = choose_encoder(accept)
         with self._render_lock:
             now = time.monotonic()
-            hit = self._cache.get(gz)
+            hit = self._cache.get((content_type, gz))
             if hit is not None and now - hit[0] < CACHE_S:
-                return hit[1]
-            plain = self._cache.get(False)
+                return hit[1], content_type
+            plain = self._cache.get((content_type, False))
             if plain is None or now - plain[0] >= CACHE_S:
                 self.renders += 1
-                plain = (now, generate_latest(self.registry))
-                self._cache = {False: plain}
+                plain = (now, encoder(self.registry))
+                self._cache = {k: v for k, v in self._cache.items() if now - v[0] < CACHE_S}
+                self._cache[(content_type, False)] = plain
             if gz:
-                self._cache[True] = (plain[0], gzip.compress(plain[1], compresslevel=1))
-            return self._cache[gz][1]
+                self._cache[(content_type, True)] = (plain[0], gzip.compress(plain[1], compresslevel=1))
+            return self._cache[(content_type, gz)][1], content_type
 
     def server_bind(self) -> None:
         import socketserver

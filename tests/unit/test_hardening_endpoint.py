@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -140,3 +141,24 @@ def test_flood_costs_one_render_per_cache_interval(agent_env):
     assert len(scrapes) > renders  # most scrapes were served from the cache
     agent.tick()
     assert agent.registry.get_sample_value("hpar_steps_total", {"rank": "0", "pp_stage": "0"}) == steps
+
+
+def test_scrapers_get_the_format_and_encoding_they_ask_for(agent_env):
+    """Prometheus asks for OpenMetrics (the exemplars need it) and gzip; the cache keeps formats apart."""
+    import gzip
+
+    agent = hpar_agent.attach()
+    om = "application/openmetrics-text; version=1.0.0"
+    req = urllib.request.Request(agent.metrics_url, headers={"Accept": om, "Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
+        assert resp.headers["Content-Encoding"] == "gzip"
+        body = gzip.decompress(resp.read()).decode()
+    assert body.rstrip().endswith("# EOF") and "hpar_rank_info" in body
+    with urllib.request.urlopen(agent.metrics_url, timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        assert "# EOF" not in resp.read().decode()
+    post = urllib.request.Request(agent.metrics_url, data=b"x", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(post, timeout=10)
+    assert err.value.code == 405
