@@ -23,7 +23,7 @@ from hpar_agent.config import AgentConfig
 from hpar_agent.events import EventLog
 from hpar_agent.families import Families
 from hpar_agent.lifecycle import SignalFlush
-from hpar_agent.safefiles import private_dir, write_atomic
+from hpar_agent.safefiles import UnsafePathError, private_dir, write_atomic
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.topology import Topology, detect
 
@@ -87,9 +87,11 @@ class Agent:
         self.families = Families([str(topo.rank), str(topo.pp_stage)])
         self.run_dir = self.config.run_dir or os.path.join("hpar-runs", topo.job_id)
         try:
-            private_dir(self.run_dir)  # 0700, not a symlink, ours
+            private_dir(self.run_dir, chosen=bool(self.config.run_dir))  # 0700, not a link, ours
         except OSError as exc:
             self.record_error("agent", exc)
+            if isinstance(exc, UnsafePathError):
+                self.run_dir = ""  # write no file rather than into a planted link
         if self.config.event_log:
             try:
                 self.events = EventLog(

@@ -1,8 +1,8 @@
 """Private files in a shared filesystem: what the agent writes may reveal code paths, data shapes and
 file names, and a run directory under a shared path can be pre-planted with links by another user.
 
-- directories are created 0700; a pre-existing one must be a real directory (not a symlink) owned by
-  us, and is tightened to 0700;
+- directories are created 0700; a pre-existing one the agent names itself (the default run dir, the
+  evidence dir) must be a real directory (not a symlink) owned by us, and is tightened to 0700;
 - files are opened with ``O_NOFOLLOW`` (a planted symlink fails instead of redirecting the write),
   created 0600, and an existing file must be a regular file owned by us with one link;
 - whole files (summaries) are written to a temp file in the same directory and renamed over the
@@ -34,12 +34,19 @@ class UnsafePathError(OSError):
     """A path the agent refuses to use (a symlink, another owner's file or directory, a hard link)."""
 
 
-def private_dir(path: str) -> str:
-    """Create ``path`` (and missing parents) 0700, or check and tighten the existing directory."""
+def private_dir(path: str, *, chosen: bool = False) -> str:
+    """Create ``path`` (and missing parents) 0700, or check and tighten the existing directory.
+
+    ``chosen``: the user named this directory (``HPAR_RUN_DIR``); an existing one is used as it is
+    (it may be a link to scratch space or a group directory on purpose). What the agent creates in it
+    is still private, and a directory the agent names itself is always checked."""
     try:
         os.makedirs(path, mode=DIR_MODE, exist_ok=False)
     except FileExistsError:
-        pass
+        if chosen:
+            if not os.path.isdir(path):
+                raise UnsafePathError(f"{path} exists and is not a directory") from None
+            return path
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePathError(f"{path} is a symbolic link; the agent does not write through it")

@@ -301,7 +301,9 @@ class Tracing:
             chosen = _otlp_exporter()
             if chosen is not None:
                 return chosen
-        run_dir = getattr(self.agent, "run_dir", "") or "."
+        run_dir = getattr(self.agent, "run_dir", "")
+        if not run_dir:
+            raise OSError("no usable run directory for the traces file (see the agent's first warning)")
         self.path = os.path.join(run_dir, f"traces.rank{self.rank}.jsonl")
         cfg = self.agent.config
         record = getattr(self.agent, "record_error", None)

@@ -47,7 +47,25 @@ def test_planted_symlinks_are_never_followed(tmp_path):
     assert not (run / "summary.rank0.json").is_symlink()  # replaced atomically, the link itself
     assert json.loads((run / "summary.rank0.json").read_text())["rank"] == 0
     assert agent.errors["events"] >= 1  # the event log refused the link, and said so in the count
-    assert _mode(run) == 0o700  # a pre-existing run dir is tightened
+    assert _mode(run) == 0o755  # a run dir the user chose is used as it is; the files in it are private
+
+
+def test_default_run_dir_is_checked_and_tightened(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hpar-runs").mkdir()
+    (tmp_path / "hpar-runs" / "open-job").mkdir(mode=0o777)
+    os.chmod(tmp_path / "hpar-runs" / "open-job", 0o777)
+    agent = hpar_agent.attach(metrics_port=-1, traces="none", detectors=False, job_id="open-job")
+    assert agent.run_dir == os.path.join("hpar-runs", "open-job")
+    assert _mode(tmp_path / "hpar-runs" / "open-job") == 0o700
+    hpar_agent.detach()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "hpar-runs" / "linked-job").symlink_to(elsewhere, target_is_directory=True)
+    agent = hpar_agent.attach(metrics_port=-1, traces="none", detectors=False, job_id="linked-job")
+    hpar_agent.detach()
+    assert list(elsewhere.iterdir()) == []  # a planted link in place of the run dir is refused
+    assert agent.errors["agent"] >= 1
 
 
 def test_files_and_directories_are_private(tmp_path):
