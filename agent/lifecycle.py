@@ -85,6 +85,7 @@ class SignalFlush:
         self.previous: dict[int, Any] = {}
         self._once = threading.Lock()  # one flush-and-terminate, whichever thread gets there first
         self._started = threading.Event()
+        self._finished = threading.Event()
         self._wake: tuple[Any, Any] | None = None
 
     def install(self) -> None:
@@ -132,8 +133,12 @@ class SignalFlush:
                 return
             if not data:
                 return
-            if signal.SIGTERM in data and not self._started.wait(HANDLER_GRACE_S):
+            if signal.SIGTERM not in data or signal.getsignal(signal.SIGTERM) != self._handle:
+                continue  # not ours any more: whoever replaced our handler decides
+            if not self._started.wait(HANDLER_GRACE_S):
                 self._terminate_from_watcher(signal.SIGTERM)
+            elif not self._finished.wait(SIGNAL_FLUSH_S * 2 + 2):
+                _die_by(signal.SIGTERM)  # the handler is stuck (a lock held by the interrupted code)
 
     def _terminate_from_watcher(self, signum: int) -> None:
         """The main thread is stuck in C: flush here and die by the signal, as without the agent."""
@@ -141,14 +146,7 @@ class SignalFlush:
             return
         with contextlib.suppress(Exception):
             self.agent.stop(timeout=SIGNAL_FLUSH_S / 2)
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).signal(signum, 0)  # SIG_DFL at the OS level (signal.signal is main-only)
-            os.kill(os.getpid(), signum)
-        except Exception:
-            pass
-        os._exit(128 + signum)  # if the signal could not be re-raised
+        _die_by(signum)
 
     def uninstall(self) -> None:
         """Put the previous handlers back, unless someone replaced ours since."""
@@ -172,6 +170,7 @@ class SignalFlush:
             w.close()
 
     def _handle(self, signum: int, frame: Any) -> None:
+        self._finished.clear()
         self._started.set()
         prev = self.previous.get(signum, signal.SIG_DFL)
         agent = self.agent
@@ -187,6 +186,7 @@ class SignalFlush:
                 agent.record_error("agent", exc)
         finally:
             self._started.clear()
+            self._finished.set()
             with contextlib.suppress(RuntimeError):
                 self._once.release()
         if callable(prev):
@@ -195,3 +195,15 @@ class SignalFlush:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)  # the default action: the exit status says the signal
 
+
+def _die_by(signum: int) -> None:
+    """From any thread: the signal's default action (``signal.signal`` works only on the main thread,
+    so the disposition is reset through libc), else an exit status that says the signal."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).signal(signum, 0)  # SIG_DFL
+        os.kill(os.getpid(), signum)
+    except Exception:
+        pass
+    os._exit(128 + signum)

@@ -157,3 +157,31 @@ def test_sigterm_while_the_main_thread_is_stuck_in_cpp(tmp_path):
         pytest.fail("SIGTERM did not end a process blocked in C++ (without the agent it would have)")
     assert proc.returncode == -signal.SIGTERM, err[-3000:]
     assert json.loads((tmp_path / "summary.rank0.json").read_text())["components"]["steps"]
+
+
+def test_a_handler_installed_after_attach_is_left_to_decide(tmp_path):
+    """A user's SIGTERM handler installed after attach (a graceful checkpoint) runs to its end: the
+    watcher does not cut it short."""
+    user = textwrap.dedent(
+        """
+        import signal, time
+        def mine(signum, frame):
+            time.sleep(3)  # saving a checkpoint; the watcher would act after 1 s if it ignored us
+            print("user handler", flush=True)
+            sys.exit(9)
+        signal.signal(signal.SIGTERM, mine)
+        print("ready", flush=True)
+        time.sleep(60)
+        """
+    )
+    code = _STUCK.replace('print("ready", flush=True)', user)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_ENV)  # fmt: skip
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 9 and "user handler" in out, err[-3000:]
