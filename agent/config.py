@@ -28,7 +28,7 @@ TRACE_MODES = ("auto", "otlp", "file", "none")
 #: Sane bounds of the poll intervals: below 50 ms the agent thread competes with training for the GIL,
 #: above an hour nothing is observed; ``inf`` would overflow the thread's wait.
 INTERVAL_RANGE = (0.05, 3600.0)
-FR_INTERVAL_RANGE = (0.001, 86400.0)
+FR_INTERVAL_MAX = 86400.0
 #: Threshold keys of the DetectorsComponent itself (besides ``<Alert>.<param>`` of each detector).
 COMPONENT_THRESHOLDS = ("exchange_s", "log_interval_s", "stale_s")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
@@ -192,10 +192,13 @@ def _field_problems(name: str, value: Any) -> list[str]:
     out: list[str] = []
     if name == "metrics_port" and not -1 <= v <= 65535:
         out.append(f"metrics_port must be -1..65535, got {v}")
-    elif name in ("interval", "fr_interval"):
-        lo, hi = INTERVAL_RANGE if name == "interval" else FR_INTERVAL_RANGE
+    elif name == "interval":
+        lo, hi = INTERVAL_RANGE
         if not (math.isfinite(v) and lo <= v <= hi):
-            out.append(f"{name} must be a finite number of seconds in {lo:g}..{hi:g}, got {v}")
+            out.append(f"interval must be a finite number of seconds in {lo:g}..{hi:g}, got {v}")
+    elif name == "fr_interval" and not (math.isfinite(v) and 0 < v <= FR_INTERVAL_MAX):
+        # reads happen on ticks: a tiny value means "read in full on every tick", never a busy loop
+        out.append(f"fr_interval must be a finite number of seconds in (0, {FR_INTERVAL_MAX:g}], got {v}")
     elif name == "metrics_addr" and not _valid_host(v):
         out.append(f"metrics_addr must be an IP address or a host name, got {v!r}")
     elif name == "job_id" and v and not _JOB_ID.match(v):
