@@ -92,7 +92,7 @@ class Agent:
             self.record_error("agent", exc)
             if isinstance(exc, UnsafePathError):
                 self.run_dir = ""  # write no file rather than into a planted link
-        if self.config.event_log:
+        if self.config.event_log and self.run_dir:
             try:
                 self.events = EventLog(
                     os.path.join(self.run_dir, f"events.rank{topo.rank}.jsonl"), topo.rank,

@@ -65,6 +65,7 @@ def test_default_run_dir_is_checked_and_tightened(tmp_path, monkeypatch):
     agent = hpar_agent.attach(metrics_port=-1, traces="none", detectors=False, job_id="linked-job")
     hpar_agent.detach()
     assert list(elsewhere.iterdir()) == []  # a planted link in place of the run dir is refused
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "hpar-runs"]  # and nothing lands in cwd
     assert agent.errors["agent"] >= 1
 
 
