@@ -162,3 +162,28 @@ def test_scrapers_get_the_format_and_encoding_they_ask_for(agent_env):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(post, timeout=10)
     assert err.value.code == 405
+
+
+def test_a_trickling_client_is_cut_at_the_connection_deadline(agent_env, monkeypatch):
+    """Bytes that keep coming never trip a read timeout; the per-connection deadline still ends it."""
+    monkeypatch.setattr(prom, "DEADLINE_S", 1.0)
+    agent = hpar_agent.attach()
+    sock = socket.create_connection(("127.0.0.1", _port(agent.metrics_url)))
+    sock.sendall(b"GET /metrics HTTP/1.0\r\nX-Slow: ")
+    closed = False
+    try:
+        for _ in range(200):  # up to ~60 s of trickling, one header byte at a time
+            try:
+                sock.sendall(b"a")
+                sock.settimeout(0.3)
+                if sock.recv(1) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:  # reset by the server
+                closed = True
+                break
+    finally:
+        sock.close()
+    assert closed
