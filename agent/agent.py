@@ -23,6 +23,8 @@ from hpar_agent.component import Component
 from hpar_agent.config import AgentConfig
 from hpar_agent.events import EventLog
 from hpar_agent.families import Families
+from hpar_agent.lifecycle import SignalFlush
+from hpar_agent.safefiles import UnsafePathError, private_dir, write_atomic
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.topology import Topology, detect
 
@@ -72,6 +74,7 @@ class Agent:
         self.metrics_url: str | None = None
         self.run_dir = ""
         self.server: Any = None
+        self._signals: SignalFlush | None = None
         self.tracing: Any = None
         self.started = False
 
@@ -89,12 +92,18 @@ class Agent:
         self.families = Families([str(topo.rank), str(topo.pp_stage)])
         self.run_dir = self.config.run_dir or os.path.join("hpar-runs", topo.job_id)
         try:
-            os.makedirs(self.run_dir, exist_ok=True)
+            private_dir(self.run_dir, chosen=bool(self.config.run_dir))  # 0700, not a link, ours
         except OSError as exc:
             self.record_error("agent", exc)
-        if self.config.event_log:
+            if isinstance(exc, UnsafePathError):
+                self.run_dir = ""  # write no file rather than into a planted link
+        if self.config.event_log and self.run_dir:
             try:
-                self.events = EventLog(os.path.join(self.run_dir, f"events.rank{topo.rank}.jsonl"), topo.rank)
+                self.events = EventLog(
+                    os.path.join(self.run_dir, f"events.rank{topo.rank}.jsonl"), topo.rank,
+                    max_bytes=self.config.log_max_bytes, backups=self.config.log_backups,
+                    on_error=lambda exc: self.record_error("events", exc),
+                )  # fmt: skip
             except OSError as exc:
                 self.record_error("events", exc)
                 self.events = EventLog(None, topo.rank)
@@ -109,6 +118,8 @@ class Agent:
         self._thread = threading.Thread(target=self._run, name="hpar-agent", daemon=True)
         self._thread.start()
         atexit.register(self.stop)  # flush traces and write the summary if the user never detaches
+        self._signals = SignalFlush(self)
+        self.guard("agent", self._signals.install)  # SIGTERM/SIGINT: flush, then what they did before
         return self
 
     def add_component(self, comp: Component) -> None:
@@ -127,6 +138,8 @@ class Agent:
             return
         self.started = False
         atexit.unregister(self.stop)
+        if self._signals is not None:
+            self.guard("agent", self._signals.uninstall)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -150,8 +163,20 @@ class Agent:
             close_endpoint(self.server)
             self.server = None
         self.write_summary()
-        self.events.emit("detach")
-        self.events.close()
+        self.guard("events", self.events.emit, "detach")
+        self.guard("events", self.events.close)
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Export finished steps and queued spans, and write the summary, within about ``timeout``;
+        the agent keeps running (a signal handler calls this before the previous handler)."""
+        if not self.started:
+            return
+        if self._tick_lock.acquire(timeout=timeout / 2):  # not if this thread was stopped mid-tick
+            self._tick_lock.release()
+            self.guard("agent", self.tick, True)
+        if self.tracing is not None:
+            self.guard("tracing", self.tracing.flush, timeout / 2)
+        self.write_summary()
 
     def summary(self) -> dict[str, Any]:
         """Everything the demo and the run report show for this rank."""
@@ -177,9 +202,8 @@ class Agent:
             return
         path = os.path.join(self.run_dir, f"summary.rank{self.topology.rank}.json")
         try:
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump(self.summary(), fh, indent=1, default=str)
-        except OSError as exc:
+            write_atomic(path, json.dumps(self.summary(), indent=1, default=str).encode())
+        except Exception as exc:  # a full disk keeps the previous summary whole
             self.record_error("agent", exc)
 
     def __enter__(self) -> Agent:

@@ -9,8 +9,11 @@ bad explicit value raises ``ValueError`` at attach, where the user can fix it.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
+import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +25,15 @@ log = logging.getLogger("hpar_agent")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 TRACE_MODES = ("auto", "otlp", "file", "none")
+#: Sane bounds of the poll intervals: below 50 ms the agent thread competes with training for the GIL,
+#: above an hour nothing is observed; ``inf`` would overflow the thread's wait.
+INTERVAL_RANGE = (0.05, 3600.0)
+FR_INTERVAL_MAX = 86400.0
+#: Threshold keys of the DetectorsComponent itself (besides ``<Alert>.<param>`` of each detector).
+COMPONENT_THRESHOLDS = ("exchange_s", "log_interval_s", "stale_s")
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
+#: A job id names a directory: no separators, no "..", bounded.
+_JOB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+-]{0,127}$")
 
 
 @dataclass(kw_only=True)
@@ -72,6 +84,10 @@ class AgentConfig:
     """This rank's pipeline stage override."""
     thresholds: dict[str, float] = field(default_factory=dict)
     """Detector threshold overrides, ``{"<Alert>.<param>": value}`` (see detector docs)."""
+    log_max_bytes: int = 64 << 20
+    """Size at which the event log and the traces file rotate (0: never)."""
+    log_backups: int = 2
+    """Rotated files kept per log (``events.rank0.jsonl.1`` ...)."""
 
     def __post_init__(self) -> None:
         problems = list(_problems(self))
@@ -106,6 +122,12 @@ class AgentConfig:
             parsed = _parse_env(var.name, environ[var.name], defaults, var.field)
             if parsed is not _INVALID:
                 values[var.field] = parsed
+        if bool(values.get("tls_cert")) != bool(values.get("tls_key")) and not (
+            "tls_cert" in explicit or "tls_key" in explicit
+        ):
+            _warn_once("HPAR_TLS", "hpar_agent: HPAR_TLS_CERT and HPAR_TLS_KEY must be set together; serving without TLS")
+            values.pop("tls_cert", None)
+            values.pop("tls_key", None)
         values.update(explicit)
         return cls(**values)
 
@@ -133,35 +155,116 @@ def _parse_env(name: str, raw: str, defaults: AgentConfig, field_name: str) -> A
             value = float(text)
         else:
             value = text
-        dataclasses.replace(defaults, **{field_name: value})  # __post_init__ validates the value
+        problems = _field_problems(field_name, value)
+        if problems:
+            raise ValueError("; ".join(problems))
     except (ValueError, TypeError) as exc:
-        if name not in _warned:
-            _warned.add(name)
-            log.warning("hpar_agent: ignoring %s=%r (%s); using the default %r", name, raw, exc, default)
+        _warn_once(name, f"hpar_agent: ignoring {name}={raw!r} ({exc}); using the default {default!r}")
         return _INVALID
     return value
 
 
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s", message)
+
+
+def _types(name: str) -> tuple[tuple[type, ...], bool]:
+    """(accepted types, optional) of a field, from its annotation."""
+    ann = str({f.name: f.type for f in dataclasses.fields(AgentConfig)}[name])
+    optional = "None" in ann
+    if ann.startswith("dict"):
+        return (dict,), optional
+    for word, types in (("bool", (bool,)), ("int", (int,)), ("float", (int, float)), ("str", (str,))):
+        if ann.startswith(word):
+            return types, optional
+    return (object,), optional
+
+
+def _field_problems(name: str, value: Any) -> list[str]:
+    """What is wrong with one field's value alone (type first, then range)."""
+    types, optional = _types(name)
+    if value is None and optional:
+        return []
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        want = " or ".join(t.__name__ for t in types) + (" or None" if optional else "")
+        return [f"{name} must be {want}, got {type(value).__name__} {value!r}"]
+    v: Any = value
+    out: list[str] = []
+    if name == "metrics_port" and not -1 <= v <= 65535:
+        out.append(f"metrics_port must be -1..65535, got {v}")
+    elif name == "interval":
+        lo, hi = INTERVAL_RANGE
+        if not (math.isfinite(v) and lo <= v <= hi):
+            out.append(f"interval must be a finite number of seconds in {lo:g}..{hi:g}, got {v}")
+    elif name == "fr_interval" and not (math.isfinite(v) and 0 < v <= FR_INTERVAL_MAX):
+        # reads happen on ticks: a tiny value means "read in full on every tick", never a busy loop
+        out.append(f"fr_interval must be a finite number of seconds in (0, {FR_INTERVAL_MAX:g}], got {v}")
+    elif name == "metrics_addr" and not _valid_host(v):
+        out.append(f"metrics_addr must be an IP address or a host name, got {v!r}")
+    elif name == "job_id" and v and not _JOB_ID.match(v):
+        out.append(f"job_id must be 1-128 characters of letters, digits and ._:@+- (not starting with . or -), got {v!r}")
+    elif name == "trace_every" and v < 0:
+        out.append(f"trace_every must be >= 0, got {v}")
+    elif name == "traces" and v not in TRACE_MODES:
+        out.append(f"traces must be one of {TRACE_MODES}, got {v!r}")
+    elif name == "buffer_size" and not 1 <= v <= 1 << 24:
+        out.append(f"buffer_size must be 1..{1 << 24}, got {v}")
+    elif name in ("dp", "tp", "pp") and not 1 <= v <= 1 << 20:
+        out.append(f"{name} must be >= 1, got {v}")
+    elif name == "pp_stage" and not 0 <= v < 1 << 20:
+        out.append(f"pp_stage must be >= 0, got {v}")
+    elif name == "log_max_bytes" and not (v == 0 or v >= 1024):
+        out.append(f"log_max_bytes must be 0 (no cap) or >= 1024, got {v}")
+    elif name == "log_backups" and not 0 <= v <= 100:
+        out.append(f"log_backups must be 0..100, got {v}")
+    elif name in ("tls_cert", "tls_key") and v and not os.path.isfile(v):
+        out.append(f"{name} {v!r} is not a readable file")
+    elif name == "thresholds":
+        out += threshold_problems(v)
+    return out
+
+
+def _valid_host(v: str) -> bool:
+    try:
+        ipaddress.ip_address(v.strip("[]"))
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.match(v))
+
+
+def threshold_problems(thresholds: Mapping[Any, Any]) -> list[str]:
+    """Each key must name a detector of the catalogue and one of its parameters (``<Alert>.<param>``,
+    or ``detectors.<param>`` for the component), each value a finite non-negative number: a typo must
+    not be ignored, and a bad value must not turn the detectors off at install."""
+    if not thresholds:
+        return []
+    from hpar_agent.detectors import ALL_DETECTORS  # lazy: the detectors import this module's users
+
+    params = {cls.name: set(cls.defaults) for cls in ALL_DETECTORS}
+    params["detectors"] = set(COMPONENT_THRESHOLDS)
+    out = []
+    for key, value in thresholds.items():
+        alert, _, param = key.partition(".") if isinstance(key, str) else ("", "", "")
+        if alert not in params or param.split(".")[0] not in params[alert]:
+            known = sorted(params.get(alert, ())) if alert in params else sorted(params)
+            out.append(f"unknown threshold {key!r} (known {'params' if alert in params else 'detectors'}: "
+                       f"{', '.join(known)})")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            out.append(f"threshold {key} must be a number, got {type(value).__name__} {value!r}")
+        elif not (math.isfinite(value) and value >= 0):
+            out.append(f"threshold {key} must be finite and >= 0, got {value}")
+    return out
+
+
 def _problems(c: AgentConfig) -> list[str]:
     out = []
-    if not -1 <= c.metrics_port <= 65535:
-        out.append(f"metrics_port must be -1..65535, got {c.metrics_port}")
-    if not c.interval > 0:
-        out.append(f"interval must be > 0 seconds, got {c.interval}")
-    if not c.fr_interval > 0:
-        out.append(f"fr_interval must be > 0 seconds, got {c.fr_interval}")
-    if c.trace_every < 0:
-        out.append(f"trace_every must be >= 0, got {c.trace_every}")
-    if c.traces not in TRACE_MODES:
-        out.append(f"traces must be one of {TRACE_MODES}, got {c.traces!r}")
-    if c.buffer_size < 1:
-        out.append(f"buffer_size must be >= 1, got {c.buffer_size}")
+    for f in dataclasses.fields(c):
+        out += _field_problems(f.name, getattr(c, f.name))
     if bool(c.tls_cert) != bool(c.tls_key):
         out.append("tls_cert and tls_key must be given together")
-    for name in ("dp", "tp", "pp"):
-        v = getattr(c, name)
-        if v is not None and v < 1:
-            out.append(f"{name} must be >= 1, got {v}")
-    if c.pp_stage is not None and c.pp_stage < 0:
-        out.append(f"pp_stage must be >= 0, got {c.pp_stage}")
+    if c.pp is not None and c.pp_stage is not None and isinstance(c.pp, int) and isinstance(c.pp_stage, int) \
+            and c.pp_stage >= c.pp:
+        out.append(f"pp_stage must be < pp ({c.pp}), got {c.pp_stage}")
     return out

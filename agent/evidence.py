@@ -14,7 +14,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
+
+from hpar_agent.safefiles import private_dir, write_new
 
 log = logging.getLogger("hpar_agent")
 
@@ -33,6 +36,7 @@ class Evidence:
         min_interval_s: float = 300.0,
         max_files: int = 64,
         max_bytes: int = 64 << 20,
+        on_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.dir = os.path.join(run_dir, "evidence")
         self.rank = rank
@@ -40,6 +44,7 @@ class Evidence:
         self.min_interval_s = min_interval_s
         self.max_files = max_files
         self.max_bytes = max_bytes
+        self.on_error = on_error
         self.files: list[str] = []
         self._last: dict[str, float] = {}
         self._said: set[str] = set()
@@ -65,12 +70,9 @@ class Evidence:
         if len(data) > self.max_bytes:
             self._say_once(f"size:{name}", f"{name}: {len(data)} bytes exceeds the {self.max_bytes} limit; skipped")
             return None
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        private_dir(self.dir)  # 0700; a planted symlink or a foreign directory is refused
         path = os.path.join(self.dir, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(path, 0o600)  # O_CREAT's mode is masked by umask and ignored for an existing file
+        write_new(path, data)  # O_EXCL|O_NOFOLLOW, 0600: never overwrites or follows a planted file
         self.files.append(path)
         return path
 
@@ -197,7 +199,9 @@ class Evidence:
                     paths += self.allocator_snapshot(tag)
                 elif kind == "fr":
                     paths += self.fr_dump(tag)
-            except OSError as exc:
+            except OSError as exc:  # a full disk, a refused path: counted, said once per kind
+                if self.on_error is not None:
+                    self.on_error(exc)
                 self._say_once(f"os:{kind}", f"writing {kind} evidence failed ({exc})")
         return paths
 

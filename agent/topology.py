@@ -11,7 +11,10 @@ Mesh dimensions use torchtitan's names: ``dp_replicate`` (DDP/replicate, HSDP's 
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import re
 import socket
 import uuid
 from dataclasses import asdict, dataclass
@@ -31,6 +34,9 @@ FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
     "dp_shard_cp": ("dp_shard", "cp"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
+
+log = logging.getLogger("hpar_agent")
+JOB_ID_KEY = "hpar/job_id"
 
 
 @dataclass(frozen=True)
@@ -164,23 +170,41 @@ def _dp_group_size(model: Any) -> int | None:
 
 
 def _job_id(config: AgentConfig) -> str:
+    """The same id on every rank, without waiting on any peer.
+
+    ``job_id`` / ``HPAR_JOB_ID`` first, then torchrun's run id. Else one ``compare_set`` on the job's
+    store: the first rank to arrive writes its candidate, every later rank gets that value back in the
+    same round trip. Unlike ``store.get`` (which blocks until rank 0 has written, up to the store
+    timeout), nothing here waits for a peer that attaches late. Without a store: a local id.
+    """
     if config.job_id:
         return config.job_id
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none":
-        return run_id
-    # One generated id for the whole job: rank 0 writes it to the store, others read it.
-    if dist.is_initialized():
+        return _safe_id(run_id)
+    if dist.is_available() and dist.is_initialized():
         try:
             from torch.distributed.distributed_c10d import _get_default_store
 
             store = _get_default_store()
-            if dist.get_rank() == 0:
-                store.set("hpar/job_id", uuid.uuid4().hex[:12])
-            return store.get("hpar/job_id").decode()
-        except Exception:
-            pass
+            got = store.compare_set(JOB_ID_KEY, "", uuid.uuid4().hex[:12])
+            return _safe_id(got.decode() if isinstance(got, bytes) else str(got))
+        except Exception as exc:  # a store without compare_set: ids derived from the rendezvous
+            log.debug("hpar_agent: job id from the store failed (%s)", exc)
+            addr = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+            if addr != ":":
+                return "job-" + hashlib.sha256(addr.encode()).hexdigest()[:12]
     return f"local-{uuid.uuid4().hex[:8]}"
+
+
+def _safe_id(raw: str) -> str:
+    """Ids name the run directory: anything but ``[A-Za-z0-9._-]`` becomes ``_``, no leading dot."""
+    out = re.sub(r"[^A-Za-z0-9._-]", "_", raw)[:128].lstrip(".") or "job"
+    return out
+
+
+def _warn_stage(stage: int, pp: int) -> None:
+    log.warning("hpar_agent: ignoring pp_stage=%d (must be < %d); using the detected stage", stage, pp)
 
 
 def detect(model: Any = None, mesh: Any = None, config: AgentConfig | None = None) -> Topology:
@@ -213,6 +237,11 @@ def detect(model: Any = None, mesh: Any = None, config: AgentConfig | None = Non
     stage = config.pp_stage
     if stage is None:
         stage = _stage_index(model)
+    pp_known = config.pp is not None or coords["pp"][0] > 1
+    limit = degree["pp"] if pp_known else world  # a stage beyond the pipeline (or the job) is a typo
+    if stage is not None and stage >= limit:
+        _warn_stage(stage, limit)
+        stage = None
     if stage is None:
         stage = coords["pp"][1]
     backend = dist.get_backend() if initialized else "none"

@@ -23,7 +23,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -37,6 +37,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from hpar_agent import __version__
 from hpar_agent import catalogue as cat
+from hpar_agent.safefiles import RotatingFile
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.traceids import step_span_id, trace_id
 
@@ -82,10 +83,11 @@ class OtlpJsonFileExporter(SpanExporter):
     """Writes each batch as one OTLP/JSON ``ExportTraceServiceRequest`` per line (the format of the
     OTel file exporter spec and the Collector's ``otlpjsonfile`` receiver: ids as hex, enums as ints)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_bytes: int = 0, backups: int = 2,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self.path = path
-        self._file: Any = None
-        self._lock = threading.Lock()
+        self._file = RotatingFile(path, max_bytes, backups)  # 0600, no symlinks, size-capped
+        self.on_error = on_error
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         from google.protobuf.json_format import MessageToDict
@@ -95,22 +97,17 @@ class OtlpJsonFileExporter(SpanExporter):
         _ids_to_hex(doc)
         line = json.dumps(doc, separators=(",", ":")) + "\n"
         try:
-            with self._lock:
-                if self._file is None:
-                    os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                    self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
-                self._file.write(line)
-                self._file.flush()
-        except OSError as exc:
-            log.warning("hpar_agent: cannot write traces to %s: %s", self.path, exc)
+            self._file.write(line)
+        except OSError as exc:  # counted as dropped spans and as an agent error, logged once
+            if self.on_error is not None:
+                self.on_error(exc)
+            else:
+                log.warning("hpar_agent: cannot write traces to %s: %s", self.path, exc)
             return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+        self._file.close()
 
 
 def _walk_ids(doc: Any, convert: Any) -> None:
@@ -304,9 +301,16 @@ class Tracing:
             chosen = _otlp_exporter()
             if chosen is not None:
                 return chosen
-        run_dir = getattr(self.agent, "run_dir", "") or "."
+        run_dir = getattr(self.agent, "run_dir", "")
+        if not run_dir:
+            raise OSError("no usable run directory for the traces file (see the agent's first warning)")
         self.path = os.path.join(run_dir, f"traces.rank{self.rank}.jsonl")
-        return OtlpJsonFileExporter(self.path), "file"
+        cfg = self.agent.config
+        record = getattr(self.agent, "record_error", None)
+        return OtlpJsonFileExporter(
+            self.path, getattr(cfg, "log_max_bytes", 0), getattr(cfg, "log_backups", 2),
+            (lambda exc: record("tracing", exc)) if record is not None else None,
+        ), "file"  # fmt: skip
 
     @staticmethod
     def _resource(topo: Any) -> Resource:

@@ -108,7 +108,8 @@ class DetectorsComponent(Component):
         self.rank = agent.topology.rank
         self.stage = agent.topology.pp_stage
         if self.evidence is None:
-            self.evidence = Evidence(agent.run_dir, self.rank, enabled=agent.config.evidence)
+            self.evidence = Evidence(agent.run_dir, self.rank, enabled=agent.config.evidence,
+                                     on_error=lambda exc: agent.record_error("evidence", exc))
             self.evidence.device = agent.device
 
     def detector(self, cls: type[D]) -> D | None:

@@ -128,7 +128,7 @@ def test_bad_env_value_warns_once_and_uses_default(monkeypatch, caplog):
 
 
 def test_bad_explicit_value_raises_clear_error():
-    with pytest.raises(ValueError, match="interval must be > 0"):
+    with pytest.raises(ValueError, match="interval must be a finite number"):
         hpar_agent.attach(interval=0)
     with pytest.raises(ValueError, match="unknown hpar_agent option"):
         hpar_agent.attach(no_such_option=1)

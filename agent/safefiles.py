@@ -1,0 +1,174 @@
+"""Private files in a shared filesystem: what the agent writes may reveal code paths, data shapes and
+file names, and a run directory under a shared path can be pre-planted with links by another user.
+
+- directories are created 0700; a pre-existing one the agent names itself (the default run dir, the
+  evidence dir) must be a real directory (not a symlink) owned by us, and is tightened to 0700;
+- files are opened with ``O_NOFOLLOW`` (a planted symlink fails instead of redirecting the write),
+  created 0600, and an existing file must be a regular file owned by us with one link;
+- whole files (summaries) are written to a temp file in the same directory and renamed over the
+  target, so a reader never sees a half-written file and a full disk leaves the old one intact;
+- logs rotate at a size cap (``RotatingFile``).
+
+Every function raises ``OSError`` (``UnsafePathError`` for a refused path); callers count it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+import threading
+from typing import IO
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+_orphans: list[IO[str]] = []  # file objects a forked child must not flush or close
+
+
+class UnsafePathError(OSError):
+    """A path the agent refuses to use (a symlink, another owner's file or directory, a hard link)."""
+
+
+def private_dir(path: str, *, chosen: bool = False) -> str:
+    """Create ``path`` (and missing parents) 0700, or check and tighten the existing directory.
+
+    ``chosen``: the user named this directory (``HPAR_RUN_DIR``); an existing one is used as it is
+    (it may be a link to scratch space or a group directory on purpose). What the agent creates in it
+    is still private, and a directory the agent names itself is always checked."""
+    try:
+        os.makedirs(path, mode=DIR_MODE, exist_ok=False)
+    except FileExistsError:
+        if chosen:
+            if not os.path.isdir(path):
+                raise UnsafePathError(f"{path} exists and is not a directory") from None
+            return path
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(f"{path} is a symbolic link; the agent does not write through it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{path} exists and is not a directory")
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise UnsafePathError(f"{path} belongs to uid {st.st_uid}, not to this process; choose another run dir")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077)  # owner keeps its bits; group/others none
+    return path
+
+
+def _check_fd(fd: int, path: str) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePathError(f"{path} is not a regular file")
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise UnsafePathError(f"{path} belongs to uid {st.st_uid}, not to this process")
+    if st.st_nlink > 1:
+        raise UnsafePathError(f"{path} has {st.st_nlink} hard links; the agent does not write through it")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.fchmod(fd, FILE_MODE)
+
+
+def open_private(path: str, *, append: bool = True, exclusive: bool = False) -> int:
+    """An fd for writing ``path``: never through a symlink, 0600, close-on-exec."""
+    flags = os.O_WRONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC
+    flags |= os.O_EXCL if exclusive else 0
+    flags |= os.O_APPEND if append else os.O_TRUNC
+    if not append and not exclusive:
+        flags &= ~os.O_TRUNC  # truncate only after the checks below
+    try:
+        fd = os.open(path, flags, FILE_MODE)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise UnsafePathError(f"{path} is a symbolic link; the agent does not write through it") from exc
+        raise
+    try:
+        _check_fd(fd, path)
+        if not append and not exclusive:
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_new(path: str, data: bytes) -> None:
+    """Create ``path`` (it must not exist) with ``data``."""
+    fd = open_private(path, append=False, exclusive=True)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` in one rename: readers see the old or the new file, never a part."""
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)  # O_EXCL, 0600
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+        os.replace(tmp, path)  # replaces a planted symlink itself, never its target
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class RotatingFile:
+    """An append-only text file that rotates to ``path.1`` .. ``path.<backups>`` at ``max_bytes``
+    (0: never). Thread-safe; ``write`` raises ``OSError`` for the caller to count."""
+
+    def __init__(self, path: str, max_bytes: int = 0, backups: int = 2) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.lock = threading.RLock()
+        self._fh: IO[str] | None = None
+        self._size = 0
+
+    def _open(self) -> IO[str]:
+        if self._fh is None:
+            fd = open_private(self.path, append=True)
+            self._fh = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+            self._size = os.fstat(fd).st_size
+        return self._fh
+
+    def write(self, text: str) -> None:
+        with self.lock:
+            fh = self._open()
+            n = len(text.encode("utf-8", "replace"))
+            if self.max_bytes and self._size and self._size + n > self.max_bytes:
+                self._rotate()
+                fh = self._open()
+            fh.write(text)
+            fh.flush()
+            self._size += n
+
+    def _rotate(self) -> None:
+        self.close()
+        for i in range(self.backups - 1, 0, -1):
+            src = f"{self.path}.{i}"
+            if os.path.lexists(src):
+                os.replace(src, f"{self.path}.{i + 1}")
+        if self.backups > 0:
+            os.replace(self.path, f"{self.path}.1")
+        else:
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        with self.lock:
+            if self._fh is not None:
+                fh, self._fh = self._fh, None
+                fh.close()
+
+    def drop_in_child(self) -> None:
+        """After fork: close the child's copy of the descriptor without flushing the parent's data."""
+        fh, self._fh = self._fh, None
+        if fh is not None:  # point the fd at /dev/null: fh may close it later, no lock is taken now
+            with contextlib.suppress(OSError):
+                null = os.open(os.devnull, os.O_WRONLY | _CLOEXEC)
+                os.dup2(null, fh.fileno(), inheritable=False)
+                os.close(null)
+            _orphans.append(fh)

@@ -1,0 +1,149 @@
+"""Files the agent writes: never through planted links, private modes, checked directories, atomic
+summaries; and every write guarded (a full disk is counted, never raised into user code)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+
+import pytest
+
+import hpar_agent
+from hpar_agent import safefiles
+from hpar_agent.evidence import Evidence
+
+
+def _attach(run_dir, **kw):
+    kw.setdefault("metrics_port", -1)
+    kw.setdefault("traces", "file")
+    kw.setdefault("detectors", False)
+    return hpar_agent.attach(run_dir=str(run_dir), **kw)
+
+
+@pytest.fixture(autouse=True)
+def _detach():
+    yield
+    hpar_agent.detach()
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_planted_symlinks_are_never_followed(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    for name in ("summary.rank0.json", "events.rank0.jsonl", "traces.rank0.jsonl"):
+        (run / name).symlink_to(victim)
+    agent = _attach(run)
+    agent.step()
+    hpar_agent.detach()
+    assert victim.read_text() == "precious\n"
+    assert not (run / "summary.rank0.json").is_symlink()  # replaced atomically, the link itself
+    assert json.loads((run / "summary.rank0.json").read_text())["rank"] == 0
+    assert agent.errors["events"] >= 1  # the event log refused the link, and said so in the count
+    assert _mode(run) == 0o755  # a run dir the user chose is used as it is; the files in it are private
+
+
+def test_default_run_dir_is_checked_and_tightened(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hpar-runs").mkdir()
+    (tmp_path / "hpar-runs" / "open-job").mkdir(mode=0o777)
+    os.chmod(tmp_path / "hpar-runs" / "open-job", 0o777)
+    agent = hpar_agent.attach(metrics_port=-1, traces="none", detectors=False, job_id="open-job")
+    assert agent.run_dir == os.path.join("hpar-runs", "open-job")
+    assert _mode(tmp_path / "hpar-runs" / "open-job") == 0o700
+    hpar_agent.detach()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "hpar-runs" / "linked-job").symlink_to(elsewhere, target_is_directory=True)
+    agent = hpar_agent.attach(metrics_port=-1, traces="none", detectors=False, job_id="linked-job")
+    hpar_agent.detach()
+    assert list(elsewhere.iterdir()) == []  # a planted link in place of the run dir is refused
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "hpar-runs"]  # and nothing lands in cwd
+    assert agent.errors["agent"] >= 1
+
+
+def test_files_and_directories_are_private(tmp_path):
+    run = tmp_path / "fresh"
+    agent = _attach(run)
+    agent.step()
+    agent.tick()
+    hpar_agent.detach()
+    assert _mode(run) == 0o700
+    for name in ("summary.rank0.json", "events.rank0.jsonl"):
+        assert _mode(run / name) == 0o600, name
+
+
+def test_evidence_refuses_a_symlinked_dir_and_never_overwrites(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "evidence").symlink_to(target, target_is_directory=True)
+    errors = []
+    ev = Evidence(str(run), 0, on_error=errors.append)
+    assert ev.collect("t", ("fr",)) == []
+    assert list(target.iterdir()) == [] and errors and isinstance(errors[0], safefiles.UnsafePathError)
+    (run / "evidence").unlink()
+    (run / "evidence").mkdir(mode=0o755)
+    safefiles.private_dir(str(run / "evidence"))
+    assert _mode(run / "evidence") == 0o700
+    planted = run / "evidence" / "x.json"
+    planted.symlink_to(tmp_path / "victim")
+    with pytest.raises(OSError):
+        safefiles.write_new(str(planted), b"data")
+    assert not (tmp_path / "victim").exists()
+
+
+class _FullDisk:
+    """A file object whose every write fails as on a full disk."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        pass
+
+
+def test_full_disk_is_counted_and_never_raises(tmp_path, monkeypatch, caplog):
+    run = tmp_path / "run"
+    agent = _attach(run)
+    hpar_agent_summary = run / "summary.rank0.json"
+    agent.write_summary()
+    good = hpar_agent_summary.read_text()
+    agent.events._file._fh = _FullDisk()  # the disk fills mid-run
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safefiles.tempfile, "mkstemp", no_space)
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        for _ in range(5):
+            agent.events.emit("something", text="x")
+        agent.step()
+        hpar_agent.detach()  # the detach event and the summary fail: counted, not raised
+    assert agent.errors["events"] >= 6
+    assert agent.errors["agent"] >= 1
+    assert hpar_agent_summary.read_text() == good  # the previous summary stays whole
+    assert sum("events failed" in r.getMessage() for r in caplog.records) == 1  # warned once
+
+
+def test_unwritable_run_dir_leaves_the_rest_of_the_agent_working(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a dir")
+    agent = _attach(blocker / "run", metrics_port=0, metrics_addr="127.0.0.1")
+    assert agent.started and agent.metrics_url is not None
+    assert agent._thread is not None and agent._thread.is_alive()
+    agent.step()
+    agent.tick()
+    assert agent.registry.get_sample_value("hpar_agent_errors_total", {"rank": "0", "pp_stage": "0", "component": "agent"}) >= 1
+    hpar_agent.detach()

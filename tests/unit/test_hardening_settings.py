@@ -1,0 +1,111 @@
+"""Settings are range- and type-checked: ValueError for an explicit value, one warning + the default
+for an environment value; thresholds are checked against the detector catalogue."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from hpar_agent import AgentConfig
+from hpar_agent import config as config_mod
+from hpar_agent.topology import detect
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(config_mod, "_warned", set())
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "field", "default"),
+    [
+        ("HPAR_INTERVAL", "inf", "interval", 1.0),
+        ("HPAR_INTERVAL", "1e11", "interval", 1.0),
+        ("HPAR_INTERVAL", "1e-9", "interval", 1.0),
+        ("HPAR_INTERVAL", "nan", "interval", 1.0),
+        ("HPAR_FR_INTERVAL", "inf", "fr_interval", 5.0),
+        ("HPAR_METRICS_ADDR", "garbage addr!", "metrics_addr", "0.0.0.0"),
+        ("HPAR_METRICS_ADDR", "300.1.2.3.4/8", "metrics_addr", "0.0.0.0"),
+        ("HPAR_JOB_ID", "../../etc", "job_id", ""),
+        ("HPAR_BUFFER_SIZE", "0", "buffer_size", 65536),
+    ],
+)
+def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, caplog):
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        for _ in range(3):
+            cfg = AgentConfig.load(environ={name: raw})
+            assert getattr(cfg, field) == default
+    assert sum(name in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"interval": float("inf")},
+        {"interval": 1e-9},
+        {"interval": "1"},  # wrong type: ValueError, not TypeError
+        {"metrics_port": "9470"},
+        {"metrics_port": True},
+        {"metrics_addr": "garbage addr!"},
+        {"metrics_addr": 0},
+        {"event_log": "yes"},
+        {"job_id": "a/b"},
+        {"pp": 2, "pp_stage": 2},
+        {"thresholds": {"Hang.timeout_s": "abc"}},
+        {"thresholds": {"Hang.timeout_s": -1}},
+        {"thresholds": {"Hang.timeout_s": float("nan")}},
+        {"thresholds": {"Hang.timeout": 5}},
+        {"thresholds": {"NoSuchAlert.timeout_s": 5}},
+        {"thresholds": {"detectors.nope": 5}},
+        {"thresholds": {5: 5}},
+        {"thresholds": ["Hang.timeout_s"]},
+    ],
+)
+def test_bad_explicit_value_raises_value_error(kwargs):
+    with pytest.raises(ValueError):
+        AgentConfig.load(overrides=kwargs, environ={})
+
+
+def test_valid_values_are_accepted():
+    cfg = AgentConfig.load(
+        overrides={
+            "interval": 0.5,
+            "metrics_addr": "::1",
+            "thresholds": {"Hang.timeout_s": 0, "CollectiveLatencyHigh.slo_s.all_gather": 0.2, "detectors.stale_s": 10},
+        },
+        environ={"HPAR_METRICS_ADDR": "node-1.example", "HPAR_INTERVAL": "2"},
+    )
+    assert cfg.interval == 0.5 and cfg.metrics_addr == "::1"
+    assert AgentConfig.load(environ={"HPAR_METRICS_ADDR": "node-1.example"}).metrics_addr == "node-1.example"
+
+
+def test_tls_pair_from_env_is_accepted(tmp_path):
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("y")
+    cfg = AgentConfig.load(environ={"HPAR_TLS_CERT": str(cert), "HPAR_TLS_KEY": str(key)})
+    assert (cfg.tls_cert, cfg.tls_key) == (str(cert), str(key))
+    alone = AgentConfig.load(environ={"HPAR_TLS_CERT": str(cert)})
+    assert alone.tls_cert is None and alone.tls_key is None
+
+
+def test_bad_threshold_never_turns_detectors_off(tmp_path):
+    import hpar_agent
+
+    with pytest.raises(ValueError, match=r"Hang\.timeout_s"):
+        hpar_agent.attach(thresholds={"Hang.timeout_s": "abc"}, metrics_port=-1, run_dir=str(tmp_path))
+    agent = hpar_agent.attach(thresholds={"Hang.timeout_s": 7}, metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    try:
+        det = agent.component("detectors")
+        assert det is not None and det.up
+    finally:
+        hpar_agent.detach()
+
+
+def test_pp_stage_beyond_the_pipeline_is_ignored(caplog):
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        topo = detect(config=AgentConfig(pp_stage=999, job_id="j"))
+    assert topo.pp_stage == 0
+    assert any("pp_stage=999" in r.getMessage() for r in caplog.records)
+    assert detect(config=AgentConfig(pp=4, pp_stage=3, job_id="j")).pp_stage == 3
