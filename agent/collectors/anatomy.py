@@ -20,8 +20,9 @@ Clock: on CPU, wall clock. On CUDA wall-clock phases would be launch times (the 
 the CPU next waits for the GPU, e.g. a loss ``.item()`` in the data wait), so each hook also records a
 CUDA event on the current stream (plus one at the end of the optimizer step), and the agent thread
 turns them into GPU-stream phases once the step's last event has completed (``query()``, never a
-sync), as the pipeline collector does for chunks. The data wait is then the time the stream sat idle
-between the last optimizer kernel and the first forward kernel: the GPU waiting for its input.
+sync), as the pipeline collector does for chunks. The data wait is then the shorter of the time the
+stream sat idle between the last optimizer kernel and the first forward kernel and the host's time from
+the step boundary to the forward: the GPU waiting for its input, not for a host that launches slowly.
 """
 
 from __future__ import annotations
@@ -279,6 +280,7 @@ class AnatomyCollector(Component):
         spans: list[tuple[str, int, int]] = []
         opened: dict[int, Any] = {}
         first_fwd: Any = None
+        first_fwd_host = 0
         opt0: Any = None
         loader = 0.0
 
@@ -296,7 +298,7 @@ class AnatomyCollector(Component):
             elif code in (FWD0, BWD0):
                 opened.setdefault(code, ev)
                 if code == FWD0 and first_fwd is None:
-                    first_fwd = ev
+                    first_fwd, first_fwd_host = ev, t0
             elif code in (FWD1, BWD1):
                 start = opened.pop(code - 1, None)
                 if start is not None:
@@ -306,8 +308,12 @@ class AnatomyCollector(Component):
             elif code == OPT0:
                 opt0 = ev
         if first_fwd is not None:
-            out["data_wait"] = off(first_fwd)
-            spans.insert(0, ("data_wait", rec.start_ns, at(first_fwd)))
+            # The GPU waited for input only while both held: the stream sat idle AND the host was not yet
+            # at the forward. Stream idle alone is launch overhead in a host-bound loop (a clean H200
+            # run read as input-bound); host time alone includes syncs such as a loss .item().
+            host = max(0.0, (first_fwd_host - rec.start_ns) / 1e9)
+            out["data_wait"] = min(off(first_fwd), host)
+            spans.insert(0, ("data_wait", rec.start_ns, rec.start_ns + int(out["data_wait"] * 1e9)))
         if opt0 is not None:
             out["optimizer"] = float(opt0.elapsed_time(end)) / 1e3
             spans.append(("optimizer", at(opt0), at(end)))

@@ -192,11 +192,11 @@ def test_cuda_events_give_stream_phases_and_wait_for_completion() -> None:
     ms = 1_000_000
     c._last_end_event = FakeEvent(0.0)  # the previous step's end on the stream
     end = FakeEvent(110.0, done=False)
-    # CPU order and times: launches all within 5 ms; the stream: idle 30 ms (input), fwd 30, bwd 40, opt 10
-    events = [(0, 1 * ms, 0, FakeEvent(30.0)), (1, 2 * ms, 0, FakeEvent(60.0)), (2, 3 * ms, 0, FakeEvent(60.0)),
-              (3, 4 * ms, 0, FakeEvent(100.0)), (4, 5 * ms, 0, FakeEvent(100.0)), (6, 6 * ms, 0, end)]
+    # host: 31 ms in the loader, then launches within 5 ms; the stream: idle 30 ms (input), fwd 30, bwd 40, opt 10
+    events = [(0, 31 * ms, 0, FakeEvent(30.0)), (1, 32 * ms, 0, FakeEvent(60.0)), (2, 33 * ms, 0, FakeEvent(60.0)),
+              (3, 34 * ms, 0, FakeEvent(100.0)), (4, 35 * ms, 0, FakeEvent(100.0)), (6, 36 * ms, 0, end)]
     c._events[3] = events  # as poll() leaves them
-    c.on_step(StepRecord(step=3, start_ns=0, end_ns=6 * ms))
+    c.on_step(StepRecord(step=3, start_ns=0, end_ns=36 * ms))
     assert c.history == [] and c.span_watermark_ns() == 0  # the end event is still pending
     end.done = True
     c._flush()
@@ -205,6 +205,25 @@ def test_cuda_events_give_stream_phases_and_wait_for_completion() -> None:
     assert phases == pytest.approx({"data_wait": 0.03, "forward": 0.03, "backward": 0.04, "optimizer": 0.01})
     assert c.clock == "cuda-events" and c._last_end_event is end and c.span_watermark_ns() is None
     assert c.verdict == "input-bound"  # 27% of the stream's step time idle, waiting for input
+
+
+def test_cuda_stream_idle_of_a_host_bound_loop_is_not_data_wait() -> None:
+    """A small model on an H200: the host reaches the forward 1 ms after the step boundary, but launches
+    so slowly that the stream sits idle 30 ms. That is launch overhead, not input: data wait is the
+    shorter of the two, and the verdict is not input-bound."""
+    from hpar_agent.spans import StepRecord
+
+    c = AnatomyCollector()
+    ms = 1_000_000
+    c._last_end_event = FakeEvent(0.0)
+    end = FakeEvent(110.0)
+    events = [(0, 1 * ms, 0, FakeEvent(30.0)), (1, 2 * ms, 0, FakeEvent(60.0)), (2, 3 * ms, 0, FakeEvent(60.0)),
+              (3, 4 * ms, 0, FakeEvent(100.0)), (4, 5 * ms, 0, FakeEvent(100.0)), (6, 6 * ms, 0, end)]
+    c._events[3] = events
+    c.on_step(StepRecord(step=3, start_ns=0, end_ns=6 * ms))
+    (_step, _s, phases, _loader), = c.history
+    assert phases["data_wait"] == pytest.approx(0.001)
+    assert c.verdict == "compute-bound"
 
 
 def test_the_rank_straggler_names_is_the_slow_rank(tmp_path) -> None:
