@@ -36,6 +36,9 @@ def _docs(*names: str) -> list[dict]:
     return [d for n in names for d in yaml.safe_load_all((K8S / n).read_text()) if d]
 
 
+MON = "monitoring/"  # the reusable monitoring base
+
+
 # ---------------------------------------------------------------------------------------------- compose
 def _compose_config(env: dict[str, str], *profiles: str) -> dict:
     flags = [a for p in profiles for a in ("--profile", p)]
@@ -161,10 +164,10 @@ def test_grafana_provisioning_links_exemplars_to_jaeger() -> None:
 def test_k8s_generated_files_match_their_sources() -> None:
     gen = _k8s_generator()
     assert gen.main(["--check"]) == 0
-    rule = _docs("prometheusrule.yaml")[0]
+    rule = _docs(MON + "prometheusrule.yaml")[0]
     groups = [g for p in RULES for g in yaml.safe_load(p.read_text())["groups"]]
     assert rule["spec"]["groups"] == groups
-    cm = _docs("grafana-dashboards.yaml")[0]
+    cm = _docs(MON + "grafana-dashboards.yaml")[0]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["data"] == {p.name: p.read_text() for p in DASHBOARDS}
 
@@ -172,7 +175,7 @@ def test_k8s_generated_files_match_their_sources() -> None:
 @pytest.mark.skipif(not shutil.which("promtool"), reason="promtool not installed")
 def test_k8s_prometheusrule_spec_passes_promtool(tmp_path: Path) -> None:
     spec = tmp_path / "rules.yml"
-    spec.write_text(yaml.safe_dump(_docs("prometheusrule.yaml")[0]["spec"]))
+    spec.write_text(yaml.safe_dump(_docs(MON + "prometheusrule.yaml")[0]["spec"]))
     res = run(["promtool", "check", "rules", str(spec)])
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -180,10 +183,10 @@ def test_k8s_prometheusrule_spec_passes_promtool(tmp_path: Path) -> None:
 def test_k8s_core_objects_validate_strict() -> None:
     if not shutil.which("kubernetes-validate"):
         pytest.skip("pip install kubernetes-validate")
-    files = ["namespace.yaml", "trainer.yaml", "otel-collector.yaml", "grafana-dashboards.yaml"]
+    files = ["namespace.yaml", "trainer.yaml", "runs-pvc.yaml", MON + "otel-collector.yaml", MON + "grafana-dashboards.yaml"]
     res = run(["kubernetes-validate", "--strict", "-k", "1.30.0", *[str(K8S / f) for f in files]])
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.count("passed") == 7, res.stdout
+    assert res.stdout.count("passed") == 8, res.stdout
 
 
 def test_k8s_job_and_podmonitor_cover_every_rank() -> None:
@@ -194,12 +197,46 @@ def test_k8s_job_and_podmonitor_cover_every_rank() -> None:
     assert c["resources"]["limits"]["nvidia.com/gpu"] == nproc  # one GPU per rank
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert [ports[f"metrics-{i}"] for i in range(nproc)] == [9470 + i for i in range(nproc)]
-    env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["HPAR_METRICS_PORT"] == "9470" and env["HPAR_METRICS_ADDR"] == "0.0.0.0"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HPAR_METRICS_PORT"]["value"] == "9470" and env["HPAR_METRICS_ADDR"]["value"] == "0.0.0.0"
+    # a rank never leaves its declared port (the PodMonitor scrapes only those)
+    assert env["HPAR_METRICS_PORT_FALLBACK"]["value"] == "0"
+    # per-Job job id (the controller uid), evidence per job id on a claim that outlives the pod
+    assert env["HPAR_JOB_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/controller-uid']"
+    assert env["HPAR_RUN_DIR"]["value"] == "/runs/$(HPAR_JOB_ID)"
+    vols = {v["name"]: v for v in pod["volumes"]}
+    claim = vols["runs"]["persistentVolumeClaim"]["claimName"]
+    assert _docs("runs-pvc.yaml")[0]["metadata"]["name"] == claim
+    assert {"name": "runs", "mountPath": "/runs"} in c["volumeMounts"]
     assert pod["subdomain"] == "hpar-trainer" and job["spec"]["completionMode"] == "Indexed"
-    pm = _docs("podmonitor.yaml")[0]
-    assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == [f"metrics-{i}" for i in range(nproc)]
-    assert pm["spec"]["selector"]["matchLabels"] == job["spec"]["template"]["metadata"]["labels"]
+    pm = _docs(MON + "podmonitor.yaml")[0]
+    eps = pm["spec"]["podMetricsEndpoints"]
+    assert [e["port"] for e in eps] == [f"metrics-{i}" for i in range(nproc)]
+    # selection by one label, which the example's pods carry; any namespace (the base is reusable)
+    sel = pm["spec"]["selector"]["matchLabels"]
+    assert sel == {"hpar-agent.io/scrape": "true"} and pm["spec"]["namespaceSelector"] == {"any": True}
+    assert sel.items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    for e in eps:
+        targets = {r["targetLabel"]: r for r in e["relabelings"]}
+        assert targets["node"]["sourceLabels"] == ["__meta_kubernetes_pod_node_name"]
+        assert targets["job_name"]["sourceLabels"] == ["__meta_kubernetes_pod_label_job_name"]
+        assert targets["job_id"]["sourceLabels"][-1] == "__meta_kubernetes_pod_label_batch_kubernetes_io_controller_uid"
+        assert targets["instance"]["sourceLabels"] == ["__meta_kubernetes_pod_name", "__meta_kubernetes_pod_container_port_number"]
+
+
+def test_podmonitor_job_id_relabelling_prefers_the_pod_label() -> None:
+    """The job_id rule's regex (RE2 and Python's re agree on it): the hpar-agent.io/job-id pod label
+    when set, else the Job's controller uid."""
+    r = next(r for r in _docs(MON + "podmonitor.yaml")[0]["spec"]["podMetricsEndpoints"][0]["relabelings"]
+             if r["targetLabel"] == "job_id")
+
+    def relabel(*values: str) -> str:
+        m = re.fullmatch(r["regex"], r["separator"].join(values))
+        assert m
+        return r["replacement"].replace("$1", m[1] or "").replace("$2", m[2] or "")
+
+    assert relabel("my-run-7", "0b5e-uid") == "my-run-7"
+    assert relabel("", "0b5e-uid") == "0b5e-uid"
 
 
 def test_k8s_custom_resources_validate_against_operator_models(tmp_path: Path) -> None:
@@ -210,7 +247,7 @@ def test_k8s_custom_resources_validate_against_operator_models(tmp_path: Path) -
     script = node_dir / "validate_crds.mjs"  # ESM resolves packages from the script's own directory
     if script.resolve() != (HERE / "validate_crds.mjs").resolve():
         shutil.copyfile(HERE / "validate_crds.mjs", script)
-    docs = _docs("podmonitor.yaml", "prometheusrule.yaml")
+    docs = _docs(MON + "podmonitor.yaml", MON + "prometheusrule.yaml")
     res = run(["node", str(script)], input=json.dumps(docs))
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.split() == ["OK", "PodMonitor/hpar-trainer", "OK", "PrometheusRule/hpar-agent"]
@@ -221,10 +258,15 @@ def test_k8s_custom_resources_validate_against_operator_models(tmp_path: Path) -
 def test_kustomize_builds() -> None:
     if not shutil.which("kubectl"):
         pytest.skip("kubectl not installed")
+    base = run(["kubectl", "kustomize", str(K8S / "monitoring")])
+    assert base.returncode == 0, base.stderr
+    base_kinds = sorted(d["kind"] for d in yaml.safe_load_all(base.stdout) if d)
+    # the monitoring base holds no trainer, no namespace of its own
+    assert base_kinds == sorted(["PodMonitor", "PrometheusRule", "ConfigMap", "ConfigMap", "Deployment", "Service"])
+    assert all("namespace" not in d["metadata"] for d in yaml.safe_load_all(base.stdout) if d)
     res = run(["kubectl", "kustomize", str(K8S)])
     assert res.returncode == 0, res.stderr
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(res.stdout) if d)
-    assert kinds == sorted(["Namespace", "Service", "Job", "PodMonitor", "PrometheusRule", "ConfigMap",
-                            "ConfigMap", "Deployment", "Service"])  # fmt: skip
+    assert kinds == sorted(["Namespace", "Service", "Job", "PersistentVolumeClaim", *base_kinds])
     assert all(d["metadata"].get("namespace") == "hpar" for d in yaml.safe_load_all(res.stdout)
                if d and d["kind"] != "Namespace")  # fmt: skip

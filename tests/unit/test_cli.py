@@ -88,7 +88,7 @@ def test_export_compose_keeps_the_layout_its_mounts_expect(tmp_path):
     compose = tmp_path / "deploy/compose/compose.yaml"
     assert filecmp.cmp(compose, REPO / "deploy/compose/compose.yaml", shallow=False)
     for mount in ("../prometheus/prometheus.yml", "../prometheus/rules", "../alertmanager/alertmanager.yml",
-                  "./grafana/provisioning", "../../dashboards"):
+                  "./grafana/provisioning", "../../dashboards", "./alert_webhook.py"):
         assert mount in compose.read_text() and (compose.parent / mount).exists(), mount
     assert (tmp_path / "dashboards/overview.json").exists()
 
