@@ -239,6 +239,25 @@ def test_podmonitor_job_id_relabelling_prefers_the_pod_label() -> None:
     assert relabel("", "0b5e-uid") == "0b5e-uid"
 
 
+@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool not installed")
+def test_podmonitor_relabelling_is_valid_prometheus_config(tmp_path: Path) -> None:
+    """The operator turns each endpoint's relabelings into a scrape config's relabel_configs: the same
+    rules in a scrape job must pass `promtool check config` (RE2 regex, label names)."""
+    snake = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    ep = _docs(MON + "podmonitor.yaml")[0]["spec"]["podMetricsEndpoints"][0]
+    relabel = [{snake.get(k, k): v for k, v in r.items()} for r in ep["relabelings"]]
+    # static targets: some promtool builds (Debian's) leave out the kubernetes_sd plugin
+    cfg = {"scrape_configs": [{"job_name": "hpar/hpar-trainer", "static_configs": [{"targets": ["pod:9470"]}],
+                               "relabel_configs": relabel}]}  # fmt: skip
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(cfg))
+    res = run(["promtool", "check", "config", "--syntax-only", str(path)])
+    assert res.returncode == 0, res.stdout + res.stderr
+    relabel[2]["regex"] = "([^;]+"  # an invalid RE2 is refused: the check is real
+    path.write_text(yaml.safe_dump(cfg))
+    assert run(["promtool", "check", "config", "--syntax-only", str(path)]).returncode != 0
+
+
 def test_k8s_custom_resources_validate_against_operator_models(tmp_path: Path) -> None:
     tools = npm_tools()
     if tools is None:
