@@ -61,7 +61,9 @@ def test_compose_config_is_valid(tmp_path: Path) -> None:
     assert "hpar_trainer" in trainer["command"] and "--compile=inductor" in trainer["command"]
     ports = {p["target"] for p in cfg["services"]["jaeger"]["ports"]}
     assert {4317, 4318, 16686} <= ports
-    # a job id fixed in the file would make every re-run reuse the same trace ids: none is
+    # a job id fixed in the file would make every re-run reuse the same trace ids: none is; torchrun
+    # --standalone draws a new run id (the agent's default job id) at every start, the demo its own
+    assert "--standalone" in trainer["command"]
     for svc in ("trainer", "trainer-cpu"):
         assert "HPAR_JOB_ID" not in cfg["services"][svc]["environment"], svc
         assert "HPAR_RUN_DIR" not in cfg["services"][svc]["environment"], svc
