@@ -494,7 +494,10 @@ def _brief(e: dict[str, Any]) -> str:
     if e.get("kind") == "recompile":
         failed = e.get("failed_guards")
         more = len(failed) - 1 if isinstance(failed, list) and len(failed) > 1 else 0
-        parts = [str(e.get(k)) for k in ("function", "reason") if e.get(k)]
+        func = str(e.get("function") or "")
+        name, _, where = func.partition(" ")
+        func = f"{name} {os.path.basename(where)}" if where else name  # "forward model.py:78"
+        parts = [p for p in (func, str(e.get("reason") or "")) if p]
         head = " · ".join(parts)
         guard = short_guard(e.get("guard") or (failed[0] if isinstance(failed, list) and failed else ""))
         return f"{head}: {guard}" + (f" (+{more} more failed guards)" if more else "")

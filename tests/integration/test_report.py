@@ -130,7 +130,7 @@ def make_run(run_dir: Path) -> Path:
         if rank in (0, 2):
             log.emit("graph_break", reason="gb0170", user_frame="model.py:57", text=f"print() {HOSTILE}")
             # as the compile collector writes it: the first guard in guard, failed_guards and message
-            log.emit("recompile", compile_id="0/1", function="forward model.py:40", reason="size", guard=GUARD,
+            log.emit("recompile", compile_id="0/1", function="forward /src/pkg/model.py:40", reason="size", guard=GUARD,
                      failed_guards=[GUARD], message=f"Recompiling function forward:\n  triggered by:\n  - {GUARD}")
         if rank == 2:
             log.emit("alert", alert="MemoryLeak", state="firing", value=4.5e7, threshold=2**20, step=4,
@@ -267,6 +267,7 @@ def test_recompile_rows_show_the_guard_once_shortened(run_dir: Path) -> None:
     assert table.count(guard) == 2  # one row per recompile (ranks 0 and 2), the guard once in each
     assert "forward model.py:40 · size: " + guard in table
     assert "Recompiling function" not in table and "failed_guards" not in table and "0/0:" not in table
+    assert "/src/pkg" not in table  # the function by file name, not the install path
     assert report.short_guard("x" * 500).endswith("…") and len(report.short_guard("x" * 500)) == report.GUARD_CHARS
 
 
