@@ -58,7 +58,7 @@ def _demo(args: argparse.Namespace) -> int:
         "HPAR_RUN_DIR": str(run_dir),
         "HPAR_JOB_ID": run_dir.name,
         "HPAR_METRICS_PORT": str(args.metrics_port),
-        "HPAR_METRICS_ADDR": "127.0.0.1",
+        "HPAR_METRICS_ADDR": os.environ.get("HPAR_METRICS_ADDR") or "127.0.0.1",  # compose: 0.0.0.0
     }
     ports = (
         f"{args.metrics_port}..{args.metrics_port + args.nproc - 1}" if args.metrics_port else "<free port>"

@@ -23,6 +23,7 @@ KINDS: dict[str, tuple[str, list[tuple[str, str]]]] = {
             ("dashboards", "*.json"),
             ("deploy/compose", "compose.yaml"),
             ("deploy/compose", "Dockerfile"),
+            ("deploy/compose", "alert_webhook.py"),
             ("deploy/compose/grafana/provisioning", "*/*.yaml"),
             ("deploy/prometheus", "prometheus.yml"),
             ("deploy/prometheus/rules", "*.yml"),
@@ -59,7 +60,7 @@ def export(kind: str, out: Path) -> list[Path]:
 _NEXT = {
     "dashboards": "import them in Grafana (Dashboards > New > Import) or mount them for file provisioning",
     "rules": "list them under rule_files in prometheus.yml",
-    "compose": "docker compose -f {out}/deploy/compose/compose.yaml up prometheus alertmanager grafana jaeger "
+    "compose": "docker compose -f {out}/deploy/compose/compose.yaml up prometheus alertmanager alert-webhook grafana jaeger "
     "(the trainer service builds from a source checkout)",
 }
 

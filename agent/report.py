@@ -11,6 +11,7 @@ free text written by the process under observation.
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import logging
 import math
@@ -26,6 +27,7 @@ from typing import Any
 from urllib.parse import quote
 
 from hpar_agent import catalogue as cat
+from hpar_agent.summary import COLLECTIVE_PERCENTILE_SOURCE, collective_rows
 
 log = logging.getLogger(__name__)
 
@@ -327,26 +329,58 @@ def fig_collectives(samples: dict[tuple[str, str], list[float]]) -> Any:
     return fig
 
 
+def _step_anchors(run: Run) -> dict[int, list[tuple[float, float]]]:
+    """Per rank, (wall seconds, step) at the start and end of every traced ``train.step`` span: the
+    points that place an event (stamped with wall time) on the step axis."""
+    out: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for s in run.spans:
+        step = s.attrs.get(cat.ATTR_STEP)
+        if s.name == cat.SPAN_STEP and s.rank is not None and isinstance(step, int):
+            out[s.rank] += [(s.start_ns / 1e9, float(step)), (s.end_ns / 1e9, step + 1.0)]
+    return {r: sorted(v) for r, v in out.items()}
+
+
+def event_step(e: dict[str, Any], anchors: dict[int, list[tuple[float, float]]]) -> float | None:
+    """The step an event happened in: its own ``step`` field, else interpolated between the traced
+    steps of its rank (an event before the first traced step sits at that step, after the last at it)."""
+    if isinstance(e.get("step"), int):
+        return float(e["step"])
+    ts, pts = _num(e.get("ts")), anchors.get(e.get("rank"))  # type: ignore[arg-type]
+    if ts is None or not pts:
+        return None
+    if ts <= pts[0][0]:
+        return pts[0][1]
+    for (t0, s0), (t1, s1) in itertools.pairwise(pts):
+        if t0 <= ts <= t1:
+            return s0 if t1 == t0 else s0 + (s1 - s0) * (ts - t0) / (t1 - t0)
+    return pts[-1][1]
+
+
 def _t0(run: Run) -> float:
     ts = [e["ts"] for e in run.events if _num(e.get("ts")) is not None]
     return min(ts) if ts else 0.0
 
 
 def fig_compile(run: Run) -> Any:
-    """Compile, graph-break and recompile events of every rank on one time axis."""
+    """Compile, graph-break and recompile events of every rank on the step axis (time since the first
+    event when no step can be placed: a run without traced steps)."""
     import plotly.graph_objects as go
 
     events = [e for e in run.events if e.get("kind") in COMPILE_KINDS and _num(e.get("ts")) is not None]
     if not events:
         return None
+    anchors = _step_anchors(run)
+    steps = {id(e): event_step(e, anchors) for e in events}
+    on_steps = all(v is not None for v in steps.values())
     t0 = _t0(run)
-    fig = go.Figure(layout=_layout("torch.compile events", "seconds since the first event", "rank"))
+    xtitle = "step (interpolated between traced steps)" if on_steps else "seconds since the first event"
+    fig = go.Figure(layout=_layout("torch.compile events", xtitle, "rank"))
     symbols = {"compile": "circle", "graph_break": "x", "recompile": "diamond"}
     for kind in COMPILE_KINDS:
         mine = [e for e in events if e.get("kind") == kind]
         if mine:
             fig.add_scatter(
-                x=[e["ts"] - t0 for e in mine],
+                x=[steps[id(e)] if on_steps else e["ts"] - t0 for e in mine],
                 y=[e.get("rank") for e in mine],
                 mode="markers",
                 name=kind,
@@ -355,6 +389,70 @@ def fig_compile(run: Run) -> Any:
                 hoverinfo="x+y+text",
             )
     fig.update_yaxes(dtick=1)
+    return fig
+
+
+def pipeline_step(run: Run) -> tuple[int, list[Span]] | None:
+    """The traced step with ``pp.forward``/``pp.backward`` spans on the most ranks (latest on ties),
+    and those spans."""
+    by_step: dict[int, list[Span]] = defaultdict(list)
+    for s in run.spans:
+        step = s.attrs.get(cat.ATTR_STEP)
+        if s.name in (cat.SPAN_PP_FORWARD, cat.SPAN_PP_BACKWARD) and s.rank is not None and isinstance(step, int):
+            by_step[step].append(s)
+    if not by_step:
+        return None
+    step = max(by_step, key=lambda k: (len({s.rank for s in by_step[k]}), k))
+    return step, by_step[step]
+
+
+def fig_pipeline(run: Run) -> Any:
+    """The pipeline schedule of one traced step: per rank (grouped by stage), a bar per microbatch's
+    forward and backward on the time axis from the step's first chunk; the gaps are the bubble."""
+    import plotly.graph_objects as go
+
+    found = pipeline_step(run)
+    if found is None:
+        return None
+    step, spans = found
+    t0 = min(s.start_ns for s in spans)
+    stage_of = {s.rank: s.attrs.get(cat.ATTR_PP_STAGE, "?") for s in spans}
+    order = sorted(stage_of, key=lambda r: (str(stage_of[r]), r), reverse=True)  # stage 0 on top
+    label = {r: f"stage {stage_of[r]} · rank {r}" for r in order}
+    fig = go.Figure(layout=_layout(
+        f"Pipeline schedule of step {step} (pp.forward / pp.backward spans)",
+        "milliseconds since the step's first chunk", "", barmode="overlay",
+        height=max(260, 60 + 34 * len(order)),
+    ))  # fmt: skip
+    for name, short, color in ((cat.SPAN_PP_FORWARD, "F", "#4c78a8"), (cat.SPAN_PP_BACKWARD, "B", "#f58518")):
+        mine = sorted((s for s in spans if s.name == name), key=lambda s: (s.rank, s.start_ns))
+        if not mine:
+            continue
+        fig.add_bar(
+            orientation="h", name=name, marker={"color": color, "line": {"color": "white", "width": 1}},
+            y=[label[s.rank] for s in mine],  # type: ignore[index]
+            base=[(s.start_ns - t0) / 1e6 for s in mine], x=[(s.end_ns - s.start_ns) / 1e6 for s in mine],
+            text=[f"{short}{s.attrs.get(cat.ATTR_MICROBATCH, '')}" for s in mine], textposition="inside",
+            hovertemplate="%{y}<br>%{text}: %{base:.1f} ms + %{x:.1f} ms<extra></extra>",
+        )  # fmt: skip
+    fig.update_yaxes(categoryorder="array", categoryarray=[label[r] for r in order])
+    return fig
+
+
+def fig_collective_ranks(rows: dict[tuple[str, str], dict[str, Any]]) -> Any:
+    """Collective p50 per rank for each (pg, op), from the agent's histograms: skew across ranks."""
+    import plotly.graph_objects as go
+
+    rows = {k: v for k, v in rows.items() if v["rank_p50"]}
+    if not rows:
+        return None
+    fig = go.Figure(layout=_layout(
+        "Collective p50 per rank (skew across ranks)", "rank", "milliseconds", barmode="group"
+    ))
+    for (pg, op), row in rows.items():
+        ranks = sorted(row["rank_p50"])
+        fig.add_bar(x=[f"rank {r}" for r in ranks], y=[row["rank_p50"][r] * 1e3 for r in ranks],
+                    name=_esc(f"{pg} / {op}"))
     return fig
 
 
@@ -377,8 +475,32 @@ def fig_loss(run: Run) -> Any:
 _SKIP_FIELDS = {"ts", "rank", "kind"}
 
 
+_GUARD_PREFIX = re.compile(r"^\s*(?:- )?\d+/\d+: ")
+#: Characters of a guard kept in a recompile row (the full text stays in the event log).
+GUARD_CHARS = 160
+
+
+def short_guard(guard: Any) -> str:
+    """The first failed guard of a recompile, once: first line, no ``- 0/1:`` prefix, no ``# file:line``
+    comment, at most GUARD_CHARS characters."""
+    text = _GUARD_PREFIX.sub("", str(guard or "").strip().splitlines()[0] if str(guard or "").strip() else "")
+    text = text.split("  #", 1)[0].strip()
+    return text if len(text) <= GUARD_CHARS else text[: GUARD_CHARS - 1] + "…"
+
+
 def _brief(e: dict[str, Any]) -> str:
-    """The fields of an event other than ts/rank/kind, compact (the caller escapes)."""
+    """The fields of an event other than ts/rank/kind, compact (the caller escapes). A recompile says
+    its function, reason and first failed guard once (its event repeats the guard in three fields)."""
+    if e.get("kind") == "recompile":
+        failed = e.get("failed_guards")
+        more = len(failed) - 1 if isinstance(failed, list) and len(failed) > 1 else 0
+        func = str(e.get("function") or "")
+        name, _, where = func.partition(" ")
+        func = f"{name} {os.path.basename(where)}" if where else name  # "forward model.py:78"
+        parts = [p for p in (func, str(e.get("reason") or "")) if p]
+        head = " · ".join(parts)
+        guard = short_guard(e.get("guard") or (failed[0] if isinstance(failed, list) and failed else ""))
+        return f"{head}: {guard}" + (f" (+{more} more failed guards)" if more else "")
     parts = []
     for k, v in e.items():
         if k not in _SKIP_FIELDS:
@@ -444,25 +566,34 @@ def _quantile(sorted_vals: list[float], q: float) -> float | None:
     return sorted_vals[min(len(sorted_vals) - 1, math.ceil(q * len(sorted_vals)) - 1)]
 
 
-def collectives_table(run: Run, samples: dict[tuple[str, str], list[float]]) -> str:
-    """Latency percentiles of the traced ops, and op counts from the summaries (untimed on gloo)."""
+def collectives_table(
+    run: Run, samples: dict[tuple[str, str], list[float]], rows: dict[tuple[str, str], dict[str, Any]]
+) -> str:
+    """Per (pg, op): counts, bytes, p50/p99 and bus bandwidth from the agent's summaries (the same
+    numbers as the terminal summary: ``summary.collective_rows``), the skew of p50 across ranks, and
+    how many traced spans the box plot shows."""
     counts: dict[str, int] = defaultdict(int)
     for s in run.summaries.values():
         ops = ((s.get("components") or {}).get("collectives") or {}).get("ops") or {}
         for key, n in ops.items():
             if isinstance(n, int):
                 counts[str(key)] += n
-    keys = sorted({f"{pg}/{op}" for pg, op in samples} | set(counts))
-    rows = []
+    keys = sorted({f"{pg}/{op}" for pg, op in samples} | {f"{pg}/{op}" for pg, op in rows} | set(counts))
+    out = []
     for key in keys:
         pg, _, op = key.partition("/")
-        vals = sorted(samples.get((pg, op), ()))
-        rows.append([
-            _esc(pg), _esc(op), _esc(counts.get(key, "-")), _esc(len(vals)),
-            _esc(_fmt_s(_quantile(vals, 0.5))), _esc(_fmt_s(_quantile(vals, 0.99))),
-            _esc(_fmt_s(vals[-1] if vals else None)),
+        row = rows.get((pg, op), {})
+        per_rank = sorted((row.get("rank_p50") or {}).values())
+        skew = f"{per_rank[-1] / per_rank[0]:.2f}x" if len(per_rank) > 1 and per_rank[0] > 0 else "-"
+        bw = row.get("busbw")
+        out.append([
+            _esc(pg), _esc(op), _esc(row.get("count") or counts.get(key, "-")), _esc(row.get("timed", "-")),
+            _esc(_fmt_bytes(row["bytes"]) if row.get("bytes") else "-"),
+            _esc(_fmt_s(row.get("p50"))), _esc(_fmt_s(row.get("p99"))), skew,
+            _esc(f"{bw / 1e9:.2f} GB/s" if bw else "-"), _esc(len(samples.get((pg, op), ()))),
         ])  # fmt: skip
-    return _table(["pg", "op", "ops counted", "spans", "p50", "p99", "max"], rows)
+    heads = ["pg", "op", "ops counted", "timed", "bytes", "p50", "p99", "p50 skew (max/min rank)", "busbw", "traced spans"]
+    return _table(heads, out) + f'<p class="meta">{_esc(COLLECTIVE_PERCENTILE_SOURCE)}.</p>'
 
 
 def memory_table(run: Run) -> str:
@@ -610,9 +741,14 @@ def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
     from plotly.offline import get_plotlyjs
 
     samples = collective_samples(run)
+    coll_rows = collective_rows([{"rank": r, **s} for r, s in sorted(run.summaries.items())])
     figures: dict[str, Any] = {}
     sections: list[str] = [
         f"<h1>hpar-agent run report</h1>{_header(run)}",
+        "" if run.trainer or run.trainer_steps else
+        "<p class='meta'>A run of your own script (no trainer.json: losses are the training script's "
+        "to log). Everything below is what the agent observed: step time, pipeline, collectives, "
+        "torch.compile, memory and alerts.</p>",
         "<h2>Ranks</h2>",
         ranks_table(run),
     ]
@@ -637,7 +773,12 @@ def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
     sections.append("<h2>Alerts</h2>")
     sections.append(alerts_table(run, out_dir) if alerts else '<p class="none">no alerts fired</p>')
     section("Step time", "fig-steps", fig_step_times(run), none="no train.step spans (traces.rank*.jsonl)")
-    section("Loss", "fig-loss", fig_loss(run), none="no losses in trainer.json")
+    pipe = fig_pipeline(run)
+    if pipe is not None:
+        section("Pipeline", "fig-pipeline", pipe)
+    loss = fig_loss(run)
+    if loss is not None:  # the reference trainer writes losses; a user's own script usually does not
+        section("Loss", "fig-loss", loss)
     section("Memory", "fig-memory", fig_memory(run), memory_table(run) if run.summaries else "")
     mem_steps = fig_memory_steps(run)
     if mem_steps is not None:
@@ -645,8 +786,12 @@ def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
         sections.append('<div id="fig-memory-steps" class="plot"></div>')
     section(
         "Collectives", "fig-collectives", fig_collectives(samples),
-        collectives_table(run, samples), none="no collective.* spans",
+        collectives_table(run, samples, coll_rows), none="no collective.* spans",
     )  # fmt: skip
+    skew = fig_collective_ranks(coll_rows)
+    if skew is not None:
+        figures["fig-collective-ranks"] = json.loads(skew.to_json())
+        sections.append('<div id="fig-collective-ranks" class="plot"></div>')
     compile_events = any(e.get("kind") in COMPILE_KINDS for e in run.events)
     section(
         "torch.compile", "fig-compile", fig_compile(run),

@@ -223,28 +223,50 @@ def _render_compile(name: str, ranks: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _render_collectives(name: str, ranks: list[dict[str, Any]]) -> list[str]:
+#: Where the collective percentiles come from, said the same way by the terminal summary and the report.
+COLLECTIVE_PERCENTILE_SOURCE = (
+    "p50/p99: upper bound of the agent's latency-histogram bucket over every timed op "
+    "(what histogram_quantile gives in Prometheus), worst rank"
+)
+
+
+def collective_rows(ranks: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(pg, op) -> count, timed, bytes, p50/p99 (worst rank), busbw (best rank) and the per-rank p50s.
+
+    The one source of collective percentiles: the terminal summary and the report both print these
+    (the report's span box plots only show the traced steps' samples)."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for r in ranks:
-        for t in r.get("components", {}).get(name, {}).get("table", []):
-            row = rows.setdefault((t["pg"], t["op"]), {"count": 0, "timed": 0, "p50": [], "p99": [], "bw": []})
-            row["count"] += t["count"]
-            row["timed"] += t.get("timed", 0)
-            for key, src in (("p50", "p50_s"), ("p99", "p99_s"), ("bw", "busbw_bytes_per_s")):
-                if t.get(src) is not None:
-                    row[key].append(t[src])
+        for t in r.get("components", {}).get("collectives", {}).get("table", []):
+            row = rows.setdefault(
+                (str(t["pg"]), str(t["op"])),
+                {"count": 0, "timed": 0, "bytes": 0, "p50": None, "p99": None, "busbw": None, "rank_p50": {}},
+            )
+            row["count"] += int(t.get("count") or 0)
+            row["timed"] += int(t.get("timed") or 0)
+            row["bytes"] += int(t.get("bytes") or 0)
+            for key, src, pick in (("p50", "p50_s", max), ("p99", "p99_s", max), ("busbw", "busbw_bytes_per_s", max)):
+                v = t.get(src)
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    row[key] = v if row[key] is None else pick(row[key], v)
+            if isinstance(t.get("p50_s"), int | float) and isinstance(r.get("rank"), int):
+                row["rank_p50"][r["rank"]] = t["p50_s"]
+    return dict(sorted(rows.items()))
+
+
+def _render_collectives(name: str, ranks: list[dict[str, Any]]) -> list[str]:
+    rows = collective_rows(ranks)
     if not rows:
         return []
     table = []
-    for (pg, op), row in sorted(rows.items()):
-        bw = max(row["bw"]) if row["bw"] else None
+    for (pg, op), row in rows.items():
+        bw = row["busbw"]
         table.append([
-            pg, op, row["count"], row["timed"],
-            _fmt_s(max(row["p50"])) if row["p50"] else "-", _fmt_s(max(row["p99"])) if row["p99"] else "-",
+            pg, op, row["count"], row["timed"], _fmt_s(row["p50"]), _fmt_s(row["p99"]),
             f"{bw / 1e9:.2f} GB/s" if bw else "-",
         ])  # fmt: skip
     return [
-        "collectives (all ranks; p50/p99 are histogram bucket bounds, worst rank):",
+        f"collectives (all ranks; {COLLECTIVE_PERCENTILE_SOURCE}):",
         *_table(["pg", "op", "count", "timed", "p50", "p99", "busbw"], table),
     ]
 

@@ -1,8 +1,8 @@
 """Generate the Kubernetes objects that repeat files of the repository, so each has one source.
 
-- ``prometheusrule.yaml``: a prometheus-operator PrometheusRule holding every group of
+- ``monitoring/prometheusrule.yaml``: a prometheus-operator PrometheusRule holding every group of
   ``deploy/prometheus/rules/*.yml`` (the files promtool tests);
-- ``grafana-dashboards.yaml``: a ConfigMap labelled ``grafana_dashboard: "1"`` holding
+- ``monitoring/grafana-dashboards.yaml``: a ConfigMap labelled ``grafana_dashboard: "1"`` holding
   ``dashboards/*.json`` for the Grafana sidecar.
 
     python deploy/k8s/generate.py           # rewrite both files
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "--check", action="store_true", help="exit 1 if a committed file differs from its sources"
     )
     args = ap.parse_args(argv)
-    return sync_generated({HERE / name: text for name, text in render().items()}, args.check, "python deploy/k8s/generate.py")
+    return sync_generated({HERE / "monitoring" / name: text for name, text in render().items()}, args.check, "python deploy/k8s/generate.py")
 
 if __name__ == "__main__":
     sys.exit(main())

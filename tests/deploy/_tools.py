@@ -44,8 +44,9 @@ def recording_names() -> set[str]:
 
 
 def allowed_names() -> set[str]:
-    """Catalogued metrics (histograms with their series suffixes), recording rules, and ``up``."""
-    names = {"up"} | recording_names()
+    """Catalogued metrics (histograms with their series suffixes), recording rules, ``up``, and the
+    kube-state-metrics series the batch-friendly HparAgentDown joins on Kubernetes."""
+    names = {"up", "kube_job_status_active"} | recording_names()
     for m in catalogue.METRICS:
         names.add(m.name)
         if m.type == "histogram":

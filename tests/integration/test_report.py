@@ -3,6 +3,7 @@ draw in headless Chromium, with every text from the files escaped and evidence l
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -32,6 +33,7 @@ T0 = 1_700_000_000 * 1_000_000_000
 RANKS = 4  # dp1 x tp2 x pp2: ranks 0,1 are stage 0, ranks 2,3 stage 1
 STEPS = 6
 HOSTILE = "<script>alert('x')</script>"  # free text a graph break could carry
+GUARD = "0/0: L['x'].size()[0] == 8  # x.view(-1)  # model.py:41 in forward"
 
 
 def step_ms(rank: int, step: int) -> int:
@@ -63,9 +65,17 @@ def _tracing(run_dir: Path, rank: int) -> Tracing:
 def _step_record(rank: int, step: int) -> StepRecord:
     start = T0 + step * 2000 * MS
     dur = step_ms(rank, step)
+    # GPipe on 2 stages: stage 1's forwards start after stage 0's, its backwards come first; the gaps
+    # (stage 0 waiting for stage 1's backward, stage 1 waiting for stage 0's forward) are the bubble.
+    lag = 10 * _stage(rank)
     kids = [
-        SpanRecord(cat.SPAN_PP_FORWARD, start + (5 + 20 * mb) * MS, start + (15 + 20 * mb) * MS, step,
+        SpanRecord(cat.SPAN_PP_FORWARD, start + (5 + lag + 10 * mb) * MS, start + (14 + lag + 10 * mb) * MS, step,
                    {cat.ATTR_MICROBATCH: mb, cat.ATTR_STREAM: "cpu"})
+        for mb in range(2)
+    ]
+    kids += [
+        SpanRecord(cat.SPAN_PP_BACKWARD, start + (60 - lag + 12 * (1 - mb)) * MS, start + (71 - lag + 12 * (1 - mb)) * MS,
+                   step, {cat.ATTR_MICROBATCH: mb, cat.ATTR_STREAM: "cpu"})
         for mb in range(2)
     ]  # fmt: skip
     ar = start + 50 * MS
@@ -94,7 +104,10 @@ def _summary(rank: int, run_dir: Path) -> dict:
             "steps": {"steps": STEPS, "tokens": 0, "step_seconds_p50": step_ms(rank, 2) / 1e3,
                       "step_seconds_max": max(step_ms(rank, s) for s in range(STEPS)) / 1e3},
             "pipeline": {"bubble_ratio": 0.25 + 0.05 * _stage(rank)},
-            "collectives": {"ops": {"tp/all_reduce": 6 * STEPS}, "timed": 0},
+            # the agent's histogram percentiles (bucket bounds): 10 ms, not the spans' 2-4 ms samples
+            "collectives": {"ops": {"tp/all_reduce": 6 * STEPS}, "timed": 6 * STEPS, "table": [
+                {"pg": "tp", "op": "all_reduce", "count": 6 * STEPS, "bytes": 4096 * 6 * STEPS, "timed": 6 * STEPS,
+                 "p50_s": 0.01 if rank != 3 else 0.025, "p99_s": 0.05, "busbw_bytes_per_s": 2.5e9}]},
             "memory": {"rss_bytes": (900 + 100 * rank) * 2**20, "post_step_last": {"rss": (890 + 100 * rank) * 2**20},
                        "allocator": {}},
             "nvml": {"up": False, "process_bytes": None},
@@ -116,7 +129,9 @@ def make_run(run_dir: Path) -> Path:
         log.emit("compile", compile_id="0/0", function="Block.forward model.py:40", outcome="ok", seconds=4.2)
         if rank in (0, 2):
             log.emit("graph_break", reason="gb0170", user_frame="model.py:57", text=f"print() {HOSTILE}")
-            log.emit("recompile", compile_id="0/1", reason="size", guard="L['x'].size()[0] == 8")
+            # as the compile collector writes it: the first guard in guard, failed_guards and message
+            log.emit("recompile", compile_id="0/1", function="forward /src/pkg/model.py:40", reason="size", guard=GUARD,
+                     failed_guards=[GUARD], message=f"Recompiling function forward:\n  triggered by:\n  - {GUARD}")
         if rank == 2:
             log.emit("alert", alert="MemoryLeak", state="firing", value=4.5e7, threshold=2**20, step=4,
                      details={"source": "rss", "slope_bytes_per_step": 8 * 2**20}, evidence=[str(stack)])  # fmt: skip
@@ -188,7 +203,7 @@ def test_page_is_offline_escaped_and_links_evidence(run_dir: Path, tmp_path: Pat
     out = report.build_report(run_dir)
     assert out == run_dir / "report.html"
     page = out.read_text()
-    assert 'data-plots-expected="6"' in page.replace("'", '"')
+    assert 'data-plots-expected="8"' in page.replace("'", '"')
     tags = _tags(page)
     assert not [a for t, a in tags if "src" in a or ("href" in a and t == "link")]  # nothing to fetch
     assert [t for t, _ in tags].count("script") == 3  # plotly.js inline, the figures, the drawing code
@@ -199,6 +214,87 @@ def test_page_is_offline_escaped_and_links_evidence(run_dir: Path, tmp_path: Pat
     # written elsewhere, the link still reaches the file relative to the page
     other = report.build_report(run_dir, tmp_path / "pages" / "r.html")
     assert '<a href="../run/evidence/MemoryLeak-rank2-pyspy.txt">' in other.read_text()
+
+
+def test_pipeline_timeline_shows_each_microbatch_and_the_bubble(run_dir: Path) -> None:
+    run = report.load_run(run_dir)
+    found = report.pipeline_step(run)
+    assert found is not None
+    step, spans = found
+    assert step == STEPS - 1 and {s.rank for s in spans} == set(range(RANKS))  # latest step on every rank
+    fig = report.fig_pipeline(run)
+    by_name = {t.name: t for t in fig.data}
+    assert set(by_name) == {cat.SPAN_PP_FORWARD, cat.SPAN_PP_BACKWARD}
+    fwd, bwd = by_name[cat.SPAN_PP_FORWARD], by_name[cat.SPAN_PP_BACKWARD]
+    assert list(fwd.text).count("F0") == RANKS and list(bwd.text).count("B1") == RANKS
+    assert list(fwd.y).count("stage 1 · rank 3") == 2
+    # stage 1 starts its first forward 10 ms after stage 0 (time from the step's first chunk)
+    starts = {(y, t): b for y, t, b in zip(fwd.y, fwd.text, fwd.base, strict=True)}
+    assert starts[("stage 0 · rank 0", "F0")] == pytest.approx(0.0)
+    assert starts[("stage 1 · rank 2", "F0")] == pytest.approx(10.0)
+    # the bubble: on every rank the bars cover less than the span from first to last chunk
+    for rank in range(RANKS):
+        mine = [s for s in spans if s.rank == rank]
+        busy = sum(s.end_ns - s.start_ns for s in mine)
+        assert busy < max(s.end_ns for s in mine) - min(s.start_ns for s in mine)
+
+
+def test_collective_percentiles_are_the_terminal_summarys(run_dir: Path) -> None:
+    """One source of truth: the report's p50/p99 are the agent's histogram figures that the terminal
+    summary prints, not percentiles of the traced spans (2-4 ms here)."""
+    from hpar_agent.summary import _render_collectives, load_rank_summaries
+
+    terminal = "\n".join(_render_collectives("collectives", load_rank_summaries(run_dir)))
+    row = next(ln.split() for ln in terminal.splitlines() if "all_reduce" in ln)
+    assert row[4:8] == ["25.0", "ms", "50.0", "ms"]  # worst rank's p50 and p99
+    run = report.load_run(run_dir)
+    rows = report.collective_rows([{"rank": r, **s} for r, s in run.summaries.items()])
+    table = report.collectives_table(run, report.collective_samples(run), rows)
+    cells = re.findall(r"<td>([^<]*)</td>", table)
+    i = cells.index("all_reduce")
+    assert cells[i + 4 : i + 6] == ["25.0 ms", "50.0 ms"]
+    assert cells[i + 6] == "2.50x" and cells[i + 7] == "2.50 GB/s"  # p50 skew across ranks, bus bandwidth
+    assert cells[i + 3] == "576.0 KiB"  # 4 KiB x 36 ops x 4 ranks
+    assert report.COLLECTIVE_PERCENTILE_SOURCE in terminal and html.escape(report.COLLECTIVE_PERCENTILE_SOURCE) in table
+    skew = report.fig_collective_ranks(rows)
+    assert [round(v, 3) for v in skew.data[0].y] == [10.0, 10.0, 10.0, 25.0]
+
+
+def test_recompile_rows_show_the_guard_once_shortened(run_dir: Path) -> None:
+    run = report.load_run(run_dir)
+    table = report.compile_table(run)
+    guard = "L[&#x27;x&#x27;].size()[0] == 8"
+    assert table.count(guard) == 2  # one row per recompile (ranks 0 and 2), the guard once in each
+    assert "forward model.py:40 · size: " + guard in table
+    assert "Recompiling function" not in table and "failed_guards" not in table and "0/0:" not in table
+    assert "/src/pkg" not in table  # the function by file name, not the install path
+    assert report.short_guard("x" * 500).endswith("…") and len(report.short_guard("x" * 500)) == report.GUARD_CHARS
+
+
+def test_compile_events_sit_on_the_step_axis(run_dir: Path) -> None:
+    """Events carry wall time only; placed between the traced steps of their rank (2 s apart here)."""
+    run = report.load_run(run_dir)
+    fig = report.fig_compile(run)
+    assert fig.layout.xaxis.title.text.startswith("step")
+    xs = [x for t in fig.data for x in t.x]
+    assert xs and all(0 <= x <= STEPS for x in xs)
+    anchors = report._step_anchors(run)
+    t0 = T0 / 1e9
+    assert report.event_step({"rank": 0, "ts": t0 + 2.0}, anchors) == pytest.approx(1.0)  # step 1 starts
+    assert report.event_step({"rank": 0, "ts": t0 + 2.05}, anchors) == pytest.approx(1.5)  # mid step 1 (100 ms)
+    assert report.event_step({"rank": 0, "ts": t0 + 3.0}, anchors) == pytest.approx(2.0)  # between steps 1 and 2
+    assert report.event_step({"rank": 0, "ts": t0 - 5}, anchors) == 0.0
+    assert report.event_step({"rank": 0, "ts": t0, "step": 4}, anchors) == 4.0
+
+
+def test_own_script_run_gets_a_useful_page(run_dir: Path) -> None:
+    """A user's script writes no trainer files: no empty loss section, a line saying what is shown."""
+    for p in [run_dir / "trainer.json", *run_dir.glob("trainer.rank*.json")]:
+        p.unlink()
+    page = report.build_report(run_dir).read_text()
+    assert "no losses" not in page and "<h2>Loss</h2>" not in page
+    assert "A run of your own script" in page
+    assert "<h2>Pipeline</h2>" in page and "<h2>Collectives</h2>" in page
 
 
 def test_empty_run_dir_still_renders(tmp_path: Path) -> None:
@@ -247,8 +343,8 @@ def test_every_plot_draws_in_chromium(run_dir: Path, tmp_path: Path) -> None:
     body = re.search(r"<body[^>]*>", res.stdout)
     assert body, res.stdout[:500]
     attrs = dict(re.findall(r'data-([\w-]+)="([^"]*)"', body.group(0)))
-    assert attrs.get("plots-expected") == "6"
-    assert attrs.get("plots-drawn") == "6", (attrs, res.stderr[-2000:])
+    assert attrs.get("plots-expected") == "8"
+    assert attrs.get("plots-drawn") == "8", (attrs, res.stderr[-2000:])
     assert "errors" not in attrs, attrs
     console = [ln for ln in res.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
     assert not console, console

@@ -88,7 +88,7 @@ def test_export_compose_keeps_the_layout_its_mounts_expect(tmp_path):
     compose = tmp_path / "deploy/compose/compose.yaml"
     assert filecmp.cmp(compose, REPO / "deploy/compose/compose.yaml", shallow=False)
     for mount in ("../prometheus/prometheus.yml", "../prometheus/rules", "../alertmanager/alertmanager.yml",
-                  "./grafana/provisioning", "../../dashboards"):
+                  "./grafana/provisioning", "../../dashboards", "./alert_webhook.py"):
         assert mount in compose.read_text() and (compose.parent / mount).exists(), mount
     assert (tmp_path / "dashboards/overview.json").exists()
 
@@ -107,6 +107,7 @@ def test_wheel_ships_assets_and_license(tmp_path):
     want = {f"hpar_agent/assets/dashboards/{p.name}" for p in (REPO / "dashboards").glob("*.json")}
     want |= {f"hpar_agent/assets/deploy/prometheus/rules/{p.name}" for p in (REPO / "deploy/prometheus/rules").glob("*.yml")}
     want |= {"hpar_agent/assets/deploy/compose/compose.yaml", "hpar_agent/assets/deploy/alertmanager/alertmanager.yml",
+             "hpar_agent/assets/deploy/compose/alert_webhook.py",
              "hpar_agent/__main__.py", "hpar_agent/_version.py"}
     assert want <= names, sorted(want - names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
