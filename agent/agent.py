@@ -6,6 +6,7 @@ import atexit
 import dataclasses
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -77,6 +78,8 @@ class Agent:
         self._signals: SignalFlush | None = None
         self.tracing: Any = None
         self.started = False
+        self.flops_per_token: float | None = None  # agent.report_flops: the MFU inputs
+        self.peak_flops: float | None = None
 
     # ------------------------------------------------------------------------------------ lifecycle
     def start(self) -> Agent:
@@ -224,6 +227,19 @@ class Agent:
         steps = self.component("steps")
         if steps is not None:
             steps.tokens_pending += tokens  # type: ignore[attr-defined]
+
+    def report_flops(self, per_token: float | None = None, peak: float | None = None) -> None:
+        """Model FLOPs this rank performs per token it reports, and its accelerator's peak FLOP/s: the
+        two gauges an MFU panel divides by (the agent cannot know either; None leaves a value as is,
+        a non-finite or negative one is ignored)."""
+        for attr, value in (("flops_per_token", per_token), ("peak_flops", peak)):
+            if value is not None:
+                try:
+                    v = float(value)
+                except (TypeError, ValueError):
+                    continue
+                if math.isfinite(v) and v >= 0:
+                    setattr(self, attr, v)
 
     def watch_pipeline(self, stages: Iterable[Any] = (), schedule: Any = None) -> None:
         """Time every forward/backward chunk of these PipelineStages, or of the schedule's stages."""
@@ -380,7 +396,16 @@ class Agent:
         topo = self.topology
         info = topo.info_labels()
         info["agent_version"] = __version__
+        nvml = self.component("nvml")
+        info["gpu_index"] = str(getattr(nvml, "gpu_index", "") or "")
+        info["gpu_uuid"] = str(getattr(nvml, "gpu_uuid", "") or "")
         yield f.info("hpar_rank_info", info)
+        for name, value in (("hpar_model_flops_per_token", self.flops_per_token),
+                            ("hpar_peak_flops", self.peak_flops)):  # fmt: skip
+            if value is not None:
+                g = f.gauge(name)
+                f.add(g, [], value)
+                yield g
         errors = f.counter("hpar_agent_errors_total")
         up = f.gauge("hpar_agent_component_up")
         took = f.gauge("hpar_agent_collect_duration_seconds")

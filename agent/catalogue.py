@@ -57,6 +57,8 @@ INFO_LABELS: tuple[str, ...] = (
     "device",
     "torch_version",
     "agent_version",
+    "gpu_index",  # NVML index of this rank's GPU (empty on CPU)
+    "gpu_uuid",  # NVML UUID (GPU-...): joins with dcgm-exporter's UUID label (empty on CPU)
 )
 
 
@@ -117,6 +119,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_steps_total", "counter", "Training steps completed on this rank."),
     _m("hpar_last_step_timestamp_seconds", "gauge", "Unix time at which the last step completed.", unit="seconds"),
     _m("hpar_tokens_total", "counter", "Tokens processed, as reported by the training loop."),
+    _m("hpar_model_flops_per_token", "gauge", "Model FLOPs this rank performs per token of hpar_tokens_total, as the trainer reports it (agent.report_flops); absent until reported."),
+    _m("hpar_peak_flops", "gauge", "Peak FLOP/s of this rank's accelerator for the training dtype, as the trainer reports it (agent.report_flops); absent until reported."),
     _m("hpar_step_phase_duration_seconds", "histogram", "Time of one phase of a step on this rank (data_wait, forward, backward, optimizer, comm_exposed); CPU wall clock.", PHASE, unit="seconds"),
     _m("hpar_step_phase_ratio", "gauge", "Share of step time spent in the phase over the recent steps (after warm-up).", PHASE, unit="ratio"),
     _m("hpar_step_bottleneck", "gauge", "1 for this rank's current bottleneck verdict (input-bound, compute-bound, communication-bound, slow-rank), 0 for the others.", VERDICT),

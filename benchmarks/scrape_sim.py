@@ -5,7 +5,7 @@ replaying real scrapes of the agent (the OpenMetrics text ``benchmarks/series_co
 keeps, as Prometheus negotiates it): simulated rank i replays recorded rank ``i % len(scrapes)`` with its
 ``rank`` label rewritten to i (``pp_stage`` stays the recorded rank's stage). Values move every scrape
 interval: counters and histogram buckets/sums/counts grow by the same factor (so buckets stay
-cumulative), gauges jitter by +-1 % and timestamps advance.
+cumulative), gauges jitter by +-1 % (0/1 state flags stay as recorded) and timestamps advance.
 
 Then, for each (targets, interval) case, a real Prometheus (the Debian 2.42 binary) scrapes them with
 ``deploy/prometheus/rules/*.yml`` loaded (evaluation interval = scrape interval) for ``--duration``
@@ -99,6 +99,8 @@ class Template:
                 kind = "counter"
             elif family_type == "gauge" and name.endswith("_timestamp_seconds"):
                 kind = "timestamp"
+            elif family_type == "gauge" and float(value) in (0.0, 1.0):
+                kind = "static"  # a state flag (alert active, verdict, component up): stays 0 or 1
             elif family_type == "gauge":
                 kind = "gauge"
             else:

@@ -9,7 +9,13 @@ rename breaks ``--check`` and the tests rather than a panel in production.
 
 Every query filters on the ``$job``, ``$rank`` and ``$pp_stage`` variables (and ``$pg`` on the
 collectives dashboard); cross-rank aggregates read the recording rules of
-``deploy/prometheus/rules/hpar-recording.yml``. Latency panels ask for exemplars, whose ``trace_id``
+``deploy/prometheus/rules/hpar-recording.yml``.
+
+Built for 1,024 ranks: no panel draws every rank. Per-rank time series show the worst (or best)
+``$topn`` ranks over the visible time range (:func:`worst`); the whole job is seen in rank x time
+heatmaps and in tables (one row per rank at most). Per-rank queries join ``job_id`` from
+``hpar_rank_info`` (the run's id, ``$job_id``), which is not Prometheus's scrape ``job``. Alerts and
+compiles are annotations. Latency panels ask for exemplars, whose ``trace_id``
 label the provisioned Prometheus datasource links to Jaeger. Panels whose description ends with
 :data:`GPU_MARK` only have data on CUDA ranks (NVML and the caching allocator).
 """
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grafana_foundation_sdk.builders import dashboard as gd
+from grafana_foundation_sdk.builders import heatmap as ghm
 from grafana_foundation_sdk.builders import prometheus as gp
 from grafana_foundation_sdk.builders import stat as gstat
 from grafana_foundation_sdk.builders import table as gtable
@@ -31,6 +38,8 @@ from grafana_foundation_sdk.builders import timeseries as gts
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as dc
 from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import heatmap as hm
+from grafana_foundation_sdk.models import prometheus as pm
 
 from hpar_agent.docs import sync_generated
 
@@ -41,6 +50,28 @@ SEL = 'job=~"$job",rank=~"$rank",pp_stage=~"$pp_stage"'
 SELPG = SEL + ',pg=~"$pg"'
 RI = "$__rate_interval"
 TAGS = ["hpar"]
+#: This run's ranks: hpar_rank_info of the selected scrape job(s) and run id(s).
+RANK_INFO = 'hpar_rank_info{job=~"$job",job_id=~"$job_id",rank=~"$rank"}'
+#: Choices of the ``$topn`` variable: how many ranks a worst-N / best-N panel draws.
+TOPN = (5, 10, 20, 50)
+TOPN_DEFAULT = 10
+
+
+def with_job_id(expr: str) -> str:
+    """``expr`` (series that keep ``job``, ``instance`` and ``rank``) restricted to ``$job_id``, with
+    the ``job_id`` label joined from ``hpar_rank_info`` (one info series per target, so the join is
+    one-to-one even when several runs share a scrape job)."""
+    return f"({expr}) * on (job, instance, rank) group_left (job_id) {RANK_INFO}"
+
+
+def worst(expr: str, best: bool = False, join: bool = True) -> str:
+    """The ``$topn`` series of ``expr`` with the highest (``best``: lowest) peak over the dashboard's
+    time range. The set is chosen once, at the range's end (``@ end()``), so a range query draws at
+    most ``$topn`` series; a bare ``topk`` would pick new ranks at every step. ``join``: restrict to
+    ``$job_id`` (needs ``job``, ``instance`` and ``rank``; recording rules keep no ``instance``)."""
+    e = with_job_id(expr) if join else expr
+    fn, over = ("bottomk", "min_over_time") if best else ("topk", "max_over_time")
+    return f"{e} and {fn}($topn, {over}(({e})[$__range:$__interval] @ end()))"
 
 
 @dataclass
@@ -51,6 +82,39 @@ class Q:
     legend: str = ""
     exemplar: bool = False
     instant: bool = False
+    table: bool = False  # Prometheus "table" format: one row per series, labels as columns
+
+
+@dataclass
+class Annotation:
+    """A Prometheus annotation: a marker wherever ``expr`` has a sample (titled per series)."""
+
+    name: str
+    expr: str
+    title: str
+    tags: str
+    color: str
+
+
+#: Alert and compile markers, on every dashboard.
+ANNOTATIONS = [
+    Annotation(
+        "Alerts raised",
+        f"sum by (job_id, alert) (changes(hpar_alerts_total{{{SEL}}}[{RI}]) * on (job, instance, rank) "
+        f"group_left (job_id) {RANK_INFO}) > 0",
+        "{{alert}}",
+        "alert,job_id",
+        "red",
+    ),
+    Annotation(
+        "Compiles",
+        f"sum by (job_id, trigger) (changes(hpar_dynamo_compiles_total{{{SEL}}}[{RI}]) * on (job, instance, rank) "
+        f"group_left (job_id) {RANK_INFO}) > 0",
+        "compile ({{trigger}})",
+        "trigger,job_id",
+        "purple",
+    ),
+]
 
 
 @dataclass
@@ -61,6 +125,7 @@ class Board:
     title: str
     description: str
     pg_var: bool = False
+    annotations: list[Annotation] = field(default_factory=list)
     rows: list[tuple[str, list[object]]] = field(default_factory=list)
     _next_id: int = 1
 
@@ -80,6 +145,8 @@ def _targets(builder: object, queries: list[Q]) -> None:
         t = gp.Dataquery().expr(q.expr).ref_id(chr(ord("A") + i)).datasource(DS)
         t = t.legend_format(q.legend or "__auto")
         t = t.instant() if q.instant else t.range()
+        if q.table:
+            t = t.format(pm.PromQueryFormat.TABLE)
         if q.exemplar:
             t = t.exemplar(True)
         builder.with_target(t)  # type: ignore[attr-defined]
@@ -144,6 +211,35 @@ def stat(
     b.add(p)
 
 
+def heatmap(b: Board, title: str, desc: str, expr: str, unit: str, *, w: int = 12, gpu: bool = False) -> None:
+    """A rank x time heatmap: one row per rank (series named by rank, Grafana's buckets-from-series
+    mode), the colour the value. Every rank is drawn, as cells, so a 1,024-rank job stays readable."""
+    p = (
+        ghm.Panel()
+        .id(b.next_id())
+        .title(title)
+        .description(_describe(desc, gpu))
+        .datasource(DS)
+        .height(9)
+        .span(w)
+        .calculate(False)
+        .y_axis(ghm.YAxisConfig().axis_label("rank"))
+        .cell_values(ghm.CellValues().unit(unit))
+        .color(
+            ghm.HeatmapColorOptions()
+            .mode(hm.HeatmapColorMode.SCHEME)
+            .scheme("Oranges")
+            .fill("dark-orange")
+            .scale(hm.HeatmapColorScale.EXPONENTIAL)
+            .exponent(0.5)
+            .steps(64)
+        )
+        .max_data_points(200)
+    )
+    _targets(p, [Q(with_job_id(expr), "{{rank}}")])
+    b.add(p)
+
+
 def table(b: Board, title: str, desc: str, queries: list[Q], *, w: int = 12) -> None:
     """An instant-query table (one row per series)."""
     p = gtable.Panel().id(b.next_id()).title(title).description(desc).datasource(DS).height(8).span(w)
@@ -152,7 +248,7 @@ def table(b: Board, title: str, desc: str, queries: list[Q], *, w: int = 12) -> 
 
 
 def _variables(b: Board) -> list[object]:
-    def query_var(name: str, label: str, query: str) -> object:
+    def query_var(name: str, label: str, query: str) -> gd.QueryVariable:
         return (
             gd.QueryVariable(name)
             .label(label)
@@ -181,6 +277,19 @@ def _variables(b: Board) -> list[object]:
     )
     if b.pg_var:
         out.append(query_var("pg", "Process group", 'label_values(hpar_collectives_total{job=~"$job"}, pg)'))
+    out.append(
+        query_var("job_id", "Run (job id)", 'label_values(hpar_rank_info{job=~"$job"}, job_id)').description(
+            "The run's job_id (hpar_rank_info), not Prometheus's scrape job: several runs can share one "
+            "scrape job. Filters the per-rank panels, heatmaps and tables."
+        )
+    )
+    out.append(
+        gd.CustomVariable("topn")
+        .label("Worst / best N")
+        .description("How many ranks a worst-N (topk) or best-N (bottomk) panel draws.")
+        .values(",".join(str(n) for n in TOPN))
+        .current(dm.VariableOption(selected=True, text=str(TOPN_DEFAULT), value=str(TOPN_DEFAULT)))
+    )
     return out
 
 
@@ -206,11 +315,23 @@ def build(b: Board) -> dict[str, object]:
             .keep_time(True)
         )
     )
+    for a in ANNOTATIONS:
+        d = d.annotation(
+            gd.AnnotationQuery().name(a.name).datasource(DS).enable(True).icon_color(a.color).expr(a.expr)
+        )
     for title, panels in b.rows:
         d = d.with_row(gd.Row(title).id(b.next_id()))
         for p in panels:
             d = d.with_panel(p)  # type: ignore[arg-type]
-    return json.loads(json.dumps(d.build(), cls=JSONEncoder))
+    out = json.loads(json.dumps(d.build(), cls=JSONEncoder))
+    # Prometheus annotation fields the SDK's generic AnnotationQuery has no setters for.
+    by_name = {a.name: a for a in ANNOTATIONS}
+    for entry in out["annotations"]["list"]:
+        anno = by_name.get(entry.get("name", ""))
+        if anno is not None:
+            entry.update(titleFormat=anno.title, tagKeys=anno.tags, textFormat="", step="$__interval")
+            entry.update(useValueForTime=False, refId="Anno")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- boards
@@ -237,11 +358,15 @@ def overview() -> Board:
     )
     ts(
         b,
-        "Step time p99 by rank",
-        "Per-rank step-time p99; exemplars open the step's trace in Jaeger.",
+        "Slowest $topn ranks: step time p99",
+        "Per-rank step-time p99 of the $topn ranks with the highest peak in the time range; exemplars open "
+        "the step's trace in Jaeger. Every rank: the step-time heatmap below.",
         [
             Q(
-                f"histogram_quantile(0.99, sum by (rank, le) (rate(hpar_step_duration_seconds_bucket{{{SEL}}}[{RI}])))",
+                worst(
+                    f"histogram_quantile(0.99, sum by (job, instance, rank, le) "
+                    f"(rate(hpar_step_duration_seconds_bucket{{{SEL}}}[{RI}])))"
+                ),
                 "rank {{rank}}",
                 exemplar=True,
             )
@@ -250,38 +375,103 @@ def overview() -> Board:
     )
     ts(
         b,
-        "Throughput",
-        "Steps per second (mean over ranks) and tokens per second (sum over ranks).",
+        "Steps per second",
+        "Steps per second, mean over the scrape job's ranks (recording rule).",
+        [Q('job:hpar_steps:rate5m{job=~"$job"}', "steps/s {{job}}")],
+        "short",
+    )
+    ts(
+        b,
+        "Tokens per second",
+        "Tokens per second of each run: the sum over one rank per data-parallel replica (tp_rank, pp_rank "
+        "and cp_rank 0 in hpar_rank_info), since every rank of a replica reports the replica's tokens "
+        "(as hpar_trainer does). A loop that reports tokens on other ranks only shows nothing here.",
         [
-            Q('job:hpar_steps:rate5m{job=~"$job"}', "steps/s {{job}}"),
-            Q('job:hpar_tokens:rate5m{job=~"$job"}', "tokens/s {{job}}"),
+            Q(
+                f"sum by (job_id) (rate(hpar_tokens_total{{{SEL}}}[{RI}]) * on (job, instance, rank) "
+                f'group_left (job_id) hpar_rank_info{{job=~"$job",job_id=~"$job_id",rank=~"$rank",'
+                f'tp_rank="0",pp_rank="0",cp_rank="0"}})',
+                "tokens/s {{job_id}}",
+            )
         ],
         "short",
     )
     ts(
         b,
-        "Step time vs job median",
-        "Each rank's mean step time over the job median; Straggler fires above 1.2 for 5m.",
-        [Q(f"rank:hpar_step_duration_seconds:ratio_to_median5m{{{SEL}}}", "rank {{rank}}")],
+        "MFU (model FLOPs utilization)",
+        "Model FLOP/s over peak FLOP/s, summed over the run's ranks: rate(hpar_tokens_total) x "
+        "hpar_model_flops_per_token / hpar_peak_flops. Both gauges are what the training loop reports "
+        "(agent.report_flops; hpar_trainer: 6 x its local parameters per token, --peak-tflops); no data "
+        "until they are reported. Dense estimate: attention's sequence-length FLOPs are left out.",
+        [
+            Q(
+                f"sum by (job_id) ({with_job_id(f'rate(hpar_tokens_total{{{SEL}}}[{RI}]) * on (job, instance, rank) hpar_model_flops_per_token{{{SEL}}}')}) "
+                f"/ sum by (job_id) ({with_job_id(f'hpar_peak_flops{{{SEL}}}')})",
+                "MFU {{job_id}}",
+            )
+        ],
+        "percentunit",
+    )
+    ts(
+        b,
+        "Lowest-MFU $topn ranks",
+        "Per-rank MFU (see MFU) of the $topn ranks with the lowest minimum in the time range.",
+        [
+            Q(
+                worst(
+                    f"rate(hpar_tokens_total{{{SEL}}}[{RI}]) * on (job, instance, rank) "
+                    f"hpar_model_flops_per_token{{{SEL}}} / on (job, instance, rank) hpar_peak_flops{{{SEL}}}",
+                    best=True,
+                ),
+                "rank {{rank}}",
+            )
+        ],
+        "percentunit",
+    )
+    ts(
+        b,
+        "Step time vs job median: slowest $topn ranks",
+        "Each rank's mean step time over the job median (recording rule, scrape job wide); the $topn "
+        "highest in the time range. Straggler fires above 1.2 for 5m.",
+        [
+            Q(
+                worst(f"rank:hpar_step_duration_seconds:ratio_to_median5m{{{SEL}}}", join=False),
+                "rank {{rank}}",
+            )
+        ],
         "short",
+    )
+    heatmap(
+        b,
+        "Step time by rank (heatmap)",
+        "Mean step time of every rank (rows) over time: a slow rank is a dark row, a slow step a dark "
+        "column.",
+        f"sum by (job, instance, rank) (rate(hpar_step_duration_seconds_sum{{{SEL}}}[{RI}])) / "
+        f"sum by (job, instance, rank) (rate(hpar_step_duration_seconds_count{{{SEL}}}[{RI}]))",
+        "s",
+        w=24,
     )
     ts(
         b,
         "Where the step time goes",
-        "Share of each rank's step time by phase (data_wait, forward, backward, optimizer; recording rule, "
-        "5m window). CPU wall clock: on CUDA, CPU-side launch times.",
-        [Q(f"rank_phase:hpar_step_phase_duration_seconds:ratio5m{{{SEL}}}", "rank {{rank}} {{phase}}")],
+        "Share of step time by phase (data_wait, forward, backward, optimizer; recording rule, 5m window), "
+        "mean over ranks. CPU wall clock: on CUDA, CPU-side launch times.",
+        [Q(f"avg by (phase) (rank_phase:hpar_step_phase_duration_seconds:ratio5m{{{SEL}}})", "{{phase}}")],
         "percentunit",
         max_val=1,
     )
     ts(
         b,
-        "Input-bound for 10 minutes",
-        "1 on a rank whose bottleneck verdict has been input-bound for the whole last 10 minutes "
-        "(InputBound fires); the table next to it gives every rank's current verdict.",
-        [Q(f'min_over_time(hpar_step_bottleneck{{{SEL},verdict="input-bound"}}[10m])', "rank {{rank}}")],
+        "Ranks input-bound for 10 minutes",
+        "Number of ranks whose bottleneck verdict has been input-bound for the whole last 10 minutes "
+        "(InputBound fires on each); the table next to it gives every rank's current verdict.",
+        [
+            Q(
+                f'sum(min_over_time(hpar_step_bottleneck{{{SEL},verdict="input-bound"}}[10m]))',
+                "ranks",
+            )
+        ],
         "short",
-        max_val=1,
     )
     table(
         b,
@@ -305,9 +495,10 @@ def overview() -> Board:
     )
     ts(
         b,
-        "Detector signals",
-        "The value each detector compares with its threshold (units per detector).",
-        [Q(f"hpar_detector_value{{{SEL}}}", "{{alert}} rank {{rank}}")],
+        "Detector signals (worst rank)",
+        "Per detector, the highest value over ranks of what it compares with its threshold (units per "
+        "detector).",
+        [Q(f"max by (alert) (hpar_detector_value{{{SEL}}})", "{{alert}}")],
         "short",
     )
     ts(
@@ -320,12 +511,12 @@ def overview() -> Board:
     b.row("Rank health")
     stat(
         b,
-        "Scrape targets up",
-        "1 when Prometheus reaches the rank's /metrics endpoint.",
-        [Q('up{job=~"$job"}', "{{instance}}")],
+        "Scrape targets down",
+        "Targets of the scrape job Prometheus cannot reach (up == 0); their ranks are in the table below.",
+        [Q('count(up{job=~"$job"} == 0) or vector(0)', "down")],
         "short",
         w=8,
-        thresholds=[(None, "red"), (1, "green")],
+        thresholds=[(None, "green"), (1, "red")],
     )
     stat(
         b,
@@ -338,9 +529,9 @@ def overview() -> Board:
     )
     stat(
         b,
-        "Seconds since last step",
-        "Age of the newest completed step per rank; Hang fires above 300 s.",
-        [Q(f"time() - hpar_last_step_timestamp_seconds{{{SEL}}}", "rank {{rank}}")],
+        "Seconds since last step (oldest rank)",
+        "Age of the newest completed step on the rank that stepped least recently; Hang fires above 300 s.",
+        [Q(f"max(time() - hpar_last_step_timestamp_seconds{{{SEL}}})", "oldest")],
         "s",
         w=8,
         thresholds=[(None, "green"), (60, "orange"), (300, "red")],
@@ -351,8 +542,8 @@ def overview() -> Board:
         "Exceptions caught inside agent components (training unaffected).",
         [
             Q(
-                f"sum by (rank, component) (rate(hpar_agent_errors_total{{{SEL}}}[{RI}]))",
-                "rank {{rank}} {{component}}",
+                f"sum by (component) (rate(hpar_agent_errors_total{{{SEL}}}[{RI}]))",
+                "{{component}}",
             )
         ],
         "short",
@@ -361,13 +552,10 @@ def overview() -> Board:
     ts(
         b,
         "Dropped hook events and spans",
-        "Events dropped by full buffers, spans dropped by the span queue.",
+        "Events dropped by full buffers, spans dropped by the span queue (all ranks).",
         [
-            Q(
-                f"sum by (rank, buffer) (rate(hpar_agent_buffer_dropped_total{{{SEL}}}[{RI}]))",
-                "rank {{rank}} {{buffer}}",
-            ),
-            Q(f"sum by (rank) (rate(hpar_agent_spans_dropped_total{{{SEL}}}[{RI}]))", "rank {{rank}} spans"),
+            Q(f"sum by (buffer) (rate(hpar_agent_buffer_dropped_total{{{SEL}}}[{RI}]))", "{{buffer}}"),
+            Q(f"sum(rate(hpar_agent_spans_dropped_total{{{SEL}}}[{RI}]))", "spans"),
         ],
         "short",
         w=8,
@@ -379,6 +567,23 @@ def overview() -> Board:
         [Q(f"max by (component) (hpar_agent_collect_duration_seconds{{{SEL}}})", "{{component}}")],
         "s",
         w=8,
+    )
+    table(
+        b,
+        "Ranks: host and GPU",
+        "One row per rank from hpar_rank_info: run, host, local rank, NVML GPU index and UUID (empty on "
+        "CPU), and whether Prometheus reaches it. Join with dcgm-exporter on the GPU UUID, e.g. "
+        'DCGM_FI_DEV_GPU_UTIL * on (UUID) group_left (rank, job_id) label_replace(hpar_rank_info, "UUID", '
+        '"$1", "gpu_uuid", "(.+)").',
+        [
+            Q(
+                f"max by (job_id, rank, pp_stage, host, local_rank, gpu_index, gpu_uuid, instance) ({RANK_INFO})"
+                ' * on (instance) group_left () max by (instance) (up{job=~"$job"})',
+                instant=True,
+                table=True,
+            )
+        ],
+        w=24,
     )
     return b
 
@@ -407,26 +612,43 @@ def collectives() -> Board:
     )
     ts(
         b,
-        "p99 latency by rank",
-        "Per-rank p99; exemplars open the step's trace in Jaeger.",
+        "Slowest $topn: p99 latency by rank",
+        "Per-rank p99 of the $topn (rank, pg, op) series with the highest peak in the time range; exemplars "
+        "open the step's trace in Jaeger. Every rank: the latency heatmap below.",
         [
             Q(
-                f"histogram_quantile(0.99, sum by (rank, pg, op, le) (rate(hpar_collective_duration_seconds_bucket{{{SELPG}}}[{RI}])))",
+                worst(
+                    "histogram_quantile(0.99, sum by (job, instance, rank, pg, op, le) "
+                    f"(rate(hpar_collective_duration_seconds_bucket{{{SELPG}}}[{RI}])))"
+                ),
                 "rank {{rank}} {{pg}} {{op}}",
                 exemplar=True,
             )
         ],
         "s",
-        w=24,
+        w=12,
+    )
+    heatmap(
+        b,
+        "Collective latency by rank (heatmap)",
+        "Mean latency of every rank's timed collectives in $pg (rows: ranks) over time. In a group the rank "
+        "that arrives last waits least: a light row among dark ones is the late rank.",
+        f"sum by (job, instance, rank) (rate(hpar_collective_duration_seconds_sum{{{SELPG}}}[{RI}])) / "
+        f"sum by (job, instance, rank) (rate(hpar_collective_duration_seconds_count{{{SELPG}}}[{RI}]))",
+        "s",
     )
     b.row("Throughput")
     ts(
         b,
-        "Bus bandwidth",
-        "Bus bandwidth of the last timed op (nccl-tests factors).",
+        "Lowest $topn: bus bandwidth by rank",
+        "Bus bandwidth of the last timed op (nccl-tests factors) of the $topn (rank, pg, op) series with the "
+        "lowest minimum in the time range.",
         [
             Q(
-                f"max by (rank, pg, op) (hpar_collective_busbw_bytes_per_second{{{SELPG}}})",
+                worst(
+                    f"max by (job, instance, rank, pg, op) (hpar_collective_busbw_bytes_per_second{{{SELPG}}})",
+                    best=True,
+                ),
                 "rank {{rank}} {{pg}} {{op}}",
             )
         ],
@@ -450,12 +672,7 @@ def collectives() -> Board:
         b,
         "Unobserved flight-recorder entries",
         "Entries overwritten before the agent read them.",
-        [
-            Q(
-                f"sum by (rank, pg) (rate(hpar_collective_unobserved_total{{{SELPG}}}[{RI}]))",
-                "rank {{rank}} {{pg}}",
-            )
-        ],
+        [Q(f"sum by (pg) (rate(hpar_collective_unobserved_total{{{SELPG}}}[{RI}]))", "{{pg}}")],
         "short",
     )
     b.row("FSDP (sharded data parallel)")
@@ -471,10 +688,14 @@ def collectives() -> Board:
     ts(
         b,
         "FSDP all-gather / reduce-scatter p99 latency by rank",
-        "Per-rank p99 of FSDP's collectives; empty where the backend gives no durations (gloo).",
+        "Per-rank p99 of FSDP's collectives, the slowest $topn; empty where the backend gives no durations "
+        "(gloo).",
         [
             Q(
-                f"histogram_quantile(0.99, sum by (rank, pg, op, le) (rate(hpar_collective_duration_seconds_bucket{{{fsdp}}}[{RI}])))",
+                worst(
+                    "histogram_quantile(0.99, sum by (job, instance, rank, pg, op, le) "
+                    f"(rate(hpar_collective_duration_seconds_bucket{{{fsdp}}}[{RI}])))"
+                ),
                 "rank {{rank}} {{pg}} {{op}}",
                 exemplar=True,
             )
@@ -484,33 +705,40 @@ def collectives() -> Board:
     b.row("In flight and skew")
     ts(
         b,
-        "Ops in flight",
-        "Ops enqueued but not completed per rank and group.",
-        [Q(f"hpar_collective_inflight{{{SELPG}}}", "rank {{rank}} {{pg}}")],
+        "Ops in flight: highest $topn",
+        "Ops enqueued but not completed per rank and group; the $topn highest.",
+        [Q(worst(f"hpar_collective_inflight{{{SELPG}}}"), "rank {{rank}} {{pg}}")],
         "short",
         w=8,
     )
     ts(
         b,
-        "Oldest in-flight age",
-        "Age of the oldest incomplete op; Hang fires above 120 s.",
-        [Q(f"hpar_collective_oldest_inflight_age_seconds{{{SELPG}}}", "rank {{rank}} {{pg}}")],
+        "Oldest in-flight age: highest $topn",
+        "Age of the oldest incomplete op, the $topn oldest; Hang fires above 120 s.",
+        [Q(worst(f"hpar_collective_oldest_inflight_age_seconds{{{SELPG}}}"), "rank {{rank}} {{pg}}")],
         "s",
         w=8,
     )
     ts(
         b,
-        "Last completed seq",
-        "The rank lagging behind its group is the one the others wait for.",
-        [Q(f"hpar_collective_last_completed_seq{{{SELPG}}}", "rank {{rank}} {{pg}}")],
+        "Last completed seq: lowest $topn",
+        "The rank lagging behind its group is the one the others wait for: the $topn lowest.",
+        [Q(worst(f"hpar_collective_last_completed_seq{{{SELPG}}}", best=True), "rank {{rank}} {{pg}}")],
         "short",
         w=8,
     )
     ts(
         b,
-        "Mean latency by rank",
-        "The rank with the lowest mean waited least: it arrived last.",
-        [Q(f"rank_pg_op:hpar_collective_duration_seconds:mean5m{{{SELPG}}}", "rank {{rank}} {{pg}} {{op}}")],
+        "Mean latency by rank: lowest $topn",
+        "The rank with the lowest mean waited least: it arrived last. The $topn lowest (recording rule).",
+        [
+            Q(
+                worst(
+                    f"rank_pg_op:hpar_collective_duration_seconds:mean5m{{{SELPG}}}", best=True, join=False
+                ),
+                "rank {{rank}} {{pg}} {{op}}",
+            )
+        ],
         "s",
     )
     ts(
@@ -556,11 +784,14 @@ def compile_board() -> Board:
     )
     ts(
         b,
-        "Recompiles and graph breaks per rank",
-        "Per-second rates over 5m (recording rules).",
+        "Recompiles and graph breaks: highest $topn ranks",
+        "Per-second rates over 5m (recording rules), the $topn ranks with the highest peak of each.",
         [
-            Q(f"rank:hpar_dynamo_recompiles:rate5m{{{SEL}}}", "recompiles rank {{rank}}"),
-            Q(f"rank:hpar_dynamo_graph_breaks:rate5m{{{SEL}}}", "graph breaks rank {{rank}}"),
+            Q(worst(f"rank:hpar_dynamo_recompiles:rate5m{{{SEL}}}", join=False), "recompiles rank {{rank}}"),
+            Q(
+                worst(f"rank:hpar_dynamo_graph_breaks:rate5m{{{SEL}}}", join=False),
+                "graph breaks rank {{rank}}",
+            ),
         ],
         "short",
     )
@@ -568,8 +799,13 @@ def compile_board() -> Board:
     ts(
         b,
         "Compile-cache hit ratio",
-        "AOTAutograd / Inductor FX graph cache hits over lookups (recording rule).",
-        [Q(f"rank_cache:hpar_dynamo_cache_hit:ratio5m{{{SEL}}}", "{{cache}} rank {{rank}}")],
+        "AOTAutograd / Inductor FX graph cache hits over lookups (recording rule), the $topn lowest.",
+        [
+            Q(
+                worst(f"rank_cache:hpar_dynamo_cache_hit:ratio5m{{{SEL}}}", best=True, join=False),
+                "{{cache}} rank {{rank}}",
+            )
+        ],
         "percentunit",
         max_val=1,
     )
@@ -613,9 +849,9 @@ def compile_board() -> Board:
     b.row("Graphs across ranks")
     ts(
         b,
-        "Unique graphs by rank",
-        "Distinct graphs compiled by each rank.",
-        [Q(f"hpar_dynamo_unique_graphs{{{SEL}}}", "rank {{rank}}")],
+        "Unique graphs: highest $topn ranks",
+        "Distinct graphs compiled by each rank, the $topn highest.",
+        [Q(worst(f"hpar_dynamo_unique_graphs{{{SEL}}}"), "rank {{rank}}")],
         "short",
         w=8,
     )
@@ -636,14 +872,19 @@ def compile_board() -> Board:
         b,
         "Graph fingerprint by rank",
         "The rank whose fingerprint differs from its stage peers diverged.",
-        [Q(f"hpar_dynamo_graph_fingerprint{{{SEL}}}", instant=True)],
+        [Q(with_job_id(f"hpar_dynamo_graph_fingerprint{{{SEL}}}"), instant=True, table=True)],
         w=8,
     )
     ts(
         b,
         "Recompile-limit hits",
-        "Frames that hit the recompile limit and run eagerly from now on.",
-        [Q(f"sum by (rank) (hpar_dynamo_recompile_limit_hits_total{{{SEL}}})", "rank {{rank}}")],
+        "Frames that hit the recompile limit and run eagerly from now on (the $topn ranks with most).",
+        [
+            Q(
+                worst(f"sum by (job, instance, rank) (hpar_dynamo_recompile_limit_hits_total{{{SEL}}})"),
+                "rank {{rank}}",
+            )
+        ],
         "short",
         w=24,
     )
@@ -659,19 +900,32 @@ def memory() -> Board:
     b.row("Post-step memory and leaks")
     ts(
         b,
-        "Post-step memory by source",
-        "Memory sampled right after each step (allocator, nvml, rss).",
-        [Q(f"hpar_memory_post_step_bytes{{{SEL}}}", "rank {{rank}} {{source}}")],
+        "Post-step memory: highest $topn",
+        "Memory sampled right after each step (allocator, nvml, rss): the $topn (rank, source) series with "
+        "the highest peak in the time range.",
+        [Q(worst(f"hpar_memory_post_step_bytes{{{SEL}}}"), "rank {{rank}} {{source}}")],
         "bytes",
+    )
+    heatmap(
+        b,
+        "Post-step memory by rank (heatmap)",
+        "Every rank's memory right after each step (rows: ranks): the caching allocator's on CUDA, else "
+        "the process RSS. A leak is a row that darkens over time.",
+        f'max by (job, instance, rank) (hpar_memory_post_step_bytes{{{SEL},source="allocator"}}) or '
+        f'max by (job, instance, rank) (hpar_memory_post_step_bytes{{{SEL},source="rss"}})',
+        "bytes",
+        w=24,
     )
     ts(
         b,
-        "Growth per step",
-        "10m slope of post-step memory divided by the step rate: bytes kept per step.",
+        "Growth per step: highest $topn",
+        "10m slope of post-step memory divided by the step rate: bytes kept per step (the $topn highest).",
         [
             Q(
-                f"rank_source:hpar_memory_post_step_bytes:deriv10m{{{SEL}}} / on (job, instance) group_left () "
-                f"sum by (job, instance) (rate(hpar_steps_total{{{SEL}}}[10m]))",
+                worst(
+                    f"rank_source:hpar_memory_post_step_bytes:deriv10m{{{SEL}}} / on (job, instance) group_left () "
+                    f"sum by (job, instance) (rate(hpar_steps_total{{{SEL}}}[10m]))"
+                ),
                 "rank {{rank}} {{source}}",
             )
         ],
@@ -679,18 +933,18 @@ def memory() -> Board:
     )
     ts(
         b,
-        "Host RSS",
-        "Resident set size of each rank's process.",
-        [Q(f"hpar_host_rss_bytes{{{SEL}}}", "rank {{rank}}")],
+        "Host RSS: highest $topn",
+        "Resident set size of each rank's process, the $topn highest.",
+        [Q(worst(f"hpar_host_rss_bytes{{{SEL}}}"), "rank {{rank}}")],
         "bytes",
     )
     ts(
         b,
         "MemoryLeak detector",
-        "Detector state (1 = leaking) and its signal per rank.",
+        "Ranks whose detector says leaking, and the signal of the $topn highest ranks.",
         [
-            Q(f'hpar_alert_active{{alert="MemoryLeak",{SEL}}}', "active rank {{rank}}"),
-            Q(f'hpar_detector_value{{alert="MemoryLeak",{SEL}}}', "signal rank {{rank}}"),
+            Q(f'sum(hpar_alert_active{{alert="MemoryLeak",{SEL}}})', "ranks leaking"),
+            Q(worst(f'hpar_detector_value{{alert="MemoryLeak",{SEL}}}'), "signal rank {{rank}}"),
         ],
         "short",
     )
@@ -698,10 +952,10 @@ def memory() -> Board:
     ts(
         b,
         "GPU memory used / total (NVML)",
-        "Device memory in use by all processes vs capacity.",
+        "Device memory in use by all processes on the $topn fullest ranks, and the largest capacity.",
         [
-            Q(f"hpar_gpu_memory_used_bytes{{{SEL}}}", "used rank {{rank}}"),
-            Q(f"hpar_gpu_memory_total_bytes{{{SEL}}}", "total rank {{rank}}"),
+            Q(worst(f"hpar_gpu_memory_used_bytes{{{SEL}}}"), "used rank {{rank}}"),
+            Q(f"max(hpar_gpu_memory_total_bytes{{{SEL}}})", "total"),
         ],
         "bytes",
         gpu=True,
@@ -709,8 +963,13 @@ def memory() -> Board:
     ts(
         b,
         "GPU memory used ratio",
-        "GpuMemoryNearFull fires above 95% for 5m.",
-        [Q(f"hpar_gpu_memory_used_bytes{{{SEL}}} / hpar_gpu_memory_total_bytes{{{SEL}}}", "rank {{rank}}")],
+        "The $topn fullest ranks; GpuMemoryNearFull fires above 95% for 5m.",
+        [
+            Q(
+                worst(f"hpar_gpu_memory_used_bytes{{{SEL}}} / hpar_gpu_memory_total_bytes{{{SEL}}}"),
+                "rank {{rank}}",
+            )
+        ],
         "percentunit",
         gpu=True,
         max_val=1,
@@ -718,24 +977,24 @@ def memory() -> Board:
     ts(
         b,
         "Process GPU memory (NVML)",
-        "Device memory used by each rank's process.",
-        [Q(f"hpar_gpu_process_memory_bytes{{{SEL}}}", "rank {{rank}}")],
+        "Device memory used by each rank's process, the $topn highest.",
+        [Q(worst(f"hpar_gpu_process_memory_bytes{{{SEL}}}"), "rank {{rank}}")],
         "bytes",
         gpu=True,
     )
     ts(
         b,
         "Allocator bytes by kind",
-        "CUDA caching allocator allocated / reserved / active bytes.",
-        [Q(f"hpar_allocator_bytes{{{SEL}}}", "rank {{rank}} {{kind}}")],
+        "CUDA caching allocator allocated / reserved / active bytes, the $topn highest (rank, kind).",
+        [Q(worst(f"hpar_allocator_bytes{{{SEL}}}"), "rank {{rank}} {{kind}}")],
         "bytes",
         gpu=True,
     )
     ts(
         b,
         "Allocator peak bytes",
-        "Peak bytes per kind since start or reset.",
-        [Q(f"hpar_allocator_peak_bytes{{{SEL}}}", "rank {{rank}} {{kind}}")],
+        "Peak bytes per kind since start or reset, the $topn highest (rank, kind).",
+        [Q(worst(f"hpar_allocator_peak_bytes{{{SEL}}}"), "rank {{rank}} {{kind}}")],
         "bytes",
         gpu=True,
     )
@@ -744,11 +1003,8 @@ def memory() -> Board:
         "Allocator retries and OOMs",
         "cudaMalloc retries (memory pressure) and OOMs per interval.",
         [
-            Q(
-                f"sum by (rank) (increase(hpar_allocator_alloc_retries_total{{{SEL}}}[{RI}]))",
-                "retries rank {{rank}}",
-            ),
-            Q(f"sum by (rank) (increase(hpar_allocator_ooms_total{{{SEL}}}[{RI}]))", "OOMs rank {{rank}}"),
+            Q(f"sum(increase(hpar_allocator_alloc_retries_total{{{SEL}}}[{RI}]))", "retries"),
+            Q(f"sum(increase(hpar_allocator_ooms_total{{{SEL}}}[{RI}]))", "OOMs"),
         ],
         "short",
         gpu=True,
@@ -757,8 +1013,8 @@ def memory() -> Board:
     ts(
         b,
         "GPU utilization",
-        "Fraction of time a kernel ran (NVML).",
-        [Q(f"hpar_gpu_utilization_ratio{{{SEL}}}", "rank {{rank}}")],
+        "Fraction of time a kernel ran (NVML), the $topn least busy ranks.",
+        [Q(worst(f"hpar_gpu_utilization_ratio{{{SEL}}}", best=True), "rank {{rank}}")],
         "percentunit",
         w=8,
         gpu=True,
@@ -767,8 +1023,8 @@ def memory() -> Board:
     ts(
         b,
         "GPU power",
-        "Board power draw.",
-        [Q(f"hpar_gpu_power_watts{{{SEL}}}", "rank {{rank}}")],
+        "Board power draw, the $topn highest ranks.",
+        [Q(worst(f"hpar_gpu_power_watts{{{SEL}}}"), "rank {{rank}}")],
         "watt",
         w=8,
         gpu=True,
@@ -776,8 +1032,8 @@ def memory() -> Board:
     ts(
         b,
         "GPU temperature",
-        "GPU core temperature.",
-        [Q(f"hpar_gpu_temperature_celsius{{{SEL}}}", "rank {{rank}}")],
+        "GPU core temperature, the $topn hottest ranks.",
+        [Q(worst(f"hpar_gpu_temperature_celsius{{{SEL}}}"), "rank {{rank}}")],
         "celsius",
         w=8,
         gpu=True,
@@ -785,8 +1041,8 @@ def memory() -> Board:
     ts(
         b,
         "GPU clocks",
-        "SM and memory clocks; a straggler's clock is often throttled.",
-        [Q(f"hpar_gpu_clock_hertz{{{SEL}}}", "rank {{rank}} {{clock}}")],
+        "SM and memory clocks, the $topn lowest; a straggler's clock is often throttled.",
+        [Q(worst(f"hpar_gpu_clock_hertz{{{SEL}}}", best=True), "rank {{rank}} {{clock}}")],
         "hertz",
         w=8,
         gpu=True,
@@ -794,8 +1050,8 @@ def memory() -> Board:
     ts(
         b,
         "Clock throttling",
-        "1 while a throttle reason is active.",
-        [Q(f"max by (rank, reason) (hpar_gpu_throttle_active{{{SEL}}})", "rank {{rank}} {{reason}}")],
+        "Ranks on which each throttle reason is active.",
+        [Q(f"sum by (reason) (hpar_gpu_throttle_active{{{SEL}}})", "{{reason}}")],
         "short",
         w=8,
         gpu=True,
@@ -803,10 +1059,12 @@ def memory() -> Board:
     ts(
         b,
         "ECC errors",
-        "Volatile ECC errors per interval; GpuEccErrors fires on uncorrected ones.",
+        "Volatile ECC errors per interval on the $topn ranks with most; GpuEccErrors fires on uncorrected ones.",
         [
             Q(
-                f"sum by (rank, error_type) (increase(hpar_gpu_ecc_errors_total{{{SEL}}}[{RI}]))",
+                worst(
+                    f"sum by (job, instance, rank, error_type) (increase(hpar_gpu_ecc_errors_total{{{SEL}}}[{RI}]))"
+                ),
                 "rank {{rank}} {{error_type}}",
             )
         ],
@@ -837,12 +1095,14 @@ def pipeline() -> Board:
     )
     ts(
         b,
-        "Mean chunk time by rank and phase",
-        "Mean forward/backward time per microbatch chunk.",
+        "Mean chunk time: slowest $topn",
+        "Mean forward/backward time per microbatch chunk, the $topn slowest (rank, phase).",
         [
             Q(
-                f"sum by (rank, pp_stage, phase) (rate(hpar_pp_chunk_duration_seconds_sum{{{SEL}}}[{RI}])) / "
-                f"sum by (rank, pp_stage, phase) (rate(hpar_pp_chunk_duration_seconds_count{{{SEL}}}[{RI}]))",
+                worst(
+                    f"sum by (job, instance, rank, pp_stage, phase) (rate(hpar_pp_chunk_duration_seconds_sum{{{SEL}}}[{RI}])) / "
+                    f"sum by (job, instance, rank, pp_stage, phase) (rate(hpar_pp_chunk_duration_seconds_count{{{SEL}}}[{RI}]))"
+                ),
                 "rank {{rank}} stage {{pp_stage}} {{phase}}",
             )
         ],
@@ -858,16 +1118,21 @@ def pipeline() -> Board:
     )
     ts(
         b,
-        "Busy time by rank",
-        "Forward+backward compute time of the last step.",
-        [Q(f"hpar_pp_busy_seconds{{{SEL}}}", "rank {{rank}} stage {{pp_stage}}")],
+        "Busy time: highest $topn ranks",
+        "Forward+backward compute time of the last step, the $topn highest.",
+        [Q(worst(f"hpar_pp_busy_seconds{{{SEL}}}"), "rank {{rank}} stage {{pp_stage}}")],
         "s",
     )
     ts(
         b,
         "Compute time vs stage median",
-        "Busy time over the median of the stage's ranks; Straggler fires above 1.2.",
-        [Q(f"rank:hpar_pp_busy_seconds:ratio_to_stage_median5m{{{SEL}}}", "rank {{rank}}")],
+        "Busy time over the median of the stage's ranks, the $topn highest; Straggler fires above 1.2.",
+        [
+            Q(
+                worst(f"rank:hpar_pp_busy_seconds:ratio_to_stage_median5m{{{SEL}}}", join=False),
+                "rank {{rank}}",
+            )
+        ],
         "short",
     )
     ts(
@@ -909,6 +1174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     files = {args.out / name: text for name, text in render().items()}
     return sync_generated(files, args.check, "python dashboards/generate.py")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -103,6 +103,8 @@ class TrainConfig:
     """auto, cpu or cuda; auto picks cuda when available."""
     log_every: int = 1
     """Log loss and step time every N steps."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s of one rank's accelerator for --dtype, reported to the agent for MFU; 0: unknown."""
     no_agent: bool = False
     """Do not attach the hpar_agent observability agent."""
     pg_timeout: float = 0.0
@@ -172,6 +174,8 @@ class TrainConfig:
                      "seq_len", "layers", "dim", "heads", "vocab", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if not (0 <= self.peak_tflops < float("inf")):
+            raise ValueError("--peak-tflops must be a finite number >= 0")
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("dp-mode", self.dp_mode, DP_MODES)
         for flag in ("mp_param_dtype", "mp_reduce_dtype"):
@@ -271,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("steps", "seed", "global_batch", "seq_len", "layers", "dim", "heads", "vocab", "log_every"):
         add(f"--{name.replace('_', '-')}", type=int, default=d[name].default, help=f"(default {d[name].default})")
     add("--lr", type=float, default=d["lr"].default)
+    add("--peak-tflops", type=float, default=0.0, metavar="T",
+        help="peak TFLOP/s of one rank's accelerator for --dtype (datasheet dense figure), for the MFU panel; "
+        "0 (default): unknown, no MFU")
     add("--device", choices=("auto", "cpu", "cuda"), default="auto",
         help="auto: cuda if available; cpu uses gloo and 1 thread per rank, cuda uses nccl")
     add("--no-agent", action="store_true", help="do not attach the hpar_agent observability agent")

@@ -92,6 +92,8 @@ class NvmlCollector(Component):
         self._unsupported: set[str] = set()
         self.values: dict[str, Any] = {}  # field -> value (dicts for labelled fields)
         self.process_bytes: int | None = None
+        self.gpu_index = ""  # hpar_rank_info's gpu_index / gpu_uuid; empty without a GPU handle
+        self.gpu_uuid = ""
 
     def install(self, agent: Any) -> None:
         super().install(agent)
@@ -105,6 +107,7 @@ class NvmlCollector(Component):
             self._nvml = nv
             self._handle = self._device_handle(nv, agent.device)
             self.up = True
+            self._read_identity(nv, self._handle)
         except Exception:  # no driver, no GPU, no nvidia-ml-py: a normal state, not an error
             if self._nvml is not None and self._handle is None:
                 try:
@@ -126,6 +129,16 @@ class NvmlCollector(Component):
         if isinstance(index, str):
             return nv.nvmlDeviceGetHandleByUUID(index)
         return nv.nvmlDeviceGetHandleByIndex(index)
+
+    def _read_identity(self, nv: Any, handle: Any) -> None:
+        """The GPU's NVML index and UUID, read once: labels of ``hpar_rank_info`` (the UUID is what
+        dcgm-exporter's ``UUID`` label holds). A field NVML cannot give stays empty."""
+        for attr, fn in (("gpu_index", "nvmlDeviceGetIndex"), ("gpu_uuid", "nvmlDeviceGetUUID")):
+            try:
+                value = getattr(nv, fn)(handle)
+                setattr(self, attr, value.decode() if isinstance(value, bytes) else str(value))
+            except Exception:
+                pass
 
     def uninstall(self) -> None:
         if self.up and self._nvml is not None:

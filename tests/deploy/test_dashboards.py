@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -68,6 +69,7 @@ def test_dashboards_have_variables_and_exemplar_latency_panels() -> None:
         d = json.loads(path.read_text())
         names = [v["name"] for v in d["templating"]["list"]]
         assert names[:4] == ["datasource", "job", "rank", "pp_stage"], path.name
+        assert names[-2:] == ["job_id", "topn"], path.name
         assert d["schemaVersion"] >= 39, "not the Grafana 11 flavour of the SDK"
         for p in d["panels"]:
             for t in p.get("targets", []):
@@ -107,3 +109,59 @@ def test_dashboards_validate_against_grafana_schema(tmp_path: Path) -> None:
     bad.write_text(json.dumps(broken))
     res = run(["check-jsonschema", "--schemafile", str(schema), str(bad)])
     assert res.returncode != 0, "the schema accepts a broken dashboard"
+
+
+def _all_panels(path: Path) -> list[dict]:
+    return [p for p in json.loads(path.read_text())["panels"] if p.get("targets")]
+
+
+def test_per_rank_time_series_draw_only_the_worst_or_best_n() -> None:
+    """At 1,024 ranks a panel drawing every rank is unreadable: every time series whose legend names a
+    rank is a topk/bottomk over ``$topn`` fixed at the range's end; every rank is drawn only in
+    heatmaps (one row per rank) and tables."""
+    per_rank = 0
+    for path in DASHBOARDS:
+        for p in _all_panels(path):
+            for t in p["targets"]:
+                if p["type"] == "timeseries" and "{{rank}}" in t.get("legendFormat", ""):
+                    per_rank += 1
+                    assert re.search(
+                        r"\b(topk|bottomk)\(\$topn, \w+_over_time\(.*@ end\(\)\)\)$", t["expr"]
+                    ), f"{path.name} / {p['title']}: draws every rank: {t['expr']}"
+                    assert "$topn" in p["title"] + p["description"], p["title"]
+                if p["type"] == "stat":
+                    assert "rank" not in t.get("legendFormat", ""), (
+                        f"{path.name} / {p['title']}: a stat per rank"
+                    )
+    assert per_rank >= 20
+
+
+def test_heatmaps_annotations_rank_table_mfu_and_job_id() -> None:
+    boards = {p.stem: json.loads(p.read_text()) for p in DASHBOARDS}
+    heatmaps = {
+        name: [p["title"] for p in d["panels"] if p["type"] == "heatmap"] for name, d in boards.items()
+    }
+    assert heatmaps["overview"] == ["Step time by rank (heatmap)"]
+    assert heatmaps["collectives"] == ["Collective latency by rank (heatmap)"]
+    assert heatmaps["memory"] == ["Post-step memory by rank (heatmap)"]
+    for d in boards.values():
+        for p in d["panels"]:
+            if p["type"] == "heatmap":
+                assert p["options"]["calculate"] is False  # rows are ranks, not calculated buckets
+                (t,) = p["targets"]
+                assert t["legendFormat"] == "{{rank}}" and "group_left (job_id) hpar_rank_info" in t["expr"]
+        annos = {a["name"]: a for a in d["annotations"]["list"]}
+        assert "hpar_alerts_total" in annos["Alerts raised"]["expr"], d["uid"]
+        assert "hpar_dynamo_compiles_total" in annos["Compiles"]["expr"], d["uid"]
+        job_id = next(v for v in d["templating"]["list"] if v["name"] == "job_id")
+        assert "hpar_rank_info" in job_id["query"] and "job_id)" in job_id["query"]
+    overview = {p["title"]: p for p in boards["overview"]["panels"]}
+    table = overview["Ranks: host and GPU"]
+    (t,) = table["targets"]
+    assert t["instant"] is True and t["format"] == "table"
+    assert {"host", "gpu_uuid", "gpu_index", "job_id"} <= set(
+        re.search(r"max by \(([^)]*)\)", t["expr"])[1].split(", ")
+    )
+    assert "DCGM_FI_DEV_GPU_UTIL * on (UUID)" in table["description"]
+    assert "hpar_peak_flops" in overview["MFU (model FLOPs utilization)"]["targets"][0]["expr"]
+    assert "hpar_tokens_total" in overview["Tokens per second"]["targets"][0]["expr"]

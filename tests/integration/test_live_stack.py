@@ -40,7 +40,7 @@ LEAK_JOB, CLEAN_JOB = "hpar-leak", "hpar-clean"
 LEAK_RANK, LEAK_STAGE = 3, 1  # mesh (dp, pp, tp) = (1, 2, 2): rank 3 is stage 1
 SHAPE = [
     "--dp", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
-    "--layers", "2", "--compile", "aot_eager", "--log-every", "10",
+    "--layers", "2", "--compile", "aot_eager", "--log-every", "10", "--peak-tflops", "0.05",
 ]  # fmt: skip
 # The leak run has far more steps than it needs: it is stopped once the alert reached the webhook.
 LEAK_ARGS = [*SHAPE, "--steps", "1000", "--inject", "tensor-leak", "--inject", "graph-break",
@@ -310,13 +310,17 @@ def _panels(dash: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _expand(expr: str, job: str) -> str:
+def _expand(expr: str, job: str, range_s: int = 300) -> str:
     subs = {
         "$__rate_interval": RATE_INTERVAL,
         "$job": job,  # a plain name: no regex metacharacters
         "$rank": ".*",
         "$pp_stage": ".*",
         "$pg": ".*",
+        "$job_id": ".*",
+        "$topn": "5",
+        "$__range": f"{range_s}s",
+        "$__interval": "2s",
     }
     for k in sorted(subs, key=len, reverse=True):
         expr = expr.replace(k, subs[k])

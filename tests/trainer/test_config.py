@@ -78,3 +78,16 @@ def test_bad_flags_under_torchrun_fail_fast_on_every_rank():
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("hpar-train: error:")]
     assert len(lines) == 2 and "--heads 3 is not divisible by --tp 2" in lines[0]
     assert "config.py" not in res.stderr  # no worker traceback (torchrun's own summary is expected)
+
+
+def test_peak_tflops_and_model_flops_per_token():
+    """The MFU inputs the trainer reports: its flag, validated, and 6 x the rank's local parameters."""
+    import torch
+
+    from hpar_trainer.train import model_flops_per_token
+
+    assert parse_args(["--peak-tflops", "989"], world_size=1).peak_tflops == 989.0
+    with pytest.raises(SystemExit):
+        parse_args(["--peak-tflops", "-1"], world_size=1)
+    parts = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False)]
+    assert model_flops_per_token(parts) == 6.0 * (4 * 3 + 3 + 3 * 2)

@@ -172,7 +172,18 @@ def test_single_process_topology(attach):
 def _info_labels(agent):
     labels = agent.topology.info_labels()
     labels["agent_version"] = hpar_agent.__version__
+    labels["gpu_index"] = labels["gpu_uuid"] = ""  # a CPU rank: empty, still present for joins
     return labels
+
+
+def test_report_flops_exports_the_mfu_inputs(attach):
+    agent = attach(torch.nn.Linear(2, 2))
+    get = agent.registry.get_sample_value
+    assert get("hpar_model_flops_per_token", {"rank": "0", "pp_stage": "0"}) is None  # absent until reported
+    agent.report_flops(per_token=6 * 123, peak=989e12)
+    agent.report_flops(per_token=float("nan"), peak=-1)  # ignored: keeps the good values
+    assert get("hpar_model_flops_per_token", {"rank": "0", "pp_stage": "0"}) == 6 * 123
+    assert get("hpar_peak_flops", {"rank": "0", "pp_stage": "0"}) == 989e12
 
 
 def test_errors_in_a_component_are_counted_not_raised(attach):

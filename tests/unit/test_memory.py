@@ -181,6 +181,12 @@ class FakeNvml:
         self.index = uuid
         return ("dev", uuid)
 
+    def nvmlDeviceGetIndex(self, h):
+        return 1
+
+    def nvmlDeviceGetUUID(self, h):
+        return b"GPU-5f1c0e2a-0000-4b1d-9a7e-000000000001"  # older nvidia-ml-py returns bytes
+
     def nvmlDeviceGetMemoryInfo(self, h):
         return type("M", (), {"used": 3 << 30, "total": 80 << 30})()
 
@@ -232,6 +238,15 @@ def test_nvml_handle_is_the_ranks_device_through_cuda_visible_devices(agent, mon
     fake = FakeNvml()
     _replace(agent, NvmlCollector(nvml=fake))
     assert fake.index == expected
+
+
+def test_rank_info_carries_the_gpu_index_and_uuid(agent):
+    """The labels a dashboard joins with dcgm-exporter's ``UUID`` / ``gpu`` labels."""
+    _replace(agent, NvmlCollector(nvml=FakeNvml()))
+    info = [s for m in agent.registry.collect() if m.name == "hpar_rank" for s in m.samples]
+    assert len(info) == 1
+    assert info[0].labels["gpu_uuid"] == "GPU-5f1c0e2a-0000-4b1d-9a7e-000000000001"
+    assert info[0].labels["gpu_index"] == "1"
 
 
 def test_resolve_device_prefers_the_models_cuda_parameters():
