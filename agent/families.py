@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -13,6 +14,7 @@ from prometheus_client.core import (
 )
 
 from hpar_agent.catalogue import metric
+from hpar_agent.histogram import Histogram
 
 
 class Families:
@@ -35,6 +37,15 @@ class Families:
         spec = metric(name)
         assert spec.type == "histogram", name
         return HistogramMetricFamily(spec.name, spec.help, labels=spec.all_labels)
+
+    def histograms(self, name: str, hists: Mapping[Any, Histogram]) -> HistogramMetricFamily:
+        """A histogram family from ``{label value(s): Histogram}`` in label order; empty ones left out."""
+        fam = self.histogram(name)
+        for key, hist in sorted(hists.items()):
+            if hist.count:
+                values = key if isinstance(key, tuple) else (key,)
+                fam.add_metric(self.labels(*values), hist.buckets(), hist.sum)
+        return fam
 
     def info(self, name: str, labels: dict[str, str]) -> InfoMetricFamily:
         spec = metric(name)

@@ -404,11 +404,7 @@ class AnatomyCollector(Component):
 
     def collect(self) -> Iterable[Metric]:
         f = self.agent.families  # type: ignore[union-attr]
-        h = f.histogram("hpar_step_phase_duration_seconds")
-        for phase, hist in self.hists.items():
-            if hist.count:
-                h.add_metric(f.labels(phase), hist.buckets(), hist.sum)
-        yield h
+        yield f.histograms("hpar_step_phase_duration_seconds", self.hists)
         r = f.gauge("hpar_step_phase_ratio")
         for phase, share in self.shares.items():
             f.add(r, [phase], share)

@@ -681,10 +681,7 @@ class CollectiveCollector(Component):
             f.add(nbytes, [pg, op], self.bytes[(pg, op)])
         yield total
         yield nbytes
-        h = f.histogram("hpar_collective_duration_seconds")
-        for (pg, op, stream), hist in sorted(self.hists.items()):
-            h.add_metric(f.labels(pg, op, stream), hist.buckets(), hist.sum)
-        yield h
+        yield f.histograms("hpar_collective_duration_seconds", self.hists)
         bw = f.gauge("hpar_collective_busbw_bytes_per_second")
         for (pg, op), v in sorted(self.last_busbw.items()):
             f.add(bw, [pg, op], v)

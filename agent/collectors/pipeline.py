@@ -163,10 +163,7 @@ class PipelineCollector(Component):
         if not self._wrapped:
             return
         f = self.agent.families  # type: ignore[union-attr]
-        h = f.histogram("hpar_pp_chunk_duration_seconds")
-        for (phase, stream), hist in sorted(self.hists.items()):
-            h.add_metric(f.labels(phase, stream), hist.buckets(), hist.sum)
-        yield h
+        yield f.histograms("hpar_pp_chunk_duration_seconds", self.hists)
         busy = f.gauge("hpar_pp_busy_seconds")
         f.add(busy, [], self.last_busy)
         yield busy

@@ -226,10 +226,13 @@ def test_cuda_stream_idle_of_a_host_bound_loop_is_not_data_wait() -> None:
     assert c.verdict == "compute-bound"
 
 
-def test_the_rank_straggler_names_is_the_slow_rank(tmp_path) -> None:
+def test_the_rank_straggler_names_is_the_slow_rank(tmp_path, monkeypatch) -> None:
     """slow-rank comes from the rank's own Straggler detector state (arrival lag at collectives)."""
     from prometheus_client import generate_latest
 
+    from hpar_agent.agent import Agent
+
+    monkeypatch.setattr(Agent, "_run", lambda self: None)  # only this test's tick: the thread's would re-judge
     model = Slow(0.01, 0.01)
     a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path))
     try:
