@@ -19,7 +19,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from hpar_agent import __version__
-from hpar_agent.catalogue import ALERT_NAMES
 from hpar_agent.component import Component
 from hpar_agent.config import AgentConfig
 from hpar_agent.events import EventLog
@@ -483,4 +482,4 @@ def current() -> Agent | None:
     return _current
 
 
-__all__ = ["ALERT_NAMES", "Agent", "attach_agent", "current", "detach_agent"]
+__all__ = ["Agent", "attach_agent", "current", "detach_agent"]

@@ -55,8 +55,3 @@ class Detector:
     def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
         """Cross-rank detectors: this rank's part of the payload put in the store."""
         return {}
-
-
-def doc_table(cls: type[Detector]) -> str:
-    """The defaults as a text table (for docs and ``summary()``)."""
-    return "\n".join(f"{cls.name}.{k} = {v:g}" for k, v in cls.defaults.items())

@@ -83,6 +83,7 @@ class DetectorsComponent(Component):
         self._last_exchange = -1e18
         self._span_events: list[tuple[str, int, dict[str, Any]]] = []
         self._store_tried = exchange is not None
+        self._own_store = False
         self.exchange_s = 3.0
         self.exchange_min_s = 1.0
         self.log_interval_s = 60.0
@@ -130,6 +131,13 @@ class DetectorsComponent(Component):
             straggler.step_hook(step, t_ns)
 
     # ------------------------------------------------------------------------------------ agent thread
+    def uninstall(self) -> None:
+        """Drop the store client the agent opened itself (its socket closes with it); a caller's
+        exchange stays the caller's."""
+        if self._store_tried and self._own_store:
+            self.exchange = None
+        super().uninstall()
+
     def _exchange(self) -> None:
         agent = self.agent
         assert agent is not None
@@ -146,6 +154,7 @@ class DetectorsComponent(Component):
                 store = open_store()
                 if store is not None:
                     self.exchange = Exchange(store, agent.topology.job_id, self.rank)
+                    self._own_store = True
         if self.exchange is None:
             return
         topo = agent.topology

@@ -100,11 +100,6 @@ def net_of_skew(
 # ------------------------------------------------------------------------------------------ compile
 
 
-def count_in_window(times: Sequence[float], now: float, window_s: float) -> int:
-    """Events (epoch seconds) within the last ``window_s`` seconds."""
-    return sum(1 for t in times if now - window_s <= t <= now)
-
-
 def hit_ratio(hits: float, misses: float) -> float:
     lookups = hits + misses
     return hits / lookups if lookups > 0 else math.nan

@@ -714,3 +714,21 @@ def test_straggler_ignores_a_late_ranks_compile_warmup(store: Any, tmp_path: Any
         for agent, *_ in ranks:
             agent.tick()
     assert [d.states["Straggler"].active for _a, d, *_ in ranks] == [False, True]
+
+
+def test_the_store_client_the_agent_opened_is_dropped_on_detach(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from hpar_agent.detectors import component as comp_mod
+
+    store = dist.HashStore()
+    monkeypatch.setattr(comp_mod, "open_store", lambda: store)
+    agent, det = make_agent(tmp_path, rank=0, world=2, comps=(steps(3),))
+    agent.tick()
+    assert det.exchange is not None and det.exchange.store is store  # opened by the agent itself
+    det.uninstall()
+    assert det.exchange is None
+    given = Exchange(store, "job", 0)
+    _agent2, det2 = make_agent(tmp_path / "b", exchange=given)
+    det2.uninstall()
+    assert det2.exchange is given  # a caller's exchange stays the caller's
