@@ -21,6 +21,7 @@ REASON = "reason"
 PHASE = "phase"
 OUTCOME = "outcome"
 TRIGGER = "trigger"
+BACKEND = "backend"
 CACHE = "cache"
 RESULT = "result"
 KIND = "kind"
@@ -134,7 +135,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_collective_unobserved_total", "counter", "Flight-recorder entries overwritten before the agent read them.", PG),
     _m("hpar_collective_timing_enabled", "gauge", "1 when the group's ops carry durations (NCCL with timing on, pipelining p2p), else 0.", PG),
     # torch.compile
-    _m("hpar_dynamo_compiles_total", "counter", "Dynamo compile attempts by outcome (ok, graph_break, failed, limit) and trigger.", OUTCOME, TRIGGER),
+    _m("hpar_dynamo_compiles_total", "counter", "Dynamo compile attempts by outcome (ok, graph_break, failed, limit), trigger and backend (a name in dynamo's backend registry, else custom/unknown).", OUTCOME, TRIGGER, BACKEND),
     _m("hpar_dynamo_recompiles_total", "counter", "Recompiles of an already compiled frame, by failed-guard kind.", REASON),
     _m("hpar_dynamo_graph_breaks_total", "counter", "Graph breaks by registry code (gbNNNN) or a short stable key.", REASON),
     _m("hpar_dynamo_recompile_limit_hits_total", "counter", "Frames that hit torch._dynamo.config.recompile_limit and fell back to eager."),
@@ -222,6 +223,8 @@ ATTR_COMPILE_OUTCOME = "dynamo.outcome"
 ATTR_COMPILE_FUNCTION = "dynamo.function"  # co_name file:line of the compiled frame
 ATTR_GRAPH_BREAK_REASON = "dynamo.graph_break.reason"  # the bounded reason key (gbNNNN or slug)
 ATTR_USER_FRAME = "dynamo.user_frame"  # innermost user file:line of a graph break
+ATTR_CODE_HASH = "dynamo.code_hash"  # short hash of basename:co_firstlineno:co_name of the compiled frame
+ATTR_COMPILE_BACKEND = "dynamo.backend"  # registered backend name (eager, aot_eager, inductor; custom)
 ATTR_ALERT = "hpar.alert"
 ATTR_TRACE_REASON = "hpar.trace.reason"  # why the step's trace was kept: sampled | anomalous | slow
 #: Span attributes every span carries (Jaeger tag search keys).
@@ -238,6 +241,9 @@ RES_TP_RANK = "hpar.tp.rank"
 RES_PP_RANK = "hpar.pp.rank"
 #: Span event names
 EVENT_GRAPH_BREAK = "graph_break"
+EVENT_COMPILE_START = "compile_start"  # dynamo starts a frame (code_hash, frame_id, f_locals_keys)
+EVENT_BACKEND_COMPILE = "backend_compile"  # an attempt ended (outcome, backend, node_name on failure)
+EVENT_RECOMPILE = "recompile"
 EVENT_ALERT = "hpar.alert"
 
 

@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 MAX_SAMPLES = 5000
 #: Rows shown in the compile-event table (the timeline plot shows all of them).
 MAX_TABLE_ROWS = 500
-COMPILE_KINDS = ("compile", "graph_break", "recompile")
+#: "compile" is the record name of logs written before compile_start/backend_compile.
+COMPILE_KINDS = ("compile_start", "backend_compile", "compile", "graph_break", "recompile")
 _RANK_RE = re.compile(r"\.rank(\d+)\.")
 
 
@@ -341,7 +342,8 @@ def fig_compile(run: Run) -> Any:
         return None
     t0 = _t0(run)
     fig = go.Figure(layout=_layout("torch.compile events", "seconds since the first event", "rank"))
-    symbols = {"compile": "circle", "graph_break": "x", "recompile": "diamond"}
+    symbols = {"compile_start": "triangle-right", "backend_compile": "circle", "compile": "circle",
+               "graph_break": "x", "recompile": "diamond"}
     for kind in COMPILE_KINDS:
         mine = [e for e in events if e.get("kind") == kind]
         if mine:

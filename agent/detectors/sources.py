@@ -79,7 +79,9 @@ def graph_break_detail(agent: Agent, reason: str) -> str:
     if isinstance(info, Mapping) and isinstance(info.get(reason), Mapping):
         entry = info[reason]
         frames = sorted(str(f) for f in entry.get("user_frames") or ())[:4]
-        return "; ".join([str(entry.get("reason", ""))[:500], *frames])
+        c10d = str(entry.get("c10d") or "")
+        head = [f"c10d call `{c10d}` inside compiled code; use torch.distributed._functional_collectives"] if c10d else []
+        return "; ".join([*head, str(entry.get("reason", ""))[:500], *frames])
     return ""
 
 
