@@ -182,8 +182,8 @@ class AlertSpec:
 
 
 ALERTS: tuple[AlertSpec, ...] = (
-    AlertSpec("RecompileStorm", "warning", "Recompiles per window above threshold or compile-cache hit ratio collapsed."),
-    AlertSpec("GraphBreaks", "warning", "A new graph-break reason appeared after warm-up."),
+    AlertSpec("RecompileStorm", "warning", "Recompiles per window above threshold or compile-cache hit ratio collapsed; both at once is cache pollution (details.mode, signal=cache_pollution)."),
+    AlertSpec("GraphBreaks", "warning", "A new graph-break reason appeared after warm-up (a c10d call in compiled code is named, with the functional-collectives fix)."),
     AlertSpec("CompileDivergence", "critical", "Ranks of the same pipeline stage compiled different graphs."),
     AlertSpec("ReplicaDivergence", "critical", "Parameters that must be identical across replicas differ."),
     AlertSpec("CollectiveMismatch", "critical", "Ranks disagree on op, size or dtype of the same collective."),

@@ -531,11 +531,11 @@ def compile_board() -> Board:
     ts(
         b,
         "Compiles by outcome",
-        "Dynamo compile attempts by outcome and trigger.",
+        "Dynamo compile attempts by outcome, trigger and backend (eager, aot_eager, inductor, ...).",
         [
             Q(
-                f"sum by (outcome, trigger) (increase(hpar_dynamo_compiles_total{{{SEL}}}[{RI}]))",
-                "{{outcome}} {{trigger}}",
+                f"sum by (outcome, trigger, backend) (increase(hpar_dynamo_compiles_total{{{SEL}}}[{RI}]))",
+                "{{outcome}} {{trigger}} {{backend}}",
             )
         ],
         "short",
@@ -572,6 +572,17 @@ def compile_board() -> Board:
         [Q(f"rank_cache:hpar_dynamo_cache_hit:ratio5m{{{SEL}}}", "{{cache}} rank {{rank}}")],
         "percentunit",
         max_val=1,
+    )
+    ts(
+        b,
+        "Cache pollution: recompiles vs hit ratio",
+        "The design document's cache pollution: recompiles in 5m above 10 while the rank's worst cache "
+        "hit ratio (0-1) is below 0.3; RecompileStorm signal=cache_pollution fires when both hold.",
+        [
+            Q(f"sum by (rank) (increase(hpar_dynamo_recompiles_total{{{SEL}}}[5m]))", "recompiles 5m rank {{rank}}"),
+            Q(f"min by (rank) (rank_cache:hpar_dynamo_cache_hit:ratio5m{{{SEL}}})", "hit ratio rank {{rank}}"),
+        ],
+        "short",
     )
     ts(
         b,

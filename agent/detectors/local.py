@@ -48,6 +48,11 @@ class RecompileStorm(Detector):
     A limit hit is a storm by itself: the frame already recompiled ``recompile_limit`` times (8 by
     default, shared by every module instance of one code object, so a per-step storm on identical
     blocks never exceeds 10 recompiles) and now runs uncompiled for good. Value: recompiles in the window.
+
+    ``details.mode`` says which condition holds: ``cache_pollution`` is the design document's signal,
+    both at once (more than ``max_recompiles`` recompiles in the window AND a hit ratio below
+    ``min_hit_ratio``: the cache fills with graphs that are never hit again); ``recompiles``,
+    ``limit`` and ``cache_hit_ratio`` are one condition alone.
     """
 
     name = "RecompileStorm"
@@ -79,8 +84,13 @@ class RecompileStorm(Detector):
             if hits + misses < self.p("min_lookups"):
                 ratio = math.nan
         low_hits = not math.isnan(ratio) and ratio < self.p("min_hit_ratio")
-        storm = n > self.p("max_recompiles") or limit_hits > self.p("max_limit_hits")
-        return Verdict(storm or low_hits, n, details)
+        many = n > self.p("max_recompiles")
+        limit = limit_hits > self.p("max_limit_hits")
+        details["mode"] = (
+            "cache_pollution" if many and low_hits else "recompiles" if many else "limit" if limit
+            else "cache_hit_ratio" if low_hits else ""
+        )  # fmt: skip
+        return Verdict(many or limit or low_hits, n, details)
 
 
 class GraphBreaks(Detector):
@@ -91,7 +101,8 @@ class GraphBreaks(Detector):
     | warmup_steps | 3 | reasons first seen before this many steps completed are the baseline |
     | hold_steps | 20 | the alert stays active this many steps after the last new reason |
 
-    Value: number of new reasons. Details carry the collector's text (user stack) per reason.
+    Value: number of new reasons. Details carry the collector's text (user stack) per reason, and
+    ``c10d_calls`` when a break comes from a torch.distributed (c10d) call inside compiled code.
     """
 
     name = "GraphBreaks"
@@ -112,7 +123,11 @@ class GraphBreaks(Detector):
         if fresh:
             self.last_new_step = max(self.first_seen[r] for r in fresh)
         active = bool(new) and ctx.steps_done - self.last_new_step <= self.p("hold_steps")
-        details = {"reasons": {r: src.graph_break_detail(ctx.agent, r) for r in new[:8]}}
+        details: dict[str, Any] = {"reasons": {r: src.graph_break_detail(ctx.agent, r) for r in new[:8]}}
+        c10d = {r: op for r in new[:8] if (op := src.graph_break_c10d(ctx.agent, r))}
+        if c10d:  # a torch.distributed call inside compiled code: the fix is functional collectives
+            details["c10d_calls"] = c10d
+            details["fix"] = "use torch.distributed._functional_collectives inside compiled code"
         return Verdict(active, float(len(new)), details)
 
 

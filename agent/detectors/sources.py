@@ -85,6 +85,14 @@ def graph_break_detail(agent: Agent, reason: str) -> str:
     return ""
 
 
+def graph_break_c10d(agent: Agent, reason: str) -> str:
+    """The c10d function (e.g. broadcast) that caused graph breaks of ``reason``; '' for other breaks."""
+    c = agent.component("compile")
+    info = _get(c, "break_info") if c is not None else None
+    entry = info.get(reason) if isinstance(info, Mapping) else None
+    return str(entry.get("c10d") or "") if isinstance(entry, Mapping) else ""
+
+
 def graph_fingerprint(agent: Agent) -> int | None:
     c = agent.component("compile")
     v = _get(c, "fingerprint", "graph_fingerprint") if c is not None else None

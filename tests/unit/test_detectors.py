@@ -386,6 +386,49 @@ def test_recompile_storm_and_cache_hit_ratio(tmp_path: Any) -> None:
     assert sample(det2, "hpar_alert_active", "RecompileStorm") == 1.0
 
 
+def test_cache_pollution_needs_both_many_recompiles_and_a_low_hit_ratio(tmp_path: Any) -> None:
+    """The design document's cache pollution: recompiles > 10 AND cache hit ratio < 0.3 over the window
+    (counters recorded from a run whose shapes change every step with inductor's FX graph cache)."""
+    comp = Fake("compile", recompiles=Counter(), limit_hits=0, cache=Counter({("fx_graph", "miss"): 4}))
+    agent, det = make_agent(tmp_path, comps=(steps(10), comp))
+    agent.tick()
+    comp.recompiles["tensor_size"] += 6
+    comp.cache.update({("fx_graph", "miss"): 24, ("fx_graph", "hit"): 2})  # ratio 0.08, 6 recompiles
+    agent.tick()
+    st = det.states["RecompileStorm"]
+    assert sample(det, "hpar_alert_active", "RecompileStorm") == 1.0 and st.details["mode"] == "cache_hit_ratio"
+    comp.recompiles["tensor_size"] += 6  # 12 recompiles in the window and still ratio < 0.3
+    comp.cache.update({("fx_graph", "miss"): 6})
+    agent.tick()
+    assert det.states["RecompileStorm"].details["mode"] == "cache_pollution"
+    assert det.states["RecompileStorm"].details["hit_ratio"] < 0.3
+    # many recompiles while the cache hits (a warm cache) is a recompile storm, not pollution
+    comp2 = Fake("compile", recompiles=Counter(), limit_hits=0, cache=Counter())
+    agent2, det2 = make_agent(tmp_path / "b", comps=(steps(10), comp2))
+    agent2.tick()
+    comp2.recompiles["int_value"] += 12
+    comp2.cache.update({("fx_graph", "hit"): 30, ("fx_graph", "miss"): 2})
+    agent2.tick()
+    assert det2.states["RecompileStorm"].details["mode"] == "recompiles"
+
+
+def test_graph_break_from_a_c10d_call_points_to_functional_collectives(tmp_path: Any) -> None:
+    from hpar_agent.collectors.compile import CompileCollector
+    from tests.unit.test_compile import C10D_BREAK
+
+    coll = CompileCollector()
+    coll._count_break("gb0007", C10D_BREAK, "/src/train.py:14")  # recorded dist.broadcast break (torch 2.13)
+    comp = Fake("compile", graph_breaks=Counter(), break_info=coll.break_info)
+    agent, det = make_agent(tmp_path, comps=(steps(10), comp))
+    agent.tick()
+    comp.graph_breaks["gb0007"] += 1  # the break appears after warm-up
+    agent.tick()
+    d = det.states["GraphBreaks"].details
+    assert sample(det, "hpar_alert_active", "GraphBreaks") == 1.0
+    assert d["c10d_calls"] == {"gb0007": "broadcast"} and "_functional_collectives" in d["fix"]
+    assert d["reasons"]["gb0007"].startswith("c10d call `broadcast` inside compiled code")
+
+
 def test_recompile_limit_hit_is_a_storm(tmp_path: Any) -> None:
     comp = Fake("compile", recompiles=Counter({"int_value": 7}), limit_hits=0, cache=Counter(), graph_breaks=Counter())
     agent, det = make_agent(tmp_path, comps=(steps(10), comp))
