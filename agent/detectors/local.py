@@ -155,7 +155,7 @@ class MemoryLeak(Detector):
     defaults = {"warmup_steps": 5, "quiet_steps": 3, "max_busy_steps": 10, "window": 12, "min_slope_bytes": MiB,
                 "min_increase_fraction": 0.15}  # fmt: skip
     threshold_param = "min_slope_bytes"
-    evidence = ("pyspy", "allocator")
+    evidence = ("pyspy", "allocator", "profile")  # profile: a bounded py-spy record, off both threads
     clear = 3
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:

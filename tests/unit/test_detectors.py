@@ -587,6 +587,34 @@ def test_evidence_pyspy_json_and_rate_limit(tmp_path: Any) -> None:
     assert ev.allocator_snapshot("x") == []  # no CUDA history started on CPU
 
 
+def _spin_for_profile(stop: Any) -> None:
+    while not stop.is_set():
+        sum(range(1000))
+
+
+def test_evidence_pyspy_record_profile_is_bounded_and_never_waited_on(tmp_path: Any) -> None:
+    import threading
+
+    stop = threading.Event()
+    busy = threading.Thread(target=_spin_for_profile, args=(stop,), daemon=True)
+    busy.start()
+    try:
+        ev = Evidence(str(tmp_path), rank=2, min_interval_s=60)
+        t0 = time.monotonic()
+        (path,) = ev.collect("MemoryLeak-1", MemoryLeak.evidence)[-1:]  # the profile comes last
+        assert time.monotonic() - t0 < 1.5  # the 1-5 s recording is not waited for
+        assert path.endswith(".profile.speedscope.json") and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert ev.recording is not None
+        ev.recording.join(30)
+        with open(path, encoding="utf-8") as fh:
+            prof = json.load(fh)
+        names = {f["name"] for f in prof["shared"]["frames"]}
+        assert "_spin_for_profile" in names and prof["profiles"]
+        assert ev.py_spy_record("MemoryLeak-2", seconds=1) == []  # rate-limited
+    finally:
+        stop.set()
+
+
 def test_evidence_fr_dump_and_missing_pyspy(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     ev = Evidence(str(tmp_path), rank=0)
     paths = ev.fr_dump("CollectiveMismatch-1")
