@@ -142,6 +142,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_dynamo_cache_events_total", "counter", "AOTAutograd and Inductor FX graph cache lookups by result.", CACHE, RESULT),
     _m("hpar_dynamo_compile_duration_seconds", "histogram", "Compile time per attempt by phase (entire_frame, backend, inductor, code_gen; lazy_backward for a deferred backward compile).", PHASE, unit="seconds"),
     _m("hpar_dynamo_unique_graphs", "gauge", "Distinct graphs compiled by this process."),
+    _m("hpar_dynamo_graphs_compiled_total", "counter", "Graphs compiled (forward frames that produced a graph, identical ones included): keeps rising after warm-up when compiled functions leak."),
     _m("hpar_dynamo_graph_fingerprint", "gauge", "Order-independent hash (< 2**52) of the graphs this rank compiled; equal across ranks of a stage."),
     # memory
     _m("hpar_gpu_memory_used_bytes", "gauge", "NVML: device memory in use (all processes).", unit="bytes"),
@@ -188,6 +189,7 @@ ALERTS: tuple[AlertSpec, ...] = (
     AlertSpec("ReplicaDivergence", "critical", "Parameters that must be identical across replicas differ."),
     AlertSpec("CollectiveMismatch", "critical", "Ranks disagree on op, size or dtype of the same collective."),
     AlertSpec("MemoryLeak", "warning", "Post-step memory keeps rising after warm-up."),
+    AlertSpec("CompiledGraphsGrowing", "warning", "Graphs are still being compiled step after step past warm-up (a fresh compiled function per microbatch kept alive); names the code location that keeps compiling."),
     AlertSpec("CollectiveLatencyHigh", "warning", "Collective p99 latency above its SLO."),
     AlertSpec("Straggler", "warning", "A rank is persistently slower than its group."),
     AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout."),

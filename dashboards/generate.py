@@ -564,6 +564,14 @@ def compile_board() -> Board:
         ],
         "short",
     )
+    ts(
+        b,
+        "Graphs compiled per rank",
+        "Graphs compiled in 5m, identical ones included. Flat after warm-up; a line that keeps rising is a "
+        "fresh compiled function per microbatch kept alive (CompiledGraphsGrowing names its file:line).",
+        [Q(f"sum by (rank) (increase(hpar_dynamo_graphs_compiled_total{{{SEL}}}[5m]))", "rank {{rank}}")],
+        "short",
+    )
     b.row("Caches and compile time")
     ts(
         b,

@@ -16,7 +16,7 @@ import logging
 import os
 import re
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -255,6 +255,8 @@ class CompileCollector(Component):
         self.hists = {p: Histogram(STEP_BUCKETS) for p in [*(p for p, _ in PHASES), "lazy_backward"]}
         self.compile_seconds = 0.0
         self.graphs: set[str] = set()
+        self.graphs_compiled = 0
+        self.graph_log: deque[tuple[int, str]] = deque(maxlen=4096)  # (step, function file:line) per graph
         self.fingerprint = _fingerprint(())
         self.resets = 0
         self._seen: dict[Any, int] = {}  # last raw value of each diffed dynamo counter
@@ -454,7 +456,7 @@ class CompileCollector(Component):
             "function": f"{name} {filename}:{line}",
             "backend": backend,
         }
-        self._frames[cid] = fr
+        self._frames[cid] = {**fr, "step": step}
         if len(self._backend_of) < 4096:
             self._backend_of[fr["code_hash"]] = self._backend_of[fr["frame_id"]] = backend
         self.agent.events.emit(  # type: ignore[union-attr]
@@ -519,6 +521,9 @@ class CompileCollector(Component):
         where = f"{m['co_name']} {m['co_filename']}:{m['co_firstlineno']}" if m["co_name"] else ""
         if forward and not fail_type and m["graph_op_count"] is not None:
             self._add_graph(m)
+            self.graphs_compiled += 1
+            step = fr.get("step")
+            self.graph_log.append((int(step if step is not None else self._steps_count()), where))
         if forward and (m["cache_size"] or 0) > 0 and m["recompile_reason"]:
             self._on_recompile(cid, where, str(m["recompile_reason"]), chash)
         stack = m["exception_stack_trace"] or m["stack_trace"] if fail_type else None
@@ -554,6 +559,9 @@ class CompileCollector(Component):
             node_name=node,
             traceback_depth=depth,
         )
+
+    def _steps_count(self) -> int:
+        return int(getattr(self._steps, "count", 0) or 0)
 
     def _add_graph(self, m: dict[str, Any]) -> None:
         """Identity of a compiled graph that is equal on identical ranks: code location (basename, so
@@ -620,6 +628,9 @@ class CompileCollector(Component):
             if hist.count:
                 h.add_metric(f.labels(phase), hist.buckets(), hist.sum)
         yield h
+        gc = f.counter("hpar_dynamo_graphs_compiled_total")
+        f.add(gc, [], self.graphs_compiled)
+        yield gc
         g = f.gauge("hpar_dynamo_unique_graphs")
         f.add(g, [], len(self.graphs))
         yield g
@@ -630,6 +641,7 @@ class CompileCollector(Component):
     def summary(self) -> dict:
         return {
             "graphs": len(self.graphs),
+            "graphs_compiled": self.graphs_compiled,
             "fingerprint": self.fingerprint,
             "compiles": {f"{o}/{t}": n for (o, t), n in sorted(_by_outcome(self.compiles).items())},
             "backends": sorted({b for (_, _, b) in self.compiles}),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -187,6 +187,48 @@ class MemoryLeak(Detector):
             elif not leaking:
                 ctx.evidence.stop_memory_history()  # cleared: recording costs every allocation
         return Verdict(leaking, slope if math.isfinite(slope) else 0.0, {"source": source, "trend_from_step": start})
+
+
+class CompiledGraphsGrowing(Detector):
+    """Compiled graphs still growing after warm-up: the PP x compile-cache leak (a fresh compiled
+    function per microbatch that the schedule keeps alive; its graphs and their memory grow).
+
+    | param | default | meaning |
+    |---|---|---|
+    | warmup_steps | 5 | graphs compiled before this step are warm-up |
+    | window_steps | 10 | steps looked back |
+    | min_graphs | 4 | graphs compiled in the window (after warm-up) that count as growth |
+    | min_steps | 3 | ... spread over at least this many distinct steps (one late compile burst is not growth) |
+
+    Value: graphs compiled in the window. Details name the code location (function file:line) that
+    compiled most of them; MemoryLeak's evidence (py-spy profile) shows where it is called from.
+    """
+
+    name = "CompiledGraphsGrowing"
+    defaults = {"warmup_steps": 5, "window_steps": 10, "min_graphs": 4, "min_steps": 3}
+    threshold_param = "min_graphs"
+    clear = 3
+
+    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+        log = src.graph_compiles(ctx.agent)
+        if log is None:
+            return None
+        lo = max(int(self.p("warmup_steps")), ctx.steps_done - int(self.p("window_steps")))
+        recent = [where for step, where in log if step >= lo]
+        steps = {step for step, _ in log if step >= lo}
+        by = Counter(recent)
+        growing = (
+            ctx.steps_done >= self.p("warmup_steps") and len(recent) >= self.p("min_graphs")
+            and len(steps) >= self.p("min_steps")
+        )  # fmt: skip
+        details: dict[str, Any] = {
+            "location": by.most_common(1)[0][0] if by else "",
+            "graphs_in_window": len(recent),
+            "steps_with_compiles": len(steps),
+            "by_location": dict(by.most_common(3)),
+            "graphs_total": len(log),
+        }
+        return Verdict(growing, float(len(recent)), details)
 
 
 class CollectiveLatencyHigh(Detector):

@@ -93,6 +93,13 @@ def graph_break_c10d(agent: Agent, reason: str) -> str:
     return str(entry.get("c10d") or "") if isinstance(entry, Mapping) else ""
 
 
+def graph_compiles(agent: Agent) -> list[tuple[int, str]] | None:
+    """(step, code location) of every graph compiled (bounded log); None without a compile collector."""
+    c = agent.component("compile")
+    log = _get(c, "graph_log") if c is not None else None
+    return None if log is None else list(log)
+
+
 def graph_fingerprint(agent: Agent) -> int | None:
     c = agent.component("compile")
     v = _get(c, "fingerprint", "graph_fingerprint") if c is not None else None

@@ -207,6 +207,23 @@ def test_graph_break_counted_with_gb_key_and_user_frame_in_event_log(agent, capf
     assert "Graph break" not in err and "CompilationMetrics" not in err
 
 
+# ------------------------------------------------------------------------------------- compile leak
+def test_fresh_compiled_function_per_microbatch_grows_graphs_at_one_location(agent):
+    """compile-leak's pattern: every microbatch compiles a new code object of one function. Each is a
+    new frame (no recompile, no limit), identical graphs: unique_graphs stays, graphs_compiled grows."""
+    from hpar_trainer.inject import _leaky_graph, compile_fresh
+
+    kept = [compile_fresh(torch.ones(4), torch.ones(8)) for _ in range(5)]
+    agent.tick()
+    comp = agent.component("compile")
+    assert len(kept) == 5 and _val(agent, "hpar_dynamo_graphs_compiled_total") == 5.0
+    assert _val(agent, "hpar_dynamo_unique_graphs") == 1.0 and not comp.recompiles
+    code = _leaky_graph.__code__
+    where = f"_leaky_graph {code.co_filename}:{code.co_firstlineno}"
+    assert [w for _, w in comp.graph_log] == [where] * 5
+    assert len({e["frame_id"] for e in _events(agent, "compile_start")}) == 5
+
+
 # ------------------------------------------------------------------------------------- recompiles
 def _scale(x, n):
     return x * n

@@ -429,6 +429,30 @@ def test_graph_break_from_a_c10d_call_points_to_functional_collectives(tmp_path:
     assert d["reasons"]["gb0007"].startswith("c10d call `broadcast` inside compiled code")
 
 
+def test_compiled_graphs_growing_after_warmup_names_the_location(tmp_path: Any) -> None:
+    from hpar_agent.detectors.local import CompiledGraphsGrowing
+
+    where = "_leaky_graph trainer/inject.py:27"
+    warm = [(0, "forward model.py:40")] * 6 + [(1, "forward model.py:40")] * 2  # warm-up compiles
+    comp = Fake("compile", graph_log=deque(warm))
+    st = steps(6)
+    agent, det = make_agent(tmp_path, comps=(st, comp))
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "CompiledGraphsGrowing") == 0.0  # warm-up only
+    comp.graph_log.extend([(6, where), (6, where)])  # one late burst on one step: not growth
+    st.total = 7
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "CompiledGraphsGrowing") == 0.0
+    for s in (7, 8, 9):  # a new graph per microbatch, step after step
+        comp.graph_log.extend([(s, where)] * 2)
+        st.total = s + 1
+        agent.tick()
+    d = det.states["CompiledGraphsGrowing"].details
+    assert sample(det, "hpar_alert_active", "CompiledGraphsGrowing") == 1.0
+    assert d["location"] == where and d["graphs_in_window"] == 8 and d["steps_with_compiles"] == 4
+    assert CompiledGraphsGrowing().threshold == 4
+
+
 def test_recompile_limit_hit_is_a_storm(tmp_path: Any) -> None:
     comp = Fake("compile", recompiles=Counter({"int_value": 7}), limit_hits=0, cache=Counter(), graph_breaks=Counter())
     agent, det = make_agent(tmp_path, comps=(steps(10), comp))
