@@ -27,6 +27,7 @@ PYSPY_TIMEOUT_S = 20.0
 #: ``py-spy record`` of a MemoryLeak: seconds sampled and samples per second (a bounded profile).
 PROFILE_SECONDS = 5
 PROFILE_RATE = 50
+PROFILE_PLACEHOLDER = b'{"hpar": "py-spy record running, failed or interrupted: no profile yet"}\n'
 
 
 class Evidence:
@@ -124,15 +125,16 @@ class Evidence:
         """A bounded ``py-spy record`` (speedscope JSON) of this process: the design document's
         sampled profile of a leak. py-spy runs in a subprocess waited on by a daemon thread, so neither
         the training thread nor the agent thread waits for it, and ``--nonblocking`` never pauses the
-        process it samples. Returns the path the profile will be written to (the file is created now,
-        0600, and filled when py-spy finishes; removed if py-spy fails or writes more than max_bytes)."""
+        process it samples. Returns the path the profile is written to: created now (0600) holding a
+        one-line placeholder that py-spy replaces when it finishes; the placeholder stays when py-spy
+        fails or the process ends first, and a profile over max_bytes is removed."""
         if not self._allowed("profile"):
             return []
         exe = shutil.which("py-spy") or _beside_python("py-spy")
         if exe is None:
             self._say_once("pyspy", "py-spy not found (pip install py-spy); no stack dump")
             return []
-        path = self._write(self._name(tag, "profile", "speedscope.json"), b"")
+        path = self._write(self._name(tag, "profile", "speedscope.json"), PROFILE_PLACEHOLDER)
         if path is None:
             return []
         cmd = [exe, "record", "--pid", str(os.getpid()), "--duration", str(int(seconds)), "--rate",
@@ -145,16 +147,15 @@ class Evidence:
     def _record(self, cmd: list[str], path: str, seconds: int) -> None:
         try:
             res = subprocess.run(cmd, capture_output=True, timeout=seconds + PYSPY_TIMEOUT_S, check=False)
-            ok = res.returncode == 0 and 0 < os.path.getsize(path) <= self.max_bytes
-            if not ok:
+            if res.returncode != 0:
                 why = res.stderr.decode(errors="replace").strip().splitlines()
                 self._say_once("pyspy-record", f"py-spy record exited {res.returncode} ({why[-1] if why else 'no message'})")
+            elif os.path.getsize(path) > self.max_bytes:
+                self._say_once("size:profile", f"py-spy profile over the {self.max_bytes} byte limit; removed")
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         except (OSError, subprocess.TimeoutExpired) as exc:
             self._say_once("pyspy-record", f"py-spy record failed ({exc}); no profile")
-            ok = False
-        if not ok:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
 
     def start_memory_history(self, max_entries: int = 100_000) -> bool:
         """Start recording CUDA allocations with stacks (lazily: only once a leak is suspected)."""

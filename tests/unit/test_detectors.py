@@ -628,7 +628,7 @@ def test_evidence_pyspy_record_profile_is_bounded_and_never_waited_on(tmp_path: 
         (path,) = ev.collect("MemoryLeak-1", MemoryLeak.evidence)[-1:]  # the profile comes last
         assert time.monotonic() - t0 < 1.5  # the 1-5 s recording is not waited for
         assert path.endswith(".profile.speedscope.json") and stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert ev.recording is not None
+        assert os.path.getsize(path) > 0 and ev.recording is not None  # a placeholder until py-spy is done
         ev.recording.join(30)
         with open(path, encoding="utf-8") as fh:
             prof = json.load(fh)
