@@ -225,6 +225,7 @@ ATTR_COMPILE_OUTCOME = "dynamo.outcome"
 ATTR_COMPILE_FUNCTION = "dynamo.function"  # co_name file:line of the compiled frame
 ATTR_GRAPH_BREAK_REASON = "dynamo.graph_break.reason"  # the bounded reason key (gbNNNN or slug)
 ATTR_USER_FRAME = "dynamo.user_frame"  # innermost user file:line of a graph break
+ATTR_RECOMPILE_REASON = "dynamo.recompile.reason"  # bounded kind of the first failed guard
 ATTR_CODE_HASH = "dynamo.code_hash"  # short hash of basename:co_firstlineno:co_name of the compiled frame
 ATTR_COMPILE_BACKEND = "dynamo.backend"  # registered backend name (eager, aot_eager, inductor; custom)
 ATTR_ALERT = "hpar.alert"

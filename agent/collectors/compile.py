@@ -524,8 +524,9 @@ class CompileCollector(Component):
             self.graphs_compiled += 1
             step = fr.get("step")
             self.graph_log.append((int(step if step is not None else self._steps_count()), where))
+        recompile = ""
         if forward and (m["cache_size"] or 0) > 0 and m["recompile_reason"]:
-            self._on_recompile(cid, where, str(m["recompile_reason"]), chash)
+            recompile = self._on_recompile(cid, where, str(m["recompile_reason"]), chash)
         stack = m["exception_stack_trace"] or m["stack_trace"] if fail_type else None
         depth = len(stack) if isinstance(stack, (list, tuple)) else None
         node = node_name(fail_reason) if fail_type else ""
@@ -537,6 +538,8 @@ class CompileCollector(Component):
                 span.attributes[cat.ATTR_COMPILE_FUNCTION] = where
             if chash:
                 span.attributes[cat.ATTR_CODE_HASH] = chash
+            if recompile:
+                span.events.append((cat.EVENT_RECOMPILE, span.start_ns, {cat.ATTR_RECOMPILE_REASON: recompile}))
             span.events.append(
                 (cat.EVENT_BACKEND_COMPILE, span.end_ns, {cat.ATTR_COMPILE_OUTCOME: outcome, cat.ATTR_COMPILE_BACKEND: backend})
             )
@@ -578,7 +581,7 @@ class CompileCollector(Component):
             self.graphs.add(digest)
             self.fingerprint = _fingerprint(self.graphs)
 
-    def _on_recompile(self, cid: str, where: str, first_guard: str, chash: str = "") -> None:
+    def _on_recompile(self, cid: str, where: str, first_guard: str, chash: str = "") -> str:
         kind = guard_kind(first_guard)
         self.recompiles[kind] += 1
         examples = self.recompile_examples.setdefault(kind, [])
@@ -597,9 +600,10 @@ class CompileCollector(Component):
             guard=first_guard,
             guard_failures=failed or [first_guard],
             failed_guards=failed or [first_guard],
-            user_stack=user_frames(text),
+            user_stack=user_frames(text) or ([where.split(" ", 1)[-1]] if where else []),  # size guards give none
             message=text,
         )
+        return kind
 
     # --------------------------------------------------------------------------------- scrape
     def collect(self) -> Iterable[Metric]:

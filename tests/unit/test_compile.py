@@ -243,6 +243,17 @@ def test_shape_int_dtype_changes_are_recompiles_with_reasons(agent):
     # every cached entry's failed guard is in the event, not only the first one
     assert len(evs[2]["failed_guards"]) == 3 and "dtype mismatch" in evs[2]["failed_guards"][0]
     assert all(e["function"].startswith("_scale ") for e in evs)
+    # the design document's fields: one frame id and code hash for the recompiled frame, every guard
+    # failure, the user stack of the guard
+    assert evs[2]["guard_failures"] == evs[2]["failed_guards"] and {e["frame_id"] for e in evs} == {"0"}
+    assert {e["code_hash"] for e in evs} == {code_hash(__file__, _scale.__code__.co_firstlineno, "_scale")}
+    line = f"{__file__}:{_scale.__code__.co_firstlineno + 1}"
+    assert any(f.startswith(line) for f in evs[1]["user_stack"])  # an int guard's "User stack trace"
+    assert evs[0]["user_stack"] == [f"{__file__}:{_scale.__code__.co_firstlineno}"]  # none given: the frame
+    spans = [s for s in agent._pending_spans.get(0, []) if s.name == "dynamo.compile"]
+    assert [e[2]["dynamo.recompile.reason"] for s in spans for e in s.events if e[0] == "recompile"] == [
+        "tensor_size", "int_value", "tensor_dtype"
+    ]
     rec = {r["reason"]: r for r in agent.component("compile").summary()["recompiles"]}
     assert rec["int_value"]["count"] == 1 and "n == 2" in rec["int_value"]["examples"][0]
 
