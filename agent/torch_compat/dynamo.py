@@ -183,15 +183,22 @@ def artifact_loggers(names: Iterable[str]) -> list[logging.Logger]:
 
 
 def _backend_name(fn: Any) -> str:
-    """Registered name of a dynamo backend callable ('' when it has none)."""
-    for _ in range(4):  # WrapBackendDebug / partial / callback wrappers around the backend
-        name = getattr(fn, "_compiler_name", None) or getattr(fn, "compiler_name", None)
-        if isinstance(name, str) and name:
-            return name
-        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "func", None)
-        if fn is None:
+    """Registered name of a dynamo backend callable: the first name along its wrappers (dynamo's
+    WrapBackendDebug, torch._TorchCompileWrapper, partials, a user callable that sets ``compiler_name``) in dynamo's
+    registry, else the first name found ('' when none)."""
+    names: list[str] = []
+    for _ in range(6):
+        for attr in ("_compiler_name", "compiler_name"):
+            name = getattr(fn, attr, None)
+            if isinstance(name, str) and name:
+                names.append(name)
+        nxt = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+               or getattr(fn, "func", None))  # fmt: skip
+        if nxt is None or nxt is fn:
             break
-    return ""
+        fn = nxt
+    known = known_backends()
+    return next((n for n in names if n in known), names[0] if names else "")
 
 
 def compiling_frame(max_depth: int = 24) -> tuple[Any, list[str], str] | None:

@@ -207,6 +207,30 @@ def test_graph_break_counted_with_gb_key_and_user_frame_in_event_log(agent, capf
     assert "Graph break" not in err and "CompilationMetrics" not in err
 
 
+def _plus_one(x):
+    return x + 1
+
+
+def _plus_two(x):
+    return x + 2
+
+
+def test_backend_label_sees_through_wrappers_and_bounds_custom_backends(agent):
+    def counting(gm, example_inputs):  # a wrapper like the trainer's counting backend
+        return gm.forward
+
+    counting.compiler_name = "aot_eager"  # type: ignore[attr-defined]
+
+    def mine(gm, example_inputs):
+        return gm.forward
+
+    torch.compile(_plus_one, backend=counting)(torch.ones(2))
+    torch.compile(_plus_two, backend=mine)(torch.ones(2))
+    agent.tick()
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="aot_eager") == 1.0
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="custom") == 1.0
+
+
 # ------------------------------------------------------------------------------------- compile leak
 def test_fresh_compiled_function_per_microbatch_grows_graphs_at_one_location(agent):
     """compile-leak's pattern: every microbatch compiles a new code object of one function. Each is a
