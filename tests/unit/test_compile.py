@@ -149,6 +149,25 @@ def test_c10d_call_in_compiled_code_is_named_with_the_functional_collectives_hin
         a.stop()
 
 
+def test_failed_backend_compile_record_has_node_name_and_traceback_depth(tmp_path):
+    """A CompilationMetrics of a backend failure (fields as torch 2.13 fills them) -> backend_compile."""
+    a = _start(tmp_path)
+    try:
+        m = dict.fromkeys(dynamo.METRIC_FIELDS)
+        m.update(
+            compile_id="4/0", co_name="forward", co_filename="/src/model.py", co_firstlineno=40, is_forward=True,
+            fail_type="BackendCompilerFailed",
+            fail_reason="backend='inductor' raised:\nRuntimeError: boom\n\nWhile executing %addmm_3 : [num_users=1]",
+            exception_stack_trace=["Line: 1, Name: a", "Line: 2, Name: b", "Line: 3, Name: c"],
+        )  # fmt: skip
+        a.component("compile")._on_metrics(m)
+        (ev,) = _events(a, "backend_compile")
+        assert ev["outcome"] == "failed" and ev["node_name"] == "addmm_3" and ev["traceback_depth"] == 3
+        assert ev["code_hash"] == code_hash("/src/model.py", 40, "forward") and ev["frame_id"] == "4"
+    finally:
+        a.stop()
+
+
 def test_node_name_of_a_backend_failure():
     assert node_name("BackendCompilerFailed: ... While executing %addmm_3 : [num_users=1] = call_function") == "addmm_3"
     assert node_name("some other failure") == ""
