@@ -21,6 +21,7 @@ REASON = "reason"
 PHASE = "phase"
 OUTCOME = "outcome"
 TRIGGER = "trigger"
+BACKEND = "backend"
 CACHE = "cache"
 RESULT = "result"
 KIND = "kind"
@@ -138,13 +139,14 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_collective_unobserved_total", "counter", "Flight-recorder entries overwritten before the agent read them.", PG),
     _m("hpar_collective_timing_enabled", "gauge", "1 when the group's ops carry durations (NCCL with timing on, pipelining p2p), else 0.", PG),
     # torch.compile
-    _m("hpar_dynamo_compiles_total", "counter", "Dynamo compile attempts by outcome (ok, graph_break, failed, limit) and trigger.", OUTCOME, TRIGGER),
+    _m("hpar_dynamo_compiles_total", "counter", "Dynamo compile attempts by outcome (ok, graph_break, failed, limit), trigger and backend (a name in dynamo's backend registry, else custom/unknown).", OUTCOME, TRIGGER, BACKEND),
     _m("hpar_dynamo_recompiles_total", "counter", "Recompiles of an already compiled frame, by failed-guard kind.", REASON),
     _m("hpar_dynamo_graph_breaks_total", "counter", "Graph breaks by registry code (gbNNNN) or a short stable key.", REASON),
     _m("hpar_dynamo_recompile_limit_hits_total", "counter", "Frames that hit torch._dynamo.config.recompile_limit and fell back to eager."),
     _m("hpar_dynamo_cache_events_total", "counter", "AOTAutograd and Inductor FX graph cache lookups by result.", CACHE, RESULT),
     _m("hpar_dynamo_compile_duration_seconds", "histogram", "Compile time per attempt by phase (entire_frame, backend, inductor, code_gen; lazy_backward for a deferred backward compile).", PHASE, unit="seconds"),
     _m("hpar_dynamo_unique_graphs", "gauge", "Distinct graphs compiled by this process."),
+    _m("hpar_dynamo_graphs_compiled_total", "counter", "Graphs compiled (forward frames that produced a graph, identical ones included): keeps rising after warm-up when compiled functions leak."),
     _m("hpar_dynamo_graph_fingerprint", "gauge", "Order-independent hash (< 2**52) of the graphs this rank compiled; equal across ranks of a stage."),
     # memory
     _m("hpar_gpu_memory_used_bytes", "gauge", "NVML: device memory in use (all processes).", unit="bytes"),
@@ -185,12 +187,13 @@ class AlertSpec:
 
 
 ALERTS: tuple[AlertSpec, ...] = (
-    AlertSpec("RecompileStorm", "warning", "Recompiles per window above threshold or compile-cache hit ratio collapsed."),
-    AlertSpec("GraphBreaks", "warning", "A new graph-break reason appeared after warm-up."),
+    AlertSpec("RecompileStorm", "warning", "Recompiles per window above threshold or compile-cache hit ratio collapsed; both at once is cache pollution (details.mode, signal=cache_pollution)."),
+    AlertSpec("GraphBreaks", "warning", "A new graph-break reason appeared after warm-up (a c10d call in compiled code is named, with the functional-collectives fix)."),
     AlertSpec("CompileDivergence", "critical", "Ranks of the same pipeline stage compiled different graphs."),
     AlertSpec("ReplicaDivergence", "critical", "Parameters that must be identical across replicas differ."),
     AlertSpec("CollectiveMismatch", "critical", "Ranks disagree on op, size or dtype of the same collective."),
     AlertSpec("MemoryLeak", "warning", "Post-step memory keeps rising after warm-up."),
+    AlertSpec("CompiledGraphsGrowing", "warning", "Graphs are still being compiled step after step past warm-up (a fresh compiled function per microbatch kept alive); names the code location that keeps compiling."),
     AlertSpec("CollectiveLatencyHigh", "warning", "Collective p99 latency above its SLO."),
     AlertSpec("Straggler", "warning", "A rank is persistently slower than its group."),
     AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout."),
@@ -226,6 +229,9 @@ ATTR_COMPILE_OUTCOME = "dynamo.outcome"
 ATTR_COMPILE_FUNCTION = "dynamo.function"  # co_name file:line of the compiled frame
 ATTR_GRAPH_BREAK_REASON = "dynamo.graph_break.reason"  # the bounded reason key (gbNNNN or slug)
 ATTR_USER_FRAME = "dynamo.user_frame"  # innermost user file:line of a graph break
+ATTR_RECOMPILE_REASON = "dynamo.recompile.reason"  # bounded kind of the first failed guard
+ATTR_CODE_HASH = "dynamo.code_hash"  # short hash of basename:co_firstlineno:co_name of the compiled frame
+ATTR_COMPILE_BACKEND = "dynamo.backend"  # registered backend name (eager, aot_eager, inductor; custom)
 ATTR_ALERT = "hpar.alert"
 ATTR_TRACE_REASON = "hpar.trace.reason"  # why the step's trace was kept: sampled | anomalous | slow
 #: Span attributes every span carries (Jaeger tag search keys).
@@ -242,6 +248,9 @@ RES_TP_RANK = "hpar.tp.rank"
 RES_PP_RANK = "hpar.pp.rank"
 #: Span event names
 EVENT_GRAPH_BREAK = "graph_break"
+EVENT_COMPILE_START = "compile_start"  # dynamo starts a frame (code_hash, frame_id, f_locals_keys)
+EVENT_BACKEND_COMPILE = "backend_compile"  # an attempt ended (outcome, backend, node_name on failure)
+EVENT_RECOMPILE = "recompile"
 EVENT_ALERT = "hpar.alert"
 
 

@@ -52,8 +52,10 @@ NOTES: dict[str, str] = {
     "ddp-nesting": "all ranks train the detached block unsynchronised: every dp pair drifts (a 1-1 split "
     "names both ranks).",
     "tp-grad-skip": "all ranks skip the sync: every tp pair drifts (a 1-1 split names both ranks).",
-    "compile-leak": "the leaked callables are compiled graphs its peers never compile, so CompileDivergence "
-    "may name the inject rank too.",
+    "compile-leak": "a new code object compiled per microbatch: CompiledGraphsGrowing names "
+    "`_leaky_graph trainer/inject.py:<line>` first (2 ranks: step 10, MemoryLeak at step 30 with a py-spy "
+    "record profile); the leaked graphs are graphs its peers never compile, so CompileDivergence may name "
+    "the inject rank too.",
 }
 
 #: modes that act through a DDP comm hook need DDP rather than the default composable replicate, and

@@ -8,11 +8,13 @@ ptrace permission, a CPU-only build) give one clear log line, never an exception
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +24,10 @@ from hpar_agent.safefiles import private_dir, write_new
 log = logging.getLogger("hpar_agent")
 
 PYSPY_TIMEOUT_S = 20.0
+#: ``py-spy record`` of a MemoryLeak: seconds sampled and samples per second (a bounded profile).
+PROFILE_SECONDS = 5
+PROFILE_RATE = 50
+PROFILE_PLACEHOLDER = b'{"hpar": "py-spy record running, failed or interrupted: no profile yet"}\n'
 
 
 class Evidence:
@@ -49,6 +55,7 @@ class Evidence:
         self._last: dict[str, float] = {}
         self._said: set[str] = set()
         self.history_started = False
+        self.recording: threading.Thread | None = None  # the last py-spy record, for tests and shutdown
         self.device: Any = None  # this rank's CUDA device (the agent thread's current one is device 0)
 
     # ------------------------------------------------------------------------------------ plumbing
@@ -113,6 +120,42 @@ class Evidence:
             if path:
                 out.append(path)
         return out
+
+    def py_spy_record(self, tag: str, seconds: int = PROFILE_SECONDS) -> list[str]:
+        """A bounded ``py-spy record`` (speedscope JSON) of this process: the design document's
+        sampled profile of a leak. py-spy runs in a subprocess waited on by a daemon thread, so neither
+        the training thread nor the agent thread waits for it, and ``--nonblocking`` never pauses the
+        process it samples. Returns the path the profile is written to: created now (0600) holding a
+        one-line placeholder that py-spy replaces when it finishes; the placeholder stays when py-spy
+        fails or the process ends first, and a profile over max_bytes is removed."""
+        if not self._allowed("profile"):
+            return []
+        exe = shutil.which("py-spy") or _beside_python("py-spy")
+        if exe is None:
+            self._say_once("pyspy", "py-spy not found (pip install py-spy); no stack dump")
+            return []
+        path = self._write(self._name(tag, "profile", "speedscope.json"), PROFILE_PLACEHOLDER)
+        if path is None:
+            return []
+        cmd = [exe, "record", "--pid", str(os.getpid()), "--duration", str(int(seconds)), "--rate",
+               str(PROFILE_RATE), "--format", "speedscope", "--output", path, "--nonblocking"]  # fmt: skip
+        t = threading.Thread(target=self._record, args=(cmd, path, seconds), name="hpar-pyspy-record", daemon=True)
+        t.start()
+        self.recording = t
+        return [path]
+
+    def _record(self, cmd: list[str], path: str, seconds: int) -> None:
+        try:
+            res = subprocess.run(cmd, capture_output=True, timeout=seconds + PYSPY_TIMEOUT_S, check=False)
+            if res.returncode != 0:
+                why = res.stderr.decode(errors="replace").strip().splitlines()
+                self._say_once("pyspy-record", f"py-spy record exited {res.returncode} ({why[-1] if why else 'no message'})")
+            elif os.path.getsize(path) > self.max_bytes:
+                self._say_once("size:profile", f"py-spy profile over the {self.max_bytes} byte limit; removed")
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            self._say_once("pyspy-record", f"py-spy record failed ({exc}); no profile")
 
     def start_memory_history(self, max_entries: int = 100_000) -> bool:
         """Start recording CUDA allocations with stacks (lazily: only once a leak is suspected)."""
@@ -189,7 +232,7 @@ class Evidence:
         return out
 
     def collect(self, tag: str, kinds: tuple[str, ...]) -> list[str]:
-        """Every kind of evidence in ``kinds`` (pyspy, allocator, fr); the paths written."""
+        """Every kind of evidence in ``kinds`` (pyspy, allocator, fr, profile); the paths written."""
         paths: list[str] = []
         for kind in kinds:
             try:
@@ -199,6 +242,8 @@ class Evidence:
                     paths += self.allocator_snapshot(tag)
                 elif kind == "fr":
                     paths += self.fr_dump(tag)
+                elif kind == "profile":
+                    paths += self.py_spy_record(tag)
             except OSError as exc:  # a full disk, a refused path: counted, said once per kind
                 if self.on_error is not None:
                     self.on_error(exc)

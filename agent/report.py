@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 MAX_SAMPLES = 5000
 #: Rows shown in the compile-event table (the timeline plot shows all of them).
 MAX_TABLE_ROWS = 500
-COMPILE_KINDS = ("compile", "graph_break", "recompile")
+#: "compile" is the record name of logs written before compile_start/backend_compile.
+COMPILE_KINDS = ("compile_start", "backend_compile", "compile", "graph_break", "recompile")
 _RANK_RE = re.compile(r"\.rank(\d+)\.")
 
 
@@ -375,7 +376,8 @@ def fig_compile(run: Run) -> Any:
     t0 = _t0(run)
     xtitle = "step (interpolated between traced steps)" if on_steps else "seconds since the first event"
     fig = go.Figure(layout=_layout("torch.compile events", xtitle, "rank"))
-    symbols = {"compile": "circle", "graph_break": "x", "recompile": "diamond"}
+    symbols = {"compile_start": "triangle-right", "backend_compile": "circle", "compile": "circle",
+               "graph_break": "x", "recompile": "diamond"}
     for kind in COMPILE_KINDS:
         mine = [e for e in events if e.get("kind") == kind]
         if mine:

@@ -759,11 +759,11 @@ def compile_board() -> Board:
     ts(
         b,
         "Compiles by outcome",
-        "Dynamo compile attempts by outcome and trigger.",
+        "Dynamo compile attempts by outcome, trigger and backend (eager, aot_eager, inductor, ...).",
         [
             Q(
-                f"sum by (outcome, trigger) (increase(hpar_dynamo_compiles_total{{{SEL}}}[{RI}]))",
-                "{{outcome}} {{trigger}}",
+                f"sum by (outcome, trigger, backend) (increase(hpar_dynamo_compiles_total{{{SEL}}}[{RI}]))",
+                "{{outcome}} {{trigger}} {{backend}}",
             )
         ],
         "short",
@@ -795,6 +795,16 @@ def compile_board() -> Board:
         ],
         "short",
     )
+    ts(
+        b,
+        "Graphs compiled: highest $topn ranks",
+        "Graphs compiled in 5m, identical ones included, of the $topn ranks with the highest peak. Flat after "
+        "warm-up; a line that keeps rising is a fresh compiled function per microbatch kept alive "
+        "(CompiledGraphsGrowing names its file:line).",
+        [Q(worst(f"sum by (job, instance, rank) (increase(hpar_dynamo_graphs_compiled_total{{{SEL}}}[5m]))"),
+           "rank {{rank}}")],
+        "short",
+    )
     b.row("Caches and compile time")
     ts(
         b,
@@ -808,6 +818,20 @@ def compile_board() -> Board:
         ],
         "percentunit",
         max_val=1,
+    )
+    ts(
+        b,
+        "Cache pollution: recompiles vs hit ratio ($topn ranks)",
+        "The design document's cache pollution: recompiles in 5m above 10 while the rank's worst cache "
+        "hit ratio (0-1) is below 0.3; RecompileStorm signal=cache_pollution fires when both hold. The $topn "
+        "ranks with the most recompiles and the $topn with the lowest hit ratio.",
+        [
+            Q(worst(f"sum by (job, instance, rank) (increase(hpar_dynamo_recompiles_total{{{SEL}}}[5m]))"),
+              "recompiles 5m rank {{rank}}"),
+            Q(worst(f"min by (job, rank) (rank_cache:hpar_dynamo_cache_hit:ratio5m{{{SEL}}})", best=True, join=False),
+              "hit ratio rank {{rank}}"),
+        ],
+        "short",
     )
     ts(
         b,

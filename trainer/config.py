@@ -27,8 +27,8 @@ INJECTIONS: dict[str, str] = {
     "dtype-mismatch": "from --inject-step the inject rank's DDP comm hook all-reduces gradient buckets in "
     "bf16 (padded to the fp32 byte size) while peers use fp32: the reduction completes and silently "
     "corrupts the gradients (dp >= 2, --dp-mode ddp)",
-    "compile-leak": "from --inject-step the inject rank compiles a fresh callable per microbatch (eager backend) capturing "
-    "--inject-size bytes and keeps it alive: RSS and Dynamo frames grow",
+    "compile-leak": "from --inject-step the inject rank compiles a fresh function (a new code object, eager backend) per "
+    "microbatch with --inject-size bytes and keeps both alive: compiled graphs and RSS grow",
     "tensor-leak": "from --inject-step the inject rank keeps --inject-size bytes of tensors alive every step: RSS grows",
     "straggler": "from --inject-step the inject rank sleeps --inject-delay inside its first forward of every step",
     "slow-data": "from --inject-step the inject rank's data source sleeps --inject-delay per batch (a slow "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,19 @@ from .config import TrainConfig
 from .data import DataSource, SlowData
 from .metrics import RankRecorder
 from .model import GPT, Block
+
+
+def _leaky_graph(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """compile-leak's per-microbatch function: every copy of its code object compiles a new graph."""
+    return x.float().mean() + buf.mean()
+
+
+def compile_fresh(x: torch.Tensor, buf: torch.Tensor) -> Any:
+    """Compile and run a new copy of ``_leaky_graph`` (a new code object: dynamo compiles it afresh)."""
+    leaky = types.FunctionType(_leaky_graph.__code__.replace(), _leaky_graph.__globals__, "_leaky_graph")
+    fn = torch.compile(leaky, backend="eager")
+    fn(x, buf)
+    return fn
 
 
 def _recompile_storm(block: Block, h: torch.Tensor) -> torch.Tensor:
@@ -211,8 +225,11 @@ class Injector:
             self._slept_this_step = True
             time.sleep(self.cfg.inject_delay)
         if self._live("compile-leak"):
+            # The PP x compile-cache leak: a fresh compiled function per microbatch that stays alive.
+            # A new code object (same file:line) has an empty dynamo cache, so every microbatch compiles
+            # a new graph (a new frame id: no recompile limit stops it) and the schedule keeps it.
             buf = torch.ones(self.cfg.inject_size // 4, device=self.device)
-            fn = torch.compile(lambda x: x.float().mean() + buf.mean(), backend="eager")
-            fn(args[0].detach())
-            self._kept.append(fn)  # keeps the callable, its Dynamo cache entry and buf alive
+            fn = compile_fresh(args[0].detach(), buf)
+            self._kept.append((fn, buf))  # keeps the callable, its dynamo cache entry and graph, and buf
             self.rec.data["leaked_bytes"] += self.cfg.inject_size
+            self.rec.data["leaked_graphs"] = self.rec.data.get("leaked_graphs", 0) + 1

@@ -65,6 +65,7 @@ def counting_backend(name: str, stats: dict[str, int]) -> Callable[..., Any]:
         stats["comm_ops"] = stats.get("comm_ops", 0) + sum(1 for n in calls if _is_collective(n.target))
         return inner(gm, example_inputs)
 
+    backend.compiler_name = name  # type: ignore[attr-defined]  # the backend label the agent reports
     return backend
 
 

@@ -16,7 +16,7 @@ import logging
 import os
 import re
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,6 +62,21 @@ _GUARD_KINDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     )
 )
 _TRIGGER_LABEL = {"dynamo": "forward"}
+#: Lines of a graph-break message that say "a break happened", not why (dynamo's header lines).
+_BREAK_PREAMBLE = re.compile(
+    r"^(Encountered graph break when attempting to trace|Failed to handle graph break gracefully|"
+    r"Graph break encountered|Graph Break Reason:\s*$)"
+)
+_C10D_FILE = re.compile(r"torch[/\\]distributed[/\\](distributed_c10d|c10d_logger)\.py$")
+_NODE = re.compile(r"While executing %(\w+)|node[ _]name[=:]\s*'?(\w+)")
+_TORCH_FILE = re.compile(r"[/\\]torch[/\\]")
+#: Backend label value for a backend missing from dynamo's registry (a user callable).
+CUSTOM_BACKEND = "custom"
+FUNCTIONAL_COLLECTIVES_HINT = (
+    "a torch.distributed (c10d) call inside compiled code breaks the graph: use the traceable functional "
+    "collectives in torch.distributed._functional_collectives (e.g. funcol.all_reduce / broadcast), or "
+    "move the call out of the compiled region"
+)
 
 
 def graph_break_key(text: str) -> str:
@@ -75,6 +90,65 @@ def graph_break_key(text: str) -> str:
     first = re.split(r"[:(\[{`'\"<]", first, maxsplit=1)[0]
     slug = "_".join(re.sub(r"[^a-z0-9]+", " ", first.lower()).split()[:6])
     return slug[:40] or "unknown"
+
+
+def break_reason(text: str) -> str:
+    """Why a graph break happened, in one line: dynamo's title line (e.g. "Failed to trace builtin
+    operator") and its Explanation, skipping the header lines that only say a break was encountered."""
+    body = text.split("Graph Break Reason:", 1)[-1].split("User code traceback:", 1)[0]
+    title, explanation = "", ""
+    for ln in (x.strip() for x in body.splitlines()):
+        if not ln or _BREAK_PREAMBLE.match(ln):
+            continue
+        if ln.startswith("Explanation:"):
+            explanation = ln[len("Explanation:") :].strip()
+            break
+        if ln.startswith(("Hint:", "Developer debug context:", "For more details")):
+            break
+        if not title:
+            title = ln
+    reason = f"{title}: {explanation}" if title and explanation else title or explanation
+    return reason[:300]
+
+
+def c10d_call(text: str) -> str:
+    """The torch.distributed (c10d) function a graph break was traced into ('' when none): the
+    innermost traceback frame in distributed_c10d.py / c10d_logger.py names the collective."""
+    op = ""
+    for f, _, fn in _FRAME.findall(text.split("User code traceback:", 1)[-1]):
+        if _C10D_FILE.search(f) and fn != "wrapper":
+            op = fn
+        elif _C10D_FILE.search(f) and not op:
+            op = "c10d"
+    return op
+
+
+def user_frame(frames: list[str], text: str) -> str:
+    """Innermost ``file:line`` outside torch itself (the user's line that broke), else dynamo's
+    'in user code at' location."""
+    for fr in reversed(frames):
+        where = fr.rsplit(" in ", 1)[0]
+        if not _TORCH_FILE.search(where):
+            return where
+    m = _AT.search(text)
+    return f"{m.group(1)}:{m.group(2)}" if m else (frames[-1].rsplit(" in ", 1)[0] if frames else "")
+
+
+def code_hash(filename: Any, firstlineno: Any, name: Any) -> str:
+    """Short stable id of a code object: basename:first line:name (equal across ranks and installs)."""
+    key = f"{os.path.basename(str(filename or ''))}:{firstlineno}:{name}"
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def node_name(fail_reason: str) -> str:
+    """The FX node a backend failure names ("While executing %node"), '' when none."""
+    m = _NODE.search(fail_reason or "")
+    return (m.group(1) or m.group(2) or "") if m else ""
+
+
+def frame_id(cid: str) -> str:
+    """Dynamo's frame id: the first part of a compile id ``[!]frame/attempt``."""
+    return cid.lstrip("!").split("/", 1)[0] if cid else ""
 
 
 def guard_kind(guard: str) -> str:
@@ -100,6 +174,13 @@ def user_frames(text: str) -> list[str]:
 def _first_line(text: Any) -> str:
     s = str(text or "").strip()
     return s.splitlines()[0][:300] if s else ""
+
+
+def _by_outcome(compiles: Counter[tuple[str, str, str]]) -> Counter[tuple[str, str]]:
+    out: Counter[tuple[str, str]] = Counter()
+    for (o, t, _), n in compiles.items():
+        out[(o, t)] += n
+    return out
 
 
 def _fingerprint(digests: Iterable[str]) -> int:
@@ -164,7 +245,7 @@ class CompileCollector(Component):
         self._callbacks = False
         self._steps: Any = None
         # state (agent thread)
-        self.compiles: Counter[tuple[str, str]] = Counter()
+        self.compiles: Counter[tuple[str, str, str]] = Counter()  # (outcome, trigger, backend)
         self.recompiles: Counter[str] = Counter()
         self.recompile_examples: dict[str, list[str]] = {}
         self.graph_breaks: Counter[str] = Counter()
@@ -174,6 +255,8 @@ class CompileCollector(Component):
         self.hists = {p: Histogram(STEP_BUCKETS) for p in [*(p for p, _ in PHASES), "lazy_backward"]}
         self.compile_seconds = 0.0
         self.graphs: set[str] = set()
+        self.graphs_compiled = 0
+        self.graph_log: deque[tuple[int, str]] = deque(maxlen=4096)  # (step, function file:line) per graph
         self.fingerprint = _fingerprint(())
         self.resets = 0
         self._seen: dict[Any, int] = {}  # last raw value of each diffed dynamo counter
@@ -181,6 +264,9 @@ class CompileCollector(Component):
         self._ended: dict[tuple[str, str], tuple[SpanRecord, int]] = {}  # span waiting for its metrics
         self._cid_breaks: dict[str, list[tuple[str, str, int]]] = {}  # cid -> (key, frame, t_ns)
         self._recompile_text: dict[str, str] = {}
+        self._frames: dict[str, dict[str, Any]] = {}  # cid -> frame_id, code_hash, function, backend
+        self._known_backends: frozenset[str] = frozenset()
+        self._backend_of: dict[str, str] = {}  # code hash / frame id -> backend of its last compile start
         self._polls = 0
         self._metrics_level = logging.INFO
 
@@ -193,6 +279,7 @@ class CompileCollector(Component):
 
         snap = dynamo.counters_snapshot()
         self._diff(snap, count=False)
+        self._known_backends = dynamo.known_backends()
         self._callbacks = dynamo.register_callbacks(self._on_start, self._on_end)
         self._capture_metrics()
         for art in ("graph_breaks", "recompiles"):
@@ -244,9 +331,10 @@ class CompileCollector(Component):
     def _on_start(self, args: Any) -> None:
         try:
             step = self._steps.count if self._steps is not None else 0
-            self.buffer.put(
-                ("start", dynamo.compile_id_of(args), time.time_ns(), dynamo.trigger_name(args), step)
-            )
+            trigger = dynamo.trigger_name(args)
+            frame = dynamo.compiling_frame() if trigger == "dynamo" else None  # a few frames: compiles take ms-s
+            info = (frame[0].co_filename, frame[0].co_firstlineno, frame[0].co_name, frame[1], frame[2]) if frame else None
+            self.buffer.put(("start", (dynamo.compile_id_of(args), info), time.time_ns(), trigger, step))
         except Exception as exc:
             if self.agent is not None:
                 self.agent.record_error(self.name, exc)
@@ -264,7 +352,7 @@ class CompileCollector(Component):
         self._heal()
         for kind, payload, t_ns, extra, step in self.buffer.drain():
             if kind == "start":
-                self._open[(payload, extra)] = (t_ns, step)
+                self._on_start_event(payload[0], payload[1], extra, t_ns, step)
             elif kind == "end":
                 self._end_span(payload, extra, t_ns)
             elif kind == "metrics":
@@ -278,7 +366,7 @@ class CompileCollector(Component):
                 del self._ended[key]
                 self.agent.add_span(span)  # type: ignore[union-attr]
         self._diff(dynamo.counters_snapshot(), count=True)
-        for d in (self._open, self._cid_breaks, self._recompile_text):
+        for d in (self._open, self._cid_breaks, self._recompile_text, self._frames):
             if len(d) > 1024:
                 d.clear()
 
@@ -322,10 +410,11 @@ class CompileCollector(Component):
     def _count_break(self, key: str, text: str, frame: str, n: int = 1) -> str:
         if key not in self.break_info and len(self.break_info) >= MAX_BREAK_KEYS:
             key = "other"
-        info = self.break_info.setdefault(key, {"reason": "", "user_frames": set()})
+        info = self.break_info.setdefault(key, {"reason": "", "user_frames": set(), "c10d": ""})
         if not info["reason"]:
-            reason = text.split("Graph Break Reason:", 1)[-1]
-            info["reason"] = _first_line(reason.split("Encountered graph break", 1)[0] or reason)
+            info["reason"] = break_reason(text)
+        if not info.get("c10d"):
+            info["c10d"] = c10d_call(text)
         if frame and len(info["user_frames"]) < 16:
             info["user_frames"].add(frame)
         self.graph_breaks[key] += n
@@ -333,12 +422,45 @@ class CompileCollector(Component):
 
     def _on_graph_break(self, text: str, t_ns: int, cid: str) -> None:
         frames = user_frames(text)
-        m = _AT.search(text)
-        frame = f"{m.group(1)}:{m.group(2)}" if m else (frames[-1].rsplit(" in ", 1)[0] if frames else "")
+        frame = user_frame(frames, text)
         key = self._count_break(graph_break_key(text), text, frame)
         self._cid_breaks.setdefault(cid, []).append((key, frame, t_ns))
+        c10d = c10d_call(text)
+        fr = self._frames.get(cid, {})
         self.agent.events.emit(  # type: ignore[union-attr]
-            "graph_break", compile_id=cid, reason=key, user_frame=frame, frames=frames, message=text
+            cat.EVENT_GRAPH_BREAK,
+            compile_id=cid,
+            frame_id=frame_id(cid),
+            code_hash=fr.get("code_hash", ""),
+            reason=key,
+            reason_text=break_reason(text),
+            user_frame=frame,
+            user_stack=frames,
+            frames=frames,
+            c10d_call=c10d,
+            hint=FUNCTIONAL_COLLECTIVES_HINT if c10d else "",
+            message=text,
+        )
+
+    def _on_start_event(self, cid: str, info: Any, trigger: str, t_ns: int, step: int) -> None:
+        """``compile_start``: the frame dynamo starts compiling (names of its locals, never values)."""
+        self._open[(cid, trigger)] = (t_ns, step)
+        if info is None:
+            return
+        filename, line, name, local_names, backend = info
+        if backend not in self._known_backends:
+            backend = CUSTOM_BACKEND if backend else "unknown"
+        fr = {
+            "frame_id": frame_id(cid),
+            "code_hash": code_hash(filename, line, name),
+            "function": f"{name} {filename}:{line}",
+            "backend": backend,
+        }
+        self._frames[cid] = {**fr, "step": step}
+        if len(self._backend_of) < 4096:
+            self._backend_of[fr["code_hash"]] = self._backend_of[fr["frame_id"]] = backend
+        self.agent.events.emit(  # type: ignore[union-attr]
+            cat.EVENT_COMPILE_START, compile_id=cid, step=step, f_locals_keys=list(local_names), **fr
         )
 
     def _end_span(self, cid: str, trigger: str, t_ns: int) -> None:
@@ -356,6 +478,10 @@ class CompileCollector(Component):
             anomalous=True,  # compiles are rare after warm-up: always keep the step's trace
         )
         if trig == "forward":
+            fr = self._frames.get(cid)
+            if fr is not None:
+                span.events.append((cat.EVENT_COMPILE_START, start_ns, {cat.ATTR_CODE_HASH: fr["code_hash"]}))
+                span.attributes[cat.ATTR_COMPILE_BACKEND] = fr["backend"]
             for key, frame, t in self._cid_breaks.get(cid, ()):
                 span.events.append(
                     (cat.EVENT_GRAPH_BREAK, t, {cat.ATTR_GRAPH_BREAK_REASON: key, cat.ATTR_USER_FRAME: frame})
@@ -376,7 +502,11 @@ class CompileCollector(Component):
             outcome = "graph_break"
         else:
             outcome = "ok"
-        self.compiles[(outcome, trigger)] += 1
+        fr = self._frames.get(cid, {})
+        chash = code_hash(m["co_filename"], m["co_firstlineno"], m["co_name"]) if m["co_name"] else fr.get("code_hash", "")
+        # an attempt refused by the recompile limit fires no start callback: the frame's last backend
+        backend = fr.get("backend") or self._backend_of.get(chash) or self._backend_of.get(frame_id(cid)) or "unknown"
+        self.compiles[(outcome, trigger, backend)] += 1
         seconds = 0.0
         if forward:
             for phase, field in PHASES:
@@ -391,27 +521,50 @@ class CompileCollector(Component):
         where = f"{m['co_name']} {m['co_filename']}:{m['co_firstlineno']}" if m["co_name"] else ""
         if forward and not fail_type and m["graph_op_count"] is not None:
             self._add_graph(m)
+            self.graphs_compiled += 1
+            step = fr.get("step")
+            self.graph_log.append((int(step if step is not None else self._steps_count()), where))
+        recompile = ""
         if forward and (m["cache_size"] or 0) > 0 and m["recompile_reason"]:
-            self._on_recompile(cid, where, str(m["recompile_reason"]))
+            recompile = self._on_recompile(cid, where, str(m["recompile_reason"]), chash)
+        stack = m["exception_stack_trace"] or m["stack_trace"] if fail_type else None
+        depth = len(stack) if isinstance(stack, (list, tuple)) else None
+        node = node_name(fail_reason) if fail_type else ""
         span_entry = self._ended.pop((cid, trigger), None)
         if span_entry is not None:
             span = span_entry[0]
             span.attributes[cat.ATTR_COMPILE_OUTCOME] = outcome
             if where:
                 span.attributes[cat.ATTR_COMPILE_FUNCTION] = where
+            if chash:
+                span.attributes[cat.ATTR_CODE_HASH] = chash
+            if recompile:
+                span.events.append((cat.EVENT_RECOMPILE, span.start_ns, {cat.ATTR_RECOMPILE_REASON: recompile}))
+            span.events.append(
+                (cat.EVENT_BACKEND_COMPILE, span.end_ns, {cat.ATTR_COMPILE_OUTCOME: outcome, cat.ATTR_COMPILE_BACKEND: backend})
+            )
             agent.add_span(span)
         agent.events.emit(
-            "compile",
+            cat.EVENT_BACKEND_COMPILE,
             compile_id=cid,
+            frame_id=frame_id(cid),
+            code_hash=chash,
+            backend=backend,
             trigger=trigger,
             outcome=outcome,
             function=where,
             seconds=seconds,
+            backend_seconds=m["backend_compile_time_s"],
             graph_op_count=m["graph_op_count"],
             cache_size=m["cache_size"],
             fail_type=fail_type,
             fail_reason=_first_line(fail_reason),
+            node_name=node,
+            traceback_depth=depth,
         )
+
+    def _steps_count(self) -> int:
+        return int(getattr(self._steps, "count", 0) or 0)
 
     def _add_graph(self, m: dict[str, Any]) -> None:
         """Identity of a compiled graph that is equal on identical ranks: code location (basename, so
@@ -428,7 +581,7 @@ class CompileCollector(Component):
             self.graphs.add(digest)
             self.fingerprint = _fingerprint(self.graphs)
 
-    def _on_recompile(self, cid: str, where: str, first_guard: str) -> None:
+    def _on_recompile(self, cid: str, where: str, first_guard: str, chash: str = "") -> str:
         kind = guard_kind(first_guard)
         self.recompiles[kind] += 1
         examples = self.recompile_examples.setdefault(kind, [])
@@ -438,21 +591,26 @@ class CompileCollector(Component):
         text = self._recompile_text.pop(cid, "")
         failed = [ln.strip()[2:] for ln in text.splitlines() if re.match(r"\s*- \d+/\d+: ", ln)]
         self.agent.events.emit(  # type: ignore[union-attr]
-            "recompile",
+            cat.EVENT_RECOMPILE,
             compile_id=cid,
+            frame_id=frame_id(cid),
+            code_hash=chash,
             function=where,
             reason=kind,
             guard=first_guard,
+            guard_failures=failed or [first_guard],
             failed_guards=failed or [first_guard],
+            user_stack=user_frames(text) or ([where.split(" ", 1)[-1]] if where else []),  # size guards give none
             message=text,
         )
+        return kind
 
     # --------------------------------------------------------------------------------- scrape
     def collect(self) -> Iterable[Metric]:
         f = self.agent.families  # type: ignore[union-attr]
         c = f.counter("hpar_dynamo_compiles_total")
-        for (outcome, trigger), n in sorted(self.compiles.copy().items()):
-            f.add(c, [outcome, trigger], n)
+        for (outcome, trigger, backend), n in sorted(self.compiles.copy().items()):
+            f.add(c, [outcome, trigger, backend], n)
         yield c
         for name, counts in (
             ("hpar_dynamo_recompiles_total", self.recompiles),
@@ -474,6 +632,9 @@ class CompileCollector(Component):
             if hist.count:
                 h.add_metric(f.labels(phase), hist.buckets(), hist.sum)
         yield h
+        gc = f.counter("hpar_dynamo_graphs_compiled_total")
+        f.add(gc, [], self.graphs_compiled)
+        yield gc
         g = f.gauge("hpar_dynamo_unique_graphs")
         f.add(g, [], len(self.graphs))
         yield g
@@ -484,8 +645,10 @@ class CompileCollector(Component):
     def summary(self) -> dict:
         return {
             "graphs": len(self.graphs),
+            "graphs_compiled": self.graphs_compiled,
             "fingerprint": self.fingerprint,
-            "compiles": {f"{o}/{t}": n for (o, t), n in sorted(self.compiles.items())},
+            "compiles": {f"{o}/{t}": n for (o, t), n in sorted(_by_outcome(self.compiles).items())},
+            "backends": sorted({b for (_, _, b) in self.compiles}),
             "compile_seconds_total": round(self.compile_seconds, 6),
             "graph_breaks": [
                 {
@@ -493,6 +656,7 @@ class CompileCollector(Component):
                     "count": self.graph_breaks[key],
                     "message": info["reason"],
                     "user_frames": sorted(info["user_frames"]),
+                    **({"c10d_call": info["c10d"], "hint": FUNCTIONAL_COLLECTIVES_HINT} if info.get("c10d") else {}),
                 }
                 for key, info in sorted(self.break_info.items())
             ],

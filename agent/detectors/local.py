@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,11 @@ class RecompileStorm(Detector):
     A limit hit is a storm by itself: the frame already recompiled ``recompile_limit`` times (8 by
     default, shared by every module instance of one code object, so a per-step storm on identical
     blocks never exceeds 10 recompiles) and now runs uncompiled for good. Value: recompiles in the window.
+
+    ``details.mode`` says which condition holds: ``cache_pollution`` is the design document's signal,
+    both at once (more than ``max_recompiles`` recompiles in the window AND a hit ratio below
+    ``min_hit_ratio``: the cache fills with graphs that are never hit again); ``recompiles``,
+    ``limit`` and ``cache_hit_ratio`` are one condition alone.
     """
 
     name = "RecompileStorm"
@@ -79,8 +84,13 @@ class RecompileStorm(Detector):
             if hits + misses < self.p("min_lookups"):
                 ratio = math.nan
         low_hits = not math.isnan(ratio) and ratio < self.p("min_hit_ratio")
-        storm = n > self.p("max_recompiles") or limit_hits > self.p("max_limit_hits")
-        return Verdict(storm or low_hits, n, details)
+        many = n > self.p("max_recompiles")
+        limit = limit_hits > self.p("max_limit_hits")
+        details["mode"] = (
+            "cache_pollution" if many and low_hits else "recompiles" if many else "limit" if limit
+            else "cache_hit_ratio" if low_hits else ""
+        )  # fmt: skip
+        return Verdict(many or limit or low_hits, n, details)
 
 
 class GraphBreaks(Detector):
@@ -91,7 +101,8 @@ class GraphBreaks(Detector):
     | warmup_steps | 3 | reasons first seen before this many steps completed are the baseline |
     | hold_steps | 20 | the alert stays active this many steps after the last new reason |
 
-    Value: number of new reasons. Details carry the collector's text (user stack) per reason.
+    Value: number of new reasons. Details carry the collector's text (user stack) per reason, and
+    ``c10d_calls`` when a break comes from a torch.distributed (c10d) call inside compiled code.
     """
 
     name = "GraphBreaks"
@@ -112,7 +123,11 @@ class GraphBreaks(Detector):
         if fresh:
             self.last_new_step = max(self.first_seen[r] for r in fresh)
         active = bool(new) and ctx.steps_done - self.last_new_step <= self.p("hold_steps")
-        details = {"reasons": {r: src.graph_break_detail(ctx.agent, r) for r in new[:8]}}
+        details: dict[str, Any] = {"reasons": {r: src.graph_break_detail(ctx.agent, r) for r in new[:8]}}
+        c10d = {r: op for r in new[:8] if (op := src.graph_break_c10d(ctx.agent, r))}
+        if c10d:  # a torch.distributed call inside compiled code: the fix is functional collectives
+            details["c10d_calls"] = c10d
+            details["fix"] = "use torch.distributed._functional_collectives inside compiled code"
         return Verdict(active, float(len(new)), details)
 
 
@@ -141,7 +156,7 @@ class MemoryLeak(Detector):
     defaults = {"warmup_steps": 5, "quiet_steps": 3, "max_busy_steps": 10, "window": 12, "min_slope_bytes": MiB,
                 "rss_min_slope_bytes": 2 * MiB, "min_increase_fraction": 0.15}  # fmt: skip
     threshold_param = "min_slope_bytes"
-    evidence = ("pyspy", "allocator")
+    evidence = ("pyspy", "allocator", "profile")  # profile: a bounded py-spy record, off both threads
     clear = 3
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
@@ -173,6 +188,48 @@ class MemoryLeak(Detector):
             elif not leaking:
                 ctx.evidence.stop_memory_history()  # cleared: recording costs every allocation
         return Verdict(leaking, slope if math.isfinite(slope) else 0.0, {"source": source, "trend_from_step": start})
+
+
+class CompiledGraphsGrowing(Detector):
+    """Compiled graphs still growing after warm-up: the PP x compile-cache leak (a fresh compiled
+    function per microbatch that the schedule keeps alive; its graphs and their memory grow).
+
+    | param | default | meaning |
+    |---|---|---|
+    | warmup_steps | 5 | graphs compiled before this step are warm-up |
+    | window_steps | 10 | steps looked back |
+    | min_graphs | 4 | graphs compiled in the window (after warm-up) that count as growth |
+    | min_steps | 3 | ... spread over at least this many distinct steps (one late compile burst is not growth) |
+
+    Value: graphs compiled in the window. Details name the code location (function file:line) that
+    compiled most of them; MemoryLeak's evidence (py-spy profile) shows where it is called from.
+    """
+
+    name = "CompiledGraphsGrowing"
+    defaults = {"warmup_steps": 5, "window_steps": 10, "min_graphs": 4, "min_steps": 3}
+    threshold_param = "min_graphs"
+    clear = 3
+
+    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+        log = src.graph_compiles(ctx.agent)
+        if log is None:
+            return None
+        lo = max(int(self.p("warmup_steps")), ctx.steps_done - int(self.p("window_steps")))
+        recent = [where for step, where in log if step >= lo]
+        steps = {step for step, _ in log if step >= lo}
+        by = Counter(recent)
+        growing = (
+            ctx.steps_done >= self.p("warmup_steps") and len(recent) >= self.p("min_graphs")
+            and len(steps) >= self.p("min_steps")
+        )  # fmt: skip
+        details: dict[str, Any] = {
+            "location": by.most_common(1)[0][0] if by else "",
+            "graphs_in_window": len(recent),
+            "steps_with_compiles": len(steps),
+            "by_location": dict(by.most_common(3)),
+            "graphs_total": len(log),
+        }
+        return Verdict(growing, float(len(recent)), details)
 
 
 class CollectiveLatencyHigh(Detector):

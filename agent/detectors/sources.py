@@ -79,8 +79,25 @@ def graph_break_detail(agent: Agent, reason: str) -> str:
     if isinstance(info, Mapping) and isinstance(info.get(reason), Mapping):
         entry = info[reason]
         frames = sorted(str(f) for f in entry.get("user_frames") or ())[:4]
-        return "; ".join([str(entry.get("reason", ""))[:500], *frames])
+        c10d = str(entry.get("c10d") or "")
+        head = [f"c10d call `{c10d}` inside compiled code; use torch.distributed._functional_collectives"] if c10d else []
+        return "; ".join([*head, str(entry.get("reason", ""))[:500], *frames])
     return ""
+
+
+def graph_break_c10d(agent: Agent, reason: str) -> str:
+    """The c10d function (e.g. broadcast) that caused graph breaks of ``reason``; '' for other breaks."""
+    c = agent.component("compile")
+    info = _get(c, "break_info") if c is not None else None
+    entry = info.get(reason) if isinstance(info, Mapping) else None
+    return str(entry.get("c10d") or "") if isinstance(entry, Mapping) else ""
+
+
+def graph_compiles(agent: Agent) -> list[tuple[int, str]] | None:
+    """(step, code location) of every graph compiled (bounded log); None without a compile collector."""
+    c = agent.component("compile")
+    log = _get(c, "graph_log") if c is not None else None
+    return None if log is None else list(log)
 
 
 def graph_fingerprint(agent: Agent) -> int | None:

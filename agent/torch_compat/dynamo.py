@@ -9,6 +9,7 @@ empty/neutral value when torch moved it, so the collector reports ``up=0`` inste
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -41,8 +42,11 @@ METRIC_FIELDS = (
     "restart_reasons", "fail_type", "fail_reason", "graph_op_count", "graph_node_count",
     "graph_input_count", "graph_node_shapes", "entire_frame_compile_time_s", "backend_compile_time_s",
     "inductor_compile_time_s", "code_gen_time_s", "duration_us", "is_forward", "is_runtime",
-    "start_time_us", "end_time_us",
+    "start_time_us", "end_time_us", "frame_key", "stack_trace", "exception_stack_trace",
+    "fail_user_frame_filename", "fail_user_frame_lineno",
 )  # fmt: skip
+#: The frame of ``convert_frame._compile`` holds the frame being compiled and the backend.
+_COMPILE_FN = ("_compile", "convert_frame.py")
 
 
 def _callback_handler() -> Any:
@@ -176,3 +180,58 @@ def disable_artifact(name: str) -> None:
 
 def artifact_loggers(names: Iterable[str]) -> list[logging.Logger]:
     return [logging.getLogger(q) for n in names for q in ARTIFACT_LOGGERS.get(n, ())]
+
+
+def _backend_name(fn: Any) -> str:
+    """Registered name of a dynamo backend callable: the first name along its wrappers (dynamo's
+    WrapBackendDebug, torch._TorchCompileWrapper, partials, a user callable that sets ``compiler_name``) in dynamo's
+    registry, else the first name found ('' when none)."""
+    names: list[str] = []
+    for _ in range(6):
+        for attr in ("_compiler_name", "compiler_name"):
+            name = getattr(fn, attr, None)
+            if isinstance(name, str) and name:
+                names.append(name)
+        nxt = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+               or getattr(fn, "func", None))  # fmt: skip
+        if nxt is None or nxt is fn:
+            break
+        fn = nxt
+    known = known_backends()
+    return next((n for n in names if n in known), names[0] if names else "")
+
+
+def compiling_frame(max_depth: int = 24) -> tuple[Any, list[str], str] | None:
+    """(code object, local NAMES, backend name) of the frame dynamo is compiling on this thread.
+
+    Called from the compile start callback: walks the Python stack up to ``convert_frame._compile``
+    (a few frames) and reads its ``frame`` and ``compiler_fn`` arguments. Only the names of the
+    frame's locals are taken, never their values. None when torch moved these names."""
+    f: Any = sys._getframe(1)
+    for _ in range(max_depth):
+        if f is None:
+            return None
+        co = f.f_code
+        if co.co_name == _COMPILE_FN[0] and co.co_filename.endswith(_COMPILE_FN[1]):
+            loc = f.f_locals
+            frame = loc.get("frame")
+            code = getattr(frame, "f_code", None) or loc.get("code")
+            if code is None:
+                return None
+            try:
+                names = [str(k) for k in getattr(frame, "f_locals", {}) or {}][:64]
+            except Exception:
+                names = list(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
+            return code, names, _backend_name(loc.get("compiler_fn"))
+        f = f.f_back
+    return None
+
+
+def known_backends() -> frozenset[str]:
+    """Names in dynamo's backend registry (bounded label values); empty when unavailable."""
+    try:
+        from torch._dynamo import list_backends
+
+        return frozenset(list_backends(exclude_tags=())) | {"eager", "inductor"}
+    except Exception:
+        return frozenset({"eager", "aot_eager", "inductor"})

@@ -11,7 +11,18 @@ import torch
 import torch._dynamo
 
 from hpar_agent.agent import Agent
-from hpar_agent.collectors.compile import CompileCollector, graph_break_key, guard_kind
+from hpar_agent.collectors.compile import (
+    FUNCTIONAL_COLLECTIVES_HINT,
+    CompileCollector,
+    break_reason,
+    c10d_call,
+    code_hash,
+    graph_break_key,
+    guard_kind,
+    node_name,
+    user_frame,
+    user_frames,
+)
 from hpar_agent.torch_compat import dynamo
 
 L = {"rank": "0", "pp_stage": "0"}
@@ -71,6 +82,97 @@ def test_reason_keys_are_bounded():
     assert guard_kind("0/0: something new") == "other"
 
 
+# Recorded on torch 2.13 (paths shortened): print in compiled code, and a rank-dependent dist.broadcast.
+PRINT_BREAK = (
+    "Graph break in user code at /src/train.py:12\nGraph Break Reason: Encountered graph break when attempting to "
+    "trace CALL: a function call, e.g. f(x, y):\n\nFailed to trace builtin operator\n  Explanation: Dynamo does "
+    "not know how to trace builtin operator `print` with argument types ['str'] (has_kwargs False)\n  Hint: Avoid "
+    "calling builtin `print`.\n\n  Developer debug context: builtin print False\n\n For more details about this "
+    "graph break, please visit: https://meta-pytorch.github.io/compile-graph-break-site/gb/gb0059.html\n\nUser "
+    'code traceback:\n  File "/src/train.py", line 14, in <module>\n    fn(x)\n  File "/src/train.py", line 12, '
+    'in f\n    print("hi")\n'
+)
+SITE = "/venv/lib/python3.11/site-packages/torch"
+C10D_BREAK = (
+    f"Graph break in user code at {SITE}/_dynamo/polyfills/__init__.py:505\nGraph Break Reason: Encountered graph "
+    "break when attempting to trace CALL: a function call, e.g. f(x, y):\n\nAttempted to call function marked as "
+    "skipped\n  Explanation: Dynamo does not know how to trace the builtin `<unknown module>.pybind11_object.__new__.`"
+    "\n  Hint: If it is a Python builtin, please file an issue.\n\n  Developer debug context: module: <unknown "
+    "module>\n\n For more details about this graph break, please visit: https://meta-pytorch.github.io/compile-graph-"
+    'break-site/gb/gb0007.html\n\nUser code traceback:\n  File "/src/train.py", line 16, in <module>\n    fn(x)\n'
+    '  File "/src/train.py", line 14, in g\n    dist.broadcast(y, src=dist.get_rank())\n'
+    f'  File "{SITE}/distributed/c10d_logger.py", line 83, in wrapper\n    return func(*args, **kwargs)\n'
+    f'  File "{SITE}/distributed/distributed_c10d.py", line 3133, in broadcast\n    opts = BroadcastOptions()\n'
+    f'  File "{SITE}/_dynamo/polyfills/__init__.py", line 505, in instantiate_user_defined_class_object\n'
+    "    obj = cls.__new__(cls, *args, **kwargs)\n"
+)
+
+
+def test_graph_break_reason_text_is_the_cause_not_blank(tmp_path):
+    """Alert details and summaries used to read '; /src/train.py:12': dynamo's header line was taken
+    as the reason and everything before 'Encountered graph break' is blank."""
+    assert break_reason(PRINT_BREAK) == (
+        "Failed to trace builtin operator: Dynamo does not know how to trace builtin operator `print` with "
+        "argument types ['str'] (has_kwargs False)"
+    )
+    assert break_reason("Graph Break Reason: call_function BuiltinVariable(print)") == "call_function BuiltinVariable(print)"
+    a = _start(tmp_path)
+    try:
+        comp = a.component("compile")
+        comp._on_graph_break(PRINT_BREAK, 0, "0/0")
+        from hpar_agent.detectors import sources as src
+
+        detail = src.graph_break_detail(a, "gb0059")
+        assert detail.startswith("Failed to trace builtin operator: ") and detail.endswith("/src/train.py:12")
+        assert comp.summary()["graph_breaks"][0]["message"].startswith("Failed to trace builtin operator")
+    finally:
+        a.stop()
+
+
+def test_c10d_call_in_compiled_code_is_named_with_the_functional_collectives_hint(tmp_path):
+    assert c10d_call(C10D_BREAK) == "broadcast" and c10d_call(PRINT_BREAK) == ""
+    frames = user_frames(C10D_BREAK)
+    assert user_frame(frames, C10D_BREAK) == "/src/train.py:14"  # the user's line, not torch's polyfill
+    a = _start(tmp_path)
+    try:
+        comp = a.component("compile")
+        comp._on_graph_break(C10D_BREAK, 0, "3/0")
+        (ev,) = _events(a, "graph_break")
+        assert ev["c10d_call"] == "broadcast" and "_functional_collectives" in ev["hint"] and ev["frame_id"] == "3"
+        (brk,) = comp.summary()["graph_breaks"]
+        assert brk["c10d_call"] == "broadcast" and brk["hint"] == FUNCTIONAL_COLLECTIVES_HINT
+        from hpar_agent.detectors import sources as src
+
+        assert "c10d call `broadcast`" in src.graph_break_detail(a, "gb0007")
+        assert "torch.distributed._functional_collectives" in src.graph_break_detail(a, "gb0007")
+    finally:
+        a.stop()
+
+
+def test_failed_backend_compile_record_has_node_name_and_traceback_depth(tmp_path):
+    """A CompilationMetrics of a backend failure (fields as torch 2.13 fills them) -> backend_compile."""
+    a = _start(tmp_path)
+    try:
+        m = dict.fromkeys(dynamo.METRIC_FIELDS)
+        m.update(
+            compile_id="4/0", co_name="forward", co_filename="/src/model.py", co_firstlineno=40, is_forward=True,
+            fail_type="BackendCompilerFailed",
+            fail_reason="backend='inductor' raised:\nRuntimeError: boom\n\nWhile executing %addmm_3 : [num_users=1]",
+            exception_stack_trace=["Line: 1, Name: a", "Line: 2, Name: b", "Line: 3, Name: c"],
+        )  # fmt: skip
+        a.component("compile")._on_metrics(m)
+        (ev,) = _events(a, "backend_compile")
+        assert ev["outcome"] == "failed" and ev["node_name"] == "addmm_3" and ev["traceback_depth"] == 3
+        assert ev["code_hash"] == code_hash("/src/model.py", 40, "forward") and ev["frame_id"] == "4"
+    finally:
+        a.stop()
+
+
+def test_node_name_of_a_backend_failure():
+    assert node_name("BackendCompilerFailed: ... While executing %addmm_3 : [num_users=1] = call_function") == "addmm_3"
+    assert node_name("some other failure") == ""
+
+
 # ------------------------------------------------------------------------------------- graph breaks
 def _breaks(x):
     y = x * 2
@@ -85,8 +187,8 @@ def test_graph_break_counted_with_gb_key_and_user_frame_in_event_log(agent, capf
     torch.compile(_breaks, backend="eager")(torch.ones(3))
     agent.tick()
     assert _val(agent, "hpar_dynamo_graph_breaks_total", reason="gb0059") == 1.0
-    assert _val(agent, "hpar_dynamo_compiles_total", outcome="graph_break", trigger="forward") == 1.0
-    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward") == 1.0  # the resume fn
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="graph_break", trigger="forward", backend="eager") == 1.0
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="eager") == 1.0  # the resume fn
     where = f"{__file__}:{BREAK_LINE}"
     (ev,) = _events(agent, "graph_break")
     assert ev["reason"] == "gb0059" and ev["user_frame"] == where and ev["compile_id"] == "0/0"
@@ -98,17 +200,71 @@ def test_graph_break_counted_with_gb_key_and_user_frame_in_event_log(agent, capf
     (brk,) = summary["graph_breaks"]
     assert brk["reason"] == "gb0059" and brk["count"] == 1 and where in brk["user_frames"]
     assert summary["graphs"] == 2 and summary["compile_seconds_total"] > 0
+    assert brk["message"].startswith("Failed to trace builtin operator: Dynamo does not know how to trace builtin")
+    assert ev["reason_text"] == brk["message"] and ev["user_stack"] == ev["frames"] and ev["frame_id"] == "0"
+    # the design document's records: compile_start (names of locals only) and backend_compile, tied by compile id
+    starts = _events(agent, "compile_start")
+    assert [e["compile_id"] for e in starts][:1] == ["0/0"]
+    st = starts[0]
+    assert st["f_locals_keys"] == ["x"] and st["backend"] == "eager" and st["frame_id"] == "0"
+    assert st["code_hash"] == code_hash(__file__, _breaks.__code__.co_firstlineno, "_breaks") == ev["code_hash"]
+    bc = {e["compile_id"]: e for e in _events(agent, "backend_compile")}
+    assert bc["0/0"]["outcome"] == "graph_break" and bc["0/0"]["code_hash"] == st["code_hash"]
+    assert bc["0/0"]["backend"] == "eager" and bc["0/0"]["node_name"] == "" and bc["0/0"]["traceback_depth"] is None
+    assert summary["backends"] == ["eager"]
     # compile spans, with the graph break as a span event on the frame that broke
     spans = [s for s in agent._pending_spans.get(0, []) if s.name == "dynamo.compile"]
     assert [s.attributes["dynamo.compile_id"] for s in spans] == ["0/0", "1/0"]
     assert spans[0].attributes["dynamo.outcome"] == "graph_break" and spans[0].end_ns > spans[0].start_ns
-    assert [e[0] for e in spans[0].events] == ["graph_break"]
-    assert spans[0].events[0][2]["dynamo.user_frame"] == where
+    assert [e[0] for e in spans[0].events] == ["compile_start", "graph_break", "backend_compile"]
+    assert spans[0].events[1][2]["dynamo.user_frame"] == where
+    assert spans[0].attributes["dynamo.backend"] == "eager" and spans[0].attributes["dynamo.code_hash"] == st["code_hash"]
     h = _val(agent, "hpar_dynamo_compile_duration_seconds_count", phase="entire_frame")
     assert h == 2.0
     # captured quietly: nothing reached the terminal from the artifact/metrics loggers
     err = capfd.readouterr().err
     assert "Graph break" not in err and "CompilationMetrics" not in err
+
+
+def _plus_one(x):
+    return x + 1
+
+
+def _plus_two(x):
+    return x + 2
+
+
+def test_backend_label_sees_through_wrappers_and_bounds_custom_backends(agent):
+    def counting(gm, example_inputs):  # a wrapper like the trainer's counting backend
+        return gm.forward
+
+    counting.compiler_name = "aot_eager"  # type: ignore[attr-defined]
+
+    def mine(gm, example_inputs):
+        return gm.forward
+
+    torch.compile(_plus_one, backend=counting)(torch.ones(2))
+    torch.compile(_plus_two, backend=mine)(torch.ones(2))
+    agent.tick()
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="aot_eager") == 1.0
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="custom") == 1.0
+
+
+# ------------------------------------------------------------------------------------- compile leak
+def test_fresh_compiled_function_per_microbatch_grows_graphs_at_one_location(agent):
+    """compile-leak's pattern: every microbatch compiles a new code object of one function. Each is a
+    new frame (no recompile, no limit), identical graphs: unique_graphs stays, graphs_compiled grows."""
+    from hpar_trainer.inject import _leaky_graph, compile_fresh
+
+    kept = [compile_fresh(torch.ones(4), torch.ones(8)) for _ in range(5)]
+    agent.tick()
+    comp = agent.component("compile")
+    assert len(kept) == 5 and _val(agent, "hpar_dynamo_graphs_compiled_total") == 5.0
+    assert _val(agent, "hpar_dynamo_unique_graphs") == 1.0 and not comp.recompiles
+    code = _leaky_graph.__code__
+    where = f"_leaky_graph {code.co_filename}:{code.co_firstlineno}"
+    assert [w for _, w in comp.graph_log] == [where] * 5
+    assert len({e["frame_id"] for e in _events(agent, "compile_start")}) == 5
 
 
 # ------------------------------------------------------------------------------------- recompiles
@@ -130,6 +286,17 @@ def test_shape_int_dtype_changes_are_recompiles_with_reasons(agent):
     # every cached entry's failed guard is in the event, not only the first one
     assert len(evs[2]["failed_guards"]) == 3 and "dtype mismatch" in evs[2]["failed_guards"][0]
     assert all(e["function"].startswith("_scale ") for e in evs)
+    # the design document's fields: one frame id and code hash for the recompiled frame, every guard
+    # failure, the user stack of the guard
+    assert evs[2]["guard_failures"] == evs[2]["failed_guards"] and {e["frame_id"] for e in evs} == {"0"}
+    assert {e["code_hash"] for e in evs} == {code_hash(__file__, _scale.__code__.co_firstlineno, "_scale")}
+    line = f"{__file__}:{_scale.__code__.co_firstlineno + 1}"
+    assert any(f.startswith(line) for f in evs[1]["user_stack"])  # an int guard's "User stack trace"
+    assert evs[0]["user_stack"] == [f"{__file__}:{_scale.__code__.co_firstlineno}"]  # none given: the frame
+    spans = [s for s in agent._pending_spans.get(0, []) if s.name == "dynamo.compile"]
+    assert [e[2]["dynamo.recompile.reason"] for s in spans for e in s.events if e[0] == "recompile"] == [
+        "tensor_size", "int_value", "tensor_dtype"
+    ]
     rec = {r["reason"]: r for r in agent.component("compile").summary()["recompiles"]}
     assert rec["int_value"]["count"] == 1 and "n == 2" in rec["int_value"]["examples"][0]
 
@@ -141,8 +308,8 @@ def test_recompile_limit_hit(agent):
             fn(torch.ones(2), n)
     agent.tick()
     assert _val(agent, "hpar_dynamo_recompile_limit_hits_total") == 1.0
-    assert _val(agent, "hpar_dynamo_compiles_total", outcome="limit", trigger="forward") == 1.0
-    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward") == 2.0
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="limit", trigger="forward", backend="eager") == 1.0
+    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="eager") == 2.0
 
 
 # ------------------------------------------------------------------------------------- fingerprint

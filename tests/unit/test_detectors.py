@@ -397,6 +397,73 @@ def test_recompile_storm_and_cache_hit_ratio(tmp_path: Any) -> None:
     assert sample(det2, "hpar_alert_active", "RecompileStorm") == 1.0
 
 
+def test_cache_pollution_needs_both_many_recompiles_and_a_low_hit_ratio(tmp_path: Any) -> None:
+    """The design document's cache pollution: recompiles > 10 AND cache hit ratio < 0.3 over the window
+    (counters recorded from a run whose shapes change every step with inductor's FX graph cache)."""
+    comp = Fake("compile", recompiles=Counter(), limit_hits=0, cache=Counter({("fx_graph", "miss"): 4}))
+    agent, det = make_agent(tmp_path, comps=(steps(10), comp))
+    agent.tick()
+    comp.recompiles["tensor_size"] += 6
+    comp.cache.update({("fx_graph", "miss"): 24, ("fx_graph", "hit"): 2})  # ratio 0.08, 6 recompiles
+    agent.tick()
+    st = det.states["RecompileStorm"]
+    assert sample(det, "hpar_alert_active", "RecompileStorm") == 1.0 and st.details["mode"] == "cache_hit_ratio"
+    comp.recompiles["tensor_size"] += 6  # 12 recompiles in the window and still ratio < 0.3
+    comp.cache.update({("fx_graph", "miss"): 6})
+    agent.tick()
+    assert det.states["RecompileStorm"].details["mode"] == "cache_pollution"
+    assert det.states["RecompileStorm"].details["hit_ratio"] < 0.3
+    # many recompiles while the cache hits (a warm cache) is a recompile storm, not pollution
+    comp2 = Fake("compile", recompiles=Counter(), limit_hits=0, cache=Counter())
+    agent2, det2 = make_agent(tmp_path / "b", comps=(steps(10), comp2))
+    agent2.tick()
+    comp2.recompiles["int_value"] += 12
+    comp2.cache.update({("fx_graph", "hit"): 30, ("fx_graph", "miss"): 2})
+    agent2.tick()
+    assert det2.states["RecompileStorm"].details["mode"] == "recompiles"
+
+
+def test_graph_break_from_a_c10d_call_points_to_functional_collectives(tmp_path: Any) -> None:
+    from hpar_agent.collectors.compile import CompileCollector
+    from tests.unit.test_compile import C10D_BREAK
+
+    coll = CompileCollector()
+    coll._count_break("gb0007", C10D_BREAK, "/src/train.py:14")  # recorded dist.broadcast break (torch 2.13)
+    comp = Fake("compile", graph_breaks=Counter(), break_info=coll.break_info)
+    agent, det = make_agent(tmp_path, comps=(steps(10), comp))
+    agent.tick()
+    comp.graph_breaks["gb0007"] += 1  # the break appears after warm-up
+    agent.tick()
+    d = det.states["GraphBreaks"].details
+    assert sample(det, "hpar_alert_active", "GraphBreaks") == 1.0
+    assert d["c10d_calls"] == {"gb0007": "broadcast"} and "_functional_collectives" in d["fix"]
+    assert d["reasons"]["gb0007"].startswith("c10d call `broadcast` inside compiled code")
+
+
+def test_compiled_graphs_growing_after_warmup_names_the_location(tmp_path: Any) -> None:
+    from hpar_agent.detectors.local import CompiledGraphsGrowing
+
+    where = "_leaky_graph trainer/inject.py:27"
+    warm = [(0, "forward model.py:40")] * 6 + [(1, "forward model.py:40")] * 2  # warm-up compiles
+    comp = Fake("compile", graph_log=deque(warm))
+    st = steps(6)
+    agent, det = make_agent(tmp_path, comps=(st, comp))
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "CompiledGraphsGrowing") == 0.0  # warm-up only
+    comp.graph_log.extend([(6, where), (6, where)])  # one late burst on one step: not growth
+    st.total = 7
+    agent.tick()
+    assert sample(det, "hpar_alert_active", "CompiledGraphsGrowing") == 0.0
+    for s in (7, 8, 9):  # a new graph per microbatch, step after step
+        comp.graph_log.extend([(s, where)] * 2)
+        st.total = s + 1
+        agent.tick()
+    d = det.states["CompiledGraphsGrowing"].details
+    assert sample(det, "hpar_alert_active", "CompiledGraphsGrowing") == 1.0
+    assert d["location"] == where and d["graphs_in_window"] == 8 and d["steps_with_compiles"] == 4
+    assert CompiledGraphsGrowing().threshold == 4
+
+
 def test_recompile_limit_hit_is_a_storm(tmp_path: Any) -> None:
     comp = Fake("compile", recompiles=Counter({"int_value": 7}), limit_hits=0, cache=Counter(), graph_breaks=Counter())
     agent, det = make_agent(tmp_path, comps=(steps(10), comp))
@@ -553,6 +620,34 @@ def test_evidence_pyspy_json_and_rate_limit(tmp_path: Any) -> None:
     assert stat.S_IMODE(os.stat(tmp_path / "evidence").st_mode) == 0o700
     assert ev.py_spy("Hang-2") == []  # rate-limited
     assert ev.allocator_snapshot("x") == []  # no CUDA history started on CPU
+
+
+def _spin_for_profile(stop: Any) -> None:
+    while not stop.is_set():
+        sum(range(1000))
+
+
+def test_evidence_pyspy_record_profile_is_bounded_and_never_waited_on(tmp_path: Any) -> None:
+    import threading
+
+    stop = threading.Event()
+    busy = threading.Thread(target=_spin_for_profile, args=(stop,), daemon=True)
+    busy.start()
+    try:
+        ev = Evidence(str(tmp_path), rank=2, min_interval_s=60)
+        t0 = time.monotonic()
+        (path,) = ev.collect("MemoryLeak-1", MemoryLeak.evidence)[-1:]  # the profile comes last
+        assert time.monotonic() - t0 < 1.5  # the 1-5 s recording is not waited for
+        assert path.endswith(".profile.speedscope.json") and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert os.path.getsize(path) > 0 and ev.recording is not None  # a placeholder until py-spy is done
+        ev.recording.join(30)
+        with open(path, encoding="utf-8") as fh:
+            prof = json.load(fh)
+        names = {f["name"] for f in prof["shared"]["frames"]}
+        assert "_spin_for_profile" in names and prof["profiles"]
+        assert ev.py_spy_record("MemoryLeak-2", seconds=1) == []  # rate-limited
+    finally:
+        stop.set()
 
 
 def test_evidence_fr_dump_and_missing_pyspy(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
