@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from hpar_agent import __version__
+from hpar_agent.alert_callbacks import Alert, AlertCallbacks
 from hpar_agent.catalogue import ALERT_NAMES
 from hpar_agent.component import Component
 from hpar_agent.config import AgentConfig
@@ -77,6 +78,7 @@ class Agent:
         self._signals: SignalFlush | None = None
         self.tracing: Any = None
         self.started = False
+        self.alert_callbacks = AlertCallbacks(self.record_error)
 
     # ------------------------------------------------------------------------------------ lifecycle
     def start(self) -> Agent:
@@ -147,6 +149,7 @@ class Agent:
             self.tick(final=True)  # final drain so the last steps reach the exporters
         except Exception as exc:
             self.record_error("agent", exc)
+        self.alert_callbacks.stop()
         for comp in reversed(self.components):
             try:
                 comp.uninstall()
@@ -234,6 +237,16 @@ class Agent:
         if schedule is not None and not stages:
             stages = list(getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)])
         self.guard("pipeline", pipe.watch, [s for s in stages if s is not None], schedule)  # type: ignore[attr-defined]
+
+    def on_alert(self, callback: Callable[[Alert], Any]) -> None:
+        """Call ``callback(alert)`` on every alert transition (``alert.state``: firing, resolved), on a
+        worker thread of its own: a slow or raising callback never blocks training nor the detectors."""
+        self.alert_callbacks.add(callback)
+
+    def active_alerts(self) -> list[Alert]:
+        """The alerts active on this rank now, with their value, details and evidence."""
+        det = self.component("detectors")
+        return det.active_alerts() if det is not None else []  # type: ignore[attr-defined]
 
     def component(self, name: str) -> Component | None:
         for c in self.components:
@@ -458,4 +471,4 @@ def current() -> Agent | None:
     return _current
 
 
-__all__ = ["ALERT_NAMES", "Agent", "attach_agent", "current", "detach_agent"]
+__all__ = ["ALERT_NAMES", "Agent", "Alert", "attach_agent", "current", "detach_agent"]
