@@ -156,6 +156,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_allocator_peak_bytes", "gauge", "CUDA caching allocator peak bytes by kind.", KIND, unit="bytes"),
     _m("hpar_allocator_alloc_retries_total", "counter", "cudaMalloc retries after freeing cached blocks (memory pressure)."),
     _m("hpar_allocator_ooms_total", "counter", "Out-of-memory errors seen by the CUDA caching allocator."),
+    _m("hpar_process_page_faults_total", "counter", "Page faults of this process by kind (minor: no disk read; major: read from disk), read at step boundaries.", KIND),
+    _m("hpar_process_context_switches_total", "counter", "Context switches of this process by kind (voluntary: it waited; involuntary: preempted), read at step boundaries.", KIND),
     _m("hpar_host_rss_bytes", "gauge", "Resident set size of this process.", unit="bytes"),
     _m("hpar_memory_post_step_bytes", "gauge", "Memory sampled right after the last step, by source (allocator, nvml, rss).", SOURCE, unit="bytes"),
     # detectors
@@ -223,6 +225,13 @@ ATTR_COMPILE_FUNCTION = "dynamo.function"  # co_name file:line of the compiled f
 ATTR_GRAPH_BREAK_REASON = "dynamo.graph_break.reason"  # the bounded reason key (gbNNNN or slug)
 ATTR_USER_FRAME = "dynamo.user_frame"  # innermost user file:line of a graph break
 ATTR_ALERT = "hpar.alert"
+# train.step: this step's page faults and context switches (process-wide deltas, getrusage)
+ATTR_MINOR_FAULTS = "hpar.page_faults.minor"
+ATTR_MAJOR_FAULTS = "hpar.page_faults.major"
+ATTR_MAJOR_FAULTED = "hpar.page_faults.had_major"  # true when the step took a major fault (Jaeger tags match exactly)
+ATTR_VOLUNTARY_SWITCHES = "hpar.context_switches.voluntary"
+ATTR_INVOLUNTARY_SWITCHES = "hpar.context_switches.involuntary"
+ATTR_STREAM_HANDLE = "cuda.stream.handle"  # the cudaStream_t as an int, beside the readable cuda.stream
 ATTR_TRACE_REASON = "hpar.trace.reason"  # why the step's trace was kept: sampled | anomalous | slow
 #: Span attributes every span carries (Jaeger tag search keys).
 SPAN_COMMON_ATTRS: tuple[str, ...] = (ATTR_RANK, ATTR_PP_STAGE, ATTR_STEP)
