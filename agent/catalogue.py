@@ -30,6 +30,7 @@ CLOCK = "clock"
 ERROR_TYPE = "error_type"
 PEER = "peer"
 VERDICT = "verdict"
+GROUP = "group"
 
 #: Labels every series carries, in this order.
 COMMON_LABELS: tuple[str, ...] = (RANK, PP_STAGE)
@@ -132,6 +133,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_collective_oldest_inflight_age_seconds", "gauge", "Age of the oldest op not yet completed on the group.", PG, unit="seconds"),
     _m("hpar_collective_last_completed_seq", "gauge", "Sequence number of the last completed collective on the group.", PG),
     _m("hpar_collective_unobserved_total", "counter", "Flight-recorder entries overwritten before the agent read them.", PG),
+    _m("hpar_grad_sync_coverage_ratio", "gauge", "Gradient elements the last judged step reduced over the group (dp) / trainable gradient elements it must reduce; 1 when whole.", GROUP, unit="ratio"),
     _m("hpar_collective_timing_enabled", "gauge", "1 when the group's ops carry durations (NCCL with timing on, pipelining p2p), else 0.", PG),
     # torch.compile
     _m("hpar_dynamo_compiles_total", "counter", "Dynamo compile attempts by outcome (ok, graph_break, failed, limit) and trigger.", OUTCOME, TRIGGER),
@@ -191,6 +193,7 @@ ALERTS: tuple[AlertSpec, ...] = (
     AlertSpec("MemoryLeak", "warning", "Post-step memory keeps rising after warm-up."),
     AlertSpec("CollectiveLatencyHigh", "warning", "Collective p99 latency above its SLO."),
     AlertSpec("Straggler", "warning", "A rank is persistently slower than its group."),
+    AlertSpec("GradSyncIncomplete", "critical", "A step reduced less of the trainable gradient over data parallelism than it must."),
     AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout."),
 )
 ALERT_NAMES: tuple[str, ...] = tuple(a.name for a in ALERTS)
