@@ -393,6 +393,9 @@ class Agent:
         topo = self.topology
         info = topo.info_labels()
         info["agent_version"] = __version__
+        binding = getattr(self.component("nvml"), "binding", None)
+        if binding is not None:
+            info.update(binding.labels())  # NUMA node and CPU affinity against the GPU's ideal CPUs
         yield f.info("hpar_rank_info", info)
         errors = f.counter("hpar_agent_errors_total")
         up = f.gauge("hpar_agent_component_up")

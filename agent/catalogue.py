@@ -58,6 +58,10 @@ INFO_LABELS: tuple[str, ...] = (
     "device",
     "torch_version",
     "agent_version",
+    "numa_node",  # NUMA nodes of the CPUs the process may run on
+    "cpu_affinity",  # those CPUs (cpulist form, at most 64 characters)
+    "gpu_numa_node",  # NVML: the GPU's NUMA node ("" unknown)
+    "gpu_cpu_affinity",  # NVML: the CPUs ideal for the GPU
 )
 
 
@@ -194,6 +198,7 @@ ALERTS: tuple[AlertSpec, ...] = (
     AlertSpec("CollectiveLatencyHigh", "warning", "Collective p99 latency above its SLO."),
     AlertSpec("Straggler", "warning", "A rank is persistently slower than its group."),
     AlertSpec("GradSyncIncomplete", "critical", "A step reduced less of the trainable gradient over data parallelism than it must."),
+    AlertSpec("NumaMisbinding", "warning", "The rank may run only on CPUs outside its GPU's NUMA node (NVML's ideal CPUs)."),
     AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout."),
 )
 ALERT_NAMES: tuple[str, ...] = tuple(a.name for a in ALERTS)

@@ -25,6 +25,7 @@ from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector
 from hpar_agent.detectors.cluster import CollectiveMismatch, CompileDivergence, ReplicaDivergence, Straggler
 from hpar_agent.detectors.gradsync import GradSyncIncomplete
+from hpar_agent.detectors.host import NumaMisbinding
 from hpar_agent.detectors.local import CollectiveLatencyHigh, GraphBreaks, Hang, MemoryLeak, RecompileStorm
 from hpar_agent.detectors.sources import step_state
 from hpar_agent.evidence import Evidence
@@ -35,7 +36,7 @@ D = TypeVar("D", bound=Detector)
 
 ALL_DETECTORS: tuple[type[Detector], ...] = (
     RecompileStorm, GraphBreaks, CompileDivergence, ReplicaDivergence, CollectiveMismatch, MemoryLeak,
-    CollectiveLatencyHigh, Straggler, Hang, GradSyncIncomplete,
+    CollectiveLatencyHigh, Straggler, Hang, GradSyncIncomplete, NumaMisbinding,
 )  # fmt: skip
 
 
