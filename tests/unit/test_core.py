@@ -172,6 +172,7 @@ def test_single_process_topology(attach):
 def _info_labels(agent):
     labels = agent.topology.info_labels()
     labels["agent_version"] = hpar_agent.__version__
+    labels.update(agent.component("nvml").binding.labels())  # CPU/NUMA binding (hpar_agent.affinity)
     return labels
 
 
