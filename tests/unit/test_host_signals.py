@@ -127,3 +127,54 @@ def test_doctor_reports_the_binding() -> None:
     good = doctor._numa(AffinityNvml(set(mine), 0))[0]
     assert good.status == doctor.OK and f"GPU ideal CPUs {cpu_list(mine)}" in good.detail
     assert any(c.name == "NUMA binding" for c in doctor.run_checks())
+
+
+# ------------------------------------------------------------------------------------------ stream handle
+class _Stream:
+    stream_id, cuda_stream = 3, 0x7F3A00001000
+
+
+class _Event:
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self, stream: object) -> None:
+        assert stream is _STREAM
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: object) -> float:
+        return 2.0  # ms
+
+
+_STREAM = _Stream()
+
+
+def test_chunk_spans_carry_the_stream_handle_beside_its_name(tmp_path, monkeypatch) -> None:
+    import torch
+
+    from hpar_agent.collectors.pipeline import PipelineCollector
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _STREAM)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+
+    class Stage:
+        device, stage_index = torch.device("cuda", 0), 1
+
+        def forward_one_chunk(self, chunk: int) -> str:
+            return "out"
+
+    ag = Agent(None, metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    ag.tracing = object()  # spans on (tracing_on), no exporter needed: add_span only queues
+    pipe = PipelineCollector()
+    ag.add_component(pipe)
+    stage = Stage()
+    pipe.watch([stage])
+    assert stage.forward_one_chunk(0) == "out"
+    pipe.poll(time.time())
+    (span,) = [s for spans in ag._pending_spans.values() for s in spans]
+    assert span.attributes[cat.ATTR_STREAM] == "cuda:3"
+    assert span.attributes[cat.ATTR_STREAM_HANDLE] == 0x7F3A00001000
+    assert span.end_ns - span.start_ns == 2_000_000
+    pipe.uninstall()
