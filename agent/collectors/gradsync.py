@@ -42,10 +42,14 @@ def _is_dp(label: str) -> bool:
     return label.startswith("dp")
 
 
-def required_elements(params: Iterable[Any]) -> int:
-    """Gradient elements the dp groups must reduce for these parameters (see the module docstring)."""
+def required_elements(params: Iterable[Any], model: Any = None) -> int:
+    """Gradient elements the dp groups must reduce for these parameters (see the module docstring).
+    An unnamed mesh of an FSDP ``model`` is named as topology names it (dp_shard, HSDP's two dims)."""
+    from hpar_agent.topology import mesh_dim_names
+
     total = 0
     seen: set[int] = set()
+    mesh_names: dict[int, tuple[str, ...]] = {}
     for p in params:
         if id(p) in seen or not getattr(p, "requires_grad", False):
             continue
@@ -54,8 +58,10 @@ def required_elements(params: Iterable[Any]) -> int:
         n = int(local.numel())
         factor, replicated = 1, False
         mesh = getattr(p, "device_mesh", None)
+        if id(mesh) not in mesh_names:
+            mesh_names[id(mesh)] = mesh_dim_names(mesh, model) if mesh is not None else ()
+        names = mesh_names[id(mesh)]
         for i, placement in enumerate(getattr(p, "placements", ()) or ()):
-            names = getattr(mesh, "mesh_dim_names", None) or ()
             dim = names[i] if i < len(names) else ""
             if not _is_dp(str(dim)):
                 continue
@@ -102,7 +108,7 @@ class GradSyncCollector(Component):
             return
         if now - self._required_at >= REQUIRED_EVERY_S:
             self._required_at = now
-            self.required = required_elements(self._params())
+            self.required = required_elements(self._params(), getattr(self.agent, "model", None))
         if self.required <= 0:
             return
         through = coll.read_through_ns()
