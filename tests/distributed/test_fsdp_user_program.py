@@ -136,9 +136,11 @@ def _ddp_compressed_program(rank: int, port: int, out_dir: str) -> None:
             text = resp.read().decode()
         alerts = {s.labels["alert"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                   if s.name == "hpar_alert_active"}  # fmt: skip
+        coverage = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                    if s.name == "hpar_grad_sync_coverage_ratio"]  # fmt: skip
         half = [e for e in fr.dump("gloo")["entries"] if e["input_dtypes"] == ["Half"]]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-            json.dump({"alerts": alerts, "half_reductions": len(half)}, fh)
+            json.dump({"alerts": alerts, "half_reductions": len(half), "coverage": coverage}, fh)
         dist.barrier()
     finally:
         hpar_agent.detach()
@@ -151,4 +153,5 @@ def test_ddp_compress_hook_on_every_rank_is_quiet(tmp_path):
     for rank in range(WORLD):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["half_reductions"] >= STEPS  # the gradients really were reduced in 16 bits
+        assert len(res["coverage"]) == 1 and res["coverage"][0] == pytest.approx(1.0), res  # elements, not bytes
         assert res["alerts"] and not any(res["alerts"].values()), res["alerts"]
