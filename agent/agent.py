@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from hpar_agent import __version__
+from hpar_agent.alert_callbacks import Alert, AlertCallbacks
 from hpar_agent.component import Component
 from hpar_agent.config import AgentConfig
 from hpar_agent.events import EventLog
@@ -79,6 +80,7 @@ class Agent:
         self.started = False
         self.flops_per_token: float | None = None  # agent.report_flops: the MFU inputs
         self.peak_flops: float | None = None
+        self.alert_callbacks = AlertCallbacks(self.record_error)
 
     # ------------------------------------------------------------------------------------ lifecycle
     def start(self) -> Agent:
@@ -149,6 +151,7 @@ class Agent:
             self.tick(final=True)  # final drain so the last steps reach the exporters
         except Exception as exc:
             self.record_error("agent", exc)
+        self.alert_callbacks.stop()
         for comp in reversed(self.components):
             try:
                 comp.uninstall()
@@ -249,6 +252,16 @@ class Agent:
         if schedule is not None and not stages:
             stages = list(getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)])
         self.guard("pipeline", pipe.watch, [s for s in stages if s is not None], schedule)  # type: ignore[attr-defined]
+
+    def on_alert(self, callback: Callable[[Alert], Any]) -> None:
+        """Call ``callback(alert)`` on every alert transition (``alert.state``: firing, resolved), on a
+        worker thread of its own: a slow or raising callback never blocks training nor the detectors."""
+        self.alert_callbacks.add(callback)
+
+    def active_alerts(self) -> list[Alert]:
+        """The alerts active on this rank now, with their value, details and evidence."""
+        det = self.component("detectors")
+        return det.active_alerts() if det is not None else []  # type: ignore[attr-defined]
 
     def component(self, name: str) -> Component | None:
         for c in self.components:
@@ -398,6 +411,9 @@ class Agent:
         nvml = self.component("nvml")
         info["gpu_index"] = str(getattr(nvml, "gpu_index", "") or "")
         info["gpu_uuid"] = str(getattr(nvml, "gpu_uuid", "") or "")
+        binding = getattr(self.component("nvml"), "binding", None)
+        if binding is not None:
+            info.update(binding.labels())  # NUMA node and CPU affinity against the GPU's ideal CPUs
         yield f.info("hpar_rank_info", info)
         for name, value in (("hpar_model_flops_per_token", self.flops_per_token),
                             ("hpar_peak_flops", self.peak_flops)):  # fmt: skip
@@ -482,4 +498,4 @@ def current() -> Agent | None:
     return _current
 
 
-__all__ = ["Agent", "attach_agent", "current", "detach_agent"]
+__all__ = ["Agent", "Alert", "attach_agent", "current", "detach_agent"]

@@ -31,6 +31,7 @@ CLOCK = "clock"
 ERROR_TYPE = "error_type"
 PEER = "peer"
 VERDICT = "verdict"
+GROUP = "group"
 
 #: Labels every series carries, in this order.
 COMMON_LABELS: tuple[str, ...] = (RANK, PP_STAGE)
@@ -60,6 +61,10 @@ INFO_LABELS: tuple[str, ...] = (
     "agent_version",
     "gpu_index",  # NVML index of this rank's GPU (empty on CPU)
     "gpu_uuid",  # NVML UUID (GPU-...): joins with dcgm-exporter's UUID label (empty on CPU)
+    "numa_node",  # NUMA nodes of the CPUs the process may run on
+    "cpu_affinity",  # those CPUs (cpulist form, at most 64 characters)
+    "gpu_numa_node",  # NVML: the GPU's NUMA node ("" unknown)
+    "gpu_cpu_affinity",  # NVML: the CPUs ideal for the GPU
 )
 
 
@@ -137,6 +142,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_collective_oldest_inflight_age_seconds", "gauge", "Age of the oldest op not yet completed on the group.", PG, unit="seconds"),
     _m("hpar_collective_last_completed_seq", "gauge", "Sequence number of the last completed collective on the group.", PG),
     _m("hpar_collective_unobserved_total", "counter", "Flight-recorder entries overwritten before the agent read them.", PG),
+    _m("hpar_grad_sync_coverage_ratio", "gauge", "Gradient elements the last judged step reduced over the group (dp) / trainable gradient elements it must reduce; 1 when whole.", GROUP, unit="ratio"),
     _m("hpar_collective_timing_enabled", "gauge", "1 when the group's ops carry durations (NCCL with timing on, pipelining p2p), else 0.", PG),
     # torch.compile
     _m("hpar_dynamo_compiles_total", "counter", "Dynamo compile attempts by outcome (ok, graph_break, failed, limit), trigger and backend (a name in dynamo's backend registry, else custom/unknown).", OUTCOME, TRIGGER, BACKEND),
@@ -162,6 +168,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_allocator_peak_bytes", "gauge", "CUDA caching allocator peak bytes by kind.", KIND, unit="bytes"),
     _m("hpar_allocator_alloc_retries_total", "counter", "cudaMalloc retries after freeing cached blocks (memory pressure)."),
     _m("hpar_allocator_ooms_total", "counter", "Out-of-memory errors seen by the CUDA caching allocator."),
+    _m("hpar_process_page_faults_total", "counter", "Page faults of this process by kind (minor: no disk read; major: read from disk), read at step boundaries.", KIND),
+    _m("hpar_process_context_switches_total", "counter", "Context switches of this process by kind (voluntary: it waited; involuntary: preempted), read at step boundaries.", KIND),
     _m("hpar_host_rss_bytes", "gauge", "Resident set size of this process.", unit="bytes"),
     _m("hpar_memory_post_step_bytes", "gauge", "Memory sampled right after the last step, by source (allocator, nvml, rss).", SOURCE, unit="bytes"),
     # detectors
@@ -196,6 +204,8 @@ ALERTS: tuple[AlertSpec, ...] = (
     AlertSpec("CompiledGraphsGrowing", "warning", "Graphs are still being compiled step after step past warm-up (a fresh compiled function per microbatch kept alive); names the code location that keeps compiling."),
     AlertSpec("CollectiveLatencyHigh", "warning", "Collective p99 latency above its SLO."),
     AlertSpec("Straggler", "warning", "A rank is persistently slower than its group."),
+    AlertSpec("GradSyncIncomplete", "critical", "A step reduced less of the trainable gradient over data parallelism than it must."),
+    AlertSpec("NumaMisbinding", "warning", "The rank may run only on CPUs outside its GPU's NUMA node (NVML's ideal CPUs)."),
     AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout."),
 )
 ALERT_NAMES: tuple[str, ...] = tuple(a.name for a in ALERTS)
@@ -233,6 +243,13 @@ ATTR_RECOMPILE_REASON = "dynamo.recompile.reason"  # bounded kind of the first f
 ATTR_CODE_HASH = "dynamo.code_hash"  # short hash of basename:co_firstlineno:co_name of the compiled frame
 ATTR_COMPILE_BACKEND = "dynamo.backend"  # registered backend name (eager, aot_eager, inductor; custom)
 ATTR_ALERT = "hpar.alert"
+# train.step: this step's page faults and context switches (process-wide deltas, getrusage)
+ATTR_MINOR_FAULTS = "hpar.page_faults.minor"
+ATTR_MAJOR_FAULTS = "hpar.page_faults.major"
+ATTR_MAJOR_FAULTED = "hpar.page_faults.had_major"  # true when the step took a major fault (Jaeger tags match exactly)
+ATTR_VOLUNTARY_SWITCHES = "hpar.context_switches.voluntary"
+ATTR_INVOLUNTARY_SWITCHES = "hpar.context_switches.involuntary"
+ATTR_STREAM_HANDLE = "cuda.stream.handle"  # the cudaStream_t as an int, beside the readable cuda.stream
 ATTR_TRACE_REASON = "hpar.trace.reason"  # why the step's trace was kept: sampled | anomalous | slow
 #: Span attributes every span carries (Jaeger tag search keys).
 SPAN_COMMON_ATTRS: tuple[str, ...] = (ATTR_RANK, ATTR_PP_STAGE, ATTR_STEP)

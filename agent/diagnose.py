@@ -50,7 +50,8 @@ NOTES: dict[str, str] = {
     "and stacks show it in a default_pg barrier, its peers in dp/tp all-reduces; every rank exits after the "
     "pg timeout.",
     "ddp-nesting": "all ranks train the detached block unsynchronised: every dp pair drifts (a 1-1 split "
-    "names both ranks).",
+    "names both ranks); GradSyncIncomplete fires on every rank from the first judged step, its value the "
+    "share of the gradient reduced over dp.",
     "tp-grad-skip": "all ranks skip the sync: every tp pair drifts (a 1-1 split names both ranks).",
     "compile-leak": "a new code object compiled per microbatch: CompiledGraphsGrowing names "
     "`_leaky_graph trainer/inject.py:<line>` first (2 ranks: step 10, MemoryLeak at step 30 with a py-spy "

@@ -180,6 +180,34 @@ def _nvml() -> list[Check]:
         return [Check("NVML", DEGRADED, f"{type(exc).__name__}: {exc}", "GPU metrics need an NVIDIA driver")]
 
 
+def _numa(nvml: object = None) -> list[Check]:
+    """This process's CPUs and NUMA nodes against NVML's ideal CPUs for the GPU of ``LOCAL_RANK``."""
+    from hpar_agent.affinity import cpu_list, read_binding
+
+    nv, handle = nvml, None
+    try:
+        if nv is None:
+            import pynvml
+
+            nv = pynvml
+        nv.nvmlInit()  # type: ignore[attr-defined]
+        try:
+            handle = nv.nvmlDeviceGetHandleByIndex(int(os.environ.get("LOCAL_RANK", "0")))  # type: ignore[attr-defined]
+            b = read_binding(nv, handle)
+        finally:
+            nv.nvmlShutdown()  # type: ignore[attr-defined]
+    except Exception:
+        b = read_binding()
+    here = f"CPUs {cpu_list(b.cpus)} (NUMA node {','.join(map(str, b.numa)) or '?'})"
+    if not b.gpu_cpus:
+        return [Check("NUMA binding", OK, f"{here}; GPU affinity unknown (no NVML or no GPU)")]
+    gpu = f"GPU ideal CPUs {cpu_list(b.gpu_cpus)} (node {'?' if b.gpu_numa is None else b.gpu_numa})"
+    if b.misbound:
+        return [Check("NUMA binding", DEGRADED, f"{here}; {gpu}: none shared",
+                      "bind each rank to its GPU's node: numactl --cpunodebind=N --membind=N")]  # fmt: skip
+    return [Check("NUMA binding", OK, f"{here}; {gpu}")]
+
+
 def _pyspy() -> list[Check]:
     beside = os.path.join(os.path.dirname(sys.executable), "py-spy")  # a venv's bin/ not on PATH
     exe = shutil.which("py-spy") or (beside if os.access(beside, os.X_OK) else None)
@@ -235,6 +263,7 @@ def run_checks() -> list[Check]:
         _imports,
         _torch_numpy,
         _nvml,
+        _numa,
         _pyspy,
         lambda: _port(cfg.metrics_addr, max(cfg.metrics_port, 0)),
         _otlp,

@@ -63,6 +63,11 @@ def forget_in_child(agent: Any) -> None:
     if exporter is not None:
         with contextlib.suppress(Exception):
             exporter.drop_in_child()
+    cbs = getattr(agent, "alert_callbacks", None)
+    if cbs is not None:  # the worker thread did not survive the fork; its lock may have been held
+        from hpar_agent.alert_callbacks import AlertCallbacks
+
+        agent.alert_callbacks = AlertCallbacks(agent.record_error)
 
 
 if hasattr(os, "register_at_fork"):

@@ -28,6 +28,7 @@ class StepRecord:
     children: list[SpanRecord] = field(default_factory=list)
     events: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)
     anomalous: bool = False
+    attributes: dict[str, Any] = field(default_factory=dict)  # extra train.step attributes
 
     @property
     def duration_s(self) -> float:

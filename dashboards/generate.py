@@ -702,6 +702,17 @@ def collectives() -> Board:
         ],
         "s",
     )
+    b.row("Gradient sync")
+    ts(
+        b,
+        "Gradient-sync coverage by rank",
+        "Gradient elements each step reduced over the dp groups / trainable gradient elements it must "
+        "reduce (1 when whole; a block outside the DDP/FSDP wrapper shows below 1). GradSyncIncomplete "
+        "fires below 0.99.",
+        [Q(f"hpar_grad_sync_coverage_ratio{{{SEL}}}", "rank {{rank}} {{group}}")],
+        "percentunit",
+        w=24,
+    )
     b.row("In flight and skew")
     ts(
         b,

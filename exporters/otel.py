@@ -373,7 +373,7 @@ class Tracing:
         step_span = self.tracer.start_span(
             cat.SPAN_STEP,
             context=parent,
-            attributes={**common, cat.ATTR_TRACE_REASON: reason},
+            attributes={**common, **{k: _attr(v) for k, v in rec.attributes.items()}, cat.ATTR_TRACE_REASON: reason},
             start_time=rec.start_ns,
         )
         self._ids.preset()  # nothing left over for the children

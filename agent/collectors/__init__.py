@@ -14,12 +14,13 @@ def default_components(agent: Agent) -> list[Component]:
     from hpar_agent.collectors.anatomy import AnatomyCollector
     from hpar_agent.collectors.collectives import CollectiveCollector
     from hpar_agent.collectors.compile import CompileCollector
+    from hpar_agent.collectors.gradsync import GradSyncCollector
     from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
     from hpar_agent.collectors.pipeline import PipelineCollector
     from hpar_agent.collectors.steps import StepCollector
 
     comps: list[Component] = [StepCollector(), PipelineCollector(), AnatomyCollector()]
-    comps += [CollectiveCollector(), NvmlCollector(), MemoryCollector()]
+    comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector()]
     comps.append(CompileCollector())
     if agent.config.detectors:
         from hpar_agent.detectors import DetectorsComponent

@@ -137,6 +137,24 @@ def entry_bytes(sizes: Any, dtypes: Any) -> int:
     return total
 
 
+def entry_numel(sizes: Any) -> int:
+    """Elements over the tensors of an FR ``input_sizes`` (dtype-free: a bf16-compressed bucket counts
+    the same elements as its fp32 gradients)."""
+    total = 0
+    for shape in sizes or ():
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        total += numel
+    return total
+
+
+#: Ops whose input elements count as gradients reduced (gloo records reduce_scatter_tensor as all_reduce).
+REDUCE_OPS = frozenset(("all_reduce", "reduce_scatter"))
+#: Steps whose reduced elements are kept for the gradient-sync coverage (see ``gradsync``).
+MAX_REDUCE_STEPS = 256
+
+
 def busbw_factor(op: str, n: int | None) -> float | None:
     """nccl-tests factor: all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, p2p 1."""
     f = _BUSBW.get(op)
@@ -189,6 +207,8 @@ class CollectiveCollector(Component):
         self.oldest_age: dict[str, float] = {}
         self.last_completed: dict[str, int] = {}
         self.timed = 0
+        #: step -> pg -> input elements of its all_reduce/reduce_scatter entries (gradient-sync coverage)
+        self.reduced_elems: dict[int, Counter[str]] = {}
         #: the last timed ops (pg, op, seq, enqueue ns, seconds): CollectiveLatencyHigh nets out arrival skew
         self.timed_ops: deque[tuple[str, str, int, int, float]] = deque(maxlen=recent)
         self.recorders: list[str] = []
@@ -452,6 +472,28 @@ class CollectiveCollector(Component):
             return self._bound_s[i]
         return self._bound_s[-1] + 1 if self._bound_s else 0
 
+    def _count_reduced(self, created_ns: int, pg: str, numel: int) -> None:
+        step = self.step_of(created_ns)
+        by_pg = self.reduced_elems.get(step)
+        if by_pg is None:
+            if len(self.reduced_elems) >= MAX_REDUCE_STEPS:
+                del self.reduced_elems[min(self.reduced_elems)]
+            by_pg = self.reduced_elems[step] = Counter()
+        by_pg[pg] += numel
+
+    def read_through_ns(self) -> int:
+        """Epoch ns up to which every collective was read: the last poll when no recorder's
+        ``pg_status`` moved since its last full read, else the oldest full read (0 before the first)."""
+        if not self.recorders or any(rec not in self._read_ns for rec in self.recorders):
+            return 0
+        if all(self._probe.get(rec) == self._status.get(rec) for rec in self.recorders):
+            return self._poll_ns
+        return min(self._read_ns[rec] for rec in self.recorders)
+
+    def boundaries(self) -> list[tuple[int, int]]:
+        """(boundary epoch ns, step) of the recent step boundaries, oldest first."""
+        return list(zip(self._bound_t, self._bound_s, strict=True))
+
     def _label(self, name: str, desc: str) -> str:
         key = (str(name), str(desc))
         label = self._labels.get(key)
@@ -532,6 +574,8 @@ class CollectiveCollector(Component):
         if not batch:  # a coalesced entry that closes a p2p batch is its ops' completion, not an op
             self.counts[(pg, op)] += 1
             self.bytes[(pg, op)] += nbytes
+        if op in REDUCE_OPS and not is_p2p:
+            self._count_reduced(created, pg, entry_numel(e.get("input_sizes")))
         self.recent_entries.append(
             {
                 "pg": pg,

@@ -20,6 +20,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from hpar_agent.affinity import Binding, read_binding
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.component import Component
 
@@ -94,9 +95,18 @@ class NvmlCollector(Component):
         self.process_bytes: int | None = None
         self.gpu_index = ""  # hpar_rank_info's gpu_index / gpu_uuid; empty without a GPU handle
         self.gpu_uuid = ""
+        self.binding: Binding | None = None  # CPU/NUMA binding against the GPU's ideal CPUs (read once)
 
     def install(self, agent: Any) -> None:
         super().install(agent)
+        self._install()
+        try:
+            self.binding = read_binding(self._nvml if self.up else None, self._handle)
+        except Exception as exc:
+            agent.record_error(self.name, exc)
+
+    def _install(self) -> None:
+        agent: Any = self.agent
         try:
             nv: Any = self._nvml
             if nv is None:

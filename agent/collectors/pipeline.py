@@ -95,10 +95,10 @@ class PipelineCollector(Component):
                 out = orig(*args, **kwargs)
                 e1 = torch.cuda.Event(enable_timing=True)
                 e1.record(torch.cuda.current_stream(device))
-                buffer.put((step, stage_index, chunk, phase, stream, t0, 0, e0, e1))
+                buffer.put((step, stage_index, chunk, phase, stream, t0, 0, e0, e1, cs.cuda_stream))
             else:
                 out = orig(*args, **kwargs)
-                buffer.put((step, stage_index, chunk, phase, cpu_stream, t0, time.time_ns(), None, None))
+                buffer.put((step, stage_index, chunk, phase, cpu_stream, t0, time.time_ns(), None, None, None))
             return out
 
         setattr(timed, _TAG, True)
@@ -111,7 +111,7 @@ class PipelineCollector(Component):
         tracing = agent.tracing_on
         self._pending = []
         for item in items:
-            step, stage_index, chunk, phase, stream, t0, t1, e0, e1 = item
+            step, stage_index, chunk, phase, stream, t0, t1, e0, e1, handle = item
             if e1 is not None:
                 if not e1.query():
                     self._pending.append(item)
@@ -131,17 +131,16 @@ class PipelineCollector(Component):
             del times[:-256]
             if not tracing:
                 continue
+            attrs = {cat.ATTR_PP_STAGE: stage_index, cat.ATTR_MICROBATCH: int(chunk), cat.ATTR_STREAM: stream}
+            if handle is not None:  # the cudaStream_t (an int) beside the readable name
+                attrs[cat.ATTR_STREAM_HANDLE] = int(handle)
             agent.add_span(
                 SpanRecord(
                     name=cat.SPAN_PP_FORWARD if phase == "forward" else cat.SPAN_PP_BACKWARD,
                     start_ns=t0,
                     end_ns=t1,
                     step=step,
-                    attributes={
-                        cat.ATTR_PP_STAGE: stage_index,
-                        cat.ATTR_MICROBATCH: int(chunk),
-                        cat.ATTR_STREAM: stream,
-                    },
+                    attributes=attrs,
                 )
             )
 

@@ -1,13 +1,21 @@
-"""Step boundaries from the global optimizer step hook (no user code), or ``Agent.step()``."""
+"""Step boundaries from the global optimizer step hook (no user code), or ``Agent.step()``.
+
+Each boundary also reads the process's page faults and context switches with ``getrusage(RUSAGE_SELF)``
+(one syscall, ~0.6 µs; ``/proc/self/stat`` costs ~10 µs to open and parse), so every step's span says
+how many minor/major faults and voluntary/involuntary switches it took: the long-tail signal of a
+rank paging or descheduled on a busy NUMA node.
+"""
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client.core import Metric
 
+from hpar_agent import catalogue as cat
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.catalogue import STEP_BUCKETS
 from hpar_agent.component import Component
@@ -28,7 +36,9 @@ class StepCollector(Component):
         self.explicit = False
         self._optimizer_id: int | None = None
         self._handle: Any = None
-        self.buffer: BoundedBuffer[tuple[int, int, int]] = BoundedBuffer("steps", 1 << 16)
+        self.buffer: BoundedBuffer[tuple[int, int, int, tuple[int, int, int, int]]] = BoundedBuffer(
+            "steps", 1 << 16
+        )
         self.buffers = (self.buffer,)
         self.hist = Histogram(STEP_BUCKETS)
         self.total = 0
@@ -37,6 +47,7 @@ class StepCollector(Component):
         self.last_step_ts = 0.0
         self.durations: list[float] = []  # recent, for the summary and "slow step" decisions
         self._completed: list[StepRecord] = []
+        self.rusage = _rusage()  # (minor, major faults, voluntary, involuntary switches) at the last boundary
 
     def install(self, agent: Any) -> None:
         super().install(agent)
@@ -71,7 +82,7 @@ class StepCollector(Component):
         self.count = step + 1
         if tokens is not None:
             self.tokens_pending += tokens
-        self.buffer.put((step, t, self.tokens_pending))
+        self.buffer.put((step, t, self.tokens_pending, _rusage()))
         self.tokens_pending = 0
         agent = self.agent
         if agent is not None:
@@ -82,8 +93,13 @@ class StepCollector(Component):
         agent = self.agent
         assert agent is not None
         every = agent.config.trace_every
-        for step, end_ns, tokens in self.buffer.drain():
+        for step, end_ns, tokens, ru in self.buffer.drain():
             rec = StepRecord(step=step, start_ns=self.last_end_ns, end_ns=end_ns)
+            prev, self.rusage = self.rusage, ru
+            rec.attributes = {
+                name: now_ - was for name, now_, was in zip(STEP_RUSAGE_ATTRS, ru, prev, strict=True)
+            }
+            rec.attributes[cat.ATTR_MAJOR_FAULTED] = ru[1] > prev[1]
             self.last_end_ns = end_ns
             self.total += 1
             self.tokens_total += tokens
@@ -114,6 +130,14 @@ class StepCollector(Component):
         t = f.counter("hpar_tokens_total")
         f.add(t, [], self.tokens_total)
         yield t
+        faults = f.counter("hpar_process_page_faults_total")
+        f.add(faults, ["minor"], self.rusage[0])
+        f.add(faults, ["major"], self.rusage[1])
+        yield faults
+        switches = f.counter("hpar_process_context_switches_total")
+        f.add(switches, ["voluntary"], self.rusage[2])
+        f.add(switches, ["involuntary"], self.rusage[3])
+        yield switches
 
     def summary(self) -> dict:
         d = sorted(self.durations)
@@ -123,3 +147,19 @@ class StepCollector(Component):
             "step_seconds_p50": d[len(d) // 2] if d else None,
             "step_seconds_max": d[-1] if d else None,
         }
+
+
+#: ``train.step`` attributes of the per-step deltas, in ``_rusage`` order.
+STEP_RUSAGE_ATTRS = (
+    cat.ATTR_MINOR_FAULTS,
+    cat.ATTR_MAJOR_FAULTS,
+    cat.ATTR_VOLUNTARY_SWITCHES,
+    cat.ATTR_INVOLUNTARY_SWITCHES,
+)
+
+
+def _rusage() -> tuple[int, int, int, int]:
+    """Process totals since it started: minor and major page faults, voluntary and involuntary context
+    switches (all threads, so the data loader's and the agent's count too)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_minflt, ru.ru_majflt, ru.ru_nvcsw, ru.ru_nivcsw

@@ -18,11 +18,14 @@ from typing import Any, TypeVar
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
+from hpar_agent.alert_callbacks import Alert
 from hpar_agent.component import Component
 from hpar_agent.crossrank import Exchange, open_store
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector
 from hpar_agent.detectors.cluster import CollectiveMismatch, CompileDivergence, ReplicaDivergence, Straggler
+from hpar_agent.detectors.gradsync import GradSyncIncomplete
+from hpar_agent.detectors.host import NumaMisbinding
 from hpar_agent.detectors.local import (
     CollectiveLatencyHigh,
     CompiledGraphsGrowing,
@@ -40,7 +43,7 @@ D = TypeVar("D", bound=Detector)
 
 ALL_DETECTORS: tuple[type[Detector], ...] = (
     RecompileStorm, GraphBreaks, CompileDivergence, ReplicaDivergence, CollectiveMismatch, MemoryLeak,
-    CompiledGraphsGrowing, CollectiveLatencyHigh, Straggler, Hang,
+    CompiledGraphsGrowing, CollectiveLatencyHigh, Straggler, Hang, GradSyncIncomplete, NumaMisbinding,
 )  # fmt: skip
 
 
@@ -326,6 +329,9 @@ class DetectorsComponent(Component):
             evidence=st.evidence if state == "firing" else [],
             details=st.details,
         )
+        cbs = getattr(agent, "alert_callbacks", None)
+        if cbs is not None:
+            cbs.dispatch(self._alert(d, st, state))
         attrs = {cat.ATTR_ALERT: d.name, "state": state, "value": st.value}
         self._span_events.append((cat.EVENT_ALERT, time.time_ns(), attrs))
         del self._span_events[:-64]
@@ -340,6 +346,16 @@ class DetectorsComponent(Component):
                 d.name, state, self.rank, self.stage, st.value, d.threshold,
                 f"; evidence: {', '.join(st.evidence)}" if state == "firing" and st.evidence else "",
             )  # fmt: skip
+
+    def _alert(self, d: Detector, st: AlertState, state: str) -> Alert:
+        return Alert(name=d.name, state=state, value=st.value, threshold=d.threshold, step=self.steps_done,
+                     rank=self.rank, details=dict(st.details),
+                     evidence=tuple(st.evidence) if state == "firing" else ())  # fmt: skip
+
+    def active_alerts(self) -> list[Alert]:
+        """Alerts active now (any thread: reads a snapshot of the states)."""
+        return [self._alert(d, self.states[d.name], "firing") for d in list(self.detectors)
+                if self.states[d.name].active]  # fmt: skip
 
     def on_step(self, rec: StepRecord) -> None:
         if self._span_events:

@@ -70,7 +70,7 @@ def _user_program(rank: int, port: int, out_dir: str) -> None:
         with urllib.request.urlopen(agent.metrics_url, timeout=10) as resp:
             text = resp.read().decode()
         scraped = [[s.name, s.labels, s.value] for fam in text_string_to_metric_families(text) for s in fam.samples
-                   if s.name.startswith(("hpar_collective", "hpar_rank_info", "hpar_alert_active"))]  # fmt: skip
+                   if s.name.startswith(("hpar_collective", "hpar_rank_info", "hpar_alert_active", "hpar_grad_sync"))]  # fmt: skip
         entries = [[e["profiling_name"], e["input_sizes"], e["input_dtypes"]]
                    for e in fr.dump("gloo")["entries"] if e["time_created_ns"] >= t_attach]  # fmt: skip
         rep = agent.component("detectors").detector(ReplicaDivergence)  # type: ignore[union-attr]
@@ -104,6 +104,9 @@ def test_user_fsdp2_program_is_quiet_and_its_series_are_right(tmp_path):
         # gloo runs FSDP's reduce-scatter as an all-reduce of the whole bf16 gradient (the FR says so)
         reductions = [e for e in res["fr"] if op_label(e[0]) == "all_reduce" and e[2] == ["BFloat16"]]
         assert len(reductions) >= 2 * STEPS and total[("dp_shard", "all_reduce")] >= len(reductions)
+        # the unnamed mesh is FSDP's dp_shard: every step reduced the whole (bf16) gradient
+        coverage = next(s[2] for s in res["scraped"] if s[0] == "hpar_grad_sync_coverage_ratio")
+        assert 1.0 <= coverage < 1.01, coverage
 
 
 def _ddp_compressed_program(rank: int, port: int, out_dir: str) -> None:
@@ -133,9 +136,11 @@ def _ddp_compressed_program(rank: int, port: int, out_dir: str) -> None:
             text = resp.read().decode()
         alerts = {s.labels["alert"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                   if s.name == "hpar_alert_active"}  # fmt: skip
+        coverage = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                    if s.name == "hpar_grad_sync_coverage_ratio"]  # fmt: skip
         half = [e for e in fr.dump("gloo")["entries"] if e["input_dtypes"] == ["Half"]]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
-            json.dump({"alerts": alerts, "half_reductions": len(half)}, fh)
+            json.dump({"alerts": alerts, "half_reductions": len(half), "coverage": coverage}, fh)
         dist.barrier()
     finally:
         hpar_agent.detach()
@@ -148,4 +153,5 @@ def test_ddp_compress_hook_on_every_rank_is_quiet(tmp_path):
     for rank in range(WORLD):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["half_reductions"] >= STEPS  # the gradients really were reduced in 16 bits
+        assert len(res["coverage"]) == 1 and res["coverage"][0] == pytest.approx(1.0), res  # elements, not bytes
         assert res["alerts"] and not any(res["alerts"].values()), res["alerts"]

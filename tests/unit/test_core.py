@@ -173,6 +173,7 @@ def _info_labels(agent):
     labels = agent.topology.info_labels()
     labels["agent_version"] = hpar_agent.__version__
     labels["gpu_index"] = labels["gpu_uuid"] = ""  # a CPU rank: empty, still present for joins
+    labels.update(agent.component("nvml").binding.labels())  # CPU/NUMA binding (hpar_agent.affinity)
     return labels
 
 

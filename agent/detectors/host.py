@@ -1,0 +1,36 @@
+"""NumaMisbinding: the rank may run only on CPUs outside its GPU's NUMA node."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hpar_agent.detectors.base import Detector, Verdict
+
+if TYPE_CHECKING:
+    from hpar_agent.detectors.component import DetectorsComponent
+
+
+class NumaMisbinding(Detector):
+    """The process's allowed CPUs (``os.sched_getaffinity``) share none with NVML's ideal CPUs for the
+    rank's GPU (``nvmlDeviceGetCpuAffinity``), read once at attach (``hpar_agent.affinity``).
+
+    | param | default | meaning |
+    |---|---|---|
+    | min_shared_cpus | 1 | allowed CPUs that are ideal for the GPU, below which it fires |
+
+    Fires at the first evaluation (the binding does not change); no NVML or no GPU: no verdict. Value:
+    the allowed CPUs among the GPU's ideal ones. Details: allowed CPUs and NUMA nodes, the GPU's ideal
+    CPUs and node.
+    """
+
+    name = "NumaMisbinding"
+    defaults = {"min_shared_cpus": 1}
+    threshold_param = "min_shared_cpus"
+
+    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+        nvml = ctx.agent.component("nvml") if ctx.agent is not None else None
+        binding = getattr(nvml, "binding", None)
+        if binding is None or not binding.gpu_cpus:
+            return None
+        shared = len(binding.cpus & binding.gpu_cpus)
+        return Verdict(shared < self.p("min_shared_cpus"), float(shared), binding.labels())
