@@ -705,11 +705,11 @@ def collectives() -> Board:
     b.row("Gradient sync")
     ts(
         b,
-        "Gradient-sync coverage by rank",
+        "Gradient-sync coverage: lowest $topn ranks",
         "Gradient elements each step reduced over the dp groups / trainable gradient elements it must "
-        "reduce (1 when whole; a block outside the DDP/FSDP wrapper shows below 1). GradSyncIncomplete "
-        "fires below 0.99.",
-        [Q(f"hpar_grad_sync_coverage_ratio{{{SEL}}}", "rank {{rank}} {{group}}")],
+        "reduce (1 when whole; a block outside the DDP/FSDP wrapper shows below 1), the $topn ranks with "
+        "the lowest minimum in the time range. GradSyncIncomplete fires below 0.99.",
+        [Q(worst(f"hpar_grad_sync_coverage_ratio{{{SEL}}}", best=True), "rank {{rank}} {{group}}")],
         "percentunit",
         w=24,
     )

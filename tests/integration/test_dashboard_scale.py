@@ -63,6 +63,7 @@ DOMAIN: dict[str, tuple[str, ...]] = {
     cat.OP: ("all_reduce",),
     cat.STREAM: ("cpu",),
     cat.BACKEND: ("inductor",),
+    cat.GROUP: ("dp",),
 }
 BUCKETS = (0.01, 0.1, 1.0)
 #: 0/1 state gauges (the simulator keeps 0 and 1 as they are).

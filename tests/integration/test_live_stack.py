@@ -56,6 +56,8 @@ NO_DATA_ON_CPU = {
     "Compile-cache hit ratio": "hpar_dynamo_cache_events_total counts AOTAutograd / FX graph cache "
     "lookups, which only the inductor backend makes; inductor is too slow on 2 CPU cores for a test",
     "Cache lookups by result": "same counter as 'Compile-cache hit ratio' (inductor only)",
+    "Gradient-sync coverage: lowest $topn ranks": "the live run (dp1 x tp2 x pp2) has no data-parallel "
+    "group to reduce gradients over; tests/distributed/test_gradsync_gloo.py checks the series on dp2",
     "Cache pollution: recompiles vs hit ratio ($topn ranks)": "its hit-ratio target reads the same cache "
     "counters (inductor only); tests/deploy promtool cases check the cache-pollution rule",
     "Unobserved flight-recorder entries": "only when the flight recorder's ring buffer overwrites entries "
