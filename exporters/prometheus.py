@@ -12,6 +12,9 @@ What bounds it (prometheus_client's own server has none of these):
   ``DEADLINE_S`` (enforced by the accepting thread): idle or trickling clients give their slot back;
 - at the cap, the oldest connection that has not yet sent its request is closed to make room, so
   idle connections cannot starve a scraper (which sends its request at once);
+- responses are paced at most one per ``MIN_INTERVAL_S`` across all connections (a paced request
+  sleeps, holding no GIL): a flood cannot spend the training thread's GIL on request handling, since
+  each client waits for its answer before it sends again (Prometheus needs one scrape per interval);
 - the TLS handshake runs in the connection's own thread with that timeout, never in ``accept()``;
 - handler threads are daemons and ``close_endpoint`` does not wait for them.
 """
@@ -44,6 +47,8 @@ MAX_CONNECTIONS = 8
 TIMEOUT_S = 5.0
 #: Seconds a connection may live, from accept to the last byte written.
 DEADLINE_S = 30.0
+#: Least spacing between two responses, over all connections (at most 50 scrapes per second).
+MIN_INTERVAL_S = 0.02
 #: How long the accepting thread waits for the slot of an evicted idle connection.
 EVICT_WAIT_S = 0.5
 
@@ -60,6 +65,7 @@ class _Handler(BaseHTTPRequestHandler):
         return super().parse_request()
 
     def do_GET(self) -> None:
+        self.server.pace()
         gz = gzip_accepted(self.headers.get("Accept-Encoding", ""))
         body, content_type = self.server.exposition(self.headers.get("Accept", ""), gz)
         self.send_response(200)
@@ -106,6 +112,18 @@ class MetricsServer(ThreadingHTTPServer):
         self._conns_lock = threading.Lock()
         self._render_lock = threading.Lock()
         self._cache: dict[tuple[str, bool], tuple[float, bytes]] = {}
+        self._pace_lock = threading.Lock()
+        self._next_slot = 0.0
+
+    def pace(self) -> None:
+        """Wait for this request's turn: responses at least ``MIN_INTERVAL_S`` apart. At most
+        ``MAX_CONNECTIONS`` wait at once, so no wait exceeds their number of intervals."""
+        with self._pace_lock:
+            now = time.monotonic()
+            turn = max(now, self._next_slot)
+            self._next_slot = turn + MIN_INTERVAL_S
+        if turn > now:
+            time.sleep(turn - now)
 
     def exposition(self, accept: str, gz: bool) -> tuple[bytes, str]:
         """The registry rendered at most once per ``CACHE_S`` per format (text or OpenMetrics, which

@@ -139,6 +139,8 @@ def test_flood_costs_one_render_per_cache_interval(agent_env):
     renders = agent.server.renders
     assert renders <= elapsed / prom.CACHE_S + 2, (renders, len(scrapes), elapsed)
     assert len(scrapes) > renders  # most scrapes were served from the cache
+    # paced: responses at least MIN_INTERVAL_S apart whatever the number of clients
+    assert len(scrapes) <= elapsed / prom.MIN_INTERVAL_S + prom.MAX_CONNECTIONS + 1, (len(scrapes), elapsed)
     agent.tick()
     assert agent.registry.get_sample_value("hpar_steps_total", {"rank": "0", "pp_stage": "0"}) == steps
 
