@@ -19,9 +19,10 @@ Two designs, both interleaved so machine drift hits every arm alike:
                     exchanges). One process means one compile, one memory layout and one set of
                     caches: the run-to-run spread of separate processes (5-7 % on the H200) would
                     otherwise swamp a sub-percent overhead.
-  runs              one trainer process per arm and pair (the first design; needed for the nccl arm).
-A pair's ratio is arm / off of the same pair. Printed: median ratio over pairs, its mean with the
-standard error, and min/max.
+  runs              one fresh trainer process per arm and pair, the agent attached before the first step:
+                    what users get, warm-up included (needed for the nccl arm).
+A pair's ratio is arm / off of the same pair. Printed: median ratio over pairs with its 95% bootstrap
+interval, the mean with the standard error, min/max, and (runs) the median of the pairs' p99 step ratios.
 
 Configurations: ``--config cpu`` is 4 gloo ranks under torchrun (dp1 x tp2 x pp2, 1F1B, aot_eager, a small
 model); ``--config gpu`` is world size 1 in-process (inductor, bf16, a model whose step takes >= 50 ms on
@@ -56,30 +57,9 @@ import torch
 CONFIGS: dict[str, dict[str, Any]] = {
     "cpu": {
         "nproc": 4,
-        "args": [
-            "--dp",
-            "1",
-            "--tp",
-            "2",
-            "--pp",
-            "2",
-            "--schedule",
-            "1f1b",
-            "--compile",
-            "aot_eager",
-            "--layers",
-            "4",
-            "--dim",
-            "64",
-            "--heads",
-            "4",
-            "--seq-len",
-            "32",
-            "--global-batch",
-            "16",
-            "--device",
-            "cpu",
-        ],
+        "args": ["--dp", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--compile", "aot_eager",
+                 "--layers", "4", "--dim", "64", "--heads", "4", "--seq-len", "32", "--global-batch", "16",
+                 "--device", "cpu"],
         "steps": 16,
         "skip": 4,
         "block": 20,
@@ -88,28 +68,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "gpu": {
         "nproc": 1,
-        "args": [
-            "--compile",
-            "inductor",
-            "--dtype",
-            "bf16",
-            "--layers",
-            "12",
-            "--dim",
-            "2048",
-            "--heads",
-            "16",
-            "--seq-len",
-            "1024",
-            "--global-batch",
-            "8",
-            "--vocab",
-            "8192",
-            "--lr",
-            "3e-4",
-            "--device",
-            "cuda",
-        ],
+        "args": ["--compile", "inductor", "--dtype", "bf16", "--layers", "12", "--dim", "2048", "--heads", "16",
+                 "--seq-len", "1024", "--global-batch", "8", "--vocab", "8192", "--lr", "3e-4", "--device", "cuda"],
         "steps": 25,
         "skip": 5,
         "block": 30,
@@ -118,22 +78,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "cpu-smoke": {  # the gpu configuration's in-process path on CPU, tiny
         "nproc": 1,
-        "args": [
-            "--compile",
-            "aot_eager",
-            "--layers",
-            "2",
-            "--dim",
-            "64",
-            "--heads",
-            "4",
-            "--seq-len",
-            "32",
-            "--global-batch",
-            "8",
-            "--device",
-            "cpu",
-        ],
+        "args": ["--compile", "aot_eager", "--layers", "2", "--dim", "64", "--heads", "4", "--seq-len", "32",
+                 "--global-batch", "8", "--device", "cpu"],
         "steps": 8,
         "skip": 3,
         "block": 6,
@@ -147,13 +93,8 @@ def arm_env(arm: str, run_dir: str, job: str) -> dict[str, str]:
     """Environment of one arm; the agent's settings are its defaults except where files go."""
     env: dict[str, str] = {}
     if arm == "on":
-        env.update(
-            HPAR_RUN_DIR=run_dir,
-            HPAR_JOB_ID=job,
-            HPAR_TRACES="file",
-            HPAR_METRICS_PORT="0",
-            HPAR_DETECTORS="1",
-        )
+        env.update(HPAR_RUN_DIR=run_dir, HPAR_JOB_ID=job, HPAR_TRACES="file", HPAR_METRICS_PORT="0",
+                   HPAR_DETECTORS="1")
     if arm == "nccl":
         env["TORCH_NCCL_ENABLE_TIMING"] = "1"
     return env
@@ -216,24 +157,12 @@ def run_inprocess(arm: str, args: list[str], env: dict[str, str]) -> None:
 def run_torchrun(arm: str, nproc: int, args: list[str], env: dict[str, str], timeout: float) -> None:
     """One trainer run under torchrun, every rank through this script's ``--child`` wrapper (all arms
     alike, so the profiler arm differs from the others only by the profiler)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        os.path.abspath(__file__),
-        "--child",
-        "profiler" if arm == "profiler" else "plain",
-        "--",
-        *args,
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.abspath(__file__), "--child", "profiler" if arm == "profiler" else "plain", "--", *args]
     full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
     res = subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout, check=False)
     if res.returncode:
-        raise RuntimeError(
-            f"{arm} run failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-        )
+        raise RuntimeError(f"{arm} run failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
 
 
 def block_order(arms: list[str], pairs: int, warm: int) -> list[tuple[str, int]]:
@@ -267,9 +196,8 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
     for i, (arm, pair) in enumerate(spec["order"]):
         if arm == "on":  # a fresh job id a block: no stale cross-rank keys from the previous attach
             os.environ.update(arm_env("on", os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}"))
-            trainer.agent = attach_observability(
-                on_cfg, trainer.modules, trainer.optimizer, trainer.mesh, trainer.schedule
-            )
+            trainer.agent = attach_observability(on_cfg, trainer.modules, trainer.optimizer, trainer.mesh,
+                                                 trainer.schedule)
             if trainer.agent is None:  # the trainer trains on without it: that block would measure nothing
                 raise RuntimeError("attaching the agent failed (see the log above)")
         times = []
@@ -284,61 +212,38 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
             trainer.agent = None
         blocks.append({"arm": arm, "pair": pair, "times": times})
         if rank == 0:
-            med = statistics.median(times[spec["block_skip"] :])
-            print(
-                f"[block {i + 1}/{len(spec['order'])}] {arm:8} pair {pair:2}: step {med * 1e3:9.3f} ms",
-                flush=True,
-            )
+            med = statistics.median(times[spec["block_skip"]:])
+            print(f"[block {i + 1}/{len(spec['order'])}] {arm:8} pair {pair:2}: step {med * 1e3:9.3f} ms",
+                  flush=True)
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({"blocks": blocks}))
     dist.destroy_process_group()
     return 0
 
 
-def blocks_design(
-    name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, inprocess: bool
-) -> dict[str, Any]:
+def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Namespace,
+                  inprocess: bool) -> dict[str, Any]:
     """Run the block design (one process) and summarize it."""
     t_start = time.time()
     work = tempfile.mkdtemp(prefix="hpar-overhead-")
-    spec = {
-        "order": block_order(arms, cfg["pairs"], a.warm),
-        "block": cfg["block"],
-        "block_skip": cfg["block_skip"],
-        "work": work,
-        "out": os.path.join(work, "blocks.json"),
-    }
+    spec = {"order": block_order(arms, cfg["pairs"], a.warm), "block": cfg["block"],
+            "block_skip": cfg["block_skip"], "work": work, "out": os.path.join(work, "blocks.json")}
     argv = [*cfg["args"], "--log-every", "1000000"]
     if inprocess:
         run_blocks(spec, argv)
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={cfg['nproc']}",
-            os.path.abspath(__file__),
-            "--child-blocks",
-            json.dumps(spec),
-            "--",
-            *argv,
-        ]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg['nproc']}",
+               os.path.abspath(__file__), "--child-blocks", json.dumps(spec), "--", *argv]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        res = subprocess.run(
-            cmd, env=env, stdout=None, stderr=subprocess.PIPE, text=True, timeout=a.timeout, check=False
-        )
+        res = subprocess.run(cmd, env=env, stdout=None, stderr=subprocess.PIPE, text=True,
+                             timeout=a.timeout, check=False)
         if res.returncode:
             raise RuntimeError(f"block run failed (rc {res.returncode}):\n{res.stderr[-4000:]}")
     blocks = json.loads(Path(spec["out"]).read_text())["blocks"]
-    runs = [
-        {"arm": b["arm"], "pair": b["pair"], "step_s": statistics.median(b["times"][cfg["block_skip"] :])}
-        for b in blocks
-    ]
+    runs = [{"arm": b["arm"], "pair": b["pair"], "step_s": statistics.median(b["times"][cfg["block_skip"]:])}
+            for b in blocks]
     result = report(name, cfg, cfg["pairs"], inprocess, t_start, runs, arms)
-    result.update(
-        design="blocks", block=cfg["block"], block_skip=cfg["block_skip"], warm=a.warm, blocks=blocks
-    )
+    result.update(design="blocks", block=cfg["block"], block_skip=cfg["block_skip"], warm=a.warm, blocks=blocks)
     return result
 
 
@@ -374,15 +279,8 @@ def ratio_stats(ratios: list[float]) -> dict[str, float]:
     per-pair ratios."""
     sem = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
     lo, hi = median_ci95(ratios)
-    return {
-        "median": statistics.median(ratios),
-        "ci95_lo": lo,
-        "ci95_hi": hi,
-        "mean": statistics.fmean(ratios),
-        "sem": sem,
-        "min": min(ratios),
-        "max": max(ratios),
-    }
+    return {"median": statistics.median(ratios), "ci95_lo": lo, "ci95_hi": hi, "mean": statistics.fmean(ratios),
+            "sem": sem, "min": min(ratios), "max": max(ratios)}
 
 
 def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, dict[str, Any]]:
@@ -407,9 +305,8 @@ def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, dict[str
     return out
 
 
-def runs_design(
-    name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, inprocess: bool
-) -> dict[str, Any]:
+def runs_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Namespace,
+                inprocess: bool) -> dict[str, Any]:
     """One trainer process per arm and pair, after a warm-up run that fills the caches."""
     work = tempfile.mkdtemp(prefix="hpar-overhead-")
     runs: list[dict[str, Any]] = []
@@ -426,14 +323,9 @@ def runs_design(
             run_torchrun(arm, cfg["nproc"], args, env, a.timeout)
         times = step_times(out, cfg["skip"])
         st = statistics.median(times)
-        runs.append(
-            {"arm": arm, "pair": pair, "step_s": st, "p99_s": p99(times), "wall_s": time.perf_counter() - t0}
-        )
-        print(
-            f"[{i + 1}/{len(schedule)}] {arm:8} pair {pair:2}: step {st * 1e3:9.2f} ms "
-            f"(run {time.perf_counter() - t0:5.1f} s)",
-            flush=True,
-        )
+        runs.append({"arm": arm, "pair": pair, "step_s": st, "p99_s": p99(times), "wall_s": time.perf_counter() - t0})
+        print(f"[{i + 1}/{len(schedule)}] {arm:8} pair {pair:2}: step {st * 1e3:9.2f} ms "
+              f"(run {time.perf_counter() - t0:5.1f} s)", flush=True)
         result = report(name, cfg, cfg["pairs"], inprocess, t_start, runs, arms)
         result["design"] = "runs"
         if a.json:  # after every run: a run cut short by a time limit still leaves its figures
@@ -444,13 +336,9 @@ def runs_design(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=("cpu", "gpu"), default="cpu")
-    ap.add_argument(
-        "--cpu-smoke", action="store_true", help="gpu config's in-process path on CPU, tiny model"
-    )
+    ap.add_argument("--cpu-smoke", action="store_true", help="gpu config's in-process path on CPU, tiny model")
     ap.add_argument("--design", choices=("blocks", "runs"), default="blocks")
-    ap.add_argument(
-        "--pairs", type=int, default=0, help="interleaved pairs after warm-up (default per config)"
-    )
+    ap.add_argument("--pairs", type=int, default=0, help="interleaved pairs after warm-up (default per config)")
     ap.add_argument("--block", type=int, default=0, help="blocks: steps per block (default per config)")
     ap.add_argument("--block-skip", type=int, default=-1, help="blocks: steps left out of a block's median")
     ap.add_argument("--warm", type=int, default=2, help="blocks: warm-up rounds of every arm")
@@ -458,12 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")
     ap.add_argument("--no-profiler", action="store_true", help="leave the torch.profiler arm out")
     ap.add_argument("--aa", action="store_true", help="add an A/A control arm (no agent, like off)")
-    ap.add_argument(
-        "--nproc", type=int, default=0, help="ranks (default per config; > 1 runs under torchrun)"
-    )
-    ap.add_argument(
-        "--extra", default="", help="more trainer arguments (later ones win), e.g. '--dp 2 --tp 2 --pp 2'"
-    )
+    ap.add_argument("--nproc", type=int, default=0, help="ranks (default per config; > 1 runs under torchrun)")
+    ap.add_argument("--extra", default="", help="more trainer arguments (later ones win), e.g. '--dp 2 --tp 2 --pp 2'")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per torchrun process")
     ap.add_argument("--in-process", action="store_true", help="runs at world size 1: reuse this process")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -490,32 +374,19 @@ def main(argv: list[str] | None = None) -> int:
         result = runs_design(name, cfg, arms, a, inprocess)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
-    print(
-        f"\nconfig {name}, design {result['design']} ({result['mode']}, {cfg['nproc']} rank(s), torch "
-        f"{torch.__version__}, {result['device']}); off step time median {result['off_step_s_median'] * 1e3:.3f} ms"
-    )
-    print(
-        f"{'arm':10} {'ratio vs off (median)':>22} {'95% CI':>17} {'mean':>8} {'+-sem':>8} {'min':>8} "
-        f"{'max':>8} {'p99 ratio':>9} {'pairs':>6}"
-    )
+    print(f"\nconfig {name}, design {result['design']} ({result['mode']}, {cfg['nproc']} rank(s), torch "
+          f"{torch.__version__}, {result['device']}); off step time median {result['off_step_s_median'] * 1e3:.3f} ms")
+    print(f"{'arm':10} {'ratio vs off (median)':>22} {'95% CI':>17} {'mean':>8} {'+-sem':>8} {'min':>8} "
+          f"{'max':>8} {'p99 ratio':>9} {'pairs':>6}")
     for arm, st in result["ratios"].items():
-        print(
-            f"{arm:10} {st['median']:22.4f} {st['ci95_lo']:8.4f}-{st['ci95_hi']:.4f} {st['mean']:8.4f} "
-            f"{st['sem']:8.4f} {st['min']:8.4f} {st['max']:8.4f} {st.get('p99_ratio_median', float('nan')):9.4f} "
-            f"{st['pairs']:6d}"
-        )
+        print(f"{arm:10} {st['median']:22.4f} {st['ci95_lo']:8.4f}-{st['ci95_hi']:.4f} {st['mean']:8.4f} "
+              f"{st['sem']:8.4f} {st['min']:8.4f} {st['max']:8.4f} {st.get('p99_ratio_median', float('nan')):9.4f} "
+              f"{st['pairs']:6d}")
     return 0
 
 
-def report(
-    name: str,
-    cfg: dict[str, Any],
-    pairs: int,
-    inprocess: bool,
-    t_start: float,
-    runs: list[dict[str, Any]],
-    arms: list[str],
-) -> dict[str, Any]:
+def report(name: str, cfg: dict[str, Any], pairs: int, inprocess: bool, t_start: float,
+           runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
     """The JSON result: configuration, environment, per-arm ratios and every run."""
     ratios = summarize(runs, arms)
     off = [r["step_s"] for r in runs if r["arm"] == "off"]
@@ -542,7 +413,5 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         sys.exit(child(sys.argv[2:]))
     if len(sys.argv) > 2 and sys.argv[1] == "--child-blocks":
-        sys.exit(
-            run_blocks(json.loads(sys.argv[2]), sys.argv[4:] if sys.argv[3:4] == ["--"] else sys.argv[3:])
-        )
+        sys.exit(run_blocks(json.loads(sys.argv[2]), sys.argv[4:] if sys.argv[3:4] == ["--"] else sys.argv[3:]))
     sys.exit(main())
