@@ -27,6 +27,7 @@ the step boundary to the forward: the GPU waiting for its input, not for a host 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Iterable
@@ -83,6 +84,7 @@ class AnatomyCollector(Component):
         self._waiting: list[tuple[StepRecord, list[tuple[int, int, int, Any]]]] = []
         self._last_end_event: Any = None
         self._event: Any = None  # torch.cuda.Event on CUDA
+        self._stream: Any = None  # current stream of the rank's device, on CUDA
         self.clock = "cpu"
         self.hists: dict[str, Histogram] = {p: Histogram(cat.LATENCY_BUCKETS) for p in PHASES}
         self.history: list[tuple[int, float, dict[str, float], float]] = []  # (step, step s, phases, loader s)
@@ -114,8 +116,11 @@ class AnatomyCollector(Component):
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+        device = getattr(agent, "device", None)  # the rank's device, fixed at attach (hpar_agent.device)
+        self.cuda = self.cuda and getattr(device, "type", "") == "cuda"
         if self.cuda:
             self._event = torch.cuda.Event
+            self._stream = functools.partial(torch.cuda.current_stream, device)
             self._handles.append(register_optimizer_step_post_hook(self._opt_post))
         self._patch_loader()
 
@@ -159,7 +164,7 @@ class AnatomyCollector(Component):
             ev = None
             if self._event is not None:
                 ev = self._event(enable_timing=True)
-                ev.record()  # on the current stream; resolved on the agent thread
+                ev.record(self._stream())  # the rank's device's stream, not the thread's device 0
             self.buffer.put((step, code, time.time_ns(), 0, ev))
         except Exception as exc:
             if self.agent is not None:

@@ -260,3 +260,22 @@ def test_a_failing_hook_is_counted_not_raised(agent) -> None:
     comp._event = broken  # as if CUDA events failed
     _loop(model, 2)  # training goes on
     assert a.errors["anatomy"] >= 1
+
+
+def test_cuda_events_are_recorded_on_the_ranks_device_stream() -> None:
+    """Hooks run on threads whose current CUDA device is 0 (autograd's, the user's): each event is
+    recorded on the stream of the rank's device, never on the thread's current one."""
+    recorded = []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            pass
+
+        def record(self, stream: object = None) -> None:
+            recorded.append(stream)
+
+    c = AnatomyCollector()
+    c._event, c._stream = Event, lambda: "stream-of-cuda:1"
+    c._mark(0, 0)
+    assert recorded == ["stream-of-cuda:1"]
+    assert c.buffer.drain()[0][4] is not None
