@@ -39,8 +39,9 @@ class CompileDivergence(Detector):
 
     A rank publishes its fingerprint only once its compile activity has settled (a rank mid-compile,
     or a moment after, publishes none), and the exchange carries a newly settled one at the next poll
-    rather than the next 3 s slot. Confirmed on two consecutive exchanges. The odd rank(s) are the
-    minority; a 1-1 split flags both. Value: ranks of the stage whose fingerprint differs from ours.
+    rather than the next 3 s slot. Judged once every rank of the stage has published (with two of four
+    known, a clean rank and the odd one would split 1-1 and both be named). Confirmed on two consecutive
+    exchanges. The odd rank(s) are the minority; a 1-1 split flags both. Value: ranks of the stage whose fingerprint differs from ours.
     """
 
     name = "CompileDivergence"
@@ -66,8 +67,10 @@ class CompileDivergence(Detector):
             for r, p in ctx.peers.items()
             if "fp" in p and p.get("c", {}).get("stage") == ctx.stage and p.get("step", 0) >= self.p("warmup_steps")
         }
-        if ctx.rank not in stage or len(stage) < 2:
-            return None
+        topo = ctx.agent.topology
+        members = topo.world_size // max(1, topo.pp)  # ranks of one pipeline stage
+        if ctx.rank not in stage or len(stage) < max(2, members):
+            return None  # every member's fingerprint first: with some missing, a 1-1 split blames a clean rank
         odd = sig.odd_ranks(stage)
         differ = sum(1 for v in stage.values() if v != stage[ctx.rank])
         return Verdict(ctx.rank in odd, float(differ), {"fingerprints": {str(r): v for r, v in sorted(stage.items())}})

@@ -700,6 +700,25 @@ def test_compile_divergence_attributed_to_minority(store: Any, tmp_path: Any) ->
     assert ranks[2][1].states["CompileDivergence"].fired == 1 and CompileDivergence.confirm == 2
 
 
+def test_compile_divergence_waits_for_every_rank_of_the_stage(store: Any, tmp_path: Any) -> None:
+    # the CPU fault matrix once named clean rank 1: it judged with only its own and the odd rank's
+    # fingerprints published, a 1-1 split that blames both
+    ranks = []
+    for r in range(4):
+        comp = Fake("compile", fingerprint=111 if r != 3 else 222)
+        ranks.append(make_agent(tmp_path, rank=r, world=4, comps=(steps(10), comp), exchange=Exchange(store, "job", r),
+                                coords={"dp": r, "dpn": 4}, **{"detectors.exchange_s": 0.0}))  # fmt: skip
+    for _ in range(3):  # ranks 0 and 2 have not published yet
+        for r in (1, 3):
+            ranks[r][0].tick()
+    assert [ranks[r][1].states["CompileDivergence"].fired for r in (1, 3)] == [0, 0]
+    for _ in range(3):
+        for agent, _det in ranks:
+            agent.tick()
+    assert [sample(det, "hpar_alert_active", "CompileDivergence") for _, det in ranks] == [0.0, 0.0, 0.0, 1.0]
+    assert ranks[1][1].states["CompileDivergence"].fired == 0
+
+
 def test_replica_divergence_dp_group(store: Any, tmp_path: Any) -> None:
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
