@@ -85,15 +85,19 @@ class OtlpJsonFileExporter(SpanExporter):
 
     def __init__(self, path: str, max_bytes: int = 0, backups: int = 2,
                  on_error: Callable[[BaseException], None] | None = None) -> None:
+        # Imported here, at attach, not on the first export: importing the encoder and the OTLP
+        # protos held the GIL for about 100 ms on the exporter thread, mid-training.
+        from google.protobuf.json_format import MessageToDict
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        self._to_dict = MessageToDict
+        self._encode = encode_spans
         self.path = path
         self._file = RotatingFile(path, max_bytes, backups)  # 0600, no symlinks, size-capped
         self.on_error = on_error
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        from google.protobuf.json_format import MessageToDict
-        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-
-        doc = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+        doc = self._to_dict(self._encode(spans), use_integers_for_enums=True)
         _ids_to_hex(doc)
         line = json.dumps(doc, separators=(",", ":")) + "\n"
         try:
@@ -140,6 +144,12 @@ def parse_otlp_json_line(line: str) -> Any:
     return ParseDict(doc, ExportTraceServiceRequest())
 
 
+#: Spans encoded per GIL hold on the exporter thread (about 2-3 ms of pure Python), and the sleep
+#: between chunks that gives the GIL back.
+EXPORT_CHUNK = 16
+EXPORT_YIELD_S = 0.001
+
+
 class _CountingExporter(SpanExporter):
     """Counts spans handed to the real exporter and how each export ended; never raises."""
 
@@ -152,6 +162,27 @@ class _CountingExporter(SpanExporter):
         self.lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        """Export in chunks of ``EXPORT_CHUNK`` spans, sleeping ``EXPORT_YIELD_S`` between them.
+
+        Encoding is pure Python (about 0.1-0.16 ms a span) and holds the GIL: one 512-span batch
+        held it for 82 ms and stretched the training step it overlapped from 75 to 137 ms on an
+        H200. Small chunks with a real sleep between them hand the GIL back on our initiative, so
+        the training thread never waits out a whole batch (or the 5 ms switch interval, chunk
+        after chunk)."""
+        for i in range(0, len(spans), EXPORT_CHUNK):
+            if i:
+                time.sleep(EXPORT_YIELD_S)
+            if self._export_chunk(spans[i : i + EXPORT_CHUNK]) != SpanExportResult.SUCCESS:
+                rest = len(spans) - i - EXPORT_CHUNK  # a failing endpoint is not retried chunk by chunk
+                if rest > 0:
+                    with self.lock:
+                        self.handed += rest
+                        if not self.closed:
+                            self.failed += rest
+                return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def _export_chunk(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         n = len(spans)
         with self.lock:
             self.handed += n

@@ -303,12 +303,17 @@ class MemoryCollector(Component):
         return self._cuda_seen
 
     def step_hook(self, step: int, t_ns: int) -> None:
-        """Training thread: host-side reads only (statm, the allocator's counters), then append."""
+        """Training thread: host-side reads only (statm, the allocator's counters), then append.
+
+        One ``memory_stats_as_nested_dict`` read: ``memory_allocated`` and ``memory_reserved`` each
+        build the flat ``memory_stats`` dict (a Python recursion and sort over every counter), which
+        cost 0.35 ms of every training step on an H200."""
         rss = self._rss.read()
         alloc = reserved = None
         if self._cuda_ready():
-            dev = self._device
-            alloc, reserved = int(self._cuda.memory_allocated(dev)), int(self._cuda.memory_reserved(dev))
+            stats = self._cuda.memory_stats_as_nested_dict(self._device)
+            alloc = int(stats["allocated_bytes"]["all"]["current"])
+            reserved = int(stats["reserved_bytes"]["all"]["current"])
         self.buffer.put((step, rss, alloc, reserved))
 
     def _post(self, source: str, step: int, value: int | None) -> None:

@@ -53,6 +53,11 @@ class FakeCuda:
         self.devices.add(device)
         return 4096
 
+    def memory_stats_as_nested_dict(self, device=None):
+        self.reads += 1
+        self.devices.add(device)
+        return {"allocated_bytes": {"all": {"current": self.allocated}}, "reserved_bytes": {"all": {"current": 4096}}}
+
     def memory_stats(self, device=None):
         self.reads += 1
         self.devices.add(device)
