@@ -17,14 +17,6 @@ from typing import Any
 #: Recorder name -> function name in ``torch._C._distributed_c10d``.
 RECORDERS: tuple[tuple[str, str], ...] = (("gloo", "_dump_fr_trace"), ("nccl", "_dump_nccl_trace"))
 
-#: FR scalar-type names (c10 ScalarType spelling) -> element size in bytes.
-DTYPE_BYTES: dict[str, int] = {
-    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
-    "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "ComplexHalf": 4,
-    "Float8_e4m3fn": 1, "Float8_e5m2": 1, "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1, "UInt16": 2,
-    "UInt32": 4, "UInt64": 8,
-}  # fmt: skip
-
 
 def _c10d() -> Any:
     try:

@@ -1,4 +1,4 @@
-"""Collectives: label mapping, bytes, busbw, and the flight-recorder reader on synthetic FR dumps."""
+"""Collectives: the flight-recorder reader on synthetic FR dumps, and the p2p wrappers (decoding: test_fr_decode)."""
 
 from __future__ import annotations
 
@@ -10,36 +10,9 @@ import torch
 import torch.distributed as dist
 
 from hpar_agent.agent import Agent
-from hpar_agent.collectors import collectives as coll
 from hpar_agent.torch_compat import flight_recorder as fr
 
 L = {"rank": "0", "pp_stage": "0"}
-
-
-def test_op_and_pg_labels():
-    assert coll.op_label("gloo:all_reduce") == "all_reduce"
-    assert coll.op_label("nccl:_allgather_base") == "all_gather"
-    assert coll.op_label("nccl:reduce_scatter_tensor_coalesced") == "reduce_scatter"
-    assert coll.op_label("nccl:send 0->1") == "send"  # NCCL p2p names carry group ranks
-    assert coll.op_label("nccl:recv 1<-0") == "recv"
-    assert coll.p2p_peer("nccl:send 0->1") == 1 and coll.p2p_peer("nccl:recv 1<-0") == 0
-    assert coll.op_label("nccl:something new") == "other"  # free text never becomes a label
-    assert coll.pg_label("1", "mesh_dp") == "dp"
-    assert coll.pg_label("3", "mesh_tp") == "tp"
-    assert coll.pg_label("0", "default_pg") == "default_pg"
-    assert coll.pg_label("7", "undefined") == "pg7"
-    assert coll.pg_label("8", "my group/1") == "my_group_1"
-
-
-def test_bytes_and_busbw_factors():
-    assert coll.entry_bytes([[4, 2], [3]], ["Float", "BFloat16"]) == 8 * 4 + 3 * 2
-    assert coll.busbw_factor("all_reduce", 4) == pytest.approx(1.5)
-    assert coll.busbw_factor("all_gather", 4) == pytest.approx(0.75)
-    assert coll.busbw_factor("reduce_scatter", 2) == pytest.approx(0.5)
-    assert coll.busbw_factor("broadcast", 8) == 1.0
-    assert coll.busbw_factor("send", None) == 1.0
-    assert coll.busbw_factor("barrier", 4) is None
-    assert coll.busbw("all_reduce", 1000, 0.001, 2) == pytest.approx(1e6)
 
 
 class FakeRecorder:
