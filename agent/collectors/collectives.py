@@ -8,7 +8,7 @@ Sources, all read on the agent thread except two O(µs) wrappers:
   What an entry means (op and group labels, bytes, busbw) is ``torch_compat.fr_decode``'s; this module
   decides when to read, places entries in steps, times them and exports them.
 - the pipelining schedules' ``_batch_p2p``/``_wait_batch_p2p`` module functions, wrapped while
-  installed: gloo's FR records no send/recv, and gloo p2p Works have no future, so the issue time and
+  installed (``torch_compat.p2p``): gloo's FR records no send/recv, and gloo p2p Works have no future, so the issue time and
   the observed completion (the Work was already complete when the schedule waited, else wait's return)
   give PP traffic its counts, bytes and an upper-bound latency. On NCCL the FR records p2p itself, so
   the wrapper's ops are not counted twice.
@@ -17,7 +17,6 @@ Sources, all read on the agent thread except two O(µs) wrappers:
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import logging
 import os
@@ -55,6 +54,7 @@ from hpar_agent.torch_compat.fr_decode import (
     pg_label,
     stuck,
 )
+from hpar_agent.torch_compat.p2p import P2PWrapper
 from hpar_agent.traceids import trace_id_hex
 
 log = logging.getLogger("hpar_agent")
@@ -140,7 +140,7 @@ class CollectiveCollector(Component):
         self._pp_groups: set[tuple[str, str]] = set()  # groups pipelining p2p runs on: p2p there is "pp"
         self._open_batch: dict[tuple[str, str], list[tuple[str, int]]] = {}  # p2p since the last coalesced
         self._batches: dict[tuple[str, int], list[_Op]] = {}  # coalesced entry -> the p2p ops it completes
-        self._p2p_patch: tuple[Any, Any, Any] | None = None
+        self.p2p = P2PWrapper(self.p2p_buffer.put, self._p2p_error)
         self._active = False
 
     # ------------------------------------------------------------------------------------ install
@@ -159,17 +159,13 @@ class CollectiveCollector(Component):
         self._patch_p2p()
 
     def _patch_p2p(self) -> None:
-        """Wrap the schedules' p2p helpers once the program imported pipelining (at attach, else on the
-        first poll after: a schedule built after attach imports it before its first step)."""
-        mod = fr.p2p_module() if self._p2p_patch is None and self._active else None
-        if mod is None:
-            return
-        orig_batch = mod._batch_p2p
-        orig_wait = getattr(mod, "_wait_batch_p2p", None)
-        mod._batch_p2p = self._wrap_batch(orig_batch)
-        if orig_wait is not None:
-            mod._wait_batch_p2p = self._wrap_wait(orig_wait)
-        self._p2p_patch = (mod, orig_batch, orig_wait)
+        """Wrap pipelining's p2p helpers once the program imported them (``torch_compat.p2p``)."""
+        self.p2p.active = self._active
+        self.p2p.patch()
+
+    def _p2p_error(self, exc: BaseException) -> None:
+        if self.agent is not None:
+            self.agent.record_error(self.name, exc)
 
     def _label_mesh_groups(self, agent: Any) -> None:
         """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
@@ -243,48 +239,7 @@ class CollectiveCollector(Component):
 
     def uninstall(self) -> None:
         self._active = False
-        if self._p2p_patch is not None:
-            mod, orig_batch, orig_wait = self._p2p_patch
-            if getattr(mod._batch_p2p, "__wrapped__", None) is orig_batch:
-                mod._batch_p2p = orig_batch
-            if orig_wait is not None and getattr(mod._wait_batch_p2p, "__wrapped__", None) is orig_wait:
-                mod._wait_batch_p2p = orig_wait
-            self._p2p_patch = None
-
-    def _wrap_batch(self, orig: Any) -> Any:
-        put = self.p2p_buffer.put
-
-        @functools.wraps(orig)
-        def batch_p2p(p2p_ops: Any, *args: Any, **kwargs: Any) -> Any:
-            t0 = time.time_ns()
-            out = orig(p2p_ops, *args, **kwargs)
-            if self._active:
-                try:
-                    put(("issue", t0, fr.p2p_ops_info(p2p_ops), [id(w) for w in fr.works_of(out)]))
-                except Exception as exc:
-                    self.agent.record_error(self.name, exc)  # type: ignore[union-attr]
-            return out
-
-        return batch_p2p
-
-    def _wrap_wait(self, orig: Any) -> Any:
-        put = self.p2p_buffer.put
-
-        @functools.wraps(orig)
-        def wait_batch_p2p(work: Any, *args: Any, **kwargs: Any) -> Any:
-            done: list[tuple[int, bool]] = []
-            t0 = time.time_ns()
-            if self._active:
-                try:
-                    done = [(id(w), bool(w.is_completed())) for w in fr.works_of(work)]
-                except Exception as exc:
-                    self.agent.record_error(self.name, exc)  # type: ignore[union-attr]
-            out = orig(work, *args, **kwargs)
-            if done:
-                put(("wait", t0, done, time.time_ns()))
-            return out
-
-        return wait_batch_p2p
+        self.p2p.restore()
 
     def step_hook(self, step: int, t_ns: int) -> None:
         self.step_buffer.put((t_ns, step))
@@ -665,6 +620,6 @@ class CollectiveCollector(Component):
             "ops": {f"{pg}/{op}": n for (pg, op), n in sorted(self.counts.items())},
             "timed": self.timed,
             "unobserved": dict(self.unobserved),
-            "p2p_wrapped": self._p2p_patch is not None,
+            "p2p_wrapped": self.p2p.patched,
             "timing": self.timing_enabled(),
         }

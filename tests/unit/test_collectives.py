@@ -305,8 +305,8 @@ def test_p2p_wrappers_count_time_and_restore(tmp_path):
                 return True
 
         works = [Work(False), Work(True)]
-        batch = c._wrap_batch(lambda ops, desc=None: works)
-        wait = c._wrap_wait(lambda ws: [w.wait() for w in ws])
+        batch = c.p2p.wrap_batch(lambda ops, desc=None: works)
+        wait = c.p2p.wrap_wait(lambda ws: [w.wait() for w in ws])
         ops = [
             SimpleNamespace(op=dist.isend, tensor=torch.zeros(8), peer=1, group=None),
             SimpleNamespace(op=dist.irecv, tensor=torch.zeros(2, 3, dtype=torch.float64), peer=3, group=None),
