@@ -147,7 +147,7 @@ def test_graph_break_counted_with_gb_key_and_user_frame_in_event_log(agent, capf
     assert bc["0/0"]["backend"] == "eager" and bc["0/0"]["node_name"] == "" and bc["0/0"]["traceback_depth"] is None
     assert summary["backends"] == ["eager"]
     # compile spans, with the graph break as a span event on the frame that broke
-    spans = [s for s in agent._pending_spans.get(0, []) if s.name == "dynamo.compile"]
+    spans = [s for s in agent.span_schedule.pending.get(0, []) if s.name == "dynamo.compile"]
     assert [s.attributes["dynamo.compile_id"] for s in spans] == ["0/0", "1/0"]
     assert spans[0].attributes["dynamo.outcome"] == "graph_break" and spans[0].end_ns > spans[0].start_ns
     assert [e[0] for e in spans[0].events] == ["compile_start", "graph_break", "backend_compile"]
@@ -227,7 +227,7 @@ def test_shape_int_dtype_changes_are_recompiles_with_reasons(agent):
     line = f"{__file__}:{_scale.__code__.co_firstlineno + 1}"
     assert any(f.startswith(line) for f in evs[1]["user_stack"])  # an int guard's "User stack trace"
     assert evs[0]["user_stack"] == [f"{__file__}:{_scale.__code__.co_firstlineno}"]  # none given: the frame
-    spans = [s for s in agent._pending_spans.get(0, []) if s.name == "dynamo.compile"]
+    spans = [s for s in agent.span_schedule.pending.get(0, []) if s.name == "dynamo.compile"]
     assert [e[2]["dynamo.recompile.reason"] for s in spans for e in s.events if e[0] == "recompile"] == [
         "tensor_size", "int_value", "tensor_dtype"
     ]
@@ -304,7 +304,7 @@ def test_attach_detach_leaves_no_handlers_callbacks_or_artifact_flags(tmp_path):
         assert comp._on_start in dynamo.registered_callbacks()[0] and comp.resets == 1
         torch.compile(_blockA, backend="eager")(torch.ones(2, 2))
         agent.tick()
-        assert any(s.name == "dynamo.compile" for s in agent._pending_spans.get(0, []))
+        assert any(s.name == "dynamo.compile" for s in agent.span_schedule.pending.get(0, []))
     finally:
         hpar_agent.detach()
         torch._dynamo.reset()
