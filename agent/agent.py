@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import warnings
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,13 +26,9 @@ from hpar_agent.events import EventLog
 from hpar_agent.families import Families
 from hpar_agent.lifecycle import SignalFlush
 from hpar_agent.safefiles import UnsafePathError, private_dir, write_atomic
+from hpar_agent.span_schedule import SpanScheduler
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.topology import Topology, detect
-
-#: A completed step's trace waits at most this long for late child spans (FR reads are periodic).
-SPAN_WAIT_NS = 30 * 10**9
-#: ... and at most this many steps wait (a fast loop must not queue without bound).
-MAX_UNEXPORTED = 4096
 
 log = logging.getLogger("hpar_agent")
 
@@ -66,8 +62,7 @@ class Agent:
         self.collect_seconds: dict[str, float] = {}
         self._logged: set[tuple[str, str]] = set()
         self._step_hooks: list[Component] = []
-        self._pending_spans: dict[int, list[SpanRecord]] = {}
-        self._unexported: deque[StepRecord] = deque()  # completed steps whose spans may still come
+        self.span_schedule = SpanScheduler()  # completed steps and child spans until they are due
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tick_lock = threading.Lock()
@@ -300,9 +295,7 @@ class Agent:
 
     def add_span(self, span: SpanRecord) -> None:
         """Agent thread: a child span of ``span.step``'s trace, exported when that step completes."""
-        pending = self._pending_spans.setdefault(span.step, [])
-        if len(pending) < 4096:
-            pending.append(span)
+        self.span_schedule.add_span(span)
 
     @property
     def stopping(self) -> bool:
@@ -348,35 +341,19 @@ class Agent:
                         comp.on_step(rec)
                     except Exception as exc:
                         self.record_error(comp.name, exc)
-                self._unexported.append(rec)
+                self.span_schedule.add_step(rec)
             self._export_steps(final)
 
     def _export_steps(self, final: bool) -> None:
-        """Hand completed steps with their child spans to tracing once every component has delivered
-        the spans that start before the step's end (the FR is read once per ``fr_interval``), after
-        ``SPAN_WAIT_NS`` at the latest, and every step on the final tick."""
+        """Hand completed steps with their child spans to tracing when they are due (``span_schedule``:
+        every span source delivered the spans before the step's end, or waited long enough)."""
         now = time.time_ns()
-        mark = now
-        if not final and self.tracing is not None:  # without tracing no step waits for anything
-            for comp in self.components:
-                try:
-                    wm = comp.span_watermark_ns() if comp.up else None
-                except Exception as exc:
-                    self.record_error(comp.name, exc)
-                    wm = None
-                mark = min(mark, wm) if wm is not None else mark
-        queue, last = self._unexported, None
-        while queue and (final or queue[0].end_ns <= mark or queue[0].end_ns < now - SPAN_WAIT_NS
-                         or len(queue) > MAX_UNEXPORTED):
-            rec = queue.popleft()
-            last = rec.step
-            rec.children.extend(self._pending_spans.pop(rec.step, ()))
+        waits = not final and self.tracing is not None  # without tracing no step waits for anything
+        mark = self.span_schedule.watermark(self.components, now, self.record_error) if waits else now
+        for rec in self.span_schedule.due(now, mark, final):
             if self.tracing is not None:
                 self.guard("tracing", self.tracing.export_step, rec)
                 time.sleep(0)  # hand the GIL back between steps (see tick)
-        if last is not None:
-            for s in [s for s in self._pending_spans if s < last - 64]:
-                del self._pending_spans[s]
 
     def _start_endpoint(self) -> None:
         if self.config.metrics_port < 0:

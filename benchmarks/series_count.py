@@ -87,11 +87,11 @@ def caps() -> dict[str, dict[str, Any]]:
     """Every label besides rank/pp_stage: how many values it can take and what bounds it (read from the code)."""
     from hpar_agent import streams
     from hpar_agent.collectors import collectives, compile, memory, pipeline
-    from hpar_agent.torch_compat import dynamo
+    from hpar_agent.torch_compat import dynamo, dynamo_log, fr_decode
 
     max_pgs = collectives.CollectiveCollector().max_pgs
-    ops = sorted(set(collectives._OP_ALIASES.values()) | {collectives.OTHER})
-    guard_kinds = sorted({k for _p, k in compile._GUARD_KINDS} | {"other"})
+    ops = sorted(set(fr_decode._OP_ALIASES.values()) | {fr_decode.OTHER})
+    guard_kinds = sorted({k for _p, k in dynamo_log._GUARD_KINDS} | {"other"})
     cache_pairs = sorted(set(dynamo.CACHE_COUNTERS.values()))
     return {
         "pg": {

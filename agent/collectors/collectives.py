@@ -5,8 +5,10 @@ Sources, all read on the agent thread except two O(µs) wrappers:
   ``pg_status``-only probe (µs) decides whether a full dump is needed at all. Entries overwritten before
   a read are counted as unobserved (record_id gaps, attributed to groups by their seq gaps).
   NCCL entries carry ``duration_ms`` when TORCH_NCCL_ENABLE_TIMING=1; gloo entries carry no timing.
+  What an entry means (op and group labels, bytes, busbw) is ``torch_compat.fr_decode``'s; this module
+  decides when to read, places entries in steps, times them and exports them.
 - the pipelining schedules' ``_batch_p2p``/``_wait_batch_p2p`` module functions, wrapped while
-  installed: gloo's FR records no send/recv, and gloo p2p Works have no future, so the issue time and
+  installed (``torch_compat.p2p``): gloo's FR records no send/recv, and gloo p2p Works have no future, so the issue time and
   the observed completion (the Work was already complete when the schedule waited, else wait's return)
   give PP traffic its counts, bytes and an upper-bound latency. On NCCL the FR records p2p itself, so
   the wrapper's ops are not counted twice.
@@ -15,11 +17,9 @@ Sources, all read on the agent thread except two O(µs) wrappers:
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import logging
 import os
-import re
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -36,139 +36,38 @@ from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord
 from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat import flight_recorder as fr
+from hpar_agent.torch_compat.fr_decode import (
+    OTHER,
+    REDUCE_OPS,
+    UNKNOWN_PG,
+    busbw,
+    duration_s,
+    enqueued_since,
+    entry_backend,
+    entry_bytes,
+    entry_group,
+    entry_numel,
+    entry_seq,
+    is_epoch_ns,
+    op_label,
+    p2p_peer,
+    pg_label,
+    stuck,
+)
+from hpar_agent.torch_compat.p2p import P2PWrapper
 from hpar_agent.traceids import trace_id_hex
 
 log = logging.getLogger("hpar_agent")
 
-#: profiling_name suffixes (c10d spellings across backends/versions) -> the ``op`` label.
-_OP_ALIASES: dict[str, str] = {
-    "all_reduce": "all_reduce", "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
-    "all_reduce_coalesced": "all_reduce", "all_gather": "all_gather", "allgather": "all_gather",
-    "_allgather_base": "all_gather", "_all_gather_base": "all_gather", "all_gather_into_tensor": "all_gather",
-    "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "allgather_coalesced": "all_gather", "reduce_scatter": "reduce_scatter",
-    "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter", "broadcast": "broadcast", "reduce": "reduce",
-    "all_to_all": "all_to_all", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
-    "all_to_all_single": "all_to_all", "send": "send", "recv": "recv", "recv_any_source": "recv",
-    "barrier": "barrier", "gather": "gather", "scatter": "scatter", "coalesced": "coalesced",
-    # torch >= 2.13 spellings FSDP2 calls (reduce_scatter_single / all_gather_single)
-    "reduce_scatter_single": "reduce_scatter", "reduce_scatter_single_coalesced": "reduce_scatter",
-    "all_gather_single": "all_gather", "allgather_single": "all_gather",
-}  # fmt: skip
-#: Timestamps above this are epoch nanoseconds; below, a monotonic clock (not comparable with attach time).
-_EPOCH_2001_NS = 978_307_200 * 10**9
 #: How long a completed NCCL entry may wait for its duration before it is counted untimed.
 PENDING_TIMEOUT_NS = 30 * 10**9
-#: nccl-tests bus-bandwidth factors as functions of the group size n.
-_BUSBW: dict[str, Any] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 1.0,
-}
 #: Entries a flight recorder keeps when its size env var is unset (torch's default).
 FR_DEFAULT_ENTRIES = 2000
 #: Step boundaries kept to place FR entries in their step: covers an ``fr_interval`` of fast steps.
 MAX_BOUNDARIES = 4096
-_P2P_PEER = re.compile(r"(?:->|<-)\s*(\d+)")
 PP_PG = "pp"
-UNKNOWN_PG = "unknown"
-OTHER = "other"
-
-
-def op_label(profiling_name: str) -> str:
-    """``"gloo:all_reduce"`` -> ``"all_reduce"``; unknown names -> ``"other"`` (bounded label)."""
-    base = str(profiling_name).rsplit(":", 1)[-1].strip().lower()
-    base = base.split(" ", 1)[0]  # NCCL p2p: "nccl:send 0->1", "nccl:recv 1<-0" (group ranks)
-    return _OP_ALIASES.get(base, OTHER)
-
-
-def p2p_peer(profiling_name: str) -> int | None:
-    """The group-local peer of an NCCL p2p entry: ``"nccl:send 0->1"`` -> 1, ``"nccl:recv 1<-0"`` -> 0."""
-    m = _P2P_PEER.search(str(profiling_name))
-    return int(m.group(1)) if m else None
-
-
-def pg_label(name: str, desc: str) -> str:
-    """FR ``process_group`` [name, desc] -> ``pg``: mesh_dp -> dp, default_pg, else a short key."""
-    desc = str(desc or "")
-    if desc.startswith("mesh_") and len(desc) > 5:
-        desc = desc[5:]
-    if desc in ("", "undefined"):
-        return f"pg{name}" if name != "" else UNKNOWN_PG
-    return re.sub(r"[^a-zA-Z0-9_]", "_", desc)[:32]
-
-
-def _stuck(status: dict[str, Any], before: dict[str, Any] | None) -> bool:
-    """A group's op that was in flight at the previous probe still is, with no completion in between
-    (``pg_status`` of two probes)."""
-    for pg_id, st in status.items():
-        prev = (before or {}).get(pg_id)
-        if prev is None:
-            continue
-        done = st.get("last_completed_collective", -1)
-        if prev.get("last_enqueued_collective", -1) > done == prev.get("last_completed_collective", -1):
-            return True
-    return False
-
-
-def _enqueued_since(status: dict[str, Any], before: dict[str, Any] | None) -> int:
-    """Collectives enqueued (all groups) between two ``pg_status`` snapshots."""
-    old = before or {}
-    return sum(
-        max(0, int(st.get("last_enqueued_collective", -1)) - int(old.get(pg_id, {}).get("last_enqueued_collective", -1)))
-        for pg_id, st in status.items()
-    )
-
-
-def entry_bytes(sizes: Any, dtypes: Any) -> int:
-    """Sum over tensors of numel x element size (FR ``input_sizes``/``input_dtypes``)."""
-    total = 0
-    for shape, dtype in zip(sizes or (), dtypes or (), strict=False):
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        total += numel * fr.DTYPE_BYTES.get(str(dtype), 0)
-    return total
-
-
-def entry_numel(sizes: Any) -> int:
-    """Elements over the tensors of an FR ``input_sizes`` (dtype-free: a bf16-compressed bucket counts
-    the same elements as its fp32 gradients)."""
-    total = 0
-    for shape in sizes or ():
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        total += numel
-    return total
-
-
-#: Ops whose input elements count as gradients reduced (gloo records reduce_scatter_tensor as all_reduce).
-REDUCE_OPS = frozenset(("all_reduce", "reduce_scatter"))
 #: Steps whose reduced elements are kept for the gradient-sync coverage (see ``gradsync``).
 MAX_REDUCE_STEPS = 256
-
-
-def busbw_factor(op: str, n: int | None) -> float | None:
-    """nccl-tests factor: all_reduce 2(n-1)/n, all_gather/reduce_scatter (n-1)/n, p2p 1."""
-    f = _BUSBW.get(op)
-    if f is None or (op not in ("send", "recv") and (not n or n < 1)):
-        return None
-    return float(f(n or 1))
-
-
-def busbw(op: str, data_bytes: int, seconds: float, n: int | None) -> float | None:
-    """Bus bandwidth in bytes/s; ``data_bytes`` is nccl-tests' size (the larger of in and out)."""
-    factor = busbw_factor(op, n)
-    if factor is None or seconds <= 0:
-        return None
-    return data_bytes / seconds * factor
 
 
 @dataclass(slots=True)
@@ -241,7 +140,7 @@ class CollectiveCollector(Component):
         self._pp_groups: set[tuple[str, str]] = set()  # groups pipelining p2p runs on: p2p there is "pp"
         self._open_batch: dict[tuple[str, str], list[tuple[str, int]]] = {}  # p2p since the last coalesced
         self._batches: dict[tuple[str, int], list[_Op]] = {}  # coalesced entry -> the p2p ops it completes
-        self._p2p_patch: tuple[Any, Any, Any] | None = None
+        self.p2p = P2PWrapper(self.p2p_buffer.put, self._p2p_error)
         self._active = False
 
     # ------------------------------------------------------------------------------------ install
@@ -260,17 +159,13 @@ class CollectiveCollector(Component):
         self._patch_p2p()
 
     def _patch_p2p(self) -> None:
-        """Wrap the schedules' p2p helpers once the program imported pipelining (at attach, else on the
-        first poll after: a schedule built after attach imports it before its first step)."""
-        mod = fr.p2p_module() if self._p2p_patch is None and self._active else None
-        if mod is None:
-            return
-        orig_batch = mod._batch_p2p
-        orig_wait = getattr(mod, "_wait_batch_p2p", None)
-        mod._batch_p2p = self._wrap_batch(orig_batch)
-        if orig_wait is not None:
-            mod._wait_batch_p2p = self._wrap_wait(orig_wait)
-        self._p2p_patch = (mod, orig_batch, orig_wait)
+        """Wrap pipelining's p2p helpers once the program imported them (``torch_compat.p2p``)."""
+        self.p2p.active = self._active
+        self.p2p.patch()
+
+    def _p2p_error(self, exc: BaseException) -> None:
+        if self.agent is not None:
+            self.agent.record_error(self.name, exc)
 
     def _label_mesh_groups(self, agent: Any) -> None:
         """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
@@ -344,48 +239,7 @@ class CollectiveCollector(Component):
 
     def uninstall(self) -> None:
         self._active = False
-        if self._p2p_patch is not None:
-            mod, orig_batch, orig_wait = self._p2p_patch
-            if getattr(mod._batch_p2p, "__wrapped__", None) is orig_batch:
-                mod._batch_p2p = orig_batch
-            if orig_wait is not None and getattr(mod._wait_batch_p2p, "__wrapped__", None) is orig_wait:
-                mod._wait_batch_p2p = orig_wait
-            self._p2p_patch = None
-
-    def _wrap_batch(self, orig: Any) -> Any:
-        put = self.p2p_buffer.put
-
-        @functools.wraps(orig)
-        def batch_p2p(p2p_ops: Any, *args: Any, **kwargs: Any) -> Any:
-            t0 = time.time_ns()
-            out = orig(p2p_ops, *args, **kwargs)
-            if self._active:
-                try:
-                    put(("issue", t0, fr.p2p_ops_info(p2p_ops), [id(w) for w in fr.works_of(out)]))
-                except Exception as exc:
-                    self.agent.record_error(self.name, exc)  # type: ignore[union-attr]
-            return out
-
-        return batch_p2p
-
-    def _wrap_wait(self, orig: Any) -> Any:
-        put = self.p2p_buffer.put
-
-        @functools.wraps(orig)
-        def wait_batch_p2p(work: Any, *args: Any, **kwargs: Any) -> Any:
-            done: list[tuple[int, bool]] = []
-            t0 = time.time_ns()
-            if self._active:
-                try:
-                    done = [(id(w), bool(w.is_completed())) for w in fr.works_of(work)]
-                except Exception as exc:
-                    self.agent.record_error(self.name, exc)  # type: ignore[union-attr]
-            out = orig(work, *args, **kwargs)
-            if done:
-                put(("wait", t0, done, time.time_ns()))
-            return out
-
-        return wait_batch_p2p
+        self.p2p.restore()
 
     def step_hook(self, step: int, t_ns: int) -> None:
         self.step_buffer.put((t_ns, step))
@@ -437,7 +291,7 @@ class CollectiveCollector(Component):
             rec not in self._cursor
             or agent.stopping
             or (moved and slot != self._slot.get(rec))
-            or (unread and _stuck(status, last_probe))
+            or (unread and stuck(status, last_probe))
             or self._new_entries(rec, status, now) >= self._ring // 2
         )
         if not must:
@@ -453,7 +307,7 @@ class CollectiveCollector(Component):
         """Entries the ring took since the last full read: the collectives ``pg_status`` counts, or the
         record-id rate of the last two reads (p2p included) times the time since, the larger."""
         since_s = now - self._read_ns.get(rec, 0) / 1e9
-        return max(_enqueued_since(status, self._status.get(rec)), self._rate.get(rec, 0.0) * since_s)
+        return max(enqueued_since(status, self._status.get(rec)), self._rate.get(rec, 0.0) * since_s)
 
     def span_watermark_ns(self) -> int | None:
         """Spans come from timed FR entries (NCCL with timing: up to the last full read, less those
@@ -527,15 +381,15 @@ class CollectiveCollector(Component):
                 continue
             gap += rid - nxt
             nxt = rid + 1
-            name, desc = [*(e.get("process_group") or ()), "", ""][:2]
+            name, desc = entry_group(e)
             is_p2p = bool(e.get("is_p2p", False))
-            pg = PP_PG if is_p2p and (str(name), str(desc)) in self._pp_groups else self._label(name, desc)
+            pg = PP_PG if is_p2p and (name, desc) in self._pp_groups else self._label(name, desc)
             if not is_p2p:
                 self._pg_ids[(rec, str(e.get("pg_id", "")))] = pg
                 self._backend_of.setdefault(pg, rec)
             if is_p2p:
                 self._p2p_in_fr[rec] = True
-            seq = int(e.get("p2p_seq_id" if is_p2p else "collective_seq_id", 0) or 0)
+            seq = entry_seq(e, is_p2p)
             last = self._seq.get((rec, pg, is_p2p))
             if last is not None and seq > last + 1:
                 seq_gaps[pg] += seq - last - 1
@@ -547,7 +401,7 @@ class CollectiveCollector(Component):
             opened = self._open.setdefault(pg, {})
             if not is_p2p and len(opened) < self.max_pending:
                 opened[seq] = created  # in-flight age counts ops from before attach too
-            if first_read and created > _EPOCH_2001_NS and created < self._attach_ns:
+            if first_read and is_epoch_ns(created) and created < self._attach_ns:
                 continue  # before attach: baseline only (epoch clocks only; a monotonic stamp can't tell)
             self._observe_entry(rec, e, pg, name, seq, is_p2p, created)
         self._cursor[rec] = nxt
@@ -589,23 +443,23 @@ class CollectiveCollector(Component):
                 "record_id": e.get("record_id"),
             }
         )
-        backend = "nccl" if pname.startswith("nccl:") or rec == "nccl" else "gloo"
-        item = _Op(pg, op, seq, nbytes, max(nbytes, out_bytes), created, comm_stream_label(pg, backend))
+        stream = comm_stream_label(pg, entry_backend(pname, rec))
+        item = _Op(pg, op, seq, nbytes, max(nbytes, out_bytes), created, stream)
         item.size = self._size(name)
         key = (rec, int(e["record_id"]))
         if is_p2p and (peer := p2p_peer(pname)) is not None:
-            item.peer = fr.global_rank(str(name), peer)
+            item.peer = fr.global_rank(name, peer)
         if batch:  # the p2p ops of a batch_isend_irecv: timed by the coalesced entry that ends it
             ops = [self._pending_fr.pop(k) for k in batch if k in self._pending_fr]
-            if e.get("duration_ms") is not None:
+            if (dur := duration_s(e)) is not None:
                 for o in ops:
-                    self._finish(o, float(e["duration_ms"]) / 1e3)
+                    self._finish(o, dur)
             elif rec == "nccl" and len(self._pending_fr) < self.max_pending:
                 self._batches[key] = ops
                 self._pending_fr[key] = item
             return
-        if e.get("duration_ms") is not None:
-            self._finish(item, float(e["duration_ms"]) / 1e3)
+        if (dur := duration_s(e)) is not None:
+            self._finish(item, dur)
         elif (
             rec == "nccl"
             and (e.get("state") != "completed" or self._nccl_timing)
@@ -622,10 +476,10 @@ class CollectiveCollector(Component):
             if e is None:  # overwritten before it completed: stays counted, untimed
                 del self._pending_fr[key]
                 self._batches.pop(key, None)
-            elif e.get("duration_ms") is not None:
+            elif (dur := duration_s(e)) is not None:
                 item = self._pending_fr.pop(key)
                 for o in self._batches.pop(key, None) or [item]:
-                    self._finish(o, float(e["duration_ms"]) / 1e3)
+                    self._finish(o, dur)
             elif time.time_ns() - self._pending_fr[key].start_ns > PENDING_TIMEOUT_NS and (
                 e.get("is_p2p") or e.get("state") == "completed"
             ):  # completed untimed (timing off), or a p2p entry no coalesced entry ever closed
@@ -766,6 +620,6 @@ class CollectiveCollector(Component):
             "ops": {f"{pg}/{op}": n for (pg, op), n in sorted(self.counts.items())},
             "timed": self.timed,
             "unobserved": dict(self.unobserved),
-            "p2p_wrapped": self._p2p_patch is not None,
+            "p2p_wrapped": self.p2p.patched,
             "timing": self.timing_enabled(),
         }

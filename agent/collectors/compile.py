@@ -6,7 +6,8 @@ logger that receives every ``CompilationMetrics`` and handlers on the graph-brea
 loggers. Each only appends a tuple to one BoundedBuffer. The agent thread turns those into counters,
 ``dynamo.compile`` spans, and JSONL events that keep the full text (reasons, user file:line stacks,
 guard failures) out of label values. Cache hit/miss counts come from diffing dynamo's process-global
-``counters`` once per poll. Every private torch name is reached through ``torch_compat.dynamo``.
+``counters`` once per poll. Every private torch name is reached through ``torch_compat.dynamo``; the
+log text (graph-break messages, guard failures) is parsed by ``torch_compat.dynamo_log``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -29,6 +29,18 @@ from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord
 from hpar_agent.torch_compat import dynamo
+from hpar_agent.torch_compat.dynamo_log import (
+    break_reason,
+    c10d_call,
+    failed_guards,
+    frame_id,
+    graph_break_key,
+    guard_kind,
+    guard_text,
+    node_name,
+    user_frame,
+    user_frames,
+)
 
 PHASES = (
     ("entire_frame", "entire_frame_compile_time_s"),
@@ -38,38 +50,7 @@ PHASES = (
 )
 #: Distinct graph-break keys kept as label values; later new keys count as "other".
 MAX_BREAK_KEYS = 32
-_GB_CODE = re.compile(r"/gb/(gb\d{3,5})\.html")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_AT = re.compile(r"in user code at (.+?):(\d+)")
-_GUARD_PREFIX = re.compile(r"^\s*(?:- )?\d+/\d+: ")
-#: First failed guard -> bounded recompile reason (first match wins).
-_GUARD_KINDS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(p), k)
-    for p, k in (
-        (r"(size|rank) mismatch", "tensor_size"),
-        (r"stride mismatch", "tensor_stride"),
-        (r"dtype mismatch", "tensor_dtype"),
-        (r"device mismatch", "tensor_device"),
-        (r"requires_grad mismatch", "requires_grad"),
-        (r"dispatch key set mismatch", "dispatch_keys"),
-        (r"___check_type_id|type\(|isinstance|is None|is not None", "type"),
-        (r"___check_obj_id|\bid\(|\S \bis\b \S", "object_id"),  # `x is y`: an identity guard
-        (r"len\(", "length"),
-        (r"grad_mode|GLOBAL_STATE|global state|autocast|deterministic", "global_state"),
-        (r"\b(Eq|Ne|Lt|Le|Gt|Ge)\(|\bs\d+\b", "dynamic_shape"),
-        (r"== -?\d+\s*(#|$)", "int_value"),
-        (r"== -?\d*\.\d+", "float_value"),
-    )
-)
 _TRIGGER_LABEL = {"dynamo": "forward"}
-#: Lines of a graph-break message that say "a break happened", not why (dynamo's header lines).
-_BREAK_PREAMBLE = re.compile(
-    r"^(Encountered graph break when attempting to trace|Failed to handle graph break gracefully|"
-    r"Graph break encountered|Graph Break Reason:\s*$)"
-)
-_C10D_FILE = re.compile(r"torch[/\\]distributed[/\\](distributed_c10d|c10d_logger)\.py$")
-_NODE = re.compile(r"While executing %(\w+)|node[ _]name[=:]\s*'?(\w+)")
-_TORCH_FILE = re.compile(r"[/\\]torch[/\\]")
 #: Backend label value for a backend missing from dynamo's registry (a user callable).
 CUSTOM_BACKEND = "custom"
 FUNCTIONAL_COLLECTIVES_HINT = (
@@ -79,96 +60,10 @@ FUNCTIONAL_COLLECTIVES_HINT = (
 )
 
 
-def graph_break_key(text: str) -> str:
-    """Bounded key of a graph-break message: its registry code (gbNNNN), else a slug of the reason's
-    first line cut before any quoted/bracketed detail (which may hold user values)."""
-    m = _GB_CODE.search(text)
-    if m:
-        return m.group(1)
-    reason = text.split("Graph Break Reason:", 1)[-1]
-    first = next((ln.strip() for ln in reason.splitlines() if ln.strip()), "")
-    first = re.split(r"[:(\[{`'\"<]", first, maxsplit=1)[0]
-    slug = "_".join(re.sub(r"[^a-z0-9]+", " ", first.lower()).split()[:6])
-    return slug[:40] or "unknown"
-
-
-def break_reason(text: str) -> str:
-    """Why a graph break happened, in one line: dynamo's title line (e.g. "Failed to trace builtin
-    operator") and its Explanation, skipping the header lines that only say a break was encountered."""
-    body = text.split("Graph Break Reason:", 1)[-1].split("User code traceback:", 1)[0]
-    title, explanation = "", ""
-    for ln in (x.strip() for x in body.splitlines()):
-        if not ln or _BREAK_PREAMBLE.match(ln):
-            continue
-        if ln.startswith("Explanation:"):
-            explanation = ln[len("Explanation:") :].strip()
-            break
-        if ln.startswith(("Hint:", "Developer debug context:", "For more details")):
-            break
-        if not title:
-            title = ln
-    reason = f"{title}: {explanation}" if title and explanation else title or explanation
-    return reason[:300]
-
-
-def c10d_call(text: str) -> str:
-    """The torch.distributed (c10d) function a graph break was traced into ('' when none): the
-    innermost traceback frame in distributed_c10d.py / c10d_logger.py names the collective."""
-    op = ""
-    for f, _, fn in _FRAME.findall(text.split("User code traceback:", 1)[-1]):
-        if _C10D_FILE.search(f) and fn != "wrapper":
-            op = fn
-        elif _C10D_FILE.search(f) and not op:
-            op = "c10d"
-    return op
-
-
-def user_frame(frames: list[str], text: str) -> str:
-    """Innermost ``file:line`` outside torch itself (the user's line that broke), else dynamo's
-    'in user code at' location."""
-    for fr in reversed(frames):
-        where = fr.rsplit(" in ", 1)[0]
-        if not _TORCH_FILE.search(where):
-            return where
-    m = _AT.search(text)
-    return f"{m.group(1)}:{m.group(2)}" if m else (frames[-1].rsplit(" in ", 1)[0] if frames else "")
-
-
 def code_hash(filename: Any, firstlineno: Any, name: Any) -> str:
     """Short stable id of a code object: basename:first line:name (equal across ranks and installs)."""
     key = f"{os.path.basename(str(filename or ''))}:{firstlineno}:{name}"
     return hashlib.sha1(key.encode()).hexdigest()[:12]
-
-
-def node_name(fail_reason: str) -> str:
-    """The FX node a backend failure names ("While executing %node"), '' when none."""
-    m = _NODE.search(fail_reason or "")
-    return (m.group(1) or m.group(2) or "") if m else ""
-
-
-def frame_id(cid: str) -> str:
-    """Dynamo's frame id: the first part of a compile id ``[!]frame/attempt``."""
-    return cid.lstrip("!").split("/", 1)[0] if cid else ""
-
-
-def guard_kind(guard: str) -> str:
-    """Bounded recompile reason from the text of a failed guard."""
-    g = _GUARD_PREFIX.sub("", guard.splitlines()[0] if guard else "")
-    g = g.split("  #", 1)[0]  # drop the source excerpt dynamo appends after the guard
-    for pattern, kind in _GUARD_KINDS:
-        if pattern.search(g):
-            return kind
-    return "other"
-
-
-def user_frames(text: str) -> list[str]:
-    """``file:line in fn`` frames of a graph-break message, outermost first (the innermost is last)."""
-    frames = [f"{f}:{ln} in {fn}" for f, ln, fn in _FRAME.findall(text.split("User code traceback:", 1)[-1])]
-    if not frames:
-        m = _AT.search(text)
-        if m:
-            frames = [f"{m.group(1)}:{m.group(2)}"]
-    return frames
 
 
 def _first_line(text: Any) -> str:
@@ -585,11 +480,11 @@ class CompileCollector(Component):
         kind = guard_kind(first_guard)
         self.recompiles[kind] += 1
         examples = self.recompile_examples.setdefault(kind, [])
-        guard = _first_line(_GUARD_PREFIX.sub("", first_guard).split("  #", 1)[0])
+        guard = guard_text(first_guard)
         if len(examples) < 5 and f"{where}: {guard}" not in examples:
             examples.append(f"{where}: {guard}")
         text = self._recompile_text.pop(cid, "")
-        failed = [ln.strip()[2:] for ln in text.splitlines() if re.match(r"\s*- \d+/\d+: ", ln)]
+        failed = failed_guards(text)
         self.agent.events.emit(  # type: ignore[union-attr]
             cat.EVENT_RECOMPILE,
             compile_id=cid,

@@ -1,4 +1,4 @@
-"""The one adapter for the c10d flight recorder (FR) and the pipelining p2p helpers.
+"""The one adapter for reading the c10d flight recorder (FR); decoding its entries is ``fr_decode``'s.
 
 Everything here is private torch API, feature-detected at call time, so a change in torch touches this
 file only. Facts (torch 2.11 CUDA, 2.13 CPU): gloo groups record into ``_dump_fr_trace`` (no durations,
@@ -16,14 +16,6 @@ from typing import Any
 
 #: Recorder name -> function name in ``torch._C._distributed_c10d``.
 RECORDERS: tuple[tuple[str, str], ...] = (("gloo", "_dump_fr_trace"), ("nccl", "_dump_nccl_trace"))
-
-#: FR scalar-type names (c10 ScalarType spelling) -> element size in bytes.
-DTYPE_BYTES: dict[str, int] = {
-    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
-    "Byte": 1, "Bool": 1, "ComplexFloat": 8, "ComplexDouble": 16, "ComplexHalf": 4,
-    "Float8_e4m3fn": 1, "Float8_e5m2": 1, "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1, "UInt16": 2,
-    "UInt32": 4, "UInt64": 8,
-}  # fmt: skip
 
 
 def _c10d() -> Any:
@@ -130,37 +122,3 @@ def group_backend(group: Any) -> str:
         return str(dist.get_backend(group))
     except Exception:
         return "unknown"
-
-
-def p2p_module() -> Any:
-    """The module whose globals the pipelining schedules call ``_batch_p2p`` through, once the program
-    imported it (None before: importing pipelining pulls in DTensor and sympy, seconds of a start-up
-    that a program without pipelines should not pay)."""
-    import sys
-
-    schedules = sys.modules.get("torch.distributed.pipelining.schedules")
-    return schedules if hasattr(schedules, "_batch_p2p") else None
-
-
-def p2p_ops_info(p2p_ops: Any) -> list[tuple[str, int, int, Any]]:
-    """(op "send"/"recv", global peer, bytes, group) of each ``dist.P2POp``: O(ops), no allocation
-    beyond the list."""
-    import torch.distributed as dist
-
-    out = []
-    for p in p2p_ops or ():
-        t = p.tensor
-        op = "send" if p.op in (dist.isend, dist.send) else "recv"
-        out.append((op, int(getattr(p, "peer", -1)), t.numel() * t.element_size(), getattr(p, "group", None)))
-    return out
-
-
-def works_of(result: Any) -> list[Any]:
-    """Flatten what ``_batch_p2p`` returned across versions (a list, a dict by peer, one Work, None)."""
-    if result is None:
-        return []
-    if isinstance(result, dict):
-        return [w for ws in result.values() for w in works_of(ws)]
-    if isinstance(result, (list, tuple)):
-        return list(result)
-    return [result]

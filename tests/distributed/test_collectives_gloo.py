@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import schedules
 
 import hpar_agent
-from hpar_agent.collectors.collectives import op_label, pg_label
 from hpar_agent.torch_compat import flight_recorder as fr
+from hpar_agent.torch_compat.fr_decode import op_label, pg_label
 
 pytestmark = pytest.mark.distributed
 

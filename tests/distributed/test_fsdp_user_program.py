@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import hpar_agent
-from hpar_agent.collectors.collectives import op_label
 from hpar_agent.detectors.cluster import ReplicaDivergence
 from hpar_agent.torch_compat import flight_recorder as fr
+from hpar_agent.torch_compat.fr_decode import op_label
 
 pytestmark = pytest.mark.distributed
 

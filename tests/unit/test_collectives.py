@@ -1,4 +1,4 @@
-"""Collectives: label mapping, bytes, busbw, and the flight-recorder reader on synthetic FR dumps."""
+"""Collectives: the flight-recorder reader on synthetic FR dumps, and the p2p wrappers (decoding: test_fr_decode)."""
 
 from __future__ import annotations
 
@@ -10,36 +10,9 @@ import torch
 import torch.distributed as dist
 
 from hpar_agent.agent import Agent
-from hpar_agent.collectors import collectives as coll
 from hpar_agent.torch_compat import flight_recorder as fr
 
 L = {"rank": "0", "pp_stage": "0"}
-
-
-def test_op_and_pg_labels():
-    assert coll.op_label("gloo:all_reduce") == "all_reduce"
-    assert coll.op_label("nccl:_allgather_base") == "all_gather"
-    assert coll.op_label("nccl:reduce_scatter_tensor_coalesced") == "reduce_scatter"
-    assert coll.op_label("nccl:send 0->1") == "send"  # NCCL p2p names carry group ranks
-    assert coll.op_label("nccl:recv 1<-0") == "recv"
-    assert coll.p2p_peer("nccl:send 0->1") == 1 and coll.p2p_peer("nccl:recv 1<-0") == 0
-    assert coll.op_label("nccl:something new") == "other"  # free text never becomes a label
-    assert coll.pg_label("1", "mesh_dp") == "dp"
-    assert coll.pg_label("3", "mesh_tp") == "tp"
-    assert coll.pg_label("0", "default_pg") == "default_pg"
-    assert coll.pg_label("7", "undefined") == "pg7"
-    assert coll.pg_label("8", "my group/1") == "my_group_1"
-
-
-def test_bytes_and_busbw_factors():
-    assert coll.entry_bytes([[4, 2], [3]], ["Float", "BFloat16"]) == 8 * 4 + 3 * 2
-    assert coll.busbw_factor("all_reduce", 4) == pytest.approx(1.5)
-    assert coll.busbw_factor("all_gather", 4) == pytest.approx(0.75)
-    assert coll.busbw_factor("reduce_scatter", 2) == pytest.approx(0.5)
-    assert coll.busbw_factor("broadcast", 8) == 1.0
-    assert coll.busbw_factor("send", None) == 1.0
-    assert coll.busbw_factor("barrier", 4) is None
-    assert coll.busbw("all_reduce", 1000, 0.001, 2) == pytest.approx(1e6)
 
 
 class FakeRecorder:
@@ -115,7 +88,7 @@ def test_reads_entries_once_times_them_and_attaches_spans(fake):
     # all_reduce busbw = bytes / t * 2(n-1)/n with n = 4
     bw = get("hpar_collective_busbw_bytes_per_second", {**L, "pg": "dp", "op": "all_reduce"})
     assert bw == pytest.approx(4000 / 0.002 * 1.5)
-    spans = [s for ss in agent._pending_spans.values() for s in ss]
+    spans = [s for ss in agent.span_schedule.pending.values() for s in ss]
     assert [(s.name, s.step) for s in spans] == [("collective.all_reduce", 1)]
     assert spans[0].attributes["collective.pg"] == "dp" and spans[0].attributes["cuda.stream"] == "nccl:dp"
     assert [(e["pg"], e["seq"], e["op"]) for e in c.recent_entries] == [
@@ -148,7 +121,7 @@ def test_nccl_p2p_batch_is_labelled_pp_with_peer_bytes_and_the_coalesced_duratio
     assert get("hpar_collective_duration_seconds_count", hl) == 1
     assert get("hpar_collective_duration_seconds_sum", hl) == pytest.approx(0.004)
     assert get("hpar_collective_busbw_bytes_per_second", {**L, "pg": "pp", "op": "recv"}) == pytest.approx(2000 / 0.004)
-    spans = sorted((s for ss in agent._pending_spans.values() for s in ss), key=lambda s: s.name)
+    spans = sorted((s for ss in agent.span_schedule.pending.values() for s in ss), key=lambda s: s.name)
     assert [(s.name, s.attributes["collective.pg"], s.attributes["collective.peer"]) for s in spans] == [
         ("collective.recv", "pp", 11),
         ("collective.send", "pp", 11),
@@ -299,7 +272,7 @@ def test_no_spans_are_built_with_tracing_off(fake):
     assert agent.registry.get_sample_value(
         "hpar_collective_duration_seconds_count", {**L, "pg": "dp", "op": "all_reduce", "stream": "nccl:dp"}
     ) == 1
-    assert not agent._pending_spans
+    assert not agent.span_schedule.pending
 
 
 def test_step_of_uses_boundaries(fake):
@@ -332,8 +305,8 @@ def test_p2p_wrappers_count_time_and_restore(tmp_path):
                 return True
 
         works = [Work(False), Work(True)]
-        batch = c._wrap_batch(lambda ops, desc=None: works)
-        wait = c._wrap_wait(lambda ws: [w.wait() for w in ws])
+        batch = c.p2p.wrap_batch(lambda ops, desc=None: works)
+        wait = c.p2p.wrap_wait(lambda ws: [w.wait() for w in ws])
         ops = [
             SimpleNamespace(op=dist.isend, tensor=torch.zeros(8), peer=1, group=None),
             SimpleNamespace(op=dist.irecv, tensor=torch.zeros(2, 3, dtype=torch.float64), peer=3, group=None),
@@ -346,7 +319,7 @@ def test_p2p_wrappers_count_time_and_restore(tmp_path):
         send = get("hpar_collective_duration_seconds_sum", {**L, "pg": "pp", "op": "send", "stream": "cpu"})
         recv = get("hpar_collective_duration_seconds_sum", {**L, "pg": "pp", "op": "recv", "stream": "cpu"})
         assert send >= 0.01 > recv  # recv was complete when waited: timed to the wait's entry
-        spans = {s.name: s for ss in agent._pending_spans.values() for s in ss}
+        spans = {s.name: s for ss in agent.span_schedule.pending.values() for s in ss}
         assert spans["collective.recv"].attributes["collective.peer"] == 3
         assert get("hpar_collective_inflight", {**L, "pg": "pp"}) == 0
         batch(ops)  # issued, never waited: in flight

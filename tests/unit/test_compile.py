@@ -11,19 +11,9 @@ import torch
 import torch._dynamo
 
 from hpar_agent.agent import Agent
-from hpar_agent.collectors.compile import (
-    FUNCTIONAL_COLLECTIVES_HINT,
-    CompileCollector,
-    break_reason,
-    c10d_call,
-    code_hash,
-    graph_break_key,
-    guard_kind,
-    node_name,
-    user_frame,
-    user_frames,
-)
+from hpar_agent.collectors.compile import FUNCTIONAL_COLLECTIVES_HINT, CompileCollector, code_hash
 from hpar_agent.torch_compat import dynamo
+from tests.unit.test_dynamo_log import C10D_BREAK, PRINT_BREAK
 
 L = {"rank": "0", "pp_stage": "0"}
 _LOGGERS = [dynamo.COMPILE_METRICS_LOGGER, *(q for qs in dynamo.ARTIFACT_LOGGERS.values() for q in qs)]
@@ -64,58 +54,10 @@ def _logger_state() -> dict:
     }
 
 
-# ------------------------------------------------------------------------------------- pure helpers
-def test_reason_keys_are_bounded():
-    assert (
-        graph_break_key("... please visit: https://x.github.io/compile-graph-break-site/gb/gb0170.html")
-        == "gb0170"
-    )
-    old_style = "Graph Break Reason: call_function BuiltinVariable(print) [ConstantVariable(str: 'hi')]"
-    assert graph_break_key(old_style) == "call_function_builtinvariable"  # user values cut off
-    assert guard_kind("2/0: tensor 'x' size mismatch at index 0. expected 3, actual 4") == "tensor_size"
-    assert guard_kind("2/2: tensor 'x' dtype mismatch. expected Float, actual Double") == "tensor_dtype"
-    assert (
-        guard_kind("2/1: n == 2                      # return x*n  # f.py:29 in g\nUser stack trace:")
-        == "int_value"
-    )
-    assert guard_kind("3/0: o is None             # def h(x, o): ...") == "type"
-    assert guard_kind("0/0: something new") == "other"
-
-
-# Recorded on torch 2.13 (paths shortened): print in compiled code, and a rank-dependent dist.broadcast.
-PRINT_BREAK = (
-    "Graph break in user code at /src/train.py:12\nGraph Break Reason: Encountered graph break when attempting to "
-    "trace CALL: a function call, e.g. f(x, y):\n\nFailed to trace builtin operator\n  Explanation: Dynamo does "
-    "not know how to trace builtin operator `print` with argument types ['str'] (has_kwargs False)\n  Hint: Avoid "
-    "calling builtin `print`.\n\n  Developer debug context: builtin print False\n\n For more details about this "
-    "graph break, please visit: https://meta-pytorch.github.io/compile-graph-break-site/gb/gb0059.html\n\nUser "
-    'code traceback:\n  File "/src/train.py", line 14, in <module>\n    fn(x)\n  File "/src/train.py", line 12, '
-    'in f\n    print("hi")\n'
-)
-SITE = "/venv/lib/python3.11/site-packages/torch"
-C10D_BREAK = (
-    f"Graph break in user code at {SITE}/_dynamo/polyfills/__init__.py:505\nGraph Break Reason: Encountered graph "
-    "break when attempting to trace CALL: a function call, e.g. f(x, y):\n\nAttempted to call function marked as "
-    "skipped\n  Explanation: Dynamo does not know how to trace the builtin `<unknown module>.pybind11_object.__new__.`"
-    "\n  Hint: If it is a Python builtin, please file an issue.\n\n  Developer debug context: module: <unknown "
-    "module>\n\n For more details about this graph break, please visit: https://meta-pytorch.github.io/compile-graph-"
-    'break-site/gb/gb0007.html\n\nUser code traceback:\n  File "/src/train.py", line 16, in <module>\n    fn(x)\n'
-    '  File "/src/train.py", line 14, in g\n    dist.broadcast(y, src=dist.get_rank())\n'
-    f'  File "{SITE}/distributed/c10d_logger.py", line 83, in wrapper\n    return func(*args, **kwargs)\n'
-    f'  File "{SITE}/distributed/distributed_c10d.py", line 3133, in broadcast\n    opts = BroadcastOptions()\n'
-    f'  File "{SITE}/_dynamo/polyfills/__init__.py", line 505, in instantiate_user_defined_class_object\n'
-    "    obj = cls.__new__(cls, *args, **kwargs)\n"
-)
-
-
+# ------------------------------------------------------------------------------------- log text in the collector
 def test_graph_break_reason_text_is_the_cause_not_blank(tmp_path):
     """Alert details and summaries used to read '; /src/train.py:12': dynamo's header line was taken
     as the reason and everything before 'Encountered graph break' is blank."""
-    assert break_reason(PRINT_BREAK) == (
-        "Failed to trace builtin operator: Dynamo does not know how to trace builtin operator `print` with "
-        "argument types ['str'] (has_kwargs False)"
-    )
-    assert break_reason("Graph Break Reason: call_function BuiltinVariable(print)") == "call_function BuiltinVariable(print)"
     a = _start(tmp_path)
     try:
         comp = a.component("compile")
@@ -130,9 +72,6 @@ def test_graph_break_reason_text_is_the_cause_not_blank(tmp_path):
 
 
 def test_c10d_call_in_compiled_code_is_named_with_the_functional_collectives_hint(tmp_path):
-    assert c10d_call(C10D_BREAK) == "broadcast" and c10d_call(PRINT_BREAK) == ""
-    frames = user_frames(C10D_BREAK)
-    assert user_frame(frames, C10D_BREAK) == "/src/train.py:14"  # the user's line, not torch's polyfill
     a = _start(tmp_path)
     try:
         comp = a.component("compile")
@@ -166,11 +105,6 @@ def test_failed_backend_compile_record_has_node_name_and_traceback_depth(tmp_pat
         assert ev["code_hash"] == code_hash("/src/model.py", 40, "forward") and ev["frame_id"] == "4"
     finally:
         a.stop()
-
-
-def test_node_name_of_a_backend_failure():
-    assert node_name("BackendCompilerFailed: ... While executing %addmm_3 : [num_users=1] = call_function") == "addmm_3"
-    assert node_name("some other failure") == ""
 
 
 # ------------------------------------------------------------------------------------- graph breaks
@@ -213,7 +147,7 @@ def test_graph_break_counted_with_gb_key_and_user_frame_in_event_log(agent, capf
     assert bc["0/0"]["backend"] == "eager" and bc["0/0"]["node_name"] == "" and bc["0/0"]["traceback_depth"] is None
     assert summary["backends"] == ["eager"]
     # compile spans, with the graph break as a span event on the frame that broke
-    spans = [s for s in agent._pending_spans.get(0, []) if s.name == "dynamo.compile"]
+    spans = [s for s in agent.span_schedule.pending.get(0, []) if s.name == "dynamo.compile"]
     assert [s.attributes["dynamo.compile_id"] for s in spans] == ["0/0", "1/0"]
     assert spans[0].attributes["dynamo.outcome"] == "graph_break" and spans[0].end_ns > spans[0].start_ns
     assert [e[0] for e in spans[0].events] == ["compile_start", "graph_break", "backend_compile"]
@@ -293,7 +227,7 @@ def test_shape_int_dtype_changes_are_recompiles_with_reasons(agent):
     line = f"{__file__}:{_scale.__code__.co_firstlineno + 1}"
     assert any(f.startswith(line) for f in evs[1]["user_stack"])  # an int guard's "User stack trace"
     assert evs[0]["user_stack"] == [f"{__file__}:{_scale.__code__.co_firstlineno}"]  # none given: the frame
-    spans = [s for s in agent._pending_spans.get(0, []) if s.name == "dynamo.compile"]
+    spans = [s for s in agent.span_schedule.pending.get(0, []) if s.name == "dynamo.compile"]
     assert [e[2]["dynamo.recompile.reason"] for s in spans for e in s.events if e[0] == "recompile"] == [
         "tensor_size", "int_value", "tensor_dtype"
     ]
@@ -370,7 +304,7 @@ def test_attach_detach_leaves_no_handlers_callbacks_or_artifact_flags(tmp_path):
         assert comp._on_start in dynamo.registered_callbacks()[0] and comp.resets == 1
         torch.compile(_blockA, backend="eager")(torch.ones(2, 2))
         agent.tick()
-        assert any(s.name == "dynamo.compile" for s in agent._pending_spans.get(0, []))
+        assert any(s.name == "dynamo.compile" for s in agent.span_schedule.pending.get(0, []))
     finally:
         hpar_agent.detach()
         torch._dynamo.reset()

@@ -173,7 +173,7 @@ def test_chunk_spans_carry_the_stream_handle_beside_its_name(tmp_path, monkeypat
     pipe.watch([stage])
     assert stage.forward_one_chunk(0) == "out"
     pipe.poll(time.time())
-    (span,) = [s for spans in ag._pending_spans.values() for s in spans]
+    (span,) = [s for spans in ag.span_schedule.pending.values() for s in spans]
     assert span.attributes[cat.ATTR_STREAM] == "cuda:3"
     assert span.attributes[cat.ATTR_STREAM_HANDLE] == 0x7F3A00001000
     assert span.end_ns - span.start_ns == 2_000_000

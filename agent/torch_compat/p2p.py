@@ -1,0 +1,126 @@
+"""The pipelining schedules' p2p helpers (``_batch_p2p`` / ``_wait_batch_p2p``) and their wrapper.
+
+gloo's flight recorder records no send/recv, and gloo p2p Works have no future, so the wrapper gives
+pipeline traffic its only source: the issue time, the ops, and the observed completion (the Work was
+already complete when the schedule waited, else wait's return). On the training thread each wrapped
+call costs O(ops) and one ``put``; the collector turns the records into counts, bytes and spans on the
+agent thread. Records:
+
+- ``("issue", t0_ns, [(op "send"/"recv", global peer, bytes, group), ...], [id(Work), ...])``
+- ``("wait", t_enter_ns, [(id(Work), was_completed), ...], t_exit_ns)``
+
+The module is patched only once the program imported pipelining (``p2p_module``), never imported here.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def p2p_module() -> Any:
+    """The module whose globals the pipelining schedules call ``_batch_p2p`` through, once the program
+    imported it (None before: importing pipelining pulls in DTensor and sympy, seconds of a start-up
+    that a program without pipelines should not pay)."""
+    schedules = sys.modules.get("torch.distributed.pipelining.schedules")
+    return schedules if hasattr(schedules, "_batch_p2p") else None
+
+
+def p2p_ops_info(p2p_ops: Any) -> list[tuple[str, int, int, Any]]:
+    """(op "send"/"recv", global peer, bytes, group) of each ``dist.P2POp``: O(ops), no allocation
+    beyond the list."""
+    import torch.distributed as dist
+
+    out = []
+    for p in p2p_ops or ():
+        t = p.tensor
+        op = "send" if p.op in (dist.isend, dist.send) else "recv"
+        out.append((op, int(getattr(p, "peer", -1)), t.numel() * t.element_size(), getattr(p, "group", None)))
+    return out
+
+
+def works_of(result: Any) -> list[Any]:
+    """Flatten what ``_batch_p2p`` returned across versions (a list, a dict by peer, one Work, None)."""
+    if result is None:
+        return []
+    if isinstance(result, dict):
+        return [w for ws in result.values() for w in works_of(ws)]
+    if isinstance(result, (list, tuple)):
+        return list(result)
+    return [result]
+
+
+class P2PWrapper:
+    """Wraps the schedules' p2p helpers while installed and puts one record per call (see above)."""
+
+    def __init__(self, put: Callable[[tuple], Any], on_error: Callable[[BaseException], Any]) -> None:
+        self.put = put
+        self.on_error = on_error
+        self.active = False
+        self._patch: tuple[Any, Any, Any] | None = None
+
+    @property
+    def patched(self) -> bool:
+        return self._patch is not None
+
+    def patch(self) -> None:
+        """Wrap the helpers once the program imported pipelining (at attach, else on the first poll
+        after: a schedule built after attach imports it before its first step)."""
+        mod = p2p_module() if self._patch is None and self.active else None
+        if mod is None:
+            return
+        orig_batch = mod._batch_p2p
+        orig_wait = getattr(mod, "_wait_batch_p2p", None)
+        mod._batch_p2p = self.wrap_batch(orig_batch)
+        if orig_wait is not None:
+            mod._wait_batch_p2p = self.wrap_wait(orig_wait)
+        self._patch = (mod, orig_batch, orig_wait)
+
+    def restore(self) -> None:
+        """Stop recording and put the originals back where ours still sit (a later wrapper stays)."""
+        self.active = False
+        if self._patch is not None:
+            mod, orig_batch, orig_wait = self._patch
+            if getattr(mod._batch_p2p, "__wrapped__", None) is orig_batch:
+                mod._batch_p2p = orig_batch
+            if orig_wait is not None and getattr(mod._wait_batch_p2p, "__wrapped__", None) is orig_wait:
+                mod._wait_batch_p2p = orig_wait
+            self._patch = None
+
+    def wrap_batch(self, orig: Any) -> Any:
+        put = self.put
+
+        @functools.wraps(orig)
+        def batch_p2p(p2p_ops: Any, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.time_ns()
+            out = orig(p2p_ops, *args, **kwargs)
+            if self.active:
+                try:
+                    put(("issue", t0, p2p_ops_info(p2p_ops), [id(w) for w in works_of(out)]))
+                except Exception as exc:
+                    self.on_error(exc)
+            return out
+
+        return batch_p2p
+
+    def wrap_wait(self, orig: Any) -> Any:
+        put = self.put
+
+        @functools.wraps(orig)
+        def wait_batch_p2p(work: Any, *args: Any, **kwargs: Any) -> Any:
+            done: list[tuple[int, bool]] = []
+            t0 = time.time_ns()
+            if self.active:
+                try:
+                    done = [(id(w), bool(w.is_completed())) for w in works_of(work)]
+                except Exception as exc:
+                    self.on_error(exc)
+            out = orig(work, *args, **kwargs)
+            if done:
+                put(("wait", t0, done, time.time_ns()))
+            return out
+
+        return wait_batch_p2p
