@@ -1,5 +1,7 @@
 """The shape every collector and detector takes inside the agent.
 
+A component sees the agent only through its ``AgentContext`` (``self.ctx``, set by ``install``).
+
 A component installs its hooks on attach (training thread; they only append to a BoundedBuffer),
 drains and derives state in ``poll`` (agent thread), renders fresh metric families in ``collect``
 (scrape thread) and removes exactly what it installed in ``uninstall``.
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import Metric
 
 if TYPE_CHECKING:
-    from hpar_agent.agent import Agent
+    from hpar_agent.context import AgentContext
     from hpar_agent.spans import StepRecord
 
 
@@ -23,11 +25,28 @@ class Component:
     name: str = "component"
 
     def __init__(self) -> None:
-        self.agent: Agent | None = None
+        self.ctx: AgentContext | None = None
         self.up = True
 
-    def install(self, agent: Agent) -> None:
-        self.agent = agent
+    @property
+    def agent(self) -> AgentContext | None:
+        """The context under the name components used before it existed (code being moved between
+        modules still reads ``self.agent``); new code reads ``self.ctx``."""
+        return self.ctx
+
+    def install(self, ctx: AgentContext) -> None:
+        self.ctx = ctx
+
+    def require_ctx(self) -> AgentContext:
+        """The context, for code that only runs once installed (the agent catches the error)."""
+        if self.ctx is None:
+            raise RuntimeError(f"component {self.name} is not installed")
+        return self.ctx
+
+    def record_error(self, exc: BaseException) -> None:
+        """Count ``exc`` against this component (nothing before ``install``)."""
+        if self.ctx is not None:
+            self.ctx.record_error(self.name, exc)
 
     def uninstall(self) -> None:
         """Remove every hook/handler/callback ``install`` added."""

@@ -35,8 +35,8 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from hpar_agent import __version__
 from hpar_agent import catalogue as cat
+from hpar_agent._version import __version__
 from hpar_agent.safefiles import RotatingFile
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.traceids import step_span_id, trace_id

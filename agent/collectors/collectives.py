@@ -24,7 +24,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
@@ -37,6 +37,9 @@ from hpar_agent.spans import SpanRecord
 from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat import flight_recorder as fr
 from hpar_agent.traceids import trace_id_hex
+
+if TYPE_CHECKING:
+    from hpar_agent.context import AgentContext
 
 log = logging.getLogger("hpar_agent")
 
@@ -245,16 +248,16 @@ class CollectiveCollector(Component):
         self._active = False
 
     # ------------------------------------------------------------------------------------ install
-    def install(self, agent: Any) -> None:
-        super().install(agent)
-        self.p2p_buffer.capacity = agent.config.buffer_size
+    def install(self, ctx: AgentContext) -> None:
+        super().install(ctx)
+        self.p2p_buffer.capacity = ctx.config.buffer_size
         self._attach_ns = time.time_ns()
         self._nccl_timing = fr.nccl_timing()
         self._ring = fr.ring_entries() or FR_DEFAULT_ENTRIES
         self.recorders = fr.available_recorders()
         self.up = bool(self.recorders)
-        self._label_mesh_groups(agent)
-        if agent.config.nccl_timing and "nccl" in self.recorders:
+        self._label_mesh_groups(ctx)
+        if ctx.config.nccl_timing and "nccl" in self.recorders:
             self._enable_timing()
         self._active = True
         self._patch_p2p()
@@ -717,7 +720,7 @@ class CollectiveCollector(Component):
 
     # ------------------------------------------------------------------------------------ scrape
     def collect(self) -> Iterable[Metric]:
-        f = self.agent.families  # type: ignore[union-attr]
+        f = self.require_ctx().families
         total = f.counter("hpar_collectives_total")
         nbytes = f.counter("hpar_collective_bytes_total")
         for (pg, op), n in sorted(self.counts.items()):

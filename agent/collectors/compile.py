@@ -18,17 +18,21 @@ import re
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.catalogue import STEP_BUCKETS
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord
 from hpar_agent.torch_compat import dynamo
+
+if TYPE_CHECKING:
+    from hpar_agent.context import AgentContext
 
 PHASES = (
     ("entire_frame", "entire_frame_compile_time_s"),
@@ -271,10 +275,15 @@ class CompileCollector(Component):
         self._metrics_level = logging.INFO
 
     # --------------------------------------------------------------------------------- install
-    def install(self, agent: Any) -> None:
-        super().install(agent)
-        self.buffer.capacity = agent.config.buffer_size
-        self._steps = agent.component("steps")
+    @property
+    def open_compiles(self) -> int:
+        """Compiles started and not yet ended (the detectors' compile-activity token)."""
+        return len(self._open)
+
+    def install(self, ctx: AgentContext) -> None:
+        super().install(ctx)
+        self.buffer.capacity = ctx.config.buffer_size
+        self._steps = ctx.find(StepCollector)
         import torch._dynamo  # noqa: F401 - artifact loggers must exist before we configure them
 
         snap = dynamo.counters_snapshot()
@@ -607,7 +616,7 @@ class CompileCollector(Component):
 
     # --------------------------------------------------------------------------------- scrape
     def collect(self) -> Iterable[Metric]:
-        f = self.agent.families  # type: ignore[union-attr]
+        f = self.require_ctx().families
         c = f.counter("hpar_dynamo_compiles_total")
         for (outcome, trigger, backend), n in sorted(self.compiles.copy().items()):
             f.add(c, [outcome, trigger, backend], n)
