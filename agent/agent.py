@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from hpar_agent import catalogue as cat
 from hpar_agent._version import __version__
 from hpar_agent.alert_callbacks import Alert, AlertCallbacks
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
@@ -483,7 +484,10 @@ class _AgentCollector:
                 agent.record_error(comp.name, exc)
 
     def describe(self) -> Iterable[Metric]:
-        return []
+        """Every catalogued family, without samples: the registry learns the names this collector
+        owns, so a second collector exporting one of them fails to register (prometheus_client's
+        duplicate check) instead of producing a second copy of the series."""
+        return [self.agent.families.empty(m.name) for m in cat.METRICS]
 
 
 def default_components(config: AgentConfig) -> list[Component]:
