@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpar_agent.catalogue import ENV_VARS
-from hpar_agent.thresholds import COMPONENT_THRESHOLDS, DETECTOR_DEFAULTS
+from hpar_agent.thresholds import ANATOMY_DEFAULTS, COMPONENT_THRESHOLDS, DETECTOR_DEFAULTS
 
 log = logging.getLogger("hpar_agent")
 
@@ -236,12 +236,14 @@ def _valid_host(v: str) -> bool:
 
 def threshold_problems(thresholds: Mapping[Any, Any]) -> list[str]:
     """Each key must name a detector of the catalogue and one of its parameters (``<Alert>.<param>``,
-    or ``detectors.<param>`` for the component), each value a finite non-negative number: a typo must
+    ``detectors.<param>`` for the component, ``anatomy.<param>`` for the step anatomy's verdict; the
+    table is ``hpar_agent.thresholds``), each value a finite non-negative number: a typo must
     not be ignored, and a bad value must not turn the detectors off at install."""
     if not thresholds:
         return []
     params = {alert: set(defaults) for alert, defaults in DETECTOR_DEFAULTS.items()}
     params["detectors"] = set(COMPONENT_THRESHOLDS)
+    params["anatomy"] = set(ANATOMY_DEFAULTS)
     out = []
     for key, value in thresholds.items():
         alert, _, param = key.partition(".") if isinstance(key, str) else ("", "", "")

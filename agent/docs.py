@@ -36,11 +36,23 @@ def metrics_table() -> str:
 
 def alerts_table() -> str:
     rows = ["| alert | severity | meaning |", "|---|---|---|"]
-    rows += [f"| `{a.name}` | {a.severity} | {a.summary} |" for a in cat.ALERTS]
+    rows += [f"| `{a.name}` | {a.severity} | {a.summary} |" for a in cat.ALL_ALERTS]
     return "\n".join(rows)
 
 
-TABLES = {"env": env_table, "metrics": metrics_table, "alerts": alerts_table}
+def thresholds_table() -> str:
+    from hpar_agent import thresholds as th
+
+    rows = ["| alert | parameter | default | compared by |", "|---|---|---|---|"]
+    for alert, params in th.DETECTOR_DEFAULTS.items():
+        rows += [f"| `{alert}` | `{p}` | {v:g} | detector |" for p, v in params.items()]
+    rows += [f"| step anatomy | `anatomy.{p}` | {v:g} | verdict |" for p, v in th.ANATOMY_DEFAULTS.items()]
+    for (alert, signal), params in th.RULE_THRESHOLDS.items():
+        rows += [f"| `{alert}` | `{p}` | {v:g} | rule signal={signal} |" for p, v in params.items()]
+    return "\n".join(rows)
+
+
+TABLES = {"env": env_table, "metrics": metrics_table, "alerts": alerts_table, "thresholds": thresholds_table}
 
 
 def _fill(table: str, m: re.Match[str]) -> str:

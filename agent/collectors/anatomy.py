@@ -42,6 +42,7 @@ from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.thresholds import ANATOMY_DEFAULTS
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -51,7 +52,7 @@ MAX_WAITING = 256  # CUDA steps whose events have not completed yet
 PHASES = cat.STEP_PHASES
 WARMUP_STEPS = 2  # left out of the verdict: the first steps compile and allocate
 WINDOW = 64  # recent steps the shares and the verdict are computed over
-DEFAULTS = {"anatomy.input_share": 0.2, "anatomy.comm_share": 0.3}
+DEFAULTS = {f"anatomy.{k}": v for k, v in ANATOMY_DEFAULTS.items()}  # overridable as thresholds
 
 
 def bottleneck(
