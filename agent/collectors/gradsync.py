@@ -26,7 +26,8 @@ gradients need a tp all-reduce (``--inject tp-grad-skip``) are not seen here: th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
@@ -97,7 +98,7 @@ class GradSyncCollector(Component):
         self.up = ctx.topology.dp > 1 and ctx.model is not None
 
     def _params(self) -> list[Any]:
-        ctx = self.ctx
+        ctx = self.require_ctx()
         params = list(ctx.model.parameters()) if hasattr(ctx.model, "parameters") else []
         pipe = ctx.find(PipelineCollector)
         for stage, _ in getattr(pipe, "_wrapped", ()):  # further pipeline chunks of this rank
@@ -107,7 +108,7 @@ class GradSyncCollector(Component):
         return params
 
     def poll(self, now: float) -> None:
-        ctx = self.ctx
+        ctx = self.require_ctx()
         coll = ctx.find(CollectiveCollector)
         if not self.up or coll is None:
             return
@@ -120,7 +121,7 @@ class GradSyncCollector(Component):
         for t_ns, step in coll.boundaries():
             if step <= self.judged or step == 0 or t_ns > through:
                 continue  # step 0's window starts at attach: possibly a part of a step
-            reduced = coll.reduced_elems.pop(step, None) or {}
+            reduced: Mapping[str, int] = coll.reduced_elems.pop(step, Counter())
             dp = sum(n for pg, n in reduced.items() if _is_dp(pg))
             if not any(_is_dp(pg) for pg in reduced) and "default_pg" in reduced and len(reduced) == 1:
                 dp = reduced["default_pg"]  # a plain DDP job without a mesh: the default group is dp

@@ -109,7 +109,7 @@ class NvmlCollector(Component):
             ctx.record_error(self.name, exc)
 
     def _install(self) -> None:
-        ctx = self.ctx
+        ctx = self.require_ctx()
         try:
             nv: Any = self._nvml
             if nv is None:
