@@ -46,7 +46,7 @@ class ZeroCode(Component):
             self._noted = True
             log.warning(NO_STEPS)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"attached_at": self.trigger, "step_boundaries": self._steps()}
         if out["step_boundaries"] == 0:
             out["note"] = NO_STEPS

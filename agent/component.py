@@ -10,7 +10,7 @@ drains and derives state in ``poll`` (agent thread), renders fresh metric famili
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
@@ -70,6 +70,6 @@ class Component:
         """Scrape: build and return fresh metric families from state."""
         return ()
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """A JSON-able digest for the demo summary and the run report."""
         return {}

@@ -208,7 +208,7 @@ class _BoundedProcessor(SpanProcessor):
         self.batch.on_end(span)
 
     def shutdown(self) -> None:
-        self.batch.shutdown()
+        self.batch.shutdown()  # type: ignore[no-untyped-call]  # opentelemetry-sdk: unannotated
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.batch.force_flush(timeout_millis)
@@ -443,7 +443,7 @@ class Tracing:
         threading.Thread(target=run, name="hpar-tracing-flush", daemon=True).start()
         return done.wait(max(0.0, timeout - (time.monotonic() - t0)))
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "exporter": self.kind,
             "path": self.path,

@@ -162,7 +162,7 @@ class AnatomyCollector(Component):
     # ------------------------------------------------------------------------------------ training thread
     def _step(self) -> int:
         steps = self._steps
-        return steps.count if steps is not None else 0  # type: ignore[no-any-return]
+        return steps.count if steps is not None else 0
 
     def _mark(self, step: int, code: int) -> None:
         """Append one timestamp (and on CUDA an event); never raises into the training loop."""
@@ -424,7 +424,7 @@ class AnatomyCollector(Component):
                 f.add(b, [v], 1.0 if v == self.verdict else 0.0)
         yield b
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         recent = self.history[-WINDOW:]
         hist = [h for h in recent if h[0] >= WARMUP_STEPS] or recent
         p50 = {}

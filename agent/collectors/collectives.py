@@ -194,7 +194,7 @@ class CollectiveCollector(Component):
 
     def __init__(self, recent: int = 2048, max_pgs: int = 16, max_pending: int = 4096) -> None:
         super().__init__()
-        self.p2p_buffer: BoundedBuffer[tuple] = BoundedBuffer("collectives_p2p", 1 << 16)
+        self.p2p_buffer: BoundedBuffer[tuple[Any, ...]] = BoundedBuffer("collectives_p2p", 1 << 16)
         self.step_buffer: BoundedBuffer[tuple[int, int]] = BoundedBuffer("collectives_steps", 4096)
         self.buffers = (self.p2p_buffer, self.step_buffer)
         self.max_pgs = max_pgs
@@ -638,7 +638,7 @@ class CollectiveCollector(Component):
                 del self._pending_fr[key]  # completed without timing (TORCH_NCCL_ENABLE_TIMING off)
                 self._batches.pop(key, None)
 
-    def _process_p2p(self, records: list[tuple]) -> None:
+    def _process_p2p(self, records: list[tuple[Any, ...]]) -> None:
         for rec in records:
             if rec[0] == "issue":
                 _, t0, infos, work_ids = rec
@@ -751,7 +751,7 @@ class CollectiveCollector(Component):
             f.add(timing, [pg], 1.0 if on else 0.0)
         yield timing
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         table = []
         for (pg, op), n in sorted(self.counts.items()):
             merged = [h for (hpg, hop, _stream), h in self.hists.items() if (hpg, hop) == (pg, op)]

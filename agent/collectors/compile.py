@@ -241,7 +241,7 @@ class CompileCollector(Component):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buffer: BoundedBuffer[tuple] = BoundedBuffer("compile", 1 << 14)
+        self.buffer: BoundedBuffer[tuple[Any, ...]] = BoundedBuffer("compile", 1 << 14)
         self.buffers = (self.buffer,)
         self._handlers = {k: _Capture(self, k) for k in ("metrics", "graph_breaks", "recompiles")}
         self._saved: dict[str, tuple[int, bool]] = {}  # logger -> (level, propagate) before install
@@ -651,7 +651,7 @@ class CompileCollector(Component):
         f.add(fp, [], self.fingerprint)
         yield fp
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "graphs": len(self.graphs),
             "graphs_compiled": self.graphs_compiled,

@@ -137,7 +137,7 @@ class GradSyncCollector(Component):
             f.add(g, [DP_GROUP], self.coverage)
         yield g
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         cov = [c for _, c in self.history]
         return {
             "required_elements": self.required,

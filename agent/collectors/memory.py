@@ -256,7 +256,7 @@ class NvmlCollector(Component):
             f.add(thr, [label], on)
         yield thr
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "up": self.up,
             "process_bytes": self.process_bytes,
@@ -375,7 +375,7 @@ class MemoryCollector(Component):
         yield retries
         yield ooms
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "rss_bytes": self.rss,
             "post_step_last": dict(self.last_post),

@@ -37,10 +37,10 @@ class PipelineCollector(Component):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buffer: BoundedBuffer[tuple] = BoundedBuffer("pipeline", 1 << 16)
+        self.buffer: BoundedBuffer[tuple[Any, ...]] = BoundedBuffer("pipeline", 1 << 16)
         self.buffers = (self.buffer,)
         self._wrapped: list[tuple[Any, str]] = []
-        self._pending: list[tuple] = []  # CUDA chunks whose end event has not completed yet
+        self._pending: list[tuple[Any, ...]] = []  # CUDA chunks whose end event has not completed yet
         self.hists: dict[tuple[str, str], Histogram] = {}
         self.streams = StreamCap()
         self.busy_by_step: dict[int, float] = {}
@@ -94,10 +94,10 @@ class PipelineCollector(Component):
 
                 cs = torch.cuda.current_stream(device)  # the stage's device, not the thread's
                 stream = stream_label(device, cs)  # where the events below are recorded (~1 µs)
-                e0 = torch.cuda.Event(enable_timing=True)
+                e0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: unannotated
                 e0.record(cs)
                 out = orig(*args, **kwargs)
-                e1 = torch.cuda.Event(enable_timing=True)
+                e1 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: unannotated
                 e1.record(torch.cuda.current_stream(device))
                 buffer.put((step, stage_index, chunk, phase, stream, t0, 0, e0, e1, cs.cuda_stream))
             else:
@@ -154,7 +154,7 @@ class PipelineCollector(Component):
             del self.busy_by_step[s]
         for d in (self.phase_by_step, self.first_forward_ns):
             for s in [s for s in d if s < rec.step - 64]:
-                del d[s]  # type: ignore[attr-defined]
+                del d[s]
         if busy is None or rec.duration_s <= 0:
             return
         self.last_busy = busy
@@ -175,7 +175,7 @@ class PipelineCollector(Component):
             f.add(bubble, [], self.last_bubble)
         yield bubble
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         per_stage = {
             f"{stage}/{phase}": sorted(v)[len(v) // 2] for (stage, phase), v in sorted(self.stage_times.items()) if v
         }

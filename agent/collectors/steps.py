@@ -142,7 +142,7 @@ class StepCollector(Component):
         f.add(switches, ["involuntary"], self.rusage[3])
         yield switches
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         d = sorted(self.durations)
         return {
             "steps": self.total,

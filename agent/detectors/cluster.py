@@ -126,7 +126,7 @@ class ChecksumSampler:
             if cat.is_cuda:
                 host = torch.empty(cat.shape, dtype=cat.dtype, pin_memory=True)
                 host.copy_(cat, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
                 event.record(torch.cuda.current_stream(cat.device))  # the copy's stream, not device 0's
                 cat = host
         self.buffer.put((step, names, sizes, cat, event))
@@ -243,7 +243,7 @@ def _peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, i
             label = src.pg_label(e[0])
             if label in by_label:
                 sizes[e[0]] = by_label[label]
-    return fr, sizes  # type: ignore[return-value]
+    return fr, sizes
 
 
 def _grad_pgs(ctx: Evaluation, entries: list[sig.FrEntry]) -> list[str]:

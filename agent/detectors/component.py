@@ -256,7 +256,7 @@ class DetectorsComponent(Component):
         names = getattr(mesh, "mesh_dim_names", None) or ()
         if "pp" in names:
             try:
-                grid = mesh.mesh  # type: ignore[union-attr]
+                grid = mesh.mesh
                 return [int(r) for r in grid.select(names.index("pp"), ctx.topology.pp_rank).flatten().tolist()]
             except Exception:
                 pass
@@ -382,7 +382,7 @@ class DetectorsComponent(Component):
             f.add(value, [name], st.value)
         return [active, total, value]
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         out = {}
         for d in self.detectors:
             st = self.states[d.name]
