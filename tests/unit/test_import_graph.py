@@ -104,3 +104,11 @@ def test_version_comes_from_its_own_module() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "hpar_agent" and not node.level:
                 assert "__version__" not in {a.name for a in node.names}, name
+
+
+def test_components_see_the_agent_only_through_the_context() -> None:
+    """Collectors, detectors and the component/context modules never import ``hpar_agent.agent``."""
+    g = _graph()
+    parts = ("hpar_agent.collectors", "hpar_agent.detectors", "hpar_agent.component", "hpar_agent.context")
+    users = sorted(m for m, deps in g.items() if m.startswith(parts) and "hpar_agent.agent" in deps)
+    assert users == []
