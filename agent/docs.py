@@ -40,15 +40,19 @@ def alerts_table() -> str:
     return "\n".join(rows)
 
 
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
 def thresholds_table() -> str:
     from hpar_agent import thresholds as th
 
     rows = ["| alert | parameter | default | compared by |", "|---|---|---|---|"]
     for alert, params in th.DETECTOR_DEFAULTS.items():
-        rows += [f"| `{alert}` | `{p}` | {v:g} | detector |" for p, v in params.items()]
-    rows += [f"| step anatomy | `anatomy.{p}` | {v:g} | verdict |" for p, v in th.ANATOMY_DEFAULTS.items()]
+        rows += [f"| `{alert}` | `{p}` | {_num(v)} | detector |" for p, v in params.items()]
+    rows += [f"| step anatomy | `anatomy.{p}` | {_num(v)} | verdict |" for p, v in th.ANATOMY_DEFAULTS.items()]
     for (alert, signal), params in th.RULE_THRESHOLDS.items():
-        rows += [f"| `{alert}` | `{p}` | {v:g} | rule signal={signal} |" for p, v in params.items()]
+        rows += [f"| `{alert}` | `{p}` | {_num(v)} | rule signal={signal} |" for p, v in params.items()]
     return "\n".join(rows)
 
 

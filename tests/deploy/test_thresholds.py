@@ -11,7 +11,7 @@ from hpar_agent import catalogue as cat
 from hpar_agent import thresholds as th
 from hpar_agent.collectors.anatomy import DEFAULTS as ANATOMY
 from hpar_agent.detectors.component import ALL_DETECTORS
-from hpar_agent.docs import thresholds_table
+from hpar_agent.docs import _num, thresholds_table
 from tests.deploy._tools import ROOT, rule_docs
 
 #: an ordered comparison with a number (``== 1`` on a 0/1 state is not a threshold)
@@ -81,10 +81,10 @@ def test_the_readme_table_shows_every_threshold() -> None:
     assert table in readme, "run: python -m hpar_agent.docs README.md"
     for (alert, signal), params in th.RULE_THRESHOLDS.items():
         for p, v in params.items():
-            assert f"| `{alert}` | `{p}` | {v:g} | rule signal={signal} |" in table
+            assert f"| `{alert}` | `{p}` | {_num(v)} | rule signal={signal} |" in table
     for alert, params in th.DETECTOR_DEFAULTS.items():
         for p, v in params.items():
-            assert f"| `{alert}` | `{p}` | {v:g} | detector |" in table
+            assert f"| `{alert}` | `{p}` | {_num(v)} | detector |" in table
 
 
 def test_the_rules_file_is_the_one_checked() -> None:
@@ -98,3 +98,14 @@ def test_config_accepts_exactly_the_parameters_of_the_table() -> None:
     ok |= {f"anatomy.{p}": v for p, v in th.ANATOMY_DEFAULTS.items()}  # the anatomy's verdict shares
     assert threshold_problems(ok) == []
     assert len(threshold_problems({"anatomy.loader_share": 0.1, "Hang.timeout": 5})) == 2
+
+
+def test_each_detector_docstring_states_the_defaults_of_the_table() -> None:
+    """The ``| param | default | meaning |`` table of each detector's docstring says what the table holds."""
+    for cls in ALL_DETECTORS:
+        rows = dict(re.findall(r"^\s*\|\s*(\w+)\s*\|\s*([^|]+?)\s*\|", cls.__doc__ or "", re.M))
+        rows.pop("param", None)
+        defaults = th.DETECTOR_DEFAULTS[cls.name]
+        assert set(rows) == set(defaults), cls.name
+        for p, v in defaults.items():
+            assert float(rows[p]) == v, f"{cls.name}.{p}: docstring {rows[p]}, table {v}"
