@@ -18,13 +18,19 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from hpar_agent import __version__
+from hpar_agent import catalogue as cat
+from hpar_agent._version import __version__
 from hpar_agent.alert_callbacks import Alert, AlertCallbacks
+from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
+from hpar_agent.collectors.pipeline import PipelineCollector
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.config import AgentConfig
+from hpar_agent.context import AgentContext
+from hpar_agent.detectors.component import DetectorsComponent
 from hpar_agent.events import EventLog
 from hpar_agent.families import Families
-from hpar_agent.lifecycle import SignalFlush
+from hpar_agent.lifecycle import SignalFlush, forget_in_child
 from hpar_agent.safefiles import UnsafePathError, private_dir, write_atomic
 from hpar_agent.span_schedule import SpanScheduler
 from hpar_agent.spans import SpanRecord, StepRecord
@@ -76,6 +82,24 @@ class Agent:
         self.flops_per_token: float | None = None  # agent.report_flops: the MFU inputs
         self.peak_flops: float | None = None
         self.alert_callbacks = AlertCallbacks(self.record_error)
+        self._context: AgentContext | None = None
+
+    @property
+    def context(self) -> AgentContext:
+        """What components see of this agent; built on first use from the agent's state then (``start``
+        builds it once the topology, families and event log are known)."""
+        if self._context is None:
+            self._context = AgentContext(
+                config=self.config, topology=self.topology, families=self.families, events=self.events,
+                record_error=self.record_error, spans=self, on_step_boundary=self.on_step_boundary,
+                is_stopping=self._stop.is_set, dispatch_alert=self._dispatch_alert, device=self.device,
+                model=self.model, optimizer=self.optimizer, mesh=self.mesh, run_dir=self.run_dir,
+                components=self.components,
+            )  # fmt: skip
+        return self._context
+
+    def _dispatch_alert(self, alert: Alert) -> None:
+        self.alert_callbacks.dispatch(alert)  # read at call time: a forked child gets fresh callbacks
 
     # ------------------------------------------------------------------------------------ lifecycle
     def start(self) -> Agent:
@@ -107,9 +131,8 @@ class Agent:
                 self.record_error("events", exc)
                 self.events = EventLog(None, topo.rank)
         self.events.emit("attach", topology=topo.info_labels(), agent_version=__version__)
-        from hpar_agent.collectors import default_components
-
-        for comp in default_components(self):
+        self._context = None  # built from the attached state
+        for comp in default_components(self.config):
             self.add_component(comp)
         self.registry.register(_AgentCollector(self))
         self._start_tracing()
@@ -123,7 +146,7 @@ class Agent:
 
     def add_component(self, comp: Component) -> None:
         try:
-            comp.install(self)
+            comp.install(self.context)
         except Exception as exc:
             comp.up = False
             self.record_error(comp.name, exc)
@@ -215,15 +238,15 @@ class Agent:
     # ------------------------------------------------------------------------------------ training API
     def step(self, tokens: int | None = None) -> None:
         """Mark a step boundary (for loops without an optimizer step) and optionally report tokens."""
-        steps = self.component("steps")
+        steps = self.context.find(StepCollector)
         if steps is not None:
-            steps.mark(tokens=tokens, explicit=True)  # type: ignore[attr-defined]
+            steps.mark(tokens=tokens, explicit=True)
 
     def report_tokens(self, tokens: int) -> None:
         """Tokens processed in the current step (feeds ``hpar_tokens_total``)."""
-        steps = self.component("steps")
+        steps = self.context.find(StepCollector)
         if steps is not None:
-            steps.tokens_pending += tokens  # type: ignore[attr-defined]
+            steps.tokens_pending += tokens
 
     def report_flops(self, per_token: float | None = None, peak: float | None = None) -> None:
         """Model FLOPs this rank performs per token it reports, and its accelerator's peak FLOP/s: the
@@ -240,13 +263,13 @@ class Agent:
 
     def watch_pipeline(self, stages: Iterable[Any] = (), schedule: Any = None) -> None:
         """Time every forward/backward chunk of these PipelineStages, or of the schedule's stages."""
-        pipe = self.component("pipeline")
+        pipe = self.context.find(PipelineCollector)
         if pipe is None:
             return
         stages = list(stages)
         if schedule is not None and not stages:
             stages = list(getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)])
-        self.guard("pipeline", pipe.watch, [s for s in stages if s is not None], schedule)  # type: ignore[attr-defined]
+        self.guard("pipeline", pipe.watch, [s for s in stages if s is not None], schedule)
 
     def on_alert(self, callback: Callable[[Alert], Any]) -> None:
         """Call ``callback(alert)`` on every alert transition (``alert.state``: firing, resolved), on a
@@ -255,10 +278,11 @@ class Agent:
 
     def active_alerts(self) -> list[Alert]:
         """The alerts active on this rank now, with their value, details and evidence."""
-        det = self.component("detectors")
-        return det.active_alerts() if det is not None else []  # type: ignore[attr-defined]
+        det = self.context.find(DetectorsComponent)
+        return det.active_alerts() if det is not None else []
 
     def component(self, name: str) -> Component | None:
+        """The component whose ``name`` (its ``component`` label) is ``name``."""
         for c in self.components:
             if c.name == name:
                 return c
@@ -333,8 +357,8 @@ class Agent:
                     self.record_error(comp.name, exc)
                 self.collect_seconds[comp.name] = time.perf_counter() - t0
                 time.sleep(0)
-            steps = self.component("steps")
-            completed: list[StepRecord] = steps.take_completed() if steps is not None else []  # type: ignore[attr-defined]
+            steps = self.context.find(StepCollector)
+            completed: list[StepRecord] = steps.take_completed() if steps is not None else []
             for rec in completed:
                 for comp in self.components:
                     try:
@@ -385,10 +409,10 @@ class Agent:
         topo = self.topology
         info = topo.info_labels()
         info["agent_version"] = __version__
-        nvml = self.component("nvml")
-        info["gpu_index"] = str(getattr(nvml, "gpu_index", "") or "")
-        info["gpu_uuid"] = str(getattr(nvml, "gpu_uuid", "") or "")
-        binding = getattr(self.component("nvml"), "binding", None)
+        nvml = self.context.find(NvmlCollector)
+        info["gpu_index"] = nvml.gpu_index if nvml is not None else ""
+        info["gpu_uuid"] = nvml.gpu_uuid if nvml is not None else ""
+        binding = nvml.binding if nvml is not None else None
         if binding is not None:
             info.update(binding.labels())  # NUMA node and CPU affinity against the GPU's ideal CPUs
         yield f.info("hpar_rank_info", info)
@@ -437,7 +461,25 @@ class _AgentCollector:
                 agent.record_error(comp.name, exc)
 
     def describe(self) -> Iterable[Metric]:
-        return []
+        """Every catalogued family, without samples: the registry learns the names this collector
+        owns, so a second collector exporting one of them fails to register (prometheus_client's
+        duplicate check) instead of producing a second copy of the series."""
+        return [self.agent.families.empty(m.name) for m in cat.METRICS]
+
+
+def default_components(config: AgentConfig) -> list[Component]:
+    """The components ``attach()`` installs, in poll order (the detectors last: they read the others)."""
+    from hpar_agent.collectors.anatomy import AnatomyCollector
+    from hpar_agent.collectors.collectives import CollectiveCollector
+    from hpar_agent.collectors.compile import CompileCollector
+    from hpar_agent.collectors.gradsync import GradSyncCollector
+
+    comps: list[Component] = [StepCollector(), PipelineCollector(), AnatomyCollector()]
+    comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector()]
+    comps.append(CompileCollector())
+    if config.detectors:
+        comps.append(DetectorsComponent())
+    return comps
 
 
 # ---------------------------------------------------------------------------------------- module API
@@ -473,6 +515,18 @@ def detach_agent(agent: Agent | None = None) -> None:
 
 def current() -> Agent | None:
     return _current
+
+
+def _after_fork_in_child() -> None:
+    global _current, _lock
+    target, _current = _current, None
+    _lock = threading.Lock()  # may have been held by a parent thread at fork time
+    if target is not None:
+        forget_in_child(target)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 __all__ = ["Agent", "Alert", "attach_agent", "current", "detach_agent"]

@@ -33,20 +33,20 @@ class ZeroCode(Component):
         self._noted = False
 
     def _steps(self) -> int:
-        agent = self.agent
-        steps = agent.component("steps") if agent is not None else None
-        return int(getattr(steps, "count", 0))
+        from hpar_agent.collectors.steps import StepCollector
+
+        steps = self.ctx.find(StepCollector) if self.ctx is not None else None
+        return steps.count if steps is not None else 0
 
     def uninstall(self) -> None:
         """At detach (before the summary is written): the one line when no step was seen, from the
         first rank of each host (every rank's summary carries it)."""
-        agent = self.agent
-        local_rank = agent.topology.local_rank if agent is not None else 0
+        local_rank = self.ctx.topology.local_rank if self.ctx is not None else 0
         if self._steps() == 0 and not self._noted and local_rank == 0:
             self._noted = True
             log.warning(NO_STEPS)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"attached_at": self.trigger, "step_boundaries": self._steps()}
         if out["step_boundaries"] == 0:
             out["note"] = NO_STEPS

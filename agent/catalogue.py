@@ -208,7 +208,18 @@ ALERTS: tuple[AlertSpec, ...] = (
     AlertSpec("NumaMisbinding", "warning", "The rank may run only on CPUs outside its GPU's NUMA node (NVML's ideal CPUs)."),
     AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout."),
 )
+#: Alerts of the in-process detectors (each exported as ``hpar_alert_active{alert=...}``).
 ALERT_NAMES: tuple[str, ...] = tuple(a.name for a in ALERTS)
+#: Alerts only the Prometheus rules raise (from the series the agent exports, or from ``up``).
+RULE_ALERTS: tuple[AlertSpec, ...] = (
+    AlertSpec("InputBound", "warning", "A rank spends more of its step time waiting for input than anatomy.input_share (Prometheus rule only)."),
+    AlertSpec("GpuMemoryNearFull", "warning", "NVML reports the GPU's memory nearly full (Prometheus rule only)."),
+    AlertSpec("GpuEccErrors", "critical", "NVML counted uncorrected ECC errors on the rank's GPU (Prometheus rule only)."),
+    AlertSpec("HparAgentDown", "warning", "A rank's endpoint stopped answering while its job still runs (Prometheus rule only)."),
+    AlertSpec("HparAgentErrors", "warning", "A component of the agent keeps failing (hpar_agent_errors_total rises; Prometheus rule only)."),
+)  # fmt: skip
+#: Every alert a rule file may define.
+ALL_ALERTS: tuple[AlertSpec, ...] = ALERTS + RULE_ALERTS
 
 # ---------------------------------------------------------------------------------------------- spans
 SPAN_STEP = "train.step"

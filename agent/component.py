@@ -1,5 +1,7 @@
 """The shape every collector and detector takes inside the agent.
 
+A component sees the agent only through its ``AgentContext`` (``self.ctx``, set by ``install``).
+
 A component installs its hooks on attach (training thread; they only append to a BoundedBuffer),
 drains and derives state in ``poll`` (agent thread), renders fresh metric families in ``collect``
 (scrape thread) and removes exactly what it installed in ``uninstall``.
@@ -8,12 +10,12 @@ drains and derives state in ``poll`` (agent thread), renders fresh metric famili
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 if TYPE_CHECKING:
-    from hpar_agent.agent import Agent
+    from hpar_agent.context import AgentContext
     from hpar_agent.spans import StepRecord
 
 
@@ -23,11 +25,22 @@ class Component:
     name: str = "component"
 
     def __init__(self) -> None:
-        self.agent: Agent | None = None
+        self.ctx: AgentContext | None = None
         self.up = True
 
-    def install(self, agent: Agent) -> None:
-        self.agent = agent
+    def install(self, ctx: AgentContext) -> None:
+        self.ctx = ctx
+
+    def require_ctx(self) -> AgentContext:
+        """The context, for code that only runs once installed (the agent catches the error)."""
+        if self.ctx is None:
+            raise RuntimeError(f"component {self.name} is not installed")
+        return self.ctx
+
+    def record_error(self, exc: BaseException) -> None:
+        """Count ``exc`` against this component (nothing before ``install``)."""
+        if self.ctx is not None:
+            self.ctx.record_error(self.name, exc)
 
     def uninstall(self) -> None:
         """Remove every hook/handler/callback ``install`` added."""
@@ -51,6 +64,6 @@ class Component:
         """Scrape: build and return fresh metric families from state."""
         return ()
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """A JSON-able digest for the demo summary and the run report."""
         return {}

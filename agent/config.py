@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpar_agent.catalogue import ENV_VARS
+from hpar_agent.thresholds import ANATOMY_DEFAULTS, COMPONENT_THRESHOLDS, DETECTOR_DEFAULTS
 
 log = logging.getLogger("hpar_agent")
 
@@ -30,7 +31,6 @@ TRACE_MODES = ("auto", "otlp", "file", "none")
 INTERVAL_RANGE = (0.05, 3600.0)
 FR_INTERVAL_MAX = 86400.0
 #: Threshold keys of the DetectorsComponent itself (besides ``<Alert>.<param>`` of each detector).
-COMPONENT_THRESHOLDS = ("exchange_s", "log_interval_s", "stale_s")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
 #: A job id names a directory: no separators, no "..", bounded.
 _JOB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+-]{0,127}$")
@@ -236,14 +236,14 @@ def _valid_host(v: str) -> bool:
 
 def threshold_problems(thresholds: Mapping[Any, Any]) -> list[str]:
     """Each key must name a detector of the catalogue and one of its parameters (``<Alert>.<param>``,
-    or ``detectors.<param>`` for the component), each value a finite non-negative number: a typo must
+    ``detectors.<param>`` for the component, ``anatomy.<param>`` for the step anatomy's verdict; the
+    table is ``hpar_agent.thresholds``), each value a finite non-negative number: a typo must
     not be ignored, and a bad value must not turn the detectors off at install."""
     if not thresholds:
         return []
-    from hpar_agent.detectors import ALL_DETECTORS  # lazy: the detectors import this module's users
-
-    params = {cls.name: set(cls.defaults) for cls in ALL_DETECTORS}
+    params = {alert: set(defaults) for alert, defaults in DETECTOR_DEFAULTS.items()}
     params["detectors"] = set(COMPONENT_THRESHOLDS)
+    params["anatomy"] = set(ANATOMY_DEFAULTS)
     out = []
     for key, value in thresholds.items():
         alert, _, param = key.partition(".") if isinstance(key, str) else ("", "", "")

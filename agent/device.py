@@ -20,8 +20,9 @@ def _param_device(model: Any) -> torch.device | None:
         return None
     try:
         for p in model.parameters():
-            if p.device.type == "cuda":
-                return p.device
+            dev: torch.device = p.device
+            if dev.type == "cuda":
+                return dev
     except Exception:
         return None
     return None
@@ -40,7 +41,7 @@ def resolve_device(model: Any = None, mesh: Any = None, local_rank: int | None =
     mesh_type = str(getattr(mesh, "device_type", "") or "")
     if mesh_type and mesh_type != "cuda":
         return torch.device("cpu")
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # torch: unannotated
         return torch.device("cuda", torch.cuda.current_device())
     n = torch.cuda.device_count()  # NVML-based: does not initialize CUDA
     if n:

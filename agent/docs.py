@@ -36,11 +36,27 @@ def metrics_table() -> str:
 
 def alerts_table() -> str:
     rows = ["| alert | severity | meaning |", "|---|---|---|"]
-    rows += [f"| `{a.name}` | {a.severity} | {a.summary} |" for a in cat.ALERTS]
+    rows += [f"| `{a.name}` | {a.severity} | {a.summary} |" for a in cat.ALL_ALERTS]
     return "\n".join(rows)
 
 
-TABLES = {"env": env_table, "metrics": metrics_table, "alerts": alerts_table}
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
+def thresholds_table() -> str:
+    from hpar_agent import thresholds as th
+
+    rows = ["| alert | parameter | default | compared by |", "|---|---|---|---|"]
+    for alert, params in th.DETECTOR_DEFAULTS.items():
+        rows += [f"| `{alert}` | `{p}` | {_num(v)} | detector |" for p, v in params.items()]
+    rows += [f"| step anatomy | `anatomy.{p}` | {_num(v)} | verdict |" for p, v in th.ANATOMY_DEFAULTS.items()]
+    for (alert, signal), params in th.RULE_THRESHOLDS.items():
+        rows += [f"| `{alert}` | `{p}` | {_num(v)} | rule signal={signal} |" for p, v in params.items()]
+    return "\n".join(rows)
+
+
+TABLES = {"env": env_table, "metrics": metrics_table, "alerts": alerts_table, "thresholds": thresholds_table}
 
 
 def _fill(table: str, m: re.Match[str]) -> str:

@@ -47,6 +47,13 @@ class Families:
                 fam.add_metric(self.labels(*values), hist.buckets(), hist.sum)
         return fam
 
+    def empty(self, name: str) -> Metric:
+        """The family of ``name`` without samples (what a collector's ``describe`` yields)."""
+        spec = metric(name)
+        if spec.type == "info":
+            return InfoMetricFamily(spec.family, spec.help, labels=spec.all_labels)
+        return {"counter": self.counter, "gauge": self.gauge, "histogram": self.histogram}[spec.type](name)
+
     def info(self, name: str, labels: dict[str, str]) -> InfoMetricFamily:
         spec = metric(name)
         fam = InfoMetricFamily(spec.family, spec.help, labels=spec.all_labels)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client.samples import Exemplar
 
@@ -32,8 +33,8 @@ class Histogram:
         if trace_id:
             self.exemplars[i] = Exemplar({"trace_id": trace_id}, value, ts)
 
-    def buckets(self) -> list[tuple]:
-        out: list[tuple] = []
+    def buckets(self) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = []
         acc = 0
         for i, le in enumerate([*self.bounds, math.inf]):
             acc += self.counts[i]

@@ -3,8 +3,8 @@
 Fork: a child (a DataLoader worker, a ``multiprocessing`` fork) inherits the agent's objects but none of
 its threads. Left alone its exit would run ``Agent.stop`` from atexit, which waits for a server loop
 that does not exist in the child (forever), and it would hold the listening socket and the event log's
-descriptor. ``after_fork_in_child`` forgets the agent in the child: no atexit work, no server, the log
-descriptors pointed at /dev/null. It takes no lock another thread may have held at fork time.
+descriptor. The fork handler (registered by ``hpar_agent.agent``) forgets the agent in the child
+(``forget_in_child``): no atexit work, no server, the log descriptors pointed at /dev/null. It takes no lock another thread may have held at fork time.
 
 Signals: SIGTERM (what torchrun sends the surviving ranks) and SIGINT flush the agent (summary, last
 events, queued spans, bounded), then the process does what it would have done without the agent: the
@@ -34,16 +34,6 @@ HANDLER_GRACE_S = 1.0
 
 
 # ---------------------------------------------------------------------------------------------- fork
-def after_fork_in_child() -> None:
-    from hpar_agent import agent as agent_mod
-
-    target = agent_mod._current
-    agent_mod._current = None
-    agent_mod._lock = threading.Lock()  # may have been held by a parent thread at fork time
-    if target is not None:
-        forget_in_child(target)
-
-
 def forget_in_child(agent: Any) -> None:
     """The child keeps no server, thread, atexit work or open log of the parent's agent."""
     agent.started = False
@@ -69,9 +59,6 @@ def forget_in_child(agent: Any) -> None:
 
         agent.alert_callbacks = AlertCallbacks(agent.record_error)
 
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=after_fork_in_child)
 
 
 # ---------------------------------------------------------------------------------------------- signals

@@ -35,8 +35,8 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from hpar_agent import __version__
 from hpar_agent import catalogue as cat
+from hpar_agent._version import __version__
 from hpar_agent.safefiles import RotatingFile
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.traceids import step_span_id, trace_id
@@ -239,7 +239,7 @@ class _BoundedProcessor(SpanProcessor):
         self.batch.on_end(span)
 
     def shutdown(self) -> None:
-        self.batch.shutdown()
+        self.batch.shutdown()  # type: ignore[no-untyped-call]  # opentelemetry-sdk: unannotated
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.batch.force_flush(timeout_millis)
@@ -474,7 +474,7 @@ class Tracing:
         threading.Thread(target=run, name="hpar-tracing-flush", daemon=True).start()
         return done.wait(max(0.0, timeout - (time.monotonic() - t0)))
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "exporter": self.kind,
             "path": self.path,

@@ -31,22 +31,28 @@ import functools
 import statistics
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
 from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.collectors.pipeline import PipelineCollector
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.thresholds import ANATOMY_DEFAULTS
+
+if TYPE_CHECKING:
+    from hpar_agent.context import AgentContext
 
 FWD0, FWD1, BWD0, BWD1, OPT0, LOAD, OPT1 = range(7)
 MAX_WAITING = 256  # CUDA steps whose events have not completed yet
 PHASES = cat.STEP_PHASES
 WARMUP_STEPS = 2  # left out of the verdict: the first steps compile and allocate
 WINDOW = 64  # recent steps the shares and the verdict are computed over
-DEFAULTS = {"anatomy.input_share": 0.2, "anatomy.comm_share": 0.3}
+DEFAULTS = {f"anatomy.{k}": v for k, v in ANATOMY_DEFAULTS.items()}  # overridable as thresholds
 
 
 def bottleneck(
@@ -95,16 +101,16 @@ class AnatomyCollector(Component):
         self.cuda = False
 
     # ------------------------------------------------------------------------------------ install
-    def install(self, agent: Any) -> None:
-        super().install(agent)
+    def install(self, ctx: AgentContext) -> None:
+        super().install(ctx)
         import torch
 
-        self.buffer.capacity = agent.config.buffer_size
-        self._steps = agent.component("steps")
-        self._pipe = agent.component("pipeline")
+        self.buffer.capacity = ctx.config.buffer_size
+        self._steps = ctx.find(StepCollector)
+        self._pipe = ctx.find(PipelineCollector)
         self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
         self._queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-        model = agent.model
+        model = ctx.model
         if isinstance(model, torch.nn.Module):
             self._handles.append(model.register_forward_pre_hook(self._fwd_pre, prepend=True))
             self._handles.append(model.register_forward_hook(self._fwd_post))
@@ -116,7 +122,7 @@ class AnatomyCollector(Component):
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
-        device = getattr(agent, "device", None)  # the rank's device, fixed at attach (hpar_agent.device)
+        device = ctx.device  # the rank's device, fixed at attach (hpar_agent.device)
         self.cuda = self.cuda and getattr(device, "type", "") == "cuda"
         if self.cuda:
             self._event = torch.cuda.Event
@@ -156,7 +162,7 @@ class AnatomyCollector(Component):
     # ------------------------------------------------------------------------------------ training thread
     def _step(self) -> int:
         steps = self._steps
-        return steps.count if steps is not None else 0  # type: ignore[no-any-return]
+        return steps.count if steps is not None else 0
 
     def _mark(self, step: int, code: int) -> None:
         """Append one timestamp (and on CUDA an event); never raises into the training loop."""
@@ -167,8 +173,7 @@ class AnatomyCollector(Component):
                 ev.record(self._stream())  # the rank's device's stream, not the thread's device 0
             self.buffer.put((step, code, time.time_ns(), 0, ev))
         except Exception as exc:
-            if self.agent is not None:
-                self.agent.record_error(self.name, exc)
+            self.record_error(exc)
 
     def _fwd_pre(self, module: Any, args: Any) -> None:
         if self._compiling():
@@ -185,16 +190,14 @@ class AnatomyCollector(Component):
             if fn is not None:
                 fn.register_prehook(self._bwd_pre)
         except Exception as exc:  # never into the training loop
-            if self.agent is not None:
-                self.agent.record_error(self.name, exc)
+            self.record_error(exc)
 
     def _bwd_pre(self, grad_outputs: Any) -> None:
         self._mark(self._step(), BWD0)
         try:
             self._queue_callback(self._bwd_end)
         except Exception as exc:
-            if self.agent is not None:
-                self.agent.record_error(self.name, exc)
+            self.record_error(exc)
 
     def _bwd_end(self) -> None:
         self._mark(self._step(), BWD1)
@@ -253,8 +256,7 @@ class AnatomyCollector(Component):
                     phases, spans, loader, step_s = self.gpu_phases(rec, events, self._last_end_event, end)
                     self.clock = "cuda-events"
                 except Exception as exc:  # an event not recorded (e.g. another device): CPU times
-                    if self.agent is not None:
-                        self.agent.record_error(self.name, exc)
+                    self.record_error(exc)
                     phases, spans, loader = self.phases(rec, events)
             else:
                 phases, spans, loader = self.phases(rec, events)
@@ -270,10 +272,10 @@ class AnatomyCollector(Component):
         self.history.append((rec.step, step_s, phases, loader))
         if len(self.history) > 2 * WINDOW:
             del self.history[:-WINDOW]
-        agent = self.agent
-        if agent is not None and agent.tracing_on:
+        ctx = self.ctx
+        if ctx is not None and ctx.tracing_on:
             for phase, t0, t1 in spans[:32]:
-                agent.add_span(SpanRecord(cat.SPAN_STEP_PHASES[phase], t0, t1, rec.step))
+                ctx.add_span(SpanRecord(cat.SPAN_STEP_PHASES[phase], t0, t1, rec.step))
 
     def gpu_phases(
         self, rec: StepRecord, events: list[tuple[int, int, int, Any]], prev_end: Any, end: Any
@@ -378,7 +380,7 @@ class AnatomyCollector(Component):
         sums = {p: sum(h[2].get(p, 0.0) for h in hist) for p in PHASES}
         seen = {p for h in hist for p in h[2]}
         self.shares = {p: sums[p] / total for p in PHASES if p in seen}
-        th = dict(self.agent.config.thresholds) if self.agent is not None else {}
+        th = dict(self.ctx.config.thresholds) if self.ctx is not None else {}
         straggler, lag = self._straggler()
         self.verdict = bottleneck(
             self.shares,
@@ -386,7 +388,7 @@ class AnatomyCollector(Component):
             input_share=float(th.get("anatomy.input_share", DEFAULTS["anatomy.input_share"])),
             comm_share=float(th.get("anatomy.comm_share", DEFAULTS["anatomy.comm_share"])),
         )
-        rank = self.agent.topology.rank if self.agent is not None else 0
+        rank = self.ctx.topology.rank if self.ctx is not None else 0
         self.evidence = {
             "steps": len(hist),
             "step_seconds_mean": total / len(hist),
@@ -401,14 +403,16 @@ class AnatomyCollector(Component):
 
     def _straggler(self) -> tuple[bool, float | None]:
         """This rank's Straggler state (arrival lag at collectives, exchanged through the store)."""
-        det = self.agent.component("detectors") if self.agent is not None else None
-        st = getattr(det, "states", {}).get("Straggler")
+        from hpar_agent.detectors.component import DetectorsComponent
+
+        det = self.ctx.find(DetectorsComponent) if self.ctx is not None else None
+        st = det.states.get("Straggler") if det is not None else None
         if st is None:
             return False, None
         return bool(st.active), (float(st.value) if st.value else None)
 
     def collect(self) -> Iterable[Metric]:
-        f = self.agent.families  # type: ignore[union-attr]
+        f = self.require_ctx().families
         yield f.histograms("hpar_step_phase_duration_seconds", self.hists)
         r = f.gauge("hpar_step_phase_ratio")
         for phase, share in self.shares.items():
@@ -420,7 +424,7 @@ class AnatomyCollector(Component):
                 f.add(b, [v], 1.0 if v == self.verdict else 0.0)
         yield b
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         recent = self.history[-WINDOW:]
         hist = [h for h in recent if h[0] >= WARMUP_STEPS] or recent
         p50 = {}

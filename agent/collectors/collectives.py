@@ -24,7 +24,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
@@ -56,6 +56,9 @@ from hpar_agent.torch_compat.fr_decode import (
 )
 from hpar_agent.torch_compat.p2p import P2PWrapper
 from hpar_agent.traceids import trace_id_hex
+
+if TYPE_CHECKING:
+    from hpar_agent.context import AgentContext
 
 log = logging.getLogger("hpar_agent")
 
@@ -90,7 +93,7 @@ class CollectiveCollector(Component):
 
     def __init__(self, recent: int = 2048, max_pgs: int = 16, max_pending: int = 4096) -> None:
         super().__init__()
-        self.p2p_buffer: BoundedBuffer[tuple] = BoundedBuffer("collectives_p2p", 1 << 16)
+        self.p2p_buffer: BoundedBuffer[tuple[Any, ...]] = BoundedBuffer("collectives_p2p", 1 << 16)
         self.step_buffer: BoundedBuffer[tuple[int, int]] = BoundedBuffer("collectives_steps", 4096)
         self.buffers = (self.p2p_buffer, self.step_buffer)
         self.max_pgs = max_pgs
@@ -144,16 +147,16 @@ class CollectiveCollector(Component):
         self._active = False
 
     # ------------------------------------------------------------------------------------ install
-    def install(self, agent: Any) -> None:
-        super().install(agent)
-        self.p2p_buffer.capacity = agent.config.buffer_size
+    def install(self, ctx: AgentContext) -> None:
+        super().install(ctx)
+        self.p2p_buffer.capacity = ctx.config.buffer_size
         self._attach_ns = time.time_ns()
         self._nccl_timing = fr.nccl_timing()
         self._ring = fr.ring_entries() or FR_DEFAULT_ENTRIES
         self.recorders = fr.available_recorders()
         self.up = bool(self.recorders)
-        self._label_mesh_groups(agent)
-        if agent.config.nccl_timing and "nccl" in self.recorders:
+        self._label_mesh_groups(ctx)
+        if ctx.config.nccl_timing and "nccl" in self.recorders:
             self._enable_timing()
         self._active = True
         self._patch_p2p()
@@ -164,8 +167,7 @@ class CollectiveCollector(Component):
         self.p2p.patch()
 
     def _p2p_error(self, exc: BaseException) -> None:
-        if self.agent is not None:
-            self.agent.record_error(self.name, exc)
+        self.record_error(exc)
 
     def _label_mesh_groups(self, agent: Any) -> None:
         """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
@@ -247,7 +249,7 @@ class CollectiveCollector(Component):
     # ------------------------------------------------------------------------------------ agent thread
     def poll(self, now: float) -> None:
         self._poll_ns = int(now * 1e9)
-        agent: Any = self.agent
+        agent = self.require_ctx()
         if agent.config.nccl_timing and "nccl" in self.recorders:
             self._enable_timing()
         self._patch_p2p()
@@ -283,7 +285,7 @@ class CollectiveCollector(Component):
         ``pg_status``, or by the entry rate for the p2p it does not count), or the final tick. Between reads a ``pg_status``-only probe (µs) keeps in-flight state fresh."""
         status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
         last_probe, self._probe[rec] = self._probe.get(rec), status
-        agent: Any = self.agent
+        agent = self.require_ctx()
         slot = int(now // agent.config.fr_interval)
         unread = status != self._status.get(rec)
         moved = unread or self._p2p_in_fr.get(rec) or any(k[0] == rec for k in self._pending_fr)
@@ -489,7 +491,7 @@ class CollectiveCollector(Component):
                 del self._pending_fr[key]  # completed without timing (TORCH_NCCL_ENABLE_TIMING off)
                 self._batches.pop(key, None)
 
-    def _process_p2p(self, records: list[tuple]) -> None:
+    def _process_p2p(self, records: list[tuple[Any, ...]]) -> None:
         for rec in records:
             if rec[0] == "issue":
                 _, t0, infos, work_ids = rec
@@ -525,8 +527,7 @@ class CollectiveCollector(Component):
         enqueue (``item.start_ns``), in the step it was enqueued in. NCCL's ``time_discovered_started_ns``
         is when the watchdog noticed, which lagged by whole steps on the H200, so it is not used."""
         start_ns = item.start_ns
-        agent = self.agent
-        assert agent is not None
+        agent = self.require_ctx()
         step = self.step_of(item.start_ns)
         every = agent.config.trace_every
         exemplar = trace_id_hex(agent.topology.job_id, step) if every > 0 and step % every == 0 else None
@@ -571,7 +572,7 @@ class CollectiveCollector(Component):
 
     # ------------------------------------------------------------------------------------ scrape
     def collect(self) -> Iterable[Metric]:
-        f = self.agent.families  # type: ignore[union-attr]
+        f = self.require_ctx().families
         total = f.counter("hpar_collectives_total")
         nbytes = f.counter("hpar_collective_bytes_total")
         for (pg, op), n in sorted(self.counts.items()):
@@ -602,7 +603,7 @@ class CollectiveCollector(Component):
             f.add(timing, [pg], 1.0 if on else 0.0)
         yield timing
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         table = []
         for (pg, op), n in sorted(self.counts.items()):
             merged = [h for (hpg, hop, _stream), h in self.hists.items() if (hpg, hop) == (pg, op)]

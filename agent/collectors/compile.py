@@ -18,13 +18,14 @@ import os
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.catalogue import STEP_BUCKETS
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord
@@ -41,6 +42,9 @@ from hpar_agent.torch_compat.dynamo_log import (
     user_frame,
     user_frames,
 )
+
+if TYPE_CHECKING:
+    from hpar_agent.context import AgentContext
 
 PHASES = (
     ("entire_frame", "entire_frame_compile_time_s"),
@@ -111,8 +115,7 @@ class _Capture(logging.Handler):
             if floor is not None and record.levelno >= floor:
                 _call_ancestors(logging.getLogger(record.name), record)
         except Exception as exc:
-            if owner.agent is not None:
-                owner.agent.record_error(owner.name, exc)
+            owner.record_error(exc)
 
 
 def _call_ancestors(logger: logging.Logger, record: logging.LogRecord) -> None:
@@ -132,7 +135,7 @@ class CompileCollector(Component):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buffer: BoundedBuffer[tuple] = BoundedBuffer("compile", 1 << 14)
+        self.buffer: BoundedBuffer[tuple[Any, ...]] = BoundedBuffer("compile", 1 << 14)
         self.buffers = (self.buffer,)
         self._handlers = {k: _Capture(self, k) for k in ("metrics", "graph_breaks", "recompiles")}
         self._saved: dict[str, tuple[int, bool]] = {}  # logger -> (level, propagate) before install
@@ -166,10 +169,15 @@ class CompileCollector(Component):
         self._metrics_level = logging.INFO
 
     # --------------------------------------------------------------------------------- install
-    def install(self, agent: Any) -> None:
-        super().install(agent)
-        self.buffer.capacity = agent.config.buffer_size
-        self._steps = agent.component("steps")
+    @property
+    def open_compiles(self) -> int:
+        """Compiles started and not yet ended (the detectors' compile-activity token)."""
+        return len(self._open)
+
+    def install(self, ctx: AgentContext) -> None:
+        super().install(ctx)
+        self.buffer.capacity = ctx.config.buffer_size
+        self._steps = ctx.find(StepCollector)
         import torch._dynamo  # noqa: F401 - artifact loggers must exist before we configure them
 
         snap = dynamo.counters_snapshot()
@@ -231,15 +239,13 @@ class CompileCollector(Component):
             info = (frame[0].co_filename, frame[0].co_firstlineno, frame[0].co_name, frame[1], frame[2]) if frame else None
             self.buffer.put(("start", (dynamo.compile_id_of(args), info), time.time_ns(), trigger, step))
         except Exception as exc:
-            if self.agent is not None:
-                self.agent.record_error(self.name, exc)
+            self.record_error(exc)
 
     def _on_end(self, args: Any) -> None:
         try:
             self.buffer.put(("end", dynamo.compile_id_of(args), time.time_ns(), dynamo.trigger_name(args), 0))
         except Exception as exc:
-            if self.agent is not None:
-                self.agent.record_error(self.name, exc)
+            self.record_error(exc)
 
     # --------------------------------------------------------------------------------- agent thread
     def poll(self, now: float) -> None:
@@ -259,7 +265,7 @@ class CompileCollector(Component):
         for key, (span, polled) in list(self._ended.items()):
             if polled < self._polls - 1:  # its metrics never came (e.g. an aborted compile)
                 del self._ended[key]
-                self.agent.add_span(span)  # type: ignore[union-attr]
+                self.require_ctx().add_span(span)
         self._diff(dynamo.counters_snapshot(), count=True)
         for d in (self._open, self._cid_breaks, self._recompile_text, self._frames):
             if len(d) > 1024:
@@ -273,7 +279,7 @@ class CompileCollector(Component):
             self._open.clear()
             self._ended.clear()
             dynamo.register_callbacks(self._on_start, self._on_end)
-            self.agent.events.emit("dynamo_reset", resets=self.resets)  # type: ignore[union-attr]
+            self.require_ctx().events.emit("dynamo_reset", resets=self.resets)
         log = logging.getLogger(dynamo.COMPILE_METRICS_LOGGER)
         if self._handlers["metrics"] not in log.handlers or log.level != self._metrics_level or log.propagate:
             self._capture_metrics()
@@ -322,7 +328,7 @@ class CompileCollector(Component):
         self._cid_breaks.setdefault(cid, []).append((key, frame, t_ns))
         c10d = c10d_call(text)
         fr = self._frames.get(cid, {})
-        self.agent.events.emit(  # type: ignore[union-attr]
+        self.require_ctx().events.emit(
             cat.EVENT_GRAPH_BREAK,
             compile_id=cid,
             frame_id=frame_id(cid),
@@ -354,7 +360,7 @@ class CompileCollector(Component):
         self._frames[cid] = {**fr, "step": step}
         if len(self._backend_of) < 4096:
             self._backend_of[fr["code_hash"]] = self._backend_of[fr["frame_id"]] = backend
-        self.agent.events.emit(  # type: ignore[union-attr]
+        self.require_ctx().events.emit(
             cat.EVENT_COMPILE_START, compile_id=cid, step=step, f_locals_keys=list(local_names), **fr
         )
 
@@ -384,8 +390,7 @@ class CompileCollector(Component):
         self._ended[(cid, trig)] = (span, self._polls)
 
     def _on_metrics(self, m: dict[str, Any]) -> None:
-        agent = self.agent
-        assert agent is not None
+        agent = self.require_ctx()
         cid = str(m["compile_id"] or "")
         forward = m["is_forward"] is not False
         trigger = "runtime" if m["is_runtime"] else ("forward" if forward else "lazy_backward")
@@ -485,7 +490,7 @@ class CompileCollector(Component):
             examples.append(f"{where}: {guard}")
         text = self._recompile_text.pop(cid, "")
         failed = failed_guards(text)
-        self.agent.events.emit(  # type: ignore[union-attr]
+        self.require_ctx().events.emit(
             cat.EVENT_RECOMPILE,
             compile_id=cid,
             frame_id=frame_id(cid),
@@ -502,7 +507,7 @@ class CompileCollector(Component):
 
     # --------------------------------------------------------------------------------- scrape
     def collect(self) -> Iterable[Metric]:
-        f = self.agent.families  # type: ignore[union-attr]
+        f = self.require_ctx().families
         c = f.counter("hpar_dynamo_compiles_total")
         for (outcome, trigger, backend), n in sorted(self.compiles.copy().items()):
             f.add(c, [outcome, trigger, backend], n)
@@ -537,7 +542,7 @@ class CompileCollector(Component):
         f.add(fp, [], self.fingerprint)
         yield fp
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "graphs": len(self.graphs),
             "graphs_compiled": self.graphs_compiled,

@@ -26,12 +26,18 @@ gradients need a tp all-reduce (``--inject tp-grad-skip``) are not seen here: th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
+from hpar_agent.collectors.collectives import CollectiveCollector
+from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.component import Component
+
+if TYPE_CHECKING:
+    from hpar_agent.context import AgentContext
 
 DP_GROUP = "dp"
 #: Seconds between two walks over the parameters (requires_grad may change, a model be re-wrapped).
@@ -87,14 +93,14 @@ class GradSyncCollector(Component):
         self.coverage: float | None = None  # of the last judged step
         self.history: list[tuple[int, float]] = []  # recent (step, coverage)
 
-    def install(self, agent: Any) -> None:
-        super().install(agent)
-        self.up = agent.topology.dp > 1 and agent.model is not None
+    def install(self, ctx: AgentContext) -> None:
+        super().install(ctx)
+        self.up = ctx.topology.dp > 1 and ctx.model is not None
 
     def _params(self) -> list[Any]:
-        agent: Any = self.agent
-        params = list(agent.model.parameters()) if hasattr(agent.model, "parameters") else []
-        pipe = agent.component("pipeline")
+        ctx = self.require_ctx()
+        params = list(ctx.model.parameters()) if hasattr(ctx.model, "parameters") else []
+        pipe = ctx.find(PipelineCollector)
         for stage, _ in getattr(pipe, "_wrapped", ()):  # further pipeline chunks of this rank
             submod = getattr(stage, "submod", None)
             if submod is not None:
@@ -102,20 +108,20 @@ class GradSyncCollector(Component):
         return params
 
     def poll(self, now: float) -> None:
-        agent: Any = self.agent
-        coll = agent.component("collectives")
+        ctx = self.require_ctx()
+        coll = ctx.find(CollectiveCollector)
         if not self.up or coll is None:
             return
         if now - self._required_at >= REQUIRED_EVERY_S:
             self._required_at = now
-            self.required = required_elements(self._params(), getattr(self.agent, "model", None))
+            self.required = required_elements(self._params(), getattr(self.ctx, "model", None))
         if self.required <= 0:
             return
         through = coll.read_through_ns()
         for t_ns, step in coll.boundaries():
             if step <= self.judged or step == 0 or t_ns > through:
                 continue  # step 0's window starts at attach: possibly a part of a step
-            reduced = coll.reduced_elems.pop(step, None) or {}
+            reduced: Mapping[str, int] = coll.reduced_elems.pop(step, Counter())
             dp = sum(n for pg, n in reduced.items() if _is_dp(pg))
             if not any(_is_dp(pg) for pg in reduced) and "default_pg" in reduced and len(reduced) == 1:
                 dp = reduced["default_pg"]  # a plain DDP job without a mesh: the default group is dp
@@ -125,13 +131,13 @@ class GradSyncCollector(Component):
             del self.history[:-64]
 
     def collect(self) -> Iterable[Metric]:
-        f = self.agent.families  # type: ignore[union-attr]
+        f = self.require_ctx().families
         g = f.gauge("hpar_grad_sync_coverage_ratio")
         if self.coverage is not None:
             f.add(g, [DP_GROUP], self.coverage)
         yield g
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         cov = [c for _, c in self.history]
         return {
             "required_elements": self.required,

@@ -16,13 +16,16 @@ import functools
 import os
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from hpar_agent.affinity import Binding, read_binding
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.component import Component
+
+if TYPE_CHECKING:
+    from hpar_agent.context import AgentContext
 
 #: NVML clock-event (throttle) reason bits -> ``reason`` label.
 THROTTLE_REASONS: tuple[tuple[int, str], ...] = (
@@ -97,16 +100,16 @@ class NvmlCollector(Component):
         self.gpu_uuid = ""
         self.binding: Binding | None = None  # CPU/NUMA binding against the GPU's ideal CPUs (read once)
 
-    def install(self, agent: Any) -> None:
-        super().install(agent)
+    def install(self, ctx: AgentContext) -> None:
+        super().install(ctx)
         self._install()
         try:
             self.binding = read_binding(self._nvml if self.up else None, self._handle)
         except Exception as exc:
-            agent.record_error(self.name, exc)
+            ctx.record_error(self.name, exc)
 
     def _install(self) -> None:
-        agent: Any = self.agent
+        ctx = self.require_ctx()
         try:
             nv: Any = self._nvml
             if nv is None:
@@ -115,7 +118,7 @@ class NvmlCollector(Component):
                 nv = pynvml
             nv.nvmlInit()
             self._nvml = nv
-            self._handle = self._device_handle(nv, agent.device)
+            self._handle = self._device_handle(nv, ctx.device)
             self.up = True
             self._read_identity(nv, self._handle)
         except Exception:  # no driver, no GPU, no nvidia-ml-py: a normal state, not an error
@@ -223,7 +226,7 @@ class NvmlCollector(Component):
     def collect(self) -> Iterable[Metric]:
         if not self.up:
             return
-        f = self.agent.families  # type: ignore[union-attr]
+        f = self.require_ctx().families
         v = self.values
         for name, key in (
             ("hpar_gpu_memory_used_bytes", "used"),
@@ -253,7 +256,7 @@ class NvmlCollector(Component):
             f.add(thr, [label], on)
         yield thr
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "up": self.up,
             "process_bytes": self.process_bytes,
@@ -283,9 +286,9 @@ class MemoryCollector(Component):
         self._cuda_seen = False
         self._device: Any = None
 
-    def install(self, agent: Any) -> None:
-        super().install(agent)
-        self._device = getattr(agent, "device", None)
+    def install(self, ctx: AgentContext) -> None:
+        super().install(ctx)
+        self._device = ctx.device
         if self._cuda is None:
             import torch
 
@@ -329,7 +332,7 @@ class MemoryCollector(Component):
             self._post("allocator", step, alloc)
             self._post("reserved", step, reserved)
             last_step = step
-        nvml = self.agent.component("nvml") if self.agent is not None else None
+        nvml = self.ctx.find(NvmlCollector) if self.ctx is not None else None
         if last_step is not None and nvml is not None and nvml.up:
             self._post("nvml", last_step, getattr(nvml, "process_bytes", None))
         self.rss = read_rss(self.proc_root)
@@ -350,7 +353,7 @@ class MemoryCollector(Component):
             }
 
     def collect(self) -> Iterable[Metric]:
-        f = self.agent.families  # type: ignore[union-attr]
+        f = self.require_ctx().families
         rss = f.gauge("hpar_host_rss_bytes")
         if self.rss is not None:
             f.add(rss, [], self.rss)
@@ -377,7 +380,7 @@ class MemoryCollector(Component):
         yield retries
         yield ooms
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "rss_bytes": self.rss,
             "post_step_last": dict(self.last_post),

@@ -11,17 +11,21 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.catalogue import LATENCY_BUCKETS
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.streams import StreamCap, stream_label
+
+if TYPE_CHECKING:
+    from hpar_agent.context import AgentContext
 
 _TAG = "_hpar_wrapped"
 _METHODS = (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"))
@@ -33,10 +37,10 @@ class PipelineCollector(Component):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buffer: BoundedBuffer[tuple] = BoundedBuffer("pipeline", 1 << 16)
+        self.buffer: BoundedBuffer[tuple[Any, ...]] = BoundedBuffer("pipeline", 1 << 16)
         self.buffers = (self.buffer,)
         self._wrapped: list[tuple[Any, str]] = []
-        self._pending: list[tuple] = []  # CUDA chunks whose end event has not completed yet
+        self._pending: list[tuple[Any, ...]] = []  # CUDA chunks whose end event has not completed yet
         self.hists: dict[tuple[str, str], Histogram] = {}
         self.streams = StreamCap()
         self.busy_by_step: dict[int, float] = {}
@@ -49,9 +53,9 @@ class PipelineCollector(Component):
         self.phase_by_step: dict[int, dict[str, float]] = {}
         self.first_forward_ns: dict[int, int] = {}
 
-    def install(self, agent: Any) -> None:
-        super().install(agent)
-        self.buffer.capacity = agent.config.buffer_size
+    def install(self, ctx: AgentContext) -> None:
+        super().install(ctx)
+        self.buffer.capacity = ctx.config.buffer_size
 
     def watch(self, stages: list[Any], schedule: Any = None) -> None:
         """Wrap the one-chunk methods of each stage (idempotent)."""
@@ -78,22 +82,22 @@ class PipelineCollector(Component):
         cuda = getattr(device, "type", "cpu") == "cuda"
         cpu_stream = stream_label(None)
         stage_index = int(getattr(stage, "stage_index", 0))
-        steps = self.agent.component("steps") if self.agent else None  # type: ignore[union-attr]
+        steps = self.ctx.find(StepCollector) if self.ctx is not None else None
 
         @functools.wraps(orig)
         def timed(*args: Any, **kwargs: Any) -> Any:
             chunk = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
-            step = steps.count if steps is not None else 0  # type: ignore[attr-defined]
+            step = steps.count if steps is not None else 0
             t0 = time.time_ns()
             if cuda:
                 import torch
 
                 cs = torch.cuda.current_stream(device)  # the stage's device, not the thread's
                 stream = stream_label(device, cs)  # where the events below are recorded (~1 µs)
-                e0 = torch.cuda.Event(enable_timing=True)
+                e0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: unannotated
                 e0.record(cs)
                 out = orig(*args, **kwargs)
-                e1 = torch.cuda.Event(enable_timing=True)
+                e1 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: unannotated
                 e1.record(torch.cuda.current_stream(device))
                 buffer.put((step, stage_index, chunk, phase, stream, t0, 0, e0, e1, cs.cuda_stream))
             else:
@@ -105,10 +109,10 @@ class PipelineCollector(Component):
         return timed
 
     def poll(self, now: float) -> None:
-        agent = self.agent
-        assert agent is not None
+        ctx = self.ctx
+        assert ctx is not None
         items = self._pending + self.buffer.drain()
-        tracing = agent.tracing_on
+        tracing = ctx.tracing_on
         self._pending = []
         for item in items:
             step, stage_index, chunk, phase, stream, t0, t1, e0, e1, handle = item
@@ -134,7 +138,7 @@ class PipelineCollector(Component):
             attrs = {cat.ATTR_PP_STAGE: stage_index, cat.ATTR_MICROBATCH: int(chunk), cat.ATTR_STREAM: stream}
             if handle is not None:  # the cudaStream_t (an int) beside the readable name
                 attrs[cat.ATTR_STREAM_HANDLE] = int(handle)
-            agent.add_span(
+            ctx.add_span(
                 SpanRecord(
                     name=cat.SPAN_PP_FORWARD if phase == "forward" else cat.SPAN_PP_BACKWARD,
                     start_ns=t0,
@@ -150,7 +154,7 @@ class PipelineCollector(Component):
             del self.busy_by_step[s]
         for d in (self.phase_by_step, self.first_forward_ns):
             for s in [s for s in d if s < rec.step - 64]:
-                del d[s]  # type: ignore[attr-defined]
+                del d[s]
         if busy is None or rec.duration_s <= 0:
             return
         self.last_busy = busy
@@ -161,7 +165,7 @@ class PipelineCollector(Component):
     def collect(self) -> Iterable[Metric]:
         if not self._wrapped:
             return
-        f = self.agent.families  # type: ignore[union-attr]
+        f = self.require_ctx().families
         yield f.histograms("hpar_pp_chunk_duration_seconds", self.hists)
         busy = f.gauge("hpar_pp_busy_seconds")
         f.add(busy, [], self.last_busy)
@@ -171,7 +175,7 @@ class PipelineCollector(Component):
             f.add(bubble, [], self.last_bubble)
         yield bubble
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         per_stage = {
             f"{stage}/{phase}": sorted(v)[len(v) // 2] for (stage, phase), v in sorted(self.stage_times.items()) if v
         }

@@ -11,7 +11,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
@@ -22,6 +22,9 @@ from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import StepRecord
 from hpar_agent.traceids import trace_id_hex
+
+if TYPE_CHECKING:
+    from hpar_agent.context import AgentContext
 
 
 class StepCollector(Component):
@@ -49,11 +52,11 @@ class StepCollector(Component):
         self._completed: list[StepRecord] = []
         self.rusage = _rusage()  # (minor, major faults, voluntary, involuntary switches) at the last boundary
 
-    def install(self, agent: Any) -> None:
-        super().install(agent)
-        self.buffer.capacity = agent.config.buffer_size
-        if agent.optimizer is not None:
-            self._optimizer_id = id(agent.optimizer)
+    def install(self, ctx: AgentContext) -> None:
+        super().install(ctx)
+        self.buffer.capacity = ctx.config.buffer_size
+        if ctx.optimizer is not None:
+            self._optimizer_id = id(ctx.optimizer)
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._handle = register_optimizer_step_post_hook(self._on_optimizer_step)
@@ -84,15 +87,15 @@ class StepCollector(Component):
             self.tokens_pending += tokens
         self.buffer.put((step, t, self.tokens_pending, _rusage()))
         self.tokens_pending = 0
-        agent = self.agent
-        if agent is not None:
-            agent.on_step_boundary(step, t)
+        ctx = self.ctx
+        if ctx is not None:
+            ctx.on_step_boundary(step, t)
 
     # agent thread ------------------------------------------------------------------------------
     def poll(self, now: float) -> None:
-        agent = self.agent
-        assert agent is not None
-        every = agent.config.trace_every
+        ctx = self.ctx
+        assert ctx is not None
+        every = ctx.config.trace_every
         for step, end_ns, tokens, ru in self.buffer.drain():
             rec = StepRecord(step=step, start_ns=self.last_end_ns, end_ns=end_ns)
             prev, self.rusage = self.rusage, ru
@@ -106,7 +109,7 @@ class StepCollector(Component):
             self.last_step_ts = end_ns / 1e9
             dur = rec.duration_s
             kept = every > 0 and step % every == 0
-            self.hist.observe(dur, trace_id_hex(agent.topology.job_id, step) if kept else None, end_ns / 1e9)
+            self.hist.observe(dur, trace_id_hex(ctx.topology.job_id, step) if kept else None, end_ns / 1e9)
             self.durations.append(dur)
             del self.durations[:-512]
             self._completed.append(rec)
@@ -116,7 +119,7 @@ class StepCollector(Component):
         return out
 
     def collect(self) -> Iterable[Metric]:
-        f = self.agent.families  # type: ignore[union-attr]
+        f = self.require_ctx().families
         h = f.histogram("hpar_step_duration_seconds")
         h.add_metric(f.labels(), self.hist.buckets(), self.hist.sum)
         yield h
@@ -139,7 +142,7 @@ class StepCollector(Component):
         f.add(switches, ["involuntary"], self.rusage[3])
         yield switches
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         d = sorted(self.durations)
         return {
             "steps": self.total,

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
-    from hpar_agent.detectors.component import DetectorsComponent
+    from hpar_agent.context import AgentContext
+    from hpar_agent.evidence import Evidence
 
 
 @dataclass
@@ -21,6 +22,41 @@ class Verdict:
     active: bool
     value: float
     details: dict[str, Any] = field(default_factory=dict)
+
+
+class Evaluation(Protocol):
+    """What a detector reads while it evaluates: the DetectorsComponent's state for this pass (it
+    implements this; detectors never import it, so the two modules do not import each other)."""
+
+    @property
+    def context(self) -> AgentContext: ...
+    @property
+    def now(self) -> float: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def stage(self) -> int: ...
+    @property
+    def steps_done(self) -> int: ...
+    @property
+    def last_step_ts(self) -> float: ...
+    @property
+    def step_durations(self) -> list[float]: ...
+    @property
+    def peers(self) -> dict[int, dict[str, Any]]: ...
+    @property
+    def peers_fresh(self) -> bool: ...
+    @property
+    def evidence(self) -> Evidence | None: ...
+    @property
+    def compile_last_ts(self) -> float: ...
+    @property
+    def compile_last_step(self) -> int: ...
+    @property
+    def compile_quiet_s(self) -> float: ...
+    @property
+    def compile_busy_steps(self) -> int: ...
+    def warmed_up(self, quiet_steps: int, max_busy_steps: int) -> bool: ...
 
 
 class Detector:
@@ -48,10 +84,10 @@ class Detector:
     def threshold(self) -> float:
         return self.params.get(self.threshold_param, math.nan)
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
         """Agent thread. None when there is no data yet (the alert state is left as it is)."""
         raise NotImplementedError
 
-    def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
+    def publish(self, ctx: Evaluation) -> dict[str, Any]:
         """Cross-rank detectors: this rank's part of the payload put in the store."""
         return {}

@@ -12,15 +12,16 @@ from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
+from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
-    from hpar_agent.detectors.component import DetectorsComponent
+    from hpar_agent.detectors.base import Evaluation
 
 DP_KEYS = ("tp", "pp")  # ranks of one dp group share tp and pp coordinates
 TP_KEYS = ("dp", "pp")
 
 
-def _my_group(ctx: DetectorsComponent, keys: tuple[str, ...], need: str) -> list[int]:
+def _my_group(ctx: Evaluation, keys: tuple[str, ...], need: str) -> list[int]:
     """The ranks of this rank's group (by equal coordinates on ``keys``) whose payload has ``need``."""
     coords = {r: p["c"] for r, p in ctx.peers.items() if need in p and "c" in p}
     for group in sig.groups_by(coords, keys):
@@ -45,21 +46,21 @@ class CompileDivergence(Detector):
     """
 
     name = "CompileDivergence"
-    defaults = {"warmup_steps": 3, "settle_s": 2}
+    defaults = DETECTOR_DEFAULTS["CompileDivergence"]
     threshold_param = "warmup_steps"
     cross_rank = True
     confirm = 2
 
-    def settled_fingerprint(self, ctx: DetectorsComponent) -> int | None:
+    def settled_fingerprint(self, ctx: Evaluation) -> int | None:
         if ctx.compile_quiet_s < self.p("settle_s"):
             return None
-        return src.graph_fingerprint(ctx.agent)
+        return src.graph_fingerprint(ctx.context)
 
-    def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
+    def publish(self, ctx: Evaluation) -> dict[str, Any]:
         fp = self.settled_fingerprint(ctx)
         return {} if fp is None else {"fp": fp}
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
         if not ctx.peers_fresh:
             return None
         stage = {
@@ -67,7 +68,7 @@ class CompileDivergence(Detector):
             for r, p in ctx.peers.items()
             if "fp" in p and p.get("c", {}).get("stage") == ctx.stage and p.get("step", 0) >= self.p("warmup_steps")
         }
-        topo = ctx.agent.topology
+        topo = ctx.context.topology
         members = topo.world_size // max(1, topo.pp)  # ranks of one pipeline stage
         if ctx.rank not in stage or len(stage) < max(2, members):
             return None  # every member's fingerprint first: with some missing, a 1-1 split blames a clean rank
@@ -125,7 +126,7 @@ class ChecksumSampler:
             if cat.is_cuda:
                 host = torch.empty(cat.shape, dtype=cat.dtype, pin_memory=True)
                 host.copy_(cat, non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
                 event.record(torch.cuda.current_stream(cat.device))  # the copy's stream, not device 0's
                 cat = host
         self.buffer.put((step, names, sizes, cat, event))
@@ -185,7 +186,7 @@ class ReplicaDivergence(Detector):
     """
 
     name = "ReplicaDivergence"
-    defaults = {"every_steps": 10, "per_param": 16}
+    defaults = DETECTOR_DEFAULTS["ReplicaDivergence"]
     threshold_param = "every_steps"
     cross_rank = True
 
@@ -198,13 +199,13 @@ class ReplicaDivergence(Detector):
         if model is not None and step > 0 and step % int(self.p("every_steps")) == 0:
             self.sampler.capture(model, step)
 
-    def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
+    def publish(self, ctx: Evaluation) -> dict[str, Any]:
         self.history.extend(self.sampler.resolve())
         if not self.history:
             return {}
         return {"cks": {str(s): v for s, v in self.history}, "sk": self.sampler.shard_keys()}
 
-    def _compare(self, ctx: DetectorsComponent, group: list[int]) -> tuple[int, list[str]]:
+    def _compare(self, ctx: Evaluation, group: list[int]) -> tuple[int, list[str]]:
         steps = set.intersection(*(set(ctx.peers[r]["cks"]) for r in group))
         if not steps:
             return -1, []
@@ -212,7 +213,7 @@ class ReplicaDivergence(Detector):
         sums = {r: ctx.peers[r]["cks"][step] for r in group}
         return int(step), sig.same_shard_offenders(sums, {r: ctx.peers[r].get("sk", {}) for r in group}, ctx.rank)
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
         if not ctx.peers_fresh:
             return None
         bad: dict[str, Any] = {}
@@ -230,10 +231,10 @@ class ReplicaDivergence(Detector):
         return Verdict(bool(bad), float(sum(b["count"] for b in bad.values())), bad)
 
 
-def _peer_fr(ctx: DetectorsComponent) -> tuple[dict[int, list[sig.FrEntry]], dict[str, int]]:
+def _peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, int]]:
     """Peers' published entries, and each pg's member count from the topology (by its label)."""
     fr = {r: [tuple(e) for e in p["fr"]] for r, p in ctx.peers.items() if "fr" in p}
-    topo = ctx.agent.topology
+    topo = ctx.context.topology
     by_label = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp, "default_pg": topo.world_size,
                 "dp_replicate": topo.dp_replicate, "dp_shard": topo.dp_shard, "cp": topo.cp}
     sizes = {}
@@ -242,12 +243,12 @@ def _peer_fr(ctx: DetectorsComponent) -> tuple[dict[int, list[sig.FrEntry]], dic
             label = src.pg_label(e[0])
             if label in by_label:
                 sizes[e[0]] = by_label[label]
-    return fr, sizes  # type: ignore[return-value]
+    return fr, sizes
 
 
-def _grad_pgs(ctx: DetectorsComponent, entries: list[sig.FrEntry]) -> list[str]:
+def _grad_pgs(ctx: Evaluation, entries: list[sig.FrEntry]) -> list[str]:
     """pg uids that carry gradient reductions: the dp groups (the default group when dp is the world)."""
-    topo = ctx.agent.topology
+    topo = ctx.context.topology
     out = []
     for uid in {e[0] for e in entries}:
         low = src.pg_label(uid).lower()
@@ -316,7 +317,7 @@ class CollectiveMismatch(Detector):
     """
 
     name = "CollectiveMismatch"
-    defaults = {"max_entries": 256}
+    defaults = DETECTOR_DEFAULTS["CollectiveMismatch"]
     threshold_param = "max_entries"
     cross_rank = True
     evidence = ("fr",)
@@ -329,19 +330,19 @@ class CollectiveMismatch(Detector):
         self.cross: list[dict[str, Any]] = []
         self.peer_bits: dict[sig.ReductionKey, float] = {}
 
-    def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
-        entries = src.fr_entries(ctx.agent, int(self.p("max_entries")))
+    def publish(self, ctx: Evaluation) -> dict[str, Any]:
+        entries = src.fr_entries(ctx.context, int(self.p("max_entries")))
         return {"fr": entries} if entries else {}
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
         if self.param_bits is None:
-            self.param_bits = _param_bits(ctx.agent.model)
-            self.intended = intended_reduce_bits(ctx.agent.model) if self.param_bits else set()
+            self.param_bits = _param_bits(ctx.context.model)
+            self.intended = intended_reduce_bits(ctx.context.model) if self.param_bits else set()
         if ctx.peers_fresh:
             fr, sizes = _peer_fr(ctx)
             self.cross = sig.collective_mismatches(fr, sizes, self.param_bits).get(ctx.rank, []) if len(fr) >= 2 else []
             self.peer_bits = sig.peer_reduction_bits(fr, ctx.rank)
-        entries = src.fr_entries(ctx.agent, int(self.p("max_entries")))
+        entries = src.fr_entries(ctx.context, int(self.p("max_entries")))
         if not entries and not self.cross:
             return None
         low = sig.low_precision_reductions(entries, self.param_bits or 32, _grad_pgs(ctx, entries)) if self.param_bits else []
@@ -378,8 +379,7 @@ class Straggler(Detector):
     """
 
     name = "Straggler"
-    defaults = {"max_lag_ratio": 0.25, "min_collectives": 8, "warmup_steps": 3, "min_window_steps": 3, "quiet_steps": 3,
-                "max_busy_steps": 10}  # fmt: skip
+    defaults = DETECTOR_DEFAULTS["Straggler"]
     threshold_param = "max_lag_ratio"
     cross_rank = True
     confirm = 2
@@ -392,7 +392,7 @@ class Straggler(Detector):
         if self.warm_ns is None and step + 1 >= self.p("warmup_steps"):
             self.warm_ns = t_ns
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
         if not ctx.peers_fresh or ctx.steps_done < self.p("warmup_steps"):
             return None
         if not ctx.warmed_up(int(self.p("quiet_steps")), int(self.p("max_busy_steps"))):

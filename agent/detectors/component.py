@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client.core import Metric
 
@@ -37,6 +37,9 @@ from hpar_agent.detectors.local import (
 from hpar_agent.detectors.sources import step_state
 from hpar_agent.evidence import Evidence
 from hpar_agent.spans import StepRecord
+
+if TYPE_CHECKING:
+    from hpar_agent.context import AgentContext
 
 log = logging.getLogger("hpar_agent")
 D = TypeVar("D", bound=Detector)
@@ -107,21 +110,26 @@ class DetectorsComponent(Component):
         self._compile_busy = False
 
     # ------------------------------------------------------------------------------------ lifecycle
-    def install(self, agent: Any) -> None:
-        super().install(agent)
-        th = dict(agent.config.thresholds)
+    def install(self, ctx: AgentContext) -> None:
+        super().install(ctx)
+        th = dict(ctx.config.thresholds)
         self.exchange_s = float(th.get("detectors.exchange_s", 3.0))
         self.exchange_min_s = min(self.exchange_s, float(th.get("detectors.exchange_min_s", 1.0)))
         self.log_interval_s = float(th.get("detectors.log_interval_s", 60.0))
         self.stale_s = float(th.get("detectors.stale_s", 30.0))
         self.detectors = [cls(th) for cls in ALL_DETECTORS]
         self._step_detectors = (self.detector(ReplicaDivergence), self.detector(Straggler))  # looked up once
-        self.rank = agent.topology.rank
-        self.stage = agent.topology.pp_stage
+        self.rank = ctx.topology.rank
+        self.stage = ctx.topology.pp_stage
         if self.evidence is None:
-            self.evidence = Evidence(agent.run_dir, self.rank, enabled=agent.config.evidence,
-                                     on_error=lambda exc: agent.record_error("evidence", exc))
-            self.evidence.device = agent.device
+            self.evidence = Evidence(ctx.run_dir, self.rank, enabled=ctx.config.evidence,
+                                     on_error=lambda exc: ctx.record_error("evidence", exc))
+            self.evidence.device = ctx.device
+
+    @property
+    def context(self) -> AgentContext:
+        """The agent context (``Evaluation.context``: what detectors read the collectors through)."""
+        return self.require_ctx()
 
     def detector(self, cls: type[D]) -> D | None:
         for d in self.detectors:
@@ -132,11 +140,11 @@ class DetectorsComponent(Component):
     # ------------------------------------------------------------------------------------ training thread
     def step_hook(self, step: int, t_ns: int) -> None:
         rep, straggler = self._step_detectors
-        if rep is not None and self.agent is not None and self.agent.topology.world_size > 1:
+        if rep is not None and self.ctx is not None and self.ctx.topology.world_size > 1:
             try:
-                rep.step_hook(self.agent.model, step)
+                rep.step_hook(self.ctx.model, step)
             except Exception as exc:
-                self.agent.record_error(self.name, exc)
+                self.ctx.record_error(self.name, exc)
         if straggler is not None:
             straggler.step_hook(step, t_ns)
 
@@ -149,8 +157,8 @@ class DetectorsComponent(Component):
         super().uninstall()
 
     def _exchange(self) -> None:
-        agent = self.agent
-        assert agent is not None
+        ctx = self.ctx
+        assert ctx is not None
         self.peers_fresh = False
         token = self._change_token()
         if not self._due(token):
@@ -160,14 +168,14 @@ class DetectorsComponent(Component):
         self._last_exchange = self.now
         if self.exchange is None and not self._store_tried:
             self._store_tried = True
-            if agent.topology.world_size > 1:
+            if ctx.topology.world_size > 1:
                 store = open_store()
                 if store is not None:
-                    self.exchange = Exchange(store, agent.topology.job_id, self.rank)
+                    self.exchange = Exchange(store, ctx.topology.job_id, self.rank)
                     self._own_store = True
         if self.exchange is None:
             return
-        topo = agent.topology
+        topo = ctx.topology
         payload: dict[str, Any] = {
             "c": {"dp": topo.dp_rank, "tp": topo.tp_rank, "pp": topo.pp_rank, "stage": topo.pp_stage},
             "step": self.steps_done,
@@ -183,11 +191,11 @@ class DetectorsComponent(Component):
         """What a publish would carry that peers act on at once: new flight-recorder entries, a settled
         graph fingerprint, and this rank reaching the detectors' warm-up step (3). Checksums (every 10
         steps: every poll on fast steps) keep the regular cadence."""
-        agent = self.agent
-        assert agent is not None
+        ctx = self.ctx
+        assert ctx is not None
         cd = self.detector(CompileDivergence)
         fp = cd.settled_fingerprint(self) if cd is not None else None
-        return (src.fr_mark(agent), fp, min(self.steps_done, 3))
+        return (src.fr_mark(ctx), fp, min(self.steps_done, 3))
 
     def _due(self, token: tuple[Any, ...]) -> bool:
         """Every ``exchange_s``; after ``exchange_min_s`` already when the payload changed (then once
@@ -205,7 +213,7 @@ class DetectorsComponent(Component):
         return confirming or self._followup or token != self._token
 
     def _track_compiles(self) -> None:
-        token = src.compile_activity(self.agent)  # type: ignore[arg-type]
+        token = src.compile_activity(self.context)
         if token is None:
             self._compile_busy = False
             return
@@ -242,38 +250,38 @@ class DetectorsComponent(Component):
     def _peer_ranks(self) -> list[int]:
         """Ranks sharing this rank's pp coordinate when the mesh says which (the only ones any
         detector compares with); otherwise every rank."""
-        agent = self.agent
-        assert agent is not None
-        mesh = agent.mesh
+        ctx = self.ctx
+        assert ctx is not None
+        mesh = ctx.mesh
         names = getattr(mesh, "mesh_dim_names", None) or ()
         if "pp" in names:
             try:
-                grid = mesh.mesh  # type: ignore[union-attr]
-                return [int(r) for r in grid.select(names.index("pp"), agent.topology.pp_rank).flatten().tolist()]
+                grid = mesh.mesh
+                return [int(r) for r in grid.select(names.index("pp"), ctx.topology.pp_rank).flatten().tolist()]
             except Exception:
                 pass
-        return list(range(agent.topology.world_size))
+        return list(range(ctx.topology.world_size))
 
     def poll(self, now: float) -> None:
-        agent = self.agent
-        assert agent is not None
-        if not agent.config.detectors:
+        ctx = self.ctx
+        assert ctx is not None
+        if not ctx.config.detectors:
             return
         self.now = now
-        self.steps_done, self.last_step_ts, self.step_durations = step_state(agent)
+        self.steps_done, self.last_step_ts, self.step_durations = step_state(ctx)
         try:
             self._track_compiles()
         except Exception as exc:
-            agent.record_error(self.name, exc)
+            ctx.record_error(self.name, exc)
         try:
             self._exchange()
         except Exception as exc:
-            agent.record_error(self.name, exc)
+            ctx.record_error(self.name, exc)
         for d in self.detectors:
             try:
                 verdict = d.evaluate(self)
             except Exception as exc:
-                agent.record_error(self.name, exc)
+                ctx.record_error(self.name, exc)
                 continue
             if verdict is not None:
                 self._update(d, verdict.active, verdict.value, verdict.details)
@@ -300,14 +308,14 @@ class DetectorsComponent(Component):
             self._resolve(d, st)
 
     def _fire(self, d: Detector, st: AlertState) -> None:
-        agent = self.agent
-        assert agent is not None
+        ctx = self.ctx
+        assert ctx is not None
         paths: list[str] = []
-        if d.evidence and agent.config.evidence and self.evidence is not None:
+        if d.evidence and ctx.config.evidence and self.evidence is not None:
             try:
                 paths = self.evidence.collect(f"{d.name}-{st.fired}", d.evidence)
             except Exception as exc:
-                agent.record_error(self.name, exc)
+                ctx.record_error(self.name, exc)
         st.evidence = paths
         self._announce(d, st, "firing", logging.WARNING)
 
@@ -315,9 +323,9 @@ class DetectorsComponent(Component):
         self._announce(d, st, "resolved", logging.INFO)
 
     def _announce(self, d: Detector, st: AlertState, state: str, level: int) -> None:
-        agent = self.agent
-        assert agent is not None
-        agent.events.emit(
+        ctx = self.ctx
+        assert ctx is not None
+        ctx.events.emit(
             "alert",
             alert=d.name,
             state=state,
@@ -329,9 +337,7 @@ class DetectorsComponent(Component):
             evidence=st.evidence if state == "firing" else [],
             details=st.details,
         )
-        cbs = getattr(agent, "alert_callbacks", None)
-        if cbs is not None:
-            cbs.dispatch(self._alert(d, st, state))
+        ctx.dispatch_alert(self._alert(d, st, state))
         attrs = {cat.ATTR_ALERT: d.name, "state": state, "value": st.value}
         self._span_events.append((cat.EVENT_ALERT, time.time_ns(), attrs))
         del self._span_events[:-64]
@@ -365,7 +371,7 @@ class DetectorsComponent(Component):
 
     # ------------------------------------------------------------------------------------ outputs
     def collect(self) -> Iterable[Metric]:
-        f = self.agent.families  # type: ignore[union-attr]
+        f = self.require_ctx().families
         active = f.gauge("hpar_alert_active")
         total = f.counter("hpar_alerts_total")
         value = f.gauge("hpar_detector_value")
@@ -376,7 +382,7 @@ class DetectorsComponent(Component):
             f.add(value, [name], st.value)
         return [active, total, value]
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         out = {}
         for d in self.detectors:
             st = self.states[d.name]

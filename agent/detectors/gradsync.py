@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hpar_agent.collectors.gradsync import GradSyncCollector
 from hpar_agent.detectors.base import Detector, Verdict
+from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
-    from hpar_agent.detectors.component import DetectorsComponent
+    from hpar_agent.detectors.base import Evaluation
 
 
 class GradSyncIncomplete(Detector):
@@ -22,14 +24,14 @@ class GradSyncIncomplete(Detector):
     """
 
     name = "GradSyncIncomplete"
-    defaults = {"min_coverage": 0.99}
+    defaults = DETECTOR_DEFAULTS["GradSyncIncomplete"]
     threshold_param = "min_coverage"
     clear = 3
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
-        comp = ctx.agent.component("gradsync") if ctx.agent is not None else None
-        coverage = getattr(comp, "coverage", None)
-        if coverage is None:
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
+        comp = ctx.context.find(GradSyncCollector)
+        coverage = comp.coverage if comp is not None else None
+        if comp is None or coverage is None:
             return None
-        details = {"step": comp.judged, "required_elements": comp.required}  # type: ignore[union-attr]
+        details = {"step": comp.judged, "required_elements": comp.required}
         return Verdict(coverage < self.p("min_coverage"), float(coverage), details)

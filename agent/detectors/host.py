@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hpar_agent.collectors.memory import NvmlCollector
 from hpar_agent.detectors.base import Detector, Verdict
+from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
-    from hpar_agent.detectors.component import DetectorsComponent
+    from hpar_agent.detectors.base import Evaluation
 
 
 class NumaMisbinding(Detector):
@@ -24,12 +26,12 @@ class NumaMisbinding(Detector):
     """
 
     name = "NumaMisbinding"
-    defaults = {"min_shared_cpus": 1}
+    defaults = DETECTOR_DEFAULTS["NumaMisbinding"]
     threshold_param = "min_shared_cpus"
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
-        nvml = ctx.agent.component("nvml") if ctx.agent is not None else None
-        binding = getattr(nvml, "binding", None)
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
+        nvml = ctx.context.find(NvmlCollector)
+        binding = nvml.binding if nvml is not None else None
         if binding is None or not binding.gpu_cpus:
             return None
         shared = len(binding.cpus & binding.gpu_cpus)

@@ -11,9 +11,10 @@ from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
 from hpar_agent.detectors.cluster import _peer_fr
+from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
-    from hpar_agent.detectors.component import DetectorsComponent
+    from hpar_agent.detectors.base import Evaluation
 
 MiB = float(1 << 20)
 
@@ -56,8 +57,7 @@ class RecompileStorm(Detector):
     """
 
     name = "RecompileStorm"
-    defaults = {"max_recompiles": 10, "max_limit_hits": 0, "window_s": 300, "min_hit_ratio": 0.3, "min_lookups": 20,
-                "warmup_steps": 3}
+    defaults = DETECTOR_DEFAULTS["RecompileStorm"]
     threshold_param = "max_recompiles"
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
@@ -66,15 +66,15 @@ class RecompileStorm(Detector):
         self.limit_window = _Windowed()
         self.cache_base: tuple[float, float] | None = None
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
-        total = src.recompiles_total(ctx.agent)
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
+        total = src.recompiles_total(ctx.context)
         if total is None:
             return None
         n = self.window.increase(ctx.now, total, self.p("window_s"))
-        limit_hits = self.limit_window.increase(ctx.now, src.recompile_limit_hits(ctx.agent), self.p("window_s"))
+        limit_hits = self.limit_window.increase(ctx.now, src.recompile_limit_hits(ctx.context), self.p("window_s"))
         details: dict[str, Any] = {"recompiles_in_window": n, "limit_hits_in_window": limit_hits}
         ratio = math.nan
-        lookups = src.cache_lookups(ctx.agent)
+        lookups = src.cache_lookups(ctx.context)
         if lookups is not None and ctx.steps_done >= self.p("warmup_steps"):
             if self.cache_base is None:
                 self.cache_base = lookups
@@ -106,7 +106,7 @@ class GraphBreaks(Detector):
     """
 
     name = "GraphBreaks"
-    defaults = {"warmup_steps": 3, "hold_steps": 20}
+    defaults = DETECTOR_DEFAULTS["GraphBreaks"]
     threshold_param = "warmup_steps"
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
@@ -114,8 +114,8 @@ class GraphBreaks(Detector):
         self.first_seen: dict[str, int] = {}
         self.last_new_step = -1
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
-        reasons = src.graph_break_reasons(ctx.agent)
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
+        reasons = src.graph_break_reasons(ctx.context)
         for r in reasons:
             self.first_seen.setdefault(r, ctx.steps_done)
         new = sig.new_reasons(self.first_seen, int(self.p("warmup_steps")), 0)
@@ -123,8 +123,8 @@ class GraphBreaks(Detector):
         if fresh:
             self.last_new_step = max(self.first_seen[r] for r in fresh)
         active = bool(new) and ctx.steps_done - self.last_new_step <= self.p("hold_steps")
-        details: dict[str, Any] = {"reasons": {r: src.graph_break_detail(ctx.agent, r) for r in new[:8]}}
-        c10d = {r: op for r in new[:8] if (op := src.graph_break_c10d(ctx.agent, r))}
+        details: dict[str, Any] = {"reasons": {r: src.graph_break_detail(ctx.context, r) for r in new[:8]}}
+        c10d = {r: op for r in new[:8] if (op := src.graph_break_c10d(ctx.context, r))}
         if c10d:  # a torch.distributed call inside compiled code: the fix is functional collectives
             details["c10d_calls"] = c10d
             details["fix"] = "use torch.distributed._functional_collectives inside compiled code"
@@ -153,8 +153,7 @@ class MemoryLeak(Detector):
     """
 
     name = "MemoryLeak"
-    defaults = {"warmup_steps": 5, "quiet_steps": 3, "max_busy_steps": 10, "window": 12, "min_slope_bytes": MiB,
-                "rss_min_slope_bytes": 2 * MiB, "min_increase_fraction": 0.15}  # fmt: skip
+    defaults = DETECTOR_DEFAULTS["MemoryLeak"]
     threshold_param = "min_slope_bytes"
     evidence = ("pyspy", "allocator", "profile")  # profile: a bounded py-spy record, off both threads
     clear = 3
@@ -163,8 +162,8 @@ class MemoryLeak(Detector):
         super().__init__(thresholds)
         self.start = 0  # first step of the trend: after warm-up and after the compiles of warm-up
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
-        series = src.memory_series(ctx.agent)
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
+        series = src.memory_series(ctx.context)
         if not series:
             return None
         if ctx.compile_busy_steps <= self.p("max_busy_steps"):
@@ -182,7 +181,7 @@ class MemoryLeak(Detector):
             if (leaking, slope) > (worst[1], worst[0]):
                 worst = (slope, leaking, source)
         slope, leaking, source = worst
-        if ctx.evidence is not None and ctx.agent.config.evidence:
+        if ctx.evidence is not None and ctx.context.config.evidence:
             if slope >= self.p("min_slope_bytes"):
                 ctx.evidence.start_memory_history()  # suspected: record stacks for the confirmation
             elif not leaking:
@@ -206,12 +205,12 @@ class CompiledGraphsGrowing(Detector):
     """
 
     name = "CompiledGraphsGrowing"
-    defaults = {"warmup_steps": 5, "window_steps": 10, "min_graphs": 4, "min_steps": 3}
+    defaults = DETECTOR_DEFAULTS["CompiledGraphsGrowing"]
     threshold_param = "min_graphs"
     clear = 3
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
-        log = src.graph_compiles(ctx.agent)
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
+        log = src.graph_compiles(ctx.context)
         if log is None:
             return None
         lo = max(int(self.p("warmup_steps")), ctx.steps_done - int(self.p("window_steps")))
@@ -257,8 +256,7 @@ class CollectiveLatencyHigh(Detector):
     """
 
     name = "CollectiveLatencyHigh"
-    defaults = {"slo_s": 0.085, "window_s": 60, "min_count": 20, "quiet_steps": 3, "max_busy_steps": 10,
-                "match_s": 30}  # fmt: skip
+    defaults = DETECTOR_DEFAULTS["CollectiveLatencyHigh"]
     threshold_param = "slo_s"
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
@@ -271,8 +269,8 @@ class CollectiveLatencyHigh(Detector):
     def _slo(self, op: str) -> float | None:
         return self.params.get(f"slo_s.{op}", self.p("slo_s") if op == "all_reduce" else None)
 
-    def _read(self, ctx: DetectorsComponent) -> None:
-        total, ops = src.timed_ops(ctx.agent)
+    def _read(self, ctx: Evaluation) -> None:
+        total, ops = src.timed_ops(ctx.context)
         new = min(total - self.seen, len(ops))
         self.seen = total
         warm = ctx.warmed_up(int(self.p("quiet_steps")), int(self.p("max_busy_steps")))
@@ -284,9 +282,9 @@ class CollectiveLatencyHigh(Detector):
             if self.open_ns and created >= self.open_ns and self._slo(op) is not None:
                 self.pending.append((pg, op, seq, created, seconds, ctx.now))
 
-    def _match(self, ctx: DetectorsComponent) -> None:
+    def _match(self, ctx: Evaluation) -> None:
         """Move pending ops to the window, net of skew, once the peers' entries show every arrival."""
-        single = ctx.agent.topology.world_size <= 1
+        single = ctx.context.topology.world_size <= 1
         arrivals: dict[tuple[str, int], list[int]] = {}
         if not single and ctx.peers_fresh:
             fr, sizes = _peer_fr(ctx)
@@ -297,8 +295,8 @@ class CollectiveLatencyHigh(Detector):
             pg, op, seq, created, seconds, t_read = item
             if single or seq < 0:  # p2p: no (pg, seq) to match; judged as timed where it has an SLO
                 net = seconds
-            elif (src.group_key(ctx.agent, pg), seq) in arrivals:
-                net = sig.net_of_skew(seconds, created, arrivals[(src.group_key(ctx.agent, pg), seq)])
+            elif (src.group_key(ctx.context, pg), seq) in arrivals:
+                net = sig.net_of_skew(seconds, created, arrivals[(src.group_key(ctx.context, pg), seq)])
             else:
                 if ctx.now - t_read < self.p("match_s"):
                     keep.append(item)
@@ -306,7 +304,7 @@ class CollectiveLatencyHigh(Detector):
             self.judged.setdefault((pg, op), deque(maxlen=4096)).append((created / 1e9, net))
         self.pending = keep
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
         self._read(ctx)
         self._match(ctx)
         if not self.judged:
@@ -340,7 +338,7 @@ class Hang(Detector):
     """
 
     name = "Hang"
-    defaults = {"timeout_s": 60, "warmup_steps": 2}
+    defaults = DETECTOR_DEFAULTS["Hang"]
     threshold_param = "timeout_s"
     evidence = ("pyspy", "fr")
 
@@ -348,15 +346,15 @@ class Hang(Detector):
         super().__init__(thresholds)
         self.explicit = f"{self.name}.timeout_s" in (thresholds or {})
 
-    def timeout(self, ctx: DetectorsComponent) -> float:
+    def timeout(self, ctx: Evaluation) -> float:
         if self.explicit:
             return self.p("timeout_s")
         durations = ctx.step_durations[-64:]
-        return sig.hang_timeout(self.p("timeout_s"), src.pg_timeout_s(ctx.agent), median(durations) if durations else None)
+        return sig.hang_timeout(self.p("timeout_s"), src.pg_timeout_s(ctx.context), median(durations) if durations else None)
 
-    def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
         stalled = sig.stalled_seconds(ctx.now, ctx.last_step_ts, ctx.steps_done, int(self.p("warmup_steps")))
-        inflight = src.oldest_inflight(ctx.agent)
+        inflight = src.oldest_inflight(ctx.context)
         pg, age = max(inflight.items(), key=lambda kv: kv[1], default=("", 0.0))
         timeout = self.timeout(ctx)
         value = max(stalled, age)

@@ -127,7 +127,7 @@ def odd_ranks(values: Mapping[int, Hashable]) -> set[int]:
 
 def groups_by(coords: Mapping[int, Mapping[str, int]], keys: Sequence[str]) -> list[list[int]]:
     """Partition ranks by equal coordinates on ``keys`` (dp group: same tp/pp; tp group: same dp/pp)."""
-    out: dict[tuple, list[int]] = {}
+    out: dict[tuple[Any, ...], list[int]] = {}
     for rank, c in coords.items():
         out.setdefault(tuple(c.get(k) for k in keys), []).append(rank)
     return [sorted(g) for g in out.values()]
@@ -200,7 +200,7 @@ def common_collectives(
     }
 
 
-def _signature(e: FrEntry) -> tuple:
+def _signature(e: FrEntry) -> tuple[Any, ...]:
     op = e[2].split(":")[-1]
     return (op, e[4]) if any(s in op for s in _SIZE_FREE_OPS) else (op, e[3], e[4])
 

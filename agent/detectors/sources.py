@@ -1,7 +1,8 @@
-"""Defensive readers of the collectors' state: the one place that knows their attribute names.
+"""Readers of the collectors' state for the detectors: the one place that knows their fields.
 
-Collectors evolve independently; a missing collector or attribute reads as "no data" (None/empty),
-never as an exception, so a detector simply stays silent until its source exists.
+Every read is of a typed attribute of a collector class, found through the context by class: a renamed
+field fails mypy and ``tests/unit/test_sources.py``, rather than reading as "no data". A collector that
+is not installed (detectors without it) reads as no data (None/empty).
 """
 
 from __future__ import annotations
@@ -9,55 +10,36 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from hpar_agent.collectors.collectives import CollectiveCollector
+from hpar_agent.collectors.compile import CompileCollector
+from hpar_agent.collectors.memory import MemoryCollector
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.detectors.signals import FrEntry
 from hpar_agent.topology import ATOMIC_DIMS, FLATTENED_DIMS
 
 if TYPE_CHECKING:
-    from hpar_agent.agent import Agent
+    from hpar_agent.context import AgentContext
 
 
-def _get(obj: Any, *names: str) -> Any:
-    for n in names:
-        v = getattr(obj, n, None)
-        if v is not None:
-            return v
-    return None
-
-
-def _total(v: Any) -> float | None:
-    if v is None:
-        return None
-    if isinstance(v, Mapping):
-        return float(sum(x for x in v.values() if isinstance(x, (int, float))))
-    if isinstance(v, (int, float)):
-        return float(v)
-    return None
-
-
-def recompiles_total(agent: Agent) -> float | None:
+def recompiles_total(ctx: AgentContext) -> float | None:
     """Recompiles plus recompile-limit hits so far (a limit hit is a recompile that was refused)."""
-    c = agent.component("compile")
+    c = ctx.find(CompileCollector)
+    return None if c is None else float(sum(c.recompiles.values()) + c.limit_hits)
+
+
+def recompile_limit_hits(ctx: AgentContext) -> float:
+    """Frames that hit Dynamo's recompile limit so far (0 without a compile collector)."""
+    c = ctx.find(CompileCollector)
+    return float(c.limit_hits) if c is not None else 0.0
+
+
+def cache_lookups(ctx: AgentContext) -> tuple[float, float] | None:
+    """(hits, misses) summed over the compile caches so far."""
+    c = ctx.find(CompileCollector)
     if c is None:
         return None
-    rec = _total(_get(c, "recompiles", "recompiles_total", "recompile_count"))
-    return None if rec is None else rec + recompile_limit_hits(agent)
-
-
-def recompile_limit_hits(agent: Agent) -> float:
-    """Frames that hit Dynamo's recompile limit so far (0 without a compile collector)."""
-    c = agent.component("compile")
-    return (_total(_get(c, "limit_hits", "recompile_limit_hits")) or 0.0) if c is not None else 0.0
-
-
-def cache_lookups(agent: Agent) -> tuple[float, float] | None:
-    """(hits, misses) summed over the compile caches so far."""
-    c = agent.component("compile")
-    ev = _get(c, "cache_events", "cache", "caches") if c is not None else None
-    if not isinstance(ev, Mapping):
-        return None
     hits = misses = 0.0
-    for key, n in ev.items():
-        result = key[-1] if isinstance(key, tuple) else str(key).rsplit("_", 1)[-1]
+    for (_cache, result), n in list(c.cache.items()):
         if result == "hit":
             hits += n
         elif result == "miss":
@@ -65,81 +47,68 @@ def cache_lookups(agent: Agent) -> tuple[float, float] | None:
     return hits, misses
 
 
-def graph_break_reasons(agent: Agent) -> dict[str, Any]:
-    """reason key -> count (or any value) of graph breaks seen so far."""
-    c = agent.component("compile")
-    v = _get(c, "graph_breaks", "breaks") if c is not None else None
-    return dict(v) if isinstance(v, Mapping) else {}
+def graph_break_reasons(ctx: AgentContext) -> dict[str, int]:
+    """reason key -> count of graph breaks seen so far."""
+    c = ctx.find(CompileCollector)
+    return dict(c.graph_breaks) if c is not None else {}
 
 
-def graph_break_detail(agent: Agent, reason: str) -> str:
+def graph_break_detail(ctx: AgentContext, reason: str) -> str:
     """The user stack / message the compile collector logged for ``reason`` (for the alert details)."""
-    c = agent.component("compile")
-    info = _get(c, "break_info") if c is not None else None
-    if isinstance(info, Mapping) and isinstance(info.get(reason), Mapping):
-        entry = info[reason]
-        frames = sorted(str(f) for f in entry.get("user_frames") or ())[:4]
-        c10d = str(entry.get("c10d") or "")
-        head = [f"c10d call `{c10d}` inside compiled code; use torch.distributed._functional_collectives"] if c10d else []
-        return "; ".join([*head, str(entry.get("reason", ""))[:500], *frames])
-    return ""
+    c = ctx.find(CompileCollector)
+    entry = c.break_info.get(reason) if c is not None else None
+    if not isinstance(entry, Mapping):
+        return ""
+    frames = sorted(str(f) for f in entry.get("user_frames") or ())[:4]
+    c10d = str(entry.get("c10d") or "")
+    head = [f"c10d call `{c10d}` inside compiled code; use torch.distributed._functional_collectives"] if c10d else []
+    return "; ".join([*head, str(entry.get("reason", ""))[:500], *frames])
 
 
-def graph_break_c10d(agent: Agent, reason: str) -> str:
+def graph_break_c10d(ctx: AgentContext, reason: str) -> str:
     """The c10d function (e.g. broadcast) that caused graph breaks of ``reason``; '' for other breaks."""
-    c = agent.component("compile")
-    info = _get(c, "break_info") if c is not None else None
-    entry = info.get(reason) if isinstance(info, Mapping) else None
+    c = ctx.find(CompileCollector)
+    entry = c.break_info.get(reason) if c is not None else None
     return str(entry.get("c10d") or "") if isinstance(entry, Mapping) else ""
 
 
-def graph_compiles(agent: Agent) -> list[tuple[int, str]] | None:
+def graph_compiles(ctx: AgentContext) -> list[tuple[int, str]] | None:
     """(step, code location) of every graph compiled (bounded log); None without a compile collector."""
-    c = agent.component("compile")
-    log = _get(c, "graph_log") if c is not None else None
-    return None if log is None else list(log)
+    c = ctx.find(CompileCollector)
+    return None if c is None else list(c.graph_log)
 
 
-def graph_fingerprint(agent: Agent) -> int | None:
-    c = agent.component("compile")
-    v = _get(c, "fingerprint", "graph_fingerprint") if c is not None else None
-    return int(v) if isinstance(v, (int, float)) else None
+def graph_fingerprint(ctx: AgentContext) -> int | None:
+    c = ctx.find(CompileCollector)
+    return int(c.fingerprint) if c is not None else None
 
 
-def compile_activity(agent: Agent) -> tuple[float, ...] | None:
+def compile_activity(ctx: AgentContext) -> tuple[float, ...] | None:
     """A token that changes whenever the compile collector saw compile work (a compile started,
     ended, added a graph or compile time), and whether a compile is in progress (last element);
     None without a compile collector."""
-    c = agent.component("compile")
+    c = ctx.find(CompileCollector)
     if c is None:
         return None
-    compiles = _total(_get(c, "compiles")) or 0.0
-    seconds = float(getattr(c, "compile_seconds", 0.0) or 0.0)
-    graphs = float(len(getattr(c, "graphs", ()) or ()))
-    opened = float(len(getattr(c, "_open", ()) or ()))
-    return compiles, seconds, graphs, opened
+    return float(sum(c.compiles.values())), float(c.compile_seconds), float(len(c.graphs)), float(c.open_compiles)
 
 
-def memory_series(agent: Agent) -> dict[str, list[tuple[int, float]]]:
+def memory_series(ctx: AgentContext) -> dict[str, list[tuple[int, float]]]:
     """source -> [(step, bytes)] sampled right after each step."""
-    c = agent.component("memory")
-    v = _get(c, "post_step") if c is not None else None
-    if not isinstance(v, Mapping):
+    c = ctx.find(MemoryCollector)
+    if c is None:
         return {}
-    return {str(k): [(int(s), float(b)) for s, b in list(d)] for k, d in v.items()}
+    return {str(k): [(int(s), float(b)) for s, b in list(d)] for k, d in list(c.post_step.items())}
 
 
-def latency_histograms(agent: Agent) -> dict[tuple[str, str], tuple[tuple[float, ...], list[int]]]:
+def latency_histograms(ctx: AgentContext) -> dict[tuple[str, str], tuple[tuple[float, ...], list[int]]]:
     """(pg, op) -> (bucket bounds, per-bucket counts) of collective latency, summed over streams."""
-    c = agent.component("collectives")
-    v = _get(c, "hists", "histograms", "latency") if c is not None else None
-    if not isinstance(v, Mapping):
+    c = ctx.find(CollectiveCollector)
+    if c is None:
         return {}
     out: dict[tuple[str, str], tuple[tuple[float, ...], list[int]]] = {}
-    for k, h in list(v.items()):
-        if not (isinstance(k, tuple) and len(k) >= 2 and hasattr(h, "counts")):
-            continue
-        key = (str(k[0]), str(k[1]))
+    for (pg, op, _stream), h in list(c.hists.items()):
+        key = (str(pg), str(op))
         if key in out:
             out[key] = (out[key][0], [a + b for a, b in zip(out[key][1], h.counts, strict=True)])
         else:
@@ -147,40 +116,34 @@ def latency_histograms(agent: Agent) -> dict[tuple[str, str], tuple[tuple[float,
     return out
 
 
-def timed_ops(agent: Agent) -> tuple[int, list[tuple[str, str, int, int, float]]]:
+def timed_ops(ctx: AgentContext) -> tuple[int, list[tuple[str, str, int, int, float]]]:
     """(ops timed so far, the most recent timed ops as (pg label, op, seq, enqueue ns, seconds))."""
-    c = agent.component("collectives")
-    if c is None:
-        return 0, []
-    v = _get(c, "timed_ops")
-    return int(getattr(c, "timed", 0) or 0), (list(v) if v is not None else [])
+    c = ctx.find(CollectiveCollector)
+    return (0, []) if c is None else (c.timed, list(c.timed_ops))
 
 
-def group_key(agent: Agent, label: str) -> str:
+def group_key(ctx: AgentContext, label: str) -> str:
     """The pg id ``fr_entries`` gives this rank's group of ``label`` (to match timed ops with entries)."""
-    topo = agent.topology
-    coords = topo.coords() if hasattr(topo, "coords") else {"tp": topo.tp_rank, "pp": topo.pp_rank}
-    return _group_key(label, coords)  # the same coordinates as fr_entries, or no op ever matches
+    return _group_key(label, ctx.topology.coords())  # the same coordinates as fr_entries, or no op matches
 
 
-def fr_mark(agent: Agent) -> Any:
+def fr_mark(ctx: AgentContext) -> Any:
     """Changes when new flight-recorder entries were read (the record id of the newest one)."""
-    c = agent.component("collectives")
-    v = _get(c, "recent_entries") if c is not None else None
+    c = ctx.find(CollectiveCollector)
+    v = c.recent_entries if c is not None else None
     return v[-1].get("record_id") if v else None
 
 
-def oldest_inflight(agent: Agent) -> dict[str, float]:
+def oldest_inflight(ctx: AgentContext) -> dict[str, float]:
     """pg -> age in seconds of its oldest op not yet completed."""
-    c = agent.component("collectives")
-    v = _get(c, "oldest_age", "oldest_inflight_age", "oldest_inflight") if c is not None else None
-    return {str(k): float(a) for k, a in v.items() if a is not None} if isinstance(v, Mapping) else {}
+    c = ctx.find(CollectiveCollector)
+    return {str(k): float(a) for k, a in list(c.oldest_age.items()) if a is not None} if c is not None else {}
 
 
-def pg_timeout_s(agent: Agent) -> float | None:
-    c = agent.component("collectives")
-    v = _get(c, "pg_timeout_s", "timeout_s") if c is not None else None
-    return float(v) if isinstance(v, (int, float)) and v > 0 else None
+def pg_timeout_s(ctx: AgentContext) -> float | None:
+    c = ctx.find(CollectiveCollector)
+    v = c.pg_timeout_s if c is not None else None
+    return float(v) if v is not None and v > 0 else None
 
 
 def _group_key(label: str, coords: Mapping[str, Any]) -> str:
@@ -200,15 +163,14 @@ def _group_key(label: str, coords: Mapping[str, Any]) -> str:
     return f"{label}@" + ",".join(str(coords.get(k)) for k in ATOMIC_DIMS if k not in spans)
 
 
-def fr_entries(agent: Agent, limit: int = 256) -> list[FrEntry]:
+def fr_entries(ctx: AgentContext, limit: int = 256) -> list[FrEntry]:
     """Recent collectives (p2p excluded: its sequence numbers are per peer pair) as compact tuples
     (pg id, seq, op, sizes, dtypes, time_created_ns); the pg id is made unique per group."""
-    c = agent.component("collectives")
-    v = _get(c, "recent_entries") if c is not None else None
-    if v is None:
+    c = ctx.find(CollectiveCollector)
+    if c is None:
         return []
-    topo = agent.topology
-    coords = topo.coords() if hasattr(topo, "coords") else {"tp": topo.tp_rank, "pp": topo.pp_rank}
+    v = c.recent_entries
+    coords = ctx.topology.coords()
     out: list[FrEntry] = []
     for e in list(v)[-limit:]:
         if not isinstance(e, Mapping) or e.get("is_p2p"):
@@ -237,9 +199,9 @@ def _flat(v: Any) -> str:
     return str(v)
 
 
-def step_state(agent: Agent) -> tuple[int, float, list[float]]:
+def step_state(ctx: AgentContext) -> tuple[int, float, list[float]]:
     """(steps completed, unix time of the last step, recent step durations)."""
-    c = agent.component("steps")
+    c = ctx.find(StepCollector)
     if c is None:
         return 0, 0.0, []
-    return int(getattr(c, "total", 0)), float(getattr(c, "last_step_ts", 0.0)), list(getattr(c, "durations", []))
+    return c.total, c.last_step_ts, list(c.durations)

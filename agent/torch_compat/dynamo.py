@@ -57,10 +57,6 @@ def _callback_handler() -> Any:
     return callback_handler if hasattr(callback_handler, "register_start_callback") else None
 
 
-def callbacks_available() -> bool:
-    return _callback_handler() is not None
-
-
 def register_callbacks(start: Callable[[Any], None], end: Callable[[Any], None]) -> bool:
     """Register compile start/end callbacks (idempotent); False when the registry is missing."""
     h = _callback_handler()

@@ -56,7 +56,7 @@ def works_of(result: Any) -> list[Any]:
 class P2PWrapper:
     """Wraps the schedules' p2p helpers while installed and puts one record per call (see above)."""
 
-    def __init__(self, put: Callable[[tuple], Any], on_error: Callable[[BaseException], Any]) -> None:
+    def __init__(self, put: Callable[[tuple[Any, ...]], Any], on_error: Callable[[BaseException], Any]) -> None:
         self.put = put
         self.on_error = on_error
         self.active = False

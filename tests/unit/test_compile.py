@@ -64,7 +64,7 @@ def test_graph_break_reason_text_is_the_cause_not_blank(tmp_path):
         comp._on_graph_break(PRINT_BREAK, 0, "0/0")
         from hpar_agent.detectors import sources as src
 
-        detail = src.graph_break_detail(a, "gb0059")
+        detail = src.graph_break_detail(a.context, "gb0059")
         assert detail.startswith("Failed to trace builtin operator: ") and detail.endswith("/src/train.py:12")
         assert comp.summary()["graph_breaks"][0]["message"].startswith("Failed to trace builtin operator")
     finally:
@@ -82,8 +82,8 @@ def test_c10d_call_in_compiled_code_is_named_with_the_functional_collectives_hin
         assert brk["c10d_call"] == "broadcast" and brk["hint"] == FUNCTIONAL_COLLECTIVES_HINT
         from hpar_agent.detectors import sources as src
 
-        assert "c10d call `broadcast`" in src.graph_break_detail(a, "gb0007")
-        assert "torch.distributed._functional_collectives" in src.graph_break_detail(a, "gb0007")
+        assert "c10d call `broadcast`" in src.graph_break_detail(a.context, "gb0007")
+        assert "torch.distributed._functional_collectives" in src.graph_break_detail(a.context, "gb0007")
     finally:
         a.stop()
 

@@ -265,3 +265,24 @@ def test_agent_ticks_at_the_same_wall_clock_instants(attach, monkeypatch):
     agent = attach(interval=2.0)
     monkeypatch.setattr("time.time", lambda: 1000.5)
     assert agent._until_next_tick() == pytest.approx(1.5)  # every rank: next multiple of 2 s
+
+
+def test_a_second_collector_of_an_agent_metric_cannot_register(attach):
+    """The agent's collector describes every catalogued family: prometheus_client refuses a collector
+    that would export one of those names a second time."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    agent = attach(metrics_port=-1)
+
+    class Exports:
+        def __init__(self, fam):
+            self.fam = fam
+
+        def collect(self):
+            yield self.fam
+
+    for fam in (GaugeMetricFamily("hpar_step_phase_ratio", "dup"), CounterMetricFamily("hpar_agent_errors", "dup")):
+        with pytest.raises(ValueError, match="Duplicated timeseries"):
+            agent.registry.register(Exports(fam))
+    agent.registry.register(Exports(GaugeMetricFamily("user_metric", "a name of its own")))  # no collision
+    assert agent.registry.get_sample_value("hpar_agent_component_up", {"rank": "0", "pp_stage": "0", "component": "steps"}) == 1

@@ -17,6 +17,10 @@ from torch import nn
 
 from hpar_agent import catalogue as cat
 from hpar_agent.agent import Agent
+from hpar_agent.collectors.collectives import CollectiveCollector
+from hpar_agent.collectors.compile import CompileCollector
+from hpar_agent.collectors.memory import MemoryCollector
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.crossrank import Exchange
 from hpar_agent.detectors import signals as sig
@@ -161,16 +165,27 @@ def test_quantile_from_counts_uses_bucket_upper_bound() -> None:
 
 
 # ------------------------------------------------------------------------------------------ harness
-class Fake(Component):
-    """A stand-in collector exposing just the attributes a detector reads."""
+_REAL: dict[str, type[Component]] = {
+    "steps": StepCollector, "compile": CompileCollector, "memory": MemoryCollector, "collectives": CollectiveCollector,
+}  # fmt: skip
+_INERT = {"install": Component.install, "uninstall": Component.uninstall, "poll": Component.poll,
+          "step_hook": Component.step_hook, "on_step": Component.on_step, "collect": Component.collect,
+          "span_watermark_ns": Component.span_watermark_ns, "summary": Component.summary}  # fmt: skip
 
-    def __init__(self, name: str, **state: Any) -> None:
-        super().__init__()
-        self.name = name
-        self.__dict__.update(state)
 
-    def take_completed(self) -> list[StepRecord]:  # the agent asks "steps" for completed steps
-        return []
+def inert(cls: type[Component]) -> type[Component]:
+    """``cls`` that installs nothing and polls nothing: its state is what the test sets."""
+    return type(f"Inert{cls.__name__}", (cls,), dict(_INERT))
+
+
+def Fake(name: str, **state: Any) -> Any:
+    """The real collector of ``name`` (never installed: no hooks) holding ``state``, the fields a detector
+    reads. Each must be a field the collector has: a renamed field fails here, not silently."""
+    comp = inert(_REAL[name])()
+    unknown = sorted(k for k in state if not hasattr(comp, k))
+    assert not unknown, f"{_REAL[name].__name__} has no field {unknown}"
+    comp.__dict__.update(state)
+    return comp
 
 
 def make_agent(tmp_path: Any, rank: int = 0, world: int = 1, comps: tuple[Component, ...] = (), exchange: Exchange | None = None,
@@ -492,12 +507,13 @@ def test_graph_breaks_after_warmup_only(tmp_path: Any) -> None:
     assert sample(det, "hpar_alert_active", "GraphBreaks") == 0.0
 
 
-class TimedOps(Fake):
-    """A collectives stand-in fed like the real one: timed ops (pg, op, seq, enqueue ns, seconds) and
-    the flight-recorder entries this rank publishes for the exchange."""
+class TimedOps(inert(CollectiveCollector)):  # type: ignore[misc]
+    """A collectives collector fed by the test: timed ops (pg, op, seq, enqueue ns, seconds) and the
+    flight-recorder entries this rank publishes for the exchange."""
 
     def __init__(self) -> None:
-        super().__init__("collectives", timed_ops=deque(maxlen=2048), timed=0, recent_entries=deque(maxlen=2048))
+        super().__init__()
+        self.timed_ops, self.timed, self.recent_entries = deque(maxlen=2048), 0, deque(maxlen=2048)
 
     def op(self, seq: int, created_s: float, seconds: float, pg: str = "dp") -> None:
         self.timed_ops.append((pg, "all_reduce", seq, int(created_s * 1e9), seconds))
@@ -559,7 +575,7 @@ def test_collective_latency_ignores_peer_waits_in_compile_warmup_and_after(store
     _all_reduces(pair, 0, 40, late_rank=1, skew_s=0.22, transfer_s=0.003)
     _tick(pair)
     for _agent, det, _coll, st in pair:  # compiles end (seen at step 5); warm-up is over 3 quiet steps later
-        det.agent.component("compile")._open = {}  # type: ignore[union-attr]
+        det.context.find(CompileCollector)._open = {}  # type: ignore[union-attr]
         st.total = 5
     _tick(pair)
     assert not pair[0][1].warmed_up(3, 10)

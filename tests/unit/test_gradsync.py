@@ -51,8 +51,8 @@ def test_required_elements_local_shards_fsdp_and_hsdp() -> None:
 
 
 def _coverage_agent(agent, gs_model: nn.Module) -> GradSyncCollector:
-    agent.model = gs_model
-    agent.topology = dataclasses.replace(agent.topology, dp=2)
+    agent.model = agent.context.model = gs_model  # as attached with this model, in a dp=2 job
+    agent.topology = agent.context.topology = dataclasses.replace(agent.topology, dp=2)
     gs = agent.component("gradsync")
     assert isinstance(gs, GradSyncCollector)
     gs.up = True

@@ -90,7 +90,7 @@ GPU1 = torch.device("cuda", 1)
 def agent(tmp_path):
     a = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path))
     a.start()
-    a.device = GPU1  # as resolve_device fixes it at attach in local rank 1 of a GPU job
+    a.device = a.context.device = GPU1  # as resolve_device fixes it at attach in local rank 1 of a GPU job
     try:
         yield a
     finally:
@@ -227,7 +227,7 @@ def test_nvml_init_failing_is_down(agent):
 
 def test_nvml_is_down_in_a_process_that_sees_no_gpu(agent, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # a CPU rank on a GPU host must not report GPU 0
-    agent.device = resolve_device(None, None, 1)
+    agent.device = agent.context.device = resolve_device(None, None, 1)
     assert agent.device == torch.device("cpu")
     _replace(agent, NvmlCollector(nvml=FakeNvml()))
     agent.tick()

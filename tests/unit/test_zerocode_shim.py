@@ -142,14 +142,16 @@ def test_end_of_run_totals_many_ranks(tmp_path: Path) -> None:
 def test_no_step_line_once_per_host(
     caplog: pytest.LogCaptureFixture, local_rank: int, steps: int, lines: int
 ) -> None:
-    from types import SimpleNamespace
-
     from hpar_agent.autoattach import NO_STEPS, ZeroCode
+    from hpar_agent.collectors.steps import StepCollector
+    from hpar_agent.config import AgentConfig
+    from hpar_agent.context import AgentContext
+    from hpar_agent.topology import Topology
 
-    counter = SimpleNamespace(count=steps)
-    agent = SimpleNamespace(topology=SimpleNamespace(local_rank=local_rank), component=lambda name: counter)
+    counter = StepCollector()  # never installed: no hook
+    counter.count = steps
     comp = ZeroCode("init_process_group")
-    comp.agent = agent  # type: ignore[assignment]
+    comp.install(AgentContext(AgentConfig(), Topology(local_rank=local_rank), components=[counter]))
     with caplog.at_level("WARNING", logger="hpar_agent"):
         comp.uninstall()
         comp.uninstall()

@@ -1,0 +1,94 @@
+"""AgentContext: the part of the agent a component may use, so components depend on it, not on ``Agent``.
+
+It holds what is fixed at attach (config, topology, device, the model the user gave) and the agent's
+services (metric families, event log, span sink, error recording, step fan-out, alert dispatch). Other
+components are looked up by class (``ctx.find(StepCollector)``), so a lookup is typed and a renamed
+class fails at import rather than reading as "no such component". This module imports no component.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from hpar_agent.alert_callbacks import Alert
+from hpar_agent.config import AgentConfig
+from hpar_agent.events import EventLog
+from hpar_agent.families import Families
+from hpar_agent.spans import SpanRecord
+from hpar_agent.topology import Topology
+
+T = TypeVar("T")
+
+
+class SpanSink(Protocol):
+    """Where components hand child spans (the agent queues them until their step's trace is exported)."""
+
+    @property
+    def tracing_on(self) -> bool: ...
+
+    def add_span(self, span: SpanRecord) -> None: ...
+
+
+class _NoSpans:
+    tracing_on = False
+
+    def add_span(self, span: SpanRecord) -> None:
+        return None
+
+
+def _never() -> bool:
+    return False
+
+
+def _ignore_step(step: int, t_ns: int) -> None:
+    return None
+
+
+def _ignore_alert(alert: Alert) -> None:
+    return None
+
+
+@dataclass(eq=False)
+class AgentContext:
+    """Built by the agent at attach, after the topology, families and event log are known."""
+
+    config: AgentConfig
+    topology: Topology = field(default_factory=Topology)
+    families: Families = field(default_factory=lambda: Families(["0", "0"]))
+    events: EventLog = field(default_factory=lambda: EventLog(None, 0))
+    record_error: Callable[[str, BaseException], None] = lambda component, exc: None
+    spans: SpanSink = field(default_factory=_NoSpans)
+    #: training thread: fan a step boundary out to the components' step hooks (StepCollector calls it)
+    on_step_boundary: Callable[[int, int], None] = _ignore_step
+    #: True from the agent's ``stop()`` on (the final poll reads every source in full)
+    is_stopping: Callable[[], bool] = _never
+    #: an alert transition for the user's ``on_alert`` callbacks
+    dispatch_alert: Callable[[Alert], None] = _ignore_alert
+    device: Any = None  # torch.device of this rank (see hpar_agent.device)
+    model: Any = None
+    optimizer: Any = None
+    mesh: Any = None
+    run_dir: str = ""
+    #: the agent's component list (shared: a component added later is found too)
+    components: Sequence[object] = ()
+
+    def find(self, cls: type[T]) -> T | None:
+        """The installed component of class ``cls`` (or a subclass), None when there is none."""
+        for comp in self.components:
+            if isinstance(comp, cls):
+                return comp
+        return None
+
+    @property
+    def tracing_on(self) -> bool:
+        """Whether spans go anywhere: components build no ``SpanRecord`` otherwise."""
+        return self.spans.tracing_on
+
+    def add_span(self, span: SpanRecord) -> None:
+        self.spans.add_span(span)
+
+    @property
+    def stopping(self) -> bool:
+        return self.is_stopping()

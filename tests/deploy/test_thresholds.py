@@ -1,0 +1,111 @@
+"""One source for every threshold: the detectors' defaults, the numbers the Prometheus rules compare
+with and the README table all come from ``hpar_agent.thresholds``; every alert a rule defines is in the
+catalogue. Needs no promtool (reads the rule files as YAML)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hpar_agent import catalogue as cat
+from hpar_agent import thresholds as th
+from hpar_agent.collectors.anatomy import DEFAULTS as ANATOMY
+from hpar_agent.detectors.component import ALL_DETECTORS
+from hpar_agent.docs import _num, thresholds_table
+from tests.deploy._tools import ROOT, rule_docs
+
+#: an ordered comparison with a number (``== 1`` on a 0/1 state is not a threshold)
+_COMPARED = re.compile(r"(?:>=|<=|>|<)\s*(-?\d+(?:\.\d+)?(?:e-?\d+)?)")
+
+
+def _alert_rules() -> list[dict]:
+    return [r for r in rule_docs() if "alert" in r]
+
+
+def compared_numbers(expr: str) -> list[float]:
+    return [float(x) for x in _COMPARED.findall(expr)]
+
+
+def test_compared_numbers_reads_the_expression_in_order() -> None:
+    expr = "a < 0.3 and on (x) sum(increase(b[5m])) >= 10 and c offset 10m > 0 and up == 1"
+    assert compared_numbers(expr) == [0.3, 10.0, 0.0]
+
+
+def test_detectors_take_their_defaults_from_the_table() -> None:
+    assert set(th.DETECTOR_DEFAULTS) == set(cat.ALERT_NAMES)
+    for cls in ALL_DETECTORS:
+        assert cls.defaults is th.DETECTOR_DEFAULTS[cls.name], cls.name
+        assert cls.threshold_param in cls.defaults, cls.name
+    assert {f"anatomy.{k}": v for k, v in th.ANATOMY_DEFAULTS.items()} == ANATOMY
+
+
+def test_every_rule_compares_with_the_numbers_of_the_table() -> None:
+    seen = set()
+    for r in _alert_rules():
+        signal = r["labels"]["signal"]
+        if signal == "detector":
+            assert compared_numbers(r["expr"]) == [], r["alert"]  # hpar_alert_active == 1 only
+            continue
+        key = (r["alert"], signal)
+        if not compared_numbers(r["expr"]):  # a 0/1 state (the agent's verdict): no number to compare
+            assert key not in th.RULE_THRESHOLDS, key
+            continue
+        assert key in th.RULE_THRESHOLDS, f"{key}: a rule threshold missing from hpar_agent.thresholds"
+        assert compared_numbers(r["expr"]) == list(th.RULE_THRESHOLDS[key].values()), key
+        seen.add(key)
+    assert seen == set(th.RULE_THRESHOLDS), "thresholds of rules that do not exist"
+
+
+def test_rules_measuring_what_a_detector_measures_use_its_number() -> None:
+    d = th.DETECTOR_DEFAULTS
+    assert th.RULE_THRESHOLDS[("CollectiveLatencyHigh", "p99_latency")]["slo_s"] == d["CollectiveLatencyHigh"]["slo_s"]
+    assert th.RULE_THRESHOLDS[("GradSyncIncomplete", "grad_sync_coverage")]["min_coverage"] == d["GradSyncIncomplete"]["min_coverage"]
+    assert th.RULE_THRESHOLDS[("RecompileStorm", "recompiles")]["max_recompiles"] == d["RecompileStorm"]["max_recompiles"]
+    assert th.RULE_THRESHOLDS[("InputBound", "data_wait_ratio")]["input_share"] == th.ANATOMY_DEFAULTS["input_share"]
+
+
+def test_every_rule_alert_is_in_the_catalogue_with_its_severity() -> None:
+    specs = {a.name: a for a in cat.ALL_ALERTS}
+    names = set()
+    for r in _alert_rules():
+        assert r["alert"] in specs, f"rule alert {r['alert']} is not in the catalogue"
+        assert r["labels"]["severity"] == specs[r["alert"]].severity, r["alert"]
+        names.add(r["alert"])
+    assert names == set(specs), "catalogued alerts without a rule"
+    assert not {a.name for a in cat.RULE_ALERTS} & set(cat.ALERT_NAMES)  # no hpar_alert_active for these
+
+
+def test_the_readme_table_shows_every_threshold() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = thresholds_table()
+    assert table in readme, "run: python -m hpar_agent.docs README.md"
+    for (alert, signal), params in th.RULE_THRESHOLDS.items():
+        for p, v in params.items():
+            assert f"| `{alert}` | `{p}` | {_num(v)} | rule signal={signal} |" in table
+    for alert, params in th.DETECTOR_DEFAULTS.items():
+        for p, v in params.items():
+            assert f"| `{alert}` | `{p}` | {_num(v)} | detector |" in table
+
+
+def test_the_rules_file_is_the_one_checked() -> None:
+    assert Path(ROOT / "deploy" / "prometheus" / "rules" / "hpar-alerts.yml").exists()
+
+
+def test_config_accepts_exactly_the_parameters_of_the_table() -> None:
+    from hpar_agent.config import threshold_problems
+
+    ok = {f"{a}.{p}": v for a, params in th.DETECTOR_DEFAULTS.items() for p, v in params.items()}
+    ok |= {f"anatomy.{p}": v for p, v in th.ANATOMY_DEFAULTS.items()}  # the anatomy's verdict shares
+    assert threshold_problems(ok) == []
+    assert len(threshold_problems({"anatomy.loader_share": 0.1, "Hang.timeout": 5})) == 2
+
+
+def test_each_detector_docstring_states_the_defaults_of_the_table() -> None:
+    """The ``| param | default | meaning |`` table of each detector's docstring says what the table holds."""
+    for cls in ALL_DETECTORS:
+        rows = dict(re.findall(r"^\s*\|\s*(\w+)\s*\|\s*([^|]+?)\s*\|", cls.__doc__ or "", re.M))
+        rows.pop("param", None)
+        defaults = th.DETECTOR_DEFAULTS[cls.name]
+        assert set(rows) == set(defaults), cls.name
+        for p, v in defaults.items():
+            assert float(rows[p]) == v, f"{cls.name}.{p}: docstring {rows[p]}, table {v}"

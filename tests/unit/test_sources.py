@@ -1,0 +1,81 @@
+"""The detectors' readers (``detectors/sources.py``) read fields the real collectors have: with every
+collector present each reader returns data of its type, built from the collector's own state, so a
+renamed field fails here (and in mypy) instead of turning a detector silently off."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hpar_agent.collectors.collectives import CollectiveCollector
+from hpar_agent.collectors.compile import CompileCollector
+from hpar_agent.collectors.gradsync import GradSyncCollector
+from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
+from hpar_agent.collectors.steps import StepCollector
+from hpar_agent.config import AgentConfig
+from hpar_agent.context import AgentContext
+from hpar_agent.detectors import sources as src
+from hpar_agent.histogram import Histogram
+from hpar_agent.topology import Topology
+
+
+def _context() -> AgentContext:
+    """Real collectors, never installed (no hooks), holding state as their poll leaves it."""
+    comp, coll, mem, steps = CompileCollector(), CollectiveCollector(), MemoryCollector(), StepCollector()
+    comp.recompiles = Counter({"size_mismatch": 2})
+    comp.limit_hits = 1
+    comp.cache = Counter({("fx_graph", "hit"): 3, ("fx_graph", "miss"): 1})
+    comp.graph_breaks = Counter({"gb0007": 2})
+    comp.break_info = {"gb0007": {"reason": "broadcast", "c10d": "broadcast", "user_frames": {"m.py:3"}}}
+    comp.graph_log.append((4, "m.py:3"))
+    comp.compiles = Counter({("ok", "first", "inductor"): 2})
+    comp.graphs = {"g1"}
+    mem._post("rss", 5, 1 << 20)
+    hist = Histogram((0.1, 1.0))
+    hist.observe(0.05)
+    coll.hists[("dp", "all_reduce", "nccl:0")] = hist
+    coll.timed, coll.timed_ops = 1, coll.timed_ops.__class__([("dp", "all_reduce", 0, 1, 0.01)])
+    coll.recent_entries.append({"pg": "dp", "seq": 0, "op": "all_reduce", "record_id": 9, "time_created_ns": 5})
+    coll.oldest_age = {"dp": 1.5}
+    coll.pg_timeout_s = 600.0
+    steps.total, steps.last_step_ts, steps.durations = 6, 1.0, [0.3]
+    comps = [comp, coll, mem, steps, GradSyncCollector(), NvmlCollector()]
+    return AgentContext(AgentConfig(), Topology(rank=0, world_size=2), components=comps)
+
+
+def test_every_reader_returns_the_collectors_state() -> None:
+    ctx = _context()
+    assert src.recompiles_total(ctx) == 3.0  # 2 recompiles + 1 limit hit
+    assert src.recompile_limit_hits(ctx) == 1.0
+    assert src.cache_lookups(ctx) == (3.0, 1.0)
+    assert src.graph_break_reasons(ctx) == {"gb0007": 2}
+    assert "c10d call `broadcast`" in src.graph_break_detail(ctx, "gb0007")
+    assert src.graph_break_c10d(ctx, "gb0007") == "broadcast"
+    assert src.graph_compiles(ctx) == [(4, "m.py:3")]
+    assert isinstance(src.graph_fingerprint(ctx), int)
+    assert src.compile_activity(ctx) == (2.0, 0.0, 1.0, 0.0)
+    assert src.memory_series(ctx) == {"rss": [(5, float(1 << 20))]}
+    (bounds, counts), = src.latency_histograms(ctx).values()
+    assert bounds == (0.1, 1.0) and sum(counts) == 1
+    assert src.timed_ops(ctx) == (1, [("dp", "all_reduce", 0, 1, 0.01)])
+    assert src.fr_mark(ctx) == 9
+    assert src.oldest_inflight(ctx) == {"dp": 1.5}
+    assert src.pg_timeout_s(ctx) == 600.0
+    assert [e[1:3] for e in src.fr_entries(ctx)] == [(0, "all_reduce")]
+    assert src.step_state(ctx) == (6, 1.0, [0.3])
+
+
+def test_without_collectors_every_reader_reads_no_data() -> None:
+    ctx = AgentContext(AgentConfig(), Topology())
+    assert src.recompiles_total(ctx) is None and src.cache_lookups(ctx) is None
+    assert src.graph_compiles(ctx) is None and src.graph_fingerprint(ctx) is None
+    assert src.compile_activity(ctx) is None and src.pg_timeout_s(ctx) is None
+    assert src.memory_series(ctx) == {} and src.latency_histograms(ctx) == {} and src.fr_entries(ctx) == []
+    assert src.timed_ops(ctx) == (0, []) and src.step_state(ctx) == (0, 0.0, [])
+
+
+def test_no_reader_guesses_attribute_names() -> None:
+    """The readers use typed attribute access only: no ``getattr`` with a fallback name."""
+    import inspect
+
+    text = inspect.getsource(src)
+    assert "getattr(" not in text and "_get(" not in text
