@@ -74,7 +74,7 @@ for phase in $RUN; do
       if [ "$NGPU" -lt 4 ]; then echo "the fault matrix needs 4 GPUs" > "$RES/$phase/matrix.log"; false
       else
         modes=()
-        for m in ${MODES:-$(python3 -c "from hpar_agent.diagnose import EXPECTED; print(*EXPECTED)")}; do
+        for m in ${MODES:-$(python3 -c "from hpar_trainer.scenarios import EXPECTED; print(*EXPECTED)")}; do
           modes+=(--inject "$m")
         done
         python3 -m hpar_agent.cli diagnose "${modes[@]}" --nproc 4 --run-dir "$RES/$phase" --timeout 400 \
