@@ -1,6 +1,7 @@
 """Launch ``hpar_trainer`` under torchrun as a subprocess (the demo, diagnose and benchmarks).
 
-A subprocess, not an import: the agent never imports the trainer, the trainer imports the agent.
+A subprocess, not an import: the agent never imports the trainer, the trainer imports the agent; the
+tools read only the trainer's argv for a run (``trainer_scenarios``: ``hpar_trainer.scenarios``, no torch).
 torchrun starts every worker in a session of its own, so killing torchrun alone (what
 ``subprocess.run`` does on a timeout or Ctrl-C) orphans the ranks; ``stop`` ends torchrun and each
 worker's process group.
