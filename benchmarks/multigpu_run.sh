@@ -77,7 +77,7 @@ for phase in $RUN; do
         for m in ${MODES:-$(python3 -c "from hpar_trainer.scenarios import EXPECTED; print(*EXPECTED)")}; do
           modes+=(--inject "$m")
         done
-        python3 -m hpar_agent.cli diagnose "${modes[@]}" --nproc 4 --run-dir "$RES/$phase" --timeout 400 \
+        python3 -m hpar_agent.tools.cli diagnose "${modes[@]}" --nproc 4 --run-dir "$RES/$phase" --timeout 400 \
           -- --device cuda --dtype bf16 > "$RES/$phase/matrix.log" 2>&1
       fi ;;
     *) echo "unknown phase $phase"; false ;;

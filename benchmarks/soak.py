@@ -55,7 +55,7 @@ if str(ROOT) not in sys.path:
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from hpar_agent.detectors.signals import theil_sen_slope  # noqa: E402
-from hpar_agent.launch import torchrun_cmd  # noqa: E402
+from hpar_agent.tools.launch import torchrun_cmd  # noqa: E402
 from tests.distributed.live_run import free_base_port  # noqa: E402
 from tests.otlp_receiver import HttpReceiver  # noqa: E402
 

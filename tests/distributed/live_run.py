@@ -11,7 +11,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpar_agent.launch import torchrun_cmd
+from hpar_agent.tools.launch import torchrun_cmd
 
 
 def free_base_port(n: int) -> int:

@@ -39,7 +39,7 @@ def _env(run_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def _run_cmd(cmd: list[str]) -> list[str]:
-    return [sys.executable, "-m", "hpar_agent.cli", "run", "--", *cmd]
+    return [sys.executable, "-m", "hpar_agent.tools.cli", "run", "--", *cmd]
 
 
 def hpar_run(run_dir: Path, cmd: list[str], timeout: float = 90, **env: str) -> subprocess.CompletedProcess[str]:

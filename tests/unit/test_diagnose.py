@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hpar_agent import cli
-from hpar_agent.diagnose import Finding, diagnose, injection_times, markdown, run_group, tagged
+from hpar_agent.tools import cli
+from hpar_agent.tools.diagnose import Finding, diagnose, injection_times, markdown, run_group, tagged
 
 
 def test_a_mode_past_its_timeout_becomes_a_row_and_leaves_no_process(tmp_path: Path) -> None:

@@ -92,7 +92,7 @@ print("give --inject NAME or --all")
 
 def _cli_without_trainer(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """``hpar-agent ARGS`` in an interpreter where ``hpar_trainer`` cannot be imported."""
-    code = "import sys; sys.modules['hpar_trainer'] = None; from hpar_agent.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; sys.modules['hpar_trainer'] = None; from hpar_agent.tools.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from hpar_agent._version import __version__
-from hpar_agent.launch import TrainerMissing, launch_observed, trainer_scenarios
-from hpar_agent.summary import load_rank_summaries, never_stepped, render_summary
+from hpar_agent.tools.launch import TrainerMissing, launch_observed, trainer_scenarios
+from hpar_agent.tools.summary import load_rank_summaries, never_stepped, render_summary
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -59,7 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
     if never_stepped(trainer, ranks):
         print("  report: none (the run never stepped)")
     else:
-        from hpar_agent.report import write_report
+        from hpar_agent.tools.report import write_report
 
         page = write_report(run_dir)
         if page is not None:
@@ -68,25 +68,25 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from hpar_agent.doctor import main as doctor_main
+    from hpar_agent.tools.doctor import main as doctor_main
 
     return doctor_main(as_json=args.json)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from hpar_agent.export import main as export_main
+    from hpar_agent.tools.export import main as export_main
 
     return export_main(args.kind, args.out)
 
 
 def _report(args: argparse.Namespace) -> int:
-    from hpar_agent.report import main as report_main
+    from hpar_agent.tools.report import main as report_main
 
     return report_main(args.run_dir, args.output, compare=args.compare)
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from hpar_agent.diagnose import diagnose, markdown
+    from hpar_agent.tools.diagnose import diagnose, markdown
 
     try:
         expected = trainer_scenarios().EXPECTED
@@ -123,7 +123,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hpar_agent.run_cmd import run
+    from hpar_agent.tools.run_cmd import run
 
     return run(args.cmd, args.run_dir)
 
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--output", help="output file (default RUN_DIR/report.html)")
     report.add_argument("--compare", metavar="RUN_B", help="add a side-by-side table against another run")
     report.set_defaults(func=_report)
-    from hpar_agent import compare
+    from hpar_agent.tools import compare
 
     cmp = sub.add_parser("compare", help="two runs side by side; exit 1 when step time (or --phase) regressed")
     compare.add_arguments(cmp)

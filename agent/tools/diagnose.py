@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpar_agent.launch import torchrun_cmd, trainer_scenarios
+from hpar_agent.tools.launch import torchrun_cmd, trainer_scenarios
 
 
 @dataclass
