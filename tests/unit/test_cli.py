@@ -116,6 +116,9 @@ def test_wheel_ships_assets_and_license(tmp_path):
     assert "License-Expression: Apache-2.0" in text and "Requires-Dist: numpy" in text
     assert "Requires-Dist: plotly" in text
     assert not any(n.endswith("generate.py") for n in names)  # the generators stay in the source tree
+    # developer tooling and test helpers stay in the source tree too
+    assert not any(n.startswith(("scripts/", "testkit/", "benchmarks/", "tests/")) for n in names)
+    assert not {"hpar_agent/docs.py", "hpar_agent/cli.py"} & names and not any(n.endswith("gen_docs.py") for n in names)
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "hpar-agent = hpar_agent.tools.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
     # Installed from the wheel (a pure-Python wheel is a zip of site-packages), export needs no clone.
