@@ -24,7 +24,7 @@ callbacks): a collection holds the GIL, so allocation by any agent thread can st
 4. **resident memory the agent adds**: the trainer (one rank) as subprocesses with and without the
    agent, same arguments, each pair side by side, a few pairs; VmRSS / VmHWM from ``/proc/self/status``
    after the last step (before detach), and on a GPU the caching allocator's bytes (expect 0).
-5. **span export** to ``tests/otlp_receiver.py``'s OTLP/HTTP receiver in a subprocess (counting, not
+5. **span export** to ``testkit/otlp_receiver.py``'s OTLP/HTTP receiver in a subprocess (counting, not
    keeping, spans), answering at once ("fast") or after ``--slow-delay`` s per request ("slow"):
    a. throughput (fast receiver): a thread drives the agent's ``Tracing.export_step`` flat out with 17-span steps (the
       8-rank shape: 4 pp.forward, 4 pp.backward, 4 send, 4 recv, train.step), so the bounded queue
@@ -37,8 +37,8 @@ callbacks): a collection holds the GIL, so allocation by any agent thread can st
       training thread that waited on the exporter would show steps as long as the receiver's delay.
       Which threads build and export spans is recorded by wrapping ``export_step`` and the exporter.
 
-    python benchmarks/components.py --json components-cpu.json
-    python benchmarks/components.py --device cuda --json components-gpu.json
+    python -m benchmarks.components --json components-cpu.json
+    python -m benchmarks.components --device cuda --json components-gpu.json
 """
 
 from __future__ import annotations
@@ -60,11 +60,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # Trainer arguments per device (measurements 2 and 4), span-test stage per device (5b), render layouts (3).
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -498,7 +496,7 @@ def measure_render(work: str, nproc: int, n: int, timeout: float) -> dict[str, A
            "HPAR_JOB_ID": f"comp-render{nproc}", "HPAR_METRICS_PORT": "0", "HPAR_METRICS_ADDR": "127.0.0.1",
            "COMPONENTS_RENDER_N": str(n)}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.abspath(__file__), "--child", "render", str(rdir), "--", *args]  # fmt: skip
+           "-m", "benchmarks.components", "--child", "render", str(rdir), "--", *args]  # fmt: skip
     t0 = time.perf_counter()
     with open(rdir / "torchrun.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -615,7 +613,7 @@ def measure_rss(cfg: dict[str, Any], work: str, repeats: int, steps: int) -> dic
                 args.append("--no-agent")
             env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                    **arm_env(arm, os.path.join(work, f"rss{rep}"), f"comp-rss{rep}")}  # fmt: skip
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "rss", out, "--", *args]
+            cmd = [sys.executable, "-m", "benchmarks.components", "--child", "rss", out, "--", *args]
             procs.append((arm, out, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                                      stdin=subprocess.DEVNULL, text=True)))  # fmt: skip
         for arm, out, p in procs:
@@ -641,9 +639,9 @@ def measure_rss(cfg: dict[str, Any], work: str, repeats: int, steps: int) -> dic
 
 # ------------------------------------------------------------------------------------------ 5. span export
 def child_receiver() -> int:
-    """The OTLP/HTTP receiver of tests/otlp_receiver.py, counting spans instead of keeping them.
+    """The OTLP/HTTP receiver of testkit/otlp_receiver.py, counting spans instead of keeping them.
     stdin: ``up`` | ``slow <seconds>`` | ``stats``; stdout: the port, then one JSON line per ``stats``."""
-    from tests.otlp_receiver import HttpReceiver
+    from testkit.otlp_receiver import HttpReceiver
 
     class CountingReceiver(HttpReceiver):
         count = 0
@@ -677,7 +675,7 @@ class Receiver:
     """Parent side of ``child_receiver``."""
 
     def __init__(self) -> None:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "receiver"]
+        cmd = [sys.executable, "-m", "benchmarks.components", "--child", "receiver"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         assert self.proc.stdout is not None
         self.endpoint = f"http://127.0.0.1:{int(self.proc.stdout.readline())}/v1/traces"
@@ -1135,7 +1133,7 @@ def main(argv: list[str] | None = None) -> int:
     r: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
         "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d", time.gmtime(t_start)),
-        "command": "python benchmarks/components.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.components " + " ".join(argv if argv is not None else sys.argv[1:]),
         "trainer_args": cfg["trainer"], "load_avg_start": os.getloadavg(),
     }  # fmt: skip
 

@@ -66,9 +66,9 @@ for phase in $RUN; do
   case "$phase" in
     train-1f1b) train "$phase" 1f1b ;;
     train-interleaved) train "$phase" interleaved-1f1b ;;
-    overhead) python3 benchmarks/overhead.py --config gpu --nproc "$NGPU" --extra "${TRAIN[*]} --schedule 1f1b" \
+    overhead) python3 -m benchmarks.overhead --config gpu --nproc "$NGPU" --extra "${TRAIN[*]} --schedule 1f1b" \
         --aa --no-profiler --pairs "${PAIRS:-20}" --json "$RES/$phase/overhead.json" > "$RES/$phase/overhead.log" 2>&1 ;;
-    nccl-timing) python3 benchmarks/overhead.py --config gpu --nproc "$NGPU" --extra "${TRAIN[*]} --schedule 1f1b" \
+    nccl-timing) python3 -m benchmarks.overhead --config gpu --nproc "$NGPU" --extra "${TRAIN[*]} --schedule 1f1b" \
         --design runs --no-profiler --pairs 2 --json "$RES/$phase/overhead.json" > "$RES/$phase/overhead.log" 2>&1 ;;
     matrix)
       if [ "$NGPU" -lt 4 ]; then echo "the fault matrix needs 4 GPUs" > "$RES/$phase/matrix.log"; false

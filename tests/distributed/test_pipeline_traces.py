@@ -25,8 +25,8 @@ from hpar_agent.tools.summary import load_rank_summaries
 from hpar_agent.traceids import step_span_id, trace_id
 from hpar_trainer.config import parse_args
 from hpar_trainer.model import ModelArgs, build_model
-from tests.distributed.live_run import LiveRun
-from tests.otlp_receiver import HttpReceiver, ReceivedSpan
+from testkit.live_run import LiveRun
+from testkit.otlp_receiver import HttpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.distributed
 

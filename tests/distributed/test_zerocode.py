@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpar_agent.autoattach import NO_STEPS
-from tests.distributed.live_run import free_base_port
+from testkit.ports import free_base_port
 
 pytestmark = pytest.mark.distributed
 
