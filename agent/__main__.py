@@ -2,6 +2,6 @@
 
 import sys
 
-from hpar_agent.cli import main
+from hpar_agent.tools.cli import main
 
 sys.exit(main())

@@ -11,7 +11,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /
   || { echo "pip install failed"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__)"
   echo "cpus $(nproc)"; } | tee "$OUT/machine.txt"
-CUDA_VISIBLE_DEVICES= python3 benchmarks/hook_cost.py --steps 40000 --blocks 20 --json "$OUT/hook-cost.json"
+CUDA_VISIBLE_DEVICES= python3 -m benchmarks.hook_cost --steps 40000 --blocks 20 --json "$OUT/hook-cost.json"
 ARGS="--device cuda --dtype bf16 --layers 4 --dim 1024 --heads 8 --seq-len 512 --global-batch 8 --vocab 8192 --steps 30"
 for name in clean slow-data; do
   extra=""
@@ -22,5 +22,5 @@ for name in clean slow-data; do
     "$RUNS/$name/summary.rank0.json" "$name" | tee -a "$OUT/anatomy-gpu.txt"
 done
 hpar-agent compare "$RUNS/clean" "$RUNS/slow-data" | tee -a "$OUT/anatomy-gpu.txt"
-CUDA_VISIBLE_DEVICES= python3 benchmarks/overhead.py --config cpu --pairs 10 --no-profiler --json "$OUT/overhead-cpu.json" 2>&1 \
+CUDA_VISIBLE_DEVICES= python3 -m benchmarks.overhead --config cpu --pairs 10 --no-profiler --json "$OUT/overhead-cpu.json" 2>&1 \
   | grep -v -e '^20..-..-.. .*hpar_trainer' | tail -n 8

@@ -13,7 +13,7 @@ Printed per arm: median step time over rounds; ratios agent/quiet and agent/cont
 the median), the scrapes served and the renders the agent did. On a machine with fewer cores than
 clients + 1 the control arm is the fair baseline.
 
-    python benchmarks/endpoint_flood.py --rounds 6 --seconds 3 --clients 8
+    python -m benchmarks.endpoint_flood --rounds 6 --seconds 3 --clients 8
 """
 
 from __future__ import annotations

@@ -16,13 +16,17 @@ python3 -c "import hpar_agent, hpar_trainer, opentelemetry.sdk, torch; print('im
 quiet() { grep -v -e '^20..-..-.. .*hpar_trainer' -e '^USDT' -e 'profiler_st'; }
 for part in $RUN; do
   case "$part" in
-    validate) python3 benchmarks/gpu_validate.py --json "$OUT/gpu-validate.json" 2>&1 | quiet | tee "$OUT/gpu-validate.log" ;;
-    overhead-gpu) python3 benchmarks/overhead.py --config gpu --json "$OUT/overhead-gpu.json" 2>&1 | quiet \
+    validate) python3 -m benchmarks.gpu_validate --json "$OUT/gpu-validate.json" 2>&1 | quiet | tee "$OUT/gpu-validate.log" ;;
+    overhead-gpu) python3 -m benchmarks.overhead --config gpu --json "$OUT/overhead-gpu.json" 2>&1 | quiet \
       | tee "$OUT/overhead-gpu.log" | tail -n 8 ;;
-    overhead-cpu) CUDA_VISIBLE_DEVICES= python3 benchmarks/overhead.py --config cpu --json "$OUT/overhead-cpu.json" 2>&1 \
+    overhead-cpu) CUDA_VISIBLE_DEVICES= python3 -m benchmarks.overhead --config cpu --json "$OUT/overhead-cpu.json" 2>&1 \
       | quiet | tee "$OUT/overhead-cpu.log" | tail -n 8 ;;
-    components-gpu) python3 benchmarks/components.py --device cuda --json "$OUT/components-gpu.json" 2>&1 | quiet \
-      | tee "$OUT/components-gpu.log" | tail -n 40 ;;
+    components-gpu)  # one script per component cost, as the single components.py ran them
+      python3 -m benchmarks.hook_cost --steps 10000 --blocks 20 --json "$OUT/hook-cost-gpu.json" 2>&1 | quiet \
+        | tee "$OUT/hook-cost-gpu.log" | tail -n 10
+      for b in agent_cpu metrics_render agent_rss span_export; do
+        python3 -m "benchmarks.$b" --device cuda --json "$OUT/$b-gpu.json" 2>&1 | quiet | tee "$OUT/$b-gpu.log" | tail -n 20
+      done ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -16,7 +16,7 @@ Why in one process (except the trainer runs): one rank cannot hold two NCCL grou
 world size 1 needs no launcher. ``--cpu-smoke`` runs every check on CPU (gloo, tiny model, no
 profiler device times, no NVML) so the script is tested before the one device call.
 
-    TORCH_NCCL_ENABLE_TIMING=1 python benchmarks/gpu_validate.py --json gpu-validate.json
+    TORCH_NCCL_ENABLE_TIMING=1 python -m benchmarks.gpu_validate --json gpu-validate.json
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ import torch
 import torch.distributed as dist
 
 import hpar_agent
+from benchmarks.overhead import CONFIGS  # the benchmark's model sizes, shared
 from hpar_agent.torch_compat import flight_recorder as fr
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import CONFIGS  # the benchmark's model sizes, shared
 
 MiB = 1 << 20
 # NCCL kernels, or what NCCL runs at world size 1 (oneRankReduce / a copy); "nccl:<op>" device-side

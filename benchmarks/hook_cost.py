@@ -7,7 +7,7 @@ cost a training step. Then the same for a whole step (forward, backward, optimiz
 model attached with ``attach(model)``: that adds the step anatomy's root-module forward hooks and its
 backward hooks (a grad_fn pre-hook and an autograd-engine callback per forward).
 
-    python benchmarks/hook_cost.py [--steps 10000] [--blocks 10]
+    python -m benchmarks.hook_cost [--steps 10000] [--blocks 10]
 """
 
 from __future__ import annotations

@@ -66,18 +66,18 @@ for phase in $RUN; do
   case "$phase" in
     train-1f1b) train "$phase" 1f1b ;;
     train-interleaved) train "$phase" interleaved-1f1b ;;
-    overhead) python3 benchmarks/overhead.py --config gpu --nproc "$NGPU" --extra "${TRAIN[*]} --schedule 1f1b" \
+    overhead) python3 -m benchmarks.overhead --config gpu --nproc "$NGPU" --extra "${TRAIN[*]} --schedule 1f1b" \
         --aa --no-profiler --pairs "${PAIRS:-20}" --json "$RES/$phase/overhead.json" > "$RES/$phase/overhead.log" 2>&1 ;;
-    nccl-timing) python3 benchmarks/overhead.py --config gpu --nproc "$NGPU" --extra "${TRAIN[*]} --schedule 1f1b" \
+    nccl-timing) python3 -m benchmarks.overhead --config gpu --nproc "$NGPU" --extra "${TRAIN[*]} --schedule 1f1b" \
         --design runs --no-profiler --pairs 2 --json "$RES/$phase/overhead.json" > "$RES/$phase/overhead.log" 2>&1 ;;
     matrix)
       if [ "$NGPU" -lt 4 ]; then echo "the fault matrix needs 4 GPUs" > "$RES/$phase/matrix.log"; false
       else
         modes=()
-        for m in ${MODES:-$(python3 -c "from hpar_agent.diagnose import EXPECTED; print(*EXPECTED)")}; do
+        for m in ${MODES:-$(python3 -c "from hpar_trainer.scenarios import EXPECTED; print(*EXPECTED)")}; do
           modes+=(--inject "$m")
         done
-        python3 -m hpar_agent.cli diagnose "${modes[@]}" --nproc 4 --run-dir "$RES/$phase" --timeout 400 \
+        python3 -m hpar_agent.tools.cli diagnose "${modes[@]}" --nproc 4 --run-dir "$RES/$phase" --timeout 400 \
           -- --device cuda --dtype bf16 > "$RES/$phase/matrix.log" 2>&1
       fi ;;
     *) echo "unknown phase $phase"; false ;;

@@ -22,7 +22,7 @@ pipeline parts: p2p as pp/send and pp/recv with bytes, no ``coalesced``/``other`
 is a problem (the zero-false-alert check). Results: ``<out>/validate.json`` and a markdown table
 ``<out>/validate.md`` (dated, with torch and NCCL versions) for BENCHMARKS.md.
 
-    python3 benchmarks/multigpu_validate.py --parts pp-1f1b,dp-ddp,user-ddp --out DIR
+    python3 -m benchmarks.multigpu_validate --parts pp-1f1b,dp-ddp,user-ddp --out DIR
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the second half of the run), memory (process_resident_memory_bytes, Go heap in u
 samples appended per second, scrape durations, rule-group evaluation time
 (prometheus_rule_group_last_duration_seconds) and missed evaluations; plus the simulator's own CPU.
 
-    python benchmarks/scrape_sim.py --scrapes scrapes/ --cases 64:1 64:15 256:1 256:5 256:15 --json scrape-sim.json
+    python -m benchmarks.scrape_sim --scrapes scrapes/ --cases 64:1 64:15 256:1 256:5 256:15 --json scrape-sim.json
 
 Everything listens on 127.0.0.1 only. ``--serve`` is the simulator process (started by the cases).
 """
@@ -39,11 +39,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from testkit.ports import free_base_port
 
-from tests.distributed.live_run import free_base_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RULES_DIR = ROOT / "deploy" / "prometheus" / "rules"
 CONTENT_TYPE = b"application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -265,7 +263,7 @@ def run_case(
     for _attempt in range(5):  # a port of the range can still be taken between the check and the bind
         base = free_base_port(targets)
         sim = subprocess.Popen(
-            [sys.executable, __file__, "--serve", "--base", str(base), "--targets", str(targets),
+            [sys.executable, "-m", "benchmarks.scrape_sim", "--serve", "--base", str(base), "--targets", str(targets),
              "--interval", str(interval), "--scrapes", *map(str, scrapes), *(["--gzip"] if use_gzip else [])],
             stdout=subprocess.PIPE, text=True, preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )  # fmt: skip
@@ -429,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         "prometheus": subprocess.run(
             ["prometheus", "--version"], capture_output=True, text=True
         ).stdout.split("\n")[0],
-        "command": "python benchmarks/scrape_sim.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.scrape_sim " + " ".join(argv if argv is not None else sys.argv[1:]),
         "recorded_scrapes": [f.name for f in files],
         "recorded_series": [len(Template(f.read_text()).values) for f in files],
         "cases": [],

@@ -10,7 +10,7 @@ scrape_samples_post_metric_relabeling, scrape_series_added).
 It also states the worst case per rank from the caps in the collectors (``caps()``): every label whose
 values could grow, with the bound the code enforces, read from the code itself so the table follows it.
 
-    python benchmarks/series_count.py --json series-count.json --save-scrapes scrapes/
+    python -m benchmarks.series_count --json series-count.json --save-scrapes scrapes/
 
 The run traces every step (``HPAR_TRACE_EVERY=1``, local OTLP/JSON files), so the report also gives the
 trace volume per rank: spans per traced step (steps without a compile) and OTLP protobuf bytes per span.
@@ -33,14 +33,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from prometheus_client.parser import text_string_to_metric_families
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from hpar_agent import catalogue as cat  # noqa: E402
-from tests.distributed.live_run import LiveRun  # noqa: E402
+from hpar_agent import catalogue as cat
+from testkit.live_run import LiveRun
 
 #: Series Prometheus adds for every target (2.42: up, scrape_duration_seconds, scrape_samples_scraped,
 #: scrape_samples_post_metric_relabeling, scrape_series_added).
@@ -320,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
-        "command": "python benchmarks/series_count.py "
+        "command": "python -m benchmarks.series_count "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "trainer_args": args,
         "nproc": a.nproc,

@@ -2,7 +2,7 @@
 
 The trainer runs under torchrun (default dp1 x tp2 x pp2, 1F1B, tiny model, ``--compile none``) with
 tracing on (``HPAR_TRACE_EVERY`` small, ``HPAR_TRACES=otlp``) into a real OTLP/HTTP receiver
-(``tests/otlp_receiver.py``) that this script takes down and brings back up on a timer. Every
+(``testkit/otlp_receiver.py``) that this script takes down and brings back up on a timer. Every
 ``--sample-every`` seconds it reads, for each rank, the thread count and open file descriptors from
 ``/proc/<pid>/status`` and ``/proc/<pid>/fd`` and then the rank's own /metrics (``hpar_host_rss_bytes``,
 ``hpar_steps_total``, dropped spans, agent errors), and it rewrites the JSON after every sample, so an
@@ -24,8 +24,8 @@ dicts and the loss list); ``trainer_record_bytes_per_step`` measures that growth
 RSS slope can be read against it. ``--out`` is not passed to the trainer: with it every rank rewrites its
 whole per-step JSON after every step, which is quadratic over 10,000 steps.
 
-    python benchmarks/soak.py --steps 10000 --json soak.json
-    python benchmarks/soak.py --no-agent --steps 10000 --json soak-off.json
+    python -m benchmarks.soak --steps 10000 --json soak.json
+    python -m benchmarks.soak --no-agent --steps 10000 --json soak-off.json
 
 Stop early with ``--max-minutes`` (the run is ended and the JSON says how many steps it reached).
 """
@@ -48,16 +48,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from prometheus_client.parser import text_string_to_metric_families
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from hpar_agent.detectors.signals import theil_sen_slope  # noqa: E402
-from hpar_agent.launch import torchrun_cmd  # noqa: E402
-from tests.distributed.live_run import free_base_port  # noqa: E402
-from tests.otlp_receiver import HttpReceiver  # noqa: E402
+from hpar_agent.detectors.signals import theil_sen_slope
+from hpar_agent.tools.launch import torchrun_cmd
+from testkit.otlp_receiver import HttpReceiver
+from testkit.ports import free_base_port
 
 TRAINER_ARGS = [
     "--dp", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "2",
@@ -346,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
-        "command": "python benchmarks/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
         "trainer_args": args,
         "arm": "agent_on" if agent_on else "agent_off",
         "rss_source": "/proc/<pid>/status VmRSS"

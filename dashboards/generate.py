@@ -4,8 +4,8 @@ Dashboards are built with Grafana Labs' grafana-foundation-sdk builders (pinned
 ``grafana-foundation-sdk==1769699379!11.6.0``) and committed as JSON next to this file, so a metric
 rename breaks ``--check`` and the tests rather than a panel in production.
 
-    python dashboards/generate.py           # (re)write dashboards/*.json
-    python dashboards/generate.py --check   # exit 1 when a committed JSON differs from the code
+    python -m dashboards.generate           # (re)write dashboards/*.json
+    python -m dashboards.generate --check   # exit 1 when a committed JSON differs from the code
 
 Every query filters on the ``$job``, ``$rank`` and ``$pp_stage`` variables (and ``$pg`` on the
 collectives dashboard); cross-rank aggregates read the recording rules of
@@ -41,7 +41,7 @@ from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import heatmap as hm
 from grafana_foundation_sdk.models import prometheus as pm
 
-from hpar_agent.docs import sync_generated
+from scripts.gen_docs import sync_generated
 
 OUT_DIR = Path(__file__).resolve().parent
 GPU_MARK = "Needs a CUDA GPU."
@@ -1208,7 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=OUT_DIR, help="output directory (default: next to this file)")
     args = ap.parse_args(argv)
     files = {args.out / name: text for name, text in render().items()}
-    return sync_generated(files, args.check, "python dashboards/generate.py")
+    return sync_generated(files, args.check, "python -m dashboards.generate")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 - ``monitoring/grafana-dashboards.yaml``: a ConfigMap labelled ``grafana_dashboard: "1"`` holding
   ``dashboards/*.json`` for the Grafana sidecar.
 
-    python deploy/k8s/generate.py           # rewrite both files
-    python deploy/k8s/generate.py --check   # exit 1 when a committed file differs from its sources
+    python -m deploy.k8s.generate           # rewrite both files
+    python -m deploy.k8s.generate --check   # exit 1 when a committed file differs from its sources
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from hpar_agent.docs import sync_generated
+from scripts.gen_docs import sync_generated
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "--check", action="store_true", help="exit 1 if a committed file differs from its sources"
     )
     args = ap.parse_args(argv)
-    return sync_generated({HERE / "monitoring" / name: text for name, text in render().items()}, args.check, "python deploy/k8s/generate.py")
+    return sync_generated({HERE / "monitoring" / name: text for name, text in render().items()}, args.check, "python -m deploy.k8s.generate")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -92,7 +92,7 @@ def test_compose_cpu_profile_runs_the_command_ci_runs() -> None:
     assert "--metrics-port=9470" in svc["command"]
     assert svc["environment"]["HPAR_METRICS_ADDR"] == "0.0.0.0"
     assert svc["build"]["args"]["TORCH_INDEX"].endswith("/whl/cpu")
-    cli = (ROOT / "agent" / "cli.py").read_text()
+    cli = (ROOT / "agent" / "tools" / "cli.py").read_text()
     assert 'os.environ.get("HPAR_METRICS_ADDR")' in cli
 
 

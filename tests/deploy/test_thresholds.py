@@ -11,7 +11,7 @@ from hpar_agent import catalogue as cat
 from hpar_agent import thresholds as th
 from hpar_agent.collectors.anatomy import DEFAULTS as ANATOMY
 from hpar_agent.detectors.component import ALL_DETECTORS
-from hpar_agent.docs import _num, thresholds_table
+from scripts.gen_docs import _num, thresholds_table
 from tests.deploy._tools import ROOT, rule_docs
 
 #: an ordered comparison with a number (``== 1`` on a 0/1 state is not a threshold)
@@ -78,7 +78,7 @@ def test_every_rule_alert_is_in_the_catalogue_with_its_severity() -> None:
 def test_the_readme_table_shows_every_threshold() -> None:
     readme = (ROOT / "README.md").read_text()
     table = thresholds_table()
-    assert table in readme, "run: python -m hpar_agent.docs README.md"
+    assert table in readme, "run: python scripts/gen_docs.py README.md"
     for (alert, signal), params in th.RULE_THRESHOLDS.items():
         for p, v in params.items():
             assert f"| `{alert}` | `{p}` | {_num(v)} | rule signal={signal} |" in table

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hpar_agent.cli import main as cli_main
+from hpar_agent.tools.cli import main as cli_main
 from hpar_trainer.launch import run_torchrun
 
 pytestmark = pytest.mark.distributed

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import urllib.request
 
@@ -24,17 +23,13 @@ from torch.distributed.pipelining import schedules
 import hpar_agent
 from hpar_agent.torch_compat import flight_recorder as fr
 from hpar_agent.torch_compat.fr_decode import op_label, pg_label
+from testkit.ports import free_port
 
 pytestmark = pytest.mark.distributed
 
 WORLD = 4
 ROUNDS = 3
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, out_dir: str) -> None:
@@ -90,7 +85,7 @@ def test_collective_series_agree_with_flight_recorder(tmp_path):
     # fork: the children inherit the parent's imports (torch.distributed.pipelining alone takes ~20 s
     # per process on a loaded 2-core machine); no CUDA and no process group exist in the parent.
     mp.start_processes(
-        _rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork"
+        _rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork"
     )
     for rank in range(WORLD):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -139,7 +139,7 @@ def test_demo_output_is_rank_prefixed_and_summarised(tmp_path):
 def test_run_trainer_timeout_stops_every_rank(tmp_path):
     """``launch.run_trainer`` (diagnose, benchmarks) raises TimeoutExpired like subprocess.run, but only
     after torchrun and every rank are gone (subprocess.run would SIGKILL torchrun and orphan them)."""
-    from hpar_agent.launch import run_trainer
+    from hpar_agent.tools.launch import run_trainer
 
     marker = str(tmp_path / "trainer.json")
     args = ["--pp", "2", "--compile", "eager", "--steps", "100000", "--no-agent", "--out", marker]

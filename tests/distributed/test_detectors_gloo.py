@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpar_agent.diagnose import read_alerts
+from hpar_agent.tools.diagnose import read_alerts
 from hpar_trainer.launch import run_torchrun
 
 pytestmark = pytest.mark.distributed

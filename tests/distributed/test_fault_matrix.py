@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from hpar_agent import catalogue as cat
-from hpar_agent.diagnose import evidence_kind, read_alerts
-from hpar_agent.launch import run_trainer
+from hpar_agent.tools.diagnose import evidence_kind, read_alerts
+from hpar_agent.tools.launch import run_trainer
 
 pytestmark = pytest.mark.distributed
 

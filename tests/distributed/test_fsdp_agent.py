@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hpar_agent.diagnose import read_alerts
-from hpar_agent.launch import run_trainer
+from hpar_agent.tools.diagnose import read_alerts
+from hpar_agent.tools.launch import run_trainer
 
 pytestmark = pytest.mark.distributed
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import urllib.request
 
@@ -28,17 +27,13 @@ import hpar_agent
 from hpar_agent.detectors.cluster import ReplicaDivergence
 from hpar_agent.torch_compat import flight_recorder as fr
 from hpar_agent.torch_compat.fr_decode import op_label
+from testkit.ports import free_port
 
 pytestmark = pytest.mark.distributed
 
 WORLD = 2
 STEPS = 12  # past a ReplicaDivergence checksum (every 10 steps)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _user_program(rank: int, port: int, out_dir: str) -> None:
@@ -83,7 +78,7 @@ def _user_program(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_user_fsdp2_program_is_quiet_and_its_series_are_right(tmp_path):
-    mp.start_processes(_user_program, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True,
+    mp.start_processes(_user_program, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True,
                        start_method="fork")  # fmt: skip
     for rank in range(WORLD):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -148,7 +143,7 @@ def _ddp_compressed_program(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_ddp_compress_hook_on_every_rank_is_quiet(tmp_path):
-    mp.start_processes(_ddp_compressed_program, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True,
+    mp.start_processes(_ddp_compressed_program, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True,
                        start_method="fork")  # fmt: skip
     for rank in range(WORLD):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -20,13 +20,13 @@ import pytest
 
 from hpar_agent import catalogue as cat
 from hpar_agent.collectors.pipeline import BUBBLE_WARMUP_STEPS
-from hpar_agent.launch import run_trainer
-from hpar_agent.summary import load_rank_summaries
+from hpar_agent.tools.launch import run_trainer
+from hpar_agent.tools.summary import load_rank_summaries
 from hpar_agent.traceids import step_span_id, trace_id
 from hpar_trainer.config import parse_args
 from hpar_trainer.model import ModelArgs, build_model
-from tests.distributed.live_run import LiveRun
-from tests.otlp_receiver import HttpReceiver, ReceivedSpan
+from testkit.live_run import LiveRun
+from testkit.otlp_receiver import HttpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.distributed
 

@@ -12,8 +12,8 @@ import subprocess
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hpar_agent.summary import load_rank_summaries
-from tests.distributed.live_run import LiveRun
+from hpar_agent.tools.summary import load_rank_summaries
+from testkit.live_run import LiveRun
 
 pytestmark = pytest.mark.distributed
 

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpar_agent.autoattach import NO_STEPS
-from tests.distributed.live_run import free_base_port
+from testkit.ports import free_base_port
 
 pytestmark = pytest.mark.distributed
 
@@ -39,7 +39,7 @@ def _env(run_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def _run_cmd(cmd: list[str]) -> list[str]:
-    return [sys.executable, "-m", "hpar_agent.cli", "run", "--", *cmd]
+    return [sys.executable, "-m", "hpar_agent.tools.cli", "run", "--", *cmd]
 
 
 def hpar_run(run_dir: Path, cmd: list[str], timeout: float = 90, **env: str) -> subprocess.CompletedProcess[str]:

@@ -26,8 +26,8 @@ from prometheus_client.openmetrics.exposition import generate_latest
 
 from hpar_agent import catalogue as cat
 from hpar_agent.families import Families
-from tests.distributed.live_run import free_base_port
-from tests.integration.prom_stack import ALERTMANAGER, PROMETHEUS, ROOT, PromStack, wait_for
+from testkit.ports import free_base_port
+from testkit.prom_stack import ALERTMANAGER, PROMETHEUS, ROOT, PromStack, wait_for
 
 pytestmark = [
     pytest.mark.integration,

@@ -25,8 +25,8 @@ import pytest
 
 from hpar_agent import catalogue as cat
 from hpar_agent.traceids import trace_id_hex
-from tests.distributed.live_run import LiveRun
-from tests.integration.prom_stack import ALERTMANAGER, PROMETHEUS, ROOT, PromStack, finite_values, wait_for
+from testkit.live_run import LiveRun
+from testkit.prom_stack import ALERTMANAGER, PROMETHEUS, ROOT, PromStack, finite_values, wait_for
 
 pytestmark = [
     pytest.mark.integration,

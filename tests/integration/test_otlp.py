@@ -15,7 +15,7 @@ from hpar_agent.exporters.otel import Tracing
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.topology import Topology
 from hpar_agent.traceids import step_span_id, trace_id
-from tests.otlp_receiver import GrpcReceiver, HttpReceiver, ReceivedSpan
+from testkit.otlp_receiver import GrpcReceiver, HttpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.integration
 

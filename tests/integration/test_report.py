@@ -17,12 +17,12 @@ import pytest
 pytest.importorskip("plotly")
 
 from hpar_agent import catalogue as cat
-from hpar_agent import report
 from hpar_agent.agent import Agent
-from hpar_agent.cli import main as cli_main
 from hpar_agent.events import EventLog
 from hpar_agent.exporters.otel import Tracing
 from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.tools import report
+from hpar_agent.tools.cli import main as cli_main
 from hpar_agent.topology import Topology
 
 pytestmark = pytest.mark.integration
@@ -242,7 +242,7 @@ def test_pipeline_timeline_shows_each_microbatch_and_the_bubble(run_dir: Path) -
 def test_collective_percentiles_are_the_terminal_summarys(run_dir: Path) -> None:
     """One source of truth: the report's p50/p99 are the agent's histogram figures that the terminal
     summary prints, not percentiles of the traced spans (2-4 ms here)."""
-    from hpar_agent.summary import _render_collectives, load_rank_summaries
+    from hpar_agent.tools.summary import _render_collectives, load_rank_summaries
 
     terminal = "\n".join(_render_collectives("collectives", load_rank_summaries(run_dir)))
     row = next(ln.split() for ln in terminal.splitlines() if "all_reduce" in ln)

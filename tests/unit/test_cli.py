@@ -14,8 +14,8 @@ import pytest
 
 import hpar_agent
 import hpar_trainer
-from hpar_agent import export
-from hpar_agent.launch import first_error_line
+from hpar_agent.tools import export
+from hpar_agent.tools.launch import first_error_line
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,7 +108,7 @@ def test_wheel_ships_assets_and_license(tmp_path):
     want |= {f"hpar_agent/assets/deploy/prometheus/rules/{p.name}" for p in (REPO / "deploy/prometheus/rules").glob("*.yml")}
     want |= {"hpar_agent/assets/deploy/compose/compose.yaml", "hpar_agent/assets/deploy/alertmanager/alertmanager.yml",
              "hpar_agent/assets/deploy/compose/alert_webhook.py",
-             "hpar_agent/__main__.py", "hpar_agent/_version.py"}
+             "hpar_agent/__main__.py", "hpar_agent/_version.py", "hpar_agent/tools/cli.py", "hpar_agent/tools/report.py"}
     assert want <= names, sorted(want - names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
@@ -116,10 +116,15 @@ def test_wheel_ships_assets_and_license(tmp_path):
     assert "License-Expression: Apache-2.0" in text and "Requires-Dist: numpy" in text
     assert "Requires-Dist: plotly" in text
     assert not any(n.endswith("generate.py") for n in names)  # the generators stay in the source tree
+    # developer tooling and test helpers stay in the source tree too
+    assert not any(n.startswith(("scripts/", "testkit/", "benchmarks/", "tests/")) for n in names)
+    assert not {"hpar_agent/docs.py", "hpar_agent/cli.py"} & names and not any(n.endswith("gen_docs.py") for n in names)
+    entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "hpar-agent = hpar_agent.tools.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
     # Installed from the wheel (a pure-Python wheel is a zip of site-packages), export needs no clone.
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = "import sys, hpar_agent.cli as c; print(c.__file__); sys.exit(c.main(sys.argv[1:]))"
+    code = "import sys, hpar_agent.tools.cli as c; print(c.__file__); sys.exit(c.main(sys.argv[1:]))"
     res = subprocess.run(
         [sys.executable, "-c", code, "export", "rules", "--out", str(tmp_path / "rules")],
         capture_output=True, text=True, timeout=60, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hpar_agent.cli import main as cli_main
-from hpar_agent.compare import digest, parse_threshold, regressions, rows
-from hpar_agent.summary import load_rank_summaries, render_summary
+from hpar_agent.tools.cli import main as cli_main
+from hpar_agent.tools.compare import digest, parse_threshold, regressions, rows
+from hpar_agent.tools.summary import load_rank_summaries, render_summary
 
 
 def _run(path: Path, step: float, backward: float, verdicts: tuple[str, str] = ("compute-bound", "compute-bound"),
@@ -84,7 +84,7 @@ def test_summary_shows_phases_verdicts_and_who_holds_the_others(tmp_path: Path) 
 
 def test_report_shows_anatomy_and_the_comparison(tmp_path: Path) -> None:
     pytest.importorskip("plotly")
-    from hpar_agent.report import build_report
+    from hpar_agent.tools.report import build_report
 
     a = _run(tmp_path / "a", 0.100, 0.050, verdicts=("compute-bound", "input-bound"))
     b = _run(tmp_path / "b", 0.130, 0.050)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hpar_agent import cli
-from hpar_agent.diagnose import Finding, diagnose, injection_times, layout, markdown, run_group, tagged
+from hpar_agent.tools import cli
+from hpar_agent.tools.diagnose import Finding, diagnose, injection_times, markdown, run_group, tagged
 
 
 def test_a_mode_past_its_timeout_becomes_a_row_and_leaves_no_process(tmp_path: Path) -> None:
@@ -53,13 +53,6 @@ def test_row_counts_seconds_from_the_injection_on_the_firing_rank() -> None:
                 inject_step=3, started={3: 100.0, 0: 90.0})
     row = f.row()
     assert row[2:6] == ["3", "0", "9", "7.5"], row
-
-
-def test_layouts_fit_the_rank_count() -> None:
-    assert layout("tp-grad-skip", 2)[:4] == ["--dp", "1", "--tp", "2"]
-    assert layout("straggler", 2)[:4] == ["--dp", "2", "--tp", "1"]
-    assert layout("slow-collective", 2)[:6] == ["--dp", "2", "--tp", "1", "--dp-mode", "ddp"]
-    assert layout("divergent-graph", 4)[:4] == ["--dp", "2", "--tp", "2"]
 
 
 def test_injection_times_from_the_rank_records(tmp_path: Path) -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpar_agent import catalogue as cat
-from hpar_agent.docs import render
+from scripts.gen_docs import render
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_tables_match_catalogue():
     text = README.read_text()
-    assert render(text) == text, "run: python -m hpar_agent.docs README.md"
+    assert render(text) == text, "run: python scripts/gen_docs.py README.md"
 
 
 def test_readme_documents_every_env_var_and_metric():

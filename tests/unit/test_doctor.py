@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from hpar_agent import doctor
+from hpar_agent.tools import doctor
 
 
 def _by_name(checks):
@@ -52,7 +52,7 @@ class _Block:
         if any(name == m or name.startswith(m + ".") for m in {blocked!r}):
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, _Block())
-from hpar_agent.cli import main
+from hpar_agent.tools.cli import main
 sys.exit(main(["doctor", "--json"]))
 """
 

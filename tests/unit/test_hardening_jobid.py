@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+
+from testkit.ports import free_port
 
 _RANK = textwrap.dedent(
     """
@@ -43,15 +44,10 @@ _RANK = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def test_late_peer_does_not_block_attach_and_ids_agree(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPAR_", "TORCHELASTIC"))}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     procs = [
         subprocess.Popen([sys.executable, "-c", _RANK, str(tmp_path)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -9,11 +9,11 @@ import time
 import pytest
 
 from hpar_agent import catalogue as cat
-from hpar_agent import doctor
 from hpar_agent.affinity import cpu_list, parse_cpu_list, read_binding
 from hpar_agent.agent import Agent
 from hpar_agent.collectors.memory import NvmlCollector
 from hpar_agent.collectors.steps import StepCollector, _rusage
+from hpar_agent.tools import doctor
 from tests.unit.test_memory import FakeNvml, _replace, agent  # noqa: F401 (fixture)
 from tests.unit.test_tracing import _spans, _step, _tracing, tracings  # noqa: F401 (fixture)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"hpar_agent": ROOT / "agent", "hpar_agent.exporters": ROOT / "exporters"}
-OFFLINE = {"cli", "doctor", "diagnose", "report", "summary", "compare", "launch", "run_cmd", "export", "docs", "tools"}
+OFFLINE = {"tools"}  # hpar_agent.tools: the CLI and offline readers, never imported at run time
 
 
 def _modules() -> dict[str, Path]:

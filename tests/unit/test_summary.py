@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpar_agent.summary import load_rank_summaries, render_summary
+from hpar_agent.tools.summary import load_rank_summaries, render_summary
 
 
 def _rank(rank: int, stage: int, p50: dict[str, float], bubble: float | None = 0.25) -> dict:

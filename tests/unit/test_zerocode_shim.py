@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hpar_agent.run_cmd import RANK_LINES_MAX, SHIM_DIR, child_env, fresh_run_dir, rank_lines, run
+from hpar_agent.tools.run_cmd import RANK_LINES_MAX, SHIM_DIR, child_env, fresh_run_dir, rank_lines, run
 
 #: What a launcher around the test run may have set; the shim reads them.
 LAUNCH_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}

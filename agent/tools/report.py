@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import quote
 
 from hpar_agent import catalogue as cat
-from hpar_agent.summary import COLLECTIVE_PERCENTILE_SOURCE, collective_rows
+from hpar_agent.tools.summary import COLLECTIVE_PERCENTILE_SOURCE, collective_rows
 
 log = logging.getLogger(__name__)
 
@@ -768,7 +768,7 @@ def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
     if anatomy:
         sections += ["<h2>Where the step time goes</h2>", anatomy]
     if compare is not None:
-        from hpar_agent.compare import html_table
+        from hpar_agent.tools.compare import html_table
 
         sections += [f"<h2>Compared with {_esc(compare.name)}</h2>", html_table(run.run_dir, compare)]
     alerts = [e for e in run.events if e.get("kind") == "alert"]

@@ -10,7 +10,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -24,18 +23,14 @@ from typing import Any, TypeVar
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from testkit.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
 RULES_DIR = ROOT / "deploy" / "prometheus" / "rules"
 PROMETHEUS = shutil.which("prometheus")
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Webhook:

@@ -8,52 +8,30 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from hpar_agent._version import __version__
-from hpar_agent.launch import launch_observed
-from hpar_agent.summary import load_rank_summaries, never_stepped, render_summary
-
-DEMO_ARGS = [
-    "--dp", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
-    "--compile", "aot_eager", "--steps", "40", "--log-every", "5",
-]  # fmt: skip
-
-
-def _check_trainer_args(trainer_args: list[str], nproc: int) -> tuple[Any, str | None]:
-    """The trainer's own validation, run here so a bad flag or injection name is refused in one line
-    before any rank starts (the trainer is imported lazily: only the demo needs its flags).
-    Returns ``(config, None)`` or ``(None, the error)``."""
-    import contextlib
-    import io
-
-    from hpar_trainer.config import parse_args
-
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return parse_args(trainer_args, world_size=nproc), None
-    except SystemExit as exc:
-        if exc.code in (0, None):  # --help after --: print it and stop
-            raise
-        return None, (err.getvalue().strip().splitlines() or ["invalid trainer flags"])[-1].split("error: ", 1)[-1]
+from hpar_agent.tools.launch import TrainerMissing, launch_observed, trainer_scenarios
+from hpar_agent.tools.summary import load_rank_summaries, never_stepped, render_summary
 
 
 def _demo(args: argparse.Namespace) -> int:
-    trainer_args = list(DEMO_ARGS)
-    if args.steps:
-        trainer_args += ["--steps", str(args.steps)]
-    for name in args.inject or ():
-        trainer_args += ["--inject", name]
-    trainer_args += args.trainer_args
-    cfg, problem = _check_trainer_args(trainer_args, args.nproc)
+    """The trainer's demo argv and its own validation (``hpar_trainer.scenarios``, imported here only):
+    a bad flag or injection name is refused in one line before any rank starts."""
+    try:
+        sc = trainer_scenarios()
+    except TrainerMissing as exc:
+        print(f"hpar-agent demo: error: {exc}", file=sys.stderr)
+        return 2
+    trainer_args = sc.demo_argv(steps=args.steps, inject=args.inject or (), extra=args.trainer_args)
+    cfg, problem = sc.check(trainer_args, args.nproc)
     if problem:
         print(f"hpar-agent demo: error: {problem}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or f"hpar-runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "trainer.json"
-    trainer_args += ["--out", str(out)]
+    trainer_args = sc.with_out(trainer_args, str(out))
     env = {
         "HPAR_RUN_DIR": str(run_dir),
         "HPAR_JOB_ID": run_dir.name,
@@ -63,7 +41,7 @@ def _demo(args: argparse.Namespace) -> int:
     ports = (
         f"{args.metrics_port}..{args.metrics_port + args.nproc - 1}" if args.metrics_port else "<free port>"
     )
-    layout = f"dp{cfg.dp} x tp{cfg.tp} x pp{cfg.pp}, {cfg.schedule}, {cfg.compile}"
+    layout = sc.describe(cfg)
     print(f"hpar-agent demo: {args.nproc} CPU ranks ({layout}); outputs in {run_dir}", flush=True)
     print(f"  metrics while it runs: http://127.0.0.1:{ports}/metrics (Ctrl-C stops every rank)", flush=True)
     run = launch_observed(args.nproc, "hpar_trainer", trainer_args, log_dir=run_dir / "logs", env=env, timeout=args.timeout)
@@ -81,7 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
     if never_stepped(trainer, ranks):
         print("  report: none (the run never stepped)")
     else:
-        from hpar_agent.report import write_report
+        from hpar_agent.tools.report import write_report
 
         page = write_report(run_dir)
         if page is not None:
@@ -90,33 +68,38 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from hpar_agent.doctor import main as doctor_main
+    from hpar_agent.tools.doctor import main as doctor_main
 
     return doctor_main(as_json=args.json)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from hpar_agent.export import main as export_main
+    from hpar_agent.tools.export import main as export_main
 
     return export_main(args.kind, args.out)
 
 
 def _report(args: argparse.Namespace) -> int:
-    from hpar_agent.report import main as report_main
+    from hpar_agent.tools.report import main as report_main
 
     return report_main(args.run_dir, args.output, compare=args.compare)
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from hpar_agent.diagnose import EXPECTED, diagnose, markdown
+    from hpar_agent.tools.diagnose import diagnose, markdown
 
-    modes = list(EXPECTED) if args.all else (args.inject or [])
+    try:
+        expected = trainer_scenarios().EXPECTED
+    except TrainerMissing as exc:
+        print(f"hpar-agent diagnose: error: {exc}", file=sys.stderr)
+        return 2
+    modes = list(expected) if args.all else (args.inject or [])
     if not modes:
         print("hpar-agent diagnose: error: give --inject NAME (repeatable) or --all", file=sys.stderr)
         return 2
-    unknown = [m for m in modes if m not in EXPECTED]
+    unknown = [m for m in modes if m not in expected]
     if unknown:  # refused before any run starts
-        print(f"hpar-agent diagnose: error: unknown injection {', '.join(unknown)}; one of: {', '.join(EXPECTED)}",
+        print(f"hpar-agent diagnose: error: unknown injection {', '.join(unknown)}; one of: {', '.join(expected)}",
               file=sys.stderr)
         return 2
     base = Path(args.run_dir or f"hpar-runs/diagnose-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -140,7 +123,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hpar_agent.run_cmd import run
+    from hpar_agent.tools.run_cmd import run
 
     return run(args.cmd, args.run_dir)
 
@@ -177,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--output", help="output file (default RUN_DIR/report.html)")
     report.add_argument("--compare", metavar="RUN_B", help="add a side-by-side table against another run")
     report.set_defaults(func=_report)
-    from hpar_agent import compare
+    from hpar_agent.tools import compare
 
     cmp = sub.add_parser("compare", help="two runs side by side; exit 1 when step time (or --phase) regressed")
     compare.add_arguments(cmp)

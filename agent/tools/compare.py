@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpar_agent.catalogue import STEP_PHASES
-from hpar_agent.summary import load_rank_summaries
+from hpar_agent.tools.summary import load_rank_summaries
 
 #: rows checked against the threshold by default
 DEFAULT_CHECKED = ("step",)

@@ -1,4 +1,4 @@
-"""README tables generated from the catalogue (``python -m hpar_agent.docs README.md`` rewrites them).
+"""README tables generated from the catalogue (``python scripts/gen_docs.py README.md`` rewrites them).
 
 Each table sits between ``<!-- catalogue:NAME -->`` and ``<!-- /catalogue:NAME -->`` markers; a test
 fails when the README drifts from the catalogue.

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from hpar_agent.config import _TRUE
-from hpar_agent.summary import load_rank_summaries
+from hpar_agent.tools.summary import load_rank_summaries
 
-SHIM_DIR = Path(__file__).resolve().with_name("zerocode_site")
+SHIM_DIR = Path(__file__).resolve().parents[1] / "zerocode_site"  # hpar_agent/zerocode_site
 #: Set before any process group exists; a user's own value wins.
 PRE_PG_ENV = {"TORCH_NCCL_ENABLE_TIMING": "1"}
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

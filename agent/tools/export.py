@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"  # hpar_agent/assets
 
 #: What each kind writes: (path under ASSETS, glob) -> files land under OUT with the path after
 #: ``strip`` removed. ``compose`` keeps the repository layout its relative mounts expect.

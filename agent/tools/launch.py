@@ -1,6 +1,7 @@
 """Launch ``hpar_trainer`` under torchrun as a subprocess (the demo, diagnose and benchmarks).
 
-A subprocess, not an import: the agent never imports the trainer, the trainer imports the agent.
+A subprocess, not an import: the agent never imports the trainer, the trainer imports the agent; the
+tools read only the trainer's argv for a run (``trainer_scenarios``: ``hpar_trainer.scenarios``, no torch).
 torchrun starts every worker in a session of its own, so killing torchrun alone (what
 ``subprocess.run`` does on a timeout or Ctrl-C) orphans the ranks; ``stop`` ends torchrun and each
 worker's process group.
@@ -8,6 +9,7 @@ worker's process group.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import signal
@@ -18,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 #: Rank output lines as torchrun tees them (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` below).
 _RANK_LINE = re.compile(r"^\[rank(\d+)\]:")
@@ -224,3 +227,18 @@ def launch_observed(
     reader.join(timeout=5)
     result.wall_s = time.monotonic() - t0
     return result
+
+
+class TrainerMissing(RuntimeError):
+    """The reference trainer (``hpar_trainer``), which the demo and the fault matrix run, is not importable."""
+
+
+def trainer_scenarios() -> ModuleType:
+    """``hpar_trainer.scenarios``: the trainer's argv for the demo and the fault matrix, imported only when
+    a tool runs the trainer (the agent never spells a trainer flag)."""
+    try:
+        return importlib.import_module("hpar_trainer.scenarios")
+    except ImportError as exc:
+        raise TrainerMissing(
+            f"the reference trainer is not importable ({exc}); install hpar-agent with its hpar_trainer package"
+        ) from exc

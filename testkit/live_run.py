@@ -3,34 +3,14 @@
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpar_agent.launch import torchrun_cmd
-
-
-def free_base_port(n: int) -> int:
-    """A base port with ``n`` consecutive free ports, below the ephemeral range (32768+) so the ranks'
-    own gloo connections cannot take one between this check and the agent's bind."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - n)
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
+from hpar_agent.tools.launch import torchrun_cmd
+from testkit.ports import free_base_port
 
 
 class LiveRun:

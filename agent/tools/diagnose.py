@@ -1,7 +1,9 @@
 """The fault matrix: run the reference trainer with one injected failure and report what the agent saw.
 
 ``hpar-agent diagnose --inject NAME`` prints which alert fired, on which rank and stage, after how many
-steps, and with which evidence; ``--all`` runs every mode and prints the README's matrix table.
+steps, and with which evidence; ``--all`` runs every mode and prints the README's matrix table. Which
+alert each injection must raise and the trainer argv of each run come from the trainer
+(``hpar_trainer.scenarios``, imported when a run starts): the agent knows none of its flags.
 """
 
 from __future__ import annotations
@@ -15,84 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpar_agent.launch import torchrun_cmd
-
-#: injection -> the alert that must fire for it (the trainer's ``--inject`` names).
-EXPECTED: dict[str, str] = {
-    "recompile-storm": "RecompileStorm",
-    "graph-break": "GraphBreaks",
-    "divergent-graph": "CompileDivergence",
-    "ddp-nesting": "ReplicaDivergence",
-    "tp-grad-skip": "ReplicaDivergence",
-    "dtype-mismatch": "CollectiveMismatch",
-    "compile-leak": "MemoryLeak",
-    "tensor-leak": "MemoryLeak",
-    "straggler": "Straggler",
-    # gloo's flight recorder has no durations: a rank late to the dp all-reduce is seen by arrival skew.
-    "slow-collective": "Straggler",
-    "hang": "Hang",
-    "hsdp-replicate-skip": "ReplicaDivergence",
-}
-#: what the matrix says under the table for modes whose CPU result needs a word.
-NOTES: dict[str, str] = {
-    "hsdp-replicate-skip": "HSDP 2 x 2 (FSDP2): rank 3 keeps its own reduce-scatter output instead of the "
-    "replicate all-reduce result (it still joins every collective); it and rank 1 (same shard, other replica) "
-    "drift, and the 1-1 split names both; ranks 0 and 2 (shard 0) stay quiet. Needs 4 ranks.",
-    "slow-collective": "every rank in dp with DDP. The inject rank arrives late at every dp all-reduce: "
-    "arrival skew names it (Straggler). CollectiveLatencyHigh judges the transfer (a timed op's duration less "
-    "the wait for the last member to arrive), so the peers' long waits do not raise it; gloo records no "
-    "collective durations anyway.",
-    "dtype-mismatch": "every rank in dp with DDP (DDP cannot wrap TP's DTensor parameters): the inject rank reduces "
-    "in bf16 padded to the fp32 byte size, so gloo completes and the gradients are silently corrupted "
-    "(loss NaN); the flight recorder shows its BFloat16 entry against its peers' Float.",
-    "hang": "every rank is stuck, so Hang fires on all four at 80% of the 20 s pg timeout, before gloo "
-    "aborts (by design later than 10 s: a checkpoint-like pause of 12 s must not fire it); rank 3's details "
-    "and stacks show it in a default_pg barrier, its peers in dp/tp all-reduces; every rank exits after the "
-    "pg timeout.",
-    "ddp-nesting": "all ranks train the detached block unsynchronised: every dp pair drifts (a 1-1 split "
-    "names both ranks); GradSyncIncomplete fires on every rank from the first judged step, its value the "
-    "share of the gradient reduced over dp.",
-    "tp-grad-skip": "all ranks skip the sync: every tp pair drifts (a 1-1 split names both ranks).",
-    "compile-leak": "a new code object compiled per microbatch: CompiledGraphsGrowing names "
-    "`_leaky_graph trainer/inject.py:<line>` first (2 ranks: step 10, MemoryLeak at step 30 with a py-spy "
-    "record profile); the leaked graphs are graphs its peers never compile, so CompileDivergence may name "
-    "the inject rank too.",
-}
-
-#: modes that act through a DDP comm hook need DDP rather than the default composable replicate, and
-#: DDP cannot wrap TP's DTensor parameters: every rank in dp (4 ranks: a 3-1 majority names the odd rank).
-NEEDS_DDP = {"dtype-mismatch", "slow-collective"}
-#: modes that need a replicate x shard mesh (FSDP2 HSDP): 4 ranks, 2 replicas of 2 shards.
-NEEDS_HSDP = {"hsdp-replicate-skip"}
-#: modes that need tp peers (on 2 ranks: tp2 instead of dp2).
-NEEDS_TP = {"tp-grad-skip"}
-COMMON = ["--pp", "1", "--compile", "aot_eager", "--log-every", "10"]
-
-
-def layout(injection: str, nproc: int) -> list[str]:
-    """The default layout of a mode on ``nproc`` ranks: 4 ranks dp2 x tp2 (dp peers, tp peers, compiled
-    blocks), every rank in dp under DDP for the comm-hook modes; on 2 ranks dp2, or tp2 for NEEDS_TP.
-    Trainer flags after ``--`` come later on the command line and win (e.g. ``--device cuda``)."""
-    if injection in NEEDS_HSDP:
-        return ["--dp-replicate", "2", "--dp-shard", str(max(2, nproc // 2)), "--tp", "1", *COMMON]
-    if injection in NEEDS_DDP:
-        return ["--dp", str(nproc), "--tp", "1", "--dp-mode", "ddp", *COMMON]
-    if nproc >= 4 and nproc % 2 == 0:
-        return ["--dp", str(nproc // 2), "--tp", "2", *COMMON]
-    if injection in NEEDS_TP:
-        return ["--dp", "1", "--tp", str(nproc), *COMMON]
-    return ["--dp", str(nproc), "--tp", "1", *COMMON]
-
-
-#: 4 CPU ranks, every dimension a failure needs: dp peers, tp peers, compiled blocks.
-LAYOUT = layout("", 4)
-LAYOUT_DDP = layout("slow-collective", 4)
-#: steps per mode (default 100): leaks need warm-up plus a 20-step trend, and the cross-rank detectors
-#: compare over the store every 3 s and confirm on a second exchange: about 10 s, which fast steps outrun.
-STEPS = {"hang": 12}
-DEFAULT_STEPS = 100
-#: modes built into the model or the step from step 0 (the others start at --inject-step).
-FROM_START = {"divergent-graph", "ddp-nesting", "tp-grad-skip"}
+from hpar_agent.tools.launch import torchrun_cmd, trainer_scenarios
 
 
 @dataclass
@@ -262,33 +187,28 @@ def diagnose(
     """One injected run; ``extra`` trainer flags override the mode's layout (e.g. ``--device cuda``).
 
     Never raises for a failed or stuck run: a run past ``timeout`` is killed (its whole process group)
-    and reported as timed out with whatever fired until then."""
-    if injection not in EXPECTED:
-        raise ValueError(f"unknown injection {injection!r}; one of: {', '.join(EXPECTED)}")
+    and reported as timed out with whatever fired until then. Raises ``launch.TrainerMissing`` when
+    the trainer is not importable."""
+    sc = trainer_scenarios()
+    if injection not in sc.EXPECTED:
+        raise ValueError(f"unknown injection {injection!r}; one of: {', '.join(sc.EXPECTED)}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    inject_step = 3
-    args = [
-        *layout(injection, nproc),
-        "--steps", str(steps or STEPS.get(injection, DEFAULT_STEPS)),
-        "--inject", injection, "--inject-step", str(inject_step),
-        "--out", str(run_dir / "trainer.json"),
-        *(extra or []),
-    ]  # fmt: skip
+    args = sc.diagnose_argv(injection, nproc, steps=steps, out=str(run_dir / "trainer.json"), extra=extra or ())
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
         "HPAR_RUN_DIR": str(run_dir), "HPAR_JOB_ID": run_dir.name, "HPAR_METRICS_PORT": "0",
     }  # fmt: skip
     t0 = time.time()
     code, timed_out, token = run_group(torchrun_cmd(nproc, "hpar_trainer", args), env, run_dir / "diagnose.log", timeout)
-    from_start = injection in FROM_START
+    from_start = injection in sc.FROM_START
     return Finding(
         injection,
-        EXPECTED[injection],
+        sc.EXPECTED[injection],
         read_alerts(run_dir),
         code,
         time.time() - t0,
-        0 if from_start else inject_step,
-        injection_times(run_dir, inject_step, from_start),
+        0 if from_start else sc.INJECT_STEP,
+        injection_times(run_dir, sc.INJECT_STEP, from_start),
         timeout if timed_out else 0.0,
         token,
     )
@@ -299,7 +219,8 @@ HEADERS = ["injection", "expected alert", "fired on rank", "stage", "steps to de
 
 
 def markdown(findings: list[Finding]) -> str:
+    notes_of = trainer_scenarios().NOTES
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(f.row()) + " |" for f in findings]
-    notes = [f"- `{f.injection}`: {NOTES[f.injection]}" for f in findings if f.injection in NOTES]
+    notes = [f"- `{f.injection}`: {notes_of[f.injection]}" for f in findings if f.injection in notes_of]
     return "\n".join(lines + (["", *notes] if notes else []))
