@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     if name == "gpu" and not torch.cuda.is_available():
         sys.exit("--config gpu needs a GPU (use --cpu-smoke to test the path on CPU)")
     arms = ["off", "on"] + ([] if a.no_profiler else ["profiler"]) + (["aa"] if a.aa else [])
-    if name == "gpu" and a.design == "runs":
+    if name == "gpu" and a.design == "runs" and cfg["nproc"] > 1:  # one rank has no collective to time
         arms.append("nccl")
     if a.design == "blocks":
         result = blocks_design(name, cfg, arms, a, inprocess)

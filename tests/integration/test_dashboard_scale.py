@@ -135,9 +135,9 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromStack]:
     for _attempt in range(5):  # a port of the range can be taken between the check and the bind
         base = free_base_port(RANKS)
         proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "benchmarks" / "scrape_sim.py"), "--serve", "--base", str(base),
+            [sys.executable, "-m", "benchmarks.scrape_sim", "--serve", "--base", str(base),
              "--targets", str(RANKS), "--interval", "1", "--scrapes", *files],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, text=True, cwd=ROOT,
         )  # fmt: skip
         assert proc.stdout is not None
         if proc.stdout.readline().strip() == "ready":
