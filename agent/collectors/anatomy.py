@@ -6,8 +6,9 @@ to the step boundary). What is left (loss, clipping, DDP's wait for its last buc
 "other" in the summary. ``comm_exposed``: communication time of the step not hidden by any of those
 phases (see ``exposed_ns``), exported where collective timing exists:
 - timed collective intervals of the step from the collectives collector (NCCL flight-recorder durations,
-  placed at enqueue; pipelining p2p timed by its wrapper), which may arrive a flight-recorder read
-  after the step: the phase waits for them (``comm_pending``), at most ``COMM_WAIT_NS``;
+  placed at enqueue), which may arrive a flight-recorder read after the step: the phase waits for them
+  (``comm_pending``), at most ``COMM_WAIT_NS``. Pipeline p2p is left out: its waits are the schedule's
+  bubble (``hpar_pp_bubble_ratio``), and would name every pipeline communication-bound;
 - on the CPU clock, the host's wait in the autograd engine's final callbacks after the backward
   (DDP's reducer waits there for its last buckets, FSDP2/replicate reduce there; gloo records no
   durations): a second engine callback, queued by the backward-end callback and so run after theirs,
@@ -200,7 +201,6 @@ class AnatomyCollector(Component):
         self.buffer.capacity = agent.config.buffer_size
         self._steps = agent.component("steps")
         self._pipe = agent.component("pipeline")
-        self._coll = agent.component("collectives")
         dist = getattr(torch, "distributed", None)
         if dist is not None and dist.is_available():
             self._dist_on = dist.is_initialized
@@ -397,7 +397,10 @@ class AnatomyCollector(Component):
 
     def _flush_comm(self) -> int:
         """Complete ``comm_exposed`` of the steps whose collectives have all been read (in order)."""
-        coll, agent, done = self._coll, self.agent, 0
+        agent, done = self.agent, 0
+        if self._coll is None and agent is not None:  # installed after this component
+            self._coll = agent.component("collectives")
+        coll = self._coll
         now, mark = time.time_ns(), None
         while self.comm_pending:
             rec, busy, waits, phases = self.comm_pending[0]

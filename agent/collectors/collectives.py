@@ -493,8 +493,8 @@ class CollectiveCollector(Component):
             spans.append((start_ns, end_ns))
 
     def comm_intervals(self, step: int) -> list[tuple[int, int]]:
-        """Takes the (start ns, end ns) of the step's timed ops (NCCL: enqueue + duration; p2p: issue
-        to observed completion); complete once ``span_watermark_ns`` passed the step's end."""
+        """Takes the (start ns, end ns) of the step's timed collectives (NCCL: enqueue + duration; not
+        pipeline p2p); complete once ``span_watermark_ns`` passed the step's end."""
         return self.intervals.pop(step, [])
 
     def read_through_ns(self) -> int:
@@ -696,7 +696,8 @@ class CollectiveCollector(Component):
         hist.observe(seconds, exemplar, (start_ns + seconds * 1e9) / 1e9)
         self.timed_ops.append((item.pg, item.op, item.seq, start_ns, seconds))
         self.timed += 1
-        self._keep_interval(step, start_ns, start_ns + int(seconds * 1e9))
+        if item.pg != PP_PG:  # a pipeline's p2p waits are its bubble (hpar_pp_bubble_ratio), not exposed comm
+            self._keep_interval(step, start_ns, start_ns + int(seconds * 1e9))
         bw = busbw(item.op, item.data_bytes, seconds, item.size)
         if bw is not None:
             self.last_busbw[(item.pg, item.op)] = bw
