@@ -143,7 +143,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_collective_oldest_inflight_age_seconds", "gauge", "Age of the oldest op not yet completed on the group.", PG, unit="seconds"),
     _m("hpar_collective_last_completed_seq", "gauge", "Sequence number of the last completed collective on the group.", PG),
     _m("hpar_collective_unobserved_total", "counter", "Flight-recorder entries overwritten before the agent read them.", PG),
-    _m("hpar_grad_sync_coverage_ratio", "gauge", "Gradient elements the last judged step reduced over the group (dp) / trainable gradient elements it must reduce; 1 when whole.", GROUP, unit="ratio"),
+    _m("hpar_grad_sync_coverage_ratio", "gauge", "dp: gradient elements the last judged step reduced over dp / trainable gradient elements it must reduce; tp: elements of tp-replicated gradients that needed a tp sum and got it / those that needed it (sampled steps); 1 when whole.", GROUP, unit="ratio"),
     _m("hpar_collective_timing_enabled", "gauge", "1 when the group's ops carry durations (NCCL with timing on, pipelining p2p), else 0.", PG),
     # torch.compile
     _m("hpar_dynamo_compiles_total", "counter", "Dynamo compile attempts by outcome (ok, graph_break, failed, limit), trigger and backend (a name in dynamo's backend registry, else custom/unknown).", OUTCOME, TRIGGER, BACKEND),

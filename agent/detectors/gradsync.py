@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpar_agent.detectors.base import Detector, Verdict
 
@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
 
 class GradSyncIncomplete(Detector):
-    """The last judged step's ``hpar_grad_sync_coverage_ratio{group="dp"}`` (see ``collectors.gradsync``).
+    """The lower of the last judged ``hpar_grad_sync_coverage_ratio{group="dp"}`` and ``{group="tp"}`` (see
+    ``collectors.gradsync``; the tp one from gradient samples exchanged within the tp group).
 
     | param | default | meaning |
     |---|---|---|
@@ -25,11 +26,31 @@ class GradSyncIncomplete(Detector):
     defaults = {"min_coverage": 0.99}
     threshold_param = "min_coverage"
     clear = 3
+    cross_rank = True  # the tp coverage compares gradient samples across the tp group
+
+    def publish(self, ctx: DetectorsComponent) -> dict[str, Any]:
+        comp = ctx.agent.component("gradsync") if ctx.agent is not None else None
+        tp = comp.published_tp() if comp is not None and hasattr(comp, "published_tp") else {}
+        return {"gst": tp} if tp else {}
+
+    def _judge_tp(self, ctx: DetectorsComponent, comp: Any) -> None:
+        from hpar_agent.detectors.cluster import TP_KEYS, _my_group
+
+        group = _my_group(ctx, TP_KEYS, "gst")
+        if len(group) < 2:
+            return
+        steps = set.intersection(*(set(ctx.peers[r]["gst"]) for r in group))
+        for step in sorted(steps, key=int):
+            comp.judge_tp(int(step), {r: ctx.peers[r]["gst"][step] for r in group})
 
     def evaluate(self, ctx: DetectorsComponent) -> Verdict | None:
         comp = ctx.agent.component("gradsync") if ctx.agent is not None else None
-        coverage = getattr(comp, "coverage", None)
-        if coverage is None:
+        if comp is not None and ctx.peers_fresh and hasattr(comp, "judge_tp"):
+            self._judge_tp(ctx, comp)
+        covs = {g: c for g, c in (("dp", getattr(comp, "coverage", None)), ("tp", getattr(comp, "tp_coverage", None)))
+                if c is not None}
+        if not covs:
             return None
-        details = {"step": comp.judged, "required_elements": comp.required}  # type: ignore[union-attr]
+        coverage = min(covs.values())
+        details = {"step": comp.judged, "required_elements": comp.required, "coverage": covs}  # type: ignore[union-attr]
         return Verdict(coverage < self.p("min_coverage"), float(coverage), details)
