@@ -13,6 +13,8 @@ phases (see ``exposed_ns``), exported where collective timing exists:
   (DDP's reducer waits there for its last buckets, FSDP2/replicate reduce there; gloo records no
   durations): a second engine callback, queued by the backward-end callback and so run after theirs,
   closes it.
+On CUDA the other phases are stream times placed from the step's start and the collectives sit at their
+host enqueue time, so the overlap is approximate there (a host running ahead of the GPU shifts them).
 
 Hooks, all installed by ``attach(model)``, only append ``(step, code, epoch ns)`` to a bounded buffer:
 - forward: pre-hook (prepended: the user's own pre-hooks count as forward) and post-hook on the
