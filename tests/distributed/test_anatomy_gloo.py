@@ -75,6 +75,8 @@ def test_phase_spans_are_children_of_the_step_span(anatomy_runs: dict[str, Path]
     waits = [s for s in spans if s["name"] == "step.data_wait"]
     assert {"step.forward", "step.backward", "step.optimizer"} <= {s["name"] for s in spans}
     assert waits and all(s["parentSpanId"] in steps for s in waits)
+    comm = [s for s in spans if s["name"] == "step.comm_exposed"]  # the replicate reduction after the backward
+    assert comm and all(s["parentSpanId"] in steps for s in comm)
     longest = max((int(s["endTimeUnixNano"]) - int(s["startTimeUnixNano"])) / 1e9 for s in waits)
     assert longest > 0.49
 
