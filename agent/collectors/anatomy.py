@@ -349,6 +349,9 @@ class AnatomyCollector(Component):
         self._flush()
 
     def span_watermark_ns(self) -> int | None:
+        # asked after every component's poll: the collectives read in this pass may complete steps now
+        if self.comm_pending and self._flush_comm():
+            self._judge()
         marks = [q[0][0].start_ns for q in (self._waiting, self.comm_pending) if q]
         return min(marks) if marks else None
 
