@@ -107,8 +107,8 @@ STEP_BUCKETS: tuple[float, ...] = (
     1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
 
-#: Step anatomy: the fixed ``phase`` values of hpar_step_phase_duration_seconds (comm_exposed only where
-#: collective timing exists) and the ``verdict`` values of hpar_step_bottleneck.
+#: Step anatomy: the fixed ``phase`` values of hpar_step_phase_duration_seconds (comm_exposed: collective
+#: time no other phase hides, only where collective timing exists) and the ``verdict`` values of hpar_step_bottleneck.
 STEP_PHASES: tuple[str, ...] = ("data_wait", "forward", "backward", "optimizer", "comm_exposed")
 VERDICTS: tuple[str, ...] = ("input-bound", "compute-bound", "communication-bound", "slow-rank")
 
@@ -127,8 +127,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_tokens_total", "counter", "Tokens processed, as reported by the training loop."),
     _m("hpar_model_flops_per_token", "gauge", "Model FLOPs this rank performs per token of hpar_tokens_total, as the trainer reports it (agent.report_flops); absent until reported."),
     _m("hpar_peak_flops", "gauge", "Peak FLOP/s of this rank's accelerator for the training dtype, as the trainer reports it (agent.report_flops); absent until reported."),
-    _m("hpar_step_phase_duration_seconds", "histogram", "Time of one phase of a step on this rank (data_wait, forward, backward, optimizer, comm_exposed); CPU wall clock.", PHASE, unit="seconds"),
+    _m("hpar_step_phase_duration_seconds", "histogram", "Time of one phase of a step on this rank (data_wait, forward, backward, optimizer, comm_exposed: collective time no other phase hides, where collective timing exists); CPU wall clock, GPU stream time from CUDA events on GPU.", PHASE, unit="seconds"),
     _m("hpar_step_phase_ratio", "gauge", "Share of step time spent in the phase over the recent steps (after warm-up).", PHASE, unit="ratio"),
+    _m("hpar_step_slow_rank", "gauge", "The rank a slow-rank verdict names: the job's slowest rank, on every rank (the cross-rank Straggler exchange); absent otherwise.", unit=""),
     _m("hpar_step_bottleneck", "gauge", "1 for this rank's current bottleneck verdict (input-bound, compute-bound, communication-bound, slow-rank), 0 for the others.", VERDICT),
     _m("hpar_pp_chunk_duration_seconds", "histogram", "Compute time of one pipeline microbatch chunk on this stage.", PHASE, STREAM, unit="seconds"),
     _m("hpar_pp_busy_seconds", "gauge", "Forward+backward compute time of this stage in the last step.", unit="seconds"),
@@ -142,7 +143,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_collective_oldest_inflight_age_seconds", "gauge", "Age of the oldest op not yet completed on the group.", PG, unit="seconds"),
     _m("hpar_collective_last_completed_seq", "gauge", "Sequence number of the last completed collective on the group.", PG),
     _m("hpar_collective_unobserved_total", "counter", "Flight-recorder entries overwritten before the agent read them.", PG),
-    _m("hpar_grad_sync_coverage_ratio", "gauge", "Gradient elements the last judged step reduced over the group (dp) / trainable gradient elements it must reduce; 1 when whole.", GROUP, unit="ratio"),
+    _m("hpar_grad_sync_coverage_ratio", "gauge", "dp: gradient elements the last judged step reduced over dp / trainable gradient elements it must reduce; tp: elements of tp-replicated gradients that needed a tp sum and got it / those that needed it (sampled steps); 1 when whole.", GROUP, unit="ratio"),
     _m("hpar_collective_timing_enabled", "gauge", "1 when the group's ops carry durations (NCCL with timing on, pipelining p2p), else 0.", PG),
     # torch.compile
     _m("hpar_dynamo_compiles_total", "counter", "Dynamo compile attempts by outcome (ok, graph_break, failed, limit), trigger and backend (a name in dynamo's backend registry, else custom/unknown).", OUTCOME, TRIGGER, BACKEND),

@@ -48,7 +48,8 @@ NOTES: dict[str, str] = {
     "ddp-nesting": "all ranks train the detached block unsynchronised: every dp pair drifts (a 1-1 split "
     "names both ranks); GradSyncIncomplete fires on every rank from the first judged step, its value the "
     "share of the gradient reduced over dp.",
-    "tp-grad-skip": "all ranks skip the sync: every tp pair drifts (a 1-1 split names both ranks).",
+    "tp-grad-skip": "all ranks skip the sync: every tp pair drifts (a 1-1 split names both ranks); "
+    "GradSyncIncomplete fires on every rank with coverage.tp 0.0 (gradients sampled from step 1).",
     "compile-leak": "a new code object compiled per microbatch: CompiledGraphsGrowing names "
     "`_leaky_graph trainer/inject.py:<line>` first (2 ranks: step 10, MemoryLeak at step 30 with a py-spy "
     "record profile); the leaked graphs are graphs its peers never compile, so CompileDivergence may name "

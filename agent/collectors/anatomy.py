@@ -3,14 +3,24 @@
 Phases of step s (from the end of step s-1's optimizer step to the end of step s's):
 ``data_wait`` (to the first forward), ``forward``, ``backward``, ``optimizer`` (optimizer step pre-hook
 to the step boundary). What is left (loss, clipping, DDP's wait for its last bucket, logging) is
-"other" in the summary. ``comm_exposed`` is in the fixed phase set but is only exported where a
-collective-timing source can tell overlapped from exposed time; none does yet, so it is left out.
+"other" in the summary. ``comm_exposed``: communication time of the step not hidden by any of those
+phases (see ``exposed_ns``), exported where collective timing exists:
+- timed collective intervals of the step from the collectives collector (NCCL flight-recorder durations,
+  placed at enqueue), which may arrive a flight-recorder read after the step: the phase waits for them
+  (``comm_pending``), at most ``COMM_WAIT_NS``. Pipeline p2p is left out: its waits are the schedule's
+  bubble (``hpar_pp_bubble_ratio``), and would name every pipeline communication-bound;
+- on the CPU clock, the host's wait in the autograd engine's final callbacks after the backward
+  (DDP's reducer waits there for its last buckets, FSDP2/replicate reduce there; gloo records no
+  durations): a second engine callback, queued by the backward-end callback and so run after theirs,
+  closes it.
+On CUDA the other phases are stream times placed from the step's start and the collectives sit at their
+host enqueue time, so the overlap is approximate there (a host running ahead of the GPU shifts them).
 
 Hooks, all installed by ``attach(model)``, only append ``(step, code, epoch ns)`` to a bounded buffer:
 - forward: pre-hook (prepended: the user's own pre-hooks count as forward) and post-hook on the
   attached ROOT module only (global module hooks would cost µs per submodule call);
-- backward: at forward exit, a pre-hook on the output's ``grad_fn`` marks the start of that backward
-  and queues an autograd-engine callback (``queue_callback``, as DDP does) that marks its end;
+- backward: at forward exit, a hook on the output tensor marks the start of that backward and queues
+  an autograd-engine callback (``queue_callback``, as DDP does) that marks its end;
 - optimizer: the global optimizer step pre-hook; the step boundary (post-hook) ends it;
 - data loader: ``_BaseDataLoaderIter.__next__`` wrapped while attached (time inside the loader).
 Pipeline schedules: forward/backward are the pipeline collector's chunk times (CUDA events there on a
@@ -37,6 +47,7 @@ from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
 from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
@@ -47,12 +58,46 @@ from hpar_agent.thresholds import ANATOMY_DEFAULTS
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
 
-FWD0, FWD1, BWD0, BWD1, OPT0, LOAD, OPT1 = range(7)
+FWD0, FWD1, BWD0, BWD1, OPT0, LOAD, OPT1, SYNC1 = range(8)
 MAX_WAITING = 256  # CUDA steps whose events have not completed yet
+MAX_COMM_WAITING = 8192  # steps whose collectives have not all been read yet (FR reads are periodic)
+COMM_WAIT_NS = 30 * 10**9  # then comm_exposed is computed from what was read (a hung op never completes)
+COMPUTE_PHASES = ("data_wait", "forward", "backward", "optimizer")  # disjoint from comm_exposed
 PHASES = cat.STEP_PHASES
 WARMUP_STEPS = 2  # left out of the verdict: the first steps compile and allocate
 WINDOW = 64  # recent steps the shares and the verdict are computed over
 DEFAULTS = {f"anatomy.{k}": v for k, v in ANATOMY_DEFAULTS.items()}  # overridable as thresholds
+
+
+def _union(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def exposed_ns(
+    comm: Iterable[tuple[int, int]], busy: Iterable[tuple[int, int]], lo: int, hi: int
+) -> list[tuple[int, int]]:
+    """The parts of the communication intervals inside [lo, hi] that no busy interval covers: the
+    union of ``comm`` clipped to the step, minus the union of ``busy`` (the step's other phases)."""
+    out: list[tuple[int, int]] = []
+    cover = _union(busy)
+    for a, b in _union((max(a, lo), min(b, hi)) for a, b in comm):
+        for c, d in cover:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
 
 
 def bottleneck(
@@ -73,6 +118,58 @@ def bottleneck(
     return "compute-bound"
 
 
+SLOW_EXCESS = 0.2  # a rank's compute past its stage peers' median by this share of its step is slow
+
+
+def slow_rank_across(ranks: Iterable[tuple[Any, Any, dict[str, Any]]]) -> dict[str, Any] | None:
+    """The job's one slow rank from per-rank anatomy digests ``(rank, pp_stage, digest)`` (offline:
+    the run directory's summaries), with the numbers that name it, or None.
+
+    Named by the ranks' own verdicts when they name one (the live cross-rank Straggler exchange, the
+    rank most of them name); else by the phases: the rank whose compute (forward + backward +
+    optimizer p50) exceeds its stage peers' median by more than ``SLOW_EXCESS`` of its step, while
+    those peers wait for it (their exposed communication p50 at least half the excess, where measured).
+    """
+    ranks = list(ranks)
+    named: dict[int, int] = {}
+    for _r, _stage, d in ranks:
+        ev = d.get("evidence") or {}
+        if d.get("verdict") == "slow-rank" and isinstance(ev.get("slow_rank"), int):
+            named[ev["slow_rank"]] = named.get(ev["slow_rank"], 0) + 1
+    if named:
+        rank = max(named, key=named.__getitem__)
+        return {"rank": rank, "source": "straggler", "ranks_naming_it": named[rank], "ranks": len(ranks)}
+    best: dict[str, Any] | None = None
+    stages: dict[Any, list[tuple[Any, dict[str, Any]]]] = {}
+    for r, stage, d in ranks:
+        stages.setdefault(stage, []).append((r, d))
+    for group in stages.values():
+        busy = {}
+        for r, d in group:
+            p50 = d.get("phase_seconds_p50") or {}
+            if "forward" in p50 and "backward" in p50:
+                busy[r] = sum(p50.get(p, 0.0) for p in ("forward", "backward", "optimizer"))
+        for r, b in busy.items():
+            others = [v for o, v in busy.items() if o != r]
+            step = dict(group)[r].get("step_seconds_p50") or 0.0
+            if not others or not step:
+                continue
+            excess = b - statistics.median(others)
+            if excess <= SLOW_EXCESS * step:
+                continue
+            waits: list[float] = [
+                float(w) for o, d in group
+                if o != r and o in busy and (w := (d.get("phase_seconds_p50") or {}).get("comm_exposed")) is not None
+            ]
+            if waits and statistics.median(waits) < 0.5 * excess:
+                continue
+            if best is None or excess > best["compute_excess_s"]:
+                best = {"rank": r, "source": "phases", "compute_excess_s": round(excess, 4),
+                        "compute_share_excess": round(excess / step, 4),
+                        "peers_comm_exposed_s": round(statistics.median(waits), 4) if waits else None}
+    return best
+
+
 class AnatomyCollector(Component):
     name = "anatomy"
 
@@ -84,6 +181,10 @@ class AnatomyCollector(Component):
         self._loader_patch: tuple[Any, Any] | None = None
         self._steps: Any = None
         self._pipe: Any = None
+        self._coll: Any = None
+        self._dist_on: Any = lambda: False
+        #: steps awaiting their collectives: (rec, busy intervals, host waits, phases dict to complete)
+        self.comm_pending: list[tuple[StepRecord, list[tuple[int, int]], list[tuple[int, int]], dict[str, float]]] = []
         self._compiling: Any = lambda: False
         self._queue_callback: Any = None
         self._events: dict[int, list[tuple[int, int, int, Any]]] = {}
@@ -95,6 +196,7 @@ class AnatomyCollector(Component):
         self.hists: dict[str, Histogram] = {p: Histogram(cat.LATENCY_BUCKETS) for p in PHASES}
         self.history: list[tuple[int, float, dict[str, float], float]] = []  # (step, step s, phases, loader s)
         self.verdict: str | None = None
+        self.slow_rank: int | None = None  # the peer a slow-rank verdict names (None: this rank, or none)
         self.evidence: dict[str, Any] = {}
         self.shares: dict[str, float] = {}
         self.forward_source = "none"
@@ -108,12 +210,16 @@ class AnatomyCollector(Component):
         self.buffer.capacity = ctx.config.buffer_size
         self._steps = ctx.find(StepCollector)
         self._pipe = ctx.find(PipelineCollector)
+        dist = getattr(torch, "distributed", None)
+        if dist is not None and dist.is_available():
+            self._dist_on = dist.is_initialized
         self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
         self._queue_callback = torch.autograd.Variable._execution_engine.queue_callback
         model = ctx.model
         if isinstance(model, torch.nn.Module):
             self._handles.append(model.register_forward_pre_hook(self._fwd_pre, prepend=True))
-            self._handles.append(model.register_forward_hook(self._fwd_post))
+            # prepended: its output hook must precede FSDP's/replicate's (see _fwd_post)
+            self._handles.append(model.register_forward_hook(self._fwd_post, prepend=True))
             self.forward_source = "module-hooks"
             try:
                 self.cuda = next(model.parameters()).device.type == "cuda"
@@ -186,9 +292,11 @@ class AnatomyCollector(Component):
         self._mark(self._step(), FWD1)
         try:
             t = out[0] if isinstance(out, (tuple, list)) and out else out
-            fn = getattr(t, "grad_fn", None)
-            if fn is not None:
-                fn.register_prehook(self._bwd_pre)
+            if getattr(t, "grad_fn", None) is not None:
+                # A tensor hook, registered before FSDP/replicate's on the same output: tensor hooks run in
+                # order, so our engine callback (the backward's end) is queued before their root
+                # post-backward callback, whose gradient reduction then counts as communication.
+                t.register_hook(self._bwd_pre)
         except Exception as exc:  # never into the training loop
             self.record_error(exc)
 
@@ -201,6 +309,14 @@ class AnatomyCollector(Component):
 
     def _bwd_end(self) -> None:
         self._mark(self._step(), BWD1)
+        if self._event is None and self._dist_on():  # CPU clock: time DDP's wait (module docstring)
+            try:
+                self._queue_callback(self._sync_end)
+            except Exception as exc:
+                self.record_error(exc)
+
+    def _sync_end(self) -> None:
+        self._mark(self._step(), SYNC1)
 
     def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         steps = self._steps
@@ -236,7 +352,11 @@ class AnatomyCollector(Component):
         self._flush()
 
     def span_watermark_ns(self) -> int | None:
-        return self._waiting[0][0].start_ns if self._waiting else None
+        # asked after every component's poll: the collectives read in this pass may complete steps now
+        if self.comm_pending and self._flush_comm():
+            self._judge()
+        marks = [q[0][0].start_ns for q in (self._waiting, self.comm_pending) if q]
+        return min(marks) if marks else None
 
     def _flush(self) -> None:
         """Finish the steps in order, each once its CUDA events (if any) have completed; then judge
@@ -262,8 +382,54 @@ class AnatomyCollector(Component):
                 phases, spans, loader = self.phases(rec, events)
             self._last_end_event = end
             self._finish(rec, phases, spans, loader, step_s)
+            busy = [(t0, t1) for phase, t0, t1 in spans if phase in COMPUTE_PHASES]
+            if piped:  # forward/backward spans are the pipeline's chunks
+                busy += self._pipe.intervals_by_step.pop(rec.step, [])
+            self.comm_pending.append((rec, busy, self.host_waits(events) if self._event is None else [], phases))
+        finished += self._flush_comm()
         if finished:
             self._judge()
+
+    @staticmethod
+    def host_waits(events: list[tuple[int, int, int, Any]]) -> list[tuple[int, int]]:
+        """CPU clock: each backward's end to the engine callback queued after DDP's (its bucket wait)."""
+        out, bwd_end = [], None
+        for code, t0, _t1, _ev in sorted(events, key=lambda e: e[1]):
+            if code == BWD1:
+                bwd_end = t0
+            elif code == SYNC1 and bwd_end is not None:
+                out.append((bwd_end, t0))
+                bwd_end = None
+        return out
+
+    def _flush_comm(self) -> int:
+        """Complete ``comm_exposed`` of the steps whose collectives have all been read (in order)."""
+        agent, done = self.ctx, 0
+        if self._coll is None and agent is not None:  # installed after this component
+            self._coll = agent.find(CollectiveCollector)
+        coll = self._coll
+        now, mark = time.time_ns(), None
+        while self.comm_pending:
+            rec, busy, waits, phases = self.comm_pending[0]
+            if (coll is not None and coll.up and not (agent is not None and agent.stopping)
+                    and len(self.comm_pending) <= MAX_COMM_WAITING and now - rec.end_ns < COMM_WAIT_NS):
+                if mark is None:
+                    mark = coll.span_watermark_ns()
+                if mark is not None and mark < rec.end_ns:
+                    break  # a timed op of this step may still come
+            del self.comm_pending[0]
+            done += 1
+            comm = coll.comm_intervals(rec.step) if coll is not None else []
+            if not comm and not waits and not getattr(coll, "timed", 0):
+                continue  # no timing source on this rank: not measured (left out, not 0)
+            parts = exposed_ns([*comm, *waits], busy, rec.start_ns, rec.end_ns)
+            secs = sum(b - a for a, b in parts) / 1e9
+            self.hists["comm_exposed"].observe(secs)
+            phases["comm_exposed"] = secs  # the step's history entry holds this dict
+            if agent is not None and agent.tracing_on:
+                for t0, t1 in parts[:16]:
+                    agent.add_span(SpanRecord(cat.SPAN_STEP_PHASES["comm_exposed"], t0, t1, rec.step))
+        return done
 
     def _finish(self, rec: StepRecord, phases: dict[str, float], spans: list[tuple[str, int, int]],
                 loader: float, step_s: float) -> None:
@@ -381,7 +547,7 @@ class AnatomyCollector(Component):
         seen = {p for h in hist for p in h[2]}
         self.shares = {p: sums[p] / total for p in PHASES if p in seen}
         th = dict(self.ctx.config.thresholds) if self.ctx is not None else {}
-        straggler, lag = self._straggler()
+        straggler, lag, slow_rank = self._straggler()
         self.verdict = bottleneck(
             self.shares,
             straggler=straggler,
@@ -398,18 +564,27 @@ class AnatomyCollector(Component):
         }
         if lag is not None:
             self.evidence["straggler_lag_ratio"] = round(lag, 4)
+        self.slow_rank = slow_rank if self.verdict == "slow-rank" else None
         if self.verdict == "slow-rank":
-            self.evidence["slow_rank"] = rank
+            self.evidence["slow_rank"] = rank if slow_rank is None else slow_rank
 
-    def _straggler(self) -> tuple[bool, float | None]:
-        """This rank's Straggler state (arrival lag at collectives, exchanged through the store)."""
+    def _straggler(self) -> tuple[bool, float | None, int | None]:
+        """Whether the job has one slow rank, its arrival lag at collectives and which rank: this
+        rank's own Straggler state, else the slow rank its Straggler detector sees among the peers
+        (the lags every rank computes from the flight-recorder entries exchanged through the store)."""
         from hpar_agent.detectors.component import DetectorsComponent
 
         det = self.ctx.find(DetectorsComponent) if self.ctx is not None else None
         st = det.states.get("Straggler") if det is not None else None
         if st is None:
-            return False, None
-        return bool(st.active), (float(st.value) if st.value else None)
+            return False, None, None
+        if st.active:
+            return True, (float(st.value) if st.value else None), None
+        d = next((d for d in getattr(det, "detectors", ()) if d.name == "Straggler"), None)
+        slowest = getattr(d, "slowest", None)
+        if slowest is None:
+            return False, None, None
+        return True, float(slowest[1]), int(slowest[0])
 
     def collect(self) -> Iterable[Metric]:
         f = self.require_ctx().families
@@ -423,6 +598,11 @@ class AnatomyCollector(Component):
             for v in cat.VERDICTS:
                 f.add(b, [v], 1.0 if v == self.verdict else 0.0)
         yield b
+        sr = f.gauge("hpar_step_slow_rank")
+        if self.verdict == "slow-rank":
+            rank = self.ctx.topology.rank if self.ctx is not None else 0
+            f.add(sr, [], float(rank if self.slow_rank is None else self.slow_rank))
+        yield sr
 
     def summary(self) -> dict[str, Any]:
         recent = self.history[-WINDOW:]

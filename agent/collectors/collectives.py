@@ -113,6 +113,8 @@ class CollectiveCollector(Component):
         self.reduced_elems: dict[int, Counter[str]] = {}
         #: the last timed ops (pg, op, seq, enqueue ns, seconds): CollectiveLatencyHigh nets out arrival skew
         self.timed_ops: deque[tuple[str, str, int, int, float]] = deque(maxlen=recent)
+        #: step -> (start ns, end ns) of its timed ops: the anatomy's exposed communication
+        self.intervals: dict[int, list[tuple[int, int]]] = {}
         self.recorders: list[str] = []
         self._cursor: dict[str, int] = {}  # recorder -> next record_id to read
         self._status: dict[str, Any] = {}  # recorder -> pg_status at the last full dump
@@ -337,6 +339,20 @@ class CollectiveCollector(Component):
             by_pg = self.reduced_elems[step] = Counter()
         by_pg[pg] += numel
 
+    def _keep_interval(self, step: int, start_ns: int, end_ns: int) -> None:
+        spans = self.intervals.get(step)
+        if spans is None:
+            if len(self.intervals) >= MAX_REDUCE_STEPS:
+                del self.intervals[min(self.intervals)]
+            spans = self.intervals[step] = []
+        if len(spans) < 4096:
+            spans.append((start_ns, end_ns))
+
+    def comm_intervals(self, step: int) -> list[tuple[int, int]]:
+        """Takes the (start ns, end ns) of the step's timed collectives (NCCL: enqueue + duration; not
+        pipeline p2p); complete once ``span_watermark_ns`` passed the step's end."""
+        return self.intervals.pop(step, [])
+
     def read_through_ns(self) -> int:
         """Epoch ns up to which every collective was read: the last poll when no recorder's
         ``pg_status`` moved since its last full read, else the oldest full read (0 before the first)."""
@@ -535,6 +551,8 @@ class CollectiveCollector(Component):
         hist.observe(seconds, exemplar, (start_ns + seconds * 1e9) / 1e9)
         self.timed_ops.append((item.pg, item.op, item.seq, start_ns, seconds))
         self.timed += 1
+        if item.pg != PP_PG:  # a pipeline's p2p waits are its bubble (hpar_pp_bubble_ratio), not exposed comm
+            self._keep_interval(step, start_ns, start_ns + int(seconds * 1e9))
         bw = busbw(item.op, item.data_bytes, seconds, item.size)
         if bw is not None:
             self.last_busbw[(item.pg, item.op)] = bw

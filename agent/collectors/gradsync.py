@@ -20,8 +20,18 @@ gradient to reduce follows from the parameters, so the ratio costs the training 
 
 Small dp collectives that are not gradients (a logged loss, a clip-norm scalar, FSDP's padding) push
 the ratio a little above 1, never below; a missed reduction shows as a ratio < 1. Gradient accumulation
-that reduces every microbatch shows the number of microbatches. TP-sharded parameters whose replicated
-gradients need a tp all-reduce (``--inject tp-grad-skip``) are not seen here: the dp reduction is whole.
+that reduces every microbatch shows the number of microbatches.
+
+``group="tp"``: parameters replicated over tp (not sharded on the tp mesh dim) whose gradient saw only this
+rank's shard of a TP computation (norms over the local heads) must be summed over tp by the training
+loop; ``--inject tp-grad-skip`` drops that sum while the dp reduction stays whole. Which parameters need
+it, the shapes do not say, and the flight recorder cannot tell that sum from an activation all-reduce;
+the gradients do: on every ``TP_EVERY``-th step (the first at step 1) a strided sample of each such
+gradient is taken at the end of the backward (before the loop's own sync) and at the optimizer step
+(after it), without synchronizing (as ReplicaDivergence samples parameters), and the samples travel
+through the detectors' exchange. A parameter needed the sum when its backward-end samples differ across
+the tp group; it got it when its optimizer-step samples agree. Coverage = elements of the parameters
+that needed and got it / elements of those that needed it (1.0 when none did).
 """
 
 from __future__ import annotations
@@ -32,14 +42,21 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
+from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.collectors.pipeline import PipelineCollector
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
 
 DP_GROUP = "dp"
+TP_GROUP = "tp"
+#: tp gradient samples on steps 1, 1 + TP_EVERY, ...; elements sampled per parameter; parameters at most
+TP_EVERY = 10
+PER_PARAM = 16
+MAX_TP_PARAMS = 256
 #: Seconds between two walks over the parameters (requires_grad may change, a model be re-wrapped).
 REQUIRED_EVERY_S = 30.0
 
@@ -80,6 +97,38 @@ def required_elements(params: Iterable[Any], model: Any = None) -> int:
     return total
 
 
+def _sharded_on_tp(p: Any) -> bool:
+    mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None) or ()
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return any(n == TP_GROUP and not pl.is_replicate() for n, pl in zip(names, placements, strict=False))
+
+
+def tp_replicated(model: Any) -> list[Any]:
+    """Trainable parameters of a TP model that are not sharded over tp: plain tensors, or DTensors of
+    data parallelism only (replicate, FSDP) or Replicate on tp. The ones replicated over tp."""
+    params = model.parameters() if hasattr(model, "parameters") else ()
+    return [p for p in params if p.requires_grad and not _sharded_on_tp(p)][:MAX_TP_PARAMS]
+
+
+def tp_coverage(samples: dict[int, list[list[Any]]], sizes: list[int]) -> float | None:
+    """Coverage over one tp group from each rank's ``[backward-end sums, optimizer-step sums]`` (one per
+    parameter, None for a parameter without gradient) and the parameters' element counts."""
+    if len(samples) < 2:
+        return None
+    need = got = 0
+    for i, n in enumerate(sizes):
+        try:
+            pre = [s[0][i] for s in samples.values()]
+            post = [s[1][i] for s in samples.values()]
+        except IndexError:
+            return None  # ranks sampled different parameter lists
+        if any(v is None for v in pre + post) or len(set(pre)) == 1:
+            continue  # no gradient, or the same on every tp rank before any sum: none was needed
+        need += n
+        got += n if len(set(post)) == 1 else 0
+    return got / need if need else 1.0
+
+
 class GradSyncCollector(Component):
     """Judges every step whose collectives the collectives collector has read in full."""
 
@@ -92,10 +141,129 @@ class GradSyncCollector(Component):
         self.judged = -1  # last step judged
         self.coverage: float | None = None  # of the last judged step
         self.history: list[tuple[int, float]] = []  # recent (step, coverage)
+        self.dp_up = False
+        self.tp_coverage: float | None = None
+        self.tp_history: list[tuple[int, float]] = []
+        self.tp_sizes: list[int] = []
+        #: step -> [backward-end sums, optimizer-step sums] (published to the tp peers)
+        self.tp_samples: dict[int, list[list[Any]]] = {}
+        self.tp_buffer: BoundedBuffer[tuple[int, int, list[int], Any, Any]] = BoundedBuffer("gradsync_tp", 64)
+        self.buffers = (self.tp_buffer,)
+        self._tp_params: list[Any] = []
+        self._tp_step = -1  # step whose backward-end sample was taken
+        self._pending: list[tuple[int, int, list[int], Any, Any]] = []
+        self._handles: list[Any] = []
+        self._steps: Any = None
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
-        self.up = ctx.topology.dp > 1 and ctx.model is not None
+        self.dp_up = ctx.topology.dp > 1 and ctx.model is not None
+        self.up = self.dp_up
+        if ctx.topology.tp > 1 and hasattr(ctx.model, "register_forward_hook"):
+            import torch
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._tp_params = tp_replicated(ctx.model)
+            self.tp_sizes = [int(p.numel()) for p in self._tp_params]
+            if self._tp_params:
+                self._steps = ctx.find(StepCollector)
+                self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+                self._queue = torch.autograd.Variable._execution_engine.queue_callback
+                self._handles.append(ctx.model.register_forward_hook(self._fwd_post))
+                self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+                self.up = True
+
+    def uninstall(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ training thread (tp samples)
+    def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
+        """On a sampled step, a hook on the output queues the backward-end sample (O(100 ns) else)."""
+        steps = self._steps
+        if steps is None or steps.count % TP_EVERY != 1 or self._compiling():
+            return
+        try:
+            t = out[0] if isinstance(out, (tuple, list)) and out else out
+            if getattr(t, "grad_fn", None) is not None:
+                t.register_hook(self._bwd_hook)
+        except Exception as exc:
+            self.record_error(exc)
+
+    def _bwd_hook(self, grad: Any) -> None:
+        try:
+            self._queue(self._sample_pre)
+        except Exception as exc:
+            self.record_error(exc)
+
+    def _sample_pre(self) -> None:
+        self._tp_step = self._steps.count
+        self._sample(self._tp_step, 0)  # the last backward of the step wins (pipeline microbatches)
+
+    def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        steps = self._steps
+        if steps is None or steps._optimizer_id not in (None, id(optimizer)) or self._tp_step != steps.count:
+            return
+        self._sample(steps.count, 1)
+
+    def _sample(self, step: int, which: int) -> None:
+        """A strided sample of each gradient, copied off the device without synchronizing."""
+        import torch
+
+        try:
+            parts, counts = [], []
+            with torch.no_grad():
+                for p in self._tp_params:
+                    g = p.grad
+                    if g is None:
+                        counts.append(-1)
+                        continue
+                    flat = (g.to_local() if hasattr(g, "to_local") else g).detach().reshape(-1)
+                    part = flat[:: max(1, flat.numel() // PER_PARAM)][:PER_PARAM].float()
+                    parts.append(part)
+                    counts.append(int(part.numel()))
+                if not parts:
+                    return
+                cat = torch.cat(parts)
+                event = None
+                if cat.is_cuda:
+                    host = torch.empty(cat.shape, dtype=cat.dtype, pin_memory=True)
+                    host.copy_(cat, non_blocking=True)
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
+                    event.record(torch.cuda.current_stream(cat.device))
+                    cat = host
+            self.tp_buffer.put((step, which, counts, cat, event))
+        except Exception as exc:
+            self.record_error(exc)
+
+    # ------------------------------------------------------------------ agent thread
+    def _resolve_tp(self) -> None:
+        items, self._pending = self._pending + self.tp_buffer.drain(), []
+        for item in items:
+            step, which, counts, host, event = item
+            if event is not None and not event.query():
+                self._pending.append(item)
+                continue
+            chunks = iter(host.double().split([c for c in counts if c >= 0]))
+            sums = [None if c < 0 else float(next(chunks).sum()) for c in counts]
+            pair = self.tp_samples.setdefault(step, [[], []])
+            pair[which] = sums
+            for s in sorted(self.tp_samples)[:-3]:
+                del self.tp_samples[s]
+
+    def published_tp(self) -> dict[str, list[list[Any]]]:
+        """The complete samples (both points) of the last sampled steps, for the exchange."""
+        return {str(s): v for s, v in self.tp_samples.items() if v[0] and v[1]}
+
+    def judge_tp(self, step: int, samples: dict[int, list[list[Any]]]) -> None:
+        """Detectors (agent thread): the tp group's samples of one step, own included."""
+        cov = tp_coverage(samples, self.tp_sizes)
+        if cov is None or any(s == step for s, _ in self.tp_history):
+            return
+        self.tp_coverage = cov
+        self.tp_history.append((step, cov))
+        del self.tp_history[:-64]
 
     def _params(self) -> list[Any]:
         ctx = self.require_ctx()
@@ -108,9 +276,10 @@ class GradSyncCollector(Component):
         return params
 
     def poll(self, now: float) -> None:
-        ctx = self.require_ctx()
-        coll = ctx.find(CollectiveCollector)
-        if not self.up or coll is None:
+        if self._tp_params:
+            self._resolve_tp()
+        coll = self.require_ctx().find(CollectiveCollector)
+        if not self.dp_up or coll is None:
             return
         if now - self._required_at >= REQUIRED_EVERY_S:
             self._required_at = now
@@ -135,6 +304,8 @@ class GradSyncCollector(Component):
         g = f.gauge("hpar_grad_sync_coverage_ratio")
         if self.coverage is not None:
             f.add(g, [DP_GROUP], self.coverage)
+        if self.tp_coverage is not None:
+            f.add(g, [TP_GROUP], self.tp_coverage)
         yield g
 
     def summary(self) -> dict[str, Any]:
@@ -144,4 +315,8 @@ class GradSyncCollector(Component):
             "last_step": self.judged,
             "coverage": self.coverage,
             "coverage_min": min(cov) if cov else None,
+            "tp_replicated_elements": sum(self.tp_sizes),
+            "tp_coverage": self.tp_coverage,
+            "tp_coverage_min": min((c for _, c in self.tp_history), default=None),
+            "tp_judged_steps": [s for s, _ in self.tp_history][-8:],
         }

@@ -52,6 +52,7 @@ class PipelineCollector(Component):
         # per step: chunk seconds by phase and the first stage-0 forward's start (read by the anatomy)
         self.phase_by_step: dict[int, dict[str, float]] = {}
         self.first_forward_ns: dict[int, int] = {}
+        self.intervals_by_step: dict[int, list[tuple[int, int]]] = {}  # chunk (t0, t1): the anatomy's busy time
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
@@ -128,6 +129,7 @@ class PipelineCollector(Component):
             self.busy_by_step[step] = self.busy_by_step.get(step, 0.0) + dur
             by_phase = self.phase_by_step.setdefault(step, {})
             by_phase[phase] = by_phase.get(phase, 0.0) + dur
+            self.intervals_by_step.setdefault(step, []).append((t0, t1))
             if phase == "forward" and stage_index == 0:
                 self.first_forward_ns[step] = min(t0, self.first_forward_ns.get(step, t0))
             times = self.stage_times.setdefault((stage_index, phase), [])
@@ -152,7 +154,7 @@ class PipelineCollector(Component):
         busy = self.busy_by_step.pop(rec.step, None)
         for s in [s for s in self.busy_by_step if s < rec.step - 64]:
             del self.busy_by_step[s]
-        for d in (self.phase_by_step, self.first_forward_ns):
+        for d in (self.phase_by_step, self.first_forward_ns, self.intervals_by_step):
             for s in [s for s in d if s < rec.step - 64]:
                 del d[s]
         if busy is None or rec.duration_s <= 0:

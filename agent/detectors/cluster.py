@@ -387,6 +387,9 @@ class Straggler(Detector):
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         super().__init__(thresholds)
         self.warm_ns: int | None = None  # when this rank completed warmup_steps steps
+        self.slowest: tuple[int, float] | None = None  # (rank, lag ratio) of the job's confirmed slow rank
+        self._slow_candidate: int | None = None
+        self._slow_streak = 0
 
     def step_hook(self, step: int, t_ns: int) -> None:
         if self.warm_ns is None and step + 1 >= self.p("warmup_steps"):
@@ -411,5 +414,18 @@ class Straggler(Detector):
         steps = ctx.step_durations[-64:]
         if steps and span_s < self.p("min_window_steps") * median(steps):
             return None  # e.g. a job stuck in its first judged step: too short to call anything persistent
-        ratio = sig.arrival_lag_ratio(fr, sizes).get(ctx.rank, 0.0)
+        lags = sig.arrival_lag_ratio(fr, sizes)
+        self._note_slowest(lags)
+        ratio = lags.get(ctx.rank, 0.0)
         return Verdict(ratio > self.p("max_lag_ratio"), ratio, {"collectives": len(common), "window_s": span_s})
+
+    def _note_slowest(self, lags: dict[int, float]) -> None:
+        """The job's slow rank as every rank sees it (the step anatomy names it): the rank with the
+        largest lag, past ``max_lag_ratio`` on ``confirm`` consecutive judgements."""
+        worst = max(lags, key=lags.__getitem__) if lags else None
+        if worst is None or lags[worst] <= self.p("max_lag_ratio"):
+            self.slowest, self._slow_streak = None, 0
+            return
+        self._slow_streak = self._slow_streak + 1 if worst == self._slow_candidate else 1
+        self._slow_candidate = worst
+        self.slowest = (worst, lags[worst]) if self._slow_streak >= self.confirm else None

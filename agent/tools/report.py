@@ -734,7 +734,20 @@ def anatomy_table(run: Run) -> str:
     if not rows:
         return ""
     heads = ["rank", "step p50", *(f"{p} p50 (share)" for p in phases), "other", "verdict", "evidence"]
-    return _table(heads, rows)
+    return _table(heads, rows) + slow_rank_note(run)
+
+
+def slow_rank_note(run: Run) -> str:
+    """The job's one slow rank named across the ranks (``anatomy.slow_rank_across``), or nothing."""
+    from hpar_agent.collectors.anatomy import slow_rank_across
+
+    slow = slow_rank_across(
+        (r, s.get("pp_stage"), (s.get("components") or {}).get("anatomy") or {}) for r, s in sorted(run.summaries.items())
+    )
+    if slow is None:
+        return ""
+    ev = ", ".join(f"{k}={v}" for k, v in slow.items() if k != "rank" and v is not None)
+    return f"<p><b>One slow rank: rank {_esc(slow['rank'])}</b> ({_esc(ev)})</p>"
 
 
 def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:

@@ -320,11 +320,23 @@ def _render_anatomy(name: str, ranks: list[dict[str, Any]]) -> list[str]:
         f"where the step time goes (p50 and share of step time, after warm-up){note}:",
         *_table(["rank", "step p50", *phases, "other", "bottleneck"], rows),
     ]
+    lines += _slow_rank_line(ranks, name)
     held = [str(row[0]) for row in rows if row[-1] in ("input-bound", "slow-rank")]
     if held and len(held) < len(rows):
         lines.append(f"  rank {', '.join(held)} holds the others back: they wait for it inside collectives "
                      "(counted in their forward/backward)")
     return lines
+
+
+def _slow_rank_line(ranks: list[dict[str, Any]], name: str = "anatomy") -> list[str]:
+    """The job's one slow rank, named across the ranks' summaries (``anatomy.slow_rank_across``)."""
+    from hpar_agent.collectors.anatomy import slow_rank_across
+
+    slow = slow_rank_across((r.get("rank"), r.get("pp_stage"), r.get("components", {}).get(name) or {}) for r in ranks)
+    if slow is None:
+        return []
+    ev = ", ".join(f"{k}={v}" for k, v in slow.items() if k != "rank" and v is not None)
+    return [f"  one slow rank: rank {slow['rank']} ({ev})"]
 
 
 RENDERERS: dict[str, Any] = {

@@ -18,8 +18,11 @@ from hpar_trainer.launch import run_torchrun
 
 pytestmark = pytest.mark.distributed
 
-# --dim 256: compute dominates a clean step (at the default dim 64 the synthetic data takes ~30%)
-BASE = ["--dp", "2", "--compile", "eager", "--dim", "256", "--steps", "12", "--inject-step", "2", "--log-every", "100"]
+# --dim 256: compute dominates a clean step (at the default dim 64 the synthetic data takes ~30%);
+# --global-batch 32: the exposed dp all-reduce of a clean step stays under the 30% communication-bound
+# threshold (same gradient, twice the compute: at 16 it read 0.19-0.31 of the step on the shared 2-core VM)
+BASE = ["--dp", "2", "--compile", "eager", "--dim", "256", "--global-batch", "32", "--steps", "12",
+        "--inject-step", "2", "--log-every", "100"]
 RUNS = {
     "clean": [],
     "clean2": [],
@@ -60,7 +63,7 @@ def test_clean_run_is_compute_bound(anatomy_runs: dict[str, Path]) -> None:
     for rank in (0, 1):
         a = _anatomy(anatomy_runs["clean"], rank)
         assert a["verdict"] == "compute-bound", a
-        assert set(a["phase_seconds_p50"]) == {"data_wait", "forward", "backward", "optimizer"}
+        assert set(a["phase_seconds_p50"]) == {"data_wait", "forward", "backward", "optimizer", "comm_exposed"}
         assert a["evidence"]["shares"]["data_wait"] < 0.2
         assert a["evidence"]["shares"]["forward"] + a["evidence"]["shares"]["backward"] > 0.5
 
@@ -75,6 +78,8 @@ def test_phase_spans_are_children_of_the_step_span(anatomy_runs: dict[str, Path]
     waits = [s for s in spans if s["name"] == "step.data_wait"]
     assert {"step.forward", "step.backward", "step.optimizer"} <= {s["name"] for s in spans}
     assert waits and all(s["parentSpanId"] in steps for s in waits)
+    comm = [s for s in spans if s["name"] == "step.comm_exposed"]  # the replicate reduction after the backward
+    assert comm and all(s["parentSpanId"] in steps for s in comm)
     longest = max((int(s["endTimeUnixNano"]) - int(s["startTimeUnixNano"])) / 1e9 for s in waits)
     assert longest > 0.49
 
@@ -104,3 +109,33 @@ def test_pipeline_phases_come_from_its_chunks(anatomy_runs: dict[str, Path]) -> 
     # only stage 0 consumes the batch: stage 1's wait for activations is not a data wait
     assert "data_wait" in _anatomy(anatomy_runs["pp"], 0)["phase_seconds_p50"]
     assert "data_wait" not in _anatomy(anatomy_runs["pp"], 1)["phase_seconds_p50"]
+
+
+def test_ddp_exposed_communication(anatomy_runs: dict[str, Path]) -> None:
+    """DDP's wait for its gradient all-reduce after the backward is comm_exposed: present on every step
+    of both ranks, > 0, and within the step; the straggler's peer waits ~the injected 2 s in it."""
+    for name in ("clean", "straggler"):
+        for rank in (0, 1):
+            a = _anatomy(anatomy_runs[name], rank)
+            comm, step = a["phase_seconds_p50"]["comm_exposed"], a["step_seconds_p50"]
+            assert 0 < comm <= step, (name, rank, a)
+            assert sum(a["evidence"]["shares"].values()) <= 1.0 + 1e-6, a  # disjoint from the other phases
+    assert 1.5 < _anatomy(anatomy_runs["straggler"], 0)["phase_seconds_p50"]["comm_exposed"] < 3.0
+
+
+def test_the_verdict_names_the_straggler_across_ranks(
+    anatomy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 1 sleeps 2 s in every forward; the job's verdict names rank 1 in the summary and the report
+    (from both ranks' summaries), and a clean run names no slow rank."""
+    from hpar_agent.tools.report import load_run, slow_rank_note
+    from hpar_agent.tools.summary import _slow_rank_line, load_rank_summaries
+
+    run = anatomy_runs["straggler"]
+    (line,) = _slow_rank_line(load_rank_summaries(run))
+    assert line.startswith("  one slow rank: rank 1 ("), line
+    assert "One slow rank: rank 1</b>" in slow_rank_note(load_run(run))
+    for rank in (0, 1):  # a rank's live verdict, where it names a slow rank, names rank 1
+        a = _anatomy(run, rank)
+        assert a["evidence"].get("slow_rank", 1) == 1, a
+    assert _slow_rank_line(load_rank_summaries(anatomy_runs["clean"])) == []

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from hpar_agent import catalogue as cat
+from hpar_agent.collectors.anatomy import slow_rank_across
 from hpar_agent.tools.diagnose import evidence_kind, read_alerts
 from hpar_agent.tools.launch import run_trainer
 
@@ -125,6 +126,10 @@ def test_tp_grad_skip_on_every_tp_group(combined: Run) -> None:
         tp = event["details"]["tp"]
         assert rank in tp["ranks"] and len(tp["ranks"]) == 2
         assert all("q_norm" in p or "k_norm" in p for p in tp["params"]), tp["params"]
+    for rank in range(4):  # the tp gradient-sync coverage says it at once: none of the needed tp sum happened
+        gs = combined.summary(rank)["components"]["gradsync"]
+        assert gs["tp_coverage"] == 0.0 and gs["tp_judged_steps"][0] == 1, gs
+        assert gs["coverage_min"] >= 1.0, gs  # the dp reduction stays whole
 
 
 def test_tensor_leak_on_the_inject_rank_with_stacks(combined: Run) -> None:
@@ -149,6 +154,10 @@ def test_straggler_on_the_inject_rank(combined: Run) -> None:
     fired = combined.fired("Straggler")
     assert 3 in fired and fired[3]["value"] > fired[3]["threshold"], fired
     assert not {0, 1} & set(fired), fired  # the other tp pair is never blamed
+    # the bottleneck verdict names rank 3 as the job's one slow rank (from every rank's summary)
+    digests = [(r, 0, combined.summary(r)["components"]["anatomy"]) for r in range(4)]
+    slow = slow_rank_across(digests)
+    assert slow is not None and slow["rank"] == 3, (slow, [d["evidence"] for *_, d in digests])
 
 
 # ------------------------------------------------------------------------------------------ hang

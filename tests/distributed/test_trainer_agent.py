@@ -103,3 +103,13 @@ def test_run_summaries_name_the_injected_breaks(live):
         compile_ = r["components"]["compile"]
         assert compile_["graph_breaks"] and compile_["recompiles"]
         assert any(f for b in compile_["graph_breaks"] for f in b["user_frames"]), compile_["graph_breaks"]
+
+
+def test_clean_tp_sync_covers_the_replicated_gradients(live):
+    """The trainer sums the q/k-norm gradients over tp: tp gradient-sync coverage reads 1.0 on every rank
+    (pipeline microbatches included), from step 1."""
+    run, _scrapes, _rc = live
+    for r in load_rank_summaries(run.run_dir):
+        gs = r["components"]["gradsync"]
+        assert gs["tp_coverage"] == 1.0 and gs["tp_coverage_min"] == 1.0, gs
+        assert gs["tp_judged_steps"][0] == 1 and gs["tp_replicated_elements"] > 0, gs

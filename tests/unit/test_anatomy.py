@@ -279,3 +279,110 @@ def test_cuda_events_are_recorded_on_the_ranks_device_stream() -> None:
     c._mark(0, 0)
     assert recorded == ["stream-of-cuda:1"]
     assert c.buffer.drain()[0][4] is not None
+
+
+def test_exposed_communication_is_what_no_phase_covers() -> None:
+    from hpar_agent.collectors.anatomy import exposed_ns
+
+    busy = [(10, 40), (50, 80)]  # forward, backward
+    # an op hidden by the backward, one sticking out of it, one in a gap, overlapping ops counted once
+    comm = [(55, 60), (70, 90), (85, 95), (42, 48), (0, 5)]
+    assert exposed_ns(comm, busy, 2, 92) == [(2, 5), (42, 48), (80, 92)]
+    assert exposed_ns([], busy, 0, 100) == [] and exposed_ns([(0, 100)], [], 0, 100) == [(0, 100)]
+
+
+def test_ddp_wait_after_backward_is_exposed_communication(tmp_path) -> None:
+    """The host wait of the engine callbacks after the backward (DDP's bucket wait) is comm_exposed,
+    and no comm_exposed is made up where no timing exists (single process, nothing timed)."""
+    from hpar_agent.collectors.anatomy import BWD0, BWD1, FWD0, FWD1, OPT0, SYNC1
+    from hpar_agent.spans import StepRecord
+
+    c = AnatomyCollector()
+    ms = 1_000_000
+    c._events[1] = [(FWD0, 1 * ms, 0, None), (FWD1, 3 * ms, 0, None), (BWD0, 3 * ms, 0, None),
+                    (BWD1, 6 * ms, 0, None), (SYNC1, 9 * ms, 0, None), (OPT0, 9 * ms, 0, None)]
+    c.on_step(StepRecord(step=1, start_ns=0, end_ns=10 * ms))
+    (_step, _s, phases, _loader), = c.history
+    assert phases["comm_exposed"] == pytest.approx(0.003) and not c.comm_pending
+    c._events[2] = [(FWD0, 11 * ms, 0, None), (FWD1, 13 * ms, 0, None), (OPT0, 14 * ms, 0, None)]
+    c.on_step(StepRecord(step=2, start_ns=10 * ms, end_ns=15 * ms))
+    assert "comm_exposed" not in c.history[-1][2]
+
+
+def test_comm_exposed_waits_for_the_steps_collectives() -> None:
+    """Timed collectives come with a later flight-recorder read: the step's comm_exposed (and the span
+    watermark) waits until the collectives collector has read past the step's end."""
+    from hpar_agent.collectors.anatomy import BWD0, BWD1, FWD0, FWD1
+    from hpar_agent.spans import StepRecord
+
+    b = time.time_ns()  # a step that just ended (after COMM_WAIT_NS it would not wait)
+
+    class Coll:
+        up, timed, mark = True, 1, 0
+        intervals = {4: [(b + 5_000, b + 12_000), (b + 1_000, b + 2_000)]}
+
+        def span_watermark_ns(self) -> int:
+            return self.mark
+
+        def comm_intervals(self, step: int) -> list[tuple[int, int]]:
+            return self.intervals.pop(step, [])
+
+    c, coll = AnatomyCollector(), Coll()
+    c._coll = coll
+    c._events[4] = [(FWD0, b + 1_000, 0, None), (FWD1, b + 3_000, 0, None), (BWD0, b + 3_000, 0, None),
+                    (BWD1, b + 8_000, 0, None)]
+    c.on_step(StepRecord(step=4, start_ns=b, end_ns=b + 10_000))
+    assert "comm_exposed" not in c.history[0][2] and c.span_watermark_ns() == b
+    coll.mark = b + 10_000  # read through the step's end
+    c._flush()
+    assert c.history[0][2]["comm_exposed"] == pytest.approx(2e-6)  # 8-10 µs: the rest hid under backward
+    assert c.span_watermark_ns() is None and c.summary()["phase_seconds_p50"]["comm_exposed"] == pytest.approx(2e-6)
+
+
+def test_a_peer_the_straggler_exchange_names_is_the_slow_rank(tmp_path, monkeypatch) -> None:
+    """On a rank that is not slow itself, the verdict names the peer its Straggler detector found the
+    slowest past the threshold on two consecutive judgements; the gauge carries its rank."""
+    from prometheus_client import generate_latest
+
+    from hpar_agent.agent import Agent
+
+    monkeypatch.setattr(Agent, "_run", lambda self: None)
+    model = Slow(0.01, 0.01)
+    a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    try:
+        det = a.component("detectors")
+        straggler = next(d for d in det.detectors if d.name == "Straggler")
+        straggler._note_slowest({0: -0.1, 3: 0.45})
+        assert straggler.slowest is None  # once is not confirmed
+        straggler._note_slowest({0: -0.1, 3: 0.5})
+        assert straggler.slowest == (3, 0.5)
+        _loop(model, 4)
+        a.tick()
+        ev = a.component("anatomy").summary()["evidence"]
+        assert a.component("anatomy").verdict == "slow-rank" and ev["slow_rank"] == 3, ev
+        text = generate_latest(a.registry).decode()
+        assert 'hpar_step_slow_rank{pp_stage="0",rank="0"} 3.0' in text
+        straggler._note_slowest({0: 0.0, 3: 0.1})  # recovered
+        assert straggler.slowest is None
+    finally:
+        hpar_agent.detach()
+
+
+def test_slow_rank_across_the_run_directorys_summaries() -> None:
+    from hpar_agent.collectors.anatomy import slow_rank_across
+
+    def digest(fwd: float, comm: float, verdict: str = "compute-bound", **ev: object) -> dict:
+        return {"verdict": verdict, "step_seconds_p50": 2.6, "evidence": ev,
+                "phase_seconds_p50": {"forward": fwd, "backward": 0.3, "optimizer": 0.01, "comm_exposed": comm}}
+
+    # rank 2 computes 2 s longer per step; ranks 0, 1, 3 wait for it in their exposed communication
+    ranks = [(0, 0, digest(0.2, 2.0)), (1, 0, digest(0.2, 2.05)), (2, 0, digest(2.2, 0.01)), (3, 0, digest(0.21, 1.9))]
+    slow = slow_rank_across(ranks)
+    assert slow is not None and slow["rank"] == 2 and slow["source"] == "phases" and slow["compute_excess_s"] > 1.9
+    assert slow_rank_across([(r, 0, digest(0.2, 0.01)) for r in range(4)]) is None  # a clean run
+    # longer compute but nobody waits for it (its own stage in a pipeline, or overlap): not named
+    assert slow_rank_across([(0, 0, digest(0.2, 0.0)), (1, 0, digest(2.2, 0.0))]) is None
+    assert slow_rank_across([(0, 0, digest(2.2, 0.0)), (1, 1, digest(0.2, 2.0))]) is None  # other stages
+    # the live verdicts name it: taken as they are
+    named = [(0, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1)), (1, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1))]
+    assert slow_rank_across(named) == {"rank": 1, "source": "straggler", "ranks_naming_it": 2, "ranks": 2}

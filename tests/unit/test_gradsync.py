@@ -55,7 +55,7 @@ def _coverage_agent(agent, gs_model: nn.Module) -> GradSyncCollector:
     agent.topology = agent.context.topology = dataclasses.replace(agent.topology, dp=2)
     gs = agent.component("gradsync")
     assert isinstance(gs, GradSyncCollector)
-    gs.up = True
+    gs.up = gs.dp_up = True
     return gs
 
 
@@ -112,3 +112,34 @@ def test_no_dp_no_coverage(fake) -> None:  # noqa: F811
     assert gs is not None and not gs.up  # no model, dp 1: nothing to reduce, no series
     agent.tick()
     assert _sample(agent, "hpar_grad_sync_coverage_ratio", {"group": "dp"}) is None
+
+
+def test_tp_coverage_from_gradient_samples() -> None:
+    from hpar_agent.collectors.gradsync import tp_coverage
+
+    sizes = [64, 8, 8]  # a norm fed by replicated input, q_norm and k_norm fed by this rank's heads
+    clean = {0: [[1.0, 0.5, 0.7], [1.0, 1.2, 1.9]], 1: [[1.0, 0.6, 1.2], [1.0, 1.2, 1.9]]}
+    assert tp_coverage(clean, sizes) == 1.0
+    skipped = {0: [[1.0, 0.5, 0.7], [1.0, 0.5, 0.7]], 1: [[1.0, 0.6, 1.2], [1.0, 0.6, 1.2]]}
+    assert tp_coverage(skipped, sizes) == 0.0
+    half = {0: [[1.0, 0.5, 0.7], [1.0, 1.2, 0.7]], 1: [[1.0, 0.6, 1.2], [1.0, 1.2, 1.2]]}
+    assert tp_coverage(half, sizes) == 0.5
+    nothing_needed = {0: [[1.0, None, 2.0], [1.0, None, 2.0]], 1: [[1.0, None, 2.0], [1.0, None, 2.0]]}
+    assert tp_coverage(nothing_needed, sizes) == 1.0
+    assert tp_coverage({0: clean[0]}, sizes) is None  # one rank: nothing to compare
+
+
+def test_tp_replicated_parameters_are_those_not_sharded_on_tp() -> None:
+    from hpar_agent.collectors.gradsync import tp_replicated
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(4)  # plain: replicated
+
+    model = Model()
+    colwise = _DParam(6, _Mesh(tp=2), Shard(0))
+    replicate_dp = _DParam(6, _Mesh(dp=2), Replicate())  # composable replicate / FSDP: dp only
+    on_tp = _DParam(6, _Mesh(dp_shard=2, tp=2), Shard(0), Replicate())
+    model.parameters = lambda: iter([model.norm.weight, model.norm.bias, colwise, replicate_dp, on_tp])  # type: ignore[method-assign]
+    assert tp_replicated(model) == [model.norm.weight, model.norm.bias, replicate_dp, on_tp]
