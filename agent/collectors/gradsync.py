@@ -47,6 +47,7 @@ from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
+from hpar_agent.samples import copy_to_host, strided
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -220,19 +221,12 @@ class GradSyncCollector(Component):
                         counts.append(-1)
                         continue
                     flat = (g.to_local() if hasattr(g, "to_local") else g).detach().reshape(-1)
-                    part = flat[:: max(1, flat.numel() // PER_PARAM)][:PER_PARAM].float()
+                    part = strided(flat, PER_PARAM)
                     parts.append(part)
                     counts.append(int(part.numel()))
                 if not parts:
                     return
-                cat = torch.cat(parts)
-                event = None
-                if cat.is_cuda:
-                    host = torch.empty(cat.shape, dtype=cat.dtype, pin_memory=True)
-                    host.copy_(cat, non_blocking=True)
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
-                    event.record(torch.cuda.current_stream(cat.device))
-                    cat = host
+                cat, event = copy_to_host(torch.cat(parts))
             self.tp_buffer.put((step, which, counts, cat, event))
         except Exception as exc:
             self.record_error(exc)

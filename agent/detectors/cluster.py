@@ -12,6 +12,7 @@ from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
+from hpar_agent.samples import copy_to_host, strided
 from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
@@ -116,19 +117,11 @@ class ChecksumSampler:
                 t = p.detach()
                 t = t.to_local() if hasattr(t, "to_local") else t
                 flat = t.reshape(-1)
-                stride = max(1, flat.numel() // self.per_param)
-                part = flat[::stride][: self.per_param].float()
+                part = strided(flat, self.per_param)
                 parts.append(part)
                 names.append(name)
                 sizes.append(part.numel())
-            cat = torch.cat(parts)
-            event = None
-            if cat.is_cuda:
-                host = torch.empty(cat.shape, dtype=cat.dtype, pin_memory=True)
-                host.copy_(cat, non_blocking=True)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
-                event.record(torch.cuda.current_stream(cat.device))  # the copy's stream, not device 0's
-                cat = host
+            cat, event = copy_to_host(torch.cat(parts))
         self.buffer.put((step, names, sizes, cat, event))
 
     def resolve(self) -> list[tuple[int, dict[str, list[float]]]]:

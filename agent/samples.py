@@ -1,0 +1,28 @@
+"""Gradient and parameter samples read off the training thread without synchronizing the GPU.
+
+ReplicaDivergence (checksums) and the tp gradient-sync coverage both take a strided sample of each
+tensor on the training thread and hand it to the agent thread, which reads it once the copy is done.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def strided(flat: Any, n: int) -> Any:
+    """At most ``n`` elements of a 1-D tensor, evenly strided, as float32."""
+    return flat[:: max(1, flat.numel() // n)][:n].float()
+
+
+def copy_to_host(t: Any) -> tuple[Any, Any]:
+    """``(host tensor, event)``: a CUDA tensor is copied into pinned memory on its own stream without
+    waiting (read it once ``event.query()`` is true); a CPU tensor is returned as is, with no event."""
+    if not t.is_cuda:
+        return t, None
+    import torch
+
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
+    event.record(torch.cuda.current_stream(t.device))  # the copy's stream, not device 0's
+    return host, event
