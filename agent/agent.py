@@ -400,7 +400,7 @@ class Agent:
             self.record_error("tracing", exc)
             return
         try:
-            self.tracing = Tracing(self)
+            self.tracing = Tracing(self.context)
         except Exception as exc:
             self.record_error("tracing", exc)
 

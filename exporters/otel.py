@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -40,6 +40,9 @@ from hpar_agent._version import __version__
 from hpar_agent.safefiles import RotatingFile
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.traceids import step_span_id, trace_id
+
+if TYPE_CHECKING:
+    from hpar_agent.context import AgentContext
 
 log = logging.getLogger("hpar_agent")
 
@@ -287,23 +290,23 @@ class Tracing:
 
     def __init__(
         self,
-        agent: Any,
+        ctx: AgentContext,
         exporter: SpanExporter | None = None,
         *,
         max_queue_size: int | None = None,
         schedule_delay_millis: float | None = None,
     ) -> None:
-        self.agent = agent
-        topo = agent.topology
+        self.ctx = ctx
+        topo = ctx.topology
         self.job_id: str = topo.job_id
         self.rank: int = topo.rank
         self.pp_stage: int = topo.pp_stage
-        self.trace_every: int = agent.config.trace_every
+        self.trace_every: int = ctx.config.trace_every
         self.path: str | None = None
         if exporter is not None:
             self.kind = "custom"
         else:
-            exporter, self.kind = self._choose_exporter(agent.config.traces)
+            exporter, self.kind = self._choose_exporter(ctx.config.traces)
         if max_queue_size is None:
             try:
                 max_queue_size = int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_MAX_QUEUE_SIZE))
@@ -332,15 +335,15 @@ class Tracing:
             chosen = _otlp_exporter()
             if chosen is not None:
                 return chosen
-        run_dir = getattr(self.agent, "run_dir", "")
+        run_dir = self.ctx.run_dir
         if not run_dir:
             raise OSError("no usable run directory for the traces file (see the agent's first warning)")
         self.path = os.path.join(run_dir, f"traces.rank{self.rank}.jsonl")
-        cfg = self.agent.config
-        record = getattr(self.agent, "record_error", None)
+        cfg = self.ctx.config
+        record = self.ctx.record_error
         return OtlpJsonFileExporter(
             self.path, getattr(cfg, "log_max_bytes", 0), getattr(cfg, "log_backups", 2),
-            (lambda exc: record("tracing", exc)) if record is not None else None,
+            lambda exc: record("tracing", exc),
         ), "file"  # fmt: skip
 
     @staticmethod

@@ -93,7 +93,7 @@ def _check_two_rank_traces(spans: list[ReceivedSpan], steps: range) -> None:
 
 def _export_two_ranks(tmp_path: Any, rx: Any, kind: str) -> None:
     """Two ranks' tracings export 3 steps each into ``rx``; the traces must join up there."""
-    tracings = [Tracing(_rank_agent(tmp_path, r, r)) for r in (0, 1)]
+    tracings = [Tracing(_rank_agent(tmp_path, r, r).context) for r in (0, 1)]
     assert [t.kind for t in tracings] == [kind, kind]
     for step in range(3):
         for r, t in enumerate(tracings):
@@ -152,7 +152,7 @@ def test_endpoint_down_or_slow_never_blocks(tmp_path, monkeypatch, receiver_cls,
         monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "64")
         monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
         rx.set_mode(mode)
-        t = Tracing(_rank_agent(tmp_path, 0, 0))
+        t = Tracing(_rank_agent(tmp_path, 0, 0).context)
         assert t.max_queue_size == 64
         n_steps, worst_call, worst_in_flight = 300, 0.0, 0
         for step in range(n_steps):

@@ -57,7 +57,7 @@ def _tracing(run_dir: Path, rank: int) -> Tracing:
         tp_rank=rank % 2, pp_rank=_stage(rank), pp_stage=_stage(rank),
     )  # fmt: skip
     agent.run_dir = str(run_dir)
-    tracing = Tracing(agent)
+    tracing = Tracing(agent.context)
     assert tracing.kind == "file"
     return tracing
 

@@ -54,7 +54,7 @@ def tracings(tmp_path) -> Iterator[list[Tracing]]:
 
 def _tracing(tmp_path, made, rank=0, stage=0, exporter=None, **cfg) -> tuple[Tracing, InMemorySpanExporter]:
     exp = exporter or InMemorySpanExporter()
-    t = Tracing(_agent(tmp_path, rank, stage, **cfg), exp, schedule_delay_millis=60_000)
+    t = Tracing(_agent(tmp_path, rank, stage, **cfg).context, exp, schedule_delay_millis=60_000)
     made.append(t)
     return t, exp
 
@@ -225,7 +225,7 @@ class _BlockedExporter(SpanExporter):
 
 def test_queue_bounded_and_drops_counted(tmp_path, tracings):
     blocked = _BlockedExporter()
-    t = Tracing(_agent(tmp_path, trace_every=1), blocked, max_queue_size=32, schedule_delay_millis=10)
+    t = Tracing(_agent(tmp_path, trace_every=1).context, blocked, max_queue_size=32, schedule_delay_millis=10)
     tracings.append(t)
     n_steps = 100  # 4 spans each
     worst_in_flight = 0
@@ -257,7 +257,7 @@ def test_failed_exports_counted(tmp_path, tracings):
 
 def test_file_mode_writes_parseable_otlp_json(tmp_path):
     agent = _agent(tmp_path, rank=2, traces="file", trace_every=1)
-    t = Tracing(agent)
+    t = Tracing(agent.context)
     try:
         assert t.kind == "file"
         t.export_step(_step(4))
@@ -288,7 +288,7 @@ def test_file_mode_writes_parseable_otlp_json(tmp_path):
 def test_auto_without_endpoint_uses_file(tmp_path, tracings, monkeypatch):
     for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
-    t = Tracing(_agent(tmp_path, traces="auto"))
+    t = Tracing(_agent(tmp_path, traces="auto").context)
     tracings.append(t)
     assert t.kind == "file"
 
@@ -317,7 +317,7 @@ def test_exemplars_carry_exported_trace_ids(tmp_path):
         metrics_port=-1, run_dir=str(tmp_path), traces="none", trace_every=2, job_id=JOB
     )
     try:
-        agent.tracing = Tracing(agent, exp, schedule_delay_millis=60_000)
+        agent.tracing = Tracing(agent.context, exp, schedule_delay_millis=60_000)
         model = torch.nn.Linear(2, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(6):
@@ -357,11 +357,11 @@ def test_grpc_missing_falls_back_to_file_with_one_line(tmp_path, tracings, monke
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:1")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
     with caplog.at_level("WARNING", logger="hpar_agent"):
-        t = Tracing(_agent(tmp_path, traces="auto"))
+        t = Tracing(_agent(tmp_path, traces="auto").context)
     tracings.append(t)
     assert t.kind == "file"
     assert any("hpar-agent[grpc]" in r.getMessage() for r in caplog.records)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
-    t2 = Tracing(_agent(tmp_path, traces="otlp"))
+    t2 = Tracing(_agent(tmp_path, traces="otlp").context)
     tracings.append(t2)
     assert t2.kind == "otlp-http"
