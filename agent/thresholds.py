@@ -28,8 +28,11 @@ DETECTOR_DEFAULTS: dict[str, dict[str, float]] = {
     "NumaMisbinding": {"min_shared_cpus": 1},
 }
 
-#: parameters of the detectors component itself (``detectors.<param>``)
-COMPONENT_THRESHOLDS = ("exchange_s", "log_interval_s", "stale_s")
+#: parameters of the detectors component itself (``detectors.<param>``), in seconds: between store
+#: exchanges; the soonest an exchange follows the last when something changed; one log line per alert
+#: per interval; peer payloads older than this are ignored
+COMPONENT_DEFAULTS: dict[str, float] = {"exchange_s": 3.0, "exchange_min_s": 1.0, "log_interval_s": 60.0, "stale_s": 30.0}
+COMPONENT_THRESHOLDS = tuple(COMPONENT_DEFAULTS)
 
 #: the step anatomy's bottleneck verdict (``anatomy.<param>``): the share of step time at or above
 #: which a rank is input-bound / communication-bound

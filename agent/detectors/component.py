@@ -37,6 +37,7 @@ from hpar_agent.detectors.local import (
 from hpar_agent.detectors.sources import step_state
 from hpar_agent.evidence import Evidence
 from hpar_agent.spans import StepRecord
+from hpar_agent.thresholds import COMPONENT_DEFAULTS
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -66,10 +67,9 @@ class AlertState:
 class DetectorsComponent(Component):
     """Runs last in poll order, after the collectors whose state it reads.
 
-    Defaults of the component itself (``AgentConfig.thresholds``): ``detectors.exchange_s`` = 3 (seconds
-    between store exchanges), ``detectors.exchange_min_s`` = 1 (an exchange comes this soon after the
-    last one when something changed: see ``_due``), ``detectors.log_interval_s`` = 60 (one log line per
-    alert per interval), ``detectors.stale_s`` = 30 (peer payloads older than this are ignored).
+    Parameters of the component itself (``AgentConfig.thresholds``, ``detectors.<param>``): see
+    ``thresholds.COMPONENT_DEFAULTS`` (``exchange_min_s``: an exchange comes this soon after the last one
+    when something changed, see ``_due``).
 
     Compile activity (any compile started, ended or added a graph) is tracked here once for the
     detectors that must not judge compile warm-up: ``compile_quiet_s`` / ``compile_quiet_steps`` say
@@ -97,10 +97,10 @@ class DetectorsComponent(Component):
         self._span_events: list[tuple[str, int, dict[str, Any]]] = []
         self._store_tried = exchange is not None
         self._own_store = False
-        self.exchange_s = 3.0
-        self.exchange_min_s = 1.0
-        self.log_interval_s = 60.0
-        self.stale_s = 30.0
+        self.exchange_s = COMPONENT_DEFAULTS["exchange_s"]
+        self.exchange_min_s = COMPONENT_DEFAULTS["exchange_min_s"]
+        self.log_interval_s = COMPONENT_DEFAULTS["log_interval_s"]
+        self.stale_s = COMPONENT_DEFAULTS["stale_s"]
         self._token: tuple[Any, ...] = ()  # what the last publish was built from (see _change_token)
         self._followup = False
         self._compile_token: tuple[float, ...] | None = None
@@ -113,10 +113,11 @@ class DetectorsComponent(Component):
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
         th = dict(ctx.config.thresholds)
-        self.exchange_s = float(th.get("detectors.exchange_s", 3.0))
-        self.exchange_min_s = min(self.exchange_s, float(th.get("detectors.exchange_min_s", 1.0)))
-        self.log_interval_s = float(th.get("detectors.log_interval_s", 60.0))
-        self.stale_s = float(th.get("detectors.stale_s", 30.0))
+        d = COMPONENT_DEFAULTS
+        self.exchange_s = float(th.get("detectors.exchange_s", d["exchange_s"]))
+        self.exchange_min_s = min(self.exchange_s, float(th.get("detectors.exchange_min_s", d["exchange_min_s"])))
+        self.log_interval_s = float(th.get("detectors.log_interval_s", d["log_interval_s"]))
+        self.stale_s = float(th.get("detectors.stale_s", d["stale_s"]))
         self.detectors = [cls(th) for cls in ALL_DETECTORS]
         self._step_detectors = (self.detector(ReplicaDivergence), self.detector(Straggler))  # looked up once
         self.rank = ctx.topology.rank

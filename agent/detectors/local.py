@@ -15,6 +15,7 @@ from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
     from hpar_agent.detectors.base import Evaluation
+    from hpar_agent.evidence import Evidence
 
 MiB = float(1 << 20)
 
@@ -131,6 +132,10 @@ class GraphBreaks(Detector):
         return Verdict(active, float(len(new)), details)
 
 
+#: memory sources the CUDA allocator's history explains
+DEVICE_SOURCES = frozenset({"allocator", "reserved", "nvml"})
+
+
 class MemoryLeak(Detector):
     """Post-step memory that keeps rising after warm-up (held tensors, per-microbatch graph leaks).
 
@@ -161,6 +166,7 @@ class MemoryLeak(Detector):
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         super().__init__(thresholds)
         self.start = 0  # first step of the trend: after warm-up and after the compiles of warm-up
+        self._confirmed = False  # fired: its snapshot took the recorded stacks
 
     def evaluate(self, ctx: Evaluation) -> Verdict | None:
         series = src.memory_series(ctx.context)
@@ -170,6 +176,7 @@ class MemoryLeak(Detector):
             self.start = max(self.start, ctx.compile_last_step + int(self.p("quiet_steps")))
         start = max(int(self.p("warmup_steps")), self.start)
         worst: tuple[float, bool, str] = (-math.inf, False, "")
+        suspected = False
         for source, samples in series.items():
             slope, leaking = sig.leak_signal(
                 samples,
@@ -180,13 +187,25 @@ class MemoryLeak(Detector):
             )
             if (leaking, slope) > (worst[1], worst[0]):
                 worst = (slope, leaking, source)
+            if source in DEVICE_SOURCES and slope >= self.p("min_slope_bytes"):
+                suspected = True  # host RSS says nothing about the CUDA allocator's stacks
         slope, leaking, source = worst
         if ctx.evidence is not None and ctx.context.config.evidence:
-            if slope >= self.p("min_slope_bytes"):
-                ctx.evidence.start_memory_history()  # suspected: record stacks for the confirmation
-            elif not leaking:
-                ctx.evidence.stop_memory_history()  # cleared: recording costs every allocation
+            self._record_history(ctx.evidence, suspected, leaking)
         return Verdict(leaking, slope if math.isfinite(slope) else 0.0, {"source": source, "trend_from_step": start})
+
+    def _record_history(self, evidence: Evidence, suspected: bool, leaking: bool) -> None:
+        """CUDA allocation stacks, recorded (at a cost on every allocation and free) only while a device
+        leak is suspected and not yet confirmed: the snapshot taken when the alert fires stops the
+        recording, and it stays off until the leak clears."""
+        if leaking:
+            self._confirmed = True
+        elif self._confirmed:
+            self._confirmed = False  # cleared: the next suspicion may record again
+        if suspected and not self._confirmed:
+            evidence.start_memory_history()
+        elif not suspected or not leaking:
+            evidence.stop_memory_history()
 
 
 class CompiledGraphsGrowing(Detector):

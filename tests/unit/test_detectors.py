@@ -803,6 +803,51 @@ def test_allocator_history_runs_only_while_a_leak_is_suspected(tmp_path: Any, mo
     assert sample(det, "hpar_alert_active", "MemoryLeak") == 0.0
 
 
+def test_allocator_history_is_not_restarted_after_the_leak_fired(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The snapshot taken when MemoryLeak fires stops the recording; a leak still going on must not start
+    it again (it would record every allocation's stack for the rest of the leak, for no snapshot)."""
+    series: deque = deque(maxlen=64)
+    mem = Fake("memory", post_step={"allocator": series})
+    agent, det = make_agent(tmp_path, comps=(steps(80), mem))
+    calls: list[str] = []
+    assert det.evidence is not None
+    monkeypatch.setattr(det.evidence, "start_memory_history", lambda: calls.append("start") or True)
+    monkeypatch.setattr(det.evidence, "stop_memory_history", lambda: calls.append("stop"))
+    series.extend((s, 10**9 + 8 * MiB * s) for s in range(5, 40))  # a leak: suspected, then confirmed
+    for _ in range(3):
+        agent.tick()
+    assert sample(det, "hpar_alert_active", "MemoryLeak") == 1.0
+    fired_at = len(calls)
+    series.extend((s, 10**9 + 8 * MiB * s) for s in range(40, 60))  # still leaking
+    agent.tick()
+    agent.tick()
+    assert "start" not in calls[fired_at:]
+
+
+def test_host_rss_growth_does_not_record_cuda_stacks(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Allocation stacks explain device memory only: RSS growth alone never turns the recording on."""
+    series: deque = deque(maxlen=64)
+    mem = Fake("memory", post_step={"rss": series})
+    agent, det = make_agent(tmp_path, comps=(steps(30), mem))
+    calls: list[str] = []
+    assert det.evidence is not None
+    monkeypatch.setattr(det.evidence, "start_memory_history", lambda: calls.append("start") or True)
+    monkeypatch.setattr(det.evidence, "stop_memory_history", lambda: calls.append("stop"))
+    series.extend((s, 10**9 + 8 * MiB * s) for s in range(5, 25))
+    agent.tick()
+    assert "start" not in calls
+
+
+def test_every_component_parameter_is_a_valid_setting(tmp_path: Any) -> None:
+    """``detectors.<param>`` settings the component reads are accepted by the config and applied."""
+    from hpar_agent.thresholds import COMPONENT_DEFAULTS
+
+    overrides = {f"detectors.{k}": v / 2 for k, v in COMPONENT_DEFAULTS.items()}
+    _agent, det = make_agent(tmp_path, comps=(steps(1),), **overrides)
+    for k, v in COMPONENT_DEFAULTS.items():
+        assert getattr(det, k) == v / 2, k
+
+
 def test_straggler_ignores_a_late_ranks_compile_warmup(store: Any, tmp_path: Any) -> None:
     # The clean dp2 x pp2 run with rank 1 starting 10 s late: it still compiled through its step 3, so
     # in steps 3-8 its peers waited for it (lag ratio 0.67 over 11 collectives) and Straggler fired.
