@@ -82,8 +82,14 @@ class StepIdGenerator(IdGenerator):
 
 
 # ------------------------------------------------------------------------------------------ exporters
+#: Spans encoded per GIL hold by the traces-file exporter (2-3 ms of pure Python), and the sleep
+#: between chunks that gives the GIL back. OTLP exporters encode a batch in one request (the SDK's).
+EXPORT_CHUNK = 16
+EXPORT_YIELD_S = 0.001
+
+
 class OtlpJsonFileExporter(SpanExporter):
-    """Writes each batch as one OTLP/JSON ``ExportTraceServiceRequest`` per line (the format of the
+    """Writes each batch as OTLP/JSON ``ExportTraceServiceRequest`` lines, one per chunk (the format of the
     OTel file exporter spec and the Collector's ``otlpjsonfile`` receiver: ids as hex, enums as ints)."""
 
     def __init__(self, path: str, max_bytes: int = 0, backups: int = 2,
@@ -100,11 +106,21 @@ class OtlpJsonFileExporter(SpanExporter):
         self.on_error = on_error
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        doc = self._to_dict(self._encode(spans), use_integers_for_enums=True)
-        _ids_to_hex(doc)
-        line = json.dumps(doc, separators=(",", ":")) + "\n"
+        """One line per ``EXPORT_CHUNK`` spans, sleeping ``EXPORT_YIELD_S`` between chunks.
+
+        Encoding to OTLP/JSON is pure Python and holds the GIL (512 spans in one go: about 55 ms on the
+        2-core VM). Small chunks with a real sleep between them hand the GIL back on our initiative, so
+        the training thread never waits out a whole batch, or the 5 ms switch interval chunk after chunk
+        (BENCHMARKS.md, "Where the long steps came from")."""
+        lines = []
+        for i in range(0, len(spans), EXPORT_CHUNK):
+            if i:
+                time.sleep(EXPORT_YIELD_S)
+            doc = self._to_dict(self._encode(spans[i : i + EXPORT_CHUNK]), use_integers_for_enums=True)
+            _ids_to_hex(doc)
+            lines.append(json.dumps(doc, separators=(",", ":")) + "\n")
         try:
-            self._file.write(line)
+            self._file.write("".join(lines))
         except OSError as exc:  # counted as dropped spans and as an agent error, logged once
             if self.on_error is not None:
                 self.on_error(exc)
@@ -147,12 +163,6 @@ def parse_otlp_json_line(line: str) -> Any:
     return ParseDict(doc, ExportTraceServiceRequest())
 
 
-#: Spans encoded per GIL hold on the exporter thread (about 2-3 ms of pure Python), and the sleep
-#: between chunks that gives the GIL back.
-EXPORT_CHUNK = 16
-EXPORT_YIELD_S = 0.001
-
-
 class _CountingExporter(SpanExporter):
     """Counts spans handed to the real exporter and how each export ended; never raises."""
 
@@ -165,27 +175,6 @@ class _CountingExporter(SpanExporter):
         self.lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        """Export in chunks of ``EXPORT_CHUNK`` spans, sleeping ``EXPORT_YIELD_S`` between them.
-
-        Encoding is pure Python (about 0.1-0.16 ms a span) and holds the GIL: one 512-span batch
-        held it for 82 ms and stretched the training step it overlapped from 75 to 137 ms on an
-        H200. Small chunks with a real sleep between them hand the GIL back on our initiative, so
-        the training thread never waits out a whole batch (or the 5 ms switch interval, chunk
-        after chunk)."""
-        for i in range(0, len(spans), EXPORT_CHUNK):
-            if i:
-                time.sleep(EXPORT_YIELD_S)
-            if self._export_chunk(spans[i : i + EXPORT_CHUNK]) != SpanExportResult.SUCCESS:
-                rest = len(spans) - i - EXPORT_CHUNK  # a failing endpoint is not retried chunk by chunk
-                if rest > 0:
-                    with self.lock:
-                        self.handed += rest
-                        if not self.closed:
-                            self.failed += rest
-                return SpanExportResult.FAILURE
-        return SpanExportResult.SUCCESS
-
-    def _export_chunk(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         n = len(spans)
         with self.lock:
             self.handed += n

@@ -285,6 +285,29 @@ def test_file_mode_writes_parseable_otlp_json(tmp_path):
     assert ids == {trace_id(JOB, 4)}
 
 
+def test_file_exporter_encodes_a_batch_in_chunks(tmp_path):
+    """A batch larger than EXPORT_CHUNK becomes several lines (one GIL hold each), every span kept once."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from hpar_agent.exporters.otel import EXPORT_CHUNK, OtlpJsonFileExporter
+
+    tracer = TracerProvider().get_tracer("t")
+    spans = []
+    for i in range(2 * EXPORT_CHUNK + 3):
+        sp = tracer.start_span(f"s{i}")
+        sp.end()
+        spans.append(sp)
+    exp = OtlpJsonFileExporter(str(tmp_path / "t.jsonl"))
+    assert exp.export(spans) == SpanExportResult.SUCCESS
+    exp.shutdown()
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    names = [s.name for line in lines for rs in parse_otlp_json_line(line).resource_spans
+             for ss in rs.scope_spans for s in ss.spans]  # fmt: skip
+    assert sorted(names) == sorted(f"s{i}" for i in range(2 * EXPORT_CHUNK + 3))
+
+
 def test_auto_without_endpoint_uses_file(tmp_path, tracings, monkeypatch):
     for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         monkeypatch.delenv(var, raising=False)
