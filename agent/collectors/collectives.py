@@ -141,7 +141,11 @@ class CollectiveCollector(Component):
         self._nccl_timing = False
         self._timing_seen: set[int] = set()  # id() of groups already offered timing
         self._timed_groups: set[tuple[str, str]] = set()  # (name, desc) of NCCL groups timed by us
-        self._untimed_said = False
+        self._untimed: set[tuple[str, str]] = set()  # groups that existed untimed at attach and stay so
+        self._preexisting: set[tuple[str, str]] = set()
+        self._env_timing = False
+        self._env_set = False
+        self.timing: dict[str, bool] = {}  # timing_enabled() as of the last poll (read by the scrape)
         self._pp_groups: set[tuple[str, str]] = set()  # groups pipelining p2p runs on: p2p there is "pp"
         self._open_batch: dict[tuple[str, str], list[tuple[str, int]]] = {}  # p2p since the last coalesced
         self._batches: dict[tuple[str, int], list[_Op]] = {}  # coalesced entry -> the p2p ops it completes
@@ -153,12 +157,18 @@ class CollectiveCollector(Component):
         super().install(ctx)
         self.p2p_buffer.capacity = ctx.config.buffer_size
         self._attach_ns = time.time_ns()
-        self._nccl_timing = fr.nccl_timing()
+        self._nccl_timing = self._env_timing = fr.nccl_timing()  # the user's setting, before ours
         self._ring = fr.ring_entries() or FR_DEFAULT_ENTRIES
         self.recorders = fr.available_recorders()
         self.up = bool(self.recorders)
         self._label_mesh_groups(ctx)
         if ctx.config.nccl_timing and "nccl" in self.recorders:
+            # ProcessGroupNCCL reads the variable when it is built: NCCL groups made after attach are
+            # timed from their first op; the existing ones are switched on by _enable_timing. Set here,
+            # on the attaching thread, never from the agent thread (setenv races getenv in C++ threads).
+            self._preexisting = {fr.group_name(pg) for pg in fr.process_groups()}
+            os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
+            self._env_set = True
             self._enable_timing()
         self._active = True
         self._patch_p2p()
@@ -213,9 +223,6 @@ class CollectiveCollector(Component):
             if fr.group_backend(pg) != "nccl":
                 continue
             key = fr.group_name(pg)
-            # ProcessGroupNCCL reads the variable when it is built: NCCL groups made after this one
-            # are timed from their first op; existing ones are switched on here.
-            os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
             try:
                 ok = fr.enable_timing(pg)
             except Exception:
@@ -223,22 +230,28 @@ class CollectiveCollector(Component):
             if ok:
                 self._timed_groups.add(key)
                 self._nccl_timing = True
-            elif not fr.nccl_timing() and not self._untimed_said:
-                self._untimed_said = True
+            elif self._env_timing or key not in self._preexisting:
+                self._nccl_timing = True  # built with the variable set (the user's or ours): timed
+            elif key not in self._untimed:
+                self._untimed.add(key)
+                if len(self._untimed) > 1:
+                    continue  # one log line
                 log.warning(
                     "hpar_agent: NCCL group %s is not timed (no latency, busbw or spans): set "
                     "TORCH_NCCL_ENABLE_TIMING=1 before init_process_group", key[1] or key[0]
                 )
 
     def timing_enabled(self) -> dict[str, bool]:
-        """pg label -> whether its ops carry durations (the ``hpar_collective_timing_enabled`` series)."""
+        """pg label -> whether its ops carry durations (the ``hpar_collective_timing_enabled`` series).
+        Agent thread (``_label`` may assign a label); the scrape reads ``self.timing``."""
         timed_labels = {self._label(*k) for k in self._timed_groups}
-        env = fr.nccl_timing()
+        untimed = {self._label(*k) for k in self._untimed}
+        env = self._env_timing or self._env_set
         out: dict[str, bool] = {}
         for pg, _op in self.counts:
             out[pg] = pg in timed_labels or (pg == PP_PG) or any(
                 h.count for (hpg, _o, _s), h in self.hists.items() if hpg == pg
-            ) or (env and self._backend_of.get(pg) == "nccl")
+            ) or (env and pg not in untimed and self._backend_of.get(pg) == "nccl")
         return out
 
     def uninstall(self) -> None:
@@ -273,6 +286,7 @@ class CollectiveCollector(Component):
         elif any(pg == PP_PG for pg, _ in self.counts):
             self.inflight[PP_PG] = 0
             self.oldest_age[PP_PG] = 0.0
+        self.timing = self.timing_enabled()
 
     def _read(self, rec: str, now: float) -> dict[str, Any] | None:
         """The recorder's new entries, when they are worth a full dump.
@@ -617,7 +631,7 @@ class CollectiveCollector(Component):
             f.add(un, [pg], n)
         yield un
         timing = f.gauge("hpar_collective_timing_enabled")
-        for pg, on in sorted(self.timing_enabled().items()):
+        for pg, on in sorted(self.timing.items()):
             f.add(timing, [pg], 1.0 if on else 0.0)
         yield timing
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from types import SimpleNamespace
 
@@ -57,6 +58,8 @@ class FakeRecorder:
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     rec = FakeRecorder()
+    # the agent sets TORCH_NCCL_ENABLE_TIMING at attach when NCCL is there: keep it off, and per test
+    monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "")
     monkeypatch.setattr(fr, "available_recorders", lambda: ["nccl"])
     monkeypatch.setattr(fr, "dump", rec.dump)
     monkeypatch.setattr(fr, "group_size", lambda name: 4)
@@ -331,3 +334,36 @@ def test_p2p_wrappers_count_time_and_restore(tmp_path):
     finally:
         agent.stop()
     assert sched._batch_p2p is orig_batch and sched._wait_batch_p2p is orig_wait
+
+
+def test_untimed_nccl_group_from_before_attach_is_said_once_and_later_groups_are_timed(
+    monkeypatch, tmp_path, caplog
+):
+    """A group that existed untimed at attach and cannot be switched on gets the one warning (and its
+    timing gauge stays 0); a group built after attach was built with the variable the agent set."""
+    monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "")
+    monkeypatch.delenv("TORCH_NCCL_ENABLE_TIMING")
+    old, new = object(), object()
+    groups = [old]
+    names = {id(old): ("1", "mesh_dp"), id(new): ("2", "mesh_tp")}
+    monkeypatch.setattr(fr, "available_recorders", lambda: ["nccl"])
+    monkeypatch.setattr(fr, "dump", FakeRecorder().dump)
+    monkeypatch.setattr(fr, "process_groups", lambda: list(groups))
+    monkeypatch.setattr(fr, "group_backend", lambda pg: "nccl")
+    monkeypatch.setattr(fr, "group_name", lambda pg: names[id(pg)])
+    monkeypatch.setattr(fr, "enable_timing", lambda pg: False)  # a torch without the switch
+    monkeypatch.setattr(Agent, "_run", lambda self: None)
+    agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), job_id="j")
+    with caplog.at_level("WARNING", logger="hpar_agent"):
+        agent.start()
+        try:
+            c = agent.component("collectives")
+            assert os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"  # set at attach, for later groups
+            assert c._untimed == {("1", "mesh_dp")}
+            groups.append(new)
+            agent.tick()
+            agent.tick()
+            assert c._untimed == {("1", "mesh_dp")} and c._nccl_timing  # the new group is timed
+        finally:
+            agent.stop()
+    assert sum("is not timed" in r.getMessage() for r in caplog.records) == 1
