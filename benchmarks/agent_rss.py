@@ -72,7 +72,10 @@ def measure_rss(cfg: dict[str, Any], work: str, repeats: int, steps: int) -> dic
             _o, err = p.communicate(timeout=900)
             if p.returncode or not os.path.exists(out):
                 raise RuntimeError(f"rss {arm} run failed (rc {p.returncode}): {err[-2000:]}")
-            runs.append({"rep": rep, "arm": arm, **json.loads(Path(out).read_text())})
+            d = json.loads(Path(out).read_text())
+            if bool(d.get("agent")) != (arm == "on"):  # else the pair measures nothing
+                raise RuntimeError(f"rss {arm} run had agent={d.get('agent')!r}: expected {arm == 'on'}")
+            runs.append({"rep": rep, "arm": arm, **d})
     result: dict[str, Any] = {"steps": steps, "repeats": repeats, "runs": runs}
     for key in ("VmRSS", "VmHWM", "cuda_allocated", "cuda_max_allocated", "cuda_max_reserved"):
         diffs = []

@@ -12,11 +12,12 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__)"
   echo "cpus $(nproc)"; } | tee "$OUT/machine.txt"
 CUDA_VISIBLE_DEVICES= python3 -m benchmarks.hook_cost --steps 40000 --blocks 20 --json "$OUT/hook-cost.json"
-ARGS="--device cuda --dtype bf16 --layers 4 --dim 1024 --heads 8 --seq-len 512 --global-batch 8 --vocab 8192 --steps 30"
+# The command BENCHMARKS.md's "Step anatomy on CUDA" table states.
+ARGS="--device cuda --compile inductor --dtype bf16 --layers 4 --dim 1024 --heads 8 --seq-len 512 --global-batch 8 --vocab 8192 --steps 150"
 for name in clean slow-data; do
   extra=""
   [ "$name" = slow-data ] && extra="--inject slow-data --inject-delay 0.05"
-  HPAR_RUN_DIR=$RUNS/$name HPAR_METRICS_PORT=-1 HPAR_TRACES=none python3 -m hpar_trainer $ARGS $extra --log-every 100 \
+  HPAR_RUN_DIR=$RUNS/$name HPAR_METRICS_PORT=-1 HPAR_TRACES=none torchrun --nproc-per-node 1 -m hpar_trainer $ARGS $extra --log-every 100 \
     --out "$RUNS/$name/trainer.json" > "$RUNS/$name.log" 2>&1 || { echo "$name failed"; tail -20 "$RUNS/$name.log"; }
   python3 -c "import json,sys; a=json.load(open(sys.argv[1]))['components']['anatomy']; print(sys.argv[2], json.dumps(a))" \
     "$RUNS/$name/summary.rank0.json" "$name" | tee -a "$OUT/anatomy-gpu.txt"

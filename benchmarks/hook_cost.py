@@ -57,13 +57,16 @@ def main() -> None:
     _time_steps(opt, per_block)  # warm-up
     on: list[float] = []
     off: list[float] = []
-    for _ in range(args.blocks):
-        off.append(_time_steps(opt, per_block))
+    for i in range(args.blocks):
+        if i % 2 == 0:  # alternate which arm runs first: order effects cancel over the blocks
+            off.append(_time_steps(opt, per_block))
         hpar_agent.attach(**kwargs)
         try:
             on.append(_time_steps(opt, per_block))
         finally:
             hpar_agent.detach()
+        if i % 2:
+            off.append(_time_steps(opt, per_block))
     x = torch.randn(4, 8)
     agent = hpar_agent.attach(**kwargs)
     try:
@@ -88,14 +91,16 @@ def main() -> None:
         # as in a distributed CPU run, the second callback that closes the DDP/FSDP wait (comm_exposed) too
         anat._dist_on = lambda: True
         diffs = []
-        for _ in range(m // 5):
+        for i in range(m // 5):
             a_out, b_out = model(x).sum(), model(x).sum()
             a_out.register_hook(anat._bwd_pre)
+            first, second = (b_out, a_out) if i % 2 else (a_out, b_out)  # alternate: order effects cancel
             t0 = time.perf_counter()
-            a_out.backward()
+            first.backward()
             t1 = time.perf_counter()
-            b_out.backward()
-            diffs.append((t1 - t0) - (time.perf_counter() - t1))
+            second.backward()
+            t_first, t_second = t1 - t0, time.perf_counter() - t1
+            diffs.append(t_second - t_first if i % 2 else t_first - t_second)  # hooked minus bare
         bwd_us = statistics.median(diffs) * 1e6
         anat.buffer.drain()
         per_hook = {}
@@ -109,8 +114,9 @@ def main() -> None:
     _time_full_steps(model, opt, x, per_block)  # warm-up
     full_on: list[float] = []
     full_off: list[float] = []
-    for _ in range(args.blocks):
-        full_off.append(_time_full_steps(model, opt, x, per_block))
+    for i in range(args.blocks):
+        if i % 2 == 0:  # alternate which arm runs first: order effects cancel over the blocks
+            full_off.append(_time_full_steps(model, opt, x, per_block))
         # no agent pass inside the block: this is the training thread's cost alone (a pass drains the
         # block's events afterwards; at ~20k steps/s its per-step work would compete for the GIL)
         hpar_agent.attach(model, **kwargs, interval=3600.0)
@@ -118,6 +124,8 @@ def main() -> None:
             full_on.append(_time_full_steps(model, opt, x, per_block))
         finally:
             hpar_agent.detach()
+        if i % 2:
+            full_off.append(_time_full_steps(model, opt, x, per_block))
     full_off_us, full_on_us = statistics.median(full_off) * 1e6, statistics.median(full_on) * 1e6
     off_us, on_us = statistics.median(off) * 1e6, statistics.median(on) * 1e6
     print(f"torch {torch.__version__}; {args.blocks} interleaved blocks x {per_block} optimizer.step() each")

@@ -9,7 +9,7 @@ p99 with the agent passes that overlapped them, and how much agent time overlapp
 against ordinary ones. ``--arm off`` runs the same trainer without the agent (the same timeline of
 steps, for the baseline p99).
 
-    python benchmarks/step_timeline.py --arm off --arm on --steps 300 --json timeline.json
+    python -m benchmarks.step_timeline --arm off --arm on --steps 300 --json timeline.json
 """
 
 from __future__ import annotations

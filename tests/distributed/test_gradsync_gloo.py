@@ -11,6 +11,7 @@ import pytest
 
 from hpar_agent.tools.diagnose import read_alerts
 from hpar_agent.tools.launch import run_trainer
+from testkit.ports import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -97,13 +98,9 @@ def _tp_program(rank: int, port: int, out_dir: str, skip: bool) -> None:
 def test_tp_coverage_of_replicated_gradients(tmp_path: Path, skip: bool) -> None:
     """A clean TP loop reads tp coverage 1; one that skips the tp sum of a replicated gradient reads 0
     (the one gradient that needed it did not get it) at step 1 and fires GradSyncIncomplete."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.start_processes(_tp_program, args=(port, str(tmp_path), skip), nprocs=2, join=True, start_method="fork")
     for rank in (0, 1):
         gs = json.loads((tmp_path / f"summary.rank{rank}.json").read_text())["components"]["gradsync"]
