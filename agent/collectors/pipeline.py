@@ -87,23 +87,34 @@ class PipelineCollector(Component):
 
         @functools.wraps(orig)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            chunk = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
-            step = steps.count if steps is not None else 0
-            t0 = time.time_ns()
-            if cuda:
-                import torch
+            # The bookkeeping never raises into the schedule: a failure is counted and the chunk runs.
+            try:
+                chunk = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+                step = steps.count if steps is not None else 0
+                t0 = time.time_ns()
+                cs = e0 = None
+                if cuda:
+                    import torch
 
-                cs = torch.cuda.current_stream(device)  # the stage's device, not the thread's
-                stream = stream_label(device, cs)  # where the events below are recorded (~1 µs)
-                e0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: unannotated
-                e0.record(cs)
-                out = orig(*args, **kwargs)
-                e1 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: unannotated
-                e1.record(torch.cuda.current_stream(device))
-                buffer.put((step, stage_index, chunk, phase, stream, t0, 0, e0, e1, cs.cuda_stream))
-            else:
-                out = orig(*args, **kwargs)
-                buffer.put((step, stage_index, chunk, phase, cpu_stream, t0, time.time_ns(), None, None, None))
+                    cs = torch.cuda.current_stream(device)  # the stage's device, not the thread's
+                    e0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: unannotated
+                    e0.record(cs)
+            except Exception as exc:
+                self.record_error(exc)
+                return orig(*args, **kwargs)
+            out = orig(*args, **kwargs)
+            try:
+                if cs is not None:
+                    import torch
+
+                    stream = stream_label(device, cs)  # where the events are recorded (~1 µs)
+                    e1 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch: unannotated
+                    e1.record(torch.cuda.current_stream(device))
+                    buffer.put((step, stage_index, chunk, phase, stream, t0, 0, e0, e1, cs.cuda_stream))
+                else:
+                    buffer.put((step, stage_index, chunk, phase, cpu_stream, t0, time.time_ns(), None, None, None))
+            except Exception as exc:
+                self.record_error(exc)
             return out
 
         setattr(timed, _TAG, True)

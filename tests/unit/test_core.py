@@ -286,3 +286,24 @@ def test_a_second_collector_of_an_agent_metric_cannot_register(attach):
             agent.registry.register(Exports(fam))
     agent.registry.register(Exports(GaugeMetricFamily("user_metric", "a name of its own")))  # no collision
     assert agent.registry.get_sample_value("hpar_agent_component_up", {"rank": "0", "pp_stage": "0", "component": "steps"}) == 1
+
+
+def test_pipeline_chunk_bookkeeping_never_raises_into_the_schedule():
+    """A failure in the chunk wrapper's own bookkeeping is counted; the chunk runs and returns as if
+    unwrapped."""
+    from types import SimpleNamespace
+
+    from hpar_agent.collectors.pipeline import PipelineCollector
+
+    c = PipelineCollector()
+    errors: list[BaseException] = []
+    c.record_error = errors.append  # type: ignore[method-assign]
+
+    class Broken:
+        def put(self, item: object) -> None:
+            raise RuntimeError("buffer broke")
+
+    c.buffer = Broken()  # type: ignore[assignment]
+    wrapped = c._wrap(SimpleNamespace(device=None, stage_index=0), lambda *a, **k: ("ran", a), "forward")
+    assert wrapped(3) == ("ran", (3,))
+    assert len(errors) == 1 and "buffer broke" in str(errors[0])
