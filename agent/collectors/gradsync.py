@@ -152,6 +152,7 @@ class GradSyncCollector(Component):
         self.buffers = (self.tp_buffer,)
         self._tp_params: list[Any] = []
         self._tp_step = -1  # step whose backward-end sample was taken
+        self._hooked = -1  # step whose output got the backward-end hook (the first microbatch only)
         self._pending: list[tuple[int, int, list[int], Any, Any]] = []
         self._handles: list[Any] = []
         self._steps: Any = None
@@ -183,12 +184,13 @@ class GradSyncCollector(Component):
     def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
         """On a sampled step, a hook on the output queues the backward-end sample (O(100 ns) else)."""
         steps = self._steps
-        if steps is None or steps.count % TP_EVERY != 1 or self._compiling():
+        if steps is None or steps.count % TP_EVERY != 1 or self._hooked == steps.count or self._compiling():
             return
         try:
             t = out[0] if isinstance(out, (tuple, list)) and out else out
             if getattr(t, "grad_fn", None) is not None:
                 t.register_hook(self._bwd_hook)
+                self._hooked = steps.count  # one microbatch per sampled step: its gradients already differ
         except Exception as exc:
             self.record_error(exc)
 
@@ -200,7 +202,7 @@ class GradSyncCollector(Component):
 
     def _sample_pre(self) -> None:
         self._tp_step = self._steps.count
-        self._sample(self._tp_step, 0)  # the last backward of the step wins (pipeline microbatches)
+        self._sample(self._tp_step, 0)  # after the first microbatch's backward: partial on every tp rank
 
     def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         steps = self._steps
