@@ -499,7 +499,9 @@ class CollectiveCollector(Component):
         ):  # the watchdog can mark an entry completed a poll before it retires it with its duration
             self._pending_fr[key] = item
             if is_p2p:  # inside a coalesced batch NCCL records p2p ops without events of their own
-                self._open_batch.setdefault(batch_key, []).append(key)
+                batch_ops = self._open_batch.setdefault(batch_key, [])
+                batch_ops.append(key)
+                del batch_ops[: -self.max_pending]  # plain isend/irecv never close a batch: bounded
 
     def _complete_pending(self, rec: str, entries: list[dict[str, Any]]) -> None:
         live = {int(e["record_id"]): e for e in entries}
