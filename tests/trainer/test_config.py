@@ -91,3 +91,32 @@ def test_peak_tflops_and_model_flops_per_token():
         parse_args(["--peak-tflops", "-1"], world_size=1)
     parts = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False)]
     assert model_flops_per_token(parts) == 6.0 * (4 * 3 + 3 + 3 * 2)
+
+
+def test_model_flops_per_token_counts_fsdp_shards_whole():
+    """MFU under FSDP/HSDP: a parameter sharded over dp_shard (and replicated over dp_replicate) counts
+    whole, one sharded over tp counts its tp share. One process, a fake 8-rank group (no communication)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hpar_trainer.train import model_flops_per_token
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        part = torch.nn.Module()
+        # HSDP x TP: global (8, 6) held as (4, 3): dp_shard splits dim 0, tp dim 1 -> this rank computes 8*6/2.
+        part.w = torch.nn.Parameter(DTensor.from_local(
+            torch.zeros(4, 3), mesh, [Replicate(), Shard(0), Shard(1)], run_check=False))
+        # FSDP only (a tp-replicated norm): global (10,) held as (5,) -> counts 10.
+        part.g = torch.nn.Parameter(DTensor.from_local(
+            torch.zeros(5), mesh, [Replicate(), Shard(0), Replicate()], run_check=False))
+        part.b = torch.nn.Parameter(torch.zeros(7))  # a plain tensor counts as it is
+        assert model_flops_per_token([part]) == 6.0 * (8 * 6 / 2 + 10 + 7)
+    finally:
+        dist.destroy_process_group()
