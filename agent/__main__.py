@@ -2,6 +2,7 @@
 
 import sys
 
-from hpar_agent.tools.cli import main
+if __name__ == "__main__":
+    from hpar_agent.tools.cli import main  # only when run: importing this module loads no tool
 
-sys.exit(main())
+    sys.exit(main())

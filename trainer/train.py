@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from .config import TrainConfig, parse_args
 from .data import MarkovData
@@ -109,15 +110,27 @@ def apply_pg_timeout(mesh: DeviceMesh, seconds: float) -> None:
             log.debug("--pg-timeout not applied to the %s group: %s", name, exc)
 
 
+#: Mesh dims that data parallelism shards parameters over: every rank still computes the whole model.
+DP_DIMS = frozenset({"dp", "dp_replicate", "dp_shard"})
+
+
 def model_flops_per_token(model_parts: list[nn.Module]) -> float:
-    """Training FLOPs this rank spends per token it processes: 6 x its local parameters (forward 2,
-    backward 4; TP shards and PP stages count only what this rank holds). The usual dense estimate:
-    it leaves out attention's sequence-length term, so MFU reads slightly low for long sequences."""
-    n = 0
+    """Training FLOPs this rank spends per token it processes: 6 x its parameters (forward 2, backward 4).
+    TP shards and PP stages count only what this rank holds; FSDP/HSDP shards count whole, since each rank
+    gathers them and computes the full layer. The usual dense estimate: it leaves out attention's
+    sequence-length term, so MFU reads slightly low for long sequences."""
+    n = 0.0
     for part in model_parts:
         for p in part.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            n += local.numel()
+            if not isinstance(p, DTensor):  # a plain tensor: what this rank holds is what it computes with
+                n += p.numel()
+                continue
+            mesh, split = p.device_mesh, 1  # a DTensor: its global numel, divided by the non-dp shards
+            names = mesh.mesh_dim_names or ()
+            for i, placement in enumerate(p.placements):
+                if placement.is_shard() and (names[i] if i < len(names) else "") not in DP_DIMS:
+                    split *= mesh.size(i)
+            n += p.numel() / split
     return 6.0 * n
 
 

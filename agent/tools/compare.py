@@ -229,10 +229,4 @@ def run(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hpar-agent compare", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-__all__ = ["Row", "digest", "html_table", "main", "parse_threshold", "regressions", "rows", "run"]
+__all__ = ["Row", "digest", "html_table", "parse_threshold", "regressions", "rows", "run"]

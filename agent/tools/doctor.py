@@ -37,9 +37,12 @@ class Check:
 REQUIRED_IMPORTS = [
     ("numpy", "numpy", "torch.distributed.pipelining (t) converts through numpy", "pip install numpy"),
     ("prometheus_client", "prometheus_client", "metrics endpoint (a)", "pip install prometheus-client"),
+    ("opentelemetry api", "opentelemetry.trace", "spans (a)", "pip install opentelemetry-api"),
     ("opentelemetry sdk", "opentelemetry.sdk.trace", "spans (a)", "pip install opentelemetry-sdk"),
     ("otlp http exporter", "opentelemetry.exporter.otlp.proto.http.trace_exporter", "span export (a)",
      "pip install opentelemetry-exporter-otlp-proto-http"),
+    ("otlp span encoder", "opentelemetry.exporter.otlp.proto.common.trace_encoder", "trace files (a)",
+     "pip install opentelemetry-exporter-otlp-proto-common"),
     ("otlp json files", "opentelemetry.proto.collector.trace.v1.trace_service_pb2", "trace files (a)",
      "pip install opentelemetry-proto"),
     ("protobuf json_format", "google.protobuf.json_format", "trace files (a)", "pip install protobuf"),

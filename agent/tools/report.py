@@ -561,13 +561,6 @@ def ranks_table(run: Run) -> str:
     return _table(["rank", "pp stage", "steps", "step p50", "step max", "bubble ratio", "agent errors"], rows)
 
 
-def _quantile(sorted_vals: list[float], q: float) -> float | None:
-    """Nearest-rank quantile (the same rule for every row; no interpolation between few samples)."""
-    if not sorted_vals:
-        return None
-    return sorted_vals[min(len(sorted_vals) - 1, math.ceil(q * len(sorted_vals)) - 1)]
-
-
 def collectives_table(
     run: Run, samples: dict[tuple[str, str], list[float]], rows: dict[tuple[str, str], dict[str, Any]]
 ) -> str:

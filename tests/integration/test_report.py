@@ -12,9 +12,8 @@ import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
+import plotly  # noqa: F401  (a core dependency: losing it must fail, not skip)
 import pytest
-
-pytest.importorskip("plotly")
 
 from hpar_agent import catalogue as cat
 from hpar_agent.agent import Agent

@@ -91,3 +91,31 @@ def test_peak_tflops_and_model_flops_per_token():
         parse_args(["--peak-tflops", "-1"], world_size=1)
     parts = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False)]
     assert model_flops_per_token(parts) == 6.0 * (4 * 3 + 3 + 3 * 2)
+
+
+def test_model_flops_per_token_counts_fsdp_shards_whole():
+    """MFU under FSDP/HSDP: parameters fully_shard splits over dp_shard (HSDP: replicated over
+    dp_replicate) count whole; those TP splits count the rank's tp share. One process, a fake 8-rank
+    group (FSDP2 and TP build their DTensors without communicating)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hpar_trainer.train import model_flops_per_token
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8), torch.nn.LayerNorm(8))
+        parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(m, mesh=mesh["dp_replicate", "dp_shard"])
+        assert all(p.to_local().numel() < p.numel() for p in m.parameters())  # every parameter is sharded
+        # tp halves layer 0 (weight and bias) and layer 2's weight; layer 2's bias and the norm are whole.
+        assert model_flops_per_token([m]) == 6.0 * ((16 * 8 + 16) / 2 + 8 * 16 / 2 + 8 + 2 * 8)
+    finally:
+        dist.destroy_process_group()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import plotly  # noqa: F401  (a core dependency: losing it must fail, not skip)
 import pytest
 
 from hpar_agent.tools.cli import main as cli_main
@@ -83,7 +84,6 @@ def test_summary_shows_phases_verdicts_and_who_holds_the_others(tmp_path: Path) 
 
 
 def test_report_shows_anatomy_and_the_comparison(tmp_path: Path) -> None:
-    pytest.importorskip("plotly")
     from hpar_agent.tools.report import build_report
 
     a = _run(tmp_path / "a", 0.100, 0.050, verdicts=("compute-bound", "input-bound"))

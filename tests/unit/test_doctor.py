@@ -75,6 +75,7 @@ def test_doctor_json_passes_on_this_install():
     assert rc == 0 and doc["ok"] is True and doc["missing"] == []
     assert {"torch", "numpy", "torch <-> numpy", "prometheus_client", "opentelemetry sdk", "otlp http exporter",
             "pynvml", "plotly", "torch.distributed.pipelining", "py-spy"} <= names
+    assert set(NOT_IMPORTS.values()) <= names
 
 
 def test_doctor_fails_when_numpy_is_missing():
@@ -95,3 +96,40 @@ def test_doctor_optional_grpc_exporter_is_a_warning():
     rc, doc, _ = _doctor_json("opentelemetry.exporter.otlp.proto.grpc")
     grpc = next(c for c in doc["checks"] if c["name"] == "otlp grpc exporter")
     assert rc == 0 and grpc["status"] == doctor.DEGRADED and "hpar-agent[grpc]" in grpc["fix"]
+
+
+#: Dependencies doctor checks by a dedicated check rather than an import row: distribution -> check name.
+NOT_IMPORTS = {"py-spy": "py-spy", "torch": "torch"}
+
+
+def _owner_of(module: str, dists: list[str]) -> str | None:
+    """The distribution in ``dists`` whose RECORD lists ``module``'s file."""
+    import importlib
+    import importlib.metadata as md
+    from pathlib import Path, PurePath
+
+    file = Path(importlib.import_module(module).__file__ or "").resolve()
+    for dist in dists:
+        d = md.distribution(dist)
+        root = Path(str(d.locate_file(""))).resolve()
+        if root in file.parents and PurePath(file.relative_to(root)) in {PurePath(f) for f in d.files or ()}:
+            return dist
+    return None
+
+
+def test_every_dependency_has_a_doctor_row():
+    """Each distribution in pyproject's ``[project] dependencies`` is checked by doctor: a required import
+    row whose module that distribution installs, or its dedicated check (a lost dependency is reported)."""
+    import re
+    from pathlib import Path
+
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib", reason="stdlib from Python 3.11")
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    dists = [re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0] for d in deps]
+    covered = {_owner_of(module, dists) for _, module, _, _ in doctor.REQUIRED_IMPORTS} | set(NOT_IMPORTS)
+    assert [d for d in dists if d not in covered] == []
+    assert {"opentelemetry-api", "opentelemetry-exporter-otlp-proto-common"} <= covered

@@ -70,8 +70,7 @@ mods = ["hpar_agent.agent"]
 for pkg in ("hpar_agent.collectors", "hpar_agent.detectors", "hpar_agent.exporters", "hpar_agent.torch_compat"):
     mods.append(pkg)
     mods += [m.name for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__, pkg + ".")]
-mods += [m.name for m in pkgutil.iter_modules(hpar_agent.__path__, "hpar_agent.")
-         if not m.ispkg and m.name != "hpar_agent.__main__"]
+mods += [m.name for m in pkgutil.iter_modules(hpar_agent.__path__, "hpar_agent.") if not m.ispkg]
 for m in mods:
     importlib.import_module(m)
 print(json.dumps({"imported": mods, "tools": sorted(m for m in sys.modules if m.startswith("hpar_agent.tools"))}))
@@ -80,5 +79,6 @@ print(json.dumps({"imported": mods, "tools": sorted(m for m in sys.modules if m.
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert {"hpar_agent.agent", "hpar_agent.collectors.steps", "hpar_agent.exporters.otel"} <= set(out["imported"])
+    assert "hpar_agent.__main__" in out["imported"]  # importing the entry point runs nothing
     assert not any(m.startswith("hpar_agent.tools") for m in out["imported"])
     assert out["tools"] == []
