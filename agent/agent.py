@@ -30,6 +30,7 @@ from hpar_agent.context import AgentContext
 from hpar_agent.detectors.component import DetectorsComponent
 from hpar_agent.events import EventLog
 from hpar_agent.families import Families
+from hpar_agent.gil import Yielder
 from hpar_agent.lifecycle import SignalFlush, forget_in_child
 from hpar_agent.safefiles import UnsafePathError, private_dir, write_atomic
 from hpar_agent.span_schedule import SpanScheduler
@@ -341,13 +342,10 @@ class Agent:
                 self.record_error("agent", exc)
 
     def tick(self, final: bool = False) -> None:
-        """One agent-thread pass: poll every component, then finish completed steps.
-
-        The pass yields the GIL (``sleep(0)``) between components and between exported steps: the
-        training thread drops the GIL around every torch op and, against a thread that keeps it,
-        waits up to the 5 ms switch interval to get it back, op after op (a 180 ms pass of span
-        building stretched steps by 100-450 ms before it yielded)."""
+        """One agent-thread pass: poll every component, then finish completed steps. The pass hands
+        the GIL back to the training thread every millisecond or so of work (``gil.Yielder``)."""
         with self._tick_lock:
+            handback = Yielder()
             now = time.time()
             for comp in self.components:
                 t0 = time.perf_counter()
@@ -356,7 +354,7 @@ class Agent:
                 except Exception as exc:
                     self.record_error(comp.name, exc)
                 self.collect_seconds[comp.name] = time.perf_counter() - t0
-                time.sleep(0)
+                handback()
             steps = self.context.find(StepCollector)
             completed: list[StepRecord] = steps.take_completed() if steps is not None else []
             for rec in completed:
@@ -366,9 +364,16 @@ class Agent:
                     except Exception as exc:
                         self.record_error(comp.name, exc)
                 self.span_schedule.add_step(rec)
-            self._export_steps(final)
+                handback()
+            if completed:
+                for comp in self.components:
+                    try:
+                        comp.after_steps()
+                    except Exception as exc:
+                        self.record_error(comp.name, exc)
+            self._export_steps(final, handback)
 
-    def _export_steps(self, final: bool) -> None:
+    def _export_steps(self, final: bool, handback: Yielder) -> None:
         """Hand completed steps with their child spans to tracing when they are due (``span_schedule``:
         every span source delivered the spans before the step's end, or waited long enough)."""
         now = time.time_ns()
@@ -377,7 +382,7 @@ class Agent:
         for rec in self.span_schedule.due(now, mark, final):
             if self.tracing is not None:
                 self.guard("tracing", self.tracing.export_step, rec)
-                time.sleep(0)  # hand the GIL back between steps (see tick)
+                handback()
 
     def _start_endpoint(self) -> None:
         if self.config.metrics_port < 0:

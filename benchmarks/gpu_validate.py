@@ -12,6 +12,11 @@ Checks, each printed with its figures and written to ``--json``:
                MemoryLeak fires; the step, source, evidence files and whether the allocator snapshot
                names the trainer's inject module
   trainer      one-rank trainer ``--compile inductor --dtype bf16``: step time, loss first/last
+  binding      ``hpar_rank_info``'s CPU/NUMA labels against sysfs (the GPU's PCI ``local_cpulist`` and
+               ``numa_node``: a source independent of NVML) and ``os.sched_getaffinity``; doctor's NUMA
+               line; a subprocess pinned (``taskset``) off the GPU's ideal CPUs, where that set leaves any,
+               must raise NumaMisbinding; a one-stage pipeline's ``pp.forward`` spans carry
+               ``cuda.stream.handle`` equal to the stream's ``cuda_stream``
 Why in one process (except the trainer runs): one rank cannot hold two NCCL groups' GPUs twice, and
 world size 1 needs no launcher. ``--cpu-smoke`` runs every check on CPU (gloo, tiny model, no
 profiler device times, no NVML) so the script is tested before the one device call.
@@ -22,6 +27,7 @@ profiler device times, no NVML) so the script is tested before the one device ca
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import pickle
@@ -264,6 +270,123 @@ def check_trainer(base: list[str], steps: int, skip: int, work: str, timeout: fl
     return row
 
 
+def rank_info(agent: hpar_agent.Agent) -> dict[str, str]:
+    for fam in agent.registry.collect():
+        for s in fam.samples:
+            if s.name == "hpar_rank_info":
+                return dict(s.labels)
+    return {}
+
+
+def sysfs_gpu(device: torch.device) -> dict[str, Any]:
+    """The GPU's PCI device in sysfs: ideal CPUs and NUMA node, read without NVML."""
+    p = torch.cuda.get_device_properties(device)
+    bus = f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    root = Path("/sys/bus/pci/devices") / str(bus).lower()
+    out: dict[str, Any] = {"pci": str(bus).lower()}
+    for name in ("local_cpulist", "numa_node"):
+        try:
+            out[name] = (root / name).read_text().strip()
+        except OSError as exc:
+            out[name] = f"unreadable: {exc}"
+    return out
+
+
+PINNED = """
+import os, sys, time, torch, hpar_agent
+agent = hpar_agent.attach(metrics_port=0, traces="none", run_dir=sys.argv[1], interval=0.2)
+x = torch.ones(1 << 20, device="cuda")
+for _ in range(20):
+    x.mul_(1.0001); agent.step(); time.sleep(0.05)
+hpar_agent.detach()
+"""
+
+
+def check_binding(agent: hpar_agent.Agent, device: torch.device, work: str) -> dict[str, Any]:
+    from hpar_agent.affinity import cpu_list, parse_cpu_list
+    from hpar_agent.tools.doctor import _numa
+
+    info = rank_info(agent)
+    res: dict[str, Any] = {"rank_info": {k: info.get(k, "") for k in (
+        "numa_node", "cpu_affinity", "gpu_numa_node", "gpu_cpu_affinity", "gpu_index")}}
+    allowed = set(os.sched_getaffinity(0))
+    res["sched_getaffinity"] = cpu_list(allowed)
+    res["sysfs"] = sysfs_gpu(device) if device.type == "cuda" else {}
+    res["doctor"] = [f"{c.status}: {c.detail}" for c in _numa()]
+    probs = []
+    if info.get("cpu_affinity") != cpu_list(allowed):
+        probs.append("cpu_affinity label differs from sched_getaffinity")
+    ideal_sysfs = res["sysfs"].get("local_cpulist", "")
+    if device.type == "cuda" and not ideal_sysfs.startswith("unreadable"):
+        ideal = parse_cpu_list(ideal_sysfs)
+        if info.get("gpu_cpu_affinity") != cpu_list(ideal):
+            probs.append(f"gpu_cpu_affinity {info.get('gpu_cpu_affinity')!r} != sysfs local_cpulist {cpu_list(ideal)!r}")
+        node = res["sysfs"].get("numa_node", "")
+        if node not in ("", "-1") and info.get("gpu_numa_node") != node:
+            probs.append(f"gpu_numa_node {info.get('gpu_numa_node')!r} != sysfs numa_node {node!r}")
+        off = sorted(allowed - ideal)
+        res["off_node_cpus"] = cpu_list(set(off))
+        if off:  # pin a subprocess where the GPU would not have it: NumaMisbinding must fire
+            run = os.path.join(work, "pinned")
+            subprocess.run(["taskset", "-c", cpu_list(set(off)), sys.executable, "-c", PINNED, run],
+                           timeout=120, capture_output=True, text=True)
+            fired = alert_events(run, "NumaMisbinding")
+            res["pinned_off_node_alert"] = bool(fired)
+            if not fired:
+                probs.append("NumaMisbinding did not fire with the process pinned off the GPU's CPUs")
+        if alert_events(agent.run_dir, "NumaMisbinding"):
+            probs.append("NumaMisbinding fired in the unpinned process")
+    res["problems"] = probs
+    for k, v in res.items():
+        print(f"  {k}: {v}")
+    return res
+
+
+def check_stream_handle(device: torch.device, work: str) -> dict[str, Any]:
+    """A one-stage pipeline traced every step: its chunk spans name the stream and carry its handle."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    run = os.path.join(work, "stream")
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)).to(device)
+    stage = PipelineStage(model, 0, 1, device)
+    sched = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, y: (out - y).square().mean())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    agent = hpar_agent.attach(model, optimizer=opt, metrics_port=0, traces="file", trace_every=1,
+                              run_dir=run, interval=0.2)
+    agent.watch_pipeline(schedule=sched)
+    x = torch.randn(8, 256, device=device)
+    for _ in range(12):
+        sched.step(x, target=x)
+        opt.step()
+        opt.zero_grad()
+    expect = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    hpar_agent.detach()
+    handles: set[int] = set()
+    names: set[str] = set()
+    spans = 0
+    for path in glob.glob(os.path.join(run, "traces.rank*.jsonl")):
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            for rs in json.loads(line).get("resourceSpans", []):
+                for ss in rs.get("scopeSpans", []):
+                    for sp in ss.get("spans", []):
+                        if sp["name"] != "pp.forward":
+                            continue
+                        spans += 1
+                        for kv in sp.get("attributes", []):
+                            v = kv["value"]
+                            if kv["key"] == "cuda.stream.handle":
+                                handles.add(int(v.get("intValue", -1)))
+                            elif kv["key"] == "cuda.stream":
+                                names.add(v.get("stringValue", ""))
+    out: dict[str, Any] = {"pp_forward_spans": spans, "handles": sorted(handles), "names": sorted(names),
+                           "expected_handle": expect, "problems": []}
+    if not spans:
+        out["problems"].append("no pp.forward span")
+    elif device.type == "cuda" and handles != {int(expect)}:  # type: ignore[arg-type]
+        out["problems"].append(f"cuda.stream.handle {sorted(handles)} != current stream {expect}")
+    return out
+
+
 def _fmt(v: Any, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -300,11 +423,21 @@ def main() -> int:
         if "nvml" not in a.skip:
             print("nvml:")
             result["nvml"] = check_nvml(agent)
+        if "binding" not in a.skip:
+            print("binding (NUMA/CPU labels vs sysfs, doctor, pinned subprocess; stream handle on spans):")
+            result["binding"] = check_binding(agent, device, work)
         if "cuda_leak" not in a.skip:
             print("cuda_leak (in-process, CUDA tensors held every step):")
             result["cuda_leak"] = check_cuda_leak(agent, device, a.leak_steps, 8 * MiB if cuda else 2 * MiB)
     finally:
         hpar_agent.detach()
+    try:
+        if "binding" not in a.skip:  # its own agent: attach() while one runs returns the running one
+            print("stream handle (one-stage pipeline, every step traced):")
+            stream = result["binding"]["stream"] = check_stream_handle(device, work)
+            result["binding"]["problems"] += stream["problems"]
+            print(f"  {stream}")
+    finally:
         dist.destroy_process_group()
     base = CONFIGS["gpu" if cuda else "cpu-smoke"]["args"]
     small = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq-len", "32", "--global-batch", "8",

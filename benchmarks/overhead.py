@@ -322,7 +322,10 @@ def runs_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Nam
     work = tempfile.mkdtemp(prefix="hpar-overhead-")
     runs: list[dict[str, Any]] = []
     t_start = time.time()
-    schedule = [("on", -1)] + [(arm, p) for p in range(cfg["pairs"]) for arm in arms]
+    # the arms' order rotates from pair to pair: a drift of the machine (clocks, a neighbour) within
+    # a pair falls on every arm in turn, not always on the one that runs last
+    schedule = [("on", -1)] + [(arm, p) for p in range(cfg["pairs"])
+                               for arm in arms[p % len(arms):] + arms[:p % len(arms)]]
     for i, (arm, pair) in enumerate(schedule):
         out = os.path.join(work, f"run{i}-{arm}.json")
         env = arm_env(arm, os.path.join(work, f"agent{i}"), f"overhead-{i}")

@@ -196,6 +196,7 @@ class AnatomyCollector(Component):
         self.hists: dict[str, Histogram] = {p: Histogram(cat.LATENCY_BUCKETS) for p in PHASES}
         self.history: list[tuple[int, float, dict[str, float], float]] = []  # (step, step s, phases, loader s)
         self.verdict: str | None = None
+        self._unjudged = False  # steps finished by on_step, judged in after_steps
         self.slow_rank: int | None = None  # the peer a slow-rank verdict names (None: this rank, or none)
         self.evidence: dict[str, Any] = {}
         self.shares: dict[str, float] = {}
@@ -349,7 +350,12 @@ class AnatomyCollector(Component):
         if len(self._waiting) > MAX_WAITING:
             del self._waiting[0]
             self._last_end_event = None
-        self._flush()
+        self._unjudged |= self._flush(judge=False) > 0
+
+    def after_steps(self) -> None:
+        if self._unjudged:
+            self._unjudged = False
+            self._judge()
 
     def span_watermark_ns(self) -> int | None:
         # asked after every component's poll: the collectives read in this pass may complete steps now
@@ -358,9 +364,10 @@ class AnatomyCollector(Component):
         marks = [q[0][0].start_ns for q in (self._waiting, self.comm_pending) if q]
         return min(marks) if marks else None
 
-    def _flush(self) -> None:
+    def _flush(self, judge: bool = True) -> int:
         """Finish the steps in order, each once its CUDA events (if any) have completed; then judge
-        once (not per step: a fast loop finishes thousands of steps per pass)."""
+        once (not per step: a fast loop finishes thousands of steps per pass; ``on_step`` leaves the
+        judging to ``after_steps``). Returns the steps finished."""
         finished = 0
         while self._waiting:
             rec, events = self._waiting[0]
@@ -387,8 +394,10 @@ class AnatomyCollector(Component):
                 busy += self._pipe.intervals_by_step.pop(rec.step, [])
             self.comm_pending.append((rec, busy, self.host_waits(events) if self._event is None else [], phases))
         finished += self._flush_comm()
-        if finished:
+        if finished and judge:
+            self._unjudged = False
             self._judge()
+        return finished
 
     @staticmethod
     def host_waits(events: list[tuple[int, int, int, Any]]) -> list[tuple[int, int]]:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
+from hpar_agent import gcpause
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.catalogue import LATENCY_BUCKETS
 from hpar_agent.component import Component
@@ -269,16 +270,9 @@ class CollectiveCollector(Component):
             self._enable_timing()
         self._patch_p2p()
         p2p = self.p2p_buffer.drain()
-        dumps = [(rec, d) for rec in self.recorders if (d := self._read(rec, now)) is not None]
-        for t_ns, step in self.step_buffer.drain():  # after the reads: every boundary before them
-            self._bound_t.append(t_ns)
-            self._bound_s.append(step)
-        del self._bound_t[:-MAX_BOUNDARIES], self._bound_s[:-MAX_BOUNDARIES]
-        self._process_p2p(p2p)
         now_ns = int(now * 1e9)
-        for rec, data in dumps:
-            self._process_dump(rec, data)
-            self._update_status(rec, data.get("pg_status") or {}, now_ns)
+        with gcpause.paused():  # a full read's objects die with this call's locals (see gcpause)
+            self._read_and_process(now, now_ns, p2p)
         if self._pending_p2p:
             oldest = min(o.start_ns for ops in self._pending_p2p.values() for o in ops)
             self.inflight[PP_PG] = sum(len(v) for v in self._pending_p2p.values())
@@ -287,6 +281,17 @@ class CollectiveCollector(Component):
             self.inflight[PP_PG] = 0
             self.oldest_age[PP_PG] = 0.0
         self.timing = self.timing_enabled()
+
+    def _read_and_process(self, now: float, now_ns: int, p2p: list[Any]) -> None:
+        dumps = [(rec, d) for rec in self.recorders if (d := self._read(rec, now)) is not None]
+        for t_ns, step in self.step_buffer.drain():  # after the reads: every boundary before them
+            self._bound_t.append(t_ns)
+            self._bound_s.append(step)
+        del self._bound_t[:-MAX_BOUNDARIES], self._bound_s[:-MAX_BOUNDARIES]
+        self._process_p2p(p2p)
+        for rec, data in dumps:
+            self._process_dump(rec, data)
+            self._update_status(rec, data.get("pg_status") or {}, now_ns)
 
     def _read(self, rec: str, now: float) -> dict[str, Any] | None:
         """The recorder's new entries, when they are worth a full dump.
