@@ -186,6 +186,9 @@ class DetectorsComponent(Component):
                 payload.update(d.publish(self))
         self.exchange.publish(payload)
         self.peers = self.exchange.read(self._peer_ranks(), max_age_s=self.stale_s)
+        for p in self.peers.values():  # tuples of atomic values leave the collector's books (gcpause)
+            if isinstance(p.get("fr"), list):
+                p["fr"] = [tuple(e) for e in p["fr"]]
         self.peers_fresh = True
 
     def _change_token(self) -> tuple[Any, ...]:

@@ -367,3 +367,21 @@ def test_untimed_nccl_group_from_before_attach_is_said_once_and_later_groups_are
         finally:
             agent.stop()
     assert sum("is not timed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_kept_entries_are_invisible_to_the_garbage_collector(fake):
+    """The 2,048 entries the detectors read are kept as dicts of text and numbers: untracked by the
+    collector, so renewing them never pushes the process into a full collection (gcpause)."""
+    import gc
+
+    rec, agent, c = fake
+    for i in range(5):
+        rec.add(i, 1, "1", "mesh_dp", i + 1, n=64)
+    agent.tick()
+    assert len(c.recent_entries) == 5
+    assert not any(gc.is_tracked(e) for e in c.recent_entries)
+    assert c.recent_entries[0]["input_sizes"] == "[[64]]" and c.recent_entries[0]["input_dtypes"] == "Float"
+    from hpar_agent.detectors import sources
+
+    (e,) = sources.fr_entries(agent.context, 1)
+    assert e[3:5] == ("[[64]]", "Float")
