@@ -15,8 +15,9 @@ Checks, each printed with its figures and written to ``--json``:
   binding      ``hpar_rank_info``'s CPU/NUMA labels against sysfs (the GPU's PCI ``local_cpulist`` and
                ``numa_node``: a source independent of NVML) and ``os.sched_getaffinity``; doctor's NUMA
                line; a subprocess pinned (``taskset``) off the GPU's ideal CPUs, where that set leaves any,
-               must raise NumaMisbinding; a one-stage pipeline's ``pp.forward`` spans carry
-               ``cuda.stream.handle`` equal to the stream's ``cuda_stream``
+               must raise NumaMisbinding; a one-stage pipeline's ``pp.forward`` spans, run on the
+               current stream and on a side stream, carry ``cuda.stream.handle`` equal to each
+               stream's ``cuda_stream``
 Why in one process (except the trainer runs): one rank cannot hold two NCCL groups' GPUs twice, and
 world size 1 needs no launcher. ``--cpu-smoke`` runs every check on CPU (gloo, tiny model, no
 profiler device times, no NVML) so the script is tested before the one device call.
@@ -27,6 +28,7 @@ profiler device times, no NVML) so the script is tested before the one device ca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -355,11 +357,16 @@ def check_stream_handle(device: torch.device, work: str) -> dict[str, Any]:
                               run_dir=run, interval=0.2)
     agent.watch_pipeline(schedule=sched)
     x = torch.randn(8, 256, device=device)
-    for _ in range(12):
-        sched.step(x, target=x)
-        opt.step()
-        opt.zero_grad()
-    expect = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    for i in range(12):  # half on the current stream, half on a side stream: two handles
+        with torch.cuda.stream(side) if side is not None and i >= 6 else contextlib.nullcontext():
+            sched.step(x, target=x)
+            opt.step()
+            opt.zero_grad()
+    expect = ({int(torch.cuda.current_stream(device).cuda_stream), int(side.cuda_stream)}
+              if side is not None else None)
+    if side is not None:
+        torch.cuda.synchronize(device)
     hpar_agent.detach()
     handles: set[int] = set()
     names: set[str] = set()
@@ -379,11 +386,11 @@ def check_stream_handle(device: torch.device, work: str) -> dict[str, Any]:
                             elif kv["key"] == "cuda.stream":
                                 names.add(v.get("stringValue", ""))
     out: dict[str, Any] = {"pp_forward_spans": spans, "handles": sorted(handles), "names": sorted(names),
-                           "expected_handle": expect, "problems": []}
+                           "expected_handles": sorted(expect) if expect else None, "problems": []}
     if not spans:
         out["problems"].append("no pp.forward span")
-    elif device.type == "cuda" and handles != {int(expect)}:  # type: ignore[arg-type]
-        out["problems"].append(f"cuda.stream.handle {sorted(handles)} != current stream {expect}")
+    elif expect is not None and handles != expect:
+        out["problems"].append(f"cuda.stream.handle {sorted(handles)} != the streams used {sorted(expect)}")
     return out
 
 

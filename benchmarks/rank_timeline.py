@@ -1,0 +1,153 @@
+"""Long steps of a multi-rank run, per rank, and what overlapped them (``step_timeline`` for torchrun).
+
+Runs the reference trainer under torchrun (default: the 4-rank CPU configuration of ``overhead.py``),
+every rank through this file's ``--child`` wrapper, which records with ``perf_counter_ns``: each
+optimizer step's end, each agent pass (``Agent.tick``), each full flight-recorder read (the dump that
+returns entries, not the ``pg_status`` probe) and each generation-2 garbage collection with its
+thread. Then, per rank, it sorts the steps after ``--skip`` by what overlapped them (a full read, else
+a full collection, else a pass, else nothing) and prints the median step of each class, the p99, and
+the full collections after the first step. ``--arm off`` runs the same trainer with ``--no-agent``.
+
+    python -m benchmarks.rank_timeline --arm on --arm off --steps 300 --json rank-timeline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.overhead import CONFIGS
+
+EVENTS: list[tuple[str, str, int, int]] = []  # (what, thread, start_ns, end_ns)
+STEP_ENDS: list[int] = []
+
+
+def _timed(what: str, fn: Any, keep: Any = None) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        out = fn(*args, **kwargs)
+        if keep is None or keep(out):
+            EVENTS.append((what, threading.current_thread().name, t0, time.perf_counter_ns()))
+        return out
+    return wrapper
+
+
+def instrument(out_dir: str) -> None:
+    """Step ends, agent passes, full FR reads and full collections of this rank, dumped at exit."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(lambda *a, **k: STEP_ENDS.append(time.perf_counter_ns()))
+    import hpar_agent.agent as agent_mod
+    import hpar_agent.collectors.collectives as coll
+
+    agent_mod.Agent.tick = _timed("pass", agent_mod.Agent.tick)  # type: ignore[method-assign]
+    coll.CollectiveCollector._read = _timed(  # type: ignore[method-assign]
+        "fr_read", coll.CollectiveCollector._read, keep=lambda d: bool(d and d.get("entries")))
+    started: dict[str, int] = {}
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started["t"] = time.perf_counter_ns()
+        elif info.get("generation") == 2:
+            EVENTS.append(("gc2", threading.current_thread().name, started.get("t", 0), time.perf_counter_ns()))
+
+    gc.callbacks.append(on_gc)
+    rank = os.environ.get("RANK", "0")
+    atexit.register(lambda: Path(out_dir, f"rank{rank}.json").write_text(
+        json.dumps({"steps": STEP_ENDS, "events": EVENTS})))
+
+
+def child(argv: list[str]) -> int:
+    out_dir, rest = argv[0], argv[2:] if argv[1:2] == ["--"] else argv[1:]
+    instrument(out_dir)
+    from hpar_trainer.train import main as train_main
+
+    return train_main(rest)
+
+
+def classify(a: int, b: int, events: list[list[Any]]) -> str:
+    over = {e[0] for e in events if e[2] < b and e[3] > a}
+    for what in ("fr_read", "gc2", "pass"):
+        if what in over:
+            return what
+    return "none"
+
+
+def analyse(path: Path, skip: int) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    ends, events = data["steps"], data["events"]
+    steps = list(itertools.pairwise(ends))[skip:]
+    ms = [(b - a) / 1e6 for a, b in steps]
+    groups: dict[str, list[float]] = {}
+    for (a, b), d in zip(steps, ms, strict=True):
+        groups.setdefault(classify(a, b, events), []).append(d)
+    first = ends[0] if ends else 0
+    gc2 = [{"after_first_step_s": round((e[2] - first) / 1e9, 2), "ms": round((e[3] - e[2]) / 1e6, 1), "thread": e[1]}
+           for e in events if e[0] == "gc2"]
+    return {
+        "steps": len(ms),
+        "median_ms": statistics.median(ms),
+        "p99_ms": statistics.quantiles(ms, n=100, method="inclusive")[98],
+        "by_overlap": {k: {"steps": len(v), "median_ms": statistics.median(v)} for k, v in sorted(groups.items())},
+        "fr_reads": sum(1 for e in events if e[0] == "fr_read"),
+        "gc2_after_first_step": [g for g in gc2 if g["after_first_step_s"] > 0],
+        "gc2_before": sum(1 for g in gc2 if g["after_first_step_s"] <= 0),
+    }
+
+
+def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int) -> dict[str, Any]:
+    work = tempfile.mkdtemp(prefix=f"hpar-rank-timeline-{arm}-")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if arm == "on":
+        env.update(HPAR_RUN_DIR=os.path.join(work, "agent"), HPAR_TRACES="file", HPAR_METRICS_PORT="0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "benchmarks.rank_timeline", "--child", work, "--",
+           *args, "--out", os.path.join(work, "trainer.json"), *([] if arm == "on" else ["--no-agent"])]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if res.returncode:
+        raise RuntimeError(f"{arm}: torchrun exit {res.returncode}\n{res.stderr[-3000:]}")
+    return {f"rank{r}": analyse(Path(work, f"rank{r}.json"), skip) for r in range(nproc)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arm", action="append", choices=("on", "off"), help="repeatable; default: on off")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--skip", type=int, default=30, help="steps left out at the start (compile, warm-up)")
+    ap.add_argument("--nproc", type=int, default=CONFIGS["cpu"]["nproc"])
+    ap.add_argument("--extra", default="", help="more trainer arguments (later ones win)")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    args = [*CONFIGS["cpu"]["args"], "--steps", str(a.steps), "--log-every", "100000", *a.extra.split()]
+    result: dict[str, Any] = {"trainer_args": args, "nproc": a.nproc, "date": time.strftime("%Y-%m-%d")}
+    for arm in a.arm or ["on", "off"]:
+        ranks = result[arm] = run_arm(arm, a.nproc, args, a.timeout, a.skip)
+        print(f"== {arm}")
+        for name, r in ranks.items():
+            classes = ", ".join(f"{k} {v['steps']} x {v['median_ms']:.1f} ms" for k, v in r["by_overlap"].items())
+            gcs = ", ".join(f"{g['ms']} ms @ {g['after_first_step_s']} s ({g['thread']})" for g in r["gc2_after_first_step"])
+            print(f"   {name}: median {r['median_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; {classes}; "
+                  f"full FR reads {r['fr_reads']}; gen-2 collections: {r['gc2_before']} before the first step, "
+                  f"after it: {gcs or 'none'}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        sys.exit(child(sys.argv[2:]))
+    sys.exit(main())
