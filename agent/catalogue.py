@@ -309,6 +309,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("HPAR_EVENT_LOG", "event_log", "Write the per-rank JSONL event log (true/false)."),
     EnvVar("HPAR_BUFFER_SIZE", "buffer_size", "Capacity of each hook buffer; events beyond it are dropped and counted."),
     EnvVar("HPAR_NCCL_TIMING", "nccl_timing", "Time NCCL collectives (latency, busbw, spans): switched on for every NCCL group at attach and as groups appear (false: leave TORCH_NCCL_ENABLE_TIMING to the user)."),
+    EnvVar("HPAR_FR_SERVER", "fr_server", "Full flight-recorder reads through torch's worker server on a private unix socket: torch builds the dump on its own thread, the agent holds the GIL only to decode it (opt-in: a server thread, and torch logs its start and stop)."),
     EnvVar("HPAR_DETECTORS", "detectors", "Run the in-process detectors (true/false)."),
     EnvVar("HPAR_EVIDENCE", "evidence", "Collect evidence (py-spy stacks, allocator snapshots, FR dumps) when an alert fires."),
     EnvVar("HPAR_DP", "dp", "Override the data-parallel degree when it cannot be read from a mesh or model."),

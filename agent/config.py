@@ -70,6 +70,8 @@ class AgentConfig:
     """Capacity of each hook buffer; overflow is dropped and counted."""
     nccl_timing: bool = True
     """Time NCCL collectives (CUDA events per op): switched on for every NCCL group, existing or new."""
+    fr_server: bool = False
+    """Full flight-recorder reads through torch's worker server (its thread builds the dump, not ours)."""
     detectors: bool = True
     """Run the in-process detectors."""
     evidence: bool = True

@@ -107,11 +107,12 @@ def analyse(path: Path, skip: int) -> dict[str, Any]:
     }
 
 
-def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int) -> dict[str, Any]:
+def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int,
+            agent_env: dict[str, str]) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix=f"hpar-rank-timeline-{arm}-")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if arm == "on":
-        env.update(HPAR_RUN_DIR=os.path.join(work, "agent"), HPAR_TRACES="file", HPAR_METRICS_PORT="0")
+        env.update(HPAR_RUN_DIR=os.path.join(work, "agent"), HPAR_TRACES="file", HPAR_METRICS_PORT="0", **agent_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "benchmarks.rank_timeline", "--child", work, "--",
            *args, "--out", os.path.join(work, "trainer.json"), *([] if arm == "on" else ["--no-agent"])]
@@ -129,12 +130,16 @@ def main() -> int:
     ap.add_argument("--nproc", type=int, default=CONFIGS["cpu"]["nproc"])
     ap.add_argument("--extra", default="", help="more trainer arguments (later ones win)")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--env", action="append", default=[], metavar="K=V",
+                    help="agent setting for the on arm, repeatable (e.g. HPAR_FR_SERVER=1)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     args = [*CONFIGS["cpu"]["args"], "--steps", str(a.steps), "--log-every", "100000", *a.extra.split()]
     result: dict[str, Any] = {"trainer_args": args, "nproc": a.nproc, "date": time.strftime("%Y-%m-%d")}
     for arm in a.arm or ["on", "off"]:
-        ranks = result[arm] = run_arm(arm, a.nproc, args, a.timeout, a.skip)
+        agent_env = dict(kv.split("=", 1) for kv in a.env)
+        result["agent_env"] = agent_env
+        ranks = result[arm] = run_arm(arm, a.nproc, args, a.timeout, a.skip, agent_env)
         print(f"== {arm}")
         for name, r in ranks.items():
             classes = ", ".join(f"{k} {v['steps']} x {v['median_ms']:.1f} ms" for k, v in r["by_overlap"].items())

@@ -55,6 +55,7 @@ from hpar_agent.torch_compat.fr_decode import (
     pg_label,
     stuck,
 )
+from hpar_agent.torch_compat.fr_server import DumpServer
 from hpar_agent.torch_compat.p2p import P2PWrapper
 from hpar_agent.traceids import trace_id_hex
 
@@ -117,6 +118,7 @@ class CollectiveCollector(Component):
         #: step -> (start ns, end ns) of its timed ops: the anatomy's exposed communication
         self.intervals: dict[int, list[tuple[int, int]]] = {}
         self.recorders: list[str] = []
+        self._server: DumpServer | None = None  # HPAR_FR_SERVER: full dumps through torch's worker server
         self._cursor: dict[str, int] = {}  # recorder -> next record_id to read
         self._status: dict[str, Any] = {}  # recorder -> pg_status at the last full dump
         self._probe: dict[str, Any] = {}  # recorder -> pg_status at the last probe
@@ -173,6 +175,31 @@ class CollectiveCollector(Component):
             self._enable_timing()
         self._active = True
         self._patch_p2p()
+        if ctx.config.fr_server and self.recorders:
+            try:
+                self._server = DumpServer(self.recorders)
+            except Exception as exc:  # no _WorkerServer or handler in this torch: in-process dumps
+                self.record_error(exc)
+
+    def _close_server(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            try:
+                server.close()
+            except Exception as exc:
+                self.record_error(exc)
+
+    def _full_dump(self, rec: str) -> dict[str, Any]:
+        """A full read: through the worker server when it runs (a failure closes it for good), else
+        in-process."""
+        server = self._server
+        if server is not None and rec in server.handlers:
+            try:
+                return server.dump(rec)
+            except Exception as exc:
+                self.record_error(exc)
+                self._close_server()
+        return fr.dump(rec, include_collectives=True)
 
     def _patch_p2p(self) -> None:
         """Wrap pipelining's p2p helpers once the program imported them (``torch_compat.p2p``)."""
@@ -258,6 +285,7 @@ class CollectiveCollector(Component):
     def uninstall(self) -> None:
         self._active = False
         self.p2p.restore()
+        self._close_server()
 
     def step_hook(self, step: int, t_ns: int) -> None:
         self.step_buffer.put((t_ns, step))
@@ -324,7 +352,7 @@ class CollectiveCollector(Component):
         self._prev_read_ns[rec] = self._read_ns.get(rec, 0)
         self._read_ns[rec] = int(now * 1e9)
         self.full_reads += 1
-        return fr.dump(rec, include_collectives=True)
+        return self._full_dump(rec)
 
     def _new_entries(self, rec: str, status: dict[str, Any], now: float) -> float:
         """Entries the ring took since the last full read: the collectives ``pg_status`` counts, or the

@@ -1,0 +1,98 @@
+"""Full flight-recorder dumps built on torch's worker-server thread instead of the agent's.
+
+``_dump_fr_trace`` / ``_dump_nccl_trace`` build their pickle in C++ holding the GIL: ~20 ms for a
+2,000-entry ring, during which the training thread cannot run Python, and on a fast multi-rank loop
+that is the agent's longest stall (``benchmarks/rank_timeline.py``). torch's control-plane worker
+server (``_WorkerServer``, private API) answers ``POST /handler/<name>`` on its own C++ thread with the
+same dump, so the agent thread waits on a unix socket with the GIL released and holds it only to
+decode the answer (``benchmarks/fr_dump_gil.py`` measures both).
+
+Opt-in (``HPAR_FR_SERVER=1``): the server is a thread and a socket in the user's process, torch logs
+its start and stop as warnings, and its gloo handler speaks JSON whose fields differ from the pickle's
+(normalized here). Any failure closes it and the collector goes back to the in-process dump.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+from typing import Any
+
+#: Recorder -> (handler, query) of the worker server: gloo has only the JSON form, NCCL the pickle.
+HANDLERS: dict[str, tuple[str, str]] = {
+    "gloo": ("fr_trace_json", ""),
+    "nccl": ("dump_nccl_trace_pickle", "includecollectives=true&includestacktraces=false&onlyactive=false"),
+}
+#: Seconds the agent thread waits for one dump (a stuck server must not stop the agent's passes).
+TIMEOUT_S = 10.0
+
+
+def post(path: str, handler: str, query: str = "", timeout: float = TIMEOUT_S) -> bytes:
+    """``POST /handler/<handler>`` over the unix socket ``path`` (HTTP/1.1, no keep-alive); the body."""
+    target = f"/handler/{handler}" + (f"?{query}" if query else "")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(f"POST {target} HTTP/1.1\r\nHost: local\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+        chunks = []
+        while data := s.recv(1 << 20):
+            chunks.append(data)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].decode("latin-1")
+    if status.split(" ")[1:2] != ["200"]:
+        raise OSError(f"worker server {handler}: {status}: {body[:200]!r}")
+    return body
+
+
+def normalize_json(data: dict[str, Any]) -> dict[str, Any]:
+    """The JSON dump as the pickle spells it: ``pg_status`` counters as ints, ``process_group`` as a
+    tuple, an unset ``time_discovered_*`` as None (the JSON writes 0)."""
+    status = data.get("pg_status") or {}
+    data["pg_status"] = {
+        str(pg): {k: int(v) if isinstance(v, str) and v.lstrip("-").isdigit() else v for k, v in fields.items()}
+        for pg, fields in status.items()
+        if isinstance(fields, dict)
+    }
+    for e in data.get("entries") or []:
+        if isinstance(e.get("process_group"), list):
+            e["process_group"] = tuple(e["process_group"])
+        for k in ("time_discovered_started_ns", "time_discovered_completed_ns"):
+            if e.get(k) == 0:
+                e[k] = None
+    return data
+
+
+class DumpServer:
+    """A worker server of this process on a private unix socket, and full dumps through it."""
+
+    def __init__(self, recorders: list[str]) -> None:
+        import torch._C._distributed_c10d as c10d
+
+        names = set(c10d._get_handler_names())  # type: ignore[attr-defined]  # private, not in the stubs
+        self.handlers = {r: HANDLERS[r] for r in recorders if r in HANDLERS and HANDLERS[r][0] in names}
+        if not self.handlers:
+            raise RuntimeError(f"no worker-server handler for the recorders {recorders} in this torch")
+        self._dir = tempfile.mkdtemp(prefix="hpar-fr-")  # short: a unix socket path has ~107 bytes
+        self.path = os.path.join(self._dir, "s")
+        self._server: Any = c10d._WorkerServer(self.path)
+
+    def dump(self, recorder: str) -> dict[str, Any]:
+        """One full dump of ``recorder`` (as ``flight_recorder.dump`` returns it); raises on failure."""
+        handler, query = self.handlers[recorder]
+        body = post(self.path, handler, query)
+        if handler.endswith("json"):
+            return normalize_json(json.loads(body))
+        data = pickle.loads(body)  # produced in-process by torch itself
+        return data if isinstance(data, dict) else {}
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        try:
+            if server is not None:
+                server.shutdown()
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)
