@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import pickle
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,21 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-def post(path: str, handler: str) -> bytes:
-    """One HTTP/1.1 POST over a unix socket (the worker server speaks nothing else)."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(30)
-        s.connect(path)
-        s.sendall(f"POST /handler/{handler} HTTP/1.1\r\nHost: local\r\nContent-Length: 0\r\n"
-                  "Connection: close\r\n\r\n".encode())
-        chunks = []
-        while data := s.recv(1 << 20):
-            chunks.append(data)
-    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
-    if b" 200 " not in head.split(b"\r\n", 1)[0]:
-        raise RuntimeError(head.split(b"\r\n", 1)[0].decode())
-    return body
+from hpar_agent.torch_compat.fr_server import post
 
 
 def measure(read: Callable[[], Any], reps: int) -> dict[str, float]:
