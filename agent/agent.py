@@ -365,12 +365,11 @@ class Agent:
                         self.record_error(comp.name, exc)
                 self.span_schedule.add_step(rec)
                 handback()
-            if completed:
-                for comp in self.components:
-                    try:
-                        comp.after_steps()
-                    except Exception as exc:
-                        self.record_error(comp.name, exc)
+            for comp in self.components:
+                try:
+                    comp.end_pass()
+                except Exception as exc:
+                    self.record_error(comp.name, exc)
             self._export_steps(final, handback)
 
     def _export_steps(self, final: bool, handback: Yielder) -> None:

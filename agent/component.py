@@ -55,9 +55,10 @@ class Component:
     def on_step(self, rec: StepRecord) -> None:
         """Agent thread: called once per completed step, after every component's ``poll``."""
 
-    def after_steps(self) -> None:
-        """Agent thread: once per pass that completed steps, after their ``on_step`` calls: work done
-        once for the lot (a fast loop completes hundreds of steps per pass)."""
+    def end_pass(self) -> None:
+        """Agent thread: once per pass, after every component's ``poll`` and the pass's ``on_step``
+        calls: work done once for the lot (a fast loop completes hundreds of steps per pass), and
+        before ``span_watermark_ns`` is asked."""
 
     def span_watermark_ns(self) -> int | None:
         """Agent thread: every child span starting before this epoch time has been handed to the

@@ -196,7 +196,7 @@ class AnatomyCollector(Component):
         self.hists: dict[str, Histogram] = {p: Histogram(cat.LATENCY_BUCKETS) for p in PHASES}
         self.history: list[tuple[int, float, dict[str, float], float]] = []  # (step, step s, phases, loader s)
         self.verdict: str | None = None
-        self._unjudged = False  # steps finished by on_step, judged in after_steps
+        self._unjudged = False  # steps finished by on_step, judged in end_pass
         self.slow_rank: int | None = None  # the peer a slow-rank verdict names (None: this rank, or none)
         self.evidence: dict[str, Any] = {}
         self.shares: dict[str, float] = {}
@@ -352,22 +352,22 @@ class AnatomyCollector(Component):
             self._last_end_event = None
         self._unjudged |= self._flush(judge=False) > 0
 
-    def after_steps(self) -> None:
+    def end_pass(self) -> None:
+        # the collectives read in this pass may complete steps' comm_exposed now
+        if self.comm_pending and self._flush_comm():
+            self._unjudged = True
         if self._unjudged:
             self._unjudged = False
             self._judge()
 
     def span_watermark_ns(self) -> int | None:
-        # asked after every component's poll: the collectives read in this pass may complete steps now
-        if self.comm_pending and self._flush_comm():
-            self._judge()
         marks = [q[0][0].start_ns for q in (self._waiting, self.comm_pending) if q]
         return min(marks) if marks else None
 
     def _flush(self, judge: bool = True) -> int:
         """Finish the steps in order, each once its CUDA events (if any) have completed; then judge
         once (not per step: a fast loop finishes thousands of steps per pass; ``on_step`` leaves the
-        judging to ``after_steps``). Returns the steps finished."""
+        judging to ``end_pass``). Returns the steps finished."""
         finished = 0
         while self._waiting:
             rec, events = self._waiting[0]

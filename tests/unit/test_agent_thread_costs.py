@@ -85,8 +85,8 @@ def test_anatomy_judges_once_per_pass(monkeypatch) -> None:
     for i in range(50):
         c.on_step(StepRecord(step=i, start_ns=i * 10_000_000, end_ns=(i + 1) * 10_000_000))
     assert len(c.history) == 50 and judged == []
-    c.after_steps()
-    c.after_steps()  # nothing new: no second judgement
+    c.end_pass()
+    c.end_pass()  # nothing new: no second judgement
     assert judged == [50]
 
 

@@ -224,7 +224,7 @@ def test_cuda_stream_idle_of_a_host_bound_loop_is_not_data_wait() -> None:
     (_step, _s, phases, _loader), = c.history
     assert phases["data_wait"] == pytest.approx(0.001)
     assert c.verdict is None  # judged once per pass, after its steps (as the agent's tick calls it)
-    c.after_steps()
+    c.end_pass()
     assert c.verdict == "compute-bound"
 
 

@@ -784,16 +784,23 @@ def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: A
     assert sample(ranks[2][1], "hpar_detector_value", "Straggler") > 0.1
 
 
-def test_allocator_history_runs_only_while_a_leak_is_suspected(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Recording every allocation's stack costs every step: a warm-up rise starts it, the plateau after
-    stops it (left running it cost users 2-7% from the first steps on)."""
+def history_probe(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, source: str,
+                  n_steps: int) -> tuple[Any, Any, deque, list[str]]:
+    """An agent whose memory series ``source`` the test fills, and the allocator-history starts/stops
+    its evidence collector is asked for (recorded, not run)."""
     series: deque = deque(maxlen=64)
-    mem = Fake("memory", post_step={"allocator": series})
-    agent, det = make_agent(tmp_path, comps=(steps(60), mem))
+    agent, det = make_agent(tmp_path, comps=(steps(n_steps), Fake("memory", post_step={source: series})))
     calls: list[str] = []
     assert det.evidence is not None
     monkeypatch.setattr(det.evidence, "start_memory_history", lambda: calls.append("start") or True)
     monkeypatch.setattr(det.evidence, "stop_memory_history", lambda: calls.append("stop"))
+    return agent, det, series, calls
+
+
+def test_allocator_history_runs_only_while_a_leak_is_suspected(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recording every allocation's stack costs every step: a warm-up rise starts it, the plateau after
+    stops it (left running it cost users 2-7% from the first steps on)."""
+    agent, det, series, calls = history_probe(tmp_path, monkeypatch, "allocator", 60)
     series.extend((s, 10**9 + 8 * MiB * s) for s in range(5, 15))  # warm-up growth: suspected
     agent.tick()
     assert calls == ["start"]
@@ -806,13 +813,7 @@ def test_allocator_history_runs_only_while_a_leak_is_suspected(tmp_path: Any, mo
 def test_allocator_history_is_not_restarted_after_the_leak_fired(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The snapshot taken when MemoryLeak fires stops the recording; a leak still going on must not start
     it again (it would record every allocation's stack for the rest of the leak, for no snapshot)."""
-    series: deque = deque(maxlen=64)
-    mem = Fake("memory", post_step={"allocator": series})
-    agent, det = make_agent(tmp_path, comps=(steps(80), mem))
-    calls: list[str] = []
-    assert det.evidence is not None
-    monkeypatch.setattr(det.evidence, "start_memory_history", lambda: calls.append("start") or True)
-    monkeypatch.setattr(det.evidence, "stop_memory_history", lambda: calls.append("stop"))
+    agent, det, series, calls = history_probe(tmp_path, monkeypatch, "allocator", 80)
     series.extend((s, 10**9 + 8 * MiB * s) for s in range(5, 40))  # a leak: suspected, then confirmed
     for _ in range(3):
         agent.tick()
@@ -826,13 +827,7 @@ def test_allocator_history_is_not_restarted_after_the_leak_fired(tmp_path: Any, 
 
 def test_host_rss_growth_does_not_record_cuda_stacks(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Allocation stacks explain device memory only: RSS growth alone never turns the recording on."""
-    series: deque = deque(maxlen=64)
-    mem = Fake("memory", post_step={"rss": series})
-    agent, det = make_agent(tmp_path, comps=(steps(30), mem))
-    calls: list[str] = []
-    assert det.evidence is not None
-    monkeypatch.setattr(det.evidence, "start_memory_history", lambda: calls.append("start") or True)
-    monkeypatch.setattr(det.evidence, "stop_memory_history", lambda: calls.append("stop"))
+    agent, _det, series, calls = history_probe(tmp_path, monkeypatch, "rss", 30)
     series.extend((s, 10**9 + 8 * MiB * s) for s in range(5, 25))
     agent.tick()
     assert "start" not in calls
