@@ -12,6 +12,9 @@ Checks, each printed with its figures and written to ``--json``:
                MemoryLeak fires; the step, source, evidence files and whether the allocator snapshot
                names the trainer's inject module
   trainer      one-rank trainer ``--compile inductor --dtype bf16``: step time, loss first/last
+  fr_server    ``HPAR_FR_SERVER``: the worker server's full dump equal to the in-process one entry by
+               entry (NCCL: ``dump_nccl_trace_pickle``), and an agent reading through it counting and
+               timing every all-reduce
   binding      ``hpar_rank_info``'s CPU/NUMA labels against sysfs (the GPU's PCI ``local_cpulist`` and
                ``numa_node``: a source independent of NVML) and ``os.sched_getaffinity``; doctor's NUMA
                line; a subprocess pinned (``taskset``) off the GPU's ideal CPUs, where that set leaves any,
@@ -200,17 +203,24 @@ def snapshot_sites(paths: list[str], pattern: str) -> dict[str, Any]:
     return {"snapshots": pickles, "sites": hits, "named": bool(hits)}
 
 
+#: Wall time of one step of the CUDA leak check (``memory.ALLOCATOR_GAP_NS`` is 50 ms).
+LEAK_STEP_S = 0.06
+
+
 def check_cuda_leak(agent: hpar_agent.Agent, device: torch.device, steps: int, nbytes: int) -> dict[str, Any]:
     model = torch.nn.Linear(256, 256, device=device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     kept: list[torch.Tensor] = []
     first_fire = None
     for step in range(steps):
+        t0 = time.perf_counter()
         model(torch.randn(64, 256, device=device)).sum().backward()
         _leak_cuda_tensor(kept, nbytes, device)
         opt.step()  # the agent's step boundary (global optimizer hook)
         opt.zero_grad()
         agent.tick()
+        # paced like a training step (60 ms): the agent reads the allocator at most every 50 ms
+        time.sleep(max(0.0, LEAK_STEP_S - (time.perf_counter() - t0)))
         if first_fire is None and sample_sum(agent, "hpar_alert_active", alert="MemoryLeak") > 0:
             first_fire = step
     fired = alert_events(agent.run_dir, "MemoryLeak")
@@ -223,6 +233,65 @@ def check_cuda_leak(agent: hpar_agent.Agent, device: torch.device, steps: int, n
     print(f"  fired at step {first_fire} ({res['details']}), value {_fmt(res['value'], '.4g')} B/step; "
           f"evidence {res['evidence']}; snapshot names leak site: {sites['named']} {sites['sites']}")
     kept.clear()
+    return res
+
+
+#: Entry fields the two dumps must agree on (times, state and duration of entries retired before both).
+FR_KEYS = ("record_id", "pg_id", "process_group", "collective_seq_id", "profiling_name", "input_sizes",
+           "input_dtypes", "output_sizes", "is_p2p", "state", "time_created_ns", "duration_ms")
+
+
+def check_fr_server(device: torch.device, reps: int, work: str) -> dict[str, Any]:
+    """HPAR_FR_SERVER on this backend: the worker server's dump (``dump_nccl_trace_pickle`` on NCCL,
+    ``fr_trace_json`` on gloo) equals the in-process dump entry by entry, and an agent reading through
+    it counts every all-reduce and times each (NCCL)."""
+    from hpar_agent.agent import Agent
+    from hpar_agent.torch_compat.fr_server import DumpServer
+
+    rec = fr.available_recorders()[-1]
+    x = torch.ones(MiB // 4, device=device)
+
+    def run_ops() -> None:
+        for _ in range(reps):
+            dist.all_reduce(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        time.sleep(1.0)  # the watchdog retires the entries (duration_ms) a poll after completion
+
+    run_ops()
+    server = DumpServer([rec])
+    try:
+        t0 = time.perf_counter()
+        via = server.dump(rec)
+        t1 = time.perf_counter()
+        direct = fr.dump(rec)
+        t2 = time.perf_counter()
+    finally:
+        server.close()
+    a_entries, b_entries = via.get("entries") or [], direct.get("entries") or []
+    differ = [a.get("record_id") for a, b in zip(a_entries, b_entries, strict=False)
+              if {k: a.get(k) for k in FR_KEYS} != {k: b.get(k) for k in FR_KEYS}]
+    agent = Agent(metrics_port=-1, traces="none", run_dir=os.path.join(work, "fr-server"), fr_server=True,
+                  interval=3600.0, fr_interval=1e-6)
+    agent.start()
+    try:
+        coll = agent.component("collectives")
+        before = sample_sum(agent, "hpar_collectives_total", op="all_reduce")
+        run_ops()
+        agent.tick()
+        agent.tick()  # a second read completes entries the first saw without their duration
+        counted = sample_sum(agent, "hpar_collectives_total", op="all_reduce") - before
+        timed = sample_sum(agent, "hpar_collective_duration_seconds_count", op="all_reduce")
+        server_up = getattr(coll, "_server", None) is not None
+        errors = sample_sum(agent, "hpar_agent_errors_total")
+    finally:
+        agent.stop()
+    res = {"recorder": rec, "entries": [len(a_entries), len(b_entries)], "differing_record_ids": differ[:10],
+           "equal": bool(a_entries) and len(a_entries) == len(b_entries) and not differ,
+           "server_read_ms": (t1 - t0) * 1e3, "in_process_read_ms": (t2 - t1) * 1e3,
+           "agent_counted": counted, "agent_timed": timed, "reps": reps, "server_still_used": server_up,
+           "agent_errors": errors}  # fmt: skip
+    print(f"  {res}")
     return res
 
 
@@ -402,9 +471,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="every check on CPU (gloo, tiny), to test the script")
     ap.add_argument("--reps", type=int, default=10, help="collectives per (op, size)")
-    ap.add_argument("--leak-steps", type=int, default=40, help="steps of the leak runs")
-    ap.add_argument("--skip", nargs="*", default=[], help="checks to leave out (collectives nvml cuda_leak "
-                    "trainer_leak trainer)")
+    ap.add_argument("--leak-steps", type=int, default=40, help="steps of the in-process leak run (60 ms each)")
+    ap.add_argument("--trainer-leak-steps", type=int, default=150,
+                    help="steps of the trainer leak runs (fast steps: the allocator is sampled every 50 ms)")
+    ap.add_argument("--skip", nargs="*", default=[], help="checks to leave out (collectives nvml binding "
+                    "cuda_leak fr_server trainer_leak trainer)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per trainer subprocess")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -439,6 +510,9 @@ def main() -> int:
     finally:
         hpar_agent.detach()
     try:
+        if "fr_server" not in a.skip:  # its own agent, reading through the worker server
+            print("fr_server (full FR dumps through torch's worker server vs in-process):")
+            result["fr_server"] = check_fr_server(device, a.reps * 5, work)
         if "binding" not in a.skip:  # its own agent: attach() while one runs returns the running one
             print("stream handle (one-stage pipeline, every step traced):")
             stream = result["binding"]["stream"] = check_stream_handle(device, work)
@@ -451,7 +525,7 @@ def main() -> int:
              "--device", "cuda" if cuda else "cpu"]
     if "trainer_leak" not in a.skip:
         print("trainer_leak (torchrun, 1 rank, --inject):")
-        result["trainer_leak"] = [check_trainer_leak(i, small, a.leak_steps, work, a.timeout)
+        result["trainer_leak"] = [check_trainer_leak(i, small, a.trainer_leak_steps, work, a.timeout)
                                   for i in ("tensor-leak", "compile-leak")]
     if "trainer" not in a.skip:
         print("trainer (1 rank):")

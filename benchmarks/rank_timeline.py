@@ -32,6 +32,7 @@ from benchmarks.overhead import CONFIGS
 
 EVENTS: list[tuple[str, str, int, int]] = []  # (what, thread, start_ns, end_ns)
 STEP_ENDS: list[int] = []
+PASSES: list[dict[str, int]] = []  # per agent pass: CPU ns of the agent thread, by component and in all
 
 
 def _timed(what: str, fn: Any, keep: Any = None) -> Any:
@@ -44,15 +45,56 @@ def _timed(what: str, fn: Any, keep: Any = None) -> Any:
     return wrapper
 
 
+def _cpu_costed(tick: Any) -> Any:
+    """``Agent.tick`` recording the agent thread's CPU time (``thread_time``: what a pass can hold the GIL
+    for, without the time it handed back) per component (poll, on_step, end_pass), for the span schedule
+    and span export, and two parts of the collectives' (``collectives:dump``: the full FR dump and its
+    decoding, ``collectives:process``: the new entries' processing)."""
+    costs: dict[str, int] = {}
+
+    def charge(key: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                costs[key] = costs.get(key, 0) + time.thread_time_ns() - t0
+        return wrapper
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_bench_costed", False):
+            self._bench_costed = True
+            for comp in self.components:
+                for meth in ("poll", "on_step", "end_pass"):
+                    setattr(comp, meth, charge(comp.name, getattr(comp, meth)))
+                if hasattr(comp, "take_completed"):
+                    comp.take_completed = charge(comp.name, comp.take_completed)
+                if comp.name == "collectives":  # parts of its cost: the dump (with its decoding) and the rest
+                    comp._full_dump = charge("collectives:dump", comp._full_dump)
+                    comp._process_dump = charge("collectives:process", comp._process_dump)
+            for meth in ("add_step", "watermark", "due"):
+                setattr(self.span_schedule, meth, charge("span_schedule", getattr(self.span_schedule, meth)))
+            if self.tracing is not None:
+                self.tracing.export_step = charge("tracing", self.tracing.export_step)
+        costs.clear()
+        t0 = time.thread_time_ns()
+        try:
+            return tick(self, *args, **kwargs)
+        finally:
+            PASSES.append({"total": time.thread_time_ns() - t0, **costs})
+    return wrapper
+
+
 def instrument(out_dir: str) -> None:
-    """Step ends, agent passes, full FR reads and full collections of this rank, dumped at exit."""
+    """Step ends, agent passes (with their CPU time by component), full FR reads and full collections of
+    this rank, dumped at exit."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(lambda *a, **k: STEP_ENDS.append(time.perf_counter_ns()))
     import hpar_agent.agent as agent_mod
     import hpar_agent.collectors.collectives as coll
 
-    agent_mod.Agent.tick = _timed("pass", agent_mod.Agent.tick)  # type: ignore[method-assign]
+    agent_mod.Agent.tick = _timed("pass", _cpu_costed(agent_mod.Agent.tick))  # type: ignore[method-assign]
     coll.CollectiveCollector._read = _timed(  # type: ignore[method-assign]
         "fr_read", coll.CollectiveCollector._read, keep=lambda d: bool(d and d.get("entries")))
     started: dict[str, int] = {}
@@ -66,7 +108,7 @@ def instrument(out_dir: str) -> None:
     gc.callbacks.append(on_gc)
     rank = os.environ.get("RANK", "0")
     atexit.register(lambda: Path(out_dir, f"rank{rank}.json").write_text(
-        json.dumps({"steps": STEP_ENDS, "events": EVENTS})))
+        json.dumps({"steps": STEP_ENDS, "events": EVENTS, "passes": PASSES})))
 
 
 def child(argv: list[str]) -> int:
@@ -104,7 +146,19 @@ def analyse(path: Path, skip: int) -> dict[str, Any]:
         "fr_reads": sum(1 for e in events if e[0] == "fr_read"),
         "gc2_after_first_step": [g for g in gc2 if g["after_first_step_s"] > 0],
         "gc2_before": sum(1 for g in gc2 if g["after_first_step_s"] <= 0),
+        "pass_cpu_ms": pass_costs(data.get("passes") or []),
     }
+
+
+def pass_costs(passes: list[dict[str, int]]) -> dict[str, dict[str, float]]:
+    """Per component (and ``total``): median and max CPU ms of the agent thread per pass, and its share
+    of the agent thread's CPU over the run; the first pass (attach-time reads) left out."""
+    passes = passes[1:]
+    grand = sum(p["total"] for p in passes) or 1
+    keys = sorted({k for p in passes for k in p}, key=lambda k: -sum(p.get(k, 0) for p in passes))
+    return {k: {"median": statistics.median(p.get(k, 0) for p in passes) / 1e6,
+                "max": max(p.get(k, 0) for p in passes) / 1e6,
+                "share": sum(p.get(k, 0) for p in passes) / grand} for k in keys}
 
 
 def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int,
@@ -147,6 +201,10 @@ def main() -> int:
             print(f"   {name}: median {r['median_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; {classes}; "
                   f"full FR reads {r['fr_reads']}; gen-2 collections: {r['gc2_before']} before the first step, "
                   f"after it: {gcs or 'none'}")
+            costs = ", ".join(f"{k} {v['median']:.2f}/{v['max']:.1f} ms ({v['share']:.0%})"
+                              for k, v in r["pass_cpu_ms"].items())
+            if costs:
+                print(f"      agent-thread CPU per pass, median/max (share): {costs}")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -20,6 +20,7 @@ import bisect
 import itertools
 import logging
 import os
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -73,6 +74,22 @@ MAX_BOUNDARIES = 4096
 PP_PG = "pp"
 #: Steps whose reduced elements are kept for the gradient-sync coverage (see ``gradsync``).
 MAX_REDUCE_STEPS = 256
+#: Distinct entry shapes whose decoding is kept (a loop repeats a few; cleared when full).
+MAX_DECODED = 4096
+
+
+@dataclass(slots=True, frozen=True)
+class _Decoded:
+    """An FR entry's name and shapes decoded (``CollectiveCollector._decode``)."""
+
+    pname: str
+    op: str
+    backend: str
+    nbytes: int
+    data_bytes: int  # nccl-tests' size: the larger of input and output bytes
+    numel: int
+    sizes: str
+    dtypes: str
 
 
 @dataclass(slots=True)
@@ -136,6 +153,7 @@ class CollectiveCollector(Component):
         self._labels: dict[tuple[str, str], str] = {}
         self._backend_of: dict[str, str] = {}  # pg label -> recorder its collectives came from
         self._sizes: dict[str, int | None] = {}
+        self._decoded: dict[tuple[str, ...], _Decoded] = {}  # an entry's shape text -> what it means
         self._pending_fr: dict[tuple[str, int], _Op] = {}  # NCCL entries awaiting completion
         self._pending_p2p: dict[int, list[_Op]] = {}  # id(Work) -> ops awaiting a wait record
         self._bound_t: list[int] = []
@@ -440,10 +458,9 @@ class CollectiveCollector(Component):
         start = nxt = self._cursor.get(rec, entries[0]["record_id"])
         gap = 0
         seq_gaps: Counter[str] = Counter()
-        for e in entries:
+        first_new = bisect.bisect_left(entries, nxt, key=lambda e: e["record_id"])  # the ring's older half was read
+        for e in itertools.islice(entries, first_new, None):
             rid = int(e["record_id"])
-            if rid < nxt:
-                continue
             gap += rid - nxt
             nxt = rid + 1
             name, desc = entry_group(e)
@@ -481,41 +498,59 @@ class CollectiveCollector(Component):
             if gap:
                 self.unobserved[UNKNOWN_PG] += gap
 
+    def _decode(self, rec: str, e: dict[str, Any]) -> _Decoded:
+        """What an entry's name and shapes mean, computed once per distinct (name, sizes, dtypes) text:
+        a training loop repeats the same few collectives, so a read of ~1,000 entries decodes a handful
+        (``benchmarks/fr_read_cost.py``: the per-entry work of a read, with and without the cache)."""
+        pname = str(e.get("profiling_name", ""))
+        sizes, dtypes = e.get("input_sizes"), e.get("input_dtypes")
+        # Text, not the dump's nested lists: a dict of atomic values is not tracked by the garbage
+        # collector, while 2,048 kept entries of 7 lists each, renewed every read, pushed the
+        # interpreter into a full collection (~230 ms) every ~30 s of a 4-rank CPU run.
+        sizes_text = sizes if isinstance(sizes, str) else str(sizes)
+        dtypes_text = dtypes if isinstance(dtypes, str) else ",".join(map(str, dtypes or ()))
+        key = (rec, pname, sizes_text, dtypes_text, str(e.get("output_sizes")), str(e.get("output_dtypes")))
+        dec = self._decoded.get(key)
+        if dec is None:
+            if len(self._decoded) >= MAX_DECODED:
+                self._decoded.clear()
+            nbytes = entry_bytes(sizes, e.get("input_dtypes"))
+            out_bytes = entry_bytes(e.get("output_sizes"), e.get("output_dtypes"))
+            dec = self._decoded[key] = _Decoded(
+                pname, op_label(pname), entry_backend(pname, rec), nbytes, max(nbytes, out_bytes),
+                entry_numel(sizes), sys.intern(sizes_text), sys.intern(dtypes_text),
+            )  # fmt: skip
+        return dec
+
     def _observe_entry(
         self, rec: str, e: dict[str, Any], pg: str, name: str, seq: int, is_p2p: bool, created: int
     ) -> None:
-        pname = str(e.get("profiling_name", ""))
-        op = op_label(pname)
-        nbytes = entry_bytes(e.get("input_sizes"), e.get("input_dtypes"))
-        out_bytes = entry_bytes(e.get("output_sizes"), e.get("output_dtypes"))
+        dec = self._decode(rec, e)
+        op, nbytes = dec.op, dec.nbytes
         batch_key = (rec, str(name))
         batch = self._open_batch.pop(batch_key, None) if op == "coalesced" else None
         if not batch:  # a coalesced entry that closes a p2p batch is its ops' completion, not an op
             self.counts[(pg, op)] += 1
             self.bytes[(pg, op)] += nbytes
         if op in REDUCE_OPS and not is_p2p:
-            self._count_reduced(created, pg, entry_numel(e.get("input_sizes")))
-        # Text, not the dump's nested lists: a dict of atomic values is not tracked by the garbage
-        # collector, while 2,048 kept entries of 7 lists each, renewed every read, pushed the
-        # interpreter into a full collection (~230 ms) every ~30 s of a 4-rank CPU run.
-        sizes, dtypes = e.get("input_sizes"), e.get("input_dtypes")
+            self._count_reduced(created, pg, dec.numel)
         self.recent_entries.append(
             {
                 "pg": pg,
                 "seq": seq,
                 "is_p2p": is_p2p,
                 "op": op,
-                "input_sizes": sizes if isinstance(sizes, str) else str(sizes),
-                "input_dtypes": dtypes if isinstance(dtypes, str) else ",".join(map(str, dtypes or ())),
+                "input_sizes": dec.sizes,
+                "input_dtypes": dec.dtypes,
                 "time": created / 1e9,
                 "record_id": e.get("record_id"),
             }
         )
-        stream = comm_stream_label(pg, entry_backend(pname, rec))
-        item = _Op(pg, op, seq, nbytes, max(nbytes, out_bytes), created, stream)
+        stream = comm_stream_label(pg, dec.backend)
+        item = _Op(pg, op, seq, nbytes, dec.data_bytes, created, stream)
         item.size = self._size(name)
         key = (rec, int(e["record_id"]))
-        if is_p2p and (peer := p2p_peer(pname)) is not None:
+        if is_p2p and (peer := p2p_peer(dec.pname)) is not None:
             item.peer = fr.global_rank(name, peer)
         if batch:  # the p2p ops of a batch_isend_irecv: timed by the coalesced entry that ends it
             ops = [self._pending_fr.pop(k) for k in batch if k in self._pending_fr]

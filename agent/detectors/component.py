@@ -97,6 +97,7 @@ class DetectorsComponent(Component):
         self._span_events: list[tuple[str, int, dict[str, Any]]] = []
         self._store_tried = exchange is not None
         self._own_store = False
+        self._peer_ranks_of: tuple[tuple[int, int, int], list[int]] | None = None  # (mesh id, pp rank, world) -> ranks
         self.exchange_s = COMPONENT_DEFAULTS["exchange_s"]
         self.exchange_min_s = COMPONENT_DEFAULTS["exchange_min_s"]
         self.log_interval_s = COMPONENT_DEFAULTS["log_interval_s"]
@@ -253,10 +254,19 @@ class DetectorsComponent(Component):
 
     def _peer_ranks(self) -> list[int]:
         """Ranks sharing this rank's pp coordinate when the mesh says which (the only ones any
-        detector compares with); otherwise every rank."""
+        detector compares with); otherwise every rank. Worked out once per mesh (``DeviceMesh.mesh``
+        builds a tensor each time it is read)."""
         ctx = self.ctx
         assert ctx is not None
         mesh = ctx.mesh
+        key = (id(mesh), ctx.topology.pp_rank, ctx.topology.world_size)
+        if self._peer_ranks_of is None or self._peer_ranks_of[0] != key:
+            self._peer_ranks_of = (key, self._mesh_peer_ranks(mesh))
+        return self._peer_ranks_of[1]
+
+    def _mesh_peer_ranks(self, mesh: Any) -> list[int]:
+        ctx = self.ctx
+        assert ctx is not None
         names = getattr(mesh, "mesh_dim_names", None) or ()
         if "pp" in names:
             try:

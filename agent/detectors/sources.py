@@ -7,6 +7,7 @@ is not installed (detectors without it) reads as no data (None/empty).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -163,26 +164,44 @@ def _group_key(label: str, coords: Mapping[str, Any]) -> str:
     return f"{label}@" + ",".join(str(coords.get(k)) for k in ATOMIC_DIMS if k not in spans)
 
 
+#: The last ``fr_entries`` answer and what it was computed from: the kept entries change only at a full
+#: FR read (seconds apart), while two detectors ask for them on every pass (publish, evaluate).
+_fr_memo: dict[tuple[Any, ...], list[FrEntry]] = {}
+
+
 def fr_entries(ctx: AgentContext, limit: int = 256) -> list[FrEntry]:
     """Recent collectives (p2p excluded: its sequence numbers are per peer pair) as compact tuples
-    (pg id, seq, op, sizes, dtypes, time_created_ns); the pg id is made unique per group."""
+    (pg id, seq, op, sizes, dtypes, time_created_ns); the pg id is made unique per group. The list is
+    shared between callers until the kept entries change: read it, never change it."""
     c = ctx.find(CollectiveCollector)
     if c is None:
         return []
     v = c.recent_entries
     coords = ctx.topology.coords()
+    last = v[-1] if v else None
+    key = (id(v), len(v), id(last), last.get("record_id") if isinstance(last, Mapping) else None, limit,
+           tuple(coords.items()))  # fmt: skip
+    hit = _fr_memo.get(key)
+    if hit is not None:
+        return hit
+    uids: dict[str, str] = {}
     out: list[FrEntry] = []
-    for e in list(v)[-limit:]:
+    for e in itertools.islice(v, max(0, len(v) - limit), None):
         if not isinstance(e, Mapping) or e.get("is_p2p"):
             continue
         pg, seq = e.get("pg"), e.get("seq")
         if pg is None or seq is None:
             continue
+        uid = uids.get(pg)
+        if uid is None:
+            uid = uids[pg] = _group_key(str(pg), coords)
         sizes = e.get("input_sizes", e.get("sizes", ""))
         dtypes = e.get("input_dtypes", e.get("dtypes", ""))
         t = e.get("time_created_ns", e.get("time", 0))
         t_ns = int(t * 1e9) if isinstance(t, float) and t < 1e12 else int(t or 0)
-        out.append((_group_key(str(pg), coords), int(seq), str(e.get("op", "")), sizes if isinstance(sizes, str) else str(sizes), _flat(dtypes), t_ns))
+        out.append((uid, int(seq), str(e.get("op", "")), sizes if isinstance(sizes, str) else str(sizes), _flat(dtypes), t_ns))
+    _fr_memo.clear()
+    _fr_memo[key] = out
     return out
 
 

@@ -385,3 +385,30 @@ def test_kept_entries_are_invisible_to_the_garbage_collector(fake):
 
     (e,) = sources.fr_entries(agent.context, 1)
     assert e[3:5] == ("[[64]]", "Float")
+
+
+def test_entries_of_one_shape_are_decoded_once_and_counted_each(fake, monkeypatch):
+    """A loop repeats a few collectives: their name and shapes are decoded once per distinct text, and
+    every entry still counts; a different output (an all-gather's) is another shape; a full cache starts over."""
+    from hpar_agent.collectors import collectives as coll
+
+    rec, agent, c = fake
+    calls = []
+    real = coll.entry_bytes
+    monkeypatch.setattr(coll, "entry_bytes", lambda s, d: calls.append(1) or real(s, d))
+    for i in range(6):
+        rec.add(i, 1, "1", "mesh_dp", i + 1, n=256)
+    rec.add(6, 2, "3", "mesh_tp", 1, name="nccl:_allgather_base", n=8)
+    rec.entries[-1]["output_sizes"] = [[32]]
+    agent.tick()
+    get = agent.registry.get_sample_value
+    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 6
+    assert get("hpar_collective_bytes_total", {**L, "pg": "dp", "op": "all_reduce"}) == 6 * 1024
+    assert get("hpar_collective_bytes_total", {**L, "pg": "tp", "op": "all_gather"}) == 32
+    assert len(calls) == 4 and len(c._decoded) == 2  # in and out bytes of two shapes
+    assert [e["input_sizes"] for e in c.recent_entries][-2:] == ["[[256]]", "[[8]]"]
+    monkeypatch.setattr(coll, "MAX_DECODED", 2)
+    rec.add(7, 1, "1", "mesh_dp", 7, n=512)  # a third shape: the full cache is cleared first
+    agent.tick()
+    assert len(c._decoded) == 1
+    assert get("hpar_collective_bytes_total", {**L, "pg": "dp", "op": "all_reduce"}) == 6 * 1024 + 2048

@@ -105,7 +105,7 @@ def test_post_step_history_and_allocator(agent, tmp_path):
     for step in range(5):
         cuda.allocated = 1000 * (step + 1)
         _proc(tmp_path, 10 + step)
-        agent.on_step_boundary(step, 0)
+        agent.on_step_boundary(step, step * 100_000_000)  # 100 ms steps: every one reads the allocator
     agent.tick()
     assert list(mem.post_step["allocator"]) == [(2, 3000), (3, 4000), (4, 5000)]  # bounded history
     assert cuda.devices == {GPU1}  # every read names the rank's device, never the thread's current one
@@ -118,6 +118,21 @@ def test_post_step_history_and_allocator(agent, tmp_path):
     assert get("hpar_allocator_peak_bytes", {**L, "kind": "reserved"}) == 8192
     assert get("hpar_allocator_alloc_retries_total", L) == 2
     assert get("hpar_allocator_ooms_total", L) == 1
+
+
+def test_fast_steps_read_the_allocator_once_per_gap(agent, tmp_path):
+    """Steps 5 ms apart: the training thread reads the allocator on every 10th (50 ms gap), not on each."""
+    cuda = FakeCuda()
+    mem = MemoryCollector(proc_root=_proc(tmp_path, 10), cuda=cuda)
+    _replace(agent, mem)
+    t0 = 10**18
+    for step in range(40):
+        cuda.allocated = 1000 * (step + 1)
+        agent.on_step_boundary(step, t0 + step * 5_000_000)
+    agent.tick()
+    assert [s for s, _ in mem.post_step["allocator"]] == [0, 10, 20, 30]
+    assert [v for _, v in mem.post_step["allocator"]] == [1000, 11000, 21000, 31000]
+    assert len(mem.post_step["rss"]) == 40  # host memory is still read every step
 
 
 def test_allocator_untouched_until_cuda_is_initialized(agent, tmp_path):

@@ -4,6 +4,7 @@ renamed field fails here (and in mypy) instead of turning a detector silently of
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 from hpar_agent.collectors.collectives import CollectiveCollector
@@ -79,3 +80,21 @@ def test_no_reader_guesses_attribute_names() -> None:
 
     text = inspect.getsource(src)
     assert "getattr(" not in text and "_get(" not in text
+
+
+def test_fr_entries_are_shared_until_the_kept_entries_change() -> None:
+    """Two detectors ask every pass; the answer is computed again only when an FR read added entries."""
+    ctx = AgentContext(AgentConfig(), Topology())
+    c = CollectiveCollector()
+    ctx.components = [c]
+    entry = {"pg": "dp", "seq": 1, "is_p2p": False, "op": "all_reduce", "input_sizes": "[[4]]",
+             "input_dtypes": "Float", "time": 1.0, "record_id": 1}
+    c.recent_entries.append(entry)
+    first = src.fr_entries(ctx)
+    assert src.fr_entries(ctx) is first and [e[1] for e in first] == [1]
+    c.recent_entries.append({**entry, "seq": 2, "record_id": 2})
+    second = src.fr_entries(ctx)
+    assert second is not first and [e[1] for e in second] == [1, 2]
+    assert [e[1] for e in src.fr_entries(ctx, limit=1)] == [2]
+    ctx.topology = dataclasses.replace(ctx.topology, tp_rank=1)  # other coordinates: other group ids
+    assert src.fr_entries(ctx) is not second
