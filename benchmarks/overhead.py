@@ -195,7 +195,9 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
     trainer = Trainer(cfg, device)
     on_cfg = dataclasses.replace(cfg, no_agent=False)
     rank, step, blocks = dist.get_rank(), 0, []
-    for i, (arm, pair) in enumerate(spec["order"]):
+    t_start = time.monotonic()
+    order = spec["order"]
+    for i, (arm, pair) in enumerate(order):
         if arm == "on":  # a fresh job id a block: no stale cross-rank keys from the previous attach
             os.environ.update(arm_env("on", os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}"))
             trainer.agent = attach_observability(on_cfg, trainer.modules, trainer.optimizer, trainer.mesh,
@@ -215,8 +217,15 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
         blocks.append({"arm": arm, "pair": pair, "times": times})
         if rank == 0:
             med = statistics.median(times[spec["block_skip"]:])
-            print(f"[block {i + 1}/{len(spec['order'])}] {arm:8} pair {pair:2}: step {med * 1e3:9.3f} ms",
+            print(f"[block {i + 1}/{len(order)}] {arm:8} pair {pair:2}: step {med * 1e3:9.3f} ms",
                   flush=True)
+        if spec.get("max_s") and pair >= 0 and (i + 1 == len(order) or order[i + 1][1] != pair):
+            stop = [time.monotonic() - t_start > spec["max_s"]]  # rank 0 decides: every rank stops together
+            dist.broadcast_object_list(stop, src=0)
+            if stop[0]:
+                if rank == 0:
+                    print(f"--max-s {spec['max_s']:g} reached: stopping after pair {pair}", flush=True)
+                break
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps({"blocks": blocks}))
     dist.destroy_process_group()
@@ -229,7 +238,8 @@ def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.N
     t_start = time.time()
     work = tempfile.mkdtemp(prefix="hpar-overhead-")
     spec = {"order": block_order(arms, cfg["pairs"], a.warm), "block": cfg["block"],
-            "block_skip": cfg["block_skip"], "work": work, "out": os.path.join(work, "blocks.json")}
+            "block_skip": cfg["block_skip"], "work": work, "out": os.path.join(work, "blocks.json"),
+            "max_s": a.max_s}
     argv = [*cfg["args"], "--log-every", "1000000"]
     if inprocess:
         run_blocks(spec, argv)
@@ -244,7 +254,8 @@ def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.N
     blocks = json.loads(Path(spec["out"]).read_text())["blocks"]
     runs = [{"arm": b["arm"], "pair": b["pair"], "step_s": statistics.median(b["times"][cfg["block_skip"]:])}
             for b in blocks]
-    result = report(name, cfg, cfg["pairs"], inprocess, t_start, runs, arms)
+    done = max((r["pair"] for r in runs), default=-1) + 1  # --max-s may stop before cfg["pairs"]
+    result = report(name, cfg, done, inprocess, t_start, runs, arms)
     result.update(design="blocks", block=cfg["block"], block_skip=cfg["block_skip"], warm=a.warm, blocks=blocks)
     return result
 
@@ -355,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=0, help="interleaved pairs after warm-up (default per config)")
     ap.add_argument("--block", type=int, default=0, help="blocks: steps per block (default per config)")
     ap.add_argument("--block-skip", type=int, default=-1, help="blocks: steps left out of a block's median")
+    ap.add_argument("--max-s", type=float, default=0.0,
+                    help="blocks: stop after the pair that ends past this many seconds of blocks (0: all pairs)")
     ap.add_argument("--warm", type=int, default=2, help="blocks: warm-up rounds of every arm")
     ap.add_argument("--steps", type=int, default=0, help="runs: trainer steps per run (default per config)")
     ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")

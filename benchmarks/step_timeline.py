@@ -7,7 +7,8 @@ training thread: each ``tick``, each component's ``poll``/``on_step``, span expo
 exporter thread's batches and each ``/metrics`` collection. Then prints the steps at or above the
 p99 with the agent passes that overlapped them, and how much agent time overlapped long steps
 against ordinary ones. ``--arm off`` runs the same trainer without the agent (the same timeline of
-steps, for the baseline p99).
+steps, for the baseline p99). ``--gc-census STEP`` lists, by type, the objects that reached the
+collector's oldest generation between STEP and the end (what brings on the next full collection).
 
     python -m benchmarks.step_timeline --arm off --arm on --steps 300 --json timeline.json
 """
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -96,14 +98,31 @@ def _gc_event(phase: str, info: dict[str, Any]) -> None:
                        time.perf_counter_ns()))
 
 
-def run(arm: str, args: list[str], steps: int, work: str) -> dict[str, Any]:
+def gen2_census() -> dict[int, str]:
+    """id -> type name of every object in the collector's oldest generation."""
+    return {id(o): type(o).__name__ for o in gc.get_objects(generation=2)}
+
+
+def census_diff(before: dict[int, str], after: dict[int, str]) -> dict[str, Any]:
+    """What reached generation 2 between two censuses (objects there now that were not then)."""
+    new = Counter(name for i, name in after.items() if i not in before)
+    return {"before": len(before), "after": len(after), "new": sum(new.values()), "new_by_type": dict(new.most_common(12))}
+
+
+def run(arm: str, args: list[str], steps: int, work: str, census_at: int = 0) -> dict[str, Any]:
     import hpar_agent
     from hpar_trainer.train import main as train_main
 
     EVENTS.clear()
     STEP_ENDS.clear()
-    hook = register_optimizer_step_post_hook(
-        lambda *_: STEP_ENDS.append(time.perf_counter_ns()))
+    census: dict[str, dict[int, str]] = {}
+
+    def on_step(*_: Any) -> None:
+        if census_at and len(STEP_ENDS) == census_at:  # the census's time hides in this step, left out below
+            census["start"] = gen2_census()
+        STEP_ENDS.append(time.perf_counter_ns())
+
+    hook = register_optimizer_step_post_hook(on_step)
     env = {"HPAR_RUN_DIR": os.path.join(work, arm), "HPAR_JOB_ID": f"timeline-{arm}", "HPAR_TRACES": "file",
            "HPAR_METRICS_PORT": "0"}
     os.environ.update(env)
@@ -112,13 +131,19 @@ def run(arm: str, args: list[str], steps: int, work: str) -> dict[str, Any]:
         argv.append("--no-agent")
     try:
         rc = train_main(argv)
+        if "start" in census:
+            census["end"] = gen2_census()  # the agent still attached: what it keeps is there
     finally:
         hook.remove()
         hpar_agent.detach()
         torch._dynamo.reset()
     if rc:
         raise RuntimeError(f"trainer exited {rc}")
-    return analyse(arm, list(STEP_ENDS), list(EVENTS))
+    out = analyse(arm, list(STEP_ENDS), list(EVENTS), skip=census_at + 1 if census_at else 10)
+    if census:
+        out["gen2_census"] = {"from_step": census_at, "to_step": len(STEP_ENDS),
+                              **census_diff(census["start"], census.get("end", {}))}
+    return out
 
 
 def analyse(arm: str, ends: list[int], events: list[tuple[str, str, int, int]], skip: int = 10) -> dict[str, Any]:
@@ -163,6 +188,10 @@ def show(r: dict[str, Any]) -> None:
     print(f"   agent busy ms in long steps {[round(x, 1) for x in r['agent_ms_in_long_steps']]}, "
           f"other steps mean {r['agent_ms_in_other_steps_mean']:.2f}; on the training thread "
           f"{r['training_thread_agent_ms_per_step']:.3f} ms/step (hooks, gc)")
+    if "gen2_census" in r:
+        g = r["gen2_census"]
+        print(f"   generation 2 from step {g['from_step']} to {g['to_step']}: {g['before']} -> {g['after']} objects, "
+              f"{g['new']} new: {g['new_by_type']}")
     for ls in r["long_steps"][:8]:
         ov = sorted(ls["overlapping"], key=lambda o: -o[3])[:6]
         print(f"   step {ls['step']:4} {ls['ms']:7.2f} ms: "
@@ -175,6 +204,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--cpu", action="store_true", help="tiny CPU model (to test the script)")
     ap.add_argument("--extra", default="", help="more trainer arguments")
+    ap.add_argument("--gc-census", type=int, default=0, metavar="STEP",
+                    help="list what reaches generation 2 from STEP to the end (steps before STEP+1 left out)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     instrument()
@@ -182,7 +213,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="hpar-timeline-")
     results = []
     for arm in a.arm or ["off", "on"]:
-        r = run(arm, args, a.steps, work)
+        r = run(arm, args, a.steps, work, a.gc_census)
         show(r)
         results.append(r)
         if a.json:
