@@ -501,7 +501,7 @@ class CollectiveCollector(Component):
     def _decode(self, rec: str, e: dict[str, Any]) -> _Decoded:
         """What an entry's name and shapes mean, computed once per distinct (name, sizes, dtypes) text:
         a training loop repeats the same few collectives, so a read of ~1,000 entries decodes a handful
-        (``benchmarks/fr_read_cost.py``: the per-entry work of a read, with and without the cache)."""
+        (``benchmarks/rank_timeline.py`` reports a read's processing as ``collectives:process``)."""
         pname = str(e.get("profiling_name", ""))
         sizes, dtypes = e.get("input_sizes"), e.get("input_dtypes")
         # Text, not the dump's nested lists: a dict of atomic values is not tracked by the garbage
@@ -514,7 +514,7 @@ class CollectiveCollector(Component):
         if dec is None:
             if len(self._decoded) >= MAX_DECODED:
                 self._decoded.clear()
-            nbytes = entry_bytes(sizes, e.get("input_dtypes"))
+            nbytes = entry_bytes(sizes, dtypes)
             out_bytes = entry_bytes(e.get("output_sizes"), e.get("output_dtypes"))
             dec = self._decoded[key] = _Decoded(
                 pname, op_label(pname), entry_backend(pname, rec), nbytes, max(nbytes, out_bytes),
