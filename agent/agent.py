@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
+from hpar_agent import gil
 from hpar_agent._version import __version__
 from hpar_agent.alert_callbacks import Alert, AlertCallbacks
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
@@ -41,6 +42,8 @@ log = logging.getLogger("hpar_agent")
 
 _current: Agent | None = None
 _lock = threading.Lock()
+#: Share of the interval a paced pass may take before it stops pacing and finishes.
+PACE_BUDGET = 0.8
 
 
 class Agent:
@@ -337,40 +340,47 @@ class Agent:
     def _run(self) -> None:
         while not self._stop.wait(self._until_next_tick()):
             try:
-                self.tick()
+                self.tick(paced=True)
             except Exception as exc:  # never let the thread die
                 self.record_error("agent", exc)
 
-    def tick(self, final: bool = False) -> None:
+    def tick(self, final: bool = False, paced: bool = False) -> None:
         """One agent-thread pass: poll every component, then finish completed steps. The pass hands
-        the GIL back to the training thread every millisecond or so of work (``gil.Yielder``)."""
+        the GIL back to the training thread every millisecond or so of work (``gil.Yielder``); a
+        paced one (the agent thread's) in slices at shared instants, within ``PACE_BUDGET`` of the
+        interval."""
         with self._tick_lock:
-            handback = Yielder()
             now = time.time()
+            deadline = int((now + PACE_BUDGET * self.config.interval) * 1e9) if paced and not final else 0
+            with gil.running(Yielder(deadline_ns=deadline, cancel=self._stop)) as handback:
+                self._pass(now, final, handback)
+
+    def _pass(self, now: float, final: bool, handback: Yielder) -> None:
+        """Poll, then each completed step to every component, then the once-a-pass work and the export."""
+        for comp in self.components:
+            t0 = time.perf_counter()
+            try:
+                comp.poll(now)
+            except Exception as exc:
+                self.record_error(comp.name, exc)
+            self.collect_seconds[comp.name] = time.perf_counter() - t0
+            handback()
+        steps = self.context.find(StepCollector)
+        completed: list[StepRecord] = steps.take_completed() if steps is not None else []
+        for rec in completed:
             for comp in self.components:
-                t0 = time.perf_counter()
                 try:
-                    comp.poll(now)
+                    comp.on_step(rec)
                 except Exception as exc:
                     self.record_error(comp.name, exc)
-                self.collect_seconds[comp.name] = time.perf_counter() - t0
-                handback()
-            steps = self.context.find(StepCollector)
-            completed: list[StepRecord] = steps.take_completed() if steps is not None else []
-            for rec in completed:
-                for comp in self.components:
-                    try:
-                        comp.on_step(rec)
-                    except Exception as exc:
-                        self.record_error(comp.name, exc)
-                self.span_schedule.add_step(rec)
-                handback()
-            for comp in self.components:
-                try:
-                    comp.end_pass()
-                except Exception as exc:
-                    self.record_error(comp.name, exc)
-            self._export_steps(final, handback)
+            self.span_schedule.add_step(rec)
+            handback()
+        for comp in self.components:
+            try:
+                comp.end_pass()
+            except Exception as exc:
+                self.record_error(comp.name, exc)
+        self._export_steps(final, handback)
 
     def _export_steps(self, final: bool, handback: Yielder) -> None:
         """Hand completed steps with their child spans to tracing when they are due (``span_schedule``:

@@ -45,6 +45,10 @@ class Component:
     def uninstall(self) -> None:
         """Remove every hook/handler/callback ``install`` added."""
 
+    def forget_in_child(self) -> None:
+        """In a forked child of the training process: drop what belongs to the parent (its pipes, its
+        processes) without stopping it; the parent's component keeps running."""
+
     def poll(self, now: float) -> None:
         """Agent thread: drain buffers, poll sources, update state."""
 

@@ -26,6 +26,7 @@ log = logging.getLogger("hpar_agent")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 TRACE_MODES = ("auto", "otlp", "file", "none")
+FR_READERS = ("auto", "process", "inline")
 #: Sane bounds of the poll intervals: below 50 ms the agent thread competes with training for the GIL,
 #: above an hour nothing is observed; ``inf`` would overflow the thread's wait.
 INTERVAL_RANGE = (0.05, 3600.0)
@@ -70,8 +71,11 @@ class AgentConfig:
     """Capacity of each hook buffer; overflow is dropped and counted."""
     nccl_timing: bool = True
     """Time NCCL collectives (CUDA events per op): switched on for every NCCL group, existing or new."""
-    fr_server: bool = False
-    """Full flight-recorder reads through torch's worker server (its thread builds the dump, not ours)."""
+    fr_reader: str = "auto"
+    """auto | process | inline. Where full flight-recorder reads are dumped, decoded and processed: a
+    child process reading through torch's worker server (inline where this torch has none), or the
+    agent thread (holds the GIL for the dump and the processing). auto: process when this rank has
+    at least two CPUs of its own (the reader and torch's dump thread need a core beside training)."""
     detectors: bool = True
     """Run the in-process detectors."""
     evidence: bool = True
@@ -211,6 +215,8 @@ def _field_problems(name: str, value: Any) -> list[str]:
         out.append(f"trace_every must be >= 0, got {v}")
     elif name == "traces" and v not in TRACE_MODES:
         out.append(f"traces must be one of {TRACE_MODES}, got {v!r}")
+    elif name == "fr_reader" and v not in FR_READERS:
+        out.append(f"fr_reader must be one of {FR_READERS}, got {v!r}")
     elif name == "buffer_size" and not 1 <= v <= 1 << 24:
         out.append(f"buffer_size must be 1..{1 << 24}, got {v}")
     elif name in ("dp", "tp", "pp") and not 1 <= v <= 1 << 20:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Device calls: GPU validation, the overhead benchmark (GPU config, and the CPU config on the device's
-# quiet cores) and the component costs; results under $OUT. Pick parts with RUN (default: all):
+# quiet cores), the component costs and the CPU rank timelines; results under $OUT. Pick parts with RUN
+# (default: all but the timelines):
 #   RUN="overhead-gpu components-gpu" bash benchmarks/gpu_run.sh
+#   RUN="reader cpu-timeline" bash benchmarks/gpu_run.sh   # full FR reads in the reader process
 # The device call's command installs the carried wheels to /tmp/site first (see BENCHMARKS.md).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
@@ -27,6 +29,13 @@ for part in $RUN; do
       for b in agent_cpu metrics_render agent_rss span_export; do
         python3 -m "benchmarks.$b" --device cuda --json "$OUT/$b-gpu.json" 2>&1 | quiet | tee "$OUT/$b-gpu.log" | tail -n 20
       done ;;
+    reader) TORCH_NCCL_ENABLE_TIMING=1 python3 -m benchmarks.gpu_validate --skip collectives nvml cuda_leak \
+      trainer_leak trainer binding --json "$OUT/reader.json" 2>&1 | quiet | tee "$OUT/reader.log" ;;
+    cpu-timeline)  # 4 CPU ranks: reads in the reader process (auto on these cores), off, reads inline
+      CUDA_VISIBLE_DEVICES= python3 -m benchmarks.rank_timeline --steps 300 --arm on --arm off \
+        --json "$OUT/rank-timeline.json" 2>&1 | quiet | tee "$OUT/rank-timeline.log"
+      CUDA_VISIBLE_DEVICES= python3 -m benchmarks.rank_timeline --steps 300 --arm on --env HPAR_FR_READER=inline \
+        --json "$OUT/rank-timeline-inline.json" 2>&1 | quiet | tee "$OUT/rank-timeline-inline.log" ;;
     *) echo "unknown part $part" ;;
   esac
 done

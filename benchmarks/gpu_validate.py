@@ -12,7 +12,7 @@ Checks, each printed with its figures and written to ``--json``:
                MemoryLeak fires; the step, source, evidence files and whether the allocator snapshot
                names the trainer's inject module
   trainer      one-rank trainer ``--compile inductor --dtype bf16``: step time, loss first/last
-  fr_server    ``HPAR_FR_SERVER``: the worker server's full dump equal to the in-process one entry by
+  fr_reader    ``HPAR_FR_READER``: the worker server's full dump equal to the in-process one entry by
                entry (NCCL: ``dump_nccl_trace_pickle``), and an agent reading through it counting and
                timing every all-reduce
   binding      ``hpar_rank_info``'s CPU/NUMA labels against sysfs (the GPU's PCI ``local_cpulist`` and
@@ -241,10 +241,10 @@ FR_KEYS = ("record_id", "pg_id", "process_group", "collective_seq_id", "profilin
            "input_dtypes", "output_sizes", "is_p2p", "state", "time_created_ns", "duration_ms")
 
 
-def check_fr_server(device: torch.device, reps: int, work: str) -> dict[str, Any]:
-    """HPAR_FR_SERVER on this backend: the worker server's dump (``dump_nccl_trace_pickle`` on NCCL,
-    ``fr_trace_json`` on gloo) equals the in-process dump entry by entry, and an agent reading through
-    it counts every all-reduce and times each (NCCL)."""
+def check_fr_reader(device: torch.device, reps: int, work: str) -> dict[str, Any]:
+    """The reader process on this backend: the worker server's dump (``dump_nccl_trace_pickle`` on NCCL,
+    ``fr_trace_json`` on gloo) equals the in-process dump entry by entry, and an agent whose full reads
+    run in the reader process (the default) counts every all-reduce and times each (NCCL)."""
     from hpar_agent.agent import Agent
     from hpar_agent.torch_compat.fr_server import DumpServer
 
@@ -271,7 +271,7 @@ def check_fr_server(device: torch.device, reps: int, work: str) -> dict[str, Any
     a_entries, b_entries = via.get("entries") or [], direct.get("entries") or []
     differ = [a.get("record_id") for a, b in zip(a_entries, b_entries, strict=False)
               if {k: a.get(k) for k in FR_KEYS} != {k: b.get(k) for k in FR_KEYS}]
-    agent = Agent(metrics_port=-1, traces="none", run_dir=os.path.join(work, "fr-server"), fr_server=True,
+    agent = Agent(metrics_port=-1, traces="none", run_dir=os.path.join(work, "fr-reader"), fr_reader="process",
                   interval=3600.0, fr_interval=1e-6)
     agent.start()
     try:
@@ -282,14 +282,14 @@ def check_fr_server(device: torch.device, reps: int, work: str) -> dict[str, Any
         agent.tick()  # a second read completes entries the first saw without their duration
         counted = sample_sum(agent, "hpar_collectives_total", op="all_reduce") - before
         timed = sample_sum(agent, "hpar_collective_duration_seconds_count", op="all_reduce")
-        server_up = getattr(coll, "_server", None) is not None
+        reader = coll.reader_state()
         errors = sample_sum(agent, "hpar_agent_errors_total")
     finally:
         agent.stop()
     res = {"recorder": rec, "entries": [len(a_entries), len(b_entries)], "differing_record_ids": differ[:10],
            "equal": bool(a_entries) and len(a_entries) == len(b_entries) and not differ,
            "server_read_ms": (t1 - t0) * 1e3, "in_process_read_ms": (t2 - t1) * 1e3,
-           "agent_counted": counted, "agent_timed": timed, "reps": reps, "server_still_used": server_up,
+           "agent_counted": counted, "agent_timed": timed, "reps": reps, "reader": reader,
            "agent_errors": errors}  # fmt: skip
     print(f"  {res}")
     return res
@@ -475,7 +475,7 @@ def main() -> int:
     ap.add_argument("--trainer-leak-steps", type=int, default=150,
                     help="steps of the trainer leak runs (fast steps: the allocator is sampled every 50 ms)")
     ap.add_argument("--skip", nargs="*", default=[], help="checks to leave out (collectives nvml binding "
-                    "cuda_leak fr_server trainer_leak trainer)")
+                    "cuda_leak fr_reader trainer_leak trainer)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per trainer subprocess")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -510,9 +510,9 @@ def main() -> int:
     finally:
         hpar_agent.detach()
     try:
-        if "fr_server" not in a.skip:  # its own agent, reading through the worker server
-            print("fr_server (full FR dumps through torch's worker server vs in-process):")
-            result["fr_server"] = check_fr_server(device, a.reps * 5, work)
+        if "fr_reader" not in a.skip:  # its own agent, its full reads in the reader process
+            print("fr_reader (full FR dumps through torch's worker server vs in-process, read by the reader process):")
+            result["fr_reader"] = check_fr_reader(device, a.reps * 5, work)
         if "binding" not in a.skip:  # its own agent: attach() while one runs returns the running one
             print("stream handle (one-stage pipeline, every step traced):")
             stream = result["binding"]["stream"] = check_stream_handle(device, work)

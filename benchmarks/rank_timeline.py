@@ -48,8 +48,10 @@ def _timed(what: str, fn: Any, keep: Any = None) -> Any:
 def _cpu_costed(tick: Any) -> Any:
     """``Agent.tick`` recording the agent thread's CPU time (``thread_time``: what a pass can hold the GIL
     for, without the time it handed back) per component (poll, on_step, end_pass), for the span schedule
-    and span export, and two parts of the collectives' (``collectives:dump``: the full FR dump and its
-    decoding, ``collectives:process``: the new entries' processing)."""
+    and span export, and two parts of the collectives' (``collectives:read``: a full read, which is the
+    dump, its decoding and the ledger on the agent thread with ``HPAR_FR_READER=inline`` and only a
+    request and a wait for the reader process by default; ``collectives:apply``: the read's update
+    applied). The reader process's own CPU is in the rank's summary (``reader_cpu_s``)."""
     costs: dict[str, int] = {}
 
     def charge(key: str, fn: Any) -> Any:
@@ -69,9 +71,9 @@ def _cpu_costed(tick: Any) -> Any:
                     setattr(comp, meth, charge(comp.name, getattr(comp, meth)))
                 if hasattr(comp, "take_completed"):
                     comp.take_completed = charge(comp.name, comp.take_completed)
-                if comp.name == "collectives":  # parts of its cost: the dump (with its decoding) and the rest
-                    comp._full_dump = charge("collectives:dump", comp._full_dump)
-                    comp._process_dump = charge("collectives:process", comp._process_dump)
+                if comp.name == "collectives":  # parts of its cost: the read and applying its update
+                    comp._full_read = charge("collectives:read", comp._full_read)
+                    comp._apply = charge("collectives:apply", comp._apply)
             for meth in ("add_step", "watermark", "due"):
                 setattr(self.span_schedule, meth, charge("span_schedule", getattr(self.span_schedule, meth)))
             if self.tracing is not None:
@@ -96,7 +98,7 @@ def instrument(out_dir: str) -> None:
 
     agent_mod.Agent.tick = _timed("pass", _cpu_costed(agent_mod.Agent.tick))  # type: ignore[method-assign]
     coll.CollectiveCollector._read = _timed(  # type: ignore[method-assign]
-        "fr_read", coll.CollectiveCollector._read, keep=lambda d: bool(d and d.get("entries")))
+        "fr_read", coll.CollectiveCollector._read, keep=lambda out: out[1] is not None)
     started: dict[str, int] = {}
 
     def on_gc(phase: str, info: dict[str, Any]) -> None:
@@ -161,6 +163,14 @@ def pass_costs(passes: list[dict[str, int]]) -> dict[str, dict[str, float]]:
                 "share": sum(p.get(k, 0) for p in passes) / grand} for k in keys}
 
 
+def reader_cpu(run_dir: str, rank: int) -> dict[str, Any]:
+    """The reader process's work from the rank's summary (mode, reads, CPU seconds); {} without one."""
+    path = Path(run_dir, f"summary.rank{rank}.json")
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text()).get("components", {}).get("collectives", {}).get("reader", {})
+
+
 def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int,
             agent_env: dict[str, str]) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix=f"hpar-rank-timeline-{arm}-")
@@ -173,7 +183,8 @@ def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int,
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if res.returncode:
         raise RuntimeError(f"{arm}: torchrun exit {res.returncode}\n{res.stderr[-3000:]}")
-    return {f"rank{r}": analyse(Path(work, f"rank{r}.json"), skip) for r in range(nproc)}
+    return {f"rank{r}": {**analyse(Path(work, f"rank{r}.json"), skip),
+                         "reader": reader_cpu(os.path.join(work, "agent"), r)} for r in range(nproc)}
 
 
 def main() -> int:
@@ -185,7 +196,7 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="more trainer arguments (later ones win)")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
-                    help="agent setting for the on arm, repeatable (e.g. HPAR_FR_SERVER=1)")
+                    help="agent setting for the on arm, repeatable (e.g. HPAR_FR_READER=inline)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     args = [*CONFIGS["cpu"]["args"], "--steps", str(a.steps), "--log-every", "100000", *a.extra.split()]
@@ -205,6 +216,8 @@ def main() -> int:
                               for k, v in r["pass_cpu_ms"].items())
             if costs:
                 print(f"      agent-thread CPU per pass, median/max (share): {costs}")
+            if r.get("reader"):
+                print(f"      full reads: {r['reader']}")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     return 0

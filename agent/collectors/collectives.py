@@ -2,11 +2,13 @@
 
 Sources, all read on the agent thread except two O(µs) wrappers:
 - the c10d flight recorder (``torch_compat.flight_recorder``), read incrementally by record_id; a
-  ``pg_status``-only probe (µs) decides whether a full dump is needed at all. Entries overwritten before
-  a read are counted as unobserved (record_id gaps, attributed to groups by their seq gaps).
-  NCCL entries carry ``duration_ms`` when TORCH_NCCL_ENABLE_TIMING=1; gloo entries carry no timing.
-  What an entry means (op and group labels, bytes, busbw) is ``torch_compat.fr_decode``'s; this module
-  decides when to read, places entries in steps, times them and exports them.
+  ``pg_status``-only probe (µs) decides whether a full dump is needed at all. A full read runs in the
+  reader process (``fr_reader``: dumped by torch's worker server, decoded and processed outside the
+  training process) or, where that cannot run or ``HPAR_FR_READER=inline``, on the agent thread.
+  Either way the ``fr_ledger.Ledger`` turns entries into an ``Update`` (counts, bytes, gaps counted as
+  unobserved, timed ops, kept entries); this module decides when to read, applies the updates, places
+  ops in steps, times them and exports them. NCCL entries carry ``duration_ms`` when
+  TORCH_NCCL_ENABLE_TIMING=1; gloo entries carry no timing.
 - the pipelining schedules' ``_batch_p2p``/``_wait_batch_p2p`` module functions, wrapped while
   installed (``torch_compat.p2p``): gloo's FR records no send/recv, and gloo p2p Works have no future, so the issue time and
   the observed completion (the Work was already complete when the schedule waited, else wait's return)
@@ -17,46 +19,27 @@ Sources, all read on the agent thread except two O(µs) wrappers:
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 import os
-import sys
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
-from hpar_agent import gcpause
+from hpar_agent import gcpause, gil
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.catalogue import LATENCY_BUCKETS
+from hpar_agent.collectors.fr_ledger import MAX_BOUNDARIES, PP_PG, Groups, Ledger, Op, Update
+from hpar_agent.collectors.fr_reader import ReaderProcess, cpus_per_local_rank
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord
 from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat import flight_recorder as fr
-from hpar_agent.torch_compat.fr_decode import (
-    OTHER,
-    REDUCE_OPS,
-    UNKNOWN_PG,
-    busbw,
-    duration_s,
-    enqueued_since,
-    entry_backend,
-    entry_bytes,
-    entry_group,
-    entry_numel,
-    entry_seq,
-    is_epoch_ns,
-    op_label,
-    p2p_peer,
-    pg_label,
-    stuck,
-)
-from hpar_agent.torch_compat.fr_server import DumpServer
+from hpar_agent.torch_compat.fr_decode import busbw, enqueued_since, pg_label, stuck
 from hpar_agent.torch_compat.p2p import P2PWrapper
 from hpar_agent.traceids import trace_id_hex
 
@@ -65,44 +48,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hpar_agent")
 
-#: How long a completed NCCL entry may wait for its duration before it is counted untimed.
-PENDING_TIMEOUT_NS = 30 * 10**9
 #: Entries a flight recorder keeps when its size env var is unset (torch's default).
 FR_DEFAULT_ENTRIES = 2000
-#: Step boundaries kept to place FR entries in their step: covers an ``fr_interval`` of fast steps.
-MAX_BOUNDARIES = 4096
-PP_PG = "pp"
 #: Steps whose reduced elements are kept for the gradient-sync coverage (see ``gradsync``).
 MAX_REDUCE_STEPS = 256
-#: Distinct entry shapes whose decoding is kept (a loop repeats a few; cleared when full).
-MAX_DECODED = 4096
-
-
-@dataclass(slots=True, frozen=True)
-class _Decoded:
-    """An FR entry's name and shapes decoded (``CollectiveCollector._decode``)."""
-
-    pname: str
-    op: str
-    backend: str
-    nbytes: int
-    data_bytes: int  # nccl-tests' size: the larger of input and output bytes
-    numel: int
-    sizes: str
-    dtypes: str
-
-
-@dataclass(slots=True)
-class _Op:
-    pg: str
-    op: str
-    seq: int
-    nbytes: int
-    data_bytes: int
-    start_ns: int
-    stream: str
-    size: int | None = None
-    peer: int = -1
 
 
 class CollectiveCollector(Component):
@@ -135,8 +84,16 @@ class CollectiveCollector(Component):
         #: step -> (start ns, end ns) of its timed ops: the anatomy's exposed communication
         self.intervals: dict[int, list[tuple[int, int]]] = {}
         self.recorders: list[str] = []
-        self._server: DumpServer | None = None  # HPAR_FR_SERVER: full dumps through torch's worker server
-        self._cursor: dict[str, int] = {}  # recorder -> next record_id to read
+        self.groups = Groups(max_pgs=max_pgs)  # labels, sizes and ranks of the process groups
+        self._ledger = Ledger(attach_ns=0, recent=recent, max_pending=max_pending, groups=self.groups)
+        self._reader: ReaderProcess | None = None  # full reads in the reader process (HPAR_FR_READER)
+        self._sent_groups: tuple[int, ...] = ()  # the groups' sizes as the reader last got them
+        self._unsent: list[tuple[int, int]] = []  # step boundaries the reader has not had yet
+        self._cursor: dict[str, int] = {}  # recorder -> next record_id, as the ledger last reported it
+        self._pending: dict[str, tuple[int, int | None]] = {}  # recorder -> (entries awaiting a duration, oldest ns)
+        self._groups_seen: set[int] = set()  # id() of process groups whose size and ranks are known
+        self._want_reader = False  # HPAR_FR_READER=process and not tried yet
+        self._reader_was: dict[str, Any] = {}  # the reader's last state, once closed
         self._status: dict[str, Any] = {}  # recorder -> pg_status at the last full dump
         self._probe: dict[str, Any] = {}  # recorder -> pg_status at the last probe
         self._slot: dict[str, int] = {}  # recorder -> wall-clock slot of the last full dump
@@ -147,15 +104,10 @@ class CollectiveCollector(Component):
         self._rate: dict[str, float] = {}  # recorder -> entries per second between the last two reads
         self.full_reads = 0
         self._ring = FR_DEFAULT_ENTRIES
-        self._seq: dict[tuple[str, str, bool], int] = {}  # (recorder, pg, is_p2p) -> last seq
         self._pg_ids: dict[tuple[str, str], str] = {}  # (recorder, pg_id) -> pg label
         self._open: dict[str, dict[int, int]] = {}  # pg -> {seq: created ns} not yet completed
-        self._labels: dict[tuple[str, str], str] = {}
         self._backend_of: dict[str, str] = {}  # pg label -> recorder its collectives came from
-        self._sizes: dict[str, int | None] = {}
-        self._decoded: dict[tuple[str, ...], _Decoded] = {}  # an entry's shape text -> what it means
-        self._pending_fr: dict[tuple[str, int], _Op] = {}  # NCCL entries awaiting completion
-        self._pending_p2p: dict[int, list[_Op]] = {}  # id(Work) -> ops awaiting a wait record
+        self._pending_p2p: dict[int, list[Op]] = {}  # id(Work) -> ops awaiting a wait record
         self._bound_t: list[int] = []
         self._bound_s: list[int] = []
         self._attach_ns = 0
@@ -167,9 +119,6 @@ class CollectiveCollector(Component):
         self._env_timing = False
         self._env_set = False
         self.timing: dict[str, bool] = {}  # timing_enabled() as of the last poll (read by the scrape)
-        self._pp_groups: set[tuple[str, str]] = set()  # groups pipelining p2p runs on: p2p there is "pp"
-        self._open_batch: dict[tuple[str, str], list[tuple[str, int]]] = {}  # p2p since the last coalesced
-        self._batches: dict[tuple[str, int], list[_Op]] = {}  # coalesced entry -> the p2p ops it completes
         self.p2p = P2PWrapper(self.p2p_buffer.put, self._p2p_error)
         self._active = False
 
@@ -177,7 +126,7 @@ class CollectiveCollector(Component):
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
         self.p2p_buffer.capacity = ctx.config.buffer_size
-        self._attach_ns = time.time_ns()
+        self._attach_ns = self._ledger.attach_ns = time.time_ns()
         self._nccl_timing = self._env_timing = fr.nccl_timing()  # the user's setting, before ours
         self._ring = fr.ring_entries() or FR_DEFAULT_ENTRIES
         self.recorders = fr.available_recorders()
@@ -191,33 +140,57 @@ class CollectiveCollector(Component):
             os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
             self._env_set = True
             self._enable_timing()
+        self._sync_groups()
         self._active = True
         self._patch_p2p()
-        if ctx.config.fr_server and self.recorders:
-            try:
-                self._server = DumpServer(self.recorders)
-            except Exception as exc:  # no _WorkerServer or handler in this torch: in-process dumps
-                self.record_error(exc)
+        mode = ctx.config.fr_reader
+        self._want_reader = mode == "process" or (mode == "auto" and cpus_per_local_rank() >= 2)
 
-    def _close_server(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
+    def _start_reader(self) -> None:
+        """The reader process, once a process group exists (a script without one gets none), where
+        this torch has a worker-server handler for a recorder: tried once. A torch without one keeps
+        in-process reads (said once), any other failure is counted."""
+        self._want_reader = False
+        try:
+            self._reader = ReaderProcess(self.recorders, attach_ns=self._attach_ns, recent=self._ledger.recent,
+                                         max_pending=self.max_pending, cursors=self._cursor)  # fmt: skip
+        except (ImportError, AttributeError, RuntimeError) as exc:  # no _WorkerServer or handler here
+            log.info("hpar_agent: flight-recorder reads stay in the training process (%s)", exc)
+        except Exception as exc:
+            self.record_error(exc)
+
+    def _close_reader(self, failed: str = "") -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            self._reader_was = {**self.reader_state(reader), **({"failed": failed} if failed else {})}
             try:
-                server.close()
+                reader.close()
             except Exception as exc:
                 self.record_error(exc)
 
-    def _full_dump(self, rec: str) -> dict[str, Any]:
-        """A full read: through the worker server when it runs (a failure closes it for good), else
-        in-process."""
-        server = self._server
-        if server is not None and rec in server.handlers:
+    def _full_read(self, rec: str, now_ns: int) -> Update:
+        """One full read of ``rec``: by the reader process when it runs, else on this thread. A reader
+        that fails is closed for good; the in-process ledger takes over at its cursor (nothing counted
+        twice; its pending entries stay counted, untimed)."""
+        if self._want_reader and self._groups_seen:
+            self._start_reader()
+        reader = self._reader
+        if reader is not None and rec in reader.recorders:
+            sizes = (len(self.groups.labels), len(self.groups.pp), len(self.groups.sizes))
             try:
-                return server.dump(rec)
+                upd = reader.read(rec, now_ns=now_ns, nccl_timing=self._nccl_timing, boundaries=self._unsent,
+                                  groups=self.groups if sizes != self._sent_groups else None)  # fmt: skip
+                self._unsent = []
+                self._sent_groups = sizes
+                return upd
             except Exception as exc:
                 self.record_error(exc)
-                self._close_server()
-        return fr.dump(rec, include_collectives=True)
+                self._close_reader(failed=f"{type(exc).__name__}: {exc}")
+                self._ledger = Ledger(attach_ns=self._attach_ns, recent=self._ledger.recent,
+                                      max_pending=self.max_pending, groups=self.groups, cursors=self._cursor)
+                self._ledger.add_boundaries(self.boundaries())
+        return self._ledger.process(rec, fr.dump(rec, include_collectives=True), nccl_timing=self._nccl_timing,
+                                    now_ns=now_ns)  # fmt: skip
 
     def _patch_p2p(self) -> None:
         """Wrap pipelining's p2p helpers once the program imported them (``torch_compat.p2p``)."""
@@ -245,9 +218,9 @@ class CollectiveCollector(Component):
                 continue
             label = pg_label("", dim)
             if label == PP_PG:
-                self._pp_groups.add((name, desc))
+                self.groups.pp.add((name, desc))
             elif not desc.startswith("mesh_"):
-                self._labels[(name, desc)] = label
+                self.groups.labels[(name, desc)] = label
         flattened = getattr(mesh, "_flatten_mapping", None) or {}  # torchtitan's dp, dp_shard_cp (private)
         for dim, sub in list(flattened.items()):
             try:
@@ -257,7 +230,21 @@ class CollectiveCollector(Component):
             except Exception:
                 continue
             if not desc.startswith("mesh_"):  # an atomic dim spanning the same ranks keeps its label
-                self._labels.setdefault((name, desc), pg_label("", dim))
+                self.groups.labels.setdefault((name, desc), pg_label("", dim))
+
+    def _sync_groups(self) -> None:
+        """Size and global ranks of every process group not seen yet (busbw, p2p peers): what the
+        ledger, torch-free, cannot ask torch itself."""
+        for pg in fr.process_groups():
+            if id(pg) in self._groups_seen:
+                continue
+            self._groups_seen.add(id(pg))
+            name, _desc = fr.group_name(pg)
+            size, ranks = fr.group_size(name), fr.group_ranks(pg)
+            if size is not None:
+                self.groups.sizes[name] = size
+            if ranks:
+                self.groups.ranks[name] = ranks
 
     def _enable_timing(self) -> None:
         """Switch timing on for every NCCL group not offered it yet (agent thread, each poll: groups
@@ -289,9 +276,9 @@ class CollectiveCollector(Component):
 
     def timing_enabled(self) -> dict[str, bool]:
         """pg label -> whether its ops carry durations (the ``hpar_collective_timing_enabled`` series).
-        Agent thread (``_label`` may assign a label); the scrape reads ``self.timing``."""
-        timed_labels = {self._label(*k) for k in self._timed_groups}
-        untimed = {self._label(*k) for k in self._untimed}
+        Agent thread (``groups.label`` may assign a label); the scrape reads ``self.timing``."""
+        timed_labels = {self.groups.label(*k) for k in self._timed_groups}
+        untimed = {self.groups.label(*k) for k in self._untimed}
         env = self._env_timing or self._env_set
         out: dict[str, bool] = {}
         for pg, _op in self.counts:
@@ -303,7 +290,12 @@ class CollectiveCollector(Component):
     def uninstall(self) -> None:
         self._active = False
         self.p2p.restore()
-        self._close_server()
+        self._close_reader()
+
+    def forget_in_child(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.forget_in_child()
 
     def step_hook(self, step: int, t_ns: int) -> None:
         self.step_buffer.put((t_ns, step))
@@ -314,11 +306,11 @@ class CollectiveCollector(Component):
         agent = self.require_ctx()
         if agent.config.nccl_timing and "nccl" in self.recorders:
             self._enable_timing()
+        self._sync_groups()
         self._patch_p2p()
         p2p = self.p2p_buffer.drain()
         now_ns = int(now * 1e9)
-        with gcpause.paused():  # a full read's objects die with this call's locals (see gcpause)
-            self._read_and_process(now, now_ns, p2p)
+        self._read_and_process(now, now_ns, p2p)
         if self._pending_p2p:
             oldest = min(o.start_ns for ops in self._pending_p2p.values() for o in ops)
             self.inflight[PP_PG] = sum(len(v) for v in self._pending_p2p.values())
@@ -328,34 +320,52 @@ class CollectiveCollector(Component):
             self.oldest_age[PP_PG] = 0.0
         self.timing = self.timing_enabled()
 
-    def _read_and_process(self, now: float, now_ns: int, p2p: list[Any]) -> None:
-        dumps = [(rec, d) for rec in self.recorders if (d := self._read(rec, now)) is not None]
-        for t_ns, step in self.step_buffer.drain():  # after the reads: every boundary before them
+    def _drain_boundaries(self) -> None:
+        new = [(t_ns, step) for t_ns, step in self.step_buffer.drain()]
+        if not new:
+            return
+        for t_ns, step in new:
             self._bound_t.append(t_ns)
             self._bound_s.append(step)
         del self._bound_t[:-MAX_BOUNDARIES], self._bound_s[:-MAX_BOUNDARIES]
-        self._process_p2p(p2p)
-        for rec, data in dumps:
-            self._process_dump(rec, data)
-            self._update_status(rec, data.get("pg_status") or {}, now_ns)
+        self._ledger.add_boundaries(new)
+        if self._reader is not None:
+            self._unsent.extend(new)
+            del self._unsent[:-MAX_BOUNDARIES]
 
-    def _read(self, rec: str, now: float) -> dict[str, Any] | None:
-        """The recorder's new entries, when they are worth a full dump.
+    def _read_and_process(self, now: float, now_ns: int, p2p: list[Any]) -> None:
+        self._process_p2p(p2p)  # first: it names the NCCL groups pipelining runs on (their FR entries are pp)
+        self._drain_boundaries()  # the ledger places the entries of the steps that ended before its read
+        for rec in self.recorders:
+            with gcpause.paused():  # a full read's objects die inside the block (see gcpause)
+                status, upd = self._read(rec, now)
+                self._drain_boundaries()  # every boundary before the read, for what the ledger could not place
+                if upd is not None:
+                    self._apply(upd)
+                    status = upd.status or status
+                self._update_status(rec, status, now_ns)
+                del upd
+            gil.pause_point()
 
-        A full dump pickles the whole ring (about 35 ms for 2,000 entries on a loaded 2-core VM) with
-        the GIL held, stalling the training thread, and a synchronous job stalls with its slowest rank.
-        So the full read happens at most once per ``fr_interval`` wall-clock slot, the same instants
-        on every rank (their stalls overlap instead of adding up across ranks), when something moved
-        (``pg_status``, or p2p / untimed entries it cannot show); earlier only when it must: the first
-        read, a group whose in-flight op has not completed since the last probe (a hang or a straggler
-        in the making: its entry must be seen now), a ring half refilled since the last full read (by
-        ``pg_status``, or by the entry rate for the p2p it does not count), or the final tick. Between reads a ``pg_status``-only probe (µs) keeps in-flight state fresh."""
+    def _read(self, rec: str, now: float) -> tuple[dict[str, Any], Update | None]:
+        """The recorder's ``pg_status`` and, when they are worth a full read, its new entries.
+
+        A full read costs a whole-ring dump (in the training process: about 35 ms for 2,000 entries on
+        a loaded 2-core VM with the GIL held; in the reader process, CPU beside it) and a synchronous
+        job stalls with its slowest rank. So the full read happens at most once per ``fr_interval``
+        wall-clock slot, the same instants on every rank (their stalls overlap instead of adding up
+        across ranks), when something moved (``pg_status``, or p2p / untimed entries it cannot show);
+        earlier only when it must: the first read, a group whose in-flight op has not completed since
+        the last probe (a hang or a straggler in the making: its entry must be seen now), a ring half
+        refilled since the last full read (by ``pg_status``, or by the entry rate for the p2p it does not
+        count), or the final tick. Between reads a ``pg_status``-only probe (µs) keeps in-flight state
+        fresh."""
         status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
         last_probe, self._probe[rec] = self._probe.get(rec), status
         agent = self.require_ctx()
         slot = int(now // agent.config.fr_interval)
         unread = status != self._status.get(rec)
-        moved = unread or self._p2p_in_fr.get(rec) or any(k[0] == rec for k in self._pending_fr)
+        moved = unread or self._p2p_in_fr.get(rec) or self._pending.get(rec, (0, None))[0] > 0
         must = (  # pg_status does not track p2p: ``moved`` counts those entries as new
             rec not in self._cursor
             or agent.stopping
@@ -364,13 +374,13 @@ class CollectiveCollector(Component):
             or self._new_entries(rec, status, now) >= self._ring // 2
         )
         if not must:
-            return {"entries": [], "pg_status": status}
+            return status, None
         self._status[rec] = status
         self._slot[rec] = slot
         self._prev_read_ns[rec] = self._read_ns.get(rec, 0)
         self._read_ns[rec] = int(now * 1e9)
         self.full_reads += 1
-        return self._full_dump(rec)
+        return status, self._full_read(rec, int(now * 1e9))
 
     def _new_entries(self, rec: str, status: dict[str, Any], now: float) -> float:
         """Entries the ring took since the last full read: the collectives ``pg_status`` counts, or the
@@ -384,7 +394,7 @@ class CollectiveCollector(Component):
         marks = [self._poll_ns]
         if self._nccl_timing and "nccl" in self._read_ns:
             marks.append(self._read_ns["nccl"])
-        marks.extend(o.start_ns for o in self._pending_fr.values())
+        marks.extend(oldest for _n, oldest in self._pending.values() if oldest is not None)
         marks.extend(o.start_ns for ops in self._pending_p2p.values() for o in ops)
         return min(marks)
 
@@ -395,14 +405,14 @@ class CollectiveCollector(Component):
             return self._bound_s[i]
         return self._bound_s[-1] + 1 if self._bound_s else 0
 
-    def _count_reduced(self, created_ns: int, pg: str, numel: int) -> None:
-        step = self.step_of(created_ns)
+    def _reduced_of(self, step: int) -> Counter[str]:
+        """pg -> input elements of the step's all_reduce/reduce_scatter entries (bounded in steps)."""
         by_pg = self.reduced_elems.get(step)
         if by_pg is None:
             if len(self.reduced_elems) >= MAX_REDUCE_STEPS:
                 del self.reduced_elems[min(self.reduced_elems)]
             by_pg = self.reduced_elems[step] = Counter()
-        by_pg[pg] += numel
+        return by_pg
 
     def _keep_interval(self, step: int, start_ns: int, end_ns: int) -> None:
         spans = self.intervals.get(step)
@@ -431,179 +441,54 @@ class CollectiveCollector(Component):
         """(boundary epoch ns, step) of the recent step boundaries, oldest first."""
         return list(zip(self._bound_t, self._bound_s, strict=True))
 
-    def _label(self, name: str, desc: str) -> str:
-        key = (str(name), str(desc))
-        label = self._labels.get(key)
-        if label is None:
-            label = pg_label(*key)
-            if label not in self._labels.values() and len(set(self._labels.values())) >= self.max_pgs:
-                label = OTHER
-            self._labels[key] = label
-        return label
-
-    def _size(self, name: str) -> int | None:
-        if name not in self._sizes:
-            self._sizes[name] = fr.group_size(name)
-        return self._sizes[name]
-
-    def _process_dump(self, rec: str, data: dict[str, Any]) -> None:
-        entries = data.get("entries") or []
-        if any(a["record_id"] > b["record_id"] for a, b in itertools.pairwise(entries)):  # FR: oldest first
-            entries = sorted(entries, key=lambda e: e.get("record_id", 0))
-        if self._pending_fr:
-            self._complete_pending(rec, entries)
-        if not entries:
-            return
-        first_read = rec not in self._cursor
-        start = nxt = self._cursor.get(rec, entries[0]["record_id"])
-        gap = 0
-        seq_gaps: Counter[str] = Counter()
-        first_new = bisect.bisect_left(entries, nxt, key=lambda e: e["record_id"])  # the ring's older half was read
-        for e in itertools.islice(entries, first_new, None):
-            rid = int(e["record_id"])
-            gap += rid - nxt
-            nxt = rid + 1
-            name, desc = entry_group(e)
-            is_p2p = bool(e.get("is_p2p", False))
-            pg = PP_PG if is_p2p and (name, desc) in self._pp_groups else self._label(name, desc)
-            if not is_p2p:
-                self._pg_ids[(rec, str(e.get("pg_id", "")))] = pg
-                self._backend_of.setdefault(pg, rec)
-            if is_p2p:
-                self._p2p_in_fr[rec] = True
-            seq = entry_seq(e, is_p2p)
-            last = self._seq.get((rec, pg, is_p2p))
-            if last is not None and seq > last + 1:
-                seq_gaps[pg] += seq - last - 1
-            self._seq[(rec, pg, is_p2p)] = max(seq, last if last is not None else seq)
-            created = int(e.get("time_created_ns") or 0)
-            if e.get("timeout_ms"):  # the Hang detector must fire before the watchdog aborts
-                t = float(e["timeout_ms"]) / 1e3
-                self.pg_timeout_s = t if self.pg_timeout_s is None else min(self.pg_timeout_s, t)
+    def _apply(self, upd: Update) -> None:
+        """What one full read yielded, into this collector's state (agent thread)."""
+        rec = upd.rec
+        self.counts.update(upd.counts)
+        self.bytes.update(upd.nbytes)
+        self.unobserved.update(upd.unobserved)
+        for step, by_pg in upd.reduced.items():
+            self._reduced_of(step).update(by_pg)
+        for created, pg, numel in upd.unplaced:
+            self._reduced_of(self.step_of(created))[pg] += numel
+        self.recent_entries.extend(upd.kept)
+        for pg, seq, created in upd.opened:
             opened = self._open.setdefault(pg, {})
-            if not is_p2p and len(opened) < self.max_pending:
-                opened[seq] = created  # in-flight age counts ops from before attach too
-            if first_read and is_epoch_ns(created) and created < self._attach_ns:
-                continue  # before attach: baseline only (epoch clocks only; a monotonic stamp can't tell)
-            self._observe_entry(rec, e, pg, name, seq, is_p2p, created)
-        self._cursor[rec] = nxt
-        prev_ns = self._prev_read_ns.get(rec, 0)
-        if not first_read and self._read_ns.get(rec, 0) > prev_ns > 0:
-            self._rate[rec] = (nxt - start) / ((self._read_ns[rec] - prev_ns) / 1e9)
-        if gap:  # attribute to groups by their seq gaps, the rest to "unknown"
-            for pg, n in seq_gaps.items():
-                take = min(n, gap)
-                self.unobserved[pg] += take
-                gap -= take
-            if gap:
-                self.unobserved[UNKNOWN_PG] += gap
-
-    def _decode(self, rec: str, e: dict[str, Any]) -> _Decoded:
-        """What an entry's name and shapes mean, computed once per distinct (name, sizes, dtypes) text:
-        a training loop repeats the same few collectives, so a read of ~1,000 entries decodes a handful
-        (``benchmarks/rank_timeline.py`` reports a read's processing as ``collectives:process``)."""
-        pname = str(e.get("profiling_name", ""))
-        sizes, dtypes = e.get("input_sizes"), e.get("input_dtypes")
-        # Text, not the dump's nested lists: a dict of atomic values is not tracked by the garbage
-        # collector, while 2,048 kept entries of 7 lists each, renewed every read, pushed the
-        # interpreter into a full collection (~230 ms) every ~30 s of a 4-rank CPU run.
-        sizes_text = sizes if isinstance(sizes, str) else str(sizes)
-        dtypes_text = dtypes if isinstance(dtypes, str) else ",".join(map(str, dtypes or ()))
-        key = (rec, pname, sizes_text, dtypes_text, str(e.get("output_sizes")), str(e.get("output_dtypes")))
-        dec = self._decoded.get(key)
-        if dec is None:
-            if len(self._decoded) >= MAX_DECODED:
-                self._decoded.clear()
-            nbytes = entry_bytes(sizes, dtypes)
-            out_bytes = entry_bytes(e.get("output_sizes"), e.get("output_dtypes"))
-            dec = self._decoded[key] = _Decoded(
-                pname, op_label(pname), entry_backend(pname, rec), nbytes, max(nbytes, out_bytes),
-                entry_numel(sizes), sys.intern(sizes_text), sys.intern(dtypes_text),
-            )  # fmt: skip
-        return dec
-
-    def _observe_entry(
-        self, rec: str, e: dict[str, Any], pg: str, name: str, seq: int, is_p2p: bool, created: int
-    ) -> None:
-        dec = self._decode(rec, e)
-        op, nbytes = dec.op, dec.nbytes
-        batch_key = (rec, str(name))
-        batch = self._open_batch.pop(batch_key, None) if op == "coalesced" else None
-        if not batch:  # a coalesced entry that closes a p2p batch is its ops' completion, not an op
-            self.counts[(pg, op)] += 1
-            self.bytes[(pg, op)] += nbytes
-        if op in REDUCE_OPS and not is_p2p:
-            self._count_reduced(created, pg, dec.numel)
-        self.recent_entries.append(
-            {
-                "pg": pg,
-                "seq": seq,
-                "is_p2p": is_p2p,
-                "op": op,
-                "input_sizes": dec.sizes,
-                "input_dtypes": dec.dtypes,
-                "time": created / 1e9,
-                "record_id": e.get("record_id"),
-            }
-        )
-        stream = comm_stream_label(pg, dec.backend)
-        item = _Op(pg, op, seq, nbytes, dec.data_bytes, created, stream)
-        item.size = self._size(name)
-        key = (rec, int(e["record_id"]))
-        if is_p2p and (peer := p2p_peer(dec.pname)) is not None:
-            item.peer = fr.global_rank(name, peer)
-        if batch:  # the p2p ops of a batch_isend_irecv: timed by the coalesced entry that ends it
-            ops = [self._pending_fr.pop(k) for k in batch if k in self._pending_fr]
-            if (dur := duration_s(e)) is not None:
-                for o in ops:
-                    self._finish(o, dur)
-            elif rec == "nccl" and len(self._pending_fr) < self.max_pending:
-                self._batches[key] = ops
-                self._pending_fr[key] = item
-            return
-        if (dur := duration_s(e)) is not None:
-            self._finish(item, dur)
-        elif (
-            rec == "nccl"
-            and (e.get("state") != "completed" or self._nccl_timing)
-            and len(self._pending_fr) < self.max_pending
-        ):  # the watchdog can mark an entry completed a poll before it retires it with its duration
-            self._pending_fr[key] = item
-            if is_p2p:  # inside a coalesced batch NCCL records p2p ops without events of their own
-                batch_ops = self._open_batch.setdefault(batch_key, [])
-                batch_ops.append(key)
-                del batch_ops[: -self.max_pending]  # plain isend/irecv never close a batch: bounded
-
-    def _complete_pending(self, rec: str, entries: list[dict[str, Any]]) -> None:
-        live = {int(e["record_id"]): e for e in entries}
-        for key in [k for k in self._pending_fr if k[0] == rec]:
-            e = live.get(key[1])
-            if e is None:  # overwritten before it completed: stays counted, untimed
-                del self._pending_fr[key]
-                self._batches.pop(key, None)
-            elif (dur := duration_s(e)) is not None:
-                item = self._pending_fr.pop(key)
-                for o in self._batches.pop(key, None) or [item]:
-                    self._finish(o, dur)
-            elif time.time_ns() - self._pending_fr[key].start_ns > PENDING_TIMEOUT_NS and (
-                e.get("is_p2p") or e.get("state") == "completed"
-            ):  # completed untimed (timing off), or a p2p entry no coalesced entry ever closed
-                del self._pending_fr[key]
-                self._batches.pop(key, None)
-            elif e.get("state") == "completed" and not self._nccl_timing:
-                del self._pending_fr[key]  # completed without timing (TORCH_NCCL_ENABLE_TIMING off)
-                self._batches.pop(key, None)
+            if len(opened) < self.max_pending:
+                opened[seq] = created
+        for pg_id, pg in upd.pg_ids.items():
+            self._pg_ids[(rec, pg_id)] = pg
+        for pg, backend in upd.backends.items():
+            self._backend_of.setdefault(pg, backend)
+        if upd.labels:
+            self.groups.labels.update(upd.labels)
+        if upd.pg_timeout_s is not None:
+            self.pg_timeout_s = upd.pg_timeout_s if self.pg_timeout_s is None else min(self.pg_timeout_s, upd.pg_timeout_s)
+        if upd.p2p:
+            self._p2p_in_fr[rec] = True
+        self._pending[rec] = (upd.pending, upd.pending_min_ns)
+        if upd.cursor is not None:  # entries were read
+            prev_ns = self._prev_read_ns.get(rec, 0)
+            if rec in self._cursor and self._read_ns.get(rec, 0) > prev_ns > 0:
+                self._rate[rec] = upd.new_ids / ((self._read_ns[rec] - prev_ns) / 1e9)
+            self._cursor[rec] = upd.cursor
+        for i, (op, seconds) in enumerate(upd.timed):
+            self._finish(op, seconds)
+            if i % 256 == 255:
+                gil.pause_point()
 
     def _process_p2p(self, records: list[tuple[Any, ...]]) -> None:
-        for rec in records:
+        for i, rec in enumerate(records):
+            if i % 128 == 127:
+                gil.pause_point()
             if rec[0] == "issue":
                 _, t0, infos, work_ids = rec
                 ops = []
                 for op, peer, nbytes, group in infos:
                     backend = fr.group_backend(group)
                     if backend == "nccl":
-                        self._pp_groups.add(fr.group_name(group))
-                    item = _Op(PP_PG, op, -1, nbytes, nbytes, t0, comm_stream_label(PP_PG, backend), 1, peer)
+                        self.groups.pp.add(fr.group_name(group))
+                    item = Op(PP_PG, op, -1, nbytes, nbytes, t0, comm_stream_label(PP_PG, backend), 1, peer)
                     if not (backend == "nccl" and "nccl" in self.recorders):  # else the FR counts it
                         self.counts[(PP_PG, op)] += 1
                         self.bytes[(PP_PG, op)] += nbytes
@@ -625,7 +510,7 @@ class CollectiveCollector(Component):
                         end = t_enter if was_done else t_exit
                         self._finish(item, max(0, end - item.start_ns) / 1e9)
 
-    def _finish(self, item: _Op, seconds: float) -> None:
+    def _finish(self, item: Op, seconds: float) -> None:
         """A timed op: histogram (with the step's trace id as exemplar), busbw and a span starting at
         enqueue (``item.start_ns``), in the step it was enqueued in. NCCL's ``time_discovered_started_ns``
         is when the watchdog noticed, which lagged by whole steps on the H200, so it is not used."""
@@ -728,4 +613,18 @@ class CollectiveCollector(Component):
             "unobserved": dict(self.unobserved),
             "p2p_wrapped": self.p2p.patched,
             "timing": self.timing_enabled(),
+            "full_reads": self.full_reads,
+            "reader": self.reader_state(),
         }
+
+    def reader_state(self, reader: ReaderProcess | None = None) -> dict[str, Any]:
+        """Where full reads run (``process``: the reader process, ``inline``: the agent thread), and
+        the reader's reads and CPU seconds (spent outside the training process); after the reader
+        closed, its last state (with ``failed``: why the agent thread took over)."""
+        reader = reader or self._reader
+        if reader is None and self._reader_was and "failed" not in self._reader_was:
+            return self._reader_was  # closed at detach: what it did
+        if reader is None:
+            return {"mode": "inline", **({"reader": self._reader_was} if self._reader_was else {})}
+        return {"mode": "process", "recorders": sorted(reader.recorders), "reads": reader.reads,
+                "cpu_s": round(reader.cpu_s, 3)}  # fmt: skip

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
+from hpar_agent import gil
 from hpar_agent.alert_callbacks import Alert
 from hpar_agent.component import Component
 from hpar_agent.crossrank import Exchange, open_store
@@ -292,6 +293,7 @@ class DetectorsComponent(Component):
         except Exception as exc:
             ctx.record_error(self.name, exc)
         for d in self.detectors:
+            gil.pause_point()
             try:
                 verdict = d.evaluate(self)
             except Exception as exc:

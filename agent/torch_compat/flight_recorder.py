@@ -86,15 +86,15 @@ def enable_timing(pg: Any) -> bool:
     return True
 
 
-def global_rank(group_name_: str, group_rank: int) -> int:
-    """A group-local rank (as NCCL p2p profiling names spell peers) as a global rank; -1 if unknown."""
+def group_ranks(group: Any) -> list[int]:
+    """Global ranks of a ProcessGroup's members, in group-rank order ([] if unknown): NCCL p2p
+    profiling names spell peers as group ranks."""
     try:
         import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _resolve_process_group
 
-        return int(dist.get_global_rank(_resolve_process_group(group_name_), group_rank))  # type: ignore[arg-type]
+        return [int(r) for r in dist.get_process_group_ranks(group)]
     except Exception:
-        return -1
+        return []
 
 
 def group_size(name: str) -> int | None:

@@ -1,25 +1,27 @@
-"""Full flight-recorder dumps built on torch's worker-server thread instead of the agent's.
+"""Full flight-recorder dumps built on torch's worker-server thread instead of the caller's.
 
 ``_dump_fr_trace`` / ``_dump_nccl_trace`` build their pickle in C++ holding the GIL: ~20 ms for a
 2,000-entry ring, during which the training thread cannot run Python, and on a fast multi-rank loop
-that is the agent's longest stall (``benchmarks/rank_timeline.py``). torch's control-plane worker
+that was the agent's longest stall (``benchmarks/rank_timeline.py``). torch's control-plane worker
 server (``_WorkerServer``, private API) answers ``POST /handler/<name>`` on its own C++ thread with the
-same dump, so the agent thread waits on a unix socket with the GIL released and holds it only to
-decode the answer (``benchmarks/fr_dump_gil.py`` measures both).
+same dump over a unix socket, which the reader process (``collectors.fr_reader``) reads: the training
+process's GIL is not held for the dump, nor for its decoding (``benchmarks/fr_dump_gil.py`` measures it).
 
-Opt-in (``HPAR_FR_SERVER=1``): the server is a thread and a socket in the user's process, torch logs
-its start and stop as warnings, and its gloo handler speaks JSON whose fields differ from the pickle's
-(normalized here). Any failure closes it and the collector goes back to the in-process dump.
+The server is a thread and a socket in the user's process; torch logs its start and stop as warnings,
+which go nowhere here (stderr is pointed at /dev/null for the sub-millisecond start and stop). Its gloo
+handler speaks JSON whose fields differ from the pickle's (normalized here).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 #: Recorder -> (handler, query) of the worker server: gloo has only the JSON form, NCCL the pickle.
@@ -66,6 +68,32 @@ def normalize_json(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def decode(handler: str, body: bytes) -> dict[str, Any]:
+    """A handler's answer as ``flight_recorder.dump`` returns it."""
+    if handler.endswith("json"):
+        return normalize_json(json.loads(body))
+    data = pickle.loads(body)  # produced by torch itself, in the training process
+    return data if isinstance(data, dict) else {}
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 on /dev/null for the block: torch's C++ log lines of the server's start and
+    stop. Kept to the sub-millisecond start (with its first request) and stop."""
+    try:
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 class DumpServer:
     """A worker server of this process on a private unix socket, and full dumps through it."""
 
@@ -78,21 +106,26 @@ class DumpServer:
             raise RuntimeError(f"no worker-server handler for the recorders {recorders} in this torch")
         self._dir = tempfile.mkdtemp(prefix="hpar-fr-")  # short: a unix socket path has ~107 bytes
         self.path = os.path.join(self._dir, "s")
-        self._server: Any = c10d._WorkerServer(self.path)
+        try:
+            with _quiet_stderr():
+                self._server: Any = c10d._WorkerServer(self.path)
+                # answered once before anything else: a server shut down before its first request
+                # can hang in shutdown (torch 2.13)
+                post(self.path, "ping" if "ping" in names else next(iter(self.handlers.values()))[0], timeout=5.0)
+        except Exception:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
 
     def dump(self, recorder: str) -> dict[str, Any]:
         """One full dump of ``recorder`` (as ``flight_recorder.dump`` returns it); raises on failure."""
         handler, query = self.handlers[recorder]
-        body = post(self.path, handler, query)
-        if handler.endswith("json"):
-            return normalize_json(json.loads(body))
-        data = pickle.loads(body)  # produced in-process by torch itself
-        return data if isinstance(data, dict) else {}
+        return decode(handler, post(self.path, handler, query))
 
     def close(self) -> None:
-        server, self._server = self._server, None
+        server, self._server = getattr(self, "_server", None), None
         try:
             if server is not None:
-                server.shutdown()
+                with _quiet_stderr():
+                    server.shutdown()
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)

@@ -52,13 +52,18 @@ def test_a_full_flight_recorder_read_is_processed_with_collection_paused(monkeyp
     from hpar_agent.collectors.collectives import CollectiveCollector
 
     seen: list[bool] = []
-    monkeypatch.setattr(CollectiveCollector, "_read_and_process",
-                        lambda self, now, now_ns, p2p: seen.append(gc.isenabled()))
+
+    def read(self, rec, now):
+        seen.append(gc.isenabled())
+        return {}, None
+
+    monkeypatch.setattr(CollectiveCollector, "_read", read)
     c = CollectiveCollector()
     c.ctx = type("Ctx", (), {"config": type("Cfg", (), {"nccl_timing": False})()})()  # type: ignore[assignment]
+    c.recorders = ["gloo", "nccl"]
     monkeypatch.setattr(c, "_patch_p2p", lambda: None)
     c.poll(time.time())
-    assert seen == [False] and gc.isenabled()
+    assert seen == [False, False] and gc.isenabled()
 
 
 def test_the_yielder_hands_the_gil_back_by_time_not_per_call(monkeypatch) -> None:
@@ -73,6 +78,42 @@ def test_the_yielder_hands_the_gil_back_by_time_not_per_call(monkeypatch) -> Non
     assert sleeps == [0]
     y()
     assert sleeps == [0]
+
+
+def test_a_paced_pass_sleeps_to_the_next_shared_slot_until_its_deadline(monkeypatch) -> None:
+    """After each hold a paced pass waits for the next multiple of the slot on the wall clock (the
+    same instants on every rank), never past its deadline; past the deadline it only yields."""
+    sleeps: list[float] = []
+    clock = [10_030_000_000]  # 30 ms into a 100 ms slot
+    monkeypatch.setattr(time, "sleep", lambda s: sleeps.append(s))
+    monkeypatch.setattr(time, "time_ns", lambda: clock[0])
+    y = Yielder(hold_ns=0, deadline_ns=10_250_000_000, slot_ns=100_000_000)
+    y()
+    assert sleeps == [pytest.approx(0.070)]  # to 10.1 s
+    clock[0] = 10_220_000_000
+    y()
+    assert sleeps[-1] == pytest.approx(0.030)  # the next slot (10.3 s) is past the deadline (10.25 s)
+    clock[0] = 10_260_000_000
+    y()
+    assert sleeps[-1] == 0
+
+
+def test_pause_points_use_the_pass_of_their_own_thread_only(monkeypatch) -> None:
+    import threading
+
+    from hpar_agent import gil
+
+    calls: list[int] = []
+    y = Yielder(hold_ns=0)
+    monkeypatch.setattr(Yielder, "__call__", lambda self: calls.append(threading.get_ident()))
+    gil.pause_point()  # no pass: nothing
+    with gil.running(y):
+        gil.pause_point()
+        t = threading.Thread(target=gil.pause_point)
+        t.start()
+        t.join()
+    gil.pause_point()
+    assert calls == [threading.get_ident()]
 
 
 def test_anatomy_judges_once_per_pass(monkeypatch) -> None:

@@ -62,13 +62,16 @@ def fake(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "")
     monkeypatch.setattr(fr, "available_recorders", lambda: ["nccl"])
     monkeypatch.setattr(fr, "dump", rec.dump)
-    monkeypatch.setattr(fr, "group_size", lambda name: 4)
     monkeypatch.setattr(Agent, "_run", lambda self: None)  # only the test's own ticks: they count reads
-    # every tick a new fr_interval slot: full reads whenever something moved
-    agent = Agent(metrics_port=-1, traces="file", run_dir=str(tmp_path), trace_every=1, job_id="j", fr_interval=1e-6)
+    # every tick a new fr_interval slot: full reads whenever something moved; the fake recorder lives
+    # in this process, so reads stay on the agent thread (the reader process: test_fr_reader)
+    agent = Agent(metrics_port=-1, traces="file", run_dir=str(tmp_path), trace_every=1, job_id="j", fr_interval=1e-6,
+                  fr_reader="inline")
     agent.start()
+    c = agent.component("collectives")
+    c.groups.sizes.update({name: 4 for name in "0123"})  # as _sync_groups learns them from torch
     try:
-        yield rec, agent, agent.component("collectives")
+        yield rec, agent, c
     finally:
         agent.stop()
 
@@ -106,8 +109,8 @@ def test_nccl_p2p_batch_is_labelled_pp_with_peer_bytes_and_the_coalesced_duratio
     ``nccl:coalesced`` entry (0 bytes) whose duration is the batch's. On a pipeline's group they are
     pg="pp", op send/recv with the global peer; the coalesced entry is their completion, not an op."""
     rec, agent, c = fake
-    monkeypatch.setattr(fr, "global_rank", lambda name, r: r + 10)  # group rank -> global rank
-    c._pp_groups.add(("0", "default_pg"))  # as the _batch_p2p wrapper registers the stage's group
+    c.groups.ranks["0"] = [10, 11]  # group rank -> global rank
+    c.groups.pp.add(("0", "default_pg"))  # as the _batch_p2p wrapper registers the stage's group
     agent.step()
     rec.add(0, 0, "0", "default_pg", 1, name="nccl:send 0->1", n=1000, state="scheduled", p2p=True)
     rec.add(1, 0, "0", "default_pg", 2, name="nccl:recv 0<-1", n=500, state="scheduled", p2p=True)
@@ -129,7 +132,7 @@ def test_nccl_p2p_batch_is_labelled_pp_with_peer_bytes_and_the_coalesced_duratio
         ("collective.recv", "pp", 11),
         ("collective.send", "pp", 11),
     ]
-    assert not c._pending_fr  # nothing left holding the span watermark
+    assert c._pending["nccl"] == (0, None)  # nothing left holding the span watermark
     assert get("hpar_collective_timing_enabled", {**L, "pg": "pp"}) == 1
 
 
@@ -151,7 +154,7 @@ def test_record_id_gaps_are_unobserved_per_pg(fake):
 
 def test_pending_nccl_entry_is_timed_when_it_completes_and_inflight_age(fake):
     rec, agent, c = fake
-    c._attach_ns -= 10_000_000_000  # the op below was enqueued 3 s ago, after attach
+    c._ledger.attach_ns -= 10_000_000_000  # the op below was enqueued 3 s ago, after attach
     rec.add(0, 1, "1", "mesh_dp", 1, state="scheduled")
     rec.status["1"]["last_completed_collective"] = 0
     rec.entries[0]["time_created_ns"] -= 3_000_000_000
@@ -390,7 +393,7 @@ def test_kept_entries_are_invisible_to_the_garbage_collector(fake):
 def test_entries_of_one_shape_are_decoded_once_and_counted_each(fake, monkeypatch):
     """A loop repeats a few collectives: their name and shapes are decoded once per distinct text, and
     every entry still counts; a different output (an all-gather's) is another shape; a full cache starts over."""
-    from hpar_agent.collectors import collectives as coll
+    from hpar_agent.collectors import fr_ledger as coll
 
     rec, agent, c = fake
     calls = []
@@ -405,10 +408,10 @@ def test_entries_of_one_shape_are_decoded_once_and_counted_each(fake, monkeypatc
     assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 6
     assert get("hpar_collective_bytes_total", {**L, "pg": "dp", "op": "all_reduce"}) == 6 * 1024
     assert get("hpar_collective_bytes_total", {**L, "pg": "tp", "op": "all_gather"}) == 32
-    assert len(calls) == 4 and len(c._decoded) == 2  # in and out bytes of two shapes
+    assert len(calls) == 4 and len(c._ledger._decoded) == 2  # in and out bytes of two shapes
     assert [e["input_sizes"] for e in c.recent_entries][-2:] == ["[[256]]", "[[8]]"]
     monkeypatch.setattr(coll, "MAX_DECODED", 2)
     rec.add(7, 1, "1", "mesh_dp", 7, n=512)  # a third shape: the full cache is cleared first
     agent.tick()
-    assert len(c._decoded) == 1
+    assert len(c._ledger._decoded) == 1
     assert get("hpar_collective_bytes_total", {**L, "pg": "dp", "op": "all_reduce"}) == 6 * 1024 + 2048

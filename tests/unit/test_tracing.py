@@ -388,3 +388,27 @@ def test_grpc_missing_falls_back_to_file_with_one_line(tmp_path, tracings, monke
     t2 = Tracing(_agent(tmp_path, traces="otlp").context)
     tracings.append(t2)
     assert t2.kind == "otlp-http"
+
+
+def test_file_exporter_paces_its_chunks_to_the_shared_slots_unless_a_flush_waits(tmp_path, monkeypatch):
+    """Between chunks a training-time export sleeps to the next slot of the wall clock (the agent's
+    passes use the same slots); a flush or shutdown only hands the GIL back (1 ms)."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from hpar_agent.exporters import otel
+
+    tracer = TracerProvider().get_tracer("t")
+    spans = [tracer.start_span(f"s{i}") for i in range(2 * otel.EXPORT_CHUNK + 1)]
+    for sp in spans:
+        sp.end()
+    sleeps: list[float] = []
+    monkeypatch.setattr(otel.time, "sleep", lambda s: sleeps.append(s))
+    monkeypatch.setattr(otel.time, "time_ns", lambda: 10_030_000_000)  # 30 ms into a 100 ms slot
+    exp = otel.OtlpJsonFileExporter(str(tmp_path / "t.jsonl"))
+    exp.export(spans)
+    assert sleeps == [pytest.approx(0.07)] * 2
+    sleeps.clear()
+    exp.paced = False
+    exp.export(spans)
+    exp.shutdown()
+    assert sleeps == [otel.EXPORT_YIELD_S] * 2

@@ -1,0 +1,212 @@
+"""The reader process: full flight-recorder reads, decoded and processed outside the training process.
+
+A full read on the agent thread holds the training process's GIL twice: while torch builds the dump
+(C++ holding the GIL: 16-45 ms for a 2,000-entry ring) and while ~1,000 new entries are decoded and
+processed in Python (up to 15-23 ms). On a 4-rank CPU job those reads were the agent's long steps
+(BENCHMARKS.md, issue 15). Here torch's worker server (``fr_server.DumpServer``) builds the dump on its
+own C++ thread, and a child process (``python -m hpar_agent.collectors.fr_reader``: no torch, niced)
+fetches it over the server's private unix socket and runs the ``Ledger``. The agent thread sends one
+request per read and waits on a pipe with the GIL released; it holds the GIL only to apply the
+``Update`` (plain data, sub-millisecond to unpickle).
+
+The child lives as long as the agent: it exits when its stdin closes (detach, exit, or the training
+process dying). Any failure (no worker server in this torch, a child that cannot start, answers late
+or errs) leaves the collector on in-process reads, with no entry counted twice.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import time
+from typing import IO, Any
+
+from hpar_agent.collectors.fr_ledger import Groups, Ledger, Update
+from hpar_agent.torch_compat import fr_server
+
+#: Seconds the agent thread waits for one read (the child's own socket wait is shorter).
+TIMEOUT_S = fr_server.TIMEOUT_S + 5.0
+#: The child's niceness: on a host with no idle core it yields to the training processes.
+NICE = 10
+_LEN = struct.Struct("<I")
+
+
+def cpus_per_local_rank() -> float:
+    """CPUs this process may run on, shared by the ranks of its host (``LOCAL_WORLD_SIZE``, torchrun's)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return cpus / local
+
+
+class ReaderError(RuntimeError):
+    """The reader process failed or answered with an error."""
+
+
+def _send(stream: IO[bytes], obj: Any) -> None:
+    body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_LEN.pack(len(body)) + body)
+    stream.flush()
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
+    """``n`` bytes from ``fd``; waits in ``select`` (no GIL held) until ``deadline`` (monotonic)."""
+    chunks, got = [], 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise ReaderError(f"no answer from the reader process within {TIMEOUT_S:g} s")
+        data = os.read(fd, n - got)
+        if not data:
+            raise EOFError("the reader process closed its pipe")
+        chunks.append(data)
+        got += len(data)
+    return b"".join(chunks)
+
+
+def _recv(fd: int, deadline: float | None = None) -> Any:
+    (n,) = _LEN.unpack(_read_exact(fd, _LEN.size, deadline))
+    return pickle.loads(_read_exact(fd, n, deadline))  # our own child's answer
+
+
+def _child_env() -> dict[str, str]:
+    """The child imports ``hpar_agent`` as this process did, attaches nothing and runs no zero-code shim."""
+    env = {k: v for k, v in os.environ.items() if k != "HPAR_AUTOATTACH"}
+    env["HPAR_DISABLE"] = "1"
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # hpar_agent/collectors/fr_reader.py
+    if os.path.basename(pkg) == "hpar_agent":  # a plain tree on sys.path (an editable install maps it itself)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(pkg), env.get("PYTHONPATH")) if p)
+    return env
+
+
+class ReaderProcess:
+    """The agent's side: the worker server in this process, the child, one ``read`` per full read."""
+
+    def __init__(
+        self, recorders: list[str], *, attach_ns: int, recent: int, max_pending: int, cursors: dict[str, int]
+    ) -> None:
+        self.server = fr_server.DumpServer(recorders)  # raises when this torch has no handler for them
+        self.recorders = frozenset(self.server.handlers)
+        self.cpu_s = 0.0  # the child's CPU time, as it reports it
+        self.reads = 0
+        if not sys.executable:
+            self.server.close()
+            raise ReaderError("no Python executable to start the reader process with")
+        try:
+            self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-m", "hpar_agent.collectors.fr_reader"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                env=_child_env(), close_fds=True,
+            )  # fmt: skip
+            assert self.proc.stdin is not None
+            _send(self.proc.stdin, {
+                "path": self.server.path, "handlers": self.server.handlers,
+                "ledger": {"attach_ns": attach_ns, "recent": recent, "max_pending": max_pending,
+                           "cursors": cursors},
+            })  # fmt: skip
+        except Exception:
+            self.close()
+            raise
+
+    def read(
+        self, rec: str, *, now_ns: int, nccl_timing: bool, boundaries: list[tuple[int, int]], groups: Groups | None
+    ) -> Update:
+        """One full read of ``rec`` by the child (agent thread; waits with the GIL released)."""
+        proc = self.proc
+        if proc is None or proc.stdin is None or proc.stdout is None:
+            raise ReaderError("the reader process is closed")
+        try:
+            _send(proc.stdin, {"rec": rec, "now_ns": now_ns, "nccl_timing": nccl_timing,
+                               "boundaries": boundaries, "groups": groups})  # fmt: skip
+            reply = _recv(proc.stdout.fileno(), time.monotonic() + TIMEOUT_S)
+        except (OSError, EOFError) as exc:
+            code = proc.poll()
+            raise ReaderError(f"reader process {'exited ' + str(code) if code is not None else 'failed'}: {exc}") from exc
+        self.cpu_s = float(reply.get("cpu_s", self.cpu_s))
+        if "error" in reply:
+            raise ReaderError(f"reader process: {reply['error']}")
+        self.reads += 1
+        upd: Update = reply["update"]
+        return upd
+
+    def close(self) -> None:
+        """Stop the child (its stdin closes: it exits; killed after a second) and the worker server."""
+        proc, self.proc = getattr(self, "proc", None), None
+        if proc is not None:
+            try:
+                if proc.stdin is not None:
+                    proc.stdin.close()
+                proc.wait(1.0)
+            except Exception:
+                proc.kill()
+                try:
+                    proc.wait(1.0)
+                except Exception:
+                    pass
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self.server.close()
+
+    def forget_in_child(self) -> None:
+        """A forked child of the training process: drop its copies of the pipes, stop nothing."""
+        proc, self.proc = self.proc, None
+        for stream in (getattr(proc, "stdin", None), getattr(proc, "stdout", None)):
+            if stream is not None:
+                try:
+                    os.close(stream.fileno())
+                except OSError:
+                    pass
+
+
+# ---------------------------------------------------------------------------------------- the child
+def serve(inp: IO[bytes], out: IO[bytes]) -> int:
+    """The child's loop: an init message, then one request per full read, until ``inp`` closes."""
+    fd = inp.fileno()
+    try:
+        init = _recv(fd)
+    except EOFError:
+        return 0
+    path, handlers = init["path"], init["handlers"]
+    ledger = Ledger(**init["ledger"])
+    while True:
+        try:
+            req = _recv(fd)
+        except EOFError:
+            return 0
+        reply: dict[str, Any]
+        try:
+            if req.get("groups") is not None:
+                ledger.groups = req["groups"]
+            ledger.add_boundaries(req["boundaries"])
+            handler, query = handlers[req["rec"]]
+            data = fr_server.decode(handler, fr_server.post(path, handler, query))
+            upd = ledger.process(req["rec"], data, nccl_timing=req["nccl_timing"], now_ns=req["now_ns"])
+            reply = {"update": upd}
+        except Exception as exc:
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        reply["cpu_s"] = time.process_time()
+        _send(out, reply)
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(1), "wb")  # answers go to the pipe the parent reads ...
+    os.dup2(2, 1)  # ... and anything printed goes where stderr goes, never into that pipe
+    try:
+        os.nice(NICE)
+    except OSError:
+        pass
+    return serve(sys.stdin.buffer, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The reader process (HPAR_FR_READER=process, the default): full flight-recorder reads fetched from
+torch's worker server, decoded and processed in a child process, on a real gloo group; the same
+counts and kept entries as reads on the agent thread, and an in-process fallback that counts nothing
+twice when the child dies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpar_agent.agent import Agent
+from hpar_agent.collectors import fr_reader
+from hpar_agent.collectors.fr_ledger import Ledger
+from hpar_agent.torch_compat import flight_recorder as fr
+
+L = {"rank": "0", "pp_stage": "0", "pg": "default_pg", "op": "all_reduce"}
+
+
+@pytest.fixture
+def agent(tmp_path):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # every tick a new fr_interval slot: a full read whenever something moved; only the test's ticks
+    a = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600.0, fr_interval=1e-6,
+              fr_reader="process")
+    a.start()
+    try:
+        yield a
+    finally:
+        a.stop()
+        dist.destroy_process_group()
+
+
+def _all_reduces(n: int, numel: int = 8) -> None:
+    x = torch.ones(numel)
+    for _ in range(n):
+        dist.all_reduce(x)
+
+
+def test_the_reader_process_counts_and_keeps_what_an_in_process_read_does(agent) -> None:
+    c = agent.component("collectives")
+    _all_reduces(12, numel=16)
+    agent.tick()
+    state = c.reader_state()
+    assert state["mode"] == "process" and state["reads"] == 1 and state["cpu_s"] > 0
+    get = agent.registry.get_sample_value
+    assert get("hpar_collectives_total", L) == 12
+    assert get("hpar_collective_bytes_total", L) == 12 * 64
+    # the same dump through the ledger on this thread gives the same kept entries
+    inline = Ledger(attach_ns=c._attach_ns).process("gloo", fr.dump("gloo"), nccl_timing=False, now_ns=0)
+    def keep(e):
+        return {k: e[k] for k in ("pg", "seq", "op", "input_sizes", "input_dtypes", "record_id")}
+    assert [keep(e) for e in c.recent_entries] == [keep(e) for e in inline.kept]
+    assert len(c.recent_entries) == 12
+    _all_reduces(3)
+    agent.tick()
+    assert get("hpar_collectives_total", L) == 15 and c.reader_state()["reads"] == 2
+
+
+def test_a_dead_reader_gives_way_to_in_process_reads_at_its_cursor(agent) -> None:
+    c = agent.component("collectives")
+    _all_reduces(10)
+    agent.tick()
+    proc = c._reader.proc
+    proc.kill()
+    proc.wait(10)
+    _all_reduces(5)
+    agent.tick()  # the read fails, the agent thread reads from where the child stopped
+    get = agent.registry.get_sample_value
+    state = c.reader_state()
+    assert state["mode"] == "inline" and state["reader"]["reads"] == 1 and "failed" in state["reader"]
+    assert get("hpar_collectives_total", L) == 15
+    assert get("hpar_collective_unobserved_total", {"rank": "0", "pp_stage": "0", "pg": "default_pg"}) is None
+    assert get("hpar_agent_errors_total", {"rank": "0", "pp_stage": "0", "component": "collectives"}) == 1
+    _all_reduces(2)
+    agent.tick()
+    assert get("hpar_collectives_total", L) == 17
+
+
+def test_the_reader_process_ends_with_the_agent(agent) -> None:
+    c = agent.component("collectives")
+    _all_reduces(1)
+    agent.tick()
+    proc = c._reader.proc
+    assert proc.poll() is None
+    agent.stop()
+    assert proc.wait(5) == 0 and c._reader is None
+    state = c.reader_state()  # what the summary says after detach: the final tick read too
+    assert state == {"mode": "process", "recorders": ["gloo"], "reads": 2, "cpu_s": state["cpu_s"]}
+
+
+def test_no_reader_process_without_a_process_group(tmp_path) -> None:
+    a = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600.0, fr_interval=1e-6)
+    a.start()
+    try:
+        a.tick()
+        assert a.component("collectives").reader_state() == {"mode": "inline"}
+    finally:
+        a.stop()
+
+
+@pytest.mark.parametrize(("cpus", "local", "mode"), [(16, "4", "process"), (2, "4", "inline"), (2, None, "process")])
+def test_auto_runs_the_reader_only_where_each_local_rank_has_two_cpus(tmp_path, monkeypatch, cpus, local, mode):
+    """On an oversubscribed host (4 ranks on 2 cores) the reader and torch's dump thread take CPU from
+    training: reads stay on the agent thread there."""
+    monkeypatch.setattr(fr_reader.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    a = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600.0, fr_interval=1e-6)
+    a.start()
+    try:
+        _all_reduces(1)
+        a.tick()
+        assert a.component("collectives").reader_state()["mode"] == mode
+    finally:
+        a.stop()
+        dist.destroy_process_group()
