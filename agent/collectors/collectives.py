@@ -108,6 +108,7 @@ class CollectiveCollector(Component):
         self._open: dict[str, dict[int, int]] = {}  # pg -> {seq: created ns} not yet completed
         self._backend_of: dict[str, str] = {}  # pg label -> recorder its collectives came from
         self._pending_p2p: dict[int, list[Op]] = {}  # id(Work) -> ops awaiting a wait record
+        self._p2p_groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, backend)
         self._bound_t: list[int] = []
         self._bound_s: list[int] = []
         self._attach_ns = 0
@@ -485,9 +486,7 @@ class CollectiveCollector(Component):
                 _, t0, infos, work_ids = rec
                 ops = []
                 for op, peer, nbytes, group in infos:
-                    backend = fr.group_backend(group)
-                    if backend == "nccl":
-                        self.groups.pp.add(fr.group_name(group))
+                    backend = self._p2p_backend(group)
                     item = Op(PP_PG, op, -1, nbytes, nbytes, t0, comm_stream_label(PP_PG, backend), 1, peer)
                     if not (backend == "nccl" and "nccl" in self.recorders):  # else the FR counts it
                         self.counts[(PP_PG, op)] += 1
@@ -509,6 +508,19 @@ class CollectiveCollector(Component):
                     for item in self._pending_p2p.pop(wid, ()):
                         end = t_enter if was_done else t_exit
                         self._finish(item, max(0, end - item.start_ns) / 1e9)
+
+    def _p2p_backend(self, group: Any) -> str:
+        """The backend of a pipeline p2p op's group, asked of torch once per group (an NCCL one is
+        registered as pipelining's: its FR entries are pp)."""
+        hit = self._p2p_groups.get(id(group))
+        if hit is None or hit[0] is not group:  # the group object is held: its id is not reused
+            if len(self._p2p_groups) >= 64:
+                self._p2p_groups.clear()
+            backend = fr.group_backend(group)
+            if backend == "nccl":
+                self.groups.pp.add(fr.group_name(group))
+            hit = self._p2p_groups[id(group)] = (group, backend)
+        return hit[1]
 
     def _finish(self, item: Op, seconds: float) -> None:
         """A timed op: histogram (with the step's trace id as exemplar), busbw and a span starting at

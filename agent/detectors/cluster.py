@@ -224,9 +224,18 @@ class ReplicaDivergence(Detector):
         return Verdict(bool(bad), float(sum(b["count"] for b in bad.values())), bad)
 
 
+#: The last ``_peer_fr`` answer and the peers dict it came from: three detectors ask per exchange.
+_peer_fr_memo: list[Any] = [None, None]
+
+
 def _peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, int]]:
-    """Peers' published entries, and each pg's member count from the topology (by its label)."""
-    fr = {r: [tuple(e) for e in p["fr"]] for r, p in ctx.peers.items() if "fr" in p}
+    """Peers' published entries, and each pg's member count from the topology (by its label); computed
+    once per exchange (the peers dict is new at each). Read the answer, never change it."""
+    peers = ctx.peers
+    if _peer_fr_memo[0] is peers:
+        hit: tuple[dict[int, list[sig.FrEntry]], dict[str, int]] = _peer_fr_memo[1]
+        return hit
+    fr = {r: [tuple(e) for e in p["fr"]] for r, p in peers.items() if "fr" in p}
     topo = ctx.context.topology
     by_label = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp, "default_pg": topo.world_size,
                 "dp_replicate": topo.dp_replicate, "dp_shard": topo.dp_shard, "cp": topo.cp}
@@ -236,6 +245,7 @@ def _peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, i
             label = src.pg_label(e[0])
             if label in by_label:
                 sizes[e[0]] = by_label[label]
+    _peer_fr_memo[:] = [peers, (fr, sizes)]
     return fr, sizes
 
 
@@ -407,7 +417,7 @@ class Straggler(Detector):
         steps = ctx.step_durations[-64:]
         if steps and span_s < self.p("min_window_steps") * median(steps):
             return None  # e.g. a job stuck in its first judged step: too short to call anything persistent
-        lags = sig.arrival_lag_ratio(fr, sizes)
+        lags = sig.arrival_lag_ratio(fr, sizes, common=common)
         self._note_slowest(lags)
         ratio = lags.get(ctx.rank, 0.0)
         return Verdict(ratio > self.p("max_lag_ratio"), ratio, {"collectives": len(common), "window_s": span_s})

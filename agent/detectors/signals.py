@@ -186,19 +186,30 @@ def common_collectives(
     """(pg, seq) -> rank -> entry, keeping only keys every member of the pg reported: windows of
     different ranks overlap only partly, and a member that has not published yet must not turn a
     3-rank majority into a 1-1 tie. ``sizes`` gives a pg's member count where known; otherwise the
-    members are the ranks that reported any entry of that pg."""
+    members are the ranks that reported any entry of that pg. The answer for the inputs of the last
+    call (the same objects) is shared: read it, never change it."""
+    if _common_memo[0] is entries_by_rank and _common_memo[1] is sizes:
+        hit: dict[tuple[str, int], dict[int, FrEntry]] = _common_memo[2]
+        return hit
     members: dict[str, set[int]] = {}
     keyed: dict[tuple[str, int], dict[int, FrEntry]] = {}
     for rank, entries in entries_by_rank.items():
         for e in entries:
             members.setdefault(e[0], set()).add(rank)
             keyed.setdefault((e[0], e[1]), {})[rank] = e
-    sizes = sizes or {}
-    return {
+    need = sizes or {}
+    out = {
         k: v
         for k, v in keyed.items()
-        if len(v) >= 2 and set(v) == members[k[0]] and len(v) >= sizes.get(k[0], 0)
+        if len(v) >= 2 and set(v) == members[k[0]] and len(v) >= need.get(k[0], 0)
     }
+    _common_memo[:] = [entries_by_rank, sizes, out]
+    return out
+
+
+#: The last ``common_collectives`` answer and its inputs (by identity): the detectors of one exchange
+#: ask it of the same peers' entries (``cluster._peer_fr``) several times.
+_common_memo: list[Any] = [None, None, None]
 
 
 def _signature(e: FrEntry) -> tuple[Any, ...]:
@@ -301,7 +312,8 @@ def low_precision_reductions(entries: Sequence[FrEntry], param_bits: int, pgs: S
 
 
 def arrival_lag_ratio(
-    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None, slices: int = 2
+    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None, slices: int = 2,
+    common: Mapping[tuple[str, int], Mapping[int, FrEntry]] | None = None,
 ) -> dict[int, float]:
     """Per rank: the share of wall time its groups spent waiting for it, net of the time it spent
     waiting for them, in the less affected half (``slices``) of each group's window.
@@ -316,9 +328,12 @@ def arrival_lag_ratio(
     slices: a straggler is late in every part of the window, while a one-off stall (a compile, a
     descheduled process, a checkpoint pause) fills one part only. Groups with fewer than
     ``2 * slices`` common collectives are not judged. A rank 1.5x slower than its peers scores ~0.33.
+    ``common``: ``common_collectives(entries_by_rank, sizes)`` when the caller has it already.
     """
     by_pg: dict[str, list[Mapping[int, FrEntry]]] = {}
-    for (pg, _seq), by_rank in common_collectives(entries_by_rank, sizes).items():
+    if common is None:
+        common = common_collectives(entries_by_rank, sizes)
+    for (pg, _seq), by_rank in common.items():
         by_pg.setdefault(pg, []).append(by_rank)
     nets: dict[int, list[float]] = {}
     for ops in by_pg.values():
