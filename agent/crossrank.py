@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
+from hpar_agent import gil
+
 log = logging.getLogger("hpar_agent")
 
 
@@ -79,6 +81,7 @@ class Exchange:
         now = time.time()
         out: dict[int, dict[str, Any]] = {}
         for r, blob in zip(present, raw, strict=True):
+            gil.pause_point()  # each peer's payload is a few hundred µs of decoding
             try:
                 payload = json.loads(bytes(blob).decode())
             except ValueError:

@@ -187,6 +187,7 @@ class DetectorsComponent(Component):
             if d.cross_rank:
                 payload.update(d.publish(self))
         self.exchange.publish(payload)
+        gil.pause_point()
         self.peers = self.exchange.read(self._peer_ranks(), max_age_s=self.stale_s)
         for p in self.peers.values():  # tuples of atomic values leave the collector's books (gcpause)
             if isinstance(p.get("fr"), list):

@@ -412,3 +412,49 @@ def test_file_exporter_paces_its_chunks_to_the_shared_slots_unless_a_flush_waits
     exp.export(spans)
     exp.shutdown()
     assert sleeps == [otel.EXPORT_YIELD_S] * 2
+
+
+def test_the_direct_otlp_json_encoder_spells_what_the_sdk_encoder_does():
+    """The traces file's encoder (``otlp_json``, ~5x cheaper) against the SDK's protobuf encoder on the
+    spans the agent makes: a root span, a span under a remote parent (ranks > 0), children with events,
+    an error status and every attribute type; a span it does not spell (a link) falls back to the SDK's."""
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+
+    from hpar_agent.exporters import otlp_json
+    from hpar_agent.exporters.otel import _ids_to_hex
+
+    mem = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "s", "hpar.rank": 1, "x": 0.5}))
+    provider.add_span_processor(SimpleSpanProcessor(mem))
+    tracer = provider.get_tracer("hpar_agent", "1.0")
+    remote = SpanContext(0xABC, 0x99, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    step = tracer.start_span("train.step", context=trace.set_span_in_context(NonRecordingSpan(remote)),
+                             attributes={"s": "a", "b": True, "i": -3, "f": 0.25, "l": [1, 2], "t": ("x",), "e": []})
+    ctx = trace.set_span_in_context(step)
+    for i in range(3):
+        child = tracer.start_span("pp.forward", context=ctx, attributes={"hpar.microbatch": i}, start_time=10 + i)
+        child.add_event("late", {"k": 1}, timestamp=12)
+        child.add_event("bare", timestamp=13)
+        if i == 1:
+            child.set_status(Status(StatusCode.ERROR, "boom"))
+        child.end(end_time=20 + i)
+    step.end()
+    tracer.start_span("root").end()  # rank 0's step: no parent
+    spans = mem.get_finished_spans()
+
+    def sdk(batch):
+        doc = MessageToDict(encode_spans(batch), use_integers_for_enums=True)
+        _ids_to_hex(doc)
+        return doc
+
+    assert otlp_json.encode(spans) == sdk(spans)
+    linked = tracer.start_span("linked", links=[Link(remote)])
+    linked.end()
+    assert otlp_json.encode([linked]) is None  # the exporter then takes the SDK's encoder
