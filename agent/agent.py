@@ -42,7 +42,7 @@ log = logging.getLogger("hpar_agent")
 
 _current: Agent | None = None
 _lock = threading.Lock()
-#: Share of the interval a paced pass may take before it stops pacing and finishes.
+#: Share of the interval after its tick a paced pass may pace for; then it finishes unpaced.
 PACE_BUDGET = 0.8
 
 
@@ -347,13 +347,18 @@ class Agent:
     def tick(self, final: bool = False, paced: bool = False) -> None:
         """One agent-thread pass: poll every component, then finish completed steps. The pass hands
         the GIL back to the training thread every millisecond or so of work (``gil.Yielder``); a
-        paced one (the agent thread's) in slices at shared instants, within ``PACE_BUDGET`` of the
-        interval."""
+        paced one (the agent thread's) in slices at shared instants, until ``_pace_deadline``."""
         with self._tick_lock:
             now = time.time()
-            deadline = int((now + PACE_BUDGET * self.config.interval) * 1e9) if paced and not final else 0
+            deadline = int(self._pace_deadline(now) * 1e9) if paced and not final else 0
             with gil.running(Yielder(deadline_ns=deadline, cancel=self._stop)) as handback:
                 self._pass(now, final, handback)
+
+    def _pace_deadline(self, now: float) -> float:
+        """When a paced pass stops pacing: ``PACE_BUDGET`` of the interval after the tick it belongs
+        to, so it ends before the next tick even when it started late (a starved agent thread)."""
+        iv = self.config.interval
+        return now - now % iv + PACE_BUDGET * iv
 
     def _pass(self, now: float, final: bool, handback: Yielder) -> None:
         """Poll, then each completed step to every component, then the once-a-pass work and the export."""

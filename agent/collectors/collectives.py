@@ -146,10 +146,13 @@ class CollectiveCollector(Component):
         self._patch_p2p()
         mode = ctx.config.fr_reader
         self._want_reader = mode == "process" or (mode == "auto" and cpus_per_local_rank() >= 2)
+        if self._want_reader and self._groups_seen:  # on the attaching thread, where torch's log lines stay quiet
+            self._start_reader()
 
     def _start_reader(self) -> None:
-        """The reader process, once a process group exists (a script without one gets none), where
-        this torch has a worker-server handler for a recorder: tried once. A torch without one keeps
+        """The reader process, once a process group exists (at attach, else at the first full read
+        after one appears; a script without one gets none), where this torch has a worker-server
+        handler for a recorder: tried once. A torch without one keeps
         in-process reads (said once), any other failure is counted."""
         self._want_reader = False
         try:
@@ -335,8 +338,8 @@ class CollectiveCollector(Component):
             del self._unsent[:-MAX_BOUNDARIES]
 
     def _read_and_process(self, now: float, now_ns: int, p2p: list[Any]) -> None:
-        self._process_p2p(p2p)  # first: it names the NCCL groups pipelining runs on (their FR entries are pp)
-        self._drain_boundaries()  # the ledger places the entries of the steps that ended before its read
+        self._drain_boundaries()  # every step that ended by now: the p2p ops' steps, and the ledger's placing
+        self._process_p2p(p2p)  # before the reads: it names the NCCL groups pipelining runs on (their FR entries are pp)
         for rec in self.recorders:
             with gcpause.paused():  # a full read's objects die inside the block (see gcpause)
                 status, upd = self._read(rec, now)

@@ -219,8 +219,11 @@ def _flat(v: Any) -> str:
 
 
 def step_state(ctx: AgentContext) -> tuple[int, float, list[float]]:
-    """(steps completed, unix time of the last step, recent step durations)."""
+    """(steps completed, unix time of the last step, recent step durations). The count is the
+    training thread's own (``count``), not the drained one: a paced pass reaches the detectors up to
+    most of an interval after the step collector's poll, and what the other collectors read since
+    (a graph break of the step in progress) must not look older than it is."""
     c = ctx.find(StepCollector)
     if c is None:
         return 0, 0.0, []
-    return c.total, c.last_step_ts, list(c.durations)
+    return max(c.count, c.total), c.last_step_ts, list(c.durations)

@@ -8,8 +8,9 @@ same dump over a unix socket, which the reader process (``collectors.fr_reader``
 process's GIL is not held for the dump, nor for its decoding (``benchmarks/fr_dump_gil.py`` measures it).
 
 The server is a thread and a socket in the user's process; torch logs its start and stop as warnings,
-which go nowhere here (stderr is pointed at /dev/null for the sub-millisecond start and stop). Its gloo
-handler speaks JSON whose fields differ from the pickle's (normalized here).
+which go nowhere when the main thread starts and stops it (stderr is pointed at /dev/null for the
+sub-millisecond start and stop). Its gloo handler speaks JSON whose fields differ from the pickle's
+(normalized here).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pickle
 import shutil
 import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,6 +70,24 @@ def normalize_json(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def handler_names() -> set[str]:
+    """The worker server's handlers in this torch (none without a worker server)."""
+    try:
+        import torch._C._distributed_c10d as c10d
+
+        if not hasattr(c10d, "_WorkerServer"):
+            return set()
+        return set(c10d._get_handler_names())  # type: ignore[attr-defined]  # private, not in the stubs
+    except (ImportError, AttributeError):
+        return set()
+
+
+def handled(recorders: list[str], names: set[str] | None = None) -> dict[str, tuple[str, str]]:
+    """Recorder -> (handler, query) for the recorders this torch's worker server can dump."""
+    names = handler_names() if names is None else names
+    return {r: HANDLERS[r] for r in recorders if r in HANDLERS and HANDLERS[r][0] in names}
+
+
 def decode(handler: str, body: bytes) -> dict[str, Any]:
     """A handler's answer as ``flight_recorder.dump`` returns it."""
     if handler.endswith("json"):
@@ -79,7 +99,12 @@ def decode(handler: str, body: bytes) -> dict[str, Any]:
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
     """File descriptor 2 on /dev/null for the block: torch's C++ log lines of the server's start and
-    stop. Kept to the sub-millisecond start (with its first request) and stop."""
+    stop. Kept to the sub-millisecond start (with its first request) and stop, and to the main
+    thread, which is then inside the agent (attach, detach, exit): another thread's line written in
+    that window would be lost, so elsewhere torch's lines go through."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     try:
         saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     except OSError:
@@ -100,8 +125,8 @@ class DumpServer:
     def __init__(self, recorders: list[str]) -> None:
         import torch._C._distributed_c10d as c10d
 
-        names = set(c10d._get_handler_names())  # type: ignore[attr-defined]  # private, not in the stubs
-        self.handlers = {r: HANDLERS[r] for r in recorders if r in HANDLERS and HANDLERS[r][0] in names}
+        names = handler_names()
+        self.handlers = handled(recorders, names)
         if not self.handlers:
             raise RuntimeError(f"no worker-server handler for the recorders {recorders} in this torch")
         self._dir = tempfile.mkdtemp(prefix="hpar-fr-")  # short: a unix socket path has ~107 bytes

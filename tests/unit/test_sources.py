@@ -98,3 +98,12 @@ def test_fr_entries_are_shared_until_the_kept_entries_change() -> None:
     assert [e[1] for e in src.fr_entries(ctx, limit=1)] == [2]
     ctx.topology = dataclasses.replace(ctx.topology, tp_rank=1)  # other coordinates: other group ids
     assert src.fr_entries(ctx) is not second
+
+
+def test_steps_done_is_the_training_threads_count_not_the_last_drain():
+    """A paced pass reaches the detectors most of an interval after the step collector drained its
+    boundaries; a graph break of step 3 read in between must not count as one of warm-up step 2."""
+    steps = StepCollector()
+    ctx = AgentContext(config=AgentConfig(), topology=Topology(), components=[steps])
+    steps.total, steps.count = 2, 3  # drained two boundaries; the training thread has marked a third
+    assert src.step_state(ctx)[0] == 3
