@@ -152,8 +152,8 @@ class CollectiveCollector(Component):
     def _start_reader(self) -> None:
         """The reader process, once a process group exists (at attach, else at the first full read
         after one appears; a script without one gets none), where this torch has a worker-server
-        handler for a recorder: tried once. A torch without one keeps
-        in-process reads (said once), any other failure is counted."""
+        handler for a recorder: tried once. A torch without one keeps in-process reads (said once),
+        any other failure is counted."""
         self._want_reader = False
         try:
             self._reader = ReaderProcess(self.recorders, attach_ns=self._attach_ns, recent=self._ledger.recent,
@@ -325,7 +325,7 @@ class CollectiveCollector(Component):
         self.timing = self.timing_enabled()
 
     def _drain_boundaries(self) -> None:
-        new = [(t_ns, step) for t_ns, step in self.step_buffer.drain()]
+        new = self.step_buffer.drain()
         if not new:
             return
         for t_ns, step in new:

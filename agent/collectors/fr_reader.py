@@ -158,14 +158,17 @@ class ReaderProcess:
         self.server.close()
 
     def forget_in_child(self) -> None:
-        """A forked child of the training process: drop its copies of the pipes, stop nothing."""
+        """A forked child of the training process: close its copies of the pipes (the reader still
+        gets EOF when the training process ends), stop nothing."""
         proc, self.proc = self.proc, None
         for stream in (getattr(proc, "stdin", None), getattr(proc, "stdout", None)):
             if stream is not None:
                 try:
-                    os.close(stream.fileno())
+                    stream.close()  # the file object, not just its fd: nothing closes the number twice
                 except OSError:
                     pass
+        if proc is not None:
+            proc.returncode = 0  # not this process's child: never waited for here
 
 
 # ---------------------------------------------------------------------------------------- the child

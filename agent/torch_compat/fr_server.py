@@ -23,6 +23,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -119,6 +120,29 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(null)
 
 
+#: Every live server of this process: a forked child must never destroy one (``_keep_in_child``).
+_LIVE: weakref.WeakSet[DumpServer] = weakref.WeakSet()
+
+
+def _keep_in_child() -> None:
+    """After ``fork``, in the child: the servers' C++ objects are made immortal. Destroying one runs
+    its ``shutdown``, which shuts down the listening socket the child shares with the parent: the
+    parent's server thread then fails to listen and torch terminates the whole training process
+    (seen with torch 2.13: a forked child's exit aborted its parent). The child's copy of the socket
+    closes with the child; the parent keeps serving."""
+    import ctypes
+
+    for server in list(_LIVE):
+        obj = server.__dict__.pop("_server", None)
+        if obj is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # never released: no destructor here
+        server._dir = ""  # the directory is the parent's
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_keep_in_child)
+
+
 class DumpServer:
     """A worker server of this process on a private unix socket, and full dumps through it."""
 
@@ -140,6 +164,7 @@ class DumpServer:
         except Exception:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
+        _LIVE.add(self)
 
     def dump(self, recorder: str) -> dict[str, Any]:
         """One full dump of ``recorder`` (as ``flight_recorder.dump`` returns it); raises on failure."""
@@ -153,4 +178,5 @@ class DumpServer:
                 with _quiet_stderr():
                     server.shutdown()
         finally:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            if self._dir:
+                shutil.rmtree(self._dir, ignore_errors=True)

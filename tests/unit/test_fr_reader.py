@@ -5,6 +5,8 @@ twice when the child dies."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -118,3 +120,49 @@ def test_auto_runs_the_reader_only_where_each_local_rank_has_two_cpus(tmp_path, 
     finally:
         a.stop()
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX only")
+def test_a_forked_child_drops_the_readers_pipes_and_the_parent_reads_on(tmp_path) -> None:
+    """A DataLoader worker forked from a rank holds no copy of the reader's pipes (the reader still
+    sees EOF when the rank ends) and the rank's reader keeps answering."""
+
+    import hpar_agent
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    agent = hpar_agent.attach(metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600.0,
+                              fr_interval=1e-6, fr_reader="process")  # attached: the fork hook knows it
+    try:
+        _forked_child_and_parent(agent)
+    finally:
+        hpar_agent.detach()
+        dist.destroy_process_group()
+
+
+def _forked_child_and_parent(agent) -> None:
+    import time
+
+    c = agent.component("collectives")
+    _all_reduces(2)
+    agent.tick()
+    fds = (c._reader.proc.stdin.fileno(), c._reader.proc.stdout.fileno())
+    pid = os.fork()
+    if pid == 0:  # the child: the agent forgot its reader; the pipe fds are closed
+        closed = 0
+        for fd in fds:
+            try:
+                os.fstat(fd)
+            except OSError:
+                closed += 1
+        os._exit(0 if c._reader is None and closed == 2 else 1)
+    deadline = time.monotonic() + 30
+    while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not done[0]:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0
+    _all_reduces(3)
+    agent.tick()
+    assert agent.registry.get_sample_value("hpar_collectives_total", L) == 5
+    assert c.reader_state()["mode"] == "process"

@@ -58,3 +58,25 @@ def test_the_server_starts_and_stops_without_writing_to_stderr(gloo, capfd) -> N
     server = fr_server.DumpServer(["gloo"])
     server.close()
     assert "WorkerServer" not in capfd.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX only")
+def test_a_forked_child_that_drops_the_server_leaves_the_parents_serving(gloo) -> None:
+    """Destroying the server in a forked child would shut down the listening socket both share, and
+    torch would then terminate the parent (its server thread fails to listen): the child keeps it."""
+    import gc
+    import time
+
+    server = fr_server.DumpServer(["gloo"])
+    try:
+        pid = os.fork()
+        if pid == 0:
+            del server
+            gc.collect()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        time.sleep(0.2)  # the parent's server thread would have failed by now
+        assert fr_server.post(server.path, "ping") == b"pong"
+        assert server.dump("gloo")["pg_status"]
+    finally:
+        server.close()
