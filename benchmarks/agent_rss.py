@@ -40,7 +40,11 @@ def child_rss(out: str, argv: list[str]) -> int:
 
     def at_end() -> None:
         d: dict[str, Any] = {**proc_status(), "threads": threading.active_count()}  # read first: no import before
-        d["agent"] = "hpar_agent" in sys.modules and current_agent() is not None
+        agent = current_agent() if "hpar_agent" in sys.modules else None
+        d["agent"] = agent is not None
+        reader = getattr(agent.component("collectives"), "_reader", None) if agent is not None else None
+        if reader is not None and reader.proc is not None:  # the reader process: memory outside this one
+            d["reader_VmRSS"] = proc_status(reader.proc.pid)["VmRSS"]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
             d.update(cuda_allocated=torch.cuda.memory_allocated(), cuda_max_allocated=torch.cuda.max_memory_allocated(),
@@ -89,6 +93,9 @@ def measure_rss(cfg: dict[str, Any], work: str, repeats: int, steps: int) -> dic
     for arm in ("on", "off"):
         vals = [r["VmRSS"] for r in runs if r["arm"] == arm]
         result[f"VmRSS_{arm}_median"] = statistics.median(vals)
+    readers = [r["reader_VmRSS"] for r in runs if "reader_VmRSS" in r]
+    if readers:
+        result["reader_VmRSS_median"] = statistics.median(readers)
     return result
 
 
@@ -98,6 +105,8 @@ def print_report(r: dict[str, Any]) -> None:
     line = (f"4. memory the agent adds (median of {m['repeats']} pairs): VmRSS {fmt_bytes(m['VmRSS_added_bytes']['median'])} "
             f"(pairs {', '.join(fmt_bytes(d) for d in m['VmRSS_added_bytes']['pairs'])}; off {m['VmRSS_off_median'] / 2**20:.0f} MiB), "
             f"VmHWM {fmt_bytes(m['VmHWM_added_bytes']['median'])}")  # fmt: skip
+    if "reader_VmRSS_median" in m:
+        line += f"; the reader process {m['reader_VmRSS_median'] / 2**20:.1f} MiB besides"
     if "cuda_max_reserved_added_bytes" in m:
         line += (f"; CUDA allocated {m['cuda_allocated_added_bytes']['median']:+.0f} B, "
                  f"max reserved {m['cuda_max_reserved_added_bytes']['median']:+.0f} B")  # fmt: skip

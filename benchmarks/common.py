@@ -83,10 +83,10 @@ def process_cpu() -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def proc_status() -> dict[str, int]:
-    """VmRSS / VmHWM / VmSize of this process in bytes."""
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS / VmHWM / VmSize of this process (or ``pid``) in bytes."""
     out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, rest = line.partition(":")
         if key in ("VmRSS", "VmHWM", "VmSize"):
             out[key] = int(rest.split()[0]) * 1024

@@ -166,3 +166,23 @@ def _forked_child_and_parent(agent) -> None:
     agent.tick()
     assert agent.registry.get_sample_value("hpar_collectives_total", L) == 5
     assert c.reader_state()["mode"] == "process"
+
+
+def test_the_reader_outlives_the_signals_a_launcher_sends_its_process_group(agent) -> None:
+    """Ctrl-C or torchrun's SIGTERM reach the reader too; it stays for the rank's final read and ends
+    when the rank closes its stdin."""
+    import signal
+    import time
+
+    c = agent.component("collectives")
+    _all_reduces(1)
+    agent.tick()
+    proc = c._reader.proc
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc.send_signal(sig)
+    time.sleep(0.3)
+    assert proc.poll() is None
+    _all_reduces(2)
+    agent.tick()
+    assert agent.registry.get_sample_value("hpar_collectives_total", L) == 3
+    assert c.reader_state()["mode"] == "process"
