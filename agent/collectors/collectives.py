@@ -40,6 +40,7 @@ from hpar_agent.spans import SpanRecord
 from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat import flight_recorder as fr
 from hpar_agent.torch_compat.fr_decode import busbw, enqueued_since, pg_label, stuck
+from hpar_agent.torch_compat.fr_server import Unsupported
 from hpar_agent.torch_compat.p2p import P2PWrapper
 from hpar_agent.traceids import trace_id_hex
 
@@ -158,7 +159,7 @@ class CollectiveCollector(Component):
         try:
             self._reader = ReaderProcess(self.recorders, attach_ns=self._attach_ns, recent=self._ledger.recent,
                                          max_pending=self.max_pending, cursors=self._cursor)  # fmt: skip
-        except (ImportError, AttributeError, RuntimeError) as exc:  # no _WorkerServer or handler here
+        except (ImportError, Unsupported) as exc:  # no _WorkerServer or handler in this torch
             log.info("hpar_agent: flight-recorder reads stay in the training process (%s)", exc)
         except Exception as exc:
             self.record_error(exc)

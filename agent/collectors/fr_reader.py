@@ -103,7 +103,7 @@ class ReaderProcess:
         self.reads = 0
         if not sys.executable:
             self.server.close()
-            raise ReaderError("no Python executable to start the reader process with")
+            raise fr_server.Unsupported("no Python executable to start the reader process with")
         try:
             self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
                 [sys.executable, "-m", "hpar_agent.collectors.fr_reader"],

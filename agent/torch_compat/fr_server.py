@@ -120,6 +120,10 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(null)
 
 
+class Unsupported(RuntimeError):
+    """This torch (or this process) cannot run the worker-server reads: reads stay in-process."""
+
+
 #: Every live server of this process: a forked child must never destroy one (``_keep_in_child``).
 _LIVE: weakref.WeakSet[DumpServer] = weakref.WeakSet()
 
@@ -149,10 +153,12 @@ class DumpServer:
     def __init__(self, recorders: list[str]) -> None:
         import torch._C._distributed_c10d as c10d
 
+        if not hasattr(c10d, "_WorkerServer"):
+            raise Unsupported("this torch has no worker server (torch._C._distributed_c10d._WorkerServer)")
         names = handler_names()
         self.handlers = handled(recorders, names)
         if not self.handlers:
-            raise RuntimeError(f"no worker-server handler for the recorders {recorders} in this torch")
+            raise Unsupported(f"no worker-server handler for the recorders {recorders} in this torch")
         self._dir = tempfile.mkdtemp(prefix="hpar-fr-")  # short: a unix socket path has ~107 bytes
         self.path = os.path.join(self._dir, "s")
         try:

@@ -186,3 +186,22 @@ def test_the_reader_outlives_the_signals_a_launcher_sends_its_process_group(agen
     agent.tick()
     assert agent.registry.get_sample_value("hpar_collectives_total", L) == 3
     assert c.reader_state()["mode"] == "process"
+
+
+def test_a_torch_without_the_worker_server_reads_inline_and_counts_no_error(tmp_path, monkeypatch) -> None:
+    from hpar_agent.torch_compat import fr_server
+
+    monkeypatch.setattr(fr_server, "handler_names", lambda: set())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    a = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600.0, fr_interval=1e-6,
+              fr_reader="process")
+    a.start()
+    try:
+        _all_reduces(4)
+        a.tick()
+        assert a.component("collectives").reader_state() == {"mode": "inline"}
+        assert a.registry.get_sample_value("hpar_collectives_total", L) == 4
+        assert not a.errors
+    finally:
+        a.stop()
+        dist.destroy_process_group()
