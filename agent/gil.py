@@ -10,10 +10,11 @@ over 100 completed steps of ~5 µs each would force 100 of them.
 Handing back is not enough on a CPU-bound rank: the training thread then loses about what the agent
 holds, so a 10 ms pass made one step 10 % longer (``benchmarks/rank_timeline.py`` on 4 CPU ranks). A
 paced pass (the agent thread's periodic ones) therefore works in slices: after each millisecond held
-it sleeps to the next ``SLOT_NS`` instant of the wall clock, so it holds the GIL at most about
-``HOLD_NS / SLOT_NS`` (1 %) of any stretch of time, and every rank holds it in the same slots: a
-synchronous job stalls when any rank stalls, so slices at shared instants overlap instead of adding
-up over the ranks. A pass that would outlast its budget (``deadline_ns``) stops pacing and finishes.
+it sleeps to the next ``SLOT_NS`` instant of the wall clock, so it holds the GIL about
+``HOLD_NS / SLOT_NS`` (1 %) of any stretch of time (a unit of work between two pause points that runs
+longer holds it longer: components put pause points inside their long loops), and every rank holds it
+in the same slots: a synchronous job stalls when any rank stalls, so slices at shared instants
+overlap instead of adding up over the ranks. A pass that would outlast its budget (``deadline_ns``) stops pacing and finishes.
 """
 
 from __future__ import annotations

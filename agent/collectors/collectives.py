@@ -176,12 +176,12 @@ class CollectiveCollector(Component):
     def _full_read(self, rec: str, now_ns: int) -> Update:
         """One full read of ``rec``: by the reader process when it runs, else on this thread. A reader
         that fails is closed for good; the in-process ledger takes over at its cursor (nothing counted
-        twice; its pending entries stay counted, untimed)."""
+        twice; the reader's pending entries stay counted, untimed)."""
         if self._want_reader and self._groups_seen:
             self._start_reader()
         reader = self._reader
         if reader is not None and rec in reader.recorders:
-            sizes = (len(self.groups.labels), len(self.groups.pp), len(self.groups.sizes))
+            sizes = (len(self.groups.labels), len(self.groups.pp), len(self.groups.sizes), len(self.groups.ranks))
             try:
                 upd = reader.read(rec, now_ns=now_ns, nccl_timing=self._nccl_timing, boundaries=self._unsent,
                                   groups=self.groups if sizes != self._sent_groups else None)  # fmt: skip
@@ -191,9 +191,7 @@ class CollectiveCollector(Component):
             except Exception as exc:
                 self.record_error(exc)
                 self._close_reader(failed=f"{type(exc).__name__}: {exc}")
-                self._ledger = Ledger(attach_ns=self._attach_ns, recent=self._ledger.recent,
-                                      max_pending=self.max_pending, groups=self.groups, cursors=self._cursor)
-                self._ledger.add_boundaries(self.boundaries())
+                self._ledger.resume(self._cursor)
         return self._ledger.process(rec, fr.dump(rec, include_collectives=True), nccl_timing=self._nccl_timing,
                                     now_ns=now_ns)  # fmt: skip
 

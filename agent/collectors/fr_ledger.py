@@ -148,6 +148,12 @@ class Ledger:
         self._bound_t: list[int] = []
         self._bound_s: list[int] = []
 
+    def resume(self, cursors: dict[str, int]) -> None:
+        """Take over recorders another ledger read (the reader process's) at its cursors; recorders
+        this one reads already keep their own."""
+        for rec, cursor in cursors.items():
+            self._cursor.setdefault(rec, cursor)
+
     def add_boundaries(self, bounds: list[tuple[int, int]]) -> None:
         """(epoch ns, step) of step boundaries since the last call, oldest first."""
         for t_ns, step in bounds:
