@@ -94,6 +94,17 @@ EXPORT_YIELD_S = 0.001
 EXPORT_PACE_BUDGET_NS = 2_000_000_000
 
 
+def sdk_document(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
+    """The OTLP/JSON ``ExportTraceServiceRequest`` of ``spans`` through the SDK's protobuf encoder and
+    ``MessageToDict`` (ids as hex, enums as ints): the reference ``otlp_json`` is checked against."""
+    from google.protobuf.json_format import MessageToDict
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    doc: dict[str, Any] = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+    _ids_to_hex(doc)
+    return doc
+
+
 class OtlpJsonFileExporter(SpanExporter):
     """Writes each batch as OTLP/JSON ``ExportTraceServiceRequest`` lines, one per chunk (the format of the
     OTel file exporter spec and the Collector's ``otlpjsonfile`` receiver: ids as hex, enums as ints)."""
@@ -102,11 +113,8 @@ class OtlpJsonFileExporter(SpanExporter):
                  on_error: Callable[[BaseException], None] | None = None) -> None:
         # Imported here, at attach, not on the first export: importing the encoder and the OTLP
         # protos held the GIL for about 100 ms on the exporter thread, mid-training.
-        from google.protobuf.json_format import MessageToDict
-        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-
-        self._to_dict = MessageToDict
-        self._encode = encode_spans
+        import google.protobuf.json_format  # noqa: F401
+        import opentelemetry.exporter.otlp.proto.common.trace_encoder  # noqa: F401
         self.path = path
         self._file = RotatingFile(path, max_bytes, backups)  # 0600, no symlinks, size-capped
         self.on_error = on_error
@@ -131,8 +139,7 @@ class OtlpJsonFileExporter(SpanExporter):
             chunk = spans[i : i + EXPORT_CHUNK]
             doc = otlp_json.encode(chunk)
             if doc is None:  # a span the direct encoder does not spell: the SDK's (5x slower)
-                doc = self._to_dict(self._encode(chunk), use_integers_for_enums=True)
-                _ids_to_hex(doc)
+                doc = sdk_document(chunk)
             lines.append(json.dumps(doc, separators=(",", ":")) + "\n")
         try:
             self._file.write("".join(lines))

@@ -414,13 +414,11 @@ def test_file_exporter_paces_its_chunks_to_the_shared_slots_unless_a_flush_waits
     assert sleeps == [otel.EXPORT_YIELD_S] * 2
 
 
-def test_the_direct_otlp_json_encoder_spells_what_the_sdk_encoder_does():
+def test_the_direct_otlp_json_encoder_spells_what_the_sdk_encoder_does(tmp_path):
     """The traces file's encoder (``otlp_json``, ~5x cheaper) against the SDK's protobuf encoder on the
     spans the agent makes: a root span, a span under a remote parent (ranks > 0), children with events,
     an error status and every attribute type; a span it does not spell (a link) falls back to the SDK's."""
-    from google.protobuf.json_format import MessageToDict
     from opentelemetry import trace
-    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -428,7 +426,7 @@ def test_the_direct_otlp_json_encoder_spells_what_the_sdk_encoder_does():
     from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
     from hpar_agent.exporters import otlp_json
-    from hpar_agent.exporters.otel import _ids_to_hex
+    from hpar_agent.exporters.otel import OtlpJsonFileExporter, sdk_document
 
     mem = InMemorySpanExporter()
     provider = TracerProvider(resource=Resource.create({"service.name": "s", "hpar.rank": 1, "x": 0.5}))
@@ -449,12 +447,14 @@ def test_the_direct_otlp_json_encoder_spells_what_the_sdk_encoder_does():
     tracer.start_span("root").end()  # rank 0's step: no parent
     spans = mem.get_finished_spans()
 
-    def sdk(batch):
-        doc = MessageToDict(encode_spans(batch), use_integers_for_enums=True)
-        _ids_to_hex(doc)
-        return doc
-
-    assert otlp_json.encode(spans) == sdk(spans)
+    assert otlp_json.encode(spans) == sdk_document(spans)
     linked = tracer.start_span("linked", links=[Link(remote)])
     linked.end()
     assert otlp_json.encode([linked]) is None  # the exporter then takes the SDK's encoder
+    exp = OtlpJsonFileExporter(str(tmp_path / "t.jsonl"))
+    exp.paced = False
+    exp.export([linked, *spans[:2]])
+    exp.shutdown()
+    (line,) = (tmp_path / "t.jsonl").read_text().splitlines()
+    names = [s.name for rs in parse_otlp_json_line(line).resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert names == ["linked", spans[0].name, spans[1].name]
