@@ -35,7 +35,7 @@ from hpar_agent.gil import Yielder
 from hpar_agent.lifecycle import SignalFlush, forget_in_child
 from hpar_agent.safefiles import UnsafePathError, private_dir, write_atomic
 from hpar_agent.span_schedule import SpanScheduler
-from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.spans import Child, StepRecord
 from hpar_agent.topology import Topology, detect
 
 log = logging.getLogger("hpar_agent")
@@ -321,7 +321,7 @@ class Agent:
         """Whether spans go anywhere: components build no ``SpanRecord`` otherwise."""
         return self.tracing is not None
 
-    def add_span(self, span: SpanRecord) -> None:
+    def add_span(self, span: Child) -> None:
         """Agent thread: a child span of ``span.step``'s trace, exported when that step completes."""
         self.span_schedule.add_span(span)
 

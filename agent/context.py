@@ -16,7 +16,7 @@ from hpar_agent.alert_callbacks import Alert
 from hpar_agent.config import AgentConfig
 from hpar_agent.events import EventLog
 from hpar_agent.families import Families
-from hpar_agent.spans import SpanRecord
+from hpar_agent.spans import Child
 from hpar_agent.topology import Topology
 
 T = TypeVar("T")
@@ -28,13 +28,13 @@ class SpanSink(Protocol):
     @property
     def tracing_on(self) -> bool: ...
 
-    def add_span(self, span: SpanRecord) -> None: ...
+    def add_span(self, span: Child) -> None: ...
 
 
 class _NoSpans:
     tracing_on = False
 
-    def add_span(self, span: SpanRecord) -> None:
+    def add_span(self, span: Child) -> None:
         return None
 
 
@@ -86,7 +86,7 @@ class AgentContext:
         """Whether spans go anywhere: components build no ``SpanRecord`` otherwise."""
         return self.spans.tracing_on
 
-    def add_span(self, span: SpanRecord) -> None:
+    def add_span(self, span: Child) -> None:
         self.spans.add_span(span)
 
     @property

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.spans import Child, StepRecord
 
 #: A completed step's trace waits at most this long for late child spans (FR reads are periodic).
 SPAN_WAIT_NS = 30 * 10**9
@@ -37,10 +37,10 @@ class SpanScheduler:
         self.wait_ns = wait_ns
         self.max_unexported = max_unexported
         self.max_spans_per_step = max_spans_per_step
-        self.pending: dict[int, list[SpanRecord]] = {}  # step -> child spans not exported yet
+        self.pending: dict[int, list[Child]] = {}  # step -> child spans not exported yet
         self.unexported: deque[StepRecord] = deque()  # completed steps whose spans may still come
 
-    def add_span(self, span: SpanRecord) -> None:
+    def add_span(self, span: Child) -> None:
         """A child span of ``span.step``'s trace, handed over with that step."""
         pending = self.pending.setdefault(span.step, [])
         if len(pending) < self.max_spans_per_step:

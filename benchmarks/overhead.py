@@ -8,6 +8,9 @@ Arms:
   aa        no agent, a second "off" (``--aa``): the A/A control, whose ratio to off is the noise floor
   nccl      no agent, ``TORCH_NCCL_ENABLE_TIMING=1`` (CUDA only; ``--design runs`` only: the env is read
             when the process group starts)
+  <name>    ``--variant NAME:K=V,...``: the agent with these settings over its defaults (an ablation:
+            ``--variant nopass:HPAR_INTERVAL=3600,HPAR_FR_INTERVAL=86400`` leaves the hooks alone;
+            ``HPAR_BENCH_DROP=anatomy,...`` leaves those components out)
 
 Two designs, both interleaved so machine drift hits every arm alike:
   blocks (default)  ONE trainer process (torchrun ranks, or in-process at world size 1) runs
@@ -91,20 +94,27 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def arm_env(arm: str, run_dir: str, job: str) -> dict[str, str]:
-    """Environment of one arm; the agent's settings are its defaults except where files go."""
+def agent_arm(arm: str, variants: dict[str, dict[str, str]] | None = None) -> bool:
+    """Whether the arm runs the agent: ``on`` and every ``--variant``."""
+    return arm == "on" or arm in (variants or {})
+
+
+def arm_env(arm: str, run_dir: str, job: str, variants: dict[str, dict[str, str]] | None = None) -> dict[str, str]:
+    """Environment of one arm; the agent's settings are its defaults except where files go (and a
+    variant's own settings)."""
     env: dict[str, str] = {}
-    if arm == "on":
+    if agent_arm(arm, variants):
         env.update(HPAR_RUN_DIR=run_dir, HPAR_JOB_ID=job, HPAR_TRACES="file", HPAR_METRICS_PORT="0",
                    HPAR_DETECTORS="1")
+        env.update((variants or {}).get(arm, {}))
     if arm == "nccl":
         env["TORCH_NCCL_ENABLE_TIMING"] = "1"
     return env
 
 
-def trainer_args(cfg: dict[str, Any], arm: str, out: str) -> list[str]:
+def trainer_args(cfg: dict[str, Any], arm: str, out: str, variants: dict[str, dict[str, str]] | None = None) -> list[str]:
     args = [*cfg["args"], "--steps", str(cfg["steps"]), "--log-every", "1000", "--out", out]
-    return args if arm == "on" else [*args, "--no-agent"]
+    return args if agent_arm(arm, variants) else [*args, "--no-agent"]
 
 
 def profiler() -> torch.profiler.profile:
@@ -145,6 +155,7 @@ def run_inprocess(arm: str, args: list[str], env: dict[str, str]) -> None:
     import hpar_agent
     from hpar_trainer.train import main as train_main
 
+    allow_dropping_components()
     with patched_env(env), maybe_profiler(arm == "profiler"):
         rc = train_main(args)
     hpar_agent.detach()
@@ -190,6 +201,8 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
     from hpar_trainer.config import parse_args
     from hpar_trainer.train import Trainer, attach_observability, init_distributed
 
+    pin_rank(int(os.environ.get("HPAR_BENCH_PIN", "0") or 0))
+    allow_dropping_components()
     cfg = parse_args([*trainer_argv, "--no-agent"])
     device = init_distributed(cfg)
     trainer = Trainer(cfg, device)
@@ -197,23 +210,30 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
     rank, step, blocks = dist.get_rank(), 0, []
     t_start = time.monotonic()
     order = spec["order"]
+    variants = spec.get("variants") or {}
     for i, (arm, pair) in enumerate(order):
-        if arm == "on":  # a fresh job id a block: no stale cross-rank keys from the previous attach
-            os.environ.update(arm_env("on", os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}"))
-            trainer.agent = attach_observability(on_cfg, trainer.modules, trainer.optimizer, trainer.mesh,
-                                                 trainer.schedule)
-            if trainer.agent is None:  # the trainer trains on without it: that block would measure nothing
-                raise RuntimeError("attaching the agent failed (see the log above)")
+        agent_on = agent_arm(arm, variants)
+        # a fresh job id a block (no stale cross-rank keys from the previous attach); a variant's
+        # settings stay with its block
+        env = arm_env(arm, os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}", variants) if agent_on else {}
         times = []
-        with maybe_profiler(arm == "profiler"):
-            for _ in range(spec["block"]):
-                t0 = time.perf_counter()
-                trainer.step(step)
-                times.append(time.perf_counter() - t0)
-                step += 1
-        if arm == "on":
-            hpar_agent.detach()
-            trainer.agent = None
+        with patched_env(env):
+            if agent_on:
+                trainer.agent = attach_observability(on_cfg, trainer.modules, trainer.optimizer, trainer.mesh,
+                                                     trainer.schedule)
+                if trainer.agent is None:  # the trainer trains on without it: that block would measure nothing
+                    raise RuntimeError("attaching the agent failed (see the log above)")
+            try:
+                with maybe_profiler(arm == "profiler"):
+                    for _ in range(spec["block"]):
+                        t0 = time.perf_counter()
+                        trainer.step(step)
+                        times.append(time.perf_counter() - t0)
+                        step += 1
+            finally:
+                if agent_on:
+                    hpar_agent.detach()
+                    trainer.agent = None
         blocks.append({"arm": arm, "pair": pair, "times": times})
         if rank == 0:
             med = statistics.median(times[spec["block_skip"]:])
@@ -239,7 +259,7 @@ def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.N
     work = tempfile.mkdtemp(prefix="hpar-overhead-")
     spec = {"order": block_order(arms, cfg["pairs"], a.warm), "block": cfg["block"],
             "block_skip": cfg["block_skip"], "work": work, "out": os.path.join(work, "blocks.json"),
-            "max_s": a.max_s}
+            "max_s": a.max_s, "variants": a.variants}
     argv = [*cfg["args"], "--log-every", "1000000"]
     if inprocess:
         run_blocks(spec, argv)
@@ -339,8 +359,8 @@ def runs_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Nam
                                for arm in arms[p % len(arms):] + arms[:p % len(arms)]]
     for i, (arm, pair) in enumerate(schedule):
         out = os.path.join(work, f"run{i}-{arm}.json")
-        env = arm_env(arm, os.path.join(work, f"agent{i}"), f"overhead-{i}")
-        args = trainer_args(cfg, arm, out)
+        env = arm_env(arm, os.path.join(work, f"agent{i}"), f"overhead-{i}", a.variants)
+        args = trainer_args(cfg, arm, out, a.variants)
         t0 = time.perf_counter()
         if inprocess:
             run_inprocess(arm, args, env)
@@ -377,9 +397,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra", default="", help="more trainer arguments (later ones win), e.g. '--dp 2 --tp 2 --pp 2'")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per torchrun process")
     ap.add_argument("--in-process", action="store_true", help="runs at world size 1: reuse this process")
-    ap.add_argument("--pin", type=int, default=0, help="torchrun runs: each rank on its own N CPUs (0: unpinned)")
+    ap.add_argument("--pin", type=int, default=0, help="torchrun ranks: each on its own N CPUs (0: unpinned)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
+                    help="an arm running the agent with these settings over its defaults (repeatable)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
+    a.variants = parse_variants(a.variant)
     os.environ["HPAR_BENCH_PIN"] = str(a.pin)  # read by every torchrun child (pin_rank)
     name = "cpu-smoke" if a.cpu_smoke else a.config
     cfg = dict(CONFIGS[name])
@@ -394,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     inprocess = cfg["nproc"] == 1 and (a.design == "blocks" or a.in_process)
     if name == "gpu" and not torch.cuda.is_available():
         sys.exit("--config gpu needs a GPU (use --cpu-smoke to test the path on CPU)")
-    arms = ["off", "on"] + ([] if a.no_profiler else ["profiler"]) + (["aa"] if a.aa else [])
+    arms = ["off", "on"] + ([] if a.no_profiler else ["profiler"]) + (["aa"] if a.aa else []) + list(a.variants)
     if name == "gpu" and a.design == "runs" and cfg["nproc"] > 1:  # one rank has no collective to time
         arms.append("nccl")
     if a.design == "blocks":
@@ -412,6 +435,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{st['sem']:8.4f} {st['min']:8.4f} {st['max']:8.4f} {st.get('p99_ratio_median', float('nan')):9.4f} "
               f"{st['pairs']:6d}")
     return 0
+
+
+def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``["nopass:HPAR_INTERVAL=3600,HPAR_FR_INTERVAL=86400"]`` -> ``{"nopass": {...}}``."""
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        name, _, kvs = spec.partition(":")
+        if not name or name in ("off", "on", "profiler", "aa", "nccl") or not kvs:
+            raise SystemExit(f"--variant {spec!r}: expected NAME:K=V,... with a new arm name")
+        env: dict[str, str] = {}
+        key = ""
+        for tok in kvs.split(","):  # a token without "=" continues the previous value (a list)
+            if "=" in tok:
+                key, _, val = tok.partition("=")
+                env[key] = val
+            elif key:
+                env[key] += "," + tok
+        out[name] = env
+    return out
 
 
 def report(name: str, cfg: dict[str, Any], pairs: int, inprocess: bool, t_start: float,
@@ -442,12 +484,31 @@ def pin_rank(n: int) -> None:
         os.sched_setaffinity(0, mine)
 
 
+def allow_dropping_components() -> None:
+    """Ablations: ``HPAR_BENCH_DROP=anatomy,pipeline`` (a variant's setting, read at each attach)
+    leaves those components out of what ``attach()`` installs. Benchmark-only: the agent has no such
+    setting (every component is meant to be on)."""
+    import hpar_agent.agent as agent_mod
+
+    full = agent_mod.default_components
+    if getattr(full, "_bench_drop", False):
+        return
+
+    def chosen(config: Any) -> list[Any]:
+        drop = set(filter(None, os.environ.get("HPAR_BENCH_DROP", "").split(",")))
+        return [c for c in full(config) if c.name not in drop]
+
+    chosen._bench_drop = True  # type: ignore[attr-defined]
+    agent_mod.default_components = chosen  # type: ignore[assignment]
+
+
 def child(argv: list[str]) -> int:
     """torchrun entry of every rank: the trainer, optionally inside torch.profiler."""
     mode, rest = argv[0], argv[2:] if len(argv) > 1 and argv[1] == "--" else argv[1:]
     from hpar_trainer.train import main as train_main
 
     pin_rank(int(os.environ.get("HPAR_BENCH_PIN", "0") or 0))
+    allow_dropping_components()
 
     with maybe_profiler(mode == "profiler"):
         return train_main(rest)

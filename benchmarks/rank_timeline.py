@@ -2,11 +2,13 @@
 
 Runs the reference trainer under torchrun (default: the 4-rank CPU configuration of ``overhead.py``),
 every rank through this file's ``--child`` wrapper, which records with ``perf_counter_ns``: each
-optimizer step's end, each agent pass (``Agent.tick``), each full flight-recorder read (the dump that
+optimizer step's end (and the training thread's CPU time there), each agent pass (``Agent.tick``), each full flight-recorder read (the dump that
 returns entries, not the ``pg_status`` probe) and each generation-2 garbage collection with its
 thread. Then, per rank, it sorts the steps after ``--skip`` by what overlapped them (a full read, else
 a full collection, else a pass, else nothing) and prints the median step of each class, the p99, and
-the full collections after the first step. ``--arm off`` runs the same trainer with ``--no-agent``.
+the full collections after the first step, and the training thread's CPU time per step. ``--arm off``
+runs the same trainer with ``--no-agent``. ``--py-spy STEP:SECONDS`` samples rank 0 with py-spy and
+charges the training thread's busy samples to the agent (its hooks), the trainer or torch.
 
     python -m benchmarks.rank_timeline --arm on --arm off --steps 300 --json rank-timeline.json
 """
@@ -19,6 +21,7 @@ import gc
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,6 +35,7 @@ from benchmarks.overhead import CONFIGS
 
 EVENTS: list[tuple[str, str, int, int]] = []  # (what, thread, start_ns, end_ns)
 STEP_ENDS: list[int] = []
+STEP_CPU: list[int] = []  # the training thread's CPU time (thread_time_ns) at each step end
 PASSES: list[dict[str, int]] = []  # per agent pass: CPU ns of the agent thread, by component and in all
 
 
@@ -92,7 +96,21 @@ def instrument(out_dir: str) -> None:
     this rank, dumped at exit."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    register_optimizer_step_post_hook(lambda *a, **k: STEP_ENDS.append(time.perf_counter_ns()))
+    spy = os.environ.get("HPAR_BENCH_PYSPY", "")  # "<first step>:<seconds>", rank 0 only
+    spy_at, _, spy_s = spy.partition(":")
+
+    def step_end(*_: Any, **__: Any) -> None:
+        STEP_ENDS.append(time.perf_counter_ns())
+        STEP_CPU.append(time.thread_time_ns())
+        if spy and len(STEP_ENDS) == int(spy_at) and os.environ.get("RANK", "0") == "0":
+            try:  # never let the sampler break the run it samples
+                subprocess.Popen(["py-spy", "record", "-p", str(os.getpid()), "-d", spy_s, "-r", "250", "--threads",
+                                  "--nonblocking", "-f", "raw", "-o", os.path.join(out_dir, "pyspy.rank0.txt")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            except OSError as exc:
+                print(f"rank_timeline: py-spy did not start: {exc}", file=sys.stderr)
+
+    register_optimizer_step_post_hook(step_end)
     import hpar_agent.agent as agent_mod
     import hpar_agent.collectors.collectives as coll
 
@@ -110,7 +128,7 @@ def instrument(out_dir: str) -> None:
     gc.callbacks.append(on_gc)
     rank = os.environ.get("RANK", "0")
     atexit.register(lambda: Path(out_dir, f"rank{rank}.json").write_text(
-        json.dumps({"steps": STEP_ENDS, "events": EVENTS, "passes": PASSES})))
+        json.dumps({"steps": STEP_ENDS, "step_cpu": STEP_CPU, "events": EVENTS, "passes": PASSES})))
 
 
 def child(argv: list[str]) -> int:
@@ -134,6 +152,7 @@ def analyse(path: Path, skip: int) -> dict[str, Any]:
     ends, events = data["steps"], data["events"]
     steps = list(itertools.pairwise(ends))[skip:]
     ms = [(b - a) / 1e6 for a, b in steps]
+    cpu = [(b - a) / 1e6 for a, b in list(itertools.pairwise(data.get("step_cpu") or []))[skip:]]
     groups: dict[str, list[float]] = {}
     for (a, b), d in zip(steps, ms, strict=True):
         groups.setdefault(classify(a, b, events), []).append(d)
@@ -144,6 +163,7 @@ def analyse(path: Path, skip: int) -> dict[str, Any]:
         "steps": len(ms),
         "median_ms": statistics.median(ms),
         "p99_ms": statistics.quantiles(ms, n=100, method="inclusive")[98],
+        "train_cpu_ms": statistics.median(cpu) if cpu else None,
         "by_overlap": {k: {"steps": len(v), "median_ms": statistics.median(v)} for k, v in sorted(groups.items())},
         "fr_reads": sum(1 for e in events if e[0] == "fr_read"),
         "gc2_after_first_step": [g for g in gc2 if g["after_first_step_s"] > 0],
@@ -161,6 +181,52 @@ def pass_costs(passes: list[dict[str, int]]) -> dict[str, dict[str, float]]:
     return {k: {"median": statistics.median(p.get(k, 0) for p in passes) / 1e6,
                 "max": max(p.get(k, 0) for p in passes) / 1e6,
                 "share": sum(p.get(k, 0) for p in passes) / grand} for k in keys}
+
+
+#: Leaf frames of an agent thread that waits (a paced pass's sleep, the reader's reply, its tick).
+IDLE = ("Yielder.__call__", "Condition.wait", "Event.wait", "_read_exact")
+#: Where a sampled frame's file belongs (py-spy prints paths relative to the entry of sys.path).
+OWNERS = (("agent", ("hpar_agent/", "agent/", "exporters/")), ("trainer", ("hpar_trainer/", "trainer/")),
+          ("torch", ("torch/", "<eval_with_key>", "codegen(")))
+
+
+def training_thread_samples(path: Path) -> dict[str, Any]:
+    """py-spy's raw samples of rank 0's main (training) thread, each charged to the deepest frame that
+    belongs to the agent, the trainer or torch: the agent's share of the training thread's busy samples
+    (its hooks), and the agent functions that hold it."""
+    owners: dict[str, int] = {}
+    funcs: dict[str, int] = {}
+    agent_work: dict[str, int] = {}
+    total = agent_total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")
+        if not n.isdigit():
+            continue
+        if "hpar-agent" in frames[0] and len(frames) > 1 and not frames[-1].startswith(IDLE):
+            agent_total += int(n)  # the agent thread at work (not waiting): what it spends that on
+            for name in {f.partition(" (")[0] for f in frames[1:]}:
+                agent_work[name] = agent_work.get(name, 0) + int(n)
+        if "MainThread" not in frames[0]:
+            continue
+        total += int(n)
+        for frame in reversed(frames[1:]):
+            name, _, where = frame.partition(" (")
+            owner = next((o for o, marks in OWNERS if any(m in where for m in marks)), None)
+            if owner:
+                owners[owner] = owners.get(owner, 0) + int(n)
+                if owner == "agent":
+                    key = f"{name} ({where.rsplit(':', 1)[0]})"
+                    funcs[key] = funcs.get(key, 0) + int(n)
+                break
+    top = sorted(funcs.items(), key=lambda kv: -kv[1])[:8]
+    frame = ("Thread.", "Agent._run", "Agent.tick", "Agent._pass")  # every pass's outer frames
+    work = sorted(((k, v) for k, v in agent_work.items() if "." in k and not k.startswith(frame)),
+                  key=lambda kv: -kv[1])[:24]
+    return {"samples": total, "share": {k: v / max(total, 1) for k, v in owners.items()},
+            "agent_functions": {k: v / max(total, 1) for k, v in top},
+            "agent_thread_work_samples": agent_total,
+            "agent_thread_work": {k: round(v / max(agent_total, 1), 3) for k, v in work}}
 
 
 def reader_cpu(run_dir: str, rank: int) -> dict[str, Any]:
@@ -183,8 +249,12 @@ def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int,
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if res.returncode:
         raise RuntimeError(f"{arm}: torchrun exit {res.returncode}\n{res.stderr[-3000:]}")
-    return {f"rank{r}": {**analyse(Path(work, f"rank{r}.json"), skip),
-                         "reader": reader_cpu(os.path.join(work, "agent"), r)} for r in range(nproc)}
+    out = {f"rank{r}": {**analyse(Path(work, f"rank{r}.json"), skip),
+                        "reader": reader_cpu(os.path.join(work, "agent"), r)} for r in range(nproc)}
+    spy = Path(work, "pyspy.rank0.txt")
+    if spy.exists():
+        out["rank0"]["py_spy"] = training_thread_samples(spy)
+    return out
 
 
 def main() -> int:
@@ -197,8 +267,17 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="agent setting for the on arm, repeatable (e.g. HPAR_FR_READER=inline)")
+    ap.add_argument("--py-spy", default="", metavar="STEP:SECONDS",
+                    help="sample rank 0's threads with py-spy for SECONDS from step STEP (every arm)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.py_spy:
+        at, _, secs = a.py_spy.partition(":")
+        if not (at.isdigit() and secs.isdigit()):
+            ap.error(f"--py-spy {a.py_spy!r}: expected STEP:SECONDS (integers)")
+        if shutil.which("py-spy") is None:
+            ap.error("--py-spy: no py-spy on PATH")
+        os.environ["HPAR_BENCH_PYSPY"] = a.py_spy
     args = [*CONFIGS["cpu"]["args"], "--steps", str(a.steps), "--log-every", "100000", *a.extra.split()]
     result: dict[str, Any] = {"trainer_args": args, "nproc": a.nproc, "date": time.strftime("%Y-%m-%d")}
     for arm in a.arm or ["on", "off"]:
@@ -209,13 +288,21 @@ def main() -> int:
         for name, r in ranks.items():
             classes = ", ".join(f"{k} {v['steps']} x {v['median_ms']:.1f} ms" for k, v in r["by_overlap"].items())
             gcs = ", ".join(f"{g['ms']} ms @ {g['after_first_step_s']} s ({g['thread']})" for g in r["gc2_after_first_step"])
-            print(f"   {name}: median {r['median_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms; {classes}; "
+            print(f"   {name}: median {r['median_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, training thread's CPU "
+                  f"{r['train_cpu_ms']:.2f} ms/step; {classes}; "
                   f"full FR reads {r['fr_reads']}; gen-2 collections: {r['gc2_before']} before the first step, "
                   f"after it: {gcs or 'none'}")
             costs = ", ".join(f"{k} {v['median']:.2f}/{v['max']:.1f} ms ({v['share']:.0%})"
                               for k, v in r["pass_cpu_ms"].items())
             if costs:
                 print(f"      agent-thread CPU per pass, median/max (share): {costs}")
+            if r.get("py_spy"):
+                sp = r["py_spy"]
+                print(f"      py-spy, training thread ({sp['samples']} busy samples): "
+                      + ", ".join(f"{k} {v:.1%}" for k, v in sp["share"].items()) + "; agent: "
+                      + ", ".join(f"{k} {v:.2%}" for k, v in sp["agent_functions"].items()))
+                print(f"      py-spy, agent thread at work ({sp['agent_thread_work_samples']} samples), inclusive: "
+                      + ", ".join(f"{k} {v:.0%}" for k, v in list(sp["agent_thread_work"].items())[:14]))
             if r.get("reader"):
                 print(f"      full reads: {r['reader']}")
     if a.json:

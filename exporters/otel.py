@@ -40,7 +40,7 @@ from hpar_agent._version import __version__
 from hpar_agent.exporters import otlp_json
 from hpar_agent.gil import Yielder
 from hpar_agent.safefiles import RotatingFile
-from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.spans import SpanRecord, StepRecord, realize
 from hpar_agent.traceids import step_span_id, trace_id
 
 if TYPE_CHECKING:
@@ -405,6 +405,7 @@ class Tracing:
         if reason is None:
             self.steps_skipped += 1
             return False
+        children = [realize(c) for c in rec.children]  # before any span starts: a failure leaves none open
         common = {cat.ATTR_RANK: self.rank, cat.ATTR_PP_STAGE: self.pp_stage, cat.ATTR_STEP: rec.step}
         tid = trace_id(self.job_id, rec.step)
         root_id = step_span_id(self.job_id, rec.step, 0)
@@ -425,10 +426,10 @@ class Tracing:
         for name, ts, attrs in rec.events:
             step_span.add_event(name, {k: _attr(v) for k, v in attrs.items()}, timestamp=ts)
         ctx = trace.set_span_in_context(step_span)
-        for child in rec.children:
+        for child in children:
             self._child(child, ctx, common)
         step_span.end(end_time=max(rec.end_ns, rec.start_ns))
-        self.spans_created += 1 + len(rec.children)
+        self.spans_created += 1 + len(children)
         self.steps_traced += 1
         return True
 

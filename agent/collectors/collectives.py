@@ -36,7 +36,7 @@ from hpar_agent.collectors.fr_ledger import MAX_BOUNDARIES, PP_PG, Groups, Ledge
 from hpar_agent.collectors.fr_reader import ReaderProcess, cpus_per_local_rank
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
-from hpar_agent.spans import SpanRecord
+from hpar_agent.spans import LazySpan, SpanRecord
 from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat import flight_recorder as fr
 from hpar_agent.torch_compat.fr_decode import busbw, enqueued_since, pg_label, stuck
@@ -533,7 +533,10 @@ class CollectiveCollector(Component):
         step = self.step_of(item.start_ns)
         every = agent.config.trace_every
         exemplar = trace_id_hex(agent.topology.job_id, step) if every > 0 and step % every == 0 else None
-        hist = self.hists.setdefault((item.pg, item.op, item.stream), Histogram(LATENCY_BUCKETS))
+        key = (item.pg, item.op, item.stream)
+        hist = self.hists.get(key)
+        if hist is None:  # not setdefault: that builds a histogram for every op
+            hist = self.hists[key] = Histogram(LATENCY_BUCKETS)
         hist.observe(seconds, exemplar, (start_ns + seconds * 1e9) / 1e9)
         self.timed_ops.append((item.pg, item.op, item.seq, start_ns, seconds))
         self.timed += 1
@@ -542,21 +545,8 @@ class CollectiveCollector(Component):
         bw = busbw(item.op, item.data_bytes, seconds, item.size)
         if bw is not None:
             self.last_busbw[(item.pg, item.op)] = bw
-        if not agent.tracing_on:
-            return
-        attrs: dict[str, Any] = {
-            cat.ATTR_PG: item.pg,
-            cat.ATTR_OP: item.op,
-            cat.ATTR_SEQ: item.seq,
-            cat.ATTR_BYTES: item.nbytes,
-            cat.ATTR_STREAM: item.stream,
-        }
-        if item.peer >= 0:
-            attrs[cat.ATTR_PEER] = item.peer
-        if bw is not None:
-            attrs[cat.ATTR_BUSBW] = bw
-        end_ns = start_ns + int(seconds * 1e9)
-        agent.add_span(SpanRecord(cat.SPAN_COLLECTIVE_PREFIX + item.op, start_ns, end_ns, step, attrs))
+        if agent.tracing_on:
+            agent.add_span(LazySpan(step, _op_span, (item, start_ns + int(seconds * 1e9), step, bw)))
 
     def _update_status(self, rec: str, status: dict[str, Any], now_ns: int) -> None:
         for pg_id, st in status.items():
@@ -642,3 +632,20 @@ class CollectiveCollector(Component):
             return {"mode": "inline", **({"reader": self._reader_was} if self._reader_was else {})}
         return {"mode": "process", "recorders": sorted(reader.recorders), "reads": reader.reads,
                 "cpu_s": round(reader.cpu_s, 3)}  # fmt: skip
+
+
+def _op_span(args: tuple[Op, int, int, float | None]) -> SpanRecord:
+    """The span of a timed op (``LazySpan``: made only when its step's trace is kept)."""
+    item, end_ns, step, bw = args
+    attrs: dict[str, Any] = {
+        cat.ATTR_PG: item.pg,
+        cat.ATTR_OP: item.op,
+        cat.ATTR_SEQ: item.seq,
+        cat.ATTR_BYTES: item.nbytes,
+        cat.ATTR_STREAM: item.stream,
+    }
+    if item.peer >= 0:
+        attrs[cat.ATTR_PEER] = item.peer
+    if bw is not None:
+        attrs[cat.ATTR_BUSBW] = bw
+    return SpanRecord(cat.SPAN_COLLECTIVE_PREFIX + item.op, item.start_ns, end_ns, step, attrs)

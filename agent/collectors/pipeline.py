@@ -21,7 +21,7 @@ from hpar_agent.catalogue import LATENCY_BUCKETS
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
-from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.spans import LazySpan, SpanRecord, StepRecord
 from hpar_agent.streams import StreamCap, stream_label
 
 if TYPE_CHECKING:
@@ -136,7 +136,11 @@ class PipelineCollector(Component):
                 t1 = t0 + int(dur * 1e9)
             else:
                 dur = (t1 - t0) / 1e9
-            self.hists.setdefault((phase, self.streams(stream)), Histogram(LATENCY_BUCKETS)).observe(dur)
+            key = (phase, self.streams(stream))
+            hist = self.hists.get(key)
+            if hist is None:  # not setdefault: that builds a histogram for every chunk
+                hist = self.hists[key] = Histogram(LATENCY_BUCKETS)
+            hist.observe(dur)
             self.busy_by_step[step] = self.busy_by_step.get(step, 0.0) + dur
             by_phase = self.phase_by_step.setdefault(step, {})
             by_phase[phase] = by_phase.get(phase, 0.0) + dur
@@ -146,20 +150,8 @@ class PipelineCollector(Component):
             times = self.stage_times.setdefault((stage_index, phase), [])
             times.append(dur)
             del times[:-256]
-            if not tracing:
-                continue
-            attrs = {cat.ATTR_PP_STAGE: stage_index, cat.ATTR_MICROBATCH: int(chunk), cat.ATTR_STREAM: stream}
-            if handle is not None:  # the cudaStream_t (an int) beside the readable name
-                attrs[cat.ATTR_STREAM_HANDLE] = int(handle)
-            ctx.add_span(
-                SpanRecord(
-                    name=cat.SPAN_PP_FORWARD if phase == "forward" else cat.SPAN_PP_BACKWARD,
-                    start_ns=t0,
-                    end_ns=t1,
-                    step=step,
-                    attributes=attrs,
-                )
-            )
+            if tracing:
+                ctx.add_span(LazySpan(step, _chunk_span, (phase, t0, t1, step, stage_index, chunk, stream, handle)))
 
     def on_step(self, rec: StepRecord) -> None:
         busy = self.busy_by_step.pop(rec.step, None)
@@ -200,3 +192,14 @@ class PipelineCollector(Component):
             "bubble_ratio_mean": sum(warm) / len(warm) if warm else None,  # over the steps after warm-up
             "bubble_ratio_steps": len(warm),
         }
+
+
+def _chunk_span(args: tuple[str, int, int, int, int, Any, str, Any]) -> SpanRecord:
+    """The span of one microbatch's forward or backward (``LazySpan``: made only when its step's trace
+    is kept)."""
+    phase, t0, t1, step, stage_index, chunk, stream, handle = args
+    attrs = {cat.ATTR_PP_STAGE: stage_index, cat.ATTR_MICROBATCH: int(chunk), cat.ATTR_STREAM: stream}
+    if handle is not None:  # the cudaStream_t (an int) beside the readable name
+        attrs[cat.ATTR_STREAM_HANDLE] = int(handle)
+    name = cat.SPAN_PP_FORWARD if phase == "forward" else cat.SPAN_PP_BACKWARD
+    return SpanRecord(name=name, start_ns=t0, end_ns=t1, step=step, attributes=attrs)

@@ -40,8 +40,9 @@ class CompileDivergence(Detector):
     | settle_s | 2 | a rank publishes its fingerprint once its compiles were quiet this long |
 
     A rank publishes its fingerprint only once its compile activity has settled (a rank mid-compile,
-    or a moment after, publishes none), and the exchange carries a newly settled one at the next poll
-    rather than the next 3 s slot. Judged once every rank of the stage has published (with two of four
+    or a moment after, publishes none), and the exchange carries a newly settled one once
+    ``exchange_min_s`` passed since the last publish (the peers read it a poll later) rather than at
+    the next 3 s slot. Judged once every rank of the stage has published (with two of four
     known, a clean rank and the odd one would split 1-1 and both be named). Confirmed on two consecutive
     exchanges. The odd rank(s) are the minority; a 1-1 split flags both. Value: ranks of the stage whose fingerprint differs from ours.
     """
@@ -235,7 +236,7 @@ def _peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, i
     if _peer_fr_memo[0] is peers:
         hit: tuple[dict[int, list[sig.FrEntry]], dict[str, int]] = _peer_fr_memo[1]
         return hit
-    fr = {r: [tuple(e) for e in p["fr"]] for r, p in peers.items() if "fr" in p}
+    fr = {r: _entries(p["fr"]) for r, p in peers.items() if "fr" in p}
     topo = ctx.context.topology
     by_label = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp, "default_pg": topo.world_size,
                 "dp_replicate": topo.dp_replicate, "dp_shard": topo.dp_shard, "cp": topo.cp}
@@ -247,6 +248,14 @@ def _peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, i
                 sizes[e[0]] = by_label[label]
     _peer_fr_memo[:] = [peers, (fr, sizes)]
     return fr, sizes
+
+
+def _entries(fr: Any) -> list[sig.FrEntry]:
+    """A peer's entries as tuples: unpacked by ``DetectorsComponent._exchange`` already, packed or
+    as lists when a payload comes another way."""
+    if isinstance(fr, list) and (not fr or isinstance(fr[0], tuple)):
+        return fr
+    return sig.unpack_fr(fr)
 
 
 def _grad_pgs(ctx: Evaluation, entries: list[sig.FrEntry]) -> list[str]:
@@ -313,7 +322,7 @@ class CollectiveMismatch(Detector):
     ``MixedPrecisionPolicy(reduce_dtype=bf16)``, DDP's bf16 compress hook) never counts, and one the model
     declares is skipped outright. A narrow reduction counts when the latest exchange shows a peer
     running the same (pg, op, message bytes) wider: that needs no overlap of the ranks' FR windows, so it
-    is as fast as the flight-recorder read once one exchange has carried the peers' entries. Attributed
+    is judged at the first exchange (a 3 s slot) after the read, one poll later. Attributed
     by majority within the pg; a 1-1 split goes to the rank reducing in a dtype narrower than the
     parameters, if only one does. Value: mismatched collectives + narrower-than-peers reductions seen
     on this rank in the latest window.
@@ -335,7 +344,7 @@ class CollectiveMismatch(Detector):
 
     def publish(self, ctx: Evaluation) -> dict[str, Any]:
         entries = src.fr_entries(ctx.context, int(self.p("max_entries")))
-        return {"fr": entries} if entries else {}
+        return {"fr": sig.pack_fr(entries)} if entries else {}
 
     def evaluate(self, ctx: Evaluation) -> Verdict | None:
         if self.param_bits is None:

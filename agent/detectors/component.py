@@ -22,6 +22,7 @@ from hpar_agent import gil
 from hpar_agent.alert_callbacks import Alert
 from hpar_agent.component import Component
 from hpar_agent.crossrank import Exchange, open_store
+from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector
 from hpar_agent.detectors.cluster import CollectiveMismatch, CompileDivergence, ReplicaDivergence, Straggler
@@ -104,7 +105,8 @@ class DetectorsComponent(Component):
         self.log_interval_s = COMPONENT_DEFAULTS["log_interval_s"]
         self.stale_s = COMPONENT_DEFAULTS["stale_s"]
         self._token: tuple[Any, ...] = ()  # what the last publish was built from (see _change_token)
-        self._followup = False
+        self._read_due = False  # published at the last exchange: read the peers at the next poll
+        self._slot = -1.0  # the exchange slot last published in (see _due)
         self._compile_token: tuple[float, ...] | None = None
         self.compile_last_ts = 0.0  # agent-thread time compile activity was last seen (0: never)
         self.compile_last_step = 0
@@ -160,13 +162,25 @@ class DetectorsComponent(Component):
         super().uninstall()
 
     def _exchange(self) -> None:
+        """Read what every rank published at the last exchange, then publish when one is due. Every
+        rank publishes in the same polls (``_due``: wall-clock slots, and every rank's poll runs at
+        the same tick), so reading one poll later gives payloads made at one instant, whose windows of
+        flight-recorder entries overlap; reading right after publishing raced the peers' publishes of
+        the same poll."""
         ctx = self.ctx
         assert ctx is not None
         self.peers_fresh = False
+        if self._read_due and self.exchange is not None:
+            self._read_due = False
+            self.peers = self.exchange.read(self._peer_ranks(), max_age_s=self.stale_s)
+            for p in self.peers.values():  # tuples of atomic values leave the collector's books (gcpause)
+                if "fr" in p:
+                    gil.pause_point()
+                    p["fr"] = sig.unpack_fr(p["fr"])
+            self.peers_fresh = True
         token = self._change_token()
         if not self._due(token):
             return
-        self._followup = token != self._token
         self._token = token
         self._last_exchange = self.now
         if self.exchange is None and not self._store_tried:
@@ -187,37 +201,43 @@ class DetectorsComponent(Component):
             if d.cross_rank:
                 payload.update(d.publish(self))
         self.exchange.publish(payload)
-        gil.pause_point()
-        self.peers = self.exchange.read(self._peer_ranks(), max_age_s=self.stale_s)
-        for p in self.peers.values():  # tuples of atomic values leave the collector's books (gcpause)
-            if isinstance(p.get("fr"), list):
-                p["fr"] = [tuple(e) for e in p["fr"]]
-        self.peers_fresh = True
+        self._read_due = True
 
     def _change_token(self) -> tuple[Any, ...]:
-        """What a publish would carry that peers act on at once: new flight-recorder entries, a settled
-        graph fingerprint, and this rank reaching the detectors' warm-up step (3). Checksums (every 10
-        steps: every poll on fast steps) keep the regular cadence."""
+        """What a publish would carry that peers act on at once: a settled graph fingerprint, and this
+        rank reaching the detectors' warm-up step (3). New flight-recorder entries do not count: they
+        change at every read of a running job, and exchanging them every poll made the exchange and
+        the cross-rank detectors over half of the agent thread's work (4 CPU ranks, py-spy)."""
         ctx = self.ctx
         assert ctx is not None
         cd = self.detector(CompileDivergence)
         fp = cd.settled_fingerprint(self) if cd is not None else None
-        return (src.fr_mark(ctx), fp, min(self.steps_done, 3))
+        return (fp, min(self.steps_done, 3))
 
     def _due(self, token: tuple[Any, ...]) -> bool:
-        """Every ``exchange_s``; after ``exchange_min_s`` already when the payload changed (then once
-        more, to read the peers that published the same change in the same poll) or while a
-        cross-rank alert waits for its confirmation. All ranks read the flight recorder at the same
-        wall-clock slots, so a change reaches every peer's verdict about one poll after it is read."""
-        since = self.now - self._last_exchange
-        if since >= self.exchange_s:
+        """At each ``exchange_s`` slot of the wall clock (the same polls on every rank: a rank whose
+        own publishes drifted a poll off its peers' would read their windows a poll old, which no
+        longer overlap its own); after ``exchange_min_s`` already when the change token changed or
+        while a cross-rank alert waits for its confirmation (those extra publishes move no slot)."""
+        if self.exchange_s <= 0:
             return True
-        if since < self.exchange_min_s:
+        slot = self._slot_of(self.now)
+        if slot != self._slot:
+            self._slot = slot
+            return True
+        if self.now - self._last_exchange < self.exchange_min_s:
             return False
         confirming = any(
             d.cross_rank and self.states[d.name].streak > 0 and not self.states[d.name].active for d in self.detectors
         )
-        return confirming or self._followup or token != self._token
+        return confirming or token != self._token
+
+    def _slot_of(self, now: float) -> float:
+        """The exchange slot of a poll: its tick (the poll's time rounded to the agent's interval, as
+        a poll starts a little after its tick) over ``exchange_s``."""
+        ctx = self.ctx
+        iv = ctx.config.interval if ctx is not None else 1.0
+        return (round(now / iv) * iv) // self.exchange_s
 
     def _track_compiles(self) -> None:
         token = src.compile_activity(self.context)

@@ -128,13 +128,6 @@ def group_key(ctx: AgentContext, label: str) -> str:
     return _group_key(label, ctx.topology.coords())  # the same coordinates as fr_entries, or no op matches
 
 
-def fr_mark(ctx: AgentContext) -> Any:
-    """Changes when new flight-recorder entries were read (the record id of the newest one)."""
-    c = ctx.find(CollectiveCollector)
-    v = c.recent_entries if c is not None else None
-    return v[-1].get("record_id") if v else None
-
-
 def oldest_inflight(ctx: AgentContext) -> dict[str, float]:
     """pg -> age in seconds of its oldest op not yet completed."""
     c = ctx.find(CollectiveCollector)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hpar_agent.agent import Agent
+from hpar_agent.spans import realize
 from hpar_agent.torch_compat import flight_recorder as fr
 
 L = {"rank": "0", "pp_stage": "0"}
@@ -94,7 +95,7 @@ def test_reads_entries_once_times_them_and_attaches_spans(fake):
     # all_reduce busbw = bytes / t * 2(n-1)/n with n = 4
     bw = get("hpar_collective_busbw_bytes_per_second", {**L, "pg": "dp", "op": "all_reduce"})
     assert bw == pytest.approx(4000 / 0.002 * 1.5)
-    spans = [s for ss in agent.span_schedule.pending.values() for s in ss]
+    spans = [realize(s) for ss in agent.span_schedule.pending.values() for s in ss]
     assert [(s.name, s.step) for s in spans] == [("collective.all_reduce", 1)]
     assert spans[0].attributes["collective.pg"] == "dp" and spans[0].attributes["cuda.stream"] == "nccl:dp"
     assert [(e["pg"], e["seq"], e["op"]) for e in c.recent_entries] == [
@@ -127,7 +128,7 @@ def test_nccl_p2p_batch_is_labelled_pp_with_peer_bytes_and_the_coalesced_duratio
     assert get("hpar_collective_duration_seconds_count", hl) == 1
     assert get("hpar_collective_duration_seconds_sum", hl) == pytest.approx(0.004)
     assert get("hpar_collective_busbw_bytes_per_second", {**L, "pg": "pp", "op": "recv"}) == pytest.approx(2000 / 0.004)
-    spans = sorted((s for ss in agent.span_schedule.pending.values() for s in ss), key=lambda s: s.name)
+    spans = sorted((realize(s) for ss in agent.span_schedule.pending.values() for s in ss), key=lambda s: s.name)
     assert [(s.name, s.attributes["collective.pg"], s.attributes["collective.peer"]) for s in spans] == [
         ("collective.recv", "pp", 11),
         ("collective.send", "pp", 11),
@@ -257,7 +258,7 @@ def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):
     agent.config.fr_interval = 3600.0
     exported: list[tuple[int, list[str]]] = []
     agent.tracing = SimpleNamespace(
-        export_step=lambda r: exported.append((r.step, [s.name for s in r.children])), shutdown=lambda t: None
+        export_step=lambda r: exported.append((r.step, [realize(s).name for s in r.children])), shutdown=lambda t: None
     )
     rec.add(0, 1, "1", "mesh_dp", 1, dur=1.0)
     agent.tick()  # first read: the op above
@@ -328,7 +329,7 @@ def test_p2p_wrappers_count_time_and_restore(tmp_path):
         send = get("hpar_collective_duration_seconds_sum", {**L, "pg": "pp", "op": "send", "stream": "cpu"})
         recv = get("hpar_collective_duration_seconds_sum", {**L, "pg": "pp", "op": "recv", "stream": "cpu"})
         assert send >= 0.01 > recv  # recv was complete when waited: timed to the wait's entry
-        spans = {s.name: s for ss in agent.span_schedule.pending.values() for s in ss}
+        spans = {s.name: s for s in map(realize, (s for ss in agent.span_schedule.pending.values() for s in ss))}
         assert spans["collective.recv"].attributes["collective.peer"] == 3
         assert get("hpar_collective_inflight", {**L, "pg": "pp"}) == 0
         batch(ops)  # issued, never waited: in flight

@@ -13,6 +13,7 @@ from hpar_agent.affinity import cpu_list, parse_cpu_list, read_binding
 from hpar_agent.agent import Agent
 from hpar_agent.collectors.memory import NvmlCollector
 from hpar_agent.collectors.steps import StepCollector, _rusage
+from hpar_agent.spans import realize
 from hpar_agent.tools import doctor
 from tests.unit.test_memory import FakeNvml, _replace, agent  # noqa: F401 (fixture)
 from tests.unit.test_tracing import _spans, _step, _tracing, tracings  # noqa: F401 (fixture)
@@ -173,7 +174,7 @@ def test_chunk_spans_carry_the_stream_handle_beside_its_name(tmp_path, monkeypat
     pipe.watch([stage])
     assert stage.forward_one_chunk(0) == "out"
     pipe.poll(time.time())
-    (span,) = [s for spans in ag.span_schedule.pending.values() for s in spans]
+    (span,) = [realize(s) for spans in ag.span_schedule.pending.values() for s in spans]
     assert span.attributes[cat.ATTR_STREAM] == "cuda:3"
     assert span.attributes[cat.ATTR_STREAM_HANDLE] == 0x7F3A00001000
     assert span.end_ns - span.start_ns == 2_000_000

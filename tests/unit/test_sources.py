@@ -58,7 +58,6 @@ def test_every_reader_returns_the_collectors_state() -> None:
     (bounds, counts), = src.latency_histograms(ctx).values()
     assert bounds == (0.1, 1.0) and sum(counts) == 1
     assert src.timed_ops(ctx) == (1, [("dp", "all_reduce", 0, 1, 0.01)])
-    assert src.fr_mark(ctx) == 9
     assert src.oldest_inflight(ctx) == {"dp": 1.5}
     assert src.pg_timeout_s(ctx) == 600.0
     assert [e[1:3] for e in src.fr_entries(ctx)] == [(0, "all_reduce")]
