@@ -7,7 +7,7 @@ returns entries, not the ``pg_status`` probe) and each generation-2 garbage coll
 thread. Then, per rank, it sorts the steps after ``--skip`` by what overlapped them (a full read, else
 a full collection, else a pass, else nothing) and prints the median step of each class, the p99, and
 the full collections after the first step, and the training thread's CPU time per step. ``--arm off``
-runs the same trainer with ``--no-agent``. ``--py-spy STEP:SECONDS`` samples rank 0 with py-spy and
+runs the same trainer with ``--no-agent``. ``--py-spy STEP:SECONDS[:RATE]`` samples rank 0 with py-spy and
 charges the training thread's busy samples to the agent (its hooks), the trainer or torch.
 
     python -m benchmarks.rank_timeline --arm on --arm off --steps 300 --json rank-timeline.json
@@ -96,15 +96,15 @@ def instrument(out_dir: str) -> None:
     this rank, dumped at exit."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    spy = os.environ.get("HPAR_BENCH_PYSPY", "")  # "<first step>:<seconds>", rank 0 only
-    spy_at, _, spy_s = spy.partition(":")
+    spy = os.environ.get("HPAR_BENCH_PYSPY", "")  # "<first step>:<seconds>[:<rate>]", rank 0 only
+    spy_at, spy_s, spy_rate = [*spy.split(":"), "250"][:3] if spy else ("0", "0", "0")
 
     def step_end(*_: Any, **__: Any) -> None:
         STEP_ENDS.append(time.perf_counter_ns())
         STEP_CPU.append(time.thread_time_ns())
         if spy and len(STEP_ENDS) == int(spy_at) and os.environ.get("RANK", "0") == "0":
             try:  # never let the sampler break the run it samples
-                subprocess.Popen(["py-spy", "record", "-p", str(os.getpid()), "-d", spy_s, "-r", "250", "--threads",
+                subprocess.Popen(["py-spy", "record", "-p", str(os.getpid()), "-d", spy_s, "-r", spy_rate, "--threads",
                                   "--nonblocking", "-f", "raw", "-o", os.path.join(out_dir, "pyspy.rank0.txt")],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             except OSError as exc:
@@ -267,14 +267,15 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="agent setting for the on arm, repeatable (e.g. HPAR_FR_READER=inline)")
-    ap.add_argument("--py-spy", default="", metavar="STEP:SECONDS",
-                    help="sample rank 0's threads with py-spy for SECONDS from step STEP (every arm)")
+    ap.add_argument("--py-spy", default="", metavar="STEP:SECONDS[:RATE]",
+                    help="sample rank 0's threads with py-spy for SECONDS from step STEP, RATE a second "
+                         "(default 250; the agent thread works ~1 %% of the time: 1000 sees it better), every arm")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.py_spy:
-        at, _, secs = a.py_spy.partition(":")
-        if not (at.isdigit() and secs.isdigit()):
-            ap.error(f"--py-spy {a.py_spy!r}: expected STEP:SECONDS (integers)")
+        parts = a.py_spy.split(":")
+        if not (2 <= len(parts) <= 3 and all(p.isdigit() for p in parts)):
+            ap.error(f"--py-spy {a.py_spy!r}: expected STEP:SECONDS[:RATE] (integers)")
         if shutil.which("py-spy") is None:
             ap.error("--py-spy: no py-spy on PATH")
         os.environ["HPAR_BENCH_PYSPY"] = a.py_spy

@@ -178,24 +178,42 @@ def fr_entries(ctx: AgentContext, limit: int = 256) -> list[FrEntry]:
     if hit is not None:
         return hit
     uids: dict[str, str] = {}
+    seen, done = _fr_done if _fr_done[0] == key[-1] else (key[-1], {})
+    now_done: dict[int, tuple[Any, FrEntry | None]] = {}
     out: list[FrEntry] = []
     for e in itertools.islice(v, max(0, len(v) - limit), None):
-        if not isinstance(e, Mapping) or e.get("is_p2p"):
-            continue
-        pg, seq = e.get("pg"), e.get("seq")
-        if pg is None or seq is None:
-            continue
-        uid = uids.get(pg)
-        if uid is None:
-            uid = uids[pg] = _group_key(str(pg), coords)
-        sizes = e.get("input_sizes", e.get("sizes", ""))
-        dtypes = e.get("input_dtypes", e.get("dtypes", ""))
-        t = e.get("time_created_ns", e.get("time", 0))
-        t_ns = int(t * 1e9) if isinstance(t, float) and t < 1e12 else int(t or 0)
-        out.append((uid, int(seq), str(e.get("op", "")), sizes if isinstance(sizes, str) else str(sizes), _flat(dtypes), t_ns))
+        was = done.get(id(e))  # converted at an earlier read (the window slides by a few entries)?
+        entry = was[1] if was is not None and was[0] is e else _fr_entry(e, coords, uids)
+        now_done[id(e)] = (e, entry)
+        if entry is not None:
+            out.append(entry)
+    _fr_done[:] = [seen, now_done]
     _fr_memo.clear()
     _fr_memo[key] = out
     return out
+
+
+#: Entries ``fr_entries`` converted, by id (with the entry, so a reused id never matches), for the
+#: coordinates they were made with: a read adds a few dozen entries to a 256-entry window, and
+#: converting the whole window again was the detectors' largest cost between exchanges.
+_fr_done: list[Any] = [None, {}]
+
+
+def _fr_entry(e: Any, coords: Mapping[str, Any], uids: dict[str, str]) -> FrEntry | None:
+    """One FR entry as a compact tuple; None for p2p and malformed entries."""
+    if not isinstance(e, Mapping) or e.get("is_p2p"):
+        return None
+    pg, seq = e.get("pg"), e.get("seq")
+    if pg is None or seq is None:
+        return None
+    uid = uids.get(pg)
+    if uid is None:
+        uid = uids[pg] = _group_key(str(pg), coords)
+    sizes = e.get("input_sizes", e.get("sizes", ""))
+    dtypes = e.get("input_dtypes", e.get("dtypes", ""))
+    t = e.get("time_created_ns", e.get("time", 0))
+    t_ns = int(t * 1e9) if isinstance(t, float) and t < 1e12 else int(t or 0)
+    return (uid, int(seq), str(e.get("op", "")), sizes if isinstance(sizes, str) else str(sizes), _flat(dtypes), t_ns)
 
 
 def pg_label(uid: str) -> str:

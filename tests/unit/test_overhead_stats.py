@@ -1,10 +1,11 @@
-"""The overhead benchmark's interval of the median: exact order-statistic coverage, not a bootstrap's claim."""
+"""The overhead benchmark's interval of the median (exact order-statistic coverage, not a bootstrap's
+claim) and its ablation arms."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.overhead import median_interval, p99, ratio_stats
+from benchmarks.overhead import agent_arm, arm_env, median_interval, p99, parse_variants, ratio_stats
 
 
 def test_three_pairs_give_min_max_at_75_percent() -> None:
@@ -32,3 +33,16 @@ def test_ratio_stats_reports_the_coverage() -> None:
 def test_p99_interpolates_and_stays_within_range() -> None:
     assert p99([0.0, 1.0]) == pytest.approx(0.99)
     assert p99([5.0]) == 5.0
+
+
+def test_variants_are_agent_arms_with_their_own_settings() -> None:
+    v = parse_variants(["nopass:HPAR_INTERVAL=3600,HPAR_FR_INTERVAL=86400", "lean:HPAR_BENCH_DROP=anatomy,pipeline"])
+    assert v == {"nopass": {"HPAR_INTERVAL": "3600", "HPAR_FR_INTERVAL": "86400"},
+                 "lean": {"HPAR_BENCH_DROP": "anatomy,pipeline"}}  # fmt: skip
+    assert agent_arm("on") and agent_arm("lean", v) and not agent_arm("aa", v) and not agent_arm("lean")
+    env = arm_env("nopass", "/run", "job", v)
+    assert env["HPAR_INTERVAL"] == "3600" and env["HPAR_RUN_DIR"] == "/run" and env["HPAR_TRACES"] == "file"
+    assert arm_env("off", "/run", "job", v) == {}
+    for bad in ("on:HPAR_INTERVAL=2", "x", ":HPAR_INTERVAL=2"):
+        with pytest.raises(SystemExit):
+            parse_variants([bad])

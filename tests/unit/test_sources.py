@@ -106,3 +106,36 @@ def test_steps_done_is_the_training_threads_count_not_the_last_drain():
     ctx = AgentContext(config=AgentConfig(), topology=Topology(), components=[steps])
     steps.total, steps.count = 2, 3  # drained two boundaries; the training thread has marked a third
     assert src.step_state(ctx)[0] == 3
+
+
+def test_fr_entries_convert_a_sliding_window_as_a_fresh_conversion_would() -> None:
+    """Entries converted at an earlier read are reused (by identity: a new dict at a reused id is
+    converted again); the answer equals converting the window from scratch, and the coordinates
+    the pg ids carry are those of the call."""
+    ctx = _context()
+    coll = ctx.find(CollectiveCollector)
+    assert coll is not None
+    coll.recent_entries.clear()
+
+    def add(first: int, n: int) -> None:
+        for i in range(first, first + n):
+            coll.recent_entries.append({"pg": "tp" if i % 3 else "dp", "seq": i, "op": "all_reduce", "record_id": i,
+                                        "input_sizes": [[4, i % 5]], "input_dtypes": ["Float"],
+                                        "time_created_ns": 10**18 + i, "is_p2p": i % 7 == 0})  # fmt: skip
+
+    def fresh() -> list[tuple]:
+        src._fr_done[:] = [None, {}]
+        src._fr_memo.clear()
+        return src.fr_entries(ctx, 64)
+
+    add(0, 100)
+    src.fr_entries(ctx, 64)
+    for first in (100, 130, 160):
+        add(first, 30)
+        got = src.fr_entries(ctx, 64)
+        assert got == fresh()
+        assert [e[1] for e in got] == [i for i in range(first + 30 - 64, first + 30) if i % 7]  # no p2p
+    coll.recent_entries[-1] = {**coll.recent_entries[-1], "op": "broadcast", "seq": 999, "is_p2p": False}  # a new dict
+    assert src.fr_entries(ctx, 64)[-1][1:3] == (999, "broadcast")
+    ctx.topology = dataclasses.replace(ctx.topology, dp_rank=1)  # other coordinates: other pg ids
+    assert src.fr_entries(ctx, 64) == fresh()
