@@ -236,7 +236,7 @@ def _peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, i
     if _peer_fr_memo[0] is peers:
         hit: tuple[dict[int, list[sig.FrEntry]], dict[str, int]] = _peer_fr_memo[1]
         return hit
-    fr = {r: _entries(p["fr"]) for r, p in peers.items() if "fr" in p}
+    fr = {r: sig.unpack_fr(p["fr"]) for r, p in peers.items() if "fr" in p}  # unpacked at the read already
     topo = ctx.context.topology
     by_label = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp, "default_pg": topo.world_size,
                 "dp_replicate": topo.dp_replicate, "dp_shard": topo.dp_shard, "cp": topo.cp}
@@ -248,14 +248,6 @@ def _peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, i
                 sizes[e[0]] = by_label[label]
     _peer_fr_memo[:] = [peers, (fr, sizes)]
     return fr, sizes
-
-
-def _entries(fr: Any) -> list[sig.FrEntry]:
-    """A peer's entries as tuples: unpacked by ``DetectorsComponent._exchange`` already, packed or
-    as lists when a payload comes another way."""
-    if isinstance(fr, list) and (not fr or isinstance(fr[0], tuple)):
-        return fr
-    return sig.unpack_fr(fr)
 
 
 def _grad_pgs(ctx: Evaluation, entries: list[sig.FrEntry]) -> list[str]:

@@ -178,7 +178,7 @@ def fr_entries(ctx: AgentContext, limit: int = 256) -> list[FrEntry]:
     if hit is not None:
         return hit
     uids: dict[str, str] = {}
-    seen, done = _fr_done if _fr_done[0] == key[-1] else (key[-1], {})
+    done = _fr_done[1] if _fr_done[0] == key[-1] else {}  # conversions made with these coordinates
     now_done: dict[int, tuple[Any, FrEntry | None]] = {}
     out: list[FrEntry] = []
     for e in itertools.islice(v, max(0, len(v) - limit), None):
@@ -187,7 +187,7 @@ def fr_entries(ctx: AgentContext, limit: int = 256) -> list[FrEntry]:
         now_done[id(e)] = (e, entry)
         if entry is not None:
             out.append(entry)
-    _fr_done[:] = [seen, now_done]
+    _fr_done[:] = [key[-1], now_done]
     _fr_memo.clear()
     _fr_memo[key] = out
     return out

@@ -95,6 +95,7 @@ def test_unpack_fr_reads_the_older_list_form() -> None:
     back = sig.unpack_fr(json.loads(json.dumps(old)))
     assert back == [("dp@0,0", 0, "all_reduce", "[[4]]", "Float", 5), ("tp@0,0", 1, "all_gather", "[[2]]", "Half", 6)]
     assert all(type(e) is tuple for e in back)
+    assert sig.unpack_fr(back) is back  # unpacked already (the detectors read the peers' entries again)
 
 
 # ------------------------------------------------------------------------------------------ mismatches
