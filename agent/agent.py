@@ -372,8 +372,9 @@ class Agent:
             handback()
         steps = self.context.find(StepCollector)
         completed: list[StepRecord] = steps.take_completed() if steps is not None else []
+        takers = [c for c in self.components if _overrides(c, "on_step")]  # a no-op call per step otherwise
         for rec in completed:
-            for comp in self.components:
+            for comp in takers:
                 try:
                     comp.on_step(rec)
                 except Exception as exc:
@@ -484,6 +485,12 @@ class _AgentCollector:
         owns, so a second collector exporting one of them fails to register (prometheus_client's
         duplicate check) instead of producing a second copy of the series."""
         return [self.agent.families.empty(m.name) for m in cat.METRICS]
+
+
+def _overrides(comp: Component, method: str) -> bool:
+    """Whether ``comp`` has its own ``method`` rather than ``Component``'s no-op (an instance attribute
+    counts as its own)."""
+    return getattr(getattr(comp, method), "__func__", None) is not getattr(Component, method)
 
 
 def default_components(config: AgentConfig) -> list[Component]:

@@ -5,6 +5,7 @@
 #   RUN="overhead-gpu components-gpu" bash benchmarks/gpu_run.sh
 #   RUN="reader cpu-timeline" bash benchmarks/gpu_run.sh   # full FR reads in the reader process
 #   RUN=cpu-ablation bash benchmarks/gpu_run.sh             # CPU: training thread vs passes (~8 min)
+#   RUN=cpu-overhead bash benchmarks/gpu_run.sh             # CPU: pass cost by component, blocks on/off (~9 min)
 #   RUN=gpu-runs bash benchmarks/gpu_run.sh                 # one GPU, separate runs (~9 min)
 # The device call's command installs the carried wheels to /tmp/site first (see BENCHMARKS.md).
 set -uo pipefail
@@ -44,6 +45,12 @@ for part in $RUN; do
       CUDA_VISIBLE_DEVICES= timeout 330 python3 -m benchmarks.overhead --config cpu --design blocks --aa --no-profiler \
         --pairs 80 --max-s 280 --block 30 --variant nopass:HPAR_INTERVAL=3600,HPAR_FR_INTERVAL=86400 \
         --json "$OUT/overhead-cpu-ablation.json" 2>&1 | quiet | tee "$OUT/overhead-cpu-ablation.log" | tail -n 8 ;;
+    cpu-overhead)  # 4 CPU ranks: the pass's cost by component, then blocks on/off with an A/A control
+      CUDA_VISIBLE_DEVICES= python3 -m benchmarks.rank_timeline --steps 300 --arm on --arm off \
+        --json "$OUT/rank-timeline.json" 2>&1 | quiet | tee "$OUT/rank-timeline.log" | cut -c1-900
+      CUDA_VISIBLE_DEVICES= timeout 360 python3 -m benchmarks.overhead --config cpu --design blocks --aa --no-profiler \
+        --pairs 120 --max-s 320 --block 30 --json "$OUT/overhead-cpu-blocks.json" 2>&1 | quiet \
+        | tee "$OUT/overhead-cpu-blocks.log" | tail -n 8 ;;
     gpu-runs)  # one GPU, a fresh process per run, the agent attached before the first step (what users get)
       timeout 520 python3 -m benchmarks.overhead --config gpu --design runs --no-profiler --steps 50 --skip 10 \
         --pairs 14 --json "$OUT/overhead-gpu-runs.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-runs.log" | tail -n 8 ;;

@@ -55,7 +55,8 @@ def _cpu_costed(tick: Any) -> Any:
     and span export, and two parts of the collectives' (``collectives:read``: a full read, which is the
     dump, its decoding and the ledger on the agent thread with ``HPAR_FR_READER=inline`` and only a
     request and a wait for the reader process by default; ``collectives:apply``: the read's update
-    applied). The reader process's own CPU is in the rank's summary (``reader_cpu_s``)."""
+    applied), and the detectors' (``detectors:exchange``, ``detectors:<name>``: each one's evaluate).
+    The reader process's own CPU is in the rank's summary (``reader_cpu_s``)."""
     costs: dict[str, int] = {}
 
     def charge(key: str, fn: Any) -> Any:
@@ -72,12 +73,17 @@ def _cpu_costed(tick: Any) -> Any:
             self._bench_costed = True
             for comp in self.components:
                 for meth in ("poll", "on_step", "end_pass"):
-                    setattr(comp, meth, charge(comp.name, getattr(comp, meth)))
+                    fn = getattr(comp, meth)
+                    setattr(comp, meth, charge(comp.name, charge(f"{comp.name}:{meth}", fn) if meth != "poll" else fn))
                 if hasattr(comp, "take_completed"):
                     comp.take_completed = charge(comp.name, comp.take_completed)
                 if comp.name == "collectives":  # parts of its cost: the read and applying its update
                     comp._full_read = charge("collectives:read", comp._full_read)
                     comp._apply = charge("collectives:apply", comp._apply)
+                if comp.name == "detectors":  # the exchange, and each detector's judgement
+                    comp._exchange = charge("detectors:exchange", comp._exchange)
+                    for d in comp.detectors:
+                        d.evaluate = charge(f"detectors:{d.name}", d.evaluate)
             for meth in ("add_step", "watermark", "due"):
                 setattr(self.span_schedule, meth, charge("span_schedule", getattr(self.span_schedule, meth)))
             if self.tracing is not None:

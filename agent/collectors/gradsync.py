@@ -47,7 +47,7 @@ from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
-from hpar_agent.samples import copy_to_host, strided
+from hpar_agent.samples import copy_to_host, segment_sums, strided
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -241,8 +241,8 @@ class GradSyncCollector(Component):
             if event is not None and not event.query():
                 self._pending.append(item)
                 continue
-            chunks = iter(host.double().split([c for c in counts if c >= 0]))
-            sums = [None if c < 0 else float(next(chunks).sum()) for c in counts]
+            chunks = iter(segment_sums(host, [c for c in counts if c >= 0]))
+            sums = [None if c < 0 else next(chunks)[0] for c in counts]
             pair = self.tp_samples.setdefault(step, [[], []])
             pair[which] = sums
             for s in sorted(self.tp_samples)[:-3]:

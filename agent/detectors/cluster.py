@@ -12,7 +12,7 @@ from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
-from hpar_agent.samples import copy_to_host, strided
+from hpar_agent.samples import copy_to_host, segment_sums, strided
 from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
@@ -134,8 +134,7 @@ class ChecksumSampler:
             if event is not None and not event.query():
                 self.pending.append(item)
                 continue
-            chunks = host.double().split(sizes)
-            out.append((step, {n: [float(c.sum()), float(c.abs().sum())] for n, c in zip(names, chunks, strict=True)}))
+            out.append((step, dict(zip(names, segment_sums(host, sizes, with_abs=True), strict=True))))
         return out
 
     def replicated(self) -> list[str]:
