@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 
@@ -21,5 +22,7 @@ def step_span_id(job_id: str, step: int, rank: int) -> int:
     return _h("step", job_id, step, rank, bits=64)
 
 
+@functools.lru_cache(maxsize=64)
 def trace_id_hex(job_id: str, step: int) -> str:
+    """The trace id as exemplars carry it (cached: a kept step's every collective asks for it)."""
     return f"{trace_id(job_id, step):032x}"

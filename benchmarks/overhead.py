@@ -10,7 +10,8 @@ Arms:
             when the process group starts)
   <name>    ``--variant NAME:K=V,...``: the agent with these settings over its defaults (an ablation:
             ``--variant nopass:HPAR_INTERVAL=3600,HPAR_FR_INTERVAL=86400`` leaves the hooks alone;
-            ``HPAR_BENCH_DROP=anatomy,...`` leaves those components out)
+            ``HPAR_BENCH_DROP=anatomy,...`` leaves those components out, ``HPAR_BENCH_PACE=0.25/25``
+            paces the passes in 0.25 ms slices every 25 ms)
 
 Two designs, both interleaved so machine drift hits every arm alike:
   blocks (default)  ONE trainer process (torchrun ranks, or in-process at world size 1) runs
@@ -500,6 +501,33 @@ def allow_dropping_components() -> None:
 
     chosen._bench_drop = True  # type: ignore[attr-defined]
     agent_mod.default_components = chosen  # type: ignore[assignment]
+    allow_pacing_variants()
+
+
+def allow_pacing_variants() -> None:
+    """Ablations: ``HPAR_BENCH_PACE=HOLD_MS/SLOT_MS`` (a variant's setting, read at each pass) paces
+    the agent's passes in HOLD_MS slices of the GIL, one per SLOT_MS of wall clock (defaults
+    ``gil.HOLD_NS``, ``gil.SLOT_NS``: 1/100); ``SLOT_MS`` 0 runs each pass unpaced, handing the GIL back
+    every HOLD_MS. Benchmark-only: which slicing costs the job least is what this measures."""
+    import hpar_agent.agent as agent_mod
+    from hpar_agent import gil
+
+    tick = agent_mod.Agent.tick
+    if getattr(tick, "_bench_pace", False):
+        return
+    defaults = gil.Yielder.__init__.__defaults__
+
+    def paced_tick(self: Any, final: bool = False, paced: bool = False) -> None:
+        spec = os.environ.get("HPAR_BENCH_PACE", "")
+        gil.Yielder.__init__.__defaults__ = defaults
+        if spec:
+            hold, slot = (int(float(v) * 1e6) for v in spec.split("/"))
+            gil.Yielder.__init__.__defaults__ = (hold, 0, slot or gil.SLOT_NS, None)
+            paced = paced and slot > 0
+        tick(self, final, paced)
+
+    paced_tick._bench_pace = True  # type: ignore[attr-defined]
+    agent_mod.Agent.tick = paced_tick  # type: ignore[method-assign]
 
 
 def child(argv: list[str]) -> int:

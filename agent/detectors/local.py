@@ -169,7 +169,7 @@ class MemoryLeak(Detector):
         self._confirmed = False  # fired: its snapshot took the recorded stacks
 
     def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        series = src.memory_series(ctx.context)
+        series = src.memory_series(ctx.context, last=int(self.p("window")))  # the trend reads no more
         if not series:
             return None
         if ctx.compile_busy_steps <= self.p("max_busy_steps"):

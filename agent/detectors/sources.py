@@ -94,12 +94,17 @@ def compile_activity(ctx: AgentContext) -> tuple[float, ...] | None:
     return float(sum(c.compiles.values())), float(c.compile_seconds), float(len(c.graphs)), float(c.open_compiles)
 
 
-def memory_series(ctx: AgentContext) -> dict[str, list[tuple[int, float]]]:
-    """source -> [(step, bytes)] sampled right after each step."""
+def memory_series(ctx: AgentContext, last: int = 0) -> dict[str, list[tuple[int, float]]]:
+    """source -> [(step, bytes)] sampled right after each step (the ``last`` ones only, when set: a
+    window over the latest steps needs no more, and the history holds hundreds a source)."""
     c = ctx.find(MemoryCollector)
     if c is None:
         return {}
-    return {str(k): [(int(s), float(b)) for s, b in list(d)] for k, d in list(c.post_step.items())}
+    out = {}
+    for k, d in list(c.post_step.items()):
+        tail = list(d)[-last:] if last > 0 else list(d)
+        out[str(k)] = [(int(s), float(b)) for s, b in tail]
+    return out
 
 
 def latency_histograms(ctx: AgentContext) -> dict[tuple[str, str], tuple[tuple[float, ...], list[int]]]:

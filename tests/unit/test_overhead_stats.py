@@ -46,3 +46,29 @@ def test_variants_are_agent_arms_with_their_own_settings() -> None:
     for bad in ("on:HPAR_INTERVAL=2", "x", ":HPAR_INTERVAL=2"):
         with pytest.raises(SystemExit):
             parse_variants([bad])
+
+
+def test_pace_variant_sets_the_slices_of_each_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hpar_agent.agent as agent_mod
+    from benchmarks import overhead
+    from hpar_agent import gil
+
+    seen: list[tuple[int, int, bool]] = []
+
+    def tick(self: object, final: bool = False, paced: bool = False) -> None:
+        y = gil.Yielder()
+        seen.append((y.hold_ns, y.slot_ns, paced))
+
+    monkeypatch.setattr(agent_mod.Agent, "tick", tick)
+    defaults = gil.Yielder.__init__.__defaults__
+    try:
+        overhead.allow_pacing_variants()
+        monkeypatch.setenv("HPAR_BENCH_PACE", "0.25/25")
+        agent_mod.Agent.tick(object(), paced=True)
+        monkeypatch.setenv("HPAR_BENCH_PACE", "2/0")
+        agent_mod.Agent.tick(object(), paced=True)
+        monkeypatch.delenv("HPAR_BENCH_PACE")
+        agent_mod.Agent.tick(object(), paced=True)
+    finally:
+        gil.Yielder.__init__.__defaults__ = defaults
+    assert seen == [(250_000, 25_000_000, True), (2_000_000, gil.SLOT_NS, False), (gil.HOLD_NS, gil.SLOT_NS, True)]

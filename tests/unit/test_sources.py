@@ -139,3 +139,13 @@ def test_fr_entries_convert_a_sliding_window_as_a_fresh_conversion_would() -> No
     assert src.fr_entries(ctx, 64)[-1][1:3] == (999, "broadcast")
     ctx.topology = dataclasses.replace(ctx.topology, dp_rank=1)  # other coordinates: other pg ids
     assert src.fr_entries(ctx, 64) == fresh()
+
+
+def test_memory_series_last_keeps_the_latest_samples_only() -> None:
+    ctx = _context()
+    mem = ctx.find(MemoryCollector)
+    assert mem is not None
+    for step in range(6, 30):
+        mem.post_step["rss"].append((step, step << 20))
+    assert src.memory_series(ctx, last=4) == {"rss": [(s, float(s << 20)) for s in range(26, 30)]}
+    assert len(src.memory_series(ctx)["rss"]) == 25  # unset: the whole history
