@@ -7,6 +7,7 @@
 #   RUN=cpu-ablation bash benchmarks/gpu_run.sh             # CPU: training thread vs passes (~8 min)
 #   RUN=cpu-overhead bash benchmarks/gpu_run.sh             # CPU: pass cost by component, blocks on/off (~9 min)
 #   RUN=cpu-pace bash benchmarks/gpu_run.sh                 # CPU pinned: blocks, passes sliced finer/coarser (~9 min)
+#   RUN=gpu-blocks bash benchmarks/gpu_run.sh               # one GPU, blocks (~9 min)
 #   RUN=gpu-runs bash benchmarks/gpu_run.sh                 # one GPU, separate runs (~9 min)
 # The device call's command installs the carried wheels to /tmp/site first (see BENCHMARKS.md).
 set -uo pipefail
@@ -57,6 +58,9 @@ for part in $RUN; do
         --pairs 120 --max-s 500 --block 30 --pin 4 --variant fine:HPAR_BENCH_PACE=0.25/25 \
         --variant coarse:HPAR_BENCH_PACE=4/400 --json "$OUT/overhead-cpu-pace.json" 2>&1 | quiet \
         | tee "$OUT/overhead-cpu-pace.log" | tail -n 10 ;;
+    gpu-blocks)  # one GPU, blocks (attach and detach in one process): the view that resolves a sub-percent cost
+      timeout 540 python3 -m benchmarks.overhead --config gpu --design blocks --aa --no-profiler --pairs 200 \
+        --max-s 440 --json "$OUT/overhead-gpu-blocks.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-blocks.log" | tail -n 8 ;;
     gpu-runs)  # one GPU, a fresh process per run, the agent attached before the first step (what users get)
       timeout 520 python3 -m benchmarks.overhead --config gpu --design runs --no-profiler --steps 50 --skip 10 \
         --pairs 14 --json "$OUT/overhead-gpu-runs.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-runs.log" | tail -n 8 ;;
