@@ -89,7 +89,6 @@ class OtlpJsonFileExporter(SpanExporter):
         # protos held the GIL for about 100 ms on the exporter thread, mid-training.
         import google.protobuf.json_format  # noqa: F401
         import opentelemetry.exporter.otlp.proto.common.trace_encoder  # noqa: F401
-
         self.path = path
         self._file = RotatingFile(path, max_bytes, backups)  # 0600, no symlinks, size-capped
         self.on_error = on_error
