@@ -405,8 +405,8 @@ class Straggler(Detector):
             return None  # ranks compiling at different speeds (a rank that started late still compiles)
         fr, sizes = _peer_fr(ctx)
         since = max(self.warm_ns or 0, int(ctx.compile_last_ts * 1e9))
-        if since:
-            fr = {r: [e for e in entries if e[5] >= since] for r, entries in fr.items()}
+        if since and any(e[5] < since for entries in fr.values() for e in entries):  # else the shared
+            fr = {r: [e for e in entries if e[5] >= since] for r, entries in fr.items()}  # dict: one common
         if ctx.rank not in fr or len(fr) < 2:
             return None
         common = sig.common_collectives(fr, sizes)

@@ -262,9 +262,10 @@ def collective_mismatches(
 
     With no majority (a 1-1 split of a 2-rank group), ``param_bits`` breaks the tie: when only some
     ranks reduce in a dtype narrower than the parameters, they are the odd ones."""
+    found = [(key, by_rank, odd) for key, by_rank in common_collectives(entries_by_rank, sizes).items()
+             if (odd := _odd_entries(by_rank, param_bits))]  # fmt: skip
     out: dict[int, list[dict[str, Any]]] = {}
-    for (pg, seq), by_rank in sorted(common_collectives(entries_by_rank, sizes).items()):
-        odd = _odd_entries(by_rank, param_bits)
+    for (pg, seq), by_rank, odd in sorted(found, key=lambda f: f[0]):  # the few odd ones, not the window
         for r in odd:
             e = by_rank[r]
             out.setdefault(r, []).append({"pg": pg, "seq": seq, "op": e[2], "sizes": e[3], "dtypes": e[4]})
