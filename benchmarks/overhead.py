@@ -157,6 +157,7 @@ def run_inprocess(arm: str, args: list[str], env: dict[str, str]) -> None:
     from hpar_trainer.train import main as train_main
 
     allow_dropping_components()
+    allow_pacing_variants()
     with patched_env(env), maybe_profiler(arm == "profiler"):
         rc = train_main(args)
     hpar_agent.detach()
@@ -204,6 +205,7 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
 
     pin_rank(int(os.environ.get("HPAR_BENCH_PIN", "0") or 0))
     allow_dropping_components()
+    allow_pacing_variants()
     cfg = parse_args([*trainer_argv, "--no-agent"])
     device = init_distributed(cfg)
     trainer = Trainer(cfg, device)
@@ -501,7 +503,6 @@ def allow_dropping_components() -> None:
 
     chosen._bench_drop = True  # type: ignore[attr-defined]
     agent_mod.default_components = chosen  # type: ignore[assignment]
-    allow_pacing_variants()
 
 
 def allow_pacing_variants() -> None:
@@ -537,6 +538,7 @@ def child(argv: list[str]) -> int:
 
     pin_rank(int(os.environ.get("HPAR_BENCH_PIN", "0") or 0))
     allow_dropping_components()
+    allow_pacing_variants()
 
     with maybe_profiler(mode == "profiler"):
         return train_main(rest)

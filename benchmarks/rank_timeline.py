@@ -68,11 +68,15 @@ def _cpu_costed(tick: Any) -> Any:
                 costs[key] = costs.get(key, 0) + time.thread_time_ns() - t0
         return wrapper
 
+    from hpar_agent.component import Component
+
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not getattr(self, "_bench_costed", False):
             self._bench_costed = True
             for comp in self.components:
                 for meth in ("poll", "on_step", "end_pass"):
+                    if getattr(type(comp), meth) is getattr(Component, meth):
+                        continue  # the no-op: wrapping it would make the agent call it (see Agent._pass)
                     fn = getattr(comp, meth)
                     setattr(comp, meth, charge(comp.name, charge(f"{comp.name}:{meth}", fn) if meth != "poll" else fn))
                 if hasattr(comp, "take_completed"):
