@@ -7,6 +7,7 @@
 #   RUN=cpu-ablation bash benchmarks/gpu_run.sh             # CPU: training thread vs passes (~8 min)
 #   RUN=cpu-overhead bash benchmarks/gpu_run.sh             # CPU: pass cost by component, blocks on/off (~9 min)
 #   RUN=cpu-pace bash benchmarks/gpu_run.sh                 # CPU pinned: blocks, passes sliced finer/coarser (~9 min)
+#   RUN=cpu-long bash benchmarks/gpu_run.sh                 # CPU: 60-step blocks, ratios by steps since attach (~9 min)
 #   RUN=gpu-blocks bash benchmarks/gpu_run.sh               # one GPU, blocks (~9 min)
 #   RUN=gpu-runs bash benchmarks/gpu_run.sh                 # one GPU, separate runs (~9 min)
 # The device call's command installs the carried wheels to /tmp/site first (see BENCHMARKS.md).
@@ -19,7 +20,9 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /
 python3 -c "import hpar_agent, hpar_trainer, opentelemetry.sdk, torch; print('imports ok', torch.__version__)" || exit 1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
-  echo "cpus $(nproc)"; } | tee "$OUT/machine.txt"
+  echo "cpus $(nproc)"; lscpu | grep -E '^(Model name|Thread|Core|Socket|NUMA)'
+  echo "siblings: $(cat /sys/devices/system/cpu/cpu*/topology/thread_siblings_list 2>/dev/null | sort -un | tr '\n' ' ')"
+  } | tee "$OUT/machine.txt"
 quiet() { grep -v -e '^20..-..-.. .*hpar_trainer' -e '^USDT' -e 'profiler_st'; }
 for part in $RUN; do
   case "$part" in
@@ -53,6 +56,10 @@ for part in $RUN; do
       CUDA_VISIBLE_DEVICES= timeout 360 python3 -m benchmarks.overhead --config cpu --design blocks --aa --no-profiler \
         --pairs 120 --max-s 320 --block 30 --json "$OUT/overhead-cpu-blocks.json" 2>&1 | quiet \
         | tee "$OUT/overhead-cpu-blocks.log" | tail -n 8 ;;
+    cpu-long)  # 4 CPU ranks: long blocks, the ratio on the steps soon after attach and on the later ones
+      CUDA_VISIBLE_DEVICES= timeout 560 python3 -m benchmarks.overhead --config cpu --design blocks --aa --no-profiler \
+        --pairs 120 --max-s 470 --block 60 --windows 3:15,15:30,30:60 --json "$OUT/overhead-cpu-long.json" 2>&1 \
+        | quiet | tee "$OUT/overhead-cpu-long.log" | tail -n 14 ;;
     cpu-pace)  # 4 CPU ranks pinned to 4 cores each: blocks on/off/A-A and the passes sliced finer and coarser
       CUDA_VISIBLE_DEVICES= timeout 560 python3 -m benchmarks.overhead --config cpu --design blocks --aa --no-profiler \
         --pairs 120 --max-s 500 --block 30 --pin 4 --variant fine:HPAR_BENCH_PACE=0.25/25 \
@@ -60,7 +67,7 @@ for part in $RUN; do
         | tee "$OUT/overhead-cpu-pace.log" | tail -n 10 ;;
     gpu-blocks)  # one GPU, blocks (attach and detach in one process): the view that resolves a sub-percent cost
       timeout 540 python3 -m benchmarks.overhead --config gpu --design blocks --aa --no-profiler --pairs 200 \
-        --max-s 440 --json "$OUT/overhead-gpu-blocks.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-blocks.log" | tail -n 8 ;;
+        --max-s 440 --windows 5:15,15:30 --json "$OUT/overhead-gpu-blocks.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-blocks.log" | tail -n 12 ;;
     gpu-runs)  # one GPU, a fresh process per run, the agent attached before the first step (what users get)
       timeout 520 python3 -m benchmarks.overhead --config gpu --design runs --no-profiler --steps 50 --skip 10 \
         --pairs 14 --json "$OUT/overhead-gpu-runs.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-runs.log" | tail -n 8 ;;

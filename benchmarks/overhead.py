@@ -280,7 +280,21 @@ def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.N
     done = max((r["pair"] for r in runs), default=-1) + 1  # --max-s may stop before cfg["pairs"]
     result = report(name, cfg, done, inprocess, t_start, runs, arms)
     result.update(design="blocks", block=cfg["block"], block_skip=cfg["block_skip"], warm=a.warm, blocks=blocks)
+    result["windows"] = window_ratios(blocks, arms, a.windows)
     return result
+
+
+def window_ratios(blocks: list[dict[str, Any]], arms: list[str], windows: list[tuple[int, int]]) -> dict[str, Any]:
+    """Per ``(first, end)`` step window of a block: every arm's ratio to off, pair by pair, on the
+    medians of those steps alone. Where an attach costs the first steps after it (a fresh agent: its
+    threads, reader process, first full read and exchange), the early window shows it and a late one
+    shows what a run attached once pays from then on."""
+    out: dict[str, Any] = {}
+    for first, end in windows:
+        runs = [{"arm": b["arm"], "pair": b["pair"], "step_s": statistics.median(b["times"][first:end])}
+                for b in blocks if len(b["times"][first:end]) > 0]
+        out[f"{first}:{end}"] = summarize(runs, arms)
+    return out
 
 
 def step_times(out: str, skip: int) -> list[float]:
@@ -391,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-skip", type=int, default=-1, help="blocks: steps left out of a block's median")
     ap.add_argument("--max-s", type=float, default=0.0,
                     help="blocks: stop after the pair that ends past this many seconds of blocks (0: all pairs)")
+    ap.add_argument("--windows", default="", metavar="A:B,...",
+                    help="blocks: also report the ratios on steps A..B-1 of each block alone (the attach transient)")
     ap.add_argument("--warm", type=int, default=2, help="blocks: warm-up rounds of every arm")
     ap.add_argument("--steps", type=int, default=0, help="runs: trainer steps per run (default per config)")
     ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")
@@ -406,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     a.variants = parse_variants(a.variant)
+    a.windows = parse_windows(a.windows)
     os.environ["HPAR_BENCH_PIN"] = str(a.pin)  # read by every torchrun child (pin_rank)
     name = "cpu-smoke" if a.cpu_smoke else a.config
     cfg = dict(CONFIGS[name])
@@ -437,7 +454,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm:10} {st['median']:22.4f} {st['ci_lo']:8.4f}-{st['ci_hi']:.4f} ({st['ci_coverage']:5.1%}) {st['mean']:8.4f} "
               f"{st['sem']:8.4f} {st['min']:8.4f} {st['max']:8.4f} {st.get('p99_ratio_median', float('nan')):9.4f} "
               f"{st['pairs']:6d}")
+    for win, by_arm in result.get("windows", {}).items():
+        for arm, st in by_arm.items():
+            print(f"  steps {win:>7} {arm:10} {st['median']:8.4f} {st['ci_lo']:8.4f}-{st['ci_hi']:.4f} "
+                  f"({st['ci_coverage']:5.1%}) mean {st['mean']:.4f} +- {st['sem']:.4f}, {st['pairs']} pairs")
     return 0
+
+
+def parse_windows(spec: str) -> list[tuple[int, int]]:
+    """``"3:15,15:60"`` -> ``[(3, 15), (15, 60)]``."""
+    out = []
+    for tok in filter(None, spec.split(",")):
+        first, sep, end = tok.partition(":")
+        if not sep or not first.isdigit() or not end.isdigit() or int(first) >= int(end):
+            raise SystemExit(f"--windows {tok!r}: expected A:B with A < B")
+        out.append((int(first), int(end)))
+    return out
 
 
 def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
