@@ -212,14 +212,15 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
     on_cfg = dataclasses.replace(cfg, no_agent=False)
     rank, step, blocks = dist.get_rank(), 0, []
     t_start = time.monotonic()
-    order = spec["order"]
+    until = spec.get("until")  # a reference job: "off" blocks until this file appears
+    order = spec["order"] if not until else [("off", -1)] * int(spec.get("max_blocks", 100_000))
     variants = spec.get("variants") or {}
     for i, (arm, pair) in enumerate(order):
         agent_on = agent_arm(arm, variants)
         # a fresh job id a block (no stale cross-rank keys from the previous attach); a variant's
         # settings stay with its block
         env = arm_env(arm, os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}", variants) if agent_on else {}
-        times = []
+        times, ends = [], []
         with patched_env(env):
             if agent_on:
                 trainer.agent = attach_observability(on_cfg, trainer.modules, trainer.optimizer, trainer.mesh,
@@ -232,17 +233,23 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
                         t0 = time.perf_counter()
                         trainer.step(step)
                         times.append(time.perf_counter() - t0)
+                        ends.append(time.time_ns())  # wall clock: what a reference job is matched on
                         step += 1
             finally:
                 if agent_on:
                     hpar_agent.detach()
                     trainer.agent = None
-        blocks.append({"arm": arm, "pair": pair, "times": times})
-        if rank == 0:
+        blocks.append({"arm": arm, "pair": pair, "times": times, "ends": ends})
+        if rank == 0 and not until:
             med = statistics.median(times[spec["block_skip"]:])
             print(f"[block {i + 1}/{len(order)}] {arm:8} pair {pair:2}: step {med * 1e3:9.3f} ms",
                   flush=True)
-        if spec.get("max_s") and pair >= 0 and (i + 1 == len(order) or order[i + 1][1] != pair):
+        if until:
+            stop = [os.path.exists(until)]
+            dist.broadcast_object_list(stop, src=0)
+            if stop[0]:
+                break
+        elif spec.get("max_s") and pair >= 0 and (i + 1 == len(order) or order[i + 1][1] != pair):
             stop = [time.monotonic() - t_start > spec["max_s"]]  # rank 0 decides: every rank stops together
             dist.broadcast_object_list(stop, src=0)
             if stop[0]:
@@ -264,16 +271,26 @@ def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.N
             "block_skip": cfg["block_skip"], "work": work, "out": os.path.join(work, "blocks.json"),
             "max_s": a.max_s, "variants": a.variants}
     argv = [*cfg["args"], "--log-every", "1000000"]
+    ref_blocks: list[dict[str, Any]] = []
     if inprocess:
         run_blocks(spec, argv)
+    elif not a.reference:
+        _torchrun_blocks(cfg["nproc"], spec, argv, a.timeout)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg['nproc']}",
-               os.path.abspath(__file__), "--child-blocks", json.dumps(spec), "--", *argv]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        res = subprocess.run(cmd, env=env, stdout=None, stderr=subprocess.PIPE, text=True,
-                             timeout=a.timeout, check=False)
-        if res.returncode:
-            raise RuntimeError(f"block run failed (rc {res.returncode}):\n{res.stderr[-4000:]}")
+        halves = core_halves(sorted(os.sched_getaffinity(0)))
+        ref = {**spec, "order": [], "until": os.path.join(work, "done"), "out": os.path.join(work, "ref.json"),
+               "work": os.path.join(work, "ref")}  # fmt: skip
+        reference = _torchrun_blocks(cfg["nproc"], ref, argv, a.timeout, cpus=halves[1], wait=False)
+        try:
+            _torchrun_blocks(cfg["nproc"], spec, argv, a.timeout, cpus=halves[0])
+        finally:
+            Path(ref["until"]).touch()
+            _, err = reference.communicate(timeout=max(60.0, a.timeout / 10))
+        if reference.returncode:
+            raise RuntimeError(f"reference job failed (rc {reference.returncode}):\n{err[-4000:]}")
+        ref_blocks = json.loads(Path(ref["out"]).read_text())["blocks"]
+        print(f"reference job: {sum(len(b['times']) for b in ref_blocks)} steps on CPUs {halves[1]}; "
+              f"measured job on {halves[0]}", flush=True)
     blocks = json.loads(Path(spec["out"]).read_text())["blocks"]
     runs = [{"arm": b["arm"], "pair": b["pair"], "step_s": statistics.median(b["times"][cfg["block_skip"]:])}
             for b in blocks]
@@ -281,7 +298,83 @@ def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.N
     result = report(name, cfg, done, inprocess, t_start, runs, arms)
     result.update(design="blocks", block=cfg["block"], block_skip=cfg["block_skip"], warm=a.warm, blocks=blocks)
     result["windows"] = window_ratios(blocks, arms, a.windows)
+    result["p99_pooled"] = pooled_p99(blocks, arms, cfg["block_skip"])
+    if ref_blocks:
+        result["referenced"] = referenced_ratios(blocks, ref_blocks, arms, cfg["block_skip"])
+        result["reference_blocks"] = ref_blocks
     return result
+
+
+def _torchrun_blocks(nproc: int, spec: dict[str, Any], argv: list[str], timeout: float,
+                     cpus: list[int] | None = None, wait: bool = True) -> subprocess.Popen[str]:
+    """The blocks of ``spec`` under torchrun (every rank through ``--child-blocks``), on ``cpus`` when
+    given (every rank and thread inherits them); ``wait=False`` returns the running job."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.abspath(__file__), "--child-blocks", json.dumps(spec), "--", *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.Popen(cmd, env=env, stdout=None, stderr=subprocess.PIPE, text=True, preexec_fn=pin)
+    if not wait:
+        return proc
+    _, err = proc.communicate(timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(f"block run failed (rc {proc.returncode}):\n{err[-4000:]}")
+    return proc
+
+
+def pooled_p99(blocks: list[dict[str, Any]], arms: list[str], skip: int) -> dict[str, dict[str, float]]:
+    """Per arm: the p99 of every kept step of its paired blocks, and its ratio to off's (a block holds
+    too few steps for a p99 of its own)."""
+    kept: dict[str, list[float]] = {}
+    for b in blocks:
+        if b["pair"] >= 0:
+            kept.setdefault(b["arm"], []).extend(b["times"][skip:])
+    if not kept.get("off"):
+        return {}
+    off = p99(kept["off"])
+    return {arm: {"p99_s": p99(kept[arm]), "ratio": p99(kept[arm]) / off, "steps": len(kept[arm])}
+            for arm in arms if kept.get(arm)}  # fmt: skip
+
+
+def core_halves(cpus: list[int]) -> tuple[list[int], list[int]]:
+    """The CPUs split in two by physical core (hyperthread siblings stay together, from sysfs), so that
+    two jobs side by side share no core; the first half gets the odd core out."""
+    groups: dict[str, list[int]] = {}
+    for c in cpus:
+        try:
+            key = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            key = str(c)
+        groups.setdefault(key, []).append(c)
+    cores = sorted(groups.values())
+    if len(cores) < 2:
+        raise SystemExit("--reference needs at least two physical cores")
+    cut = (len(cores) + 1) // 2
+    return sorted(c for g in cores[:cut] for c in g), sorted(c for g in cores[cut:] for c in g)
+
+
+def referenced_ratios(blocks: list[dict[str, Any]], ref_blocks: list[dict[str, Any]], arms: list[str],
+                      skip: int) -> dict[str, Any]:
+    """Every arm's ratio to off with each block's median step divided by the reference job's median
+    step over the same stretch of wall clock: a slowdown of the whole machine (a neighbour, the clocks)
+    falls on both jobs and cancels; the on/off contrast stays within the measured job. Blocks without
+    two reference steps in their stretch are left out."""
+    ref_ends: list[int] = []
+    ref_steps: list[float] = []
+    for b in ref_blocks:
+        ref_ends.extend(b["ends"])
+        ref_steps.extend(b["times"])
+    runs = []
+    for b in blocks:
+        kept = b["ends"][skip:]
+        if not kept:
+            continue
+        lo, hi = kept[0] - int(b["times"][skip] * 1e9), kept[-1]
+        same = [t for e, t in zip(ref_ends, ref_steps, strict=True) if lo <= e <= hi]
+        if len(same) >= 2:
+            runs.append({"arm": b["arm"], "pair": b["pair"],
+                         "step_s": statistics.median(b["times"][skip:]) / statistics.median(same)})
+    return summarize(runs, arms)
 
 
 def window_ratios(blocks: list[dict[str, Any]], arms: list[str], windows: list[tuple[int, int]]) -> dict[str, Any]:
@@ -407,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="blocks: stop after the pair that ends past this many seconds of blocks (0: all pairs)")
     ap.add_argument("--windows", default="", metavar="A:B,...",
                     help="blocks: also report the ratios on steps A..B-1 of each block alone (the attach transient)")
+    ap.add_argument("--reference", action="store_true",
+                    help="blocks under torchrun: a second job of off blocks beside the measured one, on the other "
+                         "half of the cores; each block is divided by the reference's steps of the same seconds")
     ap.add_argument("--warm", type=int, default=2, help="blocks: warm-up rounds of every arm")
     ap.add_argument("--steps", type=int, default=0, help="runs: trainer steps per run (default per config)")
     ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")
@@ -454,6 +550,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm:10} {st['median']:22.4f} {st['ci_lo']:8.4f}-{st['ci_hi']:.4f} ({st['ci_coverage']:5.1%}) {st['mean']:8.4f} "
               f"{st['sem']:8.4f} {st['min']:8.4f} {st['max']:8.4f} {st.get('p99_ratio_median', float('nan')):9.4f} "
               f"{st['pairs']:6d}")
+    for arm, st in result.get("p99_pooled", {}).items():
+        print(f"  p99 of all kept steps {arm:10} {st['p99_s'] * 1e3:9.3f} ms, ratio to off {st['ratio']:.4f} "
+              f"({st['steps']} steps)")
+    for arm, st in result.get("referenced", {}).items():
+        print(f"  referenced {arm:10} {st['median']:8.4f} {st['ci_lo']:8.4f}-{st['ci_hi']:.4f} "
+              f"({st['ci_coverage']:5.1%}) mean {st['mean']:.4f} +- {st['sem']:.4f}, {st['pairs']} pairs")
     for win, by_arm in result.get("windows", {}).items():
         for arm, st in by_arm.items():
             print(f"  steps {win:>7} {arm:10} {st['median']:8.4f} {st['ci_lo']:8.4f}-{st['ci_hi']:.4f} "

@@ -5,7 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.overhead import agent_arm, arm_env, median_interval, p99, parse_variants, ratio_stats
+from benchmarks.overhead import (
+    agent_arm,
+    arm_env,
+    core_halves,
+    median_interval,
+    p99,
+    parse_variants,
+    parse_windows,
+    pooled_p99,
+    ratio_stats,
+    referenced_ratios,
+    window_ratios,
+)
 
 
 def test_three_pairs_give_min_max_at_75_percent() -> None:
@@ -72,3 +84,45 @@ def test_pace_variant_sets_the_slices_of_each_pass(monkeypatch: pytest.MonkeyPat
     finally:
         gil.Yielder.__init__.__defaults__ = defaults
     assert seen == [(250_000, 25_000_000, True), (2_000_000, gil.SLOT_NS, False), (gil.HOLD_NS, gil.SLOT_NS, True)]
+
+
+def _block(arm: str, pair: int, times: list[float], start_ns: int = 0) -> dict[str, object]:
+    ends, t = [], start_ns
+    for x in times:
+        t += int(x * 1e9)
+        ends.append(t)
+    return {"arm": arm, "pair": pair, "times": times, "ends": ends}
+
+
+def test_windows_separate_the_attach_transient_from_the_later_steps() -> None:
+    blocks = [_block("off", p, [1.0] * 6) for p in range(3)]
+    blocks += [_block("on", p, [1.5, 1.5, 1.02, 1.02, 1.02, 1.02]) for p in range(3)]
+    w = window_ratios(blocks, ["off", "on"], parse_windows("0:2,2:6"))
+    assert w["0:2"]["on"]["median"] == pytest.approx(1.5)
+    assert w["2:6"]["on"]["median"] == pytest.approx(1.02)
+    with pytest.raises(SystemExit):
+        parse_windows("5:3")
+
+
+def test_reference_cancels_a_slowdown_of_the_whole_machine() -> None:
+    """The on block runs while the machine is 20 % slower: raw, on/off reads 1.2 x 1.01; divided by the
+    reference job's steps of the same seconds, 1.01."""
+    off = _block("off", 0, [1.0] * 10, start_ns=0)
+    on = _block("on", 0, [1.2 * 1.01] * 10, start_ns=20 * 10**9)
+    ref = [_block("off", -1, [0.5] * 40, start_ns=0), _block("off", -1, [0.6] * 40, start_ns=20 * 10**9)]
+    raw = ratio_stats([on["times"][0] / off["times"][0]])  # type: ignore[index]
+    assert raw["median"] == pytest.approx(1.212)
+    assert referenced_ratios([off, on], ref, ["off", "on"], skip=2)["on"]["median"] == pytest.approx(1.01)
+
+
+def test_pooled_p99_is_over_every_kept_step_of_the_paired_blocks() -> None:
+    blocks = [_block("off", -1, [9.0] * 4)] + [_block("off", p, [1.0] * 99 + [2.0]) for p in range(2)]
+    blocks += [_block("on", p, [1.0] * 100) for p in range(2)]
+    st = pooled_p99(blocks, ["off", "on"], skip=0)
+    assert st["off"]["steps"] == 200 and st["off"]["p99_s"] == pytest.approx(p99([1.0] * 198 + [2.0] * 2))
+    assert st["on"]["ratio"] < 1.0
+
+
+def test_core_halves_keep_hyperthread_siblings_together() -> None:
+    first, second = core_halves([0, 1])
+    assert first and second and not set(first) & set(second)
