@@ -7,7 +7,7 @@
 #   RUN=cpu-ablation bash benchmarks/gpu_run.sh             # CPU: training thread vs passes (~8 min)
 #   RUN=cpu-overhead bash benchmarks/gpu_run.sh             # CPU: pass cost by component, blocks on/off (~9 min)
 #   RUN=cpu-pace bash benchmarks/gpu_run.sh                 # CPU pinned: blocks, passes sliced finer/coarser (~9 min)
-#   RUN=cpu-ref bash benchmarks/gpu_run.sh                  # CPU: blocks beside a reference job on the other cores (~9 min)
+#   RUN=cpu-ref bash benchmarks/gpu_run.sh                  # CPU: blocks beside a reference job on the other cores (~9 min; MAX_S=450)
 #   RUN=cpu-long bash benchmarks/gpu_run.sh                 # CPU: 60-step blocks, ratios by steps since attach (~9 min)
 #   RUN=gpu-blocks bash benchmarks/gpu_run.sh               # one GPU, blocks (~9 min)
 #   RUN=gpu-runs bash benchmarks/gpu_run.sh                 # one GPU, separate runs (~9 min)
@@ -58,8 +58,8 @@ for part in $RUN; do
         --pairs 120 --max-s 320 --block 30 --json "$OUT/overhead-cpu-blocks.json" 2>&1 | quiet \
         | tee "$OUT/overhead-cpu-blocks.log" | tail -n 8 ;;
     cpu-ref)  # 4 CPU ranks on half the cores, a reference job of 4 more on the other half: machine-wide drift cancels
-      CUDA_VISIBLE_DEVICES= timeout 560 python3 -m benchmarks.overhead --config cpu --design blocks --aa --no-profiler \
-        --pairs 120 --max-s 450 --block 30 --reference --windows 3:10,10:30 --json "$OUT/overhead-cpu-ref.json" 2>&1 \
+      CUDA_VISIBLE_DEVICES= timeout $((${MAX_S:-450} + 110)) python3 -m benchmarks.overhead --config cpu --design blocks \
+        --aa --no-profiler --pairs 120 --max-s "${MAX_S:-450}" --block 30 --reference --windows 3:10,10:30 --json "$OUT/overhead-cpu-ref.json" 2>&1 \
         | quiet | tee "$OUT/overhead-cpu-ref.log" | tail -n 16 ;;
     cpu-long)  # 4 CPU ranks: long blocks, the ratio on the steps soon after attach and on the later ones
       CUDA_VISIBLE_DEVICES= timeout 560 python3 -m benchmarks.overhead --config cpu --design blocks --aa --no-profiler \
