@@ -9,9 +9,23 @@ from __future__ import annotations
 from typing import Any
 
 
-def strided(flat: Any, n: int) -> Any:
-    """At most ``n`` elements of a 1-D tensor, evenly strided, as float32."""
-    return flat[:: max(1, flat.numel() // n)][:n].float()
+def strided(t: Any, n: int) -> Any:
+    """At most ``n`` elements of a tensor's flattened values, evenly strided (``flat[::k][:n]``, with
+    ``k = numel // n``), in its own dtype. One ``as_strided`` view of a contiguous tensor: the reshape,
+    two slices and a cast per tensor were five dispatches, and with ``detach`` on a DTensor ~70 µs a
+    parameter on the training thread (3.2 ms a checksum capture of 40 parameters on the 2-core VM)."""
+    numel = t.numel()
+    k = max(1, numel // n)
+    if t.is_contiguous():
+        return t.as_strided((min(n, -(-numel // k)),), (k,), t.storage_offset())
+    return t.reshape(-1)[::k][:n]
+
+
+def sample_cat(parts: list[Any]) -> Any:
+    """The samples of ``strided`` as one float32 tensor (``cat`` promotes mixed dtypes; one cast)."""
+    import torch
+
+    return torch.cat(parts).float()
 
 
 def copy_to_host(t: Any) -> tuple[Any, Any]:

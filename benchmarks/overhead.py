@@ -28,6 +28,12 @@ Two designs, both interleaved so machine drift hits every arm alike:
 A pair's ratio is arm / off of the same pair. Printed: median ratio over pairs with its order-statistic
 interval and that interval's exact coverage (95 % needs at least 6 pairs; fewer give [min, max] at
 less), the mean with the standard error, min/max, and (runs) the median of the pairs' p99 step ratios.
+Blocks also print the p99 of every arm's kept steps pooled over its blocks, and rank 0's training-thread
+CPU per step (arm over off: what the hooks cost that thread, without the waits); ``--windows A:B,...``
+the ratios on steps A..B-1 of each block alone (right after attach against later). ``--reference``
+(blocks under torchrun) runs a second job of off blocks on the other half of the cores and divides each
+block's median by that job's median step over the same seconds: a slowdown of the whole machine (a
+neighbour, the clocks) falls on both jobs and cancels, while the on/off contrast stays within one job.
 
 Configurations: ``--config cpu`` is 4 gloo ranks under torchrun (dp1 x tp2 x pp2, 1F1B, aot_eager, a small
 model); ``--config gpu`` is world size 1 in-process (inductor, bf16, a model whose step takes >= 50 ms on
@@ -220,7 +226,7 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
         # a fresh job id a block (no stale cross-rank keys from the previous attach); a variant's
         # settings stay with its block
         env = arm_env(arm, os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}", variants) if agent_on else {}
-        times, ends = [], []
+        times, ends, cpu = [], [], []
         with patched_env(env):
             if agent_on:
                 trainer.agent = attach_observability(on_cfg, trainer.modules, trainer.optimizer, trainer.mesh,
@@ -230,16 +236,17 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
             try:
                 with maybe_profiler(arm == "profiler"):
                     for _ in range(spec["block"]):
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.thread_time()
                         trainer.step(step)
                         times.append(time.perf_counter() - t0)
+                        cpu.append(time.thread_time() - c0)  # the training thread's own CPU (the hooks')
                         ends.append(time.time_ns())  # wall clock: what a reference job is matched on
                         step += 1
             finally:
                 if agent_on:
                     hpar_agent.detach()
                     trainer.agent = None
-        blocks.append({"arm": arm, "pair": pair, "times": times, "ends": ends})
+        blocks.append({"arm": arm, "pair": pair, "times": times, "ends": ends, "cpu": cpu})
         if rank == 0 and not until:
             med = statistics.median(times[spec["block_skip"]:])
             print(f"[block {i + 1}/{len(order)}] {arm:8} pair {pair:2}: step {med * 1e3:9.3f} ms",
@@ -299,6 +306,9 @@ def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.N
     result.update(design="blocks", block=cfg["block"], block_skip=cfg["block_skip"], warm=a.warm, blocks=blocks)
     result["windows"] = window_ratios(blocks, arms, a.windows)
     result["p99_pooled"] = pooled_p99(blocks, arms, cfg["block_skip"])
+    skip = cfg["block_skip"]  # rank 0's training thread's CPU per step, arm over off (the hooks' own cost)
+    result["train_cpu"] = summarize([{"arm": b["arm"], "pair": b["pair"], "step_s": statistics.median(b["cpu"][skip:])}
+                                     for b in blocks if b.get("cpu")], arms)  # fmt: skip
     if ref_blocks:
         result["referenced"] = referenced_ratios(blocks, ref_blocks, arms, cfg["block_skip"])
         result["reference_blocks"] = ref_blocks
@@ -553,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     for arm, st in result.get("p99_pooled", {}).items():
         print(f"  p99 of all kept steps {arm:10} {st['p99_s'] * 1e3:9.3f} ms, ratio to off {st['ratio']:.4f} "
               f"({st['steps']} steps)")
+    for arm, st in result.get("train_cpu", {}).items():
+        print(f"  training thread's CPU per step {arm:10} {st['median']:8.4f} {st['ci_lo']:8.4f}-{st['ci_hi']:.4f} "
+              f"({st['ci_coverage']:5.1%}) mean {st['mean']:.4f} +- {st['sem']:.4f}, {st['pairs']} pairs")
     for arm, st in result.get("referenced", {}).items():
         print(f"  referenced {arm:10} {st['median']:8.4f} {st['ci_lo']:8.4f}-{st['ci_hi']:.4f} "
               f"({st['ci_coverage']:5.1%}) mean {st['mean']:.4f} +- {st['sem']:.4f}, {st['pairs']} pairs")

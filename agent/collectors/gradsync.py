@@ -47,7 +47,7 @@ from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
-from hpar_agent.samples import copy_to_host, segment_sums, strided
+from hpar_agent.samples import copy_to_host, sample_cat, segment_sums, strided
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -222,13 +222,12 @@ class GradSyncCollector(Component):
                     if g is None:
                         counts.append(-1)
                         continue
-                    flat = (g.to_local() if hasattr(g, "to_local") else g).detach().reshape(-1)
-                    part = strided(flat, PER_PARAM)
+                    part = strided(g.to_local() if hasattr(g, "to_local") else g, PER_PARAM)
                     parts.append(part)
                     counts.append(int(part.numel()))
                 if not parts:
                     return
-                cat, event = copy_to_host(torch.cat(parts))
+                cat, event = copy_to_host(sample_cat(parts))
             self.tp_buffer.put((step, which, counts, cat, event))
         except Exception as exc:
             self.record_error(exc)
