@@ -8,6 +8,7 @@
 #   RUN=cpu-overhead bash benchmarks/gpu_run.sh             # CPU: pass cost by component, blocks on/off (~9 min)
 #   RUN=cpu-pace bash benchmarks/gpu_run.sh                 # CPU pinned: blocks, passes sliced finer/coarser (~9 min)
 #   RUN=cpu-ref bash benchmarks/gpu_run.sh                  # CPU: blocks beside a reference job on the other cores (~9 min; MAX_S=450)
+#   RUN=cpu-split bash benchmarks/gpu_run.sh                # CPU beside a reference: on, hooks only, GIL slices alone (~9 min)
 #   RUN=cpu-long bash benchmarks/gpu_run.sh                 # CPU: 60-step blocks, ratios by steps since attach (~9 min)
 #   RUN=gpu-blocks bash benchmarks/gpu_run.sh               # one GPU, blocks (~9 min)
 #   RUN=gpu-runs bash benchmarks/gpu_run.sh                 # one GPU, separate runs (~9 min)
@@ -61,6 +62,11 @@ for part in $RUN; do
       CUDA_VISIBLE_DEVICES= timeout $((${MAX_S:-450} + 110)) python3 -m benchmarks.overhead --config cpu --design blocks \
         --aa --no-profiler --pairs 120 --max-s "${MAX_S:-450}" --block 30 --reference --windows 3:10,10:30 --json "$OUT/overhead-cpu-ref.json" 2>&1 \
         | quiet | tee "$OUT/overhead-cpu-ref.log" | tail -n 16 ;;
+    cpu-split)  # where the CPU cost is: the agent, its hooks alone (no passes), a bare 1 ms / 100 ms GIL burner
+      CUDA_VISIBLE_DEVICES= timeout $((${MAX_S:-450} + 110)) python3 -m benchmarks.overhead --config cpu --design blocks \
+        --aa --no-profiler --pairs 120 --max-s "${MAX_S:-450}" --block 30 --reference --burn 1/100 \
+        --variant nopass:HPAR_INTERVAL=3600,HPAR_FR_INTERVAL=86400 --json "$OUT/overhead-cpu-split.json" 2>&1 \
+        | quiet | tee "$OUT/overhead-cpu-split.log" | tail -n 22 ;;
     cpu-long)  # 4 CPU ranks: long blocks, the ratio on the steps soon after attach and on the later ones
       CUDA_VISIBLE_DEVICES= timeout 560 python3 -m benchmarks.overhead --config cpu --design blocks --aa --no-profiler \
         --pairs 120 --max-s 470 --block 60 --windows 3:15,15:30,30:60 --json "$OUT/overhead-cpu-long.json" 2>&1 \

@@ -6,6 +6,8 @@ Arms:
             traces to a local file (``HPAR_TRACES=file``), metrics endpoint on an ephemeral port
   profiler  no agent, inside ``torch.profiler.profile`` (CPU, plus CUDA activities on a GPU)
   aa        no agent, a second "off" (``--aa``): the A/A control, whose ratio to off is the noise floor
+  burn      no agent, a thread holding the GIL in slices at the agent's shared instants (``--burn 1/100``:
+            1 ms every 100 ms of wall clock; blocks only): what the slicing itself costs the job
   nccl      no agent, ``TORCH_NCCL_ENABLE_TIMING=1`` (CUDA only; ``--design runs`` only: the env is read
             when the process group starts)
   <name>    ``--variant NAME:K=V,...``: the agent with these settings over its defaults (an ablation:
@@ -59,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,6 +143,35 @@ def maybe_profiler(on: bool) -> Iterator[None]:
         return
     with profiler():
         yield
+
+
+@contextlib.contextmanager
+def gil_burner(spec: str) -> Iterator[list[int]]:
+    """``HOLD_MS/SLOT_MS``: a thread that holds the GIL in a busy Python loop for HOLD_MS at every
+    SLOT_MS multiple of the wall clock (the agent's pacing, ``gil``, with nothing else of the agent):
+    what a given duty of GIL slices costs the job by itself. Empty: nothing."""
+    slices = [0]  # slices held so far
+    if not spec:
+        yield slices
+        return
+    hold_ms, _, slot_ms = spec.partition("/")
+    hold_ns, slot_ns = int(float(hold_ms) * 1e6), int(float(slot_ms) * 1e6)
+    stop = threading.Event()
+
+    def burn() -> None:
+        while not stop.wait((slot_ns - time.time_ns() % slot_ns) / 1e9):
+            end = time.perf_counter_ns() + hold_ns
+            while time.perf_counter_ns() < end:
+                pass
+            slices[0] += 1
+
+    t = threading.Thread(target=burn, name="gil-burner", daemon=True)
+    t.start()
+    try:
+        yield slices
+    finally:
+        stop.set()
+        t.join()
 
 
 @contextlib.contextmanager
@@ -234,7 +266,7 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
                 if trainer.agent is None:  # the trainer trains on without it: that block would measure nothing
                     raise RuntimeError("attaching the agent failed (see the log above)")
             try:
-                with maybe_profiler(arm == "profiler"):
+                with maybe_profiler(arm == "profiler"), gil_burner(spec.get("burn", "") if arm == "burn" else ""):
                     for _ in range(spec["block"]):
                         t0, c0 = time.perf_counter(), time.thread_time()
                         trainer.step(step)
@@ -276,7 +308,7 @@ def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.N
     work = tempfile.mkdtemp(prefix="hpar-overhead-")
     spec = {"order": block_order(arms, cfg["pairs"], a.warm), "block": cfg["block"],
             "block_skip": cfg["block_skip"], "work": work, "out": os.path.join(work, "blocks.json"),
-            "max_s": a.max_s, "variants": a.variants}
+            "max_s": a.max_s, "variants": a.variants, "burn": a.burn}
     argv = [*cfg["args"], "--log-every", "1000000"]
     ref_blocks: list[dict[str, Any]] = []
     if inprocess:
@@ -513,6 +545,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", action="store_true",
                     help="blocks under torchrun: a second job of off blocks beside the measured one, on the other "
                          "half of the cores; each block is divided by the reference's steps of the same seconds")
+    ap.add_argument("--burn", default="", metavar="HOLD_MS/SLOT_MS",
+                    help="blocks: an arm without the agent whose every rank holds the GIL HOLD_MS at each SLOT_MS "
+                         "of the wall clock (the agent's slices alone)")
     ap.add_argument("--warm", type=int, default=2, help="blocks: warm-up rounds of every arm")
     ap.add_argument("--steps", type=int, default=0, help="runs: trainer steps per run (default per config)")
     ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")
@@ -544,6 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     if name == "gpu" and not torch.cuda.is_available():
         sys.exit("--config gpu needs a GPU (use --cpu-smoke to test the path on CPU)")
     arms = ["off", "on"] + ([] if a.no_profiler else ["profiler"]) + (["aa"] if a.aa else []) + list(a.variants)
+    if a.burn and a.design != "blocks":
+        sys.exit("--burn is an arm of the blocks design")
+    arms += ["burn"] if a.burn else []
     if name == "gpu" and a.design == "runs" and cfg["nproc"] > 1:  # one rank has no collective to time
         arms.append("nccl")
     if a.design == "blocks":
@@ -592,7 +630,7 @@ def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for spec in specs:
         name, _, kvs = spec.partition(":")
-        if not name or name in ("off", "on", "profiler", "aa", "nccl") or not kvs:
+        if not name or name in ("off", "on", "profiler", "aa", "nccl", "burn") or not kvs:
             raise SystemExit(f"--variant {spec!r}: expected NAME:K=V,... with a new arm name")
         env: dict[str, str] = {}
         key = ""

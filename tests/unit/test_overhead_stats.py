@@ -9,6 +9,7 @@ from benchmarks.overhead import (
     agent_arm,
     arm_env,
     core_halves,
+    gil_burner,
     median_interval,
     p99,
     parse_variants,
@@ -126,3 +127,16 @@ def test_pooled_p99_is_over_every_kept_step_of_the_paired_blocks() -> None:
 def test_core_halves_keep_hyperthread_siblings_together() -> None:
     first, second = core_halves([0, 1])
     assert first and second and not set(first) & set(second)
+
+
+def test_gil_burner_holds_slices_at_its_slots_and_stops() -> None:
+    import threading
+    import time
+
+    with gil_burner("1/20") as slices:
+        time.sleep(0.25)
+    assert slices[0] >= 3
+    assert not any(t.name == "gil-burner" for t in threading.enumerate())
+    with gil_burner("") as none:
+        time.sleep(0.05)
+    assert none == [0]
