@@ -9,6 +9,7 @@
 #   RUN=cpu-pace bash benchmarks/gpu_run.sh                 # CPU pinned: blocks, passes sliced finer/coarser (~9 min)
 #   RUN=cpu-ref bash benchmarks/gpu_run.sh                  # CPU: blocks beside a reference job on the other cores (~9 min; MAX_S=450)
 #   RUN=cpu-split bash benchmarks/gpu_run.sh                # CPU beside a reference: on, hooks only, GIL slices alone (~9 min)
+#   RUN=cpu-switch bash benchmarks/gpu_run.sh               # the same with the switch interval lowered while slices wait (~9 min)
 #   RUN=cpu-long bash benchmarks/gpu_run.sh                 # CPU: 60-step blocks, ratios by steps since attach (~9 min)
 #   RUN=gpu-blocks bash benchmarks/gpu_run.sh               # one GPU, blocks (~9 min)
 #   RUN=gpu-runs bash benchmarks/gpu_run.sh                 # one GPU, separate runs (~9 min)
@@ -67,6 +68,11 @@ for part in $RUN; do
         --aa --no-profiler --pairs 120 --max-s "${MAX_S:-450}" --block 30 --reference --burn 1/100 \
         --variant nopass:HPAR_INTERVAL=3600,HPAR_FR_INTERVAL=86400 --json "$OUT/overhead-cpu-split.json" 2>&1 \
         | quiet | tee "$OUT/overhead-cpu-split.log" | tail -n 22 ;;
+    cpu-switch)  # whether slices that start late (a 5 ms switch interval against DTensor's Python) are the cost
+      CUDA_VISIBLE_DEVICES= timeout $((${MAX_S:-450} + 110)) python3 -m benchmarks.overhead --config cpu --design blocks \
+        --aa --no-profiler --pairs 120 --max-s "${MAX_S:-450}" --block 30 --reference --burn 1/100/0.1 \
+        --variant switch:HPAR_BENCH_SWITCH=0.1 --json "$OUT/overhead-cpu-switch.json" 2>&1 \
+        | quiet | tee "$OUT/overhead-cpu-switch.log" | tail -n 22 ;;
     cpu-long)  # 4 CPU ranks: long blocks, the ratio on the steps soon after attach and on the later ones
       CUDA_VISIBLE_DEVICES= timeout 560 python3 -m benchmarks.overhead --config cpu --design blocks --aa --no-profiler \
         --pairs 120 --max-s 470 --block 60 --windows 3:15,15:30,30:60 --json "$OUT/overhead-cpu-long.json" 2>&1 \

@@ -147,19 +147,27 @@ def maybe_profiler(on: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def gil_burner(spec: str) -> Iterator[list[int]]:
-    """``HOLD_MS/SLOT_MS``: a thread that holds the GIL in a busy Python loop for HOLD_MS at every
-    SLOT_MS multiple of the wall clock (the agent's pacing, ``gil``, with nothing else of the agent):
-    what a given duty of GIL slices costs the job by itself. Empty: nothing."""
+    """``HOLD_MS/SLOT_MS[/SWITCH_MS]``: a thread that holds the GIL in a busy Python loop for HOLD_MS at
+    every SLOT_MS multiple of the wall clock (the agent's pacing, ``gil``, with nothing else of the
+    agent): what a given duty of GIL slices costs the job by itself; with SWITCH_MS, the switch
+    interval is that while it waits for its instant. Empty: nothing."""
     slices = [0]  # slices held so far
     if not spec:
         yield slices
         return
-    hold_ms, _, slot_ms = spec.partition("/")
+    hold_ms, slot_ms, switch_ms = [*spec.split("/"), ""][:3]
     hold_ns, slot_ns = int(float(hold_ms) * 1e6), int(float(slot_ms) * 1e6)
     stop = threading.Event()
 
     def burn() -> None:
-        while not stop.wait((slot_ns - time.time_ns() % slot_ns) / 1e9):
+        default = sys.getswitchinterval()
+        while True:
+            if switch_ms:  # lowered while this thread waits to take the GIL at its instant
+                sys.setswitchinterval(float(switch_ms) / 1e3)
+            stopped = stop.wait((slot_ns - time.time_ns() % slot_ns) / 1e9)
+            sys.setswitchinterval(default)
+            if stopped:
+                return
             end = time.perf_counter_ns() + hold_ns
             while time.perf_counter_ns() < end:
                 pass
@@ -545,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", action="store_true",
                     help="blocks under torchrun: a second job of off blocks beside the measured one, on the other "
                          "half of the cores; each block is divided by the reference's steps of the same seconds")
-    ap.add_argument("--burn", default="", metavar="HOLD_MS/SLOT_MS",
+    ap.add_argument("--burn", default="", metavar="HOLD_MS/SLOT_MS[/SWITCH_MS]",
                     help="blocks: an arm without the agent whose every rank holds the GIL HOLD_MS at each SLOT_MS "
                          "of the wall clock (the agent's slices alone)")
     ap.add_argument("--warm", type=int, default=2, help="blocks: warm-up rounds of every arm")
@@ -694,7 +702,11 @@ def allow_pacing_variants() -> None:
     """Ablations: ``HPAR_BENCH_PACE=HOLD_MS/SLOT_MS`` (a variant's setting, read at each pass) paces
     the agent's passes in HOLD_MS slices of the GIL, one per SLOT_MS of wall clock (defaults
     ``gil.HOLD_NS``, ``gil.SLOT_NS``: 1/100); ``SLOT_MS`` 0 runs each pass unpaced, handing the GIL back
-    every HOLD_MS. Benchmark-only: which slicing costs the job least is what this measures."""
+    every HOLD_MS. ``HPAR_BENCH_SWITCH=MS`` sets the interpreter's switch interval to MS while a pass
+    waits to take the GIL back after a hand-back (5 ms by default: a training thread in a stretch of
+    pure Python, such as DTensor's dispatch, keeps the GIL that long, so each rank's slice starts up
+    to 5 ms after the shared instant, and the ranks' slices stop overlapping). Benchmark-only: which
+    slicing costs the job least is what this measures."""
     import hpar_agent.agent as agent_mod
     from hpar_agent import gil
 
@@ -703,9 +715,22 @@ def allow_pacing_variants() -> None:
         return
     defaults = gil.Yielder.__init__.__defaults__
 
+    hand_back = gil.Yielder.__call__
+
+    def hand_back_fast(y: Any) -> None:  # the switch interval lowered while waiting to get the GIL back
+        if time.perf_counter_ns() - y.since < y.hold_ns:
+            return
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(float(os.environ.get("HPAR_BENCH_SWITCH", "5")) / 1e3)
+        try:
+            hand_back(y)
+        finally:
+            sys.setswitchinterval(old)
+
     def paced_tick(self: Any, final: bool = False, paced: bool = False) -> None:
         spec = os.environ.get("HPAR_BENCH_PACE", "")
         gil.Yielder.__init__.__defaults__ = defaults
+        gil.Yielder.__call__ = hand_back_fast if os.environ.get("HPAR_BENCH_SWITCH") else hand_back  # type: ignore[method-assign]
         if spec:
             hold, slot = (int(float(v) * 1e6) for v in spec.split("/"))
             gil.Yielder.__init__.__defaults__ = (hold, 0, slot or gil.SLOT_NS, None)

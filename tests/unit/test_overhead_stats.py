@@ -130,6 +130,7 @@ def test_core_halves_keep_hyperthread_siblings_together() -> None:
 
 
 def test_gil_burner_holds_slices_at_its_slots_and_stops() -> None:
+    import sys
     import threading
     import time
 
@@ -137,6 +138,9 @@ def test_gil_burner_holds_slices_at_its_slots_and_stops() -> None:
         time.sleep(0.25)
     assert slices[0] >= 3
     assert not any(t.name == "gil-burner" for t in threading.enumerate())
+    with gil_burner("1/20/0.2") as fast:
+        time.sleep(0.1)
+    assert fast[0] >= 1 and sys.getswitchinterval() == pytest.approx(0.005)
     with gil_burner("") as none:
         time.sleep(0.05)
     assert none == [0]
