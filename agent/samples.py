@@ -12,8 +12,8 @@ from typing import Any
 def strided(t: Any, n: int) -> Any:
     """At most ``n`` elements of a tensor's flattened values, evenly strided (``flat[::k][:n]``, with
     ``k = numel // n``), in its own dtype. One ``as_strided`` view of a contiguous tensor: the reshape,
-    two slices and a cast per tensor were five dispatches, and with ``detach`` on a DTensor ~70 µs a
-    parameter on the training thread (3.2 ms a checksum capture of 40 parameters on the 2-core VM)."""
+    two slices and a cast per tensor were five dispatches, and with ``detach`` on a DTensor a checksum
+    capture took 4.4-5.3x as long on the training thread (``benchmarks/sample_cost``)."""
     numel = t.numel()
     k = max(1, numel // n)
     if t.is_contiguous():
