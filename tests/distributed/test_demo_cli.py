@@ -3,6 +3,7 @@ command; Ctrl-C stops every rank. Each test launches one small torchrun job."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -80,11 +81,15 @@ def test_ranks_without_numpy_fail_the_demo_and_are_named(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_stops_every_rank_promptly(tmp_path, sig):
+    # A terminal's Ctrl-C reaches a demo whose SIGINT is not ignored; a test run started in the
+    # background of a shell without job control inherits SIGINT ignored, so the demo gets it back.
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpar_agent", "demo", "--run-dir", str(tmp_path / "run"), "--steps", "100000",
          *SMALL, *SMALL_TRAINER],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
+    tree: list[int] = []
     try:
         assert proc.stdout is not None
         seen = []
@@ -104,7 +109,10 @@ def test_ctrl_c_stops_every_rank_promptly(tmp_path, sig):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    left = [p for p in tree if _alive(p)]
+        left = [p for p in tree if _alive(p)]
+        for p in left:  # torchrun and the ranks run in their own sessions: a failure must not leave them
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
     assert rc == 130 and "interrupted" in err, err
     assert not left, f"still running after Ctrl-C: {left}"
     assert stopped_after < 15, stopped_after

@@ -89,8 +89,11 @@ _SIGNAL = textwrap.dedent(
 
 
 def _run_until_signal(tmp_path, sig: int, how: str = "default") -> subprocess.CompletedProcess[str]:
+    # the child takes SIGINT as a terminal's Ctrl-C would reach it, even when this test run inherited
+    # it ignored (started in the background of a shell without job control)
     proc = subprocess.Popen([sys.executable, "-c", _SIGNAL, str(tmp_path), how], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_ENV)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, env=_ENV,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(sig)
