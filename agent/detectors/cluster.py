@@ -8,6 +8,7 @@ from collections import deque
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
+from hpar_agent import gil
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
@@ -236,12 +237,8 @@ def _peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, i
     topo = ctx.context.topology
     by_label = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp, "default_pg": topo.world_size,
                 "dp_replicate": topo.dp_replicate, "dp_shard": topo.dp_shard, "cp": topo.cp}
-    sizes = {}
-    for entries in fr.values():
-        for e in entries:
-            label = src.pg_label(e[0])
-            if label in by_label:
-                sizes[e[0]] = by_label[label]
+    uids = {e[0] for entries in fr.values() for e in entries}  # a few groups among ~1,000 entries
+    sizes = {uid: by_label[label] for uid in uids if (label := src.pg_label(uid)) in by_label}
     _peer_fr_memo[:] = [peers, (fr, sizes)]
     return fr, sizes
 
@@ -338,10 +335,13 @@ class CollectiveMismatch(Detector):
         if self.param_bits is None:
             self.param_bits = _param_bits(ctx.context.model)
             self.intended = intended_reduce_bits(ctx.context.model) if self.param_bits else set()
-        if ctx.peers_fresh:
+        if ctx.peers_fresh:  # pause points between the steps: together they held the GIL up to ~5 ms
             fr, sizes = _peer_fr(ctx)
+            gil.pause_point()
             self.cross = sig.collective_mismatches(fr, sizes, self.param_bits).get(ctx.rank, []) if len(fr) >= 2 else []
+            gil.pause_point()
             self.peer_bits = sig.peer_reduction_bits(fr, ctx.rank)
+            gil.pause_point()
         entries = src.fr_entries(ctx.context, int(self.p("max_entries")))
         if not entries and not self.cross:
             return None
@@ -406,6 +406,7 @@ class Straggler(Detector):
             fr = {r: [e for e in entries if e[5] >= since] for r, entries in fr.items()}  # dict: one common
         if ctx.rank not in fr or len(fr) < 2:
             return None
+        gil.pause_point()
         common = sig.common_collectives(fr, sizes)
         if len(common) < self.p("min_collectives"):
             return None
@@ -414,6 +415,7 @@ class Straggler(Detector):
         steps = ctx.step_durations[-64:]
         if steps and span_s < self.p("min_window_steps") * median(steps):
             return None  # e.g. a job stuck in its first judged step: too short to call anything persistent
+        gil.pause_point()
         lags = sig.arrival_lag_ratio(fr, sizes, common=common)
         self._note_slowest(lags)
         ratio = lags.get(ctx.rank, 0.0)

@@ -199,7 +199,9 @@ class DetectorsComponent(Component):
         }
         for d in self.detectors:
             if d.cross_rank:
+                gil.pause_point()  # each publish is up to a few ms (FR entries packed, checksums summed)
                 payload.update(d.publish(self))
+        gil.pause_point()
         self.exchange.publish(payload)
         self._read_due = True
 
