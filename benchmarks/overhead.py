@@ -63,7 +63,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -386,16 +386,20 @@ def pooled_p99(blocks: list[dict[str, Any]], arms: list[str], skip: int) -> dict
             for arm in arms if kept.get(arm)}  # fmt: skip
 
 
-def core_halves(cpus: list[int]) -> tuple[list[int], list[int]]:
-    """The CPUs split in two by physical core (hyperthread siblings stay together, from sysfs), so that
-    two jobs side by side share no core; the first half gets the odd core out."""
+def _siblings(cpu: int) -> str:
+    """The hyperthread siblings of ``cpu`` as sysfs lists them (the CPU itself where it cannot say)."""
+    try:
+        return Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return str(cpu)
+
+
+def core_halves(cpus: list[int], siblings: Callable[[int], str] = _siblings) -> tuple[list[int], list[int]]:
+    """The CPUs split in two by physical core (hyperthread siblings stay together), so that two jobs
+    side by side share no core; the first half gets the odd core out."""
     groups: dict[str, list[int]] = {}
     for c in cpus:
-        try:
-            key = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
-        except OSError:
-            key = str(c)
-        groups.setdefault(key, []).append(c)
+        groups.setdefault(siblings(c), []).append(c)
     cores = sorted(groups.values())
     if len(cores) < 2:
         raise SystemExit("--reference needs at least two physical cores")

@@ -344,7 +344,7 @@ class CollectiveCollector(Component):
                 status, upd = self._read(rec, now)
                 self._drain_boundaries()  # every boundary before the read, for what the ledger could not place
                 if upd is not None:
-                    gil.pause_point()  # the read (its reply decoded) and applying it: each up to ~2 ms
+                    gil.pause_point()  # the read and applying it were one hold (benchmarks/slice_units)
                     self._apply(upd)
                     status = upd.status or status
                 self._update_status(rec, status, now_ns)

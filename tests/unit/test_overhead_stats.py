@@ -125,7 +125,11 @@ def test_pooled_p99_is_over_every_kept_step_of_the_paired_blocks() -> None:
 
 
 def test_core_halves_keep_hyperthread_siblings_together() -> None:
-    first, second = core_halves([0, 1])
+    """CPUs 0/2 and 1/3 are siblings (two cores), 4 a core of its own: a job gets whole cores."""
+    topo = {0: "0,2", 2: "0,2", 1: "1,3", 3: "1,3", 4: "4"}
+    assert core_halves([0, 1, 2, 3, 4], topo.__getitem__) == ([0, 1, 2, 3], [4])
+    assert core_halves([0, 1, 2, 3], topo.__getitem__) == ([0, 2], [1, 3])
+    first, second = core_halves([0, 1])  # this machine's sysfs
     assert first and second and not set(first) & set(second)
 
 
