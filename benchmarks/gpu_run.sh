@@ -4,6 +4,7 @@
 # (default: all but the timelines):
 #   RUN="overhead-gpu components-gpu" bash benchmarks/gpu_run.sh
 #   RUN="reader cpu-timeline" bash benchmarks/gpu_run.sh   # full FR reads in the reader process
+#   RUN=cpu-threads bash benchmarks/gpu_run.sh              # CPU: CPU a second by thread, with the reads' (~2 min)
 #   RUN=cpu-ablation bash benchmarks/gpu_run.sh             # CPU: training thread vs passes (~8 min)
 #   RUN=cpu-overhead bash benchmarks/gpu_run.sh             # CPU: pass cost by component, blocks on/off (~9 min)
 #   RUN=cpu-pace bash benchmarks/gpu_run.sh                 # CPU pinned: blocks, passes sliced finer/coarser (~9 min)
@@ -47,6 +48,9 @@ for part in $RUN; do
         --json "$OUT/rank-timeline.json" 2>&1 | quiet | tee "$OUT/rank-timeline.log"
       CUDA_VISIBLE_DEVICES= python3 -m benchmarks.rank_timeline --steps 300 --arm on --env HPAR_FR_READER=inline \
         --json "$OUT/rank-timeline-inline.json" 2>&1 | quiet | tee "$OUT/rank-timeline-inline.log" ;;
+    cpu-threads)  # 4 CPU ranks, on and off: CPU a second by thread (the worker server's dumps, the reader process)
+      CUDA_VISIBLE_DEVICES= timeout 200 python3 -m benchmarks.rank_timeline --steps 250 --arm on --arm off \
+        --json "$OUT/rank-threads.json" 2>&1 | quiet | tee "$OUT/rank-threads.log" | grep -v "agent-thread CPU per pass" ;;
     cpu-ablation)  # 4 CPU ranks: where the cost is (training thread vs agent passes), then blocks with a no-pass arm
       CUDA_VISIBLE_DEVICES= python3 -m benchmarks.rank_timeline --steps 300 --arm on --arm off --py-spy 100:15:1000 \
         --json "$OUT/rank-timeline.json" 2>&1 | quiet | tee "$OUT/rank-timeline.log" | cut -c1-600

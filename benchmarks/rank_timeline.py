@@ -37,6 +37,12 @@ EVENTS: list[tuple[str, str, int, int]] = []  # (what, thread, start_ns, end_ns)
 STEP_ENDS: list[int] = []
 STEP_CPU: list[int] = []  # the training thread's CPU time (thread_time_ns) at each step end
 PASSES: list[dict[str, int]] = []  # per agent pass: CPU ns of the agent thread, by component and in all
+THREADS: list[tuple[int, dict[str, int]]] = []  # every THREAD_EVERY steps: (perf ns, CPU ns by thread class)
+THREAD_EVERY = 25
+#: Thread classes by name (``/proc/self/task/*/comm``): torch's worker server answers the reader
+#: process's full flight-recorder dumps on its own threads, outside the GIL and the agent thread's CPU.
+THREAD_CLASSES = (("worker server", ("pt_workerserver",)), ("gloo", ("gloo", "pt_gloo")),
+                  ("agent thread", ("hpar-agent",)))
 
 
 def _timed(what: str, fn: Any, keep: Any = None) -> Any:
@@ -101,6 +107,26 @@ def _cpu_costed(tick: Any) -> Any:
     return wrapper
 
 
+def thread_cpu(main_tid: int) -> dict[str, int]:
+    """CPU ns so far of this process's threads by class (``schedstat``, Linux; {} elsewhere)."""
+    out: dict[str, int] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    py_names = {t.native_id: t.name for t in threading.enumerate()}  # Python names are not the OS's (3.11-3.13)
+    for tid in tids:
+        try:
+            name = py_names.get(int(tid)) or Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            ns = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended
+        cls = "training thread" if int(tid) == main_tid else next(
+            (c for c, prefixes in THREAD_CLASSES if name.startswith(prefixes)), "other")
+        out[cls] = out.get(cls, 0) + ns
+    return out
+
+
 def instrument(out_dir: str) -> None:
     """Step ends, agent passes (with their CPU time by component), full FR reads and full collections of
     this rank, dumped at exit."""
@@ -112,6 +138,8 @@ def instrument(out_dir: str) -> None:
     def step_end(*_: Any, **__: Any) -> None:
         STEP_ENDS.append(time.perf_counter_ns())
         STEP_CPU.append(time.thread_time_ns())
+        if len(STEP_ENDS) % THREAD_EVERY == 1:
+            THREADS.append((time.perf_counter_ns(), thread_cpu(main_tid)))
         if spy and len(STEP_ENDS) == int(spy_at) and os.environ.get("RANK", "0") == "0":
             try:  # never let the sampler break the run it samples
                 subprocess.Popen(["py-spy", "record", "-p", str(os.getpid()), "-d", spy_s, "-r", spy_rate, "--threads",
@@ -120,6 +148,7 @@ def instrument(out_dir: str) -> None:
             except OSError as exc:
                 print(f"rank_timeline: py-spy did not start: {exc}", file=sys.stderr)
 
+    main_tid = threading.get_native_id()
     register_optimizer_step_post_hook(step_end)
     import hpar_agent.agent as agent_mod
     import hpar_agent.collectors.collectives as coll
@@ -138,7 +167,8 @@ def instrument(out_dir: str) -> None:
     gc.callbacks.append(on_gc)
     rank = os.environ.get("RANK", "0")
     atexit.register(lambda: Path(out_dir, f"rank{rank}.json").write_text(
-        json.dumps({"steps": STEP_ENDS, "step_cpu": STEP_CPU, "events": EVENTS, "passes": PASSES})))
+        json.dumps({"steps": STEP_ENDS, "step_cpu": STEP_CPU, "events": EVENTS, "passes": PASSES,
+                    "threads": THREADS})))
 
 
 def child(argv: list[str]) -> int:
@@ -171,6 +201,7 @@ def analyse(path: Path, skip: int) -> dict[str, Any]:
            for e in events if e[0] == "gc2"]
     return {
         "steps": len(ms),
+        "run_s": (ends[-1] - ends[0]) / 1e9 if len(ends) > 1 else 0.0,
         "median_ms": statistics.median(ms),
         "p99_ms": statistics.quantiles(ms, n=100, method="inclusive")[98],
         "train_cpu_ms": statistics.median(cpu) if cpu else None,
@@ -179,7 +210,17 @@ def analyse(path: Path, skip: int) -> dict[str, Any]:
         "gc2_after_first_step": [g for g in gc2 if g["after_first_step_s"] > 0],
         "gc2_before": sum(1 for g in gc2 if g["after_first_step_s"] <= 0),
         "pass_cpu_ms": pass_costs(data.get("passes") or []),
+        "thread_cpu_ms_per_s": threads_per_s(data.get("threads") or [], ends[skip] if len(ends) > skip else 0),
     }
+
+
+def threads_per_s(samples: list[list[Any]], from_ns: int) -> dict[str, float]:
+    """CPU ms a second of each thread class between the first sample at or after ``from_ns`` and the last."""
+    kept = [s for s in samples if s[0] >= from_ns]
+    if len(kept) < 2:
+        return {}
+    (t0, a), (t1, b) = kept[0], kept[-1]
+    return {k: (b[k] - a.get(k, 0)) / (t1 - t0) * 1e3 for k in sorted(b, key=lambda k: -b[k]) if k in a}
 
 
 def pass_costs(passes: list[dict[str, int]]) -> dict[str, dict[str, float]]:
@@ -244,7 +285,8 @@ def reader_cpu(run_dir: str, rank: int) -> dict[str, Any]:
     path = Path(run_dir, f"summary.rank{rank}.json")
     if not path.exists():
         return {}
-    return json.loads(path.read_text()).get("components", {}).get("collectives", {}).get("reader", {})
+    coll = json.loads(path.read_text()).get("components", {}).get("collectives", {})
+    return {**coll.get("reader", {}), "by": coll.get("full_reads_by", {})}
 
 
 def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int,
@@ -314,8 +356,14 @@ def main() -> int:
                       + ", ".join(f"{k} {v:.2%}" for k, v in sp["agent_functions"].items()))
                 print(f"      py-spy, agent thread at work ({sp['agent_thread_work_samples']} samples), inclusive: "
                       + ", ".join(f"{k} {v:.0%}" for k, v in list(sp["agent_thread_work"].items())[:14]))
+            if r.get("thread_cpu_ms_per_s"):
+                print("      CPU by thread, ms a second: "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in r["thread_cpu_ms_per_s"].items()))
             if r.get("reader"):
-                print(f"      full reads: {r['reader']}")
+                rd = r["reader"]
+                span_s = r["run_s"] or 1.0
+                print(f"      full reads: {rd} (the reader process: {rd.get('cpu_s', 0) / span_s * 1e3:.1f} ms of CPU a "
+                      f"second over the {span_s:.0f} s from the first step, {rd.get('reads', 0) / span_s:.2f} reads a second)")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -104,6 +104,7 @@ class CollectiveCollector(Component):
         self._prev_read_ns: dict[str, int] = {}  # recorder -> epoch ns of the full dump before the last
         self._rate: dict[str, float] = {}  # recorder -> entries per second between the last two reads
         self.full_reads = 0
+        self.read_reasons: Counter[str] = Counter()  # full reads by what called for them (the summary's)
         self._ring = FR_DEFAULT_ENTRIES
         self._pg_ids: dict[tuple[str, str], str] = {}  # (recorder, pg_id) -> pg label
         self._open: dict[str, dict[int, int]] = {}  # pg -> {seq: created ns} not yet completed
@@ -359,7 +360,8 @@ class CollectiveCollector(Component):
         job stalls with its slowest rank. So the full read happens at most once per ``fr_interval``
         wall-clock slot, the same instants on every rank (their stalls overlap instead of adding up
         across ranks), when something moved (``pg_status``, or p2p / untimed entries it cannot show);
-        earlier only when it must: the first read, a group whose in-flight op has not completed since
+        earlier only when it must: the first read (one, even of a ring that holds nothing yet: a CUDA
+        build has a gloo and an NCCL recorder, and a job uses one), a group whose in-flight op has not completed since
         the last probe (a hang or a straggler in the making: its entry must be seen now), a ring half
         refilled since the last full read (by ``pg_status``, or by the entry rate for the p2p it does not
         count), or the final tick. Between reads a ``pg_status``-only probe (µs) keeps in-flight state
@@ -370,15 +372,18 @@ class CollectiveCollector(Component):
         slot = int(now // agent.config.fr_interval)
         unread = status != self._status.get(rec)
         moved = unread or self._p2p_in_fr.get(rec) or self._pending.get(rec, (0, None))[0] > 0
-        must = (  # pg_status does not track p2p: ``moved`` counts those entries as new
-            rec not in self._cursor
-            or agent.stopping
-            or (moved and slot != self._slot.get(rec))
-            or (unread and stuck(status, last_probe))
-            or self._new_entries(rec, status, now) >= self._ring // 2
+        # pg_status does not track p2p: ``moved`` counts those entries as new
+        reason = (
+            "first" if rec not in self._read_ns  # not _cursor: an empty ring's read sets none
+            else "final" if agent.stopping
+            else "slot" if moved and slot != self._slot.get(rec)
+            else "in flight" if unread and stuck(status, last_probe)
+            else "ring refill" if self._new_entries(rec, status, now) >= self._ring // 2
+            else None
         )
-        if not must:
+        if reason is None:
             return status, None
+        self.read_reasons[reason] += 1
         self._status[rec] = status
         self._slot[rec] = slot
         self._prev_read_ns[rec] = self._read_ns.get(rec, 0)
@@ -619,6 +624,7 @@ class CollectiveCollector(Component):
             "p2p_wrapped": self.p2p.patched,
             "timing": self.timing_enabled(),
             "full_reads": self.full_reads,
+            "full_reads_by": dict(self.read_reasons),
             "reader": self.reader_state(),
         }
 

@@ -198,6 +198,23 @@ def test_status_probe_skips_full_dump_when_nothing_moved(fake):
     assert rec.full_dumps == before + 1
 
 
+def test_an_empty_recorder_is_read_in_full_once(fake):
+    """A CUDA build has both recorders and a job uses one: the other's ring stays empty, and its first
+    read must not be due again at every poll (on the device that was a full read a second per rank)."""
+    rec, agent, c = fake
+    agent.config.fr_interval = 3600.0
+    agent.tick()
+    assert rec.full_dumps == 1 and c.read_reasons == {"first": 1}
+    for _ in range(5):
+        agent.tick()
+    assert rec.full_dumps == 1
+    rec.add(0, 1, "1", "mesh_dp", 1)
+    agent.config.fr_interval = 1e-6
+    agent.tick()  # entries at last: read at the next slot
+    assert rec.full_dumps == 2 and c.read_reasons == {"first": 1, "slot": 1}
+    assert agent.registry.get_sample_value("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 1
+
+
 def test_full_reads_once_per_slot_unless_stuck_or_ring_filling(fake):
     rec, agent, c = fake
     agent.config.fr_interval = 3600.0  # one slot for the whole test
