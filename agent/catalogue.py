@@ -304,6 +304,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("HPAR_JOB_ID", "job_id", "Job identifier shared by all ranks (default: torchrun's run id, else generated)."),
     EnvVar("HPAR_INTERVAL", "interval", "Seconds between agent-thread polls, at the same wall-clock instants on every rank."),
     EnvVar("HPAR_FR_INTERVAL", "fr_interval", "Seconds between full flight-recorder reads; a stuck op or a half-refilled ring reads earlier."),
+    EnvVar("HPAR_FR_COMPLETE", "fr_complete", "Read the flight recorder before its ring turns over, so every entry is counted (false: full reads every HPAR_FR_INTERVAL only, overwritten entries counted in hpar_collective_unobserved_total; less CPU beside training at high collective rates)."),
     EnvVar("HPAR_TRACE_EVERY", "trace_every", "Keep the trace of every Nth step (slow or anomalous steps are always kept; 0: no traces)."),
     EnvVar("HPAR_TRACES", "traces", "Where spans go: auto (OTLP when OTEL_EXPORTER_OTLP_*ENDPOINT is set, else a local file), otlp, file, none."),
     EnvVar("HPAR_EVENT_LOG", "event_log", "Write the per-rank JSONL event log (true/false)."),

@@ -4,7 +4,8 @@
 # (default: all but the timelines):
 #   RUN="overhead-gpu components-gpu" bash benchmarks/gpu_run.sh
 #   RUN="reader cpu-timeline" bash benchmarks/gpu_run.sh   # full FR reads in the reader process
-#   RUN=cpu-threads bash benchmarks/gpu_run.sh              # CPU: CPU a second by thread, with the reads' (~2 min)
+#   RUN=cpu-threads [SAMPLED=1] bash benchmarks/gpu_run.sh  # CPU: CPU a second by thread, the reads' too (~2 min; +1 with HPAR_FR_COMPLETE=0)
+#   RUN=cpu-reads bash benchmarks/gpu_run.sh                # CPU beside a reference: on, and full reads at slots only (~9 min)
 #   RUN=cpu-ablation bash benchmarks/gpu_run.sh             # CPU: training thread vs passes (~8 min)
 #   RUN=cpu-overhead bash benchmarks/gpu_run.sh             # CPU: pass cost by component, blocks on/off (~9 min)
 #   RUN=cpu-pace bash benchmarks/gpu_run.sh                 # CPU pinned: blocks, passes sliced finer/coarser (~9 min)
@@ -50,7 +51,15 @@ for part in $RUN; do
         --json "$OUT/rank-timeline-inline.json" 2>&1 | quiet | tee "$OUT/rank-timeline-inline.log" ;;
     cpu-threads)  # 4 CPU ranks, on and off: CPU a second by thread (the worker server's dumps, the reader process)
       CUDA_VISIBLE_DEVICES= timeout 200 python3 -m benchmarks.rank_timeline --steps 250 --arm on --arm off \
-        --json "$OUT/rank-threads.json" 2>&1 | quiet | tee "$OUT/rank-threads.log" | grep -v "agent-thread CPU per pass" ;;
+        --json "$OUT/rank-threads.json" 2>&1 | quiet | tee "$OUT/rank-threads.log" | grep -v "agent-thread CPU per pass"
+      [ -n "${SAMPLED:-}" ] && CUDA_VISIBLE_DEVICES= timeout 120 python3 -m benchmarks.rank_timeline --steps 250 --arm on \
+        --env HPAR_FR_COMPLETE=0 --json "$OUT/rank-threads-sampled.json" 2>&1 | quiet \
+        | tee "$OUT/rank-threads-sampled.log" | grep -v "agent-thread CPU per pass" ;;
+    cpu-reads)  # beside a reference: the agent, and the agent with full reads at fr_interval slots only
+      CUDA_VISIBLE_DEVICES= timeout $((${MAX_S:-450} + 110)) python3 -m benchmarks.overhead --config cpu --design blocks \
+        --aa --no-profiler --pairs 120 --max-s "${MAX_S:-450}" --block 30 --reference \
+        --variant sampled:HPAR_FR_COMPLETE=0 --json "$OUT/overhead-cpu-reads.json" 2>&1 \
+        | quiet | tee "$OUT/overhead-cpu-reads.log" | tail -n 22 ;;
     cpu-ablation)  # 4 CPU ranks: where the cost is (training thread vs agent passes), then blocks with a no-pass arm
       CUDA_VISIBLE_DEVICES= python3 -m benchmarks.rank_timeline --steps 300 --arm on --arm off --py-spy 100:15:1000 \
         --json "$OUT/rank-timeline.json" 2>&1 | quiet | tee "$OUT/rank-timeline.log" | cut -c1-600

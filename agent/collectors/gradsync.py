@@ -153,6 +153,8 @@ class GradSyncCollector(Component):
         self._tp_params: list[Any] = []
         self._tp_step = -1  # step whose backward-end sample was taken
         self._hooked = -1  # step whose output got the backward-end hook (the first microbatch only)
+        self._lost = 0  # the collectives' unobserved entries as of the last poll
+        self._blind_ns = 0  # steps that began before this (a poll that saw entries lost) get no verdict
         self._pending: list[tuple[int, int, list[int], Any, Any]] = []
         self._handles: list[Any] = []
         self._steps: Any = None
@@ -282,9 +284,17 @@ class GradSyncCollector(Component):
         if self.required <= 0:
             return
         through = coll.read_through_ns()
+        lost = sum(coll.unobserved.values())
+        if lost != self._lost:  # the ring overwrote entries unread (``fr_complete`` off, or a late read)
+            self._lost, self._blind_ns = lost, int(now * 1e9)
+        started = None
         for t_ns, step in coll.boundaries():
+            began, started = started, t_ns
             if step <= self.judged or step == 0 or t_ns > through:
                 continue  # step 0's window starts at attach: possibly a part of a step
+            if (began if began is not None else t_ns) < self._blind_ns:
+                self.judged = step  # it began before a read that found entries lost: no verdict
+                continue
             reduced: Mapping[str, int] = coll.reduced_elems.pop(step, Counter())
             dp = sum(n for pg, n in reduced.items() if _is_dp(pg))
             if not any(_is_dp(pg) for pg in reduced) and "default_pg" in reduced and len(reduced) == 1:

@@ -247,6 +247,27 @@ def test_full_reads_once_per_slot_unless_stuck_or_ring_filling(fake):
     assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 8
 
 
+def test_fr_complete_off_reads_at_slots_only_and_counts_what_the_ring_overwrote(fake):
+    rec, agent, c = fake
+    agent.config.fr_interval = 3600.0
+    agent.config.fr_complete = False
+    c._ring = 4
+    rec.add(0, 1, "1", "mesh_dp", 1)
+    agent.tick()  # the first read
+    n = rec.full_dumps
+    for i in range(1, 7):  # the ring refills one and a half times within the slot
+        rec.add(i, 1, "1", "mesh_dp", 1 + i)
+    del rec.entries[:3]  # a ring of 4 keeps the last four
+    agent.tick()
+    assert rec.full_dumps == n  # no early read
+    agent.config.fr_interval = 1e-6
+    agent.tick()  # the next slot
+    assert rec.full_dumps == n + 1 and c.read_reasons == {"first": 1, "slot": 1}
+    get = agent.registry.get_sample_value
+    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 5  # rid 0 and 3..6
+    assert get("hpar_collective_unobserved_total", {**L, "pg": "dp"}) == 2  # rid 1 and 2
+
+
 def test_p2p_entry_rate_reads_before_the_ring_overflows(fake, monkeypatch):
     rec, agent, c = fake
     c._ring = 40

@@ -143,3 +143,31 @@ def test_tp_replicated_parameters_are_those_not_sharded_on_tp() -> None:
     on_tp = _DParam(6, _Mesh(dp_shard=2, tp=2), Shard(0), Replicate())
     model.parameters = lambda: iter([model.norm.weight, model.norm.bias, colwise, replicate_dp, on_tp])  # type: ignore[method-assign]
     assert tp_replicated(model) == [model.norm.weight, model.norm.bias, replicate_dp, on_tp]
+
+
+def test_steps_whose_reductions_the_ring_overwrote_get_no_verdict(fake) -> None:  # noqa: F811
+    """Entries overwritten unread (``fr_complete`` off, or a read too late) would read as gradients never
+    reduced: the steps that began before the poll that found them are skipped, later ones judged again."""
+    rec, agent, _ = fake
+    gs = _coverage_agent(agent, nn.Linear(4, 4))  # 20 elements
+    agent.step()
+    rec.add(0, 1, "1", "mesh_dp", 1, n=20)
+    agent.step()
+    agent.tick()
+    assert gs.judged == 1 and gs.coverage == pytest.approx(1.0)
+    for rid, seq in ((1, 2), (2, 3)):
+        rec.add(rid, 1, "1", "mesh_dp", seq, n=10)  # step 2's two buckets ...
+    agent.step()
+    del rec.entries[1]  # ... the first overwritten before the read
+    agent.tick()
+    assert agent.registry.get_sample_value("hpar_collective_unobserved_total", {**L, "pg": "dp"}) == 1
+    assert gs.judged == 2 and gs.coverage == pytest.approx(1.0)  # step 2 skipped, not judged at 0.5
+    assert _sample(agent, "hpar_alert_active", {"alert": "GradSyncIncomplete"}) == 0.0
+    rec.add(3, 1, "1", "mesh_dp", 4, n=20)
+    agent.step()  # step 3 began before that read: skipped as well
+    agent.tick()
+    assert gs.judged == 3 and gs.coverage == pytest.approx(1.0)
+    rec.add(4, 1, "1", "mesh_dp", 5, n=10)  # step 4 reduces half: judged
+    agent.step()
+    agent.tick()
+    assert gs.judged == 4 and gs.coverage == pytest.approx(0.5)
