@@ -161,6 +161,13 @@ class Ledger:
             self._bound_s.append(step)
         del self._bound_t[:-MAX_BOUNDARIES], self._bound_s[:-MAX_BOUNDARIES]
 
+    def wanted_from(self, rec: str) -> int | None:
+        """The oldest record id a read of ``rec`` needs (None: every entry, at the first read or while
+        entries of it await completion): older entries were read, and a dump's may go unparsed."""
+        if rec not in self._cursor or any(k[0] == rec for k in self._pending):
+            return None
+        return self._cursor[rec]
+
     def process(self, rec: str, data: dict[str, Any], *, nccl_timing: bool, now_ns: int) -> Update:
         """One full dump of ``rec``: its entries past the cursor, and the pending ones it completes."""
         upd = Update(rec, status=data.get("pg_status") or {})

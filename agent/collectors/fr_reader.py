@@ -194,7 +194,7 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> int:
                 ledger.groups = req["groups"]
             ledger.add_boundaries(req["boundaries"])
             handler, query = handlers[req["rec"]]
-            data = fr_server.decode(handler, fr_server.post(path, handler, query))
+            data = fr_server.decode(handler, fr_server.post(path, handler, query), ledger.wanted_from(req["rec"]))
             upd = ledger.process(req["rec"], data, nccl_timing=req["nccl_timing"], now_ns=req["now_ns"])
             reply = {"update": upd}
         except Exception as exc:

@@ -89,12 +89,51 @@ def handled(recorders: list[str], names: set[str] | None = None) -> dict[str, tu
     return {r: HANDLERS[r] for r in recorders if r in HANDLERS and HANDLERS[r][0] in names}
 
 
-def decode(handler: str, body: bytes) -> dict[str, Any]:
-    """A handler's answer as ``flight_recorder.dump`` returns it."""
+def decode(handler: str, body: bytes, first_id: int | None = None) -> dict[str, Any]:
+    """A handler's answer as ``flight_recorder.dump`` returns it. ``first_id``: the reader needs the
+    entries from that record id on only, and the JSON's older part is left unparsed (parsing is most of
+    a read's cost in the reader: 17.6 of 29.5 ms for 2,000 gloo entries, half of them new)."""
     if handler.endswith("json"):
-        return normalize_json(json.loads(body))
+        data = _json_from(body, first_id) if first_id is not None else None
+        return normalize_json(data if data is not None else json.loads(body))
     data = pickle.loads(body)  # produced by torch itself, in the training process
     return data if isinstance(data, dict) else {}
+
+
+def _json_from(body: bytes, first_id: int) -> dict[str, Any] | None:
+    """The JSON dump with only its entries from ``first_id`` on, parsed from the slice that holds them;
+    None (parse it all) wherever the layout is not the one torch writes: entries oldest first and in
+    consecutive record ids, their keys sorted (no object before ``record_id``), no list of objects in
+    the later top-level keys (``pg_config``, ``pg_status``), and ``first_id`` in the ring or just past
+    its newest entry."""
+    end = body.rfind(b'}],"') + 1  # the entries' closing bracket: the top level's later keys hold no list of objects
+    if end <= 0:
+        return None
+    pos = body.find(b'"record_id":%d,' % first_id)
+    if pos < 0:  # nothing new, or the entry was overwritten (then the gap must be counted: parse all)
+        last = body.rfind(b'"record_id":', 0, end)
+        num = body[last + 12 : last + 32].split(b",", 1)[0] if last >= 0 else b""
+        if not num.isdigit() or int(num) != first_id - 1:
+            return None
+        entries: list[Any] = []
+    else:
+        start = body.rfind(b"{", 0, pos)
+        if start <= 0 or end < pos or body[start - 1 : start] not in (b"[", b","):
+            return None
+        try:
+            entries = json.loads(b"[" + body[start:end] + b"]")
+        except ValueError:
+            return None
+        if any(not isinstance(e, dict) or e.get("record_id") != first_id + i for i, e in enumerate(entries)):
+            return None
+    try:
+        rest = json.loads(b"{" + body[end + 2 :])
+    except ValueError:
+        return None
+    if not isinstance(rest, dict):
+        return None
+    rest["entries"] = entries
+    return rest
 
 
 @contextlib.contextmanager

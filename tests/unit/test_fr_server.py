@@ -3,6 +3,7 @@ entries as the in-process dump, on a real gloo group, and torch's start/stop log
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -52,6 +53,53 @@ def test_the_worker_server_dump_equals_the_in_process_dump(gloo) -> None:
     assert len(via["entries"]) == len(direct["entries"]) >= 20
     for a, b in zip(via["entries"], direct["entries"], strict=True):
         assert {k: a.get(k) for k in KEYS} == {k: b.get(k) for k in KEYS}
+
+
+def test_a_dump_decoded_from_a_record_id_is_the_tail_of_the_whole(gloo) -> None:
+    """The reader parses only the entries past its cursor: the same entries and status as the whole
+    dump, none past the newest, and the whole dump wherever the slice is not what it expects."""
+    x = torch.ones(8)
+    for _ in range(30):
+        dist.all_reduce(x)
+    server = fr_server.DumpServer(["gloo"])
+    try:
+        handler, query = server.handlers["gloo"]
+        body = fr_server.post(server.path, handler, query)
+    finally:
+        server.close()
+    assert handler.endswith("json")
+    whole = fr_server.decode(handler, body)
+    ids = [e["record_id"] for e in whole["entries"]]
+    assert ids == list(range(ids[0], ids[0] + len(ids))) and len(ids) >= 30
+    for first in (ids[0], ids[10], ids[-1], ids[-1] + 1):
+        part = fr_server.decode(handler, body, first)
+        assert part["pg_status"] == whole["pg_status"] and part["pg_status"]
+        assert part["entries"] == [e for e in whole["entries"] if e["record_id"] >= first]
+    assert fr_server.decode(handler, body, ids[-1] + 5)["entries"] == whole["entries"]  # not in the ring: all
+    # an entry overwritten before the read (the ledger counts the gap), or objects before record_id
+    # (stack frames): parsed whole
+    def body_of(entries: list) -> bytes:
+        return json.dumps({"entries": entries, "pg_status": {"0": {"last_enqueued_collective": "7"}}},
+                          separators=(",", ":")).encode()
+
+    plain = body_of([{"process_group": ["0", ""], "record_id": i, "state": "completed"} for i in (5, 6, 7)])
+    assert [e["record_id"] for e in fr_server.decode(handler, plain, 6)["entries"]] == [6, 7]
+    assert [e["record_id"] for e in fr_server.decode(handler, plain, 3)["entries"]] == [5, 6, 7]
+    framed = body_of([{"frames": [{"name": "f"}], "record_id": i, "state": "completed"} for i in (5, 6, 7)])
+    assert [e["record_id"] for e in fr_server.decode(handler, framed, 6)["entries"]] == [5, 6, 7]
+
+
+def test_the_ledger_wants_every_entry_first_and_then_those_past_its_cursor() -> None:
+    from hpar_agent.collectors.fr_ledger import Ledger
+
+    led = Ledger(attach_ns=0)
+    assert led.wanted_from("gloo") is None
+    entries = [{"record_id": i, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": i + 1,
+                "profiling_name": "gloo:all_reduce", "input_sizes": [[4]], "input_dtypes": ["Float"],
+                "output_sizes": [[4]], "output_dtypes": ["Float"], "time_created_ns": 1, "state": "completed"}
+               for i in range(3)]
+    led.process("gloo", {"entries": entries, "pg_status": {}}, nccl_timing=False, now_ns=2)
+    assert led.wanted_from("gloo") == 3
 
 
 def test_the_server_starts_and_stops_without_writing_to_stderr(gloo, capfd) -> None:
