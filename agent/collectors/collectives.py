@@ -361,11 +361,11 @@ class CollectiveCollector(Component):
         wall-clock slot, the same instants on every rank (their stalls overlap instead of adding up
         across ranks), when something moved (``pg_status``, or p2p / untimed entries it cannot show);
         earlier only when it must: the first read (one, even of a ring that holds nothing yet: a CUDA
-        build has a gloo and an NCCL recorder, and a job uses one), a group whose in-flight op has not completed since
-        the last probe (a hang or a straggler in the making: its entry must be seen now), a ring half
-        refilled since the last full read (by ``pg_status``, or by the entry rate for the p2p it does not
-        count; not with ``fr_complete`` off), or the final tick. Between reads a ``pg_status``-only probe (µs) keeps in-flight state
-        fresh."""
+        build has a gloo and an NCCL recorder, and a job uses one), a group whose in-flight op has not
+        completed since the last probe (a hang or a straggler in the making: its entry must be seen
+        now), a ring half refilled since the last full read (by ``pg_status``, or by the entry rate for
+        the p2p it does not count; not with ``fr_complete`` off), or the final tick. Between reads a
+        ``pg_status``-only probe (µs) keeps in-flight state fresh."""
         status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
         last_probe, self._probe[rec] = self._probe.get(rec), status
         agent = self.require_ctx()
@@ -378,7 +378,8 @@ class CollectiveCollector(Component):
             else "final" if agent.stopping
             else "slot" if moved and slot != self._slot.get(rec)
             else "in flight" if unread and stuck(status, last_probe)
-            else "ring refill" if agent.config.fr_complete and self._new_entries(rec, status, now) >= self._ring // 2
+            else "ring refill"
+            if agent.config.fr_complete and self._new_entries(rec, status, now) >= self._ring // 2
             else None
         )
         if reason is None:

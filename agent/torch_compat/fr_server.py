@@ -106,7 +106,7 @@ def _json_from(body: bytes, first_id: int) -> dict[str, Any] | None:
     consecutive record ids, their keys sorted (no object before ``record_id``), no list of objects in
     the later top-level keys (``pg_config``, ``pg_status``), and ``first_id`` in the ring or just past
     its newest entry."""
-    end = body.rfind(b'}],"') + 1  # the entries' closing bracket: the top level's later keys hold no list of objects
+    end = body.rfind(b'}],"') + 1  # the entries' closing bracket (no later top-level key holds objects in a list)
     if end <= 0:
         return None
     pos = body.find(b'"record_id":%d,' % first_id)
