@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,20 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.rank_timeline import thread_cpu
 from hpar_agent.collectors.fr_ledger import Ledger
 from hpar_agent.torch_compat import fr_server
 
 
 def server_cpu_ns() -> int:
-    """CPU ns so far of torch's worker-server threads in this process (0 where /proc has no schedstat)."""
-    total = 0
-    for task in Path("/proc/self/task").glob("*"):
-        try:
-            if (task / "comm").read_text().strip().startswith("pt_workerserver"):
-                total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
+    """CPU ns so far of torch's worker-server threads in this process (``rank_timeline``'s accounting)."""
+    return thread_cpu(threading.get_native_id()).get("worker server", 0)
 
 
 def one_read(body: bytes, handler: str, cursor: int, from_cursor: bool) -> tuple[float, Any]:

@@ -100,6 +100,9 @@ def decode(handler: str, body: bytes, first_id: int | None = None) -> dict[str, 
     return data if isinstance(data, dict) else {}
 
 
+_RID = b'"record_id":'
+
+
 def _json_from(body: bytes, first_id: int) -> dict[str, Any] | None:
     """The JSON dump with only its entries from ``first_id`` on, parsed from the slice that holds them;
     None (parse it all) wherever the layout is not the one torch writes: entries oldest first and in
@@ -109,10 +112,10 @@ def _json_from(body: bytes, first_id: int) -> dict[str, Any] | None:
     end = body.rfind(b'}],"') + 1  # the entries' closing bracket (no later top-level key holds objects in a list)
     if end <= 0:
         return None
-    pos = body.find(b'"record_id":%d,' % first_id)
+    pos = body.find(_RID + b"%d," % first_id)
     if pos < 0:  # nothing new, or the entry was overwritten (then the gap must be counted: parse all)
-        last = body.rfind(b'"record_id":', 0, end)
-        num = body[last + 12 : last + 32].split(b",", 1)[0] if last >= 0 else b""
+        last = body.rfind(_RID, 0, end)
+        num = body[last + len(_RID) : last + len(_RID) + 20].split(b",", 1)[0] if last >= 0 else b""
         if not num.isdigit() or int(num) != first_id - 1:
             return None
         entries: list[Any] = []
