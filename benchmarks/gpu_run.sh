@@ -13,6 +13,8 @@
 #   RUN=cpu-split bash benchmarks/gpu_run.sh                # CPU beside a reference: on, hooks only, GIL slices alone (~9 min)
 #   RUN=cpu-switch bash benchmarks/gpu_run.sh               # the same with the switch interval lowered while slices wait (~9 min)
 #   RUN=cpu-long bash benchmarks/gpu_run.sh                 # CPU: 60-step blocks, ratios by steps since attach (~9 min)
+#   RUN=cpu-twin-blocks bash benchmarks/gpu_run.sh          # CPU: twin jobs on the core halves, blocks in lockstep (~9 min)
+#   RUN=cpu-twin-runs bash benchmarks/gpu_run.sh            # CPU: twin fresh jobs a slot, attached at start (~9 min)
 #   RUN=gpu-blocks bash benchmarks/gpu_run.sh               # one GPU, blocks (~9 min)
 #   RUN=gpu-runs bash benchmarks/gpu_run.sh                 # one GPU, separate runs (~9 min)
 # The device call's command installs the carried wheels to /tmp/site first (see BENCHMARKS.md).
@@ -95,6 +97,14 @@ for part in $RUN; do
         --pairs 120 --max-s 500 --block 30 --pin 4 --variant fine:HPAR_BENCH_PACE=0.25/25 \
         --variant coarse:HPAR_BENCH_PACE=4/400 --json "$OUT/overhead-cpu-pace.json" 2>&1 | quiet \
         | tee "$OUT/overhead-cpu-pace.log" | tail -n 10 ;;
+    cpu-twin-blocks)  # two 4-rank jobs on the two core halves, agent on one, blocks in lockstep (benchmarks/twin.py)
+      CUDA_VISIBLE_DEVICES= timeout $((${MAX_S:-420} + 130)) python3 -m benchmarks.twin --design blocks --block 60 \
+        --windows 3:22,25:60 --aa --max-s "${MAX_S:-420}" ${TWIN_EXTRA:-} --json "$OUT/twin-blocks.json" 2>&1 | quiet \
+        | tee "$OUT/twin-blocks.log" | grep -v '^\[block' | tail -n 24 ;;
+    cpu-twin-runs)  # two fresh 4-rank jobs a slot, agent attached at start on one, halves swapped (what users get)
+      CUDA_VISIBLE_DEVICES= timeout $((${MAX_S:-450} + 100)) python3 -m benchmarks.twin --design runs --steps 200 \
+        --skip 30 --max-s "${MAX_S:-450}" ${TWIN_EXTRA:-} --json "$OUT/twin-runs.json" 2>&1 | quiet \
+        | tee "$OUT/twin-runs.log" | tail -n 30 ;;
     gpu-blocks)  # one GPU, blocks (attach and detach in one process): the view that resolves a sub-percent cost
       timeout 540 python3 -m benchmarks.overhead --config gpu --design blocks --aa --no-profiler --pairs 200 \
         --max-s 440 --windows 5:15,15:30 --json "$OUT/overhead-gpu-blocks.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-blocks.log" | tail -n 12 ;;

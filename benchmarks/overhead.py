@@ -261,7 +261,15 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
     until = spec.get("until")  # a reference job: "off" blocks until this file appears
     order = spec["order"] if not until else [("off", -1)] * int(spec.get("max_blocks", 100_000))
     variants = spec.get("variants") or {}
+    twin = spec.get("twin")  # benchmarks.twin: a second job beside this one, block for block
     for i, (arm, pair) in enumerate(order):
+        if twin:
+            leader_stops = bool(twin["leader"] and spec.get("max_s") and i and pair >= 0 and pair != order[i - 1][1]
+                                and time.monotonic() - t_start > spec["max_s"])
+            go = [twin_gate(twin, i, leader_stops) if rank == 0 else None]
+            dist.broadcast_object_list(go, src=0)  # outside the block's steps, in every arm alike
+            if not go[0]:
+                break
         agent_on = agent_arm(arm, variants)
         # a fresh job id a block (no stale cross-rank keys from the previous attach); a variant's
         # settings stay with its block
@@ -291,6 +299,8 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
             med = statistics.median(times[spec["block_skip"]:])
             print(f"[block {i + 1}/{len(order)}] {arm:8} pair {pair:2}: step {med * 1e3:9.3f} ms",
                   flush=True)
+        if twin:
+            continue
         if until:
             stop = [os.path.exists(until)]
             dist.broadcast_object_list(stop, src=0)
@@ -307,6 +317,25 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
         Path(spec["out"]).write_text(json.dumps({"blocks": blocks}))
     dist.destroy_process_group()
     return 0
+
+
+def twin_gate(twin: dict[str, Any], i: int, stop: bool) -> bool:
+    """Rank 0 of a twin job before its block ``i``: mark this job's arrival and wait for the other
+    job's, so that both run block ``i`` over the same seconds. The leader's ``stop`` (its ``--max-s``)
+    ends both jobs there. True: run the block."""
+    d = Path(twin["dir"])
+    if stop:
+        (d / f"stop.{i}").touch()
+        return False
+    (d / f"{twin['me']}.{i}").touch()
+    deadline = time.monotonic() + float(twin.get("timeout_s", 900))
+    while not (d / f"{twin['other']}.{i}").exists():
+        if (d / f"stop.{i}").exists():
+            return False
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"twin job {twin['other']} did not reach block {i}")
+        time.sleep(0.002)
+    return True
 
 
 def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Namespace,

@@ -278,7 +278,8 @@ class Trainer:
         dist.broadcast_object_list(box, src=log_rank)
         if self.rank == 0 and self.cfg.out:
             summary = {"config": self.cfg.to_dict(), "world_size": dist.get_world_size(), "losses": box[0],
-                       "step_times": [s["step_s"] for s in self.rec.data["steps"]]}
+                       "step_times": [s["step_s"] for s in self.rec.data["steps"]],
+                       "step_starts": [s["t0"] for s in self.rec.data["steps"]]}  # wall clock, s
             Path(self.cfg.out).write_text(json.dumps(summary, indent=1))
 
 
