@@ -57,6 +57,18 @@ for part in $RUN; do
       [ -n "${SAMPLED:-}" ] && CUDA_VISIBLE_DEVICES= timeout 120 python3 -m benchmarks.rank_timeline --steps 250 --arm on \
         --env HPAR_FR_COMPLETE=0 --json "$OUT/rank-threads-sampled.json" 2>&1 | quiet \
         | tee "$OUT/rank-threads-sampled.log" | grep -v "agent-thread CPU per pass" ;;
+    cpu-long-steps)  # 4 CPU ranks on 8 cores (a twin job's half): steps 12 ms over their median, against what overlapped them
+      longsteps() {  # TAG, then rank_timeline's arguments
+        local tag=$1; shift
+        CUDA_VISIBLE_DEVICES= timeout 150 taskset -c 0-7 python3 -m benchmarks.rank_timeline --steps 500 --skip 40 \
+          --long-ms 12 "$@" --raw "$RAW/$tag.json" --json "$OUT/long-steps-$tag.json" 2>&1 | quiet | grep -v "agent-thread CPU per pass" \
+          | cut -c1-1500 | tee "$OUT/long-steps-$tag.log"
+      }
+      RAW=$(mktemp -d)
+      longsteps on-off --arm on --arm off
+      longsteps slots --arm on --env HPAR_FR_COMPLETE=0
+      longsteps hooks --arm on --env HPAR_INTERVAL=3600 --env HPAR_FR_INTERVAL=86400
+      tar czf "$OUT/long-steps-raw.tgz" -C "$RAW" . ;;
     cpu-reads)  # beside a reference: the agent, and the agent with full reads at fr_interval slots only
       CUDA_VISIBLE_DEVICES= timeout $((${MAX_S:-450} + 110)) python3 -m benchmarks.overhead --config cpu --design blocks \
         --aa --no-profiler --pairs 120 --max-s "${MAX_S:-450}" --block 30 --reference \

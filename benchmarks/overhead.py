@@ -715,13 +715,23 @@ def pin_rank(n: int) -> None:
 
 def allow_dropping_components() -> None:
     """Ablations: ``HPAR_BENCH_DROP=anatomy,pipeline`` (a variant's setting, read at each attach)
-    leaves those components out of what ``attach()`` installs. Benchmark-only: the agent has no such
-    setting (every component is meant to be on)."""
+    leaves those components out of what ``attach()`` installs; ``HPAR_BENCH_RENICE=0`` leaves the
+    worker server's threads, which build the full flight-recorder dumps, at the training process's
+    niceness (the reader process stays at ``HELPER_NICE``). Benchmark-only: the agent has no such
+    settings (every component is meant to be on, its helpers below training)."""
     import hpar_agent.agent as agent_mod
+    from hpar_agent.torch_compat import fr_server
 
     full = agent_mod.default_components
     if getattr(full, "_bench_drop", False):
         return
+    renice = fr_server.DumpServer.renice
+
+    def maybe_renice(server: Any) -> None:
+        if os.environ.get("HPAR_BENCH_RENICE") != "0":
+            renice(server)
+
+    fr_server.DumpServer.renice = maybe_renice  # type: ignore[method-assign]
 
     def chosen(config: Any) -> list[Any]:
         drop = set(filter(None, os.environ.get("HPAR_BENCH_DROP", "").split(",")))

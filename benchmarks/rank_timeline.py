@@ -127,6 +127,44 @@ def thread_cpu(main_tid: int) -> dict[str, int]:
     return out
 
 
+#: Shortest GC pause or agent-thread unit (CPU between two hand-backs of the GIL) recorded as an event.
+LONG_NS = 2_000_000
+
+
+def _record_long_units() -> None:
+    """Every unit of agent-thread work between two hand-backs of the GIL (``gil.Yielder``) that took
+    ``LONG_NS`` of CPU or more, as an event ``unit:<check point before> -> <after>`` ending at its
+    hand-back and as long as its CPU time (a unit that also waited with the GIL released, for the reader
+    process say, held it no longer than that): what a training thread waiting for the GIL then waited for."""
+    import traceback
+
+    from hpar_agent import gil
+
+    hand_back, enter = gil.Yielder.__call__, gil.running.__enter__
+    last: dict[int, tuple[int, int, str]] = {}  # thread id -> (wall ns, CPU ns, site) at the last hand-back
+
+    def site() -> str:
+        f = traceback.extract_stack(limit=4)[0]
+        return f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}"
+
+    def call(y: Any) -> None:
+        if time.perf_counter_ns() - y.since < y.hold_ns:
+            return
+        tid, now, cpu = threading.get_ident(), time.perf_counter_ns(), time.thread_time_ns()
+        w0, c0, where = last.get(tid, (now, cpu, "?"))
+        if cpu - c0 >= LONG_NS:  # its last ``cpu - c0`` ns of wall time (a unit may wait with the GIL released)
+            EVENTS.append((f"unit:{where} -> {site()}", threading.current_thread().name, max(w0, now - (cpu - c0)), now))
+        hand_back(y)
+        last[tid] = (time.perf_counter_ns(), time.thread_time_ns(), site())
+
+    def entered(r: Any) -> Any:
+        last[threading.get_ident()] = (time.perf_counter_ns(), time.thread_time_ns(), "pass start")
+        return enter(r)
+
+    gil.Yielder.__call__ = call  # type: ignore[method-assign]
+    gil.running.__enter__ = entered  # type: ignore[method-assign]
+
+
 def instrument(out_dir: str) -> None:
     """Step ends, agent passes (with their CPU time by component), full FR reads and full collections of
     this rank, dumped at exit."""
@@ -161,10 +199,15 @@ def instrument(out_dir: str) -> None:
     def on_gc(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             started["t"] = time.perf_counter_ns()
-        elif info.get("generation") == 2:
-            EVENTS.append(("gc2", threading.current_thread().name, started.get("t", 0), time.perf_counter_ns()))
+            return
+        gen, t1 = info.get("generation"), time.perf_counter_ns()
+        if gen == 2:
+            EVENTS.append(("gc2", threading.current_thread().name, started.get("t", 0), t1))
+        elif t1 - started.get("t", t1) >= LONG_NS:  # a young collection long enough to stall a step
+            EVENTS.append((f"gc{gen}", threading.current_thread().name, started.get("t", 0), t1))
 
     gc.callbacks.append(on_gc)
+    _record_long_units()
     rank = os.environ.get("RANK", "0")
     atexit.register(lambda: Path(out_dir, f"rank{rank}.json").write_text(
         json.dumps({"steps": STEP_ENDS, "step_cpu": STEP_CPU, "events": EVENTS, "passes": PASSES,
@@ -212,6 +255,42 @@ def analyse(path: Path, skip: int) -> dict[str, Any]:
         "pass_cpu_ms": pass_costs(data.get("passes") or []),
         "thread_cpu_ms_per_s": threads_per_s(data.get("threads") or [], ends[skip] if len(ends) > skip else 0),
     }
+
+
+def _event_class(what: str) -> str:
+    return what if not what.startswith("unit:") else "unit:" + what.split(" -> ")[0][5:].rsplit(":", 1)[-1]
+
+
+def long_steps(paths: list[Path], skip: int, over_ms: float, show: int = 12) -> dict[str, Any]:
+    """Steps of any rank longer than its median by ``over_ms``, against what ran meanwhile on every rank
+    (ranks share ``perf_counter``'s clock): per class of event (a full read, a pass, a collection of
+    each generation, a long agent unit by where it started), how many long steps it overlapped against
+    how many steps of all; and rank 0's first ``show`` long steps with their events."""
+    ranks = [json.loads(p.read_text()) for p in paths]
+    events = [(r, e[0], e[2], e[3]) for r, d in enumerate(ranks) for e in d["events"]]
+    out: dict[str, Any] = {"over_ms": over_ms, "ranks": {}, "classes": {}, "rank0": []}
+    hit: dict[str, list[int]] = {}  # class -> [long steps overlapped, steps overlapped]
+    for r, d in enumerate(ranks):
+        steps = list(itertools.pairwise(d["steps"]))[skip:]
+        if not steps:
+            continue
+        med = statistics.median(b - a for a, b in steps)
+        n_long = 0
+        for a, b in steps:
+            is_long = b - a > med + over_ms * 1e6
+            n_long += is_long
+            over = [(er, what, s0, s1) for er, what, s0, s1 in events if s0 < b and s1 > a]
+            for cls in {_event_class(w) for _, w, _, _ in over}:
+                hit.setdefault(cls, [0, 0])[0 if is_long else 1] += 1
+            if is_long and r == 0 and len(out["rank0"]) < show:
+                out["rank0"].append({"ms": round((b - a) / 1e6, 1), "events": sorted(
+                    {f"r{er} {w} {(s1 - s0) / 1e6:.1f} ms" for er, w, s0, s1 in over if s1 - s0 >= 1e6})})
+        out["ranks"][f"rank{r}"] = {"steps": len(steps), "long": n_long, "median_ms": med / 1e6}
+    n_long = sum(v["long"] for v in out["ranks"].values()) or 1
+    n_all = sum(v["steps"] for v in out["ranks"].values()) or 1
+    out["classes"] = {k: {"long_share": v[0] / n_long, "other_share": v[1] / max(n_all - n_long, 1)}
+                      for k, v in sorted(hit.items(), key=lambda kv: -kv[1][0])}
+    return out
 
 
 def threads_per_s(samples: list[list[Any]], from_ns: int) -> dict[str, float]:
@@ -290,7 +369,7 @@ def reader_cpu(run_dir: str, rank: int) -> dict[str, Any]:
 
 
 def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int,
-            agent_env: dict[str, str]) -> dict[str, Any]:
+            agent_env: dict[str, str], long_ms: float = 0.0, raw: str = "") -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix=f"hpar-rank-timeline-{arm}-")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if arm == "on":
@@ -303,6 +382,11 @@ def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int,
         raise RuntimeError(f"{arm}: torchrun exit {res.returncode}\n{res.stderr[-3000:]}")
     out = {f"rank{r}": {**analyse(Path(work, f"rank{r}.json"), skip),
                         "reader": reader_cpu(os.path.join(work, "agent"), r)} for r in range(nproc)}
+    if long_ms:
+        out["long_steps"] = long_steps([Path(work, f"rank{r}.json") for r in range(nproc)], skip, long_ms)
+    if raw:  # every rank's record as it came, for analyses this script does not print
+        Path(raw).write_text(json.dumps({f"rank{r}": json.loads(Path(work, f"rank{r}.json").read_text())
+                                         for r in range(nproc)}))
     spy = Path(work, "pyspy.rank0.txt")
     if spy.exists():
         out["rank0"]["py_spy"] = training_thread_samples(spy)
@@ -322,6 +406,10 @@ def main() -> int:
     ap.add_argument("--py-spy", default="", metavar="STEP:SECONDS[:RATE]",
                     help="sample rank 0's threads with py-spy for SECONDS from step STEP, RATE a second "
                          "(default 250; the agent thread works ~1 %% of the time: 1000 sees it better), every arm")
+    ap.add_argument("--long-ms", type=float, default=0.0,
+                    help="also attribute the steps this many ms over their rank's median to what overlapped them")
+    ap.add_argument("--raw", default="", metavar="FILE.json",
+                    help="also write every rank's raw record of each arm (FILE-<arm>.json)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.py_spy:
@@ -336,8 +424,10 @@ def main() -> int:
     for arm in a.arm or ["on", "off"]:
         agent_env = dict(kv.split("=", 1) for kv in a.env)
         result["agent_env"] = agent_env
-        ranks = result[arm] = run_arm(arm, a.nproc, args, a.timeout, a.skip, agent_env)
+        raw = a.raw.replace(".json", f"-{arm}.json") if a.raw else ""
+        ranks = result[arm] = run_arm(arm, a.nproc, args, a.timeout, a.skip, agent_env, a.long_ms, raw)
         print(f"== {arm}")
+        longs = ranks.pop("long_steps", None)
         for name, r in ranks.items():
             classes = ", ".join(f"{k} {v['steps']} x {v['median_ms']:.1f} ms" for k, v in r["by_overlap"].items())
             gcs = ", ".join(f"{g['ms']} ms @ {g['after_first_step_s']} s ({g['thread']})" for g in r["gc2_after_first_step"])
@@ -364,6 +454,14 @@ def main() -> int:
                 span_s = r["run_s"] or 1.0
                 print(f"      full reads: {rd} (the reader process: {rd.get('cpu_s', 0) / span_s * 1e3:.1f} ms of CPU a "
                       f"second over the {span_s:.0f} s from the first step, {rd.get('reads', 0) / span_s:.2f} reads a second)")
+        if longs:
+            print(f"   steps {longs['over_ms']:g} ms over their rank's median: "
+                  + ", ".join(f"{k} {v['long']} of {v['steps']}" for k, v in longs["ranks"].items()))
+            print("   what overlapped them (share of long steps / of the other steps, any rank's event): "
+                  + ", ".join(f"{k} {v['long_share']:.0%}/{v['other_share']:.0%}" for k, v in longs["classes"].items()))
+            for st in longs["rank0"]:
+                print(f"      rank0 {st['ms']} ms: " + "; ".join(st["events"]))
+            ranks["long_steps"] = longs
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
     return 0

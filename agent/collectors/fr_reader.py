@@ -4,8 +4,9 @@ A full read on the agent thread holds the training process's GIL twice: while to
 (C++ holding the GIL: 16-45 ms for a 2,000-entry ring) and while ~1,000 new entries are decoded and
 processed in Python (up to 15-23 ms). On a 4-rank CPU job those reads were the agent's long steps
 (BENCHMARKS.md, issue 15). Here torch's worker server (``fr_server.DumpServer``) builds the dump on its
-own C++ thread, and a child process (``python -m hpar_agent.collectors.fr_reader``: no torch, niced)
-fetches it over the server's private unix socket and runs the ``Ledger``. The agent thread sends one
+own C++ threads, and a child process (``python -m hpar_agent.collectors.fr_reader``: no torch) fetches it
+over the server's private unix socket and runs the ``Ledger``; both run at ``fr_server.HELPER_NICE``, below
+the training threads whose cores they share. The agent thread sends one
 request per read and waits on a pipe with the GIL released; it holds the GIL only to apply the
 ``Update`` (plain data, sub-millisecond to unpickle).
 
@@ -32,8 +33,6 @@ from hpar_agent.torch_compat import fr_server
 
 #: Seconds the agent thread waits for one read (the child's own socket wait is shorter).
 TIMEOUT_S = fr_server.TIMEOUT_S + 5.0
-#: The child's niceness: on a host with no idle core it yields to the training processes.
-NICE = 10
 _LEN = struct.Struct("<I")
 
 
@@ -138,6 +137,8 @@ class ReaderProcess:
         if "error" in reply:
             raise ReaderError(f"reader process: {reply['error']}")
         self.reads += 1
+        if self.reads == 1:
+            self.server.renice()  # any thread the server's pool started for that first dump
         upd: Update = reply["update"]
         return upd
 
@@ -211,7 +212,7 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "wb")  # answers go to the pipe the parent reads ...
     os.dup2(2, 1)  # ... and anything printed goes where stderr goes, never into that pipe
     try:
-        os.nice(NICE)
+        os.nice(fr_server.HELPER_NICE)  # on a host with no idle core it yields to training
     except OSError:
         pass
     return serve(sys.stdin.buffer, out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -129,5 +130,21 @@ def test_a_forked_child_that_drops_the_server_leaves_the_parents_serving(gloo) -
         time.sleep(0.2)  # the parent's server thread would have failed by now
         assert fr_server.post(server.path, "ping") == b"pong"
         assert server.dump("gloo")["pg_status"]
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread niceness is read from /proc (Linux)")
+def test_the_servers_threads_run_below_training_and_the_callers_do_not(gloo) -> None:
+    """Every dump runs on one of the server's threads: all of them are set to HELPER_NICE when it
+    starts, and no other thread of the process (the training thread) is touched."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    server = fr_server.DumpServer(["gloo"])
+    try:
+        tids = fr_server._threads(fr_server._SERVER_THREAD)
+        assert tids and server.reniced == tids
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {fr_server.HELPER_NICE}
+        assert os.getpriority(os.PRIO_PROCESS, 0) == mine == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert server.dump("gloo")["pg_status"]  # and they still answer
     finally:
         server.close()
