@@ -81,7 +81,7 @@ def normalize_json(data: dict[str, Any]) -> dict[str, Any]:
 
 def _threads(name: str) -> set[int]:
     """Ids of this process's threads whose name is ``name`` (Linux ``/proc``; empty elsewhere)."""
-    out = set()
+    out: set[int] = set()
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
