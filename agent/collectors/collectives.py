@@ -41,7 +41,7 @@ from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat import flight_recorder as fr
 from hpar_agent.torch_compat.fr_decode import busbw, enqueued_since, pg_label, stuck
 from hpar_agent.torch_compat.fr_server import Unsupported
-from hpar_agent.torch_compat.p2p import P2PWrapper
+from hpar_agent.torch_compat.p2p import P2PWrapper, ops_of, waits_of
 from hpar_agent.traceids import trace_id_hex
 
 if TYPE_CHECKING:
@@ -494,7 +494,7 @@ class CollectiveCollector(Component):
             if rec[0] == "issue":
                 _, t0, infos, work_ids = rec
                 ops = []
-                for op, peer, nbytes, group in infos:
+                for op, peer, nbytes, group in ops_of(infos):
                     backend = self._p2p_backend(group)
                     item = Op(PP_PG, op, -1, nbytes, nbytes, t0, comm_stream_label(PP_PG, backend), 1, peer)
                     if not (backend == "nccl" and "nccl" in self.recorders):  # else the FR counts it
@@ -513,7 +513,7 @@ class CollectiveCollector(Component):
                     del self._pending_p2p[next(iter(self._pending_p2p))]
             else:
                 _, t_enter, done, t_exit = rec
-                for wid, was_done in done:
+                for wid, was_done in waits_of(done):
                     for item in self._pending_p2p.pop(wid, ()):
                         end = t_enter if was_done else t_exit
                         self._finish(item, max(0, end - item.start_ns) / 1e9)

@@ -6,8 +6,15 @@ already complete when the schedule waited, else wait's return). On the training 
 call costs O(ops) and one ``put``; the collector turns the records into counts, bytes and spans on the
 agent thread. Records:
 
-- ``("issue", t0_ns, [(op "send"/"recv", global peer, bytes, group), ...], [id(Work), ...])``
-- ``("wait", t_enter_ns, [(id(Work), was_completed), ...], t_exit_ns)``
+- ``("issue", t0_ns, (op "send"/"recv", global peer, bytes, group, op, peer, ...), (id(Work), ...))``
+- ``("wait", t_enter_ns, (id(Work), was_completed, id(Work), ...), t_exit_ns)``
+
+Records are tuples two deep of ints, strings and process groups (``ops_of`` and ``waits_of`` read the
+flat fields back): the garbage collector stops tracking such a tuple once it sees that everything in it
+is untracked, which for the inner tuples is at the first young collection and for the record at the
+latest at the next. A record lives until the agent thread's next pass (up to a second), long enough in
+a busy training loop to reach the oldest generation if it stayed tracked, and every object that does
+counts towards the next full collection (~200 ms of a CPU rank's training thread, BENCHMARKS.md).
 
 The module is patched only once the program imported pipelining (``p2p_module``), never imported here.
 """
@@ -17,7 +24,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -29,28 +36,40 @@ def p2p_module() -> Any:
     return schedules if hasattr(schedules, "_batch_p2p") else None
 
 
-def p2p_ops_info(p2p_ops: Any) -> list[tuple[str, int, int, Any]]:
-    """(op "send"/"recv", global peer, bytes, group) of each ``dist.P2POp``: O(ops), no allocation
-    beyond the list."""
-    import torch.distributed as dist
-
-    out = []
+def p2p_ops_info(p2p_ops: Any, sends: tuple[Any, ...]) -> tuple[Any, ...]:
+    """op ("send"/"recv"), global peer, bytes and group of each ``dist.P2POp``, one after the other
+    (``sends``: the functions that send, ``dist.isend`` and ``dist.send``): O(ops)."""
+    out: list[Any] = []
     for p in p2p_ops or ():
-        t = p.tensor
-        op = "send" if p.op in (dist.isend, dist.send) else "recv"
-        out.append((op, int(getattr(p, "peer", -1)), t.numel() * t.element_size(), getattr(p, "group", None)))
-    return out
+        out += ("send" if p.op in sends else "recv", int(getattr(p, "peer", -1)), p.tensor.nbytes,
+                getattr(p, "group", None))  # fmt: skip
+    return tuple(out)
 
 
-def works_of(result: Any) -> list[Any]:
-    """Flatten what ``_batch_p2p`` returned across versions (a list, a dict by peer, one Work, None)."""
+def ops_of(info: tuple[Any, ...]) -> Iterator[tuple[str, int, int, Any]]:
+    """``(op, peer, bytes, group)`` of each op of an issue record's flat field."""
+    it = iter(info)
+    return zip(it, it, it, it, strict=True)
+
+
+def waits_of(done: tuple[Any, ...]) -> Iterator[tuple[int, bool]]:
+    """``(id(Work), was_completed)`` of each Work of a wait record's flat field."""
+    it = iter(done)
+    return zip(it, it, strict=True)
+
+
+def works_of(result: Any) -> list[Any] | tuple[Any, ...]:
+    """What ``_batch_p2p`` returned as a sequence of Works, across versions (a list, returned as it is; a
+    dict by peer; one Work; None)."""
+    if type(result) is list or type(result) is tuple:
+        return result
     if result is None:
-        return []
+        return ()
     if isinstance(result, dict):
         return [w for ws in result.values() for w in works_of(ws)]
     if isinstance(result, (list, tuple)):
-        return list(result)
-    return [result]
+        return result
+    return (result,)
 
 
 class P2PWrapper:
@@ -91,15 +110,17 @@ class P2PWrapper:
             self._patch = None
 
     def wrap_batch(self, orig: Any) -> Any:
-        put = self.put
+        import torch.distributed as dist
+
+        put, sends, clock = self.put, (dist.isend, dist.send), time.time_ns
 
         @functools.wraps(orig)
         def batch_p2p(p2p_ops: Any, *args: Any, **kwargs: Any) -> Any:
-            t0 = time.time_ns()
+            t0 = clock()
             out = orig(p2p_ops, *args, **kwargs)
             if self.active:
                 try:
-                    put(("issue", t0, p2p_ops_info(p2p_ops), [id(w) for w in works_of(out)]))
+                    put(("issue", t0, p2p_ops_info(p2p_ops, sends), tuple(map(id, works_of(out)))))
                 except Exception as exc:
                     self.on_error(exc)
             return out
@@ -107,20 +128,23 @@ class P2PWrapper:
         return batch_p2p
 
     def wrap_wait(self, orig: Any) -> Any:
-        put = self.put
+        put, clock = self.put, time.time_ns
 
         @functools.wraps(orig)
         def wait_batch_p2p(work: Any, *args: Any, **kwargs: Any) -> Any:
-            done: list[tuple[int, bool]] = []
-            t0 = time.time_ns()
+            done: tuple[Any, ...] = ()
+            t0 = clock()
             if self.active:
                 try:
-                    done = [(id(w), bool(w.is_completed())) for w in works_of(work)]
+                    flat: list[Any] = []
+                    for w in works_of(work):
+                        flat += (id(w), w.is_completed() is True)
+                    done = tuple(flat)
                 except Exception as exc:
                     self.on_error(exc)
             out = orig(work, *args, **kwargs)
             if done:
-                put(("wait", t0, done, time.time_ns()))
+                put(("wait", t0, done, clock()))
             return out
 
         return wait_batch_p2p

@@ -51,8 +51,9 @@ def test_patches_only_an_imported_module_records_issue_and_wait_and_restores(mon
     mod._wait_batch_p2p(mod._batch_p2p(ops))
     (kind, t0, infos, ids), (wkind, t_enter, done, t_exit) = records
     assert (kind, wkind) == ("issue", "wait")
-    assert infos == [("send", 1, 32, None), ("recv", 3, 48, None)]
-    assert ids == [id(x) for x in works] and done == [(id(works[0]), False), (id(works[1]), True)]
+    assert list(p2p.ops_of(infos)) == [("send", 1, 32, None), ("recv", 3, 48, None)]
+    assert ids == tuple(id(x) for x in works)
+    assert list(p2p.waits_of(done)) == [(id(works[0]), False), (id(works[1]), True)]
     assert t0 <= t_enter <= t_exit and not errors
 
     w.restore()
@@ -78,4 +79,24 @@ def test_a_failing_record_is_reported_not_raised_and_a_later_wrapper_stays(monke
     theirs = mod._wait_batch_p2p = lambda work: "theirs"  # someone wrapped after us
     w.restore()
     assert mod._wait_batch_p2p is theirs  # not clobbered
-    assert p2p.works_of(None) == [] and p2p.works_of(work) == [work]
+    assert p2p.works_of(None) == () and p2p.works_of(work) == (work,)
+    listed = [work]
+    assert p2p.works_of(listed) is listed  # the schedules' own list, not a copy
+
+
+def test_records_are_untracked_by_the_garbage_collector() -> None:
+    """A record lives until the agent's next pass: one the collector tracked would outlive the young
+    generations of a busy loop and count towards the next full collection."""
+    import gc
+
+    records: list[tuple] = []
+    w = p2p.P2PWrapper(records.append, lambda exc: None)
+    w.active = True
+    works = [Work(True)]
+    batch = w.wrap_batch(lambda ops, desc=None: works)
+    wait = w.wrap_wait(lambda work: None)
+    ops = [SimpleNamespace(op=dist.isend, tensor=torch.zeros(4), peer=1, group=None)]  # a ProcessGroup is untracked too
+    wait(batch(ops))
+    gc.collect()  # the first collection that sees them untracks the inner tuples, the second the records
+    gc.collect()
+    assert len(records) == 2 and not any(gc.is_tracked(r) for r in records)
