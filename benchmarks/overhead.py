@@ -607,14 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     a.windows = parse_windows(a.windows)
     os.environ["HPAR_BENCH_PIN"] = str(a.pin)  # read by every torchrun child (pin_rank)
     name = "cpu-smoke" if a.cpu_smoke else a.config
-    cfg = dict(CONFIGS[name])
-    cfg["args"] = [*cfg["args"], *shlex.split(a.extra)]
-    for key, val in (("pairs", a.pairs), ("block", a.block), ("steps", a.steps), ("nproc", a.nproc)):
-        if val > 0:
-            cfg[key] = val
-    for key, val in (("block_skip", a.block_skip), ("skip", a.skip)):
-        if val >= 0:
-            cfg[key] = val
+    cfg = resolve_config(name, a)
     # runs design: one fresh process per run by default (what users get); --in-process reuses this one
     inprocess = cfg["nproc"] == 1 and (a.design == "blocks" or a.in_process)
     if name == "gpu" and not torch.cuda.is_available():
@@ -653,6 +646,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  steps {win:>7} {arm:10} {st['median']:8.4f} {st['ci_lo']:8.4f}-{st['ci_hi']:.4f} "
                   f"({st['ci_coverage']:5.1%}) mean {st['mean']:.4f} +- {st['sem']:.4f}, {st['pairs']} pairs")
     return 0
+
+
+def resolve_config(name: str, a: argparse.Namespace) -> dict[str, Any]:
+    """``CONFIGS[name]`` with the command line's overrides: ``--extra`` trainer arguments, and each of
+    pairs, block, steps, nproc (when > 0) and block_skip, skip (when >= 0)."""
+    cfg = dict(CONFIGS[name])
+    cfg["args"] = [*cfg["args"], *shlex.split(a.extra)]
+    for key in ("pairs", "block", "steps", "nproc"):
+        if getattr(a, key) > 0:
+            cfg[key] = getattr(a, key)
+    for key in ("block_skip", "skip"):
+        if getattr(a, key) >= 0:
+            cfg[key] = getattr(a, key)
+    return cfg
 
 
 def parse_windows(spec: str) -> list[tuple[int, int]]:

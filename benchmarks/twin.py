@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,6 @@ from typing import Any
 
 from benchmarks import overhead
 from benchmarks.overhead import (
-    CONFIGS,
     _torchrun_blocks,
     agent_arm,
     arm_env,
@@ -56,6 +54,7 @@ from benchmarks.overhead import (
     parse_variants,
     parse_windows,
     ratio_stats,
+    resolve_config,
     trainer_args,
 )
 
@@ -245,14 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     a.variants = parse_variants(a.variant)
     a.windows = parse_windows(a.windows)
-    cfg = dict(CONFIGS[a.config])
-    cfg["args"] = [*cfg["args"], *shlex.split(a.extra)]
-    for key, val in (("pairs", a.pairs), ("block", a.block), ("steps", a.steps), ("nproc", a.nproc)):
-        if val > 0:
-            cfg[key] = val
-    for key, val in (("block_skip", a.block_skip), ("skip", a.skip)):
-        if val >= 0:
-            cfg[key] = val
+    cfg = resolve_config(a.config, a)
     arms = ["off", "on"] + (["aa"] if a.aa else []) + list(a.variants)
     halves = core_halves(sorted(os.sched_getaffinity(0)))
     work = tempfile.mkdtemp(prefix="hpar-twin-")
