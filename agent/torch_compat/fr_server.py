@@ -35,11 +35,11 @@ HANDLERS: dict[str, tuple[str, str]] = {
 #: Seconds the agent thread waits for one dump (a stuck server must not stop the agent's passes).
 TIMEOUT_S = 10.0
 #: Niceness of the dump's helpers: the worker server's threads and the reader process. A full read is a
-#: burst of ~30-60 ms of CPU on each (the dump's JSON, its decoding); every rank reads at the same tick,
-#: so on a host whose cores the ranks keep busy the bursts took cores from training threads: on 4 CPU
-#: ranks sharing 8 cores, steps overlapping a read ran ~24 ms longer than the others (``rank_timeline
-#: --long-ms``). At 19 a helper gets ~1.5 % of a contended core against a training thread at 0, and
-#: still all of an idle one.
+#: burst of ~30-60 ms of CPU on each (the dump's JSON, its decoding), on every rank at the same tick: on a
+#: host whose cores the ranks keep busy, at 19 a helper gets ~1.5 % of a contended core against a
+#: training thread at 0, and still all of an idle one. (On 4 CPU ranks sharing 8 cores, steps
+#: overlapping a read ran ~24 ms longer than the others; at 19 they still did, so that is not the cores
+#: alone: BENCHMARKS.md, "Eleventh session".)
 HELPER_NICE = 19
 _SERVER_THREAD = "pt_workerserver"
 
@@ -96,17 +96,13 @@ def _threads(name: str) -> set[int]:
     return out
 
 
-def lower_priority(tids: set[int], nice: int = HELPER_NICE) -> int:
-    """Set each thread's niceness to ``nice`` (per thread on Linux; lowering needs no privilege); the
-    number of threads it reached."""
-    done = 0
+def lower_priority(tids: set[int], nice: int = HELPER_NICE) -> None:
+    """Set each thread's niceness to ``nice`` (per thread on Linux; lowering needs no privilege)."""
     for tid in tids:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
-            done += 1
         except (OSError, AttributeError):
             pass
-    return done
 
 
 def handler_names() -> set[str]:
