@@ -161,9 +161,9 @@ def runs_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace,
 
 # ---------------------------------------------------------------------------------------- blocks design
 def blocks_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace,
-                  halves: tuple[list[int], list[int]], work: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Two long-lived jobs in lockstep, block for block; returns (slots of kept-step medians, per-window
-    slots keyed ``"A:B"``)."""
+                  halves: tuple[list[int], list[int]], work: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Two long-lived jobs in lockstep, block for block; returns the slots of kept-step medians, and
+    ``windows`` (the same slots' medians per ``--windows`` window), ``p99`` and each job's ``blocks``."""
     order = slot_order(arms, cfg["pairs"])
     warm = [(arm, "off" if arm != "off" else "on", -1) for _ in range(a.warm) for arm in ("on", "off")]
     order = warm + order
@@ -192,29 +192,18 @@ def blocks_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace,
                       **{h: {"median_s": statistics.median(b["times"][skip:]),
                              "cpu_s": statistics.median(b["cpu"][skip:]) if b.get("cpu") else None}
                          for h, b in zip(HALVES, (ba, bb), strict=True)}})  # fmt: skip
-        win = {f"{lo}:{hi}": {} for lo, hi in a.windows}
-        for (lo, hi), k in zip(a.windows, win, strict=True):
-            win[k] = {h: {"median_s": statistics.median(b["times"][lo:hi]) if b["times"][lo:hi] else None}
-                      for h, b in zip(HALVES, (ba, bb), strict=True)}  # fmt: skip
+        win = {f"{lo}:{hi}": {h: {"median_s": statistics.median(b["times"][lo:hi]) if b["times"][lo:hi] else None}
+                              for h, b in zip(HALVES, (ba, bb), strict=True)}
+               for lo, hi in a.windows}  # fmt: skip
         windows.append({"a": ba["arm"], "b": bb["arm"], "pair": ba["pair"], "win": win})
-    p99s = pooled_p99(blocks, skip)
-    return slots, [{"windows": windows, "p99": p99s, "blocks": blocks}]
+    return slots, {"windows": windows, "p99": pooled_p99(blocks, arms, skip), "blocks": blocks}
 
 
-def pooled_p99(blocks: list[list[dict[str, Any]]], skip: int) -> dict[str, float]:
-    """Per arm other than off: ``sqrt(p99(X_A) p99(X_B) / (p99(off_A) p99(off_B)))`` over every kept
-    step of the paired blocks of each half (one block holds too few steps for a p99 of its own)."""
-    kept: dict[tuple[str, str], list[float]] = {}
-    for h, bl in zip(HALVES, blocks, strict=True):
-        for b in bl:
-            if b["pair"] >= 0:
-                kept.setdefault((b["arm"], h), []).extend(b["times"][skip:])
-    out = {}
-    for arm in {arm for arm, _ in kept if arm != "off"}:
-        if all(kept.get(k) for k in ((arm, "A"), (arm, "B"), ("off", "A"), ("off", "B"))):
-            out[arm] = (p99(kept[(arm, "A")]) * p99(kept[(arm, "B")])
-                        / (p99(kept[("off", "A")]) * p99(kept[("off", "B")]))) ** 0.5
-    return out
+def pooled_p99(blocks: list[list[dict[str, Any]]], arms: list[str], skip: int) -> dict[str, float]:
+    """Per arm other than off: ``sqrt(p99(X_A) p99(X_B) / (p99(off_A) p99(off_B)))``, each half's ratio
+    from ``overhead.pooled_p99`` (every kept step of its paired blocks: one block holds too few steps)."""
+    a, b = (overhead.pooled_p99(bl, arms, skip) for bl in blocks)
+    return {arm: (a[arm]["ratio"] * b[arm]["ratio"]) ** 0.5 for arm in arms if arm != "off" and arm in a and arm in b}
 
 
 def line(arm: str, st: dict[str, Any]) -> str:
@@ -253,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.design == "runs":
         slots = runs_design(cfg, arms, a, halves, work)
     else:
-        slots, (extra,) = blocks_design(cfg, arms, a, halves, work)
+        slots, extra = blocks_design(cfg, arms, a, halves, work)
     result: dict[str, Any] = {
         "design": f"twin-{a.design}", "config": a.config, "trainer_args": cfg["args"], "nproc": cfg["nproc"],
         "halves": halves, "date": time.strftime("%Y-%m-%d", time.gmtime(t_start)), "wall_s": time.time() - t_start,

@@ -55,4 +55,4 @@ def test_pooled_p99_is_the_geometric_mean_over_the_halves() -> None:
 
     a = blocks([("on", [0.0] + [1.1] * 50), ("off", [0.0] + [1.0] * 50)])
     b = blocks([("off", [0.0] + [2.0] * 50), ("on", [0.0] + [2.2] * 50)])
-    assert pooled_p99([a, b], skip=1) == {"on": pytest.approx(1.1)}
+    assert pooled_p99([a, b], ["off", "on"], skip=1) == {"on": pytest.approx(1.1)}
