@@ -72,6 +72,11 @@ class AgentConfig:
     """auto | otlp | file | none. auto: OTLP when an OTEL endpoint is set, else OTLP-JSON files."""
     event_log: bool = True
     """Write the per-rank JSONL event log into the run directory."""
+    detail_rate: float = 10.0
+    """Steps a second that get the per-step detail (phase anatomy, pipeline chunk times, p2p timing).
+    A faster loop gets it on every k-th step (a divisor or multiple of ``trace_every``, so kept traces
+    stay detailed): the hooks and the agent's work per second stay bounded. Step times, counts and
+    bytes still cover every step. 0: every step."""
     buffer_size: int = 65536
     """Capacity of each hook buffer; overflow is dropped and counted."""
     nccl_timing: bool = True
@@ -222,6 +227,8 @@ def _field_problems(name: str, value: Any) -> list[str]:
         out.append(f"traces must be one of {TRACE_MODES}, got {v!r}")
     elif name == "fr_reader" and v not in FR_READERS:
         out.append(f"fr_reader must be one of {FR_READERS}, got {v!r}")
+    elif name == "detail_rate" and not (math.isfinite(v) and v >= 0):
+        out.append(f"detail_rate must be a finite number of steps a second >= 0 (0: every step), got {v}")
     elif name == "buffer_size" and not 1 <= v <= 1 << 24:
         out.append(f"buffer_size must be 1..{1 << 24}, got {v}")
     elif name in ("dp", "tp", "pp") and not 1 <= v <= 1 << 20:

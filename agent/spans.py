@@ -49,6 +49,7 @@ class StepRecord:
     events: list[tuple[str, int, dict[str, Any]]] = field(default_factory=list)
     anomalous: bool = False
     attributes: dict[str, Any] = field(default_factory=dict)  # extra train.step attributes
+    detailed: bool = True  # the hooks recorded its per-step detail (``StepCollector.stride``)
 
     @property
     def duration_s(self) -> float:

@@ -24,7 +24,8 @@ Hooks, all installed by ``attach(model)``, only append ``(step, code, epoch ns)`
 - optimizer: the global optimizer step pre-hook; the step boundary (post-hook) ends it;
 - data loader: ``_BaseDataLoaderIter.__next__`` wrapped while attached (time inside the loader).
 Pipeline schedules: forward/backward are the pipeline collector's chunk times (CUDA events there on a
-GPU), data wait ends at the first stage-0 forward chunk (CPU clock). Every hook is a no-op while torch.compile traces.
+GPU), data wait ends at the first stage-0 forward chunk (CPU clock). Every hook is a no-op while torch.compile traces,
+and on the steps a fast loop leaves without detail (``StepCollector.stride``): those get no phases.
 
 Clock: on CPU, wall clock. On CUDA wall-clock phases would be launch times (the time shows up wherever
 the CPU next waits for the GPU, e.g. a loss ``.item()`` in the data wait), so each hook also records a
@@ -246,6 +247,8 @@ class AnatomyCollector(Component):
         put, steps = self.buffer.put, self._steps
 
         def __next__(it: Any) -> Any:
+            if steps is not None and not steps.detailed:
+                return orig(it)
             t0 = time.time_ns()
             try:
                 return orig(it)
@@ -283,12 +286,14 @@ class AnatomyCollector(Component):
             self.record_error(exc)
 
     def _fwd_pre(self, module: Any, args: Any) -> None:
-        if self._compiling():
+        steps = self._steps
+        if (steps is not None and not steps.detailed) or self._compiling():
             return
         self._mark(self._step(), FWD0)
 
     def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
-        if self._compiling():
+        steps = self._steps
+        if (steps is not None and not steps.detailed) or self._compiling():
             return
         self._mark(self._step(), FWD1)
         try:
@@ -321,7 +326,7 @@ class AnatomyCollector(Component):
 
     def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         steps = self._steps
-        if steps is None or steps.explicit:
+        if steps is None or steps.explicit or not steps.detailed:
             return
         oid = steps._optimizer_id
         if oid is not None and id(optimizer) != oid:
@@ -330,9 +335,12 @@ class AnatomyCollector(Component):
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """CUDA only: an event after the optimizer's kernels (the step collector's post-hook, installed
-        first, has already counted the step)."""
+        first, has already counted the step); also after an undetailed step the next detailed one is
+        measured from."""
         steps = self._steps
         if steps is None or steps.explicit or steps._optimizer_id != id(optimizer):
+            return
+        if not (steps.prev_detailed or steps.detailed):
             return
         self._mark(steps.count - 1, OPT1)
 
@@ -376,6 +384,9 @@ class AnatomyCollector(Component):
                 break
             finished += 1
             del self._waiting[0]
+            if not rec.detailed:  # its hooks recorded nothing but the end the next step is measured from
+                self._last_end_event = end
+                continue
             step_s = rec.duration_s
             piped = self._pipe is not None and bool(getattr(self._pipe, "_wrapped", None))
             if end is not None and self._last_end_event is not None and not piped:

@@ -12,8 +12,9 @@ Sources, all read on the agent thread except two O(µs) wrappers:
 - the pipelining schedules' ``_batch_p2p``/``_wait_batch_p2p`` module functions, wrapped while
   installed (``torch_compat.p2p``): gloo's FR records no send/recv, and gloo p2p Works have no future, so the issue time and
   the observed completion (the Work was already complete when the schedule waited, else wait's return)
-  give PP traffic its counts, bytes and an upper-bound latency. On NCCL the FR records p2p itself, so
-  the wrapper's ops are not counted twice.
+  give PP traffic its counts, bytes and an upper-bound latency (on a fast loop, of the steps with
+  detail: ``StepCollector.stride``). On NCCL the FR records p2p itself, so the wrapper's ops are not
+  counted twice.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.catalogue import LATENCY_BUCKETS
 from hpar_agent.collectors.fr_ledger import MAX_BOUNDARIES, PP_PG, Groups, Ledger, Op, Update
 from hpar_agent.collectors.fr_reader import ReaderProcess, cpus_per_local_rank
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import LazySpan, SpanRecord
@@ -110,6 +112,7 @@ class CollectiveCollector(Component):
         self._open: dict[str, dict[int, int]] = {}  # pg -> {seq: created ns} not yet completed
         self._backend_of: dict[str, str] = {}  # pg label -> recorder its collectives came from
         self._pending_p2p: dict[int, list[Op]] = {}  # id(Work) -> ops awaiting a wait record
+        self._p2p_untimed: set[int] = set()  # id(Work) of pending ops issued in a step without detail
         self._p2p_groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, backend)
         self._bound_t: list[int] = []
         self._bound_s: list[int] = []
@@ -145,6 +148,7 @@ class CollectiveCollector(Component):
             self._enable_timing()
         self._sync_groups()
         self._active = True
+        self.p2p.steps = ctx.find(StepCollector)
         self._patch_p2p()
         mode = ctx.config.fr_reader
         self._want_reader = mode == "process" or (mode == "auto" and cpus_per_local_rank() >= 2)
@@ -492,7 +496,7 @@ class CollectiveCollector(Component):
             if i % 128 == 127:
                 gil.pause_point()
             if rec[0] == "issue":
-                _, t0, infos, work_ids = rec
+                _, t0, infos, work_ids, timed = rec
                 ops = []
                 for op, peer, nbytes, group in ops_of(infos):
                     backend = self._p2p_backend(group)
@@ -507,14 +511,24 @@ class CollectiveCollector(Component):
                     pairs = [(w, [o]) for w, o in zip(work_ids, ops, strict=True)]
                 else:  # coalesced: the last Work completes the batch
                     pairs = [(work_ids[-1], ops)]
+                untimed = self._p2p_untimed
                 for wid, wops in pairs:
                     self._pending_p2p[wid] = wops
+                    if timed:
+                        untimed.discard(wid)  # an id a freed Work had
+                    else:
+                        untimed.add(wid)
                 while len(self._pending_p2p) > self.max_pending:
-                    del self._pending_p2p[next(iter(self._pending_p2p))]
+                    untimed.discard(wid := next(iter(self._pending_p2p)))
+                    del self._pending_p2p[wid]
             else:
                 _, t_enter, done, t_exit = rec
                 for wid, was_done in waits_of(done):
-                    for item in self._pending_p2p.pop(wid, ()):
+                    ops = self._pending_p2p.pop(wid, [])
+                    if wid in self._p2p_untimed:  # counted at issue; in flight until now
+                        self._p2p_untimed.discard(wid)
+                        continue
+                    for item in ops:
                         end = t_enter if was_done else t_exit
                         self._finish(item, max(0, end - item.start_ns) / 1e9)
 

@@ -3,7 +3,8 @@
 Every pipelining schedule (GPipe, 1F1B, interleaved) calls ``PipelineStage.forward_one_chunk`` and
 ``backward_one_chunk`` once per microbatch, so wrapping those two methods on the stage instances gives
 (stage, microbatch, phase, time) for all of them. On CUDA the time comes from CUDA events resolved on
-the agent thread with ``query()``; the training thread never synchronizes.
+the agent thread with ``query()``; the training thread never synchronizes. On a fast loop only the
+steps with detail (``StepCollector.stride``) are timed, and the bubble ratio is theirs.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class PipelineCollector(Component):
 
         @functools.wraps(orig)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if steps is not None and not steps.detailed:  # a step without detail (StepCollector.stride)
+                return orig(*args, **kwargs)
             # The bookkeeping never raises into the schedule: a failure is counted and the chunk runs.
             try:
                 chunk = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))

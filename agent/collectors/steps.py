@@ -4,10 +4,17 @@ Each boundary also reads the process's page faults and context switches with ``g
 (one syscall, ~0.6 µs; ``/proc/self/stat`` costs ~10 µs to open and parse), so every step's span says
 how many minor/major faults and voluntary/involuntary switches it took: the long-tail signal of a
 rank paging or descheduled on a busy NUMA node.
+
+Per-step detail (phase anatomy, pipeline chunk times, p2p timing) costs the training thread a hook call
+per phase, chunk and op, and the agent thread their processing: on a loop of ~40 ms steps that is the
+agent's largest cost (BENCHMARKS.md). So only every ``stride``-th step gets it once the loop runs faster
+than ``detail_rate`` steps a second: the boundary sets ``detailed`` for the step it opens, and those
+hooks return at once on the other steps. Step times, counts and bytes still cover every step.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from collections.abc import Iterable
@@ -35,11 +42,14 @@ class StepCollector(Component):
     def __init__(self) -> None:
         super().__init__()
         self.count = 0  # boundaries seen; also the index of the step in progress
+        self.detailed = True  # whether the step in progress records its per-step detail
+        self.prev_detailed = True  # the same of the step the last boundary closed
+        self.stride = 1  # every stride-th step is detailed (set on the agent thread)
         self.tokens_pending = 0
         self.explicit = False
         self._optimizer_id: int | None = None
         self._handle: Any = None
-        self.buffer: BoundedBuffer[tuple[int, int, int, tuple[int, int, int, int]]] = BoundedBuffer(
+        self.buffer: BoundedBuffer[tuple[int, int, int, tuple[int, int, int, int], bool]] = BoundedBuffer(
             "steps", 1 << 16
         )
         self.buffers = (self.buffer,)
@@ -83,9 +93,11 @@ class StepCollector(Component):
         t = time.time_ns()
         step = self.count
         self.count = step + 1
+        self.prev_detailed = detailed = self.detailed
+        self.detailed = (step + 1) % self.stride == 0
         if tokens is not None:
             self.tokens_pending += tokens
-        self.buffer.put((step, t, self.tokens_pending, _rusage()))
+        self.buffer.put((step, t, self.tokens_pending, _rusage(), detailed))
         self.tokens_pending = 0
         ctx = self.ctx
         if ctx is not None:
@@ -96,8 +108,8 @@ class StepCollector(Component):
         ctx = self.ctx
         assert ctx is not None
         every = ctx.config.trace_every
-        for step, end_ns, tokens, ru in self.buffer.drain():
-            rec = StepRecord(step=step, start_ns=self.last_end_ns, end_ns=end_ns)
+        for step, end_ns, tokens, ru, detailed in self.buffer.drain():
+            rec = StepRecord(step=step, start_ns=self.last_end_ns, end_ns=end_ns, detailed=detailed)
             prev, self.rusage = self.rusage, ru
             rec.attributes = {
                 name: now_ - was for name, now_, was in zip(STEP_RUSAGE_ATTRS, ru, prev, strict=True)
@@ -113,6 +125,7 @@ class StepCollector(Component):
             self.durations.append(dur)
             del self.durations[:-512]
             self._completed.append(rec)
+        self.stride = detail_stride(self.durations, ctx.config.detail_rate, every)
 
     def take_completed(self) -> list[StepRecord]:
         out, self._completed = self._completed, []
@@ -149,7 +162,29 @@ class StepCollector(Component):
             "tokens": self.tokens_total,
             "step_seconds_p50": d[len(d) // 2] if d else None,
             "step_seconds_max": d[-1] if d else None,
+            "detail_stride": self.stride,
         }
+
+
+#: Recent steps the step rate for ``detail_stride`` is taken from, and how many it needs.
+RATE_WINDOW, RATE_MIN_STEPS = 64, 8
+
+
+def detail_stride(durations: list[float], rate: float, trace_every: int) -> int:
+    """Every how many steps one gets the per-step detail, for at most ``rate`` detailed steps a second
+    at the recent median step time (1 below ``rate``, with too few steps, or ``rate`` 0). With traces
+    kept every ``trace_every`` steps the stride is a divisor of it (or a multiple, past it), so every
+    kept trace holds its step's phases."""
+    recent = durations[-RATE_WINDOW:]
+    if rate <= 0 or len(recent) < RATE_MIN_STEPS:
+        return 1
+    median = sorted(recent)[len(recent) // 2]
+    k = math.ceil(1.0 / (median * rate)) if median > 0 else 1
+    if k <= 1 or trace_every <= 0:
+        return max(1, k)
+    if k <= trace_every:
+        return next(d for d in range(k, trace_every + 1) if trace_every % d == 0)
+    return -(-k // trace_every) * trace_every
 
 
 #: ``train.step`` attributes of the per-step deltas, in ``_rusage`` order.

@@ -6,7 +6,8 @@ already complete when the schedule waited, else wait's return). On the training 
 call costs O(ops) and one ``put``; the collector turns the records into counts, bytes and spans on the
 agent thread. Records:
 
-- ``("issue", t0_ns, (op "send"/"recv", global peer, bytes, group, op, peer, ...), (id(Work), ...))``
+- ``("issue", t0_ns, (op "send"/"recv", global peer, bytes, group, op, peer, ...), (id(Work), ...), timed)``
+  (``timed``: the step in progress has detail, ``StepCollector.stride``; the others' ops are counted, not timed)
 - ``("wait", t_enter_ns, (id(Work), was_completed, id(Work), ...), t_exit_ns)``
 
 Records are tuples two deep of ints, strings and process groups (``ops_of`` and ``waits_of`` read the
@@ -79,6 +80,7 @@ class P2PWrapper:
         self.put = put
         self.on_error = on_error
         self.active = False
+        self.steps: Any = None  # the StepCollector whose ``detailed`` says whether an issue is timed
         self._patch: tuple[Any, Any, Any] | None = None
 
     @property
@@ -112,7 +114,7 @@ class P2PWrapper:
     def wrap_batch(self, orig: Any) -> Any:
         import torch.distributed as dist
 
-        put, sends, clock = self.put, (dist.isend, dist.send), time.time_ns
+        put, sends, clock, steps = self.put, (dist.isend, dist.send), time.time_ns, self.steps
 
         @functools.wraps(orig)
         def batch_p2p(p2p_ops: Any, *args: Any, **kwargs: Any) -> Any:
@@ -120,7 +122,8 @@ class P2PWrapper:
             out = orig(p2p_ops, *args, **kwargs)
             if self.active:
                 try:
-                    put(("issue", t0, p2p_ops_info(p2p_ops, sends), tuple(map(id, works_of(out)))))
+                    put(("issue", t0, p2p_ops_info(p2p_ops, sends), tuple(map(id, works_of(out))),
+                         steps is None or steps.detailed))  # fmt: skip
                 except Exception as exc:
                     self.on_error(exc)
             return out

@@ -68,6 +68,32 @@ def test_phases_from_hooks_match_the_time_spent(agent) -> None:
     assert s["source"] == "module-hooks" and s["clock"] == "cpu"
 
 
+def test_a_fast_loop_gets_phases_on_every_strideth_step_only(agent) -> None:
+    """With ``StepCollector.stride`` 3 the hooks record steps 0, 3, 6 only and the others get no
+    phases (they are timed and counted all the same)."""
+    model = Slow(0.0, 0.0)
+    a = agent(model)
+    steps, anatomy = a.component("steps"), a.component("anatomy")
+    steps.stride = 3  # what detail_stride gives a loop at 3x detail_rate; no tick before the loop ends
+    _loop(model, 9)
+    assert sorted({item[0] for item in anatomy.buffer._items}) == [0, 3, 6]  # what the hooks recorded
+    a.tick()
+    assert anatomy.hists["forward"].count == 3 and anatomy.hists["backward"].count == 3
+    assert steps.total == 9
+
+
+@pytest.mark.parametrize(
+    ("median_s", "rate", "every", "stride"),
+    [(0.2, 10.0, 10, 1), (0.043, 10.0, 10, 5), (0.043, 0.0, 10, 1), (0.055, 10.0, 10, 2),
+     (0.004, 10.0, 10, 30), (0.043, 10.0, 0, 3), (0.043, 10.0, 4, 4)],
+)
+def test_detail_stride_bounds_the_detailed_steps_a_second(median_s, rate, every, stride) -> None:
+    from hpar_agent.collectors.steps import detail_stride
+
+    assert detail_stride([median_s] * 20, rate, every) == stride
+    assert detail_stride([median_s] * 3, rate, every) == 1  # too few steps to know the rate
+
+
 def test_slow_input_is_named_input_bound_with_its_share(agent) -> None:
     model = Slow(0.0, 0.0)
     a = agent(model)

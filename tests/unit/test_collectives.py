@@ -373,6 +373,13 @@ def test_p2p_wrappers_count_time_and_restore(tmp_path):
         batch(ops)  # issued, never waited: in flight
         agent.tick()
         assert get("hpar_collective_inflight", {**L, "pg": "pp"}) == 2
+        agent.component("steps").detailed = False  # a step a fast loop leaves without detail
+        works[:] = [Work(True), Work(True)]
+        wait(batch(ops))
+        agent.tick()
+        assert get("hpar_collectives_total", {**L, "pg": "pp", "op": "send"}) == 3  # counted
+        assert get("hpar_collective_duration_seconds_count", {**L, "pg": "pp", "op": "send", "stream": "cpu"}) == 1
+        assert get("hpar_collective_inflight", {**L, "pg": "pp"}) == 2  # done, not timed; the earlier two wait on
     finally:
         agent.stop()
     assert sched._batch_p2p is orig_batch and sched._wait_batch_p2p is orig_wait

@@ -307,3 +307,22 @@ def test_pipeline_chunk_bookkeeping_never_raises_into_the_schedule():
     wrapped = c._wrap(SimpleNamespace(device=None, stage_index=0), lambda *a, **k: ("ran", a), "forward")
     assert wrapped(3) == ("ran", (3,))
     assert len(errors) == 1 and "buffer broke" in str(errors[0])
+
+
+def test_pipeline_chunks_of_a_step_without_detail_are_not_timed(tmp_path):
+    """On a fast loop's steps without detail (``StepCollector.stride``) the chunk runs untouched."""
+    from types import SimpleNamespace
+
+    from hpar_agent.agent import Agent
+
+    agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    agent.start()
+    try:
+        pipe, steps = agent.component("pipeline"), agent.component("steps")
+        wrapped = pipe._wrap(SimpleNamespace(device=None, stage_index=0), lambda *a, **k: "ran", "forward")
+        steps.detailed = False
+        assert wrapped(0) == "ran" and len(pipe.buffer) == 0
+        steps.detailed = True
+        assert wrapped(1) == "ran" and len(pipe.buffer) == 1
+    finally:
+        agent.stop()

@@ -49,8 +49,8 @@ def test_patches_only_an_imported_module_records_issue_and_wait_and_restores(mon
         SimpleNamespace(op=dist.irecv, tensor=torch.zeros(2, 3, dtype=torch.float64), peer=3, group=None),
     ]
     mod._wait_batch_p2p(mod._batch_p2p(ops))
-    (kind, t0, infos, ids), (wkind, t_enter, done, t_exit) = records
-    assert (kind, wkind) == ("issue", "wait")
+    (kind, t0, infos, ids, timed), (wkind, t_enter, done, t_exit) = records
+    assert (kind, wkind, timed) == ("issue", "wait", True)  # no step collector: every issue is timed
     assert list(p2p.ops_of(infos)) == [("send", 1, 32, None), ("recv", 3, 48, None)]
     assert ids == tuple(id(x) for x in works)
     assert list(p2p.waits_of(done)) == [(id(works[0]), False), (id(works[1]), True)]
@@ -100,3 +100,18 @@ def test_records_are_untracked_by_the_garbage_collector() -> None:
     gc.collect()  # the first collection that sees them untracks the inner tuples, the second the records
     gc.collect()
     assert len(records) == 2 and not any(gc.is_tracked(r) for r in records)
+
+
+def test_an_issue_in_a_step_without_detail_is_recorded_untimed() -> None:
+    """A fast loop details every k-th step (``StepCollector.stride``): the others' ops are still
+    recorded (counts, bytes, in flight), flagged so the agent does not time them."""
+    records: list[tuple] = []
+    w = p2p.P2PWrapper(records.append, lambda exc: None)
+    w.active = True
+    w.steps = steps = SimpleNamespace(detailed=False)
+    batch = w.wrap_batch(lambda ops, desc=None: [Work(True)])
+    ops = [SimpleNamespace(op=dist.isend, tensor=torch.zeros(4), peer=1, group=None)]
+    batch(ops)
+    steps.detailed = True
+    batch(ops)
+    assert [r[-1] for r in records] == [False, True]
