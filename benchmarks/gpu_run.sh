@@ -17,6 +17,7 @@
 #   RUN=cpu-twin-runs bash benchmarks/gpu_run.sh            # CPU: twin fresh jobs a slot, attached at start (~9 min)
 #   RUN=gpu-blocks bash benchmarks/gpu_run.sh               # one GPU, blocks (~9 min)
 #   RUN=gpu-runs bash benchmarks/gpu_run.sh                 # one GPU, separate runs (~9 min)
+#   RUN=gpu-detail bash benchmarks/gpu_run.sh               # one GPU, a fast loop's phases, every k-th step vs every step (~2 min)
 # The device call's command installs the carried wheels to /tmp/site first (see BENCHMARKS.md).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
@@ -123,6 +124,16 @@ for part in $RUN; do
     gpu-runs)  # one GPU, a fresh process per run, the agent attached before the first step (what users get)
       timeout 520 python3 -m benchmarks.overhead --config gpu --design runs --no-profiler --steps 50 --skip 10 \
         --pairs 14 --json "$OUT/overhead-gpu-runs.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-runs.log" | tail -n 8 ;;
+    gpu-detail)  # one GPU, a fast loop (~100+ steps/s): phases with every k-th step detailed, and with every step
+      for rate in 10 0; do
+        HPAR_DETAIL_RATE=$rate HPAR_RUN_DIR="$OUT/detail-$rate" HPAR_METRICS_PORT=-1 timeout 150 python3 -m hpar_trainer \
+          --device cuda --layers 2 --dim 256 --heads 4 --seq-len 64 --global-batch 8 --steps 600 --log-every 200 2>&1 \
+          | quiet | tail -n 2
+        python3 -c "import json,sys; s=json.load(open(sys.argv[1])); c=s['components']; print('HPAR_DETAIL_RATE=$rate',
+          'stride', c['steps']['detail_stride'], 'steps', c['steps']['steps'], 'anatomy', c['anatomy']['clock'],
+          {k: round(v * 1e3, 3) for k, v in c['anatomy']['phase_seconds_p50'].items()}, 'ms; errors', s['errors'])" \
+          "$OUT/detail-$rate/summary.rank0.json" | tee -a "$OUT/gpu-detail.log"
+      done ;;
     *) echo "unknown part $part" ;;
   esac
 done
