@@ -233,6 +233,40 @@ def test_cuda_events_give_stream_phases_and_wait_for_completion() -> None:
     assert c.verdict == "input-bound"  # 27% of the stream's step time idle, waiting for input
 
 
+def test_cuda_phases_of_a_detailed_step_are_measured_from_the_undetailed_step_before() -> None:
+    """A fast loop's step without detail records only its end event (the optimizer post-hook does when
+    the next step is detailed): it gets no phases, and the next step's offsets start at that end."""
+    from hpar_agent.spans import StepRecord
+
+    c = AnatomyCollector()
+    ms = 1_000_000
+    c._last_end_event = FakeEvent(-500.0)  # an older step's end: measuring from it would add 500 ms
+    prev_end = FakeEvent(0.0)
+    c._events[2] = [(6, 1 * ms, 0, prev_end)]
+    c.on_step(StepRecord(step=2, start_ns=0, end_ns=1 * ms, detailed=False))
+    assert c.history == [] and c._last_end_event is prev_end
+    end = FakeEvent(110.0)
+    c._events[3] = [(0, 31 * ms, 0, FakeEvent(30.0)), (1, 32 * ms, 0, FakeEvent(60.0)), (2, 33 * ms, 0, FakeEvent(60.0)),
+                    (3, 34 * ms, 0, FakeEvent(100.0)), (4, 35 * ms, 0, FakeEvent(100.0)), (6, 36 * ms, 0, end)]
+    c.on_step(StepRecord(step=3, start_ns=1 * ms, end_ns=36 * ms))
+    (step, step_s, phases, _loader), = c.history
+    assert step == 3 and step_s == pytest.approx(0.11)
+    assert phases["forward"] == pytest.approx(0.03) and phases["optimizer"] == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize(("prev", "nxt", "recorded"), [(True, False, True), (False, True, True), (False, False, False)])
+def test_cuda_end_event_is_recorded_for_a_detailed_step_and_the_one_before(prev, nxt, recorded) -> None:
+    from types import SimpleNamespace
+
+    c = AnatomyCollector()
+    opt = object()
+    c._steps = SimpleNamespace(explicit=False, _optimizer_id=id(opt), count=5, prev_detailed=prev, detailed=nxt)
+    c._event = lambda enable_timing: SimpleNamespace(record=lambda stream: None)
+    c._stream = lambda: None
+    c._opt_post(opt, (), {})
+    assert [item[:2] for item in c.buffer.drain()] == ([(4, 6)] if recorded else [])  # (step, OPT1)
+
+
 def test_cuda_stream_idle_of_a_host_bound_loop_is_not_data_wait() -> None:
     """A small model on an H200: the host reaches the forward 1 ms after the step boundary, but launches
     so slowly that the stream sits idle 30 ms. That is launch overhead, not input: data wait is the
