@@ -6,10 +6,11 @@ how many minor/major faults and voluntary/involuntary switches it took: the long
 rank paging or descheduled on a busy NUMA node.
 
 Per-step detail (phase anatomy, pipeline chunk times, p2p timing) costs the training thread a hook call
-per phase, chunk and op, and the agent thread their processing: on a loop of ~40 ms steps that is the
-agent's largest cost (BENCHMARKS.md). So only every ``stride``-th step gets it once the loop runs faster
-than ``detail_rate`` steps a second: the boundary sets ``detailed`` for the step it opens, and those
-hooks return at once on the other steps. Step times, counts and bytes still cover every step.
+per phase, chunk and op, and the agent thread their processing, both growing with the step rate (about
+a third of the agent thread's work a pass on 4 CPU ranks at 4-23 steps a second, BENCHMARKS.md). So
+only every ``stride``-th step gets it once the loop runs faster than ``detail_rate`` steps a second: the
+boundary sets ``detailed`` for the step it opens, and those hooks return at once on the other steps.
+Step times, counts and bytes still cover every step.
 """
 
 from __future__ import annotations
