@@ -39,7 +39,8 @@ def anatomy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, extra in RUNS.items():  # one after the other: one multi-rank run at a time
         run = base / name
         env = {"HPAR_RUN_DIR": str(run), "HPAR_JOB_ID": name, "HPAR_METRICS_PORT": "-1",
-               "HPAR_TRACES": "file" if name == "slow-data" else "none", "HPAR_TRACE_EVERY": "1"}
+               "HPAR_TRACES": "file" if name == "slow-data" else "none", "HPAR_TRACE_EVERY": "1",
+               "HPAR_DETAIL_RATE": "0"}  # every step's phases, however fast the machine
         res = run_torchrun(2, [*BASE, *extra, "--out", str(run / "trainer.json")], env=env, timeout=300)
         assert res.returncode == 0, (name, res.stderr[-3000:])
         out[name] = run

@@ -59,7 +59,9 @@ def background_runs(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp, HttpReceiver() as receiver:
         for var in _OTEL_VARS:  # the standard variable alone must route the spans
             mp.delenv(var, raising=False)
-        otel_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.base_endpoint, "HPAR_TRACE_EVERY": "1", **no_endpoint}
+        # every step traced and detailed (a faster machine would detail every k-th only): the counts below are per step
+        otel_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.base_endpoint, "HPAR_TRACE_EVERY": "1",
+                    "HPAR_DETAIL_RATE": "0", **no_endpoint}
         runs: dict[str, LiveRun] = {}
         try:
             runs["traces"] = LiveRun(root / "traces", TRACE_ARGS, env=otel_env)
