@@ -124,7 +124,7 @@ for part in $RUN; do
     gpu-runs)  # one GPU, a fresh process per run, the agent attached before the first step (what users get)
       timeout 520 python3 -m benchmarks.overhead --config gpu --design runs --no-profiler --steps 50 --skip 10 \
         --pairs 14 --json "$OUT/overhead-gpu-runs.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-runs.log" | tail -n 8 ;;
-    gpu-detail)  # one GPU, a fast loop (~100+ steps/s): phases with every k-th step detailed, and with every step
+    gpu-detail)  # one GPU, a small model's fast loop: phases with every k-th step detailed, and with every step
       for rate in 10 0; do
         HPAR_DETAIL_RATE=$rate HPAR_RUN_DIR="$OUT/detail-$rate" HPAR_METRICS_PORT=-1 timeout 150 python3 -m hpar_trainer \
           --device cuda --layers 2 --dim 256 --heads 4 --seq-len 64 --global-batch 8 --steps 600 --log-every 200 2>&1 \

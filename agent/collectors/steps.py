@@ -6,8 +6,9 @@ how many minor/major faults and voluntary/involuntary switches it took: the long
 rank paging or descheduled on a busy NUMA node.
 
 Per-step detail (phase anatomy, pipeline chunk times, p2p timing) costs the training thread a hook call
-per phase, chunk and op, and the agent thread their processing, both growing with the step rate (about
-a third of the agent thread's work a pass on 4 CPU ranks at 4-23 steps a second, BENCHMARKS.md). So
+per phase, chunk and op, and the agent thread their processing, both growing with the step rate (on 4
+CPU ranks of a 2-core VM, detailing every 5th step cut the agent thread's CPU a pass by ~30 %,
+BENCHMARKS.md). So
 only every ``stride``-th step gets it once the loop runs faster than ``detail_rate`` steps a second: the
 boundary sets ``detailed`` for the step it opens, and those hooks return at once on the other steps.
 Step times, counts and bytes still cover every step.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import resource
+import statistics
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -179,7 +181,7 @@ def detail_stride(durations: list[float], rate: float, trace_every: int) -> int:
     recent = durations[-RATE_WINDOW:]
     if rate <= 0 or len(recent) < RATE_MIN_STEPS:
         return 1
-    median = sorted(recent)[len(recent) // 2]
+    median = statistics.median(recent)
     k = math.ceil(1.0 / (median * rate)) if median > 0 else 1
     if k <= 1 or trace_every <= 0:
         return max(1, k)
