@@ -25,7 +25,7 @@ from hpar_agent.alert_callbacks import Alert, AlertCallbacks
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
 from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.steps import StepCollector
-from hpar_agent.component import Component
+from hpar_agent.component import WAKE_GRID_S, Component
 from hpar_agent.config import AgentConfig
 from hpar_agent.context import AgentContext
 from hpar_agent.detectors.component import DetectorsComponent
@@ -76,6 +76,8 @@ class Agent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tick_lock = threading.Lock()
+        self._last_wake = 0.0  # epoch s of the last wake between passes (``wake``)
+        self._pass_wall_s = 0.0  # recent paced passes' wall time, s (decaying max; a wake waits for a pass)
         self.events = EventLog(None, 0)
         self.metrics_url: str | None = None
         self.run_dir = ""
@@ -97,6 +99,7 @@ class Agent:
                 config=self.config, topology=self.topology, families=self.families, events=self.events,
                 record_error=self.record_error, spans=self, on_step_boundary=self.on_step_boundary,
                 is_stopping=self._stop.is_set, dispatch_alert=self._dispatch_alert, device=self.device,
+                pass_wall_s=lambda: self._pass_wall_s,
                 model=self.model, optimizer=self.optimizer, mesh=self.mesh, run_dir=self.run_dir,
                 components=self.components,
             )  # fmt: skip
@@ -337,12 +340,48 @@ class Agent:
         iv = self.config.interval
         return iv - time.time() % iv
 
+    def _next_wake(self) -> tuple[float, list[Component]]:
+        """Seconds to the agent thread's next work, and the components it is for (empty: a pass).
+        A component's ``wake_at`` before the next tick, on ``WAKE_GRID_S``'s grid, comes first."""
+        tick = self._until_next_tick()
+        now = time.time()
+        due: dict[Component, float] = {}
+        for comp in self.components:
+            if _overrides(comp, "wake_at"):
+                try:
+                    at = comp.wake_at()
+                except Exception as exc:
+                    self.record_error(comp.name, exc)
+                    continue
+                if at is not None and math.isfinite(at):
+                    due[comp] = math.ceil(at / WAKE_GRID_S) * WAKE_GRID_S
+        # never sooner than a grid step after the last wake: a due its poll could not clear (a failing
+        # probe) waits for the pass instead of spinning
+        first = max(min(due.values(), default=math.inf), self._last_wake + WAKE_GRID_S)
+        if first - now >= tick - WAKE_GRID_S:  # the pass comes first, or as good as
+            return tick, []
+        return max(0.0, first - now), [c for c, at in due.items() if at <= first]
+
     def _run(self) -> None:
-        while not self._stop.wait(self._until_next_tick()):
+        while True:
+            wait, woken = self._next_wake()
+            if self._stop.wait(wait):
+                return
             try:
-                self.tick(paced=True)
+                self.wake(woken) if woken else self.tick(paced=True)
             except Exception as exc:  # never let the thread die
                 self.record_error("agent", exc)
+
+    def wake(self, components: list[Component]) -> None:
+        """Between passes: ``poll`` only the components whose ``wake_at`` came (a read at the ring's
+        turnover); what they gathered is exported at the next pass."""
+        with self._tick_lock, gil.running(Yielder(cancel=self._stop)):
+            now = self._last_wake = time.time()
+            for comp in components:
+                try:
+                    comp.poll(now)
+                except Exception as exc:
+                    self.record_error(comp.name, exc)
 
     def tick(self, final: bool = False, paced: bool = False) -> None:
         """One agent-thread pass: poll every component, then finish completed steps. The pass hands
@@ -353,6 +392,8 @@ class Agent:
             deadline = int(self._pace_deadline(now) * 1e9) if paced and not final else 0
             with gil.running(Yielder(deadline_ns=deadline, cancel=self._stop)) as handback:
                 self._pass(now, final, handback)
+            if paced:
+                self._pass_wall_s = max(time.time() - now, self._pass_wall_s / 2)
 
     def _pace_deadline(self, now: float) -> float:
         """When a paced pass stops pacing: ``PACE_BUDGET`` of the interval after the tick it belongs

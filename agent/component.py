@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from hpar_agent.spans import StepRecord
 
 
+#: Wakes between passes (``Component.wake_at``) fall on this grid of the wall clock: ranks whose
+#: reads come due together read at the same instant.
+WAKE_GRID_S = 0.05
+
+
 class Component:
     """Base class; subclasses override what they need. ``name`` is the ``component`` label value."""
 
@@ -51,6 +56,11 @@ class Component:
 
     def poll(self, now: float) -> None:
         """Agent thread: drain buffers, poll sources, update state."""
+
+    def wake_at(self) -> float | None:
+        """Agent thread: epoch seconds before the next pass at which this component wants its ``poll``
+        run on its own (the flight recorder's ring turning over); None: at the passes only."""
+        return None
 
     def step_hook(self, step: int, t_ns: int) -> None:
         """Training thread, inside the step-boundary hook: must be O(µs), only append. Only

@@ -31,6 +31,8 @@ FR_READERS = ("auto", "process", "inline")
 #: above an hour nothing is observed; ``inf`` would overflow the thread's wait.
 INTERVAL_RANGE = (0.05, 3600.0)
 FR_INTERVAL_MAX = 86400.0
+#: Above 0.95 a read comes too close to the ring's turnover to absorb a wake's jitter.
+FR_FILL_RANGE = (0.1, 0.95)
 #: Threshold keys of the DetectorsComponent itself (besides ``<Alert>.<param>`` of each detector).
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
 #: A job id names a directory: no separators, no "..", bounded.
@@ -62,10 +64,14 @@ class AgentConfig:
     fr_interval: float = 5.0
     """Seconds between full flight-recorder reads (hangs and a filling ring read earlier)."""
     fr_complete: bool = True
-    """Read the flight recorder before its ring turns over (an early read when half of it refilled),
-    so every entry is counted. Off: full reads at ``fr_interval`` only, what the ring overwrote in
+    """Read the flight recorder before its ring turns over (an early read when ``fr_fill`` of it
+    refilled), so every entry is counted. Off: full reads at ``fr_interval`` only, what the ring overwrote in
     between counted in ``hpar_collective_unobserved_total``; less CPU beside training where collectives
     are many and small (each read dumps the whole ring: ~90 ms of CPU for 2,000 gloo entries)."""
+    fr_fill: float = 0.8
+    """Fraction of the flight-recorder ring refilled at which the early read is due: the agent thread
+    wakes for it when the entry rate says, between passes. Each read dumps the whole ring, so a
+    higher fill reads each entry fewer times; a lower one leaves more room for a rate that jumps."""
     trace_every: int = 10
     """Keep every Nth step's trace (slow/anomalous steps always); 0 disables tracing."""
     traces: str = "auto"
@@ -217,6 +223,8 @@ def _field_problems(name: str, value: Any) -> list[str]:
     elif name == "fr_interval" and not (math.isfinite(v) and 0 < v <= FR_INTERVAL_MAX):
         # reads happen on ticks: a tiny value means "read in full on every tick", never a busy loop
         out.append(f"fr_interval must be a finite number of seconds in (0, {FR_INTERVAL_MAX:g}], got {v}")
+    elif name == "fr_fill" and not (math.isfinite(v) and FR_FILL_RANGE[0] <= v <= FR_FILL_RANGE[1]):
+        out.append(f"fr_fill must be a fraction of the ring in {FR_FILL_RANGE[0]:g}..{FR_FILL_RANGE[1]:g}, got {v}")
     elif name == "metrics_addr" and not _valid_host(v):
         out.append(f"metrics_addr must be an IP address or a host name, got {v!r}")
     elif name == "job_id" and v and not _JOB_ID.match(v):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import os
 import time
 from collections import Counter, deque
@@ -36,7 +37,7 @@ from hpar_agent.catalogue import LATENCY_BUCKETS
 from hpar_agent.collectors.fr_ledger import MAX_BOUNDARIES, PP_PG, Groups, Ledger, Op, Update
 from hpar_agent.collectors.fr_reader import ReaderProcess, cpus_per_local_rank
 from hpar_agent.collectors.steps import StepCollector
-from hpar_agent.component import Component
+from hpar_agent.component import WAKE_GRID_S, Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import LazySpan, SpanRecord
 from hpar_agent.streams import comm_stream_label
@@ -53,6 +54,13 @@ log = logging.getLogger("hpar_agent")
 
 #: Entries a flight recorder keeps when its size env var is unset (torch's default).
 FR_DEFAULT_ENTRIES = 2000
+#: A read due this soon is done now rather than at a wake of its own (the wakes' grid).
+WAKE_SLACK_S = WAKE_GRID_S
+#: How much faster than its estimate the entry rate may turn before the ring is read.
+RATE_RISE = 1.25
+#: Probes closer together than this leave the probe rate as it was (a wake's probe just after a pass's),
+#: and a read this recent gives no rate of its own.
+PROBE_RATE_MIN_S = 0.5
 #: Steps whose reduced elements are kept for the gradient-sync coverage (see ``gradsync``).
 MAX_REDUCE_STEPS = 256
 
@@ -105,6 +113,10 @@ class CollectiveCollector(Component):
         self._p2p_in_fr: dict[str, bool] = {}  # recorder -> its entries include p2p ops
         self._prev_read_ns: dict[str, int] = {}  # recorder -> epoch ns of the full dump before the last
         self._rate: dict[str, float] = {}  # recorder -> entries per second between the last two reads
+        self._due: dict[str, float] = {}  # recorder -> epoch s its ring will have refilled ``fr_fill``
+        self._probe_t: dict[str, float] = {}  # recorder -> epoch s of the last probe
+        self._probe_rate: dict[str, float] = {}  # recorder -> collectives a second between two probes
+        self._latency: dict[str, float] = {}  # recorder -> recent full reads' round trip, s (decaying max)
         self.full_reads = 0
         self.read_reasons: Counter[str] = Counter()  # full reads by what called for them (the summary's)
         self._ring = FR_DEFAULT_ENTRIES
@@ -353,6 +365,8 @@ class CollectiveCollector(Component):
                     self._apply(upd)
                     status = upd.status or status
                 self._update_status(rec, status, now_ns)
+                if self.require_ctx().config.fr_complete:  # after the read: at the rate it measured
+                    self._due[rec] = self._refill_due(rec, status, now)
                 del upd
             gil.pause_point()
 
@@ -367,11 +381,16 @@ class CollectiveCollector(Component):
         earlier only when it must: the first read (one, even of a ring that holds nothing yet: a CUDA
         build has a gloo and an NCCL recorder, and a job uses one), a group whose in-flight op has not
         completed since the last probe (a hang or a straggler in the making: its entry must be seen
-        now), a ring half refilled since the last full read (by ``pg_status``, or by the entry rate for
-        the p2p it does not count; not with ``fr_complete`` off), or the final tick. Between reads a
-        ``pg_status``-only probe (µs) keeps in-flight state fresh."""
+        now), a ring refilled ``fr_fill`` since the last full read (``refill_due``; not with
+        ``fr_complete`` off), or the final tick. Between reads a ``pg_status``-only probe (µs) keeps
+        in-flight state fresh."""
         status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
         last_probe, self._probe[rec] = self._probe.get(rec), status
+        since_probe = now - self._probe_t.get(rec, now)
+        if since_probe >= PROBE_RATE_MIN_S or rec not in self._probe_t:
+            if since_probe > 0:
+                self._probe_rate[rec] = enqueued_since(status, last_probe) / since_probe
+            self._probe_t[rec] = now
         agent = self.require_ctx()
         slot = int(now // agent.config.fr_interval)
         unread = status != self._status.get(rec)
@@ -380,10 +399,10 @@ class CollectiveCollector(Component):
         reason = (
             "first" if rec not in self._read_ns  # not _cursor: an empty ring's read sets none
             else "final" if agent.stopping
-            else "slot" if moved and slot != self._slot.get(rec)
+            else "slot" if moved and slot != self._slot.get(rec) and not self._turnover_before(rec, slot + 1)
             else "in flight" if unread and stuck(status, last_probe)
             else "ring refill"
-            if agent.config.fr_complete and self._new_entries(rec, status, now) >= self._ring // 2
+            if agent.config.fr_complete and self._refill_due(rec, status, now) <= now + self._horizon(rec)
             else None
         )
         if reason is None:
@@ -394,13 +413,58 @@ class CollectiveCollector(Component):
         self._prev_read_ns[rec] = self._read_ns.get(rec, 0)
         self._read_ns[rec] = int(now * 1e9)
         self.full_reads += 1
-        return status, self._full_read(rec, int(now * 1e9))
+        t0 = time.perf_counter()
+        upd = self._full_read(rec, int(now * 1e9))
+        self._latency[rec] = max(time.perf_counter() - t0, self._latency.get(rec, 0.0) / 2)
+        return status, upd
 
-    def _new_entries(self, rec: str, status: dict[str, Any], now: float) -> float:
-        """Entries the ring took since the last full read: the collectives ``pg_status`` counts, or the
-        record-id rate of the last two reads (p2p included) times the time since, the larger."""
-        since_s = now - self._read_ns.get(rec, 0) / 1e9
-        return max(enqueued_since(status, self._status.get(rec)), self._rate.get(rec, 0.0) * since_s)
+    def _refill_due(self, rec: str, status: dict[str, Any], now: float) -> float:
+        """Epoch seconds at which the ring will have taken ``fr_fill`` of its size since the last full
+        read, or earlier by twice the recent reads' round trip before it would be full at
+        ``RATE_RISE`` times the rate (a dump reflects the ring when torch's server builds it, which a
+        loaded host delays; a loop speeds up between two estimates); ``now`` once due, ``inf`` with
+        no entry rate known. The rate is the largest of the record ids' rate between the last two
+        reads (p2p included), the collectives ``pg_status`` counted since the last read, and those
+        counted between the last two probes a pass apart (a loop speeding up after its compile).
+        Each entry of a dump costs the same (~25 µs of the worker server's CPU), so reading at the
+        turnover rather than at each pass past half the ring dumps every entry ~1/fr_fill times
+        instead of up to twice."""
+        since_s = max(0.0, now - self._read_ns.get(rec, 0) / 1e9)
+        counted = enqueued_since(status, self._status.get(rec))
+        since_rate = counted / since_s if since_s >= PROBE_RATE_MIN_S else 0.0  # a few entries in ms: noise
+        rate = max(self._rate.get(rec, 0.0), self._probe_rate.get(rec, 0.0), since_rate)
+        new = max(counted, rate * since_s)
+        if rate <= 0:
+            return now if new >= self.require_ctx().config.fr_fill * self._ring else math.inf
+        margin_s = 2 * self._latency.get(rec, 0.0) + WAKE_GRID_S
+        fill_s = (self.require_ctx().config.fr_fill * self._ring - new) / rate
+        full_s = (self._ring - new) / (RATE_RISE * rate) - margin_s  # before a faster loop fills it
+        at = min(fill_s, full_s)
+        return now + at if at > 0 else now
+
+    def _turnover_before(self, rec: str, slot: int) -> bool:
+        """Whether ``rec``'s turnover read comes before ``slot`` starts: a slot's read would only
+        reset the ring's fill a moment before it (a ring that turns over reads at least once a slot)."""
+        agent = self.require_ctx()
+        return agent.config.fr_complete and self._due.get(rec, math.inf) < slot * agent.config.fr_interval
+
+    def _off_gil(self, rec: str) -> bool:
+        """Whether ``rec``'s full reads run in the reader process (the GIL is held only to apply them)."""
+        return self._reader is not None and rec in self._reader.recorders
+
+    def _horizon(self, rec: str) -> float:
+        """How far ahead a poll reads a turnover due: a read off the GIL gets a wake of its own when
+        due, unless it falls within this pass (the agent thread wakes only once a pass is done, and a
+        paced pass on a loaded host spreads over most of the interval); an inline one holds the GIL for
+        the dump, so it stays at the passes, aligned across ranks, and reads when the turnover would
+        come before the next pass."""
+        ctx = self.require_ctx()
+        return WAKE_SLACK_S + (ctx.pass_wall_s() if self._off_gil(rec) else ctx.config.interval)
+
+    def wake_at(self) -> float | None:
+        """The earliest ring turnover due of a recorder read off the GIL: the agent thread wakes for
+        that read then, between passes."""
+        return min((due for rec, due in self._due.items() if self._off_gil(rec)), default=None)
 
     def span_watermark_ns(self) -> int | None:
         """Spans come from timed FR entries (NCCL with timing: up to the last full read, less those

@@ -59,7 +59,7 @@ def test_a_full_flight_recorder_read_is_processed_with_collection_paused(monkeyp
 
     monkeypatch.setattr(CollectiveCollector, "_read", read)
     c = CollectiveCollector()
-    c.ctx = type("Ctx", (), {"config": type("Cfg", (), {"nccl_timing": False})()})()  # type: ignore[assignment]
+    c.ctx = type("Ctx", (), {"config": type("Cfg", (), {"nccl_timing": False, "fr_complete": False})()})()  # type: ignore[assignment]
     c.recorders = ["gloo", "nccl"]
     monkeypatch.setattr(c, "_patch_p2p", lambda: None)
     c.poll(time.time())

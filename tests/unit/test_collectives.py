@@ -235,16 +235,16 @@ def test_full_reads_once_per_slot_unless_stuck_or_ring_filling(fake):
     agent.tick()  # still stuck, but nothing new since that read: probe only
     assert rec.full_dumps == n + 1
     assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 3
-    c._ring = 8
-    for i in range(4):
+    c._ring = 10
+    for i in range(8):
         rec.add(3 + i, 1, "1", "mesh_dp", 4 + i)
-    agent.tick()  # four collectives since the last full read: half the ring
+    agent.tick()  # eight collectives since the last full read: 0.8 of the ring
     assert rec.full_dumps == n + 2
-    rec.add(7, 1, "1", "mesh_dp", 8)
+    rec.add(11, 1, "1", "mesh_dp", 12)
     agent.config.fr_interval = 1e-6
     agent.tick()  # a new slot with something moved
     assert rec.full_dumps == n + 3
-    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 8
+    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 12
 
 
 def test_fr_complete_off_reads_at_slots_only_and_counts_what_the_ring_overwrote(fake):
@@ -268,26 +268,64 @@ def test_fr_complete_off_reads_at_slots_only_and_counts_what_the_ring_overwrote(
     assert get("hpar_collective_unobserved_total", {**L, "pg": "dp"}) == 2  # rid 1 and 2
 
 
-def test_p2p_entry_rate_reads_before_the_ring_overflows(fake, monkeypatch):
+def test_p2p_entry_rate_reads_at_the_rings_turnover_between_passes(fake, monkeypatch):
     rec, agent, c = fake
+    monkeypatch.setattr(c, "_off_gil", lambda rec: True)  # as reads in the reader process are
     c._ring = 40
     clock = [1000.0]
     monkeypatch.setattr(time, "time", lambda: clock[0])
     rid = 0
-    dumps = []
-    for second in range(5):  # 10 p2p sends a second, which pg_status does not count
-        for _ in range(10):
+
+    def send(n: int) -> None:  # p2p sends, which pg_status does not count
+        nonlocal rid
+        for _ in range(n):
             rec.add(rid, 2, "2", "mesh_pp", rid + 1, name="nccl:send", p2p=True)
             rid += 1
+
+    for _ in range(2):  # 10 sends a second, read in two short slots: the rate (10/s)
+        send(10)
         clock[0] += 1.0
-        agent.config.fr_interval = 1e-6 if second < 2 else 3600.0  # two slots, then one long one
         agent.tick()
-        dumps.append(rec.full_dumps)
-    # reads in the short slots give the rate (10/s); in the long slot (entered at the third tick) the
-    # next read comes once half the ring (20 entries) piled up, not at the slot's end
-    assert [d - dumps[0] for d in dumps] == [0, 1, 2, 2, 3]
+    # 0.8 of the ring (32 entries) comes at 3.2 s; full at 1.25x the rate (4 s x 0.8) less a grid step first
+    assert c.wake_at() == pytest.approx(1002.0 + 3.2 - 0.05, abs=0.01)
+    agent.config.fr_interval = 3600.0  # one long slot from here, whose read the turnover's makes moot
+    n = rec.full_dumps
+    for _ in range(3):
+        send(10)
+        clock[0] += 1.0
+        agent.tick()  # passes before the turnover: no read (half the ring no longer calls for one)
+    assert rec.full_dumps == n and c.read_reasons["ring refill"] == 0 and c.read_reasons["slot"] == 1
+    assert c.wake_at() == pytest.approx(1002.0 + 3.2, abs=0.01)  # 30 entries in: the fill bound rules
+    wait, woken = agent._next_wake()  # the agent thread's next work: the wake, before the next tick
+    assert woken == [c] and wait == pytest.approx(0.2, abs=0.01)
+    send(2)
+    clock[0] += wait
+    agent.wake(woken)  # only the collector's poll: it reads
+    assert rec.full_dumps == n + 1 and c.read_reasons["ring refill"] == 1
+    assert c.wake_at() == pytest.approx(clock[0] + 3.15, abs=0.05)
     get = agent.registry.get_sample_value
     assert get("hpar_collectives_total", {**L, "pg": "pp", "op": "send"}) == rid
+    assert not get("hpar_collective_unobserved_total", {**L, "pg": "pp"})
+
+
+def test_a_wake_that_does_not_clear_waits_a_grid_step_and_collectives_alone_count_from_pg_status(fake, monkeypatch):
+    rec, agent, c = fake
+    monkeypatch.setattr(c, "_off_gil", lambda rec: True)  # as reads in the reader process are
+    agent.config.fr_interval = 3600.0
+    c._ring = 100
+    clock = [2000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    rec.add(0, 1, "1", "mesh_dp", 1)
+    agent.tick()  # the first read
+    for i in range(1, 21):  # 20 collectives in 0.5 s: pg_status alone gives the rate (40/s)
+        rec.add(i, 1, "1", "mesh_dp", 1 + i)
+    clock[0] += 0.5
+    agent.tick()
+    assert c.wake_at() == pytest.approx(2000.0 + 0.8 * 100 / 40)
+    monkeypatch.setattr(c, "wake_at", lambda: clock[0] - 1.0)  # a due its poll never clears
+    agent._last_wake = clock[0]
+    wait, woken = agent._next_wake()
+    assert woken == [c] and wait == pytest.approx(0.05, abs=1e-6)  # not at once, not in a loop
 
 
 def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):
@@ -461,3 +499,25 @@ def test_entries_of_one_shape_are_decoded_once_and_counted_each(fake, monkeypatc
     agent.tick()
     assert len(c._ledger._decoded) == 1
     assert get("hpar_collective_bytes_total", {**L, "pg": "dp", "op": "all_reduce"}) == 6 * 1024 + 2048
+
+
+def test_inline_reads_stay_at_the_passes_and_read_when_the_turnover_comes_before_the_next(fake, monkeypatch):
+    rec, agent, c = fake  # reads on the agent thread (the fixture's fr_reader=inline)
+    agent.config.fr_interval = 3600.0
+    c._ring = 100
+    clock = [3000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    rec.add(0, 1, "1", "mesh_dp", 1)
+    agent.tick()  # the first read
+    n = rec.full_dumps
+    dumps = []
+    for step in range(2):  # 20 collectives every half second (40/s): 0.8 of the ring 2 s after the read
+        for i in range(20):
+            seq = 2 + 20 * step + i
+            rec.add(seq - 1, 1, "1", "mesh_dp", seq)
+        clock[0] += 0.5
+        agent.tick()
+        dumps.append(rec.full_dumps - n)
+        assert c.wake_at() is None  # never a wake of its own: an inline read holds the GIL
+    # at 3000.5 the turnover (3002.0) comes after the next pass (3001.5); at 3001.0, with it
+    assert dumps == [0, 1] and c.read_reasons["ring refill"] == 1
