@@ -55,9 +55,9 @@ for part in $RUN; do
     cpu-threads)  # 4 CPU ranks, on and off: CPU a second by thread (the worker server's dumps, the reader process)
       CUDA_VISIBLE_DEVICES= timeout 200 python3 -m benchmarks.rank_timeline --steps 250 --arm on --arm off \
         --json "$OUT/rank-threads.json" 2>&1 | quiet | tee "$OUT/rank-threads.log" | grep -v "agent-thread CPU per pass"
-      [ -n "${SAMPLED:-}" ] && CUDA_VISIBLE_DEVICES= timeout 120 python3 -m benchmarks.rank_timeline --steps 250 --arm on \
-        --env HPAR_FR_COMPLETE=0 --json "$OUT/rank-threads-sampled.json" 2>&1 | quiet \
-        | tee "$OUT/rank-threads-sampled.log" | grep -v "agent-thread CPU per pass" ;;
+      if [ -n "${SAMPLED:-}" ]; then CUDA_VISIBLE_DEVICES= timeout 120 python3 -m benchmarks.rank_timeline --steps 250 \
+        --arm on --env HPAR_FR_COMPLETE=0 --json "$OUT/rank-threads-sampled.json" 2>&1 | quiet \
+        | tee "$OUT/rank-threads-sampled.log" | grep -v "agent-thread CPU per pass"; fi ;;
     cpu-long-steps)  # 4 CPU ranks on 8 cores (a twin job's half): steps 12 ms over their median, against what overlapped them
       longsteps() {  # TAG, then rank_timeline's arguments
         local tag=$1; shift

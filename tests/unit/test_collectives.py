@@ -521,3 +521,28 @@ def test_inline_reads_stay_at_the_passes_and_read_when_the_turnover_comes_before
         assert c.wake_at() is None  # never a wake of its own: an inline read holds the GIL
     # at 3000.5 the turnover (3002.0) comes after the next pass (3001.5); at 3001.0, with it
     assert dumps == [0, 1] and c.read_reasons["ring refill"] == 1
+
+
+def test_a_turnover_due_within_a_paced_pass_is_read_at_the_pass(fake, monkeypatch):
+    """The agent thread wakes only once a pass is done: a read due before the pass would end (a paced
+    pass on a loaded host spreads over most of the interval) happens in the pass itself."""
+    rec, agent, c = fake
+    monkeypatch.setattr(c, "_off_gil", lambda rec: True)  # as reads in the reader process are
+    agent.config.fr_interval = 3600.0
+    c._ring = 100
+    clock = [4000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    rec.add(0, 1, "1", "mesh_dp", 1)
+    agent.tick()
+    n = rec.full_dumps
+    for i in range(1, 41):  # 40 collectives in 1 s: 0.8 of the ring 2 s after the read, capped by 1.25x
+        rec.add(i, 1, "1", "mesh_dp", 1 + i)
+    clock[0] += 1.0
+    agent.tick()
+    assert rec.full_dumps == n and c.wake_at() is not None and c.wake_at() > clock[0] + 0.5
+    agent._pass_wall_s = 0.8  # the passes take 0.8 s of wall time: the due falls inside the next one
+    for i in range(41, 61):
+        rec.add(i, 1, "1", "mesh_dp", 1 + i)
+    clock[0] += 0.5
+    agent.tick()
+    assert rec.full_dumps == n + 1 and c.read_reasons["ring refill"] == 1
