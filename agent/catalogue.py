@@ -303,7 +303,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("HPAR_RUN_DIR", "run_dir", "Directory for the event log, evidence files and local traces."),
     EnvVar("HPAR_JOB_ID", "job_id", "Job identifier shared by all ranks (default: torchrun's run id, else generated)."),
     EnvVar("HPAR_INTERVAL", "interval", "Seconds between agent-thread polls, at the same wall-clock instants on every rank."),
-    EnvVar("HPAR_FR_INTERVAL", "fr_interval", "Seconds between full flight-recorder reads; a stuck op or a half-refilled ring reads earlier."),
+    EnvVar("HPAR_FR_INTERVAL", "fr_interval", "Seconds between full flight-recorder reads; a stuck op or a ring refilled to HPAR_FR_FILL reads earlier."),
     EnvVar("HPAR_FR_COMPLETE", "fr_complete", "Read the flight recorder before its ring turns over (at HPAR_FR_FILL), so every entry is counted (false: full reads every HPAR_FR_INTERVAL only, overwritten entries counted in hpar_collective_unobserved_total; less CPU beside training at high collective rates)."),
     EnvVar("HPAR_FR_FILL", "fr_fill", "Fraction of the flight-recorder ring refilled at which the early read (HPAR_FR_COMPLETE) is due; the agent thread wakes for it between passes when the entry rate says (each read dumps the whole ring: higher reads each entry fewer times, lower leaves room for a rate that jumps)."),
     EnvVar("HPAR_TRACE_EVERY", "trace_every", "Keep the trace of every Nth step (slow or anomalous steps are always kept; 0: no traces)."),

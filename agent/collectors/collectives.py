@@ -381,7 +381,7 @@ class CollectiveCollector(Component):
         earlier only when it must: the first read (one, even of a ring that holds nothing yet: a CUDA
         build has a gloo and an NCCL recorder, and a job uses one), a group whose in-flight op has not
         completed since the last probe (a hang or a straggler in the making: its entry must be seen
-        now), a ring refilled ``fr_fill`` since the last full read (``refill_due``; not with
+        now), a ring refilled ``fr_fill`` since the last full read (``_refill_due``; not with
         ``fr_complete`` off), or the final tick. Between reads a ``pg_status``-only probe (µs) keeps
         in-flight state fresh."""
         status = fr.dump(rec, include_collectives=False).get("pg_status") or {}

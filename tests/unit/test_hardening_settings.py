@@ -25,6 +25,8 @@ def _fresh_warnings(monkeypatch):
         ("HPAR_INTERVAL", "1e-9", "interval", 1.0),
         ("HPAR_INTERVAL", "nan", "interval", 1.0),
         ("HPAR_FR_INTERVAL", "inf", "fr_interval", 5.0),
+        ("HPAR_FR_FILL", "1.0", "fr_fill", 0.8),  # a read at the very turnover loses entries
+        ("HPAR_FR_FILL", "nan", "fr_fill", 0.8),
         ("HPAR_METRICS_ADDR", "garbage addr!", "metrics_addr", "0.0.0.0"),
         ("HPAR_METRICS_ADDR", "300.1.2.3.4/8", "metrics_addr", "0.0.0.0"),
         ("HPAR_JOB_ID", "../../etc", "job_id", ""),
@@ -45,6 +47,7 @@ def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, ca
         {"interval": float("inf")},
         {"interval": 1e-9},
         {"interval": "1"},  # wrong type: ValueError, not TypeError
+        {"fr_fill": 0.05},
         {"metrics_port": "9470"},
         {"metrics_port": True},
         {"metrics_addr": "garbage addr!"},
