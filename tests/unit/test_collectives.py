@@ -308,15 +308,24 @@ def test_p2p_entry_rate_reads_at_the_rings_turnover_between_passes(fake, monkeyp
     assert not get("hpar_collective_unobserved_total", {**L, "pg": "pp"})
 
 
-def test_a_wake_that_does_not_clear_waits_a_grid_step_and_collectives_alone_count_from_pg_status(fake, monkeypatch):
+def _first_read_at(fake, monkeypatch, *, ring: int, t0: float, off_gil: bool) -> list[float]:
+    """One long slot, a ring of ``ring`` entries, the wall clock at ``t0`` (the returned cell moves it),
+    and the first read done; ``off_gil``: reads as in the reader process (wakes between passes)."""
     rec, agent, c = fake
-    monkeypatch.setattr(c, "_off_gil", lambda rec: True)  # as reads in the reader process are
+    if off_gil:
+        monkeypatch.setattr(c, "_off_gil", lambda rec: True)
     agent.config.fr_interval = 3600.0
-    c._ring = 100
-    clock = [2000.0]
+    c._ring = ring
+    clock = [t0]
     monkeypatch.setattr(time, "time", lambda: clock[0])
     rec.add(0, 1, "1", "mesh_dp", 1)
     agent.tick()  # the first read
+    return clock
+
+
+def test_a_wake_that_does_not_clear_waits_a_grid_step_and_collectives_alone_count_from_pg_status(fake, monkeypatch):
+    rec, agent, c = fake
+    clock = _first_read_at(fake, monkeypatch, ring=100, t0=2000.0, off_gil=True)
     for i in range(1, 21):  # 20 collectives in 0.5 s: pg_status alone gives the rate (40/s)
         rec.add(i, 1, "1", "mesh_dp", 1 + i)
     clock[0] += 0.5
@@ -503,12 +512,7 @@ def test_entries_of_one_shape_are_decoded_once_and_counted_each(fake, monkeypatc
 
 def test_inline_reads_stay_at_the_passes_and_read_when_the_turnover_comes_before_the_next(fake, monkeypatch):
     rec, agent, c = fake  # reads on the agent thread (the fixture's fr_reader=inline)
-    agent.config.fr_interval = 3600.0
-    c._ring = 100
-    clock = [3000.0]
-    monkeypatch.setattr(time, "time", lambda: clock[0])
-    rec.add(0, 1, "1", "mesh_dp", 1)
-    agent.tick()  # the first read
+    clock = _first_read_at(fake, monkeypatch, ring=100, t0=3000.0, off_gil=False)
     n = rec.full_dumps
     dumps = []
     for step in range(2):  # 20 collectives every half second (40/s): 0.8 of the ring 2 s after the read
@@ -527,13 +531,7 @@ def test_a_turnover_due_within_a_paced_pass_is_read_at_the_pass(fake, monkeypatc
     """The agent thread wakes only once a pass is done: a read due before the pass would end (a paced
     pass on a loaded host spreads over most of the interval) happens in the pass itself."""
     rec, agent, c = fake
-    monkeypatch.setattr(c, "_off_gil", lambda rec: True)  # as reads in the reader process are
-    agent.config.fr_interval = 3600.0
-    c._ring = 100
-    clock = [4000.0]
-    monkeypatch.setattr(time, "time", lambda: clock[0])
-    rec.add(0, 1, "1", "mesh_dp", 1)
-    agent.tick()
+    clock = _first_read_at(fake, monkeypatch, ring=100, t0=4000.0, off_gil=True)
     n = rec.full_dumps
     for i in range(1, 41):  # 40 collectives in 1 s: 0.8 of the ring 2 s after the read, capped by 1.25x
         rec.add(i, 1, "1", "mesh_dp", 1 + i)
