@@ -348,11 +348,7 @@ class Agent:
         due: dict[Component, float] = {}
         for comp in self.components:
             if _overrides(comp, "wake_at"):
-                try:
-                    at = comp.wake_at()
-                except Exception as exc:
-                    self.record_error(comp.name, exc)
-                    continue
+                at = self.guard(comp.name, comp.wake_at)
                 if at is not None and math.isfinite(at):
                     due[comp] = math.ceil(at / WAKE_GRID_S) * WAKE_GRID_S
         # never sooner than a grid step after the last wake: a due its poll could not clear (a failing
@@ -378,10 +374,7 @@ class Agent:
         with self._tick_lock, gil.running(Yielder(cancel=self._stop)):
             now = self._last_wake = time.time()
             for comp in components:
-                try:
-                    comp.poll(now)
-                except Exception as exc:
-                    self.record_error(comp.name, exc)
+                self.guard(comp.name, comp.poll, now)
 
     def tick(self, final: bool = False, paced: bool = False) -> None:
         """One agent-thread pass: poll every component, then finish completed steps. The pass hands

@@ -54,8 +54,6 @@ log = logging.getLogger("hpar_agent")
 
 #: Entries a flight recorder keeps when its size env var is unset (torch's default).
 FR_DEFAULT_ENTRIES = 2000
-#: A read due this soon is done now rather than at a wake of its own (the wakes' grid).
-WAKE_SLACK_S = WAKE_GRID_S
 #: How much faster than its estimate the entry rate may turn before the ring is read.
 RATE_RISE = 1.25
 #: Probes closer together than this leave the probe rate as it was (a wake's probe just after a pass's),
@@ -114,7 +112,7 @@ class CollectiveCollector(Component):
         self._prev_read_ns: dict[str, int] = {}  # recorder -> epoch ns of the full dump before the last
         self._rate: dict[str, float] = {}  # recorder -> entries per second between the last two reads
         self._due: dict[str, float] = {}  # recorder -> epoch s its ring will have refilled ``fr_fill``
-        self._probe_t: dict[str, float] = {}  # recorder -> epoch s of the last probe
+        self._rate_probe: dict[str, tuple[float, Any]] = {}  # recorder -> (epoch s, pg_status) the probe rate is from
         self._probe_rate: dict[str, float] = {}  # recorder -> collectives a second between two probes
         self._latency: dict[str, float] = {}  # recorder -> recent full reads' round trip, s (decaying max)
         self.full_reads = 0
@@ -386,11 +384,11 @@ class CollectiveCollector(Component):
         in-flight state fresh."""
         status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
         last_probe, self._probe[rec] = self._probe.get(rec), status
-        since_probe = now - self._probe_t.get(rec, now)
-        if since_probe >= PROBE_RATE_MIN_S or rec not in self._probe_t:
-            if since_probe > 0:
-                self._probe_rate[rec] = enqueued_since(status, last_probe) / since_probe
-            self._probe_t[rec] = now
+        t_prev, st_prev = self._rate_probe.get(rec, (None, None))
+        if t_prev is None or now - t_prev >= PROBE_RATE_MIN_S:  # counted over the same span it divides by
+            if t_prev is not None:
+                self._probe_rate[rec] = enqueued_since(status, st_prev) / (now - t_prev)
+            self._rate_probe[rec] = (now, status)
         agent = self.require_ctx()
         slot = int(now // agent.config.fr_interval)
         unread = status != self._status.get(rec)
@@ -434,10 +432,11 @@ class CollectiveCollector(Component):
         since_rate = counted / since_s if since_s >= PROBE_RATE_MIN_S else 0.0  # a few entries in ms: noise
         rate = max(self._rate.get(rec, 0.0), self._probe_rate.get(rec, 0.0), since_rate)
         new = max(counted, rate * since_s)
+        fill = self.require_ctx().config.fr_fill * self._ring
         if rate <= 0:
-            return now if new >= self.require_ctx().config.fr_fill * self._ring else math.inf
+            return now if new >= fill else math.inf
         margin_s = 2 * self._latency.get(rec, 0.0) + WAKE_GRID_S
-        fill_s = (self.require_ctx().config.fr_fill * self._ring - new) / rate
+        fill_s = (fill - new) / rate
         full_s = (self._ring - new) / (RATE_RISE * rate) - margin_s  # before a faster loop fills it
         at = min(fill_s, full_s)
         return now + at if at > 0 else now
@@ -459,7 +458,7 @@ class CollectiveCollector(Component):
         the dump, so it stays at the passes, aligned across ranks, and reads when the turnover would
         come before the next pass."""
         ctx = self.require_ctx()
-        return WAKE_SLACK_S + (ctx.pass_wall_s() if self._off_gil(rec) else ctx.config.interval)
+        return WAKE_GRID_S + (ctx.pass_wall_s() if self._off_gil(rec) else ctx.config.interval)
 
     def wake_at(self) -> float | None:
         """The earliest ring turnover due of a recorder read off the GIL: the agent thread wakes for

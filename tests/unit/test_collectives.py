@@ -544,3 +544,28 @@ def test_a_turnover_due_within_a_paced_pass_is_read_at_the_pass(fake, monkeypatc
     clock[0] += 0.5
     agent.tick()
     assert rec.full_dumps == n + 1 and c.read_reasons["ring refill"] == 1
+
+
+def test_the_probe_rate_counts_over_the_span_it_divides_by(fake, monkeypatch):
+    """A wake's probe between two passes leaves the probe rate alone; the next pass's rate counts the
+    collectives since the probe it is measured from, not since the wake's."""
+    rec, agent, c = fake
+    clock = _first_read_at(fake, monkeypatch, ring=1000, t0=5000.0, off_gil=True)
+    seq = 1
+
+    def run(n: int, seconds: float) -> None:
+        nonlocal seq
+        for _ in range(n):
+            rec.add(seq, 1, "1", "mesh_dp", seq + 1)
+            seq += 1
+        clock[0] += seconds
+
+    run(40, 1.0)
+    agent.tick()
+    assert c._probe_rate["nccl"] == pytest.approx(40.0)
+    run(8, 0.2)
+    agent.wake([c])  # 0.2 s after the pass's probe: too close to measure a rate over
+    assert c._probe_rate["nccl"] == pytest.approx(40.0)
+    run(16, 0.4)
+    agent.tick()  # 24 collectives in the 0.6 s since the pass's probe
+    assert c._probe_rate["nccl"] == pytest.approx(40.0)
