@@ -18,6 +18,7 @@
 #   RUN=gpu-blocks bash benchmarks/gpu_run.sh               # one GPU, blocks (~9 min)
 #   RUN=gpu-runs bash benchmarks/gpu_run.sh                 # one GPU, separate runs (~9 min)
 #   RUN=gpu-detail bash benchmarks/gpu_run.sh               # one GPU, a fast loop's phases, every k-th step vs every step (~2 min)
+#   RUN=fr-turnover bash benchmarks/gpu_run.sh              # one GPU, NCCL: reads at the ring's turnover lose nothing (~1 min)
 # The device call's command installs the carried wheels to /tmp/site first (see BENCHMARKS.md).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
@@ -133,6 +134,11 @@ for part in $RUN; do
           'stride', c['steps']['detail_stride'], 'steps', c['steps']['steps'], 'anatomy', c['anatomy']['clock'],
           {k: round(v * 1e3, 3) for k, v in c['anatomy']['phase_seconds_p50'].items()}, 'ms; errors', s['errors'])" \
           "$OUT/detail-$rate/summary.rank0.json" | tee -a "$OUT/gpu-detail.log"
+      done ;;
+    fr-turnover)  # one GPU, NCCL: every all-reduce counted and timed through reads at the ring's turnover
+      for ring in 2000 1000; do
+        timeout 120 python3 -m benchmarks.fr_turnover --device cuda --ring $ring --rate 2000 --seconds 20 \
+          --json "$OUT/fr-turnover-$ring.json" 2>&1 | quiet | grep -v WorkerServer | tail -n 3
       done ;;
     *) echo "unknown part $part" ;;
   esac

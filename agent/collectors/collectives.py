@@ -59,6 +59,8 @@ RATE_RISE = 1.25
 #: Probes closer together than this leave the probe rate as it was (a wake's probe just after a pass's),
 #: and a read this recent gives no rate of its own.
 PROBE_RATE_MIN_S = 0.5
+#: A first read's entries spanning less than this give no rate (a burst at start-up, not the loop's pace).
+FIRST_RATE_MIN_S = 0.1
 #: Steps whose reduced elements are kept for the gradient-sync coverage (see ``gradsync``).
 MAX_REDUCE_STEPS = 256
 
@@ -147,6 +149,7 @@ class CollectiveCollector(Component):
         self._ring = fr.ring_entries() or FR_DEFAULT_ENTRIES
         self.recorders = fr.available_recorders()
         self.up = bool(self.recorders)
+        self._seed_empty_rings()
         self._label_mesh_groups(ctx)
         if ctx.config.nccl_timing and "nccl" in self.recorders:
             # ProcessGroupNCCL reads the variable when it is built: NCCL groups made after attach are
@@ -164,6 +167,22 @@ class CollectiveCollector(Component):
         self._want_reader = mode == "process" or (mode == "auto" and cpus_per_local_rank() >= 2)
         if self._want_reader and self._groups_seen:  # on the attaching thread, where torch's log lines stay quiet
             self._start_reader()
+
+    def _seed_empty_rings(self) -> None:
+        """Attached before any process group (as users do): the rings are empty and their record ids
+        start at 0, so the first full read starts there and counts what a ring overwrote before it as
+        unobserved (a fast first second on a small ring), instead of taking its oldest entry as the
+        start. Only without groups: an empty ring's dump is free, a full one's holds the GIL."""
+        if fr.process_groups():
+            return
+        for rec in self.recorders:
+            try:
+                empty = not fr.dump(rec, include_collectives=True).get("entries")
+            except Exception:
+                continue
+            if empty:
+                self._cursor[rec] = 0
+        self._ledger.resume(self._cursor)
 
     def _start_reader(self) -> None:
         """The reader process, once a process group exists (at attach, else at the first full read
@@ -548,6 +567,10 @@ class CollectiveCollector(Component):
             prev_ns = self._prev_read_ns.get(rec, 0)
             if rec in self._cursor and self._read_ns.get(rec, 0) > prev_ns > 0:
                 self._rate[rec] = upd.new_ids / ((self._read_ns[rec] - prev_ns) / 1e9)
+            elif upd.created_span is not None:  # the first read: its entries' own pace (not a burst's)
+                lo, hi = upd.created_span
+                if hi - lo >= FIRST_RATE_MIN_S * 1e9:
+                    self._rate[rec] = (upd.new_ids - 1) / ((hi - lo) / 1e9)
             self._cursor[rec] = upd.cursor
         for i, (op, seconds) in enumerate(upd.timed):
             self._finish(op, seconds)

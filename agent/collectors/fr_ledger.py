@@ -118,6 +118,8 @@ class Update:
     pg_timeout_s: float | None = None
     p2p: bool = False  # the recorder's entries include p2p ops (pg_status does not count them)
     new_ids: int = 0  # record ids past the previous cursor
+    #: creation stamps (epoch ns) of the oldest and newest new entries: the rate before two reads give one
+    created_span: tuple[int, int] | None = None
     cursor: int | None = None
     pending: int = 0  # the recorder's entries awaiting their duration
     pending_min_ns: int | None = None  # the oldest of them (the span watermark)
@@ -140,6 +142,9 @@ class Ledger:
         self.max_pending = max_pending
         self.groups = groups if groups is not None else Groups()
         self._cursor: dict[str, int] = dict(cursors or {})  # recorder -> next record_id to read
+        # recorders whose ring was empty at attach (cursor 0): every group and id came after, so what
+        # the ring overwrote before the first read was unobserved, not before attach
+        self._fresh = {rec for rec, cursor in self._cursor.items() if cursor == 0}
         self._seq: dict[tuple[str, str, bool], int] = {}  # (recorder, pg, is_p2p) -> last seq
         self._decoded: dict[tuple[str, ...], _Decoded] = {}  # an entry's shape text -> what it means
         self._pending: dict[tuple[str, int], Op] = {}  # NCCL entries awaiting completion
@@ -152,7 +157,8 @@ class Ledger:
         """Take over recorders another ledger read (the reader process's) at its cursors; recorders
         this one reads already keep their own."""
         for rec, cursor in cursors.items():
-            self._cursor.setdefault(rec, cursor)
+            if self._cursor.setdefault(rec, cursor) == 0:
+                self._fresh.add(rec)
 
     def add_boundaries(self, bounds: list[tuple[int, int]]) -> None:
         """(epoch ns, step) of step boundaries since the last call, oldest first."""
@@ -209,7 +215,7 @@ class Ledger:
                 upd.backends.setdefault(pg, rec)
                 if seq > done.get(pg_id, -1):  # in-flight age counts ops from before attach too
                     upd.opened.append((pg, seq, created))
-            last = self._seq.get((rec, pg, is_p2p))
+            last = self._seq.get((rec, pg, is_p2p), 0 if rec in self._fresh else None)  # fresh: seqs from 1
             if last is not None and seq > last + 1:
                 seq_gaps[pg] += seq - last - 1
             self._seq[(rec, pg, is_p2p)] = max(seq, last if last is not None else seq)
@@ -220,6 +226,11 @@ class Ledger:
                 continue  # before attach: baseline only (epoch clocks only; a monotonic stamp can't tell)
             self._observe(rec, e, pg, name, seq, is_p2p, created, nccl_timing, upd, kept)
         upd.kept = list(kept)
+        new = entries[first_new:]
+        if len(new) > 1:
+            lo, hi = int(new[0].get("time_created_ns") or 0), int(new[-1].get("time_created_ns") or 0)
+            if is_epoch_ns(lo) and hi > lo:
+                upd.created_span = (lo, hi)
         self._cursor[rec] = nxt
         upd.new_ids = nxt - start
         if len(self.groups.labels) != labels_before:

@@ -57,8 +57,16 @@ class FakeRecorder:
 
 
 @pytest.fixture
-def fake(monkeypatch, tmp_path):
+def ring_at_attach() -> list[tuple]:
+    """``FakeRecorder.add`` arguments of entries already in the ring when the agent attaches."""
+    return []
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path, ring_at_attach):
     rec = FakeRecorder()
+    for args in ring_at_attach:
+        rec.add(*args)
     # the agent sets TORCH_NCCL_ENABLE_TIMING at attach when NCCL is there: keep it off, and per test
     monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "")
     monkeypatch.setattr(fr, "available_recorders", lambda: ["nccl"])
@@ -174,15 +182,27 @@ def test_pending_nccl_entry_is_timed_when_it_completes_and_inflight_age(fake):
     assert get("hpar_collective_oldest_inflight_age_seconds", {**L, "pg": "dp"}) == 0
 
 
+@pytest.mark.parametrize("ring_at_attach", [[(0, 1, "1", "mesh_dp", 1)]])
 def test_entries_from_before_attach_are_baseline_only(fake):
     rec, agent, _ = fake
-    rec.add(0, 1, "1", "mesh_dp", 1)
     rec.entries[0]["time_created_ns"] -= 10_000_000_000
     rec.add(1, 1, "1", "mesh_dp", 2)
     agent.tick()
-    assert (
-        agent.registry.get_sample_value("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 1
-    )
+    get = agent.registry.get_sample_value
+    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 1
+    assert get("hpar_collective_unobserved_total", {**L, "pg": "dp"}) is None
+
+
+def test_an_empty_ring_at_attach_counts_what_it_overwrote_before_the_first_read(fake):
+    """Attached before any group, the ring starts at record id 0 and seq 1: a first read whose oldest
+    entry is id 5 (seq 6) lost five entries of that group, not five from before attach."""
+    rec, agent, _ = fake
+    for i in range(5, 8):
+        rec.add(i, 1, "1", "mesh_dp", i + 1)
+    agent.tick()
+    get = agent.registry.get_sample_value
+    assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 3
+    assert get("hpar_collective_unobserved_total", {**L, "pg": "dp"}) == 5
 
 
 def test_status_probe_skips_full_dump_when_nothing_moved(fake):
@@ -203,15 +223,16 @@ def test_an_empty_recorder_is_read_in_full_once(fake):
     read must not be due again at every poll (on the device that was a full read a second per rank)."""
     rec, agent, c = fake
     agent.config.fr_interval = 3600.0
+    at_attach = rec.full_dumps  # attach looked at the empty ring once
     agent.tick()
-    assert rec.full_dumps == 1 and c.read_reasons == {"first": 1}
+    assert rec.full_dumps == at_attach + 1 and c.read_reasons == {"first": 1}
     for _ in range(5):
         agent.tick()
-    assert rec.full_dumps == 1
+    assert rec.full_dumps == at_attach + 1
     rec.add(0, 1, "1", "mesh_dp", 1)
     agent.config.fr_interval = 1e-6
     agent.tick()  # entries at last: read at the next slot
-    assert rec.full_dumps == 2 and c.read_reasons == {"first": 1, "slot": 1}
+    assert rec.full_dumps == at_attach + 2 and c.read_reasons == {"first": 1, "slot": 1}
     assert agent.registry.get_sample_value("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 1
 
 
@@ -335,6 +356,32 @@ def test_a_wake_that_does_not_clear_waits_a_grid_step_and_collectives_alone_coun
     agent._last_wake = clock[0]
     wait, woken = agent._next_wake()
     assert woken == [c] and wait == pytest.approx(0.05, abs=1e-6)  # not at once, not in a loop
+
+
+def test_the_first_read_takes_its_rate_from_its_entries_creation_stamps(fake, monkeypatch):
+    """No rate before two reads or two probes: a loop faster than a pass fills the ring before then.
+    The first read's entries, 40 created over 1 s, give 40/s at once: the wake comes at 0.8 of the
+    ring, counted from the read (or earlier, by the margin: ``_refill_due``)."""
+    rec, agent, c = fake
+    monkeypatch.setattr(c, "_off_gil", lambda rec: True)
+    agent.config.fr_interval = 3600.0
+    c._ring = 100
+    t = 1.8e9  # creation stamps are epoch ns
+    monkeypatch.setattr(time, "time", lambda: t)
+    for i in range(40):
+        rec.add(i, 1, "1", "mesh_dp", 1 + i)
+        rec.entries[-1]["time_created_ns"] = int((t - 1.0 + i / 39) * 1e9)
+    agent.tick()
+    assert c.read_reasons == {"first": 1}
+    assert c._rate["nccl"] == pytest.approx(39.0)
+    assert c.wake_at() - t == pytest.approx(0.8 * 100 / 39, abs=0.06)  # by 2 round trips + a grid step
+    rec.entries[:] = rec.entries[:2]  # two entries a millisecond apart: a burst, no rate from it
+    c._rate.clear()
+    c._read_ns.clear()
+    rec.entries[1]["time_created_ns"] = rec.entries[0]["time_created_ns"] + 1_000_000
+    c._ledger._cursor.pop("nccl")
+    agent.tick()
+    assert "nccl" not in c._rate
 
 
 def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):
