@@ -5,7 +5,8 @@ between passes for each turnover read, ``HPAR_FR_FILL``), one rank over NCCL (``
 a small flight-recorder ring (``--ring``) and a steady stream of small all-reduces (``--rate`` a second
 for ``--seconds``), so the ring turns over every ``ring / rate`` seconds, well inside a pass. Then the
 agent's own summary: all-reduces counted against those issued, timed ones (NCCL), entries the ring
-overwrote unread (``unobserved``: must be none), full reads by reason, and agent errors.
+overwrote unread (``unobserved``: must be none; and how many by the end of each second, to tell a
+late first read from a steady loop's), full reads by reason, and agent errors.
 
     python -m benchmarks.fr_turnover --device cuda --json fr-turnover.json
     python -m benchmarks.fr_turnover --device cpu --rate 600 --seconds 10   # gloo
@@ -32,7 +33,8 @@ def run(device: str, ring: int, rate: float, seconds: float, batch: int) -> dict
     import hpar_agent
 
     run_dir = tempfile.mkdtemp(prefix="hpar-turnover-")
-    hpar_agent.attach(metrics_port=-1, traces="none", run_dir=run_dir)  # before the group, as users do
+    agent = hpar_agent.attach(metrics_port=-1, traces="none", run_dir=run_dir)  # before the group, as users do
+    coll = agent.component("collectives") if agent is not None else None
     cuda = device == "cuda"
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
@@ -40,8 +42,11 @@ def run(device: str, ring: int, rate: float, seconds: float, batch: int) -> dict
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=dev if cuda else None)  # fmt: skip
     x = torch.ones(1024, device=dev)
-    issued, t0 = 0, time.monotonic()
+    issued, t0, lost_at, mark = 0, time.monotonic(), [], 1.0
     while (now := time.monotonic()) - t0 < seconds:
+        if now - t0 >= mark:  # when entries went unread: at the start, or in the steady loop
+            lost_at.append(sum(coll.unobserved.values()) if coll is not None else None)
+            mark += 1.0
         ahead = issued - (now - t0) * rate  # collectives issued beyond the steady rate
         if ahead > 0:
             time.sleep(ahead / rate)
@@ -64,7 +69,7 @@ def run(device: str, ring: int, rate: float, seconds: float, batch: int) -> dict
         "ring": ring, "rate_per_s": round(issued / wall, 1), "seconds": round(wall, 1), "issued": issued,
         "counted": counted, "timed": timed, "unobserved": coll["unobserved"],
         "full_reads_by": coll["full_reads_by"], "reader": coll["reader"], "errors": summary.get("errors"),
-        "turnovers": round(issued / ring, 1),
+        "turnovers": round(issued / ring, 1), "unobserved_by_second": lost_at,
     }  # fmt: skip
     res["ok"] = counted == issued and not any(coll["unobserved"].values()) and not summary.get("errors")
     return res

@@ -136,8 +136,8 @@ for part in $RUN; do
           "$OUT/detail-$rate/summary.rank0.json" | tee -a "$OUT/gpu-detail.log"
       done ;;
     fr-turnover)  # one GPU, NCCL: every all-reduce counted and timed through reads at the ring's turnover
-      for ring in 2000 1000; do
-        timeout 120 python3 -m benchmarks.fr_turnover --device cuda --ring $ring --rate 2000 --seconds 20 \
+      for ring in ${RINGS:-2000 1000}; do
+        timeout 120 python3 -m benchmarks.fr_turnover --device cuda --ring $ring --rate 2000 --seconds "${SECONDS_FR:-20}" \
           --json "$OUT/fr-turnover-$ring.json" 2>&1 | quiet | grep -v WorkerServer | tail -n 3
       done ;;
     *) echo "unknown part $part" ;;
