@@ -3,7 +3,8 @@
 The agent attached with its defaults (full reads in the reader process where the host allows, a wake
 between passes for each turnover read, ``HPAR_FR_FILL``), one rank over NCCL (``--device cuda``) or gloo,
 a small flight-recorder ring (``--ring``) and a steady stream of small all-reduces (``--rate`` a second
-for ``--seconds``), so the ring turns over every ``ring / rate`` seconds, well inside a pass. Then the
+for ``--seconds``, ``--pause`` seconds after the group is made), so the ring turns over every
+``ring / rate`` seconds, well inside a pass. Then the
 agent's own summary: all-reduces counted against those issued, timed ones (NCCL), entries the ring
 overwrote unread (``unobserved``: must be none; and how many by the end of each second, to tell a
 late first read from a steady loop's), full reads by reason, and agent errors.
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 
-def run(device: str, ring: int, rate: float, seconds: float, batch: int) -> dict[str, Any]:
+def run(device: str, ring: int, rate: float, seconds: float, batch: int, pause: float) -> dict[str, Any]:
     os.environ["TORCH_FR_BUFFER_SIZE"] = str(ring)  # read when the group is created, below
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     import torch
@@ -42,6 +43,7 @@ def run(device: str, ring: int, rate: float, seconds: float, batch: int) -> dict
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=dev if cuda else None)  # fmt: skip
     x = torch.ones(1024, device=dev)
+    time.sleep(pause)  # between the group and the loop: a model built and compiled
     issued, t0, lost_at, mark = 0, time.monotonic(), [], 1.0
     while (now := time.monotonic()) - t0 < seconds:
         if now - t0 >= mark:  # when entries went unread: at the start, or in the steady loop
@@ -82,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=2000.0, help="all-reduces a second")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--batch", type=int, default=20, help="all-reduces between the pacing checks (a 'step')")
+    ap.add_argument("--pause", type=float, default=1.0,
+                    help="seconds between the group's creation and the loop (0: at full rate at once)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    res = run(a.device, a.ring, a.rate, a.seconds, a.batch)
+    res = run(a.device, a.ring, a.rate, a.seconds, a.batch, a.pause)
     print(json.dumps(res))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

@@ -59,8 +59,12 @@ RATE_RISE = 1.25
 #: Probes closer together than this leave the probe rate as it was (a wake's probe just after a pass's),
 #: and a read this recent gives no rate of its own.
 PROBE_RATE_MIN_S = 0.5
-#: A first read's entries spanning less than this give no rate (a burst at start-up, not the loop's pace).
-FIRST_RATE_MIN_S = 0.1
+#: A read's new entries created within less than this give no rate of their own (too few to pace by).
+SPAN_RATE_MIN_S = 0.02
+#: How often the agent thread probes rings that were empty at attach until their entry rate is known
+#: (``_watching``), and for how long after attach at most (a job that never runs a collective).
+WATCH_PROBE_S = 0.25
+WATCH_MAX_S = 300.0
 #: Steps whose reduced elements are kept for the gradient-sync coverage (see ``gradsync``).
 MAX_REDUCE_STEPS = 256
 
@@ -117,6 +121,8 @@ class CollectiveCollector(Component):
         self._rate_probe: dict[str, tuple[float, Any]] = {}  # recorder -> (epoch s, pg_status) the probe rate is from
         self._probe_rate: dict[str, float] = {}  # recorder -> collectives a second between two probes
         self._latency: dict[str, float] = {}  # recorder -> recent full reads' round trip, s (decaying max)
+        self._watch: set[str] = set()  # recorders empty at attach, probed between passes (``_watching``)
+        self._watch_until = 0.0
         self.full_reads = 0
         self.read_reasons: Counter[str] = Counter()  # full reads by what called for them (the summary's)
         self._ring = FR_DEFAULT_ENTRIES
@@ -182,7 +188,20 @@ class CollectiveCollector(Component):
                 continue
             if empty:
                 self._cursor[rec] = 0
+                self._watch.add(rec)
         self._ledger.resume(self._cursor)
+        self._watch_until = time.time() + WATCH_MAX_S
+
+    def _watching(self, now: float) -> bool:
+        """Whether rings empty at attach are probed between passes: until the first entry rate is known
+        (no more than ``WATCH_MAX_S`` after attach), where full reads run in the reader process. A
+        loop that turns a ring over within a pass would have it overwritten before the first pass's
+        read; probed every ``WATCH_PROBE_S``, the first entries are read as they come (``_read``) and
+        give the rate the turnover reads are scheduled by."""
+        return (
+            bool(self._watch) and not self._rate and now < self._watch_until
+            and (self._want_reader or self._reader is not None)
+        )  # fmt: skip
 
     def _start_reader(self) -> None:
         """The reader process, once a process group exists (at attach, else at the first full read
@@ -344,6 +363,8 @@ class CollectiveCollector(Component):
         if agent.config.nccl_timing and "nccl" in self.recorders:
             self._enable_timing()
         self._sync_groups()
+        if self._want_reader and self._groups_seen:  # a group appeared: ready before its first entries
+            self._start_reader()
         self._patch_p2p()
         p2p = self.p2p_buffer.drain()
         now_ns = int(now * 1e9)
@@ -416,6 +437,7 @@ class CollectiveCollector(Component):
         reason = (
             "first" if rec not in self._read_ns  # not _cursor: an empty ring's read sets none
             else "final" if agent.stopping
+            else "first entries" if unread and rec in self._watch and self._watching(now)
             else "slot" if moved and slot != self._slot.get(rec) and not self._turnover_before(rec, slot + 1)
             else "in flight" if unread and stuck(status, last_probe)
             else "ring refill"
@@ -481,8 +503,13 @@ class CollectiveCollector(Component):
 
     def wake_at(self) -> float | None:
         """The earliest ring turnover due of a recorder read off the GIL: the agent thread wakes for
-        that read then, between passes."""
-        return min((due for rec, due in self._due.items() if self._off_gil(rec)), default=None)
+        that read then, between passes; while ``_watching``, a probe ``WATCH_PROBE_S`` after the last
+        poll."""
+        due = min((due for rec, due in self._due.items() if self._off_gil(rec)), default=None)
+        if self._watching(time.time()):
+            probe = self._poll_ns / 1e9 + WATCH_PROBE_S
+            due = probe if due is None else min(due, probe)
+        return due
 
     def span_watermark_ns(self) -> int | None:
         """Spans come from timed FR entries (NCCL with timing: up to the last full read, less those
@@ -565,12 +592,14 @@ class CollectiveCollector(Component):
         self._pending[rec] = (upd.pending, upd.pending_min_ns)
         if upd.cursor is not None:  # entries were read
             prev_ns = self._prev_read_ns.get(rec, 0)
+            rates = []
             if rec in self._cursor and self._read_ns.get(rec, 0) > prev_ns > 0:
-                self._rate[rec] = upd.new_ids / ((self._read_ns[rec] - prev_ns) / 1e9)
-            elif upd.created_span is not None:  # the first read: its entries' own pace (not a burst's)
-                lo, hi = upd.created_span
-                if hi - lo >= FIRST_RATE_MIN_S * 1e9:
-                    self._rate[rec] = (upd.new_ids - 1) / ((hi - lo) / 1e9)
+                rates.append(upd.new_ids / ((self._read_ns[rec] - prev_ns) / 1e9))
+            if upd.created_span is not None and upd.created_span[1] - upd.created_span[0] >= SPAN_RATE_MIN_S * 1e9:
+                lo, hi, n = upd.created_span  # the pace the entries came at: a loop that began after the
+                rates.append((n - 1) / ((hi - lo) / 1e9))  # last read, or the first read, has no other
+            if rates:
+                self._rate[rec] = max(rates)
             self._cursor[rec] = upd.cursor
         for i, (op, seconds) in enumerate(upd.timed):
             self._finish(op, seconds)

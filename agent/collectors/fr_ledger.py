@@ -118,8 +118,8 @@ class Update:
     pg_timeout_s: float | None = None
     p2p: bool = False  # the recorder's entries include p2p ops (pg_status does not count them)
     new_ids: int = 0  # record ids past the previous cursor
-    #: creation stamps (epoch ns) of the oldest and newest new entries: the rate before two reads give one
-    created_span: tuple[int, int] | None = None
+    #: (oldest, newest creation stamp in epoch ns, count) of the new entries: the pace they came at
+    created_span: tuple[int, int, int] | None = None
     cursor: int | None = None
     pending: int = 0  # the recorder's entries awaiting their duration
     pending_min_ns: int | None = None  # the oldest of them (the span watermark)
@@ -230,7 +230,7 @@ class Ledger:
         if len(new) > 1:
             lo, hi = int(new[0].get("time_created_ns") or 0), int(new[-1].get("time_created_ns") or 0)
             if is_epoch_ns(lo) and hi > lo:
-                upd.created_span = (lo, hi)
+                upd.created_span = (lo, hi, len(new))
         self._cursor[rec] = nxt
         upd.new_ids = nxt - start
         if len(self.groups.labels) != labels_before:

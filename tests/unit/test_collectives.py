@@ -71,6 +71,7 @@ def fake(monkeypatch, tmp_path, ring_at_attach):
     monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "")
     monkeypatch.setattr(fr, "available_recorders", lambda: ["nccl"])
     monkeypatch.setattr(fr, "dump", rec.dump)
+    monkeypatch.setattr(fr, "process_groups", list)  # the fake's groups only (none a test before left)
     monkeypatch.setattr(Agent, "_run", lambda self: None)  # only the test's own ticks: they count reads
     # every tick a new fr_interval slot: full reads whenever something moved; the fake recorder lives
     # in this process, so reads stay on the agent thread (the reader process: test_fr_reader)
@@ -382,6 +383,58 @@ def test_the_first_read_takes_its_rate_from_its_entries_creation_stamps(fake, mo
     c._ledger._cursor.pop("nccl")
     agent.tick()
     assert "nccl" not in c._rate
+
+
+def test_rings_empty_at_attach_are_probed_between_passes_until_their_rate_is_known(fake, monkeypatch):
+    """A loop that turns the ring over within a pass: the agent thread probes every 0.25 s from
+    attach, reads the first entries as they come, and takes the rate from their creation stamps;
+    then the turnover reads take over and the probing stops."""
+    rec, agent, c = fake
+    monkeypatch.setattr(c, "_off_gil", lambda rec: True)
+    c._want_reader = True  # reads in the reader process (none starts: no real group here)
+    agent.config.fr_interval = 3600.0
+    c._ring = 200
+    t = time.time()  # within WATCH_MAX_S of attach; creation stamps are epoch ns
+    clock = [t]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    assert c._watch == {"nccl"}
+    agent.tick()  # the first read: the empty ring
+    assert c.read_reasons == {"first": 1} and c._watching(t)
+    assert c.wake_at() - t == pytest.approx(0.25)
+    clock[0] = t + 0.25
+    agent.wake([c])  # nothing yet: a probe, no read
+    assert c.read_reasons == {"first": 1}
+    for i in range(30):  # the loop starts: 30 collectives in 0.1 s
+        rec.add(i, 1, "1", "mesh_dp", 1 + i)
+        rec.entries[-1]["time_created_ns"] = int((t + 0.3 + i * 0.1 / 29) * 1e9)
+    clock[0] = t + 0.5
+    agent.wake([c])
+    assert c.read_reasons == {"first": 1, "first entries": 1}
+    assert c._rate["nccl"] == pytest.approx(290, rel=1e-3)  # not 30 over the 0.5 s since the first read
+    assert not c._watching(clock[0])
+    due = c.wake_at()
+    assert due is not None and due - clock[0] < 0.8 * 200 / 290  # the turnover read, within the pass
+    assert get_unobserved(agent) is None
+
+
+def get_unobserved(agent: Agent) -> float | None:
+    return agent.registry.get_sample_value("hpar_collective_unobserved_total", {**L, "pg": "dp"})
+
+
+def test_inline_reads_and_a_job_without_collectives_are_not_probed(fake):
+    _rec, _agent, c = fake
+    assert not c._watching(time.time())  # the fixture's reads are inline: they stay at the passes
+    c._want_reader = True
+    assert c._watching(time.time())
+    c._watch_until = time.time() - 1  # a job that never ran a collective: probed for WATCH_MAX_S at most
+    assert not c._watching(time.time())
+
+
+@pytest.mark.parametrize("ring_at_attach", [[(0, 1, "1", "mesh_dp", 1)]])
+def test_a_ring_with_entries_at_attach_is_not_probed(fake):
+    _rec, _agent, c = fake
+    c._want_reader = True
+    assert not c._watch and not c._watching(time.time())
 
 
 def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):

@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from hpar_agent.collectors.gradsync import GradSyncCollector, required_elements
-from tests.unit.test_collectives import L, fake  # noqa: F401 (fixture)
+from tests.unit.test_collectives import L, fake, ring_at_attach  # noqa: F401 (fixtures)
 
 
 class _Mesh:
