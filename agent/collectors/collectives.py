@@ -204,8 +204,8 @@ class CollectiveCollector(Component):
         )  # fmt: skip
 
     def _start_reader(self) -> None:
-        """The reader process, once a process group exists (at attach, else at the first full read
-        after one appears; a script without one gets none), where this torch has a worker-server
+        """The reader process, once a process group exists (at attach, else at the first poll after
+        one appears, before its first entries; a script without one gets none), where this torch has a worker-server
         handler for a recorder: tried once. A torch without one keeps in-process reads (said once),
         any other failure is counted."""
         self._want_reader = False
