@@ -123,6 +123,7 @@ class CollectiveCollector(Component):
         self._latency: dict[str, float] = {}  # recorder -> recent full reads' round trip, s (decaying max)
         self._watch: set[str] = set()  # recorders empty at attach, probed between passes (``_watching``)
         self._watch_until = 0.0
+        self._said_lost = False
         self.full_reads = 0
         self.read_reasons: Counter[str] = Counter()  # full reads by what called for them (the summary's)
         self._ring = FR_DEFAULT_ENTRIES
@@ -175,15 +176,17 @@ class CollectiveCollector(Component):
             self._start_reader()
 
     def _seed_empty_rings(self) -> None:
-        """Attached before any process group (as users do): the rings are empty and their record ids
-        start at 0, so the first full read starts there and counts what a ring overwrote before it as
-        unobserved (a fast first second on a small ring), instead of taking its oldest entry as the
-        start. Only without groups: an empty ring's dump is free, a full one's holds the GIL."""
-        if fr.process_groups():
-            return
+        """Attached before the first collective (before ``init_process_group``, or at it, as users and
+        the zero-code launch attach): the rings are empty and their record ids start at 0, so the
+        first full read starts there and counts what a ring overwrote before it as unobserved (a fast
+        first second on a small ring), instead of taking its oldest entry as the start. A ring is
+        dumped only when ``pg_status`` shows no collective yet: an empty ring's dump is free, a full
+        one's holds the GIL."""
         for rec in self.recorders:
             try:
-                empty = not fr.dump(rec, include_collectives=True).get("entries")
+                status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
+                ran = any(int(st.get("last_enqueued_collective", -1)) > 0 for st in status.values())
+                empty = not ran and not fr.dump(rec, include_collectives=True).get("entries")
             except Exception:
                 continue
             if empty:
@@ -329,6 +332,20 @@ class CollectiveCollector(Component):
                     "hpar_agent: NCCL group %s is not timed (no latency, busbw or spans): set "
                     "TORCH_NCCL_ENABLE_TIMING=1 before init_process_group", key[1] or key[0]
                 )
+
+    def _say_lost(self, rec: str, n: int) -> None:
+        """Once: a ring that turns over faster than the agent reads it (a paced pass spreads over most
+        of the interval, and a turnover read waits for it) loses entries; a larger ring keeps them."""
+        self._said_lost = True
+        ctx = self.require_ctx()
+        rate = max(self._rate.get(rec, 0.0), self._probe_rate.get(rec, 0.0))
+        size = int(math.ceil(rate * 2 * (ctx.config.interval + ctx.pass_wall_s()) / 1000) * 1000)
+        log.warning(
+            "hpar_agent: the %s flight recorder overwrote %d entries before they were read (a ring of %d "
+            "at ~%.0f collectives a second); hpar_collective_unobserved_total counts them. A larger ring "
+            "keeps them: TORCH_FR_BUFFER_SIZE=%d before init_process_group",
+            rec, n, self._ring, rate, max(size, 2 * self._ring),
+        )  # fmt: skip
 
     def timing_enabled(self) -> dict[str, bool]:
         """pg label -> whether its ops carry durations (the ``hpar_collective_timing_enabled`` series).
@@ -570,6 +587,8 @@ class CollectiveCollector(Component):
         self.counts.update(upd.counts)
         self.bytes.update(upd.nbytes)
         self.unobserved.update(upd.unobserved)
+        if upd.unobserved and not self._said_lost and self.require_ctx().config.fr_complete:
+            self._say_lost(rec, sum(upd.unobserved.values()))
         for step, by_pg in upd.reduced.items():
             self._reduced_of(step).update(by_pg)
         for created, pg, numel in upd.unplaced:

@@ -162,6 +162,22 @@ def test_record_id_gaps_are_unobserved_per_pg(fake):
     assert get("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 2
 
 
+def test_entries_lost_are_said_once_with_a_ring_size_that_keeps_them(fake, caplog):
+    rec, agent, c = fake
+    c._ring = 300
+    rec.add(0, 1, "1", "mesh_dp", 1)
+    agent.tick()
+    c._rate["nccl"] = 2000.0  # the ring turns over every 0.15 s
+    for rid in (5, 12):  # two reads that each find entries overwritten
+        rec.entries.clear()
+        rec.add(rid, 1, "1", "mesh_dp", rid + 1)
+        with caplog.at_level("WARNING", logger="hpar_agent"):
+            agent.tick()
+    said = [r.getMessage() for r in caplog.records if "overwrote" in r.getMessage()]
+    assert len(said) == 1 and "overwrote 4 entries" in said[0]
+    assert "TORCH_FR_BUFFER_SIZE=" in said[0] and int(said[0].rsplit("=", 1)[1].split()[0]) >= 4000  # 2 x 1 s
+
+
 def test_pending_nccl_entry_is_timed_when_it_completes_and_inflight_age(fake):
     rec, agent, c = fake
     c._ledger.attach_ns -= 10_000_000_000  # the op below was enqueued 3 s ago, after attach
