@@ -20,9 +20,11 @@ L = {"rank": "0", "pp_stage": "0", "pg": "default_pg", "op": "all_reduce"}
 
 
 @pytest.fixture
-def agent(tmp_path):
+def agent(tmp_path, monkeypatch):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     # every tick a new fr_interval slot: a full read whenever something moved; only the test's ticks
+    # (no agent thread: it would probe the ring, empty at attach, and read it between them)
+    monkeypatch.setattr(Agent, "_run", lambda self: None)
     a = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600.0, fr_interval=1e-6,
               fr_reader="process")
     a.start()
