@@ -383,10 +383,20 @@ class Agent:
         with self._tick_lock:
             now = time.time()
             deadline = int(self._pace_deadline(now) * 1e9) if paced and not final else 0
-            with gil.running(Yielder(deadline_ns=deadline, cancel=self._stop)) as handback:
+            idle = self._prefetch if deadline else None
+            with gil.running(Yielder(deadline_ns=deadline, cancel=self._stop, idle=idle)) as handback:
                 self._pass(now, final, handback)
             if paced:
                 self._pass_wall_s = max(time.time() - now, self._pass_wall_s / 2)
+
+    def _prefetch(self, until_ns: int) -> None:
+        """Between a paced pass's slices (it spreads over most of the interval, and a wake waits for
+        it): ``prefetch`` each component whose ``wake_at`` comes before the slice after this one."""
+        for comp in self.components:
+            if _overrides(comp, "prefetch"):
+                at = self.guard(comp.name, comp.wake_at)
+                if at is not None and at <= until_ns / 1e9 + WAKE_GRID_S:
+                    self.guard(comp.name, comp.prefetch, time.time())
 
     def _pace_deadline(self, now: float) -> float:
         """When a paced pass stops pacing: ``PACE_BUDGET`` of the interval after the tick it belongs

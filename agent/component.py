@@ -62,6 +62,10 @@ class Component:
         run on its own (the flight recorder's ring turning over); None: at the passes only."""
         return None
 
+    def prefetch(self, now: float) -> None:
+        """Agent thread, between a paced pass's slices, when ``wake_at`` comes before the pass ends:
+        start what cannot wait for it (a full read's dump), off the GIL; ``poll`` takes the result."""
+
     def step_hook(self, step: int, t_ns: int) -> None:
         """Training thread, inside the step-boundary hook: must be O(µs), only append. Only
         components that override it are called."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 #: Longest stretch of agent-thread Python between two hand-backs of the GIL.
 HOLD_NS = 1_000_000
@@ -34,16 +35,17 @@ class Yielder:
     reached, a sleep to the next slot of the wall clock (``sleep(0)`` once ``cancel`` is set: the
     agent is stopping)."""
 
-    __slots__ = ("cancel", "deadline_ns", "hold_ns", "since", "slot_ns")
+    __slots__ = ("cancel", "deadline_ns", "hold_ns", "idle", "since", "slot_ns")
 
     def __init__(
         self, hold_ns: int = HOLD_NS, deadline_ns: int = 0, slot_ns: int = SLOT_NS,
-        cancel: threading.Event | None = None,
+        cancel: threading.Event | None = None, idle: Callable[[int], None] | None = None,
     ) -> None:  # fmt: skip
         self.hold_ns = hold_ns
         self.deadline_ns = deadline_ns
         self.slot_ns = slot_ns
         self.cancel = cancel
+        self.idle = idle  # called before a paced sleep with its end (epoch ns); must not raise
         self.since = time.perf_counter_ns()
 
     def __call__(self) -> None:
@@ -52,7 +54,9 @@ class Yielder:
         now = time.time_ns()
         paced = now < self.deadline_ns and not (self.cancel is not None and self.cancel.is_set())
         wait = self.slot_ns - now % self.slot_ns if paced else 0
-        time.sleep(min(wait, max(0, self.deadline_ns - now)) / 1e9)
+        if wait and self.idle is not None:
+            self.idle(now + wait)
+        time.sleep(min(wait, max(0, self.deadline_ns - time.time_ns())) / 1e9)
         self.since = time.perf_counter_ns()
 
 

@@ -124,6 +124,8 @@ class CollectiveCollector(Component):
         self._watch: set[str] = set()  # recorders empty at attach, probed between passes (``_watching``)
         self._watch_until = 0.0
         self._said_lost = False
+        self._outstanding: set[str] = set()  # recorders whose read ``prefetch`` asked the reader for
+        self._polling = False
         self.full_reads = 0
         self.read_reasons: Counter[str] = Counter()  # full reads by what called for them (the summary's)
         self._ring = FR_DEFAULT_ENTRIES
@@ -237,19 +239,41 @@ class CollectiveCollector(Component):
             self._start_reader()
         reader = self._reader
         if reader is not None and rec in reader.recorders:
-            sizes = (len(self.groups.labels), len(self.groups.pp), len(self.groups.sizes), len(self.groups.ranks))
             try:
-                upd = reader.read(rec, now_ns=now_ns, nccl_timing=self._nccl_timing, boundaries=self._unsent,
-                                  groups=self.groups if sizes != self._sent_groups else None)  # fmt: skip
-                self._unsent = []
-                self._sent_groups = sizes
-                return upd
+                self._send(reader, rec, now_ns)
+                return reader.receive()
             except Exception as exc:
-                self.record_error(exc)
-                self._close_reader(failed=f"{type(exc).__name__}: {exc}")
-                self._ledger.resume(self._cursor)
+                self._reader_failed(exc)
         return self._ledger.process(rec, fr.dump(rec, include_collectives=True), nccl_timing=self._nccl_timing,
                                     now_ns=now_ns)  # fmt: skip
+
+    def _send(self, reader: ReaderProcess, rec: str, now_ns: int) -> None:
+        """Ask the reader for a full read of ``rec``, with the step boundaries and groups it lacks."""
+        sizes = (len(self.groups.labels), len(self.groups.pp), len(self.groups.sizes), len(self.groups.ranks))
+        reader.send(rec, now_ns=now_ns, nccl_timing=self._nccl_timing, boundaries=self._unsent,
+                    groups=self.groups if sizes != self._sent_groups else None)  # fmt: skip
+        self._unsent = []
+        self._sent_groups = sizes
+
+    def _receive(self, rec: str) -> Update | None:
+        """The answer to a prefetched read of ``rec`` (None: the reader failed; reads go inline)."""
+        reader = self._reader
+        if reader is None:
+            return None
+        try:
+            return reader.receive()
+        except Exception as exc:
+            self._reader_failed(exc)
+            return None
+
+    def _reader_failed(self, exc: BaseException) -> None:
+        """A reader that fails is closed for good; the in-process ledger takes over at the cursor this
+        side last applied (a prefetched read's answer never applied is read again: nothing counted
+        twice; the reader's pending entries stay counted, untimed)."""
+        self.record_error(exc)
+        self._outstanding.clear()
+        self._close_reader(failed=f"{type(exc).__name__}: {exc}")
+        self._ledger.resume(self._cursor)
 
     def _patch_p2p(self) -> None:
         """Wrap pipelining's p2p helpers once the program imported them (``torch_compat.p2p``)."""
@@ -375,6 +399,32 @@ class CollectiveCollector(Component):
 
     # ------------------------------------------------------------------------------------ agent thread
     def poll(self, now: float) -> None:
+        self._polling = True  # prefetch (at this poll's own pause points) waits for it
+        try:
+            self._poll(now)
+        finally:
+            self._polling = False
+
+    def prefetch(self, now: float) -> None:
+        """Between a paced pass's slices: ask the reader process for each turnover read due now,
+        which would otherwise wait for the pass to end (a pass spreads over most of the interval, and a
+        ring at thousands of collectives a second turns over within it). The dump happens now, off the
+        GIL; the next poll takes the answer and applies it, before anything else it reads."""
+        reader = self._reader
+        if self._polling or reader is None:
+            return
+        for rec, due in list(self._due.items()):
+            if due > now + WAKE_GRID_S or rec in self._outstanding or rec not in reader.recorders:
+                continue
+            self._begin_read(rec, "ring refill", fr.dump(rec, include_collectives=False).get("pg_status") or {}, now)
+            try:
+                self._send(reader, rec, int(now * 1e9))
+            except Exception as exc:
+                self._reader_failed(exc)
+                return
+            self._outstanding.add(rec)
+
+    def _poll(self, now: float) -> None:
         self._poll_ns = int(now * 1e9)
         agent = self.require_ctx()
         if agent.config.nccl_timing and "nccl" in self.recorders:
@@ -413,6 +463,12 @@ class CollectiveCollector(Component):
         self._process_p2p(p2p)  # before the reads: it names the NCCL groups pipelining runs on (their FR entries are pp)
         for rec in self.recorders:
             with gcpause.paused():  # a full read's objects die inside the block (see gcpause)
+                if rec in self._outstanding:  # a prefetched read: its entries come before any later read's
+                    self._outstanding.discard(rec)
+                    early = self._receive(rec)
+                    if early is not None:
+                        self._apply(early)
+                    del early
                 status, upd = self._read(rec, now)
                 self._drain_boundaries()  # every boundary before the read, for what the ledger could not place
                 if upd is not None:
@@ -463,16 +519,20 @@ class CollectiveCollector(Component):
         )
         if reason is None:
             return status, None
-        self.read_reasons[reason] += 1
-        self._status[rec] = status
-        self._slot[rec] = slot
-        self._prev_read_ns[rec] = self._read_ns.get(rec, 0)
-        self._read_ns[rec] = int(now * 1e9)
-        self.full_reads += 1
+        self._begin_read(rec, reason, status, now)
         t0 = time.perf_counter()
         upd = self._full_read(rec, int(now * 1e9))
         self._latency[rec] = max(time.perf_counter() - t0, self._latency.get(rec, 0.0) / 2)
         return status, upd
+
+    def _begin_read(self, rec: str, reason: str, status: dict[str, Any], now: float) -> None:
+        """A full read of ``rec`` starts now, for ``reason``, at ``status``."""
+        self.read_reasons[reason] += 1
+        self._status[rec] = status
+        self._slot[rec] = int(now // self.require_ctx().config.fr_interval)
+        self._prev_read_ns[rec] = self._read_ns.get(rec, 0)
+        self._read_ns[rec] = int(now * 1e9)
+        self.full_reads += 1
 
     def _refill_due(self, rec: str, status: dict[str, Any], now: float) -> float:
         """Epoch seconds at which the ring will have taken ``fr_fill`` of its size since the last full
@@ -532,8 +592,8 @@ class CollectiveCollector(Component):
         """Spans come from timed FR entries (NCCL with timing: up to the last full read, less those
         still awaiting their duration) and from the p2p wrapper (each poll, less the ops in flight)."""
         marks = [self._poll_ns]
-        if self._nccl_timing and "nccl" in self._read_ns:
-            marks.append(self._read_ns["nccl"])
+        if self._nccl_timing and "nccl" in self._read_ns:  # a prefetched read is not applied yet
+            marks.append(self._prev_read_ns["nccl"] if "nccl" in self._outstanding else self._read_ns["nccl"])
         marks.extend(oldest for _n, oldest in self._pending.values() if oldest is not None)
         marks.extend(o.start_ns for ops in self._pending_p2p.values() for o in ops)
         return min(marks)

@@ -154,10 +154,13 @@ class Ledger:
         self._bound_s: list[int] = []
 
     def resume(self, cursors: dict[str, int]) -> None:
-        """Take over recorders another ledger read (the reader process's) at its cursors; recorders
-        this one reads already keep their own."""
+        """Take over recorders another ledger read (the reader process's) at its cursors: the later of
+        its and this one's (a cursor seeded at 0 here, where the other read on, must not send this
+        ledger back to the ring's start)."""
         for rec, cursor in cursors.items():
-            if self._cursor.setdefault(rec, cursor) == 0:
+            mine = self._cursor.get(rec)
+            self._cursor[rec] = cursor if mine is None else max(mine, cursor)
+            if self._cursor[rec] == 0:
                 self._fresh.add(rec)
 
     def add_boundaries(self, bounds: list[tuple[int, int]]) -> None:

@@ -123,16 +123,35 @@ class ReaderProcess:
         self, rec: str, *, now_ns: int, nccl_timing: bool, boundaries: list[tuple[int, int]], groups: Groups | None
     ) -> Update:
         """One full read of ``rec`` by the child (agent thread; waits with the GIL released)."""
+        self.send(rec, now_ns=now_ns, nccl_timing=nccl_timing, boundaries=boundaries, groups=groups)
+        return self.receive()
+
+    def send(
+        self, rec: str, *, now_ns: int, nccl_timing: bool, boundaries: list[tuple[int, int]], groups: Groups | None
+    ) -> None:
+        """Ask the child for a full read of ``rec`` (it dumps at once); ``receive`` takes the answer."""
         proc = self.proc
-        if proc is None or proc.stdin is None or proc.stdout is None:
+        if proc is None or proc.stdin is None:
             raise ReaderError("the reader process is closed")
         try:
             _send(proc.stdin, {"rec": rec, "now_ns": now_ns, "nccl_timing": nccl_timing,
                                "boundaries": boundaries, "groups": groups})  # fmt: skip
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: BaseException) -> ReaderError:
+        code = self.proc.poll() if self.proc is not None else None
+        return ReaderError(f"reader process {'exited ' + str(code) if code is not None else 'failed'}: {exc}")
+
+    def receive(self) -> Update:
+        """The answer to the oldest ``send`` not yet received (waits with the GIL released)."""
+        proc = self.proc
+        if proc is None or proc.stdout is None:
+            raise ReaderError("the reader process is closed")
+        try:
             reply = _recv(proc.stdout.fileno(), time.monotonic() + TIMEOUT_S)
         except (OSError, EOFError) as exc:
-            code = proc.poll()
-            raise ReaderError(f"reader process {'exited ' + str(code) if code is not None else 'failed'}: {exc}") from exc
+            raise self._failed(exc) from exc
         self.cpu_s = float(reply.get("cpu_s", self.cpu_s))
         if "error" in reply:
             raise ReaderError(f"reader process: {reply['error']}")

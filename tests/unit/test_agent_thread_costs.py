@@ -98,6 +98,22 @@ def test_a_paced_pass_sleeps_to_the_next_shared_slot_until_its_deadline(monkeypa
     assert sleeps[-1] == 0
 
 
+def test_a_paced_pass_offers_each_sleep_to_its_idle_hook_first(monkeypatch) -> None:
+    """Between slices the agent thread would only sleep: the pass's idle hook (``Agent._prefetch``)
+    gets the sleep's end first, so work due before the pass ends (a turnover read) starts on time."""
+    sleeps: list[float] = []
+    idle: list[int] = []
+    clock = [10_030_000_000]
+    monkeypatch.setattr(time, "sleep", lambda s: sleeps.append(s))
+    monkeypatch.setattr(time, "time_ns", lambda: clock[0])
+    y = Yielder(hold_ns=0, deadline_ns=10_250_000_000, slot_ns=100_000_000, idle=idle.append)
+    y()
+    assert idle == [10_100_000_000] and sleeps == [pytest.approx(0.070)]
+    clock[0] = 10_260_000_000  # past the deadline: no sleep, nothing offered
+    y()
+    assert idle == [10_100_000_000]
+
+
 def test_pause_points_use_the_pass_of_their_own_thread_only(monkeypatch) -> None:
     import threading
 

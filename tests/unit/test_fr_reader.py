@@ -6,6 +6,7 @@ twice when the child dies."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -79,6 +80,42 @@ def test_a_dead_reader_gives_way_to_in_process_reads_at_its_cursor(agent) -> Non
     _all_reduces(2)
     agent.tick()
     assert get("hpar_collectives_total", L) == 17
+
+
+def test_a_read_prefetched_between_slices_is_applied_before_the_next_read(agent) -> None:
+    """A paced pass spreads over most of the interval: a turnover read due within it is sent to the
+    reader between two slices (the dump happens then) and applied at the next poll, first."""
+    c = agent.component("collectives")
+    _all_reduces(4)
+    agent.tick()
+    _all_reduces(6)
+    c._due["gloo"] = time.time()  # the ring's turnover: due now
+    agent._prefetch(time.time_ns() + 50_000_000)  # between two slices of a pass
+    assert c._outstanding == {"gloo"} and c.read_reasons["ring refill"] == 1
+    agent._prefetch(time.time_ns())  # already asked: not twice
+    _all_reduces(5)  # the child may dump before or after these: a later read has the rest
+    agent.tick()
+    get = agent.registry.get_sample_value
+    assert 10 <= get("hpar_collectives_total", L) <= 15 and not c._outstanding
+    agent.stop()  # the final read
+    assert get("hpar_collectives_total", L) == 15 and c.read_reasons["ring refill"] >= 1
+    assert [e["seq"] for e in c.recent_entries] == list(range(1, 16))  # each once, in order
+
+
+def test_a_reader_that_dies_with_a_prefetch_outstanding_gives_way_at_the_applied_cursor(agent) -> None:
+    c = agent.component("collectives")
+    _all_reduces(10)
+    agent.tick()
+    c._due["gloo"] = time.time()
+    agent._prefetch(time.time_ns())
+    c._reader.proc.kill()  # its answer never comes: the agent thread reads those entries itself
+    c._reader.proc.wait(10)
+    _all_reduces(5)
+    agent.tick()
+    get = agent.registry.get_sample_value
+    assert c.reader_state()["mode"] == "inline"
+    assert get("hpar_collectives_total", L) == 15  # each once: not from the ring's start, not skipped
+    assert get("hpar_collective_unobserved_total", {"rank": "0", "pp_stage": "0", "pg": "default_pg"}) is None
 
 
 def test_the_reader_process_ends_with_the_agent(agent) -> None:
