@@ -59,7 +59,7 @@ RATE_RISE = 1.25
 #: Probes closer together than this leave the probe rate as it was (a wake's probe just after a pass's),
 #: and a read this recent gives no rate of its own.
 PROBE_RATE_MIN_S = 0.5
-#: A read's new entries created within less than this give no rate of their own (too few to pace by).
+#: A read whose oldest new entry is younger than this gives no rate of its own (too few to pace by).
 SPAN_RATE_MIN_S = 0.02
 #: How often the agent thread probes rings that were empty at attach until their entry rate is known
 #: (``_watching``), and for how long after attach at most (a job that never runs a collective).
@@ -674,9 +674,11 @@ class CollectiveCollector(Component):
             rates = []
             if rec in self._cursor and self._read_ns.get(rec, 0) > prev_ns > 0:
                 rates.append(upd.new_ids / ((self._read_ns[rec] - prev_ns) / 1e9))
-            if upd.created_span is not None and upd.created_span[1] - upd.created_span[0] >= SPAN_RATE_MIN_S * 1e9:
-                lo, hi, n = upd.created_span  # the pace the entries came at: a loop that began after the
-                rates.append((n - 1) / ((hi - lo) / 1e9))  # last read, or the first read, has no other
+            if upd.created_span is not None:  # the pace since the oldest new entry: a loop that began
+                lo, _hi, n = upd.created_span  # after the last read, or the first read, has no other
+                since_s = (self._read_ns[rec] - lo) / 1e9  # (to the dump, not to the newest entry:
+                if since_s >= SPAN_RATE_MIN_S:  # a read in a gap between bursts must not overstate it)
+                    rates.append(n / since_s)
             if rates:
                 self._rate[rec] = max(rates)
             self._cursor[rec] = upd.cursor

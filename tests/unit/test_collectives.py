@@ -390,12 +390,13 @@ def test_the_first_read_takes_its_rate_from_its_entries_creation_stamps(fake, mo
         rec.entries[-1]["time_created_ns"] = int((t - 1.0 + i / 39) * 1e9)
     agent.tick()
     assert c.read_reasons == {"first": 1}
-    assert c._rate["nccl"] == pytest.approx(39.0)
-    assert c.wake_at() - t == pytest.approx(0.8 * 100 / 39, abs=0.06)  # by 2 round trips + a grid step
-    rec.entries[:] = rec.entries[:2]  # two entries a millisecond apart: a burst, no rate from it
+    assert c._rate["nccl"] == pytest.approx(40.0)  # 40 entries in the second before the read
+    assert c.wake_at() - t == pytest.approx(0.8 * 100 / 40, abs=0.06)  # by 2 round trips + a grid step
+    rec.entries[:] = rec.entries[:2]  # two entries made 5 ms before the read: too recent to pace by
     c._rate.clear()
     c._read_ns.clear()
-    rec.entries[1]["time_created_ns"] = rec.entries[0]["time_created_ns"] + 1_000_000
+    rec.entries[0]["time_created_ns"] = int((t - 0.005) * 1e9)
+    rec.entries[1]["time_created_ns"] = int((t - 0.004) * 1e9)
     c._ledger._cursor.pop("nccl")
     agent.tick()
     assert "nccl" not in c._rate
@@ -426,10 +427,10 @@ def test_rings_empty_at_attach_are_probed_between_passes_until_their_rate_is_kno
     clock[0] = t + 0.5
     agent.wake([c])
     assert c.read_reasons == {"first": 1, "first entries": 1}
-    assert c._rate["nccl"] == pytest.approx(290, rel=1e-3)  # not 30 over the 0.5 s since the first read
+    assert c._rate["nccl"] == pytest.approx(150, rel=1e-3)  # 30 since the first, 0.2 s ago; not 30 in 0.5 s
     assert not c._watching(clock[0])
     due = c.wake_at()
-    assert due is not None and due - clock[0] < 0.8 * 200 / 290  # the turnover read, within the pass
+    assert due is not None and due - clock[0] <= 0.8 * 200 / 150 + 1e-6  # the turnover read, within the pass
     assert get_unobserved(agent) is None
 
 
