@@ -55,8 +55,8 @@ class Yielder:
         paced = now < self.deadline_ns and not (self.cancel is not None and self.cancel.is_set())
         wait = self.slot_ns - now % self.slot_ns if paced else 0
         if wait and self.idle is not None:
-            self.idle(now + wait)
-        time.sleep(min(wait, max(0, self.deadline_ns - time.time_ns())) / 1e9)
+            self.idle(now + wait)  # its work comes out of the sleep: the slice still starts at the slot
+        time.sleep(max(0, min(now + wait, self.deadline_ns) - time.time_ns()) / 1e9)
         self.since = time.perf_counter_ns()
 
 

@@ -255,8 +255,8 @@ class CollectiveCollector(Component):
         self._unsent = []
         self._sent_groups = sizes
 
-    def _receive(self, rec: str) -> Update | None:
-        """The answer to a prefetched read of ``rec`` (None: the reader failed; reads go inline)."""
+    def _receive(self) -> Update | None:
+        """The answer to a prefetched read (None: the reader failed; reads go inline)."""
         reader = self._reader
         if reader is None:
             return None
@@ -465,7 +465,7 @@ class CollectiveCollector(Component):
             with gcpause.paused():  # a full read's objects die inside the block (see gcpause)
                 if rec in self._outstanding:  # a prefetched read: its entries come before any later read's
                     self._outstanding.discard(rec)
-                    early = self._receive(rec)
+                    early = self._receive()
                     if early is not None:
                         self._apply(early)
                     del early
@@ -674,9 +674,9 @@ class CollectiveCollector(Component):
             rates = []
             if rec in self._cursor and self._read_ns.get(rec, 0) > prev_ns > 0:
                 rates.append(upd.new_ids / ((self._read_ns[rec] - prev_ns) / 1e9))
-            if upd.created_span is not None:  # the pace since the oldest new entry: a loop that began
-                lo, _hi, n = upd.created_span  # after the last read, or the first read, has no other
-                since_s = (self._read_ns[rec] - lo) / 1e9  # (to the dump, not to the newest entry:
+            if upd.oldest_new is not None:  # the pace since the oldest new entry: a loop that began
+                oldest, n = upd.oldest_new  # after the last read, or the first read, has no other
+                since_s = (self._read_ns[rec] - oldest) / 1e9  # (to the dump, not to the newest entry:
                 if since_s >= SPAN_RATE_MIN_S:  # a read in a gap between bursts must not overstate it)
                     rates.append(n / since_s)
             if rates:

@@ -118,8 +118,8 @@ class Update:
     pg_timeout_s: float | None = None
     p2p: bool = False  # the recorder's entries include p2p ops (pg_status does not count them)
     new_ids: int = 0  # record ids past the previous cursor
-    #: (oldest, newest creation stamp in epoch ns, count) of the new entries: the pace they came at
-    created_span: tuple[int, int, int] | None = None
+    #: (creation stamp in epoch ns of the oldest new entry, new entries in the dump): the pace since
+    oldest_new: tuple[int, int] | None = None
     cursor: int | None = None
     pending: int = 0  # the recorder's entries awaiting their duration
     pending_min_ns: int | None = None  # the oldest of them (the span watermark)
@@ -229,11 +229,8 @@ class Ledger:
                 continue  # before attach: baseline only (epoch clocks only; a monotonic stamp can't tell)
             self._observe(rec, e, pg, name, seq, is_p2p, created, nccl_timing, upd, kept)
         upd.kept = list(kept)
-        new = entries[first_new:]
-        if len(new) > 1:
-            lo, hi = int(new[0].get("time_created_ns") or 0), int(new[-1].get("time_created_ns") or 0)
-            if is_epoch_ns(lo) and hi > lo:
-                upd.created_span = (lo, hi, len(new))
+        if len(entries) - first_new > 1 and is_epoch_ns(oldest := int(entries[first_new].get("time_created_ns") or 0)):
+            upd.oldest_new = (oldest, len(entries) - first_new)
         self._cursor[rec] = nxt
         upd.new_ids = nxt - start
         if len(self.groups.labels) != labels_before:

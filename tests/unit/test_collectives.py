@@ -431,11 +431,7 @@ def test_rings_empty_at_attach_are_probed_between_passes_until_their_rate_is_kno
     assert not c._watching(clock[0])
     due = c.wake_at()
     assert due is not None and due - clock[0] <= 0.8 * 200 / 150 + 1e-6  # the turnover read, within the pass
-    assert get_unobserved(agent) is None
-
-
-def get_unobserved(agent: Agent) -> float | None:
-    return agent.registry.get_sample_value("hpar_collective_unobserved_total", {**L, "pg": "dp"})
+    assert agent.registry.get_sample_value("hpar_collective_unobserved_total", {**L, "pg": "dp"}) is None
 
 
 def test_inline_reads_and_a_job_without_collectives_are_not_probed(fake):
