@@ -379,12 +379,15 @@ class Agent:
     def tick(self, final: bool = False, paced: bool = False) -> None:
         """One agent-thread pass: poll every component, then finish completed steps. The pass hands
         the GIL back to the training thread every millisecond or so of work (``gil.Yielder``); a
-        paced one (the agent thread's) in slices at shared instants, until ``_pace_deadline``."""
+        paced one (the agent thread's) in slices at shared instants, until ``_pace_deadline``, or in
+        the training thread's waits where a CPU pipeline's mark them (``gil.Windows``)."""
         with self._tick_lock:
             now = time.time()
             deadline = int(self._pace_deadline(now) * 1e9) if paced and not final else 0
             idle = self._prefetch if deadline else None
-            with gil.running(Yielder(deadline_ns=deadline, cancel=self._stop, idle=idle)) as handback:
+            windows = gil.WINDOWS if deadline else None
+            with gil.running(Yielder(deadline_ns=deadline, cancel=self._stop, idle=idle, windows=windows)) as handback:
+                handback.start()  # in a wait of the training thread, where there are such (gil.Windows)
                 self._pass(now, final, handback)
             if paced:
                 self._pass_wall_s = max(time.time() - now, self._pass_wall_s / 2)

@@ -310,6 +310,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("HPAR_TRACES", "traces", "Where spans go: auto (OTLP when OTEL_EXPORTER_OTLP_*ENDPOINT is set, else a local file), otlp, file, none."),
     EnvVar("HPAR_EVENT_LOG", "event_log", "Write the per-rank JSONL event log (true/false)."),
     EnvVar("HPAR_DETAIL_RATE", "detail_rate", "Steps a second that get the per-step detail (phase anatomy, pipeline chunk times, p2p timing); a faster loop gets it on every k-th step (0: every step). Step times, counts and bytes cover every step."),
+    EnvVar("HPAR_WORK_IN_WAITS", "work_in_waits", "Let the agent thread's periodic work run while the training thread waits on a CPU (gloo) pipeline's p2p with the GIL released (false: in short slices at shared wall-clock instants only)."),
     EnvVar("HPAR_BUFFER_SIZE", "buffer_size", "Capacity of each hook buffer; events beyond it are dropped and counted."),
     EnvVar("HPAR_NCCL_TIMING", "nccl_timing", "Time NCCL collectives (latency, busbw, spans): switched on for every NCCL group at attach and as groups appear (false: leave TORCH_NCCL_ENABLE_TIMING to the user)."),
     EnvVar("HPAR_FR_READER", "fr_reader", "Where full flight-recorder reads are dumped, decoded and processed: process (a child process reading through torch's worker server, away from the training process's GIL), inline (the agent thread), or auto: process when each local rank has at least two CPUs (the reader needs a core beside training)."),

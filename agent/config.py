@@ -83,6 +83,10 @@ class AgentConfig:
     A faster loop gets it on every k-th step (a divisor or multiple of ``trace_every``, so kept traces
     stay detailed): the hooks and the agent's work per second stay bounded. Step times, counts and
     bytes still cover every step. 0: every step."""
+    work_in_waits: bool = True
+    """Let the agent thread's periodic work run while the training thread waits on a CPU (gloo)
+    pipeline's p2p with the GIL released (its bubble), instead of only in short slices at shared
+    wall-clock instants, where the training thread waits for the GIL as long as each slice."""
     buffer_size: int = 65536
     """Capacity of each hook buffer; overflow is dropped and counted."""
     nccl_timing: bool = True

@@ -784,7 +784,7 @@ def allow_pacing_variants() -> None:
         gil.Yielder.__call__ = hand_back_fast if os.environ.get("HPAR_BENCH_SWITCH") else hand_back  # type: ignore[method-assign]
         if spec:
             hold, slot = (int(float(v) * 1e6) for v in spec.split("/"))
-            gil.Yielder.__init__.__defaults__ = (hold, 0, slot or gil.SLOT_NS, None, None)
+            gil.Yielder.__init__.__defaults__ = (hold, 0, slot or gil.SLOT_NS, None, None, None)
             paced = paced and slot > 0
         tick(self, final, paced)
 

@@ -360,12 +360,13 @@ def training_thread_samples(path: Path) -> dict[str, Any]:
 
 
 def reader_cpu(run_dir: str, rank: int) -> dict[str, Any]:
-    """The reader process's work from the rank's summary (mode, reads, CPU seconds); {} without one."""
+    """The reader process's work from the rank's summary (mode, reads, CPU seconds), with where the
+    agent's paced slices ran (``slices``: in the training thread's waits or at slots); {} without one."""
     path = Path(run_dir, f"summary.rank{rank}.json")
     if not path.exists():
         return {}
     coll = json.loads(path.read_text()).get("components", {}).get("collectives", {})
-    return {**coll.get("reader", {}), "by": coll.get("full_reads_by", {})}
+    return {**coll.get("reader", {}), "by": coll.get("full_reads_by", {}), "slices": coll.get("work_in_waits", {})}
 
 
 def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int,

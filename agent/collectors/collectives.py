@@ -135,6 +135,9 @@ class CollectiveCollector(Component):
         self._pending_p2p: dict[int, list[Op]] = {}  # id(Work) -> ops awaiting a wait record
         self._p2p_untimed: set[int] = set()  # id(Work) of pending ops issued in a step without detail
         self._p2p_groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, backend)
+        self._p2p_backends: set[str] = set()  # of every pipeline p2p group seen
+        self._windows_on = False  # this collector let passes work in the training thread's waits
+        self._slices_at_install = (0, 0)  # gil.WINDOWS's counts when installed
         self._bound_t: list[int] = []
         self._bound_s: list[int] = []
         self._attach_ns = 0
@@ -154,6 +157,7 @@ class CollectiveCollector(Component):
         super().install(ctx)
         self.p2p_buffer.capacity = ctx.config.buffer_size
         self._attach_ns = self._ledger.attach_ns = time.time_ns()
+        self._slices_at_install = (gil.WINDOWS.in_wait, gil.WINDOWS.at_slot)
         self._nccl_timing = self._env_timing = fr.nccl_timing()  # the user's setting, before ours
         self._ring = fr.ring_entries() or FR_DEFAULT_ENTRIES
         self.recorders = fr.available_recorders()
@@ -386,6 +390,8 @@ class CollectiveCollector(Component):
 
     def uninstall(self) -> None:
         self._active = False
+        if self._windows_on:
+            gil.WINDOWS.active = False
         self.p2p.restore()
         self._close_reader()
 
@@ -739,6 +745,11 @@ class CollectiveCollector(Component):
             if backend == "nccl":
                 self.groups.pp.add(fr.group_name(group))
             hit = self._p2p_groups[id(group)] = (group, backend)
+            self._p2p_backends.add(backend)
+            # gloo's p2p waits block the training thread with the GIL released: passes may work in
+            # them (gil.Windows); NCCL's return at once (the stream waits), so none of them are windows
+            gil.WINDOWS.active = self._windows_on = (
+                self.require_ctx().config.work_in_waits and self._p2p_backends == {"gloo"})
         return hit[1]
 
     def _finish(self, item: Op, seconds: float) -> None:
@@ -837,7 +848,15 @@ class CollectiveCollector(Component):
             "full_reads": self.full_reads,
             "full_reads_by": dict(self.read_reasons),
             "reader": self.reader_state(),
+            "work_in_waits": self._slices(),
         }
+
+    def _slices(self) -> dict[str, Any]:
+        """Where the agent's paced slices ran since attach: in the training thread's waits, or at
+        slots (``gil.Windows``; ``on``: a CPU pipeline's waits could host them)."""
+        w = gil.WINDOWS
+        in_wait, at_slot = self._slices_at_install
+        return {"on": self._windows_on, "in_wait": w.in_wait - in_wait, "at_slot": w.at_slot - at_slot}
 
     def reader_state(self, reader: ReaderProcess | None = None) -> dict[str, Any]:
         """Where full reads run (``process``: the reader process, ``inline``: the agent thread), and
