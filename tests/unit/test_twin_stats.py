@@ -56,3 +56,25 @@ def test_pooled_p99_is_the_geometric_mean_over_the_halves() -> None:
     a = blocks([("on", [0.0] + [1.1] * 50), ("off", [0.0] + [1.0] * 50)])
     b = blocks([("off", [0.0] + [2.0] * 50), ("on", [0.0] + [2.2] * 50)])
     assert pooled_p99([a, b], ["off", "on"], skip=1) == {"on": pytest.approx(1.1)}
+
+
+def test_runs_stop_before_a_pair_that_would_end_past_max_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device call's limit is hard: with 10 s slots (20 s pairs) and 65 s, the warm-up and two pairs
+    run (50 s) and the third, which would end at 70 s, does not start."""
+    import argparse
+
+    from benchmarks import twin
+
+    clock = [1000.0]
+    ran: list[str] = []
+
+    def slot(a: str, b: str, *_: object) -> dict[str, object]:
+        clock[0] += 10.0
+        ran.append(f"{a}/{b}")
+        return {h: {"median_s": 0.07, "p99_s": 0.08, "steps": 100} for h in twin.HALVES}
+
+    monkeypatch.setattr(twin, "run_slot", slot)
+    args = argparse.Namespace(max_s=65.0, variants={}, timeout=60.0)
+    slots = twin.runs_design({"pairs": 10}, ["off", "on"], args, ([0], [1]), "unused", clock=lambda: clock[0])
+    assert [s["pair"] for s in slots] == [0, 0, 1, 1]
+    assert len(ran) == 5 and clock[0] - 1000.0 <= 65.0  # the warm-up slot and two pairs
