@@ -236,6 +236,17 @@ def block_order(arms: list[str], pairs: int, warm: int) -> list[tuple[str, int]]
     return order
 
 
+def agent_notes(run_dir: str, rank: int = 0) -> dict[str, Any]:
+    """What the agent's summary of ``rank`` says of its full reads (the reader process's mode, reads and
+    CPU seconds; ``by``: the reads by reason) and of where its paced slices ran (``slices``: in the
+    training thread's waits or at slots); {} without a summary."""
+    path = Path(run_dir, f"summary.rank{rank}.json")
+    if not path.exists():
+        return {}
+    coll = json.loads(path.read_text()).get("components", {}).get("collectives", {})
+    return {**coll.get("reader", {}), "by": coll.get("full_reads_by", {}), "slices": coll.get("work_in_waits", {})}
+
+
 def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
     """Every rank: build the trainer once, then run the blocks of ``spec``, attaching the agent (or
     starting the profiler) before an arm's block and detaching (stopping) after it. Rank 0 writes
@@ -294,7 +305,8 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
                 if agent_on:
                     hpar_agent.detach()
                     trainer.agent = None
-        blocks.append({"arm": arm, "pair": pair, "times": times, "ends": ends, "cpu": cpu})
+        notes = agent_notes(env["HPAR_RUN_DIR"], rank) if agent_on else {}  # the detach wrote the summary
+        blocks.append({"arm": arm, "pair": pair, "times": times, "ends": ends, "cpu": cpu, "agent": notes})
         if rank == 0 and not until:
             med = statistics.median(times[spec["block_skip"]:])
             print(f"[block {i + 1}/{len(order)}] {arm:8} pair {pair:2}: step {med * 1e3:9.3f} ms",
@@ -378,10 +390,35 @@ def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.N
     skip = cfg["block_skip"]  # rank 0's training thread's CPU per step, arm over off (the hooks' own cost)
     result["train_cpu"] = summarize([{"arm": b["arm"], "pair": b["pair"], "step_s": statistics.median(b["cpu"][skip:])}
                                      for b in blocks if b.get("cpu")], arms)  # fmt: skip
+    result["agent"] = agent_totals(blocks)
     if ref_blocks:
         result["referenced"] = referenced_ratios(blocks, ref_blocks, arms, cfg["block_skip"])
         result["reference_blocks"] = ref_blocks
     return result
+
+
+def agent_totals(blocks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per agent arm, rank 0's notes over its blocks added up: the paced slices' parks that ended in a
+    wait of the training thread or at a slot, and the full reads by reason (whether a variant did what
+    it was meant to, on the device)."""
+    out: dict[str, dict[str, Any]] = {}
+    for b in blocks:
+        notes = b.get("agent") or {}
+        if not notes:
+            continue
+        tot = out.setdefault(b["arm"], {"blocks": 0, "in_wait": 0, "at_slot": 0, "reads": {}})
+        tot["blocks"] += 1
+        for k in ("in_wait", "at_slot"):
+            tot[k] += int(notes.get("slices", {}).get(k, 0))
+        for reason, n in notes.get("by", {}).items():
+            tot["reads"][reason] = tot["reads"].get(reason, 0) + int(n)
+    return out
+
+
+def agent_lines(totals: dict[str, dict[str, Any]]) -> list[str]:
+    """``agent_totals`` as one line an arm."""
+    return [f"{arm:10} rank 0 over {t['blocks']} blocks: slices parked into a wait {t['in_wait']}, at a slot "
+            f"{t['at_slot']}; full reads {dict(sorted(t['reads'].items()))}" for arm, t in totals.items()]
 
 
 def _torchrun_blocks(nproc: int, spec: dict[str, Any], argv: list[str], timeout: float,
@@ -645,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
         for arm, st in by_arm.items():
             print(f"  steps {win:>7} {arm:10} {st['median']:8.4f} {st['ci_lo']:8.4f}-{st['ci_hi']:.4f} "
                   f"({st['ci_coverage']:5.1%}) mean {st['mean']:.4f} +- {st['sem']:.4f}, {st['pairs']} pairs")
+    for ln in agent_lines(result.get("agent", {})):
+        print("  agent " + ln)
     return 0
 
 

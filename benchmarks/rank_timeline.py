@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.overhead import CONFIGS
+from benchmarks.overhead import CONFIGS, agent_notes
 
 EVENTS: list[tuple[str, str, int, int]] = []  # (what, thread, start_ns, end_ns)
 STEP_ENDS: list[int] = []
@@ -359,16 +359,6 @@ def training_thread_samples(path: Path) -> dict[str, Any]:
             "agent_thread_work": {k: round(v / max(agent_total, 1), 3) for k, v in work}}
 
 
-def reader_cpu(run_dir: str, rank: int) -> dict[str, Any]:
-    """The reader process's work from the rank's summary (mode, reads, CPU seconds), with where the
-    agent's paced slices ran (``slices``: in the training thread's waits or at slots); {} without one."""
-    path = Path(run_dir, f"summary.rank{rank}.json")
-    if not path.exists():
-        return {}
-    coll = json.loads(path.read_text()).get("components", {}).get("collectives", {})
-    return {**coll.get("reader", {}), "by": coll.get("full_reads_by", {}), "slices": coll.get("work_in_waits", {})}
-
-
 def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int,
             agent_env: dict[str, str], long_ms: float = 0.0, raw: str = "") -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix=f"hpar-rank-timeline-{arm}-")
@@ -382,7 +372,7 @@ def run_arm(arm: str, nproc: int, args: list[str], timeout: float, skip: int,
     if res.returncode:
         raise RuntimeError(f"{arm}: torchrun exit {res.returncode}\n{res.stderr[-3000:]}")
     out = {f"rank{r}": {**analyse(Path(work, f"rank{r}.json"), skip),
-                        "reader": reader_cpu(os.path.join(work, "agent"), r)} for r in range(nproc)}
+                        "reader": agent_notes(os.path.join(work, "agent"), r)} for r in range(nproc)}
     if long_ms:
         out["long_steps"] = long_steps([Path(work, f"rank{r}.json") for r in range(nproc)], skip, long_ms)
     if raw:  # every rank's record as it came, for analyses this script does not print

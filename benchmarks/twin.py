@@ -273,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         result["train_cpu"] = summarize(slots, "cpu_s")
         result["windows"] = {k: summarize([{**w, **w["win"][k]} for w in extra["windows"]])
                              for k in (extra["windows"][0]["win"] if extra["windows"] else {})}  # fmt: skip
+        result["agent"] = {h: overhead.agent_totals(b) for h, b in zip(HALVES, extra["blocks"], strict=True)}
         result["blocks"] = extra["blocks"]
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
@@ -290,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, by_arm in result.get("windows", {}).items():
         for arm, st in by_arm.items():
             print(f"  steps {k:>7} " + line(arm, st))
+    for h, totals in result.get("agent", {}).items():
+        for ln in overhead.agent_lines(totals):
+            print(f"  agent, job {h}: " + ln)
     return 0
 
 

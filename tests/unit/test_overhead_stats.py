@@ -7,6 +7,9 @@ import pytest
 
 from benchmarks.overhead import (
     agent_arm,
+    agent_lines,
+    agent_notes,
+    agent_totals,
     arm_env,
     core_halves,
     gil_burner,
@@ -148,3 +151,32 @@ def test_gil_burner_holds_slices_at_its_slots_and_stops() -> None:
     with gil_burner("") as none:
         time.sleep(0.05)
     assert none == [0]
+
+
+def test_blocks_carry_what_the_agents_summary_says_of_its_reads_and_slices(tmp_path, monkeypatch) -> None:
+    """A real attach and detach writes the summary the blocks read their notes from; the totals add
+    up the agent arms' blocks (an arm's notes say on the device whether a variant did what it meant)."""
+    import torch
+
+    import hpar_agent
+
+    monkeypatch.setenv("HPAR_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("HPAR_METRICS_PORT", "0")
+    monkeypatch.setenv("HPAR_TRACES", "file")
+    model = torch.nn.Linear(4, 4)
+    hpar_agent.attach(model)
+    try:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+    finally:
+        hpar_agent.detach()
+    notes = agent_notes(str(tmp_path), 0)
+    assert notes["slices"] == {"on": False, "in_wait": 0, "at_slot": 0}  # no CPU pipeline: no windows
+    assert notes["by"].get("final") == 1
+    assert agent_notes(str(tmp_path), 1) == {}  # no such rank's summary
+    seen = {"by": {"first": 1, "final": 1}, "slices": {"on": True, "in_wait": 40, "at_slot": 9}}
+    totals = agent_totals([{"arm": "on", "agent": notes}, {"arm": "on", "agent": seen}, {"arm": "off", "agent": {}}])
+    assert list(totals) == ["on"]
+    assert totals["on"]["blocks"] == 2 and totals["on"]["in_wait"] == 40 and totals["on"]["at_slot"] == 9
+    assert totals["on"]["reads"]["final"] == 1 + notes["by"]["final"]
+    assert "parked into a wait 40, at a slot 9" in agent_lines(totals)[0]
