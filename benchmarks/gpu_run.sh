@@ -15,6 +15,7 @@
 #   RUN=cpu-long bash benchmarks/gpu_run.sh                 # CPU: 60-step blocks, ratios by steps since attach (~9 min)
 #   RUN=cpu-twin-blocks bash benchmarks/gpu_run.sh          # CPU: twin jobs on the core halves, blocks in lockstep (~9 min)
 #   RUN=cpu-twin-runs bash benchmarks/gpu_run.sh            # CPU: twin fresh jobs a slot, attached at start (~9 min)
+#   RUN=cpu-twin-spin [SPIN=50/2000] bash benchmarks/gpu_run.sh  # CPU: twin blocks, on against the reads' CPU alone (~9 min)
 #   RUN=gpu-blocks bash benchmarks/gpu_run.sh               # one GPU, blocks (~9 min)
 #   RUN=gpu-runs bash benchmarks/gpu_run.sh                 # one GPU, separate runs (~9 min)
 #   RUN=gpu-detail bash benchmarks/gpu_run.sh               # one GPU, a fast loop's phases, every k-th step vs every step (~2 min)
@@ -115,6 +116,10 @@ for part in $RUN; do
       CUDA_VISIBLE_DEVICES= timeout $((${MAX_S:-420} + 130)) python3 -m benchmarks.twin --design blocks --block 60 \
         --windows 3:22,25:60 --aa --max-s "${MAX_S:-420}" ${TWIN_EXTRA:-} --json "$OUT/twin-blocks.json" 2>&1 | quiet \
         | tee "$OUT/twin-blocks.log" | grep -v '^\[block' | tail -n 24 ;;
+    cpu-twin-spin)  # twin blocks: the agent, and a rank thread busy off the GIL as a full read's dump is (overhead.cpu_spinner)
+      CUDA_VISIBLE_DEVICES= timeout $((${MAX_S:-400} + 130)) python3 -m benchmarks.twin --design blocks --block 60 \
+        --windows 3:22,25:60 --aa --spin "${SPIN:-50/2000}" --max-s "${MAX_S:-400}" ${TWIN_EXTRA:-} \
+        --json "$OUT/twin-spin.json" 2>&1 | quiet | tee "$OUT/twin-spin.log" | grep -v '^\[block' | tail -n 30 ;;
     cpu-twin-runs)  # two fresh 4-rank jobs a slot, agent attached at start on one, halves swapped (what users get)
       CUDA_VISIBLE_DEVICES= timeout $((${MAX_S:-450} + 100)) python3 -m benchmarks.twin --design runs --steps 200 \
         --skip 30 --max-s "${MAX_S:-450}" ${TWIN_EXTRA:-} --json "$OUT/twin-runs.json" 2>&1 | quiet \

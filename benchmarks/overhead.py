@@ -8,6 +8,8 @@ Arms:
   aa        no agent, a second "off" (``--aa``): the A/A control, whose ratio to off is the noise floor
   burn      no agent, a thread holding the GIL in slices at the agent's shared instants (``--burn 1/100``:
             1 ms every 100 ms of wall clock; blocks only): what the slicing itself costs the job
+  spin      no agent, a thread at nice 19 in each rank busy off the GIL for a burst at shared instants
+            (``--spin 25/1000``; blocks only): what the CPU of the full reads' dumps costs the job by itself
   nccl      no agent, ``TORCH_NCCL_ENABLE_TIMING=1`` (CUDA only; ``--design runs`` only: the env is read
             when the process group starts)
   <name>    ``--variant NAME:K=V,...``: the agent with these settings over its defaults (an ablation:
@@ -53,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import json
 import math
 import os
@@ -146,40 +149,86 @@ def maybe_profiler(on: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def at_instants(name: str, slot_ns: int, work: Callable[[], None],
+                waiting: Callable[[], Callable[[], None]] | None = None) -> Iterator[list[int]]:
+    """A thread ``name`` that runs ``work`` at every ``slot_ns`` multiple of the wall clock (the agent's
+    shared instants, ``gil``) until the block ends; yields how many times it ran. ``waiting`` is called
+    before each wait for the instant and returns what undoes it after."""
+    done = [0]
+    stop = threading.Event()
+
+    def loop() -> None:
+        while True:
+            undo = waiting() if waiting is not None else None
+            stopped = stop.wait((slot_ns - time.time_ns() % slot_ns) / 1e9)
+            if undo is not None:
+                undo()
+            if stopped:
+                return
+            work()
+            done[0] += 1
+
+    t = threading.Thread(target=loop, name=name, daemon=True)
+    t.start()
+    try:
+        yield done
+    finally:
+        stop.set()
+        t.join()
+
+
+@contextlib.contextmanager
 def gil_burner(spec: str) -> Iterator[list[int]]:
     """``HOLD_MS/SLOT_MS[/SWITCH_MS]``: a thread that holds the GIL in a busy Python loop for HOLD_MS at
     every SLOT_MS multiple of the wall clock (the agent's pacing, ``gil``, with nothing else of the
     agent): what a given duty of GIL slices costs the job by itself; with SWITCH_MS, the switch
     interval is that while it waits for its instant. Empty: nothing."""
-    slices = [0]  # slices held so far
     if not spec:
-        yield slices
+        yield [0]
         return
     hold_ms, slot_ms, switch_ms = [*spec.split("/"), ""][:3]
-    hold_ns, slot_ns = int(float(hold_ms) * 1e6), int(float(slot_ms) * 1e6)
-    stop = threading.Event()
+    hold_ns = int(float(hold_ms) * 1e6)
 
-    def burn() -> None:
+    def hold() -> None:
+        end = time.perf_counter_ns() + hold_ns
+        while time.perf_counter_ns() < end:
+            pass
+
+    def lowered() -> Callable[[], None]:  # the switch interval, while the thread waits to take the GIL
         default = sys.getswitchinterval()
-        while True:
-            if switch_ms:  # lowered while this thread waits to take the GIL at its instant
-                sys.setswitchinterval(float(switch_ms) / 1e3)
-            stopped = stop.wait((slot_ns - time.time_ns() % slot_ns) / 1e9)
-            sys.setswitchinterval(default)
-            if stopped:
-                return
-            end = time.perf_counter_ns() + hold_ns
-            while time.perf_counter_ns() < end:
-                pass
-            slices[0] += 1
+        sys.setswitchinterval(float(switch_ms) / 1e3)
+        return lambda: sys.setswitchinterval(default)
 
-    t = threading.Thread(target=burn, name="gil-burner", daemon=True)
-    t.start()
-    try:
+    with at_instants("gil-burner", int(float(slot_ms) * 1e6), hold, lowered if switch_ms else None) as slices:
         yield slices
-    finally:
-        stop.set()
-        t.join()
+
+
+@contextlib.contextmanager
+def cpu_spinner(spec: str) -> Iterator[list[int]]:
+    """``BUSY_MS/PERIOD_MS``: a thread at nice 19 that keeps a core busy for about BUSY_MS at every
+    PERIOD_MS multiple of the wall clock without holding the GIL (one SHA-256 over a buffer sized for
+    BUSY_MS, which releases it): the CPU that torch's worker server spends in the rank's process on a
+    full read's dump, at the same instant on every rank, with nothing else of the agent. Empty: nothing."""
+    if not spec:
+        yield [0]
+        return
+    busy_ms, period_ms = spec.split("/")
+    probe = bytes(1 << 20)
+    t0 = time.perf_counter()
+    hashlib.sha256(probe).digest()
+    per_ms = (1 << 20) / max((time.perf_counter() - t0) * 1e3, 1e-3)  # bytes hashed a millisecond
+    buf = bytes(int(per_ms * float(busy_ms)))
+    niced: list[bool] = []
+
+    def spin() -> None:
+        if not niced:
+            with contextlib.suppress(OSError):  # the thread alone, as fr_server renices the server's
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            niced.append(True)
+        hashlib.sha256(buf).digest()
+
+    with at_instants("cpu-spinner", int(float(period_ms) * 1e6), spin) as bursts:
+        yield bursts
 
 
 @contextlib.contextmanager
@@ -293,7 +342,8 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
                 if trainer.agent is None:  # the trainer trains on without it: that block would measure nothing
                     raise RuntimeError("attaching the agent failed (see the log above)")
             try:
-                with maybe_profiler(arm == "profiler"), gil_burner(spec.get("burn", "") if arm == "burn" else ""):
+                with maybe_profiler(arm == "profiler"), gil_burner(spec.get("burn", "") if arm == "burn" else ""), \
+                        cpu_spinner(spec.get("spin", "") if arm == "spin" else ""):
                     for _ in range(spec["block"]):
                         t0, c0 = time.perf_counter(), time.thread_time()
                         trainer.step(step)
@@ -357,7 +407,7 @@ def blocks_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.N
     work = tempfile.mkdtemp(prefix="hpar-overhead-")
     spec = {"order": block_order(arms, cfg["pairs"], a.warm), "block": cfg["block"],
             "block_skip": cfg["block_skip"], "work": work, "out": os.path.join(work, "blocks.json"),
-            "max_s": a.max_s, "variants": a.variants, "burn": a.burn}
+            "max_s": a.max_s, "variants": a.variants, "burn": a.burn, "spin": a.spin}
     argv = [*cfg["args"], "--log-every", "1000000"]
     ref_blocks: list[dict[str, Any]] = []
     if inprocess:
@@ -626,6 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burn", default="", metavar="HOLD_MS/SLOT_MS[/SWITCH_MS]",
                     help="blocks: an arm without the agent whose every rank holds the GIL HOLD_MS at each SLOT_MS "
                          "of the wall clock (the agent's slices alone)")
+    ap.add_argument("--spin", default="", metavar="BUSY_MS/PERIOD_MS",
+                    help="blocks: an arm without the agent whose every rank keeps a core busy off the GIL, at nice "
+                         "19, BUSY_MS at each PERIOD_MS of the wall clock (the full reads' dumps alone)")
     ap.add_argument("--warm", type=int, default=2, help="blocks: warm-up rounds of every arm")
     ap.add_argument("--steps", type=int, default=0, help="runs: trainer steps per run (default per config)")
     ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")
@@ -650,9 +703,9 @@ def main(argv: list[str] | None = None) -> int:
     if name == "gpu" and not torch.cuda.is_available():
         sys.exit("--config gpu needs a GPU (use --cpu-smoke to test the path on CPU)")
     arms = ["off", "on"] + ([] if a.no_profiler else ["profiler"]) + (["aa"] if a.aa else []) + list(a.variants)
-    if a.burn and a.design != "blocks":
-        sys.exit("--burn is an arm of the blocks design")
-    arms += ["burn"] if a.burn else []
+    if (a.burn or a.spin) and a.design != "blocks":
+        sys.exit("--burn and --spin are arms of the blocks design")
+    arms += (["burn"] if a.burn else []) + (["spin"] if a.spin else [])
     if name == "gpu" and a.design == "runs" and cfg["nproc"] > 1:  # one rank has no collective to time
         arms.append("nccl")
     if a.design == "blocks":
@@ -717,7 +770,7 @@ def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for spec in specs:
         name, _, kvs = spec.partition(":")
-        if not name or name in ("off", "on", "profiler", "aa", "nccl", "burn") or not kvs:
+        if not name or name in ("off", "on", "profiler", "aa", "nccl", "burn", "spin") or not kvs:
             raise SystemExit(f"--variant {spec!r}: expected NAME:K=V,... with a new arm name")
         env: dict[str, str] = {}
         key = ""

@@ -23,7 +23,9 @@ side: the noise floor. Two designs:
           and detaching after it, as ``overhead --design blocks`` does; ``--windows`` gives the ratio on
           steps A..B-1 of the blocks alone (right after attach, against a steady state); ``--burn``
           adds an arm without the agent whose ranks hold the GIL in the agent's slices
-          (``overhead.gil_burner``), to tell the passes' share of the GIL from the rest of their cost.
+          (``overhead.gil_burner``), to tell the passes' share of the GIL from the rest of their cost;
+          ``--spin`` one whose ranks keep a core busy off the GIL in bursts (``overhead.cpu_spinner``),
+          to tell the full reads' CPU beside training from the rest of their cost.
 
 The arms' slot order alternates from pair to pair. Printed per arm: the median pair estimate with its
 order-statistic interval and exact coverage, mean +- sem, min/max, the p99 estimate (runs: from each
@@ -183,7 +185,7 @@ def blocks_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace,
     for h, col in zip(HALVES, (0, 1), strict=True):
         specs.append({"order": [(o[col], o[2]) for o in order], "block": cfg["block"], "block_skip": cfg["block_skip"],
                       "work": os.path.join(work, h), "out": os.path.join(work, f"blocks-{h}.json"),
-                      "max_s": a.max_s if h == "A" else 0, "variants": a.variants, "burn": a.burn,
+                      "max_s": a.max_s if h == "A" else 0, "variants": a.variants, "burn": a.burn, "spin": a.spin,
                       "twin": {"dir": gate, "me": h, "other": "B" if h == "A" else "A", "leader": h == "A"}})
     jobs = [_torchrun_blocks(cfg["nproc"], s, argv, a.timeout, cpus=cpus, wait=False)
             for s, cpus in zip(specs, halves, strict=True)]  # fmt: skip
@@ -238,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burn", default="", metavar="HOLD_MS/SLOT_MS[/SWITCH_MS]",
                     help="blocks: an arm without the agent whose ranks hold the GIL in slices at the agent's "
                     "instants (overhead.gil_burner): what the passes' share of the GIL costs by itself")
+    ap.add_argument("--spin", default="", metavar="BUSY_MS/PERIOD_MS",
+                    help="blocks: an arm without the agent whose ranks keep a core busy off the GIL at nice 19 in "
+                    "bursts at shared instants (overhead.cpu_spinner): what the full reads' dumps cost by their CPU")
     ap.add_argument("--nproc", type=int, default=0, help="ranks per job (default per config)")
     ap.add_argument("--extra", default="", help="more trainer arguments (later ones win)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
@@ -246,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     a.variants = parse_variants(a.variant)
     a.windows = parse_windows(a.windows)
     cfg = resolve_config(a.config, a)
-    if a.burn and a.design != "blocks":
-        ap.error("--burn is an arm of the blocks design")
-    arms = ["off", "on"] + (["aa"] if a.aa else []) + (["burn"] if a.burn else []) + list(a.variants)
+    if (a.burn or a.spin) and a.design != "blocks":
+        ap.error("--burn and --spin are arms of the blocks design")
+    arms = ["off", "on"] + (["aa"] if a.aa else []) + (["burn"] if a.burn else []) + (["spin"] if a.spin else []) \
+        + list(a.variants)
     halves = core_halves(sorted(os.sched_getaffinity(0)))
     work = tempfile.mkdtemp(prefix="hpar-twin-")
     t_start = time.time()

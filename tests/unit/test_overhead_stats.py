@@ -12,6 +12,7 @@ from benchmarks.overhead import (
     agent_totals,
     arm_env,
     core_halves,
+    cpu_spinner,
     gil_burner,
     median_interval,
     p99,
@@ -150,6 +151,35 @@ def test_gil_burner_holds_slices_at_its_slots_and_stops() -> None:
     assert fast[0] >= 1 and sys.getswitchinterval() == pytest.approx(0.005)
     with gil_burner("") as none:
         time.sleep(0.05)
+    assert none == [0]
+
+
+def test_cpu_spinner_keeps_a_core_busy_in_bursts_without_holding_the_gil_and_stops() -> None:
+    """Bursts of ~300 ms every 400 ms: the thread's CPU grows by about that, at nice 19, while this
+    thread keeps running Python (a burst that held the GIL would stop it for the whole burst)."""
+    import os
+    import threading
+    import time
+
+    def stat_of(name: str) -> list[str]:
+        t = next(t for t in threading.enumerate() if t.name == name)
+        with open(f"/proc/self/task/{t.native_id}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+
+    with cpu_spinner("300/400") as bursts:
+        longest, last, end = 0.0, time.perf_counter(), time.perf_counter() + 1.0
+        while time.perf_counter() < end:  # Python on this thread all along: the gaps say who held the GIL
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+        while not bursts[0]:
+            time.sleep(0.01)
+        stat = stat_of("cpu-spinner")
+    assert (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK") >= 0.1  # utime + stime: ~0.3 s a burst
+    assert int(stat[16]) == 19
+    assert longest < 0.15  # never stopped for a burst
+    assert not any(t.name == "cpu-spinner" for t in threading.enumerate())
+    with cpu_spinner("") as none:
+        time.sleep(0.01)
     assert none == [0]
 
 
