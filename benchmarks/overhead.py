@@ -218,13 +218,10 @@ def cpu_spinner(spec: str) -> Iterator[list[int]]:
     hashlib.sha256(probe).digest()
     per_ms = (1 << 20) / max((time.perf_counter() - t0) * 1e3, 1e-3)  # bytes hashed a millisecond
     buf = bytes(int(per_ms * float(busy_ms)))
-    niced: list[bool] = []
 
     def spin() -> None:
-        if not niced:
-            with contextlib.suppress(OSError):  # the thread alone, as fr_server renices the server's
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            niced.append(True)
+        with contextlib.suppress(OSError):  # the thread alone, as fr_server renices the server's
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         hashlib.sha256(buf).digest()
 
     with at_instants("cpu-spinner", int(float(period_ms) * 1e6), spin) as bursts:
@@ -355,7 +352,7 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
                 if agent_on:
                     hpar_agent.detach()
                     trainer.agent = None
-        notes = agent_notes(env["HPAR_RUN_DIR"], rank) if agent_on else {}  # the detach wrote the summary
+        notes = agent_notes(env["HPAR_RUN_DIR"], rank) if agent_on and rank == 0 else {}  # written at detach
         blocks.append({"arm": arm, "pair": pair, "times": times, "ends": ends, "cpu": cpu, "agent": notes})
         if rank == 0 and not until:
             med = statistics.median(times[spec["block_skip"]:])

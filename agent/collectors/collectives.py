@@ -135,7 +135,6 @@ class CollectiveCollector(Component):
         self._pending_p2p: dict[int, list[Op]] = {}  # id(Work) -> ops awaiting a wait record
         self._p2p_untimed: set[int] = set()  # id(Work) of pending ops issued in a step without detail
         self._p2p_groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, backend)
-        self._p2p_backends: set[str] = set()  # of every pipeline p2p group seen
         self._windows_on = False  # this collector let passes work in the training thread's waits
         self._slices_at_install = (0, 0)  # gil.WINDOWS's counts when installed
         self._bound_t: list[int] = []
@@ -745,11 +744,10 @@ class CollectiveCollector(Component):
             if backend == "nccl":
                 self.groups.pp.add(fr.group_name(group))
             hit = self._p2p_groups[id(group)] = (group, backend)
-            self._p2p_backends.add(backend)
             # gloo's p2p waits block the training thread with the GIL released: passes may work in
             # them (gil.Windows); NCCL's return at once (the stream waits), so none of them are windows
-            gil.WINDOWS.active = self._windows_on = (
-                self.require_ctx().config.work_in_waits and self._p2p_backends == {"gloo"})
+            backends = {b for _, b in self._p2p_groups.values()}
+            gil.WINDOWS.active = self._windows_on = self.require_ctx().config.work_in_waits and backends == {"gloo"}
         return hit[1]
 
     def _finish(self, item: Op, seconds: float) -> None:
