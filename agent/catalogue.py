@@ -314,6 +314,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("HPAR_BUFFER_SIZE", "buffer_size", "Capacity of each hook buffer; events beyond it are dropped and counted."),
     EnvVar("HPAR_NCCL_TIMING", "nccl_timing", "Time NCCL collectives (latency, busbw, spans): switched on for every NCCL group at attach and as groups appear (false: leave TORCH_NCCL_ENABLE_TIMING to the user)."),
     EnvVar("HPAR_FR_READER", "fr_reader", "Where full flight-recorder reads are dumped, decoded and processed: process (a child process reading through torch's worker server, away from the training process's GIL), inline (the agent thread), or auto: process when each local rank has at least two CPUs (the reader needs a core beside training)."),
+    EnvVar("HPAR_HELPER_SCHED", "helper_sched", "How the full reads' helpers (torch's worker-server threads, the reader process) yield the CPU to training: idle (SCHED_IDLE: only cores no training thread wants; a waking training thread takes theirs at once) or nice (niceness 19; also where SCHED_IDLE is refused)."),
     EnvVar("HPAR_DETECTORS", "detectors", "Run the in-process detectors (true/false)."),
     EnvVar("HPAR_EVIDENCE", "evidence", "Collect evidence (py-spy stacks, allocator snapshots, FR dumps) when an alert fires."),
     EnvVar("HPAR_DP", "dp", "Override the data-parallel degree when it cannot be read from a mesh or model."),

@@ -27,6 +27,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 TRACE_MODES = ("auto", "otlp", "file", "none")
 FR_READERS = ("auto", "process", "inline")
+HELPER_SCHEDS = ("idle", "nice")
 #: Sane bounds of the poll intervals: below 50 ms the agent thread competes with training for the GIL,
 #: above an hour nothing is observed; ``inf`` would overflow the thread's wait.
 INTERVAL_RANGE = (0.05, 3600.0)
@@ -96,6 +97,11 @@ class AgentConfig:
     child process reading through torch's worker server (inline where this torch has none), or the
     agent thread (holds the GIL for the dump and the processing). auto: process when this rank has
     at least two CPUs of its own (the reader and torch's dump thread need a core beside training)."""
+    helper_sched: str = "idle"
+    """idle | nice. How the full reads' helpers (torch's worker-server threads, the reader process)
+    yield the CPU to training: ``SCHED_IDLE`` (they run on cores no training thread wants, and a
+    training thread that wakes takes their core at once), else niceness 19, where a helper still
+    counts as busy when the scheduler places a waking thread (and where SCHED_IDLE is refused)."""
     detectors: bool = True
     """Run the in-process detectors."""
     evidence: bool = True
@@ -239,6 +245,8 @@ def _field_problems(name: str, value: Any) -> list[str]:
         out.append(f"traces must be one of {TRACE_MODES}, got {v!r}")
     elif name == "fr_reader" and v not in FR_READERS:
         out.append(f"fr_reader must be one of {FR_READERS}, got {v!r}")
+    elif name == "helper_sched" and v not in HELPER_SCHEDS:
+        out.append(f"helper_sched must be one of {HELPER_SCHEDS}, got {v!r}")
     elif name == "detail_rate" and not (math.isfinite(v) and v >= 0):
         out.append(f"detail_rate must be a finite number of steps a second >= 0 (0: every step), got {v}")
     elif name == "buffer_size" and not 1 <= v <= 1 << 24:

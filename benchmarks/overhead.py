@@ -72,6 +72,8 @@ from typing import Any
 
 import torch
 
+from hpar_agent.torch_compat import fr_server
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "cpu": {
         "nproc": 4,
@@ -205,14 +207,15 @@ def gil_burner(spec: str) -> Iterator[list[int]]:
 
 @contextlib.contextmanager
 def cpu_spinner(spec: str) -> Iterator[list[int]]:
-    """``BUSY_MS/PERIOD_MS``: a thread at nice 19 that keeps a core busy for about BUSY_MS at every
+    """``BUSY_MS/PERIOD_MS[/SCHED]``: a thread below training (``fr_server.yield_cpu``: SCHED ``nice``,
+    niceness 19, the default, or ``idle``, SCHED_IDLE) that keeps a core busy for about BUSY_MS at every
     PERIOD_MS multiple of the wall clock without holding the GIL (one SHA-256 over a buffer sized for
     BUSY_MS, which releases it): the CPU that torch's worker server spends in the rank's process on a
     full read's dump, at the same instant on every rank, with nothing else of the agent. Empty: nothing."""
     if not spec:
         yield [0]
         return
-    busy_ms, period_ms = spec.split("/")
+    busy_ms, period_ms, sched = [*spec.split("/"), "nice"][:3]
     probe = bytes(1 << 20)
     t0 = time.perf_counter()
     hashlib.sha256(probe).digest()
@@ -220,8 +223,7 @@ def cpu_spinner(spec: str) -> Iterator[list[int]]:
     buf = bytes(int(per_ms * float(busy_ms)))
 
     def spin() -> None:
-        with contextlib.suppress(OSError):  # the thread alone, as fr_server renices the server's
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        fr_server.yield_cpu(threading.get_native_id(), sched)  # the thread alone, as the server's are
         hashlib.sha256(buf).digest()
 
     with at_instants("cpu-spinner", int(float(period_ms) * 1e6), spin) as bursts:
@@ -673,9 +675,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burn", default="", metavar="HOLD_MS/SLOT_MS[/SWITCH_MS]",
                     help="blocks: an arm without the agent whose every rank holds the GIL HOLD_MS at each SLOT_MS "
                          "of the wall clock (the agent's slices alone)")
-    ap.add_argument("--spin", default="", metavar="BUSY_MS/PERIOD_MS",
-                    help="blocks: an arm without the agent whose every rank keeps a core busy off the GIL, at nice "
-                         "19, BUSY_MS at each PERIOD_MS of the wall clock (the full reads' dumps alone)")
+    ap.add_argument("--spin", default="", metavar="BUSY_MS/PERIOD_MS[/SCHED]",
+                    help="blocks: an arm without the agent whose every rank keeps a core busy off the GIL, below "
+                         "training (SCHED nice: niceness 19, the default; idle: SCHED_IDLE), BUSY_MS at each "
+                         "PERIOD_MS of the wall clock (the full reads' dumps alone)")
     ap.add_argument("--warm", type=int, default=2, help="blocks: warm-up rounds of every arm")
     ap.add_argument("--steps", type=int, default=0, help="runs: trainer steps per run (default per config)")
     ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")
@@ -813,11 +816,9 @@ def allow_dropping_components() -> None:
     """Ablations: ``HPAR_BENCH_DROP=anatomy,pipeline`` (a variant's setting, read at each attach)
     leaves those components out of what ``attach()`` installs; ``HPAR_BENCH_RENICE=0`` leaves the
     worker server's threads, which build the full flight-recorder dumps, at the training process's
-    niceness (the reader process stays at ``HELPER_NICE``). Benchmark-only: the agent has no such
+    priority (the reader process still yields, ``HPAR_HELPER_SCHED``). Benchmark-only: the agent has no such
     settings (every component is meant to be on, its helpers below training)."""
     import hpar_agent.agent as agent_mod
-    from hpar_agent.torch_compat import fr_server
-
     full = agent_mod.default_components
     if getattr(full, "_bench_drop", False):
         return

@@ -240,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burn", default="", metavar="HOLD_MS/SLOT_MS[/SWITCH_MS]",
                     help="blocks: an arm without the agent whose ranks hold the GIL in slices at the agent's "
                     "instants (overhead.gil_burner): what the passes' share of the GIL costs by itself")
-    ap.add_argument("--spin", default="", metavar="BUSY_MS/PERIOD_MS",
-                    help="blocks: an arm without the agent whose ranks keep a core busy off the GIL at nice 19 in "
-                    "bursts at shared instants (overhead.cpu_spinner): what the full reads' dumps cost by their CPU")
+    ap.add_argument("--spin", default="", metavar="BUSY_MS/PERIOD_MS[/SCHED]",
+                    help="blocks: an arm without the agent whose ranks keep a core busy off the GIL below training "
+                    "(SCHED nice, the default, or idle) in bursts at shared instants (overhead.cpu_spinner): what "
+                    "the full reads' dumps cost by their CPU")
     ap.add_argument("--nproc", type=int, default=0, help="ranks per job (default per config)")
     ap.add_argument("--extra", default="", help="more trainer arguments (later ones win)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per job")

@@ -219,7 +219,8 @@ class CollectiveCollector(Component):
         self._want_reader = False
         try:
             self._reader = ReaderProcess(self.recorders, attach_ns=self._attach_ns, recent=self._ledger.recent,
-                                         max_pending=self.max_pending, cursors=self._cursor)  # fmt: skip
+                                         max_pending=self.max_pending, cursors=self._cursor,
+                                         sched=self.require_ctx().config.helper_sched)  # fmt: skip
         except (ImportError, Unsupported) as exc:  # no _WorkerServer or handler in this torch
             log.info("hpar_agent: flight-recorder reads stay in the training process (%s)", exc)
         except Exception as exc:

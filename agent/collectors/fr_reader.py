@@ -5,8 +5,8 @@ A full read on the agent thread holds the training process's GIL twice: while to
 processed in Python (up to 15-23 ms). On a 4-rank CPU job those reads were the agent's long steps
 (BENCHMARKS.md, issue 15). Here torch's worker server (``fr_server.DumpServer``) builds the dump on its
 own C++ threads, and a child process (``python -m hpar_agent.collectors.fr_reader``: no torch) fetches it
-over the server's private unix socket and runs the ``Ledger``; both run at ``fr_server.HELPER_NICE``, below
-the training threads whose cores they share. The agent thread sends one
+over the server's private unix socket and runs the ``Ledger``; both run below the training threads
+whose cores they share (``fr_server.yield_cpu``: ``SCHED_IDLE`` by default). The agent thread sends one
 request per read and waits on a pipe with the GIL released; it holds the GIL only to apply the
 ``Update`` (plain data, sub-millisecond to unpickle).
 
@@ -94,9 +94,10 @@ class ReaderProcess:
     """The agent's side: the worker server in this process, the child, one ``read`` per full read."""
 
     def __init__(
-        self, recorders: list[str], *, attach_ns: int, recent: int, max_pending: int, cursors: dict[str, int]
+        self, recorders: list[str], *, attach_ns: int, recent: int, max_pending: int, cursors: dict[str, int],
+        sched: str = "idle",
     ) -> None:
-        self.server = fr_server.DumpServer(recorders)  # raises when this torch has no handler for them
+        self.server = fr_server.DumpServer(recorders, sched)  # raises when this torch has no handler for them
         self.recorders = frozenset(self.server.handlers)
         self.cpu_s = 0.0  # the child's CPU time, as it reports it
         self.reads = 0
@@ -105,7 +106,7 @@ class ReaderProcess:
             raise fr_server.Unsupported("no Python executable to start the reader process with")
         try:
             self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-m", "hpar_agent.collectors.fr_reader"],
+                [sys.executable, "-m", "hpar_agent.collectors.fr_reader", sched],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 env=_child_env(), close_fds=True,
             )  # fmt: skip
@@ -230,10 +231,7 @@ def main() -> int:
         signal.signal(sig, signal.SIG_IGN)
     out = os.fdopen(os.dup(1), "wb")  # answers go to the pipe the parent reads ...
     os.dup2(2, 1)  # ... and anything printed goes where stderr goes, never into that pipe
-    try:
-        os.nice(fr_server.HELPER_NICE)  # on a host with no idle core it yields to training
-    except OSError:
-        pass
+    fr_server.yield_cpu(0, sys.argv[1] if len(sys.argv) > 1 else "idle")  # below the training threads
     return serve(sys.stdin.buffer, out)
 
 

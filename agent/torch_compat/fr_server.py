@@ -34,12 +34,13 @@ HANDLERS: dict[str, tuple[str, str]] = {
 }
 #: Seconds the agent thread waits for one dump (a stuck server must not stop the agent's passes).
 TIMEOUT_S = 10.0
-#: Niceness of the dump's helpers: the worker server's threads and the reader process. A full read is a
-#: burst of ~30-60 ms of CPU on each (the dump's JSON, its decoding), on every rank at the same tick: on a
-#: host whose cores the ranks keep busy, at 19 a helper gets ~1.5 % of a contended core against a
-#: training thread at 0, and still all of an idle one. (On 4 CPU ranks sharing 8 cores, steps
-#: overlapping a read ran ~24 ms longer than the others; at 19 they still did, so that is not the cores
-#: alone: BENCHMARKS.md, "Eleventh session".)
+#: How the dump's helpers (the worker server's threads and the reader process) yield the CPU to
+#: training (``AgentConfig.helper_sched``). A full read is a burst of ~30-60 ms of CPU on each (the
+#: dump's JSON, its decoding). At niceness 19 a helper gets ~1.5 % of a contended core, but a core it
+#: runs on still counts as busy when the scheduler places a waking training or gloo thread, and a
+#: bare thread spending a read's CPU that way at nice 19 cost the 4-rank CPU job as much as the whole
+#: agent (BENCHMARKS.md, "Sixteenth session"). ``SCHED_IDLE`` threads run only where nothing else
+#: wants the core, and give it up to a waking thread at once.
 HELPER_NICE = 19
 _SERVER_THREAD = "pt_workerserver"
 
@@ -96,13 +97,19 @@ def _threads(name: str) -> set[int]:
     return out
 
 
-def lower_priority(tids: set[int], nice: int = HELPER_NICE) -> None:
-    """Set each thread's niceness to ``nice`` (per thread on Linux; lowering needs no privilege)."""
-    for tid in tids:
+def yield_cpu(tid: int, sched: str = "idle") -> None:
+    """Put thread ``tid`` (0: the caller) below training: ``SCHED_IDLE`` for ``"idle"`` where the OS
+    has it and allows it (lowering needs no privilege on Linux), else niceness ``HELPER_NICE``."""
+    if sched == "idle" and hasattr(os, "SCHED_IDLE"):
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except (OSError, AttributeError):
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except OSError:
             pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, HELPER_NICE)
+    except (OSError, AttributeError):
+        pass
 
 
 def handler_names() -> set[str]:
@@ -226,7 +233,7 @@ if hasattr(os, "register_at_fork"):
 class DumpServer:
     """A worker server of this process on a private unix socket, and full dumps through it."""
 
-    def __init__(self, recorders: list[str]) -> None:
+    def __init__(self, recorders: list[str], sched: str = "idle") -> None:
         import torch._C._distributed_c10d as c10d
 
         if not hasattr(c10d, "_WorkerServer"):
@@ -238,6 +245,7 @@ class DumpServer:
         self._dir = tempfile.mkdtemp(prefix="hpar-fr-")  # short: a unix socket path has ~107 bytes
         self.path = os.path.join(self._dir, "s")
         self._others = _threads(_SERVER_THREAD)  # another server's (the user's own) stay as they are
+        self.sched = sched
         self.reniced: set[int] = set()
         try:
             with _quiet_stderr():
@@ -253,11 +261,11 @@ class DumpServer:
 
     def renice(self) -> None:
         """Put this server's threads (a listener and a pool that builds every dump, started by its
-        first request) at ``HELPER_NICE``; cheap to repeat (threads already done are skipped)."""
+        first request) below training (``yield_cpu``); cheap to repeat (threads done are skipped)."""
         new = _threads(_SERVER_THREAD) - self._others - self.reniced
-        if new:
-            lower_priority(new)
-            self.reniced |= new
+        for tid in new:
+            yield_cpu(tid, self.sched)
+        self.reniced |= new
 
     def dump(self, recorder: str) -> dict[str, Any]:
         """One full dump of ``recorder`` (as ``flight_recorder.dump`` returns it); raises on failure."""

@@ -134,17 +134,25 @@ def test_a_forked_child_that_drops_the_server_leaves_the_parents_serving(gloo) -
         server.close()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread niceness is read from /proc (Linux)")
-def test_the_servers_threads_run_below_training_and_the_callers_do_not(gloo) -> None:
-    """Every dump runs on one of the server's threads: all of them are set to HELPER_NICE when it
-    starts, and no other thread of the process (the training thread) is touched."""
-    mine = os.getpriority(os.PRIO_PROCESS, 0)
-    server = fr_server.DumpServer(["gloo"])
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"),
+                    reason="per-thread scheduling is read from /proc (Linux)")
+@pytest.mark.parametrize("sched", ["idle", "nice"])
+def test_the_servers_threads_yield_to_training_and_the_callers_do_not(gloo, sched) -> None:
+    """Every dump runs on one of the server's threads: all of them are put below training when it
+    starts (SCHED_IDLE, or niceness HELPER_NICE), and no other thread of the process (the training
+    thread) is touched."""
+    mine = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    server = fr_server.DumpServer(["gloo"], sched)
     try:
         tids = fr_server._threads(fr_server._SERVER_THREAD)
         assert tids and server.reniced == tids
-        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {fr_server.HELPER_NICE}
-        assert os.getpriority(os.PRIO_PROCESS, 0) == mine == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        if sched == "idle":
+            assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_IDLE}
+        else:
+            assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_OTHER}
+            assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {fr_server.HELPER_NICE}
+        me = threading.get_native_id()
+        assert (os.sched_getscheduler(me), os.getpriority(os.PRIO_PROCESS, me)) == mine
         assert server.dump("gloo")["pg_status"]  # and they still answer
     finally:
         server.close()

@@ -31,6 +31,7 @@ def _fresh_warnings(monkeypatch):
         ("HPAR_METRICS_ADDR", "300.1.2.3.4/8", "metrics_addr", "0.0.0.0"),
         ("HPAR_JOB_ID", "../../etc", "job_id", ""),
         ("HPAR_BUFFER_SIZE", "0", "buffer_size", 65536),
+        ("HPAR_HELPER_SCHED", "realtime", "helper_sched", "idle"),
     ],
 )
 def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, caplog):
@@ -48,6 +49,7 @@ def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, ca
         {"interval": 1e-9},
         {"interval": "1"},  # wrong type: ValueError, not TypeError
         {"fr_fill": 0.05},
+        {"helper_sched": "fifo"},
         {"metrics_port": "9470"},
         {"metrics_port": True},
         {"metrics_addr": "garbage addr!"},

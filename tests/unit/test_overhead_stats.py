@@ -178,6 +178,11 @@ def test_cpu_spinner_keeps_a_core_busy_in_bursts_without_holding_the_gil_and_sto
     assert int(stat[16]) == 19
     assert longest < 0.15  # never stopped for a burst
     assert not any(t.name == "cpu-spinner" for t in threading.enumerate())
+    with cpu_spinner("50/100/idle") as bursts:  # SCHED_IDLE, as the agent's helpers by default
+        while not bursts[0]:
+            time.sleep(0.01)
+        tid = next(t for t in threading.enumerate() if t.name == "cpu-spinner").native_id
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
     with cpu_spinner("") as none:
         time.sleep(0.01)
     assert none == [0]
