@@ -35,7 +35,7 @@ from hpar_agent import gcpause, gil
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.catalogue import LATENCY_BUCKETS
 from hpar_agent.collectors.fr_ledger import MAX_BOUNDARIES, PP_PG, Groups, Ledger, Op, Update
-from hpar_agent.collectors.fr_reader import ReaderProcess, cpus_per_local_rank
+from hpar_agent.collectors.fr_reader import ReaderProcess, ReaderTimeout, cpus_per_local_rank
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import WAKE_GRID_S, Component
 from hpar_agent.histogram import Histogram
@@ -108,6 +108,7 @@ class CollectiveCollector(Component):
         self._pending: dict[str, tuple[int, int | None]] = {}  # recorder -> (entries awaiting a duration, oldest ns)
         self._groups_seen: set[int] = set()  # id() of process groups whose size and ranks are known
         self._want_reader = False  # HPAR_FR_READER=process and not tried yet
+        self._helper_sched = "idle"  # HPAR_HELPER_SCHED; "nice" once a reader starved at SCHED_IDLE
         self._reader_was: dict[str, Any] = {}  # the reader's last state, once closed
         self._status: dict[str, Any] = {}  # recorder -> pg_status at the last full dump
         self._probe: dict[str, Any] = {}  # recorder -> pg_status at the last probe
@@ -176,6 +177,7 @@ class CollectiveCollector(Component):
         self.p2p.steps = ctx.find(StepCollector)
         self._patch_p2p()
         mode = ctx.config.fr_reader
+        self._helper_sched = ctx.config.helper_sched
         self._want_reader = mode == "process" or (mode == "auto" and cpus_per_local_rank() >= 2)
         if self._want_reader and self._groups_seen:  # on the attaching thread, where torch's log lines stay quiet
             self._start_reader()
@@ -220,7 +222,7 @@ class CollectiveCollector(Component):
         try:
             self._reader = ReaderProcess(self.recorders, attach_ns=self._attach_ns, recent=self._ledger.recent,
                                          max_pending=self.max_pending, cursors=self._cursor,
-                                         sched=self.require_ctx().config.helper_sched)  # fmt: skip
+                                         sched=self._helper_sched)  # fmt: skip
         except (ImportError, Unsupported) as exc:  # no _WorkerServer or handler in this torch
             log.info("hpar_agent: flight-recorder reads stay in the training process (%s)", exc)
         except Exception as exc:
@@ -273,11 +275,18 @@ class CollectiveCollector(Component):
     def _reader_failed(self, exc: BaseException) -> None:
         """A reader that fails is closed for good; the in-process ledger takes over at the cursor this
         side last applied (a prefetched read's answer never applied is read again: nothing counted
-        twice; the reader's pending entries stay counted, untimed)."""
+        twice; the reader's pending entries stay counted, untimed). One that timed out at SCHED_IDLE
+        was starved rather than broken: it is started again at nice 19, once."""
         self.record_error(exc)
         self._outstanding.clear()
+        starved = isinstance(exc, ReaderTimeout) and self._reader is not None and self._reader.sched == "idle"
         self._close_reader(failed=f"{type(exc).__name__}: {exc}")
         self._ledger.resume(self._cursor)
+        if starved:  # a host with no idle core: SCHED_IDLE helpers get ~0.3 % of one; nice 19 gets ~1.5 %
+            log.warning("hpar_agent: the flight-recorder reader answered no read at SCHED_IDLE (no idle core on "
+                        "this host?); restarting it at nice 19 (HPAR_HELPER_SCHED=nice)")
+            self._helper_sched = "nice"
+            self._want_reader = True  # started again at the next read, from the cursor applied here
 
     def _patch_p2p(self) -> None:
         """Wrap pipelining's p2p helpers once the program imported them (``torch_compat.p2p``)."""

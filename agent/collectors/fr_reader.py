@@ -53,6 +53,10 @@ class ReaderError(RuntimeError):
     """The reader process failed or answered with an error."""
 
 
+class ReaderTimeout(ReaderError):
+    """No answer within ``TIMEOUT_S``: the child is stuck, or starved of CPU below training."""
+
+
 def _send(stream: IO[bytes], obj: Any) -> None:
     body = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(_LEN.pack(len(body)) + body)
@@ -66,7 +70,7 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise ReaderError(f"no answer from the reader process within {TIMEOUT_S:g} s")
+                raise ReaderTimeout(f"no answer from the reader process within {TIMEOUT_S:g} s")
         data = os.read(fd, n - got)
         if not data:
             raise EOFError("the reader process closed its pipe")
@@ -98,6 +102,7 @@ class ReaderProcess:
         sched: str = "idle",
     ) -> None:
         self.server = fr_server.DumpServer(recorders, sched)  # raises when this torch has no handler for them
+        self.sched = sched
         self.recorders = frozenset(self.server.handlers)
         self.cpu_s = 0.0  # the child's CPU time, as it reports it
         self.reads = 0

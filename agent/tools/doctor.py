@@ -218,7 +218,8 @@ def _fr_reader() -> list[Check]:
     from hpar_agent.config import AgentConfig
     from hpar_agent.torch_compat.fr_server import handled
 
-    mode = AgentConfig.load().fr_reader
+    cfg = AgentConfig.load()
+    mode = cfg.fr_reader
     if mode == "inline":
         return [Check("flight-recorder reads", OK, "on the agent thread (HPAR_FR_READER=inline)")]
     cpus = cpus_per_local_rank()
@@ -229,8 +230,9 @@ def _fr_reader() -> list[Check]:
     if not recorders:
         return [Check("flight-recorder reads", DEGRADED, "this torch has no worker-server handler for the "
                       "flight recorder: full reads hold the training process's GIL", "upgrade torch")]
+    below = "SCHED_IDLE" if cfg.helper_sched == "idle" and hasattr(os, "SCHED_IDLE") else "nice 19"
     return [Check("flight-recorder reads", OK, f"in a reader process ({', '.join(recorders)} through torch's "
-                  "worker server)")]
+                  f"worker server; both at {below}, below training: HPAR_HELPER_SCHED)")]
 
 
 def _pyspy() -> list[Check]:

@@ -144,6 +144,9 @@ def test_doctor_says_where_full_flight_recorder_reads_run(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     check = _by_name(doctor.run_checks())["flight-recorder reads"]
     assert check.status == doctor.OK and "reader process" in check.detail and "gloo" in check.detail
+    assert "SCHED_IDLE" in check.detail
+    monkeypatch.setenv("HPAR_HELPER_SCHED", "nice")
+    assert "nice 19" in _by_name(doctor.run_checks())["flight-recorder reads"].detail
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one CPU per rank: auto keeps reads in-process
     check = _by_name(doctor.run_checks())["flight-recorder reads"]
     assert check.status == doctor.OK and "agent thread" in check.detail

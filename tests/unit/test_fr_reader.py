@@ -5,6 +5,7 @@ twice when the child dies."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -80,6 +81,38 @@ def test_a_dead_reader_gives_way_to_in_process_reads_at_its_cursor(agent) -> Non
     _all_reduces(2)
     agent.tick()
     assert get("hpar_collectives_total", L) == 17
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_a_reader_starved_at_sched_idle_is_started_again_at_nice_19(agent, monkeypatch, caplog) -> None:
+    """A host with no idle core starves SCHED_IDLE helpers: a read that times out there (the child
+    stopped, here) gives that read to the agent thread and starts a new reader at nice 19, which
+    reads on from the applied cursor: nothing counted twice or lost, and it is not tried again."""
+    import signal
+
+    c = agent.component("collectives")
+    _all_reduces(10)
+    agent.tick()
+    old = c._reader.proc
+    assert c._reader.sched == "idle"
+    monkeypatch.setattr(fr_reader, "TIMEOUT_S", 0.5)
+    os.kill(old.pid, signal.SIGSTOP)
+    try:
+        _all_reduces(5)
+        agent.tick()  # times out: this read inline
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # closed (killed) by then
+            os.kill(old.pid, signal.SIGCONT)
+    get = agent.registry.get_sample_value
+    assert c._reader is None and c._want_reader and get("hpar_collectives_total", L) == 15
+    assert "restarting it at nice 19" in caplog.text
+    _all_reduces(3)
+    agent.tick()  # the new reader, below training at nice 19
+    new = c._reader
+    assert new is not None and new.sched == "nice" and new.proc.pid != old.pid
+    assert os.sched_getscheduler(new.proc.pid) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, new.proc.pid) == 19
+    assert get("hpar_collectives_total", L) == 18 and c.reader_state()["mode"] == "process"
+    assert get("hpar_collective_unobserved_total", {"rank": "0", "pp_stage": "0", "pg": "default_pg"}) is None
 
 
 def test_a_read_prefetched_between_slices_is_applied_before_the_next_read(agent) -> None:
