@@ -15,7 +15,7 @@
 #   RUN=cpu-long bash benchmarks/gpu_run.sh                 # CPU: 60-step blocks, ratios by steps since attach (~9 min)
 #   RUN=cpu-twin-blocks bash benchmarks/gpu_run.sh          # CPU: twin jobs on the core halves, blocks in lockstep (~9 min)
 #   RUN=cpu-twin-runs bash benchmarks/gpu_run.sh            # CPU: twin fresh jobs a slot, attached at start (~9 min)
-#   RUN=cpu-twin-spin [SPIN=50/2000] bash benchmarks/gpu_run.sh  # CPU: twin blocks, on against the reads' CPU alone (~9 min)
+#   RUN=cpu-twin-spin [SPIN=50/2000[/idle]] bash benchmarks/gpu_run.sh  # CPU: twin blocks, on against the reads' CPU alone (~9 min)
 #   RUN=gpu-blocks bash benchmarks/gpu_run.sh               # one GPU, blocks (~9 min)
 #   RUN=gpu-runs bash benchmarks/gpu_run.sh                 # one GPU, separate runs (~9 min)
 #   RUN=gpu-detail bash benchmarks/gpu_run.sh               # one GPU, a fast loop's phases, every k-th step vs every step (~2 min)
