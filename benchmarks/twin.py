@@ -217,6 +217,31 @@ def pooled_p99(blocks: list[list[dict[str, Any]]], arms: list[str], skip: int) -
     return {arm: (a[arm]["ratio"] * b[arm]["ratio"]) ** 0.5 for arm in arms if arm != "off" and arm in a and arm in b}
 
 
+def pooled_p99_interval(blocks: list[list[dict[str, Any]]], arms: list[str], skip: int, reps: int = 1000,
+                        seed: int = 0) -> dict[str, tuple[float, float]]:
+    """Per arm, the 2.5th and 97.5th percentiles of ``pooled_p99`` over the pairs resampled with
+    replacement (a pair's blocks go together, as a stall shared by its arms does): how much the pooled
+    p99 rests on a few pairs. Empty with fewer than 3 pairs."""
+    import random
+
+    pairs = sorted({b["pair"] for half in blocks for b in half if b["pair"] >= 0})
+    if len(pairs) < 3:
+        return {}
+    by_pair = [{p: [b for b in half if b["pair"] == p] for p in pairs} for half in blocks]
+    rng = random.Random(seed)
+    draws: dict[str, list[float]] = {}
+    for _ in range(reps):
+        pick = rng.choices(pairs, k=len(pairs))
+        sample = [[{**b, "pair": i} for i, p in enumerate(pick) for b in half[p]] for half in by_pair]
+        for arm, v in pooled_p99(sample, arms, skip).items():
+            draws.setdefault(arm, []).append(v)
+    out = {}
+    for arm, v in draws.items():
+        v.sort()
+        out[arm] = (v[int(0.025 * (len(v) - 1))], v[int(0.975 * (len(v) - 1))])
+    return out
+
+
 def line(arm: str, st: dict[str, Any]) -> str:
     return (f"{arm:10} {st['median']:8.4f} {st['ci_lo']:8.4f}-{st['ci_hi']:.4f} ({st['ci_coverage']:5.1%}) "
             f"mean {st['mean']:.4f} +- {st['sem']:.4f}, min {st['min']:.4f} max {st['max']:.4f}, {st['pairs']} pairs")
@@ -276,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         result["p99_ratios"] = summarize(slots, "p99_s")
         result.update(steps=cfg["steps"], skip=cfg["skip"])
     else:
-        result.update(block=cfg["block"], block_skip=cfg["block_skip"], p99_pooled=extra["p99"])
+        result.update(block=cfg["block"], block_skip=cfg["block_skip"], p99_pooled=extra["p99"],
+                      p99_pooled_interval=pooled_p99_interval(extra["blocks"], arms, cfg["block_skip"]))
         result["train_cpu"] = summarize(slots, "cpu_s")
         result["windows"] = {k: summarize([{**w, **w["win"][k]} for w in extra["windows"]])
                              for k in (extra["windows"][0]["win"] if extra["windows"] else {})}  # fmt: skip
@@ -292,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     for arm, st in result.get("p99_ratios", {}).items():
         print("  p99 " + line(arm, st))
     for arm, v in result.get("p99_pooled", {}).items():
-        print(f"  p99 of all kept steps {arm:10} {v:.4f}")
+        lo, hi = result.get("p99_pooled_interval", {}).get(arm, (float("nan"),) * 2)
+        print(f"  p99 of all kept steps {arm:10} {v:.4f}   pairs resampled: {lo:.4f}-{hi:.4f}")
     for arm, st in result.get("train_cpu", {}).items():
         print("  training thread's CPU per step " + line(arm, st))
     for k, by_arm in result.get("windows", {}).items():

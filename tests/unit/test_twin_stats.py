@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.twin import common_seconds, pair_estimates, pooled_p99, slot_order, summarize
+from benchmarks.twin import (
+    common_seconds,
+    pair_estimates,
+    pooled_p99,
+    pooled_p99_interval,
+    slot_order,
+    summarize,
+)
 
 
 def test_every_pair_runs_each_arm_on_both_halves_against_off_alternating_order() -> None:
@@ -56,6 +63,29 @@ def test_pooled_p99_is_the_geometric_mean_over_the_halves() -> None:
     a = blocks([("on", [0.0] + [1.1] * 50), ("off", [0.0] + [1.0] * 50)])
     b = blocks([("off", [0.0] + [2.0] * 50), ("on", [0.0] + [2.2] * 50)])
     assert pooled_p99([a, b], ["off", "on"], skip=1) == {"on": pytest.approx(1.1)}
+
+
+def test_the_pooled_p99s_interval_shows_when_one_pairs_stall_carries_it() -> None:
+    """Ten pairs with on 5 % slower throughout: a narrow interval at 1.05. The same with one pair's on
+    block stalled: the pooled p99 jumps, and the resampled pairs show how much it rests on that pair."""
+    def halves(stall: bool) -> list[list[dict[str, object]]]:
+        out: list[list[dict[str, object]]] = [[], []]
+        for pair in range(10):
+            for half in out:
+                on = [1.05 * (1.0 + 0.001 * i) for i in range(60)]
+                if stall and pair == 3:  # more stalled steps than a pooled p99's top 1 % of 600
+                    on[-10:] = [3.0] * 10
+                half += [{"arm": "on", "pair": pair, "times": on},
+                         {"arm": "off", "pair": pair, "times": [1.0 + 0.001 * i for i in range(60)]}]
+        return out
+
+    lo, hi = pooled_p99_interval(halves(False), ["off", "on"], skip=0)["on"]
+    assert lo == pytest.approx(1.05, abs=1e-3) and hi == pytest.approx(1.05, abs=1e-3)
+    stalled = halves(True)
+    assert pooled_p99(stalled, ["off", "on"], skip=0)["on"] > 1.05
+    lo, hi = pooled_p99_interval(stalled, ["off", "on"], skip=0)["on"]
+    assert lo == pytest.approx(1.05, abs=1e-3) and hi > 1.5  # draws without pair 3 / with it twice or more
+    assert pooled_p99_interval([h[:4] for h in stalled], ["off", "on"], skip=0) == {}  # 2 pairs: none
 
 
 def test_runs_stop_before_a_pair_that_would_end_past_max_s(monkeypatch: pytest.MonkeyPatch) -> None:
