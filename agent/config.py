@@ -100,8 +100,8 @@ class AgentConfig:
     helper_sched: str = "idle"
     """idle | nice. How the full reads' helpers (torch's worker-server threads, the reader process)
     yield the CPU to training: ``SCHED_IDLE`` (they run on cores no training thread wants, and a
-    training thread that wakes takes their core at once), else niceness 19, where a helper still
-    counts as busy when the scheduler places a waking thread (and where SCHED_IDLE is refused)."""
+    training thread that wakes takes their core at once), or niceness 19 (also where SCHED_IDLE is
+    refused), at which a read's CPU bursts cost the 4-rank CPU job ~1.5 % more (BENCHMARKS.md)."""
     detectors: bool = True
     """Run the in-process detectors."""
     evidence: bool = True

@@ -72,8 +72,6 @@ from typing import Any
 
 import torch
 
-from hpar_agent.torch_compat import fr_server
-
 CONFIGS: dict[str, dict[str, Any]] = {
     "cpu": {
         "nproc": 4,
@@ -215,6 +213,8 @@ def cpu_spinner(spec: str) -> Iterator[list[int]]:
     if not spec:
         yield [0]
         return
+    from hpar_agent.torch_compat import fr_server  # here: the off arm's job imports nothing of the agent
+
     busy_ms, period_ms, sched = [*spec.split("/"), "nice"][:3]
     probe = bytes(1 << 20)
     t0 = time.perf_counter()
@@ -819,6 +819,8 @@ def allow_dropping_components() -> None:
     priority (the reader process still yields, ``HPAR_HELPER_SCHED``). Benchmark-only: the agent has no such
     settings (every component is meant to be on, its helpers below training)."""
     import hpar_agent.agent as agent_mod
+    from hpar_agent.torch_compat import fr_server
+
     full = agent_mod.default_components
     if getattr(full, "_bench_drop", False):
         return

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -222,8 +223,6 @@ def pooled_p99_interval(blocks: list[list[dict[str, Any]]], arms: list[str], ski
     """Per arm, the 2.5th and 97.5th percentiles of ``pooled_p99`` over the pairs resampled with
     replacement (a pair's blocks go together, as a stall shared by its arms does): how much the pooled
     p99 rests on a few pairs. Empty with fewer than 3 pairs."""
-    import random
-
     pairs = sorted({b["pair"] for half in blocks for b in half if b["pair"] >= 0})
     if len(pairs) < 3:
         return {}

@@ -36,11 +36,12 @@ HANDLERS: dict[str, tuple[str, str]] = {
 TIMEOUT_S = 10.0
 #: How the dump's helpers (the worker server's threads and the reader process) yield the CPU to
 #: training (``AgentConfig.helper_sched``). A full read is a burst of ~30-60 ms of CPU on each (the
-#: dump's JSON, its decoding). At niceness 19 a helper gets ~1.5 % of a contended core, but a core it
-#: runs on still counts as busy when the scheduler places a waking training or gloo thread, and a
-#: bare thread spending a read's CPU that way at nice 19 cost the 4-rank CPU job as much as the whole
-#: agent (BENCHMARKS.md, "Sixteenth session"). ``SCHED_IDLE`` threads run only where nothing else
-#: wants the core, and give it up to a waking thread at once.
+#: dump's JSON, its decoding). At niceness 19 a helper gets ~1.5 % of a contended core, yet a bare
+#: thread spending a read's CPU that way cost the 4-rank CPU job as much as the whole agent (likely
+#: because a core running it still counts as busy when the scheduler places a waking training or
+#: gloo thread; inferred, not observed). ``SCHED_IDLE`` threads run only where nothing else wants the
+#: core: the same burst cost about half, and the agent ~0.2 % instead of ~1.7 % (BENCHMARKS.md,
+#: "Sixteenth session").
 HELPER_NICE = 19
 _SERVER_THREAD = "pt_workerserver"
 

@@ -3,6 +3,8 @@ claim) and its ablation arms."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.overhead import (
@@ -205,8 +207,6 @@ def test_blocks_carry_what_the_agents_summary_says_of_its_reads_and_slices(tmp_p
             model(torch.randn(2, 4)).sum().backward()
     finally:
         hpar_agent.detach()
-    import json
-
     notes = agent_notes(str(tmp_path), 0)
     coll = json.loads((tmp_path / "summary.rank0.json").read_text())["components"]["collectives"]
     assert notes["by"] == coll["full_reads_by"]  # which reads there were depends on the process's groups
