@@ -129,7 +129,7 @@ for part in $RUN; do
         --max-s 440 --windows 5:15,15:30 --json "$OUT/overhead-gpu-blocks.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-blocks.log" | tail -n 12 ;;
     gpu-runs)  # one GPU, a fresh process per run, the agent attached before the first step (what users get)
       timeout 520 python3 -m benchmarks.overhead --config gpu --design runs --no-profiler --steps 50 --skip 10 \
-        --pairs 14 --json "$OUT/overhead-gpu-runs.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-runs.log" | tail -n 8 ;;
+        --pairs 14 --max-s 450 --json "$OUT/overhead-gpu-runs.json" 2>&1 | quiet | tee "$OUT/overhead-gpu-runs.log" | tail -n 8 ;;
     gpu-detail)  # one GPU, a small model's fast loop: phases with every k-th step detailed, and with every step
       for rate in 10 0; do
         HPAR_DETAIL_RATE=$rate HPAR_RUN_DIR="$OUT/detail-$rate" HPAR_METRICS_PORT=-1 timeout 150 python3 -m hpar_trainer \

@@ -53,6 +53,7 @@ this script without a GPU).
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import gc
 import hashlib
@@ -570,6 +571,27 @@ def step_time(out: str, skip: int) -> float:
     return statistics.median(step_times(out, skip))
 
 
+def full_collections(gcw: Any) -> list[tuple[float, float]]:
+    """(wall-clock start, seconds) of each generation-2 collection ``gcw`` saw: what a run's long
+    step may hold (a separate process's full collection falls on a step of its own timing)."""
+    offset = time.time() - time.perf_counter()
+    return [(b + offset, e - b) for b, e, g in gcw.pauses if g == 2]
+
+
+def step_events(out: str, skip: int) -> dict[str, Any]:
+    """A run's every step time (ms), its kept steps over 1.5x their median and the full collections
+    by the step they started in (index, ms): where a separate run's tail comes from."""
+    rec = json.loads(Path(out).read_text())
+    times, starts = rec["step_times"], rec.get("step_starts") or []
+    med = statistics.median(times[skip:])
+    gc_path = Path(out + ".gc.json")
+    full = json.loads(gc_path.read_text()) if gc_path.exists() else []
+    by_step = [(bisect.bisect(starts, t0) - 1, du * 1e3) for t0, du in full] if starts else []
+    return {"steps_ms": [round(t * 1e3, 2) for t in times],
+            "long": [(i, round(t * 1e3, 1)) for i, t in enumerate(times) if i >= skip and t > 1.5 * med],
+            "gc2": [(i, round(ms, 1)) for i, ms in by_step]}
+
+
 def p99(values: list[float]) -> float:
     """The 99th percentile, ``statistics.quantiles`` inclusive method: linear interpolation between the
     two order statistics around position 0.99 * (n - 1) (0-based), so never above the maximum."""
@@ -636,7 +658,13 @@ def runs_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Nam
     # a pair falls on every arm in turn, not always on the one that runs last
     schedule = [("on", -1)] + [(arm, p) for p in range(cfg["pairs"])
                                for arm in arms[p % len(arms):] + arms[:p % len(arms)]]
+    pair_t0, pair_s = t_start, 0.0  # the last pair's seconds: --max-s stops before a pair that would end past it
     for i, (arm, pair) in enumerate(schedule):
+        if pair >= 0 and pair != schedule[i - 1][1]:  # a pair begins
+            if a.max_s and time.time() - t_start + pair_s > a.max_s:
+                print(f"--max-s {a.max_s:g}: another pair ({pair_s:.0f} s) would end past it; stopping", flush=True)
+                break
+            pair_t0 = time.time()
         out = os.path.join(work, f"run{i}-{arm}.json")
         env = arm_env(arm, os.path.join(work, f"agent{i}"), f"overhead-{i}", a.variants)
         args = trainer_args(cfg, arm, out, a.variants)
@@ -647,10 +675,16 @@ def runs_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Nam
             run_torchrun(arm, cfg["nproc"], args, env, a.timeout)
         times = step_times(out, cfg["skip"])
         st = statistics.median(times)
-        runs.append({"arm": arm, "pair": pair, "step_s": st, "p99_s": p99(times), "wall_s": time.perf_counter() - t0})
+        ev = step_events(out, cfg["skip"])
+        runs.append({"arm": arm, "pair": pair, "step_s": st, "p99_s": p99(times), "wall_s": time.perf_counter() - t0,
+                     **ev})
         print(f"[{i + 1}/{len(schedule)}] {arm:8} pair {pair:2}: step {st * 1e3:9.2f} ms "
-              f"(run {time.perf_counter() - t0:5.1f} s)", flush=True)
-        result = report(name, cfg, cfg["pairs"], inprocess, t_start, runs, arms)
+              f"(run {time.perf_counter() - t0:5.1f} s); long steps {ev['long']}, full collections "
+              f"{[c for c in ev['gc2'] if c[1] >= 5]}", flush=True)
+        if pair >= 0 and (i + 1 == len(schedule) or schedule[i + 1][1] != pair):
+            pair_s = time.time() - pair_t0
+        done = len({r["pair"] for r in runs if r["pair"] >= 0})
+        result = report(name, cfg, done, inprocess, t_start, runs, arms)
         result["design"] = "runs"
         if a.json:  # after every run: a run cut short by a time limit still leaves its figures
             Path(a.json).write_text(json.dumps(result, indent=1))
@@ -666,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=0, help="blocks: steps per block (default per config)")
     ap.add_argument("--block-skip", type=int, default=-1, help="blocks: steps left out of a block's median")
     ap.add_argument("--max-s", type=float, default=0.0,
-                    help="blocks: stop after the pair that ends past this many seconds of blocks (0: all pairs)")
+                    help="blocks: stop after the pair that ends past this many seconds of blocks; runs: before a "
+                         "pair that would end past them (0: all pairs)")
     ap.add_argument("--windows", default="", metavar="A:B,...",
                     help="blocks: also report the ratios on steps A..B-1 of each block alone (the attach transient)")
     ap.add_argument("--reference", action="store_true",
@@ -889,12 +924,19 @@ def child(argv: list[str]) -> int:
     mode, rest = argv[0], argv[2:] if len(argv) > 1 and argv[1] == "--" else argv[1:]
     from hpar_trainer.train import main as train_main
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torchrun runs this file as a script
+    from benchmarks.common import GcWatch
+
     pin_rank(int(os.environ.get("HPAR_BENCH_PIN", "0") or 0))
     allow_dropping_components()
     allow_pacing_variants()
 
-    with maybe_profiler(mode == "profiler"):
-        return train_main(rest)
+    with GcWatch() as gcw, maybe_profiler(mode == "profiler"):
+        rc = train_main(rest)
+    out = rest[rest.index("--out") + 1] if "--out" in rest else ""
+    if out and os.environ.get("RANK", "0") == "0":  # beside rank 0's step record: its full collections
+        Path(out + ".gc.json").write_text(json.dumps(full_collections(gcw)))
+    return rc
 
 
 if __name__ == "__main__":
