@@ -578,12 +578,11 @@ def full_collections(gcw: Any) -> list[tuple[float, float]]:
     return [(b + offset, e - b) for b, e, g in gcw.pauses if g == 2]
 
 
-def step_events(out: str, skip: int) -> dict[str, Any]:
-    """A run's every step time (ms), its kept steps over 1.5x their median and the full collections
-    by the step they started in (index, ms): where a separate run's tail comes from."""
+def step_events(out: str, skip: int, med: float) -> dict[str, Any]:
+    """A run's every step time (ms), its kept steps over 1.5x their median ``med`` and the full
+    collections by the step they started in (index, ms): where a separate run's tail comes from."""
     rec = json.loads(Path(out).read_text())
     times, starts = rec["step_times"], rec.get("step_starts") or []
-    med = statistics.median(times[skip:])
     gc_path = Path(out + ".gc.json")
     full = json.loads(gc_path.read_text()) if gc_path.exists() else []
     by_step = [(bisect.bisect(starts, t0) - 1, du * 1e3) for t0, du in full] if starts else []
@@ -648,6 +647,30 @@ def summarize(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, dict[str
     return out
 
 
+class PairBudget:
+    """``--max-s`` for a design that runs pair after pair: no pair starts that would end past it at the
+    pace of the slowest pair so far (a device call's limit is hard; one that cuts a run loses its
+    summary)."""
+
+    def __init__(self, max_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_s, self.clock = max_s, clock
+        self.t0 = clock()  # the budget counts from here (warm-up included)
+        self.pair_t0: float | None = None
+        self.slowest = 0.0
+
+    def pair_starts(self) -> bool:
+        """A pair is about to start: whether it may (the first one always does)."""
+        t = self.clock()
+        if self.pair_t0 is not None:
+            self.slowest = max(self.slowest, t - self.pair_t0)
+            if self.max_s and t - self.t0 + self.slowest > self.max_s:
+                print(f"--max-s {self.max_s:g}: another pair ({self.slowest:.0f} s) would end past it; stopping",
+                      flush=True)
+                return False
+        self.pair_t0 = t
+        return True
+
+
 def runs_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Namespace,
                 inprocess: bool) -> dict[str, Any]:
     """One trainer process per arm and pair, after a warm-up run that fills the caches."""
@@ -658,13 +681,10 @@ def runs_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Nam
     # a pair falls on every arm in turn, not always on the one that runs last
     schedule = [("on", -1)] + [(arm, p) for p in range(cfg["pairs"])
                                for arm in arms[p % len(arms):] + arms[:p % len(arms)]]
-    pair_t0, pair_s = t_start, 0.0  # the last pair's seconds: --max-s stops before a pair that would end past it
+    budget = PairBudget(a.max_s)
     for i, (arm, pair) in enumerate(schedule):
-        if pair >= 0 and pair != schedule[i - 1][1]:  # a pair begins
-            if a.max_s and time.time() - t_start + pair_s > a.max_s:
-                print(f"--max-s {a.max_s:g}: another pair ({pair_s:.0f} s) would end past it; stopping", flush=True)
-                break
-            pair_t0 = time.time()
+        if pair >= 0 and pair != schedule[i - 1][1] and not budget.pair_starts():
+            break
         out = os.path.join(work, f"run{i}-{arm}.json")
         env = arm_env(arm, os.path.join(work, f"agent{i}"), f"overhead-{i}", a.variants)
         args = trainer_args(cfg, arm, out, a.variants)
@@ -675,14 +695,12 @@ def runs_design(name: str, cfg: dict[str, Any], arms: list[str], a: argparse.Nam
             run_torchrun(arm, cfg["nproc"], args, env, a.timeout)
         times = step_times(out, cfg["skip"])
         st = statistics.median(times)
-        ev = step_events(out, cfg["skip"])
+        ev = step_events(out, cfg["skip"], st)
         runs.append({"arm": arm, "pair": pair, "step_s": st, "p99_s": p99(times), "wall_s": time.perf_counter() - t0,
                      **ev})
         print(f"[{i + 1}/{len(schedule)}] {arm:8} pair {pair:2}: step {st * 1e3:9.2f} ms "
               f"(run {time.perf_counter() - t0:5.1f} s); long steps {ev['long']}, full collections "
               f"{[c for c in ev['gc2'] if c[1] >= 5]}", flush=True)
-        if pair >= 0 and (i + 1 == len(schedule) or schedule[i + 1][1] != pair):
-            pair_s = time.time() - pair_t0
         done = len({r["pair"] for r in runs if r["pair"] >= 0})
         result = report(name, cfg, done, inprocess, t_start, runs, arms)
         result["design"] = "runs"

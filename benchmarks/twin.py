@@ -52,6 +52,7 @@ from typing import Any
 
 from benchmarks import overhead
 from benchmarks.overhead import (
+    PairBudget,
     _torchrun_blocks,
     agent_arm,
     arm_env,
@@ -150,19 +151,14 @@ def runs_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace,
     """Fresh jobs per slot (one warm-up slot first: caches, page cache). With ``--max-s``, no pair starts
     that would end past it at the pace of the slowest pair so far (a device call's limit is hard; a
     pair of 200-step slots takes ~2 minutes)."""
-    t0 = clock()
+    budget = PairBudget(a.max_s, clock)
     run_slot("on", "off", cfg, halves, work, "warm", a.variants, a.timeout)
     slots: list[dict[str, Any]] = []
     order = slot_order(arms, cfg["pairs"])
-    pair_t0, pair_s = clock(), 0.0  # the pair in progress began; the slowest pair took
     for i, (arm_a, arm_b, pair) in enumerate(order):
         t = clock()
-        if i and order[i - 1][2] != pair:  # a new pair
-            pair_s, pair_t0 = max(pair_s, t - pair_t0), t
-            if a.max_s and t - t0 + pair_s > a.max_s:
-                print(f"--max-s {a.max_s:g}: another pair ({pair_s:.0f} s) would end past it; stopping after pair "
-                      f"{order[i - 1][2]}", flush=True)
-                break
+        if (not i or order[i - 1][2] != pair) and not budget.pair_starts():
+            break
         res = run_slot(arm_a, arm_b, cfg, halves, work, f"s{i}", a.variants, a.timeout)
         slots.append({"a": arm_a, "b": arm_b, "pair": pair, **res})
         print(f"[slot {i + 1}/{len(order)}] pair {pair:2}: A {arm_a:6} {res['A']['median_s'] * 1e3:8.2f} ms, "
