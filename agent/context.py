@@ -64,8 +64,6 @@ class AgentContext:
     on_step_boundary: Callable[[int, int], None] = _ignore_step
     #: True from the agent's ``stop()`` on (the final poll reads every source in full)
     is_stopping: Callable[[], bool] = _never
-    #: wall seconds the agent thread's recent passes took (paced: their slices spread over the interval)
-    pass_wall_s: Callable[[], float] = lambda: 0.0
     #: an alert transition for the user's ``on_alert`` callbacks
     dispatch_alert: Callable[[Alert], None] = _ignore_alert
     device: Any = None  # torch.device of this rank (see hpar_agent.device)

@@ -59,7 +59,7 @@ def test_a_full_flight_recorder_read_is_processed_with_collection_paused(monkeyp
 
     monkeypatch.setattr(CollectiveCollector, "_read", read)
     c = CollectiveCollector()
-    c.ctx = type("Ctx", (), {"config": type("Cfg", (), {"nccl_timing": False, "fr_complete": False})()})()  # type: ignore[assignment]
+    c.ctx = type("Ctx", (), {"config": type("Cfg", (), {"nccl_timing": False})()})()  # type: ignore[assignment]
     c.recorders = ["gloo", "nccl"]
     monkeypatch.setattr(c, "_patch_p2p", lambda: None)
     c.poll(time.time())
@@ -78,40 +78,6 @@ def test_the_yielder_hands_the_gil_back_by_time_not_per_call(monkeypatch) -> Non
     assert sleeps == [0]
     y()
     assert sleeps == [0]
-
-
-def test_a_paced_pass_sleeps_to_the_next_shared_slot_until_its_deadline(monkeypatch) -> None:
-    """After each hold a paced pass waits for the next multiple of the slot on the wall clock (the
-    same instants on every rank), never past its deadline; past the deadline it only yields."""
-    sleeps: list[float] = []
-    clock = [10_030_000_000]  # 30 ms into a 100 ms slot
-    monkeypatch.setattr(time, "sleep", lambda s: sleeps.append(s))
-    monkeypatch.setattr(time, "time_ns", lambda: clock[0])
-    y = Yielder(hold_ns=0, deadline_ns=10_250_000_000, slot_ns=100_000_000)
-    y()
-    assert sleeps == [pytest.approx(0.070)]  # to 10.1 s
-    clock[0] = 10_220_000_000
-    y()
-    assert sleeps[-1] == pytest.approx(0.030)  # the next slot (10.3 s) is past the deadline (10.25 s)
-    clock[0] = 10_260_000_000
-    y()
-    assert sleeps[-1] == 0
-
-
-def test_a_paced_pass_offers_each_sleep_to_its_idle_hook_first(monkeypatch) -> None:
-    """Between slices the agent thread would only sleep: the pass's idle hook (``Agent._prefetch``)
-    gets the sleep's end first, so work due before the pass ends (a turnover read) starts on time."""
-    sleeps: list[float] = []
-    idle: list[int] = []
-    clock = [10_030_000_000]
-    monkeypatch.setattr(time, "sleep", lambda s: sleeps.append(s))
-    monkeypatch.setattr(time, "time_ns", lambda: clock[0])
-    y = Yielder(hold_ns=0, deadline_ns=10_250_000_000, slot_ns=100_000_000, idle=idle.append)
-    y()
-    assert idle == [10_100_000_000] and sleeps == [pytest.approx(0.070)]
-    clock[0] = 10_260_000_000  # past the deadline: no sleep, nothing offered
-    y()
-    assert idle == [10_100_000_000]
 
 
 def test_pause_points_use_the_pass_of_their_own_thread_only(monkeypatch) -> None:

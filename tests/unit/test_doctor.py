@@ -133,24 +133,3 @@ def test_every_dependency_has_a_doctor_row():
     covered = {_owner_of(module, dists) for _, module, _, _ in doctor.REQUIRED_IMPORTS} | set(NOT_IMPORTS)
     assert [d for d in dists if d not in covered] == []
     assert {"opentelemetry-api", "opentelemetry-exporter-otlp-proto-common"} <= covered
-
-
-def test_doctor_says_where_full_flight_recorder_reads_run(monkeypatch):
-    from hpar_agent.collectors import fr_reader
-    from hpar_agent.torch_compat import fr_server
-
-    monkeypatch.delenv("HPAR_FR_READER", raising=False)
-    monkeypatch.setattr(fr_reader.os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    check = _by_name(doctor.run_checks())["flight-recorder reads"]
-    assert check.status == doctor.OK and "reader process" in check.detail and "gloo" in check.detail
-    assert "SCHED_IDLE" in check.detail
-    monkeypatch.setenv("HPAR_HELPER_SCHED", "nice")
-    assert "nice 19" in _by_name(doctor.run_checks())["flight-recorder reads"].detail
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one CPU per rank: auto keeps reads in-process
-    check = _by_name(doctor.run_checks())["flight-recorder reads"]
-    assert check.status == doctor.OK and "agent thread" in check.detail
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    monkeypatch.setattr(fr_server, "handler_names", lambda: set())  # a torch without the worker server
-    check = _by_name(doctor.run_checks())["flight-recorder reads"]
-    assert check.status == doctor.DEGRADED and check.fix

@@ -25,13 +25,10 @@ def _fresh_warnings(monkeypatch):
         ("HPAR_INTERVAL", "1e-9", "interval", 1.0),
         ("HPAR_INTERVAL", "nan", "interval", 1.0),
         ("HPAR_FR_INTERVAL", "inf", "fr_interval", 5.0),
-        ("HPAR_FR_FILL", "1.0", "fr_fill", 0.8),  # a read at the very turnover loses entries
-        ("HPAR_FR_FILL", "nan", "fr_fill", 0.8),
         ("HPAR_METRICS_ADDR", "garbage addr!", "metrics_addr", "0.0.0.0"),
         ("HPAR_METRICS_ADDR", "300.1.2.3.4/8", "metrics_addr", "0.0.0.0"),
         ("HPAR_JOB_ID", "../../etc", "job_id", ""),
         ("HPAR_BUFFER_SIZE", "0", "buffer_size", 65536),
-        ("HPAR_HELPER_SCHED", "realtime", "helper_sched", "idle"),
     ],
 )
 def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, caplog):
@@ -48,8 +45,6 @@ def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, ca
         {"interval": float("inf")},
         {"interval": 1e-9},
         {"interval": "1"},  # wrong type: ValueError, not TypeError
-        {"fr_fill": 0.05},
-        {"helper_sched": "fifo"},
         {"metrics_port": "9470"},
         {"metrics_port": True},
         {"metrics_addr": "garbage addr!"},
@@ -70,6 +65,19 @@ def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, ca
 def test_bad_explicit_value_raises_value_error(kwargs):
     with pytest.raises(ValueError):
         AgentConfig.load(overrides=kwargs, environ={})
+
+
+def test_removed_settings_are_ignored_with_one_warning(caplog):
+    """A job that still sets a removed setting runs: the env var or keyword is ignored, said once."""
+    removed = {"HPAR_FR_READER": "process", "HPAR_FR_COMPLETE": "0", "HPAR_FR_FILL": "2",
+               "HPAR_WORK_IN_WAITS": "x", "HPAR_HELPER_SCHED": "nice"}
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        for _ in range(2):
+            cfg = AgentConfig.load(overrides={"fr_reader": "inline", "interval": 2.0}, environ=removed)
+    assert cfg == AgentConfig(interval=2.0)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == len(removed) and all("removed" in m for m in said)
+    assert any("HPAR_FR_READER" in m and "fr_reader" in m for m in said)
 
 
 def test_valid_values_are_accepted():
