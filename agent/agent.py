@@ -126,7 +126,7 @@ class Agent:
             try:
                 self.events = EventLog(
                     os.path.join(self.run_dir, f"events.rank{topo.rank}.jsonl"), topo.rank,
-                    max_bytes=self.config.log_max_bytes, backups=self.config.log_backups,
+                    max_bytes=self.config.log_max_bytes,
                     on_error=lambda exc: self.record_error("events", exc),
                 )  # fmt: skip
             except OSError as exc:

@@ -316,7 +316,6 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("HPAR_TP", "tp", "Override the tensor-parallel degree."),
     EnvVar("HPAR_PP", "pp", "Override the pipeline-parallel degree."),
     EnvVar("HPAR_PP_STAGE", "pp_stage", "Override this rank's pipeline stage."),
-    EnvVar("HPAR_LOG_MAX_BYTES", "log_max_bytes", "Size in bytes at which the event log and the traces file rotate (0: never); a string value in an event is cut at 16 KiB, a record at 64 KiB."),
-    EnvVar("HPAR_LOG_BACKUPS", "log_backups", "Rotated files kept per log (events.rank0.jsonl.1, ...)."),
+    EnvVar("HPAR_LOG_MAX_BYTES", "log_max_bytes", "Size in bytes at which the event log and the traces file rotate, keeping two rotated files each (0: never); a string value in an event is cut at 16 KiB, a record at 64 KiB."),
 )
 ENV_BY_NAME: dict[str, EnvVar] = {e.name: e for e in ENV_VARS}

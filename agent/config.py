@@ -41,6 +41,7 @@ REMOVED: dict[str, str] = {
     "work_in_waits": "HPAR_WORK_IN_WAITS",
     "fr_reader": "HPAR_FR_READER",
     "helper_sched": "HPAR_HELPER_SCHED",
+    "log_backups": "HPAR_LOG_BACKUPS",
 }
 
 
@@ -99,9 +100,7 @@ class AgentConfig:
     thresholds: dict[str, float] = field(default_factory=dict)
     """Detector threshold overrides, ``{"<Alert>.<param>": value}`` (see detector docs)."""
     log_max_bytes: int = 64 << 20
-    """Size at which the event log and the traces file rotate (0: never)."""
-    log_backups: int = 2
-    """Rotated files kept per log (``events.rank0.jsonl.1`` ...)."""
+    """Size at which the event log and the traces file rotate, keeping two rotated files (0: never)."""
 
     def __post_init__(self) -> None:
         problems = list(_problems(self))
@@ -237,8 +236,6 @@ def _field_problems(name: str, value: Any) -> list[str]:
         out.append(f"pp_stage must be >= 0, got {v}")
     elif name == "log_max_bytes" and not (v == 0 or v >= 1024):
         out.append(f"log_max_bytes must be 0 (no cap) or >= 1024, got {v}")
-    elif name == "log_backups" and not 0 <= v <= 100:
-        out.append(f"log_backups must be 0..100, got {v}")
     elif name in ("tls_cert", "tls_key") and v and not os.path.isfile(v):
         out.append(f"{name} {v!r} is not a readable file")
     elif name == "thresholds":

@@ -70,7 +70,7 @@ def test_bad_explicit_value_raises_value_error(kwargs):
 def test_removed_settings_are_ignored_with_one_warning(caplog):
     """A job that still sets a removed setting runs: the env var or keyword is ignored, said once."""
     removed = {"HPAR_FR_READER": "process", "HPAR_FR_COMPLETE": "0", "HPAR_FR_FILL": "2",
-               "HPAR_WORK_IN_WAITS": "x", "HPAR_HELPER_SCHED": "nice"}
+               "HPAR_WORK_IN_WAITS": "x", "HPAR_HELPER_SCHED": "nice", "HPAR_LOG_BACKUPS": "-1"}
     with caplog.at_level(logging.WARNING, logger="hpar_agent"):
         for _ in range(2):
             cfg = AgentConfig.load(overrides={"fr_reader": "inline", "interval": 2.0}, environ=removed)
