@@ -589,22 +589,12 @@ class AnatomyCollector(Component):
             self.evidence["slow_rank"] = rank if slow_rank is None else slow_rank
 
     def _straggler(self) -> tuple[bool, float | None, int | None]:
-        """Whether the job has one slow rank, its arrival lag at collectives and which rank: this
-        rank's own Straggler state, else the slow rank its Straggler detector sees among the peers
-        (the lags every rank computes from the flight-recorder entries exchanged through the store)."""
-        from hpar_agent.detectors.component import DetectorsComponent
-
-        det = self.ctx.find(DetectorsComponent) if self.ctx is not None else None
-        st = det.states.get("Straggler") if det is not None else None
-        if st is None:
+        """Whether the job has one slow rank, its arrival lag at collectives and which rank (None: this
+        one), as the Straggler detector concluded (``AgentContext.slow_rank``)."""
+        sr = self.ctx.slow_rank if self.ctx is not None else None
+        if sr is None or not (sr.here or sr.peer is not None):
             return False, None, None
-        if st.active:
-            return True, (float(st.value) if st.value else None), None
-        d = next((d for d in getattr(det, "detectors", ()) if d.name == "Straggler"), None)
-        slowest = getattr(d, "slowest", None)
-        if slowest is None:
-            return False, None, None
-        return True, float(slowest[1]), int(slowest[0])
+        return True, sr.lag, None if sr.here else sr.peer
 
     def collect(self) -> Iterable[Metric]:
         f = self.require_ctx().families
