@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import os
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -33,6 +32,7 @@ from hpar_agent import gcpause, gil
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.catalogue import LATENCY_BUCKETS
 from hpar_agent.collectors.fr_ledger import MAX_BOUNDARIES, PP_PG, Groups, Ledger, Op, Update
+from hpar_agent.collectors.nccl_timing import NcclTiming
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
@@ -108,13 +108,7 @@ class CollectiveCollector(Component):
         self._bound_t: list[int] = []
         self._bound_s: list[int] = []
         self._attach_ns = 0
-        self._nccl_timing = False
-        self._timing_seen: set[int] = set()  # id() of groups already offered timing
-        self._timed_groups: set[tuple[str, str]] = set()  # (name, desc) of NCCL groups timed by us
-        self._untimed: set[tuple[str, str]] = set()  # groups that existed untimed at attach and stay so
-        self._preexisting: set[tuple[str, str]] = set()
-        self._env_timing = False
-        self._env_set = False
+        self.nccl = NcclTiming()
         self.timing: dict[str, bool] = {}  # timing_enabled() as of the last poll (read by the scrape)
         self.p2p = P2PWrapper(self.p2p_buffer.put, self._p2p_error)
         self._active = False
@@ -124,20 +118,12 @@ class CollectiveCollector(Component):
         super().install(ctx)
         self.p2p_buffer.capacity = ctx.config.buffer_size
         self._attach_ns = self._ledger.attach_ns = time.time_ns()
-        self._nccl_timing = self._env_timing = fr.nccl_timing()  # the user's setting, before ours
         self._ring = fr.ring_entries() or FR_DEFAULT_ENTRIES
         self.recorders = fr.available_recorders()
         self.up = bool(self.recorders)
         self._seed_empty_rings()
         self._label_mesh_groups(ctx)
-        if ctx.config.nccl_timing and "nccl" in self.recorders:
-            # ProcessGroupNCCL reads the variable when it is built: NCCL groups made after attach are
-            # timed from their first op; the existing ones are switched on by _enable_timing. Set here,
-            # on the attaching thread, never from the agent thread (setenv races getenv in C++ threads).
-            self._preexisting = {fr.group_name(pg) for pg in fr.process_groups()}
-            os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
-            self._env_set = True
-            self._enable_timing()
+        self.nccl.install(ctx.config.nccl_timing and "nccl" in self.recorders)
         self._sync_groups()
         self._active = True
         self.p2p.steps = ctx.find(StepCollector)
@@ -216,34 +202,6 @@ class CollectiveCollector(Component):
             if ranks:
                 self.groups.ranks[name] = ranks
 
-    def _enable_timing(self) -> None:
-        """Switch timing on for every NCCL group not offered it yet (agent thread, each poll: groups
-        appear after attach too). One log line, with the fix, if a group cannot be timed."""
-        for pg in fr.process_groups():
-            if id(pg) in self._timing_seen:
-                continue
-            self._timing_seen.add(id(pg))
-            if fr.group_backend(pg) != "nccl":
-                continue
-            key = fr.group_name(pg)
-            try:
-                ok = fr.enable_timing(pg)
-            except Exception:
-                ok = False
-            if ok:
-                self._timed_groups.add(key)
-                self._nccl_timing = True
-            elif self._env_timing or key not in self._preexisting:
-                self._nccl_timing = True  # built with the variable set (the user's or ours): timed
-            elif key not in self._untimed:
-                self._untimed.add(key)
-                if len(self._untimed) > 1:
-                    continue  # one log line
-                log.warning(
-                    "hpar_agent: NCCL group %s is not timed (no latency, busbw or spans): set "
-                    "TORCH_NCCL_ENABLE_TIMING=1 before init_process_group", key[1] or key[0]
-                )
-
     def _say_lost(self, rec: str, n: int, new_ids: int) -> None:
         """Once: a ring that turns over faster than the agent reads it (every ``fr_interval``) loses
         entries; a ring that holds twice the entries of one interval keeps them."""
@@ -261,9 +219,9 @@ class CollectiveCollector(Component):
     def timing_enabled(self) -> dict[str, bool]:
         """pg label -> whether its ops carry durations (the ``hpar_collective_timing_enabled`` series).
         Agent thread (``groups.label`` may assign a label); the scrape reads ``self.timing``."""
-        timed_labels = {self.groups.label(*k) for k in self._timed_groups}
-        untimed = {self.groups.label(*k) for k in self._untimed}
-        env = self._env_timing or self._env_set
+        timed_labels = {self.groups.label(*k) for k in self.nccl.timed}
+        untimed = {self.groups.label(*k) for k in self.nccl.untimed}
+        env = self.nccl.env or self.nccl.env_set
         out: dict[str, bool] = {}
         for pg, _op in self.counts:
             out[pg] = pg in timed_labels or (pg == PP_PG) or any(
@@ -283,7 +241,7 @@ class CollectiveCollector(Component):
         self._poll_ns = int(now * 1e9)
         agent = self.require_ctx()
         if agent.config.nccl_timing and "nccl" in self.recorders:
-            self._enable_timing()
+            self.nccl.enable()
         self._sync_groups()
         self._patch_p2p()
         p2p = self.p2p_buffer.drain()
@@ -358,13 +316,13 @@ class CollectiveCollector(Component):
         self._prev_read_ns[rec] = self._read_ns.get(rec, 0)
         self._read_ns[rec] = now_ns = int(now * 1e9)
         dump = fr.dump(rec, include_collectives=True)
-        return status, self._ledger.process(rec, dump, nccl_timing=self._nccl_timing, now_ns=now_ns)
+        return status, self._ledger.process(rec, dump, nccl_timing=self.nccl.on, now_ns=now_ns)
 
     def span_watermark_ns(self) -> int | None:
         """Spans come from timed FR entries (NCCL with timing: up to the last full read, less those
         still awaiting their duration) and from the p2p wrapper (each poll, less the ops in flight)."""
         marks = [self._poll_ns]
-        if self._nccl_timing and "nccl" in self._read_ns:
+        if self.nccl.on and "nccl" in self._read_ns:
             marks.append(self._read_ns["nccl"])
         marks.extend(oldest for _n, oldest in self._pending.values() if oldest is not None)
         marks.extend(o.start_ns for ops in self._pending_p2p.values() for o in ops)

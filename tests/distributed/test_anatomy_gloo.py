@@ -129,7 +129,8 @@ def test_the_verdict_names_the_straggler_across_ranks(
 ) -> None:
     """Rank 1 sleeps 2 s in every forward; the job's verdict names rank 1 in the summary and the report
     (from both ranks' summaries), and a clean run names no slow rank."""
-    from hpar_agent.tools.report import load_run, slow_rank_note
+    from hpar_agent.tools.report import slow_rank_note
+    from hpar_agent.tools.run_files import load_run
     from hpar_agent.tools.summary import _slow_rank_line, load_rank_summaries
 
     run = anatomy_runs["straggler"]

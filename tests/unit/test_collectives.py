@@ -318,7 +318,7 @@ def test_p2p_entries_pg_status_does_not_count_are_read_at_the_next_slot(fake):
 
 def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):
     rec, agent, c = fake
-    c._nccl_timing = True
+    c.nccl.on = True
     agent.config.fr_interval = 3600.0
     exported: list[tuple[int, list[str]]] = []
     agent.tracing = SimpleNamespace(
@@ -434,11 +434,11 @@ def test_untimed_nccl_group_from_before_attach_is_said_once_and_later_groups_are
         try:
             c = agent.component("collectives")
             assert os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"  # set at attach, for later groups
-            assert c._untimed == {("1", "mesh_dp")}
+            assert c.nccl.untimed == {("1", "mesh_dp")}
             groups.append(new)
             agent.tick()
             agent.tick()
-            assert c._untimed == {("1", "mesh_dp")} and c._nccl_timing  # the new group is timed
+            assert c.nccl.untimed == {("1", "mesh_dp")} and c.nccl.on  # the new group is timed
         finally:
             agent.stop()
     assert sum("is not timed" in r.getMessage() for r in caplog.records) == 1
