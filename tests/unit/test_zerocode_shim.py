@@ -79,15 +79,32 @@ def test_disable_or_no_marker_installs_nothing(tmp_path: Path, extra: dict[str, 
     assert (mode, finders) == ("off", [])
 
 
-def test_torchrun_launcher_is_left_alone() -> None:
-    ns: dict[str, object] = {}
-    src = (SHIM_DIR / "sitecustomize.py").read_text()
-    exec(compile(src.split("\ntry:\n    _hpar_mode")[0], "shim", "exec"), ns)  # definitions only
-    launcher = ns["_is_torchrun_launcher"]
-    assert launcher(["/v/bin/python", "/v/bin/torchrun", "--nproc-per-node", "2", "t.py"])  # type: ignore[operator]
-    assert launcher(["python", "-m", "torch.distributed.run", "t.py"])  # type: ignore[operator]
-    assert not launcher(["python", "t.py", "-m", "x"])  # type: ignore[operator]
-    assert not launcher(["python", "torchrun_helper.py"])  # type: ignore[operator]
+@pytest.mark.parametrize(("argv", "mode"), [
+    (["torchrun", "--nproc-per-node", "2", "t.py"], "launcher"),  # the torchrun script
+    (["-m", "torch.distributed.run", "t.py"], "launcher"),
+    (["t.py", "-m", "x"], "script"),  # an argument of the script, not python's -m
+    (["torchrun_helper.py"], "script"),
+])
+def test_torchrun_launcher_is_left_alone(tmp_path: Path, argv: list[str], mode: str) -> None:
+    """The launcher process (the torchrun script, or ``python -m torch.distributed.run``) trains nothing:
+    the shim installs nothing there and keeps the marker for the workers it starts. Each command runs
+    the probe: a file of that name, and a stand-in ``torch.distributed.run`` ahead on the path."""
+    fake = tmp_path / "fake"
+    (fake / "torch" / "distributed").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("")
+    (fake / "torch" / "distributed" / "__init__.py").write_text("")
+    for script in (fake / "torch" / "distributed" / "run.py", tmp_path / "torchrun", tmp_path / "t.py",
+                   tmp_path / "torchrun_helper.py"):  # fmt: skip
+        script.write_text(PROBE.replace("'torch' in sys.modules", "False"))
+    env = {**_clean_env(), **child_env({"PYTHONPATH": str(fake)}, tmp_path / "run")}
+    args = [str(tmp_path / a) if a in ("torchrun", "t.py", "torchrun_helper.py") else a for a in argv]
+    out = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=30, check=True)
+    _, got, var, _, finders = json.loads(out.stdout)
+    assert got == mode
+    if mode == "launcher":
+        assert finders == [] and var == "1"  # nothing installed; the marker stays for the workers
+    else:
+        assert var is None  # a script consumes the marker
 
 
 def test_an_existing_sitecustomize_still_runs(tmp_path: Path) -> None:
