@@ -416,3 +416,18 @@ def test_a_peer_the_straggler_exchange_names_is_the_slow_rank(tmp_path, monkeypa
         assert straggler.slowest is None
     finally:
         hpar_agent.detach()
+
+
+def test_anatomy_judges_once_per_pass(monkeypatch) -> None:
+    from hpar_agent.collectors.anatomy import AnatomyCollector
+    from hpar_agent.spans import StepRecord
+
+    c = AnatomyCollector()
+    judged: list[int] = []
+    monkeypatch.setattr(c, "_judge", lambda: judged.append(len(c.history)))
+    for i in range(50):
+        c.on_step(StepRecord(step=i, start_ns=i * 10_000_000, end_ns=(i + 1) * 10_000_000))
+    assert len(c.history) == 50 and judged == []
+    c.end_pass()
+    c.end_pass()  # nothing new: no second judgement
+    assert judged == [50]

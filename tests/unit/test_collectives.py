@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from types import SimpleNamespace
@@ -241,7 +242,7 @@ def test_status_probe_skips_full_dump_when_nothing_moved(fake):
 
 def test_an_empty_recorder_is_read_in_full_once(fake):
     """A CUDA build has both recorders and a job uses one: the other's ring stays empty, and its first
-    read must not be due again at every poll (on the device that was a full read a second per rank)."""
+    read must not be due again at every poll (that would be a full read a second per rank)."""
     rec, agent, c = fake
     agent.config.fr_interval = 3600.0
     at_attach = rec.full_dumps  # attach looked at the empty ring once
@@ -487,3 +488,21 @@ def test_entries_of_one_shape_are_decoded_once_and_counted_each(fake, monkeypatc
     agent.tick()
     assert len(c._ledger._decoded) == 1
     assert get("hpar_collective_bytes_total", {**L, "pg": "dp", "op": "all_reduce"}) == 6 * 1024 + 2048
+
+
+def test_a_full_flight_recorder_read_is_processed_with_collection_paused(monkeypatch) -> None:
+    from hpar_agent.collectors.collectives import CollectiveCollector
+
+    seen: list[bool] = []
+
+    def read(self, rec, now):
+        seen.append(gc.isenabled())
+        return {}, None
+
+    monkeypatch.setattr(CollectiveCollector, "_read", read)
+    c = CollectiveCollector()
+    c.ctx = type("Ctx", (), {"config": type("Cfg", (), {"nccl_timing": False})()})()  # type: ignore[assignment]
+    c.recorders = ["gloo", "nccl"]
+    monkeypatch.setattr(c, "_patch_p2p", lambda: None)
+    c.poll(time.time())
+    assert seen == [False, False] and gc.isenabled()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
+from hpar_agent.affinity import cpu_list
 from hpar_agent.tools import doctor
+from tests.unit.test_affinity import AffinityNvml
 
 
 def _by_name(checks):
@@ -133,3 +136,12 @@ def test_every_dependency_has_a_doctor_row():
     covered = {_owner_of(module, dists) for _, module, _, _ in doctor.REQUIRED_IMPORTS} | set(NOT_IMPORTS)
     assert [d for d in dists if d not in covered] == []
     assert {"opentelemetry-api", "opentelemetry-exporter-otlp-proto-common"} <= covered
+
+
+def test_doctor_reports_the_binding() -> None:
+    mine = os.sched_getaffinity(0)
+    bad = doctor._numa(AffinityNvml({max(mine) + 64}, 1))[0]
+    assert bad.status == doctor.DEGRADED and "none shared" in bad.detail and "numactl" in bad.fix
+    good = doctor._numa(AffinityNvml(set(mine), 0))[0]
+    assert good.status == doctor.OK and f"GPU ideal CPUs {cpu_list(mine)}" in good.detail
+    assert any(c.name == "NUMA binding" for c in doctor.run_checks())

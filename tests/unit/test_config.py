@@ -1,5 +1,6 @@
-"""Settings are range- and type-checked: ValueError for an explicit value, one warning + the default
-for an environment value; thresholds are checked against the detector catalogue."""
+"""AgentConfig: explicit argument > environment > default; every setting range- and type-checked (a
+ValueError for an explicit value, one warning and the default for an environment value); thresholds
+checked against the detector catalogue; removed settings ignored with one warning."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import logging
 
 import pytest
 
+import hpar_agent
 from hpar_agent import AgentConfig
 from hpar_agent import config as config_mod
+from hpar_agent.catalogue import ENV_VARS
 from hpar_agent.topology import detect
 
 
@@ -122,3 +125,38 @@ def test_pp_stage_beyond_the_pipeline_is_ignored(caplog):
     assert topo.pp_stage == 0
     assert any("pp_stage=999" in r.getMessage() for r in caplog.records)
     assert detect(config=AgentConfig(pp=4, pp_stage=3, job_id="j")).pp_stage == 3
+
+
+def test_precedence_explicit_over_env_over_default(monkeypatch):
+    monkeypatch.setenv("HPAR_INTERVAL", "2.5")
+    monkeypatch.setenv("HPAR_TRACE_EVERY", "7")
+    cfg = AgentConfig.load(AgentConfig(trace_every=3))
+    assert cfg.interval == 2.5  # env over default
+    assert cfg.trace_every == 3  # explicit config over env
+    assert AgentConfig.load(None, {"interval": 0.5}).interval == 0.5  # explicit kwarg over env
+    assert AgentConfig.load().metrics_port == 9470  # default
+
+
+def test_bad_env_values_read_from_os_environ_warn_and_use_defaults(monkeypatch, caplog):
+    monkeypatch.setenv("HPAR_INTERVAL", "fast")
+    monkeypatch.setenv("HPAR_METRICS_PORT", "-7")
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        cfg = AgentConfig.load()
+    assert cfg.interval == 1.0 and cfg.metrics_port == 9470
+    text = caplog.text
+    assert "HPAR_INTERVAL" in text and "HPAR_METRICS_PORT" in text
+
+
+def test_bad_explicit_value_raises_clear_error():
+    with pytest.raises(ValueError, match="interval must be a finite number"):
+        hpar_agent.attach(interval=0)
+    with pytest.raises(ValueError, match="unknown hpar_agent option"):
+        hpar_agent.attach(no_such_option=1)
+    assert hpar_agent.agent.current() is None
+
+
+def test_every_env_var_maps_to_a_config_field():
+    fields = set(AgentConfig.__dataclass_fields__)
+    for var in ENV_VARS:
+        assert var.name.startswith("HPAR_")
+        assert var.field in fields, var.name
