@@ -397,8 +397,7 @@ class Tracing:
     ) -> ReadableSpan:  # fmt: skip
         """A finished span, made whole: every span here is over when it is built, and the SDK's
         live-span path (``Tracer.start_span`` then ``end``: context, sampler, locks, attribute
-        limits) made ``export_step`` cost 32.9 µs of CPU a span against 9.6 with this
-        (``benchmarks/span_export`` on the 2-core VM)."""
+        limits) made ``export_step`` cost about three times the CPU a span."""
         return ReadableSpan(
             name=name, context=ctx, parent=parent, resource=self.provider.resource, attributes=attrs,
             events=[Event(n, {k: _attr(v) for k, v in a.items()}, timestamp=ts) for n, ts, a in events],

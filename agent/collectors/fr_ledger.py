@@ -234,7 +234,7 @@ class Ledger:
         sizes, dtypes = e.get("input_sizes"), e.get("input_dtypes")
         # Text, not the dump's nested lists: a dict of atomic values is not tracked by the garbage
         # collector, while 2,048 kept entries of 7 lists each, renewed every read, push the
-        # interpreter into a full collection (hundreds of ms in a large heap) every few reads.
+        # interpreter into a full collection (hundreds of ms in a large heap) every ~30 s of a CPU run.
         sizes_text = sizes if isinstance(sizes, str) else str(sizes)
         dtypes_text = dtypes if isinstance(dtypes, str) else ",".join(map(str, dtypes or ()))
         key = (rec, pname, sizes_text, dtypes_text, str(e.get("output_sizes")), str(e.get("output_dtypes")))

@@ -83,7 +83,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
 
 def test_collective_series_agree_with_flight_recorder(tmp_path):
     # fork: the children inherit the parent's imports (torch.distributed.pipelining alone takes ~20 s
-    # per process on a loaded 2-core machine); no CUDA and no process group exist in the parent.
+    # per process on a loaded host); no CUDA and no process group exist in the parent.
     mp.start_processes(
         _rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork"
     )

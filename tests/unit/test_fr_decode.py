@@ -72,7 +72,7 @@ def test_bytes_and_busbw_factors():
 
 
 def test_nccl_p2p_batch_as_the_raw_recorder_holds_it():
-    """BENCHMARKS.md (p2p-probe, 2 H200s): a ``batch_isend_irecv`` is ``nccl:send 0->1`` and
+    """As two H200s recorded it: a ``batch_isend_irecv`` is ``nccl:send 0->1`` and
     ``nccl:recv 0<-1`` (``is_p2p``, 4 MiB each, ``scheduled``, no duration) then one ``nccl:coalesced``
     entry (0 bytes, ``completed``, ``duration_ms`` 0.09)."""
     f32 = {"input_dtypes": ["Float"], "output_dtypes": ["Float"]}
