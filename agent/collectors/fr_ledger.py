@@ -2,7 +2,7 @@
 
 Per read: counts and bytes per (pg, op), record-id gaps (unobserved), the ops still open, the timed
 ops, the kept entries the detectors compare across ranks, and the gradient elements reduced per step.
-Torch-free and agent-free, so it is tested on plain dicts: what only torch knows comes in as ``Groups``
+Torch-free and agent-free (``gil.pause_point`` is a no-op outside a pass), so it is tested on plain dicts: what only torch knows comes in as ``Groups``
 and step boundaries; what a read yields goes out as one ``Update`` of plain data, which the collectives
 collector applies.
 """
@@ -16,6 +16,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from hpar_agent import gil
 from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat.fr_decode import (
     OTHER,
@@ -187,7 +188,9 @@ class Ledger:
         labels_before = len(self.groups.labels)
         kept: deque[dict[str, Any]] = deque(maxlen=self.recent)
         first_new = bisect.bisect_left(entries, nxt, key=lambda e: e["record_id"])  # the ring's older half was read
-        for e in itertools.islice(entries, first_new, None):
+        for i, e in enumerate(itertools.islice(entries, first_new, None)):
+            if i & 255 == 255:
+                gil.pause_point()  # ~1 ms of entries: the training thread gets the GIL back
             rid = int(e["record_id"])
             gap += rid - nxt
             nxt = rid + 1
