@@ -25,7 +25,7 @@ from hpar_agent.alert_callbacks import Alert, AlertCallbacks
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
 from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.steps import StepCollector
-from hpar_agent.component import WAKE_GRID_S, Component
+from hpar_agent.component import Component
 from hpar_agent.config import AgentConfig
 from hpar_agent.context import AgentContext
 from hpar_agent.detectors.component import DetectorsComponent
@@ -42,8 +42,6 @@ log = logging.getLogger("hpar_agent")
 
 _current: Agent | None = None
 _lock = threading.Lock()
-#: Share of the interval after its tick a paced pass may pace for; then it finishes unpaced.
-PACE_BUDGET = 0.8
 
 
 class Agent:
@@ -76,8 +74,6 @@ class Agent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tick_lock = threading.Lock()
-        self._last_wake = 0.0  # epoch s of the last wake between passes (``wake``)
-        self._pass_wall_s = 0.0  # recent paced passes' wall time, s (decaying max; a wake waits for a pass)
         self.events = EventLog(None, 0)
         self.metrics_url: str | None = None
         self.run_dir = ""
@@ -99,7 +95,6 @@ class Agent:
                 config=self.config, topology=self.topology, families=self.families, events=self.events,
                 record_error=self.record_error, spans=self, on_step_boundary=self.on_step_boundary,
                 is_stopping=self._stop.is_set, dispatch_alert=self._dispatch_alert, device=self.device,
-                pass_wall_s=lambda: self._pass_wall_s,
                 model=self.model, optimizer=self.optimizer, mesh=self.mesh, run_dir=self.run_dir,
                 components=self.components,
             )  # fmt: skip
@@ -131,7 +126,7 @@ class Agent:
             try:
                 self.events = EventLog(
                     os.path.join(self.run_dir, f"events.rank{topo.rank}.jsonl"), topo.rank,
-                    max_bytes=self.config.log_max_bytes, backups=self.config.log_backups,
+                    max_bytes=self.config.log_max_bytes,
                     on_error=lambda exc: self.record_error("events", exc),
                 )  # fmt: skip
             except OSError as exc:
@@ -340,72 +335,18 @@ class Agent:
         iv = self.config.interval
         return iv - time.time() % iv
 
-    def _next_wake(self) -> tuple[float, list[Component]]:
-        """Seconds to the agent thread's next work, and the components it is for (empty: a pass).
-        A component's ``wake_at`` before the next tick, on ``WAKE_GRID_S``'s grid, comes first."""
-        tick = self._until_next_tick()
-        now = time.time()
-        due: dict[Component, float] = {}
-        for comp in self.components:
-            if _overrides(comp, "wake_at"):
-                at = self.guard(comp.name, comp.wake_at)
-                if at is not None and math.isfinite(at):
-                    due[comp] = math.ceil(at / WAKE_GRID_S) * WAKE_GRID_S
-        # never sooner than a grid step after the last wake: a due its poll could not clear (a failing
-        # probe) waits for the pass instead of spinning
-        first = max(min(due.values(), default=math.inf), self._last_wake + WAKE_GRID_S)
-        if first - now >= tick - WAKE_GRID_S:  # the pass comes first, or as good as
-            return tick, []
-        return max(0.0, first - now), [c for c, at in due.items() if at <= first]
-
     def _run(self) -> None:
-        while True:
-            wait, woken = self._next_wake()
-            if self._stop.wait(wait):
-                return
+        while not self._stop.wait(self._until_next_tick()):
             try:
-                self.wake(woken) if woken else self.tick(paced=True)
+                self.tick()
             except Exception as exc:  # never let the thread die
                 self.record_error("agent", exc)
 
-    def wake(self, components: list[Component]) -> None:
-        """Between passes: ``poll`` only the components whose ``wake_at`` came (a read at the ring's
-        turnover); what they gathered is exported at the next pass."""
-        with self._tick_lock, gil.running(Yielder(cancel=self._stop)):
-            now = self._last_wake = time.time()
-            for comp in components:
-                self.guard(comp.name, comp.poll, now)
-
-    def tick(self, final: bool = False, paced: bool = False) -> None:
+    def tick(self, final: bool = False) -> None:
         """One agent-thread pass: poll every component, then finish completed steps. The pass hands
-        the GIL back to the training thread every millisecond or so of work (``gil.Yielder``); a
-        paced one (the agent thread's) in slices at shared instants, until ``_pace_deadline``, or in
-        the training thread's waits where a CPU pipeline's mark them (``gil.Windows``)."""
-        with self._tick_lock:
-            now = time.time()
-            deadline = int(self._pace_deadline(now) * 1e9) if paced and not final else 0
-            idle = self._prefetch if deadline else None
-            windows = gil.WINDOWS if deadline else None
-            with gil.running(Yielder(deadline_ns=deadline, cancel=self._stop, idle=idle, windows=windows)) as handback:
-                handback.start()  # in a wait of the training thread, where there are such (gil.Windows)
-                self._pass(now, final, handback)
-            if paced:
-                self._pass_wall_s = max(time.time() - now, self._pass_wall_s / 2)
-
-    def _prefetch(self, until_ns: int) -> None:
-        """Between a paced pass's slices (it spreads over most of the interval, and a wake waits for
-        it): ``prefetch`` each component whose ``wake_at`` comes before the slice after this one."""
-        for comp in self.components:
-            if _overrides(comp, "prefetch"):
-                at = self.guard(comp.name, comp.wake_at)
-                if at is not None and at <= until_ns / 1e9 + WAKE_GRID_S:
-                    self.guard(comp.name, comp.prefetch, time.time())
-
-    def _pace_deadline(self, now: float) -> float:
-        """When a paced pass stops pacing: ``PACE_BUDGET`` of the interval after the tick it belongs
-        to, so it ends before the next tick even when it started late (a starved agent thread)."""
-        iv = self.config.interval
-        return now - now % iv + PACE_BUDGET * iv
+        the GIL back to the training thread every millisecond or so of work (``gil.Yielder``)."""
+        with self._tick_lock, gil.running(Yielder()) as handback:
+            self._pass(time.time(), final, handback)
 
     def _pass(self, now: float, final: bool, handback: Yielder) -> None:
         """Poll, then each completed step to every component, then the once-a-pass work and the export."""

@@ -19,11 +19,6 @@ if TYPE_CHECKING:
     from hpar_agent.spans import StepRecord
 
 
-#: Wakes between passes (``Component.wake_at``) fall on this grid of the wall clock: ranks whose
-#: reads come due together read at the same instant.
-WAKE_GRID_S = 0.05
-
-
 class Component:
     """Base class; subclasses override what they need. ``name`` is the ``component`` label value."""
 
@@ -50,21 +45,8 @@ class Component:
     def uninstall(self) -> None:
         """Remove every hook/handler/callback ``install`` added."""
 
-    def forget_in_child(self) -> None:
-        """In a forked child of the training process: drop what belongs to the parent (its pipes, its
-        processes) without stopping it; the parent's component keeps running."""
-
     def poll(self, now: float) -> None:
         """Agent thread: drain buffers, poll sources, update state."""
-
-    def wake_at(self) -> float | None:
-        """Agent thread: epoch seconds before the next pass at which this component wants its ``poll``
-        run on its own (the flight recorder's ring turning over); None: at the passes only."""
-        return None
-
-    def prefetch(self, now: float) -> None:
-        """Agent thread, between a paced pass's slices, when ``wake_at`` comes before the pass ends:
-        start what cannot wait for it (a full read's dump), off the GIL; ``poll`` takes the result."""
 
     def step_hook(self, step: int, t_ns: int) -> None:
         """Training thread, inside the step-boundary hook: must be O(µs), only append. Only

@@ -26,18 +26,23 @@ log = logging.getLogger("hpar_agent")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 TRACE_MODES = ("auto", "otlp", "file", "none")
-FR_READERS = ("auto", "process", "inline")
-HELPER_SCHEDS = ("idle", "nice")
 #: Sane bounds of the poll intervals: below 50 ms the agent thread competes with training for the GIL,
 #: above an hour nothing is observed; ``inf`` would overflow the thread's wait.
 INTERVAL_RANGE = (0.05, 3600.0)
 FR_INTERVAL_MAX = 86400.0
-#: Above 0.95 a read comes too close to the ring's turnover to absorb a wake's jitter.
-FR_FILL_RANGE = (0.1, 0.95)
 #: Threshold keys of the DetectorsComponent itself (besides ``<Alert>.<param>`` of each detector).
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
 #: A job id names a directory: no separators, no "..", bounded.
 _JOB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+-]{0,127}$")
+#: Settings that no longer exist (field -> env var): a job that still sets one runs, told once.
+REMOVED: dict[str, str] = {
+    "fr_complete": "HPAR_FR_COMPLETE",
+    "fr_fill": "HPAR_FR_FILL",
+    "work_in_waits": "HPAR_WORK_IN_WAITS",
+    "fr_reader": "HPAR_FR_READER",
+    "helper_sched": "HPAR_HELPER_SCHED",
+    "log_backups": "HPAR_LOG_BACKUPS",
+}
 
 
 @dataclass(kw_only=True)
@@ -63,16 +68,8 @@ class AgentConfig:
     interval: float = 1.0
     """Seconds between agent-thread polls (aligned to the wall clock on every rank)."""
     fr_interval: float = 5.0
-    """Seconds between full flight-recorder reads (hangs and a filling ring read earlier)."""
-    fr_complete: bool = True
-    """Read the flight recorder before its ring turns over (an early read when ``fr_fill`` of it
-    refilled), so every entry is counted. Off: full reads at ``fr_interval`` only, what the ring overwrote in
-    between counted in ``hpar_collective_unobserved_total``; less CPU beside training where collectives
-    are many and small (each read dumps the whole ring: ~90 ms of CPU for 2,000 gloo entries)."""
-    fr_fill: float = 0.8
-    """Fraction of the flight-recorder ring refilled at which the early read is due: the agent thread
-    wakes for it when the entry rate says, between passes. Each read dumps the whole ring, so a
-    higher fill reads each entry fewer times; a lower one leaves more room for a rate that jumps."""
+    """Seconds between full flight-recorder reads (a stuck op reads earlier); entries the ring
+    overwrote in between are counted in ``hpar_collective_unobserved_total``."""
     trace_every: int = 10
     """Keep every Nth step's trace (slow/anomalous steps always); 0 disables tracing."""
     traces: str = "auto"
@@ -84,24 +81,10 @@ class AgentConfig:
     A faster loop gets it on every k-th step (a divisor or multiple of ``trace_every``, so kept traces
     stay detailed): the hooks and the agent's work per second stay bounded. Step times, counts and
     bytes still cover every step. 0: every step."""
-    work_in_waits: bool = True
-    """Let the agent thread's periodic work run while the training thread waits on a CPU (gloo)
-    pipeline's p2p with the GIL released (its bubble), instead of only in short slices at shared
-    wall-clock instants, where the training thread waits for the GIL as long as each slice."""
     buffer_size: int = 65536
     """Capacity of each hook buffer; overflow is dropped and counted."""
     nccl_timing: bool = True
     """Time NCCL collectives (CUDA events per op): switched on for every NCCL group, existing or new."""
-    fr_reader: str = "auto"
-    """auto | process | inline. Where full flight-recorder reads are dumped, decoded and processed: a
-    child process reading through torch's worker server (inline where this torch has none), or the
-    agent thread (holds the GIL for the dump and the processing). auto: process when this rank has
-    at least two CPUs of its own (the reader and torch's dump thread need a core beside training)."""
-    helper_sched: str = "idle"
-    """idle | nice. How the full reads' helpers (torch's worker-server threads, the reader process)
-    yield the CPU to training: ``SCHED_IDLE`` (they run on cores no training thread wants, and a
-    training thread that wakes takes their core at once), or niceness 19 (also where SCHED_IDLE is
-    refused), at which a read's CPU bursts cost the 4-rank CPU job ~1.5 % more (BENCHMARKS.md)."""
     detectors: bool = True
     """Run the in-process detectors."""
     evidence: bool = True
@@ -117,9 +100,7 @@ class AgentConfig:
     thresholds: dict[str, float] = field(default_factory=dict)
     """Detector threshold overrides, ``{"<Alert>.<param>": value}`` (see detector docs)."""
     log_max_bytes: int = 64 << 20
-    """Size at which the event log and the traces file rotate (0: never)."""
-    log_backups: int = 2
-    """Rotated files kept per log (``events.rank0.jsonl.1`` ...)."""
+    """Size at which the event log and the traces file rotate, keeping two rotated files (0: never)."""
 
     def __post_init__(self) -> None:
         problems = list(_problems(self))
@@ -136,8 +117,12 @@ class AgentConfig:
         """Merge explicit values (``config`` fields that differ from defaults, then ``overrides``)
         over the environment over defaults."""
         environ = os.environ if environ is None else environ
+        for name, env_name in REMOVED.items():
+            if env_name in environ or name in (overrides or {}):
+                _warn_once(env_name, f"hpar_agent: the setting {env_name} / {name}= was removed; ignored")
+        overrides = {k: v for k, v in (overrides or {}).items() if k not in REMOVED}
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(overrides or {}) - names
+        unknown = set(overrides) - names
         if unknown:
             raise ValueError(f"unknown hpar_agent option(s): {', '.join(sorted(unknown))}")
         defaults = cls()
@@ -146,7 +131,7 @@ class AgentConfig:
             explicit.update(
                 {n: getattr(config, n) for n in names if getattr(config, n) != getattr(defaults, n)}
             )
-        explicit.update(overrides or {})
+        explicit.update(overrides)
         values: dict[str, Any] = {}
         for var in ENV_VARS:
             if var.field in explicit or var.name not in environ:
@@ -233,8 +218,6 @@ def _field_problems(name: str, value: Any) -> list[str]:
     elif name == "fr_interval" and not (math.isfinite(v) and 0 < v <= FR_INTERVAL_MAX):
         # reads happen on ticks: a tiny value means "read in full on every tick", never a busy loop
         out.append(f"fr_interval must be a finite number of seconds in (0, {FR_INTERVAL_MAX:g}], got {v}")
-    elif name == "fr_fill" and not (math.isfinite(v) and FR_FILL_RANGE[0] <= v <= FR_FILL_RANGE[1]):
-        out.append(f"fr_fill must be a fraction of the ring in {FR_FILL_RANGE[0]:g}..{FR_FILL_RANGE[1]:g}, got {v}")
     elif name == "metrics_addr" and not _valid_host(v):
         out.append(f"metrics_addr must be an IP address or a host name, got {v!r}")
     elif name == "job_id" and v and not _JOB_ID.match(v):
@@ -243,10 +226,6 @@ def _field_problems(name: str, value: Any) -> list[str]:
         out.append(f"trace_every must be >= 0, got {v}")
     elif name == "traces" and v not in TRACE_MODES:
         out.append(f"traces must be one of {TRACE_MODES}, got {v!r}")
-    elif name == "fr_reader" and v not in FR_READERS:
-        out.append(f"fr_reader must be one of {FR_READERS}, got {v!r}")
-    elif name == "helper_sched" and v not in HELPER_SCHEDS:
-        out.append(f"helper_sched must be one of {HELPER_SCHEDS}, got {v!r}")
     elif name == "detail_rate" and not (math.isfinite(v) and v >= 0):
         out.append(f"detail_rate must be a finite number of steps a second >= 0 (0: every step), got {v}")
     elif name == "buffer_size" and not 1 <= v <= 1 << 24:
@@ -257,8 +236,6 @@ def _field_problems(name: str, value: Any) -> list[str]:
         out.append(f"pp_stage must be >= 0, got {v}")
     elif name == "log_max_bytes" and not (v == 0 or v >= 1024):
         out.append(f"log_max_bytes must be 0 (no cap) or >= 1024, got {v}")
-    elif name == "log_backups" and not 0 <= v <= 100:
-        out.append(f"log_backups must be 0..100, got {v}")
     elif name in ("tls_cert", "tls_key") and v and not os.path.isfile(v):
         out.append(f"{name} {v!r} is not a readable file")
     elif name == "thresholds":

@@ -38,6 +38,16 @@ class _NoSpans:
         return None
 
 
+@dataclass(slots=True)
+class SlowRank:
+    """The job's slow rank as the Straggler detector last judged it. The detectors write it every pass
+    and the step anatomy reads it, so a collector never reaches into a detector."""
+
+    here: bool = False  # this rank's own Straggler alert is active: the others wait for it
+    peer: int | None = None  # else the peer the detector confirmed slowest; None: no slow rank
+    lag: float | None = None  # the slow rank's arrival lag ratio at collectives
+
+
 def _never() -> bool:
     return False
 
@@ -64,8 +74,6 @@ class AgentContext:
     on_step_boundary: Callable[[int, int], None] = _ignore_step
     #: True from the agent's ``stop()`` on (the final poll reads every source in full)
     is_stopping: Callable[[], bool] = _never
-    #: wall seconds the agent thread's recent passes took (paced: their slices spread over the interval)
-    pass_wall_s: Callable[[], float] = lambda: 0.0
     #: an alert transition for the user's ``on_alert`` callbacks
     dispatch_alert: Callable[[Alert], None] = _ignore_alert
     device: Any = None  # torch.device of this rank (see hpar_agent.device)
@@ -75,6 +83,8 @@ class AgentContext:
     run_dir: str = ""
     #: the agent's component list (shared: a component added later is found too)
     components: Sequence[object] = ()
+    #: the Straggler detector's conclusion, for the step anatomy's verdict
+    slow_rank: SlowRank = field(default_factory=SlowRank)
 
     def find(self, cls: type[T]) -> T | None:
         """The installed component of class ``cls`` (or a subclass), None when there is none."""

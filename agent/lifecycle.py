@@ -53,9 +53,6 @@ def forget_in_child(agent: Any) -> None:
     if exporter is not None:
         with contextlib.suppress(Exception):
             exporter.drop_in_child()
-    for comp in getattr(agent, "components", ()):
-        with contextlib.suppress(Exception):
-            comp.forget_in_child()
     cbs = getattr(agent, "alert_callbacks", None)
     if cbs is not None:  # the worker thread did not survive the fork; its lock may have been held
         from hpar_agent.alert_callbacks import AlertCallbacks

@@ -13,7 +13,7 @@ def strided(t: Any, n: int) -> Any:
     """At most ``n`` elements of a tensor's flattened values, evenly strided (``flat[::k][:n]``, with
     ``k = numel // n``), in its own dtype. One ``as_strided`` view of a contiguous tensor: the reshape,
     two slices and a cast per tensor were five dispatches, and with ``detach`` on a DTensor a checksum
-    capture took 4.4-5.3x as long on the training thread (``benchmarks/sample_cost``)."""
+    capture took 4.4-5.3x as long on the training thread."""
     numel = t.numel()
     k = max(1, numel // n)
     if t.is_contiguous():
@@ -46,8 +46,7 @@ def segment_sums(host: Any, sizes: list[int], with_abs: bool = False) -> list[li
     """``[sum]`` (``[sum, abs-sum]`` with ``with_abs``) in float64 of each consecutive segment of a host
     sample, one list per entry of ``sizes``. Summed in Python from one ``tolist()``: a ``split`` then a
     ``.sum()`` per segment was one to two torch dispatches per parameter on the agent thread (the tp
-    gradient-sync samples' share of a pass on 4 CPU ranks fell from ~0.5 to 0.18-0.20 ms with this,
-    ``benchmarks/rank_timeline`` on the H200 host)."""
+    gradient-sync samples' share of a pass on 4 CPU ranks fell from ~0.5 to 0.18-0.20 ms with this)."""
     values = host.double().tolist()
     out: list[list[float]] = []
     at = 0

@@ -39,7 +39,6 @@ from opentelemetry.trace import SpanContext, TraceFlags
 from hpar_agent import catalogue as cat
 from hpar_agent._version import __version__
 from hpar_agent.exporters import otlp_json
-from hpar_agent.gil import Yielder
 from hpar_agent.safefiles import RotatingFile
 from hpar_agent.spans import StepRecord, realize
 from hpar_agent.traceids import step_span_id, trace_id
@@ -59,13 +58,10 @@ _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
 # ------------------------------------------------------------------------------------------ exporters
 #: Spans encoded per GIL hold by the traces-file exporter (~20 µs each with ``otlp_json``, ~100 µs
-#: through the SDK's encoder), the sleep between chunks that gives the GIL back when unpaced (flush,
-#: shutdown), and how long one export may take while its chunks are paced to the agent's shared slots
-#: (``gil.Yielder``; the batch processor exports every 5 s). OTLP exporters encode a batch in one
-#: request (the SDK's).
+#: through the SDK's encoder), and the sleep between chunks that gives the GIL back. OTLP exporters
+#: encode a batch in one request (the SDK's).
 EXPORT_CHUNK = 32
 EXPORT_YIELD_S = 0.001
-EXPORT_PACE_BUDGET_NS = 2_000_000_000
 
 
 def sdk_document(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
@@ -92,24 +88,17 @@ class OtlpJsonFileExporter(SpanExporter):
         self.path = path
         self._file = RotatingFile(path, max_bytes, backups)  # 0600, no symlinks, size-capped
         self.on_error = on_error
-        self.paced = True  # off while a flush or shutdown waits for this export
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         """One line per ``EXPORT_CHUNK`` spans, the GIL handed back between chunks.
 
-        Encoding to OTLP/JSON is pure Python and holds the GIL (512 spans in one go: about 55 ms on the
-        2-core VM). Small chunks with a real sleep between them hand the GIL back on our initiative, so
-        the training thread never waits out a whole batch, or the 5 ms switch interval chunk after chunk
-        (BENCHMARKS.md, "Where the long steps came from"); paced, one chunk per shared slot of the wall
-        clock, as the agent's passes (``gil``), for at most ``EXPORT_PACE_BUDGET_NS``."""
-        pace = Yielder(hold_ns=0, deadline_ns=time.time_ns() + EXPORT_PACE_BUDGET_NS if self.paced else 0)
+        Encoding to OTLP/JSON is pure Python and holds the GIL (512 spans in one go: tens of ms).
+        Small chunks with a real sleep between them hand the GIL back on our initiative, so the training
+        thread never waits out a whole batch, or the 5 ms switch interval chunk after chunk."""
         lines = []
         for i in range(0, len(spans), EXPORT_CHUNK):
             if i:
-                if self.paced:
-                    pace()
-                else:
-                    time.sleep(EXPORT_YIELD_S)
+                time.sleep(EXPORT_YIELD_S)
             chunk = spans[i : i + EXPORT_CHUNK]
             doc = otlp_json.encode(chunk)
             if doc is None:  # a span the direct encoder does not spell: the SDK's (5x slower)
@@ -329,8 +318,7 @@ class Tracing:
         cfg = self.ctx.config
         record = self.ctx.record_error
         return OtlpJsonFileExporter(
-            self.path, getattr(cfg, "log_max_bytes", 0), getattr(cfg, "log_backups", 2),
-            lambda exc: record("tracing", exc),
+            self.path, getattr(cfg, "log_max_bytes", 0), on_error=lambda exc: record("tracing", exc),
         ), "file"  # fmt: skip
 
     @staticmethod
@@ -409,8 +397,7 @@ class Tracing:
     ) -> ReadableSpan:  # fmt: skip
         """A finished span, made whole: every span here is over when it is built, and the SDK's
         live-span path (``Tracer.start_span`` then ``end``: context, sampler, locks, attribute
-        limits) made ``export_step`` cost 32.9 µs of CPU a span against 9.6 with this
-        (``benchmarks/span_export`` on the 2-core VM)."""
+        limits) made ``export_step`` cost about three times the CPU a span."""
         return ReadableSpan(
             name=name, context=ctx, parent=parent, resource=self.provider.resource, attributes=attrs,
             events=[Event(n, {k: _attr(v) for k, v in a.items()}, timestamp=ts) for n, ts, a in events],
@@ -432,26 +419,15 @@ class Tracing:
     def max_queue_size(self) -> int:
         return self._processor.max_queue
 
-    def _pacing(self, on: bool) -> None:
-        """The traces file's chunks paced (training) or not (a flush or shutdown is waiting)."""
-        inner = self._exporter.inner
-        if isinstance(inner, OtlpJsonFileExporter):
-            inner.paced = on
-
     def flush(self, timeout: float = 5.0) -> bool:
         """Export what is queued now (bounded wait: runs in a helper thread)."""
-        self._pacing(False)
-        try:
-            return self._bounded(self._processor.force_flush, timeout)
-        finally:
-            self._pacing(True)
+        return self._bounded(self._processor.force_flush, timeout)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Flush and stop within ``timeout`` seconds whatever the endpoint does; count what is lost."""
         if self._closed:
             return
         self._closed = True
-        self._pacing(False)
         self._bounded(self.provider.shutdown, timeout)
         exp = self._exporter
         with exp.lock:

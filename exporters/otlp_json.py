@@ -2,11 +2,11 @@
 
 The traces file holds ``ExportTraceServiceRequest`` documents in OTLP/JSON (ids as hex, enums as
 ints). The SDK's own path, ``encode_spans`` to protobuf then ``json_format.MessageToDict``, costs about
-100 µs a span in pure Python on the exporter thread, with the GIL held (BENCHMARKS.md); OpenTelemetry
+100 µs a span in pure Python on the exporter thread, with the GIL held; OpenTelemetry
 Python ships no OTLP/JSON encoder. This one builds the same document from the span's fields in a few
 µs, for the spans the agent makes (attributes of str, bool, int, float and their sequences; events;
 status; remote parents). Anything else (links, dropped counts, non-finite floats, other value types)
-returns None and the caller takes the SDK's path; ``tests/unit/test_tracing.py`` checks both paths
+returns None and the caller takes the SDK's path; ``tests/unit/test_otel.py`` checks both paths
 give the same protobuf message.
 """
 

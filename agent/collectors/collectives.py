@@ -1,14 +1,12 @@
 """Every collective and p2p op of every process group: counts, bytes, latency, bus bandwidth, in-flight.
 
 Sources, all read on the agent thread except two O(µs) wrappers:
-- the c10d flight recorder (``torch_compat.flight_recorder``), read incrementally by record_id; a
-  ``pg_status``-only probe (µs) decides whether a full dump is needed at all. A full read runs in the
-  reader process (``fr_reader``: dumped by torch's worker server, decoded and processed outside the
-  training process) or, where that cannot run or ``HPAR_FR_READER=inline``, on the agent thread.
-  Either way the ``fr_ledger.Ledger`` turns entries into an ``Update`` (counts, bytes, gaps counted as
-  unobserved, timed ops, kept entries); this module decides when to read, applies the updates, places
-  ops in steps, times them and exports them. NCCL entries carry ``duration_ms`` when
-  TORCH_NCCL_ENABLE_TIMING=1; gloo entries carry no timing.
+- the c10d flight recorder (``torch_compat.flight_recorder``), read on the agent thread incrementally
+  by record_id, at most once per ``fr_interval``; a ``pg_status``-only probe (µs) decides whether a
+  full dump is needed at all. The ``fr_ledger.Ledger`` turns entries into an ``Update`` (counts,
+  bytes, gaps counted as unobserved, timed ops, kept entries); this module decides when to read,
+  applies the updates, places ops in steps, times them and exports them. NCCL entries carry
+  ``duration_ms`` when TORCH_NCCL_ENABLE_TIMING=1; gloo entries carry no timing.
 - the pipelining schedules' ``_batch_p2p``/``_wait_batch_p2p`` module functions, wrapped while
   installed (``torch_compat.p2p``): gloo's FR records no send/recv, and gloo p2p Works have no future, so the issue time and
   the observed completion (the Work was already complete when the schedule waited, else wait's return)
@@ -22,7 +20,6 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-import os
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -35,15 +32,14 @@ from hpar_agent import gcpause, gil
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.catalogue import LATENCY_BUCKETS
 from hpar_agent.collectors.fr_ledger import MAX_BOUNDARIES, PP_PG, Groups, Ledger, Op, Update
-from hpar_agent.collectors.fr_reader import ReaderProcess, ReaderTimeout, cpus_per_local_rank
+from hpar_agent.collectors.nccl_timing import NcclTiming
 from hpar_agent.collectors.steps import StepCollector
-from hpar_agent.component import WAKE_GRID_S, Component
+from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import LazySpan, SpanRecord
 from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat import flight_recorder as fr
-from hpar_agent.torch_compat.fr_decode import busbw, enqueued_since, pg_label, stuck
-from hpar_agent.torch_compat.fr_server import Unsupported
+from hpar_agent.torch_compat.fr_decode import busbw, pg_label, stuck
 from hpar_agent.torch_compat.p2p import P2PWrapper, ops_of, waits_of
 from hpar_agent.traceids import trace_id_hex
 
@@ -54,17 +50,6 @@ log = logging.getLogger("hpar_agent")
 
 #: Entries a flight recorder keeps when its size env var is unset (torch's default).
 FR_DEFAULT_ENTRIES = 2000
-#: How much faster than its estimate the entry rate may turn before the ring is read.
-RATE_RISE = 1.25
-#: Probes closer together than this leave the probe rate as it was (a wake's probe just after a pass's),
-#: and a read this recent gives no rate of its own.
-PROBE_RATE_MIN_S = 0.5
-#: A read whose oldest new entry is younger than this gives no rate of its own (too few to pace by).
-SPAN_RATE_MIN_S = 0.02
-#: How often the agent thread probes rings that were empty at attach until their entry rate is known
-#: (``_watching``), and for how long after attach at most (a job that never runs a collective).
-WATCH_PROBE_S = 0.25
-WATCH_MAX_S = 300.0
 #: Steps whose reduced elements are kept for the gradient-sync coverage (see ``gradsync``).
 MAX_REDUCE_STEPS = 256
 
@@ -101,32 +86,16 @@ class CollectiveCollector(Component):
         self.recorders: list[str] = []
         self.groups = Groups(max_pgs=max_pgs)  # labels, sizes and ranks of the process groups
         self._ledger = Ledger(attach_ns=0, recent=recent, max_pending=max_pending, groups=self.groups)
-        self._reader: ReaderProcess | None = None  # full reads in the reader process (HPAR_FR_READER)
-        self._sent_groups: tuple[int, ...] = ()  # the groups' sizes as the reader last got them
-        self._unsent: list[tuple[int, int]] = []  # step boundaries the reader has not had yet
-        self._cursor: dict[str, int] = {}  # recorder -> next record_id, as the ledger last reported it
         self._pending: dict[str, tuple[int, int | None]] = {}  # recorder -> (entries awaiting a duration, oldest ns)
         self._groups_seen: set[int] = set()  # id() of process groups whose size and ranks are known
-        self._want_reader = False  # HPAR_FR_READER=process and not tried yet
-        self._helper_sched = "idle"  # HPAR_HELPER_SCHED; "nice" once a reader starved at SCHED_IDLE
-        self._reader_was: dict[str, Any] = {}  # the reader's last state, once closed
         self._status: dict[str, Any] = {}  # recorder -> pg_status at the last full dump
         self._probe: dict[str, Any] = {}  # recorder -> pg_status at the last probe
-        self._slot: dict[str, int] = {}  # recorder -> wall-clock slot of the last full dump
+        self._slot: dict[str, int] = {}  # recorder -> ``fr_interval`` slot of the last full dump
         self._read_ns: dict[str, int] = {}  # recorder -> epoch ns of the last full dump
         self._poll_ns = 0
         self._p2p_in_fr: dict[str, bool] = {}  # recorder -> its entries include p2p ops
         self._prev_read_ns: dict[str, int] = {}  # recorder -> epoch ns of the full dump before the last
-        self._rate: dict[str, float] = {}  # recorder -> entries per second between the last two reads
-        self._due: dict[str, float] = {}  # recorder -> epoch s its ring will have refilled ``fr_fill``
-        self._rate_probe: dict[str, tuple[float, Any]] = {}  # recorder -> (epoch s, pg_status) the probe rate is from
-        self._probe_rate: dict[str, float] = {}  # recorder -> collectives a second between two probes
-        self._latency: dict[str, float] = {}  # recorder -> recent full reads' round trip, s (decaying max)
-        self._watch: set[str] = set()  # recorders empty at attach, probed between passes (``_watching``)
-        self._watch_until = 0.0
         self._said_lost = False
-        self._outstanding: set[str] = set()  # recorders whose read ``prefetch`` asked the reader for
-        self._polling = False
         self.full_reads = 0
         self.read_reasons: Counter[str] = Counter()  # full reads by what called for them (the summary's)
         self._ring = FR_DEFAULT_ENTRIES
@@ -136,18 +105,10 @@ class CollectiveCollector(Component):
         self._pending_p2p: dict[int, list[Op]] = {}  # id(Work) -> ops awaiting a wait record
         self._p2p_untimed: set[int] = set()  # id(Work) of pending ops issued in a step without detail
         self._p2p_groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, backend)
-        self._windows_on = False  # this collector let passes work in the training thread's waits
-        self._slices_at_install = (0, 0)  # gil.WINDOWS's counts when installed
         self._bound_t: list[int] = []
         self._bound_s: list[int] = []
         self._attach_ns = 0
-        self._nccl_timing = False
-        self._timing_seen: set[int] = set()  # id() of groups already offered timing
-        self._timed_groups: set[tuple[str, str]] = set()  # (name, desc) of NCCL groups timed by us
-        self._untimed: set[tuple[str, str]] = set()  # groups that existed untimed at attach and stay so
-        self._preexisting: set[tuple[str, str]] = set()
-        self._env_timing = False
-        self._env_set = False
+        self.nccl = NcclTiming()
         self.timing: dict[str, bool] = {}  # timing_enabled() as of the last poll (read by the scrape)
         self.p2p = P2PWrapper(self.p2p_buffer.put, self._p2p_error)
         self._active = False
@@ -157,30 +118,16 @@ class CollectiveCollector(Component):
         super().install(ctx)
         self.p2p_buffer.capacity = ctx.config.buffer_size
         self._attach_ns = self._ledger.attach_ns = time.time_ns()
-        self._slices_at_install = (gil.WINDOWS.in_wait, gil.WINDOWS.at_slot)
-        self._nccl_timing = self._env_timing = fr.nccl_timing()  # the user's setting, before ours
         self._ring = fr.ring_entries() or FR_DEFAULT_ENTRIES
         self.recorders = fr.available_recorders()
         self.up = bool(self.recorders)
         self._seed_empty_rings()
         self._label_mesh_groups(ctx)
-        if ctx.config.nccl_timing and "nccl" in self.recorders:
-            # ProcessGroupNCCL reads the variable when it is built: NCCL groups made after attach are
-            # timed from their first op; the existing ones are switched on by _enable_timing. Set here,
-            # on the attaching thread, never from the agent thread (setenv races getenv in C++ threads).
-            self._preexisting = {fr.group_name(pg) for pg in fr.process_groups()}
-            os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
-            self._env_set = True
-            self._enable_timing()
+        self.nccl.install(ctx.config.nccl_timing and "nccl" in self.recorders)
         self._sync_groups()
         self._active = True
         self.p2p.steps = ctx.find(StepCollector)
         self._patch_p2p()
-        mode = ctx.config.fr_reader
-        self._helper_sched = ctx.config.helper_sched
-        self._want_reader = mode == "process" or (mode == "auto" and cpus_per_local_rank() >= 2)
-        if self._want_reader and self._groups_seen:  # on the attaching thread, where torch's log lines stay quiet
-            self._start_reader()
 
     def _seed_empty_rings(self) -> None:
         """Attached before the first collective (before ``init_process_group``, or at it, as users and
@@ -189,6 +136,7 @@ class CollectiveCollector(Component):
         first second on a small ring), instead of taking its oldest entry as the start. A ring is
         dumped only when ``pg_status`` shows no collective yet: an empty ring's dump is free, a full
         one's holds the GIL."""
+        fresh = {}
         for rec in self.recorders:
             try:
                 status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
@@ -197,96 +145,8 @@ class CollectiveCollector(Component):
             except Exception:
                 continue
             if empty:
-                self._cursor[rec] = 0
-                self._watch.add(rec)
-        self._ledger.resume(self._cursor)
-        self._watch_until = time.time() + WATCH_MAX_S
-
-    def _watching(self, now: float) -> bool:
-        """Whether rings empty at attach are probed between passes: until the first entry rate is known
-        (no more than ``WATCH_MAX_S`` after attach), where full reads run in the reader process. A
-        loop that turns a ring over within a pass would have it overwritten before the first pass's
-        read; probed every ``WATCH_PROBE_S``, the first entries are read as they come (``_read``) and
-        give the rate the turnover reads are scheduled by."""
-        return (
-            bool(self._watch) and not self._rate and now < self._watch_until
-            and (self._want_reader or self._reader is not None)
-        )  # fmt: skip
-
-    def _start_reader(self) -> None:
-        """The reader process, once a process group exists (at attach, else at the first poll after
-        one appears, before its first entries; a script without one gets none), where this torch has a worker-server
-        handler for a recorder: tried once. A torch without one keeps in-process reads (said once),
-        any other failure is counted."""
-        self._want_reader = False
-        try:
-            self._reader = ReaderProcess(self.recorders, attach_ns=self._attach_ns, recent=self._ledger.recent,
-                                         max_pending=self.max_pending, cursors=self._cursor,
-                                         sched=self._helper_sched)  # fmt: skip
-        except (ImportError, Unsupported) as exc:  # no _WorkerServer or handler in this torch
-            log.info("hpar_agent: flight-recorder reads stay in the training process (%s)", exc)
-        except Exception as exc:
-            self.record_error(exc)
-
-    def _close_reader(self, failed: str = "") -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            self._reader_was = {**self.reader_state(reader), **({"failed": failed} if failed else {})}
-            try:
-                reader.close()
-            except Exception as exc:
-                self.record_error(exc)
-
-    def _full_read(self, rec: str, now_ns: int) -> Update:
-        """One full read of ``rec``: by the reader process when it runs, else on this thread. A reader
-        that fails is closed for good; the in-process ledger takes over at its cursor (nothing counted
-        twice; the reader's pending entries stay counted, untimed)."""
-        if self._want_reader and self._groups_seen:
-            self._start_reader()
-        reader = self._reader
-        if reader is not None and rec in reader.recorders:
-            try:
-                self._send(reader, rec, now_ns)
-                return reader.receive()
-            except Exception as exc:
-                self._reader_failed(exc)
-        return self._ledger.process(rec, fr.dump(rec, include_collectives=True), nccl_timing=self._nccl_timing,
-                                    now_ns=now_ns)  # fmt: skip
-
-    def _send(self, reader: ReaderProcess, rec: str, now_ns: int) -> None:
-        """Ask the reader for a full read of ``rec``, with the step boundaries and groups it lacks."""
-        sizes = (len(self.groups.labels), len(self.groups.pp), len(self.groups.sizes), len(self.groups.ranks))
-        reader.send(rec, now_ns=now_ns, nccl_timing=self._nccl_timing, boundaries=self._unsent,
-                    groups=self.groups if sizes != self._sent_groups else None)  # fmt: skip
-        self._unsent = []
-        self._sent_groups = sizes
-
-    def _receive(self) -> Update | None:
-        """The answer to a prefetched read (None: the reader failed; reads go inline)."""
-        reader = self._reader
-        if reader is None:
-            return None
-        try:
-            return reader.receive()
-        except Exception as exc:
-            self._reader_failed(exc)
-            return None
-
-    def _reader_failed(self, exc: BaseException) -> None:
-        """A reader that fails is closed for good; the in-process ledger takes over at the cursor this
-        side last applied (a prefetched read's answer never applied is read again: nothing counted
-        twice; the reader's pending entries stay counted, untimed). One that timed out at SCHED_IDLE
-        was starved rather than broken: it is started again at nice 19, once."""
-        self.record_error(exc)
-        self._outstanding.clear()
-        starved = isinstance(exc, ReaderTimeout) and self._reader is not None and self._reader.sched == "idle"
-        self._close_reader(failed=f"{type(exc).__name__}: {exc}")
-        self._ledger.resume(self._cursor)
-        if starved:  # a host with no idle core: SCHED_IDLE helpers get ~0.3 % of one; nice 19 gets ~1.5 %
-            log.warning("hpar_agent: the flight-recorder reader answered no read at SCHED_IDLE (no idle core on "
-                        "this host?); restarting it at nice 19 (HPAR_HELPER_SCHED=nice)")
-            self._helper_sched = "nice"
-            self._want_reader = True  # started again at the next read, from the cursor applied here
+                fresh[rec] = 0
+        self._ledger.start_at(fresh)
 
     def _patch_p2p(self) -> None:
         """Wrap pipelining's p2p helpers once the program imported them (``torch_compat.p2p``)."""
@@ -342,41 +202,13 @@ class CollectiveCollector(Component):
             if ranks:
                 self.groups.ranks[name] = ranks
 
-    def _enable_timing(self) -> None:
-        """Switch timing on for every NCCL group not offered it yet (agent thread, each poll: groups
-        appear after attach too). One log line, with the fix, if a group cannot be timed."""
-        for pg in fr.process_groups():
-            if id(pg) in self._timing_seen:
-                continue
-            self._timing_seen.add(id(pg))
-            if fr.group_backend(pg) != "nccl":
-                continue
-            key = fr.group_name(pg)
-            try:
-                ok = fr.enable_timing(pg)
-            except Exception:
-                ok = False
-            if ok:
-                self._timed_groups.add(key)
-                self._nccl_timing = True
-            elif self._env_timing or key not in self._preexisting:
-                self._nccl_timing = True  # built with the variable set (the user's or ours): timed
-            elif key not in self._untimed:
-                self._untimed.add(key)
-                if len(self._untimed) > 1:
-                    continue  # one log line
-                log.warning(
-                    "hpar_agent: NCCL group %s is not timed (no latency, busbw or spans): set "
-                    "TORCH_NCCL_ENABLE_TIMING=1 before init_process_group", key[1] or key[0]
-                )
-
-    def _say_lost(self, rec: str, n: int) -> None:
-        """Once: a ring that turns over faster than the agent reads it (a paced pass spreads over most
-        of the interval, and a turnover read waits for it) loses entries; a larger ring keeps them."""
+    def _say_lost(self, rec: str, n: int, new_ids: int) -> None:
+        """Once: a ring that turns over faster than the agent reads it (every ``fr_interval``) loses
+        entries; a ring that holds twice the entries of one interval keeps them."""
         self._said_lost = True
-        ctx = self.require_ctx()
-        rate = max(self._rate.get(rec, 0.0), self._probe_rate.get(rec, 0.0))
-        size = int(math.ceil(rate * 2 * (ctx.config.interval + ctx.pass_wall_s()) / 1000) * 1000)
+        since_s = (self._read_ns[rec] - (self._prev_read_ns.get(rec) or self._attach_ns)) / 1e9
+        rate = new_ids / since_s if since_s > 0 else 0.0
+        size = int(math.ceil(rate * 2 * self.require_ctx().config.fr_interval / 1000) * 1000)
         log.warning(
             "hpar_agent: the %s flight recorder overwrote %d entries before they were read (a ring of %d "
             "at ~%.0f collectives a second); hpar_collective_unobserved_total counts them. A larger ring "
@@ -387,9 +219,9 @@ class CollectiveCollector(Component):
     def timing_enabled(self) -> dict[str, bool]:
         """pg label -> whether its ops carry durations (the ``hpar_collective_timing_enabled`` series).
         Agent thread (``groups.label`` may assign a label); the scrape reads ``self.timing``."""
-        timed_labels = {self.groups.label(*k) for k in self._timed_groups}
-        untimed = {self.groups.label(*k) for k in self._untimed}
-        env = self._env_timing or self._env_set
+        timed_labels = {self.groups.label(*k) for k in self.nccl.timed}
+        untimed = {self.groups.label(*k) for k in self.nccl.untimed}
+        env = self.nccl.env or self.nccl.env_set
         out: dict[str, bool] = {}
         for pg, _op in self.counts:
             out[pg] = pg in timed_labels or (pg == PP_PG) or any(
@@ -399,54 +231,18 @@ class CollectiveCollector(Component):
 
     def uninstall(self) -> None:
         self._active = False
-        if self._windows_on:
-            gil.WINDOWS.active = False
         self.p2p.restore()
-        self._close_reader()
-
-    def forget_in_child(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.forget_in_child()
 
     def step_hook(self, step: int, t_ns: int) -> None:
         self.step_buffer.put((t_ns, step))
 
     # ------------------------------------------------------------------------------------ agent thread
     def poll(self, now: float) -> None:
-        self._polling = True  # prefetch (at this poll's own pause points) waits for it
-        try:
-            self._poll(now)
-        finally:
-            self._polling = False
-
-    def prefetch(self, now: float) -> None:
-        """Between a paced pass's slices: ask the reader process for each turnover read due now,
-        which would otherwise wait for the pass to end (a pass spreads over most of the interval, and a
-        ring at thousands of collectives a second turns over within it). The dump happens now, off the
-        GIL; the next poll takes the answer and applies it, before anything else it reads."""
-        reader = self._reader
-        if self._polling or reader is None:
-            return
-        for rec, due in list(self._due.items()):
-            if due > now + WAKE_GRID_S or rec in self._outstanding or rec not in reader.recorders:
-                continue
-            self._begin_read(rec, "ring refill", fr.dump(rec, include_collectives=False).get("pg_status") or {}, now)
-            try:
-                self._send(reader, rec, int(now * 1e9))
-            except Exception as exc:
-                self._reader_failed(exc)
-                return
-            self._outstanding.add(rec)
-
-    def _poll(self, now: float) -> None:
         self._poll_ns = int(now * 1e9)
         agent = self.require_ctx()
         if agent.config.nccl_timing and "nccl" in self.recorders:
-            self._enable_timing()
+            self.nccl.enable()
         self._sync_groups()
-        if self._want_reader and self._groups_seen:  # a group appeared: ready before its first entries
-            self._start_reader()
         self._patch_p2p()
         p2p = self.p2p_buffer.drain()
         now_ns = int(now * 1e9)
@@ -469,146 +265,65 @@ class CollectiveCollector(Component):
             self._bound_s.append(step)
         del self._bound_t[:-MAX_BOUNDARIES], self._bound_s[:-MAX_BOUNDARIES]
         self._ledger.add_boundaries(new)
-        if self._reader is not None:
-            self._unsent.extend(new)
-            del self._unsent[:-MAX_BOUNDARIES]
 
     def _read_and_process(self, now: float, now_ns: int, p2p: list[Any]) -> None:
         self._drain_boundaries()  # every step that ended by now: the p2p ops' steps, and the ledger's placing
         self._process_p2p(p2p)  # before the reads: it names the NCCL groups pipelining runs on (their FR entries are pp)
         for rec in self.recorders:
             with gcpause.paused():  # a full read's objects die inside the block (see gcpause)
-                if rec in self._outstanding:  # a prefetched read: its entries come before any later read's
-                    self._outstanding.discard(rec)
-                    early = self._receive()
-                    if early is not None:
-                        self._apply(early)
-                    del early
                 status, upd = self._read(rec, now)
                 self._drain_boundaries()  # every boundary before the read, for what the ledger could not place
                 if upd is not None:
-                    gil.pause_point()  # the read and applying it were one hold (benchmarks/slice_units)
+                    gil.pause_point()  # the dump and its decoding were one hold; applying it is another
                     self._apply(upd)
                     status = upd.status or status
                 self._update_status(rec, status, now_ns)
-                if self.require_ctx().config.fr_complete:  # after the read: at the rate it measured
-                    self._due[rec] = self._refill_due(rec, status, now)
                 del upd
             gil.pause_point()
 
     def _read(self, rec: str, now: float) -> tuple[dict[str, Any], Update | None]:
         """The recorder's ``pg_status`` and, when they are worth a full read, its new entries.
 
-        A full read costs a whole-ring dump (in the training process: about 35 ms for 2,000 entries on
-        a loaded 2-core VM with the GIL held; in the reader process, CPU beside it) and a synchronous
-        job stalls with its slowest rank. So the full read happens at most once per ``fr_interval``
+        A full read dumps the whole ring with the GIL held (tens of ms for 2,000 entries), and a
+        synchronous job stalls with its slowest rank. So it happens at most once per ``fr_interval``
         wall-clock slot, the same instants on every rank (their stalls overlap instead of adding up
         across ranks), when something moved (``pg_status``, or p2p / untimed entries it cannot show);
         earlier only when it must: the first read (one, even of a ring that holds nothing yet: a CUDA
         build has a gloo and an NCCL recorder, and a job uses one), a group whose in-flight op has not
         completed since the last probe (a hang or a straggler in the making: its entry must be seen
-        now), a ring refilled ``fr_fill`` since the last full read (``_refill_due``; not with
-        ``fr_complete`` off), or the final tick. Between reads a ``pg_status``-only probe (µs) keeps
-        in-flight state fresh."""
+        now), or the final tick. What the ring overwrote in between is counted as unobserved. Between
+        reads a ``pg_status``-only probe (µs) keeps in-flight state fresh."""
         status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
         last_probe, self._probe[rec] = self._probe.get(rec), status
-        t_prev, st_prev = self._rate_probe.get(rec, (None, None))
-        if t_prev is None or now - t_prev >= PROBE_RATE_MIN_S:  # counted over the same span it divides by
-            if t_prev is not None:
-                self._probe_rate[rec] = enqueued_since(status, st_prev) / (now - t_prev)
-            self._rate_probe[rec] = (now, status)
         agent = self.require_ctx()
         slot = int(now // agent.config.fr_interval)
         unread = status != self._status.get(rec)
         moved = unread or self._p2p_in_fr.get(rec) or self._pending.get(rec, (0, None))[0] > 0
         # pg_status does not track p2p: ``moved`` counts those entries as new
         reason = (
-            "first" if rec not in self._read_ns  # not _cursor: an empty ring's read sets none
+            "first" if rec not in self._read_ns
             else "final" if agent.stopping
-            else "first entries" if unread and rec in self._watch and self._watching(now)
-            else "slot" if moved and slot != self._slot.get(rec) and not self._turnover_before(rec, slot + 1)
+            else "slot" if moved and slot != self._slot.get(rec)
             else "in flight" if unread and stuck(status, last_probe)
-            else "ring refill"
-            if agent.config.fr_complete and self._refill_due(rec, status, now) <= now + self._horizon(rec)
             else None
-        )
+        )  # fmt: skip
         if reason is None:
             return status, None
-        self._begin_read(rec, reason, status, now)
-        t0 = time.perf_counter()
-        upd = self._full_read(rec, int(now * 1e9))
-        self._latency[rec] = max(time.perf_counter() - t0, self._latency.get(rec, 0.0) / 2)
-        return status, upd
-
-    def _begin_read(self, rec: str, reason: str, status: dict[str, Any], now: float) -> None:
-        """A full read of ``rec`` starts now, for ``reason``, at ``status``."""
         self.read_reasons[reason] += 1
-        self._status[rec] = status
-        self._slot[rec] = int(now // self.require_ctx().config.fr_interval)
-        self._prev_read_ns[rec] = self._read_ns.get(rec, 0)
-        self._read_ns[rec] = int(now * 1e9)
         self.full_reads += 1
-
-    def _refill_due(self, rec: str, status: dict[str, Any], now: float) -> float:
-        """Epoch seconds at which the ring will have taken ``fr_fill`` of its size since the last full
-        read, or earlier by twice the recent reads' round trip before it would be full at
-        ``RATE_RISE`` times the rate (a dump reflects the ring when torch's server builds it, which a
-        loaded host delays; a loop speeds up between two estimates); ``now`` once due, ``inf`` with
-        no entry rate known. The rate is the largest of the record ids' rate between the last two
-        reads (p2p included), the collectives ``pg_status`` counted since the last read, and those
-        counted between the last two probes a pass apart (a loop speeding up after its compile).
-        Each entry of a dump costs the same (~25 µs of the worker server's CPU), so reading at the
-        turnover rather than at each pass past half the ring dumps every entry ~1/fr_fill times
-        instead of up to twice."""
-        since_s = max(0.0, now - self._read_ns.get(rec, 0) / 1e9)
-        counted = enqueued_since(status, self._status.get(rec))
-        since_rate = counted / since_s if since_s >= PROBE_RATE_MIN_S else 0.0  # a few entries in ms: noise
-        rate = max(self._rate.get(rec, 0.0), self._probe_rate.get(rec, 0.0), since_rate)
-        new = max(counted, rate * since_s)
-        fill = self.require_ctx().config.fr_fill * self._ring
-        if rate <= 0:
-            return now if new >= fill else math.inf
-        margin_s = 2 * self._latency.get(rec, 0.0) + WAKE_GRID_S
-        fill_s = (fill - new) / rate
-        full_s = (self._ring - new) / (RATE_RISE * rate) - margin_s  # before a faster loop fills it
-        at = min(fill_s, full_s)
-        return now + at if at > 0 else now
-
-    def _turnover_before(self, rec: str, slot: int) -> bool:
-        """Whether ``rec``'s turnover read comes before ``slot`` starts: a slot's read would only
-        reset the ring's fill a moment before it (a ring that turns over reads at least once a slot)."""
-        agent = self.require_ctx()
-        return agent.config.fr_complete and self._due.get(rec, math.inf) < slot * agent.config.fr_interval
-
-    def _off_gil(self, rec: str) -> bool:
-        """Whether ``rec``'s full reads run in the reader process (the GIL is held only to apply them)."""
-        return self._reader is not None and rec in self._reader.recorders
-
-    def _horizon(self, rec: str) -> float:
-        """How far ahead a poll reads a turnover due: a read off the GIL gets a wake of its own when
-        due, unless it falls within this pass (the agent thread wakes only once a pass is done, and a
-        paced pass on a loaded host spreads over most of the interval); an inline one holds the GIL for
-        the dump, so it stays at the passes, aligned across ranks, and reads when the turnover would
-        come before the next pass."""
-        ctx = self.require_ctx()
-        return WAKE_GRID_S + (ctx.pass_wall_s() if self._off_gil(rec) else ctx.config.interval)
-
-    def wake_at(self) -> float | None:
-        """The earliest ring turnover due of a recorder read off the GIL: the agent thread wakes for
-        that read then, between passes; while ``_watching``, a probe ``WATCH_PROBE_S`` after the last
-        poll."""
-        due = min((due for rec, due in self._due.items() if self._off_gil(rec)), default=None)
-        if self._watching(time.time()):
-            probe = self._poll_ns / 1e9 + WATCH_PROBE_S
-            due = probe if due is None else min(due, probe)
-        return due
+        self._status[rec] = status
+        self._slot[rec] = slot
+        self._prev_read_ns[rec] = self._read_ns.get(rec, 0)
+        self._read_ns[rec] = now_ns = int(now * 1e9)
+        dump = fr.dump(rec, include_collectives=True)
+        return status, self._ledger.process(rec, dump, nccl_timing=self.nccl.on, now_ns=now_ns)
 
     def span_watermark_ns(self) -> int | None:
         """Spans come from timed FR entries (NCCL with timing: up to the last full read, less those
         still awaiting their duration) and from the p2p wrapper (each poll, less the ops in flight)."""
         marks = [self._poll_ns]
-        if self._nccl_timing and "nccl" in self._read_ns:  # a prefetched read is not applied yet
-            marks.append(self._prev_read_ns["nccl"] if "nccl" in self._outstanding else self._read_ns["nccl"])
+        if self.nccl.on and "nccl" in self._read_ns:
+            marks.append(self._read_ns["nccl"])
         marks.extend(oldest for _n, oldest in self._pending.values() if oldest is not None)
         marks.extend(o.start_ns for ops in self._pending_p2p.values() for o in ops)
         return min(marks)
@@ -662,8 +377,8 @@ class CollectiveCollector(Component):
         self.counts.update(upd.counts)
         self.bytes.update(upd.nbytes)
         self.unobserved.update(upd.unobserved)
-        if upd.unobserved and not self._said_lost and self.require_ctx().config.fr_complete:
-            self._say_lost(rec, sum(upd.unobserved.values()))
+        if upd.unobserved and not self._said_lost:
+            self._say_lost(rec, sum(upd.unobserved.values()), upd.new_ids)
         for step, by_pg in upd.reduced.items():
             self._reduced_of(step).update(by_pg)
         for created, pg, numel in upd.unplaced:
@@ -684,19 +399,6 @@ class CollectiveCollector(Component):
         if upd.p2p:
             self._p2p_in_fr[rec] = True
         self._pending[rec] = (upd.pending, upd.pending_min_ns)
-        if upd.cursor is not None:  # entries were read
-            prev_ns = self._prev_read_ns.get(rec, 0)
-            rates = []
-            if rec in self._cursor and self._read_ns.get(rec, 0) > prev_ns > 0:
-                rates.append(upd.new_ids / ((self._read_ns[rec] - prev_ns) / 1e9))
-            if upd.oldest_new is not None:  # the pace since the oldest new entry: a loop that began
-                oldest, n = upd.oldest_new  # after the last read, or the first read, has no other
-                since_s = (self._read_ns[rec] - oldest) / 1e9  # (to the dump, not to the newest entry:
-                if since_s >= SPAN_RATE_MIN_S:  # a read in a gap between bursts must not overstate it)
-                    rates.append(n / since_s)
-            if rates:
-                self._rate[rec] = max(rates)
-            self._cursor[rec] = upd.cursor
         for i, (op, seconds) in enumerate(upd.timed):
             self._finish(op, seconds)
             if i % 256 == 255:
@@ -754,10 +456,6 @@ class CollectiveCollector(Component):
             if backend == "nccl":
                 self.groups.pp.add(fr.group_name(group))
             hit = self._p2p_groups[id(group)] = (group, backend)
-            # gloo's p2p waits block the training thread with the GIL released: passes may work in
-            # them (gil.Windows); NCCL's return at once (the stream waits), so none of them are windows
-            backends = {b for _, b in self._p2p_groups.values()}
-            gil.WINDOWS.active = self._windows_on = self.require_ctx().config.work_in_waits and backends == {"gloo"}
         return hit[1]
 
     def _finish(self, item: Op, seconds: float) -> None:
@@ -855,29 +553,7 @@ class CollectiveCollector(Component):
             "timing": self.timing_enabled(),
             "full_reads": self.full_reads,
             "full_reads_by": dict(self.read_reasons),
-            "reader": self.reader_state(),
-            "work_in_waits": self._slices(),
         }
-
-    def _slices(self) -> dict[str, Any]:
-        """Where the agent's paced slices ran since attach: in the training thread's waits, or at
-        slots (``gil.Windows``; ``on``: a CPU pipeline's waits could host them)."""
-        w = gil.WINDOWS
-        in_wait, at_slot = self._slices_at_install
-        return {"on": self._windows_on, "in_wait": w.in_wait - in_wait, "at_slot": w.at_slot - at_slot}
-
-    def reader_state(self, reader: ReaderProcess | None = None) -> dict[str, Any]:
-        """Where full reads run (``process``: the reader process, ``inline``: the agent thread), and
-        the reader's reads and CPU seconds (spent outside the training process); after the reader
-        closed, its last state (with ``failed``: why the agent thread took over)."""
-        reader = reader or self._reader
-        if reader is None and self._reader_was and "failed" not in self._reader_was:
-            return self._reader_was  # closed at detach: what it did
-        if reader is None:
-            return {"mode": "inline", **({"reader": self._reader_was} if self._reader_was else {})}
-        return {"mode": "process", "recorders": sorted(reader.recorders), "reads": reader.reads,
-                "cpu_s": round(reader.cpu_s, 3)}  # fmt: skip
-
 
 def _op_span(args: tuple[Op, int, int, float | None]) -> SpanRecord:
     """The span of a timed op (``LazySpan``: made only when its step's trace is kept)."""

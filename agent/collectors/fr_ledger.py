@@ -2,10 +2,9 @@
 
 Per read: counts and bytes per (pg, op), record-id gaps (unobserved), the ops still open, the timed
 ops, the kept entries the detectors compare across ranks, and the gradient elements reduced per step.
-Torch-free and agent-free on purpose: the same code runs on the agent thread (``HPAR_FR_READER=inline``)
-and in the reader process (``fr_reader``, the default), which decodes and processes full dumps away
-from the training process's GIL. What only the training process knows comes in as ``Groups`` and step
-boundaries; what a read yields goes out as one ``Update`` of plain data, which the collector applies.
+Torch-free and agent-free (``gil.pause_point`` is a no-op outside a pass), so it is tested on plain dicts: what only torch knows comes in as ``Groups``
+and step boundaries; what a read yields goes out as one ``Update`` of plain data, which the collectives
+collector applies.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from hpar_agent import gil
 from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat.fr_decode import (
     OTHER,
@@ -44,7 +44,7 @@ PP_PG = "pp"
 
 
 class Op(NamedTuple):
-    """One collective or p2p op as it is timed: a tuple, cheap to pickle between the processes."""
+    """One collective or p2p op as it is timed (a tuple: many are kept, none tracked by the GC)."""
 
     pg: str
     op: str
@@ -99,7 +99,7 @@ class _Decoded:
 
 @dataclass(slots=True)
 class Update:
-    """What one full read of one recorder yields (plain data: it crosses a pipe)."""
+    """What one full read of one recorder yields (plain data)."""
 
     rec: str
     status: dict[str, Any] = field(default_factory=dict)  # the dump's pg_status
@@ -117,9 +117,7 @@ class Update:
     labels: dict[tuple[str, str], str] = field(default_factory=dict)  # labels the ledger assigned
     pg_timeout_s: float | None = None
     p2p: bool = False  # the recorder's entries include p2p ops (pg_status does not count them)
-    new_ids: int = 0  # record ids past the previous cursor
-    #: (creation stamp in epoch ns of the oldest new entry, new entries in the dump): the pace since
-    oldest_new: tuple[int, int] | None = None
+    new_ids: int = 0  # record ids past the previous cursor (the entries overwritten included)
     cursor: int | None = None
     pending: int = 0  # the recorder's entries awaiting their duration
     pending_min_ns: int | None = None  # the oldest of them (the span watermark)
@@ -135,16 +133,15 @@ class Ledger:
         recent: int = 2048,
         max_pending: int = 4096,
         groups: Groups | None = None,
-        cursors: dict[str, int] | None = None,
     ) -> None:
         self.attach_ns = attach_ns
         self.recent = recent
         self.max_pending = max_pending
         self.groups = groups if groups is not None else Groups()
-        self._cursor: dict[str, int] = dict(cursors or {})  # recorder -> next record_id to read
+        self._cursor: dict[str, int] = {}  # recorder -> next record_id to read
         # recorders whose ring was empty at attach (cursor 0): every group and id came after, so what
         # the ring overwrote before the first read was unobserved, not before attach
-        self._fresh = {rec for rec, cursor in self._cursor.items() if cursor == 0}
+        self._fresh: set[str] = set()
         self._seq: dict[tuple[str, str, bool], int] = {}  # (recorder, pg, is_p2p) -> last seq
         self._decoded: dict[tuple[str, ...], _Decoded] = {}  # an entry's shape text -> what it means
         self._pending: dict[tuple[str, int], Op] = {}  # NCCL entries awaiting completion
@@ -153,14 +150,11 @@ class Ledger:
         self._bound_t: list[int] = []
         self._bound_s: list[int] = []
 
-    def resume(self, cursors: dict[str, int]) -> None:
-        """Take over recorders another ledger read (the reader process's) at its cursors: the later of
-        its and this one's (a cursor seeded at 0 here, where the other read on, must not send this
-        ledger back to the ring's start)."""
+    def start_at(self, cursors: dict[str, int]) -> None:
+        """Read these recorders from these record ids on (0: a ring empty at attach, see ``_fresh``)."""
         for rec, cursor in cursors.items():
-            mine = self._cursor.get(rec)
-            self._cursor[rec] = cursor if mine is None else max(mine, cursor)
-            if self._cursor[rec] == 0:
+            self._cursor[rec] = cursor
+            if cursor == 0:
                 self._fresh.add(rec)
 
     def add_boundaries(self, bounds: list[tuple[int, int]]) -> None:
@@ -169,13 +163,6 @@ class Ledger:
             self._bound_t.append(t_ns)
             self._bound_s.append(step)
         del self._bound_t[:-MAX_BOUNDARIES], self._bound_s[:-MAX_BOUNDARIES]
-
-    def wanted_from(self, rec: str) -> int | None:
-        """The oldest record id a read of ``rec`` needs (None: every entry, at the first read or while
-        entries of it await completion): older entries were read, and a dump's may go unparsed."""
-        if rec not in self._cursor or any(k[0] == rec for k in self._pending):
-            return None
-        return self._cursor[rec]
 
     def process(self, rec: str, data: dict[str, Any], *, nccl_timing: bool, now_ns: int) -> Update:
         """One full dump of ``rec``: its entries past the cursor, and the pending ones it completes."""
@@ -201,7 +188,9 @@ class Ledger:
         labels_before = len(self.groups.labels)
         kept: deque[dict[str, Any]] = deque(maxlen=self.recent)
         first_new = bisect.bisect_left(entries, nxt, key=lambda e: e["record_id"])  # the ring's older half was read
-        for e in itertools.islice(entries, first_new, None):
+        for i, e in enumerate(itertools.islice(entries, first_new, None)):
+            if i & 255 == 255:
+                gil.pause_point()  # ~1 ms of entries: the training thread gets the GIL back
             rid = int(e["record_id"])
             gap += rid - nxt
             nxt = rid + 1
@@ -229,8 +218,6 @@ class Ledger:
                 continue  # before attach: baseline only (epoch clocks only; a monotonic stamp can't tell)
             self._observe(rec, e, pg, name, seq, is_p2p, created, nccl_timing, upd, kept)
         upd.kept = list(kept)
-        if len(entries) - first_new > 1 and is_epoch_ns(oldest := int(entries[first_new].get("time_created_ns") or 0)):
-            upd.oldest_new = (oldest, len(entries) - first_new)
         self._cursor[rec] = nxt
         upd.new_ids = nxt - start
         if len(self.groups.labels) != labels_before:
@@ -245,13 +232,12 @@ class Ledger:
 
     def _decode(self, rec: str, e: dict[str, Any]) -> _Decoded:
         """What an entry's name and shapes mean, computed once per distinct (name, sizes, dtypes) text:
-        a training loop repeats the same few collectives, so a read of ~1,000 entries decodes a handful
-        (``benchmarks/rank_timeline.py`` reports a read's processing as ``collectives:process``)."""
+        a training loop repeats the same few collectives, so a read of ~1,000 entries decodes a handful."""
         pname = str(e.get("profiling_name", ""))
         sizes, dtypes = e.get("input_sizes"), e.get("input_dtypes")
         # Text, not the dump's nested lists: a dict of atomic values is not tracked by the garbage
-        # collector, while 2,048 kept entries of 7 lists each, renewed every read, pushed the
-        # interpreter into a full collection (~230 ms) every ~30 s of a 4-rank CPU run.
+        # collector, while 2,048 kept entries of 7 lists each, renewed every read, push the
+        # interpreter into a full collection (hundreds of ms in a large heap) every ~30 s of a CPU run.
         sizes_text = sizes if isinstance(sizes, str) else str(sizes)
         dtypes_text = dtypes if isinstance(dtypes, str) else ",".join(map(str, dtypes or ()))
         key = (rec, pname, sizes_text, dtypes_text, str(e.get("output_sizes")), str(e.get("output_dtypes")))

@@ -285,7 +285,7 @@ class GradSyncCollector(Component):
             return
         through = coll.read_through_ns()
         lost = sum(coll.unobserved.values())
-        if lost != self._lost:  # the ring overwrote entries unread (``fr_complete`` off, or a late read)
+        if lost != self._lost:  # the ring overwrote entries before a read
             self._lost, self._blind_ns = lost, int(now * 1e9)
         started = None
         for t_ns, step in coll.boundaries():

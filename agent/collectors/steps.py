@@ -7,9 +7,8 @@ rank paging or descheduled on a busy NUMA node.
 
 Per-step detail (phase anatomy, pipeline chunk times, p2p timing) costs the training thread a hook call
 per phase, chunk and op, and the agent thread their processing, both growing with the step rate (on 4
-CPU ranks of a 2-core VM, detailing every 5th step cut the agent thread's CPU a pass by ~30 %,
-BENCHMARKS.md). So
-only every ``stride``-th step gets it once the loop runs faster than ``detail_rate`` steps a second: the
+CPU ranks, detailing every 5th step cut the agent thread's CPU a pass by ~30 %). So only every
+``stride``-th step gets it once the loop runs faster than ``detail_rate`` steps a second: the
 boundary sets ``detailed`` for the step it opens, and those hooks return at once on the other steps.
 Step times, counts and bytes still cover every step.
 """

@@ -335,7 +335,7 @@ class CollectiveMismatch(Detector):
         if self.param_bits is None:
             self.param_bits = _param_bits(ctx.context.model)
             self.intended = intended_reduce_bits(ctx.context.model) if self.param_bits else set()
-        if ctx.peers_fresh:  # pause points between the steps: together they held the GIL up to ~5 ms (slice_units, 2-core VM)
+        if ctx.peers_fresh:  # pause points between the steps: together they hold the GIL for up to ~5 ms
             fr, sizes = _peer_fr(ctx)
             gil.pause_point()
             self.cross = sig.collective_mismatches(fr, sizes, self.param_bits).get(ctx.rank, []) if len(fr) >= 2 else []

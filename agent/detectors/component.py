@@ -324,6 +324,21 @@ class DetectorsComponent(Component):
                 continue
             if verdict is not None:
                 self._update(d, verdict.active, verdict.value, verdict.details)
+        self._publish_slow_rank(ctx)
+
+    def _publish_slow_rank(self, ctx: AgentContext) -> None:
+        """What the Straggler detector concluded, for the step anatomy (``AgentContext.slow_rank``):
+        this rank's own alert, else the peer it confirmed slowest among the ranks' exchanged lags."""
+        st = self.states.get("Straggler")
+        d = self.detector(Straggler)
+        out = ctx.slow_rank
+        out.here = st is not None and st.active
+        slowest = d.slowest if d is not None and st is not None and not out.here else None
+        out.peer = slowest[0] if slowest is not None else None
+        if out.here:
+            out.lag = float(st.value) if st is not None and st.value else None
+        else:
+            out.lag = float(slowest[1]) if slowest is not None else None
 
     def _update(self, d: Detector, active: bool, value: float, details: dict[str, Any]) -> None:
         st = self.states[d.name]

@@ -236,9 +236,9 @@ def _flat(v: Any) -> str:
 
 def step_state(ctx: AgentContext) -> tuple[int, float, list[float]]:
     """(steps completed, unix time of the last step, recent step durations). The count is the
-    training thread's own (``count``), not the drained one: a paced pass reaches the detectors up to
-    most of an interval after the step collector's poll, and what the other collectors read since
-    (a graph break of the step in progress) must not look older than it is."""
+    training thread's own (``count``), not the drained one: a pass reaches the detectors a while after
+    the step collector's poll (a full flight-recorder read in between), and what the other collectors
+    read since (a graph break of the step in progress) must not look older than it is."""
     c = ctx.find(StepCollector)
     if c is None:
         return 0, 0.0, []

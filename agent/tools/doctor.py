@@ -211,30 +211,6 @@ def _numa(nvml: object = None) -> list[Check]:
     return [Check("NUMA binding", OK, f"{here}; {gpu}")]
 
 
-def _fr_reader() -> list[Check]:
-    """Where full flight-recorder reads will run (``HPAR_FR_READER``): the reader process needs torch's
-    worker server with a handler for a recorder; without one they hold the training process's GIL."""
-    from hpar_agent.collectors.fr_reader import cpus_per_local_rank
-    from hpar_agent.config import AgentConfig
-    from hpar_agent.torch_compat.fr_server import handled
-
-    cfg = AgentConfig.load()
-    mode = cfg.fr_reader
-    if mode == "inline":
-        return [Check("flight-recorder reads", OK, "on the agent thread (HPAR_FR_READER=inline)")]
-    cpus = cpus_per_local_rank()
-    if mode == "auto" and cpus < 2:
-        return [Check("flight-recorder reads", OK, f"on the agent thread: {cpus:g} CPUs per local rank "
-                      "(the reader process needs 2; HPAR_FR_READER=process forces it)")]
-    recorders = sorted(handled(fr.available_recorders()))
-    if not recorders:
-        return [Check("flight-recorder reads", DEGRADED, "this torch has no worker-server handler for the "
-                      "flight recorder: full reads hold the training process's GIL", "upgrade torch")]
-    below = "SCHED_IDLE" if cfg.helper_sched == "idle" and hasattr(os, "SCHED_IDLE") else "nice 19"
-    return [Check("flight-recorder reads", OK, f"in a reader process ({', '.join(recorders)} through torch's "
-                  f"worker server; both at {below}, below training: HPAR_HELPER_SCHED)")]
-
-
 def _pyspy() -> list[Check]:
     beside = os.path.join(os.path.dirname(sys.executable), "py-spy")  # a venv's bin/ not on PATH
     exe = shutil.which("py-spy") or (beside if os.access(beside, os.X_OK) else None)
@@ -291,7 +267,6 @@ def run_checks() -> list[Check]:
         _torch_numpy,
         _nvml,
         _numa,
-        _fr_reader,
         _pyspy,
         lambda: _port(cfg.metrics_addr, max(cfg.metrics_port, 0)),
         _otlp,

@@ -329,8 +329,8 @@ def _render_anatomy(name: str, ranks: list[dict[str, Any]]) -> list[str]:
 
 
 def _slow_rank_line(ranks: list[dict[str, Any]], name: str = "anatomy") -> list[str]:
-    """The job's one slow rank, named across the ranks' summaries (``anatomy.slow_rank_across``)."""
-    from hpar_agent.collectors.anatomy import slow_rank_across
+    """The job's one slow rank, named across the ranks' summaries (``verdict.slow_rank_across``)."""
+    from hpar_agent.collectors.verdict import slow_rank_across
 
     slow = slow_rank_across((r.get("rank"), r.get("pp_stage"), r.get("components", {}).get(name) or {}) for r in ranks)
     if slow is None:

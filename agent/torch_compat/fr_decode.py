@@ -156,12 +156,3 @@ def stuck(status: dict[str, Any], before: dict[str, Any] | None) -> bool:
         if prev.get("last_enqueued_collective", -1) > done == prev.get("last_completed_collective", -1):
             return True
     return False
-
-
-def enqueued_since(status: dict[str, Any], before: dict[str, Any] | None) -> int:
-    """Collectives enqueued (all groups) between two ``pg_status`` snapshots."""
-    old = before or {}
-    return sum(
-        max(0, int(st.get("last_enqueued_collective", -1)) - int(old.get(pg_id, {}).get("last_enqueued_collective", -1)))
-        for pg_id, st in status.items()
-    )

@@ -10,15 +10,12 @@ agent thread. Records:
   (``timed``: the step in progress has detail, ``StepCollector.stride``; the others' ops are counted, not timed)
 - ``("wait", t_enter_ns, (id(Work), was_completed, id(Work), ...), t_exit_ns)``
 
-Where the waits block the host (gloo), the wait also marks itself in ``gil.WINDOWS`` while the agent
-has windows on, so that a paced pass works while this thread waits (see ``gil``).
-
 Records are tuples two deep of ints, strings and process groups (``ops_of`` and ``waits_of`` read the
 flat fields back): the garbage collector stops tracking such a tuple once it sees that everything in it
 is untracked, which for the inner tuples is at the first young collection and for the record at the
 latest at the next. A record lives until the agent thread's next pass (up to a second), long enough in
 a busy training loop to reach the oldest generation if it stayed tracked, and every object that does
-counts towards the next full collection (~200 ms of a CPU rank's training thread, BENCHMARKS.md).
+counts towards the next full collection (a stall of the training thread of up to hundreds of ms).
 
 The module is patched only once the program imported pipelining (``p2p_module``), never imported here.
 """
@@ -30,8 +27,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
-
-from hpar_agent import gil
 
 
 def p2p_module() -> Any:
@@ -136,33 +131,21 @@ class P2PWrapper:
         return batch_p2p
 
     def wrap_wait(self, orig: Any) -> Any:
-        put, clock, windows = self.put, time.time_ns, gil.WINDOWS
+        put, clock = self.put, time.time_ns
 
         @functools.wraps(orig)
         def wait_batch_p2p(work: Any, *args: Any, **kwargs: Any) -> Any:
             done: tuple[Any, ...] = ()
             t0 = clock()
-            window = False
             if self.active:
                 try:
                     flat: list[Any] = []
-                    pending = False
-                    works = works_of(work)
-                    for w in works:
-                        completed = w.is_completed() is True
-                        flat += (id(w), completed)
-                        pending = pending or not completed
+                    for w in works_of(work):
+                        flat += (id(w), w.is_completed() is True)
                     done = tuple(flat)
-                    if windows.active:  # the agent may work while this thread waits (gil.Windows)
-                        windows.enter(works, pending)
-                        window = True
                 except Exception as exc:
                     self.on_error(exc)
-            try:
-                out = orig(work, *args, **kwargs)
-            finally:
-                if window:
-                    windows.leave()
+            out = orig(work, *args, **kwargs)
             if done:
                 put(("wait", t0, done, clock()))
             return out

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hpar_agent import catalogue as cat
 from hpar_agent import thresholds as th
-from hpar_agent.collectors.anatomy import DEFAULTS as ANATOMY
+from hpar_agent.collectors.verdict import DEFAULTS as ANATOMY
 from hpar_agent.detectors.component import ALL_DETECTORS
 from scripts.gen_docs import _num, thresholds_table
 from tests.deploy._tools import ROOT, rule_docs

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 
 # --dim 256: compute dominates a clean step (at the default dim 64 the synthetic data takes ~30%);
 # --global-batch 32: the exposed dp all-reduce of a clean step stays under the 30% communication-bound
-# threshold (same gradient, twice the compute: at 16 it read 0.19-0.31 of the step on the shared 2-core VM)
+# threshold (same gradient, twice the compute: at 16 it read 0.19-0.31 of the step on a loaded host)
 BASE = ["--dp", "2", "--compile", "eager", "--dim", "256", "--global-batch", "32", "--steps", "12",
         "--inject-step", "2", "--log-every", "100"]
 RUNS = {
@@ -129,7 +129,8 @@ def test_the_verdict_names_the_straggler_across_ranks(
 ) -> None:
     """Rank 1 sleeps 2 s in every forward; the job's verdict names rank 1 in the summary and the report
     (from both ranks' summaries), and a clean run names no slow rank."""
-    from hpar_agent.tools.report import load_run, slow_rank_note
+    from hpar_agent.tools.report import slow_rank_note
+    from hpar_agent.tools.run_files import load_run
     from hpar_agent.tools.summary import _slow_rank_line, load_rank_summaries
 
     run = anatomy_runs["straggler"]

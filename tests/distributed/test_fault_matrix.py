@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from hpar_agent import catalogue as cat
-from hpar_agent.collectors.anatomy import slow_rank_across
+from hpar_agent.collectors.verdict import slow_rank_across
 from hpar_agent.tools.diagnose import evidence_kind, read_alerts
 from hpar_agent.tools.launch import run_trainer
 

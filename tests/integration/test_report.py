@@ -20,7 +20,7 @@ from hpar_agent.agent import Agent
 from hpar_agent.events import EventLog
 from hpar_agent.exporters.otel import Tracing
 from hpar_agent.spans import SpanRecord, StepRecord
-from hpar_agent.tools import report
+from hpar_agent.tools import report, report_figures, run_files, summary
 from hpar_agent.tools.cli import main as cli_main
 from hpar_agent.topology import Topology
 
@@ -166,14 +166,14 @@ def run_dir(tmp_path: Path) -> Path:
 
 # ---------------------------------------------------------------------------------------- parsing
 def test_load_run_reads_every_file(run_dir: Path) -> None:
-    run = report.load_run(run_dir)
+    run = run_files.load_run(run_dir)
     assert run.ranks == [0, 1, 2, 3]
     assert sorted(run.summaries) == [0, 1, 2, 3]
     steps = {(s.rank, s.attrs[cat.ATTR_STEP]): s.seconds for s in run.spans if s.name == cat.SPAN_STEP}
     assert len(steps) == RANKS * STEPS
     for (rank, step), secs in steps.items():
         assert secs == pytest.approx(step_ms(rank, step) / 1e3)
-    samples = report.collective_samples(run)
+    samples = report_figures.collective_samples(run)
     assert sorted(samples) == [("pp", "send"), ("tp", "all_reduce")]
     assert len(samples[("pp", "send")]) == 2 * STEPS  # stage-0 ranks only
     expected = sorted(allreduce_ms(r, s) / 1e3 for r in range(RANKS) for s in range(STEPS))
@@ -216,12 +216,12 @@ def test_page_is_offline_escaped_and_links_evidence(run_dir: Path, tmp_path: Pat
 
 
 def test_pipeline_timeline_shows_each_microbatch_and_the_bubble(run_dir: Path) -> None:
-    run = report.load_run(run_dir)
-    found = report.pipeline_step(run)
+    run = run_files.load_run(run_dir)
+    found = report_figures.pipeline_step(run)
     assert found is not None
     step, spans = found
     assert step == STEPS - 1 and {s.rank for s in spans} == set(range(RANKS))  # latest step on every rank
-    fig = report.fig_pipeline(run)
+    fig = report_figures.fig_pipeline(run)
     by_name = {t.name: t for t in fig.data}
     assert set(by_name) == {cat.SPAN_PP_FORWARD, cat.SPAN_PP_BACKWARD}
     fwd, bwd = by_name[cat.SPAN_PP_FORWARD], by_name[cat.SPAN_PP_BACKWARD]
@@ -246,44 +246,44 @@ def test_collective_percentiles_are_the_terminal_summarys(run_dir: Path) -> None
     terminal = "\n".join(_render_collectives("collectives", load_rank_summaries(run_dir)))
     row = next(ln.split() for ln in terminal.splitlines() if "all_reduce" in ln)
     assert row[4:8] == ["25.0", "ms", "50.0", "ms"]  # worst rank's p50 and p99
-    run = report.load_run(run_dir)
-    rows = report.collective_rows([{"rank": r, **s} for r, s in run.summaries.items()])
-    table = report.collectives_table(run, report.collective_samples(run), rows)
+    run = run_files.load_run(run_dir)
+    rows = summary.collective_rows([{"rank": r, **s} for r, s in run.summaries.items()])
+    table = report.collectives_table(run, report_figures.collective_samples(run), rows)
     cells = re.findall(r"<td>([^<]*)</td>", table)
     i = cells.index("all_reduce")
     assert cells[i + 4 : i + 6] == ["25.0 ms", "50.0 ms"]
     assert cells[i + 6] == "2.50x" and cells[i + 7] == "2.50 GB/s"  # p50 skew across ranks, bus bandwidth
     assert cells[i + 3] == "576.0 KiB"  # 4 KiB x 36 ops x 4 ranks
-    assert report.COLLECTIVE_PERCENTILE_SOURCE in terminal and html.escape(report.COLLECTIVE_PERCENTILE_SOURCE) in table
-    skew = report.fig_collective_ranks(rows)
+    assert summary.COLLECTIVE_PERCENTILE_SOURCE in terminal and html.escape(summary.COLLECTIVE_PERCENTILE_SOURCE) in table
+    skew = report_figures.fig_collective_ranks(rows)
     assert [round(v, 3) for v in skew.data[0].y] == [10.0, 10.0, 10.0, 25.0]
 
 
 def test_recompile_rows_show_the_guard_once_shortened(run_dir: Path) -> None:
-    run = report.load_run(run_dir)
+    run = run_files.load_run(run_dir)
     table = report.compile_table(run)
     guard = "L[&#x27;x&#x27;].size()[0] == 8"
     assert table.count(guard) == 2  # one row per recompile (ranks 0 and 2), the guard once in each
     assert "forward model.py:40 · size: " + guard in table
     assert "Recompiling function" not in table and "failed_guards" not in table and "0/0:" not in table
     assert "/src/pkg" not in table  # the function by file name, not the install path
-    assert report.short_guard("x" * 500).endswith("…") and len(report.short_guard("x" * 500)) == report.GUARD_CHARS
+    assert report_figures.short_guard("x" * 500).endswith("…") and len(report_figures.short_guard("x" * 500)) == report_figures.GUARD_CHARS
 
 
 def test_compile_events_sit_on_the_step_axis(run_dir: Path) -> None:
     """Events carry wall time only; placed between the traced steps of their rank (2 s apart here)."""
-    run = report.load_run(run_dir)
-    fig = report.fig_compile(run)
+    run = run_files.load_run(run_dir)
+    fig = report_figures.fig_compile(run)
     assert fig.layout.xaxis.title.text.startswith("step")
     xs = [x for t in fig.data for x in t.x]
     assert xs and all(0 <= x <= STEPS for x in xs)
-    anchors = report._step_anchors(run)
+    anchors = report_figures.step_anchors(run)
     t0 = T0 / 1e9
-    assert report.event_step({"rank": 0, "ts": t0 + 2.0}, anchors) == pytest.approx(1.0)  # step 1 starts
-    assert report.event_step({"rank": 0, "ts": t0 + 2.05}, anchors) == pytest.approx(1.5)  # mid step 1 (100 ms)
-    assert report.event_step({"rank": 0, "ts": t0 + 3.0}, anchors) == pytest.approx(2.0)  # between steps 1 and 2
-    assert report.event_step({"rank": 0, "ts": t0 - 5}, anchors) == 0.0
-    assert report.event_step({"rank": 0, "ts": t0, "step": 4}, anchors) == 4.0
+    assert report_figures.event_step({"rank": 0, "ts": t0 + 2.0}, anchors) == pytest.approx(1.0)  # step 1 starts
+    assert report_figures.event_step({"rank": 0, "ts": t0 + 2.05}, anchors) == pytest.approx(1.5)  # mid step 1 (100 ms)
+    assert report_figures.event_step({"rank": 0, "ts": t0 + 3.0}, anchors) == pytest.approx(2.0)  # between steps 1 and 2
+    assert report_figures.event_step({"rank": 0, "ts": t0 - 5}, anchors) == 0.0
+    assert report_figures.event_step({"rank": 0, "ts": t0, "step": 4}, anchors) == 4.0
 
 
 def test_own_script_run_gets_a_useful_page(run_dir: Path) -> None:

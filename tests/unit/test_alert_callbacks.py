@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from hpar_agent.alert_callbacks import Alert
-from tests.unit.test_detectors import make_agent, steps
+from tests.unit.harness import make_agent, steps
 
 
 def _hang_agent(tmp_path: Any) -> tuple[Any, Any, Any]:

@@ -1,4 +1,4 @@
-"""Step anatomy: phases from the root-module, autograd and optimizer hooks; the bottleneck verdict."""
+"""Step anatomy: phases from the root-module, autograd and optimizer hooks, and the verdict they give."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hpar_agent
-from hpar_agent.collectors.anatomy import AnatomyCollector, bottleneck
+from hpar_agent.collectors.anatomy import AnatomyCollector
 
 
 class Slow(torch.nn.Module):
@@ -181,21 +181,6 @@ def test_phase_spans_are_children_of_the_step() -> None:
     assert phases == pytest.approx({"data_wait": 0.01, "forward": 0.03, "backward": 0.04, "optimizer": 0.01})
     assert [s[0] for s in spans] == ["data_wait", "forward", "backward", "optimizer"]
     assert loader == pytest.approx(0.007)
-
-
-@pytest.mark.parametrize(
-    ("shares", "straggler", "verdict"),
-    [
-        ({"data_wait": 0.3, "forward": 0.3, "backward": 0.3}, False, "input-bound"),
-        ({"data_wait": 0.3, "forward": 0.3}, True, "input-bound"),  # the loader is the cause to name
-        ({"data_wait": 0.05, "forward": 0.6}, True, "slow-rank"),
-        ({"data_wait": 0.05, "comm_exposed": 0.4, "forward": 0.3}, False, "communication-bound"),
-        ({"data_wait": 0.19, "comm_exposed": 0.29, "forward": 0.3}, False, "compute-bound"),
-        ({}, False, "compute-bound"),
-    ],
-)
-def test_verdict_on_synthetic_shares(shares, straggler, verdict) -> None:
-    assert bottleneck(shares, straggler=straggler) == verdict
 
 
 class FakeEvent:
@@ -433,21 +418,16 @@ def test_a_peer_the_straggler_exchange_names_is_the_slow_rank(tmp_path, monkeypa
         hpar_agent.detach()
 
 
-def test_slow_rank_across_the_run_directorys_summaries() -> None:
-    from hpar_agent.collectors.anatomy import slow_rank_across
+def test_anatomy_judges_once_per_pass(monkeypatch) -> None:
+    from hpar_agent.collectors.anatomy import AnatomyCollector
+    from hpar_agent.spans import StepRecord
 
-    def digest(fwd: float, comm: float, verdict: str = "compute-bound", **ev: object) -> dict:
-        return {"verdict": verdict, "step_seconds_p50": 2.6, "evidence": ev,
-                "phase_seconds_p50": {"forward": fwd, "backward": 0.3, "optimizer": 0.01, "comm_exposed": comm}}
-
-    # rank 2 computes 2 s longer per step; ranks 0, 1, 3 wait for it in their exposed communication
-    ranks = [(0, 0, digest(0.2, 2.0)), (1, 0, digest(0.2, 2.05)), (2, 0, digest(2.2, 0.01)), (3, 0, digest(0.21, 1.9))]
-    slow = slow_rank_across(ranks)
-    assert slow is not None and slow["rank"] == 2 and slow["source"] == "phases" and slow["compute_excess_s"] > 1.9
-    assert slow_rank_across([(r, 0, digest(0.2, 0.01)) for r in range(4)]) is None  # a clean run
-    # longer compute but nobody waits for it (its own stage in a pipeline, or overlap): not named
-    assert slow_rank_across([(0, 0, digest(0.2, 0.0)), (1, 0, digest(2.2, 0.0))]) is None
-    assert slow_rank_across([(0, 0, digest(2.2, 0.0)), (1, 1, digest(0.2, 2.0))]) is None  # other stages
-    # the live verdicts name it: taken as they are
-    named = [(0, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1)), (1, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1))]
-    assert slow_rank_across(named) == {"rank": 1, "source": "straggler", "ranks_naming_it": 2, "ranks": 2}
+    c = AnatomyCollector()
+    judged: list[int] = []
+    monkeypatch.setattr(c, "_judge", lambda: judged.append(len(c.history)))
+    for i in range(50):
+        c.on_step(StepRecord(step=i, start_ns=i * 10_000_000, end_ns=(i + 1) * 10_000_000))
+    assert len(c.history) == 50 and judged == []
+    c.end_pass()
+    c.end_pass()  # nothing new: no second judgement
+    assert judged == [50]

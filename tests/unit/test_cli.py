@@ -132,3 +132,25 @@ def test_wheel_ships_assets_and_license(tmp_path):
     assert res.returncode == 0 and res.stdout.startswith(str(site)), res.stdout + res.stderr
     for rule in (REPO / "deploy/prometheus/rules").glob("*.yml"):
         assert filecmp.cmp(tmp_path / "rules" / rule.name, rule, shallow=False)
+
+
+@pytest.mark.parametrize(("environ", "addr"), [({}, "127.0.0.1"), ({"HPAR_METRICS_ADDR": "0.0.0.0"}, "0.0.0.0")])
+def test_demo_binds_loopback_unless_told_otherwise(tmp_path, monkeypatch, environ, addr):
+    """The demo's ranks serve on 127.0.0.1; HPAR_METRICS_ADDR (compose sets 0.0.0.0, so Prometheus
+    in another container scrapes them) is passed on to every rank."""
+    from types import SimpleNamespace
+
+    from hpar_agent.tools import cli
+
+    seen: dict[str, str] = {}
+
+    def launch(nproc, module, argv, *, log_dir, env, timeout):  # stands in for torchrun: stopped at once
+        seen.update(env)
+        return SimpleNamespace(interrupted=True, timed_out=False, stopped_workers=0, returncode=130)
+
+    monkeypatch.delenv("HPAR_METRICS_ADDR", raising=False)
+    for k, v in environ.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(cli, "launch_observed", launch)
+    assert cli.main(["demo", "--run-dir", str(tmp_path / "run"), "--steps", "2"]) == 130
+    assert seen["HPAR_METRICS_ADDR"] == addr and seen["HPAR_RUN_DIR"] == str(tmp_path / "run")

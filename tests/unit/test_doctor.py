@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
+from hpar_agent.affinity import cpu_list
 from hpar_agent.tools import doctor
+from tests.unit.test_affinity import AffinityNvml
 
 
 def _by_name(checks):
@@ -135,22 +138,10 @@ def test_every_dependency_has_a_doctor_row():
     assert {"opentelemetry-api", "opentelemetry-exporter-otlp-proto-common"} <= covered
 
 
-def test_doctor_says_where_full_flight_recorder_reads_run(monkeypatch):
-    from hpar_agent.collectors import fr_reader
-    from hpar_agent.torch_compat import fr_server
-
-    monkeypatch.delenv("HPAR_FR_READER", raising=False)
-    monkeypatch.setattr(fr_reader.os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    check = _by_name(doctor.run_checks())["flight-recorder reads"]
-    assert check.status == doctor.OK and "reader process" in check.detail and "gloo" in check.detail
-    assert "SCHED_IDLE" in check.detail
-    monkeypatch.setenv("HPAR_HELPER_SCHED", "nice")
-    assert "nice 19" in _by_name(doctor.run_checks())["flight-recorder reads"].detail
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one CPU per rank: auto keeps reads in-process
-    check = _by_name(doctor.run_checks())["flight-recorder reads"]
-    assert check.status == doctor.OK and "agent thread" in check.detail
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    monkeypatch.setattr(fr_server, "handler_names", lambda: set())  # a torch without the worker server
-    check = _by_name(doctor.run_checks())["flight-recorder reads"]
-    assert check.status == doctor.DEGRADED and check.fix
+def test_doctor_reports_the_binding() -> None:
+    mine = os.sched_getaffinity(0)
+    bad = doctor._numa(AffinityNvml({max(mine) + 64}, 1))[0]
+    assert bad.status == doctor.DEGRADED and "none shared" in bad.detail and "numactl" in bad.fix
+    good = doctor._numa(AffinityNvml(set(mine), 0))[0]
+    assert good.status == doctor.OK and f"GPU ideal CPUs {cpu_list(mine)}" in good.detail
+    assert any(c.name == "NUMA binding" for c in doctor.run_checks())

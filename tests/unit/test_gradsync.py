@@ -146,7 +146,7 @@ def test_tp_replicated_parameters_are_those_not_sharded_on_tp() -> None:
 
 
 def test_steps_whose_reductions_the_ring_overwrote_get_no_verdict(fake) -> None:  # noqa: F811
-    """Entries overwritten unread (``fr_complete`` off, or a read too late) would read as gradients never
+    """Entries the ring overwrote before a read would read as gradients never
     reduced: the steps that began before the poll that found them are skipped, later ones judged again."""
     rec, agent, _ = fake
     gs = _coverage_agent(agent, nn.Linear(4, 4))  # 20 elements

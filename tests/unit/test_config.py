@@ -1,5 +1,6 @@
-"""Settings are range- and type-checked: ValueError for an explicit value, one warning + the default
-for an environment value; thresholds are checked against the detector catalogue."""
+"""AgentConfig: explicit argument > environment > default; every setting range- and type-checked (a
+ValueError for an explicit value, one warning and the default for an environment value); thresholds
+checked against the detector catalogue; removed settings ignored with one warning."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import logging
 
 import pytest
 
+import hpar_agent
 from hpar_agent import AgentConfig
 from hpar_agent import config as config_mod
+from hpar_agent.catalogue import ENV_VARS
 from hpar_agent.topology import detect
 
 
@@ -25,13 +28,10 @@ def _fresh_warnings(monkeypatch):
         ("HPAR_INTERVAL", "1e-9", "interval", 1.0),
         ("HPAR_INTERVAL", "nan", "interval", 1.0),
         ("HPAR_FR_INTERVAL", "inf", "fr_interval", 5.0),
-        ("HPAR_FR_FILL", "1.0", "fr_fill", 0.8),  # a read at the very turnover loses entries
-        ("HPAR_FR_FILL", "nan", "fr_fill", 0.8),
         ("HPAR_METRICS_ADDR", "garbage addr!", "metrics_addr", "0.0.0.0"),
         ("HPAR_METRICS_ADDR", "300.1.2.3.4/8", "metrics_addr", "0.0.0.0"),
         ("HPAR_JOB_ID", "../../etc", "job_id", ""),
         ("HPAR_BUFFER_SIZE", "0", "buffer_size", 65536),
-        ("HPAR_HELPER_SCHED", "realtime", "helper_sched", "idle"),
     ],
 )
 def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, caplog):
@@ -48,8 +48,6 @@ def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, ca
         {"interval": float("inf")},
         {"interval": 1e-9},
         {"interval": "1"},  # wrong type: ValueError, not TypeError
-        {"fr_fill": 0.05},
-        {"helper_sched": "fifo"},
         {"metrics_port": "9470"},
         {"metrics_port": True},
         {"metrics_addr": "garbage addr!"},
@@ -70,6 +68,19 @@ def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, ca
 def test_bad_explicit_value_raises_value_error(kwargs):
     with pytest.raises(ValueError):
         AgentConfig.load(overrides=kwargs, environ={})
+
+
+def test_removed_settings_are_ignored_with_one_warning(caplog):
+    """A job that still sets a removed setting runs: the env var or keyword is ignored, said once."""
+    removed = {"HPAR_FR_READER": "process", "HPAR_FR_COMPLETE": "0", "HPAR_FR_FILL": "2",
+               "HPAR_WORK_IN_WAITS": "x", "HPAR_HELPER_SCHED": "nice", "HPAR_LOG_BACKUPS": "-1"}
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        for _ in range(2):
+            cfg = AgentConfig.load(overrides={"fr_reader": "inline", "interval": 2.0}, environ=removed)
+    assert cfg == AgentConfig(interval=2.0)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == len(removed) and all("removed" in m for m in said)
+    assert any("HPAR_FR_READER" in m and "fr_reader" in m for m in said)
 
 
 def test_valid_values_are_accepted():
@@ -114,3 +125,38 @@ def test_pp_stage_beyond_the_pipeline_is_ignored(caplog):
     assert topo.pp_stage == 0
     assert any("pp_stage=999" in r.getMessage() for r in caplog.records)
     assert detect(config=AgentConfig(pp=4, pp_stage=3, job_id="j")).pp_stage == 3
+
+
+def test_precedence_explicit_over_env_over_default(monkeypatch):
+    monkeypatch.setenv("HPAR_INTERVAL", "2.5")
+    monkeypatch.setenv("HPAR_TRACE_EVERY", "7")
+    cfg = AgentConfig.load(AgentConfig(trace_every=3))
+    assert cfg.interval == 2.5  # env over default
+    assert cfg.trace_every == 3  # explicit config over env
+    assert AgentConfig.load(None, {"interval": 0.5}).interval == 0.5  # explicit kwarg over env
+    assert AgentConfig.load().metrics_port == 9470  # default
+
+
+def test_bad_env_values_read_from_os_environ_warn_and_use_defaults(monkeypatch, caplog):
+    monkeypatch.setenv("HPAR_INTERVAL", "fast")
+    monkeypatch.setenv("HPAR_METRICS_PORT", "-7")
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        cfg = AgentConfig.load()
+    assert cfg.interval == 1.0 and cfg.metrics_port == 9470
+    text = caplog.text
+    assert "HPAR_INTERVAL" in text and "HPAR_METRICS_PORT" in text
+
+
+def test_bad_explicit_value_raises_clear_error():
+    with pytest.raises(ValueError, match="interval must be a finite number"):
+        hpar_agent.attach(interval=0)
+    with pytest.raises(ValueError, match="unknown hpar_agent option"):
+        hpar_agent.attach(no_such_option=1)
+    assert hpar_agent.agent.current() is None
+
+
+def test_every_env_var_maps_to_a_config_field():
+    fields = set(AgentConfig.__dataclass_fields__)
+    for var in ENV_VARS:
+        assert var.name.startswith("HPAR_")
+        assert var.field in fields, var.name

@@ -149,3 +149,17 @@ def test_memory_series_last_keeps_the_latest_samples_only() -> None:
         mem.post_step["rss"].append((step, step << 20))
     assert src.memory_series(ctx, last=4) == {"rss": [(s, float(s << 20)) for s in range(26, 30)]}
     assert len(src.memory_series(ctx)["rss"]) == 25  # unset: the whole history
+
+
+def test_group_key_separates_hsdp_groups() -> None:
+    from hpar_agent.detectors.sources import _group_key
+
+    def topo(rep: int, shard: int) -> Topology:
+        return Topology(dp=4, dp_replicate=2, dp_shard=2, dp_rank=rep * 2 + shard, dp_replicate_rank=rep,
+                        dp_shard_rank=shard)
+
+    keys = {(rep, sh): _group_key("dp_shard", topo(rep, sh).coords()) for rep in (0, 1) for sh in (0, 1)}
+    assert keys[(0, 0)] == keys[(0, 1)] != keys[(1, 0)] == keys[(1, 1)]  # one dp_shard group per replica
+    rkeys = {(rep, sh): _group_key("dp_replicate", topo(rep, sh).coords()) for rep in (0, 1) for sh in (0, 1)}
+    assert rkeys[(0, 0)] == rkeys[(1, 0)] != rkeys[(0, 1)]
+    assert len({_group_key("dp", topo(rep, sh).coords()) for rep in (0, 1) for sh in (0, 1)}) == 1

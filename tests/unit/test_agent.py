@@ -1,11 +1,9 @@
-"""Agent core: public API, config precedence, attach/detach hygiene, endpoint and topology."""
+"""The Agent and the public API: a small surface, step boundaries from the optimizer hook or explicit
+steps, attach/detach hygiene, an inert agent when disabled, errors counted not raised, only catalogued
+names exported, passes at shared wall-clock instants."""
 
 from __future__ import annotations
 
-import logging
-import shutil
-import socket
-import ssl
 import subprocess
 import sys
 import urllib.request
@@ -16,8 +14,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks
 
 import hpar_agent
-from hpar_agent import AgentConfig
-from hpar_agent.catalogue import ENV_VARS, METRICS_BY_NAME
+from hpar_agent.catalogue import METRICS_BY_NAME
 
 
 def _train(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -107,68 +104,6 @@ def test_disable_env_is_a_noop(monkeypatch, attach):
     assert len(_global_optimizer_post_hooks) == before
 
 
-def test_precedence_explicit_over_env_over_default(monkeypatch):
-    monkeypatch.setenv("HPAR_INTERVAL", "2.5")
-    monkeypatch.setenv("HPAR_TRACE_EVERY", "7")
-    cfg = AgentConfig.load(AgentConfig(trace_every=3))
-    assert cfg.interval == 2.5  # env over default
-    assert cfg.trace_every == 3  # explicit config over env
-    assert AgentConfig.load(None, {"interval": 0.5}).interval == 0.5  # explicit kwarg over env
-    assert AgentConfig.load().metrics_port == 9470  # default
-
-
-def test_bad_env_value_warns_once_and_uses_default(monkeypatch, caplog):
-    monkeypatch.setenv("HPAR_INTERVAL", "fast")
-    monkeypatch.setenv("HPAR_METRICS_PORT", "-7")
-    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
-        cfg = AgentConfig.load()
-    assert cfg.interval == 1.0 and cfg.metrics_port == 9470
-    text = caplog.text
-    assert "HPAR_INTERVAL" in text and "HPAR_METRICS_PORT" in text
-
-
-def test_bad_explicit_value_raises_clear_error():
-    with pytest.raises(ValueError, match="interval must be a finite number"):
-        hpar_agent.attach(interval=0)
-    with pytest.raises(ValueError, match="unknown hpar_agent option"):
-        hpar_agent.attach(no_such_option=1)
-    assert hpar_agent.agent.current() is None
-
-
-def test_port_in_use_falls_back_to_next_port(attach):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        agent = attach(metrics_port=port)
-        assert agent.metrics_url is not None
-        assert f":{port}/" not in agent.metrics_url
-        assert b"hpar_steps_total" in urllib.request.urlopen(agent.metrics_url, timeout=5).read()
-
-
-def test_port_in_use_without_fallback_serves_nothing_and_training_goes_on(attach, caplog):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        with caplog.at_level(logging.WARNING, logger="hpar_agent"):
-            agent = attach(metrics_port=port, port_fallback=False)
-        assert agent.metrics_url is None
-        assert "in use" in caplog.text
-        _train(2)
-        agent.tick()
-        assert agent.registry.get_sample_value("hpar_steps_total", {"rank": "0", "pp_stage": "0"}) == 2
-
-
-def test_single_process_topology(attach):
-    agent = attach(torch.nn.Linear(2, 2))
-    topo = agent.topology
-    assert (topo.rank, topo.world_size, topo.dp, topo.tp, topo.pp, topo.pp_stage) == (0, 1, 1, 1, 1, 0)
-    assert topo.job_id
-    info = agent.registry.get_sample_value("hpar_rank_info", {**_info_labels(agent), "rank": "0", "pp_stage": "0"})
-    assert info == 1.0
-
-
 def _info_labels(agent):
     labels = agent.topology.info_labels()
     labels["agent_version"] = hpar_agent.__version__
@@ -218,13 +153,6 @@ def test_exposition_uses_only_catalogued_names(attach):
             assert sample.labels.get("rank") == "0" and sample.labels.get("pp_stage") == "0"
 
 
-def test_every_env_var_maps_to_a_config_field():
-    fields = set(AgentConfig.__dataclass_fields__)
-    for var in ENV_VARS:
-        assert var.name.startswith("HPAR_")
-        assert var.field in fields, var.name
-
-
 def test_disabled_import_costs_nothing():
     code = (
         "import os, sys; os.environ['HPAR_DISABLE']='1'; import hpar_agent; a = hpar_agent.attach();"
@@ -232,33 +160,6 @@ def test_disabled_import_costs_nothing():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
-
-
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
-def test_tls_endpoint_serves_https(attach, tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    agent = attach(tls_cert=str(cert), tls_key=str(key))
-    assert agent.metrics_url.startswith("https://")
-    ctx = ssl.create_default_context(cafile=str(cert))
-    body = urllib.request.urlopen(agent.metrics_url, timeout=5, context=ctx).read().decode()
-    assert "hpar_rank_info" in body
-    with pytest.raises(ValueError, match="tls_cert and tls_key"):
-        AgentConfig(tls_cert=str(cert))
-
-
-def test_stream_label_values_are_capped():
-    from hpar_agent.streams import MAX_STREAMS, OTHER, StreamCap
-
-    cap = StreamCap()
-    names = [cap(f"cuda:{i}") for i in range(3 * MAX_STREAMS)]
-    assert names[:MAX_STREAMS] == [f"cuda:{i}" for i in range(MAX_STREAMS)]
-    assert set(names[MAX_STREAMS:]) == {OTHER}
-    assert cap("cuda:0") == "cuda:0"  # a name seen before keeps its label
 
 
 def test_agent_ticks_at_the_same_wall_clock_instants(attach, monkeypatch):
@@ -288,41 +189,10 @@ def test_a_second_collector_of_an_agent_metric_cannot_register(attach):
     assert agent.registry.get_sample_value("hpar_agent_component_up", {"rank": "0", "pp_stage": "0", "component": "steps"}) == 1
 
 
-def test_pipeline_chunk_bookkeeping_never_raises_into_the_schedule():
-    """A failure in the chunk wrapper's own bookkeeping is counted; the chunk runs and returns as if
-    unwrapped."""
-    from types import SimpleNamespace
-
-    from hpar_agent.collectors.pipeline import PipelineCollector
-
-    c = PipelineCollector()
-    errors: list[BaseException] = []
-    c.record_error = errors.append  # type: ignore[method-assign]
-
-    class Broken:
-        def put(self, item: object) -> None:
-            raise RuntimeError("buffer broke")
-
-    c.buffer = Broken()  # type: ignore[assignment]
-    wrapped = c._wrap(SimpleNamespace(device=None, stage_index=0), lambda *a, **k: ("ran", a), "forward")
-    assert wrapped(3) == ("ran", (3,))
-    assert len(errors) == 1 and "buffer broke" in str(errors[0])
-
-
-def test_pipeline_chunks_of_a_step_without_detail_are_not_timed(tmp_path):
-    """On a fast loop's steps without detail (``StepCollector.stride``) the chunk runs untouched."""
-    from types import SimpleNamespace
-
-    from hpar_agent.agent import Agent
-
-    agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path))
-    agent.start()
-    try:
-        pipe, steps = agent.component("pipeline"), agent.component("steps")
-        wrapped = pipe._wrap(SimpleNamespace(device=None, stage_index=0), lambda *a, **k: "ran", "forward")
-        steps.detailed = False
-        assert wrapped(0) == "ran" and len(pipe.buffer) == 0
-        steps.detailed = True
-        assert wrapped(1) == "ran" and len(pipe.buffer) == 1
-    finally:
-        agent.stop()
+def test_single_process_topology(attach):
+    agent = attach(torch.nn.Linear(2, 2))
+    topo = agent.topology
+    assert (topo.rank, topo.world_size, topo.dp, topo.tp, topo.pp, topo.pp_stage) == (0, 1, 1, 1, 1, 0)
+    assert topo.job_id
+    info = agent.registry.get_sample_value("hpar_rank_info", {**_info_labels(agent), "rank": "0", "pp_stage": "0"})
+    assert info == 1.0

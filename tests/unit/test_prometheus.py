@@ -1,8 +1,10 @@
-"""The endpoint under hostile clients: TLS from the environment, the handshake off the accepting thread,
-idle connections that neither block scrapes nor exit, a connection cap and a render cache."""
+"""The Prometheus endpoint (``exporters.prometheus``): port fallback, TLS, and hostile clients (the
+handshake off the accepting thread, idle connections that neither block scrapes nor exit, a connection
+cap and a render cache)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -19,7 +21,79 @@ import pytest
 import torch
 
 import hpar_agent
+from hpar_agent import AgentConfig
 from hpar_agent.exporters import prometheus as prom
+
+
+def _train(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.fixture
+def attach(tmp_path):
+    agents = []
+
+    def _attach(model=None, **kw):
+        kw.setdefault("metrics_port", 0)
+        kw.setdefault("metrics_addr", "127.0.0.1")
+        kw.setdefault("traces", "none")
+        kw.setdefault("run_dir", str(tmp_path))
+        agent = hpar_agent.attach(model, **kw)
+        agents.append(agent)
+        return agent
+
+    yield _attach
+    hpar_agent.detach()
+    for a in agents:
+        a.stop()
+
+
+def test_port_in_use_falls_back_to_next_port(attach):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        agent = attach(metrics_port=port)
+        assert agent.metrics_url is not None
+        assert f":{port}/" not in agent.metrics_url
+        assert b"hpar_steps_total" in urllib.request.urlopen(agent.metrics_url, timeout=5).read()
+
+
+def test_port_in_use_without_fallback_serves_nothing_and_training_goes_on(attach, caplog):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+            agent = attach(metrics_port=port, port_fallback=False)
+        assert agent.metrics_url is None
+        assert "in use" in caplog.text
+        _train(2)
+        agent.tick()
+        assert agent.registry.get_sample_value("hpar_steps_total", {"rank": "0", "pp_stage": "0"}) == 2
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
+def test_tls_endpoint_serves_https(attach, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    agent = attach(tls_cert=str(cert), tls_key=str(key))
+    assert agent.metrics_url.startswith("https://")
+    ctx = ssl.create_default_context(cafile=str(cert))
+    body = urllib.request.urlopen(agent.metrics_url, timeout=5, context=ctx).read().decode()
+    assert "hpar_rank_info" in body
+    with pytest.raises(ValueError, match="tls_cert and tls_key"):
+        AgentConfig(tls_cert=str(cert))
+
 
 needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
 

@@ -112,3 +112,12 @@ def test_components_see_the_agent_only_through_the_context() -> None:
     parts = ("hpar_agent.collectors", "hpar_agent.detectors", "hpar_agent.component", "hpar_agent.context")
     users = sorted(m for m, deps in g.items() if m.startswith(parts) and "hpar_agent.agent" in deps)
     assert users == []
+
+
+def test_collectors_never_import_detectors() -> None:
+    """Detectors read collectors, never the other way: what a collector needs of a detector's
+    conclusion comes through the context (``AgentContext.slow_rank``)."""
+    g = _graph()
+    users = sorted(m for m, deps in g.items() if m.startswith("hpar_agent.collectors")
+                   and any(d.startswith("hpar_agent.detectors") for d in deps))  # fmt: skip
+    assert users == []

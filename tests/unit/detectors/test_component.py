@@ -1,0 +1,174 @@
+"""The detectors component: every alert exported from the start, its own parameters, the store client it
+opens, and the exchange's cadence (ranks publish at one pass and read each other at the next)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from hpar_agent import catalogue as cat
+from hpar_agent.agent import Agent
+from hpar_agent.crossrank import Exchange
+from hpar_agent.detectors.component import DetectorsComponent
+from hpar_agent.thresholds import COMPONENT_DEFAULTS
+from tests.unit.harness import Fake, make_agent, steps
+
+
+def test_every_alert_exported_from_the_start_and_clean_loop_is_quiet(tmp_path: Any) -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    agent = Agent(model, optimizer=opt, metrics_port=-1, traces="none", run_dir=str(tmp_path), trace_every=0)
+    try:
+        agent.start()
+        agent.tick()
+        for name in cat.ALERT_NAMES:
+            labels = {"rank": "0", "pp_stage": "0", "alert": name}
+            assert agent.registry.get_sample_value("hpar_alert_active", labels) == 0.0
+            assert agent.registry.get_sample_value("hpar_alerts_total", labels) == 0.0
+        det = agent.component("detectors")
+        assert isinstance(det, DetectorsComponent) and det is agent.components[-1]
+        for _ in range(6):  # a clean loop with the real collectors: no alert, no detector error
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            agent.tick()
+        assert agent.errors.get("detectors", 0) == 0
+        assert not any(s["active"] for s in det.summary().values())
+    finally:
+        agent.stop()
+
+
+def test_every_component_parameter_is_a_valid_setting(tmp_path: Any) -> None:
+    """``detectors.<param>`` settings the component reads are accepted by the config and applied."""
+    from hpar_agent.thresholds import COMPONENT_DEFAULTS
+
+    overrides = {f"detectors.{k}": v / 2 for k, v in COMPONENT_DEFAULTS.items()}
+    _agent, det = make_agent(tmp_path, comps=(steps(1),), **overrides)
+    for k, v in COMPONENT_DEFAULTS.items():
+        assert getattr(det, k) == v / 2, k
+
+
+def test_the_store_client_the_agent_opened_is_dropped_on_detach(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from hpar_agent.detectors import component as comp_mod
+
+    store = dist.HashStore()
+    monkeypatch.setattr(comp_mod, "open_store", lambda: store)
+    agent, det = make_agent(tmp_path, rank=0, world=2, comps=(steps(3),))
+    agent.tick()
+    assert det.exchange is not None and det.exchange.store is store  # opened by the agent itself
+    det.uninstall()
+    assert det.exchange is None
+    given = Exchange(store, "job", 0)
+    _agent2, det2 = make_agent(tmp_path / "b", exchange=given)
+    det2.uninstall()
+    assert det2.exchange is given  # a caller's exchange stays the caller's
+
+
+def _entry(seq: int, t: float) -> dict[str, Any]:
+    return {"pg": "dp", "seq": seq, "op": "all_reduce", "is_p2p": False, "record_id": seq,
+            "input_sizes": [[4]], "input_dtypes": ["Float"], "time": t}  # fmt: skip
+
+
+def _pair(store: Any, tmp_path: Any) -> list[tuple[DetectorsComponent, deque, Any, Agent]]:
+    """Two dp ranks on one store at the default exchange thresholds: (detectors, FR window, steps, agent)."""
+    out = []
+    t = time.time()
+    for r in range(2):
+        window, st = deque((_entry(i, t + 0.01 * i) for i in range(8)), maxlen=2048), steps(10)
+        agent, det = make_agent(tmp_path, rank=r, world=2, comps=(st, Fake("collectives", recent_entries=window)),
+                                exchange=Exchange(store, "job", r), coords={"dp": r, "dpn": 2})  # fmt: skip
+        agent.config.evidence = False
+        assert det.exchange_s == COMPONENT_DEFAULTS["exchange_s"] == 3.0 and det.exchange_min_s == 1.0
+        out.append((det, window, st, agent))
+    return out
+
+
+def _poll(pair: list, now: float) -> list[bool]:
+    """One pass of every rank at the same wall-clock tick: each rank's ``peers_fresh`` after it."""
+    for det, *_ in pair:
+        det.poll(now)
+    assert [dict(agent.errors) for *_, agent in pair] == [{}, {}]
+    return [det.peers_fresh for det, *_ in pair]
+
+
+def _published(pair: list) -> list[int]:
+    return [det.exchange.published for det, *_ in pair]
+
+
+def _seqs(det: DetectorsComponent, peer: int) -> list[int]:
+    return [e[1] for e in det.peers[peer]["fr"]]
+
+
+def _slot_start() -> float:
+    """A tick at the start of an exchange slot (a multiple of ``exchange_s``): polls run at ticks."""
+    return 3.0 * (time.time() // 3.0)
+
+
+def test_ranks_publish_at_one_pass_and_read_each_other_at_the_next(store: Any, tmp_path: Any) -> None:
+    pair = _pair(store, tmp_path)
+    t0 = _slot_start()
+    assert _poll(pair, t0) == [False, False]  # published, nothing read in the same pass
+    assert _published(pair) == [1, 1]
+    assert _poll(pair, t0 + 1) == [True, True]  # read: both peers' payloads of the pass before
+    assert _published(pair) == [1, 1]
+    for det, *_ in pair:
+        assert set(det.peers) == {0, 1} and _seqs(det, 1 - det.rank) == list(range(8))
+        assert all(type(e) is tuple for e in det.peers[1 - det.rank]["fr"])  # unpacked on read
+    assert _poll(pair, t0 + 2) == [False, False]  # read once per publish
+
+
+def test_new_fr_entries_wait_for_the_regular_exchange(store: Any, tmp_path: Any) -> None:
+    pair = _pair(store, tmp_path)
+    t0 = _slot_start()
+    _poll(pair, t0)
+    _poll(pair, t0 + 1)
+    for _det, window, *_ in pair:  # the job runs on: new entries at every read
+        window.extend(_entry(i, t0 + 0.01 * i) for i in range(8, 16))
+    assert _poll(pair, t0 + 2) == [False, False]  # past exchange_min_s, yet nothing that is due early
+    assert not any(st.streak for det, *_ in pair for st in det.states.values())  # no alert awaiting confirmation
+    assert _published(pair) == [1, 1]
+    for _det, window, *_ in pair:
+        window.extend(_entry(i, t0 + 0.01 * i) for i in range(16, 20))
+    assert _poll(pair, t0 + 3.0004) == [False, False]  # the next slot (a poll starts a little after its tick)
+    assert _published(pair) == [2, 2]
+    assert _poll(pair, t0 + 4) == [True, True]
+    for det, *_ in pair:
+        assert _seqs(det, 1 - det.rank) == list(range(20))
+
+
+def test_warmup_token_change_publishes_after_exchange_min_s(store: Any, tmp_path: Any) -> None:
+    pair = _pair(store, tmp_path)
+    for _det, _window, st, _agent in pair:
+        st.total = 1  # before the detectors' warm-up step
+    t0 = _slot_start()
+    _poll(pair, t0)
+    for _det, _window, st, _agent in pair:
+        st.total = 3  # warm-up step reached: peers act on it at once
+    assert _poll(pair, t0 + 1) == [True, True] and _published(pair) == [2, 2]  # exchange_min_s on, same slot
+    assert _poll(pair, t0 + 2) == [True, True]
+    for det, *_ in pair:
+        assert det.peers[1 - det.rank]["step"] == 3
+    for _det, _window, st, _agent in pair:
+        st.total = 10  # past warm-up: the token (capped at 3) is unchanged
+    assert _published(pair) == [2, 2]
+    assert _poll(pair, t0 + 2.9996) == [False, False] and _published(pair) == [3, 3]  # next slot: a poll a bit early
+
+
+def test_a_rank_that_started_a_poll_late_publishes_in_the_same_slots(store: Any, tmp_path: Any) -> None:
+    """Ranks attach and settle at different polls: the regular publishes still fall in the same
+    polls on every rank, so what each reads was made at one instant (windows that overlap)."""
+    pair = _pair(store, tmp_path)
+    t0 = _slot_start()
+    pair[0][0].poll(t0)  # rank 1's agent is not up yet
+    assert _published(pair) == [1, 0]
+    assert _poll(pair, t0 + 1) == [True, False] and _published(pair) == [1, 1]  # its first publish
+    assert _poll(pair, t0 + 2) == [False, True] and _published(pair) == [1, 1]
+    assert _poll(pair, t0 + 3) == [False, False] and _published(pair) == [2, 2]  # the same slot on both
+    assert _poll(pair, t0 + 4) == [True, True]

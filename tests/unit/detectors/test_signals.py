@@ -1,0 +1,311 @@
+"""Detector signals, pure functions on synthetic shapes (failing and clean): leaks, replicas, collective
+mismatches and their memo, arrival lag, hangs, latency quantiles, sharded parameters, packed FR entries."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from hpar_agent import catalogue as cat
+from hpar_agent.detectors import signals as sig
+
+MiB = 1 << 20
+
+
+LEAK = {"warmup_steps": 5, "window": 20, "min_slope": float(MiB), "min_increase_fraction": 0.2}
+
+
+def _fr(pg: str, seq: int, op: str = "all_reduce", sizes: str = "[[4]]", dt: str = "Float", t: int = 0) -> tuple:
+    return (pg, seq, op, sizes, dt, t)
+
+
+def test_leak_fires_on_steady_and_stair_step_growth() -> None:
+    steady = [(s, 1e9 + 4 * MiB * s) for s in range(40)]
+    stairs = [(s, 1e9 + 8 * MiB * (s // 4)) for s in range(40)]  # +8 MiB every 4th step
+    for samples in (steady, stairs):
+        slope, leaking = sig.leak_signal(samples, **LEAK)
+        assert leaking and slope >= MiB
+
+
+def test_leak_quiet_on_plateau_checkpoint_and_noise() -> None:
+    plateau = [(s, 1e9 + 50 * MiB * min(s, 12)) for s in range(40)]  # allocator grows, then plateaus
+    checkpoint = [(s, 1e9 + (300 * MiB if s >= 25 else 0)) for s in range(40)]  # one jump, stays
+    pause = [(s, 1e9 + (300 * MiB if s == 25 else 0)) for s in range(40)]  # one spike
+    noise = [(s, 1e9 + ((s * 7919) % 13) * 300_000) for s in range(40)]
+    for samples in (plateau, checkpoint, pause, noise):
+        assert not sig.leak_signal(samples, **LEAK)[1]
+    assert not sig.leak_signal([(s, 4 * MiB * s) for s in range(12)], **LEAK)[1]  # too few post-warm-up
+
+
+def test_theil_sen_ignores_an_outlier() -> None:
+    pts = [(float(x), 2.0 * x) for x in range(10)]
+    pts[4] = (4.0, 1000.0)
+    assert sig.theil_sen_slope(pts) == pytest.approx(2.0)
+
+
+def test_odd_ranks_majority_and_tie() -> None:
+    assert sig.odd_ranks({0: 1, 1: 1, 2: 7, 3: 1}) == {2}
+    assert sig.odd_ranks({0: 1, 1: 2}) == {0, 1}
+    assert sig.odd_ranks({0: 5, 1: 5}) == set()
+
+
+def test_replica_offenders_dp_and_tp_subset() -> None:
+    same = {"w": [1.5, 3.0], "b": [0.25, 0.25]}
+    sums = {0: same, 1: same, 2: {"w": [1.5000001, 3.0], "b": [0.25, 0.25]}}
+    assert sig.replica_offenders(sums) == {2: ["w"]}
+    assert sig.replica_offenders(sums, names=["b"]) == {}
+    nan = {0: {"w": [float("nan"), 1.0]}, 1: {"w": [float("nan"), 1.0]}}
+    assert sig.replica_offenders(nan) == {}
+
+
+def test_collective_mismatch_by_majority_and_partial_windows() -> None:
+    good = [_fr("dp@0,0", s) for s in range(5)]
+    bad = [*good[:3], _fr("dp@0,0", 3, dt="BFloat16"), _fr("dp@0,0", 4, sizes="[[8]]")]
+    out = sig.collective_mismatches({0: good, 1: good, 2: bad})
+    assert set(out) == {2} and [m["seq"] for m in out[2]] == [3, 4]
+    # rank 1's window moved on: seq 0-1 are not compared, nothing is flagged
+    assert sig.collective_mismatches({0: good, 1: good[2:]}) == {}
+    # a member that has not published yet must not turn a majority into a tie
+    assert sig.collective_mismatches({0: good, 2: bad}, sizes={"dp@0,0": 3}) == {}
+
+
+def test_collective_mismatch_tie_goes_to_the_narrow_dtype() -> None:
+    good = [_fr("dp@0,0", s) for s in range(3)]
+    bf16 = [*good[:2], _fr("dp@0,0", 2, sizes="[[8]]", dt="BFloat16")]
+    assert set(sig.collective_mismatches({0: good, 1: bf16})) == {0, 1}  # no majority, no dtype rule
+    assert set(sig.collective_mismatches({0: good, 1: bf16}, param_bits=32)) == {1}
+    assert set(sig.collective_mismatches({0: good, 1: bf16}, param_bits=16)) == {0, 1}  # bf16 model: no rule
+
+
+def test_low_precision_reduction_only_on_gradient_groups() -> None:
+    entries = [_fr("dp@0,0", 1, dt="BFloat16"), _fr("tp@0,0", 1, dt="BFloat16"), _fr("dp@0,0", 2)]
+    low = sig.low_precision_reductions(entries, 32, ["dp@0,0"])
+    assert [e[1] for e in low] == [1] and low[0][0] == "dp@0,0"
+    assert sig.low_precision_reductions(entries, 16, ["dp@0,0"]) == []
+
+
+def test_arrival_lag_flags_the_late_rank_not_jitter() -> None:
+    step = 300_000_000  # 0.3 s steps, 6 collectives per step
+    def entries(rank: int, late_ns: int) -> list[tuple]:
+        return [_fr("tp@0,0", i, t=(i // 6) * step + (i % 6) * 1_000_000 + late_ns + (rank * 37 * i) % 500_000)
+                for i in range(60)]  # fmt: skip
+
+    ratios = sig.arrival_lag_ratio({0: entries(0, 0), 1: entries(1, 0), 2: entries(2, 60_000_000)})
+    assert ratios[2] > 0.1 and max(ratios[0], ratios[1]) < 0.02
+    calm = sig.arrival_lag_ratio({r: entries(r, 0) for r in range(3)})
+    assert max(calm.values()) < 0.02
+
+
+def _lagged(late: dict[int, dict[int, int]], n_ranks: int = 2, steps: int = 30, per_step: int = 6) -> dict[int, list[tuple]]:
+    """Synchronous collectives 1 ms apart, 0.3 s steps; ``late[rank][i]`` ns added to op i of that rank
+    only (its peers waited there, so the following ops start together again)."""
+    step = 300_000_000
+    out: dict[int, list[tuple]] = {}
+    for r in range(n_ranks):
+        out[r] = [_fr("tp@0,0", i, t=(i // per_step) * step + (i % per_step) * 1_000_000 + late.get(r, {}).get(i, 0))
+                  for i in range(steps * per_step)]  # fmt: skip
+    return out
+
+
+def test_arrival_lag_is_net_persistent_and_counts_a_burst_once() -> None:
+    # rank 1 arrives 60 ms late at every step: others wait 60 ms per 0.3 s step
+    late = {1: {i: 60_000_000 for i in range(0, 180, 6)}}
+    ratios = sig.arrival_lag_ratio(_lagged(late))
+    assert ratios[1] == pytest.approx(0.2, abs=0.02) and ratios[0] < 0
+    # the same 60 ms late through an asynchronous burst of 6 ops per step: still 60 ms of waiting per step
+    burst = {1: {i: 60_000_000 for i in range(180)}}
+    assert 0.15 < sig.arrival_lag_ratio(_lagged(burst))[1] < 0.3  # not 6 x 60 ms per step
+    # ranks taking turns being last (oversubscribed cores) net out
+    turns = {r: {i: 20_000_000 for i in range(r * 6, 180, 12)} for r in (0, 1)}
+    assert max(sig.arrival_lag_ratio(_lagged(turns)).values()) < 0.02
+    # one 5 s stall (a checkpoint pause, a compile) is not persistent: it fills one half of the window
+    stall = {0: {90: 5_000_000_000}}
+    assert max(sig.arrival_lag_ratio(_lagged(stall)).values()) < 0.02
+    assert sig.arrival_lag_ratio(_lagged(stall), slices=1)[0] > 0.25  # what a plain sum would have said
+
+
+def test_hang_timeout_and_warmup() -> None:
+    assert sig.stalled_seconds(1000.0, 900.0, steps_done=1, warmup_steps=2) == 0.0
+    assert sig.stalled_seconds(1000.0, 900.0, steps_done=5, warmup_steps=2) == 100.0
+    assert sig.hang_timeout(60, None, 0.3) == 60
+    assert sig.hang_timeout(60, None, 20.0) == 200  # slow steps: 10 steps of silence
+    assert sig.hang_timeout(60, 30.0, None) == 24  # below the pg timeout
+
+
+def test_quantile_from_counts_uses_bucket_upper_bound() -> None:
+    bounds = cat.LATENCY_BUCKETS
+    counts = [0] * (len(bounds) + 1)
+    counts[sig.bucket_of(bounds, 0.05)] = 99
+    counts[sig.bucket_of(bounds, 0.3)] = 1
+    assert sig.quantile_from_counts(bounds, counts, 0.99) == 0.085
+    counts[sig.bucket_of(bounds, 0.3)] = 5
+    assert sig.quantile_from_counts(bounds, counts, 0.99) == 0.46
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memo() -> Any:
+    """Each test judges from an empty ``_odd_memo``: what an earlier test left must not decide a verdict."""
+    sig._odd_memo.clear()
+    yield
+    sig._odd_memo.clear()
+
+
+def _window(n: int) -> list[tuple]:
+    """n entries of a job repeating a few kinds: dp all-reduces, tp all-gathers in two shapes, increasing times."""
+    t0, out = 1_700_000_000_123_456_789, []
+    for i in range(n):
+        if i % 4 == 3:
+            e = _fr("tp@0,0", i // 4, "all_gather", "[[8, 16]]" if i % 8 == 3 else "[[2]]", "BFloat16")
+        else:
+            e = _fr("dp@0,0", i - i // 4, dt="Float" if i % 2 else "Float,Float")
+        out.append((*e[:5], t0 + 1_000_000 * i + (i * 7919) % 1000))
+    return out
+
+
+def test_pack_fr_round_trips_through_json_storing_each_kind_once() -> None:
+    entries = _window(40)
+    packed = json.loads(json.dumps(sig.pack_fr(entries)))
+    back = sig.unpack_fr(packed)
+    assert back == entries and all(type(e) is tuple for e in back)
+    assert len(packed["k"]) == len({(e[0], e[2], e[3], e[4]) for e in entries}) == 4
+    assert len(packed["e"]) == 3 * len(entries)
+
+
+def test_pack_fr_is_much_smaller_than_lists_for_a_repetitive_window() -> None:
+    entries = _window(256)
+    packed = json.dumps(sig.pack_fr(entries), separators=(",", ":"))
+    lists = json.dumps([list(e) for e in entries], separators=(",", ":"))
+    assert len(packed) < len(lists) / 3
+    assert sig.unpack_fr(json.loads(packed)) == entries
+
+
+def test_pack_fr_of_nothing_is_nothing() -> None:
+    assert sig.unpack_fr(json.loads(json.dumps(sig.pack_fr([])))) == []
+    assert sig.unpack_fr([]) == []
+
+
+def test_unpack_fr_of_malformed_payloads_is_empty_and_never_raises() -> None:
+    kind = ["dp@0,0", "all_reduce", "[[4]]", "Float"]
+    for bad in (
+        "garbage",
+        None,
+        17,
+        {},
+        {"k": [kind], "e": [5, 0, 0], "t0": 0},  # kind index out of range
+        {"k": [kind], "e": [0, 0, 0]},  # no t0
+        {"e": [0, 0, 0], "t0": 0},  # no kinds
+        {"k": [kind], "t0": 0},  # no entries
+        {"k": [["dp@0,0"]], "e": [0, 0, 0], "t0": 0},  # a kind short of fields
+        {"k": 3, "e": [0, 0, 0], "t0": 0},
+        {"k": [kind], "e": [0, 0, 0], "t0": "soon"},
+    ):
+        assert sig.unpack_fr(bad) == [], bad
+
+
+def test_unpack_fr_reads_the_older_list_form() -> None:
+    old = [["dp@0,0", 0, "all_reduce", "[[4]]", "Float", 5], ["dp@0,0", 1], "x",
+           ("tp@0,0", 1, "all_gather", "[[2]]", "Half", 6), ["dp@0,0", 2, "all_reduce", "[[4]]", "Float", 9, 0]]  # fmt: skip
+    back = sig.unpack_fr(json.loads(json.dumps(old)))
+    assert back == [("dp@0,0", 0, "all_reduce", "[[4]]", "Float", 5), ("tp@0,0", 1, "all_gather", "[[2]]", "Half", 6)]
+    assert all(type(e) is tuple for e in back)
+    assert sig.unpack_fr(back) is back  # unpacked already (the detectors read the peers' entries again)
+
+
+def test_collective_mismatches_answer_the_same_with_the_memo_warm() -> None:
+    good = [_fr("dp@0,0", s) for s in range(6)]
+    bad = [*good[:3], _fr("dp@0,0", 3, dt="BFloat16"), *good[4:]]
+    cold = sig.collective_mismatches({0: list(good), 1: list(good), 2: list(bad)})
+    assert set(cold) == {2} and [m["seq"] for m in cold[2]] == [3]
+    cold[2].clear()  # a caller's copy: changing it changes no later answer
+    for _ in range(3):
+        assert sig.collective_mismatches({0: list(good), 1: list(good), 2: list(bad)}) == {
+            2: [{"pg": "dp@0,0", "seq": 3, "op": "all_reduce", "sizes": "[[4]]", "dtypes": "BFloat16"}]}
+    assert sig.collective_mismatches({r: list(good) for r in range(3)}) == {}
+
+
+def test_collective_mismatches_memo_tells_apart_which_rank_holds_which_kind() -> None:
+    good = [_fr("dp@0,0", s) for s in range(4)]
+    assert sig.collective_mismatches({r: list(good) for r in range(3)}) == {}  # every kind judged "all agree"
+    bf16 = [*good[:2], _fr("dp@0,0", 2, dt="BFloat16"), good[3]]
+    gather = [*good[:2], _fr("dp@0,0", 2, op="all_gather"), good[3]]
+    assert {r: [m["seq"] for m in v] for r, v in sig.collective_mismatches({0: good, 1: good, 2: bf16}).items()} == {2: [2]}
+    # the same kinds as the window before, held by other ranks: the odd one is rank 1 now
+    assert set(sig.collective_mismatches({0: list(good), 1: list(bf16), 2: list(good)})) == {1}
+    out = sig.collective_mismatches({0: list(gather), 1: list(good), 2: list(good)})
+    assert set(out) == {0} and out[0][0]["op"] == "all_gather"
+
+
+def test_collective_mismatches_tie_break_by_param_bits_survives_the_memo() -> None:
+    good = [_fr("dp@0,0", s) for s in range(3)]
+    bf16 = [*good[:2], _fr("dp@0,0", 2, sizes="[[8]]", dt="BFloat16")]
+    for _ in range(2):  # either order, cold or warm
+        assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)}, param_bits=32)) == {1}
+        assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)})) == {0, 1}
+        assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)}, param_bits=16)) == {0, 1}
+    # the narrow rank is the odd one whichever rank it is
+    assert set(sig.collective_mismatches({0: list(bf16), 1: list(good)}, param_bits=32)) == {0}
+
+
+def test_odd_entries_memo_is_bounded() -> None:
+    for i in range(5000):
+        sig._odd_entries({0: _fr("dp@0,0", 0, sizes=f"[[{i}]]"), 1: _fr("dp@0,0", 0, sizes=f"[[{i}]]")}, None)
+        assert len(sig._odd_memo) <= 4096
+    assert sig._odd_entries({0: _fr("dp@0,0", 0), 1: _fr("dp@0,0", 0, dt="Half"), 2: _fr("dp@0,0", 0)}, None) == (1,)
+
+
+def test_peer_reduction_bits_widest_per_message_over_peers_only() -> None:
+    own = [_fr("dp@0,0", s, sizes="[[8]]", dt="Float64") for s in range(3)]  # 64 bytes: only this rank
+    own.append(_fr("dp@0,0", 3, sizes="[[4]]", dt="Float64"))  # 32 bytes, 64 bits: must not widen a peer's key
+    narrow = [_fr("dp@0,0", s, sizes="[[8]]", dt="BFloat16") for s in range(20)]  # 16 bytes, 16 bits
+    wide = [_fr("dp@0,0", s, sizes="[[4]]", dt="Float") for s in range(20)]  # 16 bytes, 32 bits
+    other = [_fr("dp@0,0", 0, sizes="[[8]]", dt="Float"),  # 32 bytes, 32 bits
+             _fr("tp@0,0", 1, op="reduce_scatter", sizes="[[2]]", dt="Half"),  # 4 bytes, 16 bits
+             _fr("dp@0,0", 2, op="all_gather", sizes="[[4]]", dt="Float64"),  # not a reduction
+             _fr("dp@0,0", 3, sizes="[[4]]", dt="Long")]  # no floating dtype  # fmt: skip
+    want = {("dp@0,0", "all_reduce", 16): 32, ("dp@0,0", "all_reduce", 32): 32, ("tp@0,0", "reduce_scatter", 4): 16}
+    assert sig.peer_reduction_bits({0: own, 1: narrow, 2: wide, 3: other}, 0) == want
+    assert sig.peer_reduction_bits({3: other, 2: wide, 1: narrow, 0: own}, 0) == want  # any order of peers
+    assert sig.peer_reduction_bits({0: own, 1: narrow}, 0) == {("dp@0,0", "all_reduce", 16): 16}
+    assert sig.peer_reduction_bits({0: own}, 0) == {}
+    assert sig.peer_reduction_bits({0: own, 1: narrow}, 1)[("dp@0,0", "all_reduce", 64)] == 64  # rank 1 asks
+
+
+def test_same_shard_offenders_compare_shards_only_across_replicas() -> None:
+    # HSDP 2x2: ranks 0,1 hold shards 0,1 of replica 0; ranks 2,3 the same shards of replica 1.
+    keys = {r: {"w": f"dp_shard={r % 2}"} for r in range(4)}
+    sums = {0: {"w": [1.0, 1.0], "b": [5.0, 5.0]}, 1: {"w": [2.0, 2.0], "b": [5.0, 5.0]},
+            2: {"w": [1.0, 1.0], "b": [5.0, 5.0]}, 3: {"w": [2.0, 2.0], "b": [5.0, 5.0]}}  # fmt: skip
+    for r in range(4):  # different shards differ: that is correct
+        assert sig.same_shard_offenders(sums, keys, r) == []
+    sums[3] = {"w": [2.5, 2.5], "b": [5.0, 5.0]}  # replica 1's shard 1 missed the replicate all-reduce
+    assert [sig.same_shard_offenders(sums, keys, r) for r in range(4)] == [[], ["w"], [], ["w"]]  # a 1-1 split
+    sums[2]["b"] = [6.0, 6.0]  # a whole (replicated) parameter compares across all four: 3-1 majority
+    assert sig.same_shard_offenders(sums, keys, 2) == ["b"] and sig.same_shard_offenders(sums, keys, 0) == []
+    fsdp = {r: {"w": f"dp_shard={r}"} for r in range(2)}  # plain FSDP: nothing to compare
+    assert sig.same_shard_offenders({0: {"w": [1.0, 1.0]}, 1: {"w": [9.0, 9.0]}}, fsdp, 0) == []
+
+
+def test_entry_bytes_and_narrower_than_peers() -> None:
+    fp32 = ("dp@0", 1, "all_reduce", "[[8]]", "Float", 0)
+    padded_bf16 = ("dp@0", 1, "all_reduce", "[[16]]", "BFloat16", 0)  # the same 32 bytes, in bf16
+    assert sig.entry_bytes(fp32) == sig.entry_bytes(padded_bf16) == 32
+    assert sig.entry_bytes(("dp@0", 1, "all_reduce", "[[2, 3], [4]]", "Float,Float", 0)) == 40
+    peers = sig.peer_reduction_bits({0: [fp32], 1: [padded_bf16]}, rank=1)
+    assert sig.narrower_than_peers([padded_bf16], peers) == [padded_bf16]
+    agreed = sig.peer_reduction_bits({0: [padded_bf16], 1: [padded_bf16]}, rank=1)
+    assert sig.narrower_than_peers([padded_bf16], agreed) == []
+    loss = ("dp@0", 2, "all_reduce", "[[]]", "Float", 0)  # an fp32 scalar on the same group: other bytes
+    assert sig.narrower_than_peers([padded_bf16], sig.peer_reduction_bits({0: [loss]}, rank=1)) == []
+
+
+@pytest.mark.parametrize(("sizes", "dtypes", "expect"), [
+    ("[[1024, 4]]", "Float", 16384), ("[[8], [8]]", "BFloat16", 32), ("", "Float", 0),
+    ("[[2", "Float", -1), ("[[4]]", "Long", -1),
+])
+def test_entry_bytes_cached_gives_the_same_answers(sizes: str, dtypes: str, expect: int) -> None:
+    e = ("dp@0", 1, "allreduce", sizes, dtypes, 0)
+    assert sig.entry_bytes(e) == expect
+    assert sig.entry_bytes(e) == expect  # a cache hit
+    assert sig._message_bytes.cache_info().hits >= 1

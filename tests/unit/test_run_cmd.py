@@ -1,0 +1,66 @@
+"""``hpar-agent run`` (``tools.run_cmd``): the child's environment, a fresh run directory, refusals, and
+the end-of-run lines per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hpar_agent.tools.run_cmd import RANK_LINES_MAX, SHIM_DIR, child_env, fresh_run_dir, rank_lines, run
+
+
+def test_child_env_prepends_the_shim_and_keeps_user_settings(tmp_path: Path) -> None:
+    env = child_env({"PYTHONPATH": "/x", "TORCH_NCCL_ENABLE_TIMING": "0"}, tmp_path / "r1")
+    assert env["PYTHONPATH"] == f"{SHIM_DIR}{os.pathsep}/x"
+    assert env["TORCH_NCCL_ENABLE_TIMING"] == "0"  # the user's value wins
+    assert env["HPAR_AUTOATTACH"] == "1" and env["HPAR_RUN_DIR"] == str(tmp_path / "r1")
+    assert env["HPAR_JOB_ID"] == "r1"
+    env = child_env({"HPAR_JOB_ID": "mine"}, tmp_path / "r2")
+    assert env["PYTHONPATH"] == str(SHIM_DIR) and env["TORCH_NCCL_ENABLE_TIMING"] == "1"
+    assert env["HPAR_JOB_ID"] == "mine"
+
+
+def test_fresh_run_dir_never_reuses_one(tmp_path: Path) -> None:
+    first = fresh_run_dir(tmp_path)
+    first.mkdir()
+    second = fresh_run_dir(tmp_path)
+    assert second != first and second.name.startswith(first.name)
+
+
+def test_run_without_a_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["--"], environ={}) == 2
+    assert "give the command after --" in capsys.readouterr().err
+
+
+def test_missing_program_exits_127(tmp_path: Path) -> None:
+    assert run(["--", str(tmp_path / "nope")], run_dir=str(tmp_path / "run"), environ={}) == 127
+
+
+def _write_summaries(run_dir: Path, world: int, ranks: list[int], steps: int = 5) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for r in ranks:
+        (run_dir / f"summary.rank{r}.json").write_text(json.dumps({
+            "rank": r, "topology": {"world_size": str(world)}, "errors": {"steps": r % 2},
+            "components": {"steps": {"steps": steps + r, "step_seconds_p50": 0.01},
+                           "zerocode": {"attached_at": "init_process_group"}},
+        }))  # fmt: skip
+
+
+def test_end_of_run_names_ranks_without_a_summary(tmp_path: Path) -> None:
+    assert "no rank wrote a summary" in rank_lines(tmp_path)[0]
+    _write_summaries(tmp_path, 3, [0, 2])
+    lines = rank_lines(tmp_path)
+    assert lines[0] == "  ranks observed: 2 (summary.rank<R>.json, events.rank<R>.jsonl)"
+    assert lines[1].startswith("  no summary from rank(s) 1 of 3")
+    assert lines[2].startswith("  rank 0/3: 5 steps, step p50 10.0 ms, attached at init_process_group")
+    assert lines[3].startswith("  rank 2/3: 7 steps") and len(lines) == 4
+
+
+def test_end_of_run_totals_many_ranks(tmp_path: Path) -> None:
+    n = RANK_LINES_MAX + 4
+    _write_summaries(tmp_path, n, list(range(n)))
+    lines = rank_lines(tmp_path)
+    assert lines[1:] == [f"  steps per rank: min 5, max {5 + n - 1}; agent errors: {n // 2}"]

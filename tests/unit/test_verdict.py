@@ -1,0 +1,40 @@
+"""The step anatomy's conclusions: the bottleneck verdict from phase shares, the slow rank across ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpar_agent.collectors.verdict import bottleneck, slow_rank_across
+
+
+@pytest.mark.parametrize(
+    ("shares", "straggler", "verdict"),
+    [
+        ({"data_wait": 0.3, "forward": 0.3, "backward": 0.3}, False, "input-bound"),
+        ({"data_wait": 0.3, "forward": 0.3}, True, "input-bound"),  # the loader is the cause to name
+        ({"data_wait": 0.05, "forward": 0.6}, True, "slow-rank"),
+        ({"data_wait": 0.05, "comm_exposed": 0.4, "forward": 0.3}, False, "communication-bound"),
+        ({"data_wait": 0.19, "comm_exposed": 0.29, "forward": 0.3}, False, "compute-bound"),
+        ({}, False, "compute-bound"),
+    ],
+)
+def test_verdict_on_synthetic_shares(shares, straggler, verdict) -> None:
+    assert bottleneck(shares, straggler=straggler) == verdict
+
+
+def test_slow_rank_across_the_run_directorys_summaries() -> None:
+    def digest(fwd: float, comm: float, verdict: str = "compute-bound", **ev: object) -> dict:
+        return {"verdict": verdict, "step_seconds_p50": 2.6, "evidence": ev,
+                "phase_seconds_p50": {"forward": fwd, "backward": 0.3, "optimizer": 0.01, "comm_exposed": comm}}
+
+    # rank 2 computes 2 s longer per step; ranks 0, 1, 3 wait for it in their exposed communication
+    ranks = [(0, 0, digest(0.2, 2.0)), (1, 0, digest(0.2, 2.05)), (2, 0, digest(2.2, 0.01)), (3, 0, digest(0.21, 1.9))]
+    slow = slow_rank_across(ranks)
+    assert slow is not None and slow["rank"] == 2 and slow["source"] == "phases" and slow["compute_excess_s"] > 1.9
+    assert slow_rank_across([(r, 0, digest(0.2, 0.01)) for r in range(4)]) is None  # a clean run
+    # longer compute but nobody waits for it (its own stage in a pipeline, or overlap): not named
+    assert slow_rank_across([(0, 0, digest(0.2, 0.0)), (1, 0, digest(2.2, 0.0))]) is None
+    assert slow_rank_across([(0, 0, digest(2.2, 0.0)), (1, 1, digest(0.2, 2.0))]) is None  # other stages
+    # the live verdicts name it: taken as they are
+    named = [(0, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1)), (1, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1))]
+    assert slow_rank_across(named) == {"rank": 1, "source": "straggler", "ranks_naming_it": 2, "ranks": 2}
