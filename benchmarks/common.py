@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import random
 import statistics
 import sys
 import threading
@@ -74,10 +75,12 @@ def paired(runs: list[dict[str, Any]], arms: Iterable[str], key: str = "step_s")
 def adjacent_aa(runs: list[dict[str, Any]], key: str = "step_s") -> list[float]:
     """The runs design's A/A: the ratio of every two consecutive runs of the same arm (the arm order
     reverses from pair to pair, so each pair boundary runs one arm twice in a row), later over earlier
-    and earlier over later in turn, so that a drift of the machine cancels as in the on/off pairs."""
+    and earlier over later in turn, so that a drift of the machine cancels as in the on/off pairs. Runs
+    of separate calls (``call``, pooled results) are never compared."""
     out: list[float] = []
     for prev, cur in itertools.pairwise(runs):
-        if prev["pair"] >= 0 and cur["arm"] == prev["arm"] and cur["pair"] != prev["pair"]:
+        if (prev["pair"] >= 0 and cur["arm"] == prev["arm"] and cur["pair"] != prev["pair"]
+                and cur.get("call") == prev.get("call")):  # fmt: skip
             r = cur[key] / prev[key]
             out.append(r if len(out) % 2 == 0 else 1.0 / r)
     return out
@@ -96,6 +99,48 @@ def stats_line(name: str, st: dict[str, Any], fmt: str = ".4f") -> str:
     return (f"{name:10} {st['median']:{fmt}} {st['ci_lo']:{fmt}}-{st['ci_hi']:{fmt}} ({st['ci_coverage']:5.1%}) "
             f"mean {st['mean']:{fmt}} +- {st['sem']:{fmt}}, min {st['min']:{fmt}} max {st['max']:{fmt}}, "
             f"{st['pairs']} pairs")  # fmt: skip
+
+
+def pooled_p99(jobs: list[list[dict[str, Any]]], arms: list[str]) -> dict[str, float]:
+    """Per arm other than off: the p99 of every kept step of its paired blocks (or runs) over off's, in
+    each job; with two jobs (twin) the geometric mean of theirs."""
+    out: dict[str, float] = {}
+    per_job = []
+    for job in jobs:
+        kept: dict[str, list[float]] = {}
+        for b in job:
+            if b["pair"] >= 0:
+                kept.setdefault(b["arm"], []).extend(b["times"])
+        per_job.append({arm: p99(kept[arm]) / p99(kept["off"]) for arm in arms
+                        if arm != "off" and kept.get(arm) and kept.get("off")})  # fmt: skip
+    for arm in arms:
+        vals = [r[arm] for r in per_job if arm in r]
+        if vals and len(vals) == len(jobs):
+            out[arm] = statistics.geometric_mean(vals)
+    return out
+
+
+def pooled_p99_report(jobs: list[list[dict[str, Any]]], arms: list[str], reps: int = 1000,
+                      seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """``pooled_p99`` and, per arm, the 2.5th and 97.5th percentiles of it over the pairs resampled
+    with replacement (a pair's blocks go together, as a stall they share does); no interval with fewer
+    than 3 pairs."""
+    out: dict[str, Any] = {"p99_pooled": pooled_p99(jobs, arms), "p99_pooled_interval": {}}
+    pairs = sorted({b["pair"] for job in jobs for b in job if b["pair"] >= 0})
+    if len(pairs) < 3:
+        return out
+    by_pair = [{p: [b for b in job if b["pair"] == p] for p in pairs} for job in jobs]
+    rng = random.Random(seed)
+    draws: dict[str, list[float]] = {}
+    for _ in range(reps):
+        pick = rng.choices(pairs, k=len(pairs))
+        sample = [[{**b, "pair": i} for i, p in enumerate(pick) for b in job[p]] for job in by_pair]
+        for arm, v in pooled_p99(sample, arms).items():
+            draws.setdefault(arm, []).append(v)
+    for arm, vals in draws.items():
+        vals.sort()
+        out["p99_pooled_interval"][arm] = (vals[int(0.025 * (len(vals) - 1))], vals[int(0.975 * (len(vals) - 1))])
+    return out
 
 
 class PairBudget:
@@ -202,6 +247,23 @@ def time_parts(agent: Any, acc: dict[str, float]) -> None:
 
 
 # --------------------------------------------------------------------------------------------- /proc
+def core_halves(cpus: list[int]) -> tuple[list[int], list[int]]:
+    """The CPUs split in two by physical core (hyperthread siblings stay together, as sysfs lists them),
+    so that two jobs side by side share no core; the first half gets the odd core out."""
+    groups: dict[str, list[int]] = {}
+    for c in cpus:
+        try:
+            key = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            key = str(c)
+        groups.setdefault(key, []).append(c)
+    cores = sorted(groups.values())
+    if len(cores) < 2:
+        raise SystemExit("--twin needs at least two physical cores")
+    cut = (len(cores) + 1) // 2
+    return sorted(c for g in cores[:cut] for c in g), sorted(c for g in cores[cut:] for c in g)
+
+
 def proc_status(pid: int | str = "self") -> dict[str, int]:
     """VmRSS / VmHWM / VmSize (bytes) and Threads of this process (or ``pid``)."""
     out = {}

@@ -9,11 +9,11 @@
           scraped over HTTP as Prometheus asks (OpenMetrics, gzip);
   rss     the resident memory the agent adds: pairs of trainer processes with and without it, VmRSS and
           VmHWM after the last step, and on a GPU the caching allocator's bytes (expect +0);
-  spans   span export into an OTLP/HTTP receiver in a subprocess: (a) ``Tracing.export_step`` driven flat
-          out with 17-span steps (the bounded queue overflows): spans/s accepted, dropped, CPU per span
-          built and exported; (b) the training thread of a one-stage pipeline, every step traced, with no
-          agent, a receiver that answers at once and one that answers after ``--slow-delay`` s: a training
-          thread that waited on the exporter would show it in its step time.
+  spans   span export into an OTLP/HTTP receiver in a subprocess: (a) ``Tracing.export_step`` flat out
+          with 17-span steps (the bounded queue overflows): spans/s accepted, dropped, CPU a span built
+          and exported; (b) a one-stage pipeline's training thread, every step traced: no agent, a
+          receiver answering at once, one answering after ``--slow-delay`` s (a training thread that
+          waited on the exporter would show it).
 
     python -m benchmarks.components --json components-cpu.json
     python -m benchmarks.components --device cuda --only cpu,render,rss --json components-gpu.json
@@ -67,10 +67,9 @@ PROM_HEADERS = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain
 
 
 def current_agent() -> Any:
-    import hpar_agent
+    from hpar_agent.agent import current
 
-    agent = hpar_agent.agent.current()
-    return agent if agent is not None and agent.started else None
+    return current()
 
 
 def train_inprocess(args: list[str], env: dict[str, str], at_end: Callable[[], None] | None = None) -> None:
@@ -107,6 +106,7 @@ class Window(threading.Thread):
         super().__init__(name="components-window", daemon=True)
         self.before, self.parts, self.passes = before, {}, []  # type: ignore[var-annotated]
         self.start_snap: dict[str, Any] = {}
+        self.result: dict[str, Any] = {}
         self.clocks: ThreadClocks | None = None
         self.gc = GcWatch()
         self._stop_evt = threading.Event()
@@ -136,7 +136,7 @@ class Window(threading.Thread):
 
         agent.tick = timed_tick
 
-    def end(self) -> dict[str, Any]:
+    def end(self) -> None:
         self._stop_evt.set()
         agent = current_agent()
         if self.clocks is None or agent is None:
@@ -148,7 +148,7 @@ class Window(threading.Thread):
         for name, c in self.clocks.read().items():
             group = thread_group(name)
             threads[group] = threads.get(group, 0.0) + c - self.start_snap["cpu"].get(name, c)
-        return {"window_s": wall, "steps": steps, "steps_per_s": steps / wall,
+        self.result = {"window_s": wall, "steps": steps, "steps_per_s": steps / wall,
                 "thread_cpu_ms_per_s": {k: v / wall * 1e3 for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
                 "thread_cpu_us_per_step": {k: v / steps * 1e6 for k, v in threads.items()},
                 "agent_parts_ms_per_s": {k: v / wall * 1e3 for k, v in sorted(self.parts.items(), key=lambda kv: -kv[1])},
@@ -170,11 +170,10 @@ def measure_cpu(device: str, work: str, window_s: float) -> dict[str, Any]:
             env["HPAR_TRACE_EVERY"] = every
         win = Window(threading.enumerate())
         win.start()
-        box: dict[str, Any] = {}
         steps = SKIP + max(20, int(window_s * rate))
-        train_inprocess(args_for(steps, os.path.join(work, "cpu.json")), env, lambda b=box, w=win: b.update(w.end()))
-        out["runs"][label] = box
-        rate = box["steps_per_s"] or rate
+        train_inprocess(args_for(steps, os.path.join(work, "cpu.json")), env, win.end)
+        out["runs"][label] = win.result
+        rate = win.result["steps_per_s"] or rate
     return out
 
 
@@ -315,9 +314,8 @@ def measure_rss(device: str, work: str, pairs: int, steps: int) -> dict[str, Any
             runs.append({"rep": rep, "arm": arm, **d})
     res: dict[str, Any] = {"pairs": pairs, "steps": steps, "runs": runs}
     for key in ("VmRSS", "VmHWM", "cuda_allocated", "cuda_max_reserved"):
-        by = {(r["rep"], r["arm"]): r.get(key) for r in runs}
-        diffs = [by[(i, "on")] - by[(i, "off")] for i in range(pairs) if by.get((i, "on")) is not None
-                 and by.get((i, "off")) is not None]  # fmt: skip
+        by = {(r["rep"], r["arm"]): r[key] for r in runs if r.get(key) is not None}
+        diffs = [by[(i, "on")] - by[(i, "off")] for i in range(pairs) if (i, "on") in by and (i, "off") in by]
         if diffs:
             res[f"{key}_added"] = {"median": statistics.median(diffs), "pairs": diffs}
     res["VmRSS_off_median"] = statistics.median(r["VmRSS"] for r in runs if r["arm"] == "off")
@@ -325,13 +323,11 @@ def measure_rss(device: str, work: str, pairs: int, steps: int) -> dict[str, Any
 
 
 def print_rss(r: dict[str, Any]) -> None:
-    line = (f"rss: the agent adds VmRSS {r['VmRSS_added']['median'] / 2**20:+.1f} MiB (pairs "
-            f"{', '.join(f'{d / 2**20:+.1f}' for d in r['VmRSS_added']['pairs'])}; off {r['VmRSS_off_median'] / 2**20:.0f} "
-            f"MiB), VmHWM {r['VmHWM_added']['median'] / 2**20:+.1f} MiB")  # fmt: skip
-    if "cuda_max_reserved_added" in r:
-        line += (f"; CUDA allocated {r['cuda_allocated_added']['median']:+.0f} B, max reserved "
-                 f"{r['cuda_max_reserved_added']['median']:+.0f} B")  # fmt: skip
-    print(line)
+    cuda = (f"; CUDA allocated {r['cuda_allocated_added']['median']:+.0f} B, max reserved "
+            f"{r['cuda_max_reserved_added']['median']:+.0f} B") if "cuda_max_reserved_added" in r else ""  # fmt: skip
+    print(f"rss: the agent adds VmRSS {r['VmRSS_added']['median'] / 2**20:+.1f} MiB (pairs "
+          f"{', '.join(f'{d / 2**20:+.1f}' for d in r['VmRSS_added']['pairs'])}; off {r['VmRSS_off_median'] / 2**20:.0f} "
+          f"MiB), VmHWM {r['VmHWM_added']['median'] / 2**20:+.1f} MiB" + cuda)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ spans
@@ -414,11 +410,9 @@ def attach_traced(model: Any, optimizer: Any, run_dir: str, receiver: Receiver) 
 def exporter_gone(timeout: float) -> float | None:
     """Seconds until no span-exporter thread is left (None: still there after ``timeout``)."""
     t0 = time.perf_counter()
-    while any(t.name.startswith("OtelBatch") for t in threading.enumerate()):
-        if time.perf_counter() - t0 > timeout:
-            return None
+    while any(t.name.startswith("OtelBatch") for t in threading.enumerate()) and time.perf_counter() - t0 < timeout:
         time.sleep(0.02)
-    return time.perf_counter() - t0
+    return None if any(t.name.startswith("OtelBatch") for t in threading.enumerate()) else time.perf_counter() - t0
 
 
 def measure_capacity(receiver: Receiver, work: str, seconds: float) -> dict[str, Any]:

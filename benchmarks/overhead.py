@@ -1,47 +1,48 @@
 """The agent's training-step overhead: step time with the agent against without, side by side.
 
-Designs (``--design``), every one interleaved so that a drift of the machine falls on all arms alike:
+Designs (``--design``), each interleaving its arms so that a drift of the machine falls on all alike:
   blocks  ONE trainer process (torchrun ranks, or in-process at world size 1) runs ``--block``-step
           blocks, attaching the agent (or starting torch.profiler) before an arm's block and detaching
-          after it; a pair is one block of every arm, the order rotating from pair to pair, after
-          ``--warm`` rounds of every arm (compile, caches). A block's step time is the median after its
-          first ``--block-skip`` steps. One process means one compile, one memory layout and one set of
-          caches: the spread of separate processes (5-7 % on one GPU) would swamp a sub-percent cost.
+          after it. A block's step time is the median after its first ``--block-skip`` steps; ``--warm``
+          rounds of every arm come first (compile, caches). One process means one compile, one memory
+          layout and one set of caches: the spread of separate processes (5-7 % on one GPU) would swamp
+          a sub-percent cost.
   runs    one fresh process per run, the agent attached before the first step: what users get, start-up
-          included. Pairs alternate their order (off on, on off, off on, ...), so every pair boundary runs
-          one arm twice in a row: those adjacent runs of the same arm are the A/A. ``--warm`` runs first
-          fill the inductor caches (``TORCHINDUCTOR_CACHE_DIR``, one for every run), so a run loads its
-          compiled graphs instead of compiling them.
-  --twin  (with blocks or runs, torchrun configurations) two copies of the job side by side, one on
-          each half of the cores, arm X on one half and off on the other, then swapped: a pair's
-          estimate is sqrt(X_A / off_B * X_B / off_A). The halves' speeds cancel in the product and the
-          machine's swings in each ratio (on a CPU host two such jobs' block medians correlate ~0.9).
+          included. ``--warm`` short runs first fill the inductor caches (one ``TORCHINDUCTOR_CACHE_DIR``
+          for every run), so a run loads its compiled graphs instead of compiling them.
+  --twin  (with blocks or runs, torchrun configurations) two copies of the job side by side, one on each
+          half of the cores, arm X on one half and off on the other, then swapped: a pair's estimate is
+          sqrt(X_A / off_B * X_B / off_A). The halves' speeds cancel in the product and the machine's
+          swings in each ratio (on a CPU host two such jobs' block medians correlate ~0.9).
+A pair is a block or run of every arm, the order reversing from pair to pair (off on, on off, ...):
+each pair boundary runs one arm twice in a row, and those adjacent blocks or runs are the A/A at no
+cost of their own (n pairs give n - 1 A/A ratios). Twin pairs have an ``aa`` arm (no agent) instead.
 
 Configurations (``--config``):
   cpu        4 gloo ranks under torchrun: dp1 x tp2 x pp2, 1F1B, aot_eager, a small model (~70-80 ms steps)
-  gpu        one GPU: inductor, bf16, 12 layers of dim 2048, 8 x 1024 tokens (~50-80 ms steps)
+  gpu        one GPU: inductor, bf16, 12 layers of dim 2048, 8 x 1024 tokens (~50-85 ms steps)
   short-cpu  short steps as a new user meets them: ``tiny_gpt.py`` (a nanoGPT-style loop on one CPU
              thread, ~10-12 ms steps, timed by the script itself) run as ``python tiny_gpt.py`` against
              ``hpar-agent run -- python tiny_gpt.py``; runs only
-  short-gpu  the same on one GPU (~10 ms steps on an H100)
+  short-gpu  the same on one GPU (sized for ~10 ms steps on an H100)
 ``--cpu-smoke`` runs the gpu configuration's path on CPU with a tiny model, to test this script.
 
 Arms: ``off``; ``on`` (the agent at its defaults; local trace files, metrics on an ephemeral port);
-``aa`` (blocks and twin: a second off, the A/A control; runs: adjacent runs of one arm, see above);
 ``--profiler`` (torch.profiler, CPU and CUDA activities); ``nccl`` (runs on several GPUs:
 ``TORCH_NCCL_ENABLE_TIMING=1`` without the agent); ``--variant NAME:K=V,...`` (the agent with these
 settings, e.g. ``slow:HPAR_INTERVAL=5``).
 
 Printed per arm: the median over pairs of arm / off with its order-statistic interval and that
 interval's exact coverage (95 % needs 6 pairs or more), mean +- sem, min and max; the p99 of every kept
-step of the arm over off's (pooled over pairs; an interval from resampling the pairs: one pair's stall
-can carry a p99), and for runs the median of the pairs' own p99 ratios. Blocks also give rank 0's
-training-thread CPU per step (``time.thread_time``) over off's: the hooks' cost without the waits.
+step over off's, with an interval from resampling the pairs (one pair's stall can carry a p99); runs:
+the pairs' own p99 ratios; blocks: rank 0's training-thread CPU per step over off's (the hooks' cost).
+``--merge`` pools the pairs of several results of one design (each pair's ratio is within its call).
 
-    python -m benchmarks.overhead --config gpu --design blocks --pairs 200 --max-s 420 --json blocks.json
+    python -m benchmarks.overhead --config gpu --design blocks --pairs 200 --max-s 380 --json blocks.json
     python -m benchmarks.overhead --config gpu --design runs --pairs 14 --max-s 450 --json runs.json
     python -m benchmarks.overhead --config short-gpu --pairs 16 --max-s 420 --json short.json
-    python -m benchmarks.overhead --config cpu --twin --design blocks --max-s 420 --json twin.json
+    python -m benchmarks.overhead --config cpu --twin --block 60 --max-s 400 --json twin.json
+    python -m benchmarks.overhead --merge runs-1.json runs-2.json --json runs.json
 """
 
 from __future__ import annotations
@@ -49,22 +50,32 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
-import random
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import PairBudget, adjacent_aa, p99, paired, patched_env, ratio_stats, stats_line
+from benchmarks.common import (
+    PairBudget,
+    adjacent_aa,
+    core_halves,
+    p99,
+    paired,
+    patched_env,
+    pooled_p99_report,
+    ratio_stats,
+    stats_line,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT = Path(__file__).resolve().parent / "tiny_gpt.py"
@@ -82,6 +93,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "short-gpu": {"nproc": 1, "steps": 600, "skip": 50, "pairs": 16, "workload": "tiny_gpt", "args": ["--preset", "gpu"]},
 }  # fmt: skip
 FIXED_ARMS = ("off", "on", "aa", "profiler", "nccl")
+#: The inductor caches every run of the runs design shares (TORCHINDUCTOR_CACHE_DIR): the warm-up run
+#: compiles, the others load the FX graphs and AOT-autograd graphs it saved.
+INDUCTOR_CACHES = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
 # ------------------------------------------------------------------------------------------------ arms
@@ -121,17 +135,10 @@ def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
-@contextlib.contextmanager
-def maybe_profiler(on: bool) -> Iterator[None]:
+def maybe_profiler(on: bool) -> contextlib.AbstractContextManager[Any]:
     """torch.profiler as users run it: CPU activities, plus CUDA when a GPU is present."""
-    if not on:
-        yield
-        return
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts):
-        yield
+    acts = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * torch.cuda.is_available()
+    return torch.profiler.profile(activities=acts) if on else contextlib.nullcontext()
 
 
 def run_cmd(cfg: dict[str, Any], arm: str, out: str, variants: dict[str, dict[str, str]]) -> list[str]:
@@ -161,13 +168,9 @@ def child(argv: list[str]) -> int:
 
 # ------------------------------------------------------------------------------------------------ blocks
 def block_order(arms: list[str], pairs: int, warm: int) -> list[tuple[str, int]]:
-    """(arm, pair) of each block: ``warm`` rounds of every arm (pair -1), then the pairs, the arm order
-    rotating by one from pair to pair so that no arm always runs first."""
-    order = [(arm, -1) for _ in range(warm) for arm in arms]
-    for p in range(pairs):
-        k = p % len(arms)
-        order += [(arm, p) for arm in arms[k:] + arms[:k]]
-    return order
+    """(arm, pair) of each block: ``warm`` rounds of every arm (pair -1), then the pairs in the runs
+    design's order (``run_order``: forward, then reversed)."""
+    return [(arm, -1) for _ in range(warm) for arm in arms] + run_order(arms, pairs)
 
 
 def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
@@ -261,7 +264,7 @@ def torchrun_blocks(nproc: int, spec: dict[str, Any], argv: list[str], cpus: lis
 
 
 def wait_job(proc: subprocess.Popen[str], what: str) -> None:
-    _, err = proc.communicate()
+    err = proc.communicate()[1]
     if proc.returncode:
         raise RuntimeError(f"{what} failed (rc {proc.returncode}):\n{err[-4000:]}")
 
@@ -274,14 +277,34 @@ def blocks_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, w
         run_blocks(spec, argv)
     else:
         wait_job(torchrun_blocks(cfg["nproc"], spec, argv), "block run")
-    blocks = json.loads(Path(spec["out"]).read_text())["blocks"]
     skip = cfg["block_skip"]
-    runs = [{"arm": b["arm"], "pair": b["pair"], "step_s": statistics.median(b["times"][skip:]),
-             "cpu_s": statistics.median(b["cpu"][skip:])} for b in blocks]  # fmt: skip
-    return {"ratios": paired(runs, arms), "train_cpu": paired(runs, arms, "cpu_s"),
-            **pooled_p99_report([[{**b, "times": b["times"][skip:]} for b in blocks]], arms),
-            "off_step_s_median": statistics.median(r["step_s"] for r in runs if r["arm"] == "off"),
-            "pairs_done": max((r["pair"] for r in runs), default=-1) + 1, "blocks": blocks}  # fmt: skip
+    blocks = [{**b, "times": b["times"][skip:], "cpu": b["cpu"][skip:]}
+              for b in json.loads(Path(spec["out"]).read_text())["blocks"]]  # fmt: skip
+    return summarize_runs(blocks, arms, "blocks")
+
+
+def summarize_runs(runs: list[dict[str, Any]], arms: list[str], unit: str) -> dict[str, Any]:
+    """The figures of a blocks or runs design from its blocks or runs in order (``arm``, ``pair``,
+    ``times`` of the kept steps; runs also ``p99_s``): ratios to off a pair, the A/A from adjacent
+    blocks or runs of one arm, the pooled p99, the training thread's CPU (blocks)."""
+    for r in runs:
+        r["step_s"] = statistics.median(r["times"])
+        if r.get("cpu"):
+            r["cpu_s"] = statistics.median(r["cpu"])
+    aa = adjacent_aa(runs)
+    out = {"ratios": {**paired(runs, arms), **({"aa": ratio_stats(aa)} if aa else {})},
+           "aa_method": f"adjacent {unit} of the same arm at each pair boundary (the order reverses a pair)",
+           **pooled_p99_report([runs], arms),
+           "off_step_s_median": statistics.median(r["step_s"] for r in runs if r["arm"] == "off" and r["pair"] >= 0)
+           if any(r["arm"] == "off" and r["pair"] >= 0 for r in runs) else None,
+           "pairs_done": sum({r["arm"] for r in runs if r["pair"] == p} == set(arms)
+                             for p in {r["pair"] for r in runs if r["pair"] >= 0}),
+           unit: runs}  # fmt: skip
+    if unit == "blocks":
+        out["train_cpu"] = paired(runs, arms, "cpu_s")
+    else:
+        out["p99_pair_ratios"] = paired(runs, arms, "p99_s")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -292,9 +315,10 @@ def run_order(arms: list[str], pairs: int) -> list[tuple[str, int]]:
 
 
 def one_run(cfg: dict[str, Any], arm: str, i: int, work: str, a: argparse.Namespace) -> dict[str, Any]:
-    """One fresh run of ``arm``: its kept steps' median and p99, its steps over 1.5x that median."""
+    """One fresh run of ``arm``: its kept steps, their p99, and those over 1.5x their median."""
     out = os.path.join(work, f"run{i}-{arm}.json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": a.cache_dir,
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **INDUCTOR_CACHES,
+           "TORCHINDUCTOR_CACHE_DIR": a.cache_dir,
            **arm_env(arm, os.path.join(work, f"agent{i}"), f"overhead-{i}", a.variants)}  # fmt: skip
     t0 = time.perf_counter()
     res = subprocess.run(run_cmd(cfg, arm, out, a.variants), env=env, cwd=ROOT, capture_output=True, text=True,
@@ -302,22 +326,21 @@ def one_run(cfg: dict[str, Any], arm: str, i: int, work: str, a: argparse.Namesp
     if res.returncode or not os.path.exists(out):
         raise RuntimeError(f"{arm} run failed (rc {res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     times = json.loads(Path(out).read_text())["step_times"]
-    kept = times[cfg["skip"]:]
-    if len(kept) < 2:
-        raise RuntimeError(f"{out}: {len(times)} steps, need more than --skip {cfg['skip']}")
+    kept = times[cfg["skip"]:] or times[-1:]
     med = statistics.median(kept)
-    return {"arm": arm, "step_s": med, "p99_s": p99(kept), "wall_s": time.perf_counter() - t0,
-            "long": [(k + cfg["skip"], round(t * 1e3, 1)) for k, t in enumerate(kept) if t > 1.5 * med],
-            "times": kept}  # fmt: skip
+    return {"arm": arm, "p99_s": p99(kept), "wall_s": time.perf_counter() - t0, "times": kept,
+            "long": [(k + cfg["skip"], round(t * 1e3, 1)) for k, t in enumerate(kept) if t > 1.5 * med]}  # fmt: skip
 
 
 def runs_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, work: str, save: Any,
                 clock: Callable[[], float] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Warm-up runs, then the pairs; ``save(result)`` after every run (a cut-off call keeps its figures)."""
+    """``--warm`` short runs that fill the caches, then the pairs; ``save(result)`` after every run (a
+    cut-off call keeps its figures)."""
     budget = PairBudget(a.max_s, clock or time.monotonic)
-    warm = [one_run(cfg, "on", i, work, a) for i in range(a.warm)]
-    for w in warm:
-        print(f"[warm-up] on: step {w['step_s'] * 1e3:.2f} ms, run {w['wall_s']:.1f} s (caches filled)", flush=True)
+    warm_cfg = {**cfg, "steps": min(cfg["steps"], 3), "skip": 0}  # the first step compiles: enough to fill
+    for i in range(a.warm):
+        w = one_run(warm_cfg, "on", i, work, a)
+        print(f"[warm-up {i + 1}/{a.warm}] on: {w['wall_s']:.1f} s (caches filled)", flush=True)
     runs: list[dict[str, Any]] = []
     order = run_order(arms, cfg["pairs"])
     result: dict[str, Any] = {}
@@ -325,45 +348,35 @@ def runs_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, wor
         if (not i or order[i - 1][1] != pair) and not budget.pair_starts():
             break
         runs.append({**one_run(cfg, arm, a.warm + i, work, a), "pair": pair})
-        r = runs[-1]
-        per_run = statistics.fmean(x["wall_s"] for x in runs)
-        left = len(order) - i - 1
-        print(f"[{i + 1}/{len(order)}] {arm:8} pair {pair:2}: step {r['step_s'] * 1e3:8.2f} ms, p99 "
-              f"{r['p99_s'] * 1e3:8.2f} ms, run {r['wall_s']:5.1f} s (~{per_run:.0f} s a run; {left} runs left "
+        r, per_run, left = runs[-1], statistics.fmean(x["wall_s"] for x in runs), len(order) - i - 1
+        print(f"[{i + 1}/{len(order)}] {arm:8} pair {pair:2}: step {statistics.median(r['times']) * 1e3:8.2f} ms, "
+              f"p99 {r['p99_s'] * 1e3:8.2f} ms, run {r['wall_s']:5.1f} s (~{per_run:.0f} s a run; {left} runs left "
               f"~{left * per_run / 60:.1f} min{'' if not a.max_s else f', budget {budget.left_s() / 60:.1f} min'}); "
-              f"long steps {r['long'][:5]}", flush=True)
-        aa = adjacent_aa(runs)
-        pairs_done = sum({x["arm"] for x in runs if x["pair"] == p} == set(arms) for p in range(pair + 1))
-        result = {"ratios": {**paired(runs, arms), **({"aa": ratio_stats(aa)} if aa else {})},
-                  "p99_pair_ratios": paired(runs, arms, "p99_s"),
-                  **pooled_p99_report([runs], arms),
-                  "aa_method": "adjacent runs of the same arm at each pair boundary (the ABBA order)",
-                  "off_step_s_median": statistics.median(x["step_s"] for x in runs if x["arm"] == "off")
-                  if any(x["arm"] == "off" for x in runs) else None,
-                  "pairs_done": pairs_done, "warm": warm, "runs": runs}  # fmt: skip
+              f"long steps {r['long'][:5]}", flush=True)  # fmt: skip
+        result = summarize_runs([dict(x) for x in runs], arms, "runs")
         save(result)
     return result
 
 
+def merge(paths: list[str]) -> dict[str, Any]:
+    """Several results of one configuration and design (blocks or runs) as one: their pairs numbered
+    on, every ratio recomputed (each pair's ratio is within its own call, so pairs of separate calls,
+    or machines, pool as they are)."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    unit = "blocks" if docs[0]["design"] == "blocks" else "runs"
+    if {d["design"] for d in docs} != {docs[0]["design"]} or unit not in docs[0]:
+        raise SystemExit("--merge takes results of one blocks or runs design")
+    runs, offset = [], 0
+    for call, d in enumerate(docs):
+        runs += [{**r, "pair": r["pair"] + offset if r["pair"] >= 0 else -1, "call": call} for r in d[unit]]
+        offset += max((r["pair"] for r in d[unit]), default=-1) + 1
+    head = {k: v for k, v in docs[0].items() if k not in (unit, "ratios", "p99_pooled", "p99_pooled_interval")}
+    return {**head, "merged": paths, "wall_s": sum(d["wall_s"] for d in docs),
+            **summarize_runs(runs, docs[0]["arms"], unit)}
+
+
 # ------------------------------------------------------------------------------------------------ twin
 HALVES = ("A", "B")
-
-
-def core_halves(cpus: list[int]) -> tuple[list[int], list[int]]:
-    """The CPUs split in two by physical core (hyperthread siblings stay together, as sysfs lists them),
-    so that two jobs side by side share no core; the first half gets the odd core out."""
-    groups: dict[str, list[int]] = {}
-    for c in cpus:
-        try:
-            key = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
-        except OSError:
-            key = str(c)
-        groups.setdefault(key, []).append(c)
-    cores = sorted(groups.values())
-    if len(cores) < 2:
-        raise SystemExit("--twin needs at least two physical cores")
-    cut = (len(cores) + 1) // 2
-    return sorted(c for g in cores[:cut] for c in g), sorted(c for g in cores[cut:] for c in g)
 
 
 def slot_order(arms: list[str], pairs: int) -> list[tuple[str, str, int]]:
@@ -420,7 +433,7 @@ def twin_runs(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, halve
                    **arm_env(arm, os.path.join(work, f"agent-{tag}-{h}"), f"twin-{tag}-{h}", a.variants)}  # fmt: skip
             procs.append(subprocess.Popen(run_cmd(cfg, arm, out, a.variants), env=env, cwd=ROOT, text=True,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                          preexec_fn=lambda cpus=cpus: os.sched_setaffinity(0, cpus)))  # fmt: skip
+                                          preexec_fn=functools.partial(os.sched_setaffinity, 0, cpus)))  # fmt: skip
         for proc, arm in zip(procs, (arm_a, arm_b), strict=True):
             wait_job(proc, f"{arm} job")
         same = common_seconds([json.loads(Path(o).read_text()) for o in outs], cfg["skip"])
@@ -466,61 +479,13 @@ def twin_blocks(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, hal
     return slots, [[{**b, "times": b["times"][skip:]} for b in job] for job in blocks]
 
 
-# ------------------------------------------------------------------------------------------------ p99
-def pooled_p99(jobs: list[list[dict[str, Any]]], arms: list[str]) -> dict[str, float]:
-    """Per arm other than off: the p99 of every kept step of its paired blocks (or runs) over off's, in
-    each job; with two jobs (twin) the geometric mean of theirs."""
-    out: dict[str, float] = {}
-    per_job = []
-    for job in jobs:
-        kept: dict[str, list[float]] = {}
-        for b in job:
-            if b["pair"] >= 0:
-                kept.setdefault(b["arm"], []).extend(b["times"])
-        per_job.append({arm: p99(kept[arm]) / p99(kept["off"]) for arm in arms
-                        if arm != "off" and kept.get(arm) and kept.get("off")})  # fmt: skip
-    for arm in arms:
-        vals = [r[arm] for r in per_job if arm in r]
-        if vals and len(vals) == len(jobs):
-            out[arm] = statistics.geometric_mean(vals)
-    return out
-
-
-def pooled_p99_report(jobs: list[list[dict[str, Any]]], arms: list[str], reps: int = 1000,
-                      seed: int = 0) -> dict[str, Any]:  # fmt: skip
-    """``pooled_p99`` and, per arm, the 2.5th and 97.5th percentiles of it over the pairs resampled
-    with replacement (a pair's blocks go together, as a stall they share does); no interval with fewer
-    than 3 pairs."""
-    out: dict[str, Any] = {"p99_pooled": pooled_p99(jobs, arms), "p99_pooled_interval": {}}
-    pairs = sorted({b["pair"] for job in jobs for b in job if b["pair"] >= 0})
-    if len(pairs) < 3:
-        return out
-    by_pair = [{p: [b for b in job if b["pair"] == p] for p in pairs} for job in jobs]
-    rng = random.Random(seed)
-    draws: dict[str, list[float]] = {}
-    for _ in range(reps):
-        pick = rng.choices(pairs, k=len(pairs))
-        sample = [[{**b, "pair": i} for i, p in enumerate(pick) for b in job[p]] for job in by_pair]
-        for arm, v in pooled_p99(sample, arms).items():
-            draws.setdefault(arm, []).append(v)
-    for arm, v in draws.items():
-        v.sort()
-        out["p99_pooled_interval"][arm] = (v[int(0.025 * (len(v) - 1))], v[int(0.975 * (len(v) - 1))])
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ main
 def resolve_config(name: str, a: argparse.Namespace) -> dict[str, Any]:
     """``CONFIGS[name]`` with the command line's overrides (``--extra`` arguments; pairs, block, steps,
     nproc when > 0; block_skip, skip when >= 0)."""
-    cfg = dict(CONFIGS[name])
-    cfg["args"] = [*cfg["args"], *shlex.split(a.extra)]
-    for key in ("pairs", "block", "steps", "nproc"):
-        if getattr(a, key) > 0:
-            cfg[key] = getattr(a, key)
-    for key in ("block_skip", "skip"):
-        if getattr(a, key) >= 0:
-            cfg[key] = getattr(a, key)
+    cfg = {**CONFIGS[name], "args": [*CONFIGS[name]["args"], *shlex.split(a.extra)]}
+    cfg.update({k: getattr(a, k) for k in ("pairs", "block", "steps", "nproc") if getattr(a, k) > 0})
+    cfg.update({k: getattr(a, k) for k in ("block_skip", "skip") if getattr(a, k) >= 0})
     return cfg
 
 
@@ -555,18 +520,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-skip", type=int, default=-1, help="blocks: steps left out of a block's median")
     ap.add_argument("--steps", type=int, default=0, help="runs: steps per run (default per config)")
     ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")
-    ap.add_argument("--warm", type=int, default=-1, help="warm-up rounds (blocks: of every arm, 2; runs: on runs, 1)")
-    ap.add_argument("--no-aa", action="store_true", help="blocks and twin: leave the A/A arm out")
+    ap.add_argument("--warm", type=int, default=-1, help="warm-up (blocks: rounds of every arm, 2; runs: short on runs, 1)")
+    ap.add_argument("--no-aa", action="store_true", help="twin: leave the A/A pairs out")
     ap.add_argument("--profiler", action="store_true", help="add a torch.profiler arm")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
                     help="an arm running the agent with these settings over its defaults (repeatable)")
     ap.add_argument("--nproc", type=int, default=0, help="ranks (default per config; > 1 runs under torchrun)")
     ap.add_argument("--extra", default="", help="more workload arguments (later ones win), e.g. '--dp 2 --tp 2'")
-    ap.add_argument("--cache-dir", default=None, help="runs: TORCHINDUCTOR_CACHE_DIR of every run (default: a "
-                    "folder of this invocation's work directory, or the variable where it is set)")
+    ap.add_argument("--cache-dir", default=None, help="runs: every run's TORCHINDUCTOR_CACHE_DIR (default: the variable's, else a new one)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run or job")
     ap.add_argument("--json", default=None, help="write the results here (runs: after every run)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="pool the pairs of these results (one design)")
     a = ap.parse_args(argv)
+    if a.merge:
+        result = merge(a.merge)
+        if a.json:
+            Path(a.json).write_text(json.dumps(result, indent=1))
+        print_report(result)
+        return 0
     name = "cpu-smoke" if a.cpu_smoke else a.config
     cfg = resolve_config(name, a)
     short = cfg.get("workload") == "tiny_gpt"
@@ -582,10 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="hpar-overhead-")
     a.cache_dir = a.cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(work, "inductor-cache")
     arms = ["off", "on"] + (["profiler"] if a.profiler else [])
-    arms += [] if a.no_aa or (design == "runs" and not a.twin) else ["aa"]
+    arms += ["aa"] if a.twin and not a.no_aa else []  # blocks and runs: adjacent blocks or runs of one arm
     arms += list(a.variants) + (["nccl"] if name == "gpu" and design == "runs" and cfg["nproc"] > 1 else [])
     t_start = time.time()
-    head = {"config": name, "design": ("twin-" if a.twin else "") + design, "workload_args": cfg["args"],
+    head: dict[str, Any] = {"config": name, "design": ("twin-" if a.twin else "") + design, "workload_args": cfg["args"],
             "nproc": cfg["nproc"], "arms": arms, "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and "cpu" not in name else "cpu",
             "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d", time.gmtime(t_start)),

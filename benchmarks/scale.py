@@ -360,7 +360,7 @@ def flood(a: argparse.Namespace) -> dict[str, Any]:
         time.sleep(0.05)
 
     def run_arm(name: str) -> tuple[float, int]:
-        arm.value = name.encode()
+        arm.value = name.encode()  # type: ignore[attr-defined]  # a char array's value
         before = counter.value
         go.set()
         time.sleep(0.3)  # the flood is under way
@@ -391,8 +391,8 @@ def flood(a: argparse.Namespace) -> dict[str, Any]:
            "step_ms": {n: statistics.median(v) * 1e3 for n, v in med.items()},
            "agent_over_quiet": statistics.median(x / q for x, q in zip(med["agent"], med["quiet"], strict=True)),
            "agent_over_control": statistics.median(x / c for x, c in zip(med["agent"], med["control"], strict=True))}  # fmt: skip
-    for n in arms:
-        print(f"{n:8} median step {out['step_ms'][n]:.3f} ms, scrapes {scrapes[n]}")
+    for name in arms:
+        print(f"{name:8} median step {out['step_ms'][name]:.3f} ms, scrapes {scrapes[name]}")
     print(f"agent/quiet {out['agent_over_quiet']:.4f}, agent/control {out['agent_over_control']:.4f} (the control "
           f"carries the flood's own CPU: the fair baseline with fewer cores than clients + 1; {out['cores']} cores)")
     return out

@@ -1,10 +1,12 @@
 """The statistics every benchmark report rests on: the median's order-statistic interval with its exact
-coverage, paired ratios, the runs design's A/A from adjacent runs, the time budget, threads' CPU clocks."""
+coverage, paired ratios, the A/A from adjacent runs, the pooled p99 with its resampled interval, the time
+budget, threads' CPU clocks, the core halves of twin jobs."""
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -12,9 +14,12 @@ from benchmarks.common import (
     PairBudget,
     ThreadClocks,
     adjacent_aa,
+    core_halves,
     median_interval,
     p99,
     paired,
+    pooled_p99,
+    pooled_p99_report,
     ratio_stats,
     thread_group,
 )
@@ -97,3 +102,37 @@ def test_thread_clocks_read_a_threads_own_cpu_and_keep_it_after_it_ends() -> Non
     assert clocks.total() == pytest.approx(t0 + busy, abs=0.05)  # the ended thread's last reading
     assert [thread_group(n) for n in clocks.clocks] == ["agent thread"]
     assert thread_group("OtelBatchSpanRecordProcessor#12") == "span exporter"
+
+
+def _blocks(pairs: int, on: list[float], stall_pair: int | None = None) -> list[dict[str, Any]]:
+    out = []
+    for p in range(pairs):
+        times = list(on)
+        if p == stall_pair:  # more stalled steps than a pooled p99's top 1 %
+            times[-10:] = [3.0] * 10
+        out += [{"arm": "on", "pair": p, "times": times}, {"arm": "off", "pair": p, "times": [1.0 + 0.001 * i for i in range(60)]}]
+    return out
+
+
+def test_pooled_p99_is_over_every_kept_step_and_its_interval_shows_a_pair_carrying_it() -> None:
+    steady = [1.05 * (1.0 + 0.001 * i) for i in range(60)]
+    rep = pooled_p99_report([_blocks(10, steady)], ["off", "on"])
+    assert rep["p99_pooled"]["on"] == pytest.approx(1.05, abs=1e-3)
+    lo, hi = rep["p99_pooled_interval"]["on"]
+    assert lo == pytest.approx(1.05, abs=1e-3) and hi == pytest.approx(1.05, abs=1e-3)
+    stalled = pooled_p99_report([_blocks(10, steady, stall_pair=3)], ["off", "on"])
+    assert stalled["p99_pooled"]["on"] > 1.5
+    lo, hi = stalled["p99_pooled_interval"]["on"]
+    assert lo == pytest.approx(1.05, abs=1e-3) and hi > 1.5  # draws without pair 3, with it twice or more
+    assert pooled_p99_report([_blocks(2, steady)], ["off", "on"])["p99_pooled_interval"] == {}
+
+
+def test_twin_pooled_p99_is_the_geometric_mean_over_the_halves() -> None:
+    a = [{"arm": "on", "pair": 0, "times": [1.1] * 50}, {"arm": "off", "pair": 0, "times": [1.0] * 50}]
+    b = [{"arm": "off", "pair": 0, "times": [2.0] * 50}, {"arm": "on", "pair": 0, "times": [2.42] * 50}]
+    assert pooled_p99([a, b], ["off", "on"]) == {"on": pytest.approx((1.1 * 1.21) ** 0.5)}
+
+
+def test_core_halves_share_no_core() -> None:
+    first, second = core_halves([0, 1])
+    assert first and second and not set(first) & set(second)

@@ -17,10 +17,7 @@ from benchmarks.overhead import (
     arm_env,
     block_order,
     common_seconds,
-    core_halves,
     parse_variants,
-    pooled_p99,
-    pooled_p99_report,
     run_cmd,
     run_order,
     slot_order,
@@ -28,10 +25,9 @@ from benchmarks.overhead import (
 )
 
 
-def test_blocks_rotate_the_arm_order_after_warm_up_rounds() -> None:
-    order = block_order(["off", "on", "aa"], pairs=2, warm=1)
-    assert order[:3] == [("off", -1), ("on", -1), ("aa", -1)]
-    assert order[3:] == [("off", 0), ("on", 0), ("aa", 0), ("on", 1), ("aa", 1), ("off", 1)]
+def test_blocks_warm_every_arm_then_pair_in_the_runs_order() -> None:
+    order = block_order(["off", "on"], pairs=3, warm=1)
+    assert order == [("off", -1), ("on", -1), ("off", 0), ("on", 0), ("on", 1), ("off", 1), ("off", 2), ("on", 2)]
 
 
 def test_runs_alternate_the_order_so_every_pair_boundary_repeats_an_arm() -> None:
@@ -95,40 +91,6 @@ def test_common_seconds_keep_the_steps_both_runs_took_in_the_same_seconds() -> N
     assert b == [2.0] * 18  # only 8 of late's in those seconds: fewer than 10, so all it kept
 
 
-def _blocks(pairs: int, on: list[float], stall_pair: int | None = None) -> list[dict[str, Any]]:
-    out = []
-    for p in range(pairs):
-        times = list(on)
-        if p == stall_pair:  # more stalled steps than a pooled p99's top 1 %
-            times[-10:] = [3.0] * 10
-        out += [{"arm": "on", "pair": p, "times": times}, {"arm": "off", "pair": p, "times": [1.0 + 0.001 * i for i in range(60)]}]
-    return out
-
-
-def test_pooled_p99_is_over_every_kept_step_and_its_interval_shows_a_pair_carrying_it() -> None:
-    steady = [1.05 * (1.0 + 0.001 * i) for i in range(60)]
-    rep = pooled_p99_report([_blocks(10, steady)], ["off", "on"])
-    assert rep["p99_pooled"]["on"] == pytest.approx(1.05, abs=1e-3)
-    lo, hi = rep["p99_pooled_interval"]["on"]
-    assert lo == pytest.approx(1.05, abs=1e-3) and hi == pytest.approx(1.05, abs=1e-3)
-    stalled = pooled_p99_report([_blocks(10, steady, stall_pair=3)], ["off", "on"])
-    assert stalled["p99_pooled"]["on"] > 1.5
-    lo, hi = stalled["p99_pooled_interval"]["on"]
-    assert lo == pytest.approx(1.05, abs=1e-3) and hi > 1.5  # draws without pair 3, with it twice or more
-    assert pooled_p99_report([_blocks(2, steady)], ["off", "on"])["p99_pooled_interval"] == {}
-
-
-def test_twin_pooled_p99_is_the_geometric_mean_over_the_halves() -> None:
-    a = [{"arm": "on", "pair": 0, "times": [1.1] * 50}, {"arm": "off", "pair": 0, "times": [1.0] * 50}]
-    b = [{"arm": "off", "pair": 0, "times": [2.0] * 50}, {"arm": "on", "pair": 0, "times": [2.42] * 50}]
-    assert pooled_p99([a, b], ["off", "on"]) == {"on": pytest.approx((1.1 * 1.21) ** 0.5)}
-
-
-def test_core_halves_share_no_core() -> None:
-    first, second = core_halves([0, 1])
-    assert first and second and not set(first) & set(second)
-
-
 def test_runs_stop_at_the_budget_and_write_their_figures_after_every_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -138,13 +100,14 @@ def test_runs_stop_at_the_budget_and_write_their_figures_after_every_run(
 
     def one_run(cfg: dict[str, Any], arm: str, i: int, work: str, a: argparse.Namespace) -> dict[str, Any]:
         clock[0] += 10.0
+        assert cfg["steps"] == (3 if i < a.warm else 40)  # a warm-up run only compiles
         step = 0.105 if arm == "on" else 0.1
-        return {"arm": arm, "step_s": step, "p99_s": step * 1.1, "wall_s": 10.0, "long": [], "times": [step] * 20}
+        return {"arm": arm, "p99_s": step * 1.1, "wall_s": 10.0, "long": [], "times": [step] * 20}
 
     monkeypatch.setattr(overhead, "one_run", one_run)
     saved: list[dict[str, Any]] = []
     a = argparse.Namespace(max_s=75.0, warm=1)
-    cfg = {"pairs": 10}
+    cfg = {"pairs": 10, "steps": 40, "skip": 10}
     result = overhead.runs_design(cfg, ["off", "on"], a, str(tmp_path), lambda r: saved.append(json.loads(json.dumps(r))),
                                   clock=lambda: clock[0])
     assert result["pairs_done"] == 3 and len(result["runs"]) == 6 and len(saved) == 6
@@ -152,3 +115,22 @@ def test_runs_stop_at_the_budget_and_write_their_figures_after_every_run(
     assert result["ratios"]["aa"]["pairs"] == 2 and result["ratios"]["aa"]["median"] == pytest.approx(1.0)
     assert saved[2]["pairs_done"] == 1 and "aa" not in saved[1]["ratios"]
     assert result["p99_pooled"]["on"] == pytest.approx(1.05)
+
+
+def test_merged_results_pool_their_pairs(tmp_path: Path) -> None:
+    """Two calls' runs: the pairs are numbered on and every figure is recomputed over all of them."""
+    def call(ratio: float, pairs: int) -> dict[str, Any]:
+        runs = [{"arm": arm, "pair": p, "p99_s": 0.1, "times": [0.1 * (ratio if arm == "on" else 1.0)] * 5}
+                for arm, p in run_order(["off", "on"], pairs)]  # fmt: skip
+        return {"config": "gpu", "design": "runs", "arms": ["off", "on"], "wall_s": 100.0,
+                **overhead.summarize_runs(runs, ["off", "on"], "runs")}  # fmt: skip
+
+    paths = []
+    for i, (ratio, pairs) in enumerate(((1.01, 4), (1.03, 3))):
+        paths.append(str(tmp_path / f"r{i}.json"))
+        Path(paths[-1]).write_text(json.dumps(call(ratio, pairs)))
+    merged = overhead.merge(paths)
+    assert merged["pairs_done"] == 7 and merged["wall_s"] == 200.0
+    assert sorted({r["pair"] for r in merged["runs"]}) == list(range(7))
+    assert merged["ratios"]["on"]["ratios"] == pytest.approx([1.01] * 4 + [1.03] * 3)
+    assert merged["ratios"]["aa"]["pairs"] == 5  # 3 + 2 within the calls, none across their boundary
