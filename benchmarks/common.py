@@ -76,11 +76,11 @@ def adjacent_aa(runs: list[dict[str, Any]], key: str = "step_s") -> list[float]:
     """The runs design's A/A: the ratio of every two consecutive runs of the same arm (the arm order
     reverses from pair to pair, so each pair boundary runs one arm twice in a row), later over earlier
     and earlier over later in turn, so that a drift of the machine cancels as in the on/off pairs. Runs
-    of separate calls (``call``, pooled results) are never compared."""
+    of separate results (``source``, pooled by ``--merge``) are never compared."""
     out: list[float] = []
     for prev, cur in itertools.pairwise(runs):
         if (prev["pair"] >= 0 and cur["arm"] == prev["arm"] and cur["pair"] != prev["pair"]
-                and cur.get("call") == prev.get("call")):  # fmt: skip
+                and cur.get("source") == prev.get("source")):  # fmt: skip
             r = cur[key] / prev[key]
             out.append(r if len(out) % 2 == 0 else 1.0 / r)
     return out

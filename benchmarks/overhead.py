@@ -36,7 +36,7 @@ Printed per arm: the median over pairs of arm / off with its order-statistic int
 interval's exact coverage (95 % needs 6 pairs or more), mean +- sem, min and max; the p99 of every kept
 step over off's, with an interval from resampling the pairs (one pair's stall can carry a p99); runs:
 the pairs' own p99 ratios; blocks: rank 0's training-thread CPU per step over off's (the hooks' cost).
-``--merge`` pools the pairs of several results of one design (each pair's ratio is within its call).
+``--merge`` pools the pairs of several results of one design (each pair's ratio stays within its own).
 
     python -m benchmarks.overhead --config gpu --design blocks --pairs 200 --max-s 380 --json blocks.json
     python -m benchmarks.overhead --config gpu --design runs --pairs 14 --max-s 450 --json runs.json
@@ -335,7 +335,7 @@ def one_run(cfg: dict[str, Any], arm: str, i: int, work: str, a: argparse.Namesp
 def runs_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, work: str, save: Any,
                 clock: Callable[[], float] | None = None) -> dict[str, Any]:  # fmt: skip
     """``--warm`` short runs that fill the caches, then the pairs; ``save(result)`` after every run (a
-    cut-off call keeps its figures)."""
+    cut-off invocation keeps its figures)."""
     budget = PairBudget(a.max_s, clock or time.monotonic)
     warm_cfg = {**cfg, "steps": min(cfg["steps"], 3), "skip": 0}  # the first step compiles: enough to fill
     for i in range(a.warm):
@@ -360,15 +360,15 @@ def runs_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, wor
 
 def merge(paths: list[str]) -> dict[str, Any]:
     """Several results of one configuration and design (blocks or runs) as one: their pairs numbered
-    on, every ratio recomputed (each pair's ratio is within its own call, so pairs of separate calls,
-    or machines, pool as they are)."""
+    on, every ratio recomputed (a pair's ratio is within one result, so pairs of separate results, or
+    machines, pool as they are; the A/A never pairs runs of two results)."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     unit = "blocks" if docs[0]["design"] == "blocks" else "runs"
     if {d["design"] for d in docs} != {docs[0]["design"]} or unit not in docs[0]:
         raise SystemExit("--merge takes results of one blocks or runs design")
     runs, offset = [], 0
-    for call, d in enumerate(docs):
-        runs += [{**r, "pair": r["pair"] + offset if r["pair"] >= 0 else -1, "call": call} for r in d[unit]]
+    for source, d in enumerate(docs):
+        runs += [{**r, "pair": r["pair"] + offset if r["pair"] >= 0 else -1, "source": source} for r in d[unit]]
         offset += max((r["pair"] for r in d[unit]), default=-1) + 1
     head = {k: v for k, v in docs[0].items() if k not in (unit, "ratios", "p99_pooled", "p99_pooled_interval")}
     return {**head, "merged": paths, "wall_s": sum(d["wall_s"] for d in docs),

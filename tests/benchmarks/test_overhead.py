@@ -118,8 +118,8 @@ def test_runs_stop_at_the_budget_and_write_their_figures_after_every_run(
 
 
 def test_merged_results_pool_their_pairs(tmp_path: Path) -> None:
-    """Two calls' runs: the pairs are numbered on and every figure is recomputed over all of them."""
-    def call(ratio: float, pairs: int) -> dict[str, Any]:
+    """Two results' runs: the pairs are numbered on and every figure is recomputed over all of them."""
+    def result(ratio: float, pairs: int) -> dict[str, Any]:
         runs = [{"arm": arm, "pair": p, "p99_s": 0.1, "times": [0.1 * (ratio if arm == "on" else 1.0)] * 5}
                 for arm, p in run_order(["off", "on"], pairs)]  # fmt: skip
         return {"config": "gpu", "design": "runs", "arms": ["off", "on"], "wall_s": 100.0,
@@ -128,9 +128,9 @@ def test_merged_results_pool_their_pairs(tmp_path: Path) -> None:
     paths = []
     for i, (ratio, pairs) in enumerate(((1.01, 4), (1.03, 3))):
         paths.append(str(tmp_path / f"r{i}.json"))
-        Path(paths[-1]).write_text(json.dumps(call(ratio, pairs)))
+        Path(paths[-1]).write_text(json.dumps(result(ratio, pairs)))
     merged = overhead.merge(paths)
     assert merged["pairs_done"] == 7 and merged["wall_s"] == 200.0
     assert sorted({r["pair"] for r in merged["runs"]}) == list(range(7))
     assert merged["ratios"]["on"]["ratios"] == pytest.approx([1.01] * 4 + [1.03] * 3)
-    assert merged["ratios"]["aa"]["pairs"] == 5  # 3 + 2 within the calls, none across their boundary
+    assert merged["ratios"]["aa"]["pairs"] == 5  # 3 + 2 within the results, none across their boundary
