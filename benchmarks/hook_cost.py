@@ -15,9 +15,9 @@ clock), so it holds on a loaded machine where wall-clock ratios do not.
    the agent thread's per-step work (components' ``on_step``; span building, ``tracing.export_step``)
    apart from its per-pass work (``poll``, ``end_pass`` and the rest), which is fixed per second.
 3. GIL holds: then the training thread alternates a step with ``--probe-ms`` of pure Python that
-   notes every stretch it did not run while an agent thread's CPU clock advanced by at least half of
-   it: how long the agent keeps the GIL from a training thread that wants it. (A stretch in which the
-   training thread was descheduled while the agent ran on another core counts too: an upper bound.)
+   notes every stretch over 0.1 ms in which it did not run, and how much CPU the agent's threads took
+   in it: how long the agent keeps the GIL from a training thread that wants it. (Where the training
+   thread was descheduled while an agent thread ran on another core, that counts too: a bound.)
 
 The last lines state the fixed cost per step at the loop's own step rate.
 
@@ -137,10 +137,20 @@ def hook_blocks(m: dict[str, Any], rounds: int, per_block: int, detail_rate: str
                 if agent is not None:
                     hpar_agent.detach()
 
+    agent = attach(run_dir=os.path.join(work, f"mark-{detail_rate}"), interval=3600.0, **kw)
+    try:  # step marking alone: what the optimizer's post-hook calls, timed directly
+        steps = agent.component("steps")
+        c0 = time.thread_time()
+        for _ in range(2000):
+            steps.mark()
+        mark_us = (time.thread_time() - c0) / 2000 * 1e6
+    finally:
+        hpar_agent.detach()
+
     def cost(arm: str, base: str) -> dict[str, Any]:
         return ratio_stats([(a - b) * 1e6 for a, b in zip(cpu[arm], cpu[base], strict=True)])
 
-    return {"detail_rate": detail_rate, "strides": sorted(strides, key=str),
+    return {"detail_rate": detail_rate, "strides": sorted(strides, key=str), "mark_us": mark_us,
             "cpu_us": {a: statistics.median(v) * 1e6 for a, v in cpu.items()},
             "optimizer_hooks_us": cost("optimizer", "off"), "module_hooks_us": cost("model", "optimizer"),
             "pipeline_us": cost("pp_on", "pp_off")}  # fmt: skip
@@ -182,11 +192,11 @@ def probe(seconds: float, probe_s: float, step: Callable[[], None], clocks: list
             if t - last_t > GAP_S:
                 stalls.append((t - last_t, c - last_c, own - last_own))
             last_t, last_own, last_c = t, own, c
-    holds = [a for w, a, _o in stalls if a >= 0.5 * w]
+    holds = [min(a, w) for w, a, _o in stalls if a > GAP_S]  # the agent's CPU while the training thread waited
     return {"seconds": seconds, "stalls": len(stalls), "agent_holds": len(holds),
             "agent_hold_ms": describe(holds, 1e3), "holds_over_1ms_per_s": sum(h > 1e-3 for h in holds) / seconds,
-            "own_ms": describe([o for w, a, o in stalls if a < 0.5 * w and o >= 0.5 * w], 1e3),
-            "other_ms": describe([w for w, a, o in stalls if a < 0.5 * w and o < 0.5 * w], 1e3)}  # fmt: skip
+            "own_ms": describe([o for w, a, o in stalls if a <= GAP_S and o >= 0.5 * w], 1e3),
+            "other_ms": describe([w for w, a, o in stalls if a <= GAP_S and o < 0.5 * w], 1e3)}  # fmt: skip
 
 
 def agent_threads(device: torch.device, seconds: float, probe_seconds: float, probe_ms: float,
@@ -213,14 +223,14 @@ def agent_threads(device: torch.device, seconds: float, probe_seconds: float, pr
             steps += 1
         wall, cpu1 = time.perf_counter() - t0, clocks.read()
         own = time.thread_time() - own0
+        summary = agent.component("steps")  # the stride the window's steps got (the probe's are longer)
+        stride = summary.summary().get("detail_stride") if summary is not None else None
         parts = dict(parts)  # the window's (the probe's steps come after)
         threads: dict[str, float] = {}
         for name, c in cpu1.items():
             threads[thread_group(name)] = threads.get(thread_group(name), 0.0) + c - cpu0.get(name, c)
         by_clock = [clocks.clocks[n] for n in clocks.clocks if thread_group(n) in ("agent thread", "span exporter")]
         gil = probe(probe_seconds, probe_ms / 1e3, step, by_clock)
-        summary = agent.component("steps")
-        stride = summary.summary().get("detail_stride") if summary is not None else None
     finally:
         hpar_agent.detach()
     per_step = {k: v for k, v in parts.items() if k.endswith(".on_step") or k == "tracing.export_step"}
@@ -251,6 +261,7 @@ def print_report(r: dict[str, Any]) -> None:
                                           "watch_pipeline over detached)")):  # fmt: skip
             st = h[key]
             print(f"   {what:70} {st['median']:7.1f} us ({st['ci_lo']:.1f}-{st['ci_hi']:.1f}, {st['ci_coverage']:.0%})")
+        print(f"   {'of the optimizer hooks, step marking (StepCollector.mark() called directly)':70} {h['mark_us']:7.1f} us")
     t = r["threads"]
     print(f"2. agent threads on the tiny GPT loop ({t['step_ms']:.2f} ms steps, {t['steps_per_s']:.1f} steps/s, "
           f"{t['window_s']:.0f} s; detail stride {t['detail_stride']}); training thread {t['training_thread_cpu_us_per_step']:.0f} "
@@ -267,7 +278,7 @@ def print_report(r: dict[str, Any]) -> None:
           f"{g['own_ms'].get('max', 0):.2f} ms, descheduled max {g['other_ms'].get('max', 0):.2f} ms")  # fmt: skip
     f = r["fixed"]
     print(f"\nfixed cost per step at {f['steps_per_s']:.0f} steps/s ({f['step_ms']:.1f} ms steps):")
-    print(f"  training thread, every step:   optimizer hooks + marking {f['optimizer_us']:.1f} us, module hooks "
+    print(f"  training thread, every step:   optimizer hooks {f['optimizer_us']:.1f} us (step marking {f['mark_us']:.1f}), module hooks "
           f"{f['module_us']:.1f} us (a detailed step {f['module_detailed_us']:.1f}, one in {f['stride']}); pipeline "
           f"hooks where watched {f['pipeline_us']:.1f} us")  # fmt: skip
     print(f"  agent threads, beside it:      agent thread {f['agent_thread_us']:.1f} us (per-step work "
@@ -289,6 +300,7 @@ def fixed_cost(hooks: list[dict[str, Any]], t: dict[str, Any]) -> dict[str, Any]
     us = t["thread_cpu_us_per_step"]
     return {"steps_per_s": t["steps_per_s"], "step_ms": t["step_ms"], "stride": stride,
             "optimizer_us": avg("optimizer_hooks_us"), "module_us": avg("module_hooks_us"),
+            "mark_us": none["mark_us"] + (full["mark_us"] - none["mark_us"]) / stride,
             "module_detailed_us": full["module_hooks_us"]["median"], "pipeline_us": avg("pipeline_us"),
             "agent_thread_us": us.get("agent thread", 0.0), "agent_per_step_us": t["agent_per_step_work_us"],
             "span_building_us": t["span_building_us_per_step"], "agent_per_pass_ms_per_s": t["agent_per_pass_work_ms_per_s"],
