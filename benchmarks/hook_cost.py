@@ -19,7 +19,7 @@ clock), so it holds on a loaded machine where wall-clock ratios do not.
    in it: how long the agent keeps the GIL from a training thread that wants it. (Where the training
    thread was descheduled while an agent thread ran on another core, that counts too: a bound.)
 
-The last lines state the fixed cost per step at the loop's own step rate.
+The last lines state the fixed cost per step at ``--rate`` steps a second (100: a 10 ms step).
 
     python -m benchmarks.hook_cost --json hook-cost.json
     python -m benchmarks.hook_cost --device cuda --json hook-cost-gpu.json
@@ -277,34 +277,50 @@ def print_report(r: dict[str, Any]) -> None:
           f"{hold.get('median', 0):.2f} ms; {g['holds_over_1ms_per_s']:.2f} over 1 ms a second; own stalls (GC) max "
           f"{g['own_ms'].get('max', 0):.2f} ms, descheduled max {g['other_ms'].get('max', 0):.2f} ms")  # fmt: skip
     f = r["fixed"]
-    print(f"\nfixed cost per step at {f['steps_per_s']:.0f} steps/s ({f['step_ms']:.1f} ms steps):")
-    print(f"  training thread, every step:   optimizer hooks {f['optimizer_us']:.1f} us (step marking {f['mark_us']:.1f}), module hooks "
-          f"{f['module_us']:.1f} us (a detailed step {f['module_detailed_us']:.1f}, one in {f['stride']}); pipeline "
-          f"hooks where watched {f['pipeline_us']:.1f} us")  # fmt: skip
-    print(f"  agent threads, beside it:      agent thread {f['agent_thread_us']:.1f} us (per-step work "
-          f"{f['agent_per_step_us']:.1f}, of it span building {f['span_building_us']:.1f}; per-pass work "
-          f"{f['agent_per_pass_ms_per_s']:.2f} ms a second), span exporter {f['exporter_us']:.1f} us")  # fmt: skip
-    print(f"  GIL: the agent's threads held it from the training thread {f['hold_max_ms']:.2f} ms at the longest "
-          f"(p99 {f['hold_p99_ms']:.2f} ms)")
+    train = f["optimizer_us"] + f["module_us"]
+    print(f"\nfixed cost per step at {f['rate']:.0f} steps/s ({1e3 / f['rate']:.0f} ms steps; one detailed in {f['stride']}):")
+    print(f"  training thread, on every step: {train:.1f} us = optimizer hooks {f['optimizer_us']:.1f} (step marking "
+          f"{f['mark_us']:.1f}) + module hooks {f['module_us']:.1f} (a detailed step {f['module_detailed_us']:.1f}); "
+          f"a watched pipeline's step {f['pipeline_us']:.1f}")  # fmt: skip
+    print(f"  agent threads, beside it:       agent thread {f['agent_thread_us']:.1f} us = per-step work "
+          f"{f['agent_per_step_us']:.1f} (span building {f['span_building_us']:.1f}; measured at one detailed in "
+          f"{f['window_stride']}) + per-pass work {f['agent_per_pass_us']:.1f}; span exporter {f['exporter_us']:.1f} us")  # fmt: skip
+    print(f"  GIL: the agent's threads held it from a waiting training thread {f['hold_max_ms']:.2f} ms at the "
+          f"longest (p99 {f['hold_p99_ms']:.2f} ms)")
 
 
-def fixed_cost(hooks: list[dict[str, Any]], t: dict[str, Any]) -> dict[str, Any]:
-    """The figures of 1-3 as one statement at the loop's step rate: hook costs averaged over the detail
-    stride the agent chose for it (detailed every ``stride``-th step, undetailed otherwise)."""
+def stride_at(rate: float, measured: int | None) -> int:
+    """Every how many steps the agent details one at ``rate`` steps a second with its default settings
+    (its own rule), or the stride the window measured where this agent has no such rule."""
+    try:
+        from hpar_agent.collectors.steps import detail_stride
+        from hpar_agent.config import AgentConfig
+
+        c = AgentConfig()
+        return int(detail_stride([1.0 / rate] * 64, c.detail_rate, c.trace_every))
+    except (ImportError, AttributeError, TypeError):
+        return measured or 1
+
+
+def fixed_cost(hooks: list[dict[str, Any]], t: dict[str, Any], rate: float) -> dict[str, Any]:
+    """The figures of 1-3 as one statement at ``rate`` steps a second: the hooks averaged over the detail
+    stride at that rate (a detailed step every ``stride``), the agent thread's per-step work as measured
+    plus its per-pass work spread over ``rate`` steps."""
     full, none = hooks[0], hooks[1]
-    stride = t["detail_stride"] or 1
+    stride = stride_at(rate, t["detail_stride"])
 
     def avg(key: str) -> float:
-        return none[key]["median"] + (full[key]["median"] - none[key]["median"]) / stride
+        return float(none[key]["median"] + (full[key]["median"] - none[key]["median"]) / stride)
 
-    us = t["thread_cpu_us_per_step"]
-    return {"steps_per_s": t["steps_per_s"], "step_ms": t["step_ms"], "stride": stride,
+    per_pass_us = t["agent_per_pass_work_ms_per_s"] * 1e3 / rate
+    return {"rate": rate, "stride": stride, "window_steps_per_s": t["steps_per_s"], "window_stride": t["detail_stride"],
             "optimizer_us": avg("optimizer_hooks_us"), "module_us": avg("module_hooks_us"),
             "mark_us": none["mark_us"] + (full["mark_us"] - none["mark_us"]) / stride,
             "module_detailed_us": full["module_hooks_us"]["median"], "pipeline_us": avg("pipeline_us"),
-            "agent_thread_us": us.get("agent thread", 0.0), "agent_per_step_us": t["agent_per_step_work_us"],
-            "span_building_us": t["span_building_us_per_step"], "agent_per_pass_ms_per_s": t["agent_per_pass_work_ms_per_s"],
-            "exporter_us": us.get("span exporter", 0.0), "hold_max_ms": t["gil"]["agent_hold_ms"].get("max", 0.0),
+            "agent_per_step_us": t["agent_per_step_work_us"], "span_building_us": t["span_building_us_per_step"],
+            "agent_per_pass_us": per_pass_us, "agent_thread_us": t["agent_per_step_work_us"] + per_pass_us,
+            "exporter_us": t["thread_cpu_us_per_step"].get("span exporter", 0.0),
+            "hold_max_ms": t["gil"]["agent_hold_ms"].get("max", 0.0),
             "hold_p99_ms": t["gil"]["agent_hold_ms"].get("p99", 0.0)}  # fmt: skip
 
 
@@ -317,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=15.0, help="2: the agent threads' window")
     ap.add_argument("--probe-seconds", type=float, default=10.0, help="3: the GIL probe's duration")
     ap.add_argument("--probe-ms", type=float, default=20.0, help="3: pure Python after each step")
+    ap.add_argument("--rate", type=float, default=100.0, help="steps a second the fixed cost is stated at")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
     need_device(a.device)
@@ -330,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     m = micro(device, a.microbatches)
     r["hooks"] = [hook_blocks(m, a.rounds, a.block, rate, work) for rate in ("0", "0.001")]
     r["threads"] = agent_threads(device, a.seconds, a.probe_seconds, a.probe_ms, work)
-    r["fixed"] = fixed_cost(r["hooks"], r["threads"])
+    r["fixed"] = fixed_cost(r["hooks"], r["threads"], a.rate)
     finish(r, a.json)
     print_report(r)
     import torch.distributed as dist

@@ -317,8 +317,7 @@ def run_order(arms: list[str], pairs: int) -> list[tuple[str, int]]:
 def one_run(cfg: dict[str, Any], arm: str, i: int, work: str, a: argparse.Namespace) -> dict[str, Any]:
     """One fresh run of ``arm``: its kept steps, their p99, and those over 1.5x their median."""
     out = os.path.join(work, f"run{i}-{arm}.json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **INDUCTOR_CACHES,
-           "TORCHINDUCTOR_CACHE_DIR": a.cache_dir,
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **INDUCTOR_CACHES, "TORCHINDUCTOR_CACHE_DIR": a.cache_dir,
            **arm_env(arm, os.path.join(work, f"agent{i}"), f"overhead-{i}", a.variants)}  # fmt: skip
     t0 = time.perf_counter()
     res = subprocess.run(run_cmd(cfg, arm, out, a.variants), env=env, cwd=ROOT, capture_output=True, text=True,
