@@ -33,7 +33,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -332,47 +331,29 @@ def print_rss(r: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------ spans
 def child_receiver() -> int:
-    """An OTLP/HTTP receiver that counts spans. stdin: ``delay <s>`` | ``stats``; stdout: the port, then
-    one JSON line per ``stats``."""
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+    """testkit's OTLP/HTTP receiver, counting spans instead of keeping them. stdin: ``delay <s>`` (0: at
+    once) | ``stats``; stdout: the port, then one JSON line per ``stats``."""
+    from testkit.otlp_receiver import HttpReceiver
 
-    state = {"delay": 0.0, "requests": 0, "spans": 0}
-    lock = threading.Lock()
+    class Counting(HttpReceiver):
+        count = 0
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            time.sleep(state["delay"])
-            if self.headers.get("Content-Encoding") == "gzip":
-                body = gzip.decompress(body)
-            req = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
-            with lock:
-                state["requests"] += 1
-                state["spans"] += sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
-            reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-            try:
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-            except OSError:
-                pass  # the client gave up
+        def _accept(self, request: Any) -> None:
+            with self._cond:
+                self.requests += 1
+                self.count += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    print(server.server_address[1], flush=True)
-    for line in sys.stdin:
-        cmd = line.split()
-        if cmd[:1] == ["delay"]:
-            state["delay"] = float(cmd[1])
-        elif cmd[:1] == ["stats"]:
-            with lock:
-                print(json.dumps(state), flush=True)
+    rec = Counting()
+    with rec:
+        print(rec.port, flush=True)
+        for line in sys.stdin:
+            cmd = line.split()
+            if cmd[:1] == ["delay"]:
+                rec.delay = float(cmd[1])
+                rec.set_mode("slow" if rec.delay else "up")
+            elif cmd[:1] == ["stats"]:
+                with rec._cond:
+                    print(json.dumps({"requests": rec.requests, "spans": rec.count}), flush=True)
     return 0
 
 
@@ -531,7 +512,7 @@ def measure_training(receiver: Receiver, device: torch.device, work: str, reps: 
                      "opt_step_us_max": max(r["opt_step_us"]["max"] for r in rs),
                      "detach_s_max": max((r.get("detach_s", 0.0) for r in rs), default=0.0),
                      "dropped": sum(r.get("dropped") or 0 for r in rs),
-                     "exporter_gone_s": [r.get("exporter_gone_s") for r in rs]}  # fmt: skip
+                     "exporter_gone_s": [r["exporter_gone_s"] for r in rs if "exporter_gone_s" in r]}  # fmt: skip
     return {"reps": reps, "arm_s": arm_s, "slow_delay_s": slow_delay, "arms": arms, "runs": runs}
 
 
@@ -544,8 +525,9 @@ def print_spans(s: dict[str, Any]) -> None:
     print(f"spans (b): the training thread, every step traced (slow receiver: {t['slow_delay_s']} s a request):")
     for arm, v in t["arms"].items():
         print(f"  {arm:8} step {v['step_ms']:.3f} ms (x{v['ratio']:.3f}), max {v['step_ms_max']:.2f} ms; "
-              f"optimizer.step max {v['opt_step_us_max'] / 1e3:.2f} ms; dropped {v['dropped']}; detach max "
-              f"{v['detach_s_max']:.2f} s; exporter thread gone after {v['exporter_gone_s']}")  # fmt: skip
+              f"optimizer.step max {v['opt_step_us_max'] / 1e3:.2f} ms; dropped {v['dropped']}"
+              + (f"; detach max {v['detach_s_max']:.2f} s, the exporter thread gone after (s; None: still there) "
+                 f"{[None if g is None else round(g, 3) for g in v['exporter_gone_s']]}" if arm != "noagent" else ""))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ main
