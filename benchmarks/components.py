@@ -6,7 +6,7 @@
           span building), the passes' wall time and the garbage collector's pauses;
   render  ``/metrics``: the one-rank registry rendered in-process (text and OpenMetrics), scaled k-fold
           up to the every-cap worst case of ``scale.worst_case`` (the slope is the cost per series), and
-          scraped over HTTP as Prometheus asks (OpenMetrics, gzip);
+          scraped over HTTP as Prometheus asks (OpenMetrics, gzip), one scrape at a time;
   rss     the resident memory the agent adds: pairs of trainer processes with and without it, VmRSS and
           VmHWM after the last step, and on a GPU the caching allocator's bytes (expect +0);
   spans   span export into an OTLP/HTTP receiver in a subprocess: (a) ``Tracing.export_step`` flat out
@@ -250,10 +250,11 @@ def measure_render(device: str, work: str, reps: int) -> dict[str, Any]:
             if hi["series"] > lo["series"]:
                 out[f"{key}_us_per_series"] = ((hi[f"{key}_ms"]["median"] - lo[f"{key}_ms"]["median"])
                                                / (hi["series"] - lo["series"]) * 1e3)  # fmt: skip
-        if agent.metrics_url:
+        if agent.metrics_url:  # one scrape at a time, 50 ms apart: the endpoint paces back-to-back answers
             for key, headers in (("prometheus", PROM_HEADERS), ("plain", {})):
                 times = []
-                for _ in range(reps):
+                for _ in range(min(reps, 50)):
+                    time.sleep(0.05)
                     t0 = time.perf_counter()
                     urllib.request.urlopen(urllib.request.Request(agent.metrics_url, headers=headers), timeout=10).read()
                     times.append(time.perf_counter() - t0)
