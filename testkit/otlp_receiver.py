@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 
@@ -176,7 +176,8 @@ class GrpcReceiver(_Receiver):
         return f"http://127.0.0.1:{self.port}"
 
     def _start(self) -> None:
-        import grpc
+        import grpc  # here: the HTTP receiver works where grpcio is not installed
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
         receiver = self
 

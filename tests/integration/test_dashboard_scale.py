@@ -1,7 +1,7 @@
 """The dashboards at scale: a real Prometheus (shipped rules loaded, 1 s scrapes) scraping 256 simulated
 ranks, and every panel's query returning at most the series the panel is meant to draw.
 
-The ranks are ``benchmarks/scrape_sim.py``'s simulator replaying one exposition per rank, each built
+The ranks are ``testkit/metrics_sim.py``'s simulator replaying one exposition per rank, each built
 with the agent's own metric families (:class:`hpar_agent.families.Families`) for every metric of the
 catalogue, so every panel (GPU ones included) has data. Values grow with the rank, so the worst-N panels
 must pick the highest ranks and the best-N ones the lowest. Ranks 0-127 belong to run ``run-a`` and
@@ -135,7 +135,7 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromStack]:
     for _attempt in range(5):  # a port of the range can be taken between the check and the bind
         base = free_base_port(RANKS)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.scrape_sim", "--serve", "--base", str(base),
+            [sys.executable, "-m", "testkit.metrics_sim", "--base", str(base),
              "--targets", str(RANKS), "--interval", "1", "--scrapes", *files],
             stdout=subprocess.PIPE, text=True, cwd=ROOT,
         )  # fmt: skip

@@ -1,4 +1,4 @@
-"""A user's own DDP program (not the reference trainer) with the agent attached, for the GPU validation.
+"""A user's own DDP program (not the reference trainer) with the agent attached (``test_multigpu.py``).
 
 It does what users do: ``torch.cuda.set_device(local_rank)``, ``hpar_agent.attach(model)``,
 ``torch.compile``, DDP, and no agent settings at all (no TORCH_NCCL_ENABLE_TIMING). At ``--check-at``
@@ -6,7 +6,7 @@ every rank records ``torch.cuda.memory_allocated()`` read in that rank, lets the
 own ``/metrics`` and writes both to ``<out>/user_ddp.rank<R>.json``; the last rank holds an extra
 ``--extra-gib`` GiB from ``--extra-at`` on, so NVML process memory must differ between ranks.
 
-    torchrun --nproc-per-node 2 benchmarks/user_ddp.py --out DIR
+    torchrun --nproc-per-node 2 tests/gpu/user_ddp.py --out DIR
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Benchmarks of what the agent costs (README.md says which measures what); not part of the wheel."""

@@ -1,0 +1,32 @@
+"""The step anatomy on CUDA: phases timed by CUDA events, a slow data loader read as input-bound with its
+injected delay in the data wait, and ``hpar-agent compare`` flagging the slow run against the clean one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def anatomy(run: Path) -> dict[str, Any]:
+    return dict(json.loads((run / "summary.rank0.json").read_text())["components"]["anatomy"])
+
+
+def test_phases_are_timed_by_cuda_events(trainer_runs: dict[str, Path]) -> None:
+    a = anatomy(trainer_runs["clean"])
+    assert a["clock"] == "cuda-events", a
+    p50 = a["phase_seconds_p50"]
+    assert {"data_wait", "forward", "backward", "optimizer"} <= set(p50), p50
+    assert all(p50[p] > 0 for p in ("forward", "backward", "optimizer")), p50
+    assert sum(p50.values()) <= 1.2 * a["step_seconds_p50"], a  # the phases partition the step
+
+
+def test_a_slow_loader_is_input_bound_and_compare_flags_the_run(trainer_runs: dict[str, Path]) -> None:
+    slow = anatomy(trainer_runs["slow-data"])
+    assert slow["verdict"] == "input-bound", slow
+    assert 0.045 < slow["phase_seconds_p50"]["data_wait"] < 0.2, slow  # the injected 50 ms a batch
+    res = subprocess.run([sys.executable, "-m", "hpar_agent", "compare", str(trainer_runs["clean"]),
+                          str(trainer_runs["slow-data"])], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
