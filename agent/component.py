@@ -17,6 +17,7 @@ from prometheus_client.core import Metric
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
     from hpar_agent.spans import StepRecord
+    from hpar_agent.topology import Topology
 
 
 #: Wakes between passes (``Component.wake_at``) fall on this grid of the wall clock: ranks whose
@@ -56,6 +57,10 @@ class Component:
 
     def poll(self, now: float) -> None:
         """Agent thread: drain buffers, poll sources, update state."""
+
+    def on_topology(self, old: Topology, new: Topology) -> None:
+        """Agent thread: the topology was detected again and changed (``ctx.topology`` is ``new``
+        already): refresh what was derived from ``old`` at install."""
 
     def wake_at(self) -> float | None:
         """Agent thread: epoch seconds before the next pass at which this component wants its ``poll``

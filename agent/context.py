@@ -1,7 +1,7 @@
 """AgentContext: the part of the agent a component may use, so components depend on it, not on ``Agent``.
 
-It holds what is fixed at attach (config, topology, device, the model the user gave) and the agent's
-services (metric families, event log, span sink, error recording, step fan-out, alert dispatch). Other
+It holds what is fixed at attach (config, the model the user gave), the topology and device (replaced
+when ``redetect`` finds them changed) and the agent's services (metric families, event log, span sink, error recording, step fan-out, alert dispatch). Other
 components are looked up by class (``ctx.find(StepCollector)``), so a lookup is typed and a renamed
 class fails at import rather than reading as "no such component". This module imports no component.
 """
@@ -68,6 +68,8 @@ class AgentContext:
     pass_wall_s: Callable[[], float] = lambda: 0.0
     #: an alert transition for the user's ``on_alert`` callbacks
     dispatch_alert: Callable[[Alert], None] = _ignore_alert
+    #: agent thread: detect the topology again and apply what changed (True when something did)
+    redetect: Callable[[], bool] = _never
     device: Any = None  # torch.device of this rank (see hpar_agent.device)
     model: Any = None
     optimizer: Any = None
