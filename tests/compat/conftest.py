@@ -1,0 +1,144 @@
+"""The compatibility runs: one small job per launcher or framework, each under ``hpar-agent run`` on 2
+CPU gloo ranks, run once per session on first use and shared by every test that reads it.
+
+The programs (``programs/``) know nothing of hpar_agent; each rank writes what it really did
+(optimizer steps, dynamo's own counters) to ``result.rank<R>.json`` for the tests to compare with
+what the agent reported. Hugging Face is kept offline (models are built from configs)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpar_agent.tools.diagnose import read_alerts
+from testkit.zerocode import clean_env, run_cmd, summaries
+
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+BIN = Path(sys.executable).parent
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", *args]
+
+
+def _accelerate(*args: str) -> list[str]:
+    return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", *args]  # fmt: skip
+
+
+def _py(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+TRAIN = str(PROGRAMS / "train.py")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One job: its command, the ranks it has, the library it needs, what is planted in it."""
+
+    cmd: list[str]
+    world: int = 2
+    needs: str = ""  # a module the job imports (the test is skipped without it)
+    compile_backend: str = ""
+    faults: dict[int, str] = field(default_factory=dict)  # rank -> the alert its fault must raise
+
+
+#: name -> job. Steps are few: what is compared is exact, not statistical; the fault runs run longer,
+#: as long as their detector needs (MemoryLeak: ~16 steps; Straggler: two store exchanges after warm-up).
+SPECS: dict[str, Spec] = {
+    "torchrun": Spec(_torchrun(TRAIN, "env", "--steps", "8", "--compile", "aot_eager"), compile_backend="aot_eager"),
+    "mp_spawn": Spec(_py(TRAIN, "spawn", "--steps", "8")),
+    "start_processes": Spec(_py(TRAIN, "start_processes", "--steps", "8")),
+    "mp_process_leak": Spec(_py(TRAIN, "process", "--steps", "40", "--step-s", "0.05", "--leak-mib", "4",
+                                "--leak-rank", "1"), faults={1: "MemoryLeak"}),
+    "srun_env_straggler": Spec(_py(str(PROGRAMS / "srun_like.py"), "2", sys.executable, TRAIN, "env", "--steps", "50",
+                                   "--step-s", "0.02", "--slow-rank", "1", "--slow-s", "0.3"),
+                               faults={1: "Straggler"}),
+    "single_process": Spec(_py(TRAIN, "single", "--steps", "8", "--compile", "eager"), world=1,
+                           compile_backend="eager"),
+    "accelerate": Spec(_accelerate(str(PROGRAMS / "accelerate_train.py"), "--steps", "8"), needs="accelerate"),
+    "lightning": Spec(_py(str(PROGRAMS / "lightning_train.py"), "--steps", "8", "--compile", "aot_eager"),
+                      needs="lightning", compile_backend="aot_eager"),
+    "hf_trainer_torchrun": Spec(_torchrun(str(PROGRAMS / "hf_trainer.py"), "--steps", "8", "--compile", "aot_eager"),
+                                needs="transformers", compile_backend="aot_eager"),
+    "hf_trainer_accelerate": Spec(_accelerate(str(PROGRAMS / "hf_trainer.py"), "--steps", "8"),
+                                  needs="transformers"),
+}  # fmt: skip
+
+
+@dataclass
+class Run:
+    name: str
+    spec: Spec
+    run_dir: Path
+    out_dir: Path
+    proc: subprocess.CompletedProcess[str]
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+    def why(self) -> str:
+        return f"{self.name}: {self.output[-4000:]}"
+
+    def summaries(self) -> dict[int, dict[str, Any]]:
+        return summaries(self.run_dir)
+
+    def results(self) -> dict[int, dict[str, Any]]:
+        """rank -> what the program says it did."""
+        return {int(p.stem.split("rank")[-1]): json.loads(p.read_text()) for p in self.out_dir.glob("result.rank*.json")}
+
+    def alerts(self) -> dict[int, set[str]]:
+        """rank -> every alert that went firing there."""
+        out: dict[int, set[str]] = {}
+        for a in read_alerts(self.run_dir):
+            out.setdefault(int(a["rank"]), set()).add(str(a["alert"]))
+        return out
+
+
+def _launch(base: Path, name: str) -> Run:
+    spec = SPECS[name]
+    if spec.needs:
+        pytest.importorskip(spec.needs, reason=f"{spec.needs} is in the compat extra: pip install -e '.[compat]'")
+    run_dir, out_dir = base / name / "run", base / name / "out"
+    out_dir.mkdir(parents=True)
+    env = clean_env(run_dir, COMPAT_OUT=str(out_dir), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                    HF_DATASETS_OFFLINE="1", HF_HOME=str(base / "hf-home"), TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.run(run_cmd(spec.cmd), env=env, capture_output=True, text=True, timeout=300, check=False,
+                          cwd=base / name)  # fmt: skip
+    run = Run(name, spec, run_dir, out_dir, proc, time.monotonic() - t0)
+    assert proc.returncode == 0, run.why()
+    return run
+
+
+@pytest.fixture(scope="session")
+def compat_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Run]]:
+    """``compat_run(name)``: the run of ``SPECS[name]``, launched on first use."""
+    base = tmp_path_factory.mktemp("compat")
+    done: dict[str, Run | BaseException] = {}
+
+    def get(name: str) -> Run:
+        if name not in done:
+            try:
+                done[name] = _launch(base, name)
+            except BaseException as exc:  # a failed or skipped run is not launched again by the next test
+                done[name] = exc
+        got = done[name]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    yield get
+    shutil.rmtree(base, ignore_errors=True)
