@@ -1,5 +1,5 @@
 """Run a command under ``hpar-agent run`` as a user would, and read what it left in the run directory
-(the zero-code and compatibility tests)."""
+(the zero-code, compatibility and GPU launcher tests)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,3 +52,72 @@ def attach_event(run_dir: Path, rank: int) -> dict[str, Any]:
         if ev["kind"] == "attach":
             return ev
     raise AssertionError(f"rank {rank} logged no attach event")
+
+
+# ------------------------------------------------------------------------------------------ whole jobs
+@dataclass(frozen=True)
+class Spec:
+    """One job for ``launch``: its command, its ranks, the module it needs, what is planted in it."""
+
+    cmd: list[str]
+    world: int = 2
+    needs: str = ""  # a module the job imports (the test is skipped without it)
+    compile_backend: str = ""  # the backend the program compiles with ("": it compiles nothing)
+    faults: dict[int, str] = field(default_factory=dict)  # rank -> the alert its fault must raise
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    """A finished job under ``hpar-agent run``: its run directory and what its program wrote in
+    ``out_dir`` (``result.rank<R>.json``: the steps it took, dynamo's own counters)."""
+
+    name: str
+    spec: Spec
+    run_dir: Path
+    out_dir: Path
+    proc: subprocess.CompletedProcess[str]
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+    def why(self) -> str:
+        return f"{self.name} ({self.seconds:.0f} s): {self.output[-4000:]}"
+
+    def summaries(self) -> dict[int, dict[str, Any]]:
+        return summaries(self.run_dir)
+
+    def results(self) -> dict[int, dict[str, Any]]:
+        """rank -> what the program says it did."""
+        return {int(p.stem.split("rank")[-1]): json.loads(p.read_text()) for p in self.out_dir.glob("result.rank*.json")}
+
+    def alerts(self) -> dict[int, set[str]]:
+        """rank -> every alert that went firing there."""
+        from hpar_agent.tools.diagnose import read_alerts
+
+        out: dict[int, set[str]] = {}
+        for a in read_alerts(self.run_dir):
+            out.setdefault(int(a["rank"]), set()).add(str(a["alert"]))
+        return out
+
+
+def launch(base: Path, name: str, spec: Spec, timeout: float = 300) -> Run:
+    """Run ``spec`` under ``hpar-agent run`` in ``base/name`` (Hugging Face offline); skips the test
+    when ``spec.needs`` is missing, fails it when the job fails."""
+    import pytest
+
+    if spec.needs:
+        pytest.importorskip(spec.needs, reason=f"{spec.needs} is in the compat extra: pip install -e '.[compat]'")
+    run_dir, out_dir = base / name / "run", base / name / "out"
+    out_dir.mkdir(parents=True)
+    env = clean_env(run_dir, COMPAT_OUT=str(out_dir), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                    HF_DATASETS_OFFLINE="1", HF_HOME=str(base / "hf-home"), TOKENIZERS_PARALLELISM="false",
+                    **spec.env)  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.run(run_cmd(spec.cmd), env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False, cwd=base / name)  # fmt: skip
+    run = Run(name, spec, run_dir, out_dir, proc, time.monotonic() - t0)
+    assert proc.returncode == 0, run.why()
+    return run

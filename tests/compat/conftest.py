@@ -7,20 +7,14 @@ what the agent reported. Hugging Face is kept offline (models are built from con
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from hpar_agent.tools.diagnose import read_alerts
-from testkit.zerocode import clean_env, run_cmd, summaries
+from testkit.zerocode import Run, Spec, launch
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 BIN = Path(sys.executable).parent
@@ -42,17 +36,6 @@ def _py(*args: str) -> list[str]:
 TRAIN = str(PROGRAMS / "train.py")
 
 
-@dataclass(frozen=True)
-class Spec:
-    """One job: its command, the ranks it has, the library it needs, what is planted in it."""
-
-    cmd: list[str]
-    world: int = 2
-    needs: str = ""  # a module the job imports (the test is skipped without it)
-    compile_backend: str = ""
-    faults: dict[int, str] = field(default_factory=dict)  # rank -> the alert its fault must raise
-
-
 #: name -> job. Steps are few: what is compared is exact, not statistical; the fault runs run longer,
 #: as long as their detector needs (MemoryLeak: ~16 steps; Straggler: two store exchanges after warm-up).
 SPECS: dict[str, Spec] = {
@@ -66,6 +49,7 @@ SPECS: dict[str, Spec] = {
                                faults={1: "Straggler"}),
     "single_process": Spec(_py(TRAIN, "single", "--steps", "8", "--compile", "eager"), world=1,
                            compile_backend="eager"),
+    "nanogpt_single": Spec(_py(str(PROGRAMS / "nanogpt.py"), "--steps", "24", "--eval-every", "8"), world=1),
     "accelerate": Spec(_accelerate(str(PROGRAMS / "accelerate_train.py"), "--steps", "8"), needs="accelerate"),
     "lightning": Spec(_py(str(PROGRAMS / "lightning_train.py"), "--steps", "8", "--compile", "aot_eager"),
                       needs="lightning", compile_backend="aot_eager"),
@@ -74,53 +58,6 @@ SPECS: dict[str, Spec] = {
     "hf_trainer_accelerate": Spec(_accelerate(str(PROGRAMS / "hf_trainer.py"), "--steps", "8"),
                                   needs="transformers"),
 }  # fmt: skip
-
-
-@dataclass
-class Run:
-    name: str
-    spec: Spec
-    run_dir: Path
-    out_dir: Path
-    proc: subprocess.CompletedProcess[str]
-    seconds: float
-
-    @property
-    def output(self) -> str:
-        return self.proc.stdout + self.proc.stderr
-
-    def why(self) -> str:
-        return f"{self.name}: {self.output[-4000:]}"
-
-    def summaries(self) -> dict[int, dict[str, Any]]:
-        return summaries(self.run_dir)
-
-    def results(self) -> dict[int, dict[str, Any]]:
-        """rank -> what the program says it did."""
-        return {int(p.stem.split("rank")[-1]): json.loads(p.read_text()) for p in self.out_dir.glob("result.rank*.json")}
-
-    def alerts(self) -> dict[int, set[str]]:
-        """rank -> every alert that went firing there."""
-        out: dict[int, set[str]] = {}
-        for a in read_alerts(self.run_dir):
-            out.setdefault(int(a["rank"]), set()).add(str(a["alert"]))
-        return out
-
-
-def _launch(base: Path, name: str) -> Run:
-    spec = SPECS[name]
-    if spec.needs:
-        pytest.importorskip(spec.needs, reason=f"{spec.needs} is in the compat extra: pip install -e '.[compat]'")
-    run_dir, out_dir = base / name / "run", base / name / "out"
-    out_dir.mkdir(parents=True)
-    env = clean_env(run_dir, COMPAT_OUT=str(out_dir), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                    HF_DATASETS_OFFLINE="1", HF_HOME=str(base / "hf-home"), TOKENIZERS_PARALLELISM="false")  # fmt: skip
-    t0 = time.monotonic()
-    proc = subprocess.run(run_cmd(spec.cmd), env=env, capture_output=True, text=True, timeout=300, check=False,
-                          cwd=base / name)  # fmt: skip
-    run = Run(name, spec, run_dir, out_dir, proc, time.monotonic() - t0)
-    assert proc.returncode == 0, run.why()
-    return run
 
 
 @pytest.fixture(scope="session")
@@ -132,7 +69,7 @@ def compat_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[s
     def get(name: str) -> Run:
         if name not in done:
             try:
-                done[name] = _launch(base, name)
+                done[name] = launch(base, name, SPECS[name])
             except BaseException as exc:  # a failed or skipped run is not launched again by the next test
                 done[name] = exc
         got = done[name]

@@ -1,6 +1,7 @@
 """A tiny GPT-2 (built from a config: nothing downloaded) trained by the Hugging Face ``Trainer``;
 knows nothing of hpar_agent. Under torchrun or ``accelerate launch`` the Trainer creates the process
-group itself and wraps the model in DDP. ``python hf_trainer.py [--steps N] [--compile BACKEND]``."""
+group itself and wraps the model in DDP. ``python hf_trainer.py [--steps N] [--compile BACKEND]
+[--device cuda]`` (on CUDA the group is NCCL's)."""
 
 import argparse
 import os
@@ -29,7 +30,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--compile", default="")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
+    cpu = args.device == "cpu"
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
@@ -37,14 +40,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         targs = TrainingArguments(
             output_dir=out, max_steps=args.steps, per_device_train_batch_size=4, learning_rate=1e-3,
-            logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo",
+            logging_steps=1000, save_strategy="no", report_to=[], use_cpu=cpu, ddp_backend="gloo" if cpu else "nccl",
             dataloader_num_workers=0, disable_tqdm=True, seed=0,
             torch_compile=bool(args.compile), torch_compile_backend=args.compile or None,
         )  # fmt: skip
         trainer = Trainer(model=model, args=targs, train_dataset=Tokens(64, 16, cfg.vocab_size))
         trainer.train()
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        dump(rank, world, int(trainer.state.global_step), dp=world)
+        group = torch.distributed.is_initialized()
+        dump(rank, world, int(trainer.state.global_step), dp=world,
+             backend=str(torch.distributed.get_backend()) if group else "none")
 
 
 if __name__ == "__main__":
