@@ -159,21 +159,23 @@ class Agent:
             self.record_error("events", exc)
             return EventLog(None, rank)
 
-    def redetect(self) -> bool:
+    def redetect(self, wait: bool = True) -> bool:
         """Detect this rank's topology again and apply what changed; True when something did.
 
-        ``TopologyWatch`` calls it at the pass after a process group, a data-parallel wrapper or a mesh
-        was built (and before the default group is destroyed); another thread waits for a pass in
-        progress (at most a few seconds, else it leaves the topology as it is). The model and mesh given to ``attach`` come first, then the wrapper and the
-        job's mesh the program built since (``topology_watch``). A new rank or stage relabels every
+        ``TopologyWatch`` calls it when a process group, a data-parallel wrapper or a mesh was built
+        (on the training thread, ``wait`` False: not while a pass runs), at the next pass, and before
+        the default group is destroyed; a thread other than the pass's waits (``wait``) for a pass in
+        progress, at most a few seconds, else leaves the topology as it is. The sources: the mesh given
+        to ``attach``, else the job's mesh the program built; the wrapper the program built around the
+        model given (or any, with none given), else that model. A new rank or stage relabels every
         series (the families' common labels), a new rank moves the event log to
-        ``events.rank<R>.jsonl`` (and a local traces file to ``traces.rank<R>.jsonl``), a new local rank
-        the endpoint to its port; spans built from then on carry the new topology in their Resource."""
+        ``events.rank<R>.jsonl`` (and a local traces file to ``traces.rank<R>.jsonl``), a new local
+        rank the endpoint to its port; spans built from then on carry the new topology."""
         if self._context is None:  # never started
             return False
         if self._tick_thread == threading.get_ident():  # inside a pass (the agent thread, the final tick)
             return self._redetect()
-        if not self._tick_lock.acquire(timeout=5.0):
+        if not self._tick_lock.acquire(timeout=5.0 if wait else 0):
             return False
         try:
             return self._redetect()
@@ -188,7 +190,7 @@ class Agent:
         world = world_size()
         if world is None and old.backend != "none":
             return False  # the group is gone (exit): what it said stays, the environment would not say it
-        model = self.model if self.model is not None else watch.wrapper()
+        model = _outermost(self.model, watch.wrapper())
         mesh = self.mesh if self.mesh is not None else watch.mesh(world)
         keep_job = None if world is not None and old.job_id.startswith(LOCAL_JOB_PREFIX) else old.job_id
         new = detect(model, mesh, self.config, job_id=keep_job)
@@ -630,6 +632,17 @@ def _overrides(comp: Component, method: str) -> bool:
     """Whether ``comp`` has its own ``method`` rather than ``Component``'s no-op (an instance attribute
     counts as its own)."""
     return getattr(getattr(comp, method), "__func__", None) is not getattr(Component, method)
+
+
+def _outermost(given: Any, wrapper: Any) -> Any:
+    """The model to read the topology from: the wrapper the program built when it wraps the model given
+    to ``attach`` (a framework's DDP around the user's module) or none was given, else the model."""
+    if given is None or wrapper is None or wrapper is given:
+        return given if wrapper is None else wrapper
+    try:
+        return wrapper if any(m is given for m in wrapper.modules()) else given
+    except Exception:
+        return given
 
 
 def default_components(config: AgentConfig) -> list[Component]:

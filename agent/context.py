@@ -42,6 +42,10 @@ def _never() -> bool:
     return False
 
 
+def _no_redetect(wait: bool) -> bool:
+    return False
+
+
 def _ignore_step(step: int, t_ns: int) -> None:
     return None
 
@@ -68,8 +72,9 @@ class AgentContext:
     pass_wall_s: Callable[[], float] = lambda: 0.0
     #: an alert transition for the user's ``on_alert`` callbacks
     dispatch_alert: Callable[[Alert], None] = _ignore_alert
-    #: agent thread: detect the topology again and apply what changed (True when something did)
-    redetect: Callable[[], bool] = _never
+    #: detect the topology again and apply what changed (True when something did); ``wait``: for a
+    #: pass in progress on another thread (else give up at once)
+    redetect: Callable[[bool], bool] = _no_redetect
     device: Any = None  # torch.device of this rank (see hpar_agent.device)
     model: Any = None
     optimizer: Any = None

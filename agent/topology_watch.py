@@ -73,6 +73,9 @@ def notify(kind: str, obj: Any = None) -> None:
             _state.kinds.append(kind)
         for fn in list(_state.listeners):
             fn(kind)
+        if kind == "destroy":  # what was built on the group goes with it (a later group is a new job)
+            _state.wrapper, _state.meshes = None, []
+            _state.held.clear()
     except Exception as exc:
         _error(exc)
 
@@ -167,6 +170,8 @@ def uninstall(owner: object) -> None:
         for name, then in _state.waiting:
             cancel_after_import(name, then)
         _state.waiting.clear()
+        _state.wrapper, _state.meshes, _state.kinds = None, [], []  # nothing watched them meanwhile
+        _state.held.clear()
 
 
 def installed() -> bool:

@@ -12,8 +12,11 @@ if TYPE_CHECKING:
 
 
 class TopologyWatch(Component):
-    """Re-detects the agent's topology at the pass after a process group, a data-parallel wrapper or a
-    mesh appeared (first in poll order: the rest of that pass sees the new topology)."""
+    """Re-detects the agent's topology when a process group, a data-parallel wrapper or a mesh
+    appeared: right then on the training thread when no pass is in progress (a short job may end, and
+    destroy its group, before the next pass), and again at the next pass (first in poll order: the
+    rest of that pass sees the new topology), when what the source built is complete (FSDP2 shards
+    the parameters after the state's ``init``)."""
 
     name = "topology"
 
@@ -33,24 +36,27 @@ class TopologyWatch(Component):
         watch.uninstall(self)
 
     def _on_source(self, kind: str) -> None:
-        """Training thread, when a source is built: O(1). Before the default group is destroyed, a
-        re-detection still due runs now (waiting for a pass in progress): the wrappers built on the
-        group can be read only until then, and a short job ends before its next pass."""
-        if kind != "destroy":
-            self.due = True
-        elif self.due:
-            self._redetect()
+        """Training thread, when a source is built (rare: not per step). Before the default group is
+        destroyed, a re-detection still due runs, waiting for a pass in progress: the wrappers built
+        on the group can be read only until then."""
+        if kind == "destroy":
+            if self.due:
+                self._redetect(wait=True)
+            return
+        self.due = True
+        if self.require_ctx().redetect(False):
+            self.redetects += 1
 
     def poll(self, now: float) -> None:
         for exc in watch.take_errors():
             self.record_error(exc)
         if self.due:
-            self._redetect()
+            self._redetect(wait=True)
 
-    def _redetect(self) -> None:
+    def _redetect(self, wait: bool) -> None:
         self.due = False
         try:
-            if self.require_ctx().redetect():
+            if self.require_ctx().redetect(wait):
                 self.redetects += 1
         finally:
             watch.release()

@@ -1,7 +1,8 @@
-"""The compatibility runs: one small job per launcher or framework, each under ``hpar-agent run`` on 2
-CPU gloo ranks, run once per session on first use and shared by every test that reads it.
+"""The compatibility runs: one small job per launcher or framework on 2 CPU gloo ranks, each under
+``hpar-agent run`` and again with the program calling ``hpar_agent.attach()`` itself, run once per
+session on first use and shared by every test that reads it.
 
-The programs (``programs/``) know nothing of hpar_agent; each rank writes what it really did
+The programs (``programs/``) mention hpar_agent only for that ``attach()`` line; each rank writes what it really did
 (optimizer steps, dynamo's own counters) to ``result.rank<R>.json`` for the tests to compare with
 what the agent reported. Hugging Face is kept offline (models are built from configs)."""
 
@@ -57,6 +58,22 @@ SPECS: dict[str, Spec] = {
                                 needs="transformers", compile_backend="aot_eager"),
     "hf_trainer_accelerate": Spec(_accelerate(str(PROGRAMS / "hf_trainer.py"), "--steps", "8"),
                                   needs="transformers"),
+    # The same launchers with the program calling hpar_agent.attach() itself (no hpar-agent run).
+    "attach_torchrun": Spec(_torchrun(TRAIN, "env", "--steps", "6", "--attach"), zero_code=False),
+    "attach_mp_spawn": Spec(_py(TRAIN, "spawn", "--steps", "6", "--attach"), zero_code=False),
+    "attach_start_processes": Spec(_py(TRAIN, "start_processes", "--steps", "6", "--attach"), zero_code=False),
+    "attach_mp_process": Spec(_py(TRAIN, "process", "--steps", "6", "--attach"), zero_code=False),
+    "attach_srun_env": Spec(_py(str(PROGRAMS / "srun_like.py"), "2", sys.executable, TRAIN, "env", "--steps", "6",
+                                "--attach"), zero_code=False),
+    "attach_single_process": Spec(_py(TRAIN, "single", "--steps", "6", "--attach"), world=1, zero_code=False),
+    "attach_accelerate": Spec(_accelerate(str(PROGRAMS / "accelerate_train.py"), "--steps", "6", "--attach"),
+                              needs="accelerate", zero_code=False),
+    "attach_lightning": Spec(_py(str(PROGRAMS / "lightning_train.py"), "--steps", "6", "--attach"),
+                             needs="lightning", zero_code=False),
+    "attach_hf_trainer_torchrun": Spec(_torchrun(str(PROGRAMS / "hf_trainer.py"), "--steps", "6", "--attach"),
+                                       needs="transformers", zero_code=False),
+    "attach_hf_trainer_accelerate": Spec(_accelerate(str(PROGRAMS / "hf_trainer.py"), "--steps", "6", "--attach"),
+                                         needs="transformers", zero_code=False),
 }  # fmt: skip
 
 

@@ -1,5 +1,7 @@
-"""Every launcher and framework users run, under ``hpar-agent run`` with no change to the program: each
-rank observed once (and no launcher, parent or worker process), with its rank, world, backend and dp;
+"""Every launcher and framework users run, under ``hpar-agent run`` with no change to the program, and
+with the program calling ``hpar_agent.attach()`` (the ``attach_*`` jobs): each rank observed once (and
+no launcher, parent or worker process), with its rank, world, backend and dp (the DDP the framework
+builds after attach included);
 steps equal to the optimizer steps taken; collectives on every rank; compile counts equal to dynamo's
 own in the same process, with the real backend under DDP; no alert on a clean rank and the planted
 fault's alert on its rank; nothing of the agent in the job's output but its own lines; private files.
@@ -41,14 +43,16 @@ def test_every_rank_is_observed_once_with_its_topology(compat_run: CompatRun, na
         topo = s["topology"]
         assert (s["rank"], topo["world_size"], topo["backend"]) == (r, str(world), "gloo" if world > 1 else "none")
         assert (topo["dp"], topo["dp_rank"]) == (str(world), str(r)), topo  # DDP built after attach
-        expected = "init_process_group" if world > 1 else "compile" if run.spec.compile_backend else "optimizer step"
-        assert s["components"]["zerocode"]["attached_at"] == expected
+        if run.spec.zero_code:
+            expected = "init_process_group" if world > 1 else "compile" if run.spec.compile_backend else "optimizer step"
+            assert s["components"]["zerocode"]["attached_at"] == expected
         assert s["errors"] == {}, s["errors"]
     # no other process attached: not the launcher, not the parent that spawned, not a worker
     assert sorted(p.name for p in run.run_dir.glob("events.rank*.jsonl")) == [f"events.rank{r}.jsonl" for r in range(world)]
     for r in range(world):
         assert [e["kind"] for e in events(run.run_dir, r)].count("attach") == 1
-    assert f"ranks observed: {world} of {world}" in run.proc.stderr and "not observed" not in run.proc.stderr
+    if run.spec.zero_code:
+        assert f"ranks observed: {world} of {world}" in run.proc.stderr and "not observed" not in run.proc.stderr
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -132,3 +132,21 @@ def test_detach_restores_every_patch() -> None:
     after = (DeviceMesh.__init__, torch.nn.parallel.DistributedDataParallel.__init__, dist.init_process_group,
              dist.destroy_process_group)  # fmt: skip
     assert after == before
+
+
+def test_the_wrapper_built_around_the_given_model_is_read_not_another(tmp_path: Path) -> None:
+    """``attach(model)`` before a framework wraps that model in DDP (Lightning's setup, the HF Trainer):
+    the wrapper says dp; a DDP around some other module does not speak for the given model."""
+    _group()
+    model = _model()
+    a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600,
+                          detectors=False)  # fmt: skip
+    try:
+        torch.nn.parallel.DistributedDataParallel(_model())  # not around the given model
+        a.tick()
+        assert a.topology.dp == 1
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(model))  # a wrapper around a wrapper of it
+        assert (a.topology.dp, a.topology.dp_rank) == (WORLD, RANK)  # at once, before any pass
+    finally:
+        hpar_agent.detach()
+        dist.destroy_process_group()

@@ -1,7 +1,8 @@
-"""A tiny GPT-2 (built from a config: nothing downloaded) trained by the Hugging Face ``Trainer``;
-knows nothing of hpar_agent. Under torchrun or ``accelerate launch`` the Trainer creates the process
-group itself and wraps the model in DDP. ``python hf_trainer.py [--steps N] [--compile BACKEND]
-[--device cuda]`` (on CUDA the group is NCCL's)."""
+"""A tiny GPT-2 (built from a config: nothing downloaded) trained by the Hugging Face ``Trainer``. Under
+torchrun or ``accelerate launch`` the Trainer creates the process group itself (building the
+TrainingArguments) and wraps the model in DDP (in ``train``). ``python hf_trainer.py [--steps N]
+[--compile BACKEND] [--device cuda] [--attach]`` (on CUDA the group is NCCL's; ``--attach``:
+``hpar_agent.attach(model)`` once the Trainer is built, before ``train``)."""
 
 import argparse
 import os
@@ -31,6 +32,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--compile", default="")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--attach", action="store_true")
     args = p.parse_args()
     cpu = args.device == "cpu"
     torch.set_num_threads(1)
@@ -45,6 +47,10 @@ def main() -> None:
             torch_compile=bool(args.compile), torch_compile_backend=args.compile or None,
         )  # fmt: skip
         trainer = Trainer(model=model, args=targs, train_dataset=Tokens(64, 16, cfg.vocab_size))
+        if args.attach:
+            import hpar_agent
+
+            hpar_agent.attach(model)
         trainer.train()
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         group = torch.distributed.is_initialized()

@@ -1,7 +1,8 @@
 """A tiny LightningModule trained by Lightning's ``Trainer(accelerator="cpu", devices=2,
 strategy="ddp")`` from a plain ``python lightning_train.py``: Lightning starts the second rank itself
-(it runs this command again with the rank in the environment). Knows nothing of hpar_agent.
-``[--steps N] [--compile BACKEND]`` (the module's network compiled with that backend)."""
+(it runs this command again with the rank in the environment). ``[--steps N] [--compile BACKEND]``
+(the module's network compiled with that backend) ``[--attach]`` (a Callback attaches the agent in
+``setup``: every rank, once its process group exists, before Lightning wraps the module in DDP)."""
 
 import argparse
 import logging
@@ -11,6 +12,13 @@ import warnings
 import lightning as L
 import torch
 from _result import dump
+
+
+class Attach(L.Callback):
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import hpar_agent
+
+        hpar_agent.attach(pl_module)
 
 
 class Tiny(L.LightningModule):
@@ -35,6 +43,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--compile", default="")
+    p.add_argument("--attach", action="store_true")
     args = p.parse_args()
     logging.getLogger("lightning").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -44,7 +53,8 @@ def main() -> None:
     module = Tiny(args.compile)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0)  # fmt: skip
+                        limit_val_batches=0, num_sanity_val_steps=0,
+                        callbacks=[Attach()] if args.attach else [])  # fmt: skip
     trainer.fit(module, data)
     dump(trainer.global_rank, trainer.world_size, module.optimizer_steps, dp=trainer.world_size,
          global_step=trainer.global_step, local_rank=int(os.environ.get("LOCAL_RANK", "0")))

@@ -1,4 +1,4 @@
-"""A tiny DDP job started every way torch offers; knows nothing of hpar_agent.
+"""A tiny DDP job started every way torch offers.
 
 ``python train.py MODE [options]``, MODE:
 
@@ -11,9 +11,10 @@
 - ``single``: one process, no process group.
 
 Options: ``--steps N``, ``--compile BACKEND`` (torch.compile the model), ``--leak-mib M`` (from step 3
-keep M MiB of host memory alive per step; ``--leak-rank R``: on rank R only), ``--slow-rank R --slow-s S`` (rank R sleeps S seconds per
-step), ``--step-s S`` (every rank sleeps S per step). Each rank writes ``result.rank<R>.json`` into
-``$COMPAT_OUT`` (``_result``).
+keep M MiB of host memory alive per step; ``--leak-rank R``: on rank R only), ``--slow-rank R
+--slow-s S`` (rank R sleeps S seconds per step), ``--step-s S`` (every rank sleeps S per step), ``--attach`` (the program's only mention of
+hpar_agent: ``attach(model, optimizer=opt)`` once the model is wrapped). Each rank writes
+``result.rank<R>.json`` into ``$COMPAT_OUT`` (``_result``).
 """
 
 import argparse
@@ -40,6 +41,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-s", type=float, default=0.0)
     p.add_argument("--step-s", type=float, default=0.0)
+    p.add_argument("--attach", action="store_true", help="hpar_agent.attach(model, optimizer=opt) after DDP")
     return p.parse_args()
 
 
@@ -58,6 +60,10 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
     if distributed:
         model = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if args.attach:
+        import hpar_agent
+
+        hpar_agent.attach(model, optimizer=opt)
     kept = []
     for step in range(args.steps):
         loss = model(torch.randn(8, 16)).pow(2).mean()
