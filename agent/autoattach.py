@@ -73,6 +73,8 @@ def attach_now(trigger: str) -> Any:
     if running is not None or _tried:
         return running
     _tried = True
+    if _in_dataloader_worker():
+        return None
     try:
         import hpar_agent
         from hpar_agent.collectors.zerocode import ZeroCode
@@ -85,6 +87,16 @@ def attach_now(trigger: str) -> Any:
     except Exception as exc:  # never break the user's script
         print(f"hpar-agent: zero-code attach failed ({type(exc).__name__}: {exc}); not observing", file=sys.stderr)
         return None
+
+
+def _in_dataloader_worker() -> bool:
+    """A DataLoader worker never trains, even when its dataset code compiles or steps something: it
+    carries its parent's RANK, and would take the rank's files and port."""
+    data = sys.modules.get("torch.utils.data")
+    try:
+        return data is not None and data.get_worker_info() is not None
+    except Exception:
+        return False
 
 
 def on_process_group() -> None:

@@ -134,3 +134,23 @@ def test_fork_child_of_an_unobserved_parent_attaches_on_its_own(tmp_path: Path) 
     """)
     (s,) = sums.values()
     assert s["components"]["steps"]["steps"] == 2 and s["components"]["zerocode"]["attached_at"] == "optimizer step"
+
+
+def test_a_dataloader_worker_that_compiles_is_not_observed(tmp_path: Path) -> None:
+    """A worker's dataset code may compile (a compiled transform): the worker still never attaches;
+    the parent that trains does."""
+    _, sums = _run(tmp_path, """
+        import torch
+        class Data(torch.utils.data.Dataset):
+            def __len__(self): return 4
+            def __getitem__(self, i):
+                return torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2)) + i
+        w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.1)
+        for b in torch.utils.data.DataLoader(Data(), batch_size=2, num_workers=2):
+            w.grad = b.sum(0); opt.step()
+    """)
+    assert list(sums) == [0]
+    (s,) = sums.values()
+    assert s["components"]["zerocode"]["attached_at"] == "optimizer step" and s["components"]["steps"]["steps"] == 2
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "run" / "events.rank0.jsonl").read_text().splitlines()]
+    assert kinds.count("attach") == 1, kinds  # a worker would have attached as rank 0 too
