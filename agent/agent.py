@@ -77,7 +77,6 @@ class Agent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tick_lock = threading.Lock()
-        self._tick_thread: int | None = None  # the thread in a pass (holding ``_tick_lock``)
         self._last_wake = 0.0  # epoch s of the last wake between passes (``wake``)
         self._pass_wall_s = 0.0  # recent paced passes' wall time, s (decaying max; a wake waits for a pass)
         self.events = EventLog(None, 0)
@@ -159,13 +158,13 @@ class Agent:
             self.record_error("events", exc)
             return EventLog(None, rank)
 
-    def redetect(self, wait: bool = True) -> bool:
+    def redetect(self, *, wait: bool = True, in_pass: bool = False) -> bool:
         """Detect this rank's topology again and apply what changed; True when something did.
 
         ``TopologyWatch`` calls it when a process group, a data-parallel wrapper or a mesh was built
-        (on the training thread, ``wait`` False: not while a pass runs), at the next pass, and before
-        the default group is destroyed; a thread other than the pass's waits (``wait``) for a pass in
-        progress, at most a few seconds, else leaves the topology as it is. The sources: the mesh given
+        (on the training thread, ``wait`` False: not while a pass runs), in the next pass (``in_pass``:
+        the pass holds the lock), and before the default group is destroyed (``wait``: for a pass in
+        progress, at most a few seconds, else the topology stays as it is). The sources: the mesh given
         to ``attach``, else the job's mesh the program built; the wrapper the program built around the
         model given (or any, with none given), else that model. A new rank or stage relabels every
         series (the families' common labels), a new rank moves the event log to
@@ -173,7 +172,7 @@ class Agent:
         rank the endpoint to its port; spans built from then on carry the new topology."""
         if self._context is None:  # never started
             return False
-        if self._tick_thread == threading.get_ident():  # inside a pass (the agent thread, the final tick)
+        if in_pass:
             return self._redetect()
         if not self._tick_lock.acquire(timeout=5.0 if wait else 0):
             return False
@@ -496,13 +495,6 @@ class Agent:
 
     def _pass(self, now: float, final: bool, handback: Yielder) -> None:
         """Poll, then each completed step to every component, then the once-a-pass work and the export."""
-        self._tick_thread = threading.get_ident()
-        try:
-            self._pass_components(now, final, handback)
-        finally:
-            self._tick_thread = None
-
-    def _pass_components(self, now: float, final: bool, handback: Yielder) -> None:
         for comp in self.components:
             t0 = time.perf_counter()
             try:

@@ -42,7 +42,7 @@ def _never() -> bool:
     return False
 
 
-def _no_redetect(wait: bool) -> bool:
+def _no_redetect(*, wait: bool = True, in_pass: bool = False) -> bool:
     return False
 
 
@@ -72,9 +72,9 @@ class AgentContext:
     pass_wall_s: Callable[[], float] = lambda: 0.0
     #: an alert transition for the user's ``on_alert`` callbacks
     dispatch_alert: Callable[[Alert], None] = _ignore_alert
-    #: detect the topology again and apply what changed (True when something did); ``wait``: for a
-    #: pass in progress on another thread (else give up at once)
-    redetect: Callable[[bool], bool] = _no_redetect
+    #: detect the topology again and apply what changed (True when something did): keyword ``wait``
+    #: for a pass in progress (else give up at once), ``in_pass`` from a component's poll
+    redetect: Callable[..., bool] = _no_redetect
     device: Any = None  # torch.device of this rank (see hpar_agent.device)
     model: Any = None
     optimizer: Any = None

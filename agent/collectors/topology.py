@@ -44,19 +44,19 @@ class TopologyWatch(Component):
                 self._redetect(wait=True)
             return
         self.due = True
-        if self.require_ctx().redetect(False):
+        if self.require_ctx().redetect(wait=False):
             self.redetects += 1
 
     def poll(self, now: float) -> None:
         for exc in watch.take_errors():
             self.record_error(exc)
         if self.due:
-            self._redetect(wait=True)
+            self._redetect(in_pass=True)
 
-    def _redetect(self, wait: bool) -> None:
+    def _redetect(self, **how: bool) -> None:
         self.due = False
         try:
-            if self.require_ctx().redetect(wait):
+            if self.require_ctx().redetect(**how):
                 self.redetects += 1
         finally:
             watch.release()
