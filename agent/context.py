@@ -1,9 +1,10 @@
 """AgentContext: the part of the agent a component may use, so components depend on it, not on ``Agent``.
 
 It holds what is fixed at attach (config, the model the user gave), the topology and device (replaced
-when ``redetect`` finds them changed) and the agent's services (metric families, event log, span sink, error recording, step fan-out, alert dispatch). Other
-components are looked up by class (``ctx.find(StepCollector)``), so a lookup is typed and a renamed
-class fails at import rather than reading as "no such component". This module imports no component.
+when ``redetect`` finds them changed) and the agent's services (metric families, event log, span sink,
+error recording, step fan-out, alert dispatch, re-detection). Other components are looked up by
+class (``ctx.find(StepCollector)``), so a lookup is typed and a renamed class fails at import rather
+than reading as "no such component". This module imports no component.
 """
 
 from __future__ import annotations
