@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 import warnings
@@ -25,6 +25,7 @@ from hpar_agent.alert_callbacks import Alert, AlertCallbacks
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
 from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.steps import StepCollector
+from hpar_agent.collectors.topology import TopologyWatch
 from hpar_agent.component import Component
 from hpar_agent.config import AgentConfig
 from hpar_agent.context import AgentContext
@@ -32,11 +33,11 @@ from hpar_agent.detectors.component import DetectorsComponent
 from hpar_agent.events import EventLog
 from hpar_agent.families import Families
 from hpar_agent.gil import Yielder
-from hpar_agent.lifecycle import SignalFlush, forget_in_child
+from hpar_agent.lifecycle import AtExit, SignalFlush, forget_in_child
 from hpar_agent.safefiles import UnsafePathError, private_dir, write_atomic
 from hpar_agent.span_schedule import SpanScheduler
 from hpar_agent.spans import Child, StepRecord
-from hpar_agent.topology import Topology, detect
+from hpar_agent.topology import LOCAL_JOB_PREFIX, Topology, detect
 
 log = logging.getLogger("hpar_agent")
 
@@ -79,6 +80,7 @@ class Agent:
         self.run_dir = ""
         self.server: Any = None
         self._signals: SignalFlush | None = None
+        self._at_exit: AtExit | None = None
         self.tracing: Any = None
         self.started = False
         self.flops_per_token: float | None = None  # agent.report_flops: the MFU inputs
@@ -96,7 +98,7 @@ class Agent:
                 record_error=self.record_error, spans=self, on_step_boundary=self.on_step_boundary,
                 is_stopping=self._stop.is_set, dispatch_alert=self._dispatch_alert, device=self.device,
                 model=self.model, optimizer=self.optimizer, mesh=self.mesh, run_dir=self.run_dir,
-                components=self.components,
+                components=self.components, redetect=self.redetect,
             )  # fmt: skip
         return self._context
 
@@ -122,16 +124,7 @@ class Agent:
             self.record_error("agent", exc)
             if isinstance(exc, UnsafePathError):
                 self.run_dir = ""  # write no file rather than into a planted link
-        if self.config.event_log and self.run_dir:
-            try:
-                self.events = EventLog(
-                    os.path.join(self.run_dir, f"events.rank{topo.rank}.jsonl"), topo.rank,
-                    max_bytes=self.config.log_max_bytes,
-                    on_error=lambda exc: self.record_error("events", exc),
-                )  # fmt: skip
-            except OSError as exc:
-                self.record_error("events", exc)
-                self.events = EventLog(None, topo.rank)
+        self.events = self._event_log(topo.rank)
         self.events.emit("attach", topology=topo.info_labels(), agent_version=__version__)
         self._context = None  # built from the attached state
         for comp in default_components(self.config):
@@ -141,10 +134,102 @@ class Agent:
         self._start_endpoint()
         self._thread = threading.Thread(target=self._run, name="hpar-agent", daemon=True)
         self._thread.start()
-        atexit.register(self.stop)  # flush traces and write the summary if the user never detaches
+        self._at_exit = AtExit(self.stop)  # flush traces and write the summary if the user never detaches
+        self._at_exit.install()
         self._signals = SignalFlush(self)
         self.guard("agent", self._signals.install)  # SIGTERM/SIGINT: flush, then what they did before
         return self
+
+    def _event_log(self, rank: int) -> EventLog:
+        if not (self.config.event_log and self.run_dir):
+            return EventLog(None, rank)
+        try:
+            return EventLog(
+                os.path.join(self.run_dir, f"events.rank{rank}.jsonl"), rank,
+                max_bytes=self.config.log_max_bytes,
+                on_error=lambda exc: self.record_error("events", exc),
+            )  # fmt: skip
+        except OSError as exc:
+            self.record_error("events", exc)
+            return EventLog(None, rank)
+
+    def redetect(self, *, wait: bool = True, in_pass: bool = False) -> bool:
+        """Detect this rank's topology again and apply what changed; True when something did.
+
+        ``TopologyWatch`` calls it when a process group, a data-parallel wrapper or a mesh was built
+        (on the training thread, ``wait`` False: not while a pass runs), in the next pass (``in_pass``:
+        the pass holds the lock), and before the default group is destroyed (``wait``: for a pass in
+        progress, at most a few seconds, else the topology stays as it is). The sources: the mesh given
+        to ``attach``, else the job's mesh the program built; the wrapper the program built around the
+        model given (or any, with none given), else that model. A new rank or stage relabels every
+        series (the families' common labels), a new rank moves the event log to
+        ``events.rank<R>.jsonl`` (and a local traces file to ``traces.rank<R>.jsonl``), a new local
+        rank the endpoint to its port; spans built from then on carry the new topology."""
+        if self._context is None:  # never started
+            return False
+        if in_pass:
+            return self._redetect()
+        if not self._tick_lock.acquire(timeout=5.0 if wait else 0):
+            return False
+        try:
+            return self._redetect()
+        finally:
+            self._tick_lock.release()
+
+    def _redetect(self) -> bool:
+        from hpar_agent import topology_watch as watch
+        from hpar_agent.torch_compat.parallel import world_size
+
+        old = self.topology
+        world = world_size()
+        if world is None and old.backend != "none":
+            return False  # the group is gone (exit): what it said stays, the environment would not say it
+        model = _outermost(self.model, watch.wrapper())
+        mesh = self.mesh if self.mesh is not None else watch.mesh(world)
+        keep_job = None if world is not None and old.job_id.startswith(LOCAL_JOB_PREFIX) else old.job_id
+        new = detect(model, mesh, self.config, job_id=keep_job)
+        device = self.device
+        if new.local_rank != old.local_rank:
+            from hpar_agent.device import resolve_device
+
+            device = resolve_device(model, mesh, new.local_rank)
+        new = dataclasses.replace(new, device=str(device))
+        if new == old:
+            return False
+        self._apply_topology(old, new, device)
+        return True
+
+    def _apply_topology(self, old: Topology, new: Topology, device: Any) -> None:
+        self.topology, self.device = new, device
+        ctx = self.context
+        ctx.topology, ctx.device = new, device
+        self.families.common = [str(new.rank), str(new.pp_stage)]
+        if new.rank != old.rank:
+            events, self.events = self.events, self._event_log(new.rank)
+            self.events.recent = events.recent  # the records of this process so far, whatever file
+            ctx.events = self.events
+            self.guard("events", events.close)
+        if new.local_rank != old.local_rank and self.server is not None:
+            from hpar_agent.exporters.prometheus import close_endpoint
+
+            self.guard("prometheus", close_endpoint, self.server)
+            self.server = self.metrics_url = None
+            self._start_endpoint()
+        if self.tracing is not None and not self.guard("tracing", self.tracing.retopologize, new):
+            tracing, self.tracing = self.tracing, None  # a new rank's local traces file
+            self.guard("tracing", tracing.shutdown, 2.0)
+            self._start_tracing()
+        changed = {k: v for k, v in new.info_labels().items() if old.info_labels().get(k) != v}
+        if new.rank != old.rank:
+            changed["rank"] = str(new.rank)
+        if new.pp_stage != old.pp_stage:
+            changed["pp_stage"] = str(new.pp_stage)
+        self.events.emit("topology", topology=new.info_labels(), changed=changed)
+        for comp in self.components:
+            try:
+                comp.on_topology(old, new)
+            except Exception as exc:
+                self.record_error(comp.name, exc)
 
     def add_component(self, comp: Component) -> None:
         try:
@@ -161,7 +246,8 @@ class Agent:
         if not self.started:
             return
         self.started = False
-        atexit.unregister(self.stop)
+        if self._at_exit is not None:
+            self._at_exit.uninstall()
         if self._signals is not None:
             self.guard("agent", self._signals.uninstall)
         self._stop.set()
@@ -481,14 +567,26 @@ def _overrides(comp: Component, method: str) -> bool:
     return getattr(getattr(comp, method), "__func__", None) is not getattr(Component, method)
 
 
+def _outermost(given: Any, wrapper: Any) -> Any:
+    """The model to read the topology from: the wrapper the program built when it wraps the model given
+    to ``attach`` (a framework's DDP around the user's module) or none was given, else the model."""
+    if given is None or wrapper is None or wrapper is given:
+        return given if wrapper is None else wrapper
+    try:
+        return wrapper if any(m is given for m in wrapper.modules()) else given
+    except Exception:
+        return given
+
+
 def default_components(config: AgentConfig) -> list[Component]:
-    """The components ``attach()`` installs, in poll order (the detectors last: they read the others)."""
+    """The components ``attach()`` installs, in poll order (the topology first: a pass that re-detects it
+    polls the others with the new one; the detectors last: they read the others)."""
     from hpar_agent.collectors.anatomy import AnatomyCollector
     from hpar_agent.collectors.collectives import CollectiveCollector
     from hpar_agent.collectors.compile import CompileCollector
     from hpar_agent.collectors.gradsync import GradSyncCollector
 
-    comps: list[Component] = [StepCollector(), PipelineCollector(), AnatomyCollector()]
+    comps: list[Component] = [TopologyWatch(), StepCollector(), PipelineCollector(), AnatomyCollector()]
     comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector()]
     comps.append(CompileCollector())
     if config.detectors:
@@ -528,6 +626,13 @@ def detach_agent(agent: Agent | None = None) -> None:
 
 
 def current() -> Agent | None:
+    """The running agent, or None. In a process ``hpar-agent run`` started, the first call attaches
+    when nothing did yet (``autoattach``): ``hpar_agent.current().step()`` marks steps in a loop with
+    no optimizer and no process group."""
+    if _current is None:
+        zerocode = sys.modules.get("hpar_agent.autoattach")  # imported only where the shim armed it
+        if zerocode is not None and getattr(zerocode, "ARMED", False):
+            zerocode.attach_on_use()
     return _current
 
 

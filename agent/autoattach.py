@@ -1,69 +1,171 @@
-"""Zero-code mode, inside the observed process: what the ``hpar-agent run`` shim calls.
+"""Zero-code mode, inside each process ``hpar-agent run`` starts: attach when the process trains.
 
-The shim (``zerocode_site/sitecustomize.py``) decides *when* (after ``init_process_group`` in a
-torchrun worker, after ``import torch`` in a plain script); this module attaches the agent with the
-``HPAR_*`` environment as its configuration and adds the ``zerocode`` component, which says in one
-line at exit (once per host) and in each rank's summary when the script gave no step boundaries.
+The shim (``zerocode_site/sitecustomize.py``) wraps ``init_process_group`` as soon as c10d is imported
+and calls ``arm`` once ``import torch`` completes. From then on the process attaches the agent (with the
+``HPAR_*`` environment as its configuration) at the first of:
+
+- ``init_process_group`` returned: the process is a rank (whatever created the group: torchrun's
+  workers, ``mp.spawn`` children, Lightning's and accelerate's ranks, ``init_device_mesh``);
+- with no process group, the first step of a ``torch.optim`` optimizer (a global step pre-hook; the
+  agent attaches inside that step, before its post-hooks run, so the step is counted);
+- the first compile (dynamo's start callback, registered once ``torch._dynamo`` is imported, never
+  importing it; registered again after ``torch._dynamo.reset()``);
+- the first ``hpar_agent.current()`` (a loop that marks its own steps).
+
+A process that does none of these (the torchrun or accelerate launcher, an ``mp.spawn`` parent that
+only waits, DataLoader and compile workers) is never observed: no port, no rank label, no summary.
+Children inherit zero-code mode. Each trigger tries once per process (again in a forked child).
+Standard library and ``topology_watch`` only here: every process that imports torch arms.
 """
 
 from __future__ import annotations
 
-import logging
+import functools
+import os
+import sys
+from types import ModuleType
 from typing import Any
 
-from hpar_agent.component import Component
+from hpar_agent import topology_watch
 
-log = logging.getLogger("hpar_agent")
+#: Trigger names (the summary's ``attached_at``).
+AT_PROCESS_GROUP = "init_process_group"
+AT_OPTIMIZER = "optimizer step"
+AT_COMPILE = "compile"
+AT_CURRENT = "hpar_agent.current()"
 
-NO_STEPS = (
-    "hpar_agent: no step boundaries seen (no torch.optim optimizer stepped and agent.step() was never "
-    "called), so step metrics and traces are empty; call hpar_agent.current().step() once per "
-    "iteration, or step a torch.optim optimizer"
-)
+ARMED = False
+_tried = False  # one attach attempt per process (a disabled or failed attach is not retried per step)
+_hooks: list[Any] = []
 
 
-class ZeroCode(Component):
-    """Records how the agent came to be attached and whether any step boundary arrived."""
+def _running() -> Any:
+    """The attached agent, without importing the agent module (O(1): the triggers' fast path)."""
+    mod = sys.modules.get("hpar_agent.agent")
+    return None if mod is None else mod._current
 
-    name = "zerocode"
 
-    def __init__(self, trigger: str) -> None:
-        super().__init__()
-        self.trigger = trigger
-        self._noted = False
+def arm() -> None:
+    """Install the triggers (idempotent); called by the shim once ``import torch`` completed."""
+    global ARMED
+    if ARMED:
+        return
+    ARMED = True
+    topology_watch.install("zerocode")  # a mesh or wrapper built as the process becomes a rank
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    def _steps(self) -> int:
-        from hpar_agent.collectors.steps import StepCollector
+    _hooks.append(register_optimizer_step_pre_hook(_on_optimizer_step))
+    topology_watch.after_import("torch._dynamo", _arm_dynamo)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_forget_in_child)
 
-        steps = self.ctx.find(StepCollector) if self.ctx is not None else None
-        return steps.count if steps is not None else 0
 
-    def uninstall(self) -> None:
-        """At detach (before the summary is written): the one line when no step was seen, from the
-        first rank of each host (every rank's summary carries it)."""
-        local_rank = self.ctx.topology.local_rank if self.ctx is not None else 0
-        if self._steps() == 0 and not self._noted and local_rank == 0:
-            self._noted = True
-            log.warning(NO_STEPS)
-
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"attached_at": self.trigger, "step_boundaries": self._steps()}
-        if out["step_boundaries"] == 0:
-            out["note"] = NO_STEPS
-        return out
+def _forget_in_child() -> None:
+    global _tried
+    _tried = False  # the agent module drops the parent's agent itself
 
 
 def attach_now(trigger: str) -> Any:
-    """Attach the agent (configured by ``HPAR_*``) unless one is already running; never raises into
-    the caller's code path beyond what ``attach`` itself guards."""
-    import hpar_agent
-    from hpar_agent.agent import current
-
-    running = current()
-    if running is not None:
+    """Attach the agent (configured by ``HPAR_*``) unless one is running; one attempt per process.
+    Never raises: a failure is said in one line on stderr and the program goes on unobserved."""
+    global _tried
+    running = _running()
+    if running is not None or _tried:
         return running
-    agent = hpar_agent.attach()
-    if agent.started:
-        agent.add_component(ZeroCode(trigger))
-        agent.events.emit("autoattach", trigger=trigger)
-    return agent
+    _tried = True
+    if _in_dataloader_worker():
+        return None
+    try:
+        import hpar_agent
+        from hpar_agent.collectors.zerocode import ZeroCode
+
+        agent = hpar_agent.attach()
+        if agent.started:
+            agent.add_component(ZeroCode(trigger))
+            agent.events.emit("autoattach", trigger=trigger)
+        return agent
+    except Exception as exc:  # never break the user's script
+        print(f"hpar-agent: zero-code attach failed ({type(exc).__name__}: {exc}); not observing", file=sys.stderr)
+        return None
+
+
+def _in_dataloader_worker() -> bool:
+    """A DataLoader worker never trains, even when its dataset code compiles or steps something: it
+    carries its parent's RANK, and would take the rank's files and port."""
+    data = sys.modules.get("torch.utils.data")
+    try:
+        return data is not None and data.get_worker_info() is not None
+    except Exception:
+        return False
+
+
+def on_process_group() -> None:
+    """The shim's ``init_process_group`` wrapper, after the group exists: attach, or (attached before
+    the group existed) have the agent re-detect its topology."""
+    if _running() is None:
+        attach_now(AT_PROCESS_GROUP)
+    else:
+        topology_watch.notify("process_group")
+
+
+# ------------------------------------------------------------------------------------------------ triggers
+def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Global optimizer step pre-hook: O(1) once attached. Attaching here would register the agent's
+    own optimizer hooks while torch iterates over them (a RuntimeError in the user's step), so it is
+    deferred to ``Optimizer._optimizer_step_code``, which every step calls between its update and its
+    post-hooks: the agent's step post-hook then sees this very step."""
+    if _tried or _running() is not None:
+        return
+    if "_optimizer_step_code" in vars(optimizer) or not hasattr(type(optimizer), "_optimizer_step_code"):
+        return
+    try:
+        import torch
+
+        if torch.compiler.is_compiling():
+            return
+    except Exception:
+        pass
+    optimizer._optimizer_step_code = functools.partial(_attach_in_step, optimizer)
+
+
+def _attach_in_step(optimizer: Any) -> None:
+    vars(optimizer).pop("_optimizer_step_code", None)
+    attach_now(AT_OPTIMIZER)
+    type(optimizer)._optimizer_step_code(optimizer)
+
+
+def _arm_dynamo(dynamo: ModuleType) -> None:
+    """Once ``torch._dynamo`` is imported: the compile start callback, and again after each reset
+    (``torch._dynamo.reset()`` clears every callback)."""
+    _register_compile_start()
+    reset = getattr(dynamo, "reset", None)
+    if callable(reset) and not getattr(reset, "_hpar_autoattach", False):
+
+        @functools.wraps(reset)
+        def reset_then_rearm(*args: Any, **kwargs: Any) -> Any:
+            out = reset(*args, **kwargs)
+            if _running() is None and not _tried:
+                _register_compile_start()
+            return out
+
+        reset_then_rearm._hpar_autoattach = True  # type: ignore[attr-defined]
+        dynamo.reset = reset_then_rearm  # type: ignore[attr-defined]
+
+
+def _register_compile_start() -> None:
+    from hpar_agent.torch_compat import dynamo
+
+    dynamo.register_callbacks(_on_compile_start, None)
+
+
+def _on_compile_start(args: Any) -> None:
+    """Dynamo starts compiling a frame. Left registered once attached (removing a callback while dynamo
+    iterates over them would skip the next one, the agent's own)."""
+    if _tried or _running() is not None:
+        return
+    attach_now(AT_COMPILE)
+
+
+def attach_on_use() -> Any:
+    """``hpar_agent.current()`` in an armed process: a loop that marks its own steps attaches."""
+    return attach_now(AT_CURRENT) if ARMED else None

@@ -17,6 +17,7 @@ from prometheus_client.core import Metric
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
     from hpar_agent.spans import StepRecord
+    from hpar_agent.topology import Topology
 
 
 class Component:
@@ -47,6 +48,10 @@ class Component:
 
     def poll(self, now: float) -> None:
         """Agent thread: drain buffers, poll sources, update state."""
+
+    def on_topology(self, old: Topology, new: Topology) -> None:
+        """Agent thread: the topology was detected again and changed (``ctx.topology`` is ``new``
+        already): refresh what was derived from ``old`` at install."""
 
     def step_hook(self, step: int, t_ns: int) -> None:
         """Training thread, inside the step-boundary hook: must be O(µs), only append. Only

@@ -1,9 +1,10 @@
 """AgentContext: the part of the agent a component may use, so components depend on it, not on ``Agent``.
 
-It holds what is fixed at attach (config, topology, device, the model the user gave) and the agent's
-services (metric families, event log, span sink, error recording, step fan-out, alert dispatch). Other
-components are looked up by class (``ctx.find(StepCollector)``), so a lookup is typed and a renamed
-class fails at import rather than reading as "no such component". This module imports no component.
+It holds what is fixed at attach (config, the model the user gave), the topology and device (replaced
+when ``redetect`` finds them changed) and the agent's services (metric families, event log, span sink,
+error recording, step fan-out, alert dispatch, re-detection). Other components are looked up by
+class (``ctx.find(StepCollector)``), so a lookup is typed and a renamed class fails at import rather
+than reading as "no such component". This module imports no component.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def _never() -> bool:
     return False
 
 
+def _no_redetect(*, wait: bool = True, in_pass: bool = False) -> bool:
+    return False
+
+
 def _ignore_step(step: int, t_ns: int) -> None:
     return None
 
@@ -76,6 +81,9 @@ class AgentContext:
     is_stopping: Callable[[], bool] = _never
     #: an alert transition for the user's ``on_alert`` callbacks
     dispatch_alert: Callable[[Alert], None] = _ignore_alert
+    #: detect the topology again and apply what changed (True when something did): keyword ``wait``
+    #: for a pass in progress (else give up at once), ``in_pass`` from a component's poll
+    redetect: Callable[..., bool] = _no_redetect
     device: Any = None  # torch.device of this rank (see hpar_agent.device)
     model: Any = None
     optimizer: Any = None

@@ -1,4 +1,7 @@
-"""Process lifecycle around the agent: fork and termination signals.
+"""Process lifecycle around the agent: exit, fork and termination signals.
+
+Exit: ``Agent.stop`` (the summary, the last spans) runs at interpreter exit and at the end of a
+``multiprocessing`` child that was forked (``AtExit``).
 
 Fork: a child (a DataLoader worker, a ``multiprocessing`` fork) inherits the agent's objects but none of
 its threads. Left alone its exit would run ``Agent.stop`` from atexit, which waits for a server loop
@@ -33,13 +36,44 @@ SIGNALS = ("SIGTERM", "SIGINT")
 HANDLER_GRACE_S = 1.0
 
 
+# ---------------------------------------------------------------------------------------------- exit
+class AtExit:
+    """``fn`` at interpreter exit, and at the end of a ``multiprocessing`` child started by fork: such a
+    child (``multiprocessing.Process``, the fork start method's default) ends with ``os._exit`` after
+    its target, which skips atexit but runs multiprocessing's exit finalizers."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._finalizer: Any = None
+
+    def install(self) -> None:
+        atexit.register(self.fn)
+        try:
+            from multiprocessing import util
+
+            self._finalizer = util.Finalize(None, self.fn, exitpriority=100)
+        except Exception as exc:  # an interpreter without multiprocessing: atexit only
+            log.debug("hpar_agent: no multiprocessing exit finalizer (%s)", exc)
+
+    def uninstall(self) -> None:
+        atexit.unregister(self.fn)
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            with contextlib.suppress(Exception):
+                finalizer.cancel()
+
+
 # ---------------------------------------------------------------------------------------------- fork
 def forget_in_child(agent: Any) -> None:
     """The child keeps no server, thread, atexit work or open log of the parent's agent."""
     agent.started = False
     agent.enabled = False
+    at_exit = getattr(agent, "_at_exit", None)
     with contextlib.suppress(Exception):
-        atexit.unregister(agent.stop)
+        if at_exit is not None:
+            at_exit.uninstall()  # the child's copies of the atexit entry and the finalizer
+        else:
+            atexit.unregister(agent.stop)
     agent._thread = None
     server, agent.server = agent.server, None
     if server is not None:

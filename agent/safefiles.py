@@ -34,6 +34,28 @@ class UnsafePathError(OSError):
     """A path the agent refuses to use (a symlink, another owner's file or directory, a hard link)."""
 
 
+def _makedirs(path: str) -> None:
+    """``os.makedirs`` with every directory it creates 0700 (its ``mode`` is the leaf's only); raises
+    ``FileExistsError`` when ``path`` exists."""
+    missing: list[str] = []
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    if not missing:
+        raise FileExistsError(path)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            if d == missing[0]:
+                raise  # created by another process meanwhile: the caller checks it
+            continue
+
+
 def private_dir(path: str, *, chosen: bool = False) -> str:
     """Create ``path`` (and missing parents) 0700, or check and tighten the existing directory.
 
@@ -41,7 +63,7 @@ def private_dir(path: str, *, chosen: bool = False) -> str:
     (it may be a link to scratch space or a group directory on purpose). What the agent creates in it
     is still private, and a directory the agent names itself is always checked."""
     try:
-        os.makedirs(path, mode=DIR_MODE, exist_ok=False)
+        _makedirs(path)
     except FileExistsError:
         if chosen:
             if not os.path.isdir(path):

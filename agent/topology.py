@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -35,8 +36,13 @@ FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 
+#: Dim names torch gives the meshes it makes itself (``replicate``'s default mesh) -> the dims they are.
+DIM_ALIASES = {"replicate": "dp_replicate", "shard": "dp_shard"}
+
 log = logging.getLogger("hpar_agent")
 JOB_ID_KEY = "hpar/job_id"
+#: A job id decided without any peer (no process group yet): a re-detection decides it again.
+LOCAL_JOB_PREFIX = "local-"
 
 
 @dataclass(frozen=True)
@@ -125,16 +131,21 @@ def _shard_dim_names(model: Any) -> set[str]:
 
 
 def mesh_dim_names(mesh: Any, model: Any = None) -> tuple[str, ...]:
-    """The mesh's dim names; an unnamed mesh of an FSDP model is named by placement: 1-D -> dp_shard,
-    2-D (HSDP) -> (dp_replicate, dp_shard); other unnamed meshes -> ()."""
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    """The mesh's dim names (``DIM_ALIASES`` read as the dims they are); an unnamed mesh of an FSDP
+    model is named by placement: 1-D -> dp_shard, 2-D (HSDP) -> (dp_replicate, dp_shard), of a
+    ``replicate`` model 1-D -> dp_replicate; other unnamed meshes -> ()."""
+    names = tuple(DIM_ALIASES.get(n, n) for n in getattr(mesh, "mesh_dim_names", None) or ())
     if names or mesh is None:
         return names
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
         return ()
-    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in getattr(model, "modules", list)()):
+    mods = [model, *getattr(model, "modules", list)()]
+    replicated = getattr(sys.modules.get("torch.distributed._composable.replicate_with_fsdp"), "ReplicateModule", None)
+    if isinstance(replicated, type) and any(isinstance(m, replicated) for m in mods):  # an FSDPModule too
+        return {1: ("dp_replicate",)}.get(mesh.ndim, ())
+    if any(isinstance(m, FSDPModule) for m in mods):
         return {1: ("dp_shard",), 2: ("dp_replicate", "dp_shard")}.get(mesh.ndim, ())
     return ()
 
@@ -194,7 +205,7 @@ def _job_id(config: AgentConfig) -> str:
             addr = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
             if addr != ":":
                 return "job-" + hashlib.sha256(addr.encode()).hexdigest()[:12]
-    return f"local-{uuid.uuid4().hex[:8]}"
+    return f"{LOCAL_JOB_PREFIX}{uuid.uuid4().hex[:8]}"
 
 
 def _safe_id(raw: str) -> str:
@@ -207,8 +218,11 @@ def _warn_stage(stage: int, pp: int) -> None:
     log.warning("hpar_agent: ignoring pp_stage=%d (must be < %d); using the detected stage", stage, pp)
 
 
-def detect(model: Any = None, mesh: Any = None, config: AgentConfig | None = None) -> Topology:
-    """Build this rank's Topology; never raises for a missing source, falls back to env and 1s."""
+def detect(
+    model: Any = None, mesh: Any = None, config: AgentConfig | None = None, *, job_id: str | None = None
+) -> Topology:
+    """Build this rank's Topology; never raises for a missing source, falls back to env and 1s.
+    ``job_id``: keep this one (a re-detection) instead of deciding it again."""
     config = config or AgentConfig()
     initialized = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if initialized else _env_int("RANK", 0)
@@ -250,7 +264,7 @@ def detect(model: Any = None, mesh: Any = None, config: AgentConfig | None = Non
         world_size=world,
         local_rank=_env_int("LOCAL_RANK", 0),
         host=socket.gethostname(),
-        job_id=_job_id(config),
+        job_id=job_id or _job_id(config),
         dp=degree["dp"],
         tp=degree["tp"],
         pp=degree["pp"],

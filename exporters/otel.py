@@ -261,6 +261,22 @@ def _attr(value: Any) -> Any:
     return value if isinstance(value, str | bool | int | float) else str(value)
 
 
+def _topology_attributes(topo: Any) -> dict[str, Any]:
+    """The hpar.* Resource attributes of a topology (the same facts as ``hpar_rank_info``)."""
+    return {
+        cat.ATTR_JOB: topo.job_id,
+        cat.ATTR_RANK: topo.rank,
+        cat.ATTR_PP_STAGE: topo.pp_stage,
+        cat.RES_WORLD_SIZE: topo.world_size,
+        cat.RES_DP: topo.dp,
+        cat.RES_TP: topo.tp,
+        cat.RES_PP: topo.pp,
+        cat.RES_DP_RANK: topo.dp_rank,
+        cat.RES_TP_RANK: topo.tp_rank,
+        cat.RES_PP_RANK: topo.pp_rank,
+    }
+
+
 # ------------------------------------------------------------------------------------------ tracing
 class Tracing:
     """The agent's span pipeline. ``exporter`` overrides the choice made from config/env (tests)."""
@@ -292,8 +308,9 @@ class Tracing:
         self._exporter = _CountingExporter(exporter)
         self._processor = _BoundedProcessor(self._exporter, max(1, max_queue_size), schedule_delay_millis)
         self._ids = RandomIdGenerator()  # the children's span ids (the step spans' are derived)
+        self.resource = self._resource(topo)  # what every span carries (``retopologize`` replaces it)
         self.provider = TracerProvider(
-            resource=self._resource(topo),
+            resource=self.resource,
             sampler=ALWAYS_ON,  # steps are sampled here, at step end; the SDK keeps what we create
             shutdown_on_exit=False,  # shutdown() is bounded; an atexit flush could hang exit
         )
@@ -331,19 +348,20 @@ class Tracing:
             "service.instance.id": f"{topo.job_id}-{topo.rank}",
             "host.name": topo.host,
         }
-        hpar = {
-            cat.ATTR_JOB: topo.job_id,
-            cat.ATTR_RANK: topo.rank,
-            cat.ATTR_PP_STAGE: topo.pp_stage,
-            cat.RES_WORLD_SIZE: topo.world_size,
-            cat.RES_DP: topo.dp,
-            cat.RES_TP: topo.tp,
-            cat.RES_PP: topo.pp,
-            cat.RES_DP_RANK: topo.dp_rank,
-            cat.RES_TP_RANK: topo.tp_rank,
-            cat.RES_PP_RANK: topo.pp_rank,
-        }
-        return Resource.create({**defaults, **user.attributes, **hpar})
+        return Resource.create({**defaults, **user.attributes, **_topology_attributes(topo)})
+
+    def retopologize(self, topo: Any) -> bool:
+        """The agent re-detected its topology: spans built from now on carry it (agent thread; also at
+        exit, so no ``Resource.create``: its detectors need a thread pool). False when the rank changed
+        and the spans go to a local file named by rank: the caller rebuilds the pipeline."""
+        if topo.rank != self.rank and self.kind == "file":
+            return False
+        new = dict(_topology_attributes(topo))
+        if self.resource.attributes.get("service.instance.id") == f"{self.job_id}-{self.rank}":  # ours, not the user's
+            new["service.instance.id"] = f"{topo.job_id}-{topo.rank}"
+        self.job_id, self.rank, self.pp_stage = topo.job_id, topo.rank, topo.pp_stage
+        self.resource = self.resource.merge(Resource(new))
+        return True
 
     # ----------------------------------------------------------------------------- agent thread
     def keep_reason(self, rec: StepRecord) -> str | None:
@@ -399,7 +417,7 @@ class Tracing:
         live-span path (``Tracer.start_span`` then ``end``: context, sampler, locks, attribute
         limits) made ``export_step`` cost about three times the CPU a span."""
         return ReadableSpan(
-            name=name, context=ctx, parent=parent, resource=self.provider.resource, attributes=attrs,
+            name=name, context=ctx, parent=parent, resource=self.resource, attributes=attrs,
             events=[Event(n, {k: _attr(v) for k, v in a.items()}, timestamp=ts) for n, ts, a in events],
             start_time=start_ns, end_time=max(end_ns, start_ns), instrumentation_scope=self._scope,
         )  # fmt: skip

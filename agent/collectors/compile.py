@@ -6,8 +6,11 @@ logger that receives every ``CompilationMetrics`` and handlers on the graph-brea
 loggers. Each only appends a tuple to one BoundedBuffer. The agent thread turns those into counters,
 ``dynamo.compile`` spans, and JSONL events that keep the full text (reasons, user file:line stacks,
 guard failures) out of label values. Cache hit/miss counts come from diffing dynamo's process-global
-``counters`` once per poll. Every private torch name is reached through ``torch_compat.dynamo``; the
-log text (graph-break messages, guard failures) is parsed by ``torch_compat.dynamo_log``.
+``counters`` once per poll, and so are graph breaks and graphs compiled: the metrics equal dynamo's own
+``counters["graph_break"]`` and ``counters["stats"]["unique_graphs"]`` since attach (the artifact text
+adds the user stack; a frame that traced no op is no graph). Every private torch name is reached
+through ``torch_compat.dynamo``; the log text (graph-break messages, guard failures) is parsed by
+``torch_compat.dynamo_log``.
 """
 
 from __future__ import annotations
@@ -293,8 +296,8 @@ class CompileCollector(Component):
         down was cleared: its new value is the increase)."""
         items: list[tuple[Any, int]] = [(("cache", *k), v) for k, v in snap["caches"].items()]
         items.append((("limit",), snap["limit"]))
-        if "graph_breaks" not in self._owned_artifacts and not dynamo.artifact_enabled("graph_breaks"):
-            items += [(("gb", k), v) for k, v in snap["graph_break"].items()]  # fallback: no artifact text
+        items.append((("graphs",), snap["graphs"]))
+        items += [(("gb", k), v) for k, v in snap["graph_break"].items()]  # the artifact text adds stacks
         for key, value in items:
             last = self._seen.get(key, 0)
             delta = value - last if value >= last else value
@@ -305,6 +308,8 @@ class CompileCollector(Component):
                 self.cache[(key[1], key[2])] += delta
             elif key[0] == "limit":
                 self.limit_hits += delta
+            elif key[0] == "graphs":
+                self.graphs_compiled += delta
             else:
                 self._count_break(graph_break_key(key[1]), key[1], "", delta)
 
@@ -318,13 +323,14 @@ class CompileCollector(Component):
             info["c10d"] = c10d_call(text)
         if frame and len(info["user_frames"]) < 16:
             info["user_frames"].add(frame)
-        self.graph_breaks[key] += n
+        if n:
+            self.graph_breaks[key] += n
         return key
 
     def _on_graph_break(self, text: str, t_ns: int, cid: str) -> None:
         frames = user_frames(text)
         frame = user_frame(frames, text)
-        key = self._count_break(graph_break_key(text), text, frame)
+        key = self._count_break(graph_break_key(text), text, frame, n=0)  # counted from dynamo's counters
         self._cid_breaks.setdefault(cid, []).append((key, frame, t_ns))
         c10d = c10d_call(text)
         fr = self._frames.get(cid, {})
@@ -419,9 +425,8 @@ class CompileCollector(Component):
             self.hists["lazy_backward"].observe(seconds)
         self.compile_seconds += seconds
         where = f"{m['co_name']} {m['co_filename']}:{m['co_firstlineno']}" if m["co_name"] else ""
-        if forward and not fail_type and m["graph_op_count"] is not None:
+        if forward and not fail_type and (m["graph_op_count"] or 0) > 0:  # no op traced: no graph
             self._add_graph(m)
-            self.graphs_compiled += 1
             step = fr.get("step")
             self.graph_log.append((int(step if step is not None else self._steps_count()), where))
         recompile = ""

@@ -68,7 +68,7 @@ class StepCollector(Component):
         super().install(ctx)
         self.buffer.capacity = ctx.config.buffer_size
         if ctx.optimizer is not None:
-            self._optimizer_id = id(ctx.optimizer)
+            self._optimizer_id = id(innermost_optimizer(ctx.optimizer))
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self._handle = register_optimizer_step_post_hook(self._on_optimizer_step)
@@ -166,6 +166,22 @@ class StepCollector(Component):
             "step_seconds_max": d[-1] if d else None,
             "detail_stride": self.stride,
         }
+
+
+#: Attributes through which optimizer wrappers reach the optimizer they step (accelerate's
+#: AcceleratedOptimizer, Lightning's LightningOptimizer): only that one runs torch's step hooks.
+WRAPPED_OPTIMIZER_ATTRS = ("optimizer", "_optimizer")
+
+
+def innermost_optimizer(opt: Any) -> Any:
+    """The optimizer a wrapper steps (the wrapper's own ``step`` runs no torch step hook)."""
+    for _ in range(8):
+        inner = next((getattr(opt, a) for a in WRAPPED_OPTIMIZER_ATTRS if hasattr(opt, "step")
+                      and getattr(opt, a, None) is not None), None)  # fmt: skip
+        if inner is None or inner is opt or not hasattr(inner, "step"):
+            return opt
+        opt = inner
+    return opt
 
 
 #: Recent steps the step rate for ``detail_stride`` is taken from, and how many it needs.

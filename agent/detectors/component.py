@@ -43,6 +43,7 @@ from hpar_agent.thresholds import COMPONENT_DEFAULTS
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
+    from hpar_agent.topology import Topology
 
 log = logging.getLogger("hpar_agent")
 D = TypeVar("D", bound=Detector)
@@ -130,6 +131,15 @@ class DetectorsComponent(Component):
             self.evidence = Evidence(ctx.run_dir, self.rank, enabled=ctx.config.evidence,
                                      on_error=lambda exc: ctx.record_error("evidence", exc))
             self.evidence.device = ctx.device
+
+    def on_topology(self, old: Topology, new: Topology) -> None:
+        """A rank that attached before its process group existed learns its rank (and may now have
+        peers to exchange with through the store)."""
+        self.rank, self.stage = new.rank, new.pp_stage
+        if self.evidence is not None:
+            self.evidence.rank = new.rank
+        if new.world_size > 1 and old.world_size <= 1 and self.exchange is None:
+            self._store_tried = False
 
     @property
     def context(self) -> AgentContext:

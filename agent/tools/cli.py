@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from hpar_agent._version import __version__
+from hpar_agent.safefiles import private_dir
 from hpar_agent.tools.launch import TrainerMissing, launch_observed, trainer_scenarios
 from hpar_agent.tools.summary import load_rank_summaries, never_stepped, render_summary
 
@@ -29,7 +30,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"hpar-agent demo: error: {problem}", file=sys.stderr)
         return 2
     run_dir = Path(args.run_dir or f"hpar-runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(str(run_dir), chosen=bool(args.run_dir))
     out = run_dir / "trainer.json"
     trainer_args = sc.with_out(trainer_args, str(out))
     env = {

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpar_agent.safefiles import open_private, private_dir
 from hpar_agent.tools.launch import torchrun_cmd, trainer_scenarios
 
 
@@ -126,7 +127,7 @@ def run_group(cmd: list[str], env: dict[str, str], log_path: Path, timeout: floa
     its process group, and every process that carries the run's token in its environment (ranks that
     torchrun put in sessions of their own, and their children)."""
     token = f"{os.getpid()}-{time.time_ns()}"
-    with open(log_path, "wb") as log:
+    with os.fdopen(open_private(str(log_path), append=False), "wb") as log:
         proc = subprocess.Popen(
             cmd, env={**env, RUN_TAG: token}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -192,7 +193,7 @@ def diagnose(
     sc = trainer_scenarios()
     if injection not in sc.EXPECTED:
         raise ValueError(f"unknown injection {injection!r}; one of: {', '.join(sc.EXPECTED)}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(str(run_dir), chosen=True)
     args = sc.diagnose_argv(injection, nproc, steps=steps, out=str(run_dir / "trainer.json"), extra=extra or ())
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",

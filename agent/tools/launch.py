@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from hpar_agent.safefiles import open_private, private_dir
+
 #: Rank output lines as torchrun tees them (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` below).
 _RANK_LINE = re.compile(r"^\[rank(\d+)\]:")
 #: One failure in torchrun's ChildFailedError report.
@@ -184,7 +186,7 @@ def launch_observed(
     """Run ``module`` under torchrun: rank output (prefixed ``[rankN]:``) goes to ``echo``, torchrun's
     own log only to ``log_dir/torchrun.log``, each rank's stdout/stderr to files under ``log_dir``.
     Ctrl-C or ``timeout`` stops every rank (``stop``) and is reported, not raised."""
-    log_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(str(log_dir), chosen=True)
     full_env = {
         **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:", **(env or {}),
@@ -198,7 +200,7 @@ def launch_observed(
 
     def pump() -> None:
         assert proc.stdout is not None
-        with open(log_dir / "torchrun.log", "w") as log:
+        with os.fdopen(open_private(str(log_dir / "torchrun.log"), append=False), "w") as log:
             for line in proc.stdout:
                 log.write(line)
                 if _RANK_LINE.match(line):

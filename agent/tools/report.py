@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import quote
 
 from hpar_agent import catalogue as cat
+from hpar_agent.safefiles import private_dir, write_atomic
 from hpar_agent.tools.report_figures import (
     COMPILE_KINDS,
     brief,
@@ -365,13 +366,11 @@ def build_report(
     if not run_path.is_dir():
         raise FileNotFoundError(f"run directory not found: {run_path}")
     out = Path(output) if output else run_path / "report.html"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(str(out.parent), chosen=True)  # a missing one is created 0700
     if compare is not None and not Path(compare).is_dir():
         raise FileNotFoundError(f"run directory not found: {compare}")
     page = render(load_run(run_path), out.parent, Path(compare) if compare is not None else None)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)  # a reader never sees half a page
+    write_atomic(str(out), page.encode("utf-8"))  # 0600; a reader never sees half a page
     return out
 
 

@@ -1,8 +1,9 @@
 """``hpar-agent run -- CMD ...``: observe an unmodified training script (zero-code mode).
 
-CMD is ``torchrun ... train.py`` or ``python train.py`` (anything that starts Python processes). The
-children get the shim directory first on PYTHONPATH (its ``sitecustomize`` attaches the agent, see
-``zerocode_site/``), ``HPAR_AUTOATTACH=1``, ``HPAR_RUN_DIR``, ``HPAR_JOB_ID``, and what must be set
+CMD is ``torchrun ... train.py``, ``python train.py``, ``accelerate launch ...`` (anything that starts
+Python processes, however they start their ranks). The children, and theirs, get the shim directory
+first on PYTHONPATH (its ``sitecustomize`` attaches the agent in the processes that train, see
+``autoattach``), ``HPAR_AUTOATTACH=1``, ``HPAR_RUN_DIR``, ``HPAR_JOB_ID``, and what must be set
 before a process group exists (``TORCH_NCCL_ENABLE_TIMING=1`` unless set). The command runs in its own
 process group: SIGINT/SIGTERM/SIGHUP are forwarded to the whole group (a second one sends SIGKILL), and
 its exit status is ours (128 + N when a signal N ended it).
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpar_agent.config import _TRUE
+from hpar_agent.safefiles import private_dir
 from hpar_agent.tools.summary import load_rank_summaries
 
 SHIM_DIR = Path(__file__).resolve().parents[1] / "zerocode_site"  # hpar_agent/zerocode_site
@@ -92,22 +94,30 @@ def _run_forwarding(cmd: Sequence[str], env: Mapping[str, str]) -> int:
 RANK_LINES_MAX = 16
 
 
+#: What the end of the run says when no process attached.
+NOT_ATTACHED = (
+    "  no process attached, so nothing was observed: a process is observed once it creates a process "
+    "group (init_process_group), steps a torch.optim optimizer, compiles (torch.compile) or calls "
+    "hpar_agent.current(); in a loop with none of these, call hpar_agent.current().step() once per "
+    "iteration (and check that hpar_agent is importable by the command's Python)"
+)
+
+
 def rank_lines(run_dir: Path) -> list[str]:
-    """What the end of the run says about the ranks, from their ``summary.rank<R>.json``."""
+    """What the end of the run says about the ranks, from their ``summary.rank<R>.json``: how many
+    ranks the job had (the world size the observed ones saw) and how many were observed, naming the
+    missing ones."""
     ranks = load_rank_summaries(run_dir)
     if not ranks:
-        return [
-            "  no rank wrote a summary: the agent did not attach (is hpar_agent importable by the "
-            "command's Python? a torchrun worker attaches at init_process_group, a plain script at "
-            "import torch)"
-        ]
-    lines = [f"  ranks observed: {len(ranks)} (summary.rank<R>.json, events.rank<R>.jsonl)"]
-    worlds = {int(r.get("topology", {}).get("world_size", 0) or 0) for r in ranks}
+        return [NOT_ATTACHED]
+    world = max(int(r.get("topology", {}).get("world_size", 0) or 0) for r in ranks)
     seen = {r.get("rank") for r in ranks}
-    missing = [i for i in range(max(worlds)) if i not in seen] if len(worlds) == 1 else []
+    missing = [i for i in range(world) if i not in seen]
+    lines = [f"  ranks observed: {len(ranks)} of {world} (summary.rank<R>.json, events.rank<R>.jsonl)"]
     if missing:
         shown = ", ".join(map(str, missing[:32])) + (" ..." if len(missing) > 32 else "")
-        lines.append(f"  no summary from rank(s) {shown} of {max(worlds)} (crashed, killed, or another host's run dir)")
+        lines.append(f"  not observed: rank(s) {shown} of {world} (crashed or killed before attaching, or "
+                     "writing to another host's run directory)")
     steps = [int(r.get("components", {}).get("steps", {}).get("steps", 0)) for r in ranks]
     errors = [sum(r.get("errors", {}).values()) for r in ranks]
     if len(ranks) > RANK_LINES_MAX:
@@ -115,12 +125,13 @@ def rank_lines(run_dir: Path) -> list[str]:
         return lines
     for r, n, err in zip(ranks, steps, errors, strict=True):
         comps = r.get("components", {})
+        topo = r.get("topology", {})
         p50 = comps.get("steps", {}).get("step_seconds_p50")
         attached = comps.get("zerocode", {}).get("attached_at", "attach()")
         lines.append(
-            f"  rank {r.get('rank')}/{r.get('topology', {}).get('world_size', '?')}: {n} steps, step p50 "
-            f"{'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, attached at {attached}, agent errors {err}, "
-            f"metrics {r.get('metrics_url') or '-'}"
+            f"  rank {r.get('rank')}/{topo.get('world_size', '?')} ({topo.get('backend', '?')}, dp "
+            f"{topo.get('dp', '?')}): {n} steps, step p50 {'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, "
+            f"attached at {attached}, agent errors {err}, metrics {r.get('metrics_url') or '-'}"
         )
     return lines
 
@@ -135,8 +146,13 @@ def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, st
     if environ.get("HPAR_DISABLE", "").strip().lower() in _TRUE:
         _say("HPAR_DISABLE is set: running the command unobserved")
         return _run_forwarding(cmd, environ)
-    rd = Path(run_dir or environ.get("HPAR_RUN_DIR") or fresh_run_dir()).resolve()
-    rd.mkdir(parents=True, exist_ok=True)
+    chosen = run_dir or environ.get("HPAR_RUN_DIR")
+    rd = Path(chosen or fresh_run_dir()).resolve()
+    try:
+        private_dir(str(rd), chosen=bool(chosen))  # 0700, as the agent's own files are 0600
+    except OSError as exc:
+        _say(f"error: run directory {rd}: {exc}")
+        return 2
     _say(f"observing `{shlex.join(cmd)}`; outputs in {rd}")
     t0 = time.time()
     status = _run_forwarding(cmd, child_env(environ, rd))

@@ -25,6 +25,8 @@ ARTIFACT_LOGGERS: dict[str, tuple[str, ...]] = {
     ),
     "recompiles": ("torch._dynamo.guards.__recompiles",),
 }
+#: ``counters["stats"]`` key dynamo bumps for every graph it hands to the backend.
+UNIQUE_GRAPHS = "unique_graphs"
 #: ``counters["unimplemented"]`` key prefix of a frame that hit ``config.recompile_limit``.
 RECOMPILE_LIMIT_PREFIX = "Dynamo recompile limit exceeded"
 #: (counters group, counters key) -> (cache label, result label) for the compile caches.
@@ -57,14 +59,15 @@ def _callback_handler() -> Any:
     return callback_handler if hasattr(callback_handler, "register_start_callback") else None
 
 
-def register_callbacks(start: Callable[[Any], None], end: Callable[[Any], None]) -> bool:
-    """Register compile start/end callbacks (idempotent); False when the registry is missing."""
+def register_callbacks(start: Callable[[Any], None], end: Callable[[Any], None] | None) -> bool:
+    """Register compile start/end callbacks (idempotent; ``end`` None: a start callback only); False
+    when the registry is missing."""
     h = _callback_handler()
     if h is None:
         return False
     if start not in h.start_callbacks:
         h.register_start_callback(start)
-    if end not in h.end_callbacks:
+    if end is not None and end not in h.end_callbacks:
         h.register_end_callback(end)
     return True
 
@@ -130,7 +133,8 @@ def _counters() -> Mapping[str, Mapping[str, int]]:
 
 
 def counters_snapshot() -> dict[str, Any]:
-    """Copy what the collector diffs: cache lookups, recompile-limit hits and graph-break messages.
+    """Copy what the collector diffs: cache lookups, recompile-limit hits, graph-break messages and
+    graphs compiled (``stats.unique_graphs``: one per graph handed to the backend).
 
     Reads only the few groups needed (``.get`` so the defaultdict grows no new keys)."""
     c = _counters()
@@ -142,7 +146,8 @@ def counters_snapshot() -> dict[str, Any]:
     unimpl = c.get("unimplemented") or {}
     limit = sum(int(v) for k, v in list(unimpl.items()) if str(k).startswith(RECOMPILE_LIMIT_PREFIX))
     breaks = dict(c.get("graph_break") or {})
-    return {"caches": caches, "limit": limit, "graph_break": breaks}
+    stats = c.get("stats") or {}
+    return {"caches": caches, "limit": limit, "graph_break": breaks, "graphs": int(stats.get(UNIQUE_GRAPHS, 0))}
 
 
 def _log_state() -> Any:
@@ -180,8 +185,9 @@ def artifact_loggers(names: Iterable[str]) -> list[logging.Logger]:
 
 def _backend_name(fn: Any) -> str:
     """Registered name of a dynamo backend callable: the first name along its wrappers (dynamo's
-    WrapBackendDebug, torch._TorchCompileWrapper, partials, a user callable that sets ``compiler_name``) in dynamo's
-    registry, else the first name found ('' when none)."""
+    WrapBackendDebug, torch._TorchCompileWrapper, partials, the ``compile_fn`` of the DDPOptimizer that
+    dynamo puts around the backend of a frame under DDP, a user callable that sets ``compiler_name``) in
+    dynamo's registry, else the first name found ('' when none)."""
     names: list[str] = []
     for _ in range(6):
         for attr in ("_compiler_name", "compiler_name"):
@@ -189,7 +195,8 @@ def _backend_name(fn: Any) -> str:
             if isinstance(name, str) and name:
                 names.append(name)
         nxt = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
-               or getattr(fn, "func", None))  # fmt: skip
+               or getattr(fn, "func", None) or getattr(fn, "__wrapped__", None)
+               or getattr(getattr(fn, "__self__", None), "backend_compile_fn", None))  # fmt: skip
         if nxt is None or nxt is fn:
             break
         fn = nxt

@@ -1,21 +1,20 @@
 """hpar-agent zero-code shim (``hpar-agent run``): attach the agent to an unmodified script.
 
-``hpar-agent run`` puts this directory first on its children's PYTHONPATH and sets HPAR_AUTOATTACH=1.
-Standard library only, and nothing is imported here: the torchrun launcher and helper processes pay
-one environment lookup. What it installs (each tagged ``_hpar_autoattach``):
+``hpar-agent run`` puts this directory first on its children's PYTHONPATH and sets HPAR_AUTOATTACH=1;
+every Python process of the job runs this, and its own children inherit both. Standard library only,
+and nothing is imported here: a process that never imports torch pays one environment lookup and a
+meta-path finder. What it installs (each tagged ``_hpar_autoattach``):
 
-- in a torchrun worker (``TORCHELASTIC_RUN_ID`` set), or one of several ranks another launcher
-  started (``WORLD_SIZE``, ``SLURM_NTASKS``, ``OMPI_COMM_WORLD_SIZE`` or ``PMI_SIZE`` above 1): a wrapper of ``init_process_group`` that attaches
-  the agent right after the default group exists (rank, world, backend, store: before the first step;
-  ``init_device_mesh`` creates its group through the same function);
-- in any other Python process (``python train.py``): the agent attaches as soon as ``import torch``
-  completes, before any compile or step, so ``hpar_agent.current().step()`` works in loops without an
-  optimizer, and after the script's own top-of-file environment (CUDA_VISIBLE_DEVICES). That process
-  takes HPAR_AUTOATTACH out of its environment: its own children (DataLoader or compile workers) are
-  not observed;
-- in the torchrun launcher: nothing.
+- once ``torch.distributed.distributed_c10d`` has executed (during ``import torch``, before
+  ``init_device_mesh`` or any library binds the name): a wrapper of ``init_process_group`` that, once
+  the default group exists, attaches the agent (the process is a rank, whoever created the group) or,
+  attached already, has it re-detect its topology;
+- once ``import torch`` completes: ``hpar_agent.autoattach.arm()``, the other triggers (the first
+  optimizer step, the first compile, the first ``hpar_agent.current()``) and the topology hooks.
 
-Then it runs the next ``sitecustomize`` on sys.path, if any, so an existing one keeps working.
+Where the agent attaches follows what a process does, not what launched it: launchers, a parent that
+only spawns, DataLoader and compile workers never attach. Then it runs the next ``sitecustomize`` on
+sys.path, if any, so an existing one keeps working.
 """
 
 import os
@@ -23,35 +22,10 @@ import sys
 
 _ENV = "HPAR_AUTOATTACH"
 _TRUE = ("1", "true", "yes", "on")
-_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")
-_WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 
 
-def _is_torchrun_launcher(argv):
-    if len(argv) > 1 and os.path.basename(argv[1]) == "torchrun":
-        return True
-    return any(a == "-m" and i + 1 < len(argv) and argv[i + 1] in _LAUNCHERS for i, a in enumerate(argv))
-
-
-def _one_of_many(environ):
-    """Started as one of several ranks by another launcher (srun, mpirun, a script that sets
-    WORLD_SIZE): the rank is only known once the process group exists."""
-    for name in _WORLD_VARS:
-        try:
-            if int(environ.get(name, "1")) > 1:
-                return True
-        except ValueError:
-            continue
-    return False
-
-
-def _attach(trigger):
-    try:
-        from hpar_agent.autoattach import attach_now
-
-        attach_now(trigger)
-    except Exception as exc:  # never break the user's script
-        print(f"hpar-agent: zero-code attach failed ({type(exc).__name__}: {exc}); not observing", file=sys.stderr)
+def _say(what, exc):
+    print(f"hpar-agent: zero-code {what} failed ({type(exc).__name__}: {exc}); not observing", file=sys.stderr)
 
 
 def _wrap_init_process_group(c10d):
@@ -64,23 +38,37 @@ def _wrap_init_process_group(c10d):
     @functools.wraps(orig)
     def init_process_group(*args, **kwargs):
         out = orig(*args, **kwargs)
-        _attach("init_process_group")
+        try:
+            from hpar_agent.autoattach import on_process_group
+
+            on_process_group()
+        except Exception as exc:  # never break the user's script
+            _say("attach", exc)
         return out
 
     init_process_group._hpar_autoattach = True  # type: ignore[attr-defined]
     c10d.init_process_group = init_process_group
 
 
+def _arm(_torch):
+    try:
+        from hpar_agent.autoattach import arm
+
+        arm()
+    except Exception as exc:
+        _say("setup", exc)
+
+
 class _AfterImport:
-    """A meta-path finder that runs ``then(module)`` once ``name`` has finished executing."""
+    """A meta-path finder that runs ``then(module)`` once a module of ``waiting`` has executed."""
 
     _hpar_autoattach = True
 
-    def __init__(self, name, then):
-        self.name, self.then = name, then
+    def __init__(self):
+        self.waiting = {}
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
+        if fullname not in self.waiting:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -93,37 +81,40 @@ class _AfterImport:
         loader = spec.loader
         if loader is None or not hasattr(loader, "exec_module"):
             return None
-        orig_exec, then, finder_self = loader.exec_module, self.then, self
+        orig_exec, waiting, finder_self = loader.exec_module, self.waiting, self
 
         def exec_module(module):
             orig_exec(module)
-            if finder_self in sys.meta_path:
+            then = waiting.pop(fullname, None)
+            if not waiting and finder_self in sys.meta_path:
                 sys.meta_path.remove(finder_self)
-            then(module)
+            if then is not None:
+                try:
+                    then(module)
+                except Exception as exc:  # never break the user's import
+                    _say("setup", exc)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-def _after_import(name, then):
+def _after_import(finder, name, then):
     if name in sys.modules:
         then(sys.modules[name])
     else:
-        sys.meta_path.insert(0, _AfterImport(name, then))
+        finder.waiting[name] = then
+        if finder not in sys.meta_path:
+            sys.meta_path.insert(0, finder)
 
 
 def _boot(environ):
-    """Install what this process needs; returns what it did (``off``, ``launcher``, ``worker``, ``script``)."""
+    """Install what this process needs; returns what it did (``off`` or ``armed``)."""
     if not environ.get(_ENV) or environ.get("HPAR_DISABLE", "").strip().lower() in _TRUE:
         return "off"
-    if _is_torchrun_launcher(getattr(sys, "orig_argv", sys.argv)):
-        return "launcher"
-    if "TORCHELASTIC_RUN_ID" in environ or _one_of_many(environ):
-        _after_import("torch.distributed.distributed_c10d", _wrap_init_process_group)
-        return "worker"
-    environ.pop(_ENV, None)
-    _after_import("torch", lambda _torch: _attach("import torch"))
-    return "script"
+    finder = _AfterImport()
+    _after_import(finder, "torch.distributed.distributed_c10d", _wrap_init_process_group)
+    _after_import(finder, "torch", _arm)
+    return "armed"
 
 
 def _chain():
@@ -142,5 +133,5 @@ def _chain():
 try:
     _hpar_mode = _boot(os.environ)
 except Exception as _exc:
-    print(f"hpar-agent: zero-code shim failed ({type(_exc).__name__}: {_exc}); not observing", file=sys.stderr)
+    _say("shim", _exc)
 _chain()

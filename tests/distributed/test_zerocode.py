@@ -6,8 +6,6 @@ gloo ranks under torchrun, a single-process loop without an optimizer, a script 
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,8 +17,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hpar_agent.autoattach import NO_STEPS
+from hpar_agent.collectors.zerocode import NO_STEPS
+from hpar_agent.tools.run_cmd import NOT_ATTACHED
 from testkit.ports import free_base_port
+from testkit.zerocode import attach_event, clean_env, hpar_run, run_cmd, summaries
 
 pytestmark = pytest.mark.distributed
 
@@ -29,56 +29,32 @@ STEPS = 4
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def _env(run_dir: Path, **extra: str) -> dict[str, str]:
-    launch_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPAR_", "TORCHELASTIC_")) and k not in launch_vars}
-    env.update(HPAR_RUN_DIR=str(run_dir), HPAR_METRICS_ADDR="127.0.0.1", HPAR_METRICS_PORT="0",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # fmt: skip
-    env.update(extra)
-    return env
-
-
-def _run_cmd(cmd: list[str]) -> list[str]:
-    return [sys.executable, "-m", "hpar_agent.tools.cli", "run", "--", *cmd]
-
-
-def hpar_run(run_dir: Path, cmd: list[str], timeout: float = 90, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(_run_cmd(cmd), env=_env(run_dir, **env), capture_output=True, text=True,
-                          timeout=timeout, check=False)  # fmt: skip
-
-
 def torchrun(script: str, *args: str, launcher: str = "module") -> list[str]:
     head = [str(TORCHRUN)] if launcher == "torchrun" else [sys.executable, "-m", "torch.distributed.run"]
     return [*head, "--standalone", "--nproc-per-node=2", str(SCRIPTS / script), *args]
 
 
-def _summaries(run_dir: Path) -> dict[int, dict[str, Any]]:
-    return {int(p.stem.split("rank")[-1]): json.loads(p.read_text()) for p in run_dir.glob("summary.rank*.json")}
-
-
-def _attach_event(run_dir: Path, rank: int) -> dict[str, Any]:
-    for line in (run_dir / f"events.rank{rank}.jsonl").read_text().splitlines():
-        ev = json.loads(line)
-        if ev["kind"] == "attach":
-            return ev
-    raise AssertionError(f"rank {rank} logged no attach event")
-
-
 def _assert_every_rank_observed(
-    run_dir: Path, proc: subprocess.CompletedProcess[str] | None = None, backend: str = "gloo"
-) -> None:
+    run_dir: Path, proc: subprocess.CompletedProcess[str] | None = None, backend: str = "gloo",
+    degrees: dict[str, str] | None = None,
+) -> None:  # fmt: skip
+    """Both ranks, their rank, world, backend and the degrees the wrapper or mesh built after attach
+    says (``degrees``: the summary's topology values)."""
     why = "" if proc is None else proc.stderr[-3000:]
-    ranks = _summaries(run_dir)
+    ranks = summaries(run_dir)
     assert sorted(ranks) == [0, 1], why
     for r, s in ranks.items():
         assert s["rank"] == r
         assert s["topology"]["world_size"] == "2" and s["topology"]["backend"] == backend
+        assert {k: s["topology"][k] for k in degrees or {}} == (degrees or {}), s["topology"]
+        if (degrees or {}).get("dp") == "2":
+            assert s["topology"]["dp_rank"] == str(r)
         assert s["components"]["steps"]["steps"] == STEPS, why
         zc = s["components"]["zerocode"]
         assert zc == {"attached_at": "init_process_group", "step_boundaries": STEPS}
         assert sum(t["count"] for t in s["components"]["collectives"]["table"]) > 0  # FR read after attach
         assert s["errors"] == {}, s["errors"]
-        assert _attach_event(run_dir, r)["topology"]["world_size"] == "2"
+        assert attach_event(run_dir, r)["topology"]["world_size"] == "2"
 
 
 def _scrape(url: str) -> dict[str, list[Any]]:
@@ -97,8 +73,8 @@ def test_ddp_under_torchrun_scraped_mid_run(tmp_path: Path) -> None:
     base = free_base_port(2)
     release = tmp_path / "release"
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(_run_cmd(torchrun("ddp_train.py", str(STEPS), str(release), launcher="torchrun")),
-                            env=_env(run_dir, HPAR_METRICS_PORT=str(base)), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(run_cmd(torchrun("ddp_train.py", str(STEPS), str(release), launcher="torchrun")),
+                            env=clean_env(run_dir, HPAR_METRICS_PORT=str(base)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.time() + 60
@@ -125,7 +101,7 @@ def test_ddp_under_torchrun_scraped_mid_run(tmp_path: Path) -> None:
         assert info.labels["backend"] == "gloo" and info.labels["local_rank"] == str(r)
     assert proc.returncode == 0, err[-3000:]
     assert f"outputs in {run_dir.resolve()}" in err and "exit code 0" in err
-    _assert_every_rank_observed(run_dir)
+    _assert_every_rank_observed(run_dir, degrees={"dp": "2", "dp_replicate": "2"})
 
 
 def test_tp_dtensor(tmp_path: Path) -> None:
@@ -133,35 +109,42 @@ def test_tp_dtensor(tmp_path: Path) -> None:
     named, which ``dist.get_backend()`` reports as "undefined")."""
     proc = hpar_run(tmp_path, torchrun("tp_train.py", str(STEPS)))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_every_rank_observed(tmp_path, proc, backend="undefined")
+    # an unnamed mesh says nothing of which dim it is: the degrees stay unknown (1), never guessed
+    _assert_every_rank_observed(tmp_path, proc, backend="undefined", degrees={"dp": "1", "tp": "1"})
 
 
 def test_fsdp2(tmp_path: Path) -> None:
-    """(c) FSDP2 (``fully_shard``) on gloo."""
+    """(c) FSDP2 (``fully_shard``, its default mesh) on gloo: dp is the sharding dim."""
     proc = hpar_run(tmp_path, torchrun("fsdp2_train.py", str(STEPS)))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _assert_every_rank_observed(tmp_path, proc)
+    _assert_every_rank_observed(tmp_path, proc, degrees={"dp": "2", "dp_shard": "2", "dp_replicate": "1"})
 
 
 def test_loop_without_optimizer_says_so_once(tmp_path: Path) -> None:
-    """(d) no process group, no optimizer: observed from ``import torch``; one line at exit names the
-    fix, and the summary carries it. Applying the fix gives every step."""
+    """(d) no process group, no optimizer, no compile: nothing attaches, and the end of the run names
+    the call that marks steps; applying it observes every step. A rank (a process group) that updates
+    its weights by hand is observed, and says once per host (every summary carries it) that it gave
+    no step boundary."""
     proc = hpar_run(tmp_path / "plain", [sys.executable, str(SCRIPTS / "no_optimizer.py"), "3"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no-optimizer loop done" in proc.stdout
-    assert proc.stderr.count("no step boundaries") == 1, proc.stderr
-    assert NO_STEPS in proc.stderr and "hpar_agent.current().step()" in NO_STEPS
-    (s,) = _summaries(tmp_path / "plain").values()
-    assert s["components"]["zerocode"]["note"] == NO_STEPS
-    assert s["components"]["zerocode"]["attached_at"] == "import torch"
-    assert s["topology"]["world_size"] == "1" and s["topology"]["backend"] == "none"
+    assert proc.stderr.count(NOT_ATTACHED) == 1 and "no step boundaries" not in proc.stderr, proc.stderr
+    assert summaries(tmp_path / "plain") == {}
 
     fixed = hpar_run(tmp_path / "fixed", [sys.executable, str(SCRIPTS / "no_optimizer.py"), "3", "mark"])
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert "no step boundaries" not in fixed.stderr
-    (s,) = _summaries(tmp_path / "fixed").values()
+    (s,) = summaries(tmp_path / "fixed").values()
     assert s["components"]["steps"]["steps"] == 3
-    assert "note" not in s["components"]["zerocode"]
+    assert s["components"]["zerocode"] == {"attached_at": "hpar_agent.current()", "step_boundaries": 3}
+
+    ranks = hpar_run(tmp_path / "ranks", torchrun("no_optimizer.py", "3", "pg"))
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert ranks.stderr.count(NO_STEPS) == 1, ranks.stderr  # one line for the host
+    assert "hpar_agent.current().step()" in NO_STEPS
+    for s in summaries(tmp_path / "ranks").values():
+        assert s["components"]["zerocode"]["note"] == NO_STEPS
+        assert s["components"]["zerocode"]["attached_at"] == "init_process_group"
 
 
 def test_exit_code_and_disable(tmp_path: Path) -> None:
@@ -170,7 +153,7 @@ def test_exit_code_and_disable(tmp_path: Path) -> None:
     proc = hpar_run(tmp_path / "on", cmd)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "exit code 3" in proc.stderr
-    assert list(_summaries(tmp_path / "on")) == [0]
+    assert list(summaries(tmp_path / "on")) == [0]
     off = hpar_run(tmp_path / "off", cmd, HPAR_DISABLE="1")
     assert off.returncode == 3
     assert not (tmp_path / "off").exists() or not any((tmp_path / "off").iterdir())
@@ -181,7 +164,7 @@ def test_sigterm_reaches_the_whole_process_group(tmp_path: Path) -> None:
     pid_file = tmp_path / "grandchild.pid"
     code = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")  # fmt: skip
-    proc = subprocess.Popen(_run_cmd([sys.executable, "-c", code]), env=_env(tmp_path / "run"),
+    proc = subprocess.Popen(run_cmd([sys.executable, "-c", code]), env=clean_env(tmp_path / "run"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.time() + 20

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
@@ -213,6 +214,9 @@ def test_page_is_offline_escaped_and_links_evidence(run_dir: Path, tmp_path: Pat
     # written elsewhere, the link still reaches the file relative to the page
     other = report.build_report(run_dir, tmp_path / "pages" / "r.html")
     assert '<a href="../run/evidence/MemoryLeak-rank2-pyspy.txt">' in other.read_text()
+    for page_path in (out, other):  # the README's promise: 0600 files in 0700 directories
+        assert stat.S_IMODE(page_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(other.parent.stat().st_mode) == 0o700
 
 
 def test_pipeline_timeline_shows_each_microbatch_and_the_bubble(run_dir: Path) -> None:

@@ -59,6 +59,32 @@ def test_steps_from_global_optimizer_hook(attach):
     assert count == 4
 
 
+class _Wrapped(torch.optim.Optimizer):
+    """An optimizer wrapper as accelerate's AcceleratedOptimizer is: an Optimizer subclass that never
+    ran ``Optimizer.__init__`` (its own ``step`` runs no torch hook) and steps ``self.optimizer``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self, closure=None):  # type: ignore[override]
+        return self.optimizer.step(closure)
+
+
+def test_steps_of_the_optimizer_a_given_wrapper_steps(attach):
+    """``attach(optimizer=wrapper)`` counts the steps of the optimizer the wrapper steps (only that one
+    runs the hooks), and only those."""
+    model = torch.nn.Linear(4, 4)
+    opt = _Wrapped(torch.optim.SGD(model.parameters(), lr=0.1))
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    agent = attach(model, optimizer=opt)
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        other.step()  # stepped first: without the unwrapping it would define the step
+        opt.step()
+    agent.tick()
+    assert agent.registry.get_sample_value("hpar_steps_total", {"rank": "0", "pp_stage": "0"}) == 3
+
+
 def test_explicit_step_wins_over_optimizer_hook(attach):
     agent = attach()
     agent.step(tokens=128)

@@ -184,6 +184,56 @@ def test_backend_label_sees_through_wrappers_and_bounds_custom_backends(agent):
     assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="custom") == 1.0
 
 
+def _empty_then_break(x):
+    print("graph break before any op")  # the frame traced nothing before it: no graph
+    return x.sin() + 1
+
+
+def _two_breaks(x):
+    y = x * 2
+    print("one")
+    y = y + 1
+    print("two")
+    return y.cos()
+
+
+def test_counts_are_dynamos_own_frames_without_ops_are_no_graph(agent):
+    """``graphs_compiled`` and graph breaks equal dynamo's ``unique_graphs`` and ``graph_break`` counters
+    since attach; a frame that traced no op (before a graph break) is no graph, for the distinct
+    graphs and the fingerprint either."""
+    from torch._dynamo.utils import counters
+
+    graphs0 = counters["stats"]["unique_graphs"]
+    breaks0 = sum(counters["graph_break"].values())
+    torch.compile(_empty_then_break, backend="eager")(torch.ones(3))
+    torch.compile(_two_breaks, backend="eager")(torch.ones(3))
+    agent.tick()
+    comp = agent.component("compile").summary()
+    graphs = counters["stats"]["unique_graphs"] - graphs0
+    breaks = sum(counters["graph_break"].values()) - breaks0
+    assert comp["graphs_compiled"] == graphs == _val(agent, "hpar_dynamo_graphs_compiled_total") == 4
+    assert comp["graphs"] == 4 == _val(agent, "hpar_dynamo_unique_graphs")
+    assert sum(b["count"] for b in comp["graph_breaks"]) == breaks == 3
+    frames = {e["compile_id"] for e in _events(agent, "backend_compile") if e["trigger"] == "forward"}
+    assert len(frames) == 5  # the empty frame was compiled, and counted as no graph
+
+
+def test_backend_under_ddp_is_the_one_chosen(agent):
+    """Under DDP dynamo compiles with its DDPOptimizer's ``compile_fn`` around the chosen backend."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.compile(net, backend="aot_eager"))
+        ddp(torch.randn(4, 8))  # the forward compile (a fake group runs no backward reduction)
+    finally:
+        dist.destroy_process_group()
+    agent.tick()
+    assert agent.component("compile").summary()["backends"] == ["aot_eager"]
+
+
 # ------------------------------------------------------------------------------------- compile leak
 def test_fresh_compiled_function_per_microbatch_grows_graphs_at_one_location(agent):
     """compile-leak's pattern: every microbatch compiles a new code object of one function. Each is a

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from hpar_agent.tools.run_cmd import RANK_LINES_MAX, SHIM_DIR, child_env, fresh_run_dir, rank_lines, run
+from hpar_agent.tools.run_cmd import (
+    NOT_ATTACHED,
+    RANK_LINES_MAX,
+    SHIM_DIR,
+    child_env,
+    fresh_run_dir,
+    rank_lines,
+    run,
+)
 
 
 def test_child_env_prepends_the_shim_and_keeps_user_settings(tmp_path: Path) -> None:
@@ -43,20 +51,22 @@ def _write_summaries(run_dir: Path, world: int, ranks: list[int], steps: int = 5
     run_dir.mkdir(parents=True, exist_ok=True)
     for r in ranks:
         (run_dir / f"summary.rank{r}.json").write_text(json.dumps({
-            "rank": r, "topology": {"world_size": str(world)}, "errors": {"steps": r % 2},
+            "rank": r, "topology": {"world_size": str(world), "backend": "gloo", "dp": str(world)},
+            "errors": {"steps": r % 2},
             "components": {"steps": {"steps": steps + r, "step_seconds_p50": 0.01},
                            "zerocode": {"attached_at": "init_process_group"}},
         }))  # fmt: skip
 
 
-def test_end_of_run_names_ranks_without_a_summary(tmp_path: Path) -> None:
-    assert "no rank wrote a summary" in rank_lines(tmp_path)[0]
+def test_end_of_run_says_how_many_ranks_were_observed_and_names_the_missing(tmp_path: Path) -> None:
+    assert rank_lines(tmp_path) == [NOT_ATTACHED]
+    assert "hpar_agent.current().step()" in NOT_ATTACHED  # the advice for a loop the agent cannot see
     _write_summaries(tmp_path, 3, [0, 2])
     lines = rank_lines(tmp_path)
-    assert lines[0] == "  ranks observed: 2 (summary.rank<R>.json, events.rank<R>.jsonl)"
-    assert lines[1].startswith("  no summary from rank(s) 1 of 3")
-    assert lines[2].startswith("  rank 0/3: 5 steps, step p50 10.0 ms, attached at init_process_group")
-    assert lines[3].startswith("  rank 2/3: 7 steps") and len(lines) == 4
+    assert lines[0] == "  ranks observed: 2 of 3 (summary.rank<R>.json, events.rank<R>.jsonl)"
+    assert lines[1].startswith("  not observed: rank(s) 1 of 3 (")
+    assert lines[2].startswith("  rank 0/3 (gloo, dp 3): 5 steps, step p50 10.0 ms, attached at init_process_group")
+    assert lines[3].startswith("  rank 2/3 (gloo, dp 3): 7 steps") and len(lines) == 4
 
 
 def test_end_of_run_totals_many_ranks(tmp_path: Path) -> None:

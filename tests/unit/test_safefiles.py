@@ -80,6 +80,17 @@ def test_files_and_directories_are_private(tmp_path):
         assert _mode(run / name) == 0o600, name
 
 
+def test_every_directory_created_is_private_parents_too(tmp_path):
+    """``os.makedirs`` gives its mode to the leaf only: the parents the agent (or ``hpar-agent run``)
+    creates on the way, ``hpar-runs`` itself, must be 0700 as well; an existing parent is left alone."""
+    (tmp_path / "shared").mkdir(mode=0o755)
+    leaf = tmp_path / "shared" / "hpar-runs" / "run-1" / "evidence"
+    safefiles.private_dir(str(leaf))
+    for d in (tmp_path / "shared" / "hpar-runs", leaf.parent, leaf):
+        assert _mode(d) == 0o700, d
+    assert _mode(tmp_path / "shared") == 0o755
+
+
 def test_evidence_refuses_a_symlinked_dir_and_never_overwrites(tmp_path):
     target = tmp_path / "elsewhere"
     target.mkdir()

@@ -1,9 +1,11 @@
-"""Imports torch (so the agent attaches), then exits with the status given in argv[1]."""
+"""Steps an optimizer once (so the agent attaches), then exits with the status given in argv[1]."""
 
 import sys
 
 import torch
 
 torch.set_num_threads(1)
-torch.ones(1).sum()
+w = torch.nn.Parameter(torch.ones(1))
+w.grad = torch.ones(1)
+torch.optim.SGD([w], lr=0.1).step()
 sys.exit(int(sys.argv[1]))

@@ -1,11 +1,16 @@
-"""A single-process loop without an optimizer and without a process group. argv[1]: steps; argv[2]
-``mark``: apply the fix the agent suggests (``hpar_agent.current().step()`` per iteration)."""
+"""A loop without an optimizer. argv[1]: steps; then ``mark``: apply the fix the agent suggests
+(``hpar_agent.current().step()`` per iteration); ``pg``: a rank of a job (``init_process_group``, under
+torchrun) that updates its weights by hand."""
 
 import sys
 
 import torch
 
-mark = sys.argv[2:] == ["mark"]
+mark = "mark" in sys.argv[2:]
+if "pg" in sys.argv[2:]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
 
 torch.set_num_threads(1)
 w = torch.randn(8, 8, requires_grad=True)

@@ -1,0 +1,152 @@
+"""Topology re-resolution: a process group, a data-parallel wrapper or a mesh that appears after attach
+changes what every series, span and summary says about the rank (on torch's fake process group: 4
+ranks in one process, no peer)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import hpar_agent
+from hpar_agent import topology_watch
+from hpar_agent.agent import Agent
+
+WORLD, RANK = 4, 1
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    """Attached before any process group exists (a zero-code attach at the first compile, or a user
+    who calls ``attach()`` at the top of the script)."""
+    assert not dist.is_initialized()
+    a = hpar_agent.attach(metrics_port=-1, traces="file", run_dir=str(tmp_path), interval=3600, detectors=False,
+                          job_id="watch")  # fmt: skip
+    try:
+        yield a
+    finally:
+        hpar_agent.detach()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _group() -> None:
+    dist.init_process_group("fake", rank=RANK, world_size=WORLD, store=FakeStore())
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+
+def test_a_group_after_attach_gives_the_rank_every_label_and_file(agent: Agent, tmp_path: Path) -> None:
+    assert agent.topology.rank == 0 and agent.topology.world_size == 1
+    _group()
+    agent.tick()
+    topo = agent.topology
+    assert (topo.rank, topo.world_size, topo.backend) == (RANK, WORLD, "fake")
+    (info,) = [s.labels for m in agent.registry.collect() if m.name == "hpar_rank" for s in m.samples]
+    assert (info["rank"], info["world_size"], info["backend"]) == (str(RANK), str(WORLD), "fake")
+    assert agent.registry.get_sample_value("hpar_steps_total", {"rank": str(RANK), "pp_stage": "0"}) == 0.0
+    events = [json.loads(line) for line in (tmp_path / f"events.rank{RANK}.jsonl").read_text().splitlines()]
+    (ev,) = [e for e in events if e["kind"] == "topology"]
+    assert ev["rank"] == RANK and ev["changed"]["rank"] == str(RANK) and ev["changed"]["world_size"] == str(WORLD)
+    assert agent.component("topology").summary() == {"redetects": 1, "sources": ["process_group"]}
+    hpar_agent.detach()
+    summary = json.loads((tmp_path / f"summary.rank{RANK}.json").read_text())
+    assert summary["rank"] == RANK and summary["topology"]["world_size"] == str(WORLD)
+
+
+def test_ddp_after_attach_sets_dp(agent: Agent) -> None:
+    _group()
+    agent.tick()
+    assert agent.topology.dp == 1
+    torch.nn.parallel.DistributedDataParallel(_model())
+    agent.tick()
+    topo = agent.topology
+    assert (topo.dp, topo.dp_rank, topo.dp_replicate, topo.dp_replicate_rank) == (WORLD, RANK, WORLD, RANK)
+    assert agent.tracing.resource.attributes["hpar.dp.size"] == WORLD  # spans from now on say it too
+
+
+def test_a_named_mesh_sets_every_degree_and_its_slices_do_not_win(agent: Agent) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _group()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh["tp"]  # a slice: a DeviceMesh of 2 ranks, not the job's
+    agent.tick()
+    topo = agent.topology
+    assert (topo.dp, topo.tp, topo.dp_rank, topo.tp_rank, topo.mesh_dims) == (2, 2, 0, 1, "dp=2,tp=2")
+
+
+def test_fully_shard_on_its_default_mesh_is_dp_shard(agent: Agent) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    _group()
+    model = _model()
+    fully_shard(model[0])
+    fully_shard(model)
+    agent.tick()
+    topo = agent.topology
+    assert (topo.dp, topo.dp_shard, topo.dp_shard_rank, topo.dp_replicate) == (WORLD, WORLD, RANK, 1)
+
+
+def test_replicate_is_dp_replicate(agent: Agent) -> None:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    _group()
+    replicate(_model())
+    agent.tick()
+    topo = agent.topology
+    assert (topo.dp, topo.dp_replicate, topo.dp_replicate_rank, topo.dp_shard) == (WORLD, WORLD, RANK, 1)
+
+
+def test_a_redetection_still_due_runs_before_the_group_is_destroyed(agent: Agent) -> None:
+    """A short job: the wrapper appears and the group goes before the agent's next pass; what the
+    wrapper said is kept (the wrapper itself dropped already)."""
+    _group()
+    agent.tick()
+    torch.nn.parallel.DistributedDataParallel(_model())  # dropped at once
+    dist.destroy_process_group()
+    assert agent.topology.dp == WORLD
+    agent.tick()  # no group now: the environment's rank 0 of 1 does not overwrite what the group said
+    assert (agent.topology.rank, agent.topology.world_size, agent.topology.dp) == (RANK, WORLD, WORLD)
+
+
+def test_detach_restores_every_patch() -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    before = (DeviceMesh.__init__, torch.nn.parallel.DistributedDataParallel.__init__, dist.init_process_group,
+              dist.destroy_process_group)  # fmt: skip
+    a = hpar_agent.attach(metrics_port=-1, traces="none", event_log=False, interval=3600, detectors=False)
+    try:
+        assert getattr(DeviceMesh.__init__, topology_watch.TAG, None) is before[0]
+        assert getattr(dist.init_process_group, topology_watch.TAG, None) is before[2]
+    finally:
+        hpar_agent.detach()
+    assert not a.started
+    after = (DeviceMesh.__init__, torch.nn.parallel.DistributedDataParallel.__init__, dist.init_process_group,
+             dist.destroy_process_group)  # fmt: skip
+    assert after == before
+
+
+def test_the_wrapper_built_around_the_given_model_is_read_not_another(tmp_path: Path) -> None:
+    """``attach(model)`` before a framework wraps that model in DDP (Lightning's setup, the HF Trainer):
+    the wrapper says dp; a DDP around some other module does not speak for the given model."""
+    _group()
+    model = _model()
+    a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600,
+                          detectors=False)  # fmt: skip
+    try:
+        torch.nn.parallel.DistributedDataParallel(_model())  # not around the given model
+        a.tick()
+        assert a.topology.dp == 1
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(model))  # a wrapper around a wrapper of it
+        assert (a.topology.dp, a.topology.dp_rank) == (WORLD, RANK)  # at once, before any pass
+    finally:
+        hpar_agent.detach()
+        dist.destroy_process_group()
