@@ -21,9 +21,20 @@ parameters), the members of this rank's group on that dim: all of them in a grou
 ``1 + PEERS_PER_DIM``, else the four at -1, +1, -n/3 and +n/3 in the group's order. The choice is
 symmetric (a rank is read by the ranks it reads), so a lone odd rank is outvoted 4 to 1 wherever it
 is, and the far pair crosses node boundaries: a block of contiguous ranks that is wrong together (a
-node) is still outvoted at its edges. No rank reads every rank: what needs the whole job (the
-distinct fingerprints of a stage, a rank's step time against the job's median) is left to the
-Prometheus rules over the per-rank series (``deploy/prometheus/rules``).
+node) is still outvoted at its edges. What each detector compares, with whom:
+
+- CompileDivergence: fingerprints (``s``) of all its peers, one stage;
+- ReplicaDivergence: checksum digests (``s``) of its dp and tp peers, holders of the same shard; the
+  checksums by name (``ck``) of one group only when its digests disagree;
+- CollectiveMismatch, Straggler, CollectiveLatencyHigh: the entries (``fr``) of each pg's members
+  among its peers (who arrives last at a collective, not step times: those equalize);
+- GradSyncIncomplete: tp gradient samples (``gs``) of its tp peers.
+
+No rank reads every rank: what needs the whole job (the distinct fingerprints of a stage, a rank's step
+time against the job's median) is left to the Prometheus rules over the per-rank series
+(``deploy/prometheus/rules``). Per exchange a rank sets ~4 KB and gets ~4 KB from each of at most
+``PEERS_PER_DIM`` peers per dim, whatever the job's size; the store serves 2 requests per rank
+(``docs/capacity.md``, section 5, has the figures).
 
 Readers ``check()`` a key before its first read (keys are overwritten, never deleted: one seen stays),
 so a rank that never published costs nothing and never blocks the agent thread; payloads carry their publish time, and a stuck rank's stale ``s`` is seen as
