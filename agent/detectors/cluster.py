@@ -43,7 +43,7 @@ class CompileDivergence(Detector):
     A rank publishes its fingerprint only once its compile activity has settled (a rank mid-compile,
     or a moment after, publishes none), and the exchange carries a newly settled one once
     ``exchange_min_s`` passed since the last publish (the peers read it a poll later) rather than at
-    the next 3 s slot. Judged once every rank of the stage has published (with two of four
+    the next 3 s slot. Judged once every comparison peer has published (with two of four
     known, a clean rank and the odd one would split 1-1 and both be named). Confirmed on two consecutive
     exchanges.
 
