@@ -1,11 +1,44 @@
-"""Cross-rank exchange of small detector payloads through the job's c10d store.
+"""Cross-rank exchange of small detector payloads through the job's c10d store, with a bounded
+number of peers per rank.
 
 Why the store: an extra collective on the training process groups would queue behind (or block) the
 very collectives a stuck rank is missing; the store is a side channel that keeps working when a rank
-is stuck in C++. Each rank overwrites one key ``hpar/<job>/x/<rank>`` (bounded: never one key per
-step), and readers ``check()`` keys before reading, so a rank that never published costs nothing and
-never blocks the agent thread. Payloads carry their publish time: a stuck rank's stale payload is seen
-as stale rather than waited for.
+is stuck in C++. It is also the job's own rendezvous: barriers and group creation wait on it, so the
+exchange must cost it O(peers compared) per rank, never O(ranks).
+
+Keys: each rank overwrites one key per purpose, ``hpar/<job>/x/<purpose>/<rank>`` (bounded: never one
+key per step), and a reader fetches only the purposes it compares:
+
+| purpose | holds | set | read from |
+|---|---|---|---|
+| ``s`` | coordinates, step, settled compile fingerprint, parameter-checksum digests (~0.3 KB) | every exchange | every comparison peer |
+| ``fr`` | the last flight-recorder entries, packed (``signals.pack_fr``, ~4 KB at 256 entries) | every exchange | every comparison peer |
+| ``gs`` | tp gradient samples (``collectors.gradsync``) | when they change | the tp peers |
+| ``ck`` | parameter checksums by name (~0.2 KB a parameter over 3 steps) | when they change | the dp/tp peers, only when their digests in ``s`` disagree |
+
+Comparison peers (``plan``): along every mesh dim but ``pp`` (stages hold different graphs and
+parameters), the members of this rank's group on that dim: all of them in a group of up to
+``1 + PEERS_PER_DIM``, else the four at -1, +1, -n/3 and +n/3 in the group's order. The choice is
+symmetric (a rank is read by the ranks it reads), so a lone odd rank is outvoted 4 to 1 wherever it
+is, and the far pair crosses node boundaries: a block of contiguous ranks that is wrong together (a
+node) is still outvoted at its edges. What each detector compares, with whom:
+
+- CompileDivergence: fingerprints (``s``) of all its peers, one stage;
+- ReplicaDivergence: checksum digests (``s``) of its dp and tp peers, holders of the same shard; the
+  checksums by name (``ck``) of one group only when its digests disagree;
+- CollectiveMismatch, Straggler, CollectiveLatencyHigh: the entries (``fr``) of each pg's members
+  among its peers (who arrives last at a collective, not step times: those equalize);
+- GradSyncIncomplete: tp gradient samples (``gs``) of its tp peers.
+
+No rank reads every rank: what needs the whole job (the distinct fingerprints of a stage, a rank's step
+time against the job's median) is left to the Prometheus rules over the per-rank series
+(``deploy/prometheus/rules``). Per exchange a rank sets ~4 KB and gets ~4 KB from each of at most
+``PEERS_PER_DIM`` peers per dim, whatever the job's size; the store serves 2 requests per rank
+(``docs/capacity.md``, section 5, has the figures).
+
+Readers ``check()`` a key before its first read (keys are overwritten, never deleted: one seen stays),
+so a rank that never published costs nothing and never blocks the agent thread; payloads carry their publish time, and a stuck rank's stale ``s`` is seen as
+stale rather than waited for (its other purposes go with it).
 """
 
 from __future__ import annotations
@@ -14,13 +47,23 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from hpar_agent import gil
 
 log = logging.getLogger("hpar_agent")
+
+#: Peers read along one mesh dim once its group has more members than ``1 + PEERS_PER_DIM``.
+PEERS_PER_DIM = 4
+#: purpose -> the mesh dims whose comparison peers a rank reads it from at every exchange ("*": all);
+#: ``ck`` is fetched on demand (ReplicaDivergence, when digests disagree).
+READS: dict[str, str] = {"s": "*", "fr": "*", "gs": "tp"}
+#: Purposes set at every exchange (their publish time is their freshness); the others only when changed.
+EVERY_EXCHANGE = ("s", "fr")
+PURPOSES = ("s", "fr", "gs", "ck")
 
 
 def open_store(timeout_s: float = 5.0) -> Any:
@@ -47,8 +90,100 @@ def open_store(timeout_s: float = 5.0) -> Any:
     return None
 
 
+# ------------------------------------------------------------------------------------------ peers
+@dataclass(frozen=True)
+class Grid:
+    """Where every rank sits: mesh dim names, sizes and the ranks in row-major order (a DeviceMesh's
+    ``mesh`` tensor flattened)."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def row_major(cls, dims: Sequence[tuple[str, int]], base: int = 0) -> Grid:
+        """Ranks ``base..`` laid out over ``dims`` (outermost first), as ``init_device_mesh`` does."""
+        shape = tuple(size for _, size in dims)
+        n = 1
+        for s in shape:
+            n *= s
+        return cls(tuple(name for name, _ in dims), shape, tuple(range(base, base + n)))
+
+    @classmethod
+    def from_mesh(cls, mesh: Any, names: Sequence[str]) -> Grid:
+        """A DeviceMesh's layout (unnamed dims are called ``dim<i>``)."""
+        grid = mesh.mesh
+        shape = tuple(int(s) for s in grid.shape)
+        dims = tuple(names) if len(names) == len(shape) else tuple(f"dim{i}" for i in range(len(shape)))
+        return cls(dims, shape, tuple(int(r) for r in grid.flatten().tolist()))
+
+    def group(self, rank: int, dim: str) -> list[int]:
+        """The ranks that differ from ``rank`` only on ``dim``, in that dim's order (``rank`` among them)."""
+        axis = self.names.index(dim)
+        pos = self.ranks.index(rank)
+        stride = 1
+        for s in self.shape[axis + 1 :]:
+            stride *= s
+        start = pos - ((pos // stride) % self.shape[axis]) * stride
+        return [self.ranks[start + i * stride] for i in range(self.shape[axis])]
+
+
+def select(members: Sequence[int], me: int, k: int = PEERS_PER_DIM) -> list[int]:
+    """The members of one group that ``me`` compares with: all of them up to ``k``; else those at -1,
+    +1, -n/3 and +n/3 in the group's order (for ``k`` = 4; more pairs at -2, +2, ... for a larger ``k``)."""
+    n = len(members)
+    if n - 1 <= k:
+        return [m for m in members if m != me]
+    i = members.index(me)
+    far = max(2, n // 3)
+    offsets = [o for j in range(1, k // 2) for o in (j, -j)] + [far, -far]
+    out: list[int] = []
+    for o in offsets:
+        peer = members[(i + o) % n]
+        if peer != me and peer not in out:
+            out.append(peer)
+    return out
+
+
+@dataclass(frozen=True)
+class PeerPlan:
+    """One rank's comparison peers by mesh dim (itself never among them)."""
+
+    rank: int
+    groups: Mapping[str, tuple[int, ...]]
+
+    @property
+    def peers(self) -> list[int]:
+        return sorted({r for g in self.groups.values() for r in g})
+
+    def wants(self, reads: Mapping[str, str] = READS) -> dict[str, list[int]]:
+        """purpose -> the ranks to read it from (``READS``: every peer, or one dim's)."""
+        out = {}
+        for purpose, dim in reads.items():
+            ranks = self.peers if dim == "*" else list(self.groups.get(dim, ()))
+            if ranks:
+                out[purpose] = ranks
+        return out
+
+
+def plan(grid: Grid, rank: int, k: int = PEERS_PER_DIM, skip: Iterable[str] = ("pp",)) -> PeerPlan:
+    """``rank``'s comparison peers along every dim of ``grid`` but ``skip`` (see the module doc)."""
+    if rank not in grid.ranks:
+        return PeerPlan(rank, {})
+    skipped = set(skip)
+    groups = {
+        dim: tuple(select(grid.group(rank, dim), rank, k))
+        for dim, size in zip(grid.names, grid.shape, strict=True)
+        if size > 1 and dim not in skipped
+    }
+    return PeerPlan(rank, groups)
+
+
+# ------------------------------------------------------------------------------------------ store
 class Exchange:
-    """One rank's view of the exchange: ``publish`` its payload, ``read`` the peers'."""
+    """One rank's view of the exchange: ``publish`` its parts, ``read`` the peers'.
+
+    ``bytes_out`` / ``bytes_in`` count the payload bytes this rank set and got (keys not counted)."""
 
     def __init__(self, store: Any, job: str, rank: int) -> None:
         self.store = store
@@ -56,39 +191,100 @@ class Exchange:
         self.rank = rank
         self.published = 0
         self.max_bytes = 1 << 20
+        self.bytes_out = 0
+        self.bytes_in = 0
+        self.own: dict[str, dict[str, Any]] = {}  # purpose -> what this rank last set, as a reader decodes it
+        self._sent: dict[str, str] = {}  # purpose -> its last body as set (without the publish time)
+        self._seen: set[str] = set()  # peers' keys known to exist
 
-    def key(self, rank: int) -> str:
-        return f"{self.prefix}{rank}"
+    def key(self, purpose: str, rank: int) -> str:
+        return f"{self.prefix}{purpose}/{rank}"
 
-    def publish(self, payload: dict[str, Any]) -> None:
-        data = json.dumps({**payload, "rank": self.rank, "t": time.time()}, separators=(",", ":"))
-        if len(data) > self.max_bytes:
-            raise ValueError(f"exchange payload of {len(data)} bytes exceeds {self.max_bytes}")
-        self.store.set(self.key(self.rank), data)
-        self.published += 1
+    def publish(self, parts: Mapping[str, Mapping[str, Any]], always: Iterable[str] = EVERY_EXCHANGE) -> int:
+        """Set each purpose's blob in one round trip: those in ``always`` every time, the others only
+        when their content changed. Returns the bytes set."""
+        return self.send(self.encode(parts, always))
 
-    def read(self, ranks: Iterable[int], max_age_s: float | None = None) -> dict[int, dict[str, Any]]:
-        """Payloads of ``ranks`` that exist (and are younger than ``max_age_s``); never waits for a key."""
-        ranks = list(ranks)
-        if self.store.check([self.key(r) for r in ranks]):  # every rank published: one round trip
-            present = ranks
-        else:
-            present = [r for r in ranks if self.store.check([self.key(r)])]
-        if not present:
-            return {}
-        keys = [self.key(r) for r in present]
-        if hasattr(self.store, "multi_get"):
-            raw = self.store.multi_get(keys)
-        else:  # pragma: no cover - stores without multi_get
-            raw = [self.store.get(k) for k in keys]
+    def encode(
+        self, parts: Mapping[str, Mapping[str, Any]], always: Iterable[str] = EVERY_EXCHANGE
+    ) -> list[tuple[str, str]]:
+        """``publish``'s (key, blob) pairs, stamped with the time now; what is encoded counts as sent."""
+        every = set(always)
         now = time.time()
-        out: dict[int, dict[str, Any]] = {}
-        for r, blob in zip(present, raw, strict=True):
-            gil.pause_point()  # each peer's payload is a few hundred µs of decoding
+        out = []
+        for purpose, part in parts.items():
+            body = json.dumps(part, separators=(",", ":"))
+            if purpose not in every and self._sent.get(purpose) == body:
+                continue
+            data = f'{{"t":{now!r}' + ("}" if body == "{}" else "," + body[1:])
+            if len(data) > self.max_bytes:
+                raise ValueError(f"exchange payload {purpose!r} of {len(data)} bytes exceeds {self.max_bytes}")
+            out.append((self.key(purpose, self.rank), data))
+            self._sent[purpose] = body
+            self.own[purpose] = json.loads(data)
+        return out
+
+    def send(self, items: Sequence[tuple[str, str]]) -> int:
+        """Set encoded blobs in one round trip; the bytes set."""
+        if not items:
+            return 0
+        keys, values = [k for k, _ in items], [v for _, v in items]
+        if hasattr(self.store, "multi_set"):
+            self.store.multi_set(keys, values)
+        else:  # pragma: no cover - stores without multi_set
+            for k, v in items:
+                self.store.set(k, v)
+        self.published += 1
+        sent = sum(len(v) for v in values)
+        self.bytes_out += sent
+        return sent
+
+    def read(
+        self, wants: Mapping[str, Iterable[int]], max_age_s: Mapping[str, float] | None = None
+    ) -> dict[str, dict[int, dict[str, Any]]]:
+        """purpose -> rank -> blob, for the wanted blobs that exist (and are younger than
+        ``max_age_s[purpose]`` where given); this rank's own are left out. Never waits for a key."""
+        return self.decode(self.fetch(wants), max_age_s)
+
+    def fetch(self, wants: Mapping[str, Iterable[int]]) -> list[tuple[tuple[str, int], bytes]]:
+        """((purpose, rank), blob) of the wanted blobs that exist, in one ``multi_get``. Keys not seen
+        yet are ``check``ed first (one round trip when all exist, else one per key); a key seen once
+        stays (keys are overwritten, never deleted), so a steady exchange is one round trip."""
+        pairs = [(p, r) for p, ranks in wants.items() for r in dict.fromkeys(ranks) if r != self.rank]
+        keys = [self.key(p, r) for p, r in pairs]
+        new = [k for k in keys if k not in self._seen]
+        if new and self.store.check(new):
+            self._seen.update(new)
+        elif new:
+            self._seen.update(k for k in new if self.store.check([k]))
+        present = [(pr, k) for pr, k in zip(pairs, keys, strict=True) if k in self._seen]
+        if not present:
+            return []
+        if hasattr(self.store, "multi_get"):
+            raw = self.store.multi_get([k for _, k in present])
+        else:  # pragma: no cover - stores without multi_get
+            raw = [self.store.get(k) for _, k in present]
+        out = [(pr, bytes(blob)) for (pr, _), blob in zip(present, raw, strict=True)]
+        self.bytes_in += sum(len(b) for _, b in out)
+        return out
+
+    def decode(
+        self, raw: Iterable[tuple[tuple[str, int], bytes]], max_age_s: Mapping[str, float] | None = None
+    ) -> dict[str, dict[int, dict[str, Any]]]:
+        """``fetch``'s blobs decoded, those older than ``max_age_s[purpose]`` (where given) and malformed
+        ones left out."""
+        now = time.time()
+        ages = max_age_s or {}
+        out: dict[str, dict[int, dict[str, Any]]] = {}
+        for (purpose, r), data in raw:
+            gil.pause_point()  # a peer's fr blob is a few hundred µs of decoding
             try:
-                payload = json.loads(bytes(blob).decode())
+                payload = json.loads(data.decode())
             except ValueError:
                 continue
-            if max_age_s is None or now - float(payload.get("t", 0)) <= max_age_s:
-                out[r] = payload
+            if not isinstance(payload, dict):
+                continue
+            limit = ages.get(purpose)
+            if limit is None or now - float(payload.get("t", 0)) <= limit:
+                out.setdefault(purpose, {})[r] = payload
         return out

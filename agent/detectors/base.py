@@ -7,6 +7,7 @@ DetectorsComponent owns the alert state machine (confirm/clear counts, metrics, 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -46,6 +47,9 @@ class Evaluation(Protocol):
     def peers(self) -> dict[int, dict[str, Any]]: ...
     @property
     def peers_fresh(self) -> bool: ...
+    @property
+    def peer_groups(self) -> Mapping[str, tuple[int, ...]]: ...
+    def fetch(self, purpose: str, ranks: Iterable[int]) -> dict[int, dict[str, Any]]: ...
     @property
     def evidence(self) -> Evidence | None: ...
     @property
@@ -88,6 +92,7 @@ class Detector:
         """Agent thread. None when there is no data yet (the alert state is left as it is)."""
         raise NotImplementedError
 
-    def publish(self, ctx: Evaluation) -> dict[str, Any]:
-        """Cross-rank detectors: this rank's part of the payload put in the store."""
+    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
+        """Cross-rank detectors: this rank's part of the payload put in the store, by purpose (see
+        ``crossrank``: ``s``, ``fr``, ``gs``, ``ck``)."""
         return {}

@@ -43,9 +43,16 @@ class CompileDivergence(Detector):
     A rank publishes its fingerprint only once its compile activity has settled (a rank mid-compile,
     or a moment after, publishes none), and the exchange carries a newly settled one once
     ``exchange_min_s`` passed since the last publish (the peers read it a poll later) rather than at
-    the next 3 s slot. Judged once every rank of the stage has published (with two of four
+    the next 3 s slot. Judged once every comparison peer has published (with two of four
     known, a clean rank and the odd one would split 1-1 and both be named). Confirmed on two consecutive
-    exchanges. The odd rank(s) are the minority; a 1-1 split flags both. Value: ranks of the stage whose fingerprint differs from ours.
+    exchanges.
+
+    Compared with this rank's comparison peers (``crossrank.plan``: every member of a small group, four
+    of a large one, per mesh dim), all of one stage: the odd rank(s) are the minority among them all
+    (a 1-1 split flags both), or the minority of three or more along one dim (a node whose tp group
+    compiled alike, outvoted by its dp peers). The stage as a whole is the Prometheus rule's
+    (``job_pp_stage:hpar_dynamo_graph_fingerprint:distinct``). Value: compared ranks whose fingerprint
+    differs from ours.
     """
 
     name = "CompileDivergence"
@@ -59,9 +66,9 @@ class CompileDivergence(Detector):
             return None
         return src.graph_fingerprint(ctx.context)
 
-    def publish(self, ctx: Evaluation) -> dict[str, Any]:
+    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
         fp = self.settled_fingerprint(ctx)
-        return {} if fp is None else {"fp": fp}
+        return {} if fp is None else {"s": {"fp": fp}}
 
     def evaluate(self, ctx: Evaluation) -> Verdict | None:
         if not ctx.peers_fresh:
@@ -71,13 +78,18 @@ class CompileDivergence(Detector):
             for r, p in ctx.peers.items()
             if "fp" in p and p.get("c", {}).get("stage") == ctx.stage and p.get("step", 0) >= self.p("warmup_steps")
         }
-        topo = ctx.context.topology
-        members = topo.world_size // max(1, topo.pp)  # ranks of one pipeline stage
-        if ctx.rank not in stage or len(stage) < max(2, members):
-            return None  # every member's fingerprint first: with some missing, a 1-1 split blames a clean rank
-        odd = sig.odd_ranks(stage)
+        groups = ctx.peer_groups
+        compared = {ctx.rank}.union(*groups.values())
+        if ctx.rank not in stage or len(compared) < 2 or not compared <= set(stage):
+            return None  # every peer's fingerprint first: with some missing, a 1-1 split blames a clean rank
+        stage = {r: stage[r] for r in sorted(compared)}
+        odd = ctx.rank in sig.odd_ranks(stage)
+        for group in groups.values():
+            vals = {r: stage[r] for r in (ctx.rank, *group)}
+            outvoted = sig.odd_ranks(vals)
+            odd = odd or (len(vals) >= 3 and ctx.rank in outvoted and len(outvoted) < len(vals))
         differ = sum(1 for v in stage.values() if v != stage[ctx.rank])
-        return Verdict(ctx.rank in odd, float(differ), {"fingerprints": {str(r): v for r, v in sorted(stage.items())}})
+        return Verdict(odd, float(differ), {"fingerprints": {str(r): v for r, v in stage.items()}})
 
 
 class ChecksumSampler:
@@ -173,7 +185,11 @@ class ReplicaDivergence(Detector):
     group (same dp/pp), and there only among ranks holding the same piece of a parameter: equal shard
     keys (see ``shard_key``). Replicated parameters are compared across the whole group; TP shards across
     dp replicas; FSDP shards (``Shard(0)`` on dp_shard) only with the same shard across dp_replicate (HSDP),
-    never shard against shard. Value: parameters whose checksum differs from the majority on this rank.
+    never shard against shard. The groups are this rank's comparison peers (``crossrank.plan``).
+
+    Each rank publishes a digest of its checksums per shard key in its small ``s`` blob; the checksums by
+    name (``ck``, ~0.2 KB a parameter) are fetched from a group only when the group's digests disagree,
+    so a run in sync reads none. Value: parameters whose checksum differs from the majority on this rank.
     """
 
     name = "ReplicaDivergence"
@@ -185,24 +201,41 @@ class ReplicaDivergence(Detector):
         super().__init__(thresholds)
         self.sampler = ChecksumSampler(int(self.p("per_param")))
         self.history: deque[tuple[int, dict[str, list[float]]]] = deque(maxlen=3)
+        self._digests: dict[int, dict[str, str]] = {}  # step -> its digests (a step's checksums never change)
+        self._judged: dict[str, tuple[Any, ...]] = {}  # group label -> (step, members, offending params)
 
     def step_hook(self, model: Any, step: int) -> None:
         if model is not None and step > 0 and step % int(self.p("every_steps")) == 0:
             self.sampler.capture(model, step)
 
-    def publish(self, ctx: Evaluation) -> dict[str, Any]:
+    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
         self.history.extend(self.sampler.resolve())
         if not self.history:
             return {}
-        return {"cks": {str(s): v for s, v in self.history}, "sk": self.sampler.shard_keys()}
+        keys = self.sampler.shard_keys()
+        self._digests = {s: self._digests.get(s) or sig.checksum_digests(v, keys) for s, v in self.history}
+        return {"s": {"cd": {str(s): d for s, d in self._digests.items()}},
+                "ck": {"cks": {str(s): v for s, v in self.history}, "sk": keys}}  # fmt: skip
 
-    def _compare(self, ctx: Evaluation, group: list[int]) -> tuple[int, list[str]]:
-        steps = set.intersection(*(set(ctx.peers[r]["cks"]) for r in group))
+    def _compare(self, ctx: Evaluation, label: str, group: list[int]) -> tuple[int, list[str]]:
+        """(step compared, this rank's offending parameters) at the latest step every member digested;
+        the checksums by name only when the digests disagree (once per step and group)."""
+        steps = set.intersection(*(set(ctx.peers[r]["cd"]) for r in group))
         if not steps:
             return -1, []
         step = max(steps, key=int)
-        sums = {r: ctx.peers[r]["cks"][step] for r in group}
-        return int(step), sig.same_shard_offenders(sums, {r: ctx.peers[r].get("sk", {}) for r in group}, ctx.rank)
+        if sig.digests_agree({r: ctx.peers[r]["cd"][step] for r in group}):
+            return int(step), []
+        memo = self._judged.get(label)
+        if memo is not None and memo[:2] == (step, group):
+            return int(step), memo[2]
+        full = ctx.fetch("ck", group)
+        if any(step not in full.get(r, {}).get("cks", {}) for r in group):
+            return -1, []  # a member's checksums moved on (or are missing): the next exchange judges
+        sums = {r: full[r]["cks"][step] for r in group}
+        diff = sig.same_shard_offenders(sums, {r: full[r].get("sk", {}) for r in group}, ctx.rank)
+        self._judged[label] = (step, group, diff)
+        return int(step), diff
 
     def evaluate(self, ctx: Evaluation) -> Verdict | None:
         if not ctx.peers_fresh:
@@ -210,10 +243,10 @@ class ReplicaDivergence(Detector):
         bad: dict[str, Any] = {}
         compared = False
         for label, keys in (("dp", DP_KEYS), ("tp", TP_KEYS)):
-            group = _my_group(ctx, keys, "cks")
+            group = _my_group(ctx, keys, "cd")
             if len(group) < 2:
                 continue
-            step, diff = self._compare(ctx, group)
+            step, diff = self._compare(ctx, label, group)
             compared = compared or step >= 0
             if diff:
                 bad[label] = {"step": step, "ranks": group, "params": diff[:8], "count": len(diff)}
@@ -226,19 +259,24 @@ class ReplicaDivergence(Detector):
 _peer_fr_memo: list[Any] = [None, None]
 
 
+#: pg labels whose members the coordinates say (a user's own group's do not: judged among its reporters).
+_KNOWN_PGS = ("dp", "tp", "pp", "default_pg", "dp_replicate", "dp_shard", "cp")
+
+
 def _peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, int]]:
-    """Peers' published entries, and each pg's member count from the topology (by its label); computed
-    once per exchange (the peers dict is new at each). Read the answer, never change it."""
+    """Peers' published entries, and for each pg the number of ranks read that are its members (by
+    their coordinates: a collective is judged once every member read has it, so a member that has not
+    published it yet never turns a 3-rank majority into a 1-1 tie); computed once per exchange (the
+    peers dict is new at each). Read the answer, never change it."""
     peers = ctx.peers
     if _peer_fr_memo[0] is peers:
         hit: tuple[dict[int, list[sig.FrEntry]], dict[str, int]] = _peer_fr_memo[1]
         return hit
     fr = {r: sig.unpack_fr(p["fr"]) for r, p in peers.items() if "fr" in p}  # unpacked at the read already
-    topo = ctx.context.topology
-    by_label = {"dp": topo.dp, "tp": topo.tp, "pp": topo.pp, "default_pg": topo.world_size,
-                "dp_replicate": topo.dp_replicate, "dp_shard": topo.dp_shard, "cp": topo.cp}
+    coords = [p["c"] for p in peers.values() if isinstance(p.get("c"), dict)]
     uids = {e[0] for entries in fr.values() for e in entries}  # a few groups among ~1,000 entries
-    sizes = {uid: by_label[label] for uid in uids if (label := src.pg_label(uid)) in by_label}
+    sizes = {uid: sum(1 for c in coords if src.group_key_of(label, c) == uid)
+             for uid in uids if (label := src.pg_label(uid)) in _KNOWN_PGS}  # fmt: skip
     _peer_fr_memo[:] = [peers, (fr, sizes)]
     return fr, sizes
 
@@ -327,9 +365,9 @@ class CollectiveMismatch(Detector):
         self.cross: list[dict[str, Any]] = []
         self.peer_bits: dict[sig.ReductionKey, float] = {}
 
-    def publish(self, ctx: Evaluation) -> dict[str, Any]:
+    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
         entries = src.fr_entries(ctx.context, int(self.p("max_entries")))
-        return {"fr": sig.pack_fr(entries)} if entries else {}
+        return {"fr": {"fr": sig.pack_fr(entries)}} if entries else {}
 
     def evaluate(self, ctx: Evaluation) -> Verdict | None:
         if self.param_bits is None:

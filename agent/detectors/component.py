@@ -10,8 +10,9 @@ alert from the first scrape, so rules see 0 rather than absence.
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -21,7 +22,7 @@ from hpar_agent import catalogue as cat
 from hpar_agent import gil
 from hpar_agent.alert_callbacks import Alert
 from hpar_agent.component import Component
-from hpar_agent.crossrank import Exchange, open_store
+from hpar_agent.crossrank import EVERY_EXCHANGE, PURPOSES, Exchange, Grid, PeerPlan, open_store, plan
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector
@@ -40,6 +41,7 @@ from hpar_agent.detectors.sources import step_state
 from hpar_agent.evidence import Evidence
 from hpar_agent.spans import StepRecord
 from hpar_agent.thresholds import COMPONENT_DEFAULTS
+from hpar_agent.topology import _mesh_from_model, mesh_dim_names
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -100,7 +102,7 @@ class DetectorsComponent(Component):
         self._span_events: list[tuple[str, int, dict[str, Any]]] = []
         self._store_tried = exchange is not None
         self._own_store = False
-        self._peer_ranks_of: tuple[tuple[int, int, int], list[int]] | None = None  # (mesh id, pp rank, world) -> ranks
+        self._plan_of: tuple[tuple[int, ...], PeerPlan] | None = None  # (mesh, model ids, rank, world) -> plan
         self.exchange_s = COMPONENT_DEFAULTS["exchange_s"]
         self.exchange_min_s = COMPONENT_DEFAULTS["exchange_min_s"]
         self.log_interval_s = COMPONENT_DEFAULTS["log_interval_s"]
@@ -172,21 +174,17 @@ class DetectorsComponent(Component):
         super().uninstall()
 
     def _exchange(self) -> None:
-        """Read what every rank published at the last exchange, then publish when one is due. Every
-        rank publishes in the same polls (``_due``: wall-clock slots, and every rank's poll runs at
-        the same tick), so reading one poll later gives payloads made at one instant, whose windows of
-        flight-recorder entries overlap; reading right after publishing raced the peers' publishes of
+        """Read what the comparison peers published at the last exchange, then publish when one is due.
+        Every rank publishes in the same polls (``_due``: wall-clock slots, and every rank's poll runs
+        at the same tick), so reading one poll later gives payloads made at one instant, whose windows
+        of flight-recorder entries overlap; reading right after publishing raced the peers' publishes of
         the same poll."""
         ctx = self.ctx
         assert ctx is not None
         self.peers_fresh = False
         if self._read_due and self.exchange is not None:
             self._read_due = False
-            self.peers = self.exchange.read(self._peer_ranks(), max_age_s=self.stale_s)
-            for p in self.peers.values():  # tuples of atomic values leave the collector's books (gcpause)
-                if "fr" in p:
-                    gil.pause_point()
-                    p["fr"] = sig.unpack_fr(p["fr"])
+            self.peers = self._read(self.exchange)
             self.peers_fresh = True
         token = self._change_token()
         if not self._due(token):
@@ -202,18 +200,57 @@ class DetectorsComponent(Component):
                     self._own_store = True
         if self.exchange is None:
             return
-        topo = ctx.topology
-        payload: dict[str, Any] = {
-            "c": {"dp": topo.dp_rank, "tp": topo.tp_rank, "pp": topo.pp_rank, "stage": topo.pp_stage},
-            "step": self.steps_done,
-        }
+        parts = self._parts()
+        gil.pause_point()
+        self.exchange.publish(parts)
+        self._read_due = True
+
+    def _parts(self) -> dict[str, dict[str, Any]]:
+        """This rank's payload by purpose (``crossrank``'s table): its coordinates and step in ``s``,
+        and what each cross-rank detector publishes."""
+        topo = self.context.topology
+        parts: dict[str, dict[str, Any]] = {p: {} for p in PURPOSES}
+        parts["s"] = {"c": {**topo.coords(), "dp": topo.dp_rank, "stage": topo.pp_stage}, "step": self.steps_done}
         for d in self.detectors:
             if d.cross_rank:
                 gil.pause_point()  # each publish is up to a few ms (FR entries packed, checksums summed)
-                payload.update(d.publish(self))
-        gil.pause_point()
-        self.exchange.publish(payload)
-        self._read_due = True
+                for purpose, fields in d.publish(self).items():
+                    parts[purpose].update(fields)
+        return parts
+
+    def _read(self, exchange: Exchange) -> dict[int, dict[str, Any]]:
+        """rank -> its purposes merged into one dict, for this rank (what it published last) and every
+        comparison peer whose ``s`` is fresh (a peer's other purposes count only with it)."""
+        got = exchange.read(self._plan().wants(), max_age_s={p: self.stale_s for p in EVERY_EXCHANGE})
+        mine = [p for p in PURPOSES if p != "ck"]
+        peers: dict[int, dict[str, Any]] = {}
+        for r in got.get("s", {}):
+            merged: dict[str, Any] = {}
+            for purpose in mine:
+                merged.update(got.get(purpose, {}).get(r, ()))
+            peers[r] = merged
+        own: dict[str, Any] = {}
+        for purpose in mine:
+            own.update(exchange.own.get(purpose, ()))
+        if own:
+            peers[self.rank] = own
+        for p in peers.values():  # tuples of atomic values leave the collector's books (gcpause)
+            if "fr" in p:
+                gil.pause_point()
+                p["fr"] = sig.unpack_fr(p["fr"])
+        return peers
+
+    def fetch(self, purpose: str, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
+        """``purpose``'s blobs of ``ranks`` now (this rank's own as it published it), whatever their
+        age; ranks that have none are left out. Never waits for a key."""
+        ranks = list(ranks)
+        out: dict[int, dict[str, Any]] = {}
+        if self.exchange is None:
+            return out
+        if self.rank in ranks and purpose in self.exchange.own:
+            out[self.rank] = self.exchange.own[purpose]
+        out.update(self.exchange.read({purpose: ranks}).get(purpose, {}))
+        return out
 
     def _change_token(self) -> tuple[Any, ...]:
         """What a publish would carry that peers act on at once: a settled graph fingerprint, and this
@@ -286,29 +323,39 @@ class DetectorsComponent(Component):
         than ``max_busy_steps`` steps (that is the job's steady state, not a warm-up)."""
         return self.compile_quiet_steps >= quiet_steps or self.compile_busy_steps > max_busy_steps
 
-    def _peer_ranks(self) -> list[int]:
-        """Ranks sharing this rank's pp coordinate when the mesh says which (the only ones any
-        detector compares with); otherwise every rank. Worked out once per mesh (``DeviceMesh.mesh``
-        builds a tensor each time it is read)."""
-        ctx = self.ctx
-        assert ctx is not None
-        mesh = ctx.mesh
-        key = (id(mesh), ctx.topology.pp_rank, ctx.topology.world_size)
-        if self._peer_ranks_of is None or self._peer_ranks_of[0] != key:
-            self._peer_ranks_of = (key, self._mesh_peer_ranks(mesh))
-        return self._peer_ranks_of[1]
+    @property
+    def peer_groups(self) -> Mapping[str, tuple[int, ...]]:
+        """This rank's comparison peers by mesh dim (``crossrank.plan``)."""
+        return self._plan().groups
 
-    def _mesh_peer_ranks(self, mesh: Any) -> list[int]:
+    def _plan(self) -> PeerPlan:
+        """Worked out once per mesh (``DeviceMesh.mesh`` builds a tensor each time it is read)."""
         ctx = self.ctx
         assert ctx is not None
-        names = getattr(mesh, "mesh_dim_names", None) or ()
-        if "pp" in names:
+        key = (id(ctx.mesh), id(ctx.model), ctx.topology.rank, ctx.topology.world_size)
+        if self._plan_of is None or self._plan_of[0] != key:
+            mesh = ctx.mesh if ctx.mesh is not None else _mesh_from_model(ctx.model)
+            self._plan_of = (key, plan(self._grid(mesh), ctx.topology.rank))
+        return self._plan_of[1]
+
+    def _grid(self, mesh: Any) -> Grid:
+        """The mesh's layout when it holds every rank; else ranks laid out over (pp, dp, tp) row-major
+        as torchtitan and ``init_device_mesh`` do, or all ranks in one dim when the degrees do not
+        cover the world."""
+        ctx = self.ctx
+        assert ctx is not None
+        topo = ctx.topology
+        if mesh is not None:
             try:
-                grid = mesh.mesh
-                return [int(r) for r in grid.select(names.index("pp"), ctx.topology.pp_rank).flatten().tolist()]
-            except Exception:
-                pass
-        return list(range(ctx.topology.world_size))
+                grid = Grid.from_mesh(mesh, mesh_dim_names(mesh, ctx.model))
+                if len(grid.ranks) == topo.world_size:
+                    return grid
+            except Exception as exc:
+                log.debug("hpar_agent: mesh layout unreadable (%s); using the topology's degrees", exc)
+        dims = [(d, n) for d, n in (("pp", topo.pp), ("dp", topo.dp), ("tp", topo.tp)) if n > 1]
+        if math.prod(n for _, n in dims) != topo.world_size:
+            dims = [("world", topo.world_size)]
+        return Grid.row_major(dims)
 
     def poll(self, now: float) -> None:
         ctx = self.ctx

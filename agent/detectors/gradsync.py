@@ -30,10 +30,10 @@ class GradSyncIncomplete(Detector):
     clear = 3
     cross_rank = True  # the tp coverage compares gradient samples across the tp group
 
-    def publish(self, ctx: Evaluation) -> dict[str, Any]:
+    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
         comp = ctx.context.find(GradSyncCollector)
         tp = comp.published_tp() if comp is not None else {}
-        return {"gst": tp} if tp else {}
+        return {"gs": {"gst": tp}} if tp else {}
 
     def _judge_tp(self, ctx: Evaluation, comp: GradSyncCollector) -> None:
         from hpar_agent.detectors.cluster import TP_KEYS, _my_group

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import bisect
 import functools
+import hashlib
 import itertools
 import math
 from collections import Counter
@@ -175,6 +176,27 @@ def same_shard_offenders(
     for members, names in by_members.items():
         out += replica_offenders({r: sums[r] for r in members}, names).get(rank, [])
     return sorted(out)
+
+
+def checksum_digests(sums: Mapping[str, Sequence[float]], keys: Mapping[str, str]) -> dict[str, str]:
+    """shard key -> a 16-hex digest of one step's checksums of the parameters holding that key ("" for
+    whole ones), as ``replica_offenders`` compares them: equal digests on two ranks holding the same
+    key mean no parameter of it differs; unequal ones mean some does (or the two hold different
+    parameter names), which only the checksums themselves can say."""
+    by_key: dict[str, list[str]] = {}
+    for name in sorted(sums):
+        by_key.setdefault(keys.get(name, ""), []).append(f"{name}={','.join(_checksum_key(sums[name]))}")
+    return {k: hashlib.blake2b(";".join(v).encode(), digest_size=8).hexdigest() for k, v in by_key.items()}
+
+
+def digests_agree(digests: Mapping[int, Mapping[str, str]]) -> bool:
+    """Whether the ranks holding each shard key report one digest for it (``checksum_digests``)."""
+    seen: dict[str, str] = {}
+    for d in digests.values():
+        for key, h in d.items():
+            if seen.setdefault(key, h) != h:
+                return False
+    return True
 
 
 FrEntry = tuple[str, int, str, str, str, int]  # (pg uid, seq, op, sizes, dtypes, time_created_ns)

@@ -145,6 +145,11 @@ def pg_timeout_s(ctx: AgentContext) -> float | None:
     return float(v) if v is not None and v > 0 else None
 
 
+def group_key_of(label: str, coords: Mapping[str, Any]) -> str:
+    """The pg id ``fr_entries`` gives the group of ``label`` on a rank with these (atomic) coordinates."""
+    return _group_key(label, coords)
+
+
 def _group_key(label: str, coords: Mapping[str, Any]) -> str:
     """A pg id equal on every member of one group and different between groups: the label (``dp``
     is the label of every dp group) plus the coordinates the group's members share. ``coords`` holds

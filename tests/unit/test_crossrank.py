@@ -1,23 +1,286 @@
-"""The cross-rank exchange over a real TCPStore: one key per rank, no wait for ranks that never published,
-stale payloads dropped, namespaced by job."""
+"""The cross-rank exchange: one key per rank and purpose on a real store, and each rank's comparison
+peers for the layouts users run (dp; dp x tp; the reference trainer's dp x pp x tp; HSDP), bounded
+whatever the job's size, and equal to the groups torch's own DeviceMesh makes."""
 
 from __future__ import annotations
 
+import json
 import time
+from datetime import timedelta
 from typing import Any
 
-from hpar_agent.crossrank import Exchange
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpar_agent.crossrank import PEERS_PER_DIM, READS, Exchange, Grid, plan, select
 
 
-def test_exchange_over_tcpstore(store: Any) -> None:
+@pytest.fixture
+def store() -> Any:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+PARTS = {"s": {"step": 3}, "fr": {"fr": {"k": [], "e": [], "t0": 0}}, "gs": {"gst": {"1": [[1.0], [1.0]]}},
+         "ck": {"cks": {"10": {"w": [1.0, 2.0]}}, "sk": {}}}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ store
+def test_one_key_per_rank_and_purpose_overwritten(store: Any) -> None:
     a, b = Exchange(store, "j1", 0), Exchange(store, "j1", 1)
-    a.publish({"fp": 1})
+    a.publish(PARTS)
+    assert all(store.check([f"hpar/j1/x/{p}/0"]) for p in PARTS)
+    b.publish({**PARTS, "s": {"step": 4}})
+    b.publish({**PARTS, "s": {"step": 5}})
+    got = a.read({"s": [0, 1], "ck": [1]})
+    assert got["s"] == {1: {**got["s"][1], "step": 5}} and got["ck"][1]["cks"] == PARTS["ck"]["cks"]  # never its own
+    assert a.own["s"]["step"] == 3 and a.own["ck"]["cks"] == PARTS["ck"]["cks"]  # its own, as readers decode it
+    assert Exchange(store, "other", 0).read({"s": [1]}) == {}  # namespaced by job
+
+
+def test_a_rank_that_never_published_is_not_waited_for(store: Any) -> None:
+    a = Exchange(store, "j", 0)
+    Exchange(store, "j", 1).publish(PARTS)
     t0 = time.perf_counter()
-    assert set(b.read(range(4))) == {0}  # ranks 1-3 never published: no wait
+    got = a.read({"s": [1, 2, 3], "fr": [1, 2, 3]})  # ranks 2, 3 never published; the store would wait 30 s
     assert time.perf_counter() - t0 < 1.0
-    b.publish({"fp": 2})
-    b.publish({"fp": 3})  # overwrites: one key per rank
-    got = a.read(range(2))
-    assert got[0]["fp"] == 1 and got[1]["fp"] == 3 and got[1]["rank"] == 1
-    assert a.read(range(2), max_age_s=-1) == {}  # stale payloads are dropped
-    assert Exchange(store, "other", 0).read(range(2)) == {}  # namespaced by job
+    assert {p: set(v) for p, v in got.items()} == {"s": {1}, "fr": {1}}
+    Exchange(store, "j", 2).publish(PARTS)
+    assert set(a.read({"s": [1, 2, 3]})["s"]) == {1, 2}  # a key that appears later is found
+
+
+def test_stale_blobs_are_dropped_by_publish_time(store: Any) -> None:
+    a, b = Exchange(store, "j", 0), Exchange(store, "j", 1)
+    b.publish(PARTS)
+    assert set(a.read({"s": [1], "gs": [1]}, max_age_s={"s": -1.0})) == {"gs"}
+    assert set(a.read({"s": [1]}, max_age_s={"s": 30.0})["s"]) == {1}
+
+
+def test_purposes_that_change_rarely_are_set_only_when_they_change(store: Any) -> None:
+    ex = Exchange(store, "j", 0)
+    first = ex.publish(PARTS)
+    t_gs = ex.own["gs"]["t"]
+    again = ex.publish(PARTS)
+    every = sum(len(json.dumps(ex.own[p], separators=(",", ":"))) for p in ("s", "fr"))
+    assert again == every < first  # s and fr again, gs and ck not
+    assert ex.own["gs"]["t"] == t_gs
+    ex.publish({**PARTS, "gs": {}})  # emptied: set, so readers see it gone
+    assert Exchange(store, "j", 1).read({"gs": [0]})["gs"][0] == {"t": ex.own["gs"]["t"]}
+
+
+def test_bytes_are_counted_both_ways(store: Any) -> None:
+    a, b = Exchange(store, "j", 0), Exchange(store, "j", 1)
+    sent = b.publish(PARTS)
+    a.read({p: [1] for p in PARTS})
+    assert b.bytes_out == sent == a.bytes_in > 0
+
+
+# ------------------------------------------------------------------------------------------ peers
+LAYOUTS = {
+    "dp": [("dp", 1024)],
+    "dp_tp": [("dp", 128), ("tp", 8)],
+    "pp_dp_tp": [("dp", 32), ("pp", 4), ("tp", 8)],  # the reference trainer's mesh order
+    "hsdp": [("dp_replicate", 128), ("dp_shard", 8)],
+}
+
+
+def _coords(grid: Grid, rank: int) -> dict[str, int]:
+    pos, out = grid.ranks.index(rank), {}
+    for name, size in reversed(list(zip(grid.names, grid.shape, strict=True))):
+        pos, out[name] = divmod(pos, size)
+    return out
+
+
+def test_select_takes_a_small_group_whole_and_four_of_a_large_one() -> None:
+    assert select([0, 1], 0) == [1]
+    assert select(list(range(5)), 2) == [0, 1, 3, 4]
+    members = list(range(100, 160))  # 60 members: neighbours at 1 and 60 // 3
+    assert select(members, 100) == [101, 159, 120, 140]
+    for n in (6, 7, 8, 9, 64, 1000):
+        for i in range(n):
+            peers = select(list(range(n)), i)
+            assert len(peers) == PEERS_PER_DIM and i not in peers
+            assert all(i in select(list(range(n)), p) for p in peers)  # symmetric: read by whom it reads
+    assert len(select(list(range(64)), 0, k=6)) == 6
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_rank_compares_only_within_its_groups_and_a_bounded_few(layout: str) -> None:
+    grid = Grid.row_major(LAYOUTS[layout])
+    sizes = dict(LAYOUTS[layout])
+    for rank in range(0, len(grid.ranks), 37):
+        p = plan(grid, rank)
+        me = _coords(grid, rank)
+        assert set(p.groups) == {d for d in sizes if d != "pp"}  # never across pipeline stages
+        for dim, peers in p.groups.items():
+            assert len(peers) == min(PEERS_PER_DIM, sizes[dim] - 1)
+            for r in peers:  # the members of this rank's group on dim: equal on every other dim
+                c = _coords(grid, r)
+                assert c[dim] != me[dim] and all(c[d] == me[d] for d in sizes if d != dim)
+        wants = p.wants()
+        assert set(wants) == set(READS) - ({"gs"} if "tp" not in sizes else set())
+        assert wants["s"] == wants["fr"] == p.peers and len(p.peers) <= PEERS_PER_DIM * len(p.groups)
+        if "tp" in sizes:
+            assert wants["gs"] == list(p.groups["tp"])
+
+
+def test_what_a_rank_reads_does_not_grow_with_the_job() -> None:
+    for n in (64, 1024, 8192):
+        for layout in ("dp", "dp_tp"):
+            dims = [("dp", n)] if layout == "dp" else [("dp", n // 8), ("tp", 8)]
+            grid = Grid.row_major(dims)
+            assert {len(plan(grid, r).peers) for r in (0, n // 2, n - 1)} == {4 * len(dims)}
+
+
+def test_hsdp_replicas_of_one_shard_are_compared() -> None:
+    grid = Grid.row_major(LAYOUTS["hsdp"])
+    p = plan(grid, 8 * 5 + 3)  # replica 5, shard 3
+    assert all(r % 8 == 3 for r in p.groups["dp_replicate"])  # the same shard in other replicas
+    assert all(r // 8 == 5 for r in p.groups["dp_shard"])  # the other shards of its replica
+
+
+def test_a_rank_outside_the_grid_compares_with_nobody() -> None:
+    assert plan(Grid.row_major([("dp", 4)]), 9).groups == {}
+    assert plan(Grid.row_major([("dp", 4)], base=4), 5).peers == [4, 6, 7]
+
+
+@pytest.fixture
+def fake_pg() -> Any:
+    """torch's fake process group (no peers): DeviceMesh builds its real layout and groups on it."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(rank: int, world: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_groups_match_the_device_meshs_own(fake_pg: Any) -> None:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    cases = [
+        ((2, 2, 4), ("dp", "pp", "tp"), None),
+        ((2, 8), ("dp_replicate", "dp_shard"), None),
+        ((2, 2, 4), ("dp", "pp", "tp"), torch.randperm(16, generator=torch.Generator().manual_seed(0)).view(2, 2, 4)),
+    ]
+    for shape, names, layout in cases:
+        for rank in (0, 5, 14):
+            fake_pg(rank, 16)
+            if layout is None:
+                mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            else:  # ranks in any order: the layout is read, not assumed
+                mesh = DeviceMesh("cpu", layout, mesh_dim_names=names)
+            grid = Grid.from_mesh(mesh, names)
+            for dim in names:
+                assert sorted(grid.group(rank, dim)) == sorted(dist.get_process_group_ranks(mesh.get_group(dim)))
+
+
+# ------------------------------------------------------------------------------------------ detectors
+def _ranks(store: Any, tmp_path: Any, dims: list[tuple[str, int]], comps: Any, **kw: Any) -> list[tuple[Any, Any]]:
+    """One agent per rank of a job laid out over ``dims`` (no mesh: (pp, dp, tp) row-major), all on
+    ``store``; ``comps(rank)`` gives each rank's collectors."""
+    import dataclasses
+
+    from hpar_agent.detectors.component import DetectorsComponent
+    from tests.unit.test_detectors import make_agent
+
+    grid = Grid.row_major(dims)
+    sizes = dict(dims)
+    out = []
+    for r in grid.ranks:
+        c = _coords(grid, r)
+        agent, det = make_agent(tmp_path, rank=r, world=len(grid.ranks), comps=comps(r), exchange=Exchange(store, "job", r),
+                                **{"detectors.exchange_s": 0.0}, **kw)  # fmt: skip
+        agent.topology = dataclasses.replace(agent.topology, dp=sizes.get("dp", 1), tp=sizes.get("tp", 1),
+                                             dp_rank=c.get("dp", 0), tp_rank=c.get("tp", 0))  # fmt: skip
+        agent._context = None
+        agent.components.remove(det)
+        det = DetectorsComponent(exchange=det.exchange)
+        agent.add_component(det)
+        agent.config.evidence = False
+        out.append((agent, det))
+    return out
+
+
+def _tick(ranks: list[tuple[Any, Any]], times: int) -> None:
+    for _ in range(times):
+        for agent, _det in ranks:
+            agent.tick()
+    assert [a.errors for a, _ in ranks if a.errors] == []
+
+
+def _active(ranks: list[tuple[Any, Any]], alert: str) -> set[int]:
+    return {det.rank for _, det in ranks if det.states[alert].active}
+
+
+def test_compile_divergence_on_sampled_peers_names_the_odd_rank_only(store: Any, tmp_path: Any) -> None:
+    from tests.unit.test_detectors import Fake, steps
+
+    ranks = _ranks(store, tmp_path, [("dp", 12)], lambda r: (steps(10), Fake("compile", fingerprint=2 if r == 7 else 1)))
+    _tick(ranks, 3)
+    assert _active(ranks, "CompileDivergence") == {7}
+    assert all(len(det.peers) == 5 for _, det in ranks)  # each compared itself with 4 of its 11 peers
+    assert ranks[7][1].states["CompileDivergence"].details["fingerprints"] == {"3": 1, "6": 1, "7": 2, "8": 1, "11": 1}
+
+
+def test_compile_divergence_of_a_whole_node_is_outvoted_along_dp(store: Any, tmp_path: Any) -> None:
+    """dp8 x tp8: the 8 tp ranks of dp index 3 (a node) compiled alike and differently from the rest.
+    Among the peers each reads (4 tp, 4 dp) they are the majority; along dp they are outvoted."""
+    from tests.unit.test_detectors import Fake, steps
+
+    ranks = _ranks(store, tmp_path, [("dp", 8), ("tp", 8)],
+                   lambda r: (steps(10), Fake("compile", fingerprint=2 if r // 8 == 3 else 1)))  # fmt: skip
+    _tick(ranks, 3)
+    assert _active(ranks, "CompileDivergence") == set(range(24, 32))
+
+
+def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_path: Any) -> None:
+    from collections import deque
+
+    from tests.unit.test_detectors import Fake, steps
+
+    step = 300_000_000
+
+    def comps(r: int) -> Any:
+        entries = deque(
+            {"pg": "dp", "seq": i, "op": "all_reduce", "is_p2p": False, "input_sizes": [[4]],
+             "input_dtypes": ["BFloat16" if (r == 0 and i == 7) else "Float"],
+             "time": ((i // 4) * step + i * 1_000_000 + (80_000_000 if r == 5 else 0)) / 1e9}
+            for i in range(40)
+        )  # fmt: skip
+        return steps(10), Fake("collectives", recent_entries=entries)
+
+    ranks = _ranks(store, tmp_path, [("dp", 10)], comps)
+    _tick(ranks, 3)
+    assert _active(ranks, "CollectiveMismatch") == {0}
+    assert _active(ranks, "Straggler") == {5}
+    for _, det in ranks:
+        assert len(det.peers) == 5  # itself and 4 of 9
+    readers_of_5 = {det.rank for _, det in ranks if 5 in det.peers and det.rank != 5}
+    assert readers_of_5 == {2, 4, 6, 8}  # -3, -1, +1, +3 of 10: they name rank 5 the job's slow rank
+    from hpar_agent.detectors.cluster import Straggler
+
+    slowest = {det.rank: getattr(det.detector(Straggler), "slowest", None) for _, det in ranks}
+    assert {r for r, s in slowest.items() if s is not None and s[0] == 5} == readers_of_5 | {5}
+
+
+def test_the_component_reads_the_meshs_layout(fake_pg: Any, tmp_path: Any) -> None:
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.unit.test_detectors import make_agent
+
+    fake_pg(5, 16)
+    mesh = init_device_mesh("cpu", (2, 2, 4), mesh_dim_names=("dp", "pp", "tp"))  # the reference trainer's order
+    agent, det = make_agent(tmp_path, rank=5, world=16)
+    agent.context.mesh = mesh
+    groups = {d: sorted(dist.get_process_group_ranks(mesh.get_group(d))) for d in ("dp", "tp")}
+    assert {d: sorted((5, *g)) for d, g in det.peer_groups.items()} == groups  # no pp: stages never compared
+    agent.context.mesh = mesh["tp"]  # a mesh without every rank: the topology's degrees instead
+    agent.context.topology = dataclasses.replace(agent.topology, dp=2, pp=2, tp=4)
+    assert det.peer_groups == {"dp": (1,), "tp": (4, 6, 7)}  # (pp, dp, tp) row-major: rank 5 is pp0 dp1 tp1

@@ -82,6 +82,31 @@ def test_replica_divergence_dp_group(store: Any, tmp_path: Any) -> None:
     assert details["dp"]["params"] == ["1.weight"] and details["dp"]["step"] == 10
     rep = ranks[0][1].detector(ReplicaDivergence)
     assert rep is not None and rep.sampler.replicated() == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert all(any("/x/ck/" in k for k in det.exchange._seen) for _, det in ranks)  # digests differed: fetched
+
+
+def test_replica_divergence_in_sync_compares_digests_only(store: Any, tmp_path: Any) -> None:
+    """Replicas in sync agree on their checksum digests (in the small ``s`` blob): nobody fetches the
+    checksums by name, and the comparison still counts as made."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    ranks = []
+    for r in range(3):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        model.load_state_dict(base.state_dict())
+        ranks.append(make_agent(tmp_path, rank=r, world=3, comps=(steps(10),), exchange=Exchange(store, "job", r),
+                                coords={"dp": r, "dpn": 3}, model=model, **{"detectors.exchange_s": 0.0}))  # fmt: skip
+    for _agent, det in ranks:
+        det.step_hook(10, 0)
+    for _ in range(2):
+        for agent, _det in ranks:
+            agent.tick()
+    for agent, det in ranks:
+        assert agent.errors == {} and det.peers_fresh
+        verdict = det.detector(ReplicaDivergence).evaluate(det)
+        assert verdict is not None and not verdict.active and verdict.value == 0.0
+        assert not any("/x/ck/" in k for k in det.exchange._seen)
+        assert set(det.peers[1 - min(det.rank, 1)]["cd"]) == {"10"}
 
 
 def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: Any) -> None:

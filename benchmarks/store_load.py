@@ -1,0 +1,510 @@
+"""The detectors' cross-rank exchange against one real ``TCPStore``: bytes, round time, the store's
+CPU, and what an unrelated store operation waits meanwhile, for the agent's peer selection and for the
+old all-peers scheme, side by side.
+
+One ``TCPStore`` server, alone in its process, and N simulated ranks: threads in ``--procs`` worker
+processes, each rank with its own client socket, as every rank of a job opens its own
+(``crossrank.open_store``). Each rank's payload is made by the agent's own builder
+(``DetectorsComponent._parts`` of a real agent without its thread, whose collectors hold what a rank of
+the reference trainer holds after 30 steps: a 256-entry flight-recorder window of the layout's
+collectives, checksums of the reference GPT's parameters at 3 steps, tp gradient samples), and it
+reads what the agent reads (``crossrank.plan(...).wants()``, through ``crossrank.Exchange``).
+
+A round is the agent's exchange: every rank sets its blobs at one instant (``publish``), then every
+rank gets its peers' (``read``; the agent reads a poll later). Payloads are encoded before that instant
+and decoded after it: a real rank does that on its own host, and 1,024 ranks' JSON on 2 cores would
+time the simulation rather than the store. For the same reason the ranks' processes run at nice 19
+(``--nice``) and the store's and the prober's at -10 (``--store-nice``, as root): the store gets the
+CPU first, and the unrelated operation times the store, not the VM's other tenants. The round time is
+the wall time of the two phases, an upper bound (the simulated ranks themselves need ~0.1 ms of CPU
+each per phase on these 2 cores); the store's CPU time in them (``/proc``) is the figure that does not
+depend on the simulation. Past ``--threads`` (1,024) a thread goes through several ranks in turn
+(4,096 threads thrash a 2-core VM). ``--spread S`` delays each rank's operation by a fixed share of S
+seconds (by rank), what spreading the ranks' exchange over part of the interval would do.
+
+Worst case for the agent's scheme: every purpose is set at every round (checksums and tp samples
+change only every 10 steps). ``--scheme all`` is the scheme before: one merged payload per rank under
+one key, every key checked at every read, and every rank reading every rank of its pipeline stage.
+Meanwhile a separate process times an unrelated ``set`` + ``get`` every 2 ms (what torch's barriers
+and group creation do), in the idle seconds between rounds and during the two phases.
+
+    python -m benchmarks.store_load                                  # 64, 256, 1024 ranks; 4 layouts; both schemes
+    python -m benchmarks.store_load --ranks 4096 --scheme peers
+    python -m benchmarks.store_load --ranks 8 --layouts dp_tp --rounds 2 --json out.json   # a quick check
+
+Layouts (N ranks): ``dp`` (dp=N), ``dp_tp`` (dp=N/8 x tp=8), ``pp_dp_tp`` (the reference trainer's
+mesh order dp x pp x tp: dp=N/32, pp=4, tp=8), ``hsdp`` (dp_replicate=N/8 x dp_shard=8). The old scheme
+runs up to ``--all-max`` ranks (at 1,024 one round of it moves ~20 GB, more memory than the VM has).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Any
+
+#: name -> mesh dims (name, size) for N ranks, outermost first.
+LAYOUTS = {
+    "dp": lambda n: [("dp", n)],
+    "dp_tp": lambda n: [("dp", n // 8), ("tp", 8)],
+    "pp_dp_tp": lambda n: [("dp", n // 32), ("pp", 4), ("tp", 8)],
+    "hsdp": lambda n: [("dp_replicate", n // 8), ("dp_shard", 8)],
+}
+STEPS = 30  # the steps the template rank has done (checksums at 10, 20, 30)
+PROBE_EVERY_S = 0.002
+IDLE_S = 1.0  # idle time before the rounds and between two rounds
+START_LEAD_S = 0.2  # a timed phase starts this long after its threads are released (all asleep to it by then)
+
+
+# ------------------------------------------------------------------------------------------ payloads
+def _fr_window(dims: dict[str, int], n: int = 256) -> list[dict[str, Any]]:
+    """A rank's last ``n`` collectives in the reference trainer's shapes: per step, tp all-reduces of
+    activations (forward and backward of each of 4 blocks, 2 microbatches), then the dp gradient
+    reduction: one all-reduce bucket (DDP), or per block a dp_shard all-gather and reduce-scatter plus a
+    dp_replicate all-reduce (HSDP)."""
+    per_step: list[tuple[str, str, list[list[int]]]] = []
+    for _mb in range(2):
+        for _block in range(4):
+            if dims.get("tp", 1) > 1:
+                per_step += [("tp", "all_reduce", [[8, 32, 64]]), ("tp", "all_reduce", [[8, 32, 64]])]
+            if dims.get("dp_shard", 1) > 1:
+                per_step.append(("dp_shard", "_allgather_base", [[14848]]))
+    for _block in range(4):
+        if dims.get("dp_shard", 1) > 1:
+            per_step += [("dp_shard", "_reduce_scatter_base", [[14848]]), ("dp_replicate", "all_reduce", [[1856]])]
+    if "dp" in dims:
+        per_step.append(("dp", "all_reduce", [[118016]]))
+    out: list[dict[str, Any]] = []
+    seq: dict[str, int] = {}
+    t = 1_796_000_000_000_000_000
+    while len(out) < n:
+        for pg, op, sizes in per_step:
+            t += 1_500_000 + (len(out) * 7919) % 900_000  # 1.5-2.4 ms apart
+            seq[pg] = seq.get(pg, 0) + 1
+            out.append({"pg": pg, "seq": seq[pg], "op": op, "is_p2p": False, "record_id": len(out),
+                        "input_sizes": sizes, "input_dtypes": ["Float"], "time_created_ns": t})  # fmt: skip
+    return out[-n:]
+
+
+def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
+    """Rank 0's payload by purpose, from the agent's own builder (see the module doc)."""
+    import torch
+    from torch.distributed import HashStore
+
+    from hpar_agent.agent import Agent
+    from hpar_agent.collectors.collectives import CollectiveCollector
+    from hpar_agent.collectors.compile import CompileCollector
+    from hpar_agent.collectors.gradsync import GradSyncCollector
+    from hpar_agent.collectors.steps import StepCollector
+    from hpar_agent.component import Component
+    from hpar_agent.crossrank import Exchange
+    from hpar_agent.detectors.cluster import ReplicaDivergence
+    from hpar_agent.detectors.component import DetectorsComponent
+    from hpar_agent.families import Families
+    from hpar_agent.topology import Topology
+    from hpar_trainer.model import ModelArgs, build_model
+
+    held = {name: getattr(Component, name) for name in ("install", "uninstall", "poll", "step_hook", "on_step",
+                                                         "collect", "span_watermark_ns", "summary")}  # fmt: skip
+
+    def holding(cls: type[Component], **state: Any) -> Component:
+        """The real collector class, installing and polling nothing: it holds ``state``."""
+        comp = type(f"Held{cls.__name__}", (cls,), dict(held))()
+        for k, v in state.items():
+            assert hasattr(comp, k), (cls.__name__, k)
+            setattr(comp, k, v)
+        return comp
+
+    dims = dict(LAYOUTS[layout](n))
+    torch.manual_seed(0)
+    model = build_model(ModelArgs(vocab=128, dim=64, heads=4, layers=4, seq_len=32), seed=0)  # the trainer's default
+    tp = dims.get("tp", 1)
+    tp_sharded = (".attn.w", ".mlp.w")  # what the trainer's TP plan shards (colwise/rowwise)
+    replicated = [p for name, p in model.named_parameters() if not any(s in name for s in tp_sharded)]
+    dp = dims.get("dp", dims.get("dp_replicate", 1) * dims.get("dp_shard", 1))
+    topo = Topology(rank=0, world_size=n, job_id="bench", dp=dp, tp=tp, pp=dims.get("pp", 1),
+                    dp_replicate=dims.get("dp_replicate", dp if "dp" in dims else 1), dp_shard=dims.get("dp_shard", 1))  # fmt: skip
+    run_dir = tempfile.mkdtemp(prefix="hpar-store-load-")
+    agent = Agent(model, metrics_port=-1, traces="none", run_dir=run_dir)
+    agent.topology = topo
+    agent.families = Families(["0", "0"])
+    samples = {s: [[0.001 * (i + 1) for i in range(len(replicated))]] * 2 for s in (1, 11, 21)} if tp > 1 else {}
+    for comp in (holding(StepCollector, count=STEPS, total=STEPS, last_step_ts=time.time(), durations=[0.3] * 8),
+                 holding(CompileCollector, fingerprint=1022026788184957),
+                 holding(CollectiveCollector, recent_entries=deque(_fr_window(dims), maxlen=2048)),
+                 holding(GradSyncCollector, tp_samples=samples)):  # fmt: skip
+        agent.add_component(comp)
+    det = DetectorsComponent(exchange=Exchange(HashStore(), "bench", 0))
+    agent.add_component(det)
+    rep = det.detector(ReplicaDivergence)
+    assert rep is not None
+    rep.sampler.plan = rep.sampler._make_plan(model)
+    if tp > 1:  # the trainer's TP-sharded weights hold shard "tp=<rank>"
+        rep.sampler.plan = [(nm, p, "tp=0" if any(s in nm for s in tp_sharded) else k) for nm, p, k in rep.sampler.plan]
+    for step in (10, 20, STEPS):
+        rep.sampler.capture(model, step)
+    det.steps_done = STEPS
+    parts = det._parts()
+    assert agent.errors == {}, agent.errors
+    return json.loads(json.dumps(parts))
+
+
+# ------------------------------------------------------------------------------------------ ranks
+def _stage_ranks(grid: Any, rank: int) -> list[int]:
+    """The old scheme's peers: every rank with this rank's pp coordinate (every rank without pp)."""
+    if "pp" not in grid.names:
+        return list(grid.ranks)
+    axis = grid.names.index("pp")
+    stride = math.prod(grid.shape[axis + 1 :])
+    mine = (grid.ranks.index(rank) // stride) % grid.shape[axis]
+    return [r for i, r in enumerate(grid.ranks) if (i // stride) % grid.shape[axis] == mine]
+
+
+class _Rank:
+    """One simulated rank: its own store client; the case's exchange, reads and what it encoded/fetched."""
+
+    def __init__(self, port: int, rank: int) -> None:
+        import torch.distributed as dist
+
+        self.rank = rank
+        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=300))  # fmt: skip
+        self.ex: Any = None
+        self.wants: dict[str, list[int]] = {}
+        self.ages: dict[str, float] = {}
+        self.items: list[tuple[str, str]] = []
+        self.raw: list[Any] = []
+
+    def offset(self, case: dict[str, Any]) -> float:
+        """This rank's delay into a phase: spread evenly over ``case["spread"]`` seconds by rank."""
+        return case["spread"] * ((self.rank * 0.6180339887498949) % 1.0)
+
+    def phase(self, name: str, case: dict[str, Any]) -> None:
+        from hpar_agent.crossrank import EVERY_EXCHANGE, PURPOSES, Exchange, Grid, plan
+
+        if name == "setup":
+            self.ex = Exchange(self.store, case["job"], self.rank)
+            grid = Grid.row_major(LAYOUTS[case["layout"]](case["n"]))
+            if case["scheme"] == "all":
+                self.wants, self.ages = {"all": _stage_ranks(grid, self.rank)}, {"all": 30.0}
+            else:  # the agent's own peer selection and reads
+                self.wants, self.ages = plan(grid, self.rank).wants(), {p: 30.0 for p in EVERY_EXCHANGE}
+        elif name == "encode" and case["scheme"] == "all":
+            self.items = self.ex.encode({"all": case["merged"]}, always=("all",))
+        elif name == "encode":
+            self.items = self.ex.encode(case["parts"], always=PURPOSES)
+        elif name == "publish":
+            self.ex.send(self.items)
+        elif name == "read":
+            if case["scheme"] == "all":
+                self.ex._seen.clear()  # the old reader checked every key at every read
+            self.raw = self.ex.fetch(self.wants)
+        elif name == "decode":  # one blob at a time: an all-peers read of 256 ranks is 5 MB a rank
+            for item in self.raw:
+                self.ex.decode([item], self.ages)
+            self.raw = []
+
+
+def _phases(rounds: int) -> list[str]:
+    return ["setup"] + ["encode", "publish", "read", "decode"] * rounds
+
+
+def _renice(nice: int) -> int:
+    """Change this process's niceness by ``nice`` (raising priority needs root); the niceness now."""
+    try:
+        return os.nice(nice)
+    except OSError:
+        return os.nice(0)
+
+
+def _server(port_q: Any, nice: int, stop: Any) -> None:
+    """The store, alone in its process (its CPU time is the exchange's cost to the store)."""
+    import torch.distributed as dist
+
+    _renice(nice)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    port_q.put(server.port)
+    stop.wait()
+
+
+def _cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far (``/proc/<pid>/stat``)."""
+    if pid is None:
+        raise RuntimeError("the store server's process has not started")
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _worker(port: int, ranks: list[list[int]], nice: int, commands: Any, barrier: Any, start_at: Any,
+            results: Any) -> None:  # fmt: skip
+    """One process of simulated ranks: a thread per list of ``ranks`` (a store client per rank; a
+    thread's ranks go one after the other). Every phase of a case is bracketed by ``barrier`` (shared
+    with the coordinator); in it, every rank starts its operation at the instant ``start_at`` (plus its
+    spread offset; each thread sleeps to it: releasing hundreds of threads through one barrier would
+    time Python's lock convoy rather than the store). At niceness ``nice``: the simulated ranks' own
+    CPU (on their own hosts in a real job) must not take the store's."""
+    import torch  # noqa: F401 - before the threads: imported once
+
+    sims: list[_Rank] = []
+    lock = threading.Lock()
+    gates = [threading.Lock() for _ in ranks]
+    for g in gates:
+        g.acquire()
+    finished = threading.Event()
+    now: dict[str, Any] = {}
+    state = {"left": len(ranks), "errors": 0}
+
+    def one_done() -> None:
+        with lock:
+            state["left"] -= 1
+            if state["left"] == 0:
+                finished.set()
+
+    def loop(mine: list[int], gate: threading.Lock) -> None:
+        own = [_Rank(port, r) for r in mine]
+        with lock:
+            sims.extend(own)
+        one_done()
+        while True:
+            gate.acquire()
+            if not now:
+                return
+            timed = now["phase"] in ("publish", "read")
+            for sim in sorted(own, key=lambda s: s.offset(now["case"])):
+                time.sleep(max(0.0, now["at"] + (sim.offset(now["case"]) if timed else 0.0) - time.time()))
+                try:
+                    sim.phase(now["phase"], now["case"])
+                except Exception:
+                    with lock:
+                        state["errors"] += 1
+            one_done()
+
+    def release() -> None:
+        finished.clear()
+        state["left"] = len(ranks)
+        for g in gates:
+            g.release()
+
+    threads = [threading.Thread(target=loop, args=(r, g), daemon=True) for r, g in zip(ranks, gates, strict=True)]
+    for t in threads:
+        t.start()
+    finished.wait()  # every client connected
+    _renice(nice)
+    barrier.wait()
+    while (case := commands.get()) is not None:
+        state["errors"] = 0
+        for phase in _phases(case["rounds"]):
+            barrier.wait()
+            now.update(phase=phase, case=case, at=start_at.value)
+            release()
+            finished.wait()
+            barrier.wait()
+        results.put({"out": sum(s.ex.bytes_out for s in sims), "in": sum(s.ex.bytes_in for s in sims),
+                     "errors": state["errors"]})  # fmt: skip
+    now.clear()
+    release()
+    for t in threads:
+        t.join()
+
+
+def _prober(port: int, nice: int, ready: Any, stop: Any, results: Any) -> None:
+    """An unrelated client: ``set`` + ``get`` of one small key every ``PROBE_EVERY_S``; (start, seconds)."""
+    import torch.distributed as dist
+
+    _renice(nice)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=300))
+    out = []
+    ready.set()
+    while not stop.is_set():
+        t = time.time()
+        t0 = time.perf_counter()
+        store.set("unrelated/probe", "x")
+        store.get("unrelated/probe")
+        out.append((t, time.perf_counter() - t0))
+        time.sleep(PROBE_EVERY_S)
+    results.put(out)
+
+
+class Ranks:
+    """N simulated ranks over ``procs`` processes, connected once, and the prober: run cases on them."""
+
+    def __init__(self, n: int, procs: int, threads: int, nice: int, store_nice: int) -> None:
+        self.n = n
+        ctx = mp.get_context("spawn")
+        self.stop = ctx.Event()
+        port_q = ctx.Queue()
+        self.server = ctx.Process(target=_server, args=(port_q, store_nice, self.stop), daemon=True)
+        self.server.start()
+        port = port_q.get(timeout=300)
+        self.barrier = ctx.Barrier(procs + 1)
+        self.start_at = ctx.Value("d", 0.0)
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(procs)]
+        per = math.ceil(n / min(n, threads))  # ranks a thread goes through one after the other
+        lists = [list(range(n))[i : i + per] for i in range(0, n, per)]
+        self.concurrency = len(lists)
+        self.workers = [ctx.Process(target=_worker, args=(port, lists[i::procs], nice, q, self.barrier,
+                                                          self.start_at, self.results), daemon=True)
+                        for i, q in enumerate(self.commands)]  # fmt: skip
+        for w in self.workers:
+            w.start()
+        self.barrier.wait()  # every rank's client connected
+        self.probes = ctx.Queue()
+        ready = ctx.Event()
+        self.prober = ctx.Process(target=_prober, args=(port, store_nice, ready, self.stop, self.probes), daemon=True)
+        self.prober.start()
+        ready.wait(300)
+        self.cases: list[tuple[dict[str, Any], dict[str, list[tuple[float, float]]]]] = []
+        self.job = 0
+
+    def run(self, layout: str, scheme: str, rounds: int, spread: float = 0.0) -> dict[str, Any]:
+        parts = template_parts(layout, self.n)
+        merged: dict[str, Any] = {}
+        for part in parts.values():
+            merged.update(part)
+        self.job += 1
+        case = {"job": f"bench{self.job}", "layout": layout, "n": self.n, "scheme": scheme, "parts": parts,
+                "merged": merged, "rounds": rounds, "spread": spread}  # fmt: skip
+        spans: dict[str, list[tuple[float, float]]] = {"idle": [], "publish": [], "read": [], "other": []}
+        cpu = 0.0  # the store's CPU seconds in the publish and read phases
+        idle_from: float | None = time.time()
+        time.sleep(IDLE_S)
+        for q in self.commands:
+            q.put(case)
+        for phase in _phases(rounds):
+            timed = phase in ("publish", "read")
+            self.start_at.value = time.time() + (START_LEAD_S if timed else 0.0)
+            self.barrier.wait()
+            c0 = _cpu_s(self.server.pid)
+            t0 = max(time.time(), self.start_at.value)
+            if idle_from is not None:  # the idle time up to here
+                spans["idle"].append((idle_from, t0))
+                idle_from = None
+            self.barrier.wait()
+            t1 = time.time()
+            if timed:
+                cpu += _cpu_s(self.server.pid) - c0
+            spans[phase if phase in spans else "other"].append((t0, t1))
+            if phase == "decode":
+                idle_from = t1
+                time.sleep(IDLE_S)
+        totals = [self.results.get(timeout=300) for _ in self.workers]
+        out = {"layout": layout, "ranks": self.n, "scheme": scheme, "rounds": rounds, "spread_s": spread,
+               "threads": self.concurrency,
+               "out": sum(t["out"] for t in totals), "in": sum(t["in"] for t in totals), "store_cpu_s": cpu,
+               "errors": sum(t["errors"] for t in totals)}  # fmt: skip
+        self.cases.append((out, spans))
+        return out
+
+    def close(self) -> list[dict[str, Any]]:
+        """Stop the processes; each case's figures with the prober's latencies, idle and during it."""
+        self.stop.set()
+        probes = self.probes.get(timeout=300)
+        for q in self.commands:
+            q.put(None)
+        for p in (*self.workers, self.prober, self.server):
+            p.join(60)
+        return [_figures(case, spans, probes) for case, spans in self.cases]
+
+
+def _figures(case: dict[str, Any], spans: dict[str, list[tuple[float, float]]],
+             probes: list[tuple[float, float]]) -> dict[str, Any]:  # fmt: skip
+    def within(kind: str) -> list[float]:
+        return [dt for t, dt in probes if any(a <= t <= b for a, b in spans[kind])]
+
+    n, rounds = case["ranks"], case["rounds"]
+    pub = [b - a for a, b in spans["publish"]]
+    read = [b - a for a, b in spans["read"]]
+    rounds_s = [a + b for a, b in zip(pub, read, strict=True)]
+    during = within("publish") + within("read")
+    return {
+        **{k: v for k, v in case.items() if k not in ("out", "in")},
+        "kb_set_per_rank": case["out"] / rounds / n / 1e3, "kb_got_per_rank": case["in"] / rounds / n / 1e3,
+        "mb_per_round": (case["out"] + case["in"]) / rounds / 1e6,
+        "store_cpu_ms_per_round": case["store_cpu_s"] / rounds * 1e3,
+        "publish_s": statistics.median(pub), "read_s": statistics.median(read),
+        "round_s": statistics.median(rounds_s), "round_max_s": max(rounds_s),
+        "idle_ms": _stats(within("idle")), "during_ms": _stats(during),
+    }  # fmt: skip
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    if not v:
+        return {"n": 0}
+    return {"n": len(v), "median": statistics.median(v) * 1e3, "p99": v[min(len(v) - 1, int(0.99 * len(v)))] * 1e3,
+            "max": v[-1] * 1e3}  # fmt: skip
+
+
+def _row(r: dict[str, Any]) -> str:
+    i, d = r["idle_ms"], r["during_ms"]
+    ranks = f"{r['ranks']:,}" + (f" ({r['threads']:,} threads)" if r["threads"] < r["ranks"] else "")
+    return (f"| {ranks} | {r['layout']} | {r['scheme']} | {r['spread_s']:g} "
+            f"| {r['kb_set_per_rank']:.1f} | {r['kb_got_per_rank']:.1f} "
+            f"| {r['mb_per_round']:.1f} | {r['store_cpu_ms_per_round']:.0f} "
+            f"| {r['round_s']:.3f} ({r['publish_s']:.3f} + {r['read_s']:.3f}) "
+            f"| {i.get('median', math.nan):.2f} / {i.get('p99', math.nan):.2f} "
+            f"| {d.get('median', math.nan):.2f} / {d.get('p99', math.nan):.2f} / {d.get('max', math.nan):.1f} |")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--scheme", choices=("peers", "all", "both"), default="both")
+    ap.add_argument("--all-max", type=int, default=256, help="largest N the old all-peers scheme runs at")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--procs", type=int, default=2, help="worker processes the simulated ranks are spread over")
+    ap.add_argument("--threads", type=int, default=1024,
+                    help="threads at most over all processes; past it a thread goes through several ranks in turn")
+    ap.add_argument("--spread", type=float, nargs="+", default=[0.0],
+                    help="seconds over which the ranks' store operations of a phase are spread (by rank)")
+    ap.add_argument("--nice", type=int, default=19, help="niceness of the simulated ranks' processes")
+    ap.add_argument("--store-nice", type=int, default=-10,
+                    help="niceness of the store's and the prober's processes (below 0 needs root)")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    # The store's server looks up each client's name as it accepts it; on a host whose DNS does not
+    # answer, every ~25th lookup stalls the accept loop for the resolver's 5 s timeout (~2 minutes to
+    # connect 1,024 ranks). Our processes only: 1 s, one attempt.
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one socket per simulated rank on the server
+    schemes = ("peers", "all") if args.scheme == "both" else (args.scheme,)
+    print(f"# store_load: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start", flush=True)
+    print("| ranks | layout | scheme | spread s | KB set / rank | KB got / rank | MB / round | store CPU ms / round "
+          "| round s (publish + read) | unrelated idle ms (median / p99) | during (median / p99 / max) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    out = []
+    for n in args.ranks:
+        ranks = Ranks(n, args.procs, args.threads, args.nice, args.store_nice)
+        for layout in args.layouts:
+            for scheme in schemes:
+                if scheme == "all" and n > args.all_max:
+                    continue
+                for spread in args.spread:
+                    ranks.run(layout, scheme, args.rounds, spread)
+        for r in ranks.close():
+            out.append(r)
+            print(_row(r), flush=True)
+    print(f"# load average {os.getloadavg()[0]:.2f} at the end", flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(out, fh, indent=1)
+    return 1 if any(r["errors"] for r in out) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
