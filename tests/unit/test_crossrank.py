@@ -186,7 +186,7 @@ def _ranks(store: Any, tmp_path: Any, dims: list[tuple[str, int]], comps: Any, *
     import dataclasses
 
     from hpar_agent.detectors.component import DetectorsComponent
-    from tests.unit.test_detectors import make_agent
+    from tests.unit.harness import make_agent
 
     grid = Grid.row_major(dims)
     sizes = dict(dims)
@@ -218,7 +218,7 @@ def _active(ranks: list[tuple[Any, Any]], alert: str) -> set[int]:
 
 
 def test_compile_divergence_on_sampled_peers_names_the_odd_rank_only(store: Any, tmp_path: Any) -> None:
-    from tests.unit.test_detectors import Fake, steps
+    from tests.unit.harness import Fake, steps
 
     ranks = _ranks(store, tmp_path, [("dp", 12)], lambda r: (steps(10), Fake("compile", fingerprint=2 if r == 7 else 1)))
     _tick(ranks, 3)
@@ -230,7 +230,7 @@ def test_compile_divergence_on_sampled_peers_names_the_odd_rank_only(store: Any,
 def test_compile_divergence_of_a_whole_node_is_outvoted_along_dp(store: Any, tmp_path: Any) -> None:
     """dp8 x tp8: the 8 tp ranks of dp index 3 (a node) compiled alike and differently from the rest.
     Among the peers each reads (4 tp, 4 dp) they are the majority; along dp they are outvoted."""
-    from tests.unit.test_detectors import Fake, steps
+    from tests.unit.harness import Fake, steps
 
     ranks = _ranks(store, tmp_path, [("dp", 8), ("tp", 8)],
                    lambda r: (steps(10), Fake("compile", fingerprint=2 if r // 8 == 3 else 1)))  # fmt: skip
@@ -241,7 +241,7 @@ def test_compile_divergence_of_a_whole_node_is_outvoted_along_dp(store: Any, tmp
 def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_path: Any) -> None:
     from collections import deque
 
-    from tests.unit.test_detectors import Fake, steps
+    from tests.unit.harness import Fake, steps
 
     step = 300_000_000
 
@@ -273,7 +273,7 @@ def test_the_component_reads_the_meshs_layout(fake_pg: Any, tmp_path: Any) -> No
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.unit.test_detectors import make_agent
+    from tests.unit.harness import make_agent
 
     fake_pg(5, 16)
     mesh = init_device_mesh("cpu", (2, 2, 4), mesh_dim_names=("dp", "pp", "tp"))  # the reference trainer's order
