@@ -42,7 +42,7 @@ _JOB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+-]{0,127}$")
 
 @dataclass(kw_only=True)
 class AgentConfig:
-    """Agent settings. Every field has an ``HPAR_*`` variable (see the catalogue and the README)."""
+    """Agent settings; every field but ``thresholds`` has an ``HPAR_*`` variable (docs/configuration.md)."""
 
     disable: bool = False
     """Install nothing: attach() returns an inert agent."""
