@@ -1,3 +1,3 @@
 """The one place the version is written: pyproject.toml reads it, the package and its exporters import it."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -47,7 +47,7 @@ REMOVED: dict[str, str] = {
 
 @dataclass(kw_only=True)
 class AgentConfig:
-    """Agent settings. Every field has an ``HPAR_*`` variable (see the catalogue and the README)."""
+    """Agent settings; every field but ``thresholds`` has an ``HPAR_*`` variable (docs/configuration.md)."""
 
     disable: bool = False
     """Install nothing: attach() returns an inert agent."""

@@ -5,7 +5,7 @@ overrides one per job; each detector's docstring says what they mean); ``ANATOMY
 anatomy's verdict shares. ``RULE_THRESHOLDS`` are the numbers the Prometheus rules
 (``deploy/prometheus/rules/hpar-alerts.yml``) compare with, in the order they appear in the rule's
 expression; where a rule measures what a detector measures it takes the detector's number from here.
-The detectors, the config's validation, the README table (``scripts/gen_docs.py``) and a test that reads
+The detectors, the config's validation, the docs table (``scripts/gen_docs.py``) and a test that reads
 the rules file all use these tables, so a threshold changes in one place."""
 
 from __future__ import annotations

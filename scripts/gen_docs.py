@@ -1,7 +1,9 @@
-"""README tables generated from the catalogue (``python scripts/gen_docs.py README.md`` rewrites them).
+"""Docs tables generated from the catalogue: ``python scripts/gen_docs.py`` rewrites them in place,
+``--check`` only says which pages drifted (exit 1).
 
-Each table sits between ``<!-- catalogue:NAME -->`` and ``<!-- /catalogue:NAME -->`` markers; a test
-fails when the README drifts from the catalogue.
+Each table sits between ``<!-- catalogue:NAME -->`` and ``<!-- /catalogue:NAME -->`` markers in the
+page that owns it (``PAGES``); a test fails when a page drifts from the catalogue. Given file paths,
+the script renders those files instead.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ from pathlib import Path
 from hpar_agent import catalogue as cat
 from hpar_agent.config import AgentConfig
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def env_table() -> str:
     defaults = AgentConfig()
-    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    rows = ["| variable | `AgentConfig` field | default | meaning |", "|---|---|---|---|"]
     for var in cat.ENV_VARS:
         default = getattr(defaults, var.field)
         shown = "unset" if default in (None, "") else f"`{default}`"
-        rows.append(f"| `{var.name}` | {shown} | {var.help} |")
+        rows.append(f"| `{var.name}` | `{var.field}` | {shown} | {var.help} |")
     return "\n".join(rows)
 
 
@@ -58,6 +62,13 @@ def thresholds_table() -> str:
 
 TABLES = {"env": env_table, "metrics": metrics_table, "alerts": alerts_table, "thresholds": thresholds_table}
 
+#: The page that owns each generated table (relative to the repository root).
+PAGES: dict[str, tuple[str, ...]] = {
+    "docs/configuration.md": ("env",),
+    "docs/metrics.md": ("metrics",),
+    "docs/alerts.md": ("alerts", "thresholds"),
+}
+
 
 def _fill(table: str, m: re.Match[str]) -> str:
     return m.group(1) + table + "\n" + m.group(2)
@@ -86,9 +97,9 @@ def sync_generated(files: Mapping[Path, str], check: bool, regenerate: str) -> i
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    path = Path(args[0] if args else "README.md")
-    path.write_text(render(path.read_text()))
-    return 0
+    check = "--check" in args
+    paths = [Path(a) for a in args if a != "--check"] or [ROOT / page for page in PAGES]
+    return sync_generated({p: render(p.read_text()) for p in paths}, check, "python scripts/gen_docs.py")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The fault matrix: run the reference trainer with one injected failure and report what the agent saw.
 
 ``hpar-agent diagnose --inject NAME`` prints which alert fired, on which rank and stage, after how many
-steps, and with which evidence; ``--all`` runs every mode and prints the README's matrix table. Which
-alert each injection must raise and the trainer argv of each run come from the trainer
+steps, and with which evidence; ``--all`` runs every mode and prints the matrix table (docs/trainer.md).
+Which alert each injection must raise and the trainer argv of each run come from the trainer
 (``hpar_trainer.scenarios``, imported when a run starts): the agent knows none of its flags.
 """
 

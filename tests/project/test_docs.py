@@ -1,43 +1,124 @@
-"""The README's tables are generated from the catalogue and must not drift from it."""
+"""The docs follow the catalogue: generated tables match it, every name users type or query is
+documented on its page, and every relative link of the README and docs/ resolves."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import pytest
+
 from hpar_agent import catalogue as cat
-from scripts.gen_docs import render
+from scripts.gen_docs import PAGES, render
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def test_readme_tables_match_catalogue():
-    text = README.read_text()
-    assert render(text) == text, "run: python scripts/gen_docs.py README.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
-def test_readme_documents_every_env_var_and_metric():
-    text = README.read_text()
+def _text(page: str) -> str:
+    return (ROOT / page).read_text()
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_generated_tables_match_the_catalogue(page: str) -> None:
+    text = _text(page)
+    for name in PAGES[page]:
+        assert f"<!-- catalogue:{name} -->" in text and f"<!-- /catalogue:{name} -->" in text, (page, name)
+    assert render(text) == text, "run: python scripts/gen_docs.py"
+
+
+def test_each_table_has_one_page() -> None:
+    owners = [name for names in PAGES.values() for name in names]
+    assert len(owners) == len(set(owners))
+    for path in [ROOT / "README.md", *DOCS]:
+        page = str(path.relative_to(ROOT))
+        for name in re.findall(r"<!-- catalogue:(\w+) -->", path.read_text()):
+            assert name in PAGES.get(page, ()), f"{page} holds the {name} table, which belongs in another page"
+
+
+def test_every_env_var_is_documented() -> None:
+    text = _text("docs/configuration.md")
     for var in cat.ENV_VARS:
-        assert f"`{var.name}`" in text
+        assert f"`{var.name}`" in text, var.name
+
+
+def test_every_metric_is_documented() -> None:
+    text = _text("docs/metrics.md")
     for m in cat.METRICS:
-        assert f"`{m.name}`" in text
+        assert f"`{m.name}`" in text, m.name
+
+
+def test_every_alert_is_documented() -> None:
+    text = _text("docs/alerts.md")
+    for a in cat.ALL_ALERTS:
+        assert f"`{a.name}`" in text, a.name
+    for a in cat.ALERTS:  # the in-process ones each have a section: what, value, evidence, tuning
+        assert f"\n### {a.name}\n" in text, a.name
+
+
+def test_every_span_and_attribute_is_documented() -> None:
+    text = _text("docs/traces.md")
+    names = [*cat.SPAN_NAMES, cat.SPAN_COLLECTIVE_PREFIX + "<op>"]
+    attrs = [v for k, v in vars(cat).items() if k.startswith(("ATTR_", "RES_", "EVENT_")) and isinstance(v, str)]
+    for name in [*names, *attrs]:
+        assert f"`{name}`" in text, name
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"#{1,6} (.+)", line)
+        if m:
+            slug = _slug(m.group(1))
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(path: Path) -> None:
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file).resolve() if file else path
+        rel = str(dest.relative_to(ROOT)) if dest.is_relative_to(ROOT) else str(dest)
+        assert dest.exists(), f"{path.name}: broken link {target}"
+        if anchor and dest.suffix == ".md":
+            assert anchor in _anchors(dest), f"{path.name}: no heading for #{anchor} in {rel}"
+
+
+def test_no_diary_in_the_docs() -> None:
+    """Results are current facts with hardware, date and command; history lives in git."""
+    diary = re.compile(r"\b\w+(st|nd|rd|th) session|device call|[^a-z]lent[^a-z]", re.I)
+    for path in [ROOT / "README.md", ROOT / "CHANGELOG.md", *DOCS]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not diary.search(line), f"{path.name}:{n}: {line}"
 
 
 def _works_with(text: str) -> str:
     return text.split("<!-- works-with -->", 1)[1].split("<!-- /works-with -->", 1)[0].strip()
 
 
-def test_works_with_table_names_a_compat_job_in_every_cell():
-    """README's and docs/launchers.md's "Works with" table are one table, every cell of its two modes
-    names a job of tests/compat (the first backticked id), in the mode the job runs in, and every job
+def test_works_with_table_names_a_compat_job_in_every_cell() -> None:
+    """README's and docs/launchers.md's "Works with" table are one table; every cell of its two modes
+    names a job of tests/compat (the first backticked id) in the mode the job runs in, and every job
     is in it."""
-    import re
-
     from tests.compat.conftest import SPECS
 
-    page = (README.parent / "docs" / "launchers.md").read_text()
-    table = _works_with(page)
-    assert _works_with(README.read_text()) == table
+    table = _works_with(_text("docs/launchers.md"))
+    assert _works_with(_text("README.md")) == table
     named: set[str] = set()
     for row in table.splitlines()[2:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
