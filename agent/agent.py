@@ -76,6 +76,7 @@ class Agent:
         self._thread: threading.Thread | None = None
         self._tick_lock = threading.Lock()
         self._final_pass = False  # the pass running now is a final one (detach, flush)
+        self._waited = 0.0  # seconds passes spent in ``_wait`` (not work: left out of collect_seconds)
         self.events = EventLog(None, 0)
         self.metrics_url: str | None = None
         self.run_dir = ""
@@ -443,17 +444,19 @@ class Agent:
         """``AgentContext.wait``: on the stop event, so ``stop()`` ends it at once; not at all on a final
         pass, which must end soon (a flush on a signal has a few seconds in all)."""
         if seconds > 0 and not self._final_pass:
+            t0 = time.perf_counter()
             self._stop.wait(seconds)
+            self._waited += time.perf_counter() - t0
 
     def _pass(self, now: float, final: bool, handback: Yielder) -> None:
         """Poll, then each completed step to every component, then the once-a-pass work and the export."""
         for comp in self.components:
-            t0 = time.perf_counter()
+            t0, waited = time.perf_counter(), self._waited
             try:
                 comp.poll(now)
             except Exception as exc:
                 self.record_error(comp.name, exc)
-            self.collect_seconds[comp.name] = time.perf_counter() - t0
+            self.collect_seconds[comp.name] = time.perf_counter() - t0 - (self._waited - waited)
             handback()
         steps = self.context.find(StepCollector)
         completed: list[StepRecord] = steps.take_completed() if steps is not None else []
