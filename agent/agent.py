@@ -75,6 +75,8 @@ class Agent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tick_lock = threading.Lock()
+        self._final_pass = False  # the pass running now is a final one (detach, flush)
+        self._waited = 0.0  # seconds passes spent in ``_wait`` (not work: left out of collect_seconds)
         self.events = EventLog(None, 0)
         self.metrics_url: str | None = None
         self.run_dir = ""
@@ -96,7 +98,7 @@ class Agent:
             self._context = AgentContext(
                 config=self.config, topology=self.topology, families=self.families, events=self.events,
                 record_error=self.record_error, spans=self, on_step_boundary=self.on_step_boundary,
-                is_stopping=self._stop.is_set, dispatch_alert=self._dispatch_alert, device=self.device,
+                is_stopping=self._stop.is_set, wait=self._wait, dispatch_alert=self._dispatch_alert, device=self.device,
                 model=self.model, optimizer=self.optimizer, mesh=self.mesh, run_dir=self.run_dir,
                 components=self.components, redetect=self.redetect,
             )  # fmt: skip
@@ -432,17 +434,29 @@ class Agent:
         """One agent-thread pass: poll every component, then finish completed steps. The pass hands
         the GIL back to the training thread every millisecond or so of work (``gil.Yielder``)."""
         with self._tick_lock, gil.running(Yielder()) as handback:
-            self._pass(time.time(), final, handback)
+            self._final_pass = final
+            try:
+                self._pass(time.time(), final, handback)
+            finally:
+                self._final_pass = False
+
+    def _wait(self, seconds: float) -> None:
+        """``AgentContext.wait``: on the stop event, so ``stop()`` ends it at once; not at all on a final
+        pass, which must end soon (a flush on a signal has a few seconds in all)."""
+        if seconds > 0 and not self._final_pass:
+            t0 = time.perf_counter()
+            self._stop.wait(seconds)
+            self._waited += time.perf_counter() - t0
 
     def _pass(self, now: float, final: bool, handback: Yielder) -> None:
         """Poll, then each completed step to every component, then the once-a-pass work and the export."""
         for comp in self.components:
-            t0 = time.perf_counter()
+            t0, waited = time.perf_counter(), self._waited
             try:
                 comp.poll(now)
             except Exception as exc:
                 self.record_error(comp.name, exc)
-            self.collect_seconds[comp.name] = time.perf_counter() - t0
+            self.collect_seconds[comp.name] = time.perf_counter() - t0 - (self._waited - waited)
             handback()
         steps = self.context.find(StepCollector)
         completed: list[StepRecord] = steps.take_completed() if steps is not None else []

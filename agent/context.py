@@ -53,6 +53,10 @@ def _never() -> bool:
     return False
 
 
+def _no_wait(seconds: float) -> None:
+    return None
+
+
 def _no_redetect(*, wait: bool = True, in_pass: bool = False) -> bool:
     return False
 
@@ -79,6 +83,9 @@ class AgentContext:
     on_step_boundary: Callable[[int, int], None] = _ignore_step
     #: True from the agent's ``stop()`` on (the final poll reads every source in full)
     is_stopping: Callable[[], bool] = _never
+    #: agent thread, in a pass: wait up to the seconds given, the GIL released; at once on the final pass
+    #: (detach, flush) and as soon as the agent stops (without an agent: never waits)
+    wait: Callable[[float], None] = _no_wait
     #: an alert transition for the user's ``on_alert`` callbacks
     dispatch_alert: Callable[[Alert], None] = _ignore_alert
     #: detect the topology again and apply what changed (True when something did): keyword ``wait``

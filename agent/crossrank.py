@@ -36,6 +36,11 @@ time against the job's median) is left to the Prometheus rules over the per-rank
 ``PEERS_PER_DIM`` peers per dim, whatever the job's size; the store serves 2 requests per rank
 (``docs/capacity.md``, section 5, has the figures).
 
+When (``cadence``): every rank captures its payload at the same tick (the flight-recorder windows
+compared must be of one instant), then sets it and, a poll later, gets its peers', each at its own
+offset into a window of the pass, so the store sees a bounded rate of the exchange's requests
+whatever the job's size.
+
 Readers ``check()`` a key before its first read (keys are overwritten, never deleted: one seen stays),
 so a rank that never published costs nothing and never blocks the agent thread; payloads carry their publish time, and a stuck rank's stale ``s`` is seen as
 stale rather than waited for (its other purposes go with it).
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -64,6 +70,61 @@ READS: dict[str, str] = {"s": "*", "fr": "*", "gs": "tp"}
 #: Purposes set at every exchange (their publish time is their freshness); the others only when changed.
 EVERY_EXCHANGE = ("s", "fr")
 PURPOSES = ("s", "fr", "gs", "ck")
+
+
+#: Seconds of spreading per rank and phase: the store gets at most 2,048 of the exchange's requests a
+#: second. Measured (``benchmarks/store_load.py``, 1,024 simulated ranks, dp x tp, 2 cores): one request
+#: per rank spread over 0.5 s (2,048/s) left an unrelated set+get's p99 at 0.79 ms against 1.89 ms idle;
+#: over 0.25 s (4,096/s) 4.58 ms against 2.42, past the 2 ms allowed; all at once 15.4 ms. The rule below,
+#: from 64 to 4,096 ranks, every layout measured: 0.29-1.04 ms against 0.13-0.25 idle (docs/capacity.md, section 5).
+SPREAD_PER_RANK_S = 1 / 2048
+#: The share of the agent's interval a pass may wait for its offsets: the rest of the pass must still end
+#: before the next tick.
+SPREAD_MAX_SHARE = 0.5
+#: Below this window the ranks' requests go at once: a few at a time cost the store nothing measurable.
+SPREAD_MIN_S = 0.001
+#: Offsets of consecutive ranks: frac(rank x golden ratio), evenly spread for any number of ranks.
+_GOLDEN = 0.6180339887498949
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """How a job's ranks pace their exchange (``cadence``).
+
+    ``window_s``: seconds of a pass over which the ranks' requests of one phase (publish, or read) are
+    spread (0: all at once); ``polls``: the passes one phase spans; ``gap``: the fewest passes from one
+    capture to the next (1: a pass may read the last exchange and publish the next, reads in the first
+    window, publishes in the second); ``interval_s``: the effective exchange interval."""
+
+    window_s: float
+    polls: int
+    gap: int
+    interval_s: float
+
+    def offset(self, rank: int) -> tuple[int, float]:
+        """(pass after the phase's first, seconds after that pass's tick) of ``rank``'s request."""
+        u = (rank * _GOLDEN) % 1.0 * self.polls
+        k = min(int(u), self.polls - 1)
+        return k, (u - k) * self.window_s
+
+
+def cadence(ranks: int, exchange_s: float, interval_s: float) -> Cadence:
+    """The exchange's pace for a job of ``ranks``, given ``detectors.exchange_s`` and the agent's interval.
+
+    Each phase (every rank's publish; one poll later, every rank's read) is spread over
+    S = ranks x ``SPREAD_PER_RANK_S`` (its figures: the store's peak rate stays at ~2,048 requests a
+    second whatever the job's size). A pass waits at most ``SPREAD_MAX_SHARE`` of the interval, so past
+    1,024 ranks (at 1 s) a phase spans p = ceil(S / (interval / 2)) passes of window S / p each, and the
+    next capture waits for the reads of the last: the exchange interval grows to 2p passes (8,192 ranks:
+    16 s instead of 3). A pass reads the last exchange and publishes the next only when both windows fit
+    in its half (up to 512 ranks at 1 s); else an exchange is at its ``exchange_s`` slots only. Below
+    ``SPREAD_MIN_S`` (2 ranks) nothing waits."""
+    half = SPREAD_MAX_SHARE * interval_s
+    spread = max(ranks, 1) * SPREAD_PER_RANK_S
+    polls = max(1, math.ceil(spread / half - 1e-9))
+    window = spread / polls if spread / polls >= SPREAD_MIN_S else 0.0
+    gap = 1 if polls == 1 and 2 * window <= half else 2 * polls
+    return Cadence(window, polls, gap, max(exchange_s, gap * interval_s))
 
 
 def open_store(timeout_s: float = 5.0) -> Any:

@@ -29,8 +29,8 @@ DETECTOR_DEFAULTS: dict[str, dict[str, float]] = {
 }
 
 #: parameters of the detectors component itself (``detectors.<param>``), in seconds: between store
-#: exchanges; the soonest an exchange follows the last when something changed; one log line per alert
-#: per interval; peer payloads older than this are ignored
+#: exchanges (longer past 1,024 ranks, ``crossrank.cadence``); the soonest an exchange follows the last
+#: when something changed; one log line per alert per interval; peer payloads older than this are ignored
 COMPONENT_DEFAULTS: dict[str, float] = {"exchange_s": 3.0, "exchange_min_s": 1.0, "log_interval_s": 60.0, "stale_s": 30.0}
 COMPONENT_THRESHOLDS = tuple(COMPONENT_DEFAULTS)
 

@@ -19,8 +19,11 @@ CPU first, and the unrelated operation times the store, not the VM's other tenan
 the wall time of the two phases, an upper bound (the simulated ranks themselves need ~0.1 ms of CPU
 each per phase on these 2 cores); the store's CPU time in them (``/proc``) is the figure that does not
 depend on the simulation. Past ``--threads`` (1,024) a thread goes through several ranks in turn
-(4,096 threads thrash a 2-core VM). ``--spread S`` delays each rank's operation by a fixed share of S
-seconds (by rank), what spreading the ranks' exchange over part of the interval would do.
+(4,096 threads thrash a 2-core VM). The agent's scheme spreads each phase as the agent does
+(``crossrank.cadence`` at the default ``detectors.exchange_s`` and interval: each rank's operation at
+its offset, over one pass's window up to 1,024 ranks, over several passes past that, a pass
+``interval`` seconds apart); ``--spread S`` instead spreads it over S seconds (0: all at once, as
+the old scheme did), ``--spread 0 agent`` runs both side by side.
 
 Worst case for the agent's scheme: every purpose is set at every round (checksums and tp samples
 change only every 10 steps). ``--scheme all`` is the scheme before: one merged payload per rank under
@@ -29,6 +32,7 @@ Meanwhile a separate process times an unrelated ``set`` + ``get`` every 2 ms (wh
 and group creation do), in the idle seconds between rounds and during the two phases.
 
     python -m benchmarks.store_load                                  # 64, 256, 1024 ranks; 4 layouts; both schemes
+    python -m benchmarks.store_load --ranks 1024 --scheme peers --spread 0 agent   # the agent's spread against none
     python -m benchmarks.store_load --ranks 4096 --scheme peers
     python -m benchmarks.store_load --ranks 8 --layouts dp_tp --rounds 2 --json out.json   # a quick check
 
@@ -65,6 +69,7 @@ STEPS = 30  # the steps the template rank has done (checksums at 10, 20, 30)
 PROBE_EVERY_S = 0.002
 IDLE_S = 1.0  # idle time before the rounds and between two rounds
 START_LEAD_S = 0.2  # a timed phase starts this long after its threads are released (all asleep to it by then)
+AGENT_INTERVAL_S = 1.0  # the agent's default interval (HPAR_INTERVAL): its passes come this far apart
 
 
 # ------------------------------------------------------------------------------------------ payloads
@@ -187,8 +192,10 @@ class _Rank:
         self.raw: list[Any] = []
 
     def offset(self, case: dict[str, Any]) -> float:
-        """This rank's delay into a phase: spread evenly over ``case["spread"]`` seconds by rank."""
-        return case["spread"] * ((self.rank * 0.6180339887498949) % 1.0)
+        """This rank's delay into a phase: the agent's own (``crossrank.Cadence.offset``: its pass of the
+        phase, a pass every agent interval, and its offset into that pass's window)."""
+        k, off = case["cadence"].offset(self.rank)
+        return k * AGENT_INTERVAL_S + off
 
     def phase(self, name: str, case: dict[str, Any]) -> None:
         from hpar_agent.crossrank import EVERY_EXCHANGE, PURPOSES, Exchange, Grid, plan
@@ -369,14 +376,16 @@ class Ranks:
         self.cases: list[tuple[dict[str, Any], dict[str, list[tuple[float, float]]]]] = []
         self.job = 0
 
-    def run(self, layout: str, scheme: str, rounds: int, spread: float = 0.0) -> dict[str, Any]:
+    def run(self, layout: str, scheme: str, rounds: int, spread: float | None = 0.0) -> dict[str, Any]:
+        """One case; ``spread`` None: the agent's cadence, else each phase spread over that many seconds."""
+        cad = pace(self.n, spread)
         parts = template_parts(layout, self.n)
         merged: dict[str, Any] = {}
         for part in parts.values():
             merged.update(part)
         self.job += 1
         case = {"job": f"bench{self.job}", "layout": layout, "n": self.n, "scheme": scheme, "parts": parts,
-                "merged": merged, "rounds": rounds, "spread": spread}  # fmt: skip
+                "merged": merged, "rounds": rounds, "cadence": cad}  # fmt: skip
         spans: dict[str, list[tuple[float, float]]] = {"idle": [], "publish": [], "read": [], "other": []}
         cpu = 0.0  # the store's CPU seconds in the publish and read phases
         idle_from: float | None = time.time()
@@ -401,8 +410,8 @@ class Ranks:
                 idle_from = t1
                 time.sleep(IDLE_S)
         totals = [self.results.get(timeout=300) for _ in self.workers]
-        out = {"layout": layout, "ranks": self.n, "scheme": scheme, "rounds": rounds, "spread_s": spread,
-               "threads": self.concurrency,
+        out = {"layout": layout, "ranks": self.n, "scheme": scheme, "rounds": rounds, "spread": _spread(cad, spread),
+               "window_s": cad.window_s, "polls": cad.polls, "threads": self.concurrency,
                "out": sum(t["out"] for t in totals), "in": sum(t["in"] for t in totals), "store_cpu_s": cpu,
                "errors": sum(t["errors"] for t in totals)}  # fmt: skip
         self.cases.append((out, spans))
@@ -440,6 +449,23 @@ def _figures(case: dict[str, Any], spans: dict[str, list[tuple[float, float]]],
     }  # fmt: skip
 
 
+def pace(n: int, spread: float | None) -> Any:
+    """The ``crossrank.Cadence`` the ranks follow: the agent's for ``n`` ranks (``spread`` None), else
+    one window of ``spread`` seconds."""
+    from hpar_agent.crossrank import Cadence, cadence
+    from hpar_agent.thresholds import COMPONENT_DEFAULTS
+
+    if spread is None:
+        return cadence(n, COMPONENT_DEFAULTS["exchange_s"], AGENT_INTERVAL_S)
+    return Cadence(spread, 1, 1, COMPONENT_DEFAULTS["exchange_s"])
+
+
+def _spread(cad: Any, spread: float | None) -> str:
+    """How a case spread its phases, as the table prints it."""
+    window = f"{cad.window_s:g}" + (f" x {cad.polls} passes" if cad.polls > 1 else "")
+    return f"agent: {window}" if spread is None else window
+
+
 def _stats(values: list[float]) -> dict[str, float]:
     v = sorted(values)
     if not v:
@@ -451,12 +477,16 @@ def _stats(values: list[float]) -> dict[str, float]:
 def _row(r: dict[str, Any]) -> str:
     i, d = r["idle_ms"], r["during_ms"]
     ranks = f"{r['ranks']:,}" + (f" ({r['threads']:,} threads)" if r["threads"] < r["ranks"] else "")
-    return (f"| {ranks} | {r['layout']} | {r['scheme']} | {r['spread_s']:g} "
+    return (f"| {ranks} | {r['layout']} | {r['scheme']} | {r['spread']} "
             f"| {r['kb_set_per_rank']:.1f} | {r['kb_got_per_rank']:.1f} "
             f"| {r['mb_per_round']:.1f} | {r['store_cpu_ms_per_round']:.0f} "
             f"| {r['round_s']:.3f} ({r['publish_s']:.3f} + {r['read_s']:.3f}) "
             f"| {i.get('median', math.nan):.2f} / {i.get('p99', math.nan):.2f} "
             f"| {d.get('median', math.nan):.2f} / {d.get('p99', math.nan):.2f} / {d.get('max', math.nan):.1f} |")  # fmt: skip
+
+
+def _spread_arg(text: str) -> float | None:
+    return None if text == "agent" else float(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -469,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--procs", type=int, default=2, help="worker processes the simulated ranks are spread over")
     ap.add_argument("--threads", type=int, default=1024,
                     help="threads at most over all processes; past it a thread goes through several ranks in turn")
-    ap.add_argument("--spread", type=float, nargs="+", default=[0.0],
-                    help="seconds over which the ranks' store operations of a phase are spread (by rank)")
+    ap.add_argument("--spread", type=_spread_arg, nargs="+", default=[None], metavar="S|agent",
+                    help="seconds over which the ranks' store operations of a phase are spread (by rank), or "
+                         "'agent' (the default): the agent's own cadence; the old scheme never spreads")
     ap.add_argument("--nice", type=int, default=19, help="niceness of the simulated ranks' processes")
     ap.add_argument("--store-nice", type=int, default=-10,
                     help="niceness of the store's and the prober's processes (below 0 needs root)")
@@ -484,7 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one socket per simulated rank on the server
     schemes = ("peers", "all") if args.scheme == "both" else (args.scheme,)
     print(f"# store_load: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start", flush=True)
-    print("| ranks | layout | scheme | spread s | KB set / rank | KB got / rank | MB / round | store CPU ms / round "
+    if None in args.spread and "peers" in schemes:
+        for n in args.ranks:
+            cad = pace(n, None)
+            print(f"# {n:,} ranks, the agent's cadence: window {cad.window_s:g} s per pass over {cad.polls} "
+                  f"pass(es), an exchange every {cad.interval_s:g} s", flush=True)  # fmt: skip
+    print("| ranks | layout | scheme | spread s per pass | KB set / rank | KB got / rank | MB / round | store CPU ms / round "
           "| round s (publish + read) | unrelated idle ms (median / p99) | during (median / p99 / max) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     out = []
@@ -494,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             for scheme in schemes:
                 if scheme == "all" and n > args.all_max:
                     continue
-                for spread in args.spread:
+                for spread in args.spread if scheme == "peers" else [0.0]:
                     ranks.run(layout, scheme, args.rounds, spread)
         for r in ranks.close():
             out.append(r)

@@ -22,7 +22,17 @@ from hpar_agent import catalogue as cat
 from hpar_agent import gil
 from hpar_agent.alert_callbacks import Alert
 from hpar_agent.component import Component
-from hpar_agent.crossrank import EVERY_EXCHANGE, PURPOSES, Exchange, Grid, PeerPlan, open_store, plan
+from hpar_agent.crossrank import (
+    EVERY_EXCHANGE,
+    PURPOSES,
+    Cadence,
+    Exchange,
+    Grid,
+    PeerPlan,
+    cadence,
+    open_store,
+    plan,
+)
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector
@@ -74,7 +84,7 @@ class DetectorsComponent(Component):
 
     Parameters of the component itself (``AgentConfig.thresholds``, ``detectors.<param>``): see
     ``thresholds.COMPONENT_DEFAULTS`` (``exchange_min_s``: an exchange comes this soon after the last one
-    when something changed, see ``_due``).
+    when something changed, see ``_due``). The exchange is paced by ``crossrank.cadence`` (``_exchange``).
 
     Compile activity (any compile started, ended or added a graph) is tracked here once for the
     detectors that must not judge compile warm-up: ``compile_quiet_s`` / ``compile_quiet_steps`` say
@@ -108,8 +118,11 @@ class DetectorsComponent(Component):
         self.log_interval_s = COMPONENT_DEFAULTS["log_interval_s"]
         self.stale_s = COMPONENT_DEFAULTS["stale_s"]
         self._token: tuple[Any, ...] = ()  # what the last publish was built from (see _change_token)
-        self._read_due = False  # published at the last exchange: read the peers at the next poll
+        self._passes = 0  # passes of this component (the exchange's phases are counted in them)
+        self._pending: tuple[dict[str, dict[str, Any]], int] | None = None  # payload captured, pass to set it
+        self._read_at: int | None = None  # the pass to read the peers' payloads of the last publish
         self._slot = -1.0  # the exchange slot last published in (see _due)
+        self._cadence_of: tuple[tuple[int, float, float], Cadence] | None = None
         self._compile_token: tuple[float, ...] | None = None
         self.compile_last_ts = 0.0  # agent-thread time compile activity was last seen (0: never)
         self.compile_last_step = 0
@@ -174,36 +187,65 @@ class DetectorsComponent(Component):
         super().uninstall()
 
     def _exchange(self) -> None:
-        """Read what the comparison peers published at the last exchange, then publish when one is due.
-        Every rank publishes in the same polls (``_due``: wall-clock slots, and every rank's poll runs
-        at the same tick), so reading one poll later gives payloads made at one instant, whose windows
-        of flight-recorder entries overlap; reading right after publishing raced the peers' publishes of
-        the same poll."""
+        """Capture this rank's payload when an exchange is due (``_due``), then read what the comparison
+        peers published at the last exchange, then publish, each at this rank's offset (``crossrank.
+        cadence``). The payload is built at the tick, the same on every rank, whenever it is set: the
+        flight-recorder windows compared are then of one instant. A phase's requests are spread over
+        ``window_s`` of ``polls`` passes, the read ``polls`` passes after the publish; in a pass that
+        does both, reads fill the first window and publishes the second, so no rank reads a payload of
+        the exchange after the one it judges. Reading right after publishing raced the peers' publishes
+        of the same pass."""
         ctx = self.ctx
         assert ctx is not None
         self.peers_fresh = False
-        if self._read_due and self.exchange is not None:
-            self._read_due = False
-            self.peers = self._read(self.exchange)
-            self.peers_fresh = True
+        self._passes += 1
+        cad = self._cadence()
+        k, offset = cad.offset(self.rank)
         token = self._change_token()
-        if not self._due(token):
-            return
-        self._token = token
-        self._last_exchange = self.now
-        if self.exchange is None and not self._store_tried:
-            self._store_tried = True
-            if ctx.topology.world_size > 1:
-                store = open_store()
-                if store is not None:
-                    self.exchange = Exchange(store, ctx.topology.job_id, self.rank)
-                    self._own_store = True
+        if self._due(token, cad):
+            self._token = token
+            self._last_exchange = self.now
+            if self.exchange is None and not self._store_tried:
+                self._store_tried = True
+                if ctx.topology.world_size > 1:
+                    store = open_store()
+                    if store is not None:
+                        self.exchange = Exchange(store, ctx.topology.job_id, self.rank)
+                        self._own_store = True
+            if self.exchange is not None:
+                self._pending = (self._parts(), self._passes + k)
         if self.exchange is None:
             return
-        parts = self._parts()
-        gil.pause_point()
-        self.exchange.publish(parts)
-        self._read_due = True
+        tick = min(self.now, round(self.now / ctx.config.interval) * ctx.config.interval)  # a pass off a tick: now
+        read = self._read_at is not None and self._passes >= self._read_at
+        if read:
+            self._read_at = None
+            self._wait_until(tick + offset, cad)
+            self.peers = self._read(self.exchange, cad)
+            self.peers_fresh = True
+        if self._pending is not None and self._passes >= self._pending[1]:
+            parts, at = self._pending
+            self._pending = None
+            self._wait_until(tick + offset + (cad.window_s if read else 0.0), cad)
+            gil.pause_point()
+            self.exchange.publish(parts)
+            self._read_at = at + cad.polls
+
+    def _wait_until(self, t: float, cad: Cadence) -> None:
+        """Until wall-clock time ``t`` where the cadence spreads the ranks (``AgentContext.wait``: the GIL
+        released, at once when the agent stops, not on a final pass); never more than the two windows of a
+        pass, whatever the wall clock did."""
+        delay = min(t - time.time(), 2 * cad.window_s)
+        if delay > 0:
+            self.require_ctx().wait(delay)
+
+    def _cadence(self) -> Cadence:
+        """``crossrank.cadence`` of this job (worked out once per world size)."""
+        ctx = self.require_ctx()
+        key = (ctx.topology.world_size, self.exchange_s, ctx.config.interval)
+        if self._cadence_of is None or self._cadence_of[0] != key:
+            self._cadence_of = (key, cadence(*key))
+        return self._cadence_of[1]
 
     def _parts(self) -> dict[str, dict[str, Any]]:
         """This rank's payload by purpose (``crossrank``'s table): its coordinates and step in ``s``,
@@ -218,10 +260,12 @@ class DetectorsComponent(Component):
                     parts[purpose].update(fields)
         return parts
 
-    def _read(self, exchange: Exchange) -> dict[int, dict[str, Any]]:
+    def _read(self, exchange: Exchange, cad: Cadence) -> dict[int, dict[str, Any]]:
         """rank -> its purposes merged into one dict, for this rank (what it published last) and every
-        comparison peer whose ``s`` is fresh (a peer's other purposes count only with it)."""
-        got = exchange.read(self._plan().wants(), max_age_s={p: self.stale_s for p in EVERY_EXCHANGE})
+        comparison peer whose ``s`` is fresh: younger than ``stale_s``, or two exchange intervals where
+        those are longer (a peer's other purposes count only with it)."""
+        fresh = max(self.stale_s, 2 * cad.interval_s)
+        got = exchange.read(self._plan().wants(), max_age_s={p: fresh for p in EVERY_EXCHANGE})
         mine = [p for p in PURPOSES if p != "ck"]
         peers: dict[int, dict[str, Any]] = {}
         for r in got.get("s", {}):
@@ -263,30 +307,31 @@ class DetectorsComponent(Component):
         fp = cd.settled_fingerprint(self) if cd is not None else None
         return (fp, min(self.steps_done, 3))
 
-    def _due(self, token: tuple[Any, ...]) -> bool:
-        """At each ``exchange_s`` slot of the wall clock (the same polls on every rank: a rank whose
-        own publishes drifted a poll off its peers' would read their windows a poll old, which no
+    def _due(self, token: tuple[Any, ...], cad: Cadence) -> bool:
+        """At each slot of the exchange interval on the wall clock (the same passes on every rank: a rank
+        whose own publishes drifted a pass off its peers' would read their windows a pass old, which no
         longer overlap its own); after ``exchange_min_s`` already when the change token changed or
-        while a cross-rank alert waits for its confirmation (those extra publishes move no slot)."""
-        if self.exchange_s <= 0:
+        while a cross-rank alert waits for its confirmation (those extra publishes move no slot), where
+        the cadence lets a pass read one exchange and publish the next (``gap`` 1)."""
+        if self.exchange_s <= 0 and cad.gap == 1:
             return True
-        slot = self._slot_of(self.now)
+        slot = self._slot_of(self.now, cad.interval_s)
         if slot != self._slot:
             self._slot = slot
             return True
-        if self.now - self._last_exchange < self.exchange_min_s:
+        if cad.gap > 1 or self.now - self._last_exchange < self.exchange_min_s:
             return False
         confirming = any(
             d.cross_rank and self.states[d.name].streak > 0 and not self.states[d.name].active for d in self.detectors
         )
         return confirming or token != self._token
 
-    def _slot_of(self, now: float) -> float:
-        """The exchange slot of a poll: its tick (the poll's time rounded to the agent's interval, as
-        a poll starts a little after its tick) over ``exchange_s``."""
+    def _slot_of(self, now: float, every: float) -> float:
+        """The exchange slot of a pass: its tick (the pass's time rounded to the agent's interval, as a
+        pass starts a little after its tick) over the exchange interval ``every``."""
         ctx = self.ctx
         iv = ctx.config.interval if ctx is not None else 1.0
-        return (round(now / iv) * iv) // self.exchange_s
+        return (round(now / iv) * iv) // every
 
     def _track_compiles(self) -> None:
         token = src.compile_activity(self.context)

@@ -1,6 +1,7 @@
-"""The cross-rank exchange: one key per rank and purpose on a real store, and each rank's comparison
-peers for the layouts users run (dp; dp x tp; the reference trainer's dp x pp x tp; HSDP), bounded
-whatever the job's size, and equal to the groups torch's own DeviceMesh makes."""
+"""The cross-rank exchange: one key per rank and purpose on a real store, each rank's comparison peers
+for the layouts users run (dp; dp x tp; the reference trainer's dp x pp x tp; HSDP), bounded whatever
+the job's size, and equal to the groups torch's own DeviceMesh makes; and its cadence, which keeps the
+store's request rate bounded whatever the job's size."""
 
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpar_agent.crossrank import PEERS_PER_DIM, READS, Exchange, Grid, plan, select
+from hpar_agent.crossrank import (
+    PEERS_PER_DIM,
+    READS,
+    SPREAD_PER_RANK_S,
+    Cadence,
+    Exchange,
+    Grid,
+    cadence,
+    plan,
+    select,
+)
 
 
 @pytest.fixture
@@ -73,6 +84,56 @@ def test_bytes_are_counted_both_ways(store: Any) -> None:
     sent = b.publish(PARTS)
     a.read({p: [1] for p in PARTS})
     assert b.bytes_out == sent == a.bytes_in > 0
+
+
+# ------------------------------------------------------------------------------------------ cadence
+def test_small_jobs_wait_a_few_ms_at_most_and_exchange_as_often() -> None:
+    for n in (1, 2):
+        assert cadence(n, 3.0, 1.0) == Cadence(0.0, 1, 1, 3.0)  # nothing waits
+    for n in (4, 8):  # the demo, the fault matrix
+        c = cadence(n, 3.0, 1.0)
+        assert 0 < c.window_s <= 0.004 and (c.polls, c.gap, c.interval_s) == (1, 1, 3.0)
+    assert cadence(4, 0.0, 1.0).gap == 1  # exchange_s 0 (every pass) stays every pass
+
+
+def test_1024_ranks_spread_over_half_the_interval_at_the_same_exchange_interval() -> None:
+    c = cadence(1024, 3.0, 1.0)
+    assert (c.window_s, c.polls, c.interval_s) == (0.5, 1, 3.0)
+    assert c.gap == 2  # both windows no longer fit in one pass: a read pass publishes nothing
+    assert cadence(512, 3.0, 1.0).gap == 1 and cadence(512, 3.0, 1.0).window_s == 0.25
+
+
+def test_8192_ranks_spread_over_passes_and_exchange_less_often() -> None:
+    c = cadence(8192, 3.0, 1.0)
+    assert (c.window_s, c.polls, c.gap, c.interval_s) == (0.5, 8, 16, 16.0)
+    slow = cadence(8192, 3.0, 5.0)  # a longer agent interval holds more of a phase per pass
+    assert slow.polls == 2 and slow.window_s == 2.0 and slow.interval_s == 20.0
+
+
+@pytest.mark.parametrize("interval", [0.05, 1.0, 5.0])
+def test_the_stores_request_rate_is_bounded_whatever_the_jobs_size(interval: float) -> None:
+    for n in (3, 64, 1000, 1024, 1025, 3000, 8192, 100_000):
+        c = cadence(n, 3.0, interval)
+        assert c.window_s <= 0.5 * interval + 1e-12  # a pass waits at most half its interval, or twice a quarter
+        assert n / (c.polls * c.window_s) <= 1 / SPREAD_PER_RANK_S * (1 + 1e-9)  # requests a second, one phase
+        assert c.interval_s >= c.gap * interval  # the reads of one exchange end before the next capture
+        if c.gap == 1:  # a read window then a publish window in one pass
+            assert c.polls == 1 and 2 * c.window_s <= 0.5 * interval
+        else:  # a phase of publishes, then a phase of reads
+            assert c.gap == 2 * c.polls
+
+
+def test_offsets_spread_the_ranks_evenly_over_the_window() -> None:
+    for n in (64, 1024, 8192):
+        c = cadence(n, 3.0, 1.0)
+        at = sorted(k + off / c.window_s for k, off in map(c.offset, range(n)))  # in windows
+        assert at[0] >= 0 and at[-1] < c.polls
+        buckets = [0] * (50 * c.polls)
+        for a in at:
+            buckets[int(a * 50)] += 1
+        assert max(buckets) <= 1.5 * n / len(buckets) + 2  # no burst: ~even over every 1/50 of a window
+    c = cadence(1024, 3.0, 1.0)
+    assert [c.offset(r) for r in (0, 1)] == [(0, 0.0), (0, pytest.approx(0.309, abs=1e-3))]  # stable by rank
 
 
 # ------------------------------------------------------------------------------------------ peers

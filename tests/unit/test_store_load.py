@@ -1,15 +1,18 @@
-"""benchmarks/store_load.py: its payloads come from the agent's own builder, and a small run measures
-both schemes on a real store."""
+"""benchmarks/store_load.py: its payloads come from the agent's own builder, its ranks follow the
+agent's own cadence, and a small run measures both schemes on a real store."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks import store_load
-from hpar_agent.crossrank import PURPOSES, Grid
+from hpar_agent.config import AgentConfig
+from hpar_agent.crossrank import PURPOSES, Grid, cadence
+from hpar_agent.thresholds import COMPONENT_DEFAULTS
 
 
 def test_payloads_are_the_agents_with_a_compact_summary() -> None:
@@ -30,6 +33,19 @@ def test_the_old_scheme_read_every_rank_of_the_stage() -> None:
     assert store_load._stage_ranks(Grid.row_major([("dp", 8)]), 3) == list(range(8))
 
 
+def test_the_agents_scheme_is_spread_by_the_agents_own_cadence() -> None:
+    assert AgentConfig().interval == store_load.AGENT_INTERVAL_S
+    for n in (16, 1024, 8192):
+        cad = store_load.pace(n, None)
+        assert cad == cadence(n, COMPONENT_DEFAULTS["exchange_s"], AgentConfig().interval)
+        at = [store_load._Rank.offset(SimpleNamespace(rank=r), {"cadence": cad}) for r in range(n)]  # type: ignore[arg-type]
+        for r in range(min(n, 50)):  # its pass of the phase (a second apart), its offset into that pass's window
+            k, off = cad.offset(r)
+            assert at[r] == pytest.approx(k * AgentConfig().interval + off)
+        assert max(at) < cad.polls - 1 + cad.window_s
+    assert store_load.pace(1024, 0.0).window_s == 0 and store_load.pace(1024, 0.5).window_s == 0.5  # --spread S
+
+
 def test_a_small_run_measures_both_schemes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RES_OPTIONS", "timeout:1 attempts:1")  # what main() would set, restored after
     out = tmp_path / "store.json"
@@ -38,3 +54,5 @@ def test_a_small_run_measures_both_schemes(tmp_path: Path, monkeypatch: pytest.M
     assert set(rows) == {"peers", "all"} and all(r["errors"] == 0 for r in rows.values())
     assert rows["peers"]["kb_got_per_rank"] < rows["all"]["kb_got_per_rank"] / 4
     assert rows["peers"]["round_s"] > 0 and rows["peers"]["idle_ms"]["n"] > 0
+    assert rows["peers"]["window_s"] == cadence(16, 3.0, 1.0).window_s and rows["peers"]["spread"].startswith("agent")
+    assert rows["all"]["window_s"] == 0  # the old scheme went all at once

@@ -1,8 +1,10 @@
 """The detectors component: every alert exported from the start, its own parameters, the store client it
-opens, and the exchange's cadence (ranks publish at one pass and read each other at the next)."""
+opens, and the exchange's cadence (ranks publish at one pass and read each other at the next, each at its
+offset into the pass on a large job)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -13,7 +15,7 @@ from torch import nn
 
 from hpar_agent import catalogue as cat
 from hpar_agent.agent import Agent
-from hpar_agent.crossrank import Exchange
+from hpar_agent.crossrank import Exchange, cadence
 from hpar_agent.detectors.component import DetectorsComponent
 from hpar_agent.thresholds import COMPONENT_DEFAULTS
 from tests.unit.harness import Fake, make_agent, steps
@@ -172,3 +174,121 @@ def test_a_rank_that_started_a_poll_late_publishes_in_the_same_slots(store: Any,
     assert _poll(pair, t0 + 2) == [False, True] and _published(pair) == [1, 1]
     assert _poll(pair, t0 + 3) == [False, False] and _published(pair) == [2, 2]  # the same slot on both
     assert _poll(pair, t0 + 4) == [True, True]
+
+
+# ------------------------------------------------------------------------------------------ spread
+def _rank_at(world: int, lo: float, hi: float, interval: float = 1.0) -> int:
+    """A rank of a ``world``-rank job whose offset into its pass is within ``lo..hi`` seconds."""
+    c = cadence(world, COMPONENT_DEFAULTS["exchange_s"], interval)
+    return next(r for r in range(world) if lo <= c.offset(r)[1] <= hi)
+
+
+def _after_tick(every: float = 1.0) -> float:
+    """Sleep to just after the next multiple of ``every`` on the wall clock (a pass's tick); that tick."""
+    t = every * (time.time() // every + 1)
+    time.sleep(t - time.time() + 0.001)
+    return t
+
+
+def test_a_large_jobs_rank_sets_its_payload_at_its_offset_but_at_once_when_stopping_or_final(
+    store: Any, tmp_path: Any
+) -> None:
+    def rank(r: int, name: str) -> tuple[Agent, DetectorsComponent]:
+        return make_agent(tmp_path / name, rank=r, world=1024, comps=(steps(10),), exchange=Exchange(store, "job", r))
+
+    (waits, det), (final, det_f) = rank(_rank_at(1024, 0.3, 0.4), "a"), rank(_rank_at(1024, 0.4, 0.5), "b")
+    t = _after_tick()
+    waits.tick()
+    assert time.time() - t >= cadence(1024, 3.0, 1.0).offset(det.rank)[1] - 0.002  # waited its offset
+    assert det.exchange.published == 1
+    assert waits.collect_seconds["detectors"] < 0.1  # the poll's work, not its wait (a dashboard panel)
+    t0 = time.perf_counter()
+    final.tick(final=True)  # a flush or detach: the last pass must end soon
+    assert time.perf_counter() - t0 < 0.1 and det_f.exchange.published == 1
+
+    stopped, det_s = rank(_rank_at(1024, 0.4, 0.5), "c")
+    stopped.started = True  # stop() then does what it does to a running agent (no thread here)
+    _after_tick()
+    ended: list[float] = []
+    th = threading.Thread(target=lambda: (stopped.tick(), ended.append(time.perf_counter())))
+    th.start()
+    time.sleep(0.1)
+    t0 = time.perf_counter()
+    stopped.stop()
+    th.join(5)
+    assert ended and ended[0] - t0 < 0.05  # not the ~0.3 s left of its offset
+    assert det_s.exchange.published >= 1
+
+
+def test_a_small_jobs_pass_is_not_delayed(store: Any, tmp_path: Any) -> None:
+    jobs = {world: [make_agent(tmp_path / f"{world}-{r}", rank=r, world=world, comps=(steps(10),),
+                               exchange=Exchange(store, f"job{world}", r)) for r in range(world)]
+            for world in (2, 4, 8)}  # fmt: skip
+    asked: dict[int, list[float]] = {world: [] for world in jobs}
+    for world, ranks in jobs.items():
+        for agent, _det in ranks:
+            wait = agent.context.wait
+            agent.context.wait = lambda s, wait=wait, out=asked[world]: (out.append(s), wait(s))[1]  # type: ignore[misc]
+    t = _after_tick(3.0)  # an exchange slot starts
+    for at in (t, t + 1):  # a pass that publishes, then one that reads
+        time.sleep(max(0.0, at + 0.001 - time.time()))
+        for ranks in jobs.values():
+            for agent, _det in ranks:
+                agent.tick()
+    for world, ranks in jobs.items():
+        assert all(det.exchange.published == 1 and det.peers_fresh for _a, det in ranks)
+        window = cadence(world, 3.0, 1.0).window_s
+        assert window <= 0.004 and all(s <= 2 * window for s in asked[world])  # at most 8 ms of a 1 s pass
+    assert asked[2] == []
+
+
+def test_a_pass_that_reads_and_publishes_reads_before_any_rank_publishes(store: Any, tmp_path: Any) -> None:
+    """64 ranks at a 0.2 s interval: 31 ms windows, a pass may read one exchange and publish the next.
+    Rank a sets its next payload early in its window, its peer a+1 reads late in its own: without the
+    read window first, a+1 would read a's new payload against its own old one."""
+    th = {"detectors.exchange_s": 1.0, "detectors.exchange_min_s": 0.1}
+    a = _rank_at(64, 0.0005, 0.006, interval=0.2)  # a + 1 is at 0.618 of the window further (mod 1): late
+    pair = [make_agent(tmp_path / str(r), rank=r, world=64, comps=(steps(1),), exchange=Exchange(store, "job", r),
+                       **th) for r in (a, a + 1)]  # fmt: skip
+    for agent, det in pair:
+        agent.config.interval = 0.2
+        assert det._cadence().gap == 1 and det._cadence().window_s == 64 / 2048
+
+    def passes() -> None:
+        threads = [threading.Thread(target=agent.tick) for agent, _ in pair]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    t = _after_tick()  # a slot of exchange_s
+    passes()
+    for agent, _det in pair:
+        agent.components[0].total = 3  # the warm-up step: a new payload at the next pass
+    time.sleep(t + 0.2 - time.time() + 0.001)
+    passes()
+    assert [det.exchange.published for _, det in pair] == [2, 2]  # the next exchange came in the read pass
+    assert [det.peers[r]["step"] for (_, det), r in zip(pair, (a + 1, a), strict=True)] == [1, 1]
+    assert [dict(agent.errors) for agent, _ in pair] == [{}, {}]
+
+
+def test_a_very_large_job_spreads_a_phase_over_passes_and_reads_after_every_publish(
+    store: Any, tmp_path: Any
+) -> None:
+    """8,192 ranks at 1 s: a phase spans 8 passes; a rank sets its payload at its pass of the 8 and reads
+    8 passes later, and the next exchange waits for every read (no early publish on a change)."""
+    c = cadence(8192, 3.0, 1.0)
+    r = next(r for r in range(8192) if c.offset(r)[0] == 3)
+    st = steps(1)
+    agent, det = make_agent(tmp_path, rank=r, world=8192, comps=(st,), exchange=Exchange(store, "job", r))
+    t0 = c.interval_s * (time.time() // c.interval_s - 4)  # a slot start in the past: no pass waits
+    published, fresh = [], []
+    for i in range(2 * int(c.interval_s)):
+        if i == 5:
+            st.total = 3  # the warm-up step: would publish early on a small job
+        det.poll(t0 + i)
+        published.append(det.exchange.published)
+        fresh.append(det.peers_fresh)
+    assert published == [0] * 3 + [1] * 16 + [2] * 13
+    assert [i for i, f in enumerate(fresh) if f] == [3 + 8, 16 + 3 + 8]
+    assert dict(agent.errors) == {}
