@@ -23,7 +23,8 @@ Configurations (``--config``):
   gpu        one GPU: inductor, bf16, 12 layers of dim 2048, 8 x 1024 tokens (~50-85 ms steps)
   short-cpu  short steps as a new user meets them: ``tiny_gpt.py`` (a nanoGPT-style loop on one CPU
              thread, ~10-12 ms steps, timed by the script itself) run as ``python tiny_gpt.py`` against
-             ``hpar-agent run -- python tiny_gpt.py``; runs only
+             ``hpar-agent run -- python tiny_gpt.py`` (runs, the default), or in one process with
+             ``attach(model, optimizer=opt)`` before an agent block (``--design blocks``)
   short-gpu  the same on one GPU (sized for ~10 ms steps on an H100)
 ``--cpu-smoke`` runs the gpu configuration's path on CPU with a tiny model, to test this script.
 
@@ -41,6 +42,7 @@ the pairs' own p99 ratios; blocks: rank 0's training-thread CPU per step over of
     python -m benchmarks.overhead --config gpu --design blocks --pairs 200 --max-s 380 --json blocks.json
     python -m benchmarks.overhead --config gpu --design runs --pairs 14 --max-s 450 --json runs.json
     python -m benchmarks.overhead --config short-gpu --pairs 16 --max-s 420 --json short.json
+    python -m benchmarks.overhead --config short-gpu --design blocks --pairs 200 --max-s 380 --json short-blocks.json
     python -m benchmarks.overhead --config cpu --twin --block 60 --max-s 400 --json twin.json
     python -m benchmarks.overhead --merge runs-1.json runs-2.json --json runs.json
 """
@@ -89,8 +91,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "cpu-smoke": {"nproc": 1, "steps": 8, "skip": 3, "block": 6, "block_skip": 2, "pairs": 3,
                   "args": ["--compile", "aot_eager", "--layers", "2", "--dim", "64", "--heads", "4", "--seq-len", "32",
                            "--global-batch", "8", "--device", "cpu"]},
-    "short-cpu": {"nproc": 1, "steps": 400, "skip": 50, "pairs": 20, "workload": "tiny_gpt", "args": ["--preset", "cpu"]},
-    "short-gpu": {"nproc": 1, "steps": 600, "skip": 50, "pairs": 16, "workload": "tiny_gpt", "args": ["--preset", "gpu"]},
+    "short-cpu": {"nproc": 1, "steps": 400, "skip": 50, "block": 300, "block_skip": 30, "pairs": 20,
+                  "workload": "tiny_gpt", "args": ["--preset", "cpu"]},
+    "short-gpu": {"nproc": 1, "steps": 600, "skip": 50, "block": 300, "block_skip": 30, "pairs": 16,
+                  "workload": "tiny_gpt", "args": ["--preset", "gpu"]},
 }  # fmt: skip
 FIXED_ARMS = ("off", "on", "aa", "profiler", "nccl")
 #: The inductor caches every run of the runs design shares (TORCHINDUCTOR_CACHE_DIR): the warm-up run
@@ -235,6 +239,44 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
     return 0
 
 
+def run_tiny_blocks(spec: dict[str, Any], argv: list[str]) -> None:
+    """The short-step workload in this process: ``tiny_gpt``'s model and loop built once, the agent
+    attached (``attach(model, optimizer=...)``, as a user's one line) before an agent arm's block and
+    detached after it. One process resolves what fresh processes' spread hides (about +-10 % a run
+    at 10 ms steps on one GPU)."""
+    import hpar_agent
+    from benchmarks import tiny_gpt
+
+    model, opt, step_fn = tiny_gpt.build(tiny_gpt.parse_args(argv))
+    blocks, step, t_start = [], 0, time.monotonic()
+    order, variants = spec["order"], spec["variants"]
+    for i, (arm, pair) in enumerate(order):
+        on = agent_arm(arm, variants)
+        env = arm_env(arm, os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}", variants) if on else {}
+        times, cpu = [], []
+        with patched_env(env):
+            if on:
+                hpar_agent.attach(model, optimizer=opt)
+            try:
+                for _ in range(spec["block"]):
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    step_fn(step)
+                    times.append(time.perf_counter() - t0)
+                    cpu.append(time.thread_time() - c0)
+                    step += 1
+            finally:
+                if on:
+                    hpar_agent.detach()
+        blocks.append({"arm": arm, "pair": pair, "times": times, "cpu": cpu})
+        print(f"[block {i + 1}/{len(order)}] {arm:8} pair {pair:2}: step "
+              f"{statistics.median(times[spec['block_skip']:]) * 1e3:9.3f} ms", flush=True)  # fmt: skip
+        last_of_pair = i + 1 == len(order) or order[i + 1][1] != pair
+        if spec["max_s"] and pair >= 0 and last_of_pair and time.monotonic() - t_start > spec["max_s"]:
+            print(f"--max-s {spec['max_s']:g} reached: stopping after pair {pair}", flush=True)
+            break
+    Path(spec["out"]).write_text(json.dumps({"blocks": blocks}))
+
+
 def twin_gate(twin: dict[str, Any], i: int, stop: bool) -> bool:
     """Rank 0 of a twin job before its block ``i``: mark this job's arrival and wait for the other's,
     so both run block ``i`` over the same seconds; the leader's ``stop`` ends both. True: run it."""
@@ -273,7 +315,9 @@ def blocks_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, w
     spec = {"order": block_order(arms, cfg["pairs"], a.warm), "block": cfg["block"], "block_skip": cfg["block_skip"],
             "work": work, "out": os.path.join(work, "blocks.json"), "max_s": a.max_s, "variants": a.variants}  # fmt: skip
     argv = [*cfg["args"], "--log-every", "1000000"]
-    if cfg["nproc"] == 1:
+    if cfg.get("workload") == "tiny_gpt":
+        run_tiny_blocks(spec, cfg["args"])
+    elif cfg["nproc"] == 1:
         run_blocks(spec, argv)
     else:
         wait_job(torchrun_blocks(cfg["nproc"], spec, argv), "block run")
@@ -541,8 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve_config(name, a)
     short = cfg.get("workload") == "tiny_gpt"
     design = a.design or ("runs" if short else "blocks")
-    if short and (design != "runs" or a.twin or a.profiler):
-        ap.error("short-* configurations are runs of a user's script: no blocks, --twin or --profiler")
+    if short and (a.twin or a.profiler):
+        ap.error("short-* configurations are a user's one-process script: no --twin or --profiler")
     if a.twin and cfg["nproc"] < 2:
         ap.error("--twin runs torchrun jobs: a configuration with several ranks (cpu)")
     if name in ("gpu", "short-gpu") and not torch.cuda.is_available():

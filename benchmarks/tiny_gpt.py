@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,8 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+def build(a: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[int], float]]:
+    """The model, its optimizer and one training iteration (batch, forward, backward, step, and
+    ``loss.item()``, which waits for the GPU as a loop that logs its loss does)."""
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -92,12 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     # a fixed pool of batches: the loop times the model, not the data
     data = torch.randint(0, a.vocab, (16, a.batch, a.seq_len + 1), device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    times: list[float] = []
-    starts: list[float] = []
-    losses: list[float] = []
-    for it in range(a.steps):
-        starts.append(time.time())
-        t0 = time.perf_counter()
+
+    def step(it: int) -> float:
         batch = data[it % len(data)]
         x, y = batch[:, :-1], batch[:, 1:]
         with autocast:
@@ -106,7 +104,22 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        return float(loss.item())
+
+    return model, opt, step
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    model, _, step = build(a)
+    device = next(model.parameters()).device
+    times: list[float] = []
+    starts: list[float] = []
+    losses: list[float] = []
+    for it in range(a.steps):
+        starts.append(time.time())
+        t0 = time.perf_counter()
+        losses.append(step(it))
         times.append(time.perf_counter() - t0)
     med = sorted(times)[len(times) // 2]
     print(f"tiny_gpt: {a.steps} steps on {device}, median {med * 1e3:.2f} ms, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
