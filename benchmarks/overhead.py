@@ -203,7 +203,6 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
                 break
         on = agent_arm(arm, variants)
         env = arm_env(arm, os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}", variants) if on else {}
-        times, cpu = [], []
         with patched_env(env):  # a fresh job id a block: no stale cross-rank keys from the last attach
             if on:
                 trainer.agent = attach_observability(on_cfg, trainer.modules, trainer.optimizer, trainer.mesh,
@@ -212,12 +211,8 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
                     raise RuntimeError("attaching the agent failed (see the log above)")
             try:
                 with maybe_profiler(arm == "profiler"):
-                    for _ in range(spec["block"]):
-                        t0, c0 = time.perf_counter(), time.thread_time()
-                        trainer.step(step)
-                        times.append(time.perf_counter() - t0)
-                        cpu.append(time.thread_time() - c0)
-                        step += 1
+                    times, cpu = time_steps(trainer.step, step, spec["block"])
+                    step += spec["block"]
             finally:
                 if on:
                     hpar_agent.detach()
@@ -239,6 +234,17 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
     return 0
 
 
+def time_steps(step_fn: Callable[[int], object], first: int, n: int) -> tuple[list[float], list[float]]:
+    """``n`` steps from step ``first``: each one's wall time and the calling thread's CPU time."""
+    times, cpu = [], []
+    for step in range(first, first + n):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        step_fn(step)
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    return times, cpu
+
+
 def run_tiny_blocks(spec: dict[str, Any], argv: list[str]) -> None:
     """The short-step workload in this process: ``tiny_gpt``'s model and loop built once, the agent
     attached (``attach(model, optimizer=...)``, as a user's one line) before an agent arm's block and
@@ -253,17 +259,12 @@ def run_tiny_blocks(spec: dict[str, Any], argv: list[str]) -> None:
     for i, (arm, pair) in enumerate(order):
         on = agent_arm(arm, variants)
         env = arm_env(arm, os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}", variants) if on else {}
-        times, cpu = [], []
         with patched_env(env):
             if on:
                 hpar_agent.attach(model, optimizer=opt)
             try:
-                for _ in range(spec["block"]):
-                    t0, c0 = time.perf_counter(), time.thread_time()
-                    step_fn(step)
-                    times.append(time.perf_counter() - t0)
-                    cpu.append(time.thread_time() - c0)
-                    step += 1
+                times, cpu = time_steps(step_fn, step, spec["block"])
+                step += spec["block"]
             finally:
                 if on:
                     hpar_agent.detach()

@@ -15,34 +15,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks
 
 import hpar_agent
 from hpar_agent.catalogue import METRICS_BY_NAME
-
-
-def _train(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        model(torch.randn(2, 4)).sum().backward()
-        opt.step()
-    return model, opt
-
-
-@pytest.fixture
-def attach(tmp_path):
-    agents = []
-
-    def _attach(model=None, **kw):
-        kw.setdefault("metrics_port", 0)
-        kw.setdefault("metrics_addr", "127.0.0.1")
-        kw.setdefault("traces", "none")
-        kw.setdefault("run_dir", str(tmp_path))
-        agent = hpar_agent.attach(model, **kw)
-        agents.append(agent)
-        return agent
-
-    yield _attach
-    hpar_agent.detach()
-    for a in agents:
-        a.stop()
+from tests.unit.conftest import train_linear
 
 
 def test_public_api_is_small():
@@ -52,7 +25,7 @@ def test_public_api_is_small():
 def test_steps_from_global_optimizer_hook(attach):
     model = torch.nn.Linear(4, 4)
     agent = attach(model)
-    _train(4)
+    train_linear(4)
     agent.tick()
     assert agent.registry.get_sample_value("hpar_steps_total", {"rank": "0", "pp_stage": "0"}) == 4
     count = agent.registry.get_sample_value("hpar_step_duration_seconds_count", {"rank": "0", "pp_stage": "0"})
@@ -88,7 +61,7 @@ def test_steps_of_the_optimizer_a_given_wrapper_steps(attach):
 def test_explicit_step_wins_over_optimizer_hook(attach):
     agent = attach()
     agent.step(tokens=128)
-    _train(2)  # optimizer steps after an explicit step() are not counted twice
+    train_linear(2)  # optimizer steps after an explicit step() are not counted twice
     agent.step(tokens=128)
     agent.tick()
     labels = {"rank": "0", "pp_stage": "0"}
@@ -167,7 +140,7 @@ def test_errors_in_a_component_are_counted_not_raised(attach):
 
 def test_exposition_uses_only_catalogued_names(attach):
     agent = attach()
-    _train(2)
+    train_linear(2)
     agent.tick()
     for family in agent.registry.collect():
         for sample in family.samples:

@@ -23,34 +23,7 @@ import torch
 import hpar_agent
 from hpar_agent import AgentConfig
 from hpar_agent.exporters import prometheus as prom
-
-
-def _train(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        model(torch.randn(2, 4)).sum().backward()
-        opt.step()
-    return model, opt
-
-
-@pytest.fixture
-def attach(tmp_path):
-    agents = []
-
-    def _attach(model=None, **kw):
-        kw.setdefault("metrics_port", 0)
-        kw.setdefault("metrics_addr", "127.0.0.1")
-        kw.setdefault("traces", "none")
-        kw.setdefault("run_dir", str(tmp_path))
-        agent = hpar_agent.attach(model, **kw)
-        agents.append(agent)
-        return agent
-
-    yield _attach
-    hpar_agent.detach()
-    for a in agents:
-        a.stop()
+from tests.unit.conftest import train_linear
 
 
 def test_port_in_use_falls_back_to_next_port(attach):
@@ -73,7 +46,7 @@ def test_port_in_use_without_fallback_serves_nothing_and_training_goes_on(attach
             agent = attach(metrics_port=port, port_fallback=False)
         assert agent.metrics_url is None
         assert "in use" in caplog.text
-        _train(2)
+        train_linear(2)
         agent.tick()
         assert agent.registry.get_sample_value("hpar_steps_total", {"rank": "0", "pp_stage": "0"}) == 2
 

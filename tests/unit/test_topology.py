@@ -10,11 +10,8 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-import torch
 from torch import nn
 
-import hpar_agent
 from hpar_agent.topology import Topology, _atomic_coords, mesh_dim_names
 from testkit.ports import free_port
 
@@ -62,34 +59,6 @@ def test_coords_and_info_labels() -> None:
     assert Topology(dp=2, dp_rank=1).coords()["dp_replicate"] == 1  # dp given alone (HPAR_DP, old callers)
     labels = t.info_labels()
     assert (labels["dp_replicate"], labels["dp_shard"], labels["mesh_dims"]) == ("2", "2", "x")
-
-
-def _train(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        model(torch.randn(2, 4)).sum().backward()
-        opt.step()
-    return model, opt
-
-
-@pytest.fixture
-def attach(tmp_path):
-    agents = []
-
-    def _attach(model=None, **kw):
-        kw.setdefault("metrics_port", 0)
-        kw.setdefault("metrics_addr", "127.0.0.1")
-        kw.setdefault("traces", "none")
-        kw.setdefault("run_dir", str(tmp_path))
-        agent = hpar_agent.attach(model, **kw)
-        agents.append(agent)
-        return agent
-
-    yield _attach
-    hpar_agent.detach()
-    for a in agents:
-        a.stop()
 
 
 _RANK = textwrap.dedent(
