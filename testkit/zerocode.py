@@ -122,3 +122,23 @@ def launch(base: Path, name: str, spec: Spec, timeout: float = 300) -> Run:
     run = Run(name, spec, run_dir, out_dir, proc, time.monotonic() - t0)
     assert proc.returncode == 0, run.why()
     return run
+
+
+class Launches:
+    """``launches(name)``: the run of ``specs[name]`` under ``base``, launched on first use and shared by
+    every test that asks; a failed or skipped launch is raised again, never launched a second time."""
+
+    def __init__(self, base: Path, specs: dict[str, Spec], timeout: float = 300) -> None:
+        self.base, self.specs, self.timeout = base, specs, timeout
+        self.done: dict[str, Run | BaseException] = {}
+
+    def __call__(self, name: str) -> Run:
+        if name not in self.done:
+            try:
+                self.done[name] = launch(self.base, name, self.specs[name], self.timeout)
+            except BaseException as exc:
+                self.done[name] = exc
+        got = self.done[name]
+        if isinstance(got, BaseException):
+            raise got
+        return got

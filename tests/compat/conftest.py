@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.zerocode import Run, Spec, launch
+from testkit.zerocode import Launches, Run, Spec
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 BIN = Path(sys.executable).parent
@@ -81,18 +81,5 @@ SPECS: dict[str, Spec] = {
 def compat_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Run]]:
     """``compat_run(name)``: the run of ``SPECS[name]``, launched on first use."""
     base = tmp_path_factory.mktemp("compat")
-    done: dict[str, Run | BaseException] = {}
-
-    def get(name: str) -> Run:
-        if name not in done:
-            try:
-                done[name] = launch(base, name, SPECS[name])
-            except BaseException as exc:  # a failed or skipped run is not launched again by the next test
-                done[name] = exc
-        got = done[name]
-        if isinstance(got, BaseException):
-            raise got
-        return got
-
-    yield get
+    yield Launches(base, SPECS)
     shutil.rmtree(base, ignore_errors=True)

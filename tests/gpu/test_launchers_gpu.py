@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from hpar_agent.collectors.zerocode import NO_STEPS
-from testkit.zerocode import Run, Spec, events, launch
+from testkit.zerocode import Launches, Run, Spec, events
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -48,24 +48,11 @@ GpuRun = Callable[[str], Run]
 
 @pytest.fixture(scope="module")
 def gpu_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRun]:
-    base = tmp_path_factory.mktemp("gpu")
-    done: dict[str, Run | BaseException] = {}
-
-    def get(name: str) -> Run:
-        if name not in done:
-            try:
-                done[name] = launch(base, name, SPECS[name], timeout=240)
-            except BaseException as exc:
-                done[name] = exc
-        got = done[name]
-        if isinstance(got, BaseException):
-            raise got
-        return got
-
-    yield get
+    runs = Launches(tmp_path_factory.mktemp("gpu"), SPECS, timeout=240)
+    yield runs
     out = os.environ.get("OUT")
     if out:
-        Path(out, "gpu-launchers.json").write_text(json.dumps(_record(done), indent=1, default=str))
+        Path(out, "gpu-launchers.json").write_text(json.dumps(_record(runs.done), indent=1, default=str))
 
 
 def _record(done: dict[str, Run | BaseException]) -> dict[str, Any]:
