@@ -59,18 +59,25 @@ def test_compile_divergence_waits_for_every_rank_of_the_stage(store: Any, tmp_pa
     assert ranks[1][1].states["CompileDivergence"].fired == 0
 
 
-def test_replica_divergence_dp_group(store: Any, tmp_path: Any) -> None:
+def _dp_replicas(store: Any, tmp_path: Any, drifted: int | None = None) -> list[Any]:
+    """Three dp replicas of one small model, each a hand-wired agent on the store; ``drifted``'s second
+    layer moved by 1e-3 (a block that missed its gradient all-reduce)."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     ranks = []
     for r in range(3):
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
         model.load_state_dict(base.state_dict())
-        if r == 1:
+        if r == drifted:
             with torch.no_grad():
-                model[1].weight.add_(1e-3)  # a block that missed its gradient all-reduce
+                model[1].weight.add_(1e-3)
         ranks.append(make_agent(tmp_path, rank=r, world=3, comps=(steps(10),), exchange=Exchange(store, "job", r),
                                 coords={"dp": r, "dpn": 3}, model=model, **{"detectors.exchange_s": 0.0}))  # fmt: skip
+    return ranks
+
+
+def test_replica_divergence_dp_group(store: Any, tmp_path: Any) -> None:
+    ranks = _dp_replicas(store, tmp_path, drifted=1)
     for agent, det in ranks:
         det.step_hook(10, 0)  # training thread: capture at the checksum step
         assert agent.errors == {}
@@ -88,14 +95,7 @@ def test_replica_divergence_dp_group(store: Any, tmp_path: Any) -> None:
 def test_replica_divergence_in_sync_compares_digests_only(store: Any, tmp_path: Any) -> None:
     """Replicas in sync agree on their checksum digests (in the small ``s`` blob): nobody fetches the
     checksums by name, and the comparison still counts as made."""
-    torch.manual_seed(0)
-    base = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-    ranks = []
-    for r in range(3):
-        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-        model.load_state_dict(base.state_dict())
-        ranks.append(make_agent(tmp_path, rank=r, world=3, comps=(steps(10),), exchange=Exchange(store, "job", r),
-                                coords={"dp": r, "dpn": 3}, model=model, **{"detectors.exchange_s": 0.0}))  # fmt: skip
+    ranks = _dp_replicas(store, tmp_path)
     for _agent, det in ranks:
         det.step_hook(10, 0)
     for _ in range(2):
