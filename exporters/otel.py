@@ -53,9 +53,6 @@ DEFAULT_EXPORT_TIMEOUT_S = 5.0  # used unless OTEL_EXPORTER_OTLP[_TRACES]_TIMEOU
 SLOW_FACTOR = 2.0  # a step slower than this x the running median is always traced
 SLOW_MIN_HISTORY = 5  # steps needed before "slow" means anything (the first steps compile)
 _HISTORY = 64
-#: Steps between two recomputations of the running median "slow" is judged against: a median of 64
-#: values for every step was the largest per-step cost of a 100-steps-a-second loop's agent thread.
-_MEDIAN_EVERY = 16
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
 
@@ -320,8 +317,6 @@ class Tracing:
         self.provider.add_span_processor(self._processor)
         self._scope = InstrumentationScope("hpar_agent", __version__)
         self._recent: deque[float] = deque(maxlen=_HISTORY)
-        self._median = 0.0  # of ``_recent``, recomputed every ``_MEDIAN_EVERY`` steps
-        self._median_age = _MEDIAN_EVERY
         self.steps_traced = 0
         self.steps_skipped = 0
         self.spans_created = 0
@@ -374,10 +369,7 @@ class Tracing:
         dur = rec.duration_s
         slow = False
         if len(self._recent) >= SLOW_MIN_HISTORY:
-            if self._median_age >= _MEDIAN_EVERY:
-                self._median, self._median_age = statistics.median(self._recent), 0
-            self._median_age += 1
-            slow = dur > SLOW_FACTOR * self._median
+            slow = dur > SLOW_FACTOR * statistics.median(self._recent)
         self._recent.append(dur)
         if rec.anomalous or any(c.anomalous for c in rec.children):
             return "anomalous"
