@@ -3,10 +3,10 @@
 # (plus machine.txt). Installs the carried wheels in .whl/ (if any) and the project into /tmp/site first.
 #
 #   bash benchmarks/gpu_run.sh blocks       # one GPU, blocks: >= 50 pairs and their A/A        (~7.5 min)
-#   bash benchmarks/gpu_run.sh runs         # one GPU, fresh runs: >= 10 pairs and their A/A    (~8 min)
+#   bash benchmarks/gpu_run.sh runs         # one GPU, fresh runs and their A/A: 7-9 pairs; twice, then --merge
 #   bash benchmarks/gpu_run.sh short        # one GPU, the tiny GPT's ~10 ms steps, fresh runs   (~7.5 min)
 #   bash benchmarks/gpu_run.sh short-blocks # the same in one process, blocks: >= 50 pairs        (~7 min)
-#   bash benchmarks/gpu_run.sh short-cpu    # the same on one CPU thread of the host, 24 pairs    (~7.5 min)
+#   bash benchmarks/gpu_run.sh short-cpu    # the same blocks on one CPU thread of the host        (~7 min)
 #   bash benchmarks/gpu_run.sh cpu-ranks    # 4 CPU ranks, twin blocks on the core halves         (~8 min)
 #   bash benchmarks/gpu_run.sh components   # hook_cost and components.py on the GPU              (~6 min)
 #   bash benchmarks/gpu_run.sh tests        # pytest tests/gpu                                    (~5 min)
@@ -16,9 +16,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null || exit 1
+python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null || exit 1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   echo "cpus $(nproc)"; lscpu | grep -E '^(Model name|Thread|Core|Socket)'; } > "$OUT/machine.txt"
@@ -34,8 +34,8 @@ for mode in "$@"; do
     short) run short $ov --config short-gpu --pairs 40 --max-s "${MAX_S:-420}" --json "$OUT/short.json" ;;
     short-blocks) run short-blocks $ov --config short-gpu --design blocks --pairs 200 --max-s "${MAX_S:-380}" \
       --json "$OUT/short-blocks.json" ;;
-    short-cpu) CUDA_VISIBLE_DEVICES= run short-cpu $ov --config short-cpu --pairs 40 --max-s "${MAX_S:-420}" \
-      --json "$OUT/short-cpu.json" ;;
+    short-cpu) CUDA_VISIBLE_DEVICES= run short-cpu $ov --config short-cpu --design blocks --pairs 200 \
+      --max-s "${MAX_S:-380}" --json "$OUT/short-cpu.json" ;;
     cpu-ranks) CUDA_VISIBLE_DEVICES= run cpu-ranks $ov --config cpu --twin --design blocks --block 60 --pairs 200 \
       --max-s "${MAX_S:-380}" --json "$OUT/cpu-ranks.json" ;;
     components)
