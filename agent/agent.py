@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -18,8 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from hpar_agent import catalogue as cat
-from hpar_agent import gil
+from hpar_agent import gil, health
 from hpar_agent._version import __version__
 from hpar_agent.alert_callbacks import Alert, AlertCallbacks
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
@@ -34,7 +32,7 @@ from hpar_agent.events import EventLog
 from hpar_agent.families import Families
 from hpar_agent.gil import Yielder
 from hpar_agent.lifecycle import AtExit, SignalFlush, forget_in_child
-from hpar_agent.safefiles import UnsafePathError, private_dir, write_atomic
+from hpar_agent.safefiles import UnsafePathError, private_dir
 from hpar_agent.span_schedule import SpanScheduler
 from hpar_agent.spans import Child, StepRecord
 from hpar_agent.topology import LOCAL_JOB_PREFIX, Topology, detect
@@ -131,7 +129,7 @@ class Agent:
         self._context = None  # built from the attached state
         for comp in default_components(self.config):
             self.add_component(comp)
-        self.registry.register(_AgentCollector(self))
+        self.registry.register(health.AgentCollector(self))
         self._start_tracing()
         self._start_endpoint()
         self._thread = threading.Thread(target=self._run, name="hpar-agent", daemon=True)
@@ -293,31 +291,11 @@ class Agent:
 
     def summary(self) -> dict[str, Any]:
         """Everything the demo and the run report show for this rank."""
-        comps = {}
-        for comp in self.components:
-            try:
-                comps[comp.name] = comp.summary()
-            except Exception as exc:
-                self.record_error(comp.name, exc)
-        return {
-            "rank": self.topology.rank,
-            "pp_stage": self.topology.pp_stage,
-            "topology": self.topology.info_labels(),
-            "metrics_url": self.metrics_url,
-            "run_dir": self.run_dir,
-            "errors": dict(self.errors),
-            "components": comps,
-        }
+        return health.summary(self)
 
     def write_summary(self) -> None:
         """Write ``summary.rank<R>.json`` into the run directory (read by ``hpar-agent demo``)."""
-        if not self.run_dir:
-            return
-        path = os.path.join(self.run_dir, f"summary.rank{self.topology.rank}.json")
-        try:
-            write_atomic(path, json.dumps(self.summary(), indent=1, default=str).encode())
-        except Exception as exc:  # a full disk keeps the previous summary whole
-            self.record_error("agent", exc)
+        health.write_summary(self)
 
     def __enter__(self) -> Agent:
         return self
@@ -513,66 +491,8 @@ class Agent:
             self.record_error("tracing", exc)
 
     def health_metrics(self) -> Iterable[Metric]:
-        f = self.families
-        topo = self.topology
-        info = topo.info_labels()
-        info["agent_version"] = __version__
-        nvml = self.context.find(NvmlCollector)
-        info["gpu_index"] = nvml.gpu_index if nvml is not None else ""
-        info["gpu_uuid"] = nvml.gpu_uuid if nvml is not None else ""
-        binding = nvml.binding if nvml is not None else None
-        if binding is not None:
-            info.update(binding.labels())  # NUMA node and CPU affinity against the GPU's ideal CPUs
-        yield f.info("hpar_rank_info", info)
-        for name, value in (("hpar_model_flops_per_token", self.flops_per_token),
-                            ("hpar_peak_flops", self.peak_flops)):  # fmt: skip
-            if value is not None:
-                g = f.gauge(name)
-                f.add(g, [], value)
-                yield g
-        errors = f.counter("hpar_agent_errors_total")
-        up = f.gauge("hpar_agent_component_up")
-        took = f.gauge("hpar_agent_collect_duration_seconds")
-        names = sorted({c.name for c in self.components} | set(self.errors) | {"agent"})
-        comps = {c.name: c for c in self.components}
-        for name in names:
-            f.add(errors, [name], self.errors.get(name, 0))
-            f.add(up, [name], 1.0 if comps.get(name) is None or comps[name].up else 0.0)
-            if name in self.collect_seconds:
-                f.add(took, [name], self.collect_seconds[name])
-        yield errors
-        yield up
-        yield took
-        drops = f.counter("hpar_agent_buffer_dropped_total")
-        for comp in self.components:
-            for buf in getattr(comp, "buffers", ()):
-                f.add(drops, [buf.name], buf.dropped)
-        yield drops
-        spans_dropped = f.counter("hpar_agent_spans_dropped_total")
-        f.add(spans_dropped, [], getattr(self.tracing, "dropped", 0))
-        yield spans_dropped
-
-
-class _AgentCollector:
-    """The registry's single collector: the agent's health plus every component's families."""
-
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-
-    def collect(self) -> Iterable[Metric]:
-        agent = self.agent
-        yield from agent.health_metrics()
-        for comp in agent.components:
-            try:
-                yield from list(comp.collect())
-            except Exception as exc:
-                agent.record_error(comp.name, exc)
-
-    def describe(self) -> Iterable[Metric]:
-        """Every catalogued family, without samples: the registry learns the names this collector
-        owns, so a second collector exporting one of them fails to register (prometheus_client's
-        duplicate check) instead of producing a second copy of the series."""
-        return [self.agent.families.empty(m.name) for m in cat.METRICS]
+        """The agent's own families, exported ahead of the components' ones."""
+        return health.health_metrics(self)
 
 
 def _overrides(comp: Component, method: str) -> bool:

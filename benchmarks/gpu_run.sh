@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_run.sh runs         # one GPU, fresh runs and their A/A: 7-9 pairs; twice, then --merge
 #   bash benchmarks/gpu_run.sh short        # one GPU, the tiny GPT's ~10 ms steps, fresh runs   (~7.5 min)
 #   bash benchmarks/gpu_run.sh short-blocks # the same in one process, blocks: >= 50 pairs        (~7 min)
+#   bash benchmarks/gpu_run.sh short-bound  # the same blocks, a GPU-bound ~8 ms loop               (~4 min)
 #   bash benchmarks/gpu_run.sh short-cpu    # the same blocks on one CPU thread of the host        (~7 min)
 #   bash benchmarks/gpu_run.sh cpu-ranks    # 4 CPU ranks, twin blocks on the core halves         (~8 min)
 #   bash benchmarks/gpu_run.sh components   # hook_cost and components.py on the GPU              (~6 min)
@@ -34,6 +35,8 @@ for mode in "$@"; do
     short) run short $ov --config short-gpu --pairs 40 --max-s "${MAX_S:-420}" --json "$OUT/short.json" ;;
     short-blocks) run short-blocks $ov --config short-gpu --design blocks --pairs 200 --max-s "${MAX_S:-380}" \
       --json "$OUT/short-blocks.json" ;;
+    short-bound) run short-bound $ov --config short-gpu --design blocks --pairs 200 --max-s "${MAX_S:-200}" \
+      --extra "--layers 2 --dim 1024 --heads 16" --json "$OUT/short-bound.json" ;;
     short-cpu) CUDA_VISIBLE_DEVICES= run short-cpu $ov --config short-cpu --design blocks --pairs 200 \
       --max-s "${MAX_S:-380}" --json "$OUT/short-cpu.json" ;;
     cpu-ranks) CUDA_VISIBLE_DEVICES= run cpu-ranks $ov --config cpu --twin --design blocks --block 60 --pairs 200 \
@@ -42,6 +45,6 @@ for mode in "$@"; do
       run hook-cost python3 -m benchmarks.hook_cost --device cuda --json "$OUT/hook-cost.json"
       run components python3 -m benchmarks.components --device cuda --json "$OUT/components.json" ;;
     tests) run tests python3 -m pytest tests/gpu -v -p no:cacheprovider --junitxml "$OUT/tests.xml" ;;
-    *) echo "unknown mode $mode (blocks runs short short-blocks short-cpu cpu-ranks components tests)"; exit 2 ;;
+    *) echo "unknown mode $mode (blocks runs short short-blocks short-bound short-cpu cpu-ranks components tests)"; exit 2 ;;
   esac
 done

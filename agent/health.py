@@ -1,0 +1,140 @@
+"""What the agent reports about itself on this rank: its health families on the metrics endpoint (rank
+info, the MFU inputs, per-component errors, up and collect time, dropped buffer entries and spans),
+the registry's one collector, and the summary file the demo and the run report read.
+
+It reads the agent through ``HealthSource`` rather than importing ``hpar_agent.agent``, which imports
+this module."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from prometheus_client.core import Metric
+
+from hpar_agent import catalogue as cat
+from hpar_agent._version import __version__
+from hpar_agent.collectors.memory import NvmlCollector
+from hpar_agent.component import Component
+from hpar_agent.context import AgentContext
+from hpar_agent.families import Families
+from hpar_agent.safefiles import write_atomic
+from hpar_agent.topology import Topology
+
+
+class HealthSource(Protocol):
+    """What the health families and the summary read of the agent."""
+
+    families: Families
+    topology: Topology
+    components: list[Component]
+    errors: Counter[str]
+    collect_seconds: dict[str, float]
+    flops_per_token: float | None
+    peak_flops: float | None
+    tracing: Any
+    metrics_url: str | None
+    run_dir: str
+
+    @property
+    def context(self) -> AgentContext: ...
+
+    def record_error(self, component: str, exc: BaseException) -> None: ...
+
+    def health_metrics(self) -> Iterable[Metric]: ...
+
+    def summary(self) -> dict[str, Any]: ...
+
+
+def health_metrics(agent: HealthSource) -> Iterable[Metric]:
+    f = agent.families
+    topo = agent.topology
+    info = topo.info_labels()
+    info["agent_version"] = __version__
+    nvml = agent.context.find(NvmlCollector)
+    info["gpu_index"] = nvml.gpu_index if nvml is not None else ""
+    info["gpu_uuid"] = nvml.gpu_uuid if nvml is not None else ""
+    binding = nvml.binding if nvml is not None else None
+    if binding is not None:
+        info.update(binding.labels())  # NUMA node and CPU affinity against the GPU's ideal CPUs
+    yield f.info("hpar_rank_info", info)
+    for name, value in (("hpar_model_flops_per_token", agent.flops_per_token),
+                        ("hpar_peak_flops", agent.peak_flops)):  # fmt: skip
+        if value is not None:
+            g = f.gauge(name)
+            f.add(g, [], value)
+            yield g
+    errors = f.counter("hpar_agent_errors_total")
+    up = f.gauge("hpar_agent_component_up")
+    took = f.gauge("hpar_agent_collect_duration_seconds")
+    names = sorted({c.name for c in agent.components} | set(agent.errors) | {"agent"})
+    comps = {c.name: c for c in agent.components}
+    for name in names:
+        f.add(errors, [name], agent.errors.get(name, 0))
+        f.add(up, [name], 1.0 if comps.get(name) is None or comps[name].up else 0.0)
+        if name in agent.collect_seconds:
+            f.add(took, [name], agent.collect_seconds[name])
+    yield errors
+    yield up
+    yield took
+    drops = f.counter("hpar_agent_buffer_dropped_total")
+    for comp in agent.components:
+        for buf in getattr(comp, "buffers", ()):
+            f.add(drops, [buf.name], buf.dropped)
+    yield drops
+    spans_dropped = f.counter("hpar_agent_spans_dropped_total")
+    f.add(spans_dropped, [], getattr(agent.tracing, "dropped", 0))
+    yield spans_dropped
+
+
+class AgentCollector:
+    """The registry's single collector: the agent's health plus every component's families."""
+
+    def __init__(self, agent: HealthSource) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterable[Metric]:
+        agent = self.agent
+        yield from agent.health_metrics()
+        for comp in agent.components:
+            try:
+                yield from list(comp.collect())
+            except Exception as exc:
+                agent.record_error(comp.name, exc)
+
+    def describe(self) -> Iterable[Metric]:
+        """Every catalogued family, without samples: the registry learns the names this collector
+        owns, so a second collector exporting one of them fails to register (prometheus_client's
+        duplicate check) instead of producing a second copy of the series."""
+        return [self.agent.families.empty(m.name) for m in cat.METRICS]
+
+
+def summary(agent: HealthSource) -> dict[str, Any]:
+    comps = {}
+    for comp in agent.components:
+        try:
+            comps[comp.name] = comp.summary()
+        except Exception as exc:
+            agent.record_error(comp.name, exc)
+    return {
+        "rank": agent.topology.rank,
+        "pp_stage": agent.topology.pp_stage,
+        "topology": agent.topology.info_labels(),
+        "metrics_url": agent.metrics_url,
+        "run_dir": agent.run_dir,
+        "errors": dict(agent.errors),
+        "components": comps,
+    }
+
+
+def write_summary(agent: HealthSource) -> None:
+    if not agent.run_dir:
+        return
+    path = os.path.join(agent.run_dir, f"summary.rank{agent.topology.rank}.json")
+    try:
+        write_atomic(path, json.dumps(agent.summary(), indent=1, default=str).encode())
+    except Exception as exc:  # a full disk keeps the previous summary whole
+        agent.record_error("agent", exc)
