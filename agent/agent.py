@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import Metric
 
 from hpar_agent import gil, health
 from hpar_agent._version import __version__
@@ -490,9 +489,6 @@ class Agent:
         except Exception as exc:
             self.record_error("tracing", exc)
 
-    def health_metrics(self) -> Iterable[Metric]:
-        """The agent's own families, exported ahead of the components' ones."""
-        return health.health_metrics(self)
 
 
 def _overrides(comp: Component, method: str) -> bool:

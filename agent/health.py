@@ -44,12 +44,9 @@ class HealthSource(Protocol):
 
     def record_error(self, component: str, exc: BaseException) -> None: ...
 
-    def health_metrics(self) -> Iterable[Metric]: ...
-
-    def summary(self) -> dict[str, Any]: ...
-
 
 def health_metrics(agent: HealthSource) -> Iterable[Metric]:
+    """The agent's own families: what it is, what it is sure of, and what it failed or dropped."""
     f = agent.families
     topo = agent.topology
     info = topo.info_labels()
@@ -98,7 +95,7 @@ class AgentCollector:
 
     def collect(self) -> Iterable[Metric]:
         agent = self.agent
-        yield from agent.health_metrics()
+        yield from health_metrics(agent)
         for comp in agent.components:
             try:
                 yield from list(comp.collect())
@@ -113,6 +110,7 @@ class AgentCollector:
 
 
 def summary(agent: HealthSource) -> dict[str, Any]:
+    """Everything the demo and the run report show for this rank (``Agent.summary``)."""
     comps = {}
     for comp in agent.components:
         try:
@@ -131,10 +129,11 @@ def summary(agent: HealthSource) -> dict[str, Any]:
 
 
 def write_summary(agent: HealthSource) -> None:
+    """``summary.rank<R>.json`` in the run directory, replaced whole (read by ``hpar-agent demo``)."""
     if not agent.run_dir:
         return
     path = os.path.join(agent.run_dir, f"summary.rank{agent.topology.rank}.json")
     try:
-        write_atomic(path, json.dumps(agent.summary(), indent=1, default=str).encode())
+        write_atomic(path, json.dumps(summary(agent), indent=1, default=str).encode())
     except Exception as exc:  # a full disk keeps the previous summary whole
         agent.record_error("agent", exc)

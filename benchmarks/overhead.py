@@ -68,17 +68,21 @@ from typing import Any
 import torch
 
 from benchmarks.common import (
+    HALVES,
     PairBudget,
     adjacent_aa,
+    common_seconds,
     core_halves,
     p99,
     paired,
     patched_env,
     pooled_p99_report,
     ratio_stats,
+    slot_order,
     stats_line,
+    twin_estimates,
+    twin_gate,
 )
-from benchmarks.twin import HALVES, common_seconds, slot_order, twin_estimates, twin_gate
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT = Path(__file__).resolve().parent / "tiny_gpt.py"

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 
 from benchmarks import overhead
-from benchmarks.common import adjacent_aa
+from benchmarks.common import adjacent_aa, common_seconds, slot_order, twin_estimates
 from benchmarks.overhead import arm_env, block_order, parse_variants, run_cmd, run_order
-from benchmarks.twin import common_seconds, slot_order, twin_estimates
 
 
 def test_blocks_warm_every_arm_then_pair_in_the_runs_order() -> None:
