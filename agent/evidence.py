@@ -251,6 +251,27 @@ class Evidence:
         return paths
 
 
+def main_stack(path: str, depth: int = 3) -> list[str]:
+    """The innermost ``depth`` frames of the main thread in a ``py-spy dump --json`` file, as
+    ``file:line in function: source line``: what the process was doing when it was dumped."""
+    import json
+    import linecache
+
+    try:
+        with open(path, "rb") as f:
+            threads = json.loads(f.read(1 << 20))
+        main = next(t for t in threads if t.get("thread_name") == "MainThread")
+        frames = main.get("frames") or []
+    except (OSError, ValueError, StopIteration, AttributeError, TypeError):
+        return []
+    out = []
+    for fr in frames[:depth]:
+        src = linecache.getline(str(fr.get("filename", "")), int(fr.get("line") or 0)).strip()
+        where = f"{fr.get('short_filename') or fr.get('filename')}:{fr.get('line')} in {fr.get('name')}"
+        out.append(f"{where}: {src[:120]}" if src else where)
+    return out
+
+
 def _beside_python(name: str) -> str | None:
     """Console scripts of the interpreter's environment when its bin/ is not on PATH."""
     path = os.path.join(os.path.dirname(sys.executable), name)

@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -93,6 +94,30 @@ def forget_in_child(agent: Any) -> None:
 
         agent.alert_callbacks = AlertCallbacks(agent.record_error)
 
+
+
+# ---------------------------------------------------------------------------------------------- exceptions
+class ExceptHook:
+    """Notes an uncaught exception of the main thread in ``AgentContext.exit_reason`` (what the rank's
+    state file and its last exchange payload say of how it ended), then hands it to the previous hook."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.previous: Any = None
+
+    def install(self) -> None:
+        self.previous = sys.excepthook
+        sys.excepthook = self._hook
+
+    def uninstall(self) -> None:
+        if sys.excepthook == self._hook:
+            sys.excepthook = self.previous
+
+    def _hook(self, etype: type[BaseException], value: BaseException, tb: Any) -> None:
+        with contextlib.suppress(Exception):
+            text = str(value).strip().splitlines()
+            self.agent.context.exit_reason = f"exception: {etype.__name__}: {text[0] if text else ''}"[:240]
+        (self.previous or sys.__excepthook__)(etype, value, tb)
 
 
 # ---------------------------------------------------------------------------------------------- signals
@@ -170,9 +195,14 @@ class SignalFlush:
         """The main thread is stuck in C: flush here and die by the signal, as without the agent."""
         if not self._once.acquire(blocking=False):
             return
+        self._note(signum)
         with contextlib.suppress(Exception):
             self.agent.stop(timeout=SIGNAL_FLUSH_S / 2)
         _die_by(signum)
+
+    def _note(self, signum: int) -> None:
+        with contextlib.suppress(Exception):
+            self.agent.context.exit_reason = f"signal: {signal.Signals(signum).name}"
 
     def uninstall(self) -> None:
         """Put the previous handlers back, unless someone replaced ours since."""
@@ -204,6 +234,7 @@ class SignalFlush:
             pass  # the watcher is flushing; it ends the process
         try:
             if prev is signal.SIG_DFL:
+                self._note(signum)
                 agent.stop(timeout=SIGNAL_FLUSH_S / 2)  # the process ends: a full, bounded stop
             else:
                 agent.flush(timeout=SIGNAL_FLUSH_S)  # the previous handler decides what happens next

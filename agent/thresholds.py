@@ -24,6 +24,7 @@ DETECTOR_DEFAULTS: dict[str, dict[str, float]] = {
     "CollectiveLatencyHigh": {"slo_s": 0.085, "window_s": 60, "min_count": 20, "quiet_steps": 3, "max_busy_steps": 10, "match_s": 30},
     "Straggler": {"max_lag_ratio": 0.25, "min_collectives": 8, "warmup_steps": 3, "min_window_steps": 3, "quiet_steps": 3, "max_busy_steps": 10},
     "Hang": {"timeout_s": 60, "warmup_steps": 2},
+    "RankGone": {"silent_s": 6},
     "GradSyncIncomplete": {"min_coverage": 0.99},
     "NumaMisbinding": {"min_shared_cpus": 1},
 }

@@ -145,9 +145,12 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
     agent.topology = topo
     agent.families = Families(["0", "0"])
     samples = {s: [[0.001 * (i + 1) for i in range(len(replicated))]] * 2 for s in (1, 11, 21)} if tp > 1 else {}
+    window = _fr_window(dims)
+    last = {e["pg"]: e["seq"] for e in window}  # each group's last collective, entered and completed
     for comp in (holding(StepCollector, count=STEPS, total=STEPS, last_step_ts=time.time(), durations=[0.3] * 8),
                  holding(CompileCollector, fingerprint=1022026788184957),
-                 holding(CollectiveCollector, recent_entries=deque(_fr_window(dims), maxlen=2048)),
+                 holding(CollectiveCollector, recent_entries=deque(window, maxlen=2048), last_enqueued=last,
+                         last_completed=dict(last)),
                  holding(GradSyncCollector, tp_samples=samples)):  # fmt: skip
         agent.add_component(comp)
     det = DetectorsComponent(exchange=Exchange(HashStore(), "bench", 0))

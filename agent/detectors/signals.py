@@ -128,6 +128,15 @@ def odd_ranks(values: Mapping[int, Hashable]) -> set[int]:
     return {r for r, v in values.items() if v != majority}
 
 
+def culprits_of(values: Mapping[int, Hashable]) -> dict[str, Any]:
+    """``{"culprits": [...]}``: the ranks off the strict majority's value ([] when all agree); with no
+    strict majority (a 1-1 split) no culprit, and ``culprit_unknown`` says why."""
+    odd = odd_ranks(values)
+    if odd and len(odd) == len(values):
+        return {"culprits": [], "culprit_unknown": f"no majority among ranks {sorted(values)}: who is wrong is unknown"}
+    return {"culprits": sorted(odd)}
+
+
 def groups_by(coords: Mapping[int, Mapping[str, int]], keys: Sequence[str]) -> list[list[int]]:
     """Partition ranks by equal coordinates on ``keys`` (dp group: same tp/pp; tp group: same dp/pp)."""
     out: dict[tuple[Any, ...], list[int]] = {}
@@ -390,53 +399,59 @@ def arrival_lag_ratio(
     entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None, slices: int = 2,
     common: Mapping[tuple[str, int], Mapping[int, FrEntry]] | None = None,
 ) -> dict[int, float]:
-    """Per rank: the share of wall time its groups spent waiting for it, net of the time it spent
-    waiting for them, in the less affected half (``slices``) of each group's window.
+    """Per rank: the share of wall time its group spent waiting for it, net of the group's typical
+    share, in the less affected half (``slices``) of the window; the largest over its groups.
 
-    For every (pg, seq) all members reported, the last rank to enqueue kept the others waiting from
-    the second-to-last arrival to its own. A rank's blame in a group is the union of those intervals:
-    a rank 0.2 s behind through a burst of asynchronous reductions kept its peers waiting 0.2 s once,
-    not once per reduction. Within one slice of a group, a rank's blame minus the mean blame of its
-    peers, over the slice's span, is its net lag there. Per group the minimum over its slices is
-    taken, and a rank's value is the mean over its groups. Net: jitter, and ranks taking turns being
-    last on oversubscribed cores, cancel out (~0) instead of adding up on every rank. Minimum over
-    slices: a straggler is late in every part of the window, while a one-off stall (a compile, a
-    descheduled process, a checkpoint pause) fills one part only. Groups with fewer than
-    ``2 * slices`` common collectives are not judged. A rank 1.5x slower than its peers scores ~0.33.
-    ``common``: ``common_collectives(entries_by_rank, sizes)`` when the caller has it already.
+    For every (pg, seq) all members reported, the reference is the arrival (enqueue) of the median
+    member, the lower one of an even group: a rank that arrived after it kept the group waiting from
+    then to its own arrival. Against the median, not the second-to-last arrival, a block of slow ranks
+    (two neighbours, a slow host's eight, half of the group) is late as a whole, each of its ranks by
+    its own lag. A rank's blame in a group is the union of those intervals: a rank 0.2 s behind
+    through a burst of asynchronous reductions kept its peers waiting 0.2 s once, not once per
+    reduction. Within one slice, a rank's blame minus the group's lower-median blame, over the slice's
+    span, is its net lag there: jitter, and ranks taking turns being late on oversubscribed cores,
+    cancel out (~0). Per group the minimum over its slices is taken: a straggler is late in every part
+    of the window, while a one-off stall (a compile, a descheduled process, a checkpoint pause) fills
+    one part only. The largest over the rank's groups: a slow tp group is late in its dp group only.
+    Groups with fewer than ``2 * slices`` common collectives are not judged. A rank 1.5x slower than
+    its peers scores ~0.33. ``common``: ``common_collectives(entries_by_rank, sizes)`` when the caller
+    has it already.
     """
     by_pg: dict[str, list[Mapping[int, FrEntry]]] = {}
     if common is None:
         common = common_collectives(entries_by_rank, sizes)
     for (pg, _seq), by_rank in common.items():
         by_pg.setdefault(pg, []).append(by_rank)
-    nets: dict[int, list[float]] = {}
+    out: dict[int, float] = {}
     for ops in by_pg.values():
         if len(ops) < 2 * slices:
             continue
         ops.sort(key=lambda br: min(e[5] for e in br.values()))
         parts = [_group_net(ops[i * len(ops) // slices : (i + 1) * len(ops) // slices]) for i in range(slices)]
         for r in set.intersection(*(set(p) for p in parts)):
-            nets.setdefault(r, []).append(min(p[r] for p in parts))
-    return {r: sum(v) / len(v) for r, v in nets.items()}
+            net = min(p[r] for p in parts)
+            out[r] = max(out.get(r, net), net)
+    return out
 
 
 def _group_net(ops: Sequence[Mapping[int, FrEntry]]) -> dict[int, float]:
-    """One group's collectives -> rank: (its blame - its peers' mean blame) / the collectives' span."""
-    waits: dict[int, list[tuple[int, int]]] = {}  # rank -> intervals the others waited for it
+    """One group's collectives -> rank: (its blame - the lower-median blame) / the collectives' span."""
+    waits: dict[int, list[tuple[int, int]]] = {}  # rank -> intervals the group waited for it
     t_min, t_max = math.inf, -math.inf
     for by_rank in ops:
         ts = sorted((e[5], r) for r, e in by_rank.items())
-        for _, r in ts:
-            waits.setdefault(r, [])
-        waits[ts[-1][1]].append((ts[-2][0], ts[-1][0]))
+        ref = ts[(len(ts) - 1) // 2][0]
+        for t, r in ts:
+            iv = waits.setdefault(r, [])
+            if t > ref:
+                iv.append((ref, t))
         t_min, t_max = min(t_min, ts[0][0]), max(t_max, ts[-1][0])
     seconds = (t_max - t_min) / 1e9
     if seconds <= 0 or len(waits) < 2:
         return {}
     blame = {r: _union_ns(iv) / 1e9 for r, iv in waits.items()}
-    total = sum(blame.values())
-    return {r: (v - (total - v) / (len(blame) - 1)) / seconds for r, v in blame.items()}
+    typical = sorted(blame.values())[(len(blame) - 1) // 2]
+    return {r: (v - typical) / seconds for r, v in blame.items()}
 
 
 def _union_ns(intervals: list[tuple[int, int]]) -> int:

@@ -20,7 +20,8 @@ from hpar_agent.collectors.compile import CompileCollector
 from hpar_agent.crossrank import Exchange
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors.component import DetectorsComponent
-from hpar_agent.detectors.local import CollectiveLatencyHigh, GraphBreaks, Hang, MemoryLeak, RecompileStorm
+from hpar_agent.detectors.liveness import Hang
+from hpar_agent.detectors.local import CollectiveLatencyHigh, GraphBreaks, MemoryLeak, RecompileStorm
 from hpar_agent.spans import StepRecord
 from tests.unit.harness import Fake, alert_events, inert, make_agent, sample, steps
 

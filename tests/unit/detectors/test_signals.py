@@ -113,7 +113,7 @@ def test_arrival_lag_is_net_persistent_and_counts_a_burst_once() -> None:
     # rank 1 arrives 60 ms late at every step: others wait 60 ms per 0.3 s step
     late = {1: {i: 60_000_000 for i in range(0, 180, 6)}}
     ratios = sig.arrival_lag_ratio(_lagged(late))
-    assert ratios[1] == pytest.approx(0.2, abs=0.02) and ratios[0] < 0
+    assert ratios[1] == pytest.approx(0.2, abs=0.02) and abs(ratios[0]) < 0.02
     # the same 60 ms late through an asynchronous burst of 6 ops per step: still 60 ms of waiting per step
     burst = {1: {i: 60_000_000 for i in range(180)}}
     assert 0.15 < sig.arrival_lag_ratio(_lagged(burst))[1] < 0.3  # not 6 x 60 ms per step
@@ -124,6 +124,29 @@ def test_arrival_lag_is_net_persistent_and_counts_a_burst_once() -> None:
     stall = {0: {90: 5_000_000_000}}
     assert max(sig.arrival_lag_ratio(_lagged(stall)).values()) < 0.02
     assert sig.arrival_lag_ratio(_lagged(stall), slices=1)[0] > 0.25  # what a plain sum would have said
+
+
+def test_arrival_lag_names_a_block_of_slow_ranks_whole() -> None:
+    def slow(ranks: set[int], n: int) -> dict[int, list[tuple]]:
+        return _lagged({r: {i: 60_000_000 for i in range(0, 180, 6)} for r in ranks}, n_ranks=n)
+
+    for n, block in ((5, {1, 2}), (8, {4, 5, 6, 7}), (3, {0})):
+        ratios = sig.arrival_lag_ratio(slow(block, n))
+        assert {r for r, v in ratios.items() if v > 0.1} == block, (n, block, ratios)
+        assert all(abs(v) < 0.02 for r, v in ratios.items() if r not in block)
+
+
+def test_arrival_lag_is_the_largest_over_the_ranks_groups() -> None:
+    # ranks 0 and 1 are one slow tp group: equally late in tp, late against ranks 2 and 3 in dp
+    step = 300_000_000
+    def e(pg: str, i: int, late: int) -> tuple:
+        return _fr(pg, i, t=(i // 6) * step + (i % 6) * 1_000_000 + late)
+
+    late = {0: 60_000_000, 1: 60_000_000, 2: 0, 3: 0}
+    fr = {r: [e("tp@" + str(r // 2), i, late[r]) for i in range(120)] + [e("dp@0", i, late[r]) for i in range(120)]
+          for r in range(4)}  # fmt: skip
+    ratios = sig.arrival_lag_ratio(fr)
+    assert min(ratios[0], ratios[1]) > 0.15 and max(ratios[2], ratios[3]) < 0.02
 
 
 def test_hang_timeout_and_warmup() -> None:
