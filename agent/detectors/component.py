@@ -67,6 +67,9 @@ ALL_DETECTORS: tuple[type[Detector], ...] = (
 )  # fmt: skip
 #: Culprits of one alert exported as ``hpar_alert_culprit`` series (the event lists them all).
 MAX_CULPRIT_SERIES = 16
+#: Seconds without an exchange after the store failed: torch logs every failed store call with its C++
+#: stack on stderr, and a store whose host exited fails every call.
+STORE_BACKOFF_S = 30.0
 
 
 @dataclass
@@ -113,6 +116,7 @@ class DetectorsComponent(Component):
         self.peers_fresh = False
         self.seen: dict[int, dict[str, Any]] = {}  # every comparison peer's last ``s``, however old
         self.read_ok_at = 0.0  # time of the last read of the store that succeeded
+        self._store_down_until = 0.0  # no exchange before then: the store failed (its host may be gone)
         self._last_exchange = -1e18
         self._span_events: list[tuple[str, int, dict[str, Any]]] = []
         self._store_tried = exchange is not None
@@ -200,8 +204,8 @@ class DetectorsComponent(Component):
         for a clean one), so its peers' RankGone tells a rank that finished from one that died. The
         store gets a second at most: its host may be exiting too."""
         ex, ctx = self.exchange, self.ctx
-        if ex is None or ctx is None or "s" not in ex.own:
-            return  # never published: no peer waits for this rank's payloads
+        if ex is None or ctx is None or "s" not in ex.own or self.now < self._store_down_until:
+            return  # never published (no peer waits for this rank's payloads), or the store is failing
         last = {k: v for k, v in ex.own["s"].items() if k != "t"}
         last["bye"] = ctx.exit_reason or "exit"
         last["step"] = step_state(ctx)[0]
@@ -450,10 +454,12 @@ class DetectorsComponent(Component):
             self._track_compiles()
         except Exception as exc:
             ctx.record_error(self.name, exc)
-        try:
-            self._exchange()
-        except Exception as exc:
-            ctx.record_error(self.name, exc)
+        if now >= self._store_down_until:
+            try:
+                self._exchange()
+            except Exception as exc:
+                self._store_down_until = now + STORE_BACKOFF_S  # torch prints each failed store call
+                ctx.record_error(self.name, exc)
         for d in self.detectors:
             gil.pause_point()
             try:

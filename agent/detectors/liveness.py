@@ -36,7 +36,8 @@ class Hang(Detector):
 
     Culprits (``waits.analyse``): every rank publishes, per process group, its last enqueued and
     completed collective and the op in flight (``q`` in ``s``). From this rank's and its comparison
-    peers' (the last word of a stopped or dead one included), the ranks the others wait for and that
+    peers' (the last word of a stopped or dead one included; a peer never heard of has entered none of
+    its groups' collectives), the ranks the others wait for and that
     wait for nobody are named (``details.culprits``; ``victims``: the ranks waiting), or ranks in
     different collectives (``kind`` desync, each side's op), or a collective every member entered
     (``stuck``: culprit unknown). Judged from half the timeout on, so the firing event carries them.
@@ -89,15 +90,19 @@ class Hang(Detector):
             coords[r] = c
         states[ctx.rank] = src.group_states(ctx.context)
         coords[ctx.rank] = topo.coords()
+        silent = {dim: [r for r in peers if r not in coords] for dim, peers in ctx.peer_groups.items()}
         members: dict[str, list[int]] = {}
         complete: dict[str, bool] = {}
         for uid in sorted({u for groups in states.values() for u in groups}):
             label = src.pg_label(uid)
             if src.group_key_of(label, coords[ctx.rank]) != label:  # a mesh group: members by coordinates
                 ms = [r for r, c in coords.items() if src.group_key_of(label, c) == uid]
-            else:  # the world, or a group of the user's own: those that entered it
-                ms = list(coords) if label == "default_pg" else [r for r in coords if uid in states[r]]
-            members[uid] = sorted(ms)
+                if uid == src.group_key_of(label, coords[ctx.rank]):  # this rank's own: peers never heard of too
+                    ms += silent.get(label, [])
+            else:  # the world (every peer, heard of or not), or a group of the user's own: those that entered it
+                ms = [*coords, *(r for rs in silent.values() for r in rs)] if label == "default_pg" else \
+                    [r for r in coords if uid in states[r]]
+            members[uid] = sorted(set(ms))
             size = _group_size(label, topo)
             complete[uid] = len(ms) >= size if size else len(coords) >= topo.world_size
         return waits.analyse(states, members, complete, min_wait_s)

@@ -53,8 +53,12 @@ class ExitWatcher:
         self._thread.start()
         return self
 
-    def stop(self) -> dict[int, Exit]:
-        """Stop watching (a last look first); rank -> its exit, for the ranks seen to end."""
+    def stop(self, grace_s: float = 10.0) -> dict[int, Exit]:
+        """Stop watching once every watched rank ended (at most ``grace_s``: a launcher that died leaves
+        its ranks ending after it); rank -> its exit, for the ranks seen to end."""
+        deadline = time.time() + grace_s
+        while self._watched and time.time() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
         self._stop.set()
         self._thread.join(2 * POLL_S + 1)
         self._look()
