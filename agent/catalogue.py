@@ -266,8 +266,25 @@ ATTR_TRACE_REASON = "hpar.trace.reason"  # why the step's trace was kept: sample
 #: Span attributes every span carries (Jaeger tag search keys).
 SPAN_COMMON_ATTRS: tuple[str, ...] = (ATTR_RANK, ATTR_PP_STAGE, ATTR_STEP)
 
-# OTel Resource (static identity of the rank; never repeated on spans)
+# OTel Resource (static identity of the rank; never repeated on spans). The semantic conventions'
+# names where one exists (opentelemetry.io/docs/specs/semconv/resource/), hpar.* where none does.
 SERVICE_NAME_DEFAULT = "hpar-trainer"  # unless OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES set it
+RES_SERVICE_NAME = "service.name"
+RES_SERVICE_INSTANCE_ID = "service.instance.id"  # <job id>-<rank>: unique among the job's live processes
+RES_HOST_NAME = "host.name"
+RES_PROCESS_PID = "process.pid"
+RES_K8S_POD_NAME = "k8s.pod.name"
+RES_K8S_NAMESPACE_NAME = "k8s.namespace.name"
+RES_K8S_NODE_NAME = "k8s.node.name"
+RES_SLURM_JOB_ID = "hpar.slurm.job.id"  # no semantic convention for Slurm exists
+#: Environment variables whose value, when set, becomes a Resource attribute: the K8S_* ones from the
+#: Kubernetes downward API (deploy/k8s/trainer.yaml sets them), SLURM_JOB_ID from Slurm itself.
+RESOURCE_ENV: dict[str, str] = {
+    "K8S_POD_NAME": RES_K8S_POD_NAME,
+    "K8S_NAMESPACE_NAME": RES_K8S_NAMESPACE_NAME,
+    "K8S_NODE_NAME": RES_K8S_NODE_NAME,
+    "SLURM_JOB_ID": RES_SLURM_JOB_ID,
+}
 RES_WORLD_SIZE = "hpar.world_size"
 RES_DP = "hpar.dp.size"
 RES_TP = "hpar.tp.size"
