@@ -303,7 +303,7 @@ EVENT_ALERT = "hpar.alert"
 # ---------------------------------------------------------------------------------------------- env vars
 @dataclass(frozen=True)
 class EnvVar:
-    """An ``HPAR_*`` environment variable: ``field`` is the AgentConfig field it sets (if any)."""
+    """An ``HPAR_*`` environment variable: ``field`` is the AgentConfig field it sets ("" for none)."""
 
     name: str
     field: str
@@ -335,4 +335,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("HPAR_PP_STAGE", "pp_stage", "Override this rank's pipeline stage."),
     EnvVar("HPAR_LOG_MAX_BYTES", "log_max_bytes", "Size in bytes at which the event log and the traces file rotate, keeping two rotated files each (0: never); a string value in an event is cut at 16 KiB, a record at 64 KiB."),
 )
-ENV_BY_NAME: dict[str, EnvVar] = {e.name: e for e in ENV_VARS}
+ENV_AUTOATTACH = "HPAR_AUTOATTACH"
+ENV_DIAGNOSE_RUN = "HPAR_DIAGNOSE_RUN"
+#: ``HPAR_*`` variables that are not settings: the tools set them in the processes they start.
+TOOL_ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(ENV_AUTOATTACH, "", "Set to 1 by `hpar-agent run` in the command it starts: zero-code mode attaches the agent in every process of the job that trains (not a setting)."),
+    EnvVar(ENV_DIAGNOSE_RUN, "", "Set by `hpar-agent diagnose` in every process it starts, so that it can stop them all (not a setting)."),
+)
+ENV_BY_NAME: dict[str, EnvVar] = {e.name: e for e in ENV_VARS + TOOL_ENV_VARS}

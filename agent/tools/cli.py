@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from hpar_agent._version import __version__
-from hpar_agent.safefiles import private_dir
+from hpar_agent.safefiles import default_run_dir, private_dir
 from hpar_agent.tools.launch import TrainerMissing, launch_observed, trainer_scenarios
 from hpar_agent.tools.summary import load_rank_summaries, never_stepped, render_summary
 
@@ -29,8 +29,10 @@ def _demo(args: argparse.Namespace) -> int:
     if problem:
         print(f"hpar-agent demo: error: {problem}", file=sys.stderr)
         return 2
-    run_dir = Path(args.run_dir or f"hpar-runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    private_dir(str(run_dir), chosen=bool(args.run_dir))
+    if args.run_dir:
+        run_dir = Path(private_dir(str(Path(args.run_dir).resolve()), chosen=True))
+    else:
+        run_dir = Path(default_run_dir(f"demo-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
     out = run_dir / "trainer.json"
     trainer_args = sc.with_out(trainer_args, str(out))
     env = {
@@ -103,7 +105,10 @@ def _diagnose(args: argparse.Namespace) -> int:
         print(f"hpar-agent diagnose: error: unknown injection {', '.join(unknown)}; one of: {', '.join(expected)}",
               file=sys.stderr)
         return 2
-    base = Path(args.run_dir or f"hpar-runs/diagnose-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if args.run_dir:
+        base = Path(args.run_dir).resolve()
+    else:
+        base = Path(default_run_dir(f"diagnose-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
     findings = []
     for mode in modes:
         print(f"diagnose: running {mode} ...", flush=True)
