@@ -188,39 +188,64 @@ def metric(name: str) -> MetricSpec:
 
 
 # ---------------------------------------------------------------------------------------------- alerts
+#: Grafana dashboard uids (``dashboards/*.json``): each alert names the one that shows its series.
+DASH_OVERVIEW = "hpar-overview"
+DASH_COLLECTIVES = "hpar-collectives"
+DASH_COMPILE = "hpar-compile"
+DASH_MEMORY = "hpar-memory"
+DASH_PIPELINE = "hpar-pipeline"
+
+#: Where the docs are published: every rule's ``runbook_url`` is this page with the alert's heading as
+#: anchor. Docs hosted elsewhere: rewrite the prefix (docs/alerts.md, "Links in notifications").
+RUNBOOK_PAGE_URL = "https://github.com/hpar-agent/hpar-agent/blob/main/docs/alerts.md"
+
+
 @dataclass(frozen=True)
 class AlertSpec:
     name: str
     severity: str
     summary: str
+    dashboard: str
+    """Uid of the Grafana dashboard that shows the alert's series (a ``DASH_*`` constant)."""
+
+    @property
+    def runbook_url(self) -> str:
+        """The alert's section of docs/alerts.md (GitHub's anchor of the heading ``### <name>``)."""
+        return f"{RUNBOOK_PAGE_URL}#{self.name.lower()}"
+
+    @property
+    def dashboard_url(self) -> str:
+        """Grafana path of the dashboard (relative: prefix it with your Grafana's URL)."""
+        return f"/d/{self.dashboard}"
 
 
 ALERTS: tuple[AlertSpec, ...] = (
-    AlertSpec("RecompileStorm", "warning", "Recompiles per window above threshold or compile-cache hit ratio collapsed; both at once is cache pollution (details.mode, signal=cache_pollution)."),
-    AlertSpec("GraphBreaks", "warning", "A new graph-break reason appeared after warm-up (a c10d call in compiled code is named, with the functional-collectives fix)."),
-    AlertSpec("CompileDivergence", "critical", "Ranks of the same pipeline stage compiled different graphs."),
-    AlertSpec("ReplicaDivergence", "critical", "Parameters that must be identical across replicas differ."),
-    AlertSpec("CollectiveMismatch", "critical", "Ranks disagree on op, size or dtype of the same collective."),
-    AlertSpec("MemoryLeak", "warning", "Post-step memory keeps rising after warm-up."),
-    AlertSpec("CompiledGraphsGrowing", "warning", "Graphs are still being compiled step after step past warm-up (a fresh compiled function per microbatch kept alive); names the code location that keeps compiling."),
-    AlertSpec("CollectiveLatencyHigh", "warning", "Collective p99 latency above its SLO."),
-    AlertSpec("Straggler", "warning", "A rank is persistently slower than its group."),
-    AlertSpec("GradSyncIncomplete", "critical", "A step reduced less of the trainable gradient over data parallelism than it must."),
-    AlertSpec("NumaMisbinding", "warning", "The rank may run only on CPUs outside its GPU's NUMA node (NVML's ideal CPUs)."),
-    AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout."),
+    AlertSpec("RecompileStorm", "warning", "Recompiles per window above threshold or compile-cache hit ratio collapsed; both at once is cache pollution (details.mode, signal=cache_pollution).", DASH_COMPILE),
+    AlertSpec("GraphBreaks", "warning", "A new graph-break reason appeared after warm-up (a c10d call in compiled code is named, with the functional-collectives fix).", DASH_COMPILE),
+    AlertSpec("CompileDivergence", "critical", "Ranks of the same pipeline stage compiled different graphs.", DASH_COMPILE),
+    AlertSpec("ReplicaDivergence", "critical", "Parameters that must be identical across replicas differ.", DASH_OVERVIEW),
+    AlertSpec("CollectiveMismatch", "critical", "Ranks disagree on op, size or dtype of the same collective.", DASH_COLLECTIVES),
+    AlertSpec("MemoryLeak", "warning", "Post-step memory keeps rising after warm-up.", DASH_MEMORY),
+    AlertSpec("CompiledGraphsGrowing", "warning", "Graphs are still being compiled step after step past warm-up (a fresh compiled function per microbatch kept alive); names the code location that keeps compiling.", DASH_COMPILE),
+    AlertSpec("CollectiveLatencyHigh", "warning", "Collective p99 latency above its SLO.", DASH_COLLECTIVES),
+    AlertSpec("Straggler", "warning", "A rank is persistently slower than its group.", DASH_OVERVIEW),
+    AlertSpec("GradSyncIncomplete", "critical", "A step reduced less of the trainable gradient over data parallelism than it must.", DASH_COLLECTIVES),
+    AlertSpec("NumaMisbinding", "warning", "The rank may run only on CPUs outside its GPU's NUMA node (NVML's ideal CPUs).", DASH_OVERVIEW),
+    AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout.", DASH_COLLECTIVES),
 )
 #: Alerts of the in-process detectors (each exported as ``hpar_alert_active{alert=...}``).
 ALERT_NAMES: tuple[str, ...] = tuple(a.name for a in ALERTS)
 #: Alerts only the Prometheus rules raise (from the series the agent exports, or from ``up``).
 RULE_ALERTS: tuple[AlertSpec, ...] = (
-    AlertSpec("InputBound", "warning", "A rank spends more of its step time waiting for input than anatomy.input_share (Prometheus rule only)."),
-    AlertSpec("GpuMemoryNearFull", "warning", "NVML reports the GPU's memory nearly full (Prometheus rule only)."),
-    AlertSpec("GpuEccErrors", "critical", "NVML counted uncorrected ECC errors on the rank's GPU (Prometheus rule only)."),
-    AlertSpec("HparAgentDown", "warning", "A rank's endpoint stopped answering while its job still runs (Prometheus rule only)."),
-    AlertSpec("HparAgentErrors", "warning", "A component of the agent keeps failing (hpar_agent_errors_total rises; Prometheus rule only)."),
+    AlertSpec("InputBound", "warning", "A rank spends more of its step time waiting for input than anatomy.input_share (Prometheus rule only).", DASH_OVERVIEW),
+    AlertSpec("GpuMemoryNearFull", "warning", "NVML reports the GPU's memory nearly full (Prometheus rule only).", DASH_MEMORY),
+    AlertSpec("GpuEccErrors", "critical", "NVML counted uncorrected ECC errors on the rank's GPU (Prometheus rule only).", DASH_MEMORY),
+    AlertSpec("HparAgentDown", "warning", "A rank's endpoint stopped answering while its job still runs (Prometheus rule only).", DASH_OVERVIEW),
+    AlertSpec("HparAgentErrors", "warning", "A component of the agent keeps failing (hpar_agent_errors_total rises; Prometheus rule only).", DASH_OVERVIEW),
 )  # fmt: skip
 #: Every alert a rule file may define.
 ALL_ALERTS: tuple[AlertSpec, ...] = ALERTS + RULE_ALERTS
+ALERTS_BY_NAME: dict[str, AlertSpec] = {a.name: a for a in ALL_ALERTS}
 
 # ---------------------------------------------------------------------------------------------- spans
 SPAN_STEP = "train.step"

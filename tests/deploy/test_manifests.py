@@ -111,7 +111,7 @@ def test_alert_webhook_prints_each_alert(capsys: pytest.CaptureFixture[str]) -> 
     threading.Thread(target=server.serve_forever, daemon=True).start()
     payload = {"version": "4", "status": "firing", "alerts": [
         {"status": "firing", "labels": {"alertname": "Hang", "severity": "critical", "job": "hpar", "rank": "3"},
-         "annotations": {"summary": "rank 3 is hung"}},
+         "annotations": {"summary": "rank 3 is hung", "runbook_url": "https://docs/alerts.md#hang"}},
         {"status": "resolved", "labels": {"alertname": "Straggler", "severity": "warning"}, "annotations": {}}]}
     try:
         req = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}/critical",
@@ -125,7 +125,7 @@ def test_alert_webhook_prints_each_alert(capsys: pytest.CaptureFixture[str]) -> 
         server.shutdown()
         server.server_close()
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["[critical] FIRING Hang (critical) job=hpar rank=3: rank 3 is hung",
+    assert lines == ["[critical] FIRING Hang (critical) job=hpar rank=3: rank 3 is hung (runbook: https://docs/alerts.md#hang)",
                      "[critical] RESOLVED Straggler (warning) : "]
 
 

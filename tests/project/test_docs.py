@@ -84,8 +84,15 @@ def test_every_alert_is_documented() -> None:
     text = _text("docs/alerts.md")
     for a in cat.ALL_ALERTS:
         assert f"`{a.name}`" in text, a.name
-    for a in cat.ALERTS:  # the in-process ones each have a section: what, value, evidence, tuning
-        assert f"\n### {a.name}\n" in text, a.name
+        assert f"\n### {a.name}\n" in text, a.name  # a section each: what, value, where to look
+
+
+def test_every_runbook_url_lands_on_its_alert_section() -> None:
+    anchors = _anchors(ROOT / "docs" / "alerts.md")
+    assert cat.RUNBOOK_PAGE_URL.endswith("/docs/alerts.md")
+    for a in cat.ALL_ALERTS:
+        page, _, anchor = a.runbook_url.partition("#")
+        assert page == cat.RUNBOOK_PAGE_URL and anchor in anchors, a.runbook_url
 
 
 def test_every_span_and_attribute_is_documented() -> None:
