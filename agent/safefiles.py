@@ -91,7 +91,7 @@ def default_run_dir(name: str) -> str:
     try:
         private_dir(RUNS_DIR)
     except UnsafePathError as exc:
-        raise UnsafePathError(f"{exc} (name a directory in HPAR_RUN_DIR to write through a link)") from None
+        raise UnsafePathError(f"{exc} (name the directory, in HPAR_RUN_DIR or a tool's --run-dir, to write through a link)") from None
     return private_dir(os.path.join(RUNS_DIR, name))
 
 
