@@ -4,11 +4,12 @@ memory, and GPU health; most panels only have data on CUDA ranks."""
 from __future__ import annotations
 
 from dashboards.panels import RI, SEL, Board, Q, heatmap, ts, worst
+from hpar_agent import catalogue as cat
 
 
 def memory() -> Board:
     b = Board(
-        "hpar-memory",
+        cat.DASH_MEMORY,
         "hpar / Memory",
         "Device (NVML), CUDA caching allocator and host memory per rank; leaks.",
     )

@@ -21,8 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpar_agent.catalogue import ENV_AUTOATTACH
 from hpar_agent.config import _TRUE
-from hpar_agent.safefiles import private_dir
+from hpar_agent.safefiles import RUNS_DIR, default_run_dir, private_dir
 from hpar_agent.tools.summary import load_rank_summaries
 
 SHIM_DIR = Path(__file__).resolve().parents[1] / "zerocode_site"  # hpar_agent/zerocode_site
@@ -37,7 +38,7 @@ def _say(msg: str) -> None:
 
 def fresh_run_dir(base: Path | None = None) -> Path:
     """``hpar-runs/run-<time>``, made unique with a suffix when that name exists."""
-    base = base or Path("hpar-runs")
+    base = base or Path(RUNS_DIR)
     stem = f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     path, n = base / stem, 1
     while path.exists():
@@ -51,7 +52,7 @@ def child_env(environ: Mapping[str, str], run_dir: Path) -> dict[str, str]:
     env = dict(environ)
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = f"{SHIM_DIR}{os.pathsep}{old}" if old else str(SHIM_DIR)
-    env["HPAR_AUTOATTACH"] = "1"
+    env[ENV_AUTOATTACH] = "1"
     env["HPAR_RUN_DIR"] = str(run_dir)
     env.setdefault("HPAR_JOB_ID", run_dir.name)
     for name, value in PRE_PG_ENV.items():
@@ -147,9 +148,9 @@ def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, st
         _say("HPAR_DISABLE is set: running the command unobserved")
         return _run_forwarding(cmd, environ)
     chosen = run_dir or environ.get("HPAR_RUN_DIR")
-    rd = Path(chosen or fresh_run_dir()).resolve()
-    try:
-        private_dir(str(rd), chosen=bool(chosen))  # 0700, as the agent's own files are 0600
+    rd = Path(chosen or fresh_run_dir())
+    try:  # 0700, as the agent's own files are 0600
+        rd = Path(private_dir(str(rd.resolve()), chosen=True) if chosen else default_run_dir(rd.name)).resolve()
     except OSError as exc:
         _say(f"error: run directory {rd}: {exc}")
         return 2

@@ -47,6 +47,16 @@ def test_missing_program_exits_127(tmp_path: Path) -> None:
     assert run(["--", str(tmp_path / "nope")], run_dir=str(tmp_path / "run"), environ={}) == 127
 
 
+def test_a_linked_default_parent_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "hpar-runs").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    assert run(["--", "true"], environ={}) == 2  # nothing started
+    assert "hpar-runs is a symbolic link" in capsys.readouterr().err
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
 def _write_summaries(run_dir: Path, world: int, ranks: list[int], steps: int = 5) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     for r in ranks:
