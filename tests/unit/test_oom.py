@@ -30,7 +30,7 @@ CUDA0 = torch.device("cuda", 0)
 HERE = os.path.basename(__file__)
 
 
-def fake_snapshot(site_file: str = "/work/train.py") -> dict[str, Any]:
+def fake_snapshot(site_file: str = "/jobs/llm/train.py") -> dict[str, Any]:
     """Shaped as ``torch.cuda.memory._snapshot()``: two segments of device 0 (one block of each state),
     one of device 1, and device 0's trace ending with the failed request."""
     frames = [{"filename": os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "linear.py"), "line": 125,
