@@ -518,9 +518,10 @@ def default_components(config: AgentConfig) -> list[Component]:
     from hpar_agent.collectors.collectives import CollectiveCollector
     from hpar_agent.collectors.compile import CompileCollector
     from hpar_agent.collectors.gradsync import GradSyncCollector
+    from hpar_agent.collectors.oom import OomCollector
 
     comps: list[Component] = [TopologyWatch(), StepCollector(), PipelineCollector(), AnatomyCollector()]
-    comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector()]
+    comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector(), OomCollector()]
     comps.append(CompileCollector())
     if config.detectors:
         comps.append(DetectorsComponent())

@@ -159,6 +159,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_gpu_memory_used_bytes", "gauge", "NVML: device memory in use (all processes).", unit="bytes"),
     _m("hpar_gpu_memory_total_bytes", "gauge", "NVML: device memory capacity.", unit="bytes"),
     _m("hpar_gpu_process_memory_bytes", "gauge", "NVML: device memory used by this process.", unit="bytes"),
+    _m("hpar_gpu_memory_headroom_bytes", "gauge", "Bytes this process can still allocate on its GPU before a CUDA out-of-memory: device memory no process holds (NVML total - used, else cudaMemGetInfo) plus the caching allocator's reserved-but-unallocated cache, which it reuses before asking the device (fragmentation can leave less usable).", unit="bytes"),
     _m("hpar_gpu_utilization_ratio", "gauge", "NVML: fraction of time a kernel ran over the last sample period.", unit="ratio"),
     _m("hpar_gpu_power_watts", "gauge", "NVML: board power draw.", unit="watts"),
     _m("hpar_gpu_temperature_celsius", "gauge", "NVML: GPU core temperature.", unit="celsius"),

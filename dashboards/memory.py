@@ -100,6 +100,15 @@ def memory() -> Board:
     )
     ts(
         b,
+        "GPU memory headroom: lowest $topn",
+        "Bytes each rank can still allocate before a CUDA out-of-memory: free device memory plus the "
+        "allocator's unallocated cache. A leak walks it down to 0; MemoryLeak's details say at which step.",
+        [Q(worst(f"hpar_gpu_memory_headroom_bytes{{{SEL}}}", best=True), "rank {{rank}}")],
+        "bytes",
+        gpu=True,
+    )
+    ts(
+        b,
         "Allocator bytes by kind",
         "CUDA caching allocator allocated / reserved / active bytes, the $topn highest (rank, kind).",
         [Q(worst(f"hpar_allocator_bytes{{{SEL}}}"), "rank {{rank}} {{kind}}")],

@@ -121,9 +121,12 @@ def rank_lines(run_dir: Path) -> list[str]:
                      "writing to another host's run directory)")
     steps = [int(r.get("components", {}).get("steps", {}).get("steps", 0)) for r in ranks]
     errors = [sum(r.get("errors", {}).values()) for r in ranks]
+    ooms = [line for r in ranks if (line := oom_line(r))]
+    if len(ooms) > RANK_LINES_MAX:
+        ooms[RANK_LINES_MAX:] = [f"  ... and {len(ooms) - RANK_LINES_MAX} more rank(s) ran out of CUDA memory"]
     if len(ranks) > RANK_LINES_MAX:
         lines.append(f"  steps per rank: min {min(steps)}, max {max(steps)}; agent errors: {sum(errors)}")
-        return lines
+        return lines + ooms
     for r, n, err in zip(ranks, steps, errors, strict=True):
         comps = r.get("components", {})
         topo = r.get("topology", {})
@@ -134,7 +137,32 @@ def rank_lines(run_dir: Path) -> list[str]:
             f"{topo.get('dp', '?')}): {n} steps, step p50 {'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, "
             f"attached at {attached}, agent errors {err}, metrics {r.get('metrics_url') or '-'}"
         )
-    return lines
+    return lines + ooms
+
+
+def _gib(n: object) -> str:
+    return f"{n / 2**30:.2f} GiB" if isinstance(n, int | float) and not isinstance(n, bool) else "?"
+
+
+def oom_line(summary: dict[str, Any]) -> str | None:
+    """One line on a rank's CUDA out-of-memory (the ``oom`` record of its summary), or None: whether it
+    ended the process, after how many steps, what was asked and free, where, and the record's file."""
+    oom = summary.get("components", {}).get("oom") or {}
+    rec = oom.get("record")
+    if not isinstance(rec, dict):
+        return None
+    if rec.get("fatal"):
+        what = "died of CUDA out of memory"
+    else:
+        what = f"ran out of CUDA memory {oom.get('count') or 1} time(s) and went on; the first"
+    ask = f"; asked {_gib(rec['requested_bytes'])}" if rec.get("requested_bytes") is not None else ""
+    free = f" with {_gib(rec['device_free_bytes'])} free of {_gib(rec.get('device_limit_bytes'))}" if (
+        rec.get("device_free_bytes") is not None) else ""
+    held = f"; allocated {_gib(rec['allocated_bytes'])}" if rec.get("allocated_bytes") is not None else ""
+    where = f" at {rec['site']}" if rec.get("site") else ""
+    files = [p for p in rec.get("evidence") or () if str(p).endswith(".oom.json")]
+    return (f"  rank {summary.get('rank')}: {what} after {rec.get('step', '?')} completed steps{where}{ask}{free}"
+            f"{held}; record: {files[0] if files else 'events.rank<R>.jsonl (kind oom)'}")
 
 
 def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, str] | None = None) -> int:
