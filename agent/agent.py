@@ -32,7 +32,7 @@ from hpar_agent.families import Families
 from hpar_agent.gil import Yielder
 from hpar_agent.lifecycle import AtExit, ExceptHook, SignalFlush, forget_in_child
 from hpar_agent.rankstate import RankState
-from hpar_agent.safefiles import UnsafePathError, private_dir
+from hpar_agent.safefiles import RUNS_DIR, UnsafePathError, default_run_dir, private_dir
 from hpar_agent.span_schedule import SpanScheduler
 from hpar_agent.spans import Child, StepRecord
 from hpar_agent.topology import LOCAL_JOB_PREFIX, Topology, detect
@@ -118,9 +118,12 @@ class Agent:
         self.device = resolve_device(self.model, self.mesh, topo.local_rank)
         self.topology = topo = dataclasses.replace(topo, device=str(self.device))
         self.families = Families([str(topo.rank), str(topo.pp_stage)])
-        self.run_dir = self.config.run_dir or os.path.join("hpar-runs", topo.job_id)
+        self.run_dir = self.config.run_dir or os.path.join(RUNS_DIR, topo.job_id)
         try:
-            private_dir(self.run_dir, chosen=bool(self.config.run_dir))  # 0700, not a link, ours
+            if self.config.run_dir:
+                private_dir(self.run_dir, chosen=True)
+            else:
+                default_run_dir(topo.job_id)  # 0700, not a link, ours: the parent too
         except OSError as exc:
             self.record_error("agent", exc)
             if isinstance(exc, UnsafePathError):
@@ -521,9 +524,10 @@ def default_components(config: AgentConfig) -> list[Component]:
     from hpar_agent.collectors.collectives import CollectiveCollector
     from hpar_agent.collectors.compile import CompileCollector
     from hpar_agent.collectors.gradsync import GradSyncCollector
+    from hpar_agent.collectors.oom import OomCollector
 
     comps: list[Component] = [TopologyWatch(), RankState(), StepCollector(), PipelineCollector(), AnatomyCollector()]
-    comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector()]
+    comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector(), OomCollector()]
     comps.append(CompileCollector())
     if config.detectors:
         comps.append(DetectorsComponent())

@@ -10,7 +10,9 @@ and calls ``arm`` once ``import torch`` completes. From then on the process atta
   agent attaches inside that step, before its post-hooks run, so the step is counted);
 - the first compile (dynamo's start callback, registered once ``torch._dynamo`` is imported, never
   importing it; registered again after ``torch._dynamo.reset()``);
-- the first ``hpar_agent.current()`` (a loop that marks its own steps).
+- the first ``hpar_agent.current()`` (a loop that marks its own steps);
+- an uncaught CUDA out-of-memory before any of these (a batch far too large fails in the first
+  forward, before any optimizer step): attached then, the agent records it (``collectors.oom``).
 
 A process that does none of these (the torchrun or accelerate launcher, an ``mp.spawn`` parent that
 only waits, DataLoader and compile workers) is never observed: no port, no rank label, no summary.
@@ -33,10 +35,12 @@ AT_PROCESS_GROUP = "init_process_group"
 AT_OPTIMIZER = "optimizer step"
 AT_COMPILE = "compile"
 AT_CURRENT = "hpar_agent.current()"
+AT_OOM = "CUDA out of memory"
 
 ARMED = False
 _tried = False  # one attach attempt per process (a disabled or failed attach is not retried per step)
 _hooks: list[Any] = []
+_previous_hook: Any = sys.__excepthook__
 
 
 def _running() -> Any:
@@ -47,7 +51,7 @@ def _running() -> Any:
 
 def arm() -> None:
     """Install the triggers (idempotent); called by the shim once ``import torch`` completed."""
-    global ARMED
+    global ARMED, _previous_hook
     if ARMED:
         return
     ARMED = True
@@ -56,6 +60,7 @@ def arm() -> None:
 
     _hooks.append(register_optimizer_step_pre_hook(_on_optimizer_step))
     topology_watch.after_import("torch._dynamo", _arm_dynamo)
+    _previous_hook, sys.excepthook = sys.excepthook, _on_uncaught
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_forget_in_child)
 
@@ -164,6 +169,22 @@ def _on_compile_start(args: Any) -> None:
     if _tried or _running() is not None:
         return
     attach_now(AT_COMPILE)
+
+
+def _on_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+    """``sys.excepthook``: a process that dies of a CUDA out-of-memory before anything attached the
+    agent attaches now, so the run says where the memory went (an attached agent's own hook records
+    it before this one is reached)."""
+    try:
+        torch = sys.modules.get("torch")
+        if _running() is None and not _tried and torch is not None and isinstance(value, torch.OutOfMemoryError):
+            agent = attach_now(AT_OOM)
+            oom = agent.component("oom") if agent is not None and agent.started else None
+            if oom is not None:
+                oom.on_uncaught(value)
+    except Exception as exc:  # the user's traceback is printed whatever happens here
+        print(f"hpar-agent: recording the out-of-memory failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+    _previous_hook(tp, value, tb)
 
 
 def attach_on_use() -> Any:

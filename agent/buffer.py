@@ -36,5 +36,9 @@ class BoundedBuffer(Generic[T]):
             out.append(items.popleft())
         return out
 
+    def peek(self) -> list[T]:
+        """A copy of the items not drained yet, left in place (any thread)."""
+        return list(self._items)
+
     def __len__(self) -> int:
         return len(self._items)

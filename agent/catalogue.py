@@ -161,6 +161,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_gpu_memory_used_bytes", "gauge", "NVML: device memory in use (all processes).", unit="bytes"),
     _m("hpar_gpu_memory_total_bytes", "gauge", "NVML: device memory capacity.", unit="bytes"),
     _m("hpar_gpu_process_memory_bytes", "gauge", "NVML: device memory used by this process.", unit="bytes"),
+    _m("hpar_gpu_memory_headroom_bytes", "gauge", "Bytes this process can still allocate on its GPU before a CUDA out-of-memory: device memory no process holds (NVML total - used, else cudaMemGetInfo) plus the caching allocator's reserved-but-unallocated cache, which it reuses before asking the device (fragmentation can leave less usable).", unit="bytes"),
     _m("hpar_gpu_utilization_ratio", "gauge", "NVML: fraction of time a kernel ran over the last sample period.", unit="ratio"),
     _m("hpar_gpu_power_watts", "gauge", "NVML: board power draw.", unit="watts"),
     _m("hpar_gpu_temperature_celsius", "gauge", "NVML: GPU core temperature.", unit="celsius"),
@@ -191,40 +192,65 @@ def metric(name: str) -> MetricSpec:
 
 
 # ---------------------------------------------------------------------------------------------- alerts
+#: Grafana dashboard uids (``dashboards/*.json``): each alert names the one that shows its series.
+DASH_OVERVIEW = "hpar-overview"
+DASH_COLLECTIVES = "hpar-collectives"
+DASH_COMPILE = "hpar-compile"
+DASH_MEMORY = "hpar-memory"
+DASH_PIPELINE = "hpar-pipeline"
+
+#: Where the docs are published: every rule's ``runbook_url`` is this page with the alert's heading as
+#: anchor. Docs hosted elsewhere: rewrite the prefix (docs/alerts.md, "Links in notifications").
+RUNBOOK_PAGE_URL = "https://github.com/hpar-agent/hpar-agent/blob/main/docs/alerts.md"
+
+
 @dataclass(frozen=True)
 class AlertSpec:
     name: str
     severity: str
     summary: str
+    dashboard: str
+    """Uid of the Grafana dashboard that shows the alert's series (a ``DASH_*`` constant)."""
+
+    @property
+    def runbook_url(self) -> str:
+        """The alert's section of docs/alerts.md (GitHub's anchor of the heading ``### <name>``)."""
+        return f"{RUNBOOK_PAGE_URL}#{self.name.lower()}"
+
+    @property
+    def dashboard_url(self) -> str:
+        """Grafana path of the dashboard (relative: prefix it with your Grafana's URL)."""
+        return f"/d/{self.dashboard}"
 
 
 ALERTS: tuple[AlertSpec, ...] = (
-    AlertSpec("RecompileStorm", "warning", "Recompiles per window above threshold or compile-cache hit ratio collapsed; both at once is cache pollution (details.mode, signal=cache_pollution)."),
-    AlertSpec("GraphBreaks", "warning", "A new graph-break reason appeared after warm-up (a c10d call in compiled code is named, with the functional-collectives fix)."),
-    AlertSpec("CompileDivergence", "critical", "Ranks of the same pipeline stage compiled different graphs."),
-    AlertSpec("ReplicaDivergence", "critical", "Parameters that must be identical across replicas differ."),
-    AlertSpec("CollectiveMismatch", "critical", "Ranks disagree on op, size or dtype of the same collective."),
-    AlertSpec("MemoryLeak", "warning", "Post-step memory keeps rising after warm-up."),
-    AlertSpec("CompiledGraphsGrowing", "warning", "Graphs are still being compiled step after step past warm-up (a fresh compiled function per microbatch kept alive); names the code location that keeps compiling."),
-    AlertSpec("CollectiveLatencyHigh", "warning", "Collective p99 latency above its SLO."),
-    AlertSpec("Straggler", "warning", "A rank is persistently slower than its group."),
-    AlertSpec("GradSyncIncomplete", "critical", "A step reduced less of the trainable gradient over data parallelism than it must."),
-    AlertSpec("NumaMisbinding", "warning", "The rank may run only on CPUs outside its GPU's NUMA node (NVML's ideal CPUs)."),
-    AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout; names the rank(s) the others wait for."),
-    AlertSpec("RankGone", "critical", "A rank stopped publishing and its process is gone, stopped or out of sight (raised by the ranks that compare with it, naming it)."),
+    AlertSpec("RecompileStorm", "warning", "Recompiles per window above threshold or compile-cache hit ratio collapsed; both at once is cache pollution (details.mode, signal=cache_pollution).", DASH_COMPILE),
+    AlertSpec("GraphBreaks", "warning", "A new graph-break reason appeared after warm-up (a c10d call in compiled code is named, with the functional-collectives fix).", DASH_COMPILE),
+    AlertSpec("CompileDivergence", "critical", "Ranks of the same pipeline stage compiled different graphs.", DASH_COMPILE),
+    AlertSpec("ReplicaDivergence", "critical", "Parameters that must be identical across replicas differ.", DASH_OVERVIEW),
+    AlertSpec("CollectiveMismatch", "critical", "Ranks disagree on op, size or dtype of the same collective.", DASH_COLLECTIVES),
+    AlertSpec("MemoryLeak", "warning", "Post-step memory keeps rising after warm-up.", DASH_MEMORY),
+    AlertSpec("CompiledGraphsGrowing", "warning", "Graphs are still being compiled step after step past warm-up (a fresh compiled function per microbatch kept alive); names the code location that keeps compiling.", DASH_COMPILE),
+    AlertSpec("CollectiveLatencyHigh", "warning", "Collective p99 latency above its SLO.", DASH_COLLECTIVES),
+    AlertSpec("Straggler", "warning", "A rank is persistently slower than its group.", DASH_OVERVIEW),
+    AlertSpec("GradSyncIncomplete", "critical", "A step reduced less of the trainable gradient over data parallelism than it must.", DASH_COLLECTIVES),
+    AlertSpec("NumaMisbinding", "warning", "The rank may run only on CPUs outside its GPU's NUMA node (NVML's ideal CPUs).", DASH_OVERVIEW),
+    AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout; names the rank(s) the others wait for.", DASH_COLLECTIVES),
+    AlertSpec("RankGone", "critical", "A rank stopped publishing and its process is gone, stopped or out of sight (raised by the ranks that compare with it, naming it).", DASH_OVERVIEW),
 )
 #: Alerts of the in-process detectors (each exported as ``hpar_alert_active{alert=...}``).
 ALERT_NAMES: tuple[str, ...] = tuple(a.name for a in ALERTS)
 #: Alerts only the Prometheus rules raise (from the series the agent exports, or from ``up``).
 RULE_ALERTS: tuple[AlertSpec, ...] = (
-    AlertSpec("InputBound", "warning", "A rank spends more of its step time waiting for input than anatomy.input_share (Prometheus rule only)."),
-    AlertSpec("GpuMemoryNearFull", "warning", "NVML reports the GPU's memory nearly full (Prometheus rule only)."),
-    AlertSpec("GpuEccErrors", "critical", "NVML counted uncorrected ECC errors on the rank's GPU (Prometheus rule only)."),
-    AlertSpec("HparAgentDown", "warning", "A rank's endpoint stopped answering while its job still runs (Prometheus rule only)."),
-    AlertSpec("HparAgentErrors", "warning", "A component of the agent keeps failing (hpar_agent_errors_total rises; Prometheus rule only)."),
+    AlertSpec("InputBound", "warning", "A rank spends more of its step time waiting for input than anatomy.input_share (Prometheus rule only).", DASH_OVERVIEW),
+    AlertSpec("GpuMemoryNearFull", "warning", "NVML reports the GPU's memory nearly full (Prometheus rule only).", DASH_MEMORY),
+    AlertSpec("GpuEccErrors", "critical", "NVML counted uncorrected ECC errors on the rank's GPU (Prometheus rule only).", DASH_MEMORY),
+    AlertSpec("HparAgentDown", "warning", "A rank's endpoint stopped answering while its job still runs (Prometheus rule only).", DASH_OVERVIEW),
+    AlertSpec("HparAgentErrors", "warning", "A component of the agent keeps failing (hpar_agent_errors_total rises; Prometheus rule only).", DASH_OVERVIEW),
 )  # fmt: skip
 #: Every alert a rule file may define.
 ALL_ALERTS: tuple[AlertSpec, ...] = ALERTS + RULE_ALERTS
+ALERTS_BY_NAME: dict[str, AlertSpec] = {a.name: a for a in ALL_ALERTS}
 
 # ---------------------------------------------------------------------------------------------- spans
 SPAN_STEP = "train.step"
@@ -270,8 +296,25 @@ ATTR_TRACE_REASON = "hpar.trace.reason"  # why the step's trace was kept: sample
 #: Span attributes every span carries (Jaeger tag search keys).
 SPAN_COMMON_ATTRS: tuple[str, ...] = (ATTR_RANK, ATTR_PP_STAGE, ATTR_STEP)
 
-# OTel Resource (static identity of the rank; never repeated on spans)
+# OTel Resource (static identity of the rank; never repeated on spans). The semantic conventions'
+# names where one exists (opentelemetry.io/docs/specs/semconv/resource/), hpar.* where none does.
 SERVICE_NAME_DEFAULT = "hpar-trainer"  # unless OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES set it
+RES_SERVICE_NAME = "service.name"
+RES_SERVICE_INSTANCE_ID = "service.instance.id"  # <job id>-<rank>: unique among the job's live processes
+RES_HOST_NAME = "host.name"
+RES_PROCESS_PID = "process.pid"
+RES_K8S_POD_NAME = "k8s.pod.name"
+RES_K8S_NAMESPACE_NAME = "k8s.namespace.name"
+RES_K8S_NODE_NAME = "k8s.node.name"
+RES_SLURM_JOB_ID = "hpar.slurm.job.id"  # no semantic convention for Slurm exists
+#: Environment variables whose value, when set, becomes a Resource attribute: the K8S_* ones from the
+#: Kubernetes downward API (deploy/k8s/trainer.yaml sets them), SLURM_JOB_ID from Slurm itself.
+RESOURCE_ENV: dict[str, str] = {
+    "K8S_POD_NAME": RES_K8S_POD_NAME,
+    "K8S_NAMESPACE_NAME": RES_K8S_NAMESPACE_NAME,
+    "K8S_NODE_NAME": RES_K8S_NODE_NAME,
+    "SLURM_JOB_ID": RES_SLURM_JOB_ID,
+}
 RES_WORLD_SIZE = "hpar.world_size"
 RES_DP = "hpar.dp.size"
 RES_TP = "hpar.tp.size"
@@ -290,7 +333,7 @@ EVENT_ALERT = "hpar.alert"
 # ---------------------------------------------------------------------------------------------- env vars
 @dataclass(frozen=True)
 class EnvVar:
-    """An ``HPAR_*`` environment variable: ``field`` is the AgentConfig field it sets (if any)."""
+    """An ``HPAR_*`` environment variable: ``field`` is the AgentConfig field it sets ("" for none)."""
 
     name: str
     field: str
@@ -322,4 +365,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("HPAR_PP_STAGE", "pp_stage", "Override this rank's pipeline stage."),
     EnvVar("HPAR_LOG_MAX_BYTES", "log_max_bytes", "Size in bytes at which the event log and the traces file rotate, keeping two rotated files each (0: never); a string value in an event is cut at 16 KiB, a record at 64 KiB."),
 )
-ENV_BY_NAME: dict[str, EnvVar] = {e.name: e for e in ENV_VARS}
+ENV_AUTOATTACH = "HPAR_AUTOATTACH"
+ENV_DIAGNOSE_RUN = "HPAR_DIAGNOSE_RUN"
+#: ``HPAR_*`` variables that are not settings: the tools set them in the processes they start.
+TOOL_ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(ENV_AUTOATTACH, "", "Set to 1 by `hpar-agent run` in the command it starts: zero-code mode attaches the agent in every process of the job that trains (not a setting)."),
+    EnvVar(ENV_DIAGNOSE_RUN, "", "Set by `hpar-agent diagnose` in every process it starts, so that it can stop them all (not a setting)."),
+)
+ENV_BY_NAME: dict[str, EnvVar] = {e.name: e for e in ENV_VARS + TOOL_ENV_VARS}

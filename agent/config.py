@@ -9,6 +9,7 @@ bad explicit value raises ``ValueError`` at attach, where the user can fix it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import logging
 import math
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpar_agent.catalogue import ENV_VARS
+from hpar_agent.catalogue import ENV_VARS, TOOL_ENV_VARS
 from hpar_agent.thresholds import ANATOMY_DEFAULTS, COMPONENT_THRESHOLDS, DETECTOR_DEFAULTS
 
 log = logging.getLogger("hpar_agent")
@@ -117,6 +118,7 @@ class AgentConfig:
         """Merge explicit values (``config`` fields that differ from defaults, then ``overrides``)
         over the environment over defaults."""
         environ = os.environ if environ is None else environ
+        _warn_unknown(environ)
         for name, env_name in REMOVED.items():
             if env_name in environ or name in (overrides or {}):
                 _warn_once(env_name, f"hpar_agent: the setting {env_name} / {name}= was removed; ignored")
@@ -179,6 +181,20 @@ def _parse_env(name: str, raw: str, defaults: AgentConfig, field_name: str) -> A
         _warn_once(name, f"hpar_agent: ignoring {name}={raw!r} ({exc}); using the default {default!r}")
         return _INVALID
     return value
+
+
+def _warn_unknown(environ: Mapping[str, str]) -> None:
+    """One line per process for ``HPAR_*`` names nothing reads (a typo would otherwise be silently
+    ignored), each with the closest setting."""
+    known = {v.name for v in ENV_VARS + TOOL_ENV_VARS} | set(REMOVED.values())
+    settings = {v.name.removeprefix("HPAR_"): v.name for v in ENV_VARS}
+    unknown = []
+    for name in sorted(n for n in environ if n.upper().startswith("HPAR_") and n not in known):
+        # matched without the shared prefix, which alone makes any two names look alike
+        close = difflib.get_close_matches(name.upper()[len("HPAR_"):], settings, n=1)
+        unknown.append(f"{name} (did you mean {settings[close[0]]}?)" if close else name)
+    if unknown:
+        _warn_once("unknown", "hpar_agent: ignoring unknown environment variable(s): " + ", ".join(unknown))
 
 
 def _warn_once(key: str, message: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 from hpar_agent.alert_callbacks import Alert
 from hpar_agent.config import AgentConfig
 from hpar_agent.events import EventLog
+from hpar_agent.evidence import Evidence
 from hpar_agent.families import Families
 from hpar_agent.spans import Child
 from hpar_agent.topology import Topology
@@ -103,6 +104,17 @@ class AgentContext:
     #: how the process is ending, set on the way out: "exception: <Type>: <message>" (uncaught in the main
     #: thread), "signal: SIGTERM", else "" (a clean exit or detach)
     exit_reason: str = ""
+    _evidence: Evidence | None = field(default=None, repr=False)
+
+    @property
+    def evidence(self) -> Evidence:
+        """The rank's one evidence writer (alerts and out-of-memory records share its limits and its
+        allocator-history state), built on first use and kept on the rank's current device and rank."""
+        if self._evidence is None:
+            self._evidence = Evidence(self.run_dir, self.topology.rank, enabled=self.config.evidence,
+                                      on_error=lambda exc: self.record_error("evidence", exc))  # fmt: skip
+        self._evidence.device, self._evidence.rank = self.device, self.topology.rank
+        return self._evidence
 
     def find(self, cls: type[T]) -> T | None:
         """The installed component of class ``cls`` (or a subclass), None when there is none."""

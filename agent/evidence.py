@@ -1,8 +1,10 @@
-"""Evidence files written when an alert fires: py-spy stacks, CUDA allocator snapshots, FR dumps.
+"""Evidence files written when an alert fires or the GPU runs out of memory: py-spy stacks, CUDA
+allocator snapshots, FR dumps.
 
-Runs on the agent thread (never the training thread), which keeps running while training is stuck in
-C++. Every kind is rate-limited and size-bounded, and files are created 0600 in ``<run_dir>/evidence``
-(0700): stacks and allocation traces reveal code paths and data shapes. Missing tools (py-spy, no
+An alert's evidence is written on the agent thread (never the training thread), which keeps running
+while training is stuck in C++; an out-of-memory's on the thread that ran out, once per process. Every
+kind is rate-limited and size-bounded, and files are created 0600 in ``<run_dir>/evidence`` (0700):
+stacks and allocation traces reveal code paths and data shapes. Missing tools (py-spy, no
 ptrace permission, a CPU-only build) give one clear log line, never an exception.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -20,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hpar_agent.safefiles import private_dir, write_new
+from hpar_agent.torch_compat import cuda_memory
 
 log = logging.getLogger("hpar_agent")
 
@@ -88,9 +92,10 @@ class Evidence:
         return f"{tag}.rank{self.rank}.{stamp}.{len(self.files)}.{kind}.{ext}"
 
     # ------------------------------------------------------------------------------------ kinds
-    def py_spy(self, tag: str) -> list[str]:
-        """``py-spy dump`` of every thread of this process, as text and as JSON."""
-        if not self._allowed("pyspy"):
+    def py_spy(self, tag: str, limit: str = "pyspy") -> list[str]:
+        """``py-spy dump`` of every thread of this process, as text and as JSON (``limit``: the rate
+        limit it counts against)."""
+        if not self._allowed(limit):
             return []
         exe = shutil.which("py-spy") or _beside_python("py-spy")
         if exe is None:
@@ -162,15 +167,9 @@ class Evidence:
         if self.history_started or not self.enabled:
             return self.history_started
         try:
-            import torch
-
-            if not torch.cuda.is_available():
+            if not cuda_memory.cuda_initialized():
                 return False
-            # Python stacks only: C++ unwinding on every allocation and free cost several % of step
-            # time on the H200, and the Python frames are what names the leaking code.
-            torch.cuda.memory._record_memory_history(
-                max_entries=max_entries, stacks="python", device=self.device
-            )
+            cuda_memory.record_history(self.device, max_entries)
         except Exception as exc:
             self._say_once("history", f"allocator history unavailable ({exc})")
             return False
@@ -184,9 +183,7 @@ class Evidence:
             return
         self.history_started = False
         try:
-            import torch
-
-            torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+            cuda_memory.stop_history(self.device)
         except Exception as exc:
             self._say_once("history-stop", f"allocator history could not be stopped ({exc})")
 
@@ -195,17 +192,21 @@ class Evidence:
         if not self.history_started or not self._allowed("allocator"):
             return []
         try:
-            import pickle
-
-            import torch
-
-            data = pickle.dumps(torch.cuda.memory._snapshot(self.device))
+            data = pickle.dumps(cuda_memory.snapshot(self.device))
         except Exception as exc:
             self._say_once("snapshot", f"allocator snapshot failed ({exc})")
             return []
         finally:
             self.stop_memory_history()
         path = self._write(self._name(tag, "allocator", "pickle"), data)
+        return [path] if path else []
+
+    def save(self, tag: str, kind: str, ext: str, data: bytes, limit: str = "") -> list[str]:
+        """``data`` as one file of ``kind``, under the rate limit ``limit`` (default: ``kind``): the
+        out-of-memory record and the snapshot it took itself."""
+        if not self._allowed(limit or kind):
+            return []
+        path = self._write(self._name(tag, kind, ext), data)
         return [path] if path else []
 
     def fr_dump(self, tag: str) -> list[str]:

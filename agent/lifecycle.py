@@ -98,12 +98,15 @@ def forget_in_child(agent: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------- exceptions
 class ExceptHook:
-    """Notes an uncaught exception of the main thread in ``AgentContext.exit_reason`` (what the rank's
-    state file and its last exchange payload say of how it ended), then hands it to the previous hook."""
+    """The agent's ``sys.excepthook``: an uncaught exception of the main thread is noted in
+    ``AgentContext.exit_reason`` (what the rank's state file and its last exchange payload say of how
+    it ended) and handed to every component (``Component.on_uncaught``: the out-of-memory record), then
+    to the previous hook. A forked child's copy does nothing of the agent's."""
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
         self.previous: Any = None
+        self.pid = os.getpid()
 
     def install(self) -> None:
         self.previous = sys.excepthook
@@ -114,9 +117,12 @@ class ExceptHook:
             sys.excepthook = self.previous
 
     def _hook(self, etype: type[BaseException], value: BaseException, tb: Any) -> None:
-        with contextlib.suppress(Exception):
-            text = str(value).strip().splitlines()
-            self.agent.context.exit_reason = f"exception: {etype.__name__}: {text[0] if text else ''}"[:240]
+        if os.getpid() == self.pid and self.agent.started:
+            with contextlib.suppress(Exception):
+                text = str(value).strip().splitlines()
+                self.agent.context.exit_reason = f"exception: {etype.__name__}: {text[0] if text else ''}"[:240]
+            for comp in list(self.agent.components):
+                self.agent.guard(comp.name, comp.on_uncaught, value)
         (self.previous or sys.__excepthook__)(etype, value, tb)
 
 

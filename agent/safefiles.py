@@ -1,8 +1,9 @@
 """Private files in a shared filesystem: what the agent writes may reveal code paths, data shapes and
 file names, and a run directory under a shared path can be pre-planted with links by another user.
 
-- directories are created 0700; a pre-existing one the agent names itself (the default run dir, the
-  evidence dir) must be a real directory (not a symlink) owned by us, and is tightened to 0700;
+- directories are created 0700; a pre-existing one the agent names itself (``./hpar-runs``, the
+  default run dir in it, the evidence dir) must be a real directory (not a symlink) owned by us, and
+  is tightened to 0700;
 - files are opened with ``O_NOFOLLOW`` (a planted symlink fails instead of redirecting the write),
   created 0600, and an existing file must be a regular file owned by us with one link;
 - whole files (summaries) are written to a temp file in the same directory and renamed over the
@@ -21,6 +22,8 @@ import tempfile
 import threading
 from typing import IO
 
+#: Where run directories go when none is named (relative to the working directory).
+RUNS_DIR = "hpar-runs"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -79,6 +82,17 @@ def private_dir(path: str, *, chosen: bool = False) -> str:
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077)  # owner keeps its bits; group/others none
     return path
+
+
+def default_run_dir(name: str) -> str:
+    """``hpar-runs/<name>`` in the working directory, with ``hpar-runs`` checked as the run dir is: a
+    link there would send every run's files wherever it points, so it is refused like a linked run dir
+    (a directory named in ``HPAR_RUN_DIR`` may be a link on purpose)."""
+    try:
+        private_dir(RUNS_DIR)
+    except UnsafePathError as exc:
+        raise UnsafePathError(f"{exc} (name the directory, in HPAR_RUN_DIR or a tool's --run-dir, to write through a link)") from None
+    return private_dir(os.path.join(RUNS_DIR, name))
 
 
 def _check_fd(fd: int, path: str) -> None:

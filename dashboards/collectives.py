@@ -4,11 +4,12 @@ skew per process group (the only board with the ``$pg`` variable)."""
 from __future__ import annotations
 
 from dashboards.panels import RI, SEL, SELPG, Board, Q, heatmap, ts, worst
+from hpar_agent import catalogue as cat
 
 
 def collectives() -> Board:
     b = Board(
-        "hpar-collectives",
+        cat.DASH_COLLECTIVES,
         "hpar / Collectives",
         "Latency, bandwidth, in-flight ops and cross-rank skew of every process group.",
         pg_var=True,

@@ -4,11 +4,12 @@ and compile time, and whether the ranks of a stage compiled the same graphs."""
 from __future__ import annotations
 
 from dashboards.panels import RI, SEL, Board, Q, table, ts, with_job_id, worst
+from hpar_agent import catalogue as cat
 
 
 def compile_board() -> Board:
     b = Board(
-        "hpar-compile", "hpar / torch.compile", "Compiles, recompiles, graph breaks, caches and compile time."
+        cat.DASH_COMPILE, "hpar / torch.compile", "Compiles, recompiles, graph breaks, caches and compile time."
     )
     b.row("Compiles")
     ts(

@@ -4,11 +4,12 @@ memory, and GPU health; most panels only have data on CUDA ranks."""
 from __future__ import annotations
 
 from dashboards.panels import RI, SEL, Board, Q, heatmap, ts, worst
+from hpar_agent import catalogue as cat
 
 
 def memory() -> Board:
     b = Board(
-        "hpar-memory",
+        cat.DASH_MEMORY,
         "hpar / Memory",
         "Device (NVML), CUDA caching allocator and host memory per rank; leaks.",
     )
@@ -94,6 +95,15 @@ def memory() -> Board:
         "Process GPU memory (NVML)",
         "Device memory used by each rank's process, the $topn highest.",
         [Q(worst(f"hpar_gpu_process_memory_bytes{{{SEL}}}"), "rank {{rank}}")],
+        "bytes",
+        gpu=True,
+    )
+    ts(
+        b,
+        "GPU memory headroom: lowest $topn",
+        "Bytes each rank can still allocate before a CUDA out-of-memory: free device memory plus the "
+        "allocator's unallocated cache. A leak walks it down to 0; MemoryLeak's details say at which step.",
+        [Q(worst(f"hpar_gpu_memory_headroom_bytes{{{SEL}}}", best=True), "rank {{rank}}")],
         "bytes",
         gpu=True,
     )

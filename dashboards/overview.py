@@ -4,11 +4,12 @@ time goes and each rank's bottleneck, alerts, and the agent's own health."""
 from __future__ import annotations
 
 from dashboards.panels import RANK_INFO, RI, SEL, Board, Q, heatmap, stat, table, ts, with_job_id, worst
+from hpar_agent import catalogue as cat
 
 
 def overview() -> Board:
     b = Board(
-        "hpar-overview", "hpar / Overview", "Step time, throughput, alerts and agent health of every rank."
+        cat.DASH_OVERVIEW, "hpar / Overview", "Step time, throughput, alerts and agent health of every rank."
     )
     b.row("Training")
     ts(
@@ -243,12 +244,14 @@ def overview() -> Board:
         b,
         "Ranks: host and GPU",
         "One row per rank from hpar_rank_info: run, host, local rank, NVML GPU index and UUID (empty on "
-        "CPU), and whether Prometheus reaches it. Join with dcgm-exporter on the GPU UUID, e.g. "
+        "CPU), the NUMA nodes of the rank's CPUs and of its GPU (NumaMisbinding), and whether Prometheus "
+        "reaches it. Join with dcgm-exporter on the GPU UUID, e.g. "
         'DCGM_FI_DEV_GPU_UTIL * on (UUID) group_left (rank, job_id) label_replace(hpar_rank_info, "UUID", '
         '"$1", "gpu_uuid", "(.+)").',
         [
             Q(
-                f"max by (job_id, rank, pp_stage, host, local_rank, gpu_index, gpu_uuid, instance) ({RANK_INFO})"
+                f"max by (job_id, rank, pp_stage, host, local_rank, gpu_index, gpu_uuid, numa_node, gpu_numa_node, "
+                f"instance) ({RANK_INFO})"
                 ' * on (instance) group_left () max by (instance) (up{job=~"$job"})',
                 instant=True,
                 table=True,

@@ -4,11 +4,12 @@ median, and chunks per stream."""
 from __future__ import annotations
 
 from dashboards.panels import RI, SEL, Board, Q, ts, worst
+from hpar_agent import catalogue as cat
 
 
 def pipeline() -> Board:
     b = Board(
-        "hpar-pipeline", "hpar / Pipeline", "Per-stage forward/backward chunk times and pipeline bubbles."
+        cat.DASH_PIPELINE, "hpar / Pipeline", "Per-stage forward/backward chunk times and pipeline bubbles."
     )
     b.row("Stages")
     ts(

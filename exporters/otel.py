@@ -277,6 +277,13 @@ def _topology_attributes(topo: Any) -> dict[str, Any]:
     }
 
 
+def _instance_id(topo: Any) -> str:
+    """``service.instance.id``: ``<job id>-<rank>``, unique among the processes of the job that live at
+    one time, and readable (it joins with ``job_id`` and ``rank`` of the metrics), where a random uuid
+    would need a lookup; ``process.pid`` tells a restarted rank's process from the one before."""
+    return f"{topo.job_id}-{topo.rank}"
+
+
 # ------------------------------------------------------------------------------------------ tracing
 class Tracing:
     """The agent's span pipeline. ``exporter`` overrides the choice made from config/env (tests)."""
@@ -343,11 +350,13 @@ class Tracing:
         """Our identity defaults, overridden by OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, with the
         hpar.* topology always ours (it must match the metrics)."""
         user = OTELResourceDetector().detect()  # the SDK parses OTEL_RESOURCE_ATTRIBUTES/SERVICE_NAME
-        defaults = {
-            "service.name": cat.SERVICE_NAME_DEFAULT,
-            "service.instance.id": f"{topo.job_id}-{topo.rank}",
-            "host.name": topo.host,
+        defaults: dict[str, Any] = {
+            cat.RES_SERVICE_NAME: cat.SERVICE_NAME_DEFAULT,
+            cat.RES_SERVICE_INSTANCE_ID: _instance_id(topo),
+            cat.RES_HOST_NAME: topo.host,
+            cat.RES_PROCESS_PID: os.getpid(),
         }
+        defaults.update({attr: os.environ[var] for var, attr in cat.RESOURCE_ENV.items() if os.environ.get(var)})
         return Resource.create({**defaults, **user.attributes, **_topology_attributes(topo)})
 
     def retopologize(self, topo: Any) -> bool:
@@ -357,8 +366,8 @@ class Tracing:
         if topo.rank != self.rank and self.kind == "file":
             return False
         new = dict(_topology_attributes(topo))
-        if self.resource.attributes.get("service.instance.id") == f"{self.job_id}-{self.rank}":  # ours, not the user's
-            new["service.instance.id"] = f"{topo.job_id}-{topo.rank}"
+        if self.resource.attributes.get(cat.RES_SERVICE_INSTANCE_ID) == _instance_id(self):  # ours, not the user's
+            new[cat.RES_SERVICE_INSTANCE_ID] = _instance_id(topo)
         self.job_id, self.rank, self.pp_stage = topo.job_id, topo.rank, topo.pp_stage
         self.resource = self.resource.merge(Resource(new))
         return True

@@ -27,6 +27,7 @@ def env_table() -> str:
         default = getattr(defaults, var.field)
         shown = "unset" if default in (None, "") else f"`{default}`"
         rows.append(f"| `{var.name}` | `{var.field}` | {shown} | {var.help} |")
+    rows += [f"| `{var.name}` | - | unset | {var.help} |" for var in cat.TOOL_ENV_VARS]
     return "\n".join(rows)
 
 

@@ -284,6 +284,9 @@ class MemoryCollector(Component):
         self.last_post: dict[str, int] = {}
         self.rss: int | None = None
         self.allocator: dict[str, float] = {}
+        self.device_free: int | None = None  # device memory no process holds
+        self.headroom: int | None = None  # what this process can still allocate (hpar_gpu_memory_headroom_bytes)
+        self.headroom_series: deque[tuple[int, int]] = deque(maxlen=history)  # (last step, headroom) a pass
         self._rss = RssReader(proc_root)
         self._cuda_seen = False
         self._alloc_read_ns = -ALLOCATOR_GAP_NS  # step-boundary ns of the last allocator read
@@ -342,6 +345,10 @@ class MemoryCollector(Component):
         if last_step is not None and nvml is not None and nvml.up:
             self._post("nvml", last_step, getattr(nvml, "process_bytes", None))
         self.rss = read_rss(self.proc_root)
+        self._read_allocator()
+        self._read_headroom(nvml, last_step)
+
+    def _read_allocator(self) -> None:
         if self._cuda_ready():
             s = self._cuda.memory_stats(self._device)
             self.allocator = {
@@ -357,6 +364,36 @@ class MemoryCollector(Component):
                     ("ooms", "num_ooms"),
                 )
             }
+
+    def _read_headroom(self, nvml: NvmlCollector | None, step: int | None) -> None:
+        """Device memory free (NVML's total - used, every process counted; else cudaMemGetInfo) plus
+        the allocator's cache (reserved - allocated), which it reuses, or frees and retries with, before
+        it gives up: what this process can still allocate before an out-of-memory."""
+        free = None
+        v = nvml.values if nvml is not None and nvml.up else {}
+        if "used" in v and "total" in v:
+            free = int(v["total"]) - int(v["used"])
+        elif self.allocator and hasattr(self._cuda, "mem_get_info"):
+            free = int(self._cuda.mem_get_info(self._device)[0])
+        if free is None or not self.allocator:
+            return
+        self.device_free = free
+        self.headroom = free + max(0, int(self.allocator["reserved"] - self.allocator["allocated"]))
+        if step is not None:
+            self.headroom_series.append((step, self.headroom))
+
+    def series(self) -> dict[str, list[tuple[int, int]]]:
+        """Every source's post-step samples up to now, those the agent thread has not drained yet
+        included, and the headroom of each pass (any thread: the out-of-memory record reads it there)."""
+        pending = self.buffer.peek()  # before the copies: an item drained in between is then in both
+        merged = {k: dict(v) for k, v in list(self.post_step.items())}
+        for step, rss, alloc, reserved in pending:
+            for source, value in (("rss", rss), ("allocator", alloc), ("reserved", reserved)):
+                if value is not None:
+                    merged.setdefault(source, {})[step] = value
+        out = {k: sorted(v.items()) for k, v in merged.items()}
+        out["headroom"] = list(self.headroom_series)
+        return out
 
     def collect(self) -> Iterable[Metric]:
         f = self.require_ctx().families
@@ -377,6 +414,10 @@ class MemoryCollector(Component):
             f.add(peak, [kind], a[f"{kind}_peak"])
         yield cur
         yield peak
+        if self.headroom is not None:
+            headroom = f.gauge("hpar_gpu_memory_headroom_bytes")
+            f.add(headroom, [], self.headroom)
+            yield headroom
         retries, ooms = (
             f.counter("hpar_allocator_alloc_retries_total"),
             f.counter("hpar_allocator_ooms_total"),
@@ -391,4 +432,6 @@ class MemoryCollector(Component):
             "rss_bytes": self.rss,
             "post_step_last": dict(self.last_post),
             "allocator": dict(self.allocator),
+            "device_free_bytes": self.device_free,
+            "headroom_bytes": self.headroom,
         }

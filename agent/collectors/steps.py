@@ -19,6 +19,7 @@ import math
 import resource
 import statistics
 import time
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ class StepCollector(Component):
         self.tokens_pending = 0
         self.explicit = False
         self._optimizer_id: int | None = None
+        self.optimizer: weakref.ref[Any] | None = None  # the one that defines the step, once it stepped
         self._handle: Any = None
         self.buffer: BoundedBuffer[tuple[int, int, int, tuple[int, int, int, int], bool]] = BoundedBuffer(
             "steps", 1 << 16
@@ -82,9 +84,12 @@ class StepCollector(Component):
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.explicit:
             return
-        if self._optimizer_id is None:
-            self._optimizer_id = id(optimizer)  # first optimizer to step defines the step
-        elif id(optimizer) != self._optimizer_id:
+        if self.optimizer is None:  # once: what an out-of-memory record reads the optimizer state from
+            if self._optimizer_id is None:
+                self._optimizer_id = id(optimizer)  # first optimizer to step defines the step
+            if id(optimizer) == self._optimizer_id:
+                self.optimizer = weakref.ref(optimizer)
+        if id(optimizer) != self._optimizer_id:
             return
         self.mark()
 

@@ -152,16 +152,14 @@ class DetectorsComponent(Component):
         self.rank = ctx.topology.rank
         self.stage = ctx.topology.pp_stage
         if self.evidence is None:
-            self.evidence = Evidence(ctx.run_dir, self.rank, enabled=ctx.config.evidence,
-                                     on_error=lambda exc: ctx.record_error("evidence", exc))
-            self.evidence.device = ctx.device
+            self.evidence = ctx.evidence
 
     def on_topology(self, old: Topology, new: Topology) -> None:
         """A rank that attached before its process group existed learns its rank (and may now have
         peers to exchange with through the store)."""
         self.rank, self.stage = new.rank, new.pp_stage
         if self.evidence is not None:
-            self.evidence.rank = new.rank
+            self.evidence.rank, self.evidence.device = new.rank, self.require_ctx().device
         if new.world_size > 1 and old.world_size <= 1 and self.exchange is None:
             self._store_tried = False
 
@@ -190,13 +188,15 @@ class DetectorsComponent(Component):
     # ------------------------------------------------------------------------------------ agent thread
     def uninstall(self) -> None:
         """Say goodbye to the peers, then drop the store client the agent opened itself (its socket
-        closes with it); a caller's exchange stays the caller's."""
+        closes with it; a caller's exchange stays the caller's) and stop any allocator history recording."""
         try:
             self._goodbye()
         except Exception as exc:
             self.record_error(exc)
         if self._store_tried and self._own_store:
             self.exchange = None
+        if self.evidence is not None:
+            self.evidence.stop_memory_history()
         super().uninstall()
 
     def _goodbye(self) -> None:

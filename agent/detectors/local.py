@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from statistics import median
 from typing import TYPE_CHECKING, Any
 
 from hpar_agent.detectors import signals as sig
@@ -153,7 +154,10 @@ class MemoryLeak(Detector):
     warm-up and flattens fails, a stair-step leak passes. Detection: about ``quiet_steps + window`` steps
     after the first compiles (a 4 MiB/step leak from step 3 fires near step 16).
     On CUDA the allocator's history recording starts when a leak is first suspected (slope above
-    threshold), so the snapshot taken at confirmation has allocation stacks.
+    threshold), so the snapshot taken at confirmation has allocation stacks. For a device source the
+    details say when the device is full at this slope (``forecast``, ``full_at_step``,
+    ``seconds_to_full``); within ``window`` steps of it the recording resumes for the out-of-memory's
+    snapshot.
     """
 
     name = "MemoryLeak"
@@ -189,22 +193,46 @@ class MemoryLeak(Detector):
             if source in DEVICE_SOURCES and slope >= self.p("min_slope_bytes"):
                 suspected = True  # host RSS says nothing about the CUDA allocator's stacks
         slope, leaking, source = worst
+        details: dict[str, Any] = {"source": source, "trend_from_step": start, **self.forecast(ctx, source, slope)}
         if ctx.evidence is not None and ctx.context.config.evidence:
-            self._record_history(ctx.evidence, suspected, leaking)
-        return Verdict(leaking, slope if math.isfinite(slope) else 0.0, {"source": source, "trend_from_step": start})
+            left = details.get("full_at_step", math.inf) - ctx.steps_done
+            self._record_history(ctx.evidence, suspected, leaking, imminent=left <= self.p("window"))
+        return Verdict(leaking, slope if math.isfinite(slope) else 0.0, details)
 
-    def _record_history(self, evidence: Evidence, suspected: bool, leaking: bool) -> None:
+    @staticmethod
+    def forecast(ctx: Evaluation, source: str, slope: float) -> dict[str, Any]:
+        """When a device source grows: the step at which, at this slope, the device is full (the
+        headroom used up, ``sources.memory_room``), and in how long at the median step time."""
+        room = src.memory_room(ctx.context).get(source)
+        durations = ctx.step_durations[-64:]
+        full = sig.time_to_full(room, slope, ctx.steps_done, median(durations) if durations else None) if room is not None else None
+        if full is None:
+            return {}
+        step, seconds = full
+        text = f"at {slope / MiB:.1f} MiB/step the device is full at step {step}"
+        return {"room_bytes": room, "full_at_step": step, "seconds_to_full": seconds,
+                "forecast": text + (f" (in ~{_duration(seconds)})" if seconds is not None else "")}  # fmt: skip
+
+    def _record_history(self, evidence: Evidence, suspected: bool, leaking: bool, imminent: bool = False) -> None:
         """CUDA allocation stacks, recorded (at a cost on every allocation and free) only while a device
         leak is suspected and not yet confirmed: the snapshot taken when the alert fires stops the
-        recording, and it stays off until the leak clears."""
+        recording, and it stays off until the leak clears, unless the device is full within the trend
+        window: the out-of-memory's own snapshot then names the code holding the memory."""
         if leaking:
             self._confirmed = True
         elif self._confirmed:
             self._confirmed = False  # cleared: the next suspicion may record again
-        if suspected and not self._confirmed:
+        if suspected and (not self._confirmed or imminent):
             evidence.start_memory_history()
         elif not suspected or not leaking:
             evidence.stop_memory_history()
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 class CompiledGraphsGrowing(Detector):

@@ -32,6 +32,15 @@ def theil_sen_slope(points: Sequence[tuple[float, float]]) -> float:
     return median(slopes) if slopes else 0.0
 
 
+def time_to_full(room: float, slope: float, steps_done: int, step_seconds: float | None) -> tuple[int, float | None] | None:
+    """(the step at which ``room`` bytes are used up at ``slope`` bytes a step, seconds until then at
+    ``step_seconds`` a step or None); None when memory is not growing."""
+    if not slope > 0 or not math.isfinite(slope):
+        return None
+    steps = max(0.0, room) / slope
+    return steps_done + math.ceil(steps), (steps * step_seconds if step_seconds else None)
+
+
 def increase_fraction(values: Sequence[float], min_increase: float) -> float:
     """Fraction of consecutive samples that rose by at least ``min_increase`` (the stair-step test)."""
     if len(values) < 2:

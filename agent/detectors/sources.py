@@ -108,6 +108,16 @@ def memory_series(ctx: AgentContext, last: int = 0) -> dict[str, list[tuple[int,
     return out
 
 
+def memory_room(ctx: AgentContext) -> dict[str, int]:
+    """source -> bytes left before the device is full, for the device sources: allocated bytes can grow by
+    the headroom (free device memory + the allocator's cache), reserved and NVML bytes by the free
+    device memory. Empty off CUDA or before the first read."""
+    c = ctx.find(MemoryCollector)
+    if c is None or c.headroom is None or c.device_free is None:
+        return {}
+    return {"allocator": c.headroom, "reserved": c.device_free, "nvml": c.device_free}
+
+
 def latency_histograms(ctx: AgentContext) -> dict[tuple[str, str], tuple[tuple[float, ...], list[int]]]:
     """(pg, op) -> (bucket bounds, per-bucket counts) of collective latency, summed over streams."""
     c = ctx.find(CollectiveCollector)

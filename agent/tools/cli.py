@@ -11,9 +11,16 @@ from pathlib import Path
 from typing import NoReturn
 
 from hpar_agent._version import __version__
-from hpar_agent.safefiles import private_dir
+from hpar_agent.safefiles import default_run_dir, private_dir
 from hpar_agent.tools.launch import TrainerMissing, launch_observed, trainer_scenarios
 from hpar_agent.tools.summary import load_rank_summaries, never_stepped, render_summary
+
+
+def _run_dir(chosen: str | None, tool: str) -> Path:
+    """The directory the user named (used as it is), else ``hpar-runs/<tool>-<time>``, created 0700."""
+    if chosen:
+        return Path(private_dir(str(Path(chosen).resolve()), chosen=True))
+    return Path(default_run_dir(f"{tool}-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -29,8 +36,11 @@ def _demo(args: argparse.Namespace) -> int:
     if problem:
         print(f"hpar-agent demo: error: {problem}", file=sys.stderr)
         return 2
-    run_dir = Path(args.run_dir or f"hpar-runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    private_dir(str(run_dir), chosen=bool(args.run_dir))
+    try:
+        run_dir = _run_dir(args.run_dir, "demo")
+    except OSError as exc:
+        print(f"hpar-agent demo: error: run directory: {exc}", file=sys.stderr)
+        return 2
     out = run_dir / "trainer.json"
     trainer_args = sc.with_out(trainer_args, str(out))
     env = {
@@ -103,7 +113,11 @@ def _diagnose(args: argparse.Namespace) -> int:
         print(f"hpar-agent diagnose: error: unknown injection {', '.join(unknown)}; one of: {', '.join(expected)}",
               file=sys.stderr)
         return 2
-    base = Path(args.run_dir or f"hpar-runs/diagnose-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    try:
+        base = _run_dir(args.run_dir, "diagnose")
+    except OSError as exc:
+        print(f"hpar-agent diagnose: error: run directory: {exc}", file=sys.stderr)
+        return 2
     findings = []
     for mode in modes:
         print(f"diagnose: running {mode} ...", flush=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpar_agent.catalogue import ENV_DIAGNOSE_RUN
 from hpar_agent.safefiles import open_private, private_dir
 from hpar_agent.tools.launch import torchrun_cmd, trainer_scenarios
 
@@ -117,7 +118,7 @@ def injection_times(run_dir: Path, step: int, from_start: bool) -> dict[int, flo
 
 #: every process a diagnose run starts inherits this variable (with the run's token): torchrun starts
 #: each rank in a session of its own, so killing torchrun's process group alone leaves the ranks running.
-RUN_TAG = "HPAR_DIAGNOSE_RUN"
+RUN_TAG = ENV_DIAGNOSE_RUN
 
 
 def run_group(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> tuple[int, bool, str]:

@@ -179,6 +179,32 @@ def alerts_table(run: Run, out_dir: Path) -> str:
     return _table(headers, rows, "alerts")
 
 
+def oom_table(run: Run, out_dir: Path) -> str:
+    """Each ``oom`` event (``collectors.oom``): where the memory ran out, what was asked and free, what
+    held it, and links to the allocator snapshot, the py-spy dump and the record."""
+    rows = []
+    for e in run.events:
+        if e.get("kind") != "oom":
+            continue
+        kinds = {k: b for k, v in ((e.get("owners") or {}).get("bytes_by_kind") or {}).items() if (b := num(v)) is not None}
+        held = ", ".join(f"{k} {_fmt_bytes(b)}" for k, b in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        asked, free, limit = (num(e.get(k)) for k in ("requested_bytes", "device_free_bytes", "device_limit_bytes"))
+        evidence = e.get("evidence")
+        evidence = evidence if isinstance(evidence, list) else []
+        rows.append([
+            esc(_when(e.get("ts"))), esc(e.get("rank")), esc(e.get("step", "-")),
+            '<span class="state-firing">fatal</span>' if e.get("fatal") else "caught, went on",
+            esc(e.get("site") or "-"),
+            esc(" ".join(x for x in (f"asked {_fmt_bytes(asked)}" if asked is not None else "",
+                                     f"free {_fmt_bytes(free)}" if free is not None else "",
+                                     f"of {_fmt_bytes(limit)}" if limit is not None else "") if x) or "-"),
+            esc(held or "-"), f"<pre>{esc(str(e.get('message') or ''))[:2000]}</pre>",
+            "<br>".join(_evidence_link(p, run.run_dir, out_dir) for p in evidence) or "-",
+        ])  # fmt: skip
+    headers = ["time", "rank", "after steps", "outcome", "where", "request", "held by", "message", "evidence"]
+    return _table(headers, rows, "ooms")
+
+
 # ------------------------------------------------------------------------------------------- page
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:0 2em 2em;color:#222}
@@ -316,6 +342,8 @@ def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
     alerts = [e for e in run.events if e.get("kind") == "alert"]
     sections.append("<h2>Alerts</h2>")
     sections.append(alerts_table(run, out_dir) if alerts else '<p class="none">no alerts fired</p>')
+    if any(e.get("kind") == "oom" for e in run.events):
+        sections += ["<h2>Out of memory</h2>", oom_table(run, out_dir)]
     section("Step time", "fig-steps", fig_step_times(run), none="no train.step spans (traces.rank*.jsonl)")
     pipe = fig_pipeline(run)
     if pipe is not None:

@@ -21,8 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpar_agent.catalogue import ENV_AUTOATTACH
 from hpar_agent.config import _TRUE
-from hpar_agent.safefiles import private_dir
+from hpar_agent.safefiles import RUNS_DIR, default_run_dir, private_dir
 from hpar_agent.tools.culprits import Ending, ending_lines, endings
 from hpar_agent.tools.exits import ExitWatcher
 from hpar_agent.tools.run_files import load_run
@@ -40,7 +41,7 @@ def _say(msg: str) -> None:
 
 def fresh_run_dir(base: Path | None = None) -> Path:
     """``hpar-runs/run-<time>``, made unique with a suffix when that name exists."""
-    base = base or Path("hpar-runs")
+    base = base or Path(RUNS_DIR)
     stem = f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     path, n = base / stem, 1
     while path.exists():
@@ -54,7 +55,7 @@ def child_env(environ: Mapping[str, str], run_dir: Path) -> dict[str, str]:
     env = dict(environ)
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = f"{SHIM_DIR}{os.pathsep}{old}" if old else str(SHIM_DIR)
-    env["HPAR_AUTOATTACH"] = "1"
+    env[ENV_AUTOATTACH] = "1"
     env["HPAR_RUN_DIR"] = str(run_dir)
     env.setdefault("HPAR_JOB_ID", run_dir.name)
     for name, value in PRE_PG_ENV.items():
@@ -124,10 +125,13 @@ def rank_lines(run_dir: Path, ended: Sequence[Ending] = ()) -> list[str]:
                      "writing to another host's run directory)")
     steps = [int(r.get("components", {}).get("steps", {}).get("steps", 0)) for r in ranks]
     errors = [sum(r.get("errors", {}).values()) for r in ranks]
+    ooms = [line for r in ranks if (line := oom_line(r))]
+    if len(ooms) > RANK_LINES_MAX:
+        ooms[RANK_LINES_MAX:] = [f"  ... and {len(ooms) - RANK_LINES_MAX} more rank(s) ran out of CUDA memory"]
     if len(seen) > RANK_LINES_MAX:
         steps += [e.step for e in unsummarized]
         lines.append(f"  steps per rank: min {min(steps)}, max {max(steps)}; agent errors: {sum(errors)}")
-        return lines
+        return lines + ooms
     per_rank: list[tuple[int, str]] = []
     for r, n, err in zip(ranks, steps, errors, strict=True):
         comps = r.get("components", {})
@@ -142,7 +146,32 @@ def rank_lines(run_dir: Path, ended: Sequence[Ending] = ()) -> list[str]:
     for e in unsummarized:
         per_rank.append((e.rank, f"  rank {e.rank}/{e.world}: {e.step} steps, then {e.how} (no summary: it ended "
                                  "before its agent could write one)"))  # fmt: skip
-    return lines + [line for _, line in sorted(per_rank)]
+    return lines + [line for _, line in sorted(per_rank)] + ooms
+
+
+def _gib(n: object) -> str:
+    return f"{n / 2**30:.2f} GiB" if isinstance(n, int | float) and not isinstance(n, bool) else "?"
+
+
+def oom_line(summary: dict[str, Any]) -> str | None:
+    """One line on a rank's CUDA out-of-memory (the ``oom`` record of its summary), or None: whether it
+    ended the process, after how many steps, what was asked and free, where, and the record's file."""
+    oom = summary.get("components", {}).get("oom") or {}
+    rec = oom.get("record")
+    if not isinstance(rec, dict):
+        return None
+    if rec.get("fatal"):
+        what = "died of CUDA out of memory"
+    else:
+        what = f"ran out of CUDA memory {oom.get('count') or 1} time(s) and went on; the first"
+    ask = f"; asked {_gib(rec['requested_bytes'])}" if rec.get("requested_bytes") is not None else ""
+    free = f" with {_gib(rec['device_free_bytes'])} free of {_gib(rec.get('device_limit_bytes'))}" if (
+        rec.get("device_free_bytes") is not None) else ""
+    held = f"; allocated {_gib(rec['allocated_bytes'])}" if rec.get("allocated_bytes") is not None else ""
+    where = f" at {rec['site']}" if rec.get("site") else ""
+    files = [p for p in rec.get("evidence") or () if str(p).endswith(".oom.json")]
+    return (f"  rank {summary.get('rank')}: {what} after {rec.get('step', '?')} completed steps{where}{ask}{free}"
+            f"{held}; record: {files[0] if files else 'events.rank<R>.jsonl (kind oom)'}")
 
 
 def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -156,9 +185,9 @@ def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, st
         _say("HPAR_DISABLE is set: running the command unobserved")
         return _run_forwarding(cmd, environ)
     chosen = run_dir or environ.get("HPAR_RUN_DIR")
-    rd = Path(chosen or fresh_run_dir()).resolve()
-    try:
-        private_dir(str(rd), chosen=bool(chosen))  # 0700, as the agent's own files are 0600
+    rd = Path(chosen or fresh_run_dir())
+    try:  # 0700, as the agent's own files are 0600
+        rd = Path(private_dir(str(rd.resolve()), chosen=True) if chosen else default_run_dir(rd.name)).resolve()
     except OSError as exc:
         _say(f"error: run directory {rd}: {exc}")
         return 2

@@ -17,14 +17,16 @@ MAX_BODY = 1 << 20
 
 
 def format_alerts(path: str, payload: dict[str, Any]) -> list[str]:
-    """One line per alert: receiver path, status, alert name, severity, job id / rank, summary."""
+    """One line per alert: receiver path, status, alert name, severity, job id / rank, summary, and the
+    runbook link when the rule has one."""
     lines = []
     for a in payload.get("alerts", []):
         labels, ann = a.get("labels", {}), a.get("annotations", {})
         where = " ".join(f"{k}={labels[k]}" for k in ("job", "job_id", "rank", "instance") if k in labels)
+        runbook = f" (runbook: {ann['runbook_url']})" if ann.get("runbook_url") else ""
         lines.append(f"[{path.strip('/') or 'default'}] {a.get('status', '?').upper()} "
                      f"{labels.get('alertname', '?')} ({labels.get('severity', '?')}) {where}: "
-                     f"{ann.get('summary', '')}")
+                     f"{ann.get('summary', '')}{runbook}")
     return lines
 
 

@@ -12,6 +12,7 @@ from types import ModuleType
 
 import pytest
 
+from hpar_agent import catalogue as cat
 from tests.deploy._tools import (
     DASHBOARDS,
     ROOT,
@@ -20,6 +21,7 @@ from tests.deploy._tools import (
     expand_macros,
     metric_names,
     npm_tools,
+    rule_docs,
     run,
 )
 
@@ -62,6 +64,29 @@ def test_panel_queries_parse_and_use_catalogued_names() -> None:
             used |= names
     assert {"hpar_collective_duration_seconds_bucket", "hpar_pp_bubble_ratio", "hpar_dynamo_recompiles_total",
             "hpar_memory_post_step_bytes", "hpar_step_duration_seconds_bucket"} <= used  # fmt: skip
+
+
+def test_each_alert_links_a_dashboard_that_shows_its_series() -> None:
+    """An alert's dashboard_url names a shipped dashboard, and where a rule reads the exported series
+    (not only the detector's hpar_alert_active), that dashboard draws at least one of them."""
+    records = {r["record"]: r["expr"] for r in rule_docs() if "record" in r}
+
+    def series(expr: str) -> set[str]:  # through recording rules, histogram suffixes dropped
+        out: set[str] = set()
+        for n in metric_names(expr):
+            out |= series(records[n]) if n in records else {re.sub(r"_(bucket|sum|count)$", "", n)}
+        return out
+
+    shown = {}
+    for path in DASHBOARDS:
+        d = json.loads(path.read_text())
+        shown[d["uid"]] = set().union(*(series(expand_macros(e)) for _, e in dashboard_queries(d)))
+    for spec in cat.ALL_ALERTS:
+        assert spec.dashboard in shown, f"{spec.name}: no dashboard with uid {spec.dashboard}"
+        read = set().union(*(series(r["expr"]) for r in rule_docs() if r.get("alert") == spec.name))
+        read -= {"hpar_alert_active"}
+        if read:
+            assert read & shown[spec.dashboard], f"{spec.name}: {spec.dashboard} shows none of {sorted(read)}"
 
 
 def test_dashboards_have_variables_and_exemplar_latency_panels() -> None:
@@ -159,7 +184,7 @@ def test_heatmaps_annotations_rank_table_mfu_and_job_id() -> None:
     table = overview["Ranks: host and GPU"]
     (t,) = table["targets"]
     assert t["instant"] is True and t["format"] == "table"
-    assert {"host", "gpu_uuid", "gpu_index", "job_id"} <= set(
+    assert {"host", "gpu_uuid", "gpu_index", "job_id", "numa_node", "gpu_numa_node"} <= set(
         re.search(r"max by \(([^)]*)\)", t["expr"])[1].split(", ")
     )
     assert "DCGM_FI_DEV_GPU_UTIL * on (UUID)" in table["description"]

@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from hpar_agent import catalogue
 from tests.deploy._tools import DASHBOARDS, HERE, ROOT, RULES, compose_env, npm_tools, run
 
 K8S = ROOT / "deploy" / "k8s"
@@ -110,7 +111,7 @@ def test_alert_webhook_prints_each_alert(capsys: pytest.CaptureFixture[str]) -> 
     threading.Thread(target=server.serve_forever, daemon=True).start()
     payload = {"version": "4", "status": "firing", "alerts": [
         {"status": "firing", "labels": {"alertname": "Hang", "severity": "critical", "job": "hpar", "rank": "3"},
-         "annotations": {"summary": "rank 3 is hung"}},
+         "annotations": {"summary": "rank 3 is hung", "runbook_url": "https://docs/alerts.md#hang"}},
         {"status": "resolved", "labels": {"alertname": "Straggler", "severity": "warning"}, "annotations": {}}]}
     try:
         req = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}/critical",
@@ -124,7 +125,7 @@ def test_alert_webhook_prints_each_alert(capsys: pytest.CaptureFixture[str]) -> 
         server.shutdown()
         server.server_close()
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["[critical] FIRING Hang (critical) job=hpar rank=3: rank 3 is hung",
+    assert lines == ["[critical] FIRING Hang (critical) job=hpar rank=3: rank 3 is hung (runbook: https://docs/alerts.md#hang)",
                      "[critical] RESOLVED Straggler (warning) : "]
 
 
@@ -211,6 +212,17 @@ def test_k8s_job_and_podmonitor_cover_every_rank() -> None:
         assert targets["job_name"]["sourceLabels"] == ["__meta_kubernetes_pod_label_job_name"]
         assert targets["job_id"]["sourceLabels"][-1] == "__meta_kubernetes_pod_label_batch_kubernetes_io_controller_uid"
         assert targets["instance"]["sourceLabels"] == ["__meta_kubernetes_pod_name", "__meta_kubernetes_pod_container_port_number"]
+
+
+def test_k8s_job_hands_the_agent_its_pod_identity() -> None:
+    """Every K8S_* variable the agent puts on its OTel Resource is set from the downward API."""
+    job = next(d for d in _docs("trainer.yaml") if d["kind"] == "Job")
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    paths = {"K8S_POD_NAME": "metadata.name", "K8S_NAMESPACE_NAME": "metadata.namespace",
+             "K8S_NODE_NAME": "spec.nodeName"}  # fmt: skip
+    assert {n for n in catalogue.RESOURCE_ENV if n.startswith("K8S_")} == set(paths)
+    for name, path in paths.items():
+        assert env[name]["valueFrom"]["fieldRef"]["fieldPath"] == path, name
 
 
 def test_podmonitor_job_id_relabelling_prefers_the_pod_label() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def test_promtool_unit_tests_catch_a_broken_rule(tmp_path: Path) -> None:
     assert "CollectiveLatencyHigh" in res.stdout + res.stderr
 
 
-def test_every_catalogue_alert_has_rules_with_its_severity_and_runbook() -> None:
+def test_every_catalogue_alert_has_rules_with_its_severity_and_links() -> None:
     alerts = [r for r in rule_docs() if "alert" in r]
     by_name: dict[str, list[dict]] = {}
     for r in alerts:
@@ -52,10 +53,32 @@ def test_every_catalogue_alert_has_rules_with_its_severity_and_runbook() -> None
     extra = {"GpuMemoryNearFull", "GpuEccErrors", "HparAgentDown", "HparAgentErrors"}
     assert extra <= set(by_name)
     for r in alerts:
-        ann = r["annotations"]
-        assert {"summary", "description", "runbook"} <= set(ann), r["alert"]
-        assert "hpar / " in ann["runbook"] or "Prometheus" in ann["runbook"], r["alert"]
+        ann, spec = r["annotations"], catalogue.ALERTS_BY_NAME[r["alert"]]
+        # the annotations of the ecosystem's mixins, links from the alert's one catalogue entry
+        assert set(ann) == {"summary", "description", "runbook_url", "dashboard_url"}, r["alert"]
+        assert ann["runbook_url"] == spec.runbook_url, r["alert"]
+        assert ann["dashboard_url"] == spec.dashboard_url, r["alert"]
         assert r["labels"]["severity"] in {"warning", "critical"}
+
+
+@pytest.mark.skipif(not shutil.which("amtool"), reason="amtool not installed (apt: prometheus-alertmanager)")
+def test_the_documented_runbook_rewrites_work(tmp_path: Path) -> None:
+    """docs/alerts.md's two ways to link your own copy of the docs: the Alertmanager template line
+    (rendered by amtool) and the sed over the rule files."""
+    text = (ROOT / "docs" / "alerts.md").read_text()
+    want = "https://docs.example.com/hpar/alerts.md#hang"
+    line = next(x for x in text.splitlines() if x.startswith("{{ reReplaceAll"))
+    url = catalogue.ALERTS_BY_NAME["Hang"].runbook_url
+    (tmp_path / "t.tmpl").write_text('{{ define "t" }}' + line.replace(".Annotations.runbook_url", f'"{url}"') + "{{ end }}")
+    res = run(["amtool", "template", "render", f"--template.glob={tmp_path}/t.tmpl", '--template.text={{ template "t" . }}'])
+    assert res.returncode == 0 and res.stdout.strip() == want, res.stdout + res.stderr
+    sed = re.search(r"`(sed -i [^`]+)`", text)
+    assert sed
+    shutil.copy(RULES[0].parent / "hpar-alerts.yml", tmp_path / "hpar-alerts.yml")
+    assert run(["bash", "-c", sed.group(1)], cwd=tmp_path).returncode == 0
+    urls = [r["annotations"]["runbook_url"] for g in yaml.safe_load((tmp_path / "hpar-alerts.yml").read_text())["groups"]
+            for r in g["rules"] if "alert" in r]  # fmt: skip
+    assert want in urls and all(u.startswith("https://docs.example.com/hpar/alerts.md#") for u in urls)
 
 
 def test_every_alert_has_a_firing_and_a_silent_promtool_case() -> None:

@@ -222,7 +222,9 @@ def test_memory_leak_fires_in_prometheus_on_the_leaking_rank(stack: PromStack, l
         assert a["labels"]["rank"] == str(LEAK_RANK) and a["labels"]["pp_stage"] == str(LEAK_STAGE), a
         assert a["labels"]["signal"] == "detector" and a["labels"]["severity"] == "warning", a
         assert f"rank {LEAK_RANK} (stage {LEAK_STAGE}) of {LEAK_JOB}" in a["annotations"]["summary"], a
-        assert "memory_viz" in a["annotations"]["runbook"], a
+        assert "memory_viz" in a["annotations"]["description"], a
+        assert a["annotations"]["runbook_url"] == cat.ALERTS_BY_NAME["MemoryLeak"].runbook_url, a
+        assert a["annotations"]["dashboard_url"] == f"/d/{cat.DASH_MEMORY}", a
     # Attribution: in the whole run, MemoryLeak never fired for a rank that does not leak.
     others = stack.query_range(
         f'ALERTS{{alertname="MemoryLeak",alertstate="firing",job="{LEAK_JOB}",rank!="{LEAK_RANK}"}}',
@@ -242,6 +244,7 @@ def test_memory_leak_reaches_the_alertmanager_webhook(stack: PromStack, leak: Ru
         assert a["status"] == "firing", a
         assert a["labels"]["rank"] == str(LEAK_RANK) and a["labels"]["signal"] == "detector", a
         assert a["annotations"]["summary"].startswith(f"Post-step memory keeps rising on rank {LEAK_RANK}"), a
+        assert a["annotations"]["runbook_url"].endswith("/alerts.md#memoryleak"), a
         url = urllib.parse.urlsplit(a["generatorURL"])  # Prometheus names itself by its host name
         assert url.port == urllib.parse.urlsplit(stack.url).port, a
         assert urllib.parse.parse_qs(url.query)["g0.expr"] == [

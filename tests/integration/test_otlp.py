@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -38,7 +39,7 @@ _OTEL_VARS = (
 
 @pytest.fixture(autouse=True)
 def clean_otel_env(monkeypatch):
-    for var in _OTEL_VARS:
+    for var in (*_OTEL_VARS, *cat.RESOURCE_ENV):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -84,6 +85,7 @@ def _check_two_rank_traces(spans: list[ReceivedSpan], steps: range) -> None:
             assert s.attributes[cat.ATTR_PP_STAGE] == rank  # rank r is stage r here
             assert s.resource["service.name"] == cat.SERVICE_NAME_DEFAULT
             assert s.resource["service.instance.id"] == f"{JOB}-{rank}"
+            assert s.resource["host.name"] == "node0" and s.resource["process.pid"] == os.getpid()
             assert s.resource[cat.ATTR_RANK] == rank and s.resource[cat.RES_PP] == 2
             if s.name != cat.SPAN_STEP:
                 assert s.parent_span_id == step_span_id(JOB, step, rank)
@@ -117,6 +119,26 @@ def test_grpc_two_ranks_one_trace(tmp_path, monkeypatch):
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", rx.endpoint)
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
         _export_two_ranks(tmp_path, rx, "otlp-grpc")
+
+
+def test_resource_carries_the_pod_and_slurm_identity(tmp_path, monkeypatch):
+    """The downward API's K8S_* variables and Slurm's job id reach the receiver on the Resource, under
+    the semantic conventions' names; OTEL_RESOURCE_ATTRIBUTES wins where it names the same key."""
+    env = {"K8S_POD_NAME": "hpar-trainer-0-x7k2p", "K8S_NAMESPACE_NAME": "ml", "K8S_NODE_NAME": "gpu-7",
+           "SLURM_JOB_ID": "81234", "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=ml-prod,team=llm"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with HttpReceiver() as rx:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", rx.endpoint)
+        t = Tracing(_rank_agent(tmp_path, 1, 1).context)
+        t.export_step(_step(0, 1))
+        t.shutdown(5.0)
+        spans = rx.wait_for(3)
+    for s in spans:
+        assert s.resource["k8s.pod.name"] == "hpar-trainer-0-x7k2p" and s.resource["k8s.node.name"] == "gpu-7"
+        assert s.resource["k8s.namespace.name"] == "ml-prod" and s.resource["team"] == "llm"
+        assert s.resource["hpar.slurm.job.id"] == "81234"
+        assert s.resource["service.instance.id"] == f"{JOB}-1" and s.resource["process.pid"] == os.getpid()
 
 
 def test_attached_agent_exports_its_steps(tmp_path, monkeypatch):

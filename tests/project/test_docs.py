@@ -38,8 +38,40 @@ def test_each_table_has_one_page() -> None:
 
 def test_every_env_var_is_documented() -> None:
     text = _text("docs/configuration.md")
-    for var in cat.ENV_VARS:
-        assert f"`{var.name}`" in text, var.name
+    for name in [v.name for v in cat.ENV_VARS + cat.TOOL_ENV_VARS] + list(cat.RESOURCE_ENV):
+        assert f"`{name}`" in text, name
+
+
+#: Where the project's files name HPAR_* variables (config.py, the loader, names the removed ones).
+_NAMING_HPAR = ["README.md", "docs", "deploy", "agent", "exporters", "trainer", "benchmarks", "testkit",
+                "dashboards", "scripts"]  # fmt: skip
+
+
+def test_every_hpar_name_in_docs_and_code_is_declared() -> None:
+    """A variable the docs or code name is a setting or a tools' variable of the catalogue: a name the
+    code stopped reading (HPAR_LOG_BACKUPS) cannot linger in the docs, nor a read slip past the
+    unknown-name warning."""
+    declared = {v.name for v in cat.ENV_VARS + cat.TOOL_ENV_VARS}
+    files = [p for top in _NAMING_HPAR for p in ([ROOT / top] if top.endswith(".md") else (ROOT / top).rglob("*"))]
+    seen = set()
+    for path in files:
+        if not path.is_file() or path.suffix not in {".md", ".py", ".yml", ".yaml", ".sh", ".toml"}:
+            continue
+        if path == ROOT / "agent" / "config.py":
+            continue
+        for name in re.findall(r"\bHPAR_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()):
+            seen.add(name)
+            assert name in declared, f"{path.relative_to(ROOT)} names {name}, which the catalogue does not declare"
+    assert {"HPAR_RUN_DIR", "HPAR_AUTOATTACH", "HPAR_DIAGNOSE_RUN"} <= seen  # the scan reads the code
+
+
+def test_the_ranges_name_only_settings() -> None:
+    """The hand-written ranges of docs/configuration.md name AgentConfig fields only."""
+    from hpar_agent import AgentConfig
+
+    ranges = next(p for p in _text("docs/configuration.md").split("\n- ") if p.startswith("Ranges:"))
+    named = set(re.findall(r"`([a-z_]+)`", ranges))
+    assert named and named <= set(AgentConfig.__dataclass_fields__), named - set(AgentConfig.__dataclass_fields__)
 
 
 def test_every_metric_is_documented() -> None:
@@ -52,8 +84,15 @@ def test_every_alert_is_documented() -> None:
     text = _text("docs/alerts.md")
     for a in cat.ALL_ALERTS:
         assert f"`{a.name}`" in text, a.name
-    for a in cat.ALERTS:  # the in-process ones each have a section: what, value, evidence, tuning
-        assert f"\n### {a.name}\n" in text, a.name
+        assert f"\n### {a.name}\n" in text, a.name  # a section each: what, value, where to look
+
+
+def test_every_runbook_url_lands_on_its_alert_section() -> None:
+    anchors = _anchors(ROOT / "docs" / "alerts.md")
+    assert cat.RUNBOOK_PAGE_URL.endswith("/docs/alerts.md")
+    for a in cat.ALL_ALERTS:
+        page, _, anchor = a.runbook_url.partition("#")
+        assert page == cat.RUNBOOK_PAGE_URL and anchor in anchors, a.runbook_url
 
 
 def test_every_span_and_attribute_is_documented() -> None:

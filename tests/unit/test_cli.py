@@ -56,6 +56,16 @@ def test_bad_input_is_refused_in_one_line_before_anything_starts(tmp_path, args,
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+@pytest.mark.parametrize(("tool", "args"), [("demo", []), ("diagnose", ["--inject", "hang"])])
+def test_a_linked_hpar_runs_is_refused_in_one_line(tmp_path, tool, args):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "hpar-runs").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    res = _cli(tool, *args, cwd=tmp_path)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert f"hpar-agent {tool}: error: run directory: hpar-runs is a symbolic link" in res.stderr
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
 def test_first_error_line_is_the_exception_of_the_first_traceback():
     log = (
         "W1201 warning from torch\n"

@@ -11,7 +11,7 @@ import pytest
 import hpar_agent
 from hpar_agent import AgentConfig
 from hpar_agent import config as config_mod
-from hpar_agent.catalogue import ENV_VARS
+from hpar_agent.catalogue import ENV_VARS, TOOL_ENV_VARS
 from hpar_agent.topology import detect
 
 
@@ -81,6 +81,23 @@ def test_removed_settings_are_ignored_with_one_warning(caplog):
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == len(removed) and all("removed" in m for m in said)
     assert any("HPAR_FR_READER" in m and "fr_reader" in m for m in said)
+
+
+def test_unknown_names_get_one_warning_with_the_closest_setting(caplog):
+    """A misspelled variable is not silently ignored: one line per process names each unknown
+    HPAR_* variable with the setting it was probably meant to be; the tools' variables are known."""
+    env = {"HPAR_METRIC_PORT": "9000", "HPAR_INTERVALL": "2", "hpar_trace_every": "5", "HPAR_ZQX": "1",
+           "HPAR_AUTOATTACH": "1", "HPAR_DIAGNOSE_RUN": "7-1", "HPAR_DETECTORS": "0", "PATH": "/bin"}
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        for _ in range(3):
+            cfg = AgentConfig.load(environ=env)
+    assert cfg == AgentConfig(detectors=False)  # the misspelled ones set nothing
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "HPAR_METRIC_PORT (did you mean HPAR_METRICS_PORT?)" in said
+    assert "HPAR_INTERVALL (did you mean HPAR_INTERVAL?)" in said
+    assert "hpar_trace_every (did you mean HPAR_TRACE_EVERY?)" in said
+    assert "HPAR_ZQX" in said and "HPAR_ZQX (" not in said  # nothing close: no guess
+    assert "AUTOATTACH" not in said and "DIAGNOSE" not in said and "DETECTORS" not in said
 
 
 def test_valid_values_are_accepted():
@@ -160,3 +177,5 @@ def test_every_env_var_maps_to_a_config_field():
     for var in ENV_VARS:
         assert var.name.startswith("HPAR_")
         assert var.field in fields, var.name
+    for var in TOOL_ENV_VARS:  # the tools' variables are no setting
+        assert var.name.startswith("HPAR_") and var.field == ""

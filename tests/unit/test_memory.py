@@ -299,3 +299,43 @@ def test_nvml_fields_degrade_one_by_one(agent):
     assert get("hpar_gpu_ecc_errors_total", {**L, "error_type": "corrected"}) == 4
     assert get("hpar_gpu_throttle_active", {**L, "reason": "hw_thermal"}) == 1
     assert get("hpar_gpu_throttle_active", {**L, "reason": "gpu_idle"}) == 0
+
+
+def test_headroom_is_free_device_memory_plus_the_allocator_cache(agent, tmp_path):
+    """NVML's total - used (80 - 3 GiB) plus what the allocator holds reserved but unallocated."""
+    _replace(agent, NvmlCollector(nvml=FakeNvml()))
+    cuda = FakeCuda()
+    mem = MemoryCollector(proc_root=_proc(tmp_path, 10), cuda=cuda)
+    _replace(agent, mem)  # after NVML: reads its values of the same pass
+    agent.on_step_boundary(0, 0)
+    agent.tick()
+    headroom = (77 << 30) + 4096 - 1000
+    assert agent.registry.get_sample_value("hpar_gpu_memory_headroom_bytes", L) == headroom
+    assert list(mem.headroom_series) == [(0, headroom)] and mem.device_free == 77 << 30
+    assert mem.summary()["headroom_bytes"] == headroom
+
+
+def test_headroom_without_nvml_asks_cuda_and_is_absent_off_cuda(agent, tmp_path):
+    _replace(agent, NvmlCollector(nvml=FakeNvml(fail_init=True)))
+    cuda = FakeCuda()
+    cuda.mem_get_info = lambda device=None: (5 << 30, 80 << 30)  # cudaMemGetInfo: (free, total)
+    _replace(agent, MemoryCollector(proc_root=_proc(tmp_path, 10), cuda=cuda))
+    agent.tick()
+    assert agent.registry.get_sample_value("hpar_gpu_memory_headroom_bytes", L) == (5 << 30) + 4096 - 1000
+    _replace(agent, MemoryCollector(proc_root=_proc(tmp_path, 10), cuda=FakeCuda(initialized=False)))
+    agent.tick()
+    assert agent.registry.get_sample_value("hpar_gpu_memory_headroom_bytes", L) is None
+
+
+def test_series_holds_the_samples_not_drained_yet_once(agent, tmp_path):
+    """What the out-of-memory record reads on the training thread: the steps since the last pass too."""
+    cuda = FakeCuda()
+    mem = MemoryCollector(proc_root=_proc(tmp_path, 10), cuda=cuda)
+    _replace(agent, mem)
+    for step in range(4):
+        cuda.allocated = 1000 * (step + 1)
+        agent.on_step_boundary(step, step * 100_000_000)
+        if step == 1:
+            agent.tick()
+    mem.post_step["allocator"].append((2, 3000))  # drained while the series was read: counted once
+    assert mem.series()["allocator"] == [(0, 1000), (1, 2000), (2, 3000), (3, 4000)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -180,20 +181,49 @@ def test_sampling_every_nth_anomalous_and_slow(tmp_path, tracings):
 
 
 def test_resource_identity_and_otel_env(tmp_path, tracings, monkeypatch):
-    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
-    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    for var in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", *cat.RESOURCE_ENV):
+        monkeypatch.delenv(var, raising=False)
     t, _ = _tracing(tmp_path, tracings, rank=3, stage=1)
     res = t.provider.resource.attributes
     assert res["service.name"] == cat.SERVICE_NAME_DEFAULT
     assert res["service.instance.id"] == f"{JOB}-3"
+    assert res["host.name"] == "h" and res["process.pid"] == os.getpid()
+    assert not [k for k in res if k.startswith("k8s.") or k == cat.RES_SLURM_JOB_ID]  # absent when not set
     assert res[cat.ATTR_JOB] == JOB and res[cat.ATTR_RANK] == 3 and res[cat.ATTR_PP_STAGE] == 1
     assert (res[cat.RES_DP], res[cat.RES_TP], res[cat.RES_PP], res[cat.RES_DP_RANK]) == (2, 1, 2, 1)
     monkeypatch.setenv("OTEL_SERVICE_NAME", "my-train")
-    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=ci,host.name=override")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES",
+                       "deployment.environment=ci,host.name=override,k8s.node.name=mine,hpar.rank=9")
+    monkeypatch.setenv("K8S_POD_NAME", "train-0-abcde")
+    monkeypatch.setenv("K8S_NAMESPACE_NAME", "ml")
+    monkeypatch.setenv("K8S_NODE_NAME", "gpu-node-7")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
     t2, _ = _tracing(tmp_path, tracings)
     res2 = t2.provider.resource.attributes
     assert res2["service.name"] == "my-train"
     assert res2["deployment.environment"] == "ci" and res2["host.name"] == "override"
+    assert res2["k8s.pod.name"] == "train-0-abcde" and res2["k8s.namespace.name"] == "ml"
+    assert res2["k8s.node.name"] == "mine"  # the user's OTEL_RESOURCE_ATTRIBUTES win
+    assert res2[cat.ATTR_RANK] == 0  # but never over the topology, which the metrics carry too
+    assert res2["hpar.slurm.job.id"] == "4242"
+
+
+def test_resource_names_are_the_semantic_conventions():
+    """Names a backend's Kubernetes or host views key on, checked against the OTel semconv package."""
+    from opentelemetry.semconv._incubating.attributes import (
+        host_attributes,
+        k8s_attributes,
+        process_attributes,
+    )
+    from opentelemetry.semconv.attributes import service_attributes
+
+    assert cat.RES_SERVICE_NAME == service_attributes.SERVICE_NAME
+    assert cat.RES_SERVICE_INSTANCE_ID == service_attributes.SERVICE_INSTANCE_ID
+    assert cat.RES_HOST_NAME == host_attributes.HOST_NAME
+    assert cat.RES_PROCESS_PID == process_attributes.PROCESS_PID
+    assert (cat.RES_K8S_POD_NAME, cat.RES_K8S_NAMESPACE_NAME, cat.RES_K8S_NODE_NAME) == (
+        k8s_attributes.K8S_POD_NAME, k8s_attributes.K8S_NAMESPACE_NAME, k8s_attributes.K8S_NODE_NAME)
+    assert cat.RES_SLURM_JOB_ID.startswith("hpar.")  # no convention: our namespace
 
 
 def test_tracer_provider_is_not_global(tmp_path, tracings):

@@ -15,6 +15,7 @@ from hpar_agent.tools.run_cmd import (
     SHIM_DIR,
     child_env,
     fresh_run_dir,
+    oom_line,
     rank_lines,
     run,
 )
@@ -47,6 +48,16 @@ def test_missing_program_exits_127(tmp_path: Path) -> None:
     assert run(["--", str(tmp_path / "nope")], run_dir=str(tmp_path / "run"), environ={}) == 127
 
 
+def test_a_linked_default_parent_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "hpar-runs").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    assert run(["--", "true"], environ={}) == 2  # nothing started
+    assert "hpar-runs is a symbolic link" in capsys.readouterr().err
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
 def _write_summaries(run_dir: Path, world: int, ranks: list[int], steps: int = 5) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     for r in ranks:
@@ -74,3 +85,42 @@ def test_end_of_run_totals_many_ranks(tmp_path: Path) -> None:
     _write_summaries(tmp_path, n, list(range(n)))
     lines = rank_lines(tmp_path)
     assert lines[1:] == [f"  steps per rank: min 5, max {5 + n - 1}; agent errors: {n // 2}"]
+
+
+GiB = 1 << 30
+
+
+def _oom(rank: int, fatal: bool, count: int = 1) -> dict:
+    rec = {"fatal": fatal, "step": 7, "site": "train.py:41 in forward", "requested_bytes": 20 * GiB,
+           "device_free_bytes": GiB // 2, "device_limit_bytes": 80 * GiB, "allocated_bytes": 76 * GiB,
+           "evidence": ["run/evidence/OutOfMemory.rank1.t.0.allocator.pickle", "run/evidence/OutOfMemory.rank1.t.1.oom.json"]}  # fmt: skip
+    return {"rank": rank, "components": {"oom": {"count": count, "record": rec}}}
+
+
+def test_an_oom_is_one_line_saying_where_what_and_the_record() -> None:
+    assert oom_line({"rank": 0, "components": {"oom": {"count": 0, "record": None}}}) is None
+    assert oom_line({"rank": 0, "components": {}}) is None
+    assert oom_line(_oom(1, fatal=True)) == (
+        "  rank 1: died of CUDA out of memory after 7 completed steps at train.py:41 in forward; asked 20.00 GiB "
+        "with 0.50 GiB free of 80.00 GiB; allocated 76.00 GiB; record: run/evidence/OutOfMemory.rank1.t.1.oom.json")
+    assert oom_line(_oom(1, fatal=False, count=3)).startswith(  # type: ignore[union-attr]
+        "  rank 1: ran out of CUDA memory 3 time(s) and went on; the first after 7 completed steps at train.py:41")
+
+
+def test_the_end_of_run_names_each_rank_that_ran_out(tmp_path: Path) -> None:
+    _write_summaries(tmp_path, 2, [0, 1])
+    path = tmp_path / "summary.rank1.json"
+    doc = json.loads(path.read_text())
+    doc["components"].update(_oom(1, fatal=True)["components"])
+    path.write_text(json.dumps(doc))
+    lines = rank_lines(tmp_path)
+    assert lines[-1].startswith("  rank 1: died of CUDA out of memory after 7 completed steps") and len(lines) == 4
+    n = RANK_LINES_MAX + 4
+    _write_summaries(tmp_path / "many", n, list(range(n)))
+    for r in range(n):
+        p = tmp_path / "many" / f"summary.rank{r}.json"
+        doc = json.loads(p.read_text())
+        doc["components"].update(_oom(r, fatal=True)["components"])
+        p.write_text(json.dumps(doc))
+    lines = rank_lines(tmp_path / "many")
+    assert lines[-1] == "  ... and 4 more rank(s) ran out of CUDA memory" and len(lines) == 2 + RANK_LINES_MAX + 1

@@ -69,6 +69,37 @@ def test_default_run_dir_is_checked_and_tightened(tmp_path, monkeypatch):
     assert agent.errors["agent"] >= 1
 
 
+def test_a_linked_hpar_runs_is_refused_and_a_named_one_followed(tmp_path, monkeypatch, caplog):
+    """./hpar-runs is the agent's own name: a link there is refused like a linked run dir, with the way
+    out in the message; the same link named in HPAR_RUN_DIR is the user's choice and is followed."""
+    monkeypatch.chdir(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "hpar-runs").symlink_to(elsewhere, target_is_directory=True)
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        agent = hpar_agent.attach(metrics_port=-1, traces="file", detectors=False, job_id="j1")
+        agent.step()
+        hpar_agent.detach()
+    assert list(elsewhere.iterdir()) == [] and agent.run_dir == ""
+    assert agent.errors["agent"] == 1
+    assert any("hpar-runs is a symbolic link" in r.getMessage() and "HPAR_RUN_DIR" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(safefiles.UnsafePathError, match="HPAR_RUN_DIR"):
+        safefiles.default_run_dir("demo-1")  # the tools' default directories too
+    agent = _attach(tmp_path / "hpar-runs" / "j2")
+    agent.step()
+    hpar_agent.detach()
+    assert (elsewhere / "j2" / "summary.rank0.json").is_file()
+
+
+def test_the_default_parent_is_made_private(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hpar-runs").mkdir(mode=0o755)
+    os.chmod(tmp_path / "hpar-runs", 0o755)
+    assert safefiles.default_run_dir("j") == os.path.join("hpar-runs", "j")
+    assert _mode(tmp_path / "hpar-runs") == 0o700 and _mode(tmp_path / "hpar-runs" / "j") == 0o700
+
+
 def test_files_and_directories_are_private(tmp_path):
     run = tmp_path / "fresh"
     agent = _attach(run)

@@ -1,7 +1,7 @@
 """A nanoGPT-style training loop (``python nanogpt.py``, one process): a small GPT, bf16 autocast, a
 GradScaler, gradient accumulation, gradient clipping, a periodic eval and a checkpoint save. Knows
-nothing of hpar_agent. ``[--device cuda] [--steps N] [--leak-mib M]`` (from step 3 keep M MiB of
-device memory alive per optimizer step: the leak a held tensor makes)."""
+nothing of hpar_agent. ``[--device cuda] [--steps N] [--leak-mib M] [--batch B]`` (from step 3 keep M MiB
+of device memory alive per optimizer step: the leak a held tensor makes; B sequences a micro-batch)."""
 
 import argparse
 import math
@@ -53,11 +53,12 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--leak-mib", type=int, default=0)
+    p.add_argument("--batch", type=int, default=8)
     args = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1) if args.device == "cpu" else None
     dev = torch.device(args.device)
-    vocab, seq, batch = 256, 64, 8
+    vocab, seq, batch = 256, 64, args.batch
     model = GPT(vocab, seq, dim=128, layers=2, heads=4).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     scaler = torch.amp.GradScaler(args.device)
@@ -67,9 +68,8 @@ def main() -> None:
 
     def batch_of(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         starts = (torch.arange(batch) * 37 + i * 11) % (len(data) - seq - 1)
-        x = torch.stack([data[s : s + seq] for s in starts.tolist()])
-        y = torch.stack([data[s + 1 : s + seq + 1] for s in starts.tolist()])
-        return x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        at = starts[:, None] + torch.arange(seq)
+        return data[at].to(dev, non_blocking=True), data[at + 1].to(dev, non_blocking=True)
 
     kept = []
     with tempfile.TemporaryDirectory() as ckpt_dir:

@@ -449,3 +449,45 @@ def test_host_rss_growth_does_not_record_cuda_stacks(tmp_path: Any, monkeypatch:
     series.extend((s, 10**9 + 8 * MiB * s) for s in range(5, 25))
     agent.tick()
     assert "start" not in calls
+
+
+def test_memory_leak_says_when_the_device_is_full_at_this_slope(tmp_path: Any) -> None:
+    """8 MiB a step with 800 MiB of headroom at step 40: full at step 140, 100 steps of 0.3 s away."""
+    series: deque = deque((s, 10**9 + 8 * MiB * s) for s in range(40))
+    mem = Fake("memory", post_step={"allocator": series}, headroom=800 * MiB, device_free=500 * MiB)
+    agent, det = make_agent(tmp_path, comps=(steps(40), mem))
+    agent.config.evidence = False
+    agent.tick()
+    d = det.states["MemoryLeak"].details
+    assert d["full_at_step"] == 140 and d["room_bytes"] == 800 * MiB
+    assert d["seconds_to_full"] == pytest.approx(30.0)
+    assert d["forecast"] == "at 8.0 MiB/step the device is full at step 140 (in ~30 s)"
+    fired = alert_events(agent)
+    assert fired and fired[0]["details"]["full_at_step"] == 140  # the alert's event says it too
+    series.clear()
+    series.extend((s, 10**9 + 8 * MiB * s) for s in range(40))
+    mem.post_step = {"reserved": series}  # reserved bytes grow into the free device memory only
+    agent.tick()
+    assert det.states["MemoryLeak"].details["full_at_step"] == 40 + 63  # 500 MiB / 8 MiB = 62.5 steps
+
+
+def test_allocator_history_resumes_when_the_device_is_full_within_the_window(tmp_path: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """After the leak's own snapshot the recording stays off, unless an out-of-memory is due within the
+    trend window: its snapshot then names the code holding the memory."""
+    agent, det, series, calls = history_probe(tmp_path, monkeypatch, "allocator", 40)
+    series.extend((s, 10**9 + 8 * MiB * s) for s in range(5, 40))
+    for _ in range(3):
+        agent.tick()
+    assert sample(det, "hpar_alert_active", "MemoryLeak") == 1.0
+    fired_at = len(calls)
+    agent.tick()
+    assert "start" not in calls[fired_at:]  # no headroom known: nothing is due
+    mem = agent.component("memory")
+    assert mem is not None
+    mem.__dict__.update(headroom=200 * MiB, device_free=100 * MiB)  # 25 steps left: not within 12
+    agent.tick()
+    assert "start" not in calls[fired_at:]
+    mem.__dict__.update(headroom=80 * MiB)  # 10 steps left
+    agent.tick()
+    assert calls[fired_at:] == ["start"]

@@ -39,6 +39,13 @@ def test_leak_quiet_on_plateau_checkpoint_and_noise() -> None:
     assert not sig.leak_signal([(s, 4 * MiB * s) for s in range(12)], **LEAK)[1]  # too few post-warm-up
 
 
+def test_time_to_full_at_a_slope() -> None:
+    assert sig.time_to_full(100 * MiB, 8 * MiB, 40, 0.5) == (53, 6.25)  # 12.5 steps left: full in the 13th
+    assert sig.time_to_full(100 * MiB, 8 * MiB, 40, None) == (53, None)
+    assert sig.time_to_full(-MiB, 8 * MiB, 40, 0.5) == (40, 0.0)  # already past it
+    assert sig.time_to_full(100 * MiB, 0.0, 40, 0.5) is None and sig.time_to_full(MiB, -1.0, 0, 1.0) is None
+
+
 def test_theil_sen_ignores_an_outlier() -> None:
     pts = [(float(x), 2.0 * x) for x in range(10)]
     pts[4] = (4.0, 1000.0)
