@@ -96,14 +96,17 @@ def open_endpoint(
                 raise
             last_error = exc
             continue
+        host, bound = str(sock.getsockname()[0]), int(sock.getsockname()[1])
+        try:
+            risk = exposure(host, bound, security)
+        except ValueError:  # not an IP address we can judge (never seen): say nothing rather than fail
+            risk = None
         server = MetricsServer(sock, Exposition(registry), security)
         server.start()
-        host, bound = server.address
         if i:
             log.warning("hpar_agent: metrics port %d is in use; serving on %d instead", first, bound)
         url = f"{'https' if security.tls else 'http'}://{url_host(host)}:{bound}/metrics"
         log.info("hpar_agent: serving metrics at %s (%s)", url, security.describe())
-        risk = exposure(host, bound, security)
         if risk and risk not in _warned:
             _warned.add(risk)
             log.warning("hpar_agent: %s; set HPAR_WEB_CONFIG (docs/configuration.md, \"Securing the endpoint\") "

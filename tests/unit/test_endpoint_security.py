@@ -34,6 +34,14 @@ def pki(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def encrypted_key(pki, tmp_path_factory):
+    out = tmp_path_factory.mktemp("enc") / "server-encrypted.key"
+    subprocess.run([OPENSSL, "pkey", "-in", pki.server.key, "-aes256", "-passout", "pass:x", "-out", str(out)],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    return str(out)
+
+
+@pytest.fixture(scope="module")
 def bcrypt_hash():
     import bcrypt
 
@@ -60,6 +68,7 @@ BAD_CONFIGS = {
     "cert without key": ("tls_server_config:\n  cert_file: {cert}\n", "key_file is missing", False),
     "missing cert file": ("tls_server_config:\n  cert_file: /nonexistent/c.pem\n  key_file: {key}\n",
                           "cannot be read", False),
+    "encrypted key": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {enc_key}\n", "is encrypted", False),
     "cert and key that do not match": ("tls_server_config:\n  cert_file: {cert}\n  key_file: {client_key}\n",
                                        "do not load", False),
     "bad bcrypt hash": ("basic_auth_users:\n  prom: not-a-hash\n", "not a bcrypt hash", False),
@@ -91,15 +100,16 @@ BAD_CONFIGS = {
 }  # fmt: skip
 
 
-def _fill(text: str, pki, hashed: str) -> str:
-    return text.format(cert=pki.server.cert, key=pki.server.key, client_key=pki.client.key, ca=pki.ca, hash=hashed)
+def _fill(text: str, pki, hashed: str, enc_key: str) -> str:
+    return text.format(cert=pki.server.cert, key=pki.server.key, client_key=pki.client.key, ca=pki.ca, hash=hashed,
+                       enc_key=enc_key)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
 def test_a_bad_web_config_serves_nothing_logs_one_error_and_training_goes_on(case, attach, tmp_path, pki,
-                                                                          bcrypt_hash, caplog):  # fmt: skip
+                                                                          bcrypt_hash, encrypted_key, caplog):  # fmt: skip
     text, says, promtool_accepts = BAD_CONFIGS[case]
-    path = _web_config(tmp_path, _fill(text, pki, bcrypt_hash))
+    path = _web_config(tmp_path, _fill(text, pki, bcrypt_hash, encrypted_key))
     with caplog.at_level(logging.WARNING, logger="hpar_agent"):
         agent = attach(web_config=path)  # never raises
     assert agent.metrics_url is None and agent.server is None
