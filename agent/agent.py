@@ -476,12 +476,16 @@ class Agent:
     def _start_endpoint(self) -> None:
         if self.config.metrics_port < 0:
             return
+        from hpar_agent.exporters.endpoint_security import WebConfigError
         from hpar_agent.exporters.prometheus import open_endpoint
 
         try:
             self.server, self.metrics_url = open_endpoint(
                 self.registry, self.config, self.topology.local_rank
             )
+        except WebConfigError as exc:  # security fails closed: no endpoint rather than a weaker one
+            self.errors["prometheus"] += 1
+            log.error("hpar_agent: no metrics endpoint on this rank: %s (training goes on)", exc)
         except Exception as exc:
             self.record_error("prometheus", exc)
 

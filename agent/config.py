@@ -3,7 +3,9 @@
 Precedence is explicit argument > ``HPAR_*`` environment variable > default. A field of a passed
 ``AgentConfig`` that differs from its default counts as explicit, as does every ``attach(**overrides)``
 keyword. A bad environment value is logged once and replaced by the default (training must go on); a
-bad explicit value raises ``ValueError`` at attach, where the user can fix it.
+bad explicit value raises ``ValueError`` at attach, where the user can fix it. The endpoint's security
+files (``web_config``, ``tls_cert``, ``tls_key``) are the endpoint's to check: a problem there serves no
+endpoint and never raises (``hpar_agent.exporters.endpoint_security``).
 """
 
 from __future__ import annotations
@@ -58,8 +60,11 @@ class AgentConfig:
     """Bind address of the Prometheus endpoint."""
     port_fallback: bool = True
     """When the port is taken, use the next free port instead of serving nothing."""
+    web_config: str | None = None
+    """Web configuration file in the Prometheus exporter-toolkit format: TLS, client certificates,
+    basic auth. Asked for but invalid: the endpoint serves nothing (checked at attach, never raised)."""
     tls_cert: str | None = None
-    """PEM certificate: serve HTTPS. Needs ``tls_key``."""
+    """PEM certificate: serve HTTPS (the shorthand of ``web_config`` for TLS alone). Needs ``tls_key``."""
     tls_key: str | None = None
     """PEM private key for ``tls_cert``."""
     run_dir: str = ""
@@ -141,12 +146,6 @@ class AgentConfig:
             parsed = _parse_env(var.name, environ[var.name], defaults, var.field)
             if parsed is not _INVALID:
                 values[var.field] = parsed
-        if bool(values.get("tls_cert")) != bool(values.get("tls_key")) and not (
-            "tls_cert" in explicit or "tls_key" in explicit
-        ):
-            _warn_once("HPAR_TLS", "hpar_agent: HPAR_TLS_CERT and HPAR_TLS_KEY must be set together; serving without TLS")
-            values.pop("tls_cert", None)
-            values.pop("tls_key", None)
         values.update(explicit)
         return cls(**values)
 
@@ -252,8 +251,6 @@ def _field_problems(name: str, value: Any) -> list[str]:
         out.append(f"pp_stage must be >= 0, got {v}")
     elif name == "log_max_bytes" and not (v == 0 or v >= 1024):
         out.append(f"log_max_bytes must be 0 (no cap) or >= 1024, got {v}")
-    elif name in ("tls_cert", "tls_key") and v and not os.path.isfile(v):
-        out.append(f"{name} {v!r} is not a readable file")
     elif name == "thresholds":
         out += threshold_problems(v)
     return out
@@ -295,8 +292,6 @@ def _problems(c: AgentConfig) -> list[str]:
     out = []
     for f in dataclasses.fields(c):
         out += _field_problems(f.name, getattr(c, f.name))
-    if bool(c.tls_cert) != bool(c.tls_key):
-        out.append("tls_cert and tls_key must be given together")
     if c.pp is not None and c.pp_stage is not None and isinstance(c.pp, int) and isinstance(c.pp_stage, int) \
             and c.pp_stage >= c.pp:
         out.append(f"pp_stage must be < pp ({c.pp}), got {c.pp_stage}")

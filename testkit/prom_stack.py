@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
@@ -100,16 +100,24 @@ class PromStack:
     Alertmanager routing every alert to :class:`Webhook` with no grouping delay.
 
     ``jobs`` are the scrape jobs; each discovers its targets from ``<dir>/targets-<job>.json``
-    (:meth:`set_targets`), so endpoints come and go without a restart.
+    (:meth:`set_targets`), so endpoints come and go without a restart. ``scrape_options`` adds keys to
+    a job's scrape config (``scheme``, ``basic_auth``, ``tls_config``, ...).
     """
 
-    def __init__(self, workdir: Path, jobs: Sequence[str], interval: str = "1s") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        jobs: Sequence[str],
+        interval: str = "1s",
+        scrape_options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         if PROMETHEUS is None or ALERTMANAGER is None:
             raise RuntimeError("prometheus / prometheus-alertmanager not installed")
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.servers: list[_Server] = []
         self.webhook = Webhook()
+        self.scrape_options = dict(scrape_options or {})
         try:
             self._start(jobs, interval)
         except BaseException:
@@ -155,6 +163,7 @@ class PromStack:
                 {
                     "job_name": job,
                     "file_sd_configs": [{"files": [str(self._targets_file(job))], "refresh_interval": "1s"}],
+                    **self.scrape_options.get(job, {}),
                 }
                 for job in jobs
             ],
@@ -222,6 +231,10 @@ class PromStack:
 
     def query_range(self, expr: str, start: float, end: float, step: float = 2.0) -> list[dict[str, Any]]:
         return list(self.api("query_range", query=expr, start=start, end=end, step=step)["result"])
+
+    def targets(self, job: str) -> list[dict[str, Any]]:
+        """The job's active targets as Prometheus sees them (``health``, ``lastError``, ...)."""
+        return [t for t in self.api("targets", state="active")["activeTargets"] if t["labels"].get("job") == job]
 
     def alerts(self) -> list[dict[str, Any]]:
         """Prometheus' active alerts (pending and firing)."""

@@ -54,7 +54,7 @@ def _demo(args: argparse.Namespace) -> int:
     )
     layout = sc.describe(cfg)
     print(f"hpar-agent demo: {args.nproc} CPU ranks ({layout}); outputs in {run_dir}", flush=True)
-    print(f"  metrics while it runs: http://127.0.0.1:{ports}/metrics (Ctrl-C stops every rank)", flush=True)
+    print(f"  metrics while it runs: http://{env['HPAR_METRICS_ADDR']}:{ports}/metrics (Ctrl-C stops every rank)", flush=True)
     run = launch_observed(args.nproc, "hpar_trainer", trainer_args, log_dir=run_dir / "logs", env=env, timeout=args.timeout)
     if run.interrupted or run.timed_out:
         why = "interrupted" if run.interrupted else f"timed out after {args.timeout:g} s"

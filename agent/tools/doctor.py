@@ -48,6 +48,8 @@ REQUIRED_IMPORTS = [
     ("protobuf json_format", "google.protobuf.json_format", "trace files (a)", "pip install protobuf"),
     ("pynvml", "pynvml", "GPU metrics (a)", "pip install nvidia-ml-py"),
     ("plotly", "plotly", "the run report (hpar-agent report)", "pip install plotly"),
+    ("pyyaml", "yaml", "HPAR_WEB_CONFIG (a)", "pip install pyyaml"),
+    ("bcrypt", "bcrypt", "basic auth of the metrics endpoint (a)", "pip install bcrypt"),
     ("torch.distributed.pipelining", "torch.distributed.pipelining", "pipeline stages (a, t)",
      "install a torch build with distributed support"),
     ("torch.distributed.tensor", "torch.distributed.tensor.parallel", "tensor parallel (t)",
@@ -243,6 +245,29 @@ def _port(addr: str, port: int) -> list[Check]:
     return [Check("metrics port", OK, f"{addr}:{port} is free")]
 
 
+def _endpoint_security(cfg) -> list[Check]:
+    """What the endpoint would enforce, checked as attach checks it: a broken web config serves nothing."""
+    from hpar_agent.exporters.endpoint_security import WebConfigError, exposure, load_security
+
+    name = "metrics endpoint security"
+    if cfg.metrics_port < 0:
+        return [Check(name, OK, "no endpoint (HPAR_METRICS_PORT=-1)")]
+    try:
+        security = load_security(cfg)
+    except WebConfigError as exc:
+        return [Check(name, MISSING, f"no endpoint would be served: {exc}",
+                      "fix the file or the variables (docs/configuration.md, Securing the endpoint)", True)]
+    try:
+        host = socket.getaddrinfo(cfg.metrics_addr.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as exc:
+        return [Check(name, DEGRADED, f"HPAR_METRICS_ADDR={cfg.metrics_addr}: {exc}", "set an address of this host")]
+    risk = exposure(host, max(cfg.metrics_port, 0), security)
+    if risk:
+        return [Check(name, DEGRADED, risk, "set HPAR_WEB_CONFIG (basic auth or client certificates, with TLS) "
+                      "or HPAR_METRICS_ADDR=127.0.0.1")]  # fmt: skip
+    return [Check(name, OK, f"{security.describe()}; bound to {cfg.metrics_addr}")]
+
+
 def _otlp() -> list[Check]:
     endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if not endpoint:
@@ -269,6 +294,7 @@ def run_checks() -> list[Check]:
         _numa,
         _pyspy,
         lambda: _port(cfg.metrics_addr, max(cfg.metrics_port, 0)),
+        lambda: _endpoint_security(cfg),
         _otlp,
     ]
     checks: list[Check] = []

@@ -119,8 +119,11 @@ def test_tls_pair_from_env_is_accepted(tmp_path):
     key.write_text("y")
     cfg = AgentConfig.load(environ={"HPAR_TLS_CERT": str(cert), "HPAR_TLS_KEY": str(key)})
     assert (cfg.tls_cert, cfg.tls_key) == (str(cert), str(key))
+    # half a pair is kept as given: the endpoint refuses it (serves nothing), never plain HTTP instead
     alone = AgentConfig.load(environ={"HPAR_TLS_CERT": str(cert)})
-    assert alone.tls_cert is None and alone.tls_key is None
+    assert alone.tls_cert == str(cert) and alone.tls_key is None
+    missing = AgentConfig.load(environ={"HPAR_TLS_CERT": "/nonexistent.pem", "HPAR_TLS_KEY": str(key)})
+    assert missing.tls_cert == "/nonexistent.pem"  # not replaced by the default (no TLS)
 
 
 def test_bad_threshold_never_turns_detectors_off(tmp_path):
