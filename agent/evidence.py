@@ -210,26 +210,23 @@ class Evidence:
         return [path] if path else []
 
     def fr_dump(self, tag: str) -> list[str]:
-        """Flight-recorder JSON of every recorder this build has, without stack traces."""
+        """Every flight recorder this build has, without stack traces: as JSON, and as the pickle torch's
+        analyser reads (``hpar-agent fr-trace RUN_DIR`` runs it on every rank's)."""
         if not self._allowed("fr"):
             return []
-        try:
-            import torch._C._distributed_c10d as c10d
-        except ImportError:
-            return []
+        from hpar_agent.torch_compat import flight_recorder as fr
+
         out = []
-        for recorder, fn_name in (("gloo", "_dump_fr_trace_json"), ("nccl", "_dump_nccl_trace_json")):
-            fn: Any = getattr(c10d, fn_name, None)
-            if fn is None:
-                continue
-            try:
-                data = fn(includeCollectives=True, onlyActive=False)
-            except Exception as exc:
-                self._say_once(f"fr:{recorder}", f"{fn_name} failed ({exc})")
-                continue
-            path = self._write(self._name(tag, f"fr-{recorder}", "json"), bytes(data))
-            if path:
-                out.append(path)
+        for recorder in fr.available_recorders():
+            for fmt, ext in (("json", "json"), ("pickle", "pickle")):
+                try:
+                    data = fr.dump_bytes(recorder, fmt)
+                except Exception as exc:
+                    self._say_once(f"fr:{recorder}:{fmt}", f"the {recorder} flight recorder's {fmt} dump failed ({exc})")
+                    continue
+                path = self._write(self._name(tag, f"fr-{recorder}", ext), data) if data else None
+                if path:
+                    out.append(path)
         return out
 
     def collect(self, tag: str, kinds: tuple[str, ...]) -> list[str]:
