@@ -67,6 +67,7 @@ RULE_THRESHOLDS: dict[tuple[str, str], dict[str, float]] = {
     },
     ("Hang", "no_step_progress"): {"max_step_age_s": 300},
     ("Hang", "inflight_age"): {"max_inflight_age_s": 120},
+    ("Hang", "missing_from_collective"): {"max_inflight_age_s": 60},
     ("GpuMemoryNearFull", "nvml_memory"): {"max_used_fraction": 0.95},
     ("GpuEccErrors", "ecc"): {"max_uncorrected": 0},
     ("HparAgentDown", "peer_up"): {"min_peers_up": 0},
