@@ -250,7 +250,8 @@ def plan(grid: Grid, rank: int, k: int = PEERS_PER_DIM, skip: Iterable[str] = ("
 class Exchange:
     """One rank's view of the exchange: ``publish`` its parts, ``read`` the peers'.
 
-    ``bytes_out`` / ``bytes_in`` count the payload bytes this rank set and got (keys not counted)."""
+    ``bytes_out`` / ``bytes_in`` count the payload bytes this rank set and got (keys not counted),
+    ``largest_out`` the most one publish set."""
 
     def __init__(self, store: Any, job: str, rank: int) -> None:
         self.store = store
@@ -260,6 +261,7 @@ class Exchange:
         self.max_bytes = 1 << 20
         self.bytes_out = 0
         self.bytes_in = 0
+        self.largest_out = 0  # the most bytes one publish set
         self.own: dict[str, dict[str, Any]] = {}  # purpose -> what this rank last set, as a reader decodes it
         self._sent: dict[str, str] = {}  # purpose -> its last body as set (without the publish time)
         self._seen: set[str] = set()  # peers' keys known to exist
@@ -304,6 +306,7 @@ class Exchange:
         self.published += 1
         sent = sum(len(v) for v in values)
         self.bytes_out += sent
+        self.largest_out = max(self.largest_out, sent)
         return sent
 
     def read(
