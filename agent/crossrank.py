@@ -214,10 +214,13 @@ def select(members: Sequence[int], me: int, k: int = PEERS_PER_DIM, whole: int =
 
 @dataclass(frozen=True)
 class PeerPlan:
-    """One rank's comparison peers by mesh dim (itself never among them)."""
+    """One rank's comparison peers by mesh dim (itself never among them), and in a job of up to
+    ``WHOLE_GROUP`` ranks every other rank (``world``: their ``s`` is read too, so a hang's culprit on
+    another dim or stage is seen)."""
 
     rank: int
     groups: Mapping[str, tuple[int, ...]]
+    world: tuple[int, ...] = ()
 
     @property
     def peers(self) -> list[int]:
@@ -228,6 +231,8 @@ class PeerPlan:
         out = {}
         for purpose, dim in reads.items():
             ranks = self.peers if dim == "*" else list(self.groups.get(dim, ()))
+            if purpose == "s" and self.world:
+                ranks = sorted({*ranks, *self.world})
             if ranks:
                 out[purpose] = ranks
         return out
@@ -243,7 +248,8 @@ def plan(grid: Grid, rank: int, k: int = PEERS_PER_DIM, skip: Iterable[str] = ("
         for dim, size in zip(grid.names, grid.shape, strict=True)
         if size > 1 and dim not in skipped
     }
-    return PeerPlan(rank, groups)
+    world = tuple(r for r in grid.ranks if r != rank) if len(grid.ranks) <= WHOLE_GROUP else ()
+    return PeerPlan(rank, groups, world)
 
 
 # ------------------------------------------------------------------------------------------ store

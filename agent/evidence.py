@@ -250,8 +250,9 @@ class Evidence:
 
 
 def main_stack(path: str, depth: int = 3) -> list[str]:
-    """The innermost ``depth`` frames of the main thread in a ``py-spy dump --json`` file, as
-    ``file:line in function: source line``: what the process was doing when it was dumped."""
+    """The innermost ``depth`` frames of the main thread in a ``py-spy dump --json`` file that are the
+    program's own (not a library's; all frames when none is), as ``file:line in function: source
+    line``: what the process was doing, in its own code, when it was dumped."""
     import json
     import linecache
 
@@ -262,8 +263,14 @@ def main_stack(path: str, depth: int = 3) -> list[str]:
         frames = main.get("frames") or []
     except (OSError, ValueError, StopIteration, AttributeError, TypeError):
         return []
+    def library(f: dict[str, Any]) -> bool:
+        name = str(f.get("filename", ""))
+        return "/site-packages/" in name or "/dist-packages/" in name or "/lib/python3" in name
+
+    user = [f for f in frames if not library(f)]  # the program's own lines first: where it called in
+    chosen = (user or frames)[:depth]
     out = []
-    for fr in frames[:depth]:
+    for fr in chosen:
         src = linecache.getline(str(fr.get("filename", "")), int(fr.get("line") or 0)).strip()
         where = f"{fr.get('short_filename') or fr.get('filename')}:{fr.get('line')} in {fr.get('name')}"
         out.append(f"{where}: {src[:120]}" if src else where)

@@ -12,6 +12,7 @@ from statistics import median
 from typing import TYPE_CHECKING, Any
 
 from hpar_agent import rankstate
+from hpar_agent.crossrank import WHOLE_GROUP
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors import waits
@@ -40,7 +41,9 @@ class Hang(Detector):
     its groups' collectives), the ranks the others wait for and that
     wait for nobody are named (``details.culprits``; ``victims``: the ranks waiting), or ranks in
     different collectives (``kind`` desync, each side's op), or a collective every member entered
-    (``stuck``: culprit unknown). Judged from half the timeout on, so the firing event carries them.
+    (``stuck``: culprit unknown). Judged from half the timeout on, so the firing event carries them;
+    once named, kept until the hang clears: peers ending at the process group's timeout, after it fired,
+    are its consequence.
     """
 
     name = "Hang"
@@ -52,6 +55,7 @@ class Hang(Detector):
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         super().__init__(thresholds)
         self.explicit = f"{self.name}.timeout_s" in (thresholds or {})
+        self.named: waits.HangVerdict | None = None  # the verdict that named culprits, kept while the hang lasts
 
     def timeout(self, ctx: Evaluation) -> float:
         if self.explicit:
@@ -70,8 +74,12 @@ class Hang(Detector):
         timeout = self.timeout(ctx)
         value = max(stalled, age)
         details: dict[str, Any] = {"no_step_s": stalled, "oldest_inflight_s": age, "pg": pg, "timeout_s": timeout}
-        if value > timeout / 2:
-            verdict = self.culprits(ctx, min_wait_s=min(timeout / 4, 10.0))
+        if value <= timeout / 2:
+            self.named = None
+        else:
+            verdict = self.named or self.culprits(ctx, min_wait_s=min(timeout / 4, 10.0))
+            if verdict.culprits and value > timeout:
+                self.named = verdict  # what held when it fired: the ranks ending after it (timeouts) change nothing
             details.update(verdict.details())
             details["role"] = ("culprit" if ctx.rank in verdict.culprits
                                else "victim" if ctx.rank in verdict.victims else "")  # fmt: skip
@@ -99,9 +107,11 @@ class Hang(Detector):
                 ms = [r for r, c in coords.items() if src.group_key_of(label, c) == uid]
                 if uid == src.group_key_of(label, coords[ctx.rank]):  # this rank's own: peers never heard of too
                     ms += silent.get(label, [])
-            else:  # the world (every peer, heard of or not), or a group of the user's own: those that entered it
-                ms = [*coords, *(r for rs in silent.values() for r in rs)] if label == "default_pg" else \
-                    [r for r in coords if uid in states[r]]
+            elif label == "default_pg":  # the world: every rank heard of, and every peer never heard of
+                ms = [*coords, *(r for rs in silent.values() for r in rs)]
+                ms += range(topo.world_size) if topo.world_size <= WHOLE_GROUP else []
+            else:  # a group of the user's own: those that entered it
+                ms = [r for r in coords if uid in states[r]]
             members[uid] = sorted(set(ms))
             size = _group_size(label, topo)
             complete[uid] = len(ms) >= size if size else len(coords) >= topo.world_size
