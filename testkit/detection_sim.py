@@ -57,21 +57,40 @@ def job(dims: list[tuple[str, int]]) -> tuple[Grid, list[SimRank]]:
     return grid, ranks
 
 
-def _entries(r: SimRank, dims: Mapping[str, int]) -> list[sig.FrEntry]:
-    """Its last collectives: per step, 4 tp all-reduces (with tp) then one dp all-reduce, each entered
-    ``late_ns`` after the others would (and a few µs of jitter of its own)."""
-    out: list[sig.FrEntry] = []
-    dp_uid, tp_uid = src.group_key_of("dp", r.coords), src.group_key_of("tp", r.coords)
-    seq = {"dp": 0, "tp": 0}
-    for step in range(STEPS):
-        base = T0_NS + step * STEP_NS + r.late_ns + (r.rank * 7919 + step * 104729) % 200_000
-        ops = [("tp", tp_uid)] * (4 if dims.get("tp", 1) > 1 else 0) + [("dp", dp_uid)]
-        for i, (label, uid) in enumerate(ops):
-            seq[label] += 1
-            if label == "dp" and r.skipped is not None and seq["dp"] >= r.skipped:
-                return out
-            out.append((uid, seq[label], "all_reduce", "[[1024]]", "Float", base + i * 2_000_000))
+def _timelines(ranks: list[SimRank], dims: Mapping[str, int]) -> dict[int, list[sig.FrEntry]]:
+    """Every rank's last collectives on one consistent timeline: per step each tp group runs 4 tp
+    all-reduces (with tp), each starting when the last member arrived at the one before (its members wait
+    for each other), then every rank enters its dp all-reduce; the next step starts when the last of
+    them arrived. A rank's ``late_ns`` is extra compute before its first collective of a step; a few µs
+    of jitter of its own on every arrival."""
+    tp = dims.get("tp", 1)
+    out: dict[int, list[sig.FrEntry]] = {r.rank: [] for r in ranks}
+    by_group: dict[int, list[SimRank]] = {}
+    for r in ranks:
+        by_group.setdefault(r.rank // tp, []).append(r)
+    dp_uid = {r.rank: src.group_key_of("dp", r.coords) for r in ranks}
+    tp_uid = {r.rank: src.group_key_of("tp", r.coords) for r in ranks}
+    start = T0_NS
+    for step in range(1, STEPS + 1):
+        arrive_dp: dict[int, int] = {}
+        for members in by_group.values():
+            cursor = start
+            for j in range(4 if tp > 1 else 0):
+                at = {r.rank: cursor + 2_000_000 + (r.late_ns if j == 0 else 0) + _jitter(r.rank, step, j) for r in members}
+                for r in members:
+                    out[r.rank].append((tp_uid[r.rank], step * 4 + j, "all_reduce", "[[1024]]", "Float", at[r.rank]))
+                cursor = max(at.values())
+            for r in members:
+                arrive_dp[r.rank] = cursor + 2_000_000 + (r.late_ns if tp == 1 else 0) + _jitter(r.rank, step, 9)
+        for r in ranks:
+            if r.skipped is None or step < r.skipped:
+                out[r.rank].append((dp_uid[r.rank], step, "all_reduce", "[[1024]]", "Float", arrive_dp[r.rank]))
+        start = max(arrive_dp.values()) + STEP_NS
     return out
+
+
+def _jitter(rank: int, step: int, op: int) -> int:
+    return (rank * 7919 + step * 104729 + op * 1299709) % 200_000
 
 
 def _states(r: SimRank, entries: list[sig.FrEntry], now: float) -> dict[str, GroupState]:
@@ -123,7 +142,7 @@ def judge(
     last step ``stalled_s`` ago)."""
     now = time.time()
     dims = dict(zip(grid.names, grid.shape, strict=True))
-    entries = {r.rank: _entries(r, dims) for r in ranks}
+    entries = _timelines(ranks, dims)
     ckeys: dict[str, str] = {}
     payloads: dict[int, dict[str, Any]] = {}
     checksums: dict[int, dict[str, Any]] = {}

@@ -95,7 +95,7 @@ def test_a_killed_rank_is_named_first_not_the_first_to_notice(
     runs: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """On gloo the others crash at once (connection reset); torchrun's summary blames whichever it saw first."""
-    run_dir, out = _once(runs, tmp_path_factory, "kill", 4, "200", "--fault", "SIGKILL", "--rank", "2", "--at", "40")
+    _run_dir, out = _once(runs, tmp_path_factory, "kill", 4, "200", "--fault", "SIGKILL", "--rank", "2", "--at", "40")
     line = next((x for x in out.splitlines() if x.startswith("  culprit:")), "")
     assert line.startswith("  culprit: rank 2, the first to end abnormally: "), out[-3000:]
     assert ("killed by signal 9 (SIGKILL)" in line or "died without exiting" in line) and "at step 40" in line

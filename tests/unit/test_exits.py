@@ -84,7 +84,7 @@ def _alert(rank: int, alert: str, ts: float, **details: object) -> dict[str, obj
 def test_culprit_lines_come_in_the_order_the_alerts_first_fired() -> None:
     events = [
         _alert(0, "Hang", 10.0, culprits=[2], kind="missing", waits=[{"pg": "default_pg@", "seq": 46,
-               "op": "all_reduce", "waiting": [0, 1, 3], "missing": [2]}]),  # fmt: skip
+               "op": "all_reduce", "waiting": [0, 1, 3], "missing": [2]}]),
         _alert(2, "Hang", 10.1, culprits=[2], kind="missing", stack=["train.py:43 in <module>: time.sleep(3600)"]),
         _alert(1, "RankGone", 20.0, culprits=[0], ranks={"0": {"ended": "exception: RuntimeError: x", "last_step": 40}}),
         _alert(3, "ReplicaDivergence", 5.0, culprits=[], culprit_unknown=["dp group [0, 1]: no majority"]),

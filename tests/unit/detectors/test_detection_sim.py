@@ -9,7 +9,7 @@ from hpar_agent.detectors.cluster import CompileDivergence, ReplicaDivergence, S
 from hpar_agent.detectors.liveness import Hang, RankGone
 from hpar_agent.detectors.sources import group_key_of
 from hpar_agent.detectors.waits import GroupState
-from testkit.detection_sim import judge, job, named, raised
+from testkit.detection_sim import job, judge, named, raised
 
 N = 1024
 LATE_NS = 120_000_000  # 120 ms more compute a 0.3 s step: others wait for it 0.4 of the time
@@ -32,6 +32,15 @@ def test_a_slow_tp_group_is_named_whole_in_dp_x_tp() -> None:
         ranks[r].late_ns = LATE_NS
     verdicts = judge(Straggler, grid, ranks)
     assert raised(verdicts) == slow and named(verdicts) == slow
+
+
+def test_a_slow_ranks_tp_peers_that_wait_for_it_are_not_named() -> None:
+    """Rank 401 computes slowly: its tp peers wait for it at every tp all-reduce and so reach their dp
+    all-reduce late too, but what they waited for is not theirs."""
+    grid, ranks = job([("dp", N // 4), ("tp", 4)])
+    ranks[401].late_ns = LATE_NS
+    verdicts = judge(Straggler, grid, ranks)
+    assert raised(verdicts) == {401} and named(verdicts) == {401}
 
 
 @pytest.mark.parametrize("wrong", [{700}, set(range(100, 108))], ids=["one", "a node of 8"])
