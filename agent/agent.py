@@ -30,7 +30,8 @@ from hpar_agent.detectors.component import DetectorsComponent
 from hpar_agent.events import EventLog
 from hpar_agent.families import Families
 from hpar_agent.gil import Yielder
-from hpar_agent.lifecycle import AtExit, SignalFlush, forget_in_child
+from hpar_agent.lifecycle import AtExit, ExceptHook, SignalFlush, forget_in_child
+from hpar_agent.rankstate import RankState
 from hpar_agent.safefiles import RUNS_DIR, UnsafePathError, default_run_dir, private_dir
 from hpar_agent.span_schedule import SpanScheduler
 from hpar_agent.spans import Child, StepRecord
@@ -79,6 +80,7 @@ class Agent:
         self.run_dir = ""
         self.server: Any = None
         self._signals: SignalFlush | None = None
+        self._excepthook: ExceptHook | None = None
         self._at_exit: AtExit | None = None
         self.tracing: Any = None
         self.started = False
@@ -140,6 +142,8 @@ class Agent:
         self._at_exit.install()
         self._signals = SignalFlush(self)
         self.guard("agent", self._signals.install)  # SIGTERM/SIGINT: flush, then what they did before
+        self._excepthook = ExceptHook(self)
+        self._excepthook.install()  # an uncaught exception: how the rank ended (rankstate, RankGone)
         return self
 
     def _event_log(self, rank: int) -> EventLog:
@@ -252,6 +256,8 @@ class Agent:
             self._at_exit.uninstall()
         if self._signals is not None:
             self.guard("agent", self._signals.uninstall)
+        if self._excepthook is not None:
+            self._excepthook.uninstall()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -524,7 +530,7 @@ def default_components(config: AgentConfig) -> list[Component]:
     from hpar_agent.collectors.gradsync import GradSyncCollector
     from hpar_agent.collectors.oom import OomCollector
 
-    comps: list[Component] = [TopologyWatch(), StepCollector(), PipelineCollector(), AnatomyCollector()]
+    comps: list[Component] = [TopologyWatch(), RankState(), StepCollector(), PipelineCollector(), AnatomyCollector()]
     comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector(), OomCollector()]
     comps.append(CompileCollector())
     if config.detectors:

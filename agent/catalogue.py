@@ -32,6 +32,7 @@ ERROR_TYPE = "error_type"
 PEER = "peer"
 VERDICT = "verdict"
 GROUP = "group"
+CULPRIT = "culprit"
 
 #: Labels every series carries, in this order.
 COMMON_LABELS: tuple[str, ...] = (RANK, PP_STAGE)
@@ -142,6 +143,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_collective_inflight", "gauge", "Ops enqueued but not completed on the group.", PG),
     _m("hpar_collective_oldest_inflight_age_seconds", "gauge", "Age of the oldest op not yet completed on the group.", PG, unit="seconds"),
     _m("hpar_collective_last_completed_seq", "gauge", "Sequence number of the last completed collective on the group.", PG),
+    _m("hpar_collective_last_enqueued_seq", "gauge", "Sequence number of the last collective this rank entered on the group: at a hang, the ranks below their group's highest are the ones the others wait for.", PG),
     _m("hpar_collective_unobserved_total", "counter", "Flight-recorder entries overwritten before the agent read them.", PG),
     _m("hpar_grad_sync_coverage_ratio", "gauge", "dp: gradient elements the last judged step reduced over dp / trainable gradient elements it must reduce; tp: elements of tp-replicated gradients that needed a tp sum and got it / those that needed it (sampled steps); 1 when whole.", GROUP, unit="ratio"),
     _m("hpar_collective_timing_enabled", "gauge", "1 when the group's ops carry durations (NCCL with timing on, pipelining p2p), else 0.", PG),
@@ -178,6 +180,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_alert_active", "gauge", "1 while the named detector's condition holds on this rank.", ALERT),
     _m("hpar_alerts_total", "counter", "Times the named alert went from inactive to active.", ALERT),
     _m("hpar_detector_value", "gauge", "The signal each detector compares with its threshold (units per detector, see docs).", ALERT),
+    _m("hpar_alert_culprit", "gauge", "1 for each rank an active cross-rank alert on this rank names as its cause (at most 16 an alert): max by (alert, culprit) over the job gives every culprit.", ALERT, CULPRIT),
 )
 
 METRICS_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
@@ -232,7 +235,8 @@ ALERTS: tuple[AlertSpec, ...] = (
     AlertSpec("Straggler", "warning", "A rank is persistently slower than its group.", DASH_OVERVIEW),
     AlertSpec("GradSyncIncomplete", "critical", "A step reduced less of the trainable gradient over data parallelism than it must.", DASH_COLLECTIVES),
     AlertSpec("NumaMisbinding", "warning", "The rank may run only on CPUs outside its GPU's NUMA node (NVML's ideal CPUs).", DASH_OVERVIEW),
-    AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout.", DASH_COLLECTIVES),
+    AlertSpec("Hang", "critical", "A collective is in flight, or no step progressed, past the timeout; names the rank(s) the others wait for.", DASH_COLLECTIVES),
+    AlertSpec("RankGone", "critical", "A rank stopped publishing and its process is gone, stopped or out of sight (raised by the ranks that compare with it, naming it).", DASH_OVERVIEW),
 )
 #: Alerts of the in-process detectors (each exported as ``hpar_alert_active{alert=...}``).
 ALERT_NAMES: tuple[str, ...] = tuple(a.name for a in ALERTS)

@@ -57,6 +57,9 @@ class Component:
         """Training thread, inside the step-boundary hook: must be O(µs), only append. Only
         components that override it are called."""
 
+    def on_uncaught(self, exc: BaseException) -> None:
+        """Main thread, in the agent's ``sys.excepthook``: ``exc`` is about to end the process."""
+
     def on_step(self, rec: StepRecord) -> None:
         """Agent thread: called once per completed step, after every component's ``poll``."""
 

@@ -101,6 +101,9 @@ class AgentContext:
     components: Sequence[object] = ()
     #: the Straggler detector's conclusion, for the step anatomy's verdict
     slow_rank: SlowRank = field(default_factory=SlowRank)
+    #: how the process is ending, set on the way out: "exception: <Type>: <message>" (uncaught in the main
+    #: thread), "signal: SIGTERM", else "" (a clean exit or detach)
+    exit_reason: str = ""
     _evidence: Evidence | None = field(default=None, repr=False)
 
     @property

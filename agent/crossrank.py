@@ -18,10 +18,10 @@ key per step), and a reader fetches only the purposes it compares:
 
 Comparison peers (``plan``): along every mesh dim but ``pp`` (stages hold different graphs and
 parameters), the members of this rank's group on that dim: all of them in a group of up to
-``1 + PEERS_PER_DIM``, else the four at -1, +1, -n/3 and +n/3 in the group's order. The choice is
+``WHOLE_GROUP`` (8), else the four at +-n/5 and +-2n/5 in the group's order (``select``). The choice is
 symmetric (a rank is read by the ranks it reads), so a lone odd rank is outvoted 4 to 1 wherever it
-is, and the far pair crosses node boundaries: a block of contiguous ranks that is wrong together (a
-node) is still outvoted at its edges. What each detector compares, with whom:
+is, and far apart: a block of up to n/5 contiguous ranks that is wrong or slow together (a node) holds
+none of its members' peers, so every one of its ranks is named, not only its edges. What each detector compares, with whom:
 
 - CompileDivergence: fingerprints (``s``) of all its peers, one stage;
 - ReplicaDivergence: checksum digests (``s``) of its dp and tp peers, holders of the same shard; the
@@ -62,8 +62,11 @@ from hpar_agent import gil
 
 log = logging.getLogger("hpar_agent")
 
-#: Peers read along one mesh dim once its group has more members than ``1 + PEERS_PER_DIM``.
+#: Peers read along one mesh dim once its group has more members than ``WHOLE_GROUP``.
 PEERS_PER_DIM = 4
+#: Groups of up to this many members are read whole: half of a group of 8 that is slow together (a
+#: node) cannot be told from the other half by four of them.
+WHOLE_GROUP = 8
 #: purpose -> the mesh dims whose comparison peers a rank reads it from at every exchange ("*": all);
 #: ``ck`` is fetched on demand (ReplicaDivergence, when digests disagree).
 READS: dict[str, str] = {"s": "*", "fr": "*", "gs": "tp"}
@@ -189,15 +192,18 @@ class Grid:
         return [self.ranks[start + i * stride] for i in range(self.shape[axis])]
 
 
-def select(members: Sequence[int], me: int, k: int = PEERS_PER_DIM) -> list[int]:
-    """The members of one group that ``me`` compares with: all of them up to ``k``; else those at -1,
-    +1, -n/3 and +n/3 in the group's order (for ``k`` = 4; more pairs at -2, +2, ... for a larger ``k``)."""
+def select(members: Sequence[int], me: int, k: int = PEERS_PER_DIM, whole: int = WHOLE_GROUP) -> list[int]:
+    """The members of one group that ``me`` compares with: all of them in a group of up to ``whole``;
+    else ``k`` spread evenly around the group, at +-n/(k/2+1), +-2n/(k/2+1), ... in the group's order
+    (for ``k`` = 4: +-n/5 and +-2n/5). Symmetric: a rank is read by the ranks it reads. Far apart: a
+    block of up to n/5 contiguous ranks that is wrong together (a slow or miscompiled node) holds none
+    of a member's peers, so each of its ranks is outvoted 4 to 1 by ranks outside it."""
     n = len(members)
-    if n - 1 <= k:
+    if n <= whole:
         return [m for m in members if m != me]
     i = members.index(me)
-    far = max(2, n // 3)
-    offsets = [o for j in range(1, k // 2) for o in (j, -j)] + [far, -far]
+    pairs = max(1, k // 2)
+    offsets = [o for j in range(1, pairs + 1) for o in (j * n // (pairs * 2 + 1), -(j * n // (pairs * 2 + 1)))]
     out: list[int] = []
     for o in offsets:
         peer = members[(i + o) % n]
@@ -208,10 +214,13 @@ def select(members: Sequence[int], me: int, k: int = PEERS_PER_DIM) -> list[int]
 
 @dataclass(frozen=True)
 class PeerPlan:
-    """One rank's comparison peers by mesh dim (itself never among them)."""
+    """One rank's comparison peers by mesh dim (itself never among them), and in a job of up to
+    ``WHOLE_GROUP`` ranks every other rank (``world``: their ``s`` is read too, so a hang's culprit on
+    another dim or stage is seen)."""
 
     rank: int
     groups: Mapping[str, tuple[int, ...]]
+    world: tuple[int, ...] = ()
 
     @property
     def peers(self) -> list[int]:
@@ -222,6 +231,8 @@ class PeerPlan:
         out = {}
         for purpose, dim in reads.items():
             ranks = self.peers if dim == "*" else list(self.groups.get(dim, ()))
+            if purpose == "s" and self.world:
+                ranks = sorted({*ranks, *self.world})
             if ranks:
                 out[purpose] = ranks
         return out
@@ -237,14 +248,16 @@ def plan(grid: Grid, rank: int, k: int = PEERS_PER_DIM, skip: Iterable[str] = ("
         for dim, size in zip(grid.names, grid.shape, strict=True)
         if size > 1 and dim not in skipped
     }
-    return PeerPlan(rank, groups)
+    world = tuple(r for r in grid.ranks if r != rank) if len(grid.ranks) <= WHOLE_GROUP else ()
+    return PeerPlan(rank, groups, world)
 
 
 # ------------------------------------------------------------------------------------------ store
 class Exchange:
     """One rank's view of the exchange: ``publish`` its parts, ``read`` the peers'.
 
-    ``bytes_out`` / ``bytes_in`` count the payload bytes this rank set and got (keys not counted)."""
+    ``bytes_out`` / ``bytes_in`` count the payload bytes this rank set and got (keys not counted),
+    ``largest_out`` the most one publish set."""
 
     def __init__(self, store: Any, job: str, rank: int) -> None:
         self.store = store
@@ -254,6 +267,7 @@ class Exchange:
         self.max_bytes = 1 << 20
         self.bytes_out = 0
         self.bytes_in = 0
+        self.largest_out = 0  # the most bytes one publish set
         self.own: dict[str, dict[str, Any]] = {}  # purpose -> what this rank last set, as a reader decodes it
         self._sent: dict[str, str] = {}  # purpose -> its last body as set (without the publish time)
         self._seen: set[str] = set()  # peers' keys known to exist
@@ -298,6 +312,7 @@ class Exchange:
         self.published += 1
         sent = sum(len(v) for v in values)
         self.bytes_out += sent
+        self.largest_out = max(self.largest_out, sent)
         return sent
 
     def read(

@@ -210,26 +210,23 @@ class Evidence:
         return [path] if path else []
 
     def fr_dump(self, tag: str) -> list[str]:
-        """Flight-recorder JSON of every recorder this build has, without stack traces."""
+        """Every flight recorder this build has, without stack traces: as JSON, and as the pickle torch's
+        analyser reads (``hpar-agent fr-trace RUN_DIR`` runs it on every rank's)."""
         if not self._allowed("fr"):
             return []
-        try:
-            import torch._C._distributed_c10d as c10d
-        except ImportError:
-            return []
+        from hpar_agent.torch_compat import flight_recorder as fr
+
         out = []
-        for recorder, fn_name in (("gloo", "_dump_fr_trace_json"), ("nccl", "_dump_nccl_trace_json")):
-            fn: Any = getattr(c10d, fn_name, None)
-            if fn is None:
-                continue
-            try:
-                data = fn(includeCollectives=True, onlyActive=False)
-            except Exception as exc:
-                self._say_once(f"fr:{recorder}", f"{fn_name} failed ({exc})")
-                continue
-            path = self._write(self._name(tag, f"fr-{recorder}", "json"), bytes(data))
-            if path:
-                out.append(path)
+        for recorder in fr.available_recorders():
+            for fmt, ext in (("json", "json"), ("pickle", "pickle")):
+                try:
+                    data = fr.dump_bytes(recorder, fmt)
+                except Exception as exc:
+                    self._say_once(f"fr:{recorder}:{fmt}", f"the {recorder} flight recorder's {fmt} dump failed ({exc})")
+                    continue
+                path = self._write(self._name(tag, f"fr-{recorder}", ext), data) if data else None
+                if path:
+                    out.append(path)
         return out
 
     def collect(self, tag: str, kinds: tuple[str, ...]) -> list[str]:
@@ -250,6 +247,34 @@ class Evidence:
                     self.on_error(exc)
                 self._say_once(f"os:{kind}", f"writing {kind} evidence failed ({exc})")
         return paths
+
+
+def main_stack(path: str, depth: int = 3) -> list[str]:
+    """The innermost ``depth`` frames of the main thread in a ``py-spy dump --json`` file that are the
+    program's own (not a library's; all frames when none is), as ``file:line in function: source
+    line``: what the process was doing, in its own code, when it was dumped."""
+    import json
+    import linecache
+
+    try:
+        with open(path, "rb") as f:
+            threads = json.loads(f.read(1 << 20))
+        main = next(t for t in threads if t.get("thread_name") == "MainThread")
+        frames = main.get("frames") or []
+    except (OSError, ValueError, StopIteration, AttributeError, TypeError):
+        return []
+    def library(f: dict[str, Any]) -> bool:
+        name = str(f.get("filename", ""))
+        return "/site-packages/" in name or "/dist-packages/" in name or "/lib/python3" in name
+
+    user = [f for f in frames if not library(f)]  # the program's own lines first: where it called in
+    chosen = (user or frames)[:depth]
+    out = []
+    for fr in chosen:
+        src = linecache.getline(str(fr.get("filename", "")), int(fr.get("line") or 0)).strip()
+        where = f"{fr.get('short_filename') or fr.get('filename')}:{fr.get('line')} in {fr.get('name')}"
+        out.append(f"{where}: {src[:120]}" if src else where)
+    return out
 
 
 def _beside_python(name: str) -> str | None:

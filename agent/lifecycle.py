@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -93,6 +94,36 @@ def forget_in_child(agent: Any) -> None:
 
         agent.alert_callbacks = AlertCallbacks(agent.record_error)
 
+
+
+# ---------------------------------------------------------------------------------------------- exceptions
+class ExceptHook:
+    """The agent's ``sys.excepthook``: an uncaught exception of the main thread is noted in
+    ``AgentContext.exit_reason`` (what the rank's state file and its last exchange payload say of how
+    it ended) and handed to every component (``Component.on_uncaught``: the out-of-memory record), then
+    to the previous hook. A forked child's copy does nothing of the agent's."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.previous: Any = None
+        self.pid = os.getpid()
+
+    def install(self) -> None:
+        self.previous = sys.excepthook
+        sys.excepthook = self._hook
+
+    def uninstall(self) -> None:
+        if sys.excepthook == self._hook:
+            sys.excepthook = self.previous
+
+    def _hook(self, etype: type[BaseException], value: BaseException, tb: Any) -> None:
+        if os.getpid() == self.pid and self.agent.started:
+            with contextlib.suppress(Exception):
+                text = str(value).strip().splitlines()
+                self.agent.context.exit_reason = f"exception: {etype.__name__}: {text[0] if text else ''}"[:240]
+            for comp in list(self.agent.components):
+                self.agent.guard(comp.name, comp.on_uncaught, value)
+        (self.previous or sys.__excepthook__)(etype, value, tb)
 
 
 # ---------------------------------------------------------------------------------------------- signals
@@ -170,9 +201,14 @@ class SignalFlush:
         """The main thread is stuck in C: flush here and die by the signal, as without the agent."""
         if not self._once.acquire(blocking=False):
             return
+        self._note(signum)
         with contextlib.suppress(Exception):
             self.agent.stop(timeout=SIGNAL_FLUSH_S / 2)
         _die_by(signum)
+
+    def _note(self, signum: int) -> None:
+        with contextlib.suppress(Exception):
+            self.agent.context.exit_reason = f"signal: {signal.Signals(signum).name}"
 
     def uninstall(self) -> None:
         """Put the previous handlers back, unless someone replaced ours since."""
@@ -204,6 +240,7 @@ class SignalFlush:
             pass  # the watcher is flushing; it ends the process
         try:
             if prev is signal.SIG_DFL:
+                self._note(signum)
                 agent.stop(timeout=SIGNAL_FLUSH_S / 2)  # the process ends: a full, bounded stop
             else:
                 agent.flush(timeout=SIGNAL_FLUSH_S)  # the previous handler decides what happens next

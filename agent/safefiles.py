@@ -107,9 +107,10 @@ def _check_fd(fd: int, path: str) -> None:
         os.fchmod(fd, FILE_MODE)
 
 
-def open_private(path: str, *, append: bool = True, exclusive: bool = False) -> int:
-    """An fd for writing ``path``: never through a symlink, 0600, close-on-exec."""
-    flags = os.O_WRONLY | os.O_CREAT | _NOFOLLOW | _CLOEXEC
+def open_private(path: str, *, append: bool = True, exclusive: bool = False, readable: bool = False) -> int:
+    """An fd for writing ``path`` (and reading it, ``readable``: a shared mapping needs both): never
+    through a symlink, 0600, close-on-exec."""
+    flags = (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | _NOFOLLOW | _CLOEXEC
     flags |= os.O_EXCL if exclusive else 0
     flags |= os.O_APPEND if append else os.O_TRUNC
     if not append and not exclusive:

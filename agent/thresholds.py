@@ -24,6 +24,7 @@ DETECTOR_DEFAULTS: dict[str, dict[str, float]] = {
     "CollectiveLatencyHigh": {"slo_s": 0.085, "window_s": 60, "min_count": 20, "quiet_steps": 3, "max_busy_steps": 10, "match_s": 30},
     "Straggler": {"max_lag_ratio": 0.25, "min_collectives": 8, "warmup_steps": 3, "min_window_steps": 3, "quiet_steps": 3, "max_busy_steps": 10},
     "Hang": {"timeout_s": 60, "warmup_steps": 2},
+    "RankGone": {"silent_s": 6},
     "GradSyncIncomplete": {"min_coverage": 0.99},
     "NumaMisbinding": {"min_shared_cpus": 1},
 }
@@ -66,6 +67,7 @@ RULE_THRESHOLDS: dict[tuple[str, str], dict[str, float]] = {
     },
     ("Hang", "no_step_progress"): {"max_step_age_s": 300},
     ("Hang", "inflight_age"): {"max_inflight_age_s": 120},
+    ("Hang", "missing_from_collective"): {"max_inflight_age_s": 60},
     ("GpuMemoryNearFull", "nvml_memory"): {"max_used_fraction": 0.95},
     ("GpuEccErrors", "ecc"): {"max_uncorrected": 0},
     ("HparAgentDown", "peer_up"): {"min_peers_up": 0},

@@ -134,6 +134,9 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
     dims = dict(LAYOUTS[layout](n))
     torch.manual_seed(0)
     model = build_model(ModelArgs(vocab=128, dim=64, heads=4, layers=4, seq_len=32), seed=0)  # the trainer's default
+    with torch.no_grad():  # trained weights: norms and biases off their round initial values, as a run's are
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
     tp = dims.get("tp", 1)
     tp_sharded = (".attn.w", ".mlp.w")  # what the trainer's TP plan shards (colwise/rowwise)
     replicated = [p for name, p in model.named_parameters() if not any(s in name for s in tp_sharded)]
@@ -144,10 +147,15 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
     agent = Agent(model, metrics_port=-1, traces="none", run_dir=run_dir)
     agent.topology = topo
     agent.families = Families(["0", "0"])
-    samples = {s: [[0.001 * (i + 1) for i in range(len(replicated))]] * 2 for s in (1, 11, 21)} if tp > 1 else {}
+    gen = torch.Generator().manual_seed(0)  # tp gradient samples as a run's: signed, full-precision floats
+    samples = {s: [(torch.randn(len(replicated), generator=gen, dtype=torch.float64) * 1e-2).tolist()
+                   for _ in range(2)] for s in (1, 11, 21)} if tp > 1 else {}  # fmt: skip
+    window = _fr_window(dims)
+    last = {e["pg"]: e["seq"] for e in window}  # each group's last collective, entered and completed
     for comp in (holding(StepCollector, count=STEPS, total=STEPS, last_step_ts=time.time(), durations=[0.3] * 8),
                  holding(CompileCollector, fingerprint=1022026788184957),
-                 holding(CollectiveCollector, recent_entries=deque(_fr_window(dims), maxlen=2048)),
+                 holding(CollectiveCollector, recent_entries=deque(window, maxlen=2048), last_enqueued=last,
+                         last_completed=dict(last)),
                  holding(GradSyncCollector, tp_samples=samples)):  # fmt: skip
         agent.add_component(comp)
     det = DetectorsComponent(exchange=Exchange(HashStore(), "bench", 0))

@@ -76,6 +76,7 @@ class CollectiveCollector(Component):
         self.inflight: dict[str, int] = {}
         self.oldest_age: dict[str, float] = {}
         self.last_completed: dict[str, int] = {}
+        self.last_enqueued: dict[str, int] = {}
         self.timed = 0
         #: step -> pg -> input elements of its all_reduce/reduce_scatter entries (gradient-sync coverage)
         self.reduced_elems: dict[int, Counter[str]] = {}
@@ -492,6 +493,8 @@ class CollectiveCollector(Component):
             self.inflight[pg] = max(0, enq - done)
             if done >= 0:
                 self.last_completed[pg] = done
+            if enq >= 0:
+                self.last_enqueued[pg] = enq
             opened = self._open.get(pg, {})
             for seq in [s for s in opened if s <= done]:
                 del opened[seq]
@@ -517,6 +520,7 @@ class CollectiveCollector(Component):
             ("hpar_collective_inflight", self.inflight),
             ("hpar_collective_oldest_inflight_age_seconds", self.oldest_age),
             ("hpar_collective_last_completed_seq", self.last_completed),
+            ("hpar_collective_last_enqueued_seq", self.last_enqueued),
         ):
             g = f.gauge(name)
             for pg, v in sorted(values.items()):

@@ -6,7 +6,7 @@ Two ways in:
   attach, else at a step boundary (the training thread, where no allocation of ours races the attach).
   Torch calls it on the thread whose allocation failed, before the ``OutOfMemoryError`` is raised, with
   that code's stack still live;
-- ``sys.excepthook``: an uncaught ``torch.OutOfMemoryError`` ends the process. The record is marked
+- the agent's ``sys.excepthook`` (``Component.on_uncaught``): an uncaught ``torch.OutOfMemoryError`` ends the process. The record is marked
   fatal, or made there when the observer could not be (CUDA initialized after attach, no step since).
 
 The first out-of-memory of the process writes the record: the step, the allocator's numbers, the stacks
@@ -70,23 +70,17 @@ class OomCollector(Component):
         self.count = 0  # out-of-memory errors seen (observer calls, or the one uncaught error)
         self.record: dict[str, Any] | None = None
         self._busy = False
-        self._hooked = False
-        self._pid = 0  # the process that installed the hook (a forked child inherits it, not the record)
-        self._prev_hook: Any = None
+        self._pid = 0  # the process that installed it (a forked child inherits it, not the record)
 
     # ------------------------------------------------------------------------------------ lifecycle
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
-        self._prev_hook, sys.excepthook = sys.excepthook, self._excepthook
-        self._hooked, self._pid = True, os.getpid()
+        self._pid = os.getpid()
         self._observe()
 
     def uninstall(self) -> None:
         cuda_memory.stop_observing(self.on_allocator_oom)
         self.observing = False
-        if self._hooked and sys.excepthook == self._excepthook:
-            sys.excepthook = self._prev_hook
-        self._hooked = False
 
     def _observe(self) -> None:
         ctx = self.ctx
@@ -122,7 +116,12 @@ class OomCollector(Component):
             self._busy = False
 
     def on_uncaught(self, exc: BaseException) -> None:
-        """An out-of-memory that ends the process (``sys.excepthook``, or zero-code mode attaching for it)."""
+        """An exception that ends the process (the agent's ``sys.excepthook``, or zero-code mode attaching
+        for an out-of-memory): recorded when it is an out-of-memory."""
+        import torch
+
+        if not isinstance(exc, torch.OutOfMemoryError) or os.getpid() != self._pid:
+            return
         self.count = max(self.count, 1)
         fatal = {"fatal": True, "message": str(exc)[:MESSAGE_CHARS]}
         stack = mf.stack_lines(traceback.extract_tb(exc.__traceback__))
@@ -134,16 +133,6 @@ class OomCollector(Component):
         rec["stacks"]["traceback"] = stack
         rec.update(fatal, site=rec.get("site") or mf.user_site(stack))
         self.require_ctx().events.emit("oom", **rec)
-
-    def _excepthook(self, tp: type[BaseException], value: BaseException, tb: Any) -> None:
-        try:
-            import torch
-
-            if self._hooked and os.getpid() == self._pid and isinstance(value, torch.OutOfMemoryError):
-                self.on_uncaught(value)
-        except Exception as exc:
-            self.record_error(exc)
-        (self._prev_hook or sys.__excepthook__)(tp, value, tb)
 
     # ------------------------------------------------------------------------------------ the record
     def _write(self, source: str, device: int | None, frames: list[FrameType], stacks: dict[str, list[str]],

@@ -89,7 +89,10 @@ class CompileDivergence(Detector):
             outvoted = sig.odd_ranks(vals)
             odd = odd or (len(vals) >= 3 and ctx.rank in outvoted and len(outvoted) < len(vals))
         differ = sum(1 for v in stage.values() if v != stage[ctx.rank])
-        return Verdict(odd, float(differ), {"fingerprints": {str(r): v for r, v in stage.items()}})
+        details = {"fingerprints": {str(r): v for r, v in stage.items()}, **sig.culprits_of(stage)}
+        if odd and ctx.rank not in details["culprits"] and details["culprits"]:
+            details["culprits"] = sorted({*details["culprits"], ctx.rank})  # outvoted along one dim
+        return Verdict(odd, float(differ), details)
 
 
 class ChecksumSampler:
@@ -217,23 +220,24 @@ class ReplicaDivergence(Detector):
         return {"s": {"cd": {str(s): d for s, d in self._digests.items()}},
                 "ck": {"cks": {str(s): v for s, v in self.history}, "sk": keys}}  # fmt: skip
 
-    def _compare(self, ctx: Evaluation, label: str, group: list[int]) -> tuple[int, list[str]]:
-        """(step compared, this rank's offending parameters) at the latest step every member digested;
-        the checksums by name only when the digests disagree (once per step and group)."""
+    def _compare(self, ctx: Evaluation, label: str, group: list[int]) -> tuple[int, dict[int, list[str]]]:
+        """(step compared, member -> its offending parameters) at the latest step every member
+        digested; the checksums by name only when the digests disagree (once per step and group)."""
         steps = set.intersection(*(set(ctx.peers[r]["cd"]) for r in group))
         if not steps:
-            return -1, []
+            return -1, {}
         step = max(steps, key=int)
         if sig.digests_agree({r: ctx.peers[r]["cd"][step] for r in group}):
-            return int(step), []
+            return int(step), {}
         memo = self._judged.get(label)
         if memo is not None and memo[:2] == (step, group):
             return int(step), memo[2]
         full = ctx.fetch("ck", group)
         if any(step not in full.get(r, {}).get("cks", {}) for r in group):
-            return -1, []  # a member's checksums moved on (or are missing): the next exchange judges
+            return -1, {}  # a member's checksums moved on (or are missing): the next exchange judges
         sums = {r: full[r]["cks"][step] for r in group}
-        diff = sig.same_shard_offenders(sums, {r: full[r].get("sk", {}) for r in group}, ctx.rank)
+        keys = {r: full[r].get("sk", {}) for r in group}
+        diff = {r: d for r in group if (d := sig.same_shard_offenders(sums, keys, r))}
         self._judged[label] = (step, group, diff)
         return int(step), diff
 
@@ -241,18 +245,28 @@ class ReplicaDivergence(Detector):
         if not ctx.peers_fresh:
             return None
         bad: dict[str, Any] = {}
+        culprits: set[int] = set()
+        unknown: list[str] = []
         compared = False
         for label, keys in (("dp", DP_KEYS), ("tp", TP_KEYS)):
             group = _my_group(ctx, keys, "cd")
             if len(group) < 2:
                 continue
-            step, diff = self._compare(ctx, label, group)
+            step, by_rank = self._compare(ctx, label, group)
             compared = compared or step >= 0
+            if len(by_rank) == len(group):  # no majority of any parameter (a 1-1 split): who is wrong is unknown
+                unknown.append(f"{label} group {group}: no majority holds the same values")
+            else:
+                culprits.update(by_rank)
+            diff = by_rank.get(ctx.rank, [])
             if diff:
                 bad[label] = {"step": step, "ranks": group, "params": diff[:8], "count": len(diff)}
         if not compared:
             return None
-        return Verdict(bool(bad), float(sum(b["count"] for b in bad.values())), bad)
+        details: dict[str, Any] = {**bad, "culprits": sorted(culprits)}
+        if unknown:
+            details["culprit_unknown"] = unknown
+        return Verdict(bool(bad), float(sum(b["count"] for b in bad.values())), details)
 
 
 #: The last ``_peer_fr`` answer and the peers dict it came from: three detectors ask per exchange.
@@ -363,6 +377,7 @@ class CollectiveMismatch(Detector):
         self.param_bits: int | None = None
         self.intended: set[int] = set()
         self.cross: list[dict[str, Any]] = []
+        self.odd_peers: list[int] = []  # the ranks compared whose entries differ from the majority's
         self.peer_bits: dict[sig.ReductionKey, float] = {}
 
     def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
@@ -376,7 +391,9 @@ class CollectiveMismatch(Detector):
         if ctx.peers_fresh:  # pause points between the steps: together they hold the GIL for up to ~5 ms
             fr, sizes = _peer_fr(ctx)
             gil.pause_point()
-            self.cross = sig.collective_mismatches(fr, sizes, self.param_bits).get(ctx.rank, []) if len(fr) >= 2 else []
+            every = sig.collective_mismatches(fr, sizes, self.param_bits) if len(fr) >= 2 else {}
+            self.cross = every.get(ctx.rank, [])
+            self.odd_peers = sorted(every) if len(every) < len(fr) else []  # all odd: a tie, culprit unknown
             gil.pause_point()
             self.peer_bits = sig.peer_reduction_bits(fr, ctx.rank)
             gil.pause_point()
@@ -390,6 +407,7 @@ class CollectiveMismatch(Detector):
             "low_precision": [{"pg": e[0], "seq": e[1], "op": e[2], "dtypes": e[4]} for e in unconfirmed[:8]],
             "agreed_low_precision": len(low) - len(unconfirmed),
             "param_bits": self.param_bits,
+            "culprits": sorted({*self.odd_peers, *([ctx.rank] if unconfirmed else [])}),
         }
         return Verdict(bool(self.cross or unconfirmed), float(len(self.cross) + len(unconfirmed)), details)
 
@@ -457,7 +475,11 @@ class Straggler(Detector):
         lags = sig.arrival_lag_ratio(fr, sizes, common=common)
         self._note_slowest(lags)
         ratio = lags.get(ctx.rank, 0.0)
-        return Verdict(ratio > self.p("max_lag_ratio"), ratio, {"collectives": len(common), "window_s": span_s})
+        slow = sorted(r for r, v in lags.items() if v > self.p("max_lag_ratio"))
+        return Verdict(ratio > self.p("max_lag_ratio"), ratio, {
+            "collectives": len(common), "window_s": span_s, "culprits": slow,
+            "victims": sorted(set(lags) - set(slow)) if slow else [],
+            "lags": {str(r): round(v, 3) for r, v in sorted(lags.items())}})  # fmt: skip
 
     def _note_slowest(self, lags: dict[int, float]) -> None:
         """The job's slow rank as every rank sees it (the step anatomy names it): the rank with the

@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from prometheus_client.core import Metric
@@ -39,16 +40,16 @@ from hpar_agent.detectors.base import Detector
 from hpar_agent.detectors.cluster import CollectiveMismatch, CompileDivergence, ReplicaDivergence, Straggler
 from hpar_agent.detectors.gradsync import GradSyncIncomplete
 from hpar_agent.detectors.host import NumaMisbinding
+from hpar_agent.detectors.liveness import Hang, RankGone
 from hpar_agent.detectors.local import (
     CollectiveLatencyHigh,
     CompiledGraphsGrowing,
     GraphBreaks,
-    Hang,
     MemoryLeak,
     RecompileStorm,
 )
 from hpar_agent.detectors.sources import step_state
-from hpar_agent.evidence import Evidence
+from hpar_agent.evidence import Evidence, main_stack
 from hpar_agent.spans import StepRecord
 from hpar_agent.thresholds import COMPONENT_DEFAULTS
 from hpar_agent.topology import _mesh_from_model, mesh_dim_names
@@ -62,8 +63,13 @@ D = TypeVar("D", bound=Detector)
 
 ALL_DETECTORS: tuple[type[Detector], ...] = (
     RecompileStorm, GraphBreaks, CompileDivergence, ReplicaDivergence, CollectiveMismatch, MemoryLeak,
-    CompiledGraphsGrowing, CollectiveLatencyHigh, Straggler, Hang, GradSyncIncomplete, NumaMisbinding,
+    CompiledGraphsGrowing, CollectiveLatencyHigh, Straggler, Hang, GradSyncIncomplete, NumaMisbinding, RankGone,
 )  # fmt: skip
+#: Culprits of one alert exported as ``hpar_alert_culprit`` series (the event lists them all).
+MAX_CULPRIT_SERIES = 16
+#: Seconds without an exchange after the store failed: torch logs every failed store call with its C++
+#: stack on stderr, and a store whose host exited fails every call.
+STORE_BACKOFF_S = 30.0
 
 
 @dataclass
@@ -108,6 +114,9 @@ class DetectorsComponent(Component):
         self.step_durations: list[float] = []
         self.peers: dict[int, dict[str, Any]] = {}
         self.peers_fresh = False
+        self.seen: dict[int, dict[str, Any]] = {}  # every comparison peer's last ``s``, however old
+        self.read_ok_at = 0.0  # time of the last read of the store that succeeded
+        self._store_down_until = 0.0  # no exchange before then: the store failed (its host may be gone)
         self._last_exchange = -1e18
         self._span_events: list[tuple[str, int, dict[str, Any]]] = []
         self._store_tried = exchange is not None
@@ -178,13 +187,32 @@ class DetectorsComponent(Component):
 
     # ------------------------------------------------------------------------------------ agent thread
     def uninstall(self) -> None:
-        """Drop the store client the agent opened itself (its socket closes with it; a caller's
-        exchange stays the caller's) and stop any allocator history recording."""
+        """Say goodbye to the peers, then drop the store client the agent opened itself (its socket
+        closes with it; a caller's exchange stays the caller's) and stop any allocator history recording."""
+        try:
+            self._goodbye()
+        except Exception as exc:
+            self.record_error(exc)
         if self._store_tried and self._own_store:
             self.exchange = None
         if self.evidence is not None:
             self.evidence.stop_memory_history()
         super().uninstall()
+
+    def _goodbye(self) -> None:
+        """This rank's last ``s`` once more with ``bye``: how it ended (``AgentContext.exit_reason``, "exit"
+        for a clean one), so its peers' RankGone tells a rank that finished from one that died. The
+        store gets a second at most: its host may be exiting too."""
+        ex, ctx = self.exchange, self.ctx
+        if ex is None or ctx is None or "s" not in ex.own or self.now < self._store_down_until:
+            return  # never published (no peer waits for this rank's payloads), or the store is failing
+        last = {k: v for k, v in ex.own["s"].items() if k != "t"}
+        last["bye"] = ctx.exit_reason or "exit"
+        last["step"] = step_state(ctx)[0]
+        set_timeout = getattr(ex.store, "set_timeout", None)
+        if set_timeout is not None and self._own_store:
+            set_timeout(timedelta(seconds=1))
+        ex.send(ex.encode({"s": last}))
 
     def _exchange(self) -> None:
         """Capture this rank's payload when an exchange is due (``_due``), then read what the comparison
@@ -263,15 +291,22 @@ class DetectorsComponent(Component):
     def _read(self, exchange: Exchange, cad: Cadence) -> dict[int, dict[str, Any]]:
         """rank -> its purposes merged into one dict, for this rank (what it published last) and every
         comparison peer whose ``s`` is fresh: younger than ``stale_s``, or two exchange intervals where
-        those are longer (a peer's other purposes count only with it)."""
+        those are longer (a peer's other purposes count only with it). Every peer's last ``s`` however
+        old goes to ``seen`` (the liveness detectors read a stopped rank's last word)."""
         fresh = max(self.stale_s, 2 * cad.interval_s)
-        got = exchange.read(self._plan().wants(), max_age_s={p: fresh for p in EVERY_EXCHANGE})
+        got = exchange.read(self._plan().wants())
+        self.read_ok_at = now = time.time()
         mine = [p for p in PURPOSES if p != "ck"]
         peers: dict[int, dict[str, Any]] = {}
-        for r in got.get("s", {}):
+        for r, s in got.get("s", {}).items():
+            self.seen[r] = s
+            if now - float(s.get("t", 0)) > fresh:
+                continue
             merged: dict[str, Any] = {}
             for purpose in mine:
-                merged.update(got.get(purpose, {}).get(r, ()))
+                blob = got.get(purpose, {}).get(r)
+                if blob is not None and (purpose not in EVERY_EXCHANGE or now - float(blob.get("t", 0)) <= fresh):
+                    merged.update(blob)
             peers[r] = merged
         own: dict[str, Any] = {}
         for purpose in mine:
@@ -283,6 +318,11 @@ class DetectorsComponent(Component):
                 gil.pause_point()
                 p["fr"] = sig.unpack_fr(p["fr"])
         return peers
+
+    @property
+    def exchange_interval_s(self) -> float:
+        """Seconds between this job's exchanges (``crossrank.cadence``)."""
+        return self._cadence().interval_s
 
     def fetch(self, purpose: str, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
         """``purpose``'s blobs of ``ranks`` now (this rank's own as it published it), whatever their
@@ -381,6 +421,7 @@ class DetectorsComponent(Component):
         if self._plan_of is None or self._plan_of[0] != key:
             mesh = ctx.mesh if ctx.mesh is not None else _mesh_from_model(ctx.model)
             self._plan_of = (key, plan(self._grid(mesh), ctx.topology.rank))
+            self.seen = {r: p for r, p in self.seen.items() if r in self._plan_of[1].peers}
         return self._plan_of[1]
 
     def _grid(self, mesh: Any) -> Grid:
@@ -413,10 +454,12 @@ class DetectorsComponent(Component):
             self._track_compiles()
         except Exception as exc:
             ctx.record_error(self.name, exc)
-        try:
-            self._exchange()
-        except Exception as exc:
-            ctx.record_error(self.name, exc)
+        if now >= self._store_down_until:
+            try:
+                self._exchange()
+            except Exception as exc:
+                self._store_down_until = now + STORE_BACKOFF_S  # torch prints each failed store call
+                ctx.record_error(self.name, exc)
         for d in self.detectors:
             gil.pause_point()
             try:
@@ -448,7 +491,10 @@ class DetectorsComponent(Component):
         if active == st.active:
             st.streak = 0
             if active:
-                st.details = details
+                named = _culprits(details) != _culprits(st.details) and bool(_culprits(details))
+                st.details = {**details, **{k: st.details[k] for k in ("stack",) if k in st.details}}
+                if named:
+                    self._announce(d, st, "updated", logging.INFO)
             return
         st.streak += 1
         if st.streak < (d.confirm if active else d.clear):
@@ -473,6 +519,9 @@ class DetectorsComponent(Component):
             except Exception as exc:
                 ctx.record_error(self.name, exc)
         st.evidence = paths
+        stack = next((main_stack(p) for p in paths if p.endswith(".pyspy.json")), [])
+        if stack:
+            st.details["stack"] = stack  # what this rank was doing (the culprit of a hang: why)
         self._announce(d, st, "firing", logging.WARNING)
 
     def _resolve(self, d: Detector, st: AlertState) -> None:
@@ -493,6 +542,10 @@ class DetectorsComponent(Component):
             evidence=st.evidence if state == "firing" else [],
             details=st.details,
         )
+        culprits = _culprits(st.details)
+        if state == "updated":
+            log.info("hpar_agent: alert %s on rank %d: culprit rank(s) %s", d.name, self.rank, _ranks_text(culprits))
+            return
         ctx.dispatch_alert(self._alert(d, st, state))
         attrs = {cat.ATTR_ALERT: d.name, "state": state, "value": st.value}
         self._span_events.append((cat.EVENT_ALERT, time.time_ns(), attrs))
@@ -504,8 +557,9 @@ class DetectorsComponent(Component):
         if st.logged:
             log.log(
                 level,
-                "hpar_agent: alert %s %s on rank %d stage %d (value %.4g, threshold %.4g)%s",
+                "hpar_agent: alert %s %s on rank %d stage %d (value %.4g, threshold %.4g)%s%s",
                 d.name, state, self.rank, self.stage, st.value, d.threshold,
+                f"; culprit rank(s) {_ranks_text(culprits)}" if state == "firing" and culprits else "",
                 f"; evidence: {', '.join(st.evidence)}" if state == "firing" and st.evidence else "",
             )  # fmt: skip
 
@@ -531,12 +585,16 @@ class DetectorsComponent(Component):
         active = f.gauge("hpar_alert_active")
         total = f.counter("hpar_alerts_total")
         value = f.gauge("hpar_detector_value")
+        culprit = f.gauge("hpar_alert_culprit")
         for name in cat.ALERT_NAMES:
             st = self.states[name]
             f.add(active, [name], 1.0 if st.active else 0.0)
             f.add(total, [name], st.fired)
             f.add(value, [name], st.value)
-        return [active, total, value]
+            if st.active:
+                for r in _culprits(st.details)[:MAX_CULPRIT_SERIES]:
+                    f.add(culprit, [name, str(r)], 1.0)
+        return [active, total, value, culprit]
 
     def summary(self) -> dict[str, Any]:
         out = {}
@@ -552,3 +610,13 @@ class DetectorsComponent(Component):
                 "evidence": st.evidence,
             }
         return out
+
+
+def _culprits(details: Mapping[str, Any]) -> list[int]:
+    """The ranks a verdict names as the cause (``details.culprits``), [] when it names none."""
+    got = details.get("culprits")
+    return [int(r) for r in got if isinstance(r, int)] if isinstance(got, list) else []
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:32])) + (f" and {len(ranks) - 32} more" if len(ranks) > 32 else "")

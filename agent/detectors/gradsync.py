@@ -55,5 +55,7 @@ class GradSyncIncomplete(Detector):
         if not covs:
             return None
         coverage = min(covs.values())
-        details = {"step": comp.judged, "required_elements": comp.required, "coverage": covs}
-        return Verdict(coverage < self.p("min_coverage"), float(coverage), details)
+        short = coverage < self.p("min_coverage")
+        details = {"step": comp.judged, "required_elements": comp.required, "coverage": covs,
+                   "culprits": [ctx.rank] if short else []}  # its own step reduced too little  # fmt: skip
+        return Verdict(short, float(coverage), details)

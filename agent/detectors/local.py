@@ -1,4 +1,4 @@
-"""Detectors that need only this rank's state: compile storms and breaks, leaks, latency, hangs."""
+"""Detectors that need only this rank's state: compile storms and breaks, leaks, latency."""
 
 from __future__ import annotations
 
@@ -369,43 +369,3 @@ class CollectiveLatencyHigh(Detector):
                 worst = (p99 / slo, p99, f"{pg}/{op}")
         details = {"worst": worst[2], "ratio_to_slo": worst[0], "judged": counted, "unmatched": len(self.pending)}
         return Verdict(worst[0] > 1.0, worst[1], details)
-
-
-class Hang(Detector):
-    """A rank stuck in or missing a collective: an op in flight, or no step, for too long.
-
-    | param | default | meaning |
-    |---|---|---|
-    | timeout_s | 60 | silence that counts as a hang; raised to 10 median steps, capped at 80% of the pg timeout |
-    | warmup_steps | 2 | no-progress is judged only after this many steps (first steps compile) |
-
-    An explicit ``Hang.timeout_s`` is used as is. Value: the longer of (seconds since the last step,
-    oldest in-flight age). The agent thread keeps evaluating while training is blocked in C++.
-    """
-
-    name = "Hang"
-    defaults = DETECTOR_DEFAULTS["Hang"]
-    threshold_param = "timeout_s"
-    evidence = ("pyspy", "fr")
-
-    def __init__(self, thresholds: dict[str, float] | None = None) -> None:
-        super().__init__(thresholds)
-        self.explicit = f"{self.name}.timeout_s" in (thresholds or {})
-
-    def timeout(self, ctx: Evaluation) -> float:
-        if self.explicit:
-            return self.p("timeout_s")
-        durations = ctx.step_durations[-64:]
-        return sig.hang_timeout(self.p("timeout_s"), src.pg_timeout_s(ctx.context), median(durations) if durations else None)
-
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        stalled = sig.stalled_seconds(ctx.now, ctx.last_step_ts, ctx.steps_done, int(self.p("warmup_steps")))
-        inflight = src.oldest_inflight(ctx.context)
-        pg, age = max(inflight.items(), key=lambda kv: kv[1], default=("", 0.0))
-        timeout = self.timeout(ctx)
-        value = max(stalled, age)
-        return Verdict(
-            value > timeout,
-            value,
-            {"no_step_s": stalled, "oldest_inflight_s": age, "pg": pg, "timeout_s": timeout},
-        )

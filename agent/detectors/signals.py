@@ -137,6 +137,15 @@ def odd_ranks(values: Mapping[int, Hashable]) -> set[int]:
     return {r for r, v in values.items() if v != majority}
 
 
+def culprits_of(values: Mapping[int, Hashable]) -> dict[str, Any]:
+    """``{"culprits": [...]}``: the ranks off the strict majority's value ([] when all agree); with no
+    strict majority (a 1-1 split) no culprit, and ``culprit_unknown`` says why."""
+    odd = odd_ranks(values)
+    if odd and len(odd) == len(values):
+        return {"culprits": [], "culprit_unknown": f"no majority among ranks {sorted(values)}: who is wrong is unknown"}
+    return {"culprits": sorted(odd)}
+
+
 def groups_by(coords: Mapping[int, Mapping[str, int]], keys: Sequence[str]) -> list[list[int]]:
     """Partition ranks by equal coordinates on ``keys`` (dp group: same tp/pp; tp group: same dp/pp)."""
     out: dict[tuple[Any, ...], list[int]] = {}
@@ -399,63 +408,65 @@ def arrival_lag_ratio(
     entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None, slices: int = 2,
     common: Mapping[tuple[str, int], Mapping[int, FrEntry]] | None = None,
 ) -> dict[int, float]:
-    """Per rank: the share of wall time its groups spent waiting for it, net of the time it spent
-    waiting for them, in the less affected half (``slices``) of each group's window.
+    """Per rank: the share of wall time the job waited for it, net of the typical rank's share, in the
+    less affected part (``slices``) of the window.
 
-    For every (pg, seq) all members reported, the last rank to enqueue kept the others waiting from
-    the second-to-last arrival to its own. A rank's blame in a group is the union of those intervals:
-    a rank 0.2 s behind through a burst of asynchronous reductions kept its peers waiting 0.2 s once,
-    not once per reduction. Within one slice of a group, a rank's blame minus the mean blame of its
-    peers, over the slice's span, is its net lag there. Per group the minimum over its slices is
-    taken, and a rank's value is the mean over its groups. Net: jitter, and ranks taking turns being
-    last on oversubscribed cores, cancel out (~0) instead of adding up on every rank. Minimum over
-    slices: a straggler is late in every part of the window, while a one-off stall (a compile, a
-    descheduled process, a checkpoint pause) fills one part only. Groups with fewer than
-    ``2 * slices`` common collectives are not judged. A rank 1.5x slower than its peers scores ~0.33.
-    ``common``: ``common_collectives(entries_by_rank, sizes)`` when the caller has it already.
+    A rank's time to each collective it enters (its arrival, less the moment it was free to go on:
+    the last arrival at its own previous collective, in any group) is its own work, whatever it waited
+    for before. Its excess over the median rank's time to the same collective (same group kind and
+    seq: every rank of a SPMD program runs them) is what it kept the others waiting; a rank that waited
+    in its tp group for a slow peer spent no more of its own time than its dp peers, and a slow tp
+    group, its members alike, spent more than the other replicas'. Asynchronous bursts (DDP buckets
+    enqueued back to back) count once: a rank enqueues the next op before the last one completes, so
+    only the time to the burst's first op is its work. Against the median, a block of slow ranks (two
+    neighbours, a slow host's eight, half of a group) is slow as a whole, each of its ranks by its own
+    excess. Within one of ``slices`` equal parts of the window, a rank's excess (what it took before each
+    arrival over the median rank's), over the time its arrivals there cover, less the lower-median
+    rank's share, is its net lag there: jitter, and ranks taking turns being slow on oversubscribed
+    cores, cancel out (~0); the minimum over the slices is taken: a straggler is slow in every part of
+    the window, while a one-off stall (a compile, a descheduled process, a checkpoint pause) fills one
+    part only. Not judged before every rank has ``2 * slices`` judged collectives. A rank 1.5x
+    slower than its peers scores ~0.33. ``common``: ``common_collectives(entries_by_rank, sizes)`` when
+    the caller has it already.
     """
-    by_pg: dict[str, list[Mapping[int, FrEntry]]] = {}
     if common is None:
         common = common_collectives(entries_by_rank, sizes)
-    for (pg, _seq), by_rank in common.items():
-        by_pg.setdefault(pg, []).append(by_rank)
-    nets: dict[int, list[float]] = {}
-    for ops in by_pg.values():
-        if len(ops) < 2 * slices:
+    last = {key: max(e[5] for e in by_rank.values()) for key, by_rank in common.items()}
+    work: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}  # (kind, seq) -> rank -> (arrival, own ns)
+    for r, entries in entries_by_rank.items():
+        for prev, e in pairwise(sorted(entries, key=lambda x: x[5])):
+            free = last.get((prev[0], prev[1]))
+            if free is not None:  # every member of its previous collective is read: when it was free is known
+                work.setdefault((e[0].split("@", 1)[0], e[1]), {})[r] = (e[5], max(0, e[5] - free))
+    excess: dict[int, list[tuple[int, int]]] = {}  # rank -> (arrival ns, ns over the median rank's)
+    for ranks_work in work.values():
+        if len(ranks_work) < 2:
             continue
-        ops.sort(key=lambda br: min(e[5] for e in br.values()))
-        parts = [_group_net(ops[i * len(ops) // slices : (i + 1) * len(ops) // slices]) for i in range(slices)]
-        for r in set.intersection(*(set(p) for p in parts)):
-            nets.setdefault(r, []).append(min(p[r] for p in parts))
-    return {r: sum(v) / len(v) for r, v in nets.items()}
-
-
-def _group_net(ops: Sequence[Mapping[int, FrEntry]]) -> dict[int, float]:
-    """One group's collectives -> rank: (its blame - its peers' mean blame) / the collectives' span."""
-    waits: dict[int, list[tuple[int, int]]] = {}  # rank -> intervals the others waited for it
-    t_min, t_max = math.inf, -math.inf
-    for by_rank in ops:
-        ts = sorted((e[5], r) for r, e in by_rank.items())
-        for _, r in ts:
-            waits.setdefault(r, [])
-        waits[ts[-1][1]].append((ts[-2][0], ts[-1][0]))
-        t_min, t_max = min(t_min, ts[0][0]), max(t_max, ts[-1][0])
-    seconds = (t_max - t_min) / 1e9
-    if seconds <= 0 or len(waits) < 2:
+        ref = sorted(w for _, w in ranks_work.values())[(len(ranks_work) - 1) // 2]
+        for r, (t, w) in ranks_work.items():
+            excess.setdefault(r, []).append((t, w - ref))
+    if len(excess) < 2 or any(len(xs) < 2 * slices for xs in excess.values()):
         return {}
-    blame = {r: _union_ns(iv) / 1e9 for r, iv in waits.items()}
-    total = sum(blame.values())
-    return {r: (v - (total - v) / (len(blame) - 1)) / seconds for r, v in blame.items()}
-
-
-def _union_ns(intervals: list[tuple[int, int]]) -> int:
-    """Total length of the union of [start, end] intervals."""
-    total, end = 0, -math.inf
-    for a, b in sorted(intervals):
-        if b > end:
-            total += int(b - max(a, end))
-            end = b
-    return total
+    t0 = min(t for xs in excess.values() for t, _ in xs)
+    t1 = max(t for xs in excess.values() for t, _ in xs)
+    if t1 <= t0:
+        return {}
+    width = (t1 - t0) / slices
+    part: dict[int, list[list[int]]] = {}  # rank -> per part: [excess ns, ns its arrivals there cover]
+    for r, xs in excess.items():
+        xs.sort()
+        part[r] = [[0, 0] for _ in range(slices)]
+        for (t_prev, _), (t, x) in pairwise(xs):
+            p = part[r][min(slices - 1, int((t - t0) / width))]
+            p[0] += max(0, x)
+            p[1] += t - t_prev
+    nets: dict[int, float] = {}
+    for i in range(slices):
+        share = {r: (p[i][0] / p[i][1] if p[i][1] > 0 else 0.0) for r, p in part.items()}
+        typical = sorted(share.values())[(len(share) - 1) // 2]
+        for r, v in share.items():
+            nets[r] = min(nets.get(r, math.inf), v - typical)
+    return nets
 
 
 # ------------------------------------------------------------------------------------------ latency

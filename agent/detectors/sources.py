@@ -16,6 +16,7 @@ from hpar_agent.collectors.compile import CompileCollector
 from hpar_agent.collectors.memory import MemoryCollector
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.detectors.signals import FrEntry
+from hpar_agent.detectors.waits import GroupState
 from hpar_agent.topology import ATOMIC_DIMS, FLATTENED_DIMS
 
 if TYPE_CHECKING:
@@ -147,6 +148,29 @@ def oldest_inflight(ctx: AgentContext) -> dict[str, float]:
     """pg -> age in seconds of its oldest op not yet completed."""
     c = ctx.find(CollectiveCollector)
     return {str(k): float(a) for k, a in list(c.oldest_age.items()) if a is not None} if c is not None else {}
+
+
+def group_states(ctx: AgentContext) -> dict[str, GroupState]:
+    """pg id (unique per group, as ``fr_entries`` makes it) -> this rank's last enqueued and completed
+    collective, the op of the last enqueued one while it is in flight, and the oldest in-flight age."""
+    c = ctx.find(CollectiveCollector)
+    if c is None:
+        return {}
+    coords = ctx.topology.coords()
+    out = {}
+    for pg, enq in list(c.last_enqueued.items()):
+        done = c.last_completed.get(pg, -1)
+        op = _op_at(c.recent_entries, pg, enq) if enq > done else ""
+        out[_group_key(pg, coords)] = GroupState(enq, done, op, float(c.oldest_age.get(pg) or 0.0))
+    return out
+
+
+def _op_at(entries: Any, pg: str, seq: int, look: int = 512) -> str:
+    """The op of the collective ``seq`` of ``pg`` among the last ``look`` entries read ("" unread)."""
+    for e in itertools.islice(reversed(entries), look):
+        if isinstance(e, Mapping) and e.get("pg") == pg and e.get("seq") == seq and not e.get("is_p2p"):
+            return str(e.get("op", "")).split(":")[-1]
+    return ""
 
 
 def pg_timeout_s(ctx: AgentContext) -> float | None:

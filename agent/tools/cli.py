@@ -189,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--nproc", type=int, default=4, help="ranks (the default layout needs 4)")
     diag.add_argument("trainer_args", nargs=argparse.REMAINDER, help="hpar-train flags after --, e.g. a GPU layout")
     diag.set_defaults(func=_diagnose)
+    from hpar_agent.tools import fr_trace
+
+    frt = sub.add_parser("fr-trace", help="torch's flight-recorder analyser on a run's per-rank dumps (a hang's second opinion)")
+    fr_trace.add_arguments(frt)
+    frt.set_defaults(func=fr_trace.run)
     run = sub.add_parser("run", help="observe an unmodified script: hpar-agent run -- torchrun ... train.py")
     run.add_argument("--run-dir", help="output directory (default $HPAR_RUN_DIR, else hpar-runs/run-<time>)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command after --")

@@ -24,6 +24,9 @@ from typing import Any
 from hpar_agent.catalogue import ENV_AUTOATTACH
 from hpar_agent.config import _TRUE
 from hpar_agent.safefiles import RUNS_DIR, default_run_dir, private_dir
+from hpar_agent.tools.culprits import Ending, ending_lines, endings
+from hpar_agent.tools.exits import ExitWatcher
+from hpar_agent.tools.run_files import load_run
 from hpar_agent.tools.summary import load_rank_summaries
 
 SHIM_DIR = Path(__file__).resolve().parents[1] / "zerocode_site"  # hpar_agent/zerocode_site
@@ -104,17 +107,18 @@ NOT_ATTACHED = (
 )
 
 
-def rank_lines(run_dir: Path) -> list[str]:
-    """What the end of the run says about the ranks, from their ``summary.rank<R>.json``: how many
-    ranks the job had (the world size the observed ones saw) and how many were observed, naming the
-    missing ones."""
+def rank_lines(run_dir: Path, ended: Sequence[Ending] = ()) -> list[str]:
+    """What the end of the run says about the ranks, from their ``summary.rank<R>.json`` (and, for a rank
+    killed before it wrote one, its state file: ``ended``): how many ranks the job had (the world size the
+    observed ones saw) and how many were observed, naming the missing ones."""
     ranks = load_rank_summaries(run_dir)
-    if not ranks:
+    unsummarized = [e for e in ended if e.rank not in {r.get("rank") for r in ranks}]
+    if not ranks and not unsummarized:
         return [NOT_ATTACHED]
-    world = max(int(r.get("topology", {}).get("world_size", 0) or 0) for r in ranks)
-    seen = {r.get("rank") for r in ranks}
+    world = max([int(r.get("topology", {}).get("world_size", 0) or 0) for r in ranks] + [e.world for e in unsummarized])
+    seen = {r.get("rank") for r in ranks} | {e.rank for e in unsummarized}
     missing = [i for i in range(world) if i not in seen]
-    lines = [f"  ranks observed: {len(ranks)} of {world} (summary.rank<R>.json, events.rank<R>.jsonl)"]
+    lines = [f"  ranks observed: {len(seen)} of {world} (summary.rank<R>.json, events.rank<R>.jsonl, state.rank<R>)"]
     if missing:
         shown = ", ".join(map(str, missing[:32])) + (" ..." if len(missing) > 32 else "")
         lines.append(f"  not observed: rank(s) {shown} of {world} (crashed or killed before attaching, or "
@@ -124,20 +128,25 @@ def rank_lines(run_dir: Path) -> list[str]:
     ooms = [line for r in ranks if (line := oom_line(r))]
     if len(ooms) > RANK_LINES_MAX:
         ooms[RANK_LINES_MAX:] = [f"  ... and {len(ooms) - RANK_LINES_MAX} more rank(s) ran out of CUDA memory"]
-    if len(ranks) > RANK_LINES_MAX:
+    if len(seen) > RANK_LINES_MAX:
+        steps += [e.step for e in unsummarized]
         lines.append(f"  steps per rank: min {min(steps)}, max {max(steps)}; agent errors: {sum(errors)}")
         return lines + ooms
+    per_rank: list[tuple[int, str]] = []
     for r, n, err in zip(ranks, steps, errors, strict=True):
         comps = r.get("components", {})
         topo = r.get("topology", {})
         p50 = comps.get("steps", {}).get("step_seconds_p50")
         attached = comps.get("zerocode", {}).get("attached_at", "attach()")
-        lines.append(
+        per_rank.append((int(r.get("rank") or 0),
             f"  rank {r.get('rank')}/{topo.get('world_size', '?')} ({topo.get('backend', '?')}, dp "
             f"{topo.get('dp', '?')}): {n} steps, step p50 {'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, "
             f"attached at {attached}, agent errors {err}, metrics {r.get('metrics_url') or '-'}"
-        )
-    return lines + ooms
+        ))  # fmt: skip
+    for e in unsummarized:
+        per_rank.append((e.rank, f"  rank {e.rank}/{e.world}: {e.step} steps, then {e.how} (no summary: it ended "
+                                 "before its agent could write one)"))  # fmt: skip
+    return lines + [line for _, line in sorted(per_rank)] + ooms
 
 
 def _gib(n: object) -> str:
@@ -184,8 +193,11 @@ def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, st
         return 2
     _say(f"observing `{shlex.join(cmd)}`; outputs in {rd}")
     t0 = time.time()
+    watcher = ExitWatcher(rd).start()
     status = _run_forwarding(cmd, child_env(environ, rd))
+    exits = watcher.stop()
     _say(f"exit code {status} after {time.time() - t0:.1f} s; outputs in {rd}")
-    for line in rank_lines(rd):
+    ended = endings(rd, exits)
+    for line in [*rank_lines(rd, ended), *ending_lines(ended, load_run(rd).events)]:
         print(line, file=sys.stderr)
     return status

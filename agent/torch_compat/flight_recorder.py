@@ -47,6 +47,23 @@ def dump(recorder: str, include_collectives: bool = True) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+#: Recorder name -> the function that dumps it as JSON (the pickle dumps are ``RECORDERS``').
+JSON_DUMPS: dict[str, str] = {"gloo": "_dump_fr_trace_json", "nccl": "_dump_nccl_trace_json"}
+
+
+def dump_bytes(recorder: str, fmt: str) -> bytes | None:
+    """The whole ring of ``recorder`` as torch writes it, without stack traces: ``pickle`` (what torch's
+    analyser, ``python -m torch.distributed.flight_recorder.fr_trace``, reads) or ``json`` (to read by
+    eye). None when this build has no such recorder."""
+    name = dict(RECORDERS)[recorder] if fmt == "pickle" else JSON_DUMPS[recorder]
+    fn: Callable[..., bytes] | None = getattr(_c10d(), name, None)
+    if fn is None:
+        return None
+    if fmt == "pickle":
+        return bytes(fn(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+    return bytes(fn(includeCollectives=True, onlyActive=False))
+
+
 def ring_entries() -> int | None:
     """The FR ring's capacity as configured (``TORCH_FR_BUFFER_SIZE``, or the older NCCL name); None
     when unset (torch's default)."""

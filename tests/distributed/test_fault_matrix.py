@@ -171,7 +171,7 @@ def test_hang_fires_on_every_stuck_rank_before_the_job_dies(hang: Run) -> None:
         assert details["timeout_s"] == pytest.approx(16.0)  # 80% of the 20 s pg timeout
         assert details["timeout_s"] < event["value"] < 20.0
         _private_files(event["evidence"])
-        assert {evidence_kind(p) for p in event["evidence"]} == {"pyspy.txt", "pyspy.json", "fr-gloo.json"}
+        assert {evidence_kind(p) for p in event["evidence"]} == {"pyspy.txt", "pyspy.json", "fr-gloo.json", "fr-gloo.pickle"}
     # the culprit is visible: rank 3 waits in a barrier of the default group, its peers in dp/tp ops
     assert fired[3]["details"]["pg"] == "default_pg"
     assert {fired[r]["details"]["pg"] for r in (0, 1, 2)} <= {"dp", "tp"}
@@ -191,7 +191,7 @@ def test_dtype_mismatch_attributed_to_the_bf16_rank(ddp: Run) -> None:
     assert event["details"]["param_bits"] == 32
     assert any(e["dtypes"] == "BFloat16" for e in event["details"]["low_precision"]), event["details"]
     _private_files(event["evidence"])
-    assert [evidence_kind(p) for p in event["evidence"]] == ["fr-gloo.json"]
+    assert [evidence_kind(p) for p in event["evidence"]] == ["fr-gloo.json", "fr-gloo.pickle"]
     dump = json.loads(Path(event["evidence"][0]).read_text())
     assert any(e["input_dtypes"] == ["BFloat16"] for e in dump["entries"])
     # the exchange also saw the peers disagree on the same (pg, seq)

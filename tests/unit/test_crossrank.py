@@ -18,6 +18,7 @@ from hpar_agent.crossrank import (
     PEERS_PER_DIM,
     READS,
     SPREAD_PER_RANK_S,
+    WHOLE_GROUP,
     Cadence,
     Exchange,
     Grid,
@@ -155,12 +156,12 @@ def _coords(grid: Grid, rank: int) -> dict[str, int]:
 def test_select_takes_a_small_group_whole_and_four_of_a_large_one() -> None:
     assert select([0, 1], 0) == [1]
     assert select(list(range(5)), 2) == [0, 1, 3, 4]
-    members = list(range(100, 160))  # 60 members: neighbours at 1 and 60 // 3
-    assert select(members, 100) == [101, 159, 120, 140]
+    members = list(range(100, 160))  # 60 members: peers at +-60 // 5 and +-2 * 60 // 5
+    assert select(members, 100) == [112, 148, 124, 136]
     for n in (6, 7, 8, 9, 64, 1000):
         for i in range(n):
             peers = select(list(range(n)), i)
-            assert len(peers) == PEERS_PER_DIM and i not in peers
+            assert len(peers) == (n - 1 if n <= WHOLE_GROUP else PEERS_PER_DIM) and i not in peers
             assert all(i in select(list(range(n)), p) for p in peers)  # symmetric: read by whom it reads
     assert len(select(list(range(64)), 0, k=6)) == 6
 
@@ -174,13 +175,13 @@ def test_every_rank_compares_only_within_its_groups_and_a_bounded_few(layout: st
         me = _coords(grid, rank)
         assert set(p.groups) == {d for d in sizes if d != "pp"}  # never across pipeline stages
         for dim, peers in p.groups.items():
-            assert len(peers) == min(PEERS_PER_DIM, sizes[dim] - 1)
+            assert len(peers) == (sizes[dim] - 1 if sizes[dim] <= WHOLE_GROUP else PEERS_PER_DIM)
             for r in peers:  # the members of this rank's group on dim: equal on every other dim
                 c = _coords(grid, r)
                 assert c[dim] != me[dim] and all(c[d] == me[d] for d in sizes if d != dim)
         wants = p.wants()
         assert set(wants) == set(READS) - ({"gs"} if "tp" not in sizes else set())
-        assert wants["s"] == wants["fr"] == p.peers and len(p.peers) <= PEERS_PER_DIM * len(p.groups)
+        assert wants["s"] == wants["fr"] == p.peers and len(p.peers) == sum(len(g) for g in p.groups.values())
         if "tp" in sizes:
             assert wants["gs"] == list(p.groups["tp"])
 
@@ -190,7 +191,8 @@ def test_what_a_rank_reads_does_not_grow_with_the_job() -> None:
         for layout in ("dp", "dp_tp"):
             dims = [("dp", n)] if layout == "dp" else [("dp", n // 8), ("tp", 8)]
             grid = Grid.row_major(dims)
-            assert {len(plan(grid, r).peers) for r in (0, n // 2, n - 1)} == {4 * len(dims)}
+            want = sum(size - 1 if size <= WHOLE_GROUP else PEERS_PER_DIM for _, size in dims)
+            assert {len(plan(grid, r).peers) for r in (0, n // 2, n - 1)} == {want}
 
 
 def test_hsdp_replicas_of_one_shard_are_compared() -> None:
@@ -285,7 +287,7 @@ def test_compile_divergence_on_sampled_peers_names_the_odd_rank_only(store: Any,
     _tick(ranks, 3)
     assert _active(ranks, "CompileDivergence") == {7}
     assert all(len(det.peers) == 5 for _, det in ranks)  # each compared itself with 4 of its 11 peers
-    assert ranks[7][1].states["CompileDivergence"].details["fingerprints"] == {"3": 1, "6": 1, "7": 2, "8": 1, "11": 1}
+    assert ranks[7][1].states["CompileDivergence"].details["fingerprints"] == {"3": 1, "5": 1, "7": 2, "9": 1, "11": 1}
 
 
 def test_compile_divergence_of_a_whole_node_is_outvoted_along_dp(store: Any, tmp_path: Any) -> None:
@@ -322,7 +324,7 @@ def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_p
     for _, det in ranks:
         assert len(det.peers) == 5  # itself and 4 of 9
     readers_of_5 = {det.rank for _, det in ranks if 5 in det.peers and det.rank != 5}
-    assert readers_of_5 == {2, 4, 6, 8}  # -3, -1, +1, +3 of 10: they name rank 5 the job's slow rank
+    assert readers_of_5 == {1, 3, 7, 9}  # -4, -2, +2, +4 of 10: they name rank 5 the job's slow rank
     from hpar_agent.detectors.cluster import Straggler
 
     slowest = {det.rank: getattr(det.detector(Straggler), "slowest", None) for _, det in ranks}

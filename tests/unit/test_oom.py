@@ -231,6 +231,7 @@ def test_an_uncaught_oom_marks_the_record_fatal_and_chains_the_previous_hook(tmp
         assert rec["stacks"]["traceback"][-1].endswith("in _raise_oom")
         hook(ValueError, ValueError("x"), None)  # any other error: only passed on
         assert len(seen) == 2 and [e["fatal"] for e in _events(a, "oom")] == [True]
+        assert a.context.exit_reason == "exception: ValueError: x"  # how the rank ended (rankstate, RankGone)
     finally:
         a.stop()
     assert sys.excepthook is user_hook  # put back at detach

@@ -74,7 +74,7 @@ def test_end_of_run_says_how_many_ranks_were_observed_and_names_the_missing(tmp_
     assert "hpar_agent.current().step()" in NOT_ATTACHED  # the advice for a loop the agent cannot see
     _write_summaries(tmp_path, 3, [0, 2])
     lines = rank_lines(tmp_path)
-    assert lines[0] == "  ranks observed: 2 of 3 (summary.rank<R>.json, events.rank<R>.jsonl)"
+    assert lines[0] == "  ranks observed: 2 of 3 (summary.rank<R>.json, events.rank<R>.jsonl, state.rank<R>)"
     assert lines[1].startswith("  not observed: rank(s) 1 of 3 (")
     assert lines[2].startswith("  rank 0/3 (gloo, dp 3): 5 steps, step p50 10.0 ms, attached at init_process_group")
     assert lines[3].startswith("  rank 2/3 (gloo, dp 3): 7 steps") and len(lines) == 4

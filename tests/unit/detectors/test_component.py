@@ -244,12 +244,13 @@ def test_a_small_jobs_pass_is_not_delayed(store: Any, tmp_path: Any) -> None:
 
 def test_a_pass_that_reads_and_publishes_reads_before_any_rank_publishes(store: Any, tmp_path: Any) -> None:
     """64 ranks at a 0.2 s interval: 31 ms windows, a pass may read one exchange and publish the next.
-    Rank a sets its next payload early in its window, its peer a+1 reads late in its own: without the
-    read window first, a+1 would read a's new payload against its own old one."""
+    Rank a sets its next payload early in its window, its peer b = a+12 (64 // 5) reads later in its own:
+    without the read window first, b would read a's new payload against its own old one."""
     th = {"detectors.exchange_s": 1.0, "detectors.exchange_min_s": 0.1}
-    a = _rank_at(64, 0.0005, 0.006, interval=0.2)  # a + 1 is at 0.618 of the window further (mod 1): late
+    a = _rank_at(64, 0.0005, 0.006, interval=0.2)
+    b = (a + 12) % 64  # 12 x 0.618 = 0.42 of the window further (mod 1): later
     pair = [make_agent(tmp_path / str(r), rank=r, world=64, comps=(steps(1),), exchange=Exchange(store, "job", r),
-                       **th) for r in (a, a + 1)]  # fmt: skip
+                       **th) for r in (a, b)]  # fmt: skip
     for agent, det in pair:
         agent.config.interval = 0.2
         assert det._cadence().gap == 1 and det._cadence().window_s == 64 / 2048
@@ -268,7 +269,7 @@ def test_a_pass_that_reads_and_publishes_reads_before_any_rank_publishes(store: 
     time.sleep(t + 0.2 - time.time() + 0.001)
     passes()
     assert [det.exchange.published for _, det in pair] == [2, 2]  # the next exchange came in the read pass
-    assert [det.peers[r]["step"] for (_, det), r in zip(pair, (a + 1, a), strict=True)] == [1, 1]
+    assert [det.peers[r]["step"] for (_, det), r in zip(pair, (b, a), strict=True)] == [1, 1]
     assert [dict(agent.errors) for agent, _ in pair] == [{}, {}]
 
 

@@ -20,7 +20,8 @@ from hpar_agent.collectors.compile import CompileCollector
 from hpar_agent.crossrank import Exchange
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors.component import DetectorsComponent
-from hpar_agent.detectors.local import CollectiveLatencyHigh, GraphBreaks, Hang, MemoryLeak, RecompileStorm
+from hpar_agent.detectors.liveness import Hang
+from hpar_agent.detectors.local import CollectiveLatencyHigh, GraphBreaks, MemoryLeak, RecompileStorm
 from hpar_agent.spans import StepRecord
 from tests.unit.harness import Fake, alert_events, inert, make_agent, sample, steps
 
@@ -328,10 +329,12 @@ def _dp_pair(store: Any, tmp_path: Any, compile_state: dict[str, Any]) -> list[t
     return out
 
 
-def _all_reduces(pair: list, first_seq: int, n: int, late_rank: int, skew_s: float, transfer_s: float) -> None:
-    """n all-reduces of a dp pair as NCCL times them: every rank's duration runs from its kernel start to
-    the end, so the rank that arrived first also times the wait for ``late_rank`` (``skew_s``)."""
-    t0 = time.time()
+def _all_reduces(pair: list, first_seq: int, n: int, late_rank: int, skew_s: float, transfer_s: float,
+                 t0: float | None = None) -> None:
+    """n all-reduces of a dp pair 0.3 s apart from ``t0`` (now) as NCCL times them: every rank's duration
+    runs from its kernel start to the end, so the rank that arrived first also times the wait for
+    ``late_rank`` (``skew_s``)."""
+    t0 = time.time() if t0 is None else t0
     for i in range(n):
         seq, start = first_seq + i, t0 + 0.3 * i
         for r, (_agent, _det, coll, _st) in enumerate(pair):
@@ -349,7 +352,7 @@ def test_collective_latency_ignores_peer_waits_in_compile_warmup_and_after(store
     # The clean dp2 H200 run: rank 1 still compiling, rank 0's all-reduces wait for it (p99 0.22 s).
     pair = _dp_pair(store, tmp_path, {"compiles": {("ok", "x"): 1}, "open": {("1/0", "x"): (0, 0)}})
     _tick(pair, 1)
-    _all_reduces(pair, 0, 40, late_rank=1, skew_s=0.22, transfer_s=0.003)
+    _all_reduces(pair, 0, 40, late_rank=1, skew_s=0.22, transfer_s=0.003, t0=time.time() - 0.3 * 40 - 0.1)  # done by now
     _tick(pair)
     for _agent, det, _coll, st in pair:  # compiles end (seen at step 5); warm-up is over 3 quiet steps later
         det.context.find(CompileCollector)._open = {}  # type: ignore[union-attr]
@@ -371,6 +374,7 @@ def test_collective_latency_ignores_peer_waits_in_compile_warmup_and_after(store
         assert sample(det, "hpar_alert_active", "CollectiveLatencyHigh") == 0.0
         assert sample(det, "hpar_detector_value", "CollectiveLatencyHigh") < 0.01
         assert [len(w) for w in det.detector(CollectiveLatencyHigh).judged.values()] == [40]  # type: ignore[union-attr]
+    _tick(pair, 1)  # Straggler confirms on a second exchange
     assert pair[1][1].states["Straggler"].active and not pair[0][1].states["Straggler"].active  # who was late
     # a genuinely slow link: both arrive within 1 ms, the transfer takes 0.2 s: fires on both ranks
     _all_reduces(pair, 80, 30, late_rank=1, skew_s=0.001, transfer_s=0.2)

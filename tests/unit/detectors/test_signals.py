@@ -106,24 +106,32 @@ def test_arrival_lag_flags_the_late_rank_not_jitter() -> None:
 
 
 def _lagged(late: dict[int, dict[int, int]], n_ranks: int = 2, steps: int = 30, per_step: int = 6) -> dict[int, list[tuple]]:
-    """Synchronous collectives 1 ms apart, 0.3 s steps; ``late[rank][i]`` ns added to op i of that rank
-    only (its peers waited there, so the following ops start together again)."""
+    """Collectives 1 ms apart in 0.3 s steps, asynchronous within a step; ``late[rank][i]`` ns of extra
+    work before op i of that rank (its later ops of the step come that much later too). Its peers wait
+    for the step's ops at its end: every rank's next step starts after the step's latest arrival."""
     step = 300_000_000
-    out: dict[int, list[tuple]] = {}
-    for r in range(n_ranks):
-        out[r] = [_fr("tp@0,0", i, t=(i // per_step) * step + (i % per_step) * 1_000_000 + late.get(r, {}).get(i, 0))
-                  for i in range(steps * per_step)]  # fmt: skip
+    out: dict[int, list[tuple]] = {r: [] for r in range(n_ranks)}
+    shift = 0
+    for s in range(steps):
+        behind = dict.fromkeys(range(n_ranks), 0)
+        for k in range(per_step):
+            i = s * per_step + k
+            for r in range(n_ranks):
+                behind[r] += late.get(r, {}).get(i, 0)
+                out[r].append(_fr("tp@0,0", i, t=s * step + k * 1_000_000 + shift + behind[r]))
+        shift += max(behind.values())
     return out
 
 
 def test_arrival_lag_is_net_persistent_and_counts_a_burst_once() -> None:
-    # rank 1 arrives 60 ms late at every step: others wait 60 ms per 0.3 s step
+    # rank 1 enters every step's asynchronous burst of 6 ops 60 ms late: others wait 60 ms per 0.36 s step,
+    # once (not once per op of the burst)
     late = {1: {i: 60_000_000 for i in range(0, 180, 6)}}
     ratios = sig.arrival_lag_ratio(_lagged(late))
-    assert ratios[1] == pytest.approx(0.2, abs=0.02) and ratios[0] < 0
-    # the same 60 ms late through an asynchronous burst of 6 ops per step: still 60 ms of waiting per step
-    burst = {1: {i: 60_000_000 for i in range(180)}}
-    assert 0.15 < sig.arrival_lag_ratio(_lagged(burst))[1] < 0.3  # not 6 x 60 ms per step
+    assert ratios[1] == pytest.approx(0.06 / 0.36, abs=0.02) and abs(ratios[0]) < 0.02
+    # the same 60 ms of extra work spread over the step, 10 ms before each op: the same share
+    spread = {1: {i: 10_000_000 for i in range(180)}}
+    assert sig.arrival_lag_ratio(_lagged(spread))[1] == pytest.approx(0.06 / 0.36, abs=0.02)
     # ranks taking turns being last (oversubscribed cores) net out
     turns = {r: {i: 20_000_000 for i in range(r * 6, 180, 12)} for r in (0, 1)}
     assert max(sig.arrival_lag_ratio(_lagged(turns)).values()) < 0.02
@@ -131,6 +139,16 @@ def test_arrival_lag_is_net_persistent_and_counts_a_burst_once() -> None:
     stall = {0: {90: 5_000_000_000}}
     assert max(sig.arrival_lag_ratio(_lagged(stall)).values()) < 0.02
     assert sig.arrival_lag_ratio(_lagged(stall), slices=1)[0] > 0.25  # what a plain sum would have said
+
+
+def test_arrival_lag_names_a_block_of_slow_ranks_whole() -> None:
+    def slow(ranks: set[int], n: int) -> dict[int, list[tuple]]:
+        return _lagged({r: {i: 60_000_000 for i in range(0, 180, 6)} for r in ranks}, n_ranks=n)
+
+    for n, block in ((5, {1, 2}), (8, {4, 5, 6, 7}), (3, {0})):
+        ratios = sig.arrival_lag_ratio(slow(block, n))
+        assert {r for r, v in ratios.items() if v > 0.1} == block, (n, block, ratios)
+        assert all(abs(v) < 0.02 for r, v in ratios.items() if r not in block)
 
 
 def test_hang_timeout_and_warmup() -> None:

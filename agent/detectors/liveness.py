@@ -1,0 +1,176 @@
+"""Detectors of a job that stopped moving: Hang (and whom it waits for), RankGone (a rank that is no more).
+
+Both read the last ``s`` payload of every comparison peer however old it is (``Evaluation.seen``): a
+stopped or dead rank's last word is where it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from statistics import median
+from typing import TYPE_CHECKING, Any
+
+from hpar_agent import rankstate
+from hpar_agent.crossrank import WHOLE_GROUP
+from hpar_agent.detectors import signals as sig
+from hpar_agent.detectors import sources as src
+from hpar_agent.detectors import waits
+from hpar_agent.detectors.base import Detector, Verdict
+from hpar_agent.thresholds import DETECTOR_DEFAULTS
+
+if TYPE_CHECKING:
+    from hpar_agent.detectors.base import Evaluation
+    from hpar_agent.topology import Topology
+
+
+class Hang(Detector):
+    """A rank stuck in or missing a collective: an op in flight, or no step, for too long.
+
+    | param | default | meaning |
+    |---|---|---|
+    | timeout_s | 60 | silence that counts as a hang; raised to 10 median steps, capped at 80% of the pg timeout |
+    | warmup_steps | 2 | no-progress is judged only after this many steps (first steps compile) |
+
+    An explicit ``Hang.timeout_s`` is used as is. Value: the longer of (seconds since the last step,
+    oldest in-flight age). The agent thread keeps evaluating while training is blocked in C++.
+
+    Culprits (``waits.analyse``): every rank publishes, per process group, its last enqueued and
+    completed collective and the op in flight (``q`` in ``s``). From this rank's and its comparison
+    peers' (the last word of a stopped or dead one included; a peer never heard of has entered none of
+    its groups' collectives), the ranks the others wait for and that
+    wait for nobody are named (``details.culprits``; ``victims``: the ranks waiting), or ranks in
+    different collectives (``kind`` desync, each side's op), or a collective every member entered
+    (``stuck``: culprit unknown). Judged from half the timeout on, so the firing event carries them;
+    once named, kept until the hang clears: peers ending at the process group's timeout, after it fired,
+    are its consequence.
+    """
+
+    name = "Hang"
+    defaults = DETECTOR_DEFAULTS["Hang"]
+    threshold_param = "timeout_s"
+    evidence = ("pyspy", "fr")
+    cross_rank = True
+
+    def __init__(self, thresholds: dict[str, float] | None = None) -> None:
+        super().__init__(thresholds)
+        self.explicit = f"{self.name}.timeout_s" in (thresholds or {})
+        self.named: waits.HangVerdict | None = None  # the verdict that named culprits, kept while the hang lasts
+
+    def timeout(self, ctx: Evaluation) -> float:
+        if self.explicit:
+            return self.p("timeout_s")
+        durations = ctx.step_durations[-64:]
+        return sig.hang_timeout(self.p("timeout_s"), src.pg_timeout_s(ctx.context), median(durations) if durations else None)
+
+    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
+        states = src.group_states(ctx.context)
+        return {"s": {"q": {uid: st.pack() for uid, st in states.items()}}} if states else {}
+
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
+        stalled = sig.stalled_seconds(ctx.now, ctx.last_step_ts, ctx.steps_done, int(self.p("warmup_steps")))
+        inflight = src.oldest_inflight(ctx.context)
+        pg, age = max(inflight.items(), key=lambda kv: kv[1], default=("", 0.0))
+        timeout = self.timeout(ctx)
+        value = max(stalled, age)
+        details: dict[str, Any] = {"no_step_s": stalled, "oldest_inflight_s": age, "pg": pg, "timeout_s": timeout}
+        if value <= timeout / 2:
+            self.named = None
+        else:
+            verdict = self.named or self.culprits(ctx, min_wait_s=min(timeout / 4, 10.0))
+            if verdict.culprits and value > timeout:
+                self.named = verdict  # what held when it fired: the ranks ending after it (timeouts) change nothing
+            details.update(verdict.details())
+            details["role"] = ("culprit" if ctx.rank in verdict.culprits
+                               else "victim" if ctx.rank in verdict.victims else "")  # fmt: skip
+        return Verdict(value > timeout, value, details)
+
+    def culprits(self, ctx: Evaluation, min_wait_s: float) -> waits.HangVerdict:
+        """``waits.analyse`` over this rank (its state now) and the last word of each comparison peer."""
+        topo = ctx.context.topology
+        states: dict[int, dict[str, waits.GroupState]] = {}
+        coords: dict[int, dict[str, Any]] = {}
+        for r, p in ctx.seen.items():
+            q, c = p.get("q"), p.get("c")
+            if r == ctx.rank or not isinstance(q, dict) or not isinstance(c, dict):
+                continue
+            states[r] = {str(uid): st for uid, v in q.items() if (st := waits.GroupState.unpack(v)) is not None}
+            coords[r] = c
+        states[ctx.rank] = src.group_states(ctx.context)
+        coords[ctx.rank] = topo.coords()
+        silent = {dim: [r for r in peers if r not in coords] for dim, peers in ctx.peer_groups.items()}
+        members: dict[str, list[int]] = {}
+        complete: dict[str, bool] = {}
+        for uid in sorted({u for groups in states.values() for u in groups}):
+            label = src.pg_label(uid)
+            if src.group_key_of(label, coords[ctx.rank]) != label:  # a mesh group: members by coordinates
+                ms = [r for r, c in coords.items() if src.group_key_of(label, c) == uid]
+                if uid == src.group_key_of(label, coords[ctx.rank]):  # this rank's own: peers never heard of too
+                    ms += silent.get(label, [])
+            elif label == "default_pg":  # the world: every rank heard of, and every peer never heard of
+                ms = [*coords, *(r for rs in silent.values() for r in rs)]
+                ms += range(topo.world_size) if topo.world_size <= WHOLE_GROUP else []
+            else:  # a group of the user's own: those that entered it
+                ms = [r for r in coords if uid in states[r]]
+            members[uid] = sorted(set(ms))
+            size = _group_size(label, topo)
+            complete[uid] = len(ms) >= size if size else len(coords) >= topo.world_size
+        return waits.analyse(states, members, complete, min_wait_s)
+
+
+def _group_size(label: str, topo: Topology) -> int | None:
+    """Members of a group of this label, where the topology says (None: a group of the user's own)."""
+    return {"default_pg": topo.world_size, "dp": topo.dp, "tp": topo.tp, "pp": topo.pp}.get(label.lower())
+
+
+class RankGone(Detector):
+    """A comparison peer that stopped publishing and whose process is gone, stopped, or out of sight.
+
+    | param | default | meaning |
+    |---|---|---|
+    | silent_s | 6 | a peer silent this long is judged; at least two exchange intervals |
+
+    Every rank publishes its payload at each exchange (3 s) and says goodbye when it detaches (``bye``:
+    a clean end, or how it ended: an uncaught exception, a signal). A peer whose last payload is older
+    than ``silent_s`` and that never said goodbye cleanly is named (``details.culprits``), with how far
+    it got (its last step) and what its process is where this rank can see it (``rankstate.proc_state``:
+    on the same host ``gone``, ``zombie``, ``stopped``; a process that still runs only has a late agent
+    thread and is not named; on another host the process is unknown). A peer that ended by an exception
+    is named a pass later (``confirm``). Judged only while this rank's own reads of the store succeed: a store that went
+    away (its host exited first) says nothing of the peers. Value: peers named. Raised on the ranks
+    that see it, never on the rank that is gone.
+    """
+
+    name = "RankGone"
+    defaults = DETECTOR_DEFAULTS["RankGone"]
+    threshold_param = "silent_s"
+    cross_rank = True
+    confirm = 2  # a pass apart: a job that fails everywhere at once (gloo) ends its ranks within it
+
+    def __init__(self, thresholds: dict[str, float] | None = None) -> None:
+        super().__init__(thresholds)
+        pid = os.getpid()
+        self.me = [pid, socket.gethostname(), rankstate.start_ticks(pid) or 0]
+
+    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
+        return {"s": {"id": self.me}}
+
+    def evaluate(self, ctx: Evaluation) -> Verdict | None:
+        limit = max(self.p("silent_s"), 2 * ctx.exchange_interval_s)
+        if not ctx.seen or ctx.now - ctx.read_ok_at > limit / 2 or ctx.context.stopping:
+            return None  # no recent read of the store, or this rank ends too: nothing more to say
+        gone: dict[str, dict[str, Any]] = {}
+        for r, p in ctx.seen.items():
+            if r == ctx.rank:
+                continue
+            bye = str(p.get("bye") or "")
+            silent = ctx.now - float(p.get("t", ctx.now))
+            if bye == "exit" or (not bye and silent <= limit):
+                continue
+            pid, host, ticks = [*(p.get("id") or []), 0, "", 0][:3]
+            proc = rankstate.proc_state(int(pid or 0), int(ticks) or None, str(host)) if not bye else ""
+            if proc == "running":
+                continue  # its process runs: its agent thread is late, the rank is not gone
+            gone[str(r)] = {"silent_s": round(silent, 1), "last_step": p.get("step"), "host": host,
+                            "process": proc or ("ended" if bye else "unknown (another host)"), "ended": bye}  # fmt: skip
+        return Verdict(bool(gone), float(len(gone)), {"culprits": sorted(int(r) for r in gone), "ranks": gone})

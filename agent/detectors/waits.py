@@ -1,0 +1,174 @@
+"""Who a hang waits for: the culprit of a stalled job from each rank's per-group sequence numbers.
+
+Pure functions (no torch, no agent), like ``signals``. Every rank publishes, per process group, the
+sequence number of the last collective it enqueued and completed, and the op of the last enqueued one
+(``GroupState``, from the flight recorder's ``pg_status``). Sequence numbers count a group's collectives
+on each member, so in a program that runs the same collectives on every rank they agree, and at a hang:
+
+- the ranks with an op in flight at seq N of group G wait for the members of G whose last enqueued seq
+  is below N: those never entered it;
+- following those edges (a rank that is missing from G may itself wait in another group), the ranks
+  that others wait for and that wait for nobody are the culprits (``missing``): stuck outside any
+  collective (a Python loop, a sleep, I/O, a dead or stopped process);
+- when every rank that is waited for is itself waiting, the ranks wait in a cycle: they are in
+  different collectives (``desync``: a collective called in a different order, or under a condition,
+  on some ranks), and the side that runs a different op from the majority is the culprit;
+- when every member entered the same collective and it does not complete, no rank is missing: the
+  collective itself is stuck (``stuck``: the transport, NCCL, a link), and the culprit is unknown;
+- members that this rank cannot see (beyond its comparison peers) leave the culprit unknown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """One rank's view of one process group: last enqueued and completed seq, the op of the last
+    enqueued collective ("" unknown) and how long the oldest op in flight has been."""
+
+    enq: int
+    done: int
+    op: str = ""
+    age_s: float = 0.0
+
+    @property
+    def in_flight(self) -> bool:
+        return self.enq > self.done
+
+    def pack(self) -> list[Any]:
+        return [self.enq, self.done, self.op, round(self.age_s, 1)]
+
+    @classmethod
+    def unpack(cls, v: Any) -> GroupState | None:
+        """From ``pack``'s list; None for anything malformed (a peer's payload never breaks a verdict)."""
+        try:
+            return cls(int(v[0]), int(v[1]), str(v[2]), float(v[3]))
+        except (TypeError, ValueError, IndexError, KeyError):
+            return None
+
+
+@dataclass
+class HangVerdict:
+    """``kind``: missing | desync | stuck | none | unknown. ``waits``: each (group, seq) some ranks wait
+    in, with the ranks waiting and the ranks not in it; ``sides``: for a desync, op -> ranks in it."""
+
+    kind: str
+    culprits: list[int] = field(default_factory=list)
+    victims: list[int] = field(default_factory=list)
+    waits: list[dict[str, Any]] = field(default_factory=list)
+    sides: dict[str, list[int]] = field(default_factory=dict)
+    note: str = ""
+
+    def details(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "culprits": self.culprits, "victims": self.victims}
+        if self.waits:
+            out["waits"] = self.waits[:8]
+        if self.sides:
+            out["sides"] = self.sides
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+def analyse(
+    states: Mapping[int, Mapping[str, GroupState]],
+    members: Mapping[str, Sequence[int]],
+    complete: Mapping[str, bool] | None = None,
+    min_wait_s: float = 1.0,
+) -> HangVerdict:
+    """The culprit(s) of a hang among the ranks in ``states`` (rank -> group id -> state).
+
+    ``members``: group id -> the ranks in ``states`` that belong to it (a member with no state for it
+    has enqueued none of its collectives); ``complete``: group id -> whether every member of the group
+    is among them (else a culprit may be beyond view). Ops in flight for less than ``min_wait_s`` are
+    not waits (a healthy collective completes in ms)."""
+    waits_for: dict[int, set[int]] = {}
+    waits: dict[tuple[str, int], dict[str, Any]] = {}
+    beyond = False
+    for r, groups in states.items():
+        for uid, st in groups.items():
+            if not st.in_flight or st.age_s < min_wait_s:
+                continue
+            missing = [m for m in members.get(uid, ()) if m != r and _enq(states, m, uid) < st.enq]
+            waits_for.setdefault(r, set()).update(missing)
+            w = waits.setdefault((uid, st.enq), {"pg": uid, "seq": st.enq, "op": st.op, "waiting": [], "missing": []})
+            w["waiting"].append(r)
+            w["missing"] = sorted(set(w["missing"]) | set(missing))
+            beyond = beyond or not (complete or {}).get(uid, True)
+    if not waits_for:
+        return HangVerdict("none", note="no collective has been in flight for long on the ranks compared")
+    waiting = set(waits_for)
+    blockers = set().union(*waits_for.values())
+    listed = sorted(waits.values(), key=lambda w: (-len(w["waiting"]), w["pg"], w["seq"]))
+    for w in listed:
+        w["waiting"].sort()
+    roots = sorted(blockers - waiting)
+    if roots:
+        victims = sorted(r for r in waiting if _reaches(r, set(roots), waits_for))
+        return HangVerdict("missing", roots, victims, listed)
+    if blockers:  # every rank waited for waits too: a cycle of ranks in different collectives
+        return _desync(states, members, sorted(blockers | waiting), listed)
+    # every member of each group with a long wait has entered it: ops differ, or the collective is stuck
+    for w in listed:
+        ops = {r: states[r][w["pg"]].op for r in members.get(w["pg"], ()) if w["pg"] in states.get(r, {})}
+        if len(set(ops.values())) > 1:
+            return _desync(states, members, sorted(ops), listed, group=w["pg"])
+    note = ("the ranks not in it are beyond this rank's comparison peers (the HparHangCulprit rule compares "
+            "every rank)") if beyond else "every member entered it: the collective itself does not complete"
+    return HangVerdict("unknown" if beyond else "stuck", [], sorted(waiting), listed, note=note)
+
+
+def _enq(states: Mapping[int, Mapping[str, GroupState]], rank: int, uid: str) -> int:
+    st = states.get(rank, {}).get(uid)
+    return st.enq if st is not None else -1
+
+
+def _reaches(r: int, targets: set[int], edges: Mapping[int, set[int]]) -> bool:
+    """Whether ``r`` waits, directly or through others, for one of ``targets``."""
+    seen, todo = {r}, [r]
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt in targets:
+                return True
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return False
+
+
+def _desync(
+    states: Mapping[int, Mapping[str, GroupState]], members: Mapping[str, Sequence[int]], ranks: list[int],
+    waits: list[dict[str, Any]], group: str = "",
+) -> HangVerdict:
+    """Ranks in different collectives, each side named by the op it is in (``pg: op``). The culprits are
+    the ranks that are a strict minority of some group by the seq they reached, or by the op they run at
+    one seq (one rank in a barrier the others never reach; a tp reduce only tp rank 0 runs); unknown
+    when no group has one (two ranks that disagree 1-1)."""
+    side_of: dict[int, str] = {}
+    for r in ranks:
+        inflight = [(uid, st) for uid, st in states.get(r, {}).items() if st.in_flight and (not group or uid == group)]
+        uid, st = max(inflight, key=lambda x: x[1].age_s, default=("", GroupState(-1, -1)))
+        side_of[r] = f"{uid.split('@', 1)[0]}: {st.op or '?'}" if uid else "not in a collective"
+    sides: dict[str, list[int]] = {}
+    for r, side in sorted(side_of.items()):
+        sides.setdefault(side, []).append(r)
+    odd: set[int] = set()
+    for uid, ranks_of in members.items():
+        if group and uid != group:
+            continue
+        by: dict[Any, list[int]] = {}
+        for r in ranks_of:
+            got = states.get(r, {}).get(uid)
+            key = (got.enq, got.op) if group and got is not None else _enq(states, r, uid)
+            by.setdefault(key, []).append(r)
+        if len(by) > 1:
+            counts = sorted(len(v) for v in by.values())
+            if counts[-1] > counts[-2]:
+                odd.update(r for v in by.values() if len(v) < counts[-1] for r in v)
+    culprits = sorted(odd & set(ranks))
+    note = "" if culprits else "no group has a minority that entered a different collective: the culprit is unknown"
+    return HangVerdict("desync", culprits, sorted(set(ranks) - set(culprits)), waits, sides, note=note)

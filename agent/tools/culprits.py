@@ -1,0 +1,189 @@
+"""Who caused what went wrong in a run: the lines ``hpar-agent run`` ends with and the report shows.
+
+Two sources, both in the run directory:
+- every rank's event log: the firing (and ``updated``) events of cross-rank alerts carry
+  ``details.culprits``, the ranks judged to be the cause; the culprit's own Hang event carries its stack;
+- every rank's state file (``rankstate``) and the exits ``hpar-agent run`` saw (``exits.ExitWatcher``):
+  how each rank ended and when, so the first to fail is named, not the first to notice.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpar_agent import rankstate
+from hpar_agent.tools.exits import Exit, describe_status
+
+
+@dataclass
+class Culprits:
+    """One alert's culprits over the whole job, as the ranks that raised it named them."""
+
+    alert: str
+    first_ts: float = 0.0
+    culprits: set[int] = field(default_factory=set)
+    raised_on: set[int] = field(default_factory=set)
+    details: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its latest details
+    unknown: list[str] = field(default_factory=list)
+
+
+def alert_culprits(events: Iterable[Mapping[str, Any]]) -> dict[str, Culprits]:
+    """alert -> its culprits, from ``alert`` events in time order (a rank's latest details win)."""
+    out: dict[str, Culprits] = {}
+    for e in events:
+        if e.get("kind") != "alert" or e.get("state") not in ("firing", "updated"):
+            continue
+        details = e.get("details")
+        rank = e.get("rank")
+        if not isinstance(details, dict) or not isinstance(rank, int) or "culprits" not in details:
+            continue
+        c = out.setdefault(str(e.get("alert")), Culprits(str(e.get("alert")), float(e.get("ts") or 0.0)))
+        c.raised_on.add(rank)
+        c.details[rank] = {**c.details.get(rank, {}), **details}
+        named = [r for r in details.get("culprits") or () if isinstance(r, int)]
+        c.culprits.update(named)
+        why = details.get("culprit_unknown") or (details.get("note") if not named else None)
+        if why and not named:
+            c.unknown.append(str(why if isinstance(why, str) else "; ".join(map(str, why))))
+    return out
+
+
+def short(text: str, limit: int = 100) -> str:
+    """An exception's message without the source location C++ puts in front of it, cut at ``limit``."""
+    text = re.sub(r"\[[^\]]*\.(cc|cpp|h|hpp):\d+\] ", "", str(text))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    rs = sorted(set(ranks))
+    word = "rank" if len(rs) == 1 else "ranks"
+    shown = ", ".join(map(str, rs[:16])) + (f" and {len(rs) - 16} more" if len(rs) > 16 else "")
+    return f"{word} {shown}"
+
+
+def _why(c: Culprits) -> str:
+    """What the alert says of its culprits, from the most telling details a rank gave."""
+    if c.alert == "Hang":
+        own = next((d for r, d in c.details.items() if r in c.culprits and d.get("stack")), None)
+        any_d = next((d for d in c.details.values() if d.get("culprits")), {})
+        waits = any_d.get("waits") or []
+        parts = []
+        if any_d.get("kind") == "desync":
+            sides = "; ".join(f"{ranks_text(rs)} in {side}" for side, rs in (any_d.get("sides") or {}).items())
+            parts.append(f"desync: {sides}")
+        elif waits:
+            w = waits[0]
+            pg = str(w.get("pg", "")).split("@", 1)[0]
+            parts.append(f"not in {pg} {w.get('op') or 'collective'} #{w.get('seq')}, which "
+                         f"{ranks_text(w.get('waiting') or [])} wait in")  # fmt: skip
+        if own:
+            parts.append(f"at {own['stack'][0]}")
+        return "; ".join(parts)
+    if c.alert == "RankGone":
+        bits = []
+        for d in c.details.values():
+            for r, g in (d.get("ranks") or {}).items():
+                how = short(g.get("ended") or "") or f"silent {g.get('silent_s')} s, process {g.get('process')}"
+                bits.append(f"rank {r} at step {g.get('last_step')}: {how}")
+        return "; ".join(sorted(set(bits))[:4])
+    if c.alert == "Straggler":
+        lags = [v for d in c.details.values() for r, v in (d.get("lags") or {}).items() if int(r) in c.culprits]
+        return f"the others wait for them at every collective ({min(lags):.2f}-{max(lags):.2f} of wall time)" if lags else ""
+    return {"ReplicaDivergence": "their parameters differ from the majority of their replicas",
+            "CompileDivergence": "they compiled graphs their stage's majority did not",
+            "CollectiveMismatch": "their collectives differ (op, size or dtype) from their peers'"}.get(c.alert, "")  # fmt: skip
+
+
+def culprit_lines(events: Iterable[Mapping[str, Any]]) -> list[str]:
+    """One line per cross-rank alert of the run: ``culprit: <ranks> (<alert>: why)``, or why unknown."""
+    lines = []
+    for name, c in sorted(alert_culprits(events).items(), key=lambda kv: (kv[1].first_ts, kv[0])):  # causes first
+        if c.culprits:
+            why = _why(c)
+            lines.append(f"  culprit: {ranks_text(c.culprits)} ({name}{': ' + why if why else ''}; "
+                         f"raised on {ranks_text(c.raised_on)})")  # fmt: skip
+        else:
+            why = c.unknown[-1] if c.unknown else "no rank named one"
+            lines.append(f"  {name} on {ranks_text(c.raised_on)}: culprit unknown ({why})")
+    return lines
+
+
+@dataclass
+class Ending:
+    """How one rank ended: ``failed`` unless it exited cleanly (or is still running)."""
+
+    rank: int
+    world: int
+    how: str
+    step: int
+    t: float | None
+    failed: bool
+
+
+def endings(run_dir: Path, exits: Mapping[int, Exit] | None = None) -> list[Ending]:
+    """Every rank with a state file under ``run_dir``, how it ended, in time order (unknown times last)."""
+    exits = exits or {}
+    out = []
+    for path in sorted(glob.glob(os.path.join(str(run_dir), "state.rank*"))):
+        rec = rankstate.read(path)
+        if rec is None:
+            continue
+        ex = exits.get(rec.rank)
+        seen = describe_status(ex.status) if ex is not None else ""
+        proc = rankstate.proc_state(rec.pid, rec.ticks or None, rec.host)
+        if rec.end == "running" and proc in ("running", "stopped") and ex is None:
+            continue  # still there (stopped, or outliving the launcher)
+        clean = rec.end == "exited" and (ex is None or ex.status is None or seen == "exit code 0")
+        if rec.end in ("exception", "signal"):
+            how = short(rec.text) + (f" ({seen})" if seen and rec.end == "exception" else "")
+        elif rec.end == "exited":
+            how = seen or "exited"
+        elif seen:
+            how = seen
+        elif proc == "":
+            how = "ended on another host (no record of how)"
+        else:
+            how = "died without exiting (SIGKILL, the kernel's OOM killer or a crash in native code)"
+        t = ex.t if ex is not None else (rec.end_ns / 1e9 if rec.end_ns else None)
+        out.append(Ending(rec.rank, rec.world, how, rec.steps, t, not clean))
+    return sorted(out, key=lambda e: (e.t is None, e.t or 0.0, e.rank))
+
+
+def failure_lines(ended: Iterable[Ending], blamed: bool = False) -> list[str]:
+    """The first rank to end abnormally, and then the others that failed, when any rank did. It is the
+    culprit (``culprit: rank R, the first to end ...``) unless an alert named one already (``blamed``: in a
+    hang the waiting ranks time out first, and the rank they waited for is the cause)."""
+    failed = [e for e in ended if e.failed]
+    if not failed:
+        return []
+    first, rest = failed[0], failed[1:]
+    when = "" if first.t is None else f" ({_clock(first.t)})"
+    what = f"{first.how}, at step {first.step}{when}"
+    lines = [f"  first to end abnormally: rank {first.rank}, {what}" if blamed
+             else f"  culprit: rank {first.rank}, the first to end abnormally: {what}"]  # fmt: skip
+    if rest:
+        hows = sorted({e.how for e in rest})
+        later = [e.t - first.t for e in rest if e.t is not None and first.t is not None]
+        span = f" within {max(later):.1f} s" if later else ""
+        lines.append(f"  then {ranks_text(e.rank for e in rest)}{span}: {'; '.join(hows[:2])}"
+                     + (f"; and {len(hows) - 2} other endings" if len(hows) > 2 else ""))
+    return lines
+
+
+def ending_lines(ended: list[Ending], events: Iterable[Mapping[str, Any]]) -> list[str]:
+    """What ``hpar-agent run`` ends with after the ranks: the culprits the alerts named, then the
+    first rank to end abnormally."""
+    named = culprit_lines(events)
+    return named + failure_lines(ended, blamed=any(line.startswith("  culprit:") for line in named))
+
+
+def _clock(t: float) -> str:
+    import time
+
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"

@@ -1,0 +1,187 @@
+"""Many ranks' cross-rank detectors on synthetic inputs, in one process, without a store or agents.
+
+Each simulated rank holds what its collectors would (flight-recorder entries, per-group sequence numbers,
+a graph fingerprint, parameter checksums, whether it still publishes); every rank is then judged by the
+real detector classes on the payloads of its real comparison peers (``crossrank.plan``), as the
+detectors component would have read them from the store. What the simulation leaves out is the store
+itself and the exchange's timing (``benchmarks/store_load.py`` measures those).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpar_agent.collectors.collectives import CollectiveCollector
+from hpar_agent.config import AgentConfig
+from hpar_agent.context import AgentContext
+from hpar_agent.crossrank import Grid, PeerPlan, plan
+from hpar_agent.detectors import signals as sig
+from hpar_agent.detectors import sources as src
+from hpar_agent.detectors.base import Detector, Verdict
+from hpar_agent.detectors.waits import GroupState
+from hpar_agent.topology import Topology
+
+STEP_NS = 300_000_000  # 0.3 s steps
+STEPS = 40  # steps in every rank's flight-recorder window
+T0_NS = 1_796_000_000_000_000_000
+
+
+@dataclass
+class SimRank:
+    """One rank's state, as its collectors would hold it."""
+
+    rank: int
+    coords: dict[str, int]
+    late_ns: int = 0  # how late it arrives at every collective (its extra compute per step)
+    fingerprint: int = 1
+    checksum: float = 1.0  # every parameter's sample sum: replicas in sync hold the same
+    skipped: int | None = None  # the dp collective seq it never entered (the others wait in it)
+    silent_s: float = 0.0  # seconds since its last publish (0: publishing)
+    groups: dict[str, GroupState] = field(default_factory=dict)
+
+
+def job(dims: list[tuple[str, int]]) -> tuple[Grid, list[SimRank]]:
+    """The ranks of a job laid out over ``dims`` (outermost first), coordinates as a Topology gives them."""
+    grid = Grid.row_major(dims)
+    ranks = []
+    for r in grid.ranks:
+        pos, c = r, {}
+        for name, size in reversed(dims):
+            pos, c[name] = divmod(pos, size)
+        coords = {"dp_replicate": c.get("dp", 0), "dp_shard": 0, "cp": 0, "tp": c.get("tp", 0), "pp": 0}
+        ranks.append(SimRank(r, coords))
+    return grid, ranks
+
+
+def _timelines(ranks: list[SimRank], dims: Mapping[str, int]) -> dict[int, list[sig.FrEntry]]:
+    """Every rank's last collectives on one consistent timeline: per step each tp group runs 4 tp
+    all-reduces (with tp), each starting when the last member arrived at the one before (its members wait
+    for each other), then every rank enters its dp all-reduce; the next step starts when the last of
+    them arrived. A rank's ``late_ns`` is extra compute before its first collective of a step; a few µs
+    of jitter of its own on every arrival."""
+    tp = dims.get("tp", 1)
+    out: dict[int, list[sig.FrEntry]] = {r.rank: [] for r in ranks}
+    by_group: dict[int, list[SimRank]] = {}
+    for r in ranks:
+        by_group.setdefault(r.rank // tp, []).append(r)
+    dp_uid = {r.rank: src.group_key_of("dp", r.coords) for r in ranks}
+    tp_uid = {r.rank: src.group_key_of("tp", r.coords) for r in ranks}
+    start = T0_NS
+    for step in range(1, STEPS + 1):
+        arrive_dp: dict[int, int] = {}
+        for members in by_group.values():
+            cursor = start
+            for j in range(4 if tp > 1 else 0):
+                at = {r.rank: cursor + 2_000_000 + (r.late_ns if j == 0 else 0) + _jitter(r.rank, step, j) for r in members}
+                for r in members:
+                    out[r.rank].append((tp_uid[r.rank], step * 4 + j, "all_reduce", "[[1024]]", "Float", at[r.rank]))
+                cursor = max(at.values())
+            for r in members:
+                arrive_dp[r.rank] = cursor + 2_000_000 + (r.late_ns if tp == 1 else 0) + _jitter(r.rank, step, 9)
+        for r in ranks:
+            if r.skipped is None or step < r.skipped:
+                out[r.rank].append((dp_uid[r.rank], step, "all_reduce", "[[1024]]", "Float", arrive_dp[r.rank]))
+        start = max(arrive_dp.values()) + STEP_NS
+    return out
+
+
+def _jitter(rank: int, step: int, op: int) -> int:
+    return (rank * 7919 + step * 104729 + op * 1299709) % 200_000
+
+
+def _states(r: SimRank, entries: list[sig.FrEntry], now: float) -> dict[str, GroupState]:
+    """Its per-group sequence numbers: the last entry of each group completed, but where it is a
+    skipped collective's waiter (an op past the last anyone completed, in flight for a minute)."""
+    if r.groups:
+        return r.groups
+    out: dict[str, GroupState] = {}
+    for uid, seq, op, *_ in entries:
+        out[uid] = GroupState(seq, seq, op, 0.0)
+    return out
+
+
+@dataclass
+class SimEvaluation:
+    """What ``Detector.evaluate`` reads of the detectors component for one simulated rank."""
+
+    context: AgentContext
+    rank: int
+    stage: int
+    now: float
+    peers: dict[int, dict[str, Any]]
+    seen: dict[int, dict[str, Any]]
+    peer_groups: Mapping[str, tuple[int, ...]]
+    checksums: dict[int, dict[str, Any]]
+    steps_done: int = STEPS
+    last_step_ts: float = 0.0
+    step_durations: list[float] = field(default_factory=lambda: [STEP_NS / 1e9] * 64)
+    peers_fresh: bool = True
+    read_ok_at: float = 0.0
+    exchange_interval_s: float = 3.0
+    evidence: Any = None
+    compile_last_ts: float = 0.0
+    compile_last_step: int = 0
+    compile_quiet_s: float = math.inf
+    compile_busy_steps: int = 0
+
+    def fetch(self, purpose: str, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
+        return {r: self.checksums[r] for r in ranks if r in self.checksums} if purpose == "ck" else {}
+
+    def warmed_up(self, quiet_steps: int, max_busy_steps: int) -> bool:
+        return True
+
+
+def judge(
+    detector: type[Detector], grid: Grid, ranks: list[SimRank], stalled_s: float = 0.0, **thresholds: float
+) -> dict[int, Verdict]:
+    """rank -> its verdict from a fresh ``detector`` on the payloads of its comparison peers (every rank's
+    last step ``stalled_s`` ago)."""
+    now = time.time()
+    dims = dict(zip(grid.names, grid.shape, strict=True))
+    entries = _timelines(ranks, dims)
+    ckeys: dict[str, str] = {}
+    payloads: dict[int, dict[str, Any]] = {}
+    checksums: dict[int, dict[str, Any]] = {}
+    for r in ranks:
+        sums = {f"w{i}": [r.checksum * (i + 1), r.checksum * (i + 1)] for i in range(4)}
+        checksums[r.rank] = {"cks": {str(STEPS): sums}, "sk": ckeys}
+        payloads[r.rank] = {
+            "t": now - r.silent_s, "c": {**r.coords, "dp": r.coords["dp_replicate"], "stage": 0}, "step": STEPS,
+            "fp": r.fingerprint, "cd": {str(STEPS): sig.checksum_digests(sums, ckeys)}, "fr": entries[r.rank],
+            "q": {uid: st.pack() for uid, st in _states(r, entries[r.rank], now).items()},
+            "id": [0, "another-host", 0],
+        }  # fmt: skip
+    out = {}
+    for r in ranks:
+        p: PeerPlan = plan(grid, r.rank)
+        seen = {q: payloads[q] for q in (*p.peers, r.rank)}
+        fresh = {q: v for q, v in seen.items() if v["t"] >= now - 30}
+        topo = Topology(rank=r.rank, world_size=len(ranks), job_id="sim", dp=dims.get("dp", 1), tp=dims.get("tp", 1),
+                        dp_rank=r.coords["dp_replicate"], dp_replicate=dims.get("dp", 1), tp_rank=r.coords["tp"])  # fmt: skip
+        collector = CollectiveCollector()  # never installed: it holds what the test gives it
+        for uid, st in _states(r, entries[r.rank], now).items():
+            label = src.pg_label(uid)
+            collector.last_enqueued[label], collector.last_completed[label] = st.enq, st.done
+            collector.oldest_age[label] = st.age_s
+            collector.recent_entries.append({"pg": label, "seq": st.enq, "op": st.op, "is_p2p": False})
+        ctx = AgentContext(config=AgentConfig(), topology=topo, components=[collector])
+        ev = SimEvaluation(ctx, r.rank, 0, now, fresh, seen, p.groups, checksums, read_ok_at=now,
+                           last_step_ts=now - stalled_s)  # fmt: skip
+        verdict = detector({f"{detector.name}.{k}": v for k, v in thresholds.items()}).evaluate(ev)
+        if verdict is not None:
+            out[r.rank] = verdict
+    return out
+
+
+def raised(verdicts: Mapping[int, Verdict]) -> set[int]:
+    """The ranks whose own verdict is active (the alert would fire there)."""
+    return {r for r, v in verdicts.items() if v.active}
+
+
+def named(verdicts: Mapping[int, Verdict]) -> set[int]:
+    """Every rank some active verdict names as a culprit."""
+    return {c for v in verdicts.values() if v.active for c in v.details.get("culprits") or ()}

@@ -1,0 +1,140 @@
+"""A plain DDP program (tests/zerocode_scripts/faulty_ddp.py: gloo, CPU, AdamW, no hpar_agent) under
+``hpar-agent run``, with one planted fault: the culprit is named by the events, the closing lines and,
+for a hang, by torch's own flight-recorder analyser too."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpar_agent import rankstate
+from testkit.zerocode import clean_env, run_cmd
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).resolve().parents[1] / "zerocode_scripts" / "faulty_ddp.py"
+
+
+def _torchrun(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT), *args]
+
+
+def _alerts(run_dir: Path, name: str, state: str = "firing") -> dict[int, dict[str, Any]]:
+    """rank -> its first ``name`` event in ``state``."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in run_dir.glob("events.rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if e.get("kind") == "alert" and e.get("alert") == name and e.get("state") == state:
+                out.setdefault(int(e["rank"]), e)
+    return out
+
+
+def _run(tmp: Path, name: str, nproc: int, *args: str, timeout: float = 240) -> tuple[Path, str]:
+    run_dir = tmp / name
+    proc = subprocess.run(run_cmd(_torchrun(nproc, *args)), env=clean_env(run_dir), capture_output=True, text=True,
+                          timeout=timeout, check=False)  # fmt: skip
+    return run_dir, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    return {}
+
+
+def _once(runs: dict[str, tuple[Path, str]], tmp: pytest.TempPathFactory, name: str, *args: Any) -> tuple[Path, str]:
+    if name not in runs:
+        runs[name] = _run(tmp.mktemp(name), name, *args)
+    return runs[name]
+
+
+def test_a_hang_names_the_rank_not_in_the_collective_and_what_it_is_doing(
+    runs: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Rank 2 sleeps before its backward at step 40; ranks 0, 1, 3 wait in the DDP all-reduce. A 20 s
+    process-group timeout makes Hang fire at 16 s (80 %), on every rank."""
+    run_dir, out = _once(runs, tmp_path_factory, "hang", 4, "200", "--fault", "sleep", "--rank", "2", "--at", "40",
+                         "--timeout-s", "20")  # fmt: skip
+    hangs = _alerts(run_dir, "Hang")
+    assert sorted(hangs) == [0, 1, 2, 3], out[-3000:]
+    for r, e in hangs.items():
+        d = e["details"]
+        assert d["culprits"] == [2] and d["kind"] == "missing" and d["victims"] == [0, 1, 3], (r, d)
+        assert d["role"] == ("culprit" if r == 2 else "victim")
+        (wait,) = d["waits"]
+        assert (wait["op"], wait["waiting"], wait["missing"]) == ("all_reduce", [0, 1, 3], [2])
+    assert any("faulty_ddp.py" in f and "time.sleep(3600)" in f for f in hangs[2]["details"]["stack"])  # its own py-spy
+    line = next(x for x in out.splitlines() if x.startswith("  culprit:"))
+    assert line.startswith("  culprit: rank 2 (Hang: not in default_pg all_reduce #"), out[-3000:]
+    assert "time.sleep(3600)" in line
+
+
+def test_torchs_own_analyser_names_the_same_rank(
+    runs: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    run_dir, _ = _once(runs, tmp_path_factory, "hang", 4, "200", "--fault", "sleep", "--rank", "2", "--at", "40",
+                       "--timeout-s", "20")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "hpar_agent.tools.cli", "fr-trace", str(run_dir)], capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert "Not all ranks joining collective" in proc.stdout and "missing ranks: {2}" in proc.stdout, proc.stdout
+
+
+def test_a_killed_rank_is_named_first_not_the_first_to_notice(
+    runs: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """On gloo the others crash at once (connection reset); torchrun's summary blames whichever it saw first."""
+    _run_dir, out = _once(runs, tmp_path_factory, "kill", 4, "200", "--fault", "SIGKILL", "--rank", "2", "--at", "40")
+    line = next((x for x in out.splitlines() if x.startswith("  culprit:")), "")
+    assert line.startswith("  culprit: rank 2, the first to end abnormally: "), out[-3000:]
+    assert ("killed by signal 9 (SIGKILL)" in line or "died without exiting" in line) and "at step 40" in line
+
+
+def test_a_stopped_rank_is_named_within_ten_seconds_while_the_others_wait(tmp_path: Path) -> None:
+    """Rank 2 stops itself (SIGSTOP) at step 40, a few seconds in: alive, silent, its peers in the
+    all-reduce. RankGone fires on them naming it; then the test kills it and the job ends."""
+    run_dir = tmp_path / "stop"
+    proc = subprocess.Popen(run_cmd(_torchrun(4, "200", "--fault", "SIGSTOP", "--rank", "2", "--at", "40", "--step-s",
+                                              "0.1")), env=clean_env(run_dir), stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        gone: dict[int, dict[str, Any]] = {}
+        while time.time() < deadline and len(gone) < 3:
+            time.sleep(0.5)
+            gone = _alerts(run_dir, "RankGone") if run_dir.exists() else {}
+        rec = rankstate.read(str(run_dir / "state.rank2"))
+        assert rec is not None and rec.steps == 40
+        assert sorted(gone) == [0, 1, 3]
+        for e in gone.values():
+            assert e["details"]["culprits"] == [2] and e["details"]["ranks"]["2"]["process"] == "stopped"
+        named_after = min(e["ts"] for e in gone.values()) - rec.last_step_ns / 1e9
+        assert named_after <= 10.0, named_after
+        os.kill(rec.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "culprit: rank 2 (RankGone: rank 2 at step" in err, err[-3000:]
+
+
+def test_a_slow_half_of_eight_ranks_is_named_whole(
+    runs: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Ranks 4-7 sleep 60 ms more every step: every rank's step time is the same (the fast ones wait in
+    the all-reduce), but the slow ones arrive late at every collective."""
+    run_dir, out = _once(runs, tmp_path_factory, "slow", 8, "300", "--slow", "4,5,6,7", "--slow-s", "0.06")
+    slow = _alerts(run_dir, "Straggler")
+    assert sorted(slow) == [4, 5, 6, 7], out[-3000:]
+    assert all(e["details"]["culprits"] == [4, 5, 6, 7] for e in slow.values())
+    assert "  culprit: ranks 4, 5, 6, 7 (Straggler" in out

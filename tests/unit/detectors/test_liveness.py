@@ -1,0 +1,106 @@
+"""RankGone and Hang's culprits, on the last word of each peer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hpar_agent import rankstate
+from hpar_agent.detectors.liveness import RankGone
+
+HOST = socket.gethostname()
+
+
+def _ctx(seen: dict[int, dict[str, Any]], now: float, read_ok_at: float | None = None, rank: int = 0) -> Any:
+    return SimpleNamespace(seen=seen, now=now, read_ok_at=now if read_ok_at is None else read_ok_at, rank=rank,
+                           exchange_interval_s=3.0, context=SimpleNamespace(stopping=False))  # fmt: skip
+
+
+def _payload(t: float, pid: int, step: int = 40, host: str = HOST, **kw: Any) -> dict[str, Any]:
+    return {"t": t, "step": step, "id": [pid, host, rankstate.start_ticks(pid) or 0], **kw}
+
+
+@pytest.fixture
+def sleeper() -> Any:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_silent_peer_whose_process_is_stopped_is_named(sleeper: Any) -> None:
+    now = time.time()
+    os.kill(sleeper.pid, signal.SIGSTOP)
+    time.sleep(0.2)
+    v = RankGone().evaluate(_ctx({1: _payload(now - 8, sleeper.pid)}, now))
+    assert v is not None and v.active and v.details["culprits"] == [1]
+    assert v.details["ranks"]["1"]["process"] == "stopped" and v.details["ranks"]["1"]["last_step"] == 40
+
+
+def test_a_silent_peer_whose_process_runs_is_only_late() -> None:
+    now = time.time()
+    v = RankGone().evaluate(_ctx({1: _payload(now - 8, os.getpid())}, now))
+    assert v is not None and not v.active
+
+
+def test_a_silent_peer_that_is_gone_or_elsewhere_is_named(sleeper: Any) -> None:
+    now = time.time()
+    ticks = rankstate.start_ticks(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    seen = {1: {**_payload(now - 8, sleeper.pid), "id": [sleeper.pid, HOST, ticks]},
+            2: _payload(now - 9, 12345, host="another-host")}  # fmt: skip
+    v = RankGone().evaluate(_ctx(seen, now))
+    assert v is not None and v.details["culprits"] == [1, 2]
+    assert v.details["ranks"]["1"]["process"] == "gone"
+    assert v.details["ranks"]["2"]["process"] == "unknown (another host)"
+
+
+def test_a_peer_is_judged_only_past_two_exchanges_and_a_clean_goodbye_never(sleeper: Any) -> None:
+    now = time.time()
+    os.kill(sleeper.pid, signal.SIGSTOP)
+    seen = {1: _payload(now - 5, sleeper.pid), 2: _payload(now - 60, sleeper.pid, bye="exit")}
+    v = RankGone().evaluate(_ctx(seen, now))
+    assert v is not None and not v.active  # 5 s < max(6 s, 2 x 3 s); a rank that finished is not gone
+
+
+def test_a_goodbye_with_an_exception_names_the_rank_at_once() -> None:
+    now = time.time()
+    seen = {1: _payload(now - 0.5, 999_999, bye="exception: RuntimeError: CUDA error: an illegal memory access")}
+    v = RankGone().evaluate(_ctx(seen, now))
+    assert v is not None and v.details["culprits"] == [1]
+    assert v.details["ranks"]["1"]["ended"].startswith("exception: RuntimeError")
+
+
+def test_nothing_is_said_without_a_recent_read_of_the_store_or_while_stopping() -> None:
+    now = time.time()
+    seen = {1: _payload(now - 60, 999_999)}
+    assert RankGone().evaluate(_ctx(seen, now, read_ok_at=now - 10)) is None  # the store went away
+    ctx = _ctx(seen, now)
+    ctx.context.stopping = True
+    assert RankGone().evaluate(ctx) is None
+
+
+def test_proc_state_tells_a_reused_pid_from_the_process() -> None:
+    me = os.getpid()
+    assert rankstate.proc_state(me, rankstate.start_ticks(me), HOST) == "running"
+    assert rankstate.proc_state(me, (rankstate.start_ticks(me) or 0) + 1, HOST) == "gone"  # another process now
+    assert rankstate.proc_state(me, None, "another-host") == ""
+
+
+def test_exit_status_is_read_from_an_unreaped_child() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    deadline = time.time() + 10
+    while rankstate.proc_state(proc.pid, None, HOST) != "zombie" and time.time() < deadline:
+        time.sleep(0.02)
+    status = rankstate.exit_status(proc.pid)
+    proc.wait()
+    assert status is not None and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL

@@ -1,0 +1,91 @@
+"""waits.analyse: who a hang waits for, from each rank's per-group sequence numbers."""
+
+from __future__ import annotations
+
+from hpar_agent.detectors.waits import GroupState, analyse
+
+
+def _gs(enq: int, done: int | None = None, op: str = "all_reduce", age: float = 30.0) -> GroupState:
+    return GroupState(enq, enq if done is None else done, op, age if done is not None and enq > done else 0.0)
+
+
+def test_the_rank_that_never_entered_the_collective_is_the_culprit() -> None:
+    # ranks 0, 1, 3 wait in all_reduce #46 of the world; rank 2 sleeps before it (its last: #45, done)
+    states = {r: {"default_pg": _gs(46, 45)} for r in (0, 1, 3)} | {2: {"default_pg": _gs(45)}}
+    v = analyse(states, {"default_pg": [0, 1, 2, 3]})
+    assert (v.kind, v.culprits, v.victims) == ("missing", [2], [0, 1, 3])
+    assert v.waits == [{"pg": "default_pg", "seq": 46, "op": "all_reduce", "waiting": [0, 1, 3], "missing": [2]}]
+
+
+def test_a_rank_never_heard_of_is_missing_from_its_groups() -> None:
+    states = {r: {"default_pg": _gs(46, 45)} for r in (0, 1, 3)}
+    assert analyse(states, {"default_pg": [0, 1, 2, 3]}).culprits == [2]
+
+
+def test_a_chain_of_waits_names_its_root_only() -> None:
+    # dp2 x tp2: rank 3 stuck outside; rank 2 waits in tp for 3; ranks 0 and 1 wait in dp for 2 and 3
+    states = {
+        0: {"dp@a": _gs(10, 9), "tp@x": _gs(20)},
+        1: {"dp@b": _gs(10, 9), "tp@x": _gs(20)},
+        2: {"dp@a": _gs(9), "tp@y": _gs(21, 20)},
+        3: {"dp@b": _gs(9), "tp@y": _gs(20)},
+    }
+    members = {"dp@a": [0, 2], "dp@b": [1, 3], "tp@x": [0, 1], "tp@y": [2, 3]}
+    v = analyse(states, members)
+    assert (v.kind, v.culprits, v.victims) == ("missing", [3], [0, 1, 2])
+
+
+def test_ranks_in_different_collectives_are_a_desync_named_by_the_minority() -> None:
+    # rank 3 entered a world barrier the others never reach; they wait for it in their dp/tp all-reduces
+    states = {
+        0: {"default_pg": _gs(5), "tp@x": _gs(20, 19)},
+        1: {"default_pg": _gs(5), "tp@x": _gs(20, 19)},
+        2: {"default_pg": _gs(5), "dp@a": _gs(11, 10)},
+        3: {"default_pg": _gs(6, 5, op="barrier"), "dp@a": _gs(10), "tp@y": _gs(19)},
+    }
+    members = {"default_pg": [0, 1, 2, 3], "tp@x": [0, 1, 3], "dp@a": [2, 3], "tp@y": [3]}
+    v = analyse(states, members)
+    assert (v.kind, v.culprits) == ("desync", [3])
+    assert v.sides["default_pg: barrier"] == [3] and 2 in v.sides["dp: all_reduce"]
+
+
+def test_a_desync_at_one_seq_with_no_majority_names_both_sides_and_no_culprit() -> None:
+    # tp rank 0 of each pair runs a reduce the others do not (the wrong scope): a 1-1 split per group
+    states = {0: {"tp@x": _gs(8, 7, op="all_reduce")}, 1: {"tp@x": _gs(8, 7, op="broadcast")}}
+    v = analyse(states, {"tp@x": [0, 1]})
+    assert (v.kind, v.culprits) == ("desync", [])
+    assert v.sides == {"tp: all_reduce": [0], "tp: broadcast": [1]} and "unknown" in v.note
+
+
+def test_a_wrong_scope_reduce_is_named_where_the_group_has_a_majority() -> None:
+    # tp4: only tp rank 0 enters tp reduce #8; ranks 1-3 went on to a dp all-reduce that waits for rank 0
+    states = {0: {"tp@x": _gs(8, 7), "dp@0": _gs(3)}} | {r: {"tp@x": _gs(7), "dp@" + str(r): _gs(4, 3)} for r in (1, 2, 3)}
+    members = {"tp@x": [0, 1, 2, 3], "dp@0": [0], "dp@1": [1], "dp@2": [2], "dp@3": [3]}
+    for r in (1, 2, 3):  # each waits for its dp peer, rank 0's replica... here rank 0 itself
+        members["dp@" + str(r)] = [r, 0]
+        states[0]["dp@" + str(r)] = _gs(3)
+    v = analyse(states, members)
+    assert (v.kind, v.culprits) == ("desync", [0])
+
+
+def test_every_member_inside_the_same_collective_is_stuck_with_no_culprit() -> None:
+    states = {r: {"default_pg": _gs(46, 45)} for r in range(4)}
+    v = analyse(states, {"default_pg": [0, 1, 2, 3]})
+    assert (v.kind, v.culprits, v.victims) == ("stuck", [], [0, 1, 2, 3]) and "does not complete" in v.note
+
+
+def test_members_beyond_the_view_leave_the_culprit_unknown() -> None:
+    states = {r: {"dp@0": _gs(46, 45)} for r in range(4)}
+    v = analyse(states, {"dp@0": [0, 1, 2, 3]}, complete={"dp@0": False})
+    assert (v.kind, v.culprits) == ("unknown", []) and "HparHangCulprit" in v.note
+
+
+def test_short_waits_are_not_waits() -> None:
+    states = {0: {"default_pg": GroupState(46, 45, "all_reduce", 0.01)}, 1: {"default_pg": _gs(45)}}
+    assert analyse(states, {"default_pg": [0, 1]}).kind == "none"
+
+
+def test_a_peers_malformed_state_is_ignored() -> None:
+    assert GroupState.unpack(["x", 1, "op", 0]) is None and GroupState.unpack(None) is None
+    st = GroupState(5, 4, "all_reduce", 12.5)
+    assert GroupState.unpack(st.pack()) == st

@@ -1,0 +1,110 @@
+"""How a rank ended, seen from outside: its state file (rankstate) and the exit watcher of hpar-agent run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hpar_agent import rankstate
+from hpar_agent.tools.culprits import culprit_lines, endings, failure_lines
+from hpar_agent.tools.exits import ExitWatcher, describe_status
+
+#: A parent that reaps its child the way torchrun does (a poll every 0.1 s), so the watcher, which is
+#: not the child's parent, sees it as everyone but the launcher does.
+PARENT = "import subprocess, sys, time\np = subprocess.Popen(sys.argv[1:])\nwhile p.poll() is None:\n    time.sleep(0.1)\n"
+
+
+def _rank(tmp_path: Path, ending: str) -> Path:
+    """A process that attaches the agent as rank 0 of 1, takes 3 steps, then ends by ``ending``."""
+    run_dir = tmp_path / "run"
+    code = textwrap.dedent(f"""
+        import os, signal, hpar_agent
+        agent = hpar_agent.attach(None, run_dir={str(run_dir)!r}, metrics_port=-1, traces="none", interval=3600)
+        for _ in range(3):
+            agent.step()
+        {ending}
+    """)
+    script = tmp_path / "rank.py"
+    script.write_text(code)
+    return script
+
+
+@pytest.mark.parametrize(("ending", "how"), [
+    ("os.kill(os.getpid(), signal.SIGKILL)", "killed by signal 9 (SIGKILL)"),
+    ("raise RuntimeError('boom')", "exception: RuntimeError: boom (exit code 1)"),
+    ("pass", "exit code 0"),
+])  # fmt: skip
+def test_the_watcher_and_the_state_file_say_how_and_when_a_rank_ended(tmp_path: Path, ending: str, how: str) -> None:
+    script = _rank(tmp_path, ending)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    watcher = ExitWatcher(run_dir).start()
+    subprocess.run([sys.executable, "-c", PARENT, sys.executable, str(script)], timeout=120, check=False)
+    exits = watcher.stop(grace_s=2)
+    rec = rankstate.read(str(run_dir / "state.rank0"))
+    assert rec is not None and rec.steps == 3 and rec.pid == exits[0].pid
+    (e,) = endings(run_dir, exits)
+    assert (e.rank, e.step, e.how, e.failed) == (0, 3, how, ending != "pass")
+    lines = failure_lines([e])
+    if ending == "pass":
+        assert lines == []
+    else:
+        assert lines[0].startswith(f"  culprit: rank 0, the first to end abnormally: {how}, at step 3")
+
+
+def test_a_state_file_without_an_exit_record_is_a_death_without_exiting(tmp_path: Path) -> None:
+    script = _rank(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)")
+    subprocess.run([sys.executable, str(script)], timeout=120, check=False)  # no watcher
+    (e,) = endings(tmp_path / "run")
+    assert e.failed and e.how.startswith("died without exiting") and e.step == 3
+
+
+def test_describe_status() -> None:
+    assert describe_status(None) == ""
+    assert describe_status(9) == "killed by signal 9 (SIGKILL)"
+    assert describe_status(1 << 8) == "exit code 1"
+
+
+def test_garbage_is_not_a_state_file(tmp_path: Path) -> None:
+    (tmp_path / "state.rank0").write_bytes(b"garbage" * 100)
+    (tmp_path / "state.rank1").write_bytes(b"")
+    assert rankstate.read(str(tmp_path / "state.rank0")) is None and rankstate.read(str(tmp_path / "state.rank1")) is None
+    assert endings(tmp_path) == []
+
+
+def _alert(rank: int, alert: str, ts: float, **details: object) -> dict[str, object]:
+    return {"kind": "alert", "state": "firing", "alert": alert, "rank": rank, "ts": ts, "details": details}
+
+
+def test_culprit_lines_come_in_the_order_the_alerts_first_fired() -> None:
+    events = [
+        _alert(0, "Hang", 10.0, culprits=[2], kind="missing", waits=[{"pg": "default_pg@", "seq": 46,
+               "op": "all_reduce", "waiting": [0, 1, 3], "missing": [2]}]),
+        _alert(2, "Hang", 10.1, culprits=[2], kind="missing", stack=["train.py:43 in <module>: time.sleep(3600)"]),
+        _alert(1, "RankGone", 20.0, culprits=[0], ranks={"0": {"ended": "exception: RuntimeError: x", "last_step": 40}}),
+        _alert(3, "ReplicaDivergence", 5.0, culprits=[], culprit_unknown=["dp group [0, 1]: no majority"]),
+        {"kind": "alert", "state": "resolved", "alert": "Straggler", "rank": 0, "ts": 1.0, "details": {"culprits": [9]}},
+    ]
+    lines = culprit_lines(events)
+    assert lines[0] == "  ReplicaDivergence on rank 3: culprit unknown (dp group [0, 1]: no majority)"
+    assert lines[1].startswith("  culprit: rank 2 (Hang: not in default_pg all_reduce #46, which ranks 0, 1, 3 "
+                               "wait in; at train.py:43 in <module>: time.sleep(3600); raised on ranks 0, 2)")
+    assert lines[2].startswith("  culprit: rank 0 (RankGone: rank 0 at step 40: exception: RuntimeError: x")
+    assert len(lines) == 3  # a resolution names nobody
+
+
+def test_the_first_to_end_is_not_the_culprit_when_an_alert_named_one(tmp_path: Path) -> None:
+    from hpar_agent.tools.culprits import Ending, ending_lines
+
+    ended = [Ending(1, 2, "exception: RuntimeError: Timed out waiting 20000ms", 40, 5.0, True),
+             Ending(2, 2, "killed by signal 15 (SIGTERM)", 40, 5.1, True)]  # fmt: skip
+    named = ending_lines(ended, [_alert(1, "Hang", 1.0, culprits=[2])])
+    assert named[0].startswith("  culprit: rank 2 (Hang")
+    assert named[1].startswith("  first to end abnormally: rank 1, exception: RuntimeError: Timed out")
+    assert ending_lines(ended, [])[0].startswith("  culprit: rank 1, the first to end abnormally")
+    assert os.path.basename(rankstate.file_name(3)) == "state.rank3"
