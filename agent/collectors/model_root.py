@@ -6,15 +6,16 @@ given, it takes the first of:
 - a data-parallel wrapper the program builds (DDP, FSDP, ``fully_shard``, ``replicate``: the newest one
   ``topology_watch`` saw, moving outwards as FSDP wraps its blocks and then the root);
 - at an optimizer step: the modules the training loop holds (the locals of the frames that called
-  ``step()``, and the attributes of those locals, e.g. a trainer's ``self.model``), kept if they hold
-  one of the optimizer's parameters; of those the outermost, and of several disjoint ones the one
-  holding most of the optimizer's parameters.
+  ``step()`` and the attributes of those locals, e.g. a trainer's ``self.model``, each also as the first
+  items of a list or tuple) that hold one of the optimizer's parameters; of those the outermost, and of
+  several apart the one holding most of the optimizer's parameters.
 
 A root taken from a wrapper is kept when it holds one of the stepping optimizer's parameters; a root
 whose forward never ran in a whole step (a container such as a ``ModuleDict``, a module the loop never
 calls) is dropped and the search runs again without it. The search reads frames once per step for at
 most ``MAX_CHECKS`` steps, on the training thread (linear in the frames' locals, the optimizer's
-parameters and the candidates' modules, once or twice at the start), and installs no global module hook: one would cost every submodule call a hook call and change what torch.compile guards on.
+parameters and the candidates' modules, once or twice at the start), and installs no global module
+hook: one would cost every submodule call a hook call and change what torch.compile guards on.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 MAX_FRAMES = 64  # frames above the optimizer's step read for the model
+MAX_ITEMS = 8  # items of a list or tuple read (a pipeline rank's stages)
 MAX_CHECKS = 4  # optimizer steps the root is looked for / confirmed on, then the anatomy goes on without
 
 
@@ -53,15 +55,17 @@ def _callable(module: Any, module_cls: type) -> bool:
 
 
 def candidates(frame: Any, module_cls: type, skip: Iterable[Any] = ()) -> list[Any]:
-    """Modules the frames from ``frame`` outwards hold in their locals or one attribute down, nearest
-    first, without duplicates and without those in ``skip``."""
+    """Modules the frames from ``frame`` outwards hold in their locals or one attribute down (also as
+    the first items of a list or tuple: a trainer's ``self.model_parts``), nearest first, without
+    duplicates and without those in ``skip``."""
     out: list[Any] = []
     seen = {id(m) for m in skip}
 
     def take(value: Any) -> None:
-        if isinstance(value, module_cls) and id(value) not in seen and _callable(value, module_cls):
-            seen.add(id(value))
-            out.append(value)
+        for v in value[:MAX_ITEMS] if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, module_cls) and id(v) not in seen and _callable(v, module_cls):
+                seen.add(id(v))
+                out.append(v)
 
     for _ in range(MAX_FRAMES):
         if frame is None:

@@ -203,3 +203,15 @@ def test_find_root_takes_the_outermost_holder_with_most_parameters() -> None:
     assert model_root.find_root(opt, torch.nn.Module, skip=[outer]) is a
     unheld = torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1)  # its module is gone: no frame holds it
     assert model_root.find_root(unheld, torch.nn.Module) is None
+
+
+def test_find_root_reads_a_trainers_attributes_and_their_lists() -> None:
+    """A trainer object that keeps its model parts in a list (as the reference trainer does): found one
+    attribute down, in the list; a dict's items are not read."""
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(parts=[Net()], by_name={"other": Net()})
+    found = model_root.find_root(torch.optim.SGD(trainer.parts[0].parameters(), lr=0.1), torch.nn.Module)
+    assert found is trainer.parts[0]
+    hidden = model_root.find_root(torch.optim.SGD(trainer.by_name["other"].parameters(), lr=0.1), torch.nn.Module)
+    assert hidden is None
