@@ -124,6 +124,7 @@ class AnatomyCollector(Component):
         self.root_found_by = ""  # "attach(model)", "wrapper" or "optimizer step"
         self.root_class = ""
         self._root_handles: list[Any] = []
+        self._silent_handles: list[Any] = []  # of roots dropped without their forward ever running: see _drop_root
         self._root_step = 0  # the step the root was taken at
         self._root_checks = 0  # optimizer steps left to find or confirm the root on (0: settled)
         self._rejected: list[Any] = []  # roots whose forward never ran in a whole step
@@ -180,10 +181,11 @@ class AnatomyCollector(Component):
 
     def uninstall(self) -> None:
         watch.unlisten(self._on_source)
-        for h in [*self._handles, *self._root_handles]:
+        for h in [*self._handles, *self._root_handles, *self._silent_handles]:
             h.remove()
         self._handles.clear()
         self._root_handles.clear()
+        self._silent_handles.clear()
         self.root, self._rejected = None, []  # the user's model is not the agent's to keep alive
         if self._loader_patch is not None:
             cls, orig = self._loader_patch
@@ -192,10 +194,19 @@ class AnatomyCollector(Component):
             self._loader_patch = None
 
     # ------------------------------------------------------------------------------------ the model's root
+    def _drop_root(self) -> None:
+        """Stop timing the current root. Hooks that never ran in a whole step stay until detach, silent:
+        they may sit inside code torch.compile traced with them, and removing them would recompile it."""
+        if self.root is not None and not self._fired and self._root_step != self._step():
+            self._silent_handles += self._root_handles
+        else:
+            for h in self._root_handles:
+                h.remove()
+        self._root_handles, self.root, self.root_found_by, self.root_class = [], None, "", ""
+
     def _adopt(self, module: Any, how: str) -> None:
         """Time the forward and backward of ``module`` from now on (training thread, rare)."""
-        for h in self._root_handles:
-            h.remove()
+        self._drop_root()
         self._root_handles = [
             module.register_forward_pre_hook(self._fwd_pre, prepend=True),
             # prepended: its output hook must precede FSDP's/replicate's (see _fwd_post)
@@ -250,9 +261,7 @@ class AnatomyCollector(Component):
             if found is not None:
                 self._adopt(found, "optimizer step")
             elif root is not None and self.root_found_by != "attach(model)":  # the user's choice stays
-                for h in self._root_handles:
-                    h.remove()
-                self._root_handles, self.root, self.root_found_by, self.root_class = [], None, "", ""
+                self._drop_root()
         except Exception as exc:
             self._root_checks = 0
             self.record_error(exc)
