@@ -78,5 +78,6 @@ def test_the_planted_seconds_are_in_the_named_phase(runs: Runs) -> None:
         assert slow["phase_seconds_p50"]["data_wait"] >= 0.2 and host["phase_seconds_p50"]["host"] >= 0.2, (slow, host)
         for a in (slow, host):
             ev = a["evidence"]
-            assert ev["shares"]["data_wait"] * ev["step_seconds_mean"] <= ev["loader_seconds_mean"] + 1e-6, a
+            waited = ev["shares"]["data_wait"] * ev["step_seconds_mean"]  # the share is rounded to 1e-4
+            assert waited <= ev["loader_seconds_mean"] + 1e-4 * ev["step_seconds_mean"], a
         assert runs("slow-peer", arm)[0]["phase_seconds_p50"]["comm_exposed"] >= 0.1  # rank 0 waits for rank 1
