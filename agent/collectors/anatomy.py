@@ -287,14 +287,16 @@ class AnatomyCollector(Component):
 
     def _fwd_pre(self, module: Any, args: Any) -> None:
         steps = self._steps
-        if (steps is not None and not steps.detailed) or self._compiling():
+        # compiling first: traced, the hook then reads nothing torch.compile would guard on (a guard on
+        # ``detailed`` recompiles the model when the detail stride toggles it)
+        if self._compiling() or (steps is not None and not steps.detailed):
             return
         self._fired = True
         self._mark(self._step(), FWD0)
 
     def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
         steps = self._steps
-        if (steps is not None and not steps.detailed) or self._compiling():
+        if self._compiling() or (steps is not None and not steps.detailed):
             return
         self._mark(self._step(), FWD1)
         try:

@@ -202,6 +202,29 @@ def test_hooks_are_silent_while_compiling(agent) -> None:
     assert [e[1] for e in comp.buffer.drain()] == [0]
 
 
+def test_hooks_traced_by_torch_compile_do_not_recompile_it_as_the_detail_toggles(agent, monkeypatch) -> None:
+    """``attach(model)`` then ``torch.compile(model)``: the root's hooks are traced with the model; the
+    detail stride toggling ``detailed`` from step to step must not make it compile again."""
+    from torch._dynamo.utils import counters
+
+    from hpar_agent.agent import Agent
+
+    monkeypatch.setattr(Agent, "_run", lambda self: None)  # no pass to reset the stride set below
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    a = agent(model)
+    compiled, steps = torch.compile(model, backend="eager"), a.component("steps")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    graphs = counters["stats"]["unique_graphs"]
+    steps.stride = 2  # detailed on every other step from now on
+    for _ in range(4):
+        compiled(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_exported_series(agent) -> None:
     from prometheus_client import generate_latest
 
