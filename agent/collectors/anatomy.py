@@ -40,10 +40,11 @@ sync), as the pipeline collector does for chunks (``phases.gpu_phases``).
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
@@ -85,6 +86,18 @@ BUSY_PHASES = ("data_wait", "host", "forward", "backward", "optimizer")  # disjo
 PHASES = cat.STEP_PHASES
 WARMUP_STEPS = 2  # left out of the verdict: the first steps compile and allocate
 WINDOW = 64  # recent steps the shares and the verdict are computed over
+MAX_OUTPUTS = 4  # items of a tuple/mapping output looked at for the tensors a backward starts from
+
+
+def _grad_outputs(out: Any) -> list[Any]:
+    """The tensors of a module's output that a backward runs through: the output, or of the first items
+    of a tuple, list or mapping (Hugging Face's ``ModelOutput``: loss, logits) those with a grad_fn. The
+    loop may call backward on any of them (its own loss from the logits), so each gets the hook; the
+    first to run opens the backward, the first end closes it."""
+    if getattr(out, "grad_fn", None) is not None:
+        return [out]
+    items = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else ()
+    return [t for t in itertools.islice(items, MAX_OUTPUTS) if getattr(t, "grad_fn", None) is not None]
 
 
 class AnatomyCollector(Component):
@@ -300,11 +313,10 @@ class AnatomyCollector(Component):
             return
         self._mark(self._step(), FWD1)
         try:
-            t = out[0] if isinstance(out, (tuple, list)) and out else out
-            if getattr(t, "grad_fn", None) is not None:
-                # A tensor hook, registered before FSDP/replicate's on the same output: tensor hooks run in
-                # order, so our engine callback (the backward's end) is queued before their root
-                # post-backward callback, whose gradient reduction then counts as communication.
+            # Tensor hooks, registered before FSDP/replicate's on the same output: tensor hooks run in
+            # order, so our engine callback (the backward's end) is queued before their root
+            # post-backward callback, whose gradient reduction then counts as communication.
+            for t in _grad_outputs(out):
                 t.register_hook(self._bwd_pre)
         except Exception as exc:  # never into the training loop
             self.record_error(exc)

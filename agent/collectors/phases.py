@@ -84,6 +84,7 @@ def cpu_phases(
     opened: dict[int, int] = {}
     first_fwd: int | None = None
     opt0: int | None = None
+    last_busy = 0  # end of the last forward or backward: a closure optimizer runs them inside its step
     for code, t0, _t1, _ev in sorted(events, key=lambda e: e[1]):
         if code in (FWD0, BWD0):
             opened.setdefault(code, t0)
@@ -95,8 +96,11 @@ def cpu_phases(
                 phase = "forward" if code == FWD1 else "backward"
                 out[phase] = out.get(phase, 0.0) + (t0 - start) / 1e9
                 spans.append((phase, start, t0))
+                last_busy = t0
         elif code == OPT0:
             opt0 = t0
+    if opt0 is not None:
+        opt0 = max(opt0, last_busy)
     loads = loads_of(events)
     if chunks is not None:
         spans = []  # pp.forward / pp.backward spans already show the chunks
@@ -132,6 +136,7 @@ def gpu_phases(
     first_fwd: Any = None
     first_fwd_host = 0
     opt0: Any = None
+    last_busy: Any = None  # the event ending the last forward or backward (see cpu_phases)
 
     def off(ev: Any) -> float:
         return float(prev_end.elapsed_time(ev)) / 1e3
@@ -152,8 +157,11 @@ def gpu_phases(
                 phase = "forward" if code == FWD1 else "backward"
                 out[phase] = out.get(phase, 0.0) + float(start.elapsed_time(ev)) / 1e3
                 spans.append((phase, at(start), at(ev)))
+                last_busy = ev
         elif code == OPT0:
-            opt0 = ev
+            opt0, last_busy = ev, None
+    if opt0 is not None and last_busy is not None:
+        opt0 = last_busy  # a forward or backward ran inside the optimizer's step (a closure)
     loads = loads_of(events)
     if first_fwd is not None:
         host_way = max(0, first_fwd_host - start_ns)
