@@ -1,6 +1,6 @@
 """Step anatomy and run comparison on real 2-rank gloo runs of the reference trainer (dp=2, eager).
 
-Five short runs, shared by every test here through one session fixture: two clean ones, one with a
+Four short runs, shared by every test here through one session fixture: a clean one, one with a
 slow data loader on rank 1 (``--inject slow-data``), one with a straggler on rank 1, and a pp=2 1F1B
 run (the pipeline's phases come from its chunks).
 """
@@ -18,15 +18,11 @@ from hpar_trainer.launch import run_torchrun
 
 pytestmark = pytest.mark.distributed
 
-# --dim 256: compute dominates a clean step (at the default dim 64 the synthetic data takes ~30%);
-# --global-batch 64: the exposed dp all-reduce of a clean step stays well under the 30% communication-
-# bound threshold (same gradient, more compute: 0.10-0.12 of the step on an idle 2-core host; at 32 it
-# read up to 0.3 on a loaded one)
+# --dim 256 --global-batch 64: compute, not the synthetic data or the dp all-reduce, holds most of a clean step
 BASE = ["--dp", "2", "--compile", "eager", "--dim", "256", "--global-batch", "64", "--steps", "12",
         "--inject-step", "2", "--log-every", "100"]
 RUNS = {
     "clean": [],
-    "clean2": [],
     "slow-data": ["--inject", "slow-data", "--inject-delay", "0.5"],
     "straggler": ["--inject", "straggler", "--inject-delay", "2.0"],
     "pp": ["--dp", "1", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4", "--dim", "64"],
@@ -90,18 +86,16 @@ def test_phase_spans_are_children_of_the_step_span(anatomy_runs: dict[str, Path]
     assert longest > 0.49
 
 
-def test_compare_flags_the_straggler_and_passes_two_clean_runs(
-    anatomy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
-) -> None:
-    clean, clean2, straggler = (str(anatomy_runs[k]) for k in ("clean", "clean2", "straggler"))
-    # 2 shared CPU cores: two clean runs back to back differed by up to +73% (0.18-0.6 s steps as the
-    # machine's load changed); the straggler adds 2 s to every step of both ranks
-    assert cli_main(["compare", clean, clean2, "--max-regression", "150%"]) == 0, capsys.readouterr().out
+def test_compare_flags_the_straggler(anatomy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """The straggler's rank sleeps 2 s in every forward: its forward p50 grows past any threshold a
+    loaded machine allows (a clean forward took 0.44 s on a loaded 2-core host). The step's own change
+    is not asserted, nor whether two clean runs pass: both compare step times of runs made at different
+    times, which move with the machine's load (a clean step took 0.2-1.5 s)."""
+    clean, straggler = str(anatomy_runs["clean"]), str(anatomy_runs["straggler"])
+    assert cli_main(["compare", clean, clean, "--max-regression", "1%"]) == 0, capsys.readouterr().out
     capsys.readouterr()
     assert cli_main(["compare", clean, straggler, "--max-regression", "150%", "--phase", "forward"]) == 1
-    out = capsys.readouterr().out
-    assert "REGRESSION: step time p50 (slowest rank)" in out
-    assert "REGRESSION: forward p50 (slowest rank)" in out
+    assert "REGRESSION: forward p50 (slowest rank)" in capsys.readouterr().out
 
 
 def test_pipeline_phases_come_from_its_chunks(anatomy_runs: dict[str, Path]) -> None:
