@@ -108,10 +108,11 @@ STEP_BUCKETS: tuple[float, ...] = (
     1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
 
-#: Step anatomy: the fixed ``phase`` values of hpar_step_phase_duration_seconds (comm_exposed: collective
-#: time no other phase hides, only where collective timing exists) and the ``verdict`` values of hpar_step_bottleneck.
-STEP_PHASES: tuple[str, ...] = ("data_wait", "forward", "backward", "optimizer", "comm_exposed")
-VERDICTS: tuple[str, ...] = ("input-bound", "compute-bound", "communication-bound", "slow-rank")
+#: Step anatomy: the fixed ``phase`` values of hpar_step_phase_duration_seconds (data_wait: inside the data
+#: loader before the forward; host: the rest of that time; comm_exposed: collective time no other phase
+#: hides, only where collective timing exists) and the ``verdict`` values of hpar_step_bottleneck.
+STEP_PHASES: tuple[str, ...] = ("data_wait", "host", "forward", "backward", "optimizer", "comm_exposed")
+VERDICTS: tuple[str, ...] = ("input-bound", "host-bound", "compute-bound", "communication-bound", "slow-rank", "unknown")
 
 METRICS: tuple[MetricSpec, ...] = (
     # identity and agent health
@@ -128,10 +129,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("hpar_tokens_total", "counter", "Tokens processed, as reported by the training loop."),
     _m("hpar_model_flops_per_token", "gauge", "Model FLOPs this rank performs per token of hpar_tokens_total, as the trainer reports it (agent.report_flops); absent until reported."),
     _m("hpar_peak_flops", "gauge", "Peak FLOP/s of this rank's accelerator for the training dtype, as the trainer reports it (agent.report_flops); absent until reported."),
-    _m("hpar_step_phase_duration_seconds", "histogram", "Time of one phase of a step on this rank (data_wait, forward, backward, optimizer, comm_exposed: collective time no other phase hides, where collective timing exists); CPU wall clock, GPU stream time from CUDA events on GPU; on a loop faster than HPAR_DETAIL_RATE steps a second, every k-th step.", PHASE, unit="seconds"),
+    _m("hpar_step_phase_duration_seconds", "histogram", "Time of one phase of a step on this rank (data_wait: in the data loader before the forward, host: the rest of that time, forward, backward, optimizer, comm_exposed: collective time no other phase hides, where collective timing exists); CPU wall clock, GPU stream time from CUDA events on GPU; on a loop faster than HPAR_DETAIL_RATE steps a second, every k-th step.", PHASE, unit="seconds"),
     _m("hpar_step_phase_ratio", "gauge", "Share of step time spent in the phase over the recent steps (after warm-up).", PHASE, unit="ratio"),
     _m("hpar_step_slow_rank", "gauge", "The rank a slow-rank verdict names: the job's slowest rank, on every rank (the cross-rank Straggler exchange); absent otherwise.", unit=""),
-    _m("hpar_step_bottleneck", "gauge", "1 for this rank's current bottleneck verdict (input-bound, compute-bound, communication-bound, slow-rank), 0 for the others.", VERDICT),
+    _m("hpar_step_bottleneck", "gauge", "1 for this rank's current bottleneck verdict (input-bound, host-bound, compute-bound, communication-bound, slow-rank, unknown: the phases explain too little of the step), 0 for the others.", VERDICT),
     _m("hpar_pp_chunk_duration_seconds", "histogram", "Compute time of one pipeline microbatch chunk on this stage (on a loop faster than HPAR_DETAIL_RATE steps a second, of every k-th step).", PHASE, STREAM, unit="seconds"),
     _m("hpar_pp_busy_seconds", "gauge", "Forward+backward compute time of this stage in the last step.", unit="seconds"),
     _m("hpar_pp_bubble_ratio", "gauge", "Idle fraction of the last step on this stage: 1 - busy / step time.", unit="ratio"),

@@ -87,8 +87,12 @@ def micro(device: torch.device, microbatches: int) -> dict[str, Any]:
                           loss_fn=lambda out, y: (out - y).square().mean())  # fmt: skip
     x = torch.randn(4 * microbatches, 32, device=device)
 
+    held = {"model": model}
+
     def step() -> None:
-        model(x).sum().backward()
+        """The model out of sight of ``attach()``'s search for it (the step's locals and their
+        attributes, not a dict's items): the ``attach()`` arm is the optimizer hooks alone."""
+        held["model"](x).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

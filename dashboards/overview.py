@@ -126,8 +126,8 @@ def overview() -> Board:
     ts(
         b,
         "Where the step time goes",
-        "Share of step time by phase (data_wait, forward, backward, optimizer; recording rule, 5m window), "
-        "mean over ranks. CPU wall clock: on CUDA, CPU-side launch times.",
+        "Share of step time by phase (data_wait, host, forward, backward, optimizer, comm_exposed; recording rule, "
+        "5m window), mean over ranks. CPU wall clock; GPU stream time from CUDA events on GPU.",
         [Q(f"avg by (phase) (rank_phase:hpar_step_phase_duration_seconds:ratio5m{{{SEL}}})", "{{phase}}")],
         "percentunit",
         max_val=1,
@@ -148,7 +148,8 @@ def overview() -> Board:
     table(
         b,
         "Bottleneck by rank",
-        "Each rank's current verdict: input-bound, compute-bound, communication-bound or slow-rank.",
+        "Each rank's current verdict: input-bound, host-bound, compute-bound, communication-bound, slow-rank, or "
+        "unknown when the phases explain too little of the step (the reason is in the rank's summary).",
         [Q(f"max by (rank, pp_stage, verdict) (hpar_step_bottleneck{{{SEL}}}) == 1", instant=True)],
     )
     b.row("Alerts")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -54,3 +55,20 @@ class SlowData:
         if step >= self.start:
             time.sleep(self.delay)
         return self.inner.batch(step, dp_rank, dp)
+
+
+class StepBatches(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """One dp rank's batch of step ``i`` as a map-style dataset: the trainer reads its batches through a
+    ``DataLoader`` (``loader``), as a real job does, so its data time is a loader wait (the step anatomy's
+    ``data_wait``)."""
+
+    def __init__(self, source: DataSource, dp_rank: int, dp: int) -> None:
+        self.source, self.dp_rank, self.dp = source, dp_rank, dp
+
+    def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.source.batch(step, self.dp_rank, self.dp)
+
+
+def loader(source: DataSource, dp_rank: int, dp: int, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of steps 0..steps-1 in order, built in this process (no workers: deterministic)."""
+    return iter(torch.utils.data.DataLoader(StepBatches(source, dp_rank, dp), batch_size=None, sampler=range(steps)))

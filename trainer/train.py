@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .config import TrainConfig, parse_args
-from .data import MarkovData
+from .data import MarkovData, loader
 from .inject import Injector
 from .metrics import RankRecorder
 from .model import GPT, ModelArgs, build_model
@@ -186,6 +186,7 @@ class Trainer:
         self.agent: Any = None  # set by attach_observability
         self.data = self.injector.data_source(
             MarkovData(vocab=cfg.vocab, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed))
+        self.batches = loader(self.data, self.dp_rank, cfg.dp, cfg.steps)
         self._build()
 
     def _build(self) -> None:
@@ -209,7 +210,7 @@ class Trainer:
 
     def step(self, step: int) -> float | None:
         """One optimizer step; returns the dp-mean loss on last-stage ranks, None elsewhere."""
-        x, y = (t.to(self.device) for t in self.data.batch(step, self.dp_rank, self.cfg.dp))
+        x, y = (t.to(self.device) for t in next(self.batches))  # the batch of ``step``: the loader yields them in order
         self.optimizer.zero_grad(set_to_none=True)
         if self.schedule is None:
             loss = loss_fn(self.modules[0](x), y)

@@ -1,10 +1,11 @@
 """Step anatomy: where each rank's step time goes, and the bottleneck verdict that follows from it.
 
-Phases of step s (from the end of step s-1's optimizer step to the end of step s's):
-``data_wait`` (to the first forward), ``forward``, ``backward``, ``optimizer`` (optimizer step pre-hook
-to the step boundary). What is left (loss, clipping, DDP's wait for its last bucket, logging) is
-"other" in the summary. ``comm_exposed``: communication time of the step not hidden by any of those
-phases (see ``exposed_ns``), exported where collective timing exists:
+Phases of step s (from the end of step s-1's optimizer step to the end of step s's): up to the first
+forward ``data_wait`` (the part inside the data loader) and ``host`` (the rest: see ``phases``),
+``forward``, ``backward``, ``optimizer`` (optimizer step pre-hook to the step boundary). What is left
+(loss, clipping, a pipeline's bubble) is "other" in the summary; when the phases explain too little of
+the step the verdict is ``unknown`` (``verdict.bottleneck``). ``comm_exposed``: communication time of
+the step not hidden by any of those phases (``phases.exposed_ns``), where collective timing exists:
 - timed collective intervals of the step from the collectives collector (NCCL flight-recorder durations,
   placed at enqueue), which may arrive a flight-recorder read after the step: the phase waits for them
   (``comm_pending``), at most ``COMM_WAIT_NS``. Pipeline p2p is left out: its waits are the schedule's
@@ -16,88 +17,87 @@ phases (see ``exposed_ns``), exported where collective timing exists:
 On CUDA the other phases are stream times placed from the step's start and the collectives sit at their
 host enqueue time, so the overlap is approximate there (a host running ahead of the GPU shifts them).
 
-Hooks, all installed by ``attach(model)``, only append ``(step, code, epoch ns)`` to a bounded buffer:
+Hooks, installed at attach, only append ``(step, code, epoch ns)`` to a bounded buffer:
 - forward: pre-hook (prepended: the user's own pre-hooks count as forward) and post-hook on the
-  attached ROOT module only (global module hooks would cost µs per submodule call);
+  model's ROOT module only (global module hooks would cost µs per submodule call): the model given to
+  ``attach(model)``, else the one ``model_root`` finds (a wrapper built, or at an optimizer step);
 - backward: at forward exit, a hook on the output tensor marks the start of that backward and queues
   an autograd-engine callback (``queue_callback``, as DDP does) that marks its end;
 - optimizer: the global optimizer step pre-hook; the step boundary (post-hook) ends it;
 - data loader: ``_BaseDataLoaderIter.__next__`` wrapped while attached (time inside the loader).
 Pipeline schedules: forward/backward are the pipeline collector's chunk times (CUDA events there on a
-GPU), data wait ends at the first stage-0 forward chunk (CPU clock). Every hook is a no-op while torch.compile traces,
-and on the steps a fast loop leaves without detail (``StepCollector.stride``): those get no phases.
+GPU), data wait and host end at the first stage-0 forward chunk (CPU clock). Every hook is a no-op
+while torch.compile traces, and on the steps a fast loop leaves without detail
+(``StepCollector.stride``): those get no phases.
 
 Clock: on CPU, wall clock. On CUDA wall-clock phases would be launch times (the time shows up wherever
 the CPU next waits for the GPU, e.g. a loss ``.item()`` in the data wait), so each hook also records a
 CUDA event on the current stream (plus one at the end of the optimizer step), and the agent thread
 turns them into GPU-stream phases once the step's last event has completed (``query()``, never a
-sync), as the pipeline collector does for chunks. The data wait is then the shorter of the time the
-stream sat idle between the last optimizer kernel and the first forward kernel and the host's time from
-the step boundary to the forward: the GPU waiting for its input, not for a host that launches slowly.
+sync), as the pipeline collector does for chunks (``phases.gpu_phases``).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import statistics
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
+from hpar_agent import topology_watch as watch
 from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.collectors import model_root
 from hpar_agent.collectors.collectives import CollectiveCollector
+from hpar_agent.collectors.phases import (
+    BWD0,
+    BWD1,
+    FWD0,
+    FWD1,
+    LOAD,
+    OPT0,
+    OPT1,
+    SYNC1,
+    cpu_phases,
+    exposed_ns,
+    gpu_phases,
+    host_waits,
+)
 from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.steps import StepCollector
-from hpar_agent.collectors.verdict import DEFAULTS, bottleneck
+from hpar_agent.collectors.verdict import bottleneck
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord, StepRecord
+from hpar_agent.thresholds import ANATOMY_DEFAULTS
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
 
-FWD0, FWD1, BWD0, BWD1, OPT0, LOAD, OPT1, SYNC1 = range(8)
 MAX_WAITING = 256  # CUDA steps whose events have not completed yet
 MAX_COMM_WAITING = 8192  # steps whose collectives have not all been read yet (FR reads are periodic)
 COMM_WAIT_NS = 30 * 10**9  # then comm_exposed is computed from what was read (a hung op never completes)
-COMPUTE_PHASES = ("data_wait", "forward", "backward", "optimizer")  # disjoint from comm_exposed
+BUSY_PHASES = ("data_wait", "host", "forward", "backward", "optimizer")  # disjoint from comm_exposed
 PHASES = cat.STEP_PHASES
 WARMUP_STEPS = 2  # left out of the verdict: the first steps compile and allocate
 WINDOW = 64  # recent steps the shares and the verdict are computed over
+MAX_OUTPUTS = 4  # items of a tuple/mapping output looked at for the tensors a backward starts from
 
 
-def _union(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(i for i in intervals if i[1] > i[0]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def exposed_ns(
-    comm: Iterable[tuple[int, int]], busy: Iterable[tuple[int, int]], lo: int, hi: int
-) -> list[tuple[int, int]]:
-    """The parts of the communication intervals inside [lo, hi] that no busy interval covers: the
-    union of ``comm`` clipped to the step, minus the union of ``busy`` (the step's other phases)."""
-    out: list[tuple[int, int]] = []
-    cover = _union(busy)
-    for a, b in _union((max(a, lo), min(b, hi)) for a, b in comm):
-        for c, d in cover:
-            if d <= a or c >= b:
-                continue
-            if c > a:
-                out.append((a, c))
-            a = max(a, d)
-            if a >= b:
-                break
-        if a < b:
-            out.append((a, b))
-    return out
+def _grad_outputs(out: Any) -> list[Any]:
+    """The tensors of a module's output that a backward runs through: the output, or of the first items
+    of a tuple, list or mapping (Hugging Face's ``ModelOutput``: loss, logits) those with a grad_fn. The
+    loop may call backward on any of them (its own loss from the logits), so each gets the hook; the
+    first to run opens the backward, the first end closes it."""
+    if getattr(out, "grad_fn", None) is not None:
+        return [out]
+    items = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else ()
+    return [t for t in itertools.islice(items, MAX_OUTPUTS) if getattr(t, "grad_fn", None) is not None]
 
 
 class AnatomyCollector(Component):
@@ -132,6 +132,16 @@ class AnatomyCollector(Component):
         self.shares: dict[str, float] = {}
         self.forward_source = "none"
         self.cuda = False
+        self._module_cls: Any = None
+        self.root: Any = None  # the module whose forward hooks time the forward and backward
+        self.root_found_by = ""  # "attach(model)", "wrapper" or "optimizer step"
+        self.root_class = ""
+        self._root_handles: list[Any] = []
+        self._silent_handles: list[Any] = []  # of roots dropped without their forward ever running: see _drop_root
+        self._root_step = 0  # the step the root was taken at
+        self._root_checks = 0  # optimizer steps left to find or confirm the root on (0: settled)
+        self._rejected: list[Any] = []  # roots whose forward never ran in a whole step
+        self._fired = False  # the root's forward ran (outside torch.compile) since it was taken
 
     # ------------------------------------------------------------------------------------ install
     def install(self, ctx: AgentContext) -> None:
@@ -146,25 +156,19 @@ class AnatomyCollector(Component):
             self._dist_on = dist.is_initialized
         self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
         self._queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-        model = ctx.model
-        if isinstance(model, torch.nn.Module):
-            self._handles.append(model.register_forward_pre_hook(self._fwd_pre, prepend=True))
-            # prepended: its output hook must precede FSDP's/replicate's (see _fwd_post)
-            self._handles.append(model.register_forward_hook(self._fwd_post, prepend=True))
-            self.forward_source = "module-hooks"
-            try:
-                self.cuda = next(model.parameters()).device.type == "cuda"
-            except StopIteration:
-                pass
+        self._module_cls = torch.nn.Module
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
-        device = ctx.device  # the rank's device, fixed at attach (hpar_agent.device)
-        self.cuda = self.cuda and getattr(device, "type", "") == "cuda"
-        if self.cuda:
-            self._event = torch.cuda.Event
-            self._stream = functools.partial(torch.cuda.current_stream, device)
+        if getattr(ctx.device, "type", "") == "cuda":  # the rank's device (hpar_agent.device)
             self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+        self._root_checks = model_root.MAX_CHECKS
+        if isinstance(ctx.model, torch.nn.Module):
+            self._adopt(ctx.model, "attach(model)")
+        else:
+            watch.listen(self._on_source)
+            if watch.wrapper() is not None:
+                self._on_source("wrapper")
         self._patch_loader()
 
     def _patch_loader(self) -> None:
@@ -189,14 +193,94 @@ class AnatomyCollector(Component):
         self._loader_patch = (_BaseDataLoaderIter, orig)
 
     def uninstall(self) -> None:
-        for h in self._handles:
+        watch.unlisten(self._on_source)
+        for h in [*self._handles, *self._root_handles, *self._silent_handles]:
             h.remove()
         self._handles.clear()
+        self._root_handles.clear()
+        self._silent_handles.clear()
+        self.root, self._rejected = None, []  # the user's model is not the agent's to keep alive
         if self._loader_patch is not None:
             cls, orig = self._loader_patch
             if getattr(cls.__next__, "_hpar_orig", None) is orig:
                 cls.__next__ = orig
             self._loader_patch = None
+
+    # ------------------------------------------------------------------------------------ the model's root
+    def _drop_root(self) -> None:
+        """Stop timing the current root. Hooks that never ran in a whole step stay until detach, silent:
+        they may sit inside code torch.compile traced with them, and removing them would recompile it."""
+        if self.root is not None and not self._fired and self._root_step != self._step():
+            self._silent_handles += self._root_handles
+        else:
+            for h in self._root_handles:
+                h.remove()
+        self._root_handles, self.root, self.root_found_by, self.root_class = [], None, "", ""
+
+    def _adopt(self, module: Any, how: str) -> None:
+        """Time the forward and backward of ``module`` from now on (training thread, rare)."""
+        self._drop_root()
+        self._root_handles = [
+            module.register_forward_pre_hook(self._fwd_pre, prepend=True),
+            # prepended: its output hook must precede FSDP's/replicate's (see _fwd_post)
+            module.register_forward_hook(self._fwd_post, prepend=True),
+        ]
+        self.root, self.root_found_by, self._fired = module, how, False
+        self.root_class = type(module).__name__
+        self._root_step = self._step()
+        self.forward_source = "module-hooks"
+        device = self.ctx.device if self.ctx is not None else None
+        try:
+            on_cuda = next(module.parameters()).device.type == "cuda"
+        except StopIteration:
+            on_cuda = False
+        self.cuda = on_cuda and getattr(device, "type", "") == "cuda"
+        if self.cuda and self._event is None:
+            import torch
+
+            self._event = torch.cuda.Event
+            self._stream = functools.partial(torch.cuda.current_stream, device)
+
+    def _on_source(self, kind: str) -> None:
+        """``topology_watch``: a data-parallel wrapper was built; it is the root while none was found at
+        an optimizer step, or when it wraps the root (FSDP wraps the blocks, then the whole model)."""
+        if kind != "wrapper" or self.root_found_by not in ("", "wrapper"):
+            return
+        try:
+            new = model_root.outermost(self.root, watch.wrapper())
+            if new is not None and new is not self.root:
+                self._adopt(new, "wrapper")
+        except Exception as exc:
+            self.record_error(exc)
+
+    def _check_root(self, optimizer: Any, frame: Any) -> None:
+        """At an optimizer step while the root is not settled: keep a root whose forward ran and that
+        holds the optimizer's parameters (or was given to ``attach``), else look for the model in the
+        frames above (``model_root``): a model given to ``attach`` but called only through a wrapper
+        that runs its hooks inside torch.compile (``torch.compile(model)``) is timed at that wrapper."""
+        self._root_checks -= 1
+        try:
+            root = self.root
+            if root is not None and not self._fired and self._root_step == self._step():
+                return  # taken during this step: its forward runs from the next one
+            if root is not None and self._fired and (
+                self.root_found_by == "attach(model)" or model_root.holds(root, model_root.param_ids(optimizer))
+            ):
+                self._root_checks = 0  # confirmed
+                return
+            if root is not None:
+                self._rejected.append(root)
+            found = model_root.find_root(optimizer, self._module_cls, self._rejected, frame)
+            if found is not None:
+                self._adopt(found, "optimizer step")
+            elif root is not None and self.root_found_by != "attach(model)":  # the user's choice stays
+                self._drop_root()
+        except Exception as exc:
+            self._root_checks = 0
+            self.record_error(exc)
+        finally:
+            if not self._root_checks:
+                self._rejected.clear()
 
     # ------------------------------------------------------------------------------------ training thread
     def _step(self) -> int:
@@ -216,21 +300,23 @@ class AnatomyCollector(Component):
 
     def _fwd_pre(self, module: Any, args: Any) -> None:
         steps = self._steps
-        if (steps is not None and not steps.detailed) or self._compiling():
+        # compiling first: traced, the hook then reads nothing torch.compile would guard on (a guard on
+        # ``detailed`` recompiles the model when the detail stride toggles it)
+        if self._compiling() or (steps is not None and not steps.detailed):
             return
+        self._fired = True
         self._mark(self._step(), FWD0)
 
     def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
         steps = self._steps
-        if (steps is not None and not steps.detailed) or self._compiling():
+        if self._compiling() or (steps is not None and not steps.detailed):
             return
         self._mark(self._step(), FWD1)
         try:
-            t = out[0] if isinstance(out, (tuple, list)) and out else out
-            if getattr(t, "grad_fn", None) is not None:
-                # A tensor hook, registered before FSDP/replicate's on the same output: tensor hooks run in
-                # order, so our engine callback (the backward's end) is queued before their root
-                # post-backward callback, whose gradient reduction then counts as communication.
+            # Tensor hooks, registered before FSDP/replicate's on the same output: tensor hooks run in
+            # order, so our engine callback (the backward's end) is queued before their root
+            # post-backward callback, whose gradient reduction then counts as communication.
+            for t in _grad_outputs(out):
                 t.register_hook(self._bwd_pre)
         except Exception as exc:  # never into the training loop
             self.record_error(exc)
@@ -255,10 +341,14 @@ class AnatomyCollector(Component):
 
     def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         steps = self._steps
-        if steps is None or steps.explicit or not steps.detailed:
+        if steps is None:
             return
         oid = steps._optimizer_id
         if oid is not None and id(optimizer) != oid:
+            return
+        if self._root_checks:
+            self._check_root(optimizer, sys._getframe(1))
+        if steps.explicit or not steps.detailed:
             return
         self._mark(steps.count, OPT0)
 
@@ -267,7 +357,7 @@ class AnatomyCollector(Component):
         first, has already counted the step); also after an undetailed step the next detailed one is
         measured from."""
         steps = self._steps
-        if steps is None or steps.explicit or steps._optimizer_id != id(optimizer):
+        if self._event is None or steps is None or steps.explicit or steps._optimizer_id != id(optimizer):
             return
         if not (steps.prev_detailed or steps.detailed):
             return
@@ -320,7 +410,7 @@ class AnatomyCollector(Component):
             piped = self._pipe is not None and bool(getattr(self._pipe, "_wrapped", None))
             if end is not None and self._last_end_event is not None and not piped:
                 try:
-                    phases, spans, loader, step_s = self.gpu_phases(rec, events, self._last_end_event, end)
+                    phases, spans, loader, step_s = gpu_phases(rec.start_ns, events, self._last_end_event, end)
                     self.clock = "cuda-events"
                 except Exception as exc:  # an event not recorded (e.g. another device): CPU times
                     self.record_error(exc)
@@ -329,27 +419,15 @@ class AnatomyCollector(Component):
                 phases, spans, loader = self.phases(rec, events)
             self._last_end_event = end
             self._finish(rec, phases, spans, loader, step_s)
-            busy = [(t0, t1) for phase, t0, t1 in spans if phase in COMPUTE_PHASES]
+            busy = [(t0, t1) for phase, t0, t1 in spans if phase in BUSY_PHASES]
             if piped:  # forward/backward spans are the pipeline's chunks
                 busy += self._pipe.intervals_by_step.pop(rec.step, [])
-            self.comm_pending.append((rec, busy, self.host_waits(events) if self._event is None else [], phases))
+            self.comm_pending.append((rec, busy, host_waits(events) if self._event is None else [], phases))
         finished += self._flush_comm()
         if finished and judge:
             self._unjudged = False
             self._judge()
         return finished
-
-    @staticmethod
-    def host_waits(events: list[tuple[int, int, int, Any]]) -> list[tuple[int, int]]:
-        """CPU clock: each backward's end to the engine callback queued after DDP's (its bucket wait)."""
-        out, bwd_end = [], None
-        for code, t0, _t1, _ev in sorted(events, key=lambda e: e[1]):
-            if code == BWD1:
-                bwd_end = t0
-            elif code == SYNC1 and bwd_end is not None:
-                out.append((bwd_end, t0))
-                bwd_end = None
-        return out
 
     def _flush_comm(self) -> int:
         """Complete ``comm_exposed`` of the steps whose collectives have all been read (in order)."""
@@ -392,117 +470,38 @@ class AnatomyCollector(Component):
             for phase, t0, t1 in spans[:32]:
                 ctx.add_span(SpanRecord(cat.SPAN_STEP_PHASES[phase], t0, t1, rec.step))
 
-    def gpu_phases(
-        self, rec: StepRecord, events: list[tuple[int, int, int, Any]], prev_end: Any, end: Any
-    ) -> tuple[dict[str, float], list[tuple[str, int, int]], float, float]:
-        """Phases on the GPU stream from CUDA events (all complete: ``end`` is the last one). Offsets
-        are measured from the previous step's end event; spans are placed at the step's start plus
-        those offsets."""
-        out: dict[str, float] = {}
-        spans: list[tuple[str, int, int]] = []
-        opened: dict[int, Any] = {}
-        first_fwd: Any = None
-        first_fwd_host = 0
-        opt0: Any = None
-        loader = 0.0
-
-        def off(ev: Any) -> float:
-            return float(prev_end.elapsed_time(ev)) / 1e3
-
-        def at(ev: Any) -> int:
-            return rec.start_ns + int(off(ev) * 1e9)
-
-        for code, t0, t1, ev in sorted(events, key=lambda e: e[1]):
-            if code == LOAD:
-                loader += (t1 - t0) / 1e9
-            elif ev is None:
-                continue
-            elif code in (FWD0, BWD0):
-                opened.setdefault(code, ev)
-                if code == FWD0 and first_fwd is None:
-                    first_fwd, first_fwd_host = ev, t0
-            elif code in (FWD1, BWD1):
-                start = opened.pop(code - 1, None)
-                if start is not None:
-                    phase = "forward" if code == FWD1 else "backward"
-                    out[phase] = out.get(phase, 0.0) + float(start.elapsed_time(ev)) / 1e3
-                    spans.append((phase, at(start), at(ev)))
-            elif code == OPT0:
-                opt0 = ev
-        if first_fwd is not None:
-            # The GPU waited for input only while both held: the stream sat idle AND the host was not yet
-            # at the forward. Stream idle alone is launch overhead in a host-bound loop (a clean H200
-            # run read as input-bound); host time alone includes syncs such as a loss .item().
-            host = max(0.0, (first_fwd_host - rec.start_ns) / 1e9)
-            out["data_wait"] = min(off(first_fwd), host)
-            spans.insert(0, ("data_wait", rec.start_ns, rec.start_ns + int(out["data_wait"] * 1e9)))
-        if opt0 is not None:
-            out["optimizer"] = float(opt0.elapsed_time(end)) / 1e3
-            spans.append(("optimizer", at(opt0), at(end)))
-        return out, spans, loader, off(end)
-
     def phases(
         self, rec: StepRecord, events: list[tuple[int, int, int, Any]]
     ) -> tuple[dict[str, float], list[tuple[str, int, int]], float]:
-        """Phase seconds of one step from CPU wall-clock times, the spans behind them and the seconds
-        spent in the data loader."""
-        out: dict[str, float] = {}
-        spans: list[tuple[str, int, int]] = []
-        opened: dict[int, int] = {}
-        first_fwd: int | None = None
-        opt0: int | None = None
-        loader = 0.0
-        for code, t0, t1, _ev in sorted(events, key=lambda e: e[1]):
-            if code in (FWD0, BWD0):
-                opened.setdefault(code, t0)
-                if code == FWD0 and first_fwd is None:
-                    first_fwd = t0
-            elif code in (FWD1, BWD1):
-                start = opened.pop(code - 1, None)
-                if start is not None:
-                    phase = "forward" if code == FWD1 else "backward"
-                    out[phase] = out.get(phase, 0.0) + (t0 - start) / 1e9
-                    spans.append((phase, start, t0))
-            elif code == OPT0:
-                opt0 = t0
-            elif code == LOAD:
-                loader += (t1 - t0) / 1e9
+        """Phase seconds of one step from CPU wall-clock times (``phases.cpu_phases``); under a pipeline
+        schedule forward and backward are the stage's chunks, and only stage 0 waits for data."""
         pipe = self._pipe
+        chunks = None
         if pipe is not None and getattr(pipe, "_wrapped", None):
             self.forward_source = "pipeline-chunks"
-            spans = []  # pp.forward / pp.backward spans already show the chunks
-            chunked = pipe.phase_by_step.pop(rec.step, {})
-            for phase in ("forward", "backward"):
-                if phase in chunked:
-                    out[phase] = chunked[phase]
-                else:
-                    out.pop(phase, None)
-            first_fwd = pipe.first_forward_ns.pop(rec.step, None)  # data is loaded for stage 0 only
-        if first_fwd is not None and first_fwd >= rec.start_ns:
-            out["data_wait"] = (first_fwd - rec.start_ns) / 1e9
-            spans.insert(0, ("data_wait", rec.start_ns, first_fwd))
-        if opt0 is not None and rec.start_ns <= opt0 <= rec.end_ns:
-            out["optimizer"] = (rec.end_ns - opt0) / 1e9
-            spans.append(("optimizer", opt0, rec.end_ns))
-        return out, spans, loader
+            chunks = (pipe.phase_by_step.pop(rec.step, {}), pipe.first_forward_ns.pop(rec.step, None))
+        return cpu_phases(rec.start_ns, rec.end_ns, events, chunks)
 
-    def _judge(self) -> None:
+    def _judged_steps(self) -> list[tuple[int, float, dict[str, float], float]]:
+        """The recent steps after warm-up, and of those the ones with a forward timed where there are
+        any (under ``hpar-agent run`` the steps before the model was found have none)."""
         recent = self.history[-WINDOW:]
         hist = [h for h in recent if h[0] >= WARMUP_STEPS] or recent
+        return [h for h in hist if "forward" in h[2]] or hist
+
+    def _judge(self) -> None:
+        hist = self._judged_steps()
         total = sum(h[1] for h in hist)
         if total <= 0:
             return
         sums = {p: sum(h[2].get(p, 0.0) for h in hist) for p in PHASES}
         seen = {p for h in hist for p in h[2]}
         self.shares = {p: sums[p] / total for p in PHASES if p in seen}
-        th = dict(self.ctx.config.thresholds) if self.ctx is not None else {}
+        th = self.ctx.config.thresholds if self.ctx is not None else {}
         straggler, lag, slow_rank = self._straggler()
-        self.verdict = bottleneck(
-            self.shares,
-            straggler=straggler,
-            input_share=float(th.get("anatomy.input_share", DEFAULTS["anatomy.input_share"])),
-            comm_share=float(th.get("anatomy.comm_share", DEFAULTS["anatomy.comm_share"])),
-        )
+        verdict = bottleneck(self.shares, straggler=straggler,
+                             thresholds={k: float(th.get(f"anatomy.{k}", v)) for k, v in ANATOMY_DEFAULTS.items()})
+        self.verdict = verdict.name
         rank = self.ctx.topology.rank if self.ctx is not None else 0
         self.evidence = {
             "steps": len(hist),
@@ -510,12 +509,35 @@ class AnatomyCollector(Component):
             "shares": {p: round(v, 4) for p, v in self.shares.items()},
             "other_share": round(max(0.0, 1.0 - sum(self.shares.values())), 4),
             "loader_seconds_mean": sum(h[3] for h in hist) / len(hist),
+            "reason": self._reason(verdict.name, verdict.reason, "forward" in seen, {h[0] for h in hist}),
         }
         if lag is not None:
             self.evidence["straggler_lag_ratio"] = round(lag, 4)
         self.slow_rank = slow_rank if self.verdict == "slow-rank" else None
         if self.verdict == "slow-rank":
             self.evidence["slow_rank"] = rank if slow_rank is None else slow_rank
+
+    def _reason(self, verdict: str, reason: str, forward: bool, steps: set[int]) -> str:
+        """The verdict's reason; an unknown one says where the rest of the step went where the agent
+        knows: nowhere timed when no forward was, else a pipeline stage's bubble."""
+        if verdict != "unknown":
+            return reason
+        if not forward:
+            return self._no_forward()
+        pipe = self._pipe
+        bubbles = [b for step, b in getattr(pipe, "bubbles", ()) if step in steps]
+        if self.forward_source == "pipeline-chunks" and bubbles:
+            reason += (f"; the rest is mostly the pipeline's bubble ({sum(bubbles) / len(bubbles):.0%} of the step, "
+                       "hpar_pp_bubble_ratio): the stage waits for its neighbours")
+        return reason
+
+    def _no_forward(self) -> str:
+        """Why no step has a forward timed (the reason of an unknown verdict)."""
+        if not self.root_class:
+            return ("no forward timed: the model is not known (give it to attach(model); under hpar-agent run "
+                    "a DDP/FSDP wrapper or the training loop's variables at an optimizer step name it)")
+        return (f"no forward timed: the forward hooks of the model's root ({self.root_class}, from "
+                f"{self.root_found_by}) never ran outside torch.compile")
 
     def _straggler(self) -> tuple[bool, float | None, int | None]:
         """Whether the job has one slow rank, its arrival lag at collectives and which rank (None: this
@@ -544,8 +566,7 @@ class AnatomyCollector(Component):
         yield sr
 
     def summary(self) -> dict[str, Any]:
-        recent = self.history[-WINDOW:]
-        hist = [h for h in recent if h[0] >= WARMUP_STEPS] or recent
+        hist = self._judged_steps()
         p50 = {}
         for p in PHASES:
             vals = [h[2][p] for h in hist if p in h[2]]
@@ -554,6 +575,7 @@ class AnatomyCollector(Component):
         return {
             "clock": self.clock,
             "source": self.forward_source,
+            "model": {"class": self.root_class, "found_by": self.root_found_by} if self.root_class else None,
             "phase_seconds_p50": p50,
             "step_seconds_p50": statistics.median([h[1] for h in hist]) if hist else None,
             "verdict": self.verdict,

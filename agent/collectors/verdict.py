@@ -4,30 +4,49 @@ job's one slow rank from every rank's anatomy digest (offline: the run directory
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
 
 from hpar_agent.thresholds import ANATOMY_DEFAULTS
 
 DEFAULTS = {f"anatomy.{k}": v for k, v in ANATOMY_DEFAULTS.items()}  # overridable as thresholds
+COMPUTE = ("forward", "backward", "optimizer")
 
 
-def bottleneck(
-    shares: dict[str, float],
-    *,
-    straggler: bool = False,
-    input_share: float = DEFAULTS["anatomy.input_share"],
-    comm_share: float = DEFAULTS["anatomy.comm_share"],
-) -> str:
-    """The verdict from phase shares of step time. Input first: a rank whose loader is slow also
-    arrives last at collectives (the Straggler signal), and the loader is the cause to name."""
-    if shares.get("data_wait", 0.0) >= input_share:
-        return "input-bound"
+class Verdict(NamedTuple):
+    name: str  # one of catalogue.VERDICTS
+    reason: str  # the numbers that gave it, one line
+
+
+def bottleneck(shares: Mapping[str, float], *, straggler: bool = False, thresholds: Mapping[str, float] | None = None) -> Verdict:
+    """The verdict from phase shares of step time (``thresholds``: ``ANATOMY_DEFAULTS``' keys).
+
+    A cause is named when its phase reaches its threshold: input first (a rank whose loader is slow
+    also arrives last at collectives, the Straggler signal, and the loader is the cause to name), then
+    host work between steps, a slow rank, exposed communication. compute-bound is what is left only
+    when the measured phases explain at least ``min_explained`` of the step: else the time is
+    somewhere the phases do not see, and the verdict is unknown."""
+    th = {**ANATOMY_DEFAULTS, **(thresholds or {})}
+
+    def over(phase: str, key: str) -> str | None:
+        share = shares.get(phase, 0.0)
+        return f"{phase} is {share:.0%} of the step (anatomy.{key} {th[key]:.0%})" if share >= th[key] else None
+
+    if why := over("data_wait", "input_share"):
+        return Verdict("input-bound", why)
+    if why := over("host", "host_share"):
+        return Verdict("host-bound", why)
     if straggler:
-        return "slow-rank"
-    if shares.get("comm_exposed", 0.0) >= comm_share:
-        return "communication-bound"
-    return "compute-bound"
+        return Verdict("slow-rank", "the Straggler detector names one slow rank")
+    if why := over("comm_exposed", "comm_share"):
+        return Verdict("communication-bound", why)
+    explained = sum(shares.values())
+    if explained < th["min_explained"]:
+        return Verdict("unknown", f"the phases explain {explained:.0%} of the step (anatomy.min_explained "
+                                  f"{th['min_explained']:.0%})")
+    compute = sum(shares.get(p, 0.0) for p in COMPUTE)
+    return Verdict("compute-bound", f"forward, backward and optimizer are {compute:.0%} of the step; no other "
+                                    "phase reaches its threshold")
 
 
 SLOW_EXCESS = 0.2  # a rank's compute past its stage peers' median by this share of its step is slow

@@ -321,10 +321,13 @@ def _render_anatomy(name: str, ranks: list[dict[str, Any]]) -> list[str]:
         *_table(["rank", "step p50", *phases, "other", "bottleneck"], rows),
     ]
     lines += _slow_rank_line(ranks, name)
-    held = [str(row[0]) for row in rows if row[-1] in ("input-bound", "slow-rank")]
+    held = [str(row[0]) for row in rows if row[-1] in ("input-bound", "host-bound", "slow-rank")]
     if held and len(held) < len(rows):
-        lines.append(f"  rank {', '.join(held)} holds the others back: they wait for it inside collectives "
-                     "(counted in their forward/backward)")
+        lines.append(f"  rank {', '.join(held)} holds the others back: they wait for it inside collectives")
+    for r in ranks:
+        a = r.get("components", {}).get(name) or {}
+        if a.get("verdict") == "unknown":
+            lines.append(f"  rank {r.get('rank')}: unknown: {(a.get('evidence') or {}).get('reason', '')}")
     return lines
 
 

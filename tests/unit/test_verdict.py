@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpar_agent.collectors.verdict import bottleneck, slow_rank_across
+from hpar_agent.catalogue import VERDICTS
+from hpar_agent.collectors.verdict import DEFAULTS, bottleneck, slow_rank_across
 
 
 @pytest.mark.parametrize(
@@ -12,14 +13,31 @@ from hpar_agent.collectors.verdict import bottleneck, slow_rank_across
     [
         ({"data_wait": 0.3, "forward": 0.3, "backward": 0.3}, False, "input-bound"),
         ({"data_wait": 0.3, "forward": 0.3}, True, "input-bound"),  # the loader is the cause to name
+        ({"data_wait": 0.0, "host": 0.8, "forward": 0.1}, False, "host-bound"),
+        ({"data_wait": 0.0, "host": 0.8, "forward": 0.1}, True, "host-bound"),  # the host work is the cause
         ({"data_wait": 0.05, "forward": 0.6}, True, "slow-rank"),
         ({"data_wait": 0.05, "comm_exposed": 0.4, "forward": 0.3}, False, "communication-bound"),
-        ({"data_wait": 0.19, "comm_exposed": 0.29, "forward": 0.3}, False, "compute-bound"),
-        ({}, False, "compute-bound"),
+        ({"data_wait": 0.19, "host": 0.19, "comm_exposed": 0.29, "forward": 0.3}, False, "compute-bound"),
+        ({"data_wait": 0.1, "forward": 0.4, "backward": 0.1}, False, "compute-bound"),  # 60% explained
+        ({"data_wait": 0.1, "forward": 0.4, "backward": 0.09}, False, "unknown"),  # 59% explained
+        ({"optimizer": 0.01}, False, "unknown"),  # the zero-code DDP program's 99% "other"
+        ({}, False, "unknown"),
     ],
 )
 def test_verdict_on_synthetic_shares(shares, straggler, verdict) -> None:
-    assert bottleneck(shares, straggler=straggler) == verdict
+    assert bottleneck(shares, straggler=straggler).name == verdict
+
+
+def test_each_verdict_says_why_and_the_thresholds_are_the_declared_ones() -> None:
+    v = bottleneck({"data_wait": 0.05, "forward": 0.3, "backward": 0.2})
+    assert v == ("unknown", "the phases explain 55% of the step (anatomy.min_explained 60%)")
+    assert bottleneck({"data_wait": 0.05, "forward": 0.3, "backward": 0.2}, thresholds={"min_explained": 0.5}).name == "compute-bound"
+    assert bottleneck({"host": 0.25, "forward": 0.7}).reason == "host is 25% of the step (anatomy.host_share 20%)"
+    assert bottleneck({"host": 0.25, "forward": 0.7}, thresholds={"host_share": 0.3}).name == "compute-bound"
+    assert bottleneck({"forward": 0.5, "backward": 0.4}).reason.startswith("forward, backward and optimizer are 90%")
+    assert set(DEFAULTS) == {"anatomy.input_share", "anatomy.host_share", "anatomy.comm_share", "anatomy.min_explained"}
+    assert {bottleneck(s, straggler=st).name for s, st in [({"data_wait": 1}, False), ({"host": 1}, False), ({}, True),
+            ({"comm_exposed": 1}, False), ({}, False), ({"forward": 1}, False)]} == set(VERDICTS)
 
 
 def test_slow_rank_across_the_run_directorys_summaries() -> None:
