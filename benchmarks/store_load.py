@@ -108,6 +108,7 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
     from torch.distributed import HashStore
 
     from hpar_agent.agent import Agent
+    from hpar_agent.collectors.collective_state import PgState
     from hpar_agent.collectors.collectives import CollectiveCollector
     from hpar_agent.collectors.compile import CompileCollector
     from hpar_agent.collectors.gradsync import GradSyncCollector
@@ -154,8 +155,8 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
     last = {e["pg"]: e["seq"] for e in window}  # each group's last collective, entered and completed
     for comp in (holding(StepCollector, count=STEPS, total=STEPS, last_step_ts=time.time(), durations=[0.3] * 8),
                  holding(CompileCollector, fingerprint=1022026788184957),
-                 holding(CollectiveCollector, recent_entries=deque(window, maxlen=2048), last_enqueued=last,
-                         last_completed=dict(last)),
+                 holding(CollectiveCollector, recent_entries=deque(window, maxlen=2048),
+                         pgs={pg: PgState(last_enqueued=seq, last_completed=seq) for pg, seq in last.items()}),
                  holding(GradSyncCollector, tp_samples=samples)):  # fmt: skip
         agent.add_component(comp)
     det = DetectorsComponent(exchange=Exchange(HashStore(), "bench", 0))

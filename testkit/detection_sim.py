@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpar_agent.collectors.collective_state import PgState
 from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.config import AgentConfig
 from hpar_agent.context import AgentContext
@@ -165,8 +166,7 @@ def judge(
         collector = CollectiveCollector()  # never installed: it holds what the test gives it
         for uid, st in _states(r, entries[r.rank], now).items():
             label = src.pg_label(uid)
-            collector.last_enqueued[label], collector.last_completed[label] = st.enq, st.done
-            collector.oldest_age[label] = st.age_s
+            collector.pgs[label] = PgState(last_enqueued=st.enq, last_completed=st.done, oldest_age=st.age_s)
             collector.recent_entries.append({"pg": label, "seq": st.enq, "op": st.op, "is_p2p": False})
         ctx = AgentContext(config=AgentConfig(), topology=topo, components=[collector])
         ev = SimEvaluation(ctx, r.rank, 0, now, fresh, seen, p.groups, checksums, read_ok_at=now,

@@ -447,7 +447,7 @@ class AnatomyCollector(Component):
             del self.comm_pending[0]
             done += 1
             comm = coll.comm_intervals(rec.step) if coll is not None else []
-            if not comm and not waits and not getattr(coll, "timed", 0):
+            if not comm and not waits and not (coll is not None and coll.stats.timed):
                 continue  # no timing source on this rank: not measured (left out, not 0)
             parts = exposed_ns([*comm, *waits], busy, rec.start_ns, rec.end_ns)
             secs = sum(b - a for a, b in parts) / 1e9

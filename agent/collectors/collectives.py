@@ -12,12 +12,14 @@ Sources, all read on the agent thread except two O(µs) wrappers:
   the observed completion (the Work was already complete when the schedule waited, else wait's return)
   give PP traffic its counts, bytes and an upper-bound latency (on a fast loop, of the steps with
   detail: ``StepCollector.stride``). On NCCL the FR records p2p itself, so the wrapper's ops are not
-  counted twice.
+  counted twice (``pipeline_p2p`` keeps its ops between issue and wait).
+
+State (``collective_state``): a ``RecorderState`` per flight recorder, a ``PgState`` per process group,
+``OpStats`` for what the ops add up to, and the step ``Boundaries`` that place each op in its step.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -29,18 +31,16 @@ from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
 from hpar_agent import gcpause, gil
-from hpar_agent.buffer import BoundedBuffer
-from hpar_agent.catalogue import LATENCY_BUCKETS
-from hpar_agent.collectors.fr_ledger import MAX_BOUNDARIES, PP_PG, Groups, Ledger, Op, Update
+from hpar_agent.collectors.collective_state import Boundaries, OpStats, PgState, RecorderState
+from hpar_agent.collectors.fr_ledger import PP_PG, Groups, Ledger, Op, Update
 from hpar_agent.collectors.nccl_timing import NcclTiming
+from hpar_agent.collectors.pipeline_p2p import P2PTracker
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
-from hpar_agent.histogram import Histogram
 from hpar_agent.spans import LazySpan, SpanRecord
-from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat import flight_recorder as fr
-from hpar_agent.torch_compat.fr_decode import busbw, pg_label, stuck
-from hpar_agent.torch_compat.p2p import P2PWrapper, ops_of, waits_of
+from hpar_agent.torch_compat.fr_decode import busbw, pg_label
+from hpar_agent.torch_compat.p2p import P2PRecord
 from hpar_agent.traceids import trace_id_hex
 
 if TYPE_CHECKING:
@@ -50,8 +50,6 @@ log = logging.getLogger("hpar_agent")
 
 #: Entries a flight recorder keeps when its size env var is unset (torch's default).
 FR_DEFAULT_ENTRIES = 2000
-#: Steps whose reduced elements are kept for the gradient-sync coverage (see ``gradsync``).
-MAX_REDUCE_STEPS = 256
 
 
 class CollectiveCollector(Component):
@@ -61,63 +59,31 @@ class CollectiveCollector(Component):
 
     def __init__(self, recent: int = 2048, max_pgs: int = 16, max_pending: int = 4096) -> None:
         super().__init__()
-        self.p2p_buffer: BoundedBuffer[tuple[Any, ...]] = BoundedBuffer("collectives_p2p", 1 << 16)
-        self.step_buffer: BoundedBuffer[tuple[int, int]] = BoundedBuffer("collectives_steps", 4096)
-        self.buffers = (self.p2p_buffer, self.step_buffer)
         self.max_pgs = max_pgs
         self.max_pending = max_pending
         self.pg_timeout_s: float | None = None
-        self.recent_entries: deque[dict[str, Any]] = deque(maxlen=recent)
-        self.counts: Counter[tuple[str, str]] = Counter()
-        self.bytes: Counter[tuple[str, str]] = Counter()
-        self.hists: dict[tuple[str, str, str], Histogram] = {}
-        self.last_busbw: dict[tuple[str, str], float] = {}
-        self.unobserved: Counter[str] = Counter()
-        self.inflight: dict[str, int] = {}
-        self.oldest_age: dict[str, float] = {}
-        self.last_completed: dict[str, int] = {}
-        self.last_enqueued: dict[str, int] = {}
-        self.timed = 0
-        #: step -> pg -> input elements of its all_reduce/reduce_scatter entries (gradient-sync coverage)
-        self.reduced_elems: dict[int, Counter[str]] = {}
-        #: the last timed ops (pg, op, seq, enqueue ns, seconds): CollectiveLatencyHigh nets out arrival skew
-        self.timed_ops: deque[tuple[str, str, int, int, float]] = deque(maxlen=recent)
-        #: step -> (start ns, end ns) of its timed ops: the anatomy's exposed communication
-        self.intervals: dict[int, list[tuple[int, int]]] = {}
+        self.recent_entries: deque[dict[str, Any]] = deque(maxlen=recent)  # kept FR entries, for the detectors
+        self.stats = OpStats(recent)
+        self.pgs: dict[str, PgState] = {}  # pg label -> its state
         self.recorders: list[str] = []
+        self.readers: dict[str, RecorderState] = {}  # recorder -> how it was read
         self.groups = Groups(max_pgs=max_pgs)  # labels, sizes and ranks of the process groups
         self._ledger = Ledger(attach_ns=0, recent=recent, max_pending=max_pending, groups=self.groups)
-        self._pending: dict[str, tuple[int, int | None]] = {}  # recorder -> (entries awaiting a duration, oldest ns)
-        self._groups_seen: set[int] = set()  # id() of process groups whose size and ranks are known
-        self._status: dict[str, Any] = {}  # recorder -> pg_status at the last full dump
-        self._probe: dict[str, Any] = {}  # recorder -> pg_status at the last probe
-        self._slot: dict[str, int] = {}  # recorder -> ``fr_interval`` slot of the last full dump
-        self._read_ns: dict[str, int] = {}  # recorder -> epoch ns of the last full dump
-        self._poll_ns = 0
-        self._p2p_in_fr: dict[str, bool] = {}  # recorder -> its entries include p2p ops
-        self._prev_read_ns: dict[str, int] = {}  # recorder -> epoch ns of the full dump before the last
-        self._said_lost = False
-        self.full_reads = 0
-        self.read_reasons: Counter[str] = Counter()  # full reads by what called for them (the summary's)
-        self._ring = FR_DEFAULT_ENTRIES
-        self._pg_ids: dict[tuple[str, str], str] = {}  # (recorder, pg_id) -> pg label
-        self._open: dict[str, dict[int, int]] = {}  # pg -> {seq: created ns} not yet completed
-        self._backend_of: dict[str, str] = {}  # pg label -> recorder its collectives came from
-        self._pending_p2p: dict[int, list[Op]] = {}  # id(Work) -> ops awaiting a wait record
-        self._p2p_untimed: set[int] = set()  # id(Work) of pending ops issued in a step without detail
-        self._p2p_groups: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, backend)
-        self._bound_t: list[int] = []
-        self._bound_s: list[int] = []
-        self._attach_ns = 0
+        self.bounds = Boundaries()
+        self.p2p = P2PTracker(self.groups, max_pending, self._p2p_error)
         self.nccl = NcclTiming()
-        self.timing: dict[str, bool] = {}  # timing_enabled() as of the last poll (read by the scrape)
-        self.p2p = P2PWrapper(self.p2p_buffer.put, self._p2p_error)
+        self.buffers = (self.p2p.buffer, self.bounds.buffer)
+        self._groups_seen: set[int] = set()  # id() of process groups whose size and ranks are known
+        self._poll_ns = 0
+        self._attach_ns = 0
+        self._ring = FR_DEFAULT_ENTRIES
+        self._said_lost = False
         self._active = False
 
     # ------------------------------------------------------------------------------------ install
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
-        self.p2p_buffer.capacity = ctx.config.buffer_size
+        self.p2p.buffer.capacity = ctx.config.buffer_size
         self._attach_ns = self._ledger.attach_ns = time.time_ns()
         self._ring = fr.ring_entries() or FR_DEFAULT_ENTRIES
         self.recorders = fr.available_recorders()
@@ -127,7 +93,7 @@ class CollectiveCollector(Component):
         self.nccl.install(ctx.config.nccl_timing and "nccl" in self.recorders)
         self._sync_groups()
         self._active = True
-        self.p2p.steps = ctx.find(StepCollector)
+        self.p2p.wrapper.steps = ctx.find(StepCollector)
         self._patch_p2p()
 
     def _seed_empty_rings(self) -> None:
@@ -151,11 +117,30 @@ class CollectiveCollector(Component):
 
     def _patch_p2p(self) -> None:
         """Wrap pipelining's p2p helpers once the program imported them (``torch_compat.p2p``)."""
-        self.p2p.active = self._active
-        self.p2p.patch()
+        self.p2p.wrapper.active = self._active
+        self.p2p.wrapper.patch()
 
     def _p2p_error(self, exc: BaseException) -> None:
         self.record_error(exc)
+
+    def pg(self, label: str) -> PgState:
+        """The state of the group labelled ``label``, made on first sight."""
+        st = self.pgs.get(label)
+        if st is None:
+            st = self.pgs[label] = PgState()
+        return st
+
+    def reader(self, rec: str) -> RecorderState:
+        """How ``rec`` has been read, made on first sight."""
+        st = self.readers.get(rec)
+        if st is None:
+            st = self.readers[rec] = RecorderState()
+        return st
+
+    @property
+    def read_reasons(self) -> Counter[str]:
+        """Full reads of every recorder by what called for them (the summary's)."""
+        return sum((r.reasons for r in self.readers.values()), Counter())
 
     def _label_mesh_groups(self, agent: Any) -> None:
         """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
@@ -207,7 +192,8 @@ class CollectiveCollector(Component):
         """Once: a ring that turns over faster than the agent reads it (every ``fr_interval``) loses
         entries; a ring that holds twice the entries of one interval keeps them."""
         self._said_lost = True
-        since_s = (self._read_ns[rec] - (self._prev_read_ns.get(rec) or self._attach_ns)) / 1e9
+        reader = self.reader(rec)
+        since_s = ((reader.read_ns or 0) - (reader.prev_read_ns or self._attach_ns)) / 1e9
         rate = new_ids / since_s if since_s > 0 else 0.0
         size = int(math.ceil(rate * 2 * self.require_ctx().config.fr_interval / 1000) * 1000)
         log.warning(
@@ -219,23 +205,24 @@ class CollectiveCollector(Component):
 
     def timing_enabled(self) -> dict[str, bool]:
         """pg label -> whether its ops carry durations (the ``hpar_collective_timing_enabled`` series).
-        Agent thread (``groups.label`` may assign a label); the scrape reads ``self.timing``."""
+        Agent thread (``groups.label`` may assign a label); the scrape reads ``PgState.timing``."""
         timed_labels = {self.groups.label(*k) for k in self.nccl.timed}
         untimed = {self.groups.label(*k) for k in self.nccl.untimed}
         env = self.nccl.env or self.nccl.env_set
+        hists = self.stats.hists
         out: dict[str, bool] = {}
-        for pg, _op in self.counts:
+        for pg, _op in self.stats.counts:
             out[pg] = pg in timed_labels or (pg == PP_PG) or any(
-                h.count for (hpg, _o, _s), h in self.hists.items() if hpg == pg
-            ) or (env and pg not in untimed and self._backend_of.get(pg) == "nccl")
+                h.count for (hpg, _o, _s), h in hists.items() if hpg == pg
+            ) or (env and pg not in untimed and self.pg(pg).backend == "nccl")
         return out
 
     def uninstall(self) -> None:
         self._active = False
-        self.p2p.restore()
+        self.p2p.wrapper.restore()
 
     def step_hook(self, step: int, t_ns: int) -> None:
-        self.step_buffer.put((t_ns, step))
+        self.bounds.buffer.put((t_ns, step))
 
     # ------------------------------------------------------------------------------------ agent thread
     def poll(self, now: float) -> None:
@@ -245,29 +232,27 @@ class CollectiveCollector(Component):
             self.nccl.enable()
         self._sync_groups()
         self._patch_p2p()
-        p2p = self.p2p_buffer.drain()
+        p2p = self.p2p.buffer.drain()
         now_ns = int(now * 1e9)
         self._read_and_process(now, now_ns, p2p)
-        if self._pending_p2p:
-            oldest = min(o.start_ns for ops in self._pending_p2p.values() for o in ops)
-            self.inflight[PP_PG] = sum(len(v) for v in self._pending_p2p.values())
-            self.oldest_age[PP_PG] = max(0.0, (now_ns - oldest) / 1e9)
-        elif any(pg == PP_PG for pg, _ in self.counts):
-            self.inflight[PP_PG] = 0
-            self.oldest_age[PP_PG] = 0.0
-        self.timing = self.timing_enabled()
+        oldest = self.p2p.oldest_ns()
+        if oldest is not None:
+            st = self.pg(PP_PG)
+            st.inflight = self.p2p.in_flight()
+            st.oldest_age = max(0.0, (now_ns - oldest) / 1e9)
+        elif any(pg == PP_PG for pg, _ in self.stats.counts):
+            st = self.pg(PP_PG)
+            st.inflight, st.oldest_age = 0, 0.0
+        timing = self.timing_enabled()
+        for pg in timing.keys() | self.pgs.keys():
+            self.pg(pg).timing = timing.get(pg)
 
     def _drain_boundaries(self) -> None:
-        new = self.step_buffer.drain()
-        if not new:
-            return
-        for t_ns, step in new:
-            self._bound_t.append(t_ns)
-            self._bound_s.append(step)
-        del self._bound_t[:-MAX_BOUNDARIES], self._bound_s[:-MAX_BOUNDARIES]
-        self._ledger.add_boundaries(new)
+        new = self.bounds.drain()
+        if new:
+            self._ledger.add_boundaries(new)
 
-    def _read_and_process(self, now: float, now_ns: int, p2p: list[Any]) -> None:
+    def _read_and_process(self, now: float, now_ns: int, p2p: list[P2PRecord]) -> None:
         self._drain_boundaries()  # every step that ended by now: the p2p ops' steps, and the ledger's placing
         self._process_p2p(p2p)  # before the reads: it names the NCCL groups pipelining runs on (their FR entries are pp)
         for rec in self.recorders:
@@ -292,30 +277,17 @@ class CollectiveCollector(Component):
         earlier only when it must: the first read (one, even of a ring that holds nothing yet: a CUDA
         build has a gloo and an NCCL recorder, and a job uses one), a group whose in-flight op has not
         completed since the last probe (a hang or a straggler in the making: its entry must be seen
-        now), or the final tick. What the ring overwrote in between is counted as unobserved. Between
-        reads a ``pg_status``-only probe (µs) keeps in-flight state fresh."""
+        now), or the final tick (``RecorderState.read_reason``). What the ring overwrote in between is
+        counted as unobserved. Between reads a ``pg_status``-only probe (µs) keeps in-flight state fresh."""
         status = fr.dump(rec, include_collectives=False).get("pg_status") or {}
-        last_probe, self._probe[rec] = self._probe.get(rec), status
         agent = self.require_ctx()
+        reader = self.reader(rec)
         slot = int(now // agent.config.fr_interval)
-        unread = status != self._status.get(rec)
-        moved = unread or self._p2p_in_fr.get(rec) or self._pending.get(rec, (0, None))[0] > 0
-        # pg_status does not track p2p: ``moved`` counts those entries as new
-        reason = (
-            "first" if rec not in self._read_ns
-            else "final" if agent.stopping
-            else "slot" if moved and slot != self._slot.get(rec)
-            else "in flight" if unread and stuck(status, last_probe)
-            else None
-        )  # fmt: skip
+        reason = reader.read_reason(status, slot, agent.stopping)
         if reason is None:
             return status, None
-        self.read_reasons[reason] += 1
-        self.full_reads += 1
-        self._status[rec] = status
-        self._slot[rec] = slot
-        self._prev_read_ns[rec] = self._read_ns.get(rec, 0)
-        self._read_ns[rec] = now_ns = int(now * 1e9)
+        now_ns = int(now * 1e9)
+        reader.mark_read(reason, status, slot, now_ns)
         dump = fr.dump(rec, include_collectives=True)
         return status, self._ledger.process(rec, dump, nccl_timing=self.nccl.on, now_ns=now_ns)
 
@@ -323,141 +295,73 @@ class CollectiveCollector(Component):
         """Spans come from timed FR entries (NCCL with timing: up to the last full read, less those
         still awaiting their duration) and from the p2p wrapper (each poll, less the ops in flight)."""
         marks = [self._poll_ns]
-        if self.nccl.on and "nccl" in self._read_ns:
-            marks.append(self._read_ns["nccl"])
-        marks.extend(oldest for _n, oldest in self._pending.values() if oldest is not None)
-        marks.extend(o.start_ns for ops in self._pending_p2p.values() for o in ops)
+        nccl = self.readers.get("nccl")
+        if self.nccl.on and nccl is not None and nccl.read_ns is not None:
+            marks.append(nccl.read_ns)
+        marks.extend(r.pending_min_ns for r in self.readers.values() if r.pending_min_ns is not None)
+        oldest = self.p2p.oldest_ns()
+        if oldest is not None:
+            marks.append(oldest)
         return min(marks)
 
     def step_of(self, t_ns: int) -> int:
         """The step whose window (previous boundary, boundary] contains ``t_ns``."""
-        i = bisect.bisect_left(self._bound_t, t_ns)
-        if i < len(self._bound_s):
-            return self._bound_s[i]
-        return self._bound_s[-1] + 1 if self._bound_s else 0
-
-    def _reduced_of(self, step: int) -> Counter[str]:
-        """pg -> input elements of the step's all_reduce/reduce_scatter entries (bounded in steps)."""
-        by_pg = self.reduced_elems.get(step)
-        if by_pg is None:
-            if len(self.reduced_elems) >= MAX_REDUCE_STEPS:
-                del self.reduced_elems[min(self.reduced_elems)]
-            by_pg = self.reduced_elems[step] = Counter()
-        return by_pg
-
-    def _keep_interval(self, step: int, start_ns: int, end_ns: int) -> None:
-        spans = self.intervals.get(step)
-        if spans is None:
-            if len(self.intervals) >= MAX_REDUCE_STEPS:
-                del self.intervals[min(self.intervals)]
-            spans = self.intervals[step] = []
-        if len(spans) < 4096:
-            spans.append((start_ns, end_ns))
+        return self.bounds.step_of(t_ns)
 
     def comm_intervals(self, step: int) -> list[tuple[int, int]]:
         """Takes the (start ns, end ns) of the step's timed collectives (NCCL: enqueue + duration; not
         pipeline p2p); complete once ``span_watermark_ns`` passed the step's end."""
-        return self.intervals.pop(step, [])
+        return self.stats.take_intervals(step)
 
     def read_through_ns(self) -> int:
         """Epoch ns up to which every collective was read: the last poll when no recorder's
         ``pg_status`` moved since its last full read, else the oldest full read (0 before the first)."""
-        if not self.recorders or any(rec not in self._read_ns for rec in self.recorders):
+        readers = [self.readers.get(rec) for rec in self.recorders]
+        if not readers or any(r is None or r.read_ns is None for r in readers):
             return 0
-        if all(self._probe.get(rec) == self._status.get(rec) for rec in self.recorders):
+        if all(r.settled for r in readers if r is not None):
             return self._poll_ns
-        return min(self._read_ns[rec] for rec in self.recorders)
+        return min(r.read_ns or 0 for r in readers if r is not None)
 
     def boundaries(self) -> list[tuple[int, int]]:
         """(boundary epoch ns, step) of the recent step boundaries, oldest first."""
-        return list(zip(self._bound_t, self._bound_s, strict=True))
+        return self.bounds.recent()
 
     def _apply(self, upd: Update) -> None:
         """What one full read yielded, into this collector's state (agent thread)."""
-        rec = upd.rec
-        self.counts.update(upd.counts)
-        self.bytes.update(upd.nbytes)
-        self.unobserved.update(upd.unobserved)
+        rec, stats, reader = upd.rec, self.stats, self.reader(upd.rec)
+        stats.counts.update(upd.counts)
+        stats.bytes.update(upd.nbytes)
+        stats.unobserved.update(upd.unobserved)
         if upd.unobserved and not self._said_lost:
             self._say_lost(rec, sum(upd.unobserved.values()), upd.new_ids)
         for step, by_pg in upd.reduced.items():
-            self._reduced_of(step).update(by_pg)
+            stats.reduced_of(step).update(by_pg)
         for created, pg, numel in upd.unplaced:
-            self._reduced_of(self.step_of(created))[pg] += numel
+            stats.reduced_of(self.step_of(created))[pg] += numel
         self.recent_entries.extend(upd.kept)
         for pg, seq, created in upd.opened:
-            opened = self._open.setdefault(pg, {})
+            opened = self.pg(pg).open
             if len(opened) < self.max_pending:
                 opened[seq] = created
-        for pg_id, pg in upd.pg_ids.items():
-            self._pg_ids[(rec, pg_id)] = pg
+        reader.pg_ids.update(upd.pg_ids)
         for pg, backend in upd.backends.items():
-            self._backend_of.setdefault(pg, backend)
+            st = self.pg(pg)
+            st.backend = st.backend or backend
         if upd.labels:
             self.groups.labels.update(upd.labels)
         if upd.pg_timeout_s is not None:
             self.pg_timeout_s = upd.pg_timeout_s if self.pg_timeout_s is None else min(self.pg_timeout_s, upd.pg_timeout_s)
         if upd.p2p:
-            self._p2p_in_fr[rec] = True
-        self._pending[rec] = (upd.pending, upd.pending_min_ns)
+            reader.p2p = True
+        reader.pending, reader.pending_min_ns = upd.pending, upd.pending_min_ns
         for i, (op, seconds) in enumerate(upd.timed):
             self._finish(op, seconds)
             if i % 256 == 255:
                 gil.pause_point()
 
-    def _process_p2p(self, records: list[tuple[Any, ...]]) -> None:
-        for i, rec in enumerate(records):
-            if i % 128 == 127:
-                gil.pause_point()
-            if rec[0] == "issue":
-                _, t0, infos, work_ids, timed = rec
-                ops = []
-                for op, peer, nbytes, group in ops_of(infos):
-                    backend = self._p2p_backend(group)
-                    item = Op(PP_PG, op, -1, nbytes, nbytes, t0, comm_stream_label(PP_PG, backend), 1, peer)
-                    if not (backend == "nccl" and "nccl" in self.recorders):  # else the FR counts it
-                        self.counts[(PP_PG, op)] += 1
-                        self.bytes[(PP_PG, op)] += nbytes
-                        ops.append(item)
-                if not work_ids or not ops:
-                    continue
-                if len(work_ids) == len(ops):
-                    pairs = [(w, [o]) for w, o in zip(work_ids, ops, strict=True)]
-                else:  # coalesced: the last Work completes the batch
-                    pairs = [(work_ids[-1], ops)]
-                untimed = self._p2p_untimed
-                for wid, wops in pairs:
-                    self._pending_p2p[wid] = wops
-                    if timed:
-                        untimed.discard(wid)  # an id a freed Work had
-                    else:
-                        untimed.add(wid)
-                while len(self._pending_p2p) > self.max_pending:
-                    untimed.discard(wid := next(iter(self._pending_p2p)))
-                    del self._pending_p2p[wid]
-            else:
-                _, t_enter, done, t_exit = rec
-                for wid, was_done in waits_of(done):
-                    ops = self._pending_p2p.pop(wid, [])
-                    if wid in self._p2p_untimed:  # counted at issue; in flight until now
-                        self._p2p_untimed.discard(wid)
-                        continue
-                    for item in ops:
-                        end = t_enter if was_done else t_exit
-                        self._finish(item, max(0, end - item.start_ns) / 1e9)
-
-    def _p2p_backend(self, group: Any) -> str:
-        """The backend of a pipeline p2p op's group, asked of torch once per group (an NCCL one is
-        registered as pipelining's: its FR entries are pp)."""
-        hit = self._p2p_groups.get(id(group))
-        if hit is None or hit[0] is not group:  # the group object is held: its id is not reused
-            if len(self._p2p_groups) >= 64:
-                self._p2p_groups.clear()
-            backend = fr.group_backend(group)
-            if backend == "nccl":
-                self.groups.pp.add(fr.group_name(group))
-            hit = self._p2p_groups[id(group)] = (group, backend)
-        return hit[1]
+    def _process_p2p(self, records: list[P2PRecord]) -> None:
+        self.p2p.process(records, self.stats, "nccl" in self.recorders, self._finish)
 
     def _finish(self, item: Op, seconds: float) -> None:
         """A timed op: histogram (with the step's trace id as exemplar), busbw and a span starting at
@@ -468,96 +372,89 @@ class CollectiveCollector(Component):
         step = self.step_of(item.start_ns)
         every = agent.config.trace_every
         exemplar = trace_id_hex(agent.topology.job_id, step) if every > 0 and step % every == 0 else None
-        key = (item.pg, item.op, item.stream)
-        hist = self.hists.get(key)
-        if hist is None:  # not setdefault: that builds a histogram for every op
-            hist = self.hists[key] = Histogram(LATENCY_BUCKETS)
-        hist.observe(seconds, exemplar, (start_ns + seconds * 1e9) / 1e9)
-        self.timed_ops.append((item.pg, item.op, item.seq, start_ns, seconds))
-        self.timed += 1
+        stats = self.stats
+        stats.observe(item.pg, item.op, item.stream, item.seq, start_ns, seconds, exemplar)
         if item.pg != PP_PG:  # a pipeline's p2p waits are its bubble (hpar_pp_bubble_ratio), not exposed comm
-            self._keep_interval(step, start_ns, start_ns + int(seconds * 1e9))
+            stats.keep_interval(step, start_ns, start_ns + int(seconds * 1e9))
         bw = busbw(item.op, item.data_bytes, seconds, item.size)
         if bw is not None:
-            self.last_busbw[(item.pg, item.op)] = bw
+            stats.last_busbw[(item.pg, item.op)] = bw
         if agent.tracing_on:
             agent.add_span(LazySpan(step, _op_span, (item, start_ns + int(seconds * 1e9), step, bw)))
 
     def _update_status(self, rec: str, status: dict[str, Any], now_ns: int) -> None:
+        pg_ids = self.reader(rec).pg_ids
         for pg_id, st in status.items():
-            pg = self._pg_ids.get((rec, str(pg_id)))
-            if pg is None:
-                continue
-            enq = int(st.get("last_enqueued_collective", -1))
-            done = int(st.get("last_completed_collective", -1))
-            self.inflight[pg] = max(0, enq - done)
-            if done >= 0:
-                self.last_completed[pg] = done
-            if enq >= 0:
-                self.last_enqueued[pg] = enq
-            opened = self._open.get(pg, {})
-            for seq in [s for s in opened if s <= done]:
-                del opened[seq]
-            live = [t for s, t in opened.items() if s <= enq]
-            self.oldest_age[pg] = max(0.0, (now_ns - min(live)) / 1e9) if live and enq > done else 0.0
+            pg = pg_ids.get(str(pg_id))
+            if pg is not None:
+                enq = int(st.get("last_enqueued_collective", -1))
+                self.pg(pg).update(enq, int(st.get("last_completed_collective", -1)), now_ns)
 
     # ------------------------------------------------------------------------------------ scrape
     def collect(self) -> Iterable[Metric]:
         f = self.require_ctx().families
+        stats = self.stats
         total = f.counter("hpar_collectives_total")
         nbytes = f.counter("hpar_collective_bytes_total")
-        for (pg, op), n in sorted(self.counts.items()):
+        for (pg, op), n in sorted(stats.counts.items()):
             f.add(total, [pg, op], n)
-            f.add(nbytes, [pg, op], self.bytes[(pg, op)])
+            f.add(nbytes, [pg, op], stats.bytes[(pg, op)])
         yield total
         yield nbytes
-        yield f.histograms("hpar_collective_duration_seconds", self.hists)
+        yield f.histograms("hpar_collective_duration_seconds", stats.hists)
         bw = f.gauge("hpar_collective_busbw_bytes_per_second")
-        for (pg, op), v in sorted(self.last_busbw.items()):
+        for (pg, op), v in sorted(stats.last_busbw.items()):
             f.add(bw, [pg, op], v)
         yield bw
-        for name, values in (
-            ("hpar_collective_inflight", self.inflight),
-            ("hpar_collective_oldest_inflight_age_seconds", self.oldest_age),
-            ("hpar_collective_last_completed_seq", self.last_completed),
-            ("hpar_collective_last_enqueued_seq", self.last_enqueued),
+        pgs = sorted(self.pgs.items())
+        for name, field in (
+            ("hpar_collective_inflight", "inflight"),
+            ("hpar_collective_oldest_inflight_age_seconds", "oldest_age"),
+            ("hpar_collective_last_completed_seq", "last_completed"),
+            ("hpar_collective_last_enqueued_seq", "last_enqueued"),
         ):
             g = f.gauge(name)
-            for pg, v in sorted(values.items()):
-                f.add(g, [pg], v)
+            for pg, st in pgs:
+                v = getattr(st, field)
+                if v is not None:
+                    f.add(g, [pg], v)
             yield g
         un = f.counter("hpar_collective_unobserved_total")
-        for pg, n in sorted(self.unobserved.items()):
+        for pg, n in sorted(stats.unobserved.items()):
             f.add(un, [pg], n)
         yield un
         timing = f.gauge("hpar_collective_timing_enabled")
-        for pg, on in sorted(self.timing.items()):
-            f.add(timing, [pg], 1.0 if on else 0.0)
+        for pg, st in pgs:
+            if st.timing is not None:
+                f.add(timing, [pg], 1.0 if st.timing else 0.0)
         yield timing
 
     def summary(self) -> dict[str, Any]:
+        stats = self.stats
         table = []
-        for (pg, op), n in sorted(self.counts.items()):
-            merged = [h for (hpg, hop, _stream), h in self.hists.items() if (hpg, hop) == (pg, op)]
+        for (pg, op), n in sorted(stats.counts.items()):
+            merged = [h for (hpg, hop, _stream), h in stats.hists.items() if (hpg, hop) == (pg, op)]
             hist = merged[0] if len(merged) == 1 else None
             table.append({
-                "pg": pg, "op": op, "count": n, "bytes": self.bytes[(pg, op)],
+                "pg": pg, "op": op, "count": n, "bytes": stats.bytes[(pg, op)],
                 "timed": sum(h.count for h in merged),
                 "p50_s": hist.quantile(0.5) if hist and hist.count else None,
                 "p99_s": hist.quantile(0.99) if hist and hist.count else None,
-                "busbw_bytes_per_s": self.last_busbw.get((pg, op)),
+                "busbw_bytes_per_s": stats.last_busbw.get((pg, op)),
             })  # fmt: skip
+        reasons = self.read_reasons
         return {
             "recorders": self.recorders,
             "table": table,
-            "ops": {f"{pg}/{op}": n for (pg, op), n in sorted(self.counts.items())},
-            "timed": self.timed,
-            "unobserved": dict(self.unobserved),
-            "p2p_wrapped": self.p2p.patched,
+            "ops": {f"{pg}/{op}": n for (pg, op), n in sorted(stats.counts.items())},
+            "timed": stats.timed,
+            "unobserved": dict(stats.unobserved),
+            "p2p_wrapped": self.p2p.wrapper.patched,
             "timing": self.timing_enabled(),
-            "full_reads": self.full_reads,
-            "full_reads_by": dict(self.read_reasons),
+            "full_reads": sum(reasons.values()),
+            "full_reads_by": dict(reasons),
         }
+
 
 def _op_span(args: tuple[Op, int, int, float | None]) -> SpanRecord:
     """The span of a timed op (``LazySpan``: made only when its step's trace is kept)."""

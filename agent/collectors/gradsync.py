@@ -36,7 +36,6 @@ that needed and got it / elements of those that needed it (1.0 when none did).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -284,7 +283,7 @@ class GradSyncCollector(Component):
         if self.required <= 0:
             return
         through = coll.read_through_ns()
-        lost = sum(coll.unobserved.values())
+        lost = sum(coll.stats.unobserved.values())
         if lost != self._lost:  # the ring overwrote entries before a read
             self._lost, self._blind_ns = lost, int(now * 1e9)
         started = None
@@ -295,7 +294,7 @@ class GradSyncCollector(Component):
             if (began if began is not None else t_ns) < self._blind_ns:
                 self.judged = step  # it began before a read that found entries lost: no verdict
                 continue
-            reduced: Mapping[str, int] = coll.reduced_elems.pop(step, Counter())
+            reduced: Mapping[str, int] = coll.stats.take_reduced(step)
             dp = sum(n for pg, n in reduced.items() if _is_dp(pg))
             if not any(_is_dp(pg) for pg in reduced) and "default_pg" in reduced and len(reduced) == 1:
                 dp = reduced["default_pg"]  # a plain DDP job without a mesh: the default group is dp

@@ -124,7 +124,7 @@ def latency_histograms(ctx: AgentContext) -> dict[tuple[str, str], tuple[tuple[f
     if c is None:
         return {}
     out: dict[tuple[str, str], tuple[tuple[float, ...], list[int]]] = {}
-    for (pg, op, _stream), h in list(c.hists.items()):
+    for (pg, op, _stream), h in list(c.stats.hists.items()):
         key = (str(pg), str(op))
         if key in out:
             out[key] = (out[key][0], [a + b for a, b in zip(out[key][1], h.counts, strict=True)])
@@ -136,7 +136,7 @@ def latency_histograms(ctx: AgentContext) -> dict[tuple[str, str], tuple[tuple[f
 def timed_ops(ctx: AgentContext) -> tuple[int, list[tuple[str, str, int, int, float]]]:
     """(ops timed so far, the most recent timed ops as (pg label, op, seq, enqueue ns, seconds))."""
     c = ctx.find(CollectiveCollector)
-    return (0, []) if c is None else (c.timed, list(c.timed_ops))
+    return (0, []) if c is None else (c.stats.timed, list(c.stats.timed_ops))
 
 
 def group_key(ctx: AgentContext, label: str) -> str:
@@ -147,7 +147,9 @@ def group_key(ctx: AgentContext, label: str) -> str:
 def oldest_inflight(ctx: AgentContext) -> dict[str, float]:
     """pg -> age in seconds of its oldest op not yet completed."""
     c = ctx.find(CollectiveCollector)
-    return {str(k): float(a) for k, a in list(c.oldest_age.items()) if a is not None} if c is not None else {}
+    if c is None:
+        return {}
+    return {str(k): float(st.oldest_age) for k, st in list(c.pgs.items()) if st.oldest_age is not None}
 
 
 def group_states(ctx: AgentContext) -> dict[str, GroupState]:
@@ -158,10 +160,13 @@ def group_states(ctx: AgentContext) -> dict[str, GroupState]:
         return {}
     coords = ctx.topology.coords()
     out = {}
-    for pg, enq in list(c.last_enqueued.items()):
-        done = c.last_completed.get(pg, -1)
+    for pg, st in list(c.pgs.items()):
+        enq = st.last_enqueued
+        if enq is None:
+            continue
+        done = -1 if st.last_completed is None else st.last_completed
         op = _op_at(c.recent_entries, pg, enq) if enq > done else ""
-        out[_group_key(pg, coords)] = GroupState(enq, done, op, float(c.oldest_age.get(pg) or 0.0))
+        out[_group_key(pg, coords)] = GroupState(enq, done, op, float(st.oldest_age or 0.0))
     return out
 
 

@@ -4,18 +4,20 @@ gloo's flight recorder records no send/recv, and gloo p2p Works have no future, 
 pipeline traffic its only source: the issue time, the ops, and the observed completion (the Work was
 already complete when the schedule waited, else wait's return). On the training thread each wrapped
 call costs O(ops) and one ``put``; the collector turns the records into counts, bytes and spans on the
-agent thread. Records:
+agent thread. Records (``IssueRecord``, ``WaitRecord``; mypy tells them apart by their first item):
 
 - ``("issue", t0_ns, (op "send"/"recv", global peer, bytes, group, op, peer, ...), (id(Work), ...), timed)``
   (``timed``: the step in progress has detail, ``StepCollector.stride``; the others' ops are counted, not timed)
 - ``("wait", t_enter_ns, (id(Work), was_completed, id(Work), ...), t_exit_ns)``
 
-Records are tuples two deep of ints, strings and process groups (``ops_of`` and ``waits_of`` read the
-flat fields back): the garbage collector stops tracking such a tuple once it sees that everything in it
-is untracked, which for the inner tuples is at the first young collection and for the record at the
-latest at the next. A record lives until the agent thread's next pass (up to a second), long enough in
-a busy training loop to reach the oldest generation if it stayed tracked, and every object that does
-counts towards the next full collection (a stall of the training thread of up to hundreds of ms).
+One buffer keeps them in call order (a wait follows its issue; a freed Work's id comes back). Records
+are tuples two deep of ints, strings and process groups (``ops_of`` and ``waits_of`` read the flat
+fields back), not NamedTuples: the garbage collector stops tracking a plain tuple once it sees that
+everything in it is untracked, which for the inner tuples is at the first young collection and for the
+record at the latest at the next, and never stops tracking a NamedTuple. A record lives until the agent
+thread's next pass (up to a second), long enough in a busy training loop to reach the oldest generation
+if it stayed tracked, and every object that does counts towards the next full collection (a stall of
+the training thread of up to hundreds of ms).
 
 The module is patched only once the program imported pipelining (``p2p_module``), never imported here.
 """
@@ -26,7 +28,13 @@ import functools
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
+
+#: The ops a ``_batch_p2p`` call issued: see the module docstring.
+IssueRecord = tuple[Literal["issue"], int, tuple[Any, ...], tuple[int, ...], bool]
+#: A ``_wait_batch_p2p`` call: see the module docstring.
+WaitRecord = tuple[Literal["wait"], int, tuple[Any, ...], int]
+P2PRecord = IssueRecord | WaitRecord
 
 
 def p2p_module() -> Any:
@@ -76,7 +84,7 @@ def works_of(result: Any) -> list[Any] | tuple[Any, ...]:
 class P2PWrapper:
     """Wraps the schedules' p2p helpers while installed and puts one record per call (see above)."""
 
-    def __init__(self, put: Callable[[tuple[Any, ...]], Any], on_error: Callable[[BaseException], Any]) -> None:
+    def __init__(self, put: Callable[[P2PRecord], Any], on_error: Callable[[BaseException], Any]) -> None:
         self.put = put
         self.on_error = on_error
         self.active = False

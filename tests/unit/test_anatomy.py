@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -447,7 +448,7 @@ def test_comm_exposed_waits_for_the_steps_collectives() -> None:
     b = time.time_ns()  # a step that just ended (after COMM_WAIT_NS it would not wait)
 
     class Coll:
-        up, timed, mark = True, 1, 0
+        up, mark, stats = True, 0, SimpleNamespace(timed=1)
         intervals = {4: [(b + 5_000, b + 12_000), (b + 1_000, b + 2_000)]}
 
         def span_watermark_ns(self) -> int:

@@ -141,7 +141,8 @@ def test_nccl_p2p_batch_is_labelled_pp_with_peer_bytes_and_the_coalesced_duratio
         ("collective.recv", "pp", 11),
         ("collective.send", "pp", 11),
     ]
-    assert c._pending["nccl"] == (0, None)  # nothing left holding the span watermark
+    nccl = c.reader("nccl")
+    assert (nccl.pending, nccl.pending_min_ns) == (0, None)  # nothing left holding the span watermark
     assert get("hpar_collective_timing_enabled", {**L, "pg": "pp"}) == 1
 
 
@@ -380,8 +381,8 @@ def test_p2p_wrappers_count_time_and_restore(tmp_path):
                 return True
 
         works = [Work(False), Work(True)]
-        batch = c.p2p.wrap_batch(lambda ops, desc=None: works)
-        wait = c.p2p.wrap_wait(lambda ws: [w.wait() for w in ws])
+        batch = c.p2p.wrapper.wrap_batch(lambda ops, desc=None: works)
+        wait = c.p2p.wrapper.wrap_wait(lambda ws: [w.wait() for w in ws])
         ops = [
             SimpleNamespace(op=dist.isend, tensor=torch.zeros(8), peer=1, group=None),
             SimpleNamespace(op=dist.irecv, tensor=torch.zeros(2, 3, dtype=torch.float64), peer=3, group=None),

@@ -15,6 +15,7 @@ import pytest
 
 from hpar_agent import catalogue as cat
 from hpar_agent.agent import Agent
+from hpar_agent.collectors.collective_state import PgState
 from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.collectors.compile import CompileCollector
 from hpar_agent.crossrank import Exchange
@@ -162,7 +163,7 @@ def test_hang_default_timeout_is_not_a_checkpoint_pause(tmp_path: Any) -> None:
 
 
 def test_hang_on_collective_in_flight(tmp_path: Any) -> None:
-    coll = Fake("collectives", oldest_age={"dp": 90.0, "tp": 0.0}, recent_entries=deque())
+    coll = Fake("collectives", pgs={"dp": PgState(oldest_age=90.0), "tp": PgState(oldest_age=0.0)}, recent_entries=deque())
     agent, det = make_agent(tmp_path, comps=(steps(5), coll))
     agent.config.evidence = False
     agent.tick()
@@ -291,11 +292,11 @@ class TimedOps(inert(CollectiveCollector)):  # type: ignore[misc]
 
     def __init__(self) -> None:
         super().__init__()
-        self.timed_ops, self.timed, self.recent_entries = deque(maxlen=2048), 0, deque(maxlen=2048)
+        self.stats.timed_ops, self.stats.timed, self.recent_entries = deque(maxlen=2048), 0, deque(maxlen=2048)
 
     def op(self, seq: int, created_s: float, seconds: float, pg: str = "dp") -> None:
-        self.timed_ops.append((pg, "all_reduce", seq, int(created_s * 1e9), seconds))
-        self.timed += 1
+        self.stats.timed_ops.append((pg, "all_reduce", seq, int(created_s * 1e9), seconds))
+        self.stats.timed += 1
         self.recent_entries.append({"pg": pg, "seq": seq, "op": "all_reduce", "is_p2p": False, "record_id": seq,
                                     "input_sizes": [[1024]], "input_dtypes": ["Float"], "time": created_s})
 

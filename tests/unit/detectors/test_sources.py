@@ -33,10 +33,10 @@ def _context() -> AgentContext:
     mem._post("rss", 5, 1 << 20)
     hist = Histogram((0.1, 1.0))
     hist.observe(0.05)
-    coll.hists[("dp", "all_reduce", "nccl:0")] = hist
-    coll.timed, coll.timed_ops = 1, coll.timed_ops.__class__([("dp", "all_reduce", 0, 1, 0.01)])
+    coll.stats.hists[("dp", "all_reduce", "nccl:0")] = hist
+    coll.stats.timed, coll.stats.timed_ops = 1, coll.stats.timed_ops.__class__([("dp", "all_reduce", 0, 1, 0.01)])
     coll.recent_entries.append({"pg": "dp", "seq": 0, "op": "all_reduce", "record_id": 9, "time_created_ns": 5})
-    coll.oldest_age = {"dp": 1.5}
+    coll.pg("dp").oldest_age = 1.5
     coll.pg_timeout_s = 600.0
     steps.total, steps.last_step_ts, steps.durations = 6, 1.0, [0.3]
     comps = [comp, coll, mem, steps, GradSyncCollector(), NvmlCollector()]
