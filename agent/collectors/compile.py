@@ -1,11 +1,11 @@
 """torch.compile telemetry: compiles, recompiles, graph breaks, cache lookups, compile time, and a
 per-rank graph fingerprint, from dynamo's own push points (no per-step cost).
 
-Training-thread side (only while dynamo compiles): the compile start/end callbacks, a handler on the
-logger that receives every ``CompilationMetrics`` and handlers on the graph-break/recompile artifact
-loggers. Each only appends a tuple to one BoundedBuffer. The agent thread turns those into counters,
-``dynamo.compile`` spans, and JSONL events that keep the full text (reasons, user file:line stacks,
-guard failures) out of label values. Cache hit/miss counts come from diffing dynamo's process-global
+Training-thread side (only while dynamo compiles, ``compile_capture``): the compile start/end
+callbacks, a handler on the logger that receives every ``CompilationMetrics`` and handlers on the
+graph-break/recompile artifact loggers. Each only appends a record to one BoundedBuffer. The agent
+thread turns those into counters, ``dynamo.compile`` spans, and JSONL events that keep the full text
+(reasons, user file:line stacks, guard failures) out of label values. Cache hit/miss counts come from diffing dynamo's process-global
 ``counters`` once per poll, and so are graph breaks and graphs compiled: the metrics equal dynamo's own
 ``counters["graph_break"]`` and ``counters["stats"]["unique_graphs"]`` since attach (the artifact text
 adds the user stack; a frame that traced no op is no graph). Every private torch name is reached
@@ -16,18 +16,24 @@ through ``torch_compat.dynamo``; the log text (graph-break messages, guard failu
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
-import time
 from collections import Counter, deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
-from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.catalogue import STEP_BUCKETS
+from hpar_agent.collectors.compile_capture import (
+    CompileEnded,
+    CompileMetrics,
+    CompileStarted,
+    CounterDiff,
+    DynamoCapture,
+    GraphBreakText,
+)
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
@@ -91,46 +97,23 @@ def _fingerprint(digests: Iterable[str]) -> int:
     return int(hashlib.sha256(joined).hexdigest()[:13], 16)
 
 
-class _Capture(logging.Handler):
-    """Training thread: enqueue a log record's payload; forward to the ancestors' handlers what the
-    user saw before the agent took over the logger's level/propagation."""
+@dataclass(slots=True)
+class CompileNotes:
+    """What the agent thread noted of each compile until its metrics arrive (bounded: each map is
+    cleared past ``MAX_NOTES``): the frame it compiles, its graph breaks, its recompile text, and its
+    span, which the metrics complete."""
 
-    def __init__(self, owner: CompileCollector, kind: str) -> None:
-        super().__init__(logging.DEBUG)
-        self.owner = owner
-        self.kind = kind  # "metrics" | "graph_breaks" | "recompiles"
-        self.forward: dict[str, int] = {}  # logger name -> level at/above which the user saw records
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            owner = self.owner
-            if self.kind == "metrics":
-                if record.args and isinstance(record.args, tuple):
-                    obj = record.args[0]
-                    if dynamo.is_compilation_metrics(obj):
-                        owner.buffer.put(("metrics", obj, time.time_ns(), 0, 0))
-            else:
-                text = record.getMessage()
-                if record.exc_info and record.exc_info[1] is not None:
-                    text += "\n" + str(record.exc_info[1])
-                owner.buffer.put((self.kind, text, time.time_ns(), dynamo.current_compile_id(), 0))
-            floor = self.forward.get(record.name)
-            if floor is not None and record.levelno >= floor:
-                _call_ancestors(logging.getLogger(record.name), record)
-        except Exception as exc:
-            owner.record_error(exc)
+    frames: dict[str, dict[str, Any]] = field(default_factory=dict)  # cid -> frame_id, code_hash, function, backend, step
+    breaks: dict[str, list[tuple[str, str, int]]] = field(default_factory=dict)  # cid -> (key, frame, t_ns)
+    recompile_text: dict[str, str] = field(default_factory=dict)  # cid -> the recompile artifact's text
+    #: (cid, trigger) -> (span waiting for its metrics, the poll that ended it)
+    ended: dict[tuple[str, str], tuple[SpanRecord, int]] = field(default_factory=dict)
+    backend_of: dict[str, str] = field(default_factory=dict)  # code hash / frame id -> backend of its last start
+    polls: int = 0
 
 
-def _call_ancestors(logger: logging.Logger, record: logging.LogRecord) -> None:
-    """What ``Logger.callHandlers`` does past the logger itself (its propagation)."""
-    c = logger.parent
-    while c is not None:
-        for h in c.handlers:
-            if record.levelno >= h.level:
-                h.handle(record)
-        if not c.propagate:
-            break
-        c = c.parent
+#: Compiles whose notes are kept at most, per map.
+MAX_NOTES = 1024
 
 
 class CompileCollector(Component):
@@ -138,12 +121,9 @@ class CompileCollector(Component):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buffer: BoundedBuffer[tuple[Any, ...]] = BoundedBuffer("compile", 1 << 14)
-        self.buffers = (self.buffer,)
-        self._handlers = {k: _Capture(self, k) for k in ("metrics", "graph_breaks", "recompiles")}
-        self._saved: dict[str, tuple[int, bool]] = {}  # logger -> (level, propagate) before install
-        self._owned_artifacts: set[str] = set()
-        self._callbacks = False
+        self.capture = DynamoCapture(self.record_error)
+        self.counters = CounterDiff()
+        self.buffers = (self.capture.buffer,)
         self._steps: Any = None
         # state (agent thread)
         self.compiles: Counter[tuple[str, str, str]] = Counter()  # (outcome, trigger, backend)
@@ -160,16 +140,8 @@ class CompileCollector(Component):
         self.graph_log: deque[tuple[int, str]] = deque(maxlen=4096)  # (step, function file:line) per graph
         self.fingerprint = _fingerprint(())
         self.resets = 0
-        self._seen: dict[Any, int] = {}  # last raw value of each diffed dynamo counter
         self._open: dict[tuple[str, str], tuple[int, int]] = {}  # (cid, trigger) -> (start ns, step)
-        self._ended: dict[tuple[str, str], tuple[SpanRecord, int]] = {}  # span waiting for its metrics
-        self._cid_breaks: dict[str, list[tuple[str, str, int]]] = {}  # cid -> (key, frame, t_ns)
-        self._recompile_text: dict[str, str] = {}
-        self._frames: dict[str, dict[str, Any]] = {}  # cid -> frame_id, code_hash, function, backend
-        self._known_backends: frozenset[str] = frozenset()
-        self._backend_of: dict[str, str] = {}  # code hash / frame id -> backend of its last compile start
-        self._polls = 0
-        self._metrics_level = logging.INFO
+        self.notes = CompileNotes()
 
     # --------------------------------------------------------------------------------- install
     @property
@@ -179,131 +151,50 @@ class CompileCollector(Component):
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
-        self.buffer.capacity = ctx.config.buffer_size
-        self._steps = ctx.find(StepCollector)
-        import torch._dynamo  # noqa: F401 - artifact loggers must exist before we configure them
+        self.capture.buffer.capacity = ctx.config.buffer_size
+        self._steps = self.capture.steps = ctx.find(StepCollector)
+        import torch._dynamo  # noqa: F401 - dynamo's counters and loggers exist once it is imported
 
-        snap = dynamo.counters_snapshot()
-        self._diff(snap, count=False)
-        self._known_backends = dynamo.known_backends()
-        self._callbacks = dynamo.register_callbacks(self._on_start, self._on_end)
-        self._capture_metrics()
-        for art in ("graph_breaks", "recompiles"):
-            self._capture_artifact(art)
-        self.up = self._callbacks
-
-    def _capture_metrics(self) -> None:
-        log = logging.getLogger(dynamo.COMPILE_METRICS_LOGGER)
-        h = self._handlers["metrics"]
-        if log.name not in self._saved:
-            self._saved[log.name] = (log.level, log.propagate)
-            h.forward[log.name] = log.getEffectiveLevel() if log.propagate else logging.CRITICAL + 1
-            self._metrics_level = min(logging.INFO, log.getEffectiveLevel())
-        if h not in log.handlers:
-            log.addHandler(h)
-        log.setLevel(self._metrics_level)
-        log.propagate = False
-
-    def _capture_artifact(self, art: str) -> None:
-        user_on = dynamo.artifact_enabled(art) and art not in self._owned_artifacts
-        if not user_on and dynamo.enable_artifact(art):
-            self._owned_artifacts.add(art)
-        h = self._handlers[art]
-        for log in dynamo.artifact_loggers([art]):
-            if log.name not in self._saved:
-                self._saved[log.name] = (log.level, log.propagate)
-            if h not in log.handlers:
-                log.addHandler(h)
-            log.setLevel(logging.DEBUG)
-            if not user_on:
-                log.propagate = False  # quiet: no stderr unless the user asked for this artifact
+        self.counters.deltas(dynamo.counters_snapshot())  # the baseline: what came before attach is not counted
+        self.capture.install()
+        self.up = self.capture.callbacks
 
     def uninstall(self) -> None:
-        if self._callbacks:
-            dynamo.remove_callbacks(self._on_start, self._on_end)
-            self._callbacks = False
-        for name, (level, propagate) in self._saved.items():
-            log = logging.getLogger(name)
-            for h in self._handlers.values():
-                log.removeHandler(h)
-            log.setLevel(level)
-            log.propagate = propagate
-        self._saved.clear()
-        for art in self._owned_artifacts:
-            dynamo.disable_artifact(art)
-        self._owned_artifacts.clear()
-
-    # --------------------------------------------------------------------------------- training thread
-    def _on_start(self, args: Any) -> None:
-        try:
-            step = self._steps.count if self._steps is not None else 0
-            trigger = dynamo.trigger_name(args)
-            frame = dynamo.compiling_frame() if trigger == "dynamo" else None  # a few frames: compiles take ms-s
-            info = (frame[0].co_filename, frame[0].co_firstlineno, frame[0].co_name, frame[1], frame[2]) if frame else None
-            self.buffer.put(("start", (dynamo.compile_id_of(args), info), time.time_ns(), trigger, step))
-        except Exception as exc:
-            self.record_error(exc)
-
-    def _on_end(self, args: Any) -> None:
-        try:
-            self.buffer.put(("end", dynamo.compile_id_of(args), time.time_ns(), dynamo.trigger_name(args), 0))
-        except Exception as exc:
-            self.record_error(exc)
+        self.capture.uninstall()
 
     # --------------------------------------------------------------------------------- agent thread
     def poll(self, now: float) -> None:
-        self._polls += 1
-        self._heal()
-        for kind, payload, t_ns, extra, step in self.buffer.drain():
-            if kind == "start":
-                self._on_start_event(payload[0], payload[1], extra, t_ns, step)
-            elif kind == "end":
-                self._end_span(payload, extra, t_ns)
-            elif kind == "metrics":
-                self._on_metrics(dynamo.metrics_fields(payload))
-            elif kind == "graph_breaks":
-                self._on_graph_break(payload, t_ns, extra)
-            elif kind == "recompiles":
-                self._recompile_text[extra] = payload
-        for key, (span, polled) in list(self._ended.items()):
-            if polled < self._polls - 1:  # its metrics never came (e.g. an aborted compile)
-                del self._ended[key]
-                self.require_ctx().add_span(span)
-        self._diff(dynamo.counters_snapshot(), count=True)
-        for d in (self._open, self._cid_breaks, self._recompile_text, self._frames):
-            if len(d) > 1024:
-                d.clear()
-
-    def _heal(self) -> None:
-        """Re-register after ``torch._dynamo.reset()`` (it clears the callbacks) and re-capture the
-        loggers when ``torch._logging.set_logs`` reset them; a few attribute reads per poll."""
-        if self._callbacks and not dynamo.callbacks_registered(self._on_start, self._on_end):
+        notes = self.notes
+        notes.polls += 1
+        if self.capture.heal():
             self.resets += 1
             self._open.clear()
-            self._ended.clear()
-            dynamo.register_callbacks(self._on_start, self._on_end)
+            notes.ended.clear()
             self.require_ctx().events.emit("dynamo_reset", resets=self.resets)
-        log = logging.getLogger(dynamo.COMPILE_METRICS_LOGGER)
-        if self._handlers["metrics"] not in log.handlers or log.level != self._metrics_level or log.propagate:
-            self._capture_metrics()
-        for art in ("graph_breaks", "recompiles"):
-            if art in self._owned_artifacts and not dynamo.artifact_enabled(art):
-                self._owned_artifacts.discard(art)
-                self._capture_artifact(art)
+        for rec in self.capture.buffer.drain():
+            if isinstance(rec, CompileStarted):
+                self._on_start_event(rec.compile_id, rec.frame, rec.trigger, rec.t_ns, rec.step)
+            elif isinstance(rec, CompileEnded):
+                self._end_span(rec.compile_id, rec.trigger, rec.t_ns)
+            elif isinstance(rec, CompileMetrics):
+                self._on_metrics(dynamo.metrics_fields(rec.metrics))
+            elif isinstance(rec, GraphBreakText):
+                self._on_graph_break(rec.text, rec.t_ns, rec.compile_id)
+            else:
+                notes.recompile_text[rec.compile_id] = rec.text
+        for key, (span, polled) in list(notes.ended.items()):
+            if polled < notes.polls - 1:  # its metrics never came (e.g. an aborted compile)
+                del notes.ended[key]
+                self.require_ctx().add_span(span)
+        self._count(self.counters.deltas(dynamo.counters_snapshot()))
+        for d in (self._open, notes.breaks, notes.recompile_text, notes.frames):
+            if len(d) > MAX_NOTES:
+                d.clear()
 
-    def _diff(self, snap: dict[str, Any], count: bool) -> None:
-        """Accumulate increases of dynamo's process-global counters since install (a counter that went
-        down was cleared: its new value is the increase)."""
-        items: list[tuple[Any, int]] = [(("cache", *k), v) for k, v in snap["caches"].items()]
-        items.append((("limit",), snap["limit"]))
-        items.append((("graphs",), snap["graphs"]))
-        items += [(("gb", k), v) for k, v in snap["graph_break"].items()]  # the artifact text adds stacks
-        for key, value in items:
-            last = self._seen.get(key, 0)
-            delta = value - last if value >= last else value
-            self._seen[key] = value
-            if not count or delta <= 0:
-                continue
+    def _count(self, deltas: list[tuple[tuple[Any, ...], int]]) -> None:
+        """Dynamo's counters' increases into the collector's (graph breaks from dynamo's own count: the
+        artifact text adds stacks)."""
+        for key, delta in deltas:
             if key[0] == "cache":
                 self.cache[(key[1], key[2])] += delta
             elif key[0] == "limit":
@@ -331,9 +222,9 @@ class CompileCollector(Component):
         frames = user_frames(text)
         frame = user_frame(frames, text)
         key = self._count_break(graph_break_key(text), text, frame, n=0)  # counted from dynamo's counters
-        self._cid_breaks.setdefault(cid, []).append((key, frame, t_ns))
+        self.notes.breaks.setdefault(cid, []).append((key, frame, t_ns))
         c10d = c10d_call(text)
-        fr = self._frames.get(cid, {})
+        fr = self.notes.frames.get(cid, {})
         self.require_ctx().events.emit(
             cat.EVENT_GRAPH_BREAK,
             compile_id=cid,
@@ -355,7 +246,7 @@ class CompileCollector(Component):
         if info is None:
             return
         filename, line, name, local_names, backend = info
-        if backend not in self._known_backends:
+        if backend not in self.capture.known_backends:
             backend = CUSTOM_BACKEND if backend else "unknown"
         fr = {
             "frame_id": frame_id(cid),
@@ -363,9 +254,9 @@ class CompileCollector(Component):
             "function": f"{name} {filename}:{line}",
             "backend": backend,
         }
-        self._frames[cid] = {**fr, "step": step}
-        if len(self._backend_of) < 4096:
-            self._backend_of[fr["code_hash"]] = self._backend_of[fr["frame_id"]] = backend
+        self.notes.frames[cid] = {**fr, "step": step}
+        if len(self.notes.backend_of) < 4096:
+            self.notes.backend_of[fr["code_hash"]] = self.notes.backend_of[fr["frame_id"]] = backend
         self.require_ctx().events.emit(
             cat.EVENT_COMPILE_START, compile_id=cid, step=step, f_locals_keys=list(local_names), **fr
         )
@@ -385,15 +276,15 @@ class CompileCollector(Component):
             anomalous=True,  # compiles are rare after warm-up: always keep the step's trace
         )
         if trig == "forward":
-            fr = self._frames.get(cid)
+            fr = self.notes.frames.get(cid)
             if fr is not None:
                 span.events.append((cat.EVENT_COMPILE_START, start_ns, {cat.ATTR_CODE_HASH: fr["code_hash"]}))
                 span.attributes[cat.ATTR_COMPILE_BACKEND] = fr["backend"]
-            for key, frame, t in self._cid_breaks.get(cid, ()):
+            for key, frame, t in self.notes.breaks.get(cid, ()):
                 span.events.append(
                     (cat.EVENT_GRAPH_BREAK, t, {cat.ATTR_GRAPH_BREAK_REASON: key, cat.ATTR_USER_FRAME: frame})
                 )
-        self._ended[(cid, trig)] = (span, self._polls)
+        self.notes.ended[(cid, trig)] = (span, self.notes.polls)
 
     def _on_metrics(self, m: dict[str, Any]) -> None:
         agent = self.require_ctx()
@@ -401,17 +292,17 @@ class CompileCollector(Component):
         forward = m["is_forward"] is not False
         trigger = "runtime" if m["is_runtime"] else ("forward" if forward else "lazy_backward")
         fail_type, fail_reason = m["fail_type"], str(m["fail_reason"] or "")
-        breaks = self._cid_breaks.pop(cid, []) if forward else []
+        breaks = self.notes.breaks.pop(cid, []) if forward else []
         if fail_type:
             outcome = "limit" if fail_reason.startswith(dynamo.RECOMPILE_LIMIT_PREFIX) else "failed"
         elif forward and (breaks or m["restart_reasons"]):
             outcome = "graph_break"
         else:
             outcome = "ok"
-        fr = self._frames.get(cid, {})
+        fr = self.notes.frames.get(cid, {})
         chash = code_hash(m["co_filename"], m["co_firstlineno"], m["co_name"]) if m["co_name"] else fr.get("code_hash", "")
         # an attempt refused by the recompile limit fires no start callback: the frame's last backend
-        backend = fr.get("backend") or self._backend_of.get(chash) or self._backend_of.get(frame_id(cid)) or "unknown"
+        backend = fr.get("backend") or self.notes.backend_of.get(chash) or self.notes.backend_of.get(frame_id(cid)) or "unknown"
         self.compiles[(outcome, trigger, backend)] += 1
         seconds = 0.0
         if forward:
@@ -435,7 +326,7 @@ class CompileCollector(Component):
         stack = m["exception_stack_trace"] or m["stack_trace"] if fail_type else None
         depth = len(stack) if isinstance(stack, (list, tuple)) else None
         node = node_name(fail_reason) if fail_type else ""
-        span_entry = self._ended.pop((cid, trigger), None)
+        span_entry = self.notes.ended.pop((cid, trigger), None)
         if span_entry is not None:
             span = span_entry[0]
             span.attributes[cat.ATTR_COMPILE_OUTCOME] = outcome
@@ -493,7 +384,7 @@ class CompileCollector(Component):
         guard = guard_text(first_guard)
         if len(examples) < 5 and f"{where}: {guard}" not in examples:
             examples.append(f"{where}: {guard}")
-        text = self._recompile_text.pop(cid, "")
+        text = self.notes.recompile_text.pop(cid, "")
         failed = failed_guards(text)
         self.require_ctx().events.emit(
             cat.EVENT_RECOMPILE,

@@ -343,15 +343,15 @@ def test_attach_detach_leaves_no_handlers_callbacks_or_artifact_flags(tmp_path):
         comp = agent.component("compile")
         assert isinstance(comp, CompileCollector) and comp.up
         starts, ends = dynamo.registered_callbacks()
-        assert comp._on_start in starts and comp._on_end in ends
+        assert comp.capture._on_start in starts and comp.capture._on_end in ends
         metrics_log = logging.getLogger(dynamo.COMPILE_METRICS_LOGGER)
-        assert comp._handlers["metrics"] in metrics_log.handlers
+        assert comp.capture.handlers["metrics"] in metrics_log.handlers
         assert dynamo.artifact_enabled("graph_breaks") and dynamo.artifact_enabled("recompiles")
         # torch._dynamo.reset() drops every callback: the next poll re-registers ours
         torch._dynamo.reset()
-        assert comp._on_start not in dynamo.registered_callbacks()[0]
+        assert comp.capture._on_start not in dynamo.registered_callbacks()[0]
         agent.tick()
-        assert comp._on_start in dynamo.registered_callbacks()[0] and comp.resets == 1
+        assert comp.capture._on_start in dynamo.registered_callbacks()[0] and comp.resets == 1
         torch.compile(_blockA, backend="eager")(torch.ones(2, 2))
         agent.tick()
         assert any(s.name == "dynamo.compile" for s in agent.span_schedule.pending.get(0, []))
@@ -369,7 +369,7 @@ def test_no_compile_means_no_training_thread_work(agent):
     for _ in range(3):
         model(torch.ones(1, 2)).sum().backward()
         opt.step()
-    assert len(comp.buffer) == 0
+    assert len(comp.capture.buffer) == 0
     agent.tick()
     assert _val(agent, "hpar_dynamo_unique_graphs") == 0.0
 
