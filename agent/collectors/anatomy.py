@@ -17,18 +17,13 @@ the step not hidden by any of those phases (``phases.exposed_ns``), where collec
 On CUDA the other phases are stream times placed from the step's start and the collectives sit at their
 host enqueue time, so the overlap is approximate there (a host running ahead of the GPU shifts them).
 
-Hooks, installed at attach, only append ``(step, code, epoch ns)`` to a bounded buffer:
-- forward: pre-hook (prepended: the user's own pre-hooks count as forward) and post-hook on the
-  model's ROOT module only (global module hooks would cost µs per submodule call): the model given to
-  ``attach(model)``, else the one ``model_root`` finds (a wrapper built, or at an optimizer step);
-- backward: at forward exit, a hook on the output tensor marks the start of that backward and queues
-  an autograd-engine callback (``queue_callback``, as DDP does) that marks its end;
-- optimizer: the global optimizer step pre-hook; the step boundary (post-hook) ends it;
-- data loader: ``_BaseDataLoaderIter.__next__`` wrapped while attached (time inside the loader).
-Pipeline schedules: forward/backward are the pipeline collector's chunk times (CUDA events there on a
-GPU), data wait and host end at the first stage-0 forward chunk (CPU clock). Every hook is a no-op
-while torch.compile traces, and on the steps a fast loop leaves without detail
-(``StepCollector.stride``): those get no phases.
+Hooks (``anatomy_hooks``), installed at attach, only append ``(step, code, epoch ns, ...)`` marks to a
+bounded buffer: forward and backward from hooks on the model's root module (the model given to
+``attach(model)``, else the one ``model_root`` finds: a wrapper built, or at an optimizer step), the
+optimizer phase from the global optimizer step pre-hook to the step boundary, and the time inside the
+data loader. Pipeline schedules: forward/backward are the pipeline collector's chunk times (CUDA events
+there on a GPU), data wait and host end at the first stage-0 forward chunk (CPU clock). The steps a
+fast loop leaves without detail (``StepCollector.stride``) get no phases.
 
 Clock: on CPU, wall clock. On CUDA wall-clock phases would be launch times (the time shows up wherever
 the CPU next waits for the GPU, e.g. a loss ``.item()`` in the data wait), so each hook also records a
@@ -39,35 +34,17 @@ sync), as the pipeline collector does for chunks (``phases.gpu_phases``).
 
 from __future__ import annotations
 
-import functools
-import itertools
 import statistics
-import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
-from hpar_agent import topology_watch as watch
-from hpar_agent.buffer import BoundedBuffer
-from hpar_agent.collectors import model_root
+from hpar_agent.collectors.anatomy_hooks import AnatomyHooks
 from hpar_agent.collectors.collectives import CollectiveCollector
-from hpar_agent.collectors.phases import (
-    BWD0,
-    BWD1,
-    FWD0,
-    FWD1,
-    LOAD,
-    OPT0,
-    OPT1,
-    SYNC1,
-    cpu_phases,
-    exposed_ns,
-    gpu_phases,
-    host_waits,
-)
+from hpar_agent.collectors.phases import OPT1, Event, cpu_phases, exposed_ns, gpu_phases, host_waits
 from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.collectors.verdict import bottleneck
@@ -86,18 +63,6 @@ BUSY_PHASES = ("data_wait", "host", "forward", "backward", "optimizer")  # disjo
 PHASES = cat.STEP_PHASES
 WARMUP_STEPS = 2  # left out of the verdict: the first steps compile and allocate
 WINDOW = 64  # recent steps the shares and the verdict are computed over
-MAX_OUTPUTS = 4  # items of a tuple/mapping output looked at for the tensors a backward starts from
-
-
-def _grad_outputs(out: Any) -> list[Any]:
-    """The tensors of a module's output that a backward runs through: the output, or of the first items
-    of a tuple, list or mapping (Hugging Face's ``ModelOutput``: loss, logits) those with a grad_fn. The
-    loop may call backward on any of them (its own loss from the logits), so each gets the hook; the
-    first to run opens the backward, the first end closes it."""
-    if getattr(out, "grad_fn", None) is not None:
-        return [out]
-    items = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else ()
-    return [t for t in itertools.islice(items, MAX_OUTPUTS) if getattr(t, "grad_fn", None) is not None]
 
 
 class AnatomyCollector(Component):
@@ -105,23 +70,15 @@ class AnatomyCollector(Component):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buffer: BoundedBuffer[tuple[int, int, int, int, Any]] = BoundedBuffer("anatomy", 1 << 16)
-        self.buffers = (self.buffer,)
-        self._handles: list[Any] = []
-        self._loader_patch: tuple[Any, Any] | None = None
-        self._steps: Any = None
-        self._pipe: Any = None
-        self._coll: Any = None
-        self._dist_on: Any = lambda: False
+        self.hooks = AnatomyHooks()
+        self.buffers = (self.hooks.buffer,)
+        self._pipe: PipelineCollector | None = None
+        self._coll: CollectiveCollector | None = None
         #: steps awaiting their collectives: (rec, busy intervals, host waits, phases dict to complete)
         self.comm_pending: list[tuple[StepRecord, list[tuple[int, int]], list[tuple[int, int]], dict[str, float]]] = []
-        self._compiling: Any = lambda: False
-        self._queue_callback: Any = None
-        self._events: dict[int, list[tuple[int, int, int, Any]]] = {}
-        self._waiting: list[tuple[StepRecord, list[tuple[int, int, int, Any]]]] = []
+        self._events: dict[int, list[Event]] = {}  # step -> its marks as ``phases`` reads them
+        self._waiting: list[tuple[StepRecord, list[Event]]] = []  # steps awaiting their CUDA events
         self._last_end_event: Any = None
-        self._event: Any = None  # torch.cuda.Event on CUDA
-        self._stream: Any = None  # current stream of the rank's device, on CUDA
         self.clock = "cpu"
         self.hists: dict[str, Histogram] = {p: Histogram(cat.LATENCY_BUCKETS) for p in PHASES}
         self.history: list[tuple[int, float, dict[str, float], float]] = []  # (step, step s, phases, loader s)
@@ -130,242 +87,18 @@ class AnatomyCollector(Component):
         self.slow_rank: int | None = None  # the peer a slow-rank verdict names (None: this rank, or none)
         self.evidence: dict[str, Any] = {}
         self.shares: dict[str, float] = {}
-        self.forward_source = "none"
-        self.cuda = False
-        self._module_cls: Any = None
-        self.root: Any = None  # the module whose forward hooks time the forward and backward
-        self.root_found_by = ""  # "attach(model)", "wrapper" or "optimizer step"
-        self.root_class = ""
-        self._root_handles: list[Any] = []
-        self._silent_handles: list[Any] = []  # of roots dropped without their forward ever running: see _drop_root
-        self._root_step = 0  # the step the root was taken at
-        self._root_checks = 0  # optimizer steps left to find or confirm the root on (0: settled)
-        self._rejected: list[Any] = []  # roots whose forward never ran in a whole step
-        self._fired = False  # the root's forward ran (outside torch.compile) since it was taken
 
-    # ------------------------------------------------------------------------------------ install
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
-        import torch
-
-        self.buffer.capacity = ctx.config.buffer_size
-        self._steps = ctx.find(StepCollector)
         self._pipe = ctx.find(PipelineCollector)
-        dist = getattr(torch, "distributed", None)
-        if dist is not None and dist.is_available():
-            self._dist_on = dist.is_initialized
-        self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-        self._queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-        self._module_cls = torch.nn.Module
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
-        if getattr(ctx.device, "type", "") == "cuda":  # the rank's device (hpar_agent.device)
-            self._handles.append(register_optimizer_step_post_hook(self._opt_post))
-        self._root_checks = model_root.MAX_CHECKS
-        if isinstance(ctx.model, torch.nn.Module):
-            self._adopt(ctx.model, "attach(model)")
-        else:
-            watch.listen(self._on_source)
-            if watch.wrapper() is not None:
-                self._on_source("wrapper")
-        self._patch_loader()
-
-    def _patch_loader(self) -> None:
-        try:
-            from torch.utils.data.dataloader import _BaseDataLoaderIter
-        except ImportError:
-            return
-        orig = _BaseDataLoaderIter.__next__
-        put, steps = self.buffer.put, self._steps
-
-        def __next__(it: Any) -> Any:
-            if steps is not None and not steps.detailed:
-                return orig(it)
-            t0 = time.time_ns()
-            try:
-                return orig(it)
-            finally:
-                put((steps.count if steps is not None else 0, LOAD, t0, time.time_ns(), None))
-
-        __next__._hpar_orig = orig  # type: ignore[attr-defined]
-        _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
-        self._loader_patch = (_BaseDataLoaderIter, orig)
+        self.hooks.install(ctx, ctx.find(StepCollector))
 
     def uninstall(self) -> None:
-        watch.unlisten(self._on_source)
-        for h in [*self._handles, *self._root_handles, *self._silent_handles]:
-            h.remove()
-        self._handles.clear()
-        self._root_handles.clear()
-        self._silent_handles.clear()
-        self.root, self._rejected = None, []  # the user's model is not the agent's to keep alive
-        if self._loader_patch is not None:
-            cls, orig = self._loader_patch
-            if getattr(cls.__next__, "_hpar_orig", None) is orig:
-                cls.__next__ = orig
-            self._loader_patch = None
-
-    # ------------------------------------------------------------------------------------ the model's root
-    def _drop_root(self) -> None:
-        """Stop timing the current root. Hooks that never ran in a whole step stay until detach, silent:
-        they may sit inside code torch.compile traced with them, and removing them would recompile it."""
-        if self.root is not None and not self._fired and self._root_step != self._step():
-            self._silent_handles += self._root_handles
-        else:
-            for h in self._root_handles:
-                h.remove()
-        self._root_handles, self.root, self.root_found_by, self.root_class = [], None, "", ""
-
-    def _adopt(self, module: Any, how: str) -> None:
-        """Time the forward and backward of ``module`` from now on (training thread, rare)."""
-        self._drop_root()
-        self._root_handles = [
-            module.register_forward_pre_hook(self._fwd_pre, prepend=True),
-            # prepended: its output hook must precede FSDP's/replicate's (see _fwd_post)
-            module.register_forward_hook(self._fwd_post, prepend=True),
-        ]
-        self.root, self.root_found_by, self._fired = module, how, False
-        self.root_class = type(module).__name__
-        self._root_step = self._step()
-        self.forward_source = "module-hooks"
-        device = self.ctx.device if self.ctx is not None else None
-        try:
-            on_cuda = next(module.parameters()).device.type == "cuda"
-        except StopIteration:
-            on_cuda = False
-        self.cuda = on_cuda and getattr(device, "type", "") == "cuda"
-        if self.cuda and self._event is None:
-            import torch
-
-            self._event = torch.cuda.Event
-            self._stream = functools.partial(torch.cuda.current_stream, device)
-
-    def _on_source(self, kind: str) -> None:
-        """``topology_watch``: a data-parallel wrapper was built; it is the root while none was found at
-        an optimizer step, or when it wraps the root (FSDP wraps the blocks, then the whole model)."""
-        if kind != "wrapper" or self.root_found_by not in ("", "wrapper"):
-            return
-        try:
-            new = model_root.outermost(self.root, watch.wrapper())
-            if new is not None and new is not self.root:
-                self._adopt(new, "wrapper")
-        except Exception as exc:
-            self.record_error(exc)
-
-    def _check_root(self, optimizer: Any, frame: Any) -> None:
-        """At an optimizer step while the root is not settled: keep a root whose forward ran and that
-        holds the optimizer's parameters (or was given to ``attach``), else look for the model in the
-        frames above (``model_root``): a model given to ``attach`` but called only through a wrapper
-        that runs its hooks inside torch.compile (``torch.compile(model)``) is timed at that wrapper."""
-        self._root_checks -= 1
-        try:
-            root = self.root
-            if root is not None and not self._fired and self._root_step == self._step():
-                return  # taken during this step: its forward runs from the next one
-            if root is not None and self._fired and (
-                self.root_found_by == "attach(model)" or model_root.holds(root, model_root.param_ids(optimizer))
-            ):
-                self._root_checks = 0  # confirmed
-                return
-            if root is not None:
-                self._rejected.append(root)
-            found = model_root.find_root(optimizer, self._module_cls, self._rejected, frame)
-            if found is not None:
-                self._adopt(found, "optimizer step")
-            elif root is not None and self.root_found_by != "attach(model)":  # the user's choice stays
-                self._drop_root()
-        except Exception as exc:
-            self._root_checks = 0
-            self.record_error(exc)
-        finally:
-            if not self._root_checks:
-                self._rejected.clear()
-
-    # ------------------------------------------------------------------------------------ training thread
-    def _step(self) -> int:
-        steps = self._steps
-        return steps.count if steps is not None else 0
-
-    def _mark(self, step: int, code: int) -> None:
-        """Append one timestamp (and on CUDA an event); never raises into the training loop."""
-        try:
-            ev = None
-            if self._event is not None:
-                ev = self._event(enable_timing=True)
-                ev.record(self._stream())  # the rank's device's stream, not the thread's device 0
-            self.buffer.put((step, code, time.time_ns(), 0, ev))
-        except Exception as exc:
-            self.record_error(exc)
-
-    def _fwd_pre(self, module: Any, args: Any) -> None:
-        steps = self._steps
-        # compiling first: traced, the hook then reads nothing torch.compile would guard on (a guard on
-        # ``detailed`` recompiles the model when the detail stride toggles it)
-        if self._compiling() or (steps is not None and not steps.detailed):
-            return
-        self._fired = True
-        self._mark(self._step(), FWD0)
-
-    def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
-        steps = self._steps
-        if self._compiling() or (steps is not None and not steps.detailed):
-            return
-        self._mark(self._step(), FWD1)
-        try:
-            # Tensor hooks, registered before FSDP/replicate's on the same output: tensor hooks run in
-            # order, so our engine callback (the backward's end) is queued before their root
-            # post-backward callback, whose gradient reduction then counts as communication.
-            for t in _grad_outputs(out):
-                t.register_hook(self._bwd_pre)
-        except Exception as exc:  # never into the training loop
-            self.record_error(exc)
-
-    def _bwd_pre(self, grad_outputs: Any) -> None:
-        self._mark(self._step(), BWD0)
-        try:
-            self._queue_callback(self._bwd_end)
-        except Exception as exc:
-            self.record_error(exc)
-
-    def _bwd_end(self) -> None:
-        self._mark(self._step(), BWD1)
-        if self._event is None and self._dist_on():  # CPU clock: time DDP's wait (module docstring)
-            try:
-                self._queue_callback(self._sync_end)
-            except Exception as exc:
-                self.record_error(exc)
-
-    def _sync_end(self) -> None:
-        self._mark(self._step(), SYNC1)
-
-    def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        steps = self._steps
-        if steps is None:
-            return
-        oid = steps._optimizer_id
-        if oid is not None and id(optimizer) != oid:
-            return
-        if self._root_checks:
-            self._check_root(optimizer, sys._getframe(1))
-        if steps.explicit or not steps.detailed:
-            return
-        self._mark(steps.count, OPT0)
-
-    def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """CUDA only: an event after the optimizer's kernels (the step collector's post-hook, installed
-        first, has already counted the step); also after an undetailed step the next detailed one is
-        measured from."""
-        steps = self._steps
-        if self._event is None or steps is None or steps.explicit or steps._optimizer_id != id(optimizer):
-            return
-        if not (steps.prev_detailed or steps.detailed):
-            return
-        self._mark(steps.count - 1, OPT1)
+        self.hooks.uninstall()
 
     # ------------------------------------------------------------------------------------ agent thread
     def poll(self, now: float) -> None:
-        for step, code, t0, t1, ev in self.buffer.drain():
+        for step, code, t0, t1, ev in self.hooks.buffer.drain():
             self._events.setdefault(step, []).append((code, t0, t1, ev))
         self._flush()
 
@@ -407,7 +140,8 @@ class AnatomyCollector(Component):
                 self._last_end_event = end
                 continue
             step_s = rec.duration_s
-            piped = self._pipe is not None and bool(getattr(self._pipe, "_wrapped", None))
+            pipe = self._pipe
+            piped = pipe is not None and bool(getattr(pipe, "_wrapped", None))
             if end is not None and self._last_end_event is not None and not piped:
                 try:
                     phases, spans, loader, step_s = gpu_phases(rec.start_ns, events, self._last_end_event, end)
@@ -420,9 +154,9 @@ class AnatomyCollector(Component):
             self._last_end_event = end
             self._finish(rec, phases, spans, loader, step_s)
             busy = [(t0, t1) for phase, t0, t1 in spans if phase in BUSY_PHASES]
-            if piped:  # forward/backward spans are the pipeline's chunks
-                busy += self._pipe.intervals_by_step.pop(rec.step, [])
-            self.comm_pending.append((rec, busy, host_waits(events) if self._event is None else [], phases))
+            if pipe is not None and piped:  # forward/backward spans are the pipeline's chunks
+                busy += pipe.intervals_by_step.pop(rec.step, [])
+            self.comm_pending.append((rec, busy, host_waits(events) if self.hooks.event is None else [], phases))
         finished += self._flush_comm()
         if finished and judge:
             self._unjudged = False
@@ -478,7 +212,7 @@ class AnatomyCollector(Component):
         pipe = self._pipe
         chunks = None
         if pipe is not None and getattr(pipe, "_wrapped", None):
-            self.forward_source = "pipeline-chunks"
+            self.hooks.forward_source = "pipeline-chunks"
             chunks = (pipe.phase_by_step.pop(rec.step, {}), pipe.first_forward_ns.pop(rec.step, None))
         return cpu_phases(rec.start_ns, rec.end_ns, events, chunks)
 
@@ -526,18 +260,19 @@ class AnatomyCollector(Component):
             return self._no_forward()
         pipe = self._pipe
         bubbles = [b for step, b in getattr(pipe, "bubbles", ()) if step in steps]
-        if self.forward_source == "pipeline-chunks" and bubbles:
+        if self.hooks.forward_source == "pipeline-chunks" and bubbles:
             reason += (f"; the rest is mostly the pipeline's bubble ({sum(bubbles) / len(bubbles):.0%} of the step, "
                        "hpar_pp_bubble_ratio): the stage waits for its neighbours")
         return reason
 
     def _no_forward(self) -> str:
         """Why no step has a forward timed (the reason of an unknown verdict)."""
-        if not self.root_class:
+        root = self.hooks.root
+        if not root.class_name:
             return ("no forward timed: the model is not known (give it to attach(model); under hpar-agent run "
                     "a DDP/FSDP wrapper or the training loop's variables at an optimizer step name it)")
-        return (f"no forward timed: the forward hooks of the model's root ({self.root_class}, from "
-                f"{self.root_found_by}) never ran outside torch.compile")
+        return (f"no forward timed: the forward hooks of the model's root ({root.class_name}, from "
+                f"{root.found_by}) never ran outside torch.compile")
 
     def _straggler(self) -> tuple[bool, float | None, int | None]:
         """Whether the job has one slow rank, its arrival lag at collectives and which rank (None: this
@@ -567,6 +302,7 @@ class AnatomyCollector(Component):
 
     def summary(self) -> dict[str, Any]:
         hist = self._judged_steps()
+        root = self.hooks.root
         p50 = {}
         for p in PHASES:
             vals = [h[2][p] for h in hist if p in h[2]]
@@ -574,8 +310,8 @@ class AnatomyCollector(Component):
                 p50[p] = statistics.median(vals)
         return {
             "clock": self.clock,
-            "source": self.forward_source,
-            "model": {"class": self.root_class, "found_by": self.root_found_by} if self.root_class else None,
+            "source": self.hooks.forward_source,
+            "model": {"class": root.class_name, "found_by": root.found_by} if root.class_name else None,
             "phase_seconds_p50": p50,
             "step_seconds_p50": statistics.median([h[1] for h in hist]) if hist else None,
             "verdict": self.verdict,

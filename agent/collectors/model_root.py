@@ -88,3 +88,76 @@ def find_root(optimizer: Any, module_cls: type, skip: Iterable[Any] = (), frame:
     if len(tops) < 2:
         return tops[0] if tops else None
     return max(tops, key=lambda m: sum(1 for p in m.parameters() if id(p) in ids))  # the nearest of equals
+
+
+class Root:
+    """The root module the step anatomy times, how it was found, and the forward hooks on it.
+
+    Training thread only (hooks, the optimizer's pre-hook, ``topology_watch``'s listeners)."""
+
+    def __init__(self, fwd_pre: Any, fwd_post: Any) -> None:
+        self.fwd_pre, self.fwd_post = fwd_pre, fwd_post  # the anatomy's hooks, put on each root taken
+        self.module: Any = None
+        self.found_by = ""  # "attach(model)", "wrapper" or "optimizer step"
+        self.class_name = ""
+        self.fired = False  # its forward ran (outside torch.compile) since it was taken
+        self.checks = 0  # optimizer steps left to find or confirm the root on (0: settled)
+        self._handles: list[Any] = []
+        self._silent: list[Any] = []  # of roots dropped without their forward ever running: see drop
+        self._taken_at = 0  # the step it was taken at
+        self._rejected: list[Any] = []  # roots whose forward never ran in a whole step
+
+    def take(self, module: Any, how: str, step: int) -> None:
+        """Time the forward and backward of ``module`` from now on (instead of the current root)."""
+        self.drop(step)
+        self._handles = [
+            module.register_forward_pre_hook(self.fwd_pre, prepend=True),
+            # prepended: its output hook must precede FSDP's/replicate's (see AnatomyHooks.fwd_post)
+            module.register_forward_hook(self.fwd_post, prepend=True),
+        ]
+        self.module, self.found_by, self.fired = module, how, False
+        self.class_name = type(module).__name__
+        self._taken_at = step
+
+    def drop(self, step: int) -> None:
+        """Stop timing the current root. Hooks that never ran in a whole step stay until detach, silent:
+        they may sit inside code torch.compile traced with them, and removing them would recompile it."""
+        if self.module is not None and not self.fired and self._taken_at != step:
+            self._silent += self._handles
+        else:
+            for h in self._handles:
+                h.remove()
+        self._handles, self.module, self.found_by, self.class_name = [], None, "", ""
+
+    def check(self, optimizer: Any, frame: Any, step: int, module_cls: type) -> Any:
+        """At an optimizer step while not settled (``checks``): None to keep a root whose forward ran and
+        that holds the optimizer's parameters (or was given to ``attach``), else the model the frames
+        above hold (``find_root``) to take instead: a model given to ``attach`` but called only through a
+        wrapper that runs its hooks inside torch.compile (``torch.compile(model)``) is timed at that
+        wrapper. With nothing found a root not given to ``attach`` is dropped."""
+        self.checks -= 1
+        root = self.module
+        if root is not None and not self.fired and self._taken_at == step:
+            return None  # taken during this step: its forward runs from the next one
+        if root is not None and self.fired and (self.found_by == "attach(model)" or holds(root, param_ids(optimizer))):
+            self.checks = 0  # confirmed
+            return None
+        if root is not None:
+            self._rejected.append(root)
+        found = find_root(optimizer, module_cls, self._rejected, frame)
+        if found is None and root is not None and self.found_by != "attach(model)":  # the user's choice stays
+            self.drop(step)
+        return found
+
+    def settle(self) -> None:
+        """After a check: once settled, the rejected roots are not the agent's to keep alive."""
+        if not self.checks:
+            self._rejected.clear()
+
+    def remove(self) -> None:
+        """Every hook, silent ones included (detach); the user's model is not the agent's to keep alive."""
+        for h in [*self._handles, *self._silent]:
+            h.remove()
+        self._handles.clear()
+        self._silent.clear()
+        self.module, self._rejected = None, []

@@ -120,7 +120,7 @@ def test_a_fast_loop_gets_phases_on_every_strideth_step_only(agent, monkeypatch)
     steps, anatomy = a.component("steps"), a.component("anatomy")
     steps.stride = 3  # what detail_stride gives a loop at 3x detail_rate; no tick before the loop ends
     _loop(model, 9)
-    assert sorted({item[0] for item in anatomy.buffer._items}) == [0, 3, 6]  # what the hooks recorded
+    assert sorted({item[0] for item in anatomy.hooks.buffer._items}) == [0, 3, 6]  # what the hooks recorded
     a.tick()
     assert anatomy.hists["forward"].count == 3 and anatomy.hists["backward"].count == 3
     assert steps.total == 9
@@ -197,10 +197,10 @@ def test_hooks_are_silent_while_compiling(agent) -> None:
     comp = a.component("anatomy")
     compiled = torch.compile(model, backend="eager")
     compiled(torch.randn(2, 4))  # the root's hooks run inside the traced region: nothing recorded
-    assert [e for e in comp.buffer.drain() if e[1] == 0] == []
-    comp._compiling = lambda: False  # the same call outside tracing records
-    comp._fwd_pre(model, ())
-    assert [e[1] for e in comp.buffer.drain()] == [0]
+    assert [e for e in comp.hooks.buffer.drain() if e[1] == 0] == []
+    comp.hooks._compiling = lambda: False  # the same call outside tracing records
+    comp.hooks._fwd_pre(model, ())
+    assert [e[1] for e in comp.hooks.buffer.drain()] == [0]
 
 
 def test_hooks_traced_by_torch_compile_do_not_recompile_it_as_the_detail_toggles(agent, monkeypatch) -> None:
@@ -328,11 +328,11 @@ def test_cuda_end_event_is_recorded_for_a_detailed_step_and_the_one_before(prev,
 
     c = AnatomyCollector()
     opt = object()
-    c._steps = SimpleNamespace(explicit=False, _optimizer_id=id(opt), count=5, prev_detailed=prev, detailed=nxt)
-    c._event = lambda enable_timing: SimpleNamespace(record=lambda stream: None)
-    c._stream = lambda: None
-    c._opt_post(opt, (), {})
-    assert [item[:2] for item in c.buffer.drain()] == ([(4, 6)] if recorded else [])  # (step, OPT1)
+    c.hooks._steps = SimpleNamespace(explicit=False, _optimizer_id=id(opt), count=5, prev_detailed=prev, detailed=nxt)
+    c.hooks.event = lambda enable_timing: SimpleNamespace(record=lambda stream: None)
+    c.hooks._stream = lambda: None
+    c.hooks._opt_post(opt, (), {})
+    assert [item[:2] for item in c.hooks.buffer.drain()] == ([(4, 6)] if recorded else [])  # (step, OPT1)
 
 
 def test_cuda_stream_idle_of_a_host_bound_loop_is_not_data_wait() -> None:
@@ -387,7 +387,7 @@ def test_a_failing_hook_is_counted_not_raised(agent) -> None:
     def broken(**_kw):
         raise RuntimeError("no event today")
 
-    comp._event = broken  # as if CUDA events failed
+    comp.hooks.event = broken  # as if CUDA events failed
     _loop(model, 2)  # training goes on
     assert a.errors["anatomy"] >= 1
 
@@ -405,10 +405,10 @@ def test_cuda_events_are_recorded_on_the_ranks_device_stream() -> None:
             recorded.append(stream)
 
     c = AnatomyCollector()
-    c._event, c._stream = Event, lambda: "stream-of-cuda:1"
-    c._mark(0, 0)
+    c.hooks.event, c.hooks._stream = Event, lambda: "stream-of-cuda:1"
+    c.hooks._mark(0, 0)
     assert recorded == ["stream-of-cuda:1"]
-    assert c.buffer.drain()[0][4] is not None
+    assert c.hooks.buffer.drain()[0][4] is not None
 
 
 def test_exposed_communication_is_what_no_phase_covers() -> None:

@@ -134,11 +134,11 @@ def test_another_models_wrapper_gives_way_to_the_stepped_models(attach) -> None:
     agent = attach()
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     teacher = torch.nn.parallel.DistributedDataParallel(Net())
-    assert agent.component("anatomy").root is teacher  # the wrapper, at once
+    assert agent.component("anatomy").hooks.root.module is teacher  # the wrapper, at once
     student = Net()
     train(student, call=lambda x: student(x) + teacher(x).detach())
     a = anatomy(agent)
-    assert a["model"] == {"class": "Net", "found_by": "optimizer step"} and agent.component("anatomy").root is student
+    assert a["model"] == {"class": "Net", "found_by": "optimizer step"} and agent.component("anatomy").hooks.root.module is student
     assert not teacher._forward_pre_hooks
 
 
@@ -152,11 +152,11 @@ def test_fully_shard_moves_the_root_outwards(attach) -> None:
     comp = agent.component("anatomy")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     fully_shard(model[0])
-    assert comp.root is model[0] and comp.root_found_by == "wrapper"
+    assert comp.hooks.root.module is model[0] and comp.hooks.root.found_by == "wrapper"
     fully_shard(model)
-    assert comp.root is model and comp._fwd_pre not in model[0]._forward_pre_hooks.values()  # moved, not added
+    assert comp.hooks.root.module is model and comp.hooks._fwd_pre not in model[0]._forward_pre_hooks.values()  # moved, not added
     torch.nn.parallel.DistributedDataParallel(Net())
-    assert comp.root is model
+    assert comp.hooks.root.module is model
 
 
 def test_a_ddp_built_before_attach_is_the_root_from_step_0(attach) -> None:
@@ -168,14 +168,14 @@ def test_a_ddp_built_before_attach_is_the_root_from_step_0(attach) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel(Net())
         agent = attach()
         comp = agent.component("anatomy")
-        assert comp.root is ddp
+        assert comp.hooks.root.module is ddp
         train(ddp)
         a = anatomy(agent)
         assert a["model"] == {"class": "DistributedDataParallel", "found_by": "wrapper"}, a
         assert comp.hists["forward"].count == STEPS
         hpar_agent.detach()
         assert not ddp._forward_pre_hooks and not ddp._forward_hooks
-        assert comp._on_source not in topology_watch._state.listeners
+        assert comp.hooks._on_source not in topology_watch._state.listeners
     finally:
         topology_watch.uninstall("shim")
 
