@@ -1,4 +1,13 @@
-"""A bounded, lock-free (GIL-atomic) buffer between training-thread hooks and the agent thread."""
+"""A bounded, lock-free (GIL-atomic) buffer between training-thread hooks and the agent thread.
+
+Records: a hook that puts one per step, chunk or op puts a plain tuple of atomic values, typed by an
+alias beside it (``steps.Boundary``, ``anatomy_hooks.Mark``, ``pipeline.Chunk``, ``p2p.IssueRecord``,
+...), not a NamedTuple or a dataclass. The garbage collector stops tracking such a tuple at its first
+collection and never stops tracking a NamedTuple; a tracked record that waits a second for the agent's
+pass reaches the oldest generation in a busy loop and brings the next full collection (a stall of the
+training thread of hundreds of ms) nearer. A NamedTuple also costs several times a tuple to build.
+Records put a few times per run (compile events, tp gradient samples) are NamedTuples.
+"""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ that needed and got it / elements of those that needed it (1.0 when none did).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client.core import Metric
 
@@ -129,6 +129,16 @@ def tp_coverage(samples: dict[int, list[list[Any]]], sizes: list[int]) -> float 
     return got / need if need else 1.0
 
 
+class TpSample(NamedTuple):
+    """A strided sample of the tp-replicated gradients, on its way to the host (a sampled step only)."""
+
+    step: int
+    which: int  # 0: after the first microbatch's backward, 1: at the optimizer step
+    counts: list[int]  # sampled elements per parameter (-1: no gradient)
+    host: Any  # the samples, one host tensor
+    event: Any  # the copy's CUDA event (None: already on the host)
+
+
 class GradSyncCollector(Component):
     """Judges every step whose collectives the collectives collector has read in full."""
 
@@ -147,14 +157,14 @@ class GradSyncCollector(Component):
         self.tp_sizes: list[int] = []
         #: step -> [backward-end sums, optimizer-step sums] (published to the tp peers)
         self.tp_samples: dict[int, list[list[Any]]] = {}
-        self.tp_buffer: BoundedBuffer[tuple[int, int, list[int], Any, Any]] = BoundedBuffer("gradsync_tp", 64)
+        self.tp_buffer: BoundedBuffer[TpSample] = BoundedBuffer("gradsync_tp", 64)
         self.buffers = (self.tp_buffer,)
         self._tp_params: list[Any] = []
         self._tp_step = -1  # step whose backward-end sample was taken
         self._hooked = -1  # step whose output got the backward-end hook (the first microbatch only)
         self._lost = 0  # the collectives' unobserved entries as of the last poll
         self._blind_ns = 0  # steps that began before this (a poll that saw entries lost) get no verdict
-        self._pending: list[tuple[int, int, list[int], Any, Any]] = []
+        self._pending: list[TpSample] = []
         self._handles: list[Any] = []
         self._steps: Any = None
 
@@ -229,7 +239,7 @@ class GradSyncCollector(Component):
                 if not parts:
                     return
                 cat, event = copy_to_host(sample_cat(parts))
-            self.tp_buffer.put((step, which, counts, cat, event))
+            self.tp_buffer.put(TpSample(step, which, counts, cat, event))
         except Exception as exc:
             self.record_error(exc)
 

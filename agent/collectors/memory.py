@@ -266,6 +266,10 @@ class NvmlCollector(Component):
         }
 
 
+#: One step's reads: (step, RSS, allocated, reserved bytes; None: not read). A plain tuple: see ``buffer``.
+PostStep = tuple[int, int | None, int | None, int | None]
+
+
 class MemoryCollector(Component):
     """Allocator, RSS and the per-step memory history the MemoryLeak detector reads."""
 
@@ -275,9 +279,7 @@ class MemoryCollector(Component):
         super().__init__()
         self.proc_root = proc_root
         self._cuda = cuda  # injectable torch.cuda stand-in for tests
-        self.buffer: BoundedBuffer[tuple[int, int | None, int | None, int | None]] = BoundedBuffer(
-            "memory", 4096
-        )
+        self.buffer: BoundedBuffer[PostStep] = BoundedBuffer("memory", 4096)
         self.buffers = (self.buffer,)
         self.history = history
         self.post_step: dict[str, deque[tuple[int, int]]] = {}

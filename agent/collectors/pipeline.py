@@ -33,15 +33,21 @@ _METHODS = (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward")
 BUBBLE_WARMUP_STEPS = 2  # steps left out of bubble_ratio_mean: the first ones run shape inference and compiles
 
 
+#: One microbatch's chunk: (step, stage index, microbatch, phase, stream label, t0 epoch ns, t1 epoch ns
+#: (0 on CUDA: from the events), start and end CUDA events or None, the cudaStream_t or None). A plain
+#: tuple: see ``buffer``.
+Chunk = tuple[int, int, Any, str, str, int, int, Any, Any, int | None]
+
+
 class PipelineCollector(Component):
     name = "pipeline"
 
     def __init__(self) -> None:
         super().__init__()
-        self.buffer: BoundedBuffer[tuple[Any, ...]] = BoundedBuffer("pipeline", 1 << 16)
+        self.buffer: BoundedBuffer[Chunk] = BoundedBuffer("pipeline", 1 << 16)
         self.buffers = (self.buffer,)
         self._wrapped: list[tuple[Any, str]] = []
-        self._pending: list[tuple[Any, ...]] = []  # CUDA chunks whose end event has not completed yet
+        self._pending: list[Chunk] = []  # CUDA chunks whose end event has not completed yet
         self.hists: dict[tuple[str, str], Histogram] = {}
         self.streams = StreamCap()
         self.busy_by_step: dict[int, float] = {}

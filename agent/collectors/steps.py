@@ -37,6 +37,11 @@ if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
 
 
+#: One step boundary: (step, end epoch ns, tokens reported in the step, the process's ``_rusage`` totals,
+#: whether the step had detail). A plain tuple of atomic values: see ``buffer``.
+Boundary = tuple[int, int, int, tuple[int, int, int, int], bool]
+
+
 class StepCollector(Component):
     """Counts steps and times them boundary to boundary; the first step starts at attach."""
 
@@ -53,9 +58,7 @@ class StepCollector(Component):
         self._optimizer_id: int | None = None
         self.optimizer: weakref.ref[Any] | None = None  # the one that defines the step, once it stepped
         self._handle: Any = None
-        self.buffer: BoundedBuffer[tuple[int, int, int, tuple[int, int, int, int], bool]] = BoundedBuffer(
-            "steps", 1 << 16
-        )
+        self.buffer: BoundedBuffer[Boundary] = BoundedBuffer("steps", 1 << 16)
         self.buffers = (self.buffer,)
         self.hist = Histogram(STEP_BUCKETS)
         self.total = 0
