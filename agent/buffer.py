@@ -1,8 +1,8 @@
 """A bounded, lock-free (GIL-atomic) buffer between training-thread hooks and the agent thread.
 
-Records: a hook that puts one per step, chunk or op puts a plain tuple of atomic values, typed by an
-alias beside it (``steps.Boundary``, ``anatomy_hooks.Mark``, ``pipeline.Chunk``, ``p2p.IssueRecord``,
-...), not a NamedTuple or a dataclass. The garbage collector stops tracking such a tuple at its first
+Records: a hook that puts one per step, chunk or op puts a plain tuple, typed by an alias beside it
+(``steps.Boundary``, ``anatomy_hooks.Mark``, ``pipeline.Chunk``, ``p2p.IssueRecord``, ...), not a
+NamedTuple or a dataclass. The garbage collector stops tracking a tuple of atomic values at its first
 collection and never stops tracking a NamedTuple; a tracked record that waits a second for the agent's
 pass reaches the oldest generation in a busy loop and brings the next full collection (a stall of the
 training thread of hundreds of ms) nearer. A NamedTuple also costs several times a tuple to build.
