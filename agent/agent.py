@@ -1,4 +1,4 @@
-"""The Agent: owns the components, the agent thread, the exporters and the agent's own health."""
+"""The Agent: owns the components, the agent thread, the outputs and the agent's own health."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import math
 import os
 import sys
 import threading
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -16,8 +15,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from hpar_agent import gil, health
+from hpar_agent import health
 from hpar_agent._version import __version__
+from hpar_agent.agent_thread import AgentThread
 from hpar_agent.alert_callbacks import Alert, AlertCallbacks
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
 from hpar_agent.collectors.pipeline import PipelineCollector
@@ -29,12 +29,11 @@ from hpar_agent.context import AgentContext
 from hpar_agent.detectors.component import DetectorsComponent
 from hpar_agent.events import EventLog
 from hpar_agent.families import Families
-from hpar_agent.gil import Yielder
-from hpar_agent.lifecycle import AtExit, ExceptHook, SignalFlush, forget_in_child
+from hpar_agent.lifecycle import ProcessHooks
+from hpar_agent.outputs import Outputs
 from hpar_agent.rankstate import RankState
-from hpar_agent.safefiles import RUNS_DIR, UnsafePathError, default_run_dir, private_dir
 from hpar_agent.span_schedule import SpanScheduler
-from hpar_agent.spans import Child, StepRecord
+from hpar_agent.spans import Child
 from hpar_agent.topology import LOCAL_JOB_PREFIX, Topology, detect
 
 log = logging.getLogger("hpar_agent")
@@ -44,7 +43,11 @@ _lock = threading.Lock()
 
 
 class Agent:
-    """One per process. Use ``hpar_agent.attach()``; ``Agent`` is also a context manager."""
+    """One per process. Use ``hpar_agent.attach()``; ``Agent`` is also a context manager.
+
+    It owns the components and what they see of it (``context``); its other jobs are held by parts:
+    the agent thread and its passes (``loop``: ``agent_thread``), where results go (``outputs``: run
+    directory, event log, endpoint, tracing) and its hooks on the process (``exits``: ``lifecycle``)."""
 
     def __init__(
         self,
@@ -60,30 +63,19 @@ class Agent:
         self.optimizer = optimizer
         self.mesh = mesh
         self.enabled = not self.config.disable
+        self.started = False
         self.topology: Topology = Topology()
         self.device: Any = None  # torch.device of this rank, fixed at start (see hpar_agent.device)
         self.components: list[Component] = []
+        self._step_hooks: list[Component] = []
         self.registry = CollectorRegistry(auto_describe=True)
         self.families = Families(["0", "0"])
         self.errors: Counter[str] = Counter()
-        self.collect_seconds: dict[str, float] = {}
         self._logged: set[tuple[str, str]] = set()
-        self._step_hooks: list[Component] = []
         self.span_schedule = SpanScheduler()  # completed steps and child spans until they are due
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._tick_lock = threading.Lock()
-        self._final_pass = False  # the pass running now is a final one (detach, flush)
-        self._waited = 0.0  # seconds passes spent in ``_wait`` (not work: left out of collect_seconds)
-        self.events = EventLog(None, 0)
-        self.metrics_url: str | None = None
-        self.run_dir = ""
-        self.server: Any = None
-        self._signals: SignalFlush | None = None
-        self._excepthook: ExceptHook | None = None
-        self._at_exit: AtExit | None = None
-        self.tracing: Any = None
-        self.started = False
+        self.loop = AgentThread(self)
+        self.outputs = Outputs(self.config, self.record_error, self.errors)
+        self.exits = ProcessHooks(self)
         self.flops_per_token: float | None = None  # agent.report_flops: the MFU inputs
         self.peak_flops: float | None = None
         self.alert_callbacks = AlertCallbacks(self.record_error)
@@ -94,14 +86,46 @@ class Agent:
         """What components see of this agent; built on first use from the agent's state then (``start``
         builds it once the topology, families and event log are known)."""
         if self._context is None:
+            out = self.outputs
             self._context = AgentContext(
-                config=self.config, topology=self.topology, families=self.families, events=self.events,
+                config=self.config, topology=self.topology, families=self.families, events=out.events,
                 record_error=self.record_error, spans=self, on_step_boundary=self.on_step_boundary,
-                is_stopping=self._stop.is_set, wait=self._wait, dispatch_alert=self._dispatch_alert, device=self.device,
-                model=self.model, optimizer=self.optimizer, mesh=self.mesh, run_dir=self.run_dir,
+                is_stopping=self.loop.stop_event.is_set, wait=self.loop.wait, dispatch_alert=self._dispatch_alert,
+                device=self.device, model=self.model, optimizer=self.optimizer, mesh=self.mesh, run_dir=out.run_dir,
                 components=self.components, redetect=self.redetect,
             )  # fmt: skip
         return self._context
+
+    # ------------------------------------------------------------------------------------ outputs
+    @property
+    def metrics_url(self) -> str | None:
+        """The URL of this rank's metrics endpoint as really bound (None: no endpoint)."""
+        return self.outputs.metrics_url
+
+    @property
+    def server(self) -> Any:
+        """This rank's metrics endpoint (``exporters.prometheus``); None when it serves none."""
+        return self.outputs.server
+
+    @property
+    def tracing(self) -> Any:
+        """This rank's span pipeline (``exporters.otel.Tracing``); None when spans go nowhere."""
+        return self.outputs.tracing
+
+    @property
+    def events(self) -> EventLog:
+        """This rank's event log."""
+        return self.outputs.events
+
+    @property
+    def run_dir(self) -> str:
+        """This rank's run directory ("": none, and no file is written)."""
+        return self.outputs.run_dir
+
+    @property
+    def collect_seconds(self) -> dict[str, float]:
+        """component -> seconds its last poll took (``hpar_agent_collect_duration_seconds``)."""
+        return self.loop.collect_seconds
 
     def _dispatch_alert(self, alert: Alert) -> None:
         self.alert_callbacks.dispatch(alert)  # read at call time: a forked child gets fresh callbacks
@@ -118,46 +142,19 @@ class Agent:
         self.device = resolve_device(self.model, self.mesh, topo.local_rank)
         self.topology = topo = dataclasses.replace(topo, device=str(self.device))
         self.families = Families([str(topo.rank), str(topo.pp_stage)])
-        self.run_dir = self.config.run_dir or os.path.join(RUNS_DIR, topo.job_id)
-        try:
-            if self.config.run_dir:
-                private_dir(self.run_dir, chosen=True)
-            else:
-                default_run_dir(topo.job_id)  # 0700, not a link, ours: the parent too
-        except OSError as exc:
-            self.record_error("agent", exc)
-            if isinstance(exc, UnsafePathError):
-                self.run_dir = ""  # write no file rather than into a planted link
-        self.events = self._event_log(topo.rank)
-        self.events.emit("attach", topology=topo.info_labels(), agent_version=__version__)
+        out = self.outputs
+        out.open_run_dir(topo.job_id)
+        out.events = out.event_log(topo.rank)
+        out.events.emit("attach", topology=topo.info_labels(), agent_version=__version__)
         self._context = None  # built from the attached state
         for comp in default_components(self.config):
             self.add_component(comp)
         self.registry.register(health.AgentCollector(self))
-        self._start_tracing()
-        self._start_endpoint()
-        self._thread = threading.Thread(target=self._run, name="hpar-agent", daemon=True)
-        self._thread.start()
-        self._at_exit = AtExit(self.stop)  # flush traces and write the summary if the user never detaches
-        self._at_exit.install()
-        self._signals = SignalFlush(self)
-        self.guard("agent", self._signals.install)  # SIGTERM/SIGINT: flush, then what they did before
-        self._excepthook = ExceptHook(self)
-        self._excepthook.install()  # an uncaught exception: how the rank ended (rankstate, RankGone)
+        out.start_tracing(self.context)
+        out.start_endpoint(self.registry, topo.local_rank)
+        self.loop.start()
+        self.exits.install()
         return self
-
-    def _event_log(self, rank: int) -> EventLog:
-        if not (self.config.event_log and self.run_dir):
-            return EventLog(None, rank)
-        try:
-            return EventLog(
-                os.path.join(self.run_dir, f"events.rank{rank}.jsonl"), rank,
-                max_bytes=self.config.log_max_bytes,
-                on_error=lambda exc: self.record_error("events", exc),
-            )  # fmt: skip
-        except OSError as exc:
-            self.record_error("events", exc)
-            return EventLog(None, rank)
 
     def redetect(self, *, wait: bool = True, in_pass: bool = False) -> bool:
         """Detect this rank's topology again and apply what changed; True when something did.
@@ -175,12 +172,12 @@ class Agent:
             return False
         if in_pass:
             return self._redetect()
-        if not self._tick_lock.acquire(timeout=5.0 if wait else 0):
+        if not self.loop.lock.acquire(timeout=5.0 if wait else 0):
             return False
         try:
             return self._redetect()
         finally:
-            self._tick_lock.release()
+            self.loop.lock.release()
 
     def _redetect(self) -> bool:
         from hpar_agent import topology_watch as watch
@@ -210,21 +207,7 @@ class Agent:
         ctx = self.context
         ctx.topology, ctx.device = new, device
         self.families.common = [str(new.rank), str(new.pp_stage)]
-        if new.rank != old.rank:
-            events, self.events = self.events, self._event_log(new.rank)
-            self.events.recent = events.recent  # the records of this process so far, whatever file
-            ctx.events = self.events
-            self.guard("events", events.close)
-        if new.local_rank != old.local_rank and self.server is not None:
-            from hpar_agent.exporters.prometheus import close_endpoint
-
-            self.guard("prometheus", close_endpoint, self.server)
-            self.server = self.metrics_url = None
-            self._start_endpoint()
-        if self.tracing is not None and not self.guard("tracing", self.tracing.retopologize, new):
-            tracing, self.tracing = self.tracing, None  # a new rank's local traces file
-            self.guard("tracing", tracing.shutdown, 2.0)
-            self._start_tracing()
+        self.outputs.move(old, new, ctx, self.registry)
         changed = {k: v for k, v in new.info_labels().items() if old.info_labels().get(k) != v}
         if new.rank != old.rank:
             changed["rank"] = str(new.rank)
@@ -252,15 +235,8 @@ class Agent:
         if not self.started:
             return
         self.started = False
-        if self._at_exit is not None:
-            self._at_exit.uninstall()
-        if self._signals is not None:
-            self.guard("agent", self._signals.uninstall)
-        if self._excepthook is not None:
-            self._excepthook.uninstall()
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.exits.uninstall()
+        self.loop.stop(timeout)
         try:
             self.tick(final=True)  # final drain so the last steps reach the exporters
         except Exception as exc:
@@ -271,16 +247,7 @@ class Agent:
                 comp.uninstall()
             except Exception as exc:
                 self.record_error(comp.name, exc)
-        if self.tracing is not None:
-            try:
-                self.tracing.shutdown(timeout)
-            except Exception as exc:
-                self.record_error("tracing", exc)
-        if self.server is not None:
-            from hpar_agent.exporters.prometheus import close_endpoint
-
-            close_endpoint(self.server)
-            self.server = None
+        self.outputs.close_exporters(timeout)
         self.write_summary()
         self.guard("events", self.events.emit, "detach")
         self.guard("events", self.events.close)
@@ -290,12 +257,24 @@ class Agent:
         the agent keeps running (a signal handler calls this before the previous handler)."""
         if not self.started:
             return
-        if self._tick_lock.acquire(timeout=timeout / 2):  # not if this thread was stopped mid-tick
-            self._tick_lock.release()
+        if self.loop.lock.acquire(timeout=timeout / 2):  # not if this thread was stopped mid-tick
+            self.loop.lock.release()
             self.guard("agent", self.tick, True)
         if self.tracing is not None:
             self.guard("tracing", self.tracing.flush, timeout / 2)
         self.write_summary()
+
+    def forget_in_child(self) -> None:
+        """After fork, in the child (a DataLoader worker, a ``multiprocessing`` fork), which inherits the
+        agent's objects but none of its threads: each part forgets what it holds of the parent's
+        (``lifecycle``). Takes no lock another thread may have held at fork time."""
+        self.started = False
+        self.enabled = False
+        self.exits.forget_in_child()
+        self.loop.forget_in_child()
+        self.outputs.forget_in_child()
+        # the callbacks' worker thread did not survive the fork; its lock may have been held
+        self.alert_callbacks = AlertCallbacks(self.record_error)
 
     def summary(self) -> dict[str, Any]:
         """Everything the demo and the run report show for this rank."""
@@ -391,7 +370,7 @@ class Agent:
     @property
     def tracing_on(self) -> bool:
         """Whether spans go anywhere: components build no ``SpanRecord`` otherwise."""
-        return self.tracing is not None
+        return self.outputs.tracing is not None
 
     def add_span(self, span: Child) -> None:
         """Agent thread: a child span of ``span.step``'s trace, exported when that step completes."""
@@ -400,114 +379,11 @@ class Agent:
     @property
     def stopping(self) -> bool:
         """True from ``stop()`` on: the final tick reads every source in full."""
-        return self._stop.is_set()
-
-    def _until_next_tick(self) -> float:
-        """Seconds to the next multiple of the interval on the wall clock. Every rank's agent then
-        works at the same instants: a synchronous job stalls whenever any one rank stalls, so passes
-        at random phases would add up over the ranks, aligned ones overlap."""
-        iv = self.config.interval
-        return iv - time.time() % iv
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._until_next_tick()):
-            try:
-                self.tick()
-            except Exception as exc:  # never let the thread die
-                self.record_error("agent", exc)
+        return self.loop.stopping
 
     def tick(self, final: bool = False) -> None:
-        """One agent-thread pass: poll every component, then finish completed steps. The pass hands
-        the GIL back to the training thread every millisecond or so of work (``gil.Yielder``)."""
-        with self._tick_lock, gil.running(Yielder()) as handback:
-            self._final_pass = final
-            try:
-                self._pass(time.time(), final, handback)
-            finally:
-                self._final_pass = False
-
-    def _wait(self, seconds: float) -> None:
-        """``AgentContext.wait``: on the stop event, so ``stop()`` ends it at once; not at all on a final
-        pass, which must end soon (a flush on a signal has a few seconds in all)."""
-        if seconds > 0 and not self._final_pass:
-            t0 = time.perf_counter()
-            self._stop.wait(seconds)
-            self._waited += time.perf_counter() - t0
-
-    def _pass(self, now: float, final: bool, handback: Yielder) -> None:
-        """Poll, then each completed step to every component, then the once-a-pass work and the export."""
-        for comp in self.components:
-            t0, waited = time.perf_counter(), self._waited
-            try:
-                comp.poll(now)
-            except Exception as exc:
-                self.record_error(comp.name, exc)
-            self.collect_seconds[comp.name] = time.perf_counter() - t0 - (self._waited - waited)
-            handback()
-        steps = self.context.find(StepCollector)
-        completed: list[StepRecord] = steps.take_completed() if steps is not None else []
-        takers = [c for c in self.components if _overrides(c, "on_step")]  # a no-op call per step otherwise
-        for rec in completed:
-            for comp in takers:
-                try:
-                    comp.on_step(rec)
-                except Exception as exc:
-                    self.record_error(comp.name, exc)
-            self.span_schedule.add_step(rec)
-            handback()
-        for comp in self.components:
-            try:
-                comp.end_pass()
-            except Exception as exc:
-                self.record_error(comp.name, exc)
-        self._export_steps(final, handback)
-
-    def _export_steps(self, final: bool, handback: Yielder) -> None:
-        """Hand completed steps with their child spans to tracing when they are due (``span_schedule``:
-        every span source delivered the spans before the step's end, or waited long enough)."""
-        now = time.time_ns()
-        waits = not final and self.tracing is not None  # without tracing no step waits for anything
-        mark = self.span_schedule.watermark(self.components, now, self.record_error) if waits else now
-        for rec in self.span_schedule.due(now, mark, final):
-            if self.tracing is not None:
-                self.guard("tracing", self.tracing.export_step, rec)
-                handback()
-
-    def _start_endpoint(self) -> None:
-        if self.config.metrics_port < 0:
-            return
-        from hpar_agent.exporters.endpoint_security import WebConfigError
-        from hpar_agent.exporters.prometheus import open_endpoint
-
-        try:
-            self.server, self.metrics_url = open_endpoint(
-                self.registry, self.config, self.topology.local_rank
-            )
-        except WebConfigError as exc:  # security fails closed: no endpoint rather than a weaker one
-            self.errors["prometheus"] += 1
-            log.error("hpar_agent: no metrics endpoint on this rank: %s (training goes on)", exc)
-        except Exception as exc:
-            self.record_error("prometheus", exc)
-
-    def _start_tracing(self) -> None:
-        if self.config.traces == "none" or self.config.trace_every == 0:
-            return
-        try:
-            from hpar_agent.exporters.otel import Tracing
-        except ImportError as exc:
-            self.record_error("tracing", exc)
-            return
-        try:
-            self.tracing = Tracing(self.context)
-        except Exception as exc:
-            self.record_error("tracing", exc)
-
-
-
-def _overrides(comp: Component, method: str) -> bool:
-    """Whether ``comp`` has its own ``method`` rather than ``Component``'s no-op (an instance attribute
-    counts as its own)."""
-    return getattr(getattr(comp, method), "__func__", None) is not getattr(Component, method)
+        """One agent-thread pass (``AgentThread.tick``): poll every component, then finish completed steps."""
+        self.loop.tick(final)
 
 
 def _outermost(given: Any, wrapper: Any) -> Any:
@@ -585,7 +461,7 @@ def _after_fork_in_child() -> None:
     target, _current = _current, None
     _lock = threading.Lock()  # may have been held by a parent thread at fork time
     if target is not None:
-        forget_in_child(target)
+        target.forget_in_child()
 
 
 if hasattr(os, "register_at_fork"):

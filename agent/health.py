@@ -32,12 +32,20 @@ class HealthSource(Protocol):
     topology: Topology
     components: list[Component]
     errors: Counter[str]
-    collect_seconds: dict[str, float]
     flops_per_token: float | None
     peak_flops: float | None
-    tracing: Any
-    metrics_url: str | None
-    run_dir: str
+
+    @property
+    def collect_seconds(self) -> dict[str, float]: ...
+
+    @property
+    def tracing(self) -> Any: ...
+
+    @property
+    def metrics_url(self) -> str | None: ...
+
+    @property
+    def run_dir(self) -> str: ...
 
     @property
     def context(self) -> AgentContext: ...

@@ -6,8 +6,9 @@ Exit: ``Agent.stop`` (the summary, the last spans) runs at interpreter exit and 
 Fork: a child (a DataLoader worker, a ``multiprocessing`` fork) inherits the agent's objects but none of
 its threads. Left alone its exit would run ``Agent.stop`` from atexit, which waits for a server loop
 that does not exist in the child (forever), and it would hold the listening socket and the event log's
-descriptor. The fork handler (registered by ``hpar_agent.agent``) forgets the agent in the child
-(``forget_in_child``): no atexit work, no server, the log descriptors pointed at /dev/null. It takes no lock another thread may have held at fork time.
+descriptor. The fork handler (registered by ``hpar_agent.agent``) has the agent forget itself in the
+child (``Agent.forget_in_child``: each part forgets what it holds): no atexit work, no server, the log
+descriptors pointed at /dev/null. It takes no lock another thread may have held at fork time.
 
 Signals: SIGTERM (what torchrun sends the surviving ranks) and SIGINT flush the agent (summary, last
 events, queued spans, bounded), then the process does what it would have done without the agent: the
@@ -65,35 +66,41 @@ class AtExit:
 
 
 # ---------------------------------------------------------------------------------------------- fork
-def forget_in_child(agent: Any) -> None:
-    """The child keeps no server, thread, atexit work or open log of the parent's agent."""
-    agent.started = False
-    agent.enabled = False
-    at_exit = getattr(agent, "_at_exit", None)
-    with contextlib.suppress(Exception):
-        if at_exit is not None:
-            at_exit.uninstall()  # the child's copies of the atexit entry and the finalizer
-        else:
-            atexit.unregister(agent.stop)
-    agent._thread = None
-    server, agent.server = agent.server, None
-    if server is not None:
-        with contextlib.suppress(Exception):
-            server.socket.close()  # the child's copy only; the parent keeps serving
-    agent.metrics_url = None
-    with contextlib.suppress(Exception):
-        agent.events.drop_in_child()
-    tracing, agent.tracing = agent.tracing, None
-    exporter = getattr(getattr(getattr(tracing, "_exporter", None), "inner", None), "_file", None)
-    if exporter is not None:
-        with contextlib.suppress(Exception):
-            exporter.drop_in_child()
-    cbs = getattr(agent, "alert_callbacks", None)
-    if cbs is not None:  # the worker thread did not survive the fork; its lock may have been held
-        from hpar_agent.alert_callbacks import AlertCallbacks
+class ProcessHooks:
+    """The agent's hooks on its process: the exit flush (``AtExit``), SIGTERM/SIGINT (``SignalFlush``)
+    and ``sys.excepthook`` (``ExceptHook``). Installed last at attach, removed first at detach."""
 
-        agent.alert_callbacks = AlertCallbacks(agent.record_error)
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.at_exit: AtExit | None = None
+        self.signals: SignalFlush | None = None
+        self.excepthook: ExceptHook | None = None
 
+    def install(self) -> None:
+        agent = self.agent
+        self.at_exit = AtExit(agent.stop)  # flush traces and write the summary if the user never detaches
+        self.at_exit.install()
+        self.signals = SignalFlush(agent)
+        agent.guard("agent", self.signals.install)  # SIGTERM/SIGINT: flush, then what they did before
+        self.excepthook = ExceptHook(agent)
+        self.excepthook.install()  # an uncaught exception: how the rank ended (rankstate, RankGone)
+
+    def uninstall(self) -> None:
+        if self.at_exit is not None:
+            self.at_exit.uninstall()
+        if self.signals is not None:
+            self.agent.guard("agent", self.signals.uninstall)
+        if self.excepthook is not None:
+            self.excepthook.uninstall()
+
+    def forget_in_child(self) -> None:
+        """After fork, in the child: no exit work of the parent's agent (the child's copies of the atexit
+        entry and of the multiprocessing finalizer); the signal and exception hooks see a stopped agent."""
+        with contextlib.suppress(Exception):
+            if self.at_exit is not None:
+                self.at_exit.uninstall()
+            else:
+                atexit.unregister(self.agent.stop)
 
 
 # ---------------------------------------------------------------------------------------------- exceptions

@@ -117,6 +117,10 @@ class OtlpJsonFileExporter(SpanExporter):
     def shutdown(self) -> None:
         self._file.close()
 
+    def drop_in_child(self) -> None:
+        """After fork, in the child: release the file's descriptor without flushing the parent's data."""
+        self._file.drop_in_child()
+
 
 def _walk_ids(doc: Any, convert: Any) -> None:
     if isinstance(doc, dict):
@@ -460,6 +464,13 @@ class Tracing:
         with exp.lock:
             exp.closed = True
             self._lost_at_shutdown = max(0, self._processor.offered - exp.ok - exp.failed)
+
+    def forget_in_child(self) -> None:
+        """After fork, in the child: the exporter's thread did not survive it and the child exports
+        nothing; a traces file's descriptor is released without flushing the parent's spans."""
+        inner = self._exporter.inner
+        if isinstance(inner, OtlpJsonFileExporter):
+            inner.drop_in_child()
 
     @staticmethod
     def _bounded(fn: Any, timeout: float) -> bool:

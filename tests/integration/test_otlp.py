@@ -49,7 +49,7 @@ def _rank_agent(tmp_path, rank: int, stage: int) -> Agent:
     agent.topology = Topology(
         rank=rank, world_size=2, job_id=JOB, host="node0", pp=2, pp_rank=stage, pp_stage=stage
     )
-    agent.run_dir = str(tmp_path)
+    agent.outputs.run_dir = str(tmp_path)
     return agent
 
 

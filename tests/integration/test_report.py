@@ -56,7 +56,7 @@ def _tracing(run_dir: Path, rank: int) -> Tracing:
         rank=rank, world_size=RANKS, job_id=JOB, host="node0", tp=2, pp=2,
         tp_rank=rank % 2, pp_rank=_stage(rank), pp_stage=_stage(rank),
     )  # fmt: skip
-    agent.run_dir = str(run_dir)
+    agent.outputs.run_dir = str(run_dir)
     tracing = Tracing(agent.context)
     assert tracing.kind == "file"
     return tracing

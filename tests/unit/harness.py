@@ -52,11 +52,11 @@ def make_agent(tmp_path: Any, rank: int = 0, world: int = 1, comps: tuple[Compon
     agent.topology = Topology(rank=rank, world_size=world, job_id="job", dp=c.get("dpn", 1), dp_rank=c.get("dp", 0),
                               tp_rank=c.get("tp", 0), pp_rank=c.get("pp", 0), pp_stage=c.get("pp", 0))  # fmt: skip
     agent.families = Families([str(rank), str(c.get("pp", 0))])
-    agent.run_dir = str(tmp_path / f"r{rank}")
+    agent.outputs.run_dir = str(tmp_path / f"r{rank}")
     os.makedirs(agent.run_dir, exist_ok=True)
     from hpar_agent.events import EventLog
 
-    agent.events = EventLog(os.path.join(agent.run_dir, f"events.rank{rank}.jsonl"), rank)
+    agent.outputs.events = EventLog(os.path.join(agent.run_dir, f"events.rank{rank}.jsonl"), rank)
     for comp in comps:
         agent.add_component(comp)
     det = DetectorsComponent(exchange=exchange)

@@ -85,7 +85,7 @@ def test_detach_removes_hooks_and_reattach_serves(attach):
     url1 = first.metrics_url
     hpar_agent.detach()
     assert len(_global_optimizer_post_hooks) == before
-    assert first._thread is not None and not first._thread.is_alive()
+    assert first.loop.thread is not None and not first.loop.thread.is_alive()
     with pytest.raises(OSError):
         urllib.request.urlopen(url1, timeout=2)
     second = attach()
@@ -99,7 +99,7 @@ def test_disable_env_is_a_noop(monkeypatch, attach):
     before = len(_global_optimizer_post_hooks)
     agent = attach()
     assert not agent.enabled and not agent.started
-    assert agent.metrics_url is None and agent._thread is None
+    assert agent.metrics_url is None and agent.loop.thread is None
     assert len(_global_optimizer_post_hooks) == before
 
 
@@ -164,7 +164,7 @@ def test_disabled_import_costs_nothing():
 def test_agent_ticks_at_the_same_wall_clock_instants(attach, monkeypatch):
     agent = attach(interval=2.0)
     monkeypatch.setattr("time.time", lambda: 1000.5)
-    assert agent._until_next_tick() == pytest.approx(1.5)  # every rank: next multiple of 2 s
+    assert agent.loop.until_next_tick() == pytest.approx(1.5)  # every rank: next multiple of 2 s
 
 
 def test_a_second_collector_of_an_agent_metric_cannot_register(attach):

@@ -82,12 +82,10 @@ def test_slow_callback_delays_no_tick_and_overflow_drops(tmp_path: Any) -> None:
 
 
 def test_forked_child_forgets_the_callbacks_worker(tmp_path: Any) -> None:
-    from hpar_agent.lifecycle import forget_in_child
-
     agent, _, _ = _hang_agent(tmp_path)
     agent.on_alert(lambda a: None)
     parent = agent.alert_callbacks
-    forget_in_child(agent)  # what os.register_at_fork runs in a child
+    agent.forget_in_child()  # what os.register_at_fork runs in a child
     assert agent.alert_callbacks is not parent and agent.alert_callbacks._thread is None
     assert agent.alert_callbacks._callbacks == []  # the parent's worker thread is not in the child
     parent.stop()

@@ -112,9 +112,9 @@ def test_the_loader_wait_is_data_wait_and_the_rest_host(agent) -> None:
 def test_a_fast_loop_gets_phases_on_every_strideth_step_only(agent, monkeypatch) -> None:
     """With ``StepCollector.stride`` 3 the hooks record steps 0, 3, 6 only and the others get no
     phases (they are timed and counted all the same)."""
-    from hpar_agent.agent import Agent
+    from hpar_agent.agent_thread import AgentThread
 
-    monkeypatch.setattr(Agent, "_run", lambda self: None)  # only this test's tick: a pass would reset the stride
+    monkeypatch.setattr(AgentThread, "_run", lambda self: None)  # only this test's tick: a pass would reset the stride
     model = Slow(0.0, 0.0)
     a = agent(model)
     steps, anatomy = a.component("steps"), a.component("anatomy")
@@ -208,9 +208,9 @@ def test_hooks_traced_by_torch_compile_do_not_recompile_it_as_the_detail_toggles
     detail stride toggling ``detailed`` from step to step must not make it compile again."""
     from torch._dynamo.utils import counters
 
-    from hpar_agent.agent import Agent
+    from hpar_agent.agent_thread import AgentThread
 
-    monkeypatch.setattr(Agent, "_run", lambda self: None)  # no pass to reset the stride set below
+    monkeypatch.setattr(AgentThread, "_run", lambda self: None)  # no pass to reset the stride set below
     torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     a = agent(model)
@@ -360,9 +360,9 @@ def test_the_rank_straggler_names_is_the_slow_rank(tmp_path, monkeypatch) -> Non
     """slow-rank comes from the rank's own Straggler detector state (arrival lag at collectives)."""
     from prometheus_client import generate_latest
 
-    from hpar_agent.agent import Agent
+    from hpar_agent.agent_thread import AgentThread
 
-    monkeypatch.setattr(Agent, "_run", lambda self: None)  # only this test's tick: the thread's would re-judge
+    monkeypatch.setattr(AgentThread, "_run", lambda self: None)  # only this test's tick: the thread's would re-judge
     model = Slow(0.01, 0.01)
     a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path))
     try:
@@ -474,9 +474,9 @@ def test_a_peer_the_straggler_exchange_names_is_the_slow_rank(tmp_path, monkeypa
     slowest past the threshold on two consecutive judgements; the gauge carries its rank."""
     from prometheus_client import generate_latest
 
-    from hpar_agent.agent import Agent
+    from hpar_agent.agent_thread import AgentThread
 
-    monkeypatch.setattr(Agent, "_run", lambda self: None)
+    monkeypatch.setattr(AgentThread, "_run", lambda self: None)
     model = Slow(0.01, 0.01)
     a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path))
     try:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hpar_agent.agent import Agent
+from hpar_agent.agent_thread import AgentThread
 from hpar_agent.spans import realize
 from hpar_agent.torch_compat import flight_recorder as fr
 
@@ -73,7 +74,7 @@ def fake(monkeypatch, tmp_path, ring_at_attach):
     monkeypatch.setattr(fr, "available_recorders", lambda: ["nccl"])
     monkeypatch.setattr(fr, "dump", rec.dump)
     monkeypatch.setattr(fr, "process_groups", list)  # the fake's groups only (none a test before left)
-    monkeypatch.setattr(Agent, "_run", lambda self: None)  # only the test's own ticks: they count reads
+    monkeypatch.setattr(AgentThread, "_run", lambda self: None)  # only the test's own ticks: they count reads
     # every tick a new fr_interval slot: full reads whenever something moved
     agent = Agent(metrics_port=-1, traces="file", run_dir=str(tmp_path), trace_every=1, job_id="j", fr_interval=1e-6)
     agent.start()
@@ -323,7 +324,7 @@ def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):
     c.nccl.on = True
     agent.config.fr_interval = 3600.0
     exported: list[tuple[int, list[str]]] = []
-    agent.tracing = SimpleNamespace(
+    agent.outputs.tracing = SimpleNamespace(
         export_step=lambda r: exported.append((r.step, [realize(s).name for s in r.children])), shutdown=lambda t: None
     )
     rec.add(0, 1, "1", "mesh_dp", 1, dur=1.0)
@@ -342,7 +343,7 @@ def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):
 
 def test_no_spans_are_built_with_tracing_off(fake):
     rec, agent, _ = fake
-    agent.tracing = None
+    agent.outputs.tracing = None
     rec.add(0, 1, "1", "mesh_dp", 1, dur=1.0)
     agent.tick()
     assert agent.registry.get_sample_value(
@@ -429,7 +430,7 @@ def test_untimed_nccl_group_from_before_attach_is_said_once_and_later_groups_are
     monkeypatch.setattr(fr, "group_backend", lambda pg: "nccl")
     monkeypatch.setattr(fr, "group_name", lambda pg: names[id(pg)])
     monkeypatch.setattr(fr, "enable_timing", lambda pg: False)  # a torch without the switch
-    monkeypatch.setattr(Agent, "_run", lambda self: None)
+    monkeypatch.setattr(AgentThread, "_run", lambda self: None)
     agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path), job_id="j")
     with caplog.at_level("WARNING", logger="hpar_agent"):
         agent.start()

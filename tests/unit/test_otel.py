@@ -41,7 +41,7 @@ def _agent(tmp_path, rank: int = 0, stage: int = 0, **cfg) -> Agent:
         pp_rank=stage,
         pp_stage=stage,
     )
-    agent.run_dir = str(tmp_path)
+    agent.outputs.run_dir = str(tmp_path)
     return agent
 
 
@@ -370,7 +370,7 @@ def test_exemplars_carry_exported_trace_ids(tmp_path):
         metrics_port=-1, run_dir=str(tmp_path), traces="none", trace_every=2, job_id=JOB
     )
     try:
-        agent.tracing = Tracing(agent.context, exp, schedule_delay_millis=60_000)
+        agent.outputs.tracing = Tracing(agent.context, exp, schedule_delay_millis=60_000)
         model = torch.nn.Linear(2, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(6):

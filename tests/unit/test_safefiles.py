@@ -184,7 +184,7 @@ def test_unwritable_run_dir_leaves_the_rest_of_the_agent_working(tmp_path):
     blocker.write_text("not a dir")
     agent = _attach(blocker / "run", metrics_port=0, metrics_addr="127.0.0.1")
     assert agent.started and agent.metrics_url is not None
-    assert agent._thread is not None and agent._thread.is_alive()
+    assert agent.loop.thread is not None and agent.loop.thread.is_alive()
     agent.step()
     agent.tick()
     assert agent.registry.get_sample_value("hpar_agent_errors_total", {"rank": "0", "pp_stage": "0", "component": "agent"}) >= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from hpar_agent.agent import Agent
+from hpar_agent.agent_thread import AgentThread
 from hpar_agent.component import Component
 from hpar_agent.span_schedule import KEEP_BEHIND, SpanScheduler
 from hpar_agent.spans import SpanRecord, StepRecord
@@ -80,11 +81,11 @@ def test_watermark_is_the_earliest_source_that_is_up_and_a_failing_one_is_report
 
 
 def test_agent_holds_a_step_for_a_lagging_source_and_flushes_it_on_stop(tmp_path, monkeypatch):
-    monkeypatch.setattr(Agent, "_run", lambda self: None)  # only the test's own ticks
+    monkeypatch.setattr(AgentThread, "_run", lambda self: None)  # only the test's own ticks
     agent = Agent(metrics_port=-1, traces="file", run_dir=str(tmp_path), trace_every=1, job_id="j")
     agent.start()
     exported: list[tuple[int, list[str]]] = []
-    agent.tracing = SimpleNamespace(
+    agent.outputs.tracing = SimpleNamespace(
         export_step=lambda r: exported.append((r.step, [s.name for s in r.children])), shutdown=lambda t: None
     )
     lagging = _Source("lagging", 0)  # has delivered nothing yet
