@@ -23,10 +23,11 @@ class AgentThread:
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
-        self.stop_event = threading.Event()  # set from ``Agent.stop`` on: the final pass reads every source in full
+        self.stop_event = threading.Event()  # set from ``Agent.stop`` on
         self.lock = threading.Lock()  # held by a pass
         self.thread: threading.Thread | None = None
-        self.collect_seconds: dict[str, float] = {}  # component -> seconds its last poll took (waits left out)
+        #: component -> seconds its last poll took (its waits left out)
+        self.collect_seconds: dict[str, float] = {}
         self._final = False  # the pass running now is a final one (detach, flush)
         self._waited = 0.0  # seconds passes spent in ``wait`` (not work: left out of collect_seconds)
 

@@ -28,11 +28,12 @@ log = logging.getLogger("hpar_agent")
 class Outputs:
     """The run directory, the event log, the endpoint (``server``, ``metrics_url``) and ``tracing``."""
 
-    def __init__(self, config: AgentConfig, record_error: Callable[[str, BaseException], None],
-                 errors: Counter[str]) -> None:  # fmt: skip
+    def __init__(
+        self, config: AgentConfig, record_error: Callable[[str, BaseException], None], errors: Counter[str]
+    ) -> None:
         self.config = config
         self.record_error = record_error
-        self._errors = errors  # the agent's error counts: an endpoint refused for security is counted, logged apart
+        self._errors = errors  # the agent's error counts (a refused endpoint is counted and logged apart)
         self.run_dir = ""
         self.events = EventLog(None, 0)
         self.server: Any = None
@@ -59,10 +60,11 @@ class Outputs:
             return EventLog(None, rank)
         try:
             return EventLog(
-                os.path.join(self.run_dir, f"events.rank{rank}.jsonl"), rank,
+                os.path.join(self.run_dir, f"events.rank{rank}.jsonl"),
+                rank,
                 max_bytes=self.config.log_max_bytes,
                 on_error=lambda exc: self.record_error("events", exc),
-            )  # fmt: skip
+            )
         except OSError as exc:
             self.record_error("events", exc)
             return EventLog(None, rank)

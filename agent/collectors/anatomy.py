@@ -156,7 +156,8 @@ class AnatomyCollector(Component):
             busy = [(t0, t1) for phase, t0, t1 in spans if phase in BUSY_PHASES]
             if pipe is not None and piped:  # forward/backward spans are the pipeline's chunks
                 busy += pipe.intervals_by_step.pop(rec.step, [])
-            self.comm_pending.append((rec, busy, host_waits(events) if self.hooks.event is None else [], phases))
+            waits = host_waits(events) if self.hooks.event is None else []
+            self.comm_pending.append((rec, busy, waits, phases))
         finished += self._flush_comm()
         if finished and judge:
             self._unjudged = False

@@ -45,13 +45,15 @@ class RecorderState:
         last_probe, self.probe = self.probe, status
         unread = status != self.status
         moved = unread or self.p2p or self.pending > 0  # pg_status does not track p2p: counted as new
-        return (
-            "first" if self.read_ns is None
-            else "final" if stopping
-            else "slot" if moved and slot != self.slot
-            else "in flight" if unread and stuck(status, last_probe)
-            else None
-        )  # fmt: skip
+        if self.read_ns is None:
+            return "first"
+        if stopping:
+            return "final"
+        if moved and slot != self.slot:
+            return "slot"
+        if unread and stuck(status, last_probe):
+            return "in flight"
+        return None
 
     def mark_read(self, reason: str, status: dict[str, Any], slot: int, now_ns: int) -> None:
         self.reasons[reason] += 1
@@ -118,8 +120,9 @@ class OpStats:
         self.counts[(pg, op)] += 1
         self.bytes[(pg, op)] += nbytes
 
-    def observe(self, pg: str, op: str, stream: str, seq: int, start_ns: int, seconds: float,
-                exemplar: str | None) -> None:  # fmt: skip
+    def observe(
+        self, pg: str, op: str, stream: str, seq: int, start_ns: int, seconds: float, exemplar: str | None
+    ) -> None:
         """A timed op: its histogram (with the step's trace id as exemplar) and the recent timed ops."""
         key = (pg, op, stream)
         hist = self.hists.get(key)

@@ -62,7 +62,7 @@ class CollectiveCollector(Component):
         self.max_pgs = max_pgs
         self.max_pending = max_pending
         self.pg_timeout_s: float | None = None
-        self.recent_entries: deque[dict[str, Any]] = deque(maxlen=recent)  # kept FR entries, for the detectors
+        self.recent_entries: deque[dict[str, Any]] = deque(maxlen=recent)  # for the detectors
         self.stats = OpStats(recent)
         self.pgs: dict[str, PgState] = {}  # pg label -> its state
         self.recorders: list[str] = []
@@ -212,9 +212,12 @@ class CollectiveCollector(Component):
         hists = self.stats.hists
         out: dict[str, bool] = {}
         for pg, _op in self.stats.counts:
-            out[pg] = pg in timed_labels or (pg == PP_PG) or any(
-                h.count for (hpg, _o, _s), h in hists.items() if hpg == pg
-            ) or (env and pg not in untimed and self.pg(pg).backend == "nccl")
+            out[pg] = (
+                pg in timed_labels
+                or (pg == PP_PG)
+                or any(h.count for (hpg, _o, _s), h in hists.items() if hpg == pg)
+                or (env and pg not in untimed and self.pg(pg).backend == "nccl")
+            )
         return out
 
     def uninstall(self) -> None:

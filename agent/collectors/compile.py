@@ -103,12 +103,14 @@ class CompileNotes:
     cleared past ``MAX_NOTES``): the frame it compiles, its graph breaks, its recompile text, and its
     span, which the metrics complete."""
 
-    frames: dict[str, dict[str, Any]] = field(default_factory=dict)  # cid -> frame_id, code_hash, function, backend, step
+    #: cid -> frame_id, code_hash, function, backend, step
+    frames: dict[str, dict[str, Any]] = field(default_factory=dict)
     breaks: dict[str, list[tuple[str, str, int]]] = field(default_factory=dict)  # cid -> (key, frame, t_ns)
     recompile_text: dict[str, str] = field(default_factory=dict)  # cid -> the recompile artifact's text
     #: (cid, trigger) -> (span waiting for its metrics, the poll that ended it)
     ended: dict[tuple[str, str], tuple[SpanRecord, int]] = field(default_factory=dict)
-    backend_of: dict[str, str] = field(default_factory=dict)  # code hash / frame id -> backend of its last start
+    #: code hash / frame id -> backend of its last compile start
+    backend_of: dict[str, str] = field(default_factory=dict)
     polls: int = 0
 
 
@@ -155,7 +157,7 @@ class CompileCollector(Component):
         self._steps = self.capture.steps = ctx.find(StepCollector)
         import torch._dynamo  # noqa: F401 - dynamo's counters and loggers exist once it is imported
 
-        self.counters.deltas(dynamo.counters_snapshot())  # the baseline: what came before attach is not counted
+        self.counters.deltas(dynamo.counters_snapshot())  # the baseline: what came before is not counted
         self.capture.install()
         self.up = self.capture.callbacks
 
@@ -302,7 +304,8 @@ class CompileCollector(Component):
         fr = self.notes.frames.get(cid, {})
         chash = code_hash(m["co_filename"], m["co_firstlineno"], m["co_name"]) if m["co_name"] else fr.get("code_hash", "")
         # an attempt refused by the recompile limit fires no start callback: the frame's last backend
-        backend = fr.get("backend") or self.notes.backend_of.get(chash) or self.notes.backend_of.get(frame_id(cid)) or "unknown"
+        backend_of = self.notes.backend_of
+        backend = fr.get("backend") or backend_of.get(chash) or backend_of.get(frame_id(cid)) or "unknown"
         self.compiles[(outcome, trigger, backend)] += 1
         seconds = 0.0
         if forward:

@@ -196,15 +196,20 @@ class DynamoCapture:
         try:
             step = self.steps.count if self.steps is not None else 0
             trigger = dynamo.trigger_name(args)
-            frame = dynamo.compiling_frame() if trigger == "dynamo" else None  # a few frames: compiles take ms-s
-            info = (frame[0].co_filename, frame[0].co_firstlineno, frame[0].co_name, frame[1], frame[2]) if frame else None
+            info = None
+            frame = dynamo.compiling_frame() if trigger == "dynamo" else None  # a few frames read
+            if frame:
+                code, local_names, backend = frame
+                info = (code.co_filename, code.co_firstlineno, code.co_name, local_names, backend)
             self.buffer.put(CompileStarted(dynamo.compile_id_of(args), info, time.time_ns(), trigger, step))
         except Exception as exc:
             self.record_error(exc)
 
     def _on_end(self, args: Any) -> None:
         try:
-            self.buffer.put(CompileEnded(dynamo.compile_id_of(args), time.time_ns(), dynamo.trigger_name(args)))
+            self.buffer.put(
+                CompileEnded(dynamo.compile_id_of(args), time.time_ns(), dynamo.trigger_name(args))
+            )
         except Exception as exc:
             self.record_error(exc)
 

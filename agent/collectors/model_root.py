@@ -139,7 +139,8 @@ class Root:
         root = self.module
         if root is not None and not self.fired and self._taken_at == step:
             return None  # taken during this step: its forward runs from the next one
-        if root is not None and self.fired and (self.found_by == "attach(model)" or holds(root, param_ids(optimizer))):
+        given = self.found_by == "attach(model)"
+        if root is not None and self.fired and (given or holds(root, param_ids(optimizer))):
             self.checks = 0  # confirmed
             return None
         if root is not None:

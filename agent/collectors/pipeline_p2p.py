@@ -33,7 +33,11 @@ class P2PTracker:
         self._backends: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, backend)
 
     def process(
-        self, records: list[P2PRecord], stats: OpStats, fr_times_nccl: bool, finish: Callable[[Op, float], None]
+        self,
+        records: list[P2PRecord],
+        stats: OpStats,
+        fr_times_nccl: bool,
+        finish: Callable[[Op, float], None],
     ) -> None:
         """Issues are counted in ``stats`` (unless ``fr_times_nccl`` and the op runs on NCCL: the flight
         recorder counts it); a wait times the ops of its Works with ``finish``."""
