@@ -5,23 +5,42 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from hpar_agent import gil
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
+from hpar_agent.config import AgentConfig
+from hpar_agent.context import AgentContext
 from hpar_agent.gil import Yielder
+from hpar_agent.span_schedule import SpanScheduler
 from hpar_agent.spans import StepRecord
 
-if TYPE_CHECKING:
-    from hpar_agent.agent import Agent
+
+class PassHost(Protocol):
+    """What a pass reads of the agent (``Agent``)."""
+
+    config: AgentConfig
+    components: list[Component]
+    span_schedule: SpanScheduler
+
+    @property
+    def context(self) -> AgentContext: ...
+
+    @property
+    def tracing(self) -> Any: ...
+
+    def record_error(self, component: str, exc: BaseException) -> None: ...
+
+    def guard(self, component: str, fn: Callable[..., Any], *args: Any) -> Any: ...
 
 
 class AgentThread:
     """The thread ``hpar-agent``, its passes and their lock (a re-detection waits for the pass in
     progress), and the seconds each component's poll took."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: PassHost) -> None:
         self.agent = agent
         self.stop_event = threading.Event()  # set from ``Agent.stop`` on
         self.lock = threading.Lock()  # held by a pass
