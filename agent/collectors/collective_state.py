@@ -40,8 +40,8 @@ class RecorderState:
     reasons: Counter[str] = field(default_factory=Counter)  # full reads by what called for them
 
     def read_reason(self, status: dict[str, Any], slot: int, stopping: bool) -> str | None:
-        """Why ``status`` (a probe's, taken now) calls for a full read, or None (``CollectiveCollector._read``);
-        the probe becomes the last one."""
+        """Why ``status``, a probe's taken now, calls for a full read (``CollectiveCollector._read``), or
+        None; the probe becomes the last one."""
         last_probe, self.probe = self.probe, status
         unread = status != self.status
         moved = unread or self.p2p or self.pending > 0  # pg_status does not track p2p: counted as new

@@ -5,12 +5,12 @@ Training-thread side (only while dynamo compiles, ``compile_capture``): the comp
 callbacks, a handler on the logger that receives every ``CompilationMetrics`` and handlers on the
 graph-break/recompile artifact loggers. Each only appends a record to one BoundedBuffer. The agent
 thread turns those into counters, ``dynamo.compile`` spans, and JSONL events that keep the full text
-(reasons, user file:line stacks, guard failures) out of label values. Cache hit/miss counts come from diffing dynamo's process-global
-``counters`` once per poll, and so are graph breaks and graphs compiled: the metrics equal dynamo's own
-``counters["graph_break"]`` and ``counters["stats"]["unique_graphs"]`` since attach (the artifact text
-adds the user stack; a frame that traced no op is no graph). Every private torch name is reached
-through ``torch_compat.dynamo``; the log text (graph-break messages, guard failures) is parsed by
-``torch_compat.dynamo_log``.
+(reasons, user file:line stacks, guard failures) out of label values. Cache hit/miss counts come from
+diffing dynamo's process-global ``counters`` once per poll, and so are graph breaks and graphs
+compiled: the metrics equal dynamo's own ``counters["graph_break"]`` and
+``counters["stats"]["unique_graphs"]`` since attach (the artifact text adds the user stack; a frame
+that traced no op is no graph). Every private torch name is reached through ``torch_compat.dynamo``;
+the log text (graph-break messages, guard failures) is parsed by ``torch_compat.dynamo_log``.
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ def test_hang_default_timeout_is_not_a_checkpoint_pause(tmp_path: Any) -> None:
 
 
 def test_hang_on_collective_in_flight(tmp_path: Any) -> None:
-    coll = Fake("collectives", pgs={"dp": PgState(oldest_age=90.0), "tp": PgState(oldest_age=0.0)}, recent_entries=deque())
+    ages = {"dp": PgState(oldest_age=90.0), "tp": PgState(oldest_age=0.0)}
+    coll = Fake("collectives", pgs=ages, recent_entries=deque())
     agent, det = make_agent(tmp_path, comps=(steps(5), coll))
     agent.config.evidence = False
     agent.tick()
