@@ -123,8 +123,10 @@ class Window(threading.Thread):
                 return
 
     def time_passes(self, agent: Any) -> None:
-        """Each agent pass's wall time: ``tick`` wrapped on the instance (the thread calls ``self.tick``)."""
-        tick = agent.tick
+        """Each agent pass's wall time: the agent thread's ``tick`` wrapped on the instance (the thread
+        calls ``self.tick``)."""
+        loop = agent.loop
+        tick = loop.tick
 
         def timed_tick(*a: Any, **k: Any) -> Any:
             t0 = time.perf_counter()
@@ -133,7 +135,7 @@ class Window(threading.Thread):
             finally:
                 self.passes.append(time.perf_counter() - t0)
 
-        agent.tick = timed_tick
+        loop.tick = timed_tick
 
     def end(self) -> None:
         self._stop_evt.set()
