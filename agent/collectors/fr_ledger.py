@@ -44,7 +44,7 @@ PP_PG = "pp"
 
 
 class Op(NamedTuple):
-    """One collective or p2p op as it is timed (a tuple: many are kept, none tracked by the GC)."""
+    """One collective or p2p op as it is timed."""
 
     pg: str
     op: str
