@@ -87,7 +87,7 @@ def test_chunk_spans_carry_the_stream_handle_beside_its_name(tmp_path, monkeypat
             return "out"
 
     ag = Agent(None, metrics_port=-1, traces="none", run_dir=str(tmp_path))
-    ag.tracing = object()  # spans on (tracing_on), no exporter needed: add_span only queues
+    ag.outputs.tracing = object()  # spans on (tracing_on), no exporter needed: add_span only queues
     pipe = PipelineCollector()
     ag.add_component(pipe)
     stage = Stage()
