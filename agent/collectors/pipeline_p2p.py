@@ -36,25 +36,25 @@ class P2PTracker:
         self,
         records: list[P2PRecord],
         stats: OpStats,
-        fr_times_nccl: bool,
+        nccl_recorded: bool,
         finish: Callable[[Op, float], None],
     ) -> None:
-        """Issues are counted in ``stats`` (unless ``fr_times_nccl`` and the op runs on NCCL: the flight
-        recorder counts it); a wait times the ops of its Works with ``finish``."""
+        """Issues are counted in ``stats`` (an op on NCCL only without an NCCL flight recorder,
+        ``nccl_recorded``: the recorder counts it); a wait times the ops of its Works with ``finish``."""
         for i, rec in enumerate(records):
             if i % 128 == 127:
                 gil.pause_point()
             if rec[0] == "issue":
-                self._issue(rec, stats, fr_times_nccl)
+                self._issue(rec, stats, nccl_recorded)
             else:
                 self._wait(rec, finish)
 
-    def _issue(self, rec: IssueRecord, stats: OpStats, fr_times_nccl: bool) -> None:
+    def _issue(self, rec: IssueRecord, stats: OpStats, nccl_recorded: bool) -> None:
         _, t0, infos, work_ids, timed = rec
         ops = []
         for op, peer, nbytes, group in ops_of(infos):
             backend = self.backend(group)
-            if not (backend == "nccl" and fr_times_nccl):  # else the FR counts it
+            if not (backend == "nccl" and nccl_recorded):  # else the FR counts it
                 stats.count(PP_PG, op, nbytes)
                 ops.append(Op(PP_PG, op, -1, nbytes, nbytes, t0, comm_stream_label(PP_PG, backend), 1, peer))
         if not work_ids or not ops:
