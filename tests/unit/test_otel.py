@@ -484,3 +484,22 @@ def test_the_direct_otlp_json_encoder_spells_what_the_sdk_encoder_does(tmp_path)
     (line,) = (tmp_path / "t.jsonl").read_text().splitlines()
     names = [s.name for rs in parse_otlp_json_line(line).resource_spans for ss in rs.scope_spans for s in ss.spans]
     assert names == ["linked", spans[0].name, spans[1].name]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc/self/fd")
+def test_a_forked_child_lets_go_of_the_traces_file_without_writing_to_it(tmp_path) -> None:
+    """What the fork handler has tracing do in a child (``Tracing.forget_in_child``): the child's copy
+    of the traces file's descriptor points at /dev/null, so nothing the child holds reaches the parent's
+    file, and nothing is flushed."""
+    from hpar_agent.exporters.otel import OtlpJsonFileExporter
+
+    t = Tracing(_agent(tmp_path, traces="file").context)
+    inner = t._exporter.inner
+    assert isinstance(inner, OtlpJsonFileExporter)
+    inner.export([])  # opens the file
+    fd = inner._file._fh.fileno()
+    assert os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "traces.rank0.jsonl")
+    t.forget_in_child()
+    assert os.readlink(f"/proc/self/fd/{fd}") == os.devnull
+    t.shutdown(2.0)
+    assert (tmp_path / "traces.rank0.jsonl").read_text() == ""
