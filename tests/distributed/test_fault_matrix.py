@@ -213,7 +213,7 @@ def test_dtype_mismatch_attributed_to_the_bf16_rank(ddp: Run) -> None:
 def test_slow_collective_shows_as_the_late_rank(ddp: Run) -> None:
     fired = ddp.fired("Straggler")
     assert set(fired) == {1}, fired  # gloo has no collective durations: arrival skew names the late rank
-    assert ddp.summary(0)["components"]["detectors"]["Straggler"]["value"] < 0  # rank 0 only waited
+    assert ddp.summary(0)["components"]["detectors"]["Straggler"]["value"] <= 0.0  # rank 0 only waited
 
 
 # ------------------------------------------------------------------------------------------ clean
@@ -230,5 +230,7 @@ def test_clean_run_with_a_pause_and_a_late_rank_fires_nothing(clean: Run) -> Non
         for name, state in detectors.items():
             assert state["fired"] == 0 and not state["active"], (rank, name, state)
             assert set(state) >= {"value", "threshold", "params"}
-        # the cross-rank exchange really compared arrivals (a Straggler that never ran stays at 0.0)
-        assert detectors["Straggler"]["value"] != 0.0
+    # the cross-rank exchange really compared arrivals: a Straggler that never ran stays at 0.0 on every rank,
+    # one that ran nets each rank against the lower-median one of its group (that one reads exactly 0.0)
+    values = [clean.summary(rank)["components"]["detectors"]["Straggler"]["value"] for rank in range(clean.nproc)]
+    assert sum(v != 0.0 for v in values) >= clean.nproc // 2, values
