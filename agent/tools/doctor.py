@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from hpar_agent.torch_compat import flight_recorder as fr
@@ -236,6 +236,29 @@ def _pyspy() -> list[Check]:
     return [Check("py-spy", OK, f"{exe}; can dump this process", required=True)]
 
 
+def _settings(environ: Mapping[str, str] | None = None) -> list[Check]:
+    """The ``HPAR_*`` variables read through each setting's declaration, as attach reads them: a bad
+    value falls back to its default and an unknown name is ignored, each with one warning; here each
+    is named with what it should be."""
+    from hpar_agent.config import REMOVED, SETTINGS, unknown_names
+
+    env = os.environ if environ is None else environ
+    problems, used = [], []
+    for s in SETTINGS:
+        if s.env and s.env in env:
+            used.append(s.env)
+            try:
+                s.read(env[s.env])
+            except (ValueError, TypeError) as exc:
+                problems.append(f"{s.env}={env[s.env]!r}: {exc} (the default {s.default!r} is used)")
+    problems += [f"{name}: removed (ignored)" for name in REMOVED.values() if name in env]
+    problems += [f"{name}: no such setting (ignored)" for name in unknown_names(env)]
+    if problems:
+        fix = "fix or unset them (docs/configuration.md, HPAR_* variables)"
+        return [Check("HPAR_* settings", DEGRADED, "; ".join(problems), fix)]
+    return [Check("HPAR_* settings", OK, f"{', '.join(used)}: valid" if used else "none set: the defaults")]
+
+
 def _port(addr: str, port: int) -> list[Check]:
     with socket.socket() as s:
         try:
@@ -293,6 +316,7 @@ def run_checks() -> list[Check]:
         _nvml,
         _numa,
         _pyspy,
+        _settings,
         lambda: _port(cfg.metrics_addr, max(cfg.metrics_port, 0)),
         lambda: _endpoint_security(cfg),
         _otlp,
