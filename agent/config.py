@@ -26,7 +26,8 @@ from hpar_agent.thresholds import ANATOMY_DEFAULTS, COMPONENT_THRESHOLDS, DETECT
 
 log = logging.getLogger("hpar_agent")
 
-_TRUE = {"1", "true", "yes", "on"}
+#: What a boolean ``HPAR_*`` variable reads as true (lower-cased, stripped).
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE = {"0", "false", "no", "off", ""}
 TRACE_MODES = ("auto", "otlp", "file", "none")
 #: Sane bounds of the poll intervals: below 50 ms the agent thread competes with training for the GIL,
@@ -161,7 +162,7 @@ def _parse_env(name: str, raw: str, defaults: AgentConfig, field_name: str) -> A
     try:
         if "bool" in str(ftype):
             low = text.lower()
-            if low in _TRUE:
+            if low in TRUE_WORDS:
                 value: Any = True
             elif low in _FALSE:
                 value = False
