@@ -1,9 +1,9 @@
 """The autograd engine's ``queue_callback`` (verified on torch 2.11 CUDA and 2.13 CPU).
 
 ``torch.autograd.Variable._execution_engine.queue_callback(fn)``, called from inside a backward (a
-tensor hook), runs ``fn`` once that backward has finished, on the thread that ran it: the end of a
-backward without a synchronization, as DDP itself marks it. Private, with no public twin; where torch
-moves it, ``queue_callback`` raises at install and the component that needs it reports ``up=0``.
+tensor hook), runs ``fn`` once that backward has finished: its end without a synchronization, as DDP
+marks it. Private, with no public twin; where torch moves it, ``queue_callback`` raises at install and
+the component that needs it reports ``up=0``.
 """
 
 from __future__ import annotations

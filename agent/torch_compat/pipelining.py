@@ -2,7 +2,7 @@
 
 A schedule keeps them in private attributes: ``PipelineScheduleSingle._stage`` (GPipe, 1F1B) and
 ``PipelineScheduleMulti._stages`` (interleaved, looped BFS, zero-bubble). Where torch renames them the
-schedule reads as having no stages, and the agent times no chunk (the pipeline collector stays down).
+schedule reads as having no stages and no chunk is timed; ``watch_pipeline(stages=...)`` still works.
 """
 
 from __future__ import annotations
