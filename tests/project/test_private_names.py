@@ -184,6 +184,7 @@ def violations(sources: dict[str, str]) -> list[str]:
 
 
 def _package_sources() -> dict[str, str]:
+    """The package's modules (``agent/assets`` links to the dashboard and deploy generators, dev tools)."""
     files = sorted(p for d in DIRS for p in d.rglob("*.py") if "assets" not in p.relative_to(d).parts)
     return {p.relative_to(REPO).as_posix(): p.read_text() for p in files}
 
