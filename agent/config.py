@@ -33,7 +33,8 @@ from hpar_agent.thresholds import ANATOMY_DEFAULTS, COMPONENT_THRESHOLDS, DETECT
 
 log = logging.getLogger("hpar_agent")
 
-_TRUE = {"1", "true", "yes", "on"}
+#: What a boolean ``HPAR_*`` variable reads as true (lower-cased, stripped).
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE = {"0", "false", "no", "off", ""}
 _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$"
@@ -93,9 +94,9 @@ class Setting:
         text = raw.strip()
         value: Any = text
         if self.kind is bool:
-            if text.lower() not in _TRUE | _FALSE:
+            if text.lower() not in TRUE_WORDS | _FALSE:
                 raise ValueError("expected 1/0/true/false")
-            value = text.lower() in _TRUE
+            value = text.lower() in TRUE_WORDS
         elif self.kind is int:
             value = None if text == "" and self.optional else int(text)
         elif self.kind is float:

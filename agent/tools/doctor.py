@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from hpar_agent.torch_compat import flight_recorder as fr
+from hpar_agent.torch_compat import probe
 
 OK, DEGRADED, MISSING = "ok", "degraded", "missing"
 
@@ -105,20 +106,12 @@ def _torch() -> list[Check]:
             True,
         )
     ]
-    hooks = {
-        "optimizer step hook": "torch.optim.optimizer.register_optimizer_step_post_hook",
-        "dynamo callbacks": "torch._dynamo.callback_handler.register_start_callback",
-        "dynamo compilation metrics": "torch._dynamo.utils.get_compilation_metrics",
-        "flight recorder (gloo)": "torch._C._distributed_c10d._dump_fr_trace",
-        "flight recorder (nccl)": "torch._C._distributed_c10d._dump_nccl_trace",
-        "pipelining": "torch.distributed.pipelining.PipelineStage",
-    }
     cuda = torch.cuda.is_available()
-    for label, path in hooks.items():
+    for label, path in probe.HOOKS.items():
         if "nccl" in label and not cuda:
             out.append(Check(label, OK, "not applicable: no CUDA on this machine"))
             continue
-        ok = _resolve(path)
+        ok = probe.resolves(path)
         fix = "" if ok else "telemetry from this hook is unavailable on this torch build"
         out.append(Check(label, OK if ok else DEGRADED, path, fix))
     size = fr.ring_entries()
@@ -136,9 +129,7 @@ def _torch() -> list[Check]:
 
     env_on = fr.nccl_timing()
     agent_on = AgentConfig.load().nccl_timing
-    api = hasattr(torch.distributed, "ProcessGroup") and hasattr(
-        torch.distributed.ProcessGroup, "_enable_collectives_timing"
-    )
+    api = fr.can_enable_timing()
     if env_on:
         state, detail, fix = OK, "TORCH_NCCL_ENABLE_TIMING=1: every NCCL group is timed", ""
     elif agent_on and api:
@@ -151,24 +142,6 @@ def _torch() -> list[Check]:
         fix = "unset HPAR_NCCL_TIMING or set TORCH_NCCL_ENABLE_TIMING=1 before init_process_group"
     out.append(Check("NCCL collective timing", state, detail, fix))
     return out
-
-
-def _resolve(path: str) -> bool:
-    import importlib
-
-    parts = path.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        try:
-            for attr in parts[i:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            return False
-        return True
-    return False
 
 
 def _nvml() -> list[Check]:
