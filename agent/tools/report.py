@@ -179,6 +179,15 @@ def alerts_table(run: Run, out_dir: Path) -> str:
     return _table(headers, rows, "alerts")
 
 
+def culprits_list(run: Run) -> str:
+    """Who caused what went wrong (``tools.culprits``): the culprits the cross-rank alerts named, and the
+    first rank to end abnormally (its state file); "" when nothing did."""
+    from hpar_agent.tools.culprits import ending_lines, endings
+
+    lines = ending_lines(endings(run.run_dir), run.events)
+    return "<ul class=\"culprits\">" + "".join(f"<li>{esc(line.strip())}</li>" for line in lines) + "</ul>" if lines else ""
+
+
 def oom_table(run: Run, out_dir: Path) -> str:
     """Each ``oom`` event (``collectors.oom``): where the memory ran out, what was asked and free, what
     held it, and links to the allocator snapshot, the py-spy dump and the record."""
@@ -333,6 +342,9 @@ def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
         sections.append(extra)
 
     anatomy = anatomy_table(run)
+    culprits = culprits_list(run)
+    if culprits:
+        sections += ["<h2>Culprits</h2>", culprits]
     if anatomy:
         sections += ["<h2>Where the step time goes</h2>", anatomy]
     if compare is not None:

@@ -307,6 +307,29 @@ def test_empty_run_dir_still_renders(tmp_path: Path) -> None:
     assert "no train.step spans" in page and "no alerts fired" in page
 
 
+def test_the_page_names_the_culprits(tmp_path: Path) -> None:
+    """A hang's culprit from the ranks' events, and the first rank to end from a state file of a rank that
+    died without exiting (a state file as a SIGKILL leaves it)."""
+    import struct
+
+    from hpar_agent import rankstate
+
+    for rank in (0, 1):
+        log = EventLog(str(tmp_path / f"events.rank{rank}.jsonl"), rank)
+        log.emit("alert", alert="Hang", state="firing", step=40, value=20.0, threshold=16.0, evidence=[],
+                 details={"culprits": [2], "victims": [0, 1], "kind": "missing",
+                          "waits": [{"pg": "default_pg", "seq": 46, "op": "all_reduce", "waiting": [0, 1], "missing": [2]}]})  # fmt: skip
+        log.close()
+    data = bytearray(rankstate.SIZE)
+    struct.pack_into("<4siiiqqqiiq", data, 0, rankstate.MAGIC, 999_999, 2, 3, 1, 40, 0, 0, 0, 0)
+    data[struct.calcsize("<4siiiqqqiiq"):][:7] = b"no-such"  # another host: its process cannot be read here
+    (tmp_path / "state.rank2").write_bytes(bytes(data))
+    page = report.build_report(tmp_path).read_text()
+    assert "<h2>Culprits</h2>" in page
+    assert "culprit: rank 2 (Hang: not in default_pg all_reduce #46, which ranks 0, 1 wait in" in html.unescape(page)
+    assert "first to end abnormally: rank 2, no end recorded (on another host: killed, or still running)" in html.unescape(page)
+
+
 def test_cli_and_demo_hook(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "cli.html"
     assert cli_main(["report", str(run_dir), "-o", str(target)]) == 0
