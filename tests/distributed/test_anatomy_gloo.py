@@ -40,7 +40,7 @@ def anatomy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, extra in RUNS.items():  # one after the other: one multi-rank run at a time
         run = base / name
         env = {"HPAR_RUN_DIR": str(run), "HPAR_JOB_ID": name, "HPAR_METRICS_PORT": "-1",
-               "HPAR_TRACES": "file" if name == "slow-data" else "none", "HPAR_TRACE_EVERY": "1",
+               "HPAR_TRACES": "file", "HPAR_TRACE_EVERY": "1",  # compare --phase judges the traced steps
                "HPAR_DETAIL_RATE": "0"}  # every step's phases, however fast the machine
         res = run_torchrun(2, [*BASE, *extra, "--out", str(run / "trainer.json")], env=env, timeout=300)
         assert res.returncode == 0, (name, res.stderr[-3000:])
@@ -91,13 +91,14 @@ def test_compare_flags_the_straggler_and_passes_two_clean_runs(
 ) -> None:
     clean, clean2, straggler = (str(anatomy_runs[k]) for k in ("clean", "clean2", "straggler"))
     # 2 shared CPU cores: two clean runs back to back differed by up to +73% (0.18-0.6 s steps as the
-    # machine's load changed); the straggler adds 2 s to every step of both ranks
+    # machine's load changed); the straggler adds 2 s to every step of both ranks. 12 steps leave 10
+    # after warm-up: the fewest the gate judges.
     assert cli_main(["compare", clean, clean2, "--max-regression", "150%"]) == 0, capsys.readouterr().out
     capsys.readouterr()
     assert cli_main(["compare", clean, straggler, "--max-regression", "150%", "--phase", "forward"]) == 1
     out = capsys.readouterr().out
-    assert "REGRESSION: step time p50 (slowest rank)" in out
-    assert "REGRESSION: forward p50 (slowest rank)" in out
+    assert "REGRESSION: step time regressed by" in out, out
+    assert "REGRESSION: forward regressed by" in out, out
 
 
 def test_pipeline_phases_come_from_its_chunks(anatomy_runs: dict[str, Path]) -> None:
