@@ -123,7 +123,7 @@ def load(run_dir: Path) -> Digest:
         d.blockers.append("no readable summary.rank<R>.json")
         return d
     if unreadable:
-        d.blockers.append(f"the summaries of rank(s) {_ranks(unreadable)} are unreadable (named below): "
+        d.blockers.append(f"the summaries of rank(s) {_ranks(unreadable)} are unreadable (see above): "
                           "the slowest rank may be among them")
     world = max(int((s.get("topology") or {}).get("world_size") or 0) for s in d.summaries.values())
     missing = [r for r in range(world) if r not in d.summaries and r not in unreadable]
@@ -177,15 +177,15 @@ def figures(summaries: dict[int, dict[str, Any]], events: list[dict[str, Any]],
 
 # ------------------------------------------------------------------------------- per-step series
 def summary_steps(summaries: dict[int, dict[str, Any]]) -> dict[int, dict[int, float]] | None:
-    """Per rank, {step: seconds} of the step times its summary carries; None when one lacks them."""
+    """Per rank, {step: seconds} of the step times its summary carries (a rank without them is left
+    out); None when no summary carries any (an older agent wrote them)."""
     out = {}
     for rank, s in summaries.items():
         st = _comps(s).get("steps") or {}
         values, first = st.get("recent_step_seconds"), st.get("recent_first_step")
-        if values is None or first is None:
-            return None
-        out[rank] = {first + i: v for i, v in enumerate(values) if first + i >= WARMUP_STEPS and v > 0}
-    return out
+        if values is not None and first is not None:
+            out[rank] = {first + i: v for i, v in enumerate(values) if first + i >= WARMUP_STEPS and v > 0}
+    return out or None
 
 
 def traced_steps(spans: list[Span], name: str) -> dict[int, dict[int, float]]:
@@ -224,7 +224,7 @@ def series(d: Digest, key: str) -> tuple[np.ndarray, str, str]:
         per_rank = summary_steps(d.summaries)
         if per_rank is not None:
             x, why = job_series(per_rank, ranks)
-            return x, "the summaries' step times", why
+            return x, "the summaries' step times", why and f"{why} (the summaries' step times)"
         name, where = cat.SPAN_STEP, "sampled train.step spans (the summaries carry no step times)"
     else:
         name, where = cat.SPAN_STEP_PHASES[key], f"sampled {cat.SPAN_STEP_PHASES[key]} spans"
@@ -337,8 +337,8 @@ class Result:
 
 def compare(run_a: Path, run_b: Path, checked: tuple[str, ...] = ("step",), limit: float = 0.05) -> Result:
     a, b = load(run_a), load(run_b)
-    if a.blockers or b.blockers:
-        return Result(a, b, rows(a.figures, b.figures, []) if a.figures and b.figures else [], [], limit)
+    if a.blockers or b.blockers:  # no table either: a run's figures without some ranks would mislead
+        return Result(a, b, [], [], limit)
     labels = {"step": "step time", **{p: p for p in STEP_PHASES}}
     judged = [judge(a, b, key, labels[key]) for key in checked]
     return Result(a, b, rows(a.figures, b.figures, judged), judged, limit)
@@ -348,7 +348,8 @@ def render_text(res: Result) -> str:
     lines = []
     for name, d in (("A (baseline)", res.a), ("B", res.b)):
         f = d.figures
-        lines.append(f"{name}: {d.run_dir} ({f.get('ranks', 0)} ranks, {f.get('steps') or 0:.0f} steps)")
+        n = len(d.summaries)
+        lines.append(f"{name}: {d.run_dir} ({n} rank{'' if n == 1 else 's'} read, {f.get('steps') or 0:.0f} steps)")
     if res.table:
         cells = [["", "A", "B", "change"]] + [
             [r.label + (" *" if r.key in [j.key for j in res.judged] else ""), fmt(r.a, r.unit), fmt(r.b, r.unit),
@@ -357,7 +358,7 @@ def render_text(res: Result) -> str:
         widths = [max(len(c[i]) for c in cells) for i in range(4)]
         lines += [""] + ["  ".join(c[i].ljust(widths[i]) if i == 0 else c[i].rjust(widths[i]) for i in range(4))
                          for c in cells]
-    if res.a.figures and res.b.figures:
+    if res.table:
         lines += ["", *verdict_lines(res.a.figures, res.b.figures)]
     notes = [f"{n} {p}" for n, d in (("A:", res.a), ("B:", res.b)) for p in d.problems]
     if notes:
@@ -383,7 +384,7 @@ def html_table(baseline: Path, this_run: Path, limit: float = 0.05) -> str:
     head = (f"<th></th><th>baseline: {html.escape(baseline.name)}</th><th>this run: {html.escape(this_run.name)}</th>"
             "<th>change from the baseline</th>")
     said = [sentence(j, limit) for j in res.judged]
-    if res.a.figures and res.b.figures:
+    if res.table:
         said += verdict_lines(res.a.figures, res.b.figures, ("the baseline", "this run"))
     said += [f"unknown: {n}: {w}" for n, d in (("baseline", res.a), ("this run", res.b)) for w in d.blockers]
     said += [f"{n}: {p}" for n, d in (("baseline", res.a), ("this run", res.b)) for p in d.problems]

@@ -143,8 +143,9 @@ def read_json(path: Path, limit: int = JSON_LIMIT, budget: Budget | None = None)
     try:
         return loads(text)
     except json.JSONDecodeError as exc:
-        cut = " (cut short?)" if exc.pos >= len(text.rstrip()) else ""
-        raise Unreadable(f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}{cut}") from None
+        short = exc.pos >= len(text.rstrip()) - 1 or exc.msg.startswith("Unterminated")
+        cut = "; the file ends early (cut short?)" if short else ""
+        raise Unreadable(f"not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}){cut}") from None
     except ValueError as exc:
         raise Unreadable(f"not valid JSON: {exc}") from None
 

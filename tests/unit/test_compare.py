@@ -247,7 +247,9 @@ def test_an_odd_field_is_dropped_and_named_the_rest_is_used(tmp_path: Path, caps
     doc["components"]["steps"]["recent_step_seconds"] = ["x"] * STEPS
     _summary_path(b).write_text(json.dumps(doc))
     assert cli_main(["compare", str(a), str(b)]) == 2  # rank 1's step times were the odd field
-    assert "components.steps.recent_step_seconds[" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "components.steps.recent_step_seconds[" in out
+    assert "UNKNOWN: step time: run B: none from rank(s) 1 (the summaries' step times)" in out
 
 
 # ------------------------------------------------------------------------ verdicts and the page

@@ -60,7 +60,9 @@ def test_special_files_are_skipped_without_opening_them_for_long(tmp_path: Path)
         ('{"a": 1e999}', "holds 1e999, too large for a float"),
         ('{"a": 1' + "0" * 400 + "}", "an integer past 64 bits"),
         ("[" * 100_000, "nested too deeply"),
-        ('{"a": 1', "not JSON: Expecting ',' delimiter at line 1 column 8 (cut short?)"),
+        ('{"a": 1', "not JSON: Expecting ',' delimiter (line 1, column 8); the file ends early (cut short?)"),
+        ('{"a": "bc', "not JSON: Unterminated string starting at (line 1, column 7); the file ends early"),
+        ('{"a": 1,, "b": 2}', "not JSON: Expecting property name enclosed in double quotes (line 1, column 9)"),
         ("", "empty"),
     ],
 )
