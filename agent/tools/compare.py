@@ -39,6 +39,7 @@ from hpar_agent.tools.run_files import (
     read_spans,
     read_summaries,
 )
+from hpar_agent.tools.safe_read import Budget
 from hpar_agent.tools.stats import LEVEL, MIN_STEPS, Change, compare_medians
 from hpar_agent.tools.summary_schema import TRAINER
 
@@ -96,12 +97,13 @@ class Digest:
     problems: list[str] = field(default_factory=list)  # named, shown; the run can still be judged
     blockers: list[str] = field(default_factory=list)  # why the run cannot be judged at all
     figures: dict[str, Any] = field(default_factory=dict)
+    budget: Budget = field(default_factory=Budget)  # what may still be read of this run
     _spans: list[Span] | None = None
 
     def spans(self) -> list[Span]:
         """The traces' spans, read on first use (they can be large and most comparisons need none)."""
         if self._spans is None:
-            self._spans = read_spans(self.run_dir, self.problems)
+            self._spans = read_spans(self.run_dir, self.problems, self.budget)
         return self._spans
 
 
@@ -117,7 +119,7 @@ def _comps(s: dict[str, Any]) -> dict[str, Any]:
 def load(run_dir: Path) -> Digest:
     """Read a run's summaries, events and ``trainer.json``; name what cannot be read."""
     d = Digest(run_dir, {})
-    d.summaries = read_summaries(run_dir, d.problems)
+    d.summaries = read_summaries(run_dir, d.problems, d.budget)
     unreadable = sorted({r for r, _ in rank_files(run_dir, "summary", "json")} - set(d.summaries))
     if not d.summaries:
         d.blockers.append("no readable summary.rank<R>.json")
@@ -129,7 +131,7 @@ def load(run_dir: Path) -> Digest:
     missing = [r for r in range(world) if r not in d.summaries and r not in unreadable]
     if missing:
         d.blockers.append(f"rank(s) {_ranks(missing)} of {world} wrote no summary: the slowest rank may be among them")
-    d.figures = figures(d.summaries, read_events(run_dir, d.problems), _trainer(run_dir, d.problems))
+    d.figures = figures(d.summaries, read_events(run_dir, d.problems, d.budget), _trainer(run_dir, d))
     return d
 
 
@@ -137,9 +139,9 @@ def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:16])) + (" ..." if len(ranks) > 16 else "")
 
 
-def _trainer(run_dir: Path, problems: list[str]) -> dict[str, Any]:
+def _trainer(run_dir: Path, d: Digest) -> dict[str, Any]:
     path = run_dir / "trainer.json"
-    return (read_doc(path, TRAINER, problems) or {}) if path.exists() or path.is_symlink() else {}
+    return (read_doc(path, TRAINER, d.problems, d.budget) or {}) if path.exists() or path.is_symlink() else {}
 
 
 def figures(summaries: dict[int, dict[str, Any]], events: list[dict[str, Any]],
