@@ -18,6 +18,8 @@ Exit status (``EXIT_CODES``): 0 nothing judged regressed, 1 a regression, 2 bad 
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import sys
 import traceback
 from collections import defaultdict
@@ -191,16 +193,19 @@ def summary_steps(summaries: dict[int, dict[str, Any]]) -> dict[int, dict[int, f
 
 
 def traced_steps(spans: list[Span], name: str) -> dict[int, dict[int, float]]:
-    """Per rank, {step: seconds} of the spans called ``name`` in the steps the traces kept by their
-    cadence (``hpar.trace.reason`` = sampled): the slow and anomalous steps they also keep would
-    bias a median."""
-    sampled = {(s.rank, s.attrs.get(cat.ATTR_STEP)) for s in spans
-               if s.name == cat.SPAN_STEP and s.attrs.get(cat.ATTR_TRACE_REASON) == "sampled"}  # fmt: skip
+    """Per rank, {step: seconds} of the spans called ``name`` in the steps of the traces' cadence
+    (``HPAR_TRACE_EVERY``, read off the steps kept as ``sampled``, whatever their own reason says):
+    the slow and anomalous steps kept besides would bias a median, and so would dropping a step of
+    the cadence that was kept as slow."""
+    steps = [(s.rank, s.attrs.get(cat.ATTR_STEP), s.attrs.get(cat.ATTR_TRACE_REASON))
+             for s in spans if s.name == cat.SPAN_STEP]  # fmt: skip
+    every = functools.reduce(math.gcd, (st for _, st, why in steps if why == "sampled" and isinstance(st, int)), 0)
+    keep = {(r, st) for r, st, why in steps if isinstance(st, int) and (st % every == 0 if every else why == "sampled")}
     out: dict[int, dict[int, float]] = defaultdict(dict)
     for s in spans:
         step = s.attrs.get(cat.ATTR_STEP)
         if s.name == name and s.rank is not None and isinstance(step, int) and step >= WARMUP_STEPS \
-                and (s.rank, step) in sampled and s.end_ns > s.start_ns:  # fmt: skip
+                and (s.rank, step) in keep and s.end_ns > s.start_ns:  # fmt: skip
             out[s.rank][step] = out[s.rank].get(step, 0.0) + s.seconds
     return dict(out)
 

@@ -282,3 +282,15 @@ def test_report_labels_the_baseline_and_shows_the_judgement(tmp_path: Path) -> N
     assert "REGRESSION: step time regressed by +30." in page
     assert "BOTTLENECK CHANGED: rank 1: input-bound in the baseline, compute-bound in this run" in page
     assert "Compared with" not in build_report(base).read_text()
+
+
+def test_the_traces_cadence_counts_its_slow_steps_and_leaves_the_others_out() -> None:
+    """Every 10th step is kept by cadence; step 30 was slow (kept as "slow", still the cadence's) and
+    step 35 was slow only (kept besides): the median must see 30 and not 35."""
+    from hpar_agent.tools.run_files import Span
+
+    def step(n: int, secs: float, why: str) -> Span:
+        return Span(cat.SPAN_STEP, 0, 0, int(secs * 1e9), {cat.ATTR_STEP: n, cat.ATTR_TRACE_REASON: why})
+
+    spans = [step(n, 0.1, "sampled") for n in (0, 10, 20, 40)] + [step(30, 0.5, "slow"), step(35, 0.9, "slow")]
+    assert compare_mod.traced_steps(spans, cat.SPAN_STEP) == {0: {10: 0.1, 20: 0.1, 30: 0.5, 40: 0.1}}

@@ -1,0 +1,151 @@
+"""How often ``hpar-agent compare`` is right on real runs: false alarms between identical runs, and
+misses of a planted slowdown.
+
+Each of ``--pairs`` rounds runs three jobs of one program, a 2-rank gloo DDP training loop of
+``tiny_gpt.py``'s model under ``hpar-agent run``: A and A2 (identical) and B, which sleeps
+``--slowdown`` of each step's own time after the step, so every step is that much slower whatever the
+machine's load. The order of the three rotates from round to round, so a drift of the machine falls on
+every arm alike. Each round compares A with A2 (a regression there is a false alarm) and A with B (no
+regression there is a miss), with the gate's defaults unless ``--max-regression`` says otherwise.
+
+    python -m benchmarks.compare_gate --pairs 20 --steps 100 --json gate.json
+
+The worker (``python -m benchmarks.compare_gate worker``) is what torchrun starts on each rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ARMS = ("A", "A2", "B")
+
+
+def worker(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from benchmarks.tiny_gpt import PRESETS, TinyGPT
+
+    p = PRESETS["cpu"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    vocab, seq = int(p["vocab"]), int(p["seq_len"])
+    model = DDP(TinyGPT(vocab, seq, int(p["dim"]), int(p["heads"]), int(p["layers"])))
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4)
+    data = torch.randint(0, vocab, (16, int(p["batch"]), seq + 1))
+    for it in range(a.steps):
+        t0 = time.perf_counter()
+        batch = data[it % len(data)]
+        loss = F.cross_entropy(model(batch[:, :-1]).view(-1, vocab), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if a.slowdown:
+            time.sleep(a.slowdown * (time.perf_counter() - t0))
+    dist.destroy_process_group()
+
+
+def _run(run_dir: Path, steps: int, slowdown: float) -> None:
+    cmd = [sys.executable, "-m", "hpar_agent", "run", "--run-dir", str(run_dir), "--",
+           sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "benchmarks.compare_gate",
+           "worker", "--steps", str(steps), "--slowdown", str(slowdown)]  # fmt: skip
+    env = {**os.environ, "HPAR_METRICS_PORT": "-1", "PYTHONPATH": os.getcwd()}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    if res.returncode:
+        sys.exit(f"{run_dir.name} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+
+
+def _idle_share(seconds: float = 1.0) -> float:
+    """The share of the machine's CPU time that was idle over ``seconds`` (``/proc/stat``)."""
+
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, total
+
+    idle0, total0 = read()
+    time.sleep(seconds)
+    idle1, total1 = read()
+    return (idle1 - idle0) / max(1, total1 - total0)
+
+
+def _wait_idle(limit_s: float, share: float = 0.8) -> float:
+    """Wait (at most ``limit_s``) for a second in which ``share`` of the CPUs sat idle: on a shared
+    machine another job's burst would otherwise land on one arm. Returns the last idle share seen."""
+    deadline = time.time() + limit_s
+    idle = _idle_share()
+    while idle < share and time.time() < deadline:
+        time.sleep(2.0)
+        idle = _idle_share()
+    return idle
+
+
+def _describe(changes: list[float]) -> str:
+    s = sorted(changes)
+    return f"median {s[len(s) // 2]:+.1%}, min {s[0]:+.1%}, max {s[-1]:+.1%}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--slowdown", type=float, default=0.10, help="B's planted slowdown (0.10: every step 10%% slower)")
+    ap.add_argument("--max-regression", default="5%", help="the gate's limit (default 5%%)")
+    ap.add_argument("--idle-wait", type=float, default=0.0, metavar="S",
+                    help="before each run wait up to S seconds for the CPUs to sit 80%% idle (a shared machine)")
+    ap.add_argument("--out-dir", default=None, help="keep the run directories here (default: a temporary one)")
+    ap.add_argument("--json", default=None, help="write every comparison and the counts here")
+    a = ap.parse_args(argv)
+    from benchmarks.common import finish, results
+    from hpar_agent.tools.compare import compare, parse_threshold
+
+    limit = parse_threshold(a.max_regression)
+    r = results("compare_gate", "cpu", argv, pairs=a.pairs, steps=a.steps, slowdown=a.slowdown, limit=limit)
+    base = Path(a.out_dir or tempfile.mkdtemp(prefix="compare-gate-"))
+    rows: list[dict[str, Any]] = []
+    for i in range(a.pairs):
+        dirs = {arm: base / f"{i:02d}-{arm}" for arm in ARMS}
+        idle = {}
+        for arm in ARMS[i % 3:] + ARMS[: i % 3]:
+            idle[arm] = _wait_idle(a.idle_wait) if a.idle_wait else _idle_share()
+            _run(dirs[arm], a.steps, a.slowdown if arm == "B" else 0.0)
+        for kind, other in (("identical", "A2"), ("slower", "B")):
+            res = compare(dirs["A"], dirs[other], ("step",), limit)
+            j = res.judged[0] if res.judged else None
+            c = j.change if j is not None else None
+            row = {"round": i, "kind": kind, "status": res.status, "verdict": j.verdict(limit) if j else "unknown",
+                   "change": c.ratio - 1 if c else None, "low": c.low - 1 if c else None,
+                   "high": c.high - 1 if c else None, "idle_at_start": [idle["A"], idle[other]]}
+            rows.append(row)
+            print(f"round {i:2d} {kind:9s} exit {row['status']} {row['verdict']:9s} "
+                  + (f"{c.ratio - 1:+.1%} ({c.low - 1:+.1%} .. {c.high - 1:+.1%})" if c else "")
+                  + f"  idle at start {idle['A']:.0%} / {idle[other]:.0%}", flush=True)
+    r["rows"] = rows
+    print()
+    for kind, want in (("identical", 0), ("slower", 1)):
+        mine = [x for x in rows if x["kind"] == kind]
+        right = sum(x["status"] == want for x in mine)
+        r[f"{kind}_right"] = right
+        print(f"{kind}: exit {want} in {right} of {len(mine)}; change {_describe([x['change'] for x in mine if x['change'] is not None])}")
+    finish(r, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        wp = argparse.ArgumentParser()
+        wp.add_argument("--steps", type=int, default=100)
+        wp.add_argument("--slowdown", type=float, default=0.0)
+        worker(wp.parse_args(sys.argv[2:]))
+    else:
+        raise SystemExit(main())
