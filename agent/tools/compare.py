@@ -355,8 +355,9 @@ def render_text(res: Result) -> str:
     lines = []
     for name, d in (("A (baseline)", res.a), ("B", res.b)):
         f = d.figures
-        n = len(d.summaries)
-        lines.append(f"{name}: {d.run_dir} ({n} rank{'' if n == 1 else 's'} read, {f.get('steps') or 0:.0f} steps)")
+        ranks = len(d.summaries)
+        lines.append(f"{name}: {d.run_dir} ({ranks} rank{'' if ranks == 1 else 's'} read, "
+                     f"{f.get('steps') or 0:.0f} steps)")
     if res.table:
         cells = [["", "A", "B", "change"]] + [
             [r.label + (" *" if r.key in [j.key for j in res.judged] else ""), fmt(r.a, r.unit), fmt(r.b, r.unit),
@@ -371,8 +372,8 @@ def render_text(res: Result) -> str:
     if notes:
         lines += ["", "unreadable input (named, left out):", *(f"  {n}" for n in notes)]
     lines.append("")
-    for n, d in (("A", res.a), ("B", res.b)):
-        lines += [f"UNKNOWN: run {n} ({d.run_dir}): {why}" for why in d.blockers]
+    for which, d in (("A", res.a), ("B", res.b)):
+        lines += [f"UNKNOWN: run {which} ({d.run_dir}): {why}" for why in d.blockers]
     lines += [sentence(j, res.limit) for j in res.judged]
     lines.append(f"exit {res.status}: {EXIT_CODES[res.status].split(' (')[0]}")
     return "\n".join(lines)
