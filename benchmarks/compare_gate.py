@@ -50,15 +50,17 @@ def worker(a: argparse.Namespace) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if a.device_ms:
+            time.sleep(a.device_ms / 1e3)  # the accelerator's time, which a GPU job's host waits out
         if a.slowdown:
             time.sleep(a.slowdown * (time.perf_counter() - t0))
     dist.destroy_process_group()
 
 
-def _run(run_dir: Path, steps: int, slowdown: float) -> None:
+def _run(run_dir: Path, steps: int, slowdown: float, device_ms: float) -> None:
     cmd = [sys.executable, "-m", "hpar_agent", "run", "--run-dir", str(run_dir), "--",
            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "benchmarks.compare_gate",
-           "worker", "--steps", str(steps), "--slowdown", str(slowdown)]  # fmt: skip
+           "worker", "--steps", str(steps), "--slowdown", str(slowdown), "--device-ms", str(device_ms)]  # fmt: skip
     env = {**os.environ, "HPAR_METRICS_PORT": "-1", "PYTHONPATH": os.getcwd()}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     if res.returncode:
@@ -90,8 +92,14 @@ def _wait_idle(limit_s: float, share: float = 0.8) -> float:
     return idle
 
 
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
 def _describe(changes: list[float]) -> str:
     s = sorted(changes)
+    if not s:
+        return "-"
     return f"median {s[len(s) // 2]:+.1%}, min {s[0]:+.1%}, max {s[-1]:+.1%}"
 
 
@@ -101,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--slowdown", type=float, default=0.10, help="B's planted slowdown (0.10: every step 10%% slower)")
     ap.add_argument("--max-regression", default="5%", help="the gate's limit (default 5%%)")
+    ap.add_argument("--device-ms", type=float, default=0.0, metavar="MS",
+                    help="a sleep per step standing for accelerator time (a GPU job's host mostly waits)")
     ap.add_argument("--idle-wait", type=float, default=0.0, metavar="S",
                     help="before each run wait up to S seconds for the CPUs to sit 80%% idle (a shared machine)")
     ap.add_argument("--out-dir", default=None, help="keep the run directories here (default: a temporary one)")
@@ -118,25 +128,27 @@ def main(argv: list[str] | None = None) -> int:
         idle = {}
         for arm in ARMS[i % 3:] + ARMS[: i % 3]:
             idle[arm] = _wait_idle(a.idle_wait) if a.idle_wait else _idle_share()
-            _run(dirs[arm], a.steps, a.slowdown if arm == "B" else 0.0)
+            _run(dirs[arm], a.steps, a.slowdown if arm == "B" else 0.0, a.device_ms)
         for kind, other in (("identical", "A2"), ("slower", "B")):
             res = compare(dirs["A"], dirs[other], ("step",), limit)
             j = res.judged[0] if res.judged else None
             c = j.change if j is not None else None
             row = {"round": i, "kind": kind, "status": res.status, "verdict": j.verdict(limit) if j else "unknown",
+                   "cpu_wait": [res.a.figures.get("cpu_wait"), res.b.figures.get("cpu_wait")],
                    "change": c.ratio - 1 if c else None, "low": c.low - 1 if c else None,
                    "high": c.high - 1 if c else None, "idle_at_start": [idle["A"], idle[other]]}
             rows.append(row)
             print(f"round {i:2d} {kind:9s} exit {row['status']} {row['verdict']:9s} "
                   + (f"{c.ratio - 1:+.1%} ({c.low - 1:+.1%} .. {c.high - 1:+.1%})" if c else "")
-                  + f"  idle at start {idle['A']:.0%} / {idle[other]:.0%}", flush=True)
+                  + f"  CPU wait {_pct(row['cpu_wait'][0])} / {_pct(row['cpu_wait'][1])}", flush=True)
     r["rows"] = rows
     print()
-    for kind, want in (("identical", 0), ("slower", 1)):
+    for kind in ("identical", "slower"):
         mine = [x for x in rows if x["kind"] == kind]
-        right = sum(x["status"] == want for x in mine)
-        r[f"{kind}_right"] = right
-        print(f"{kind}: exit {want} in {right} of {len(mine)}; change {_describe([x['change'] for x in mine if x['change'] is not None])}")
+        codes = {code: sum(x["status"] == code for x in mine) for code in (0, 1, 2)}
+        r[f"{kind}_exit_codes"] = codes
+        print(f"{kind}: exit 0 (no regression) {codes[0]}, exit 1 (regression) {codes[1]}, exit 2 (unknown) "
+              f"{codes[2]} of {len(mine)}; change {_describe([x['change'] for x in mine if x['change'] is not None])}")
     finish(r, a.json)
     return 0
 
@@ -146,6 +158,7 @@ if __name__ == "__main__":
         wp = argparse.ArgumentParser()
         wp.add_argument("--steps", type=int, default=100)
         wp.add_argument("--slowdown", type=float, default=0.0)
+        wp.add_argument("--device-ms", type=float, default=0.0)
         worker(wp.parse_args(sys.argv[2:]))
     else:
         raise SystemExit(main())

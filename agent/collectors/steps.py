@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import resource
 import statistics
+import threading
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,9 @@ class StepCollector(Component):
         self.durations: list[float] = []  # the last RECENT_STEPS, for the summary and the detail stride
         self._completed: list[StepRecord] = []
         self.rusage = _rusage()  # (minor, major faults, voluntary, involuntary switches) at the last boundary
+        self.tid: int | None = None  # the training thread (the first to mark a step)
+        # (monotonic ns, ns the training thread had waited for a CPU) at the first pass after a step
+        self.wait_origin: tuple[int, int] | None = None
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
@@ -96,6 +100,8 @@ class StepCollector(Component):
         """Record one boundary: O(1), appends only."""
         if explicit:
             self.explicit = True
+        if self.tid is None:
+            self.tid = threading.get_native_id()
         t = time.time_ns()
         step = self.count
         self.count = step + 1
@@ -132,6 +138,19 @@ class StepCollector(Component):
             del self.durations[:-RECENT_STEPS]
             self._completed.append(rec)
         self.stride = detail_stride(self.durations, ctx.config.detail_rate, every)
+        if self.wait_origin is None and (wait := cpu_wait_ns(self.tid)) is not None:
+            self.wait_origin = (time.monotonic_ns(), wait)
+
+    def cpu_wait_share(self) -> float | None:
+        """The share of the time since the first step that the training thread spent runnable but
+        waiting for a CPU: how busy the machine was (``hpar-agent compare`` will not judge two runs
+        the machine treated differently). None without a schedstat (not Linux, or the thread ended)."""
+        wait = cpu_wait_ns(self.tid)
+        if self.wait_origin is None or wait is None:
+            return None
+        t0, w0 = self.wait_origin
+        elapsed = time.monotonic_ns() - t0
+        return round((wait - w0) / elapsed, 4) if elapsed >= 100_000_000 else None
 
     def take_completed(self) -> list[StepRecord]:
         out, self._completed = self._completed, []
@@ -170,6 +189,7 @@ class StepCollector(Component):
             "step_seconds_p50": d[len(d) // 2] if d else None,
             "step_seconds_max": d[-1] if d else None,
             "detail_stride": self.stride,
+            "cpu_wait_share": self.cpu_wait_share(),
             # every recent step, for ``hpar-agent compare`` to judge two runs' distributions
             "recent_step_seconds": [round(v, 7) for v in recent],
             "recent_first_step": self.total - len(recent),
@@ -220,6 +240,18 @@ STEP_RUSAGE_ATTRS = (
     cat.ATTR_VOLUNTARY_SWITCHES,
     cat.ATTR_INVOLUNTARY_SWITCHES,
 )
+
+
+def cpu_wait_ns(tid: int | None) -> int | None:
+    """Nanoseconds the thread ``tid`` of this process has spent runnable but waiting for a CPU
+    (``/proc/self/task/<tid>/schedstat``, second field); None where there is none."""
+    if tid is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _rusage() -> tuple[int, int, int, int]:

@@ -87,7 +87,7 @@ class Judged:
     unknown: str = ""
 
     def verdict(self, limit: float) -> str:
-        return "unknown" if self.change is None else self.change.verdict(limit)
+        return "unknown" if self.unknown or self.change is None else self.change.verdict(limit)
 
 
 @dataclass
@@ -176,7 +176,14 @@ def figures(summaries: dict[int, dict[str, Any]], events: list[dict[str, Any]],
         "compile": _max([(c.get("compile") or {}).get("compile_seconds_total") for c in comps]),
         "alerts": dict(alerts),
         "final_loss": losses[-1] if losses else None,
+        "cpu_wait": _max_of_all([(c.get("steps") or {}).get("cpu_wait_share") for c in comps]),
     }  # fmt: skip
+
+
+def _max_of_all(values: list[Any]) -> float | None:
+    """The largest, or None unless every value is a number (an unmeasured rank may be the largest)."""
+    nums = [f for v in values if (f := num(v)) is not None]
+    return max(nums) if nums and len(nums) == len(values) else None
 
 
 # ------------------------------------------------------------------------------- per-step series
@@ -275,6 +282,9 @@ def rows(a: dict[str, Any], b: dict[str, Any], judged: list[Judged]) -> list[Row
         out.append(Row(f"alert:{name}", f"alert {name} fired", a["alerts"].get(name, 0), b["alerts"].get(name, 0), "count"))
     if a["final_loss"] is not None or b["final_loss"] is not None:
         out.append(Row("loss", "final loss", a["final_loss"], b["final_loss"], ""))
+    if a["cpu_wait"] is not None or b["cpu_wait"] is not None:
+        out.append(Row("cpu_wait", "time waiting for a CPU (training thread, most-waiting rank)", a["cpu_wait"],
+                       b["cpu_wait"], "share"))
     return out
 
 
@@ -287,10 +297,14 @@ def fmt(v: float | None, unit: str) -> str:
         return units.size(v)
     if unit == "count":
         return f"{v:.0f}"
+    if unit == "share":
+        return f"{v:.1%}"
     return units.sig(v)
 
 
 def fmt_change(r: Row) -> str:
+    if r.unit == "share":
+        return "-" if r.a is None or r.b is None else f"{(r.b - r.a) * 100:+.1f} pts"
     c = r.change
     if c is None:
         return "new" if not r.a and r.b else "-"
@@ -299,11 +313,11 @@ def fmt_change(r: Row) -> str:
 
 def sentence(j: Judged, limit: float) -> str:
     """One line per checked figure: the verdict, the change and its interval."""
-    if j.change is None:
-        return f"UNKNOWN: {j.label}: {j.unknown}"
     c = j.change
-    est = (f"{units.change(c.ratio - 1)} ({LEVEL:.0%} interval {units.change(c.low - 1)} .. "
-           f"{units.change(c.high - 1)}; {c.n_a} and {c.n_b} steps)")
+    est = "" if c is None else (f"{units.change(c.ratio - 1)} ({LEVEL:.0%} interval {units.change(c.low - 1)} .. "
+                                f"{units.change(c.high - 1)}; {c.n_a} and {c.n_b} steps)")
+    if j.unknown or c is None:
+        return f"UNKNOWN: {j.label}: {j.unknown}" + (f" (measured {est})" if est else "")
     return {
         "regressed": f"REGRESSION: {j.label} regressed by {est}, past the {units.change(limit)} limit",
         "slower": f"{j.label}: slower by {est}, within the {units.change(limit)} limit",
@@ -348,7 +362,22 @@ def compare(run_a: Path, run_b: Path, checked: tuple[str, ...] = ("step",), limi
         return Result(a, b, [], [], limit)
     labels = {"step": "step time", **{p: p for p in STEP_PHASES}}
     judged = [judge(a, b, key, labels[key]) for key in checked]
+    busier = machine_differed(a.figures.get("cpu_wait"), b.figures.get("cpu_wait"), limit)
+    for j in judged:
+        j.unknown = j.unknown or busier
     return Result(a, b, rows(a.figures, b.figures, judged), judged, limit)
+
+
+def machine_differed(wait_a: float | None, wait_b: float | None, limit: float) -> str:
+    """Why two runs cannot be judged when the machine was busier for one: a training thread that
+    waits for a CPU a larger share of the time takes up to that much longer a step, and a difference
+    of half the limit would pass or fail the gate by itself. Empty when it did not differ (or either
+    run did not measure it)."""
+    if wait_a is None or wait_b is None or abs(wait_b - wait_a) <= limit / 2:
+        return ""
+    return (f"the training threads waited for a CPU {wait_a:.0%} of the time in A and {wait_b:.0%} in B: the "
+            "machine was busier for one run, which moves step times by as much as the limit; rerun both on a "
+            "quiet machine")
 
 
 def render_text(res: Result) -> str:

@@ -54,7 +54,7 @@ COMPONENTS = {
     "steps": obj({
         "steps": INT, "tokens": INT, "detail_stride": INT,
         "step_seconds_p50": NUM_OR_NULL, "step_seconds_max": NUM_OR_NULL,
-        "recent_step_seconds": NUMBERS, "recent_first_step": INT,
+        "recent_step_seconds": NUMBERS, "recent_first_step": INT, "cpu_wait_share": NUM_OR_NULL,
     }),
     "pipeline": obj({"bubble_ratio": NUM_OR_NULL, "chunk_seconds_p50": obj(values=NUM)}),
     "anatomy": obj({

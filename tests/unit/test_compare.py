@@ -35,7 +35,7 @@ def ar1(seed: int, n: int = STEPS, phi: float = 0.5, base: float = 0.1, sd: floa
 
 def _run(path: Path, times: list[np.ndarray] | None = None, *, seed: int = 0, scale: float = 1.0,
          backward: float = 0.05, verdicts: tuple[str, str] = ("compute-bound", "compute-bound"),
-         alerts: tuple[str, ...] = (), samples: bool = True) -> Path:
+         alerts: tuple[str, ...] = (), samples: bool = True, cpu_wait: float | None = 0.02) -> Path:
     """A 2-rank run directory as the agent leaves it, each rank's summary carrying its step times."""
     path.mkdir(parents=True)
     if times is None:
@@ -44,7 +44,7 @@ def _run(path: Path, times: list[np.ndarray] | None = None, *, seed: int = 0, sc
     for rank in (0, 1):
         phases = {"data_wait": 0.01, "forward": 0.02, "backward": backward, "optimizer": 0.005}
         step = 0.1 * scale
-        steps: dict = {"steps": STEPS, "step_seconds_p50": float(np.median(times[rank]))}
+        steps: dict = {"steps": STEPS, "step_seconds_p50": float(np.median(times[rank])), "cpu_wait_share": cpu_wait}
         if samples:
             steps |= {"recent_step_seconds": [round(float(v), 7) for v in times[rank]], "recent_first_step": 0}
         summary = {
@@ -118,6 +118,21 @@ def test_cli_verdicts_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "step time: slower by +3.0%" in capsys.readouterr().out
     assert cli_main(["compare", str(slow), str(a)]) == 0
     assert "faster by -23." in capsys.readouterr().out
+
+
+def test_runs_the_machine_treated_differently_are_not_judged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The training threads waited for a CPU 40% of the time in B, 2% in A: a +30% step time may be the
+    machine's, so the verdict is unknown (with what was measured); 2% against 3% is judged."""
+    a = _run(tmp_path / "a", seed=1)
+    busy = _run(tmp_path / "busy", seed=2, scale=1.3, cpu_wait=0.40)
+    assert cli_main(["compare", str(a), str(busy)]) == 2
+    out = capsys.readouterr().out
+    assert ("UNKNOWN: step time: the training threads waited for a CPU 2% of the time in A and 40% in B" in out
+            and "(measured +30." in out and "+38.0 pts" in out), out
+    calm = _run(tmp_path / "calm", seed=2, scale=1.3, cpu_wait=0.03)
+    assert cli_main(["compare", str(a), str(calm)]) == 1
+    unmeasured = _run(tmp_path / "unmeasured", seed=2, scale=1.3, cpu_wait=None)  # an older agent: judged
+    assert cli_main(["compare", str(a), str(unmeasured)]) == 1
 
 
 @pytest.mark.parametrize(("text", "value"), [("5%", 0.05), ("0.1", 0.1), ("12.5%", 0.125)])

@@ -116,7 +116,42 @@ def test_the_agents_summary_is_strict_json_of_the_expected_shape(attach, tmp_pat
     assert summary_schema.clean(doc) == []
     steps = doc["components"]["steps"]
     assert steps["recent_first_step"] == 0 and len(steps["recent_step_seconds"]) == steps["steps"] == 7
+    assert "cpu_wait_share" in steps  # None here: less than 0.1 s since the first pass
     assert all(v > 0 for v in steps["recent_step_seconds"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir() or not hasattr(os, "sched_setaffinity"), reason="Linux")
+def test_the_training_threads_wait_for_a_cpu_is_measured() -> None:
+    """Two busy processes pinned to the training thread's one CPU: it waits for the CPU about two
+    thirds of the time, whatever else the machine runs (the cause is planted on one core)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from hpar_agent.collectors.steps import StepCollector, cpu_wait_ns
+
+    steps = StepCollector()
+    steps.tid = threading.get_native_id()
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    burn = f"import os, time; os.sched_setaffinity(0, {{{cpu}}}); print(flush=True); t = time.time()\nwhile time.time() - t < 20: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == b"\n"  # pinned and burning
+        os.sched_setaffinity(0, {cpu})
+        steps.wait_origin = (time.monotonic_ns(), cpu_wait_ns(steps.tid) or 0)
+        t = time.monotonic()
+        while time.monotonic() - t < 1.0:
+            pass
+        share = steps.cpu_wait_share()
+    finally:
+        os.sched_setaffinity(0, before)
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert share is not None and share > 0.4, share
 
 
 def test_non_finite_numbers_are_written_as_null(tmp_path: Path) -> None:
