@@ -10,9 +10,13 @@ noise it is "no significant change". ``--phase NAME`` judges a phase the same wa
 
 The other rows (phases' p50s, collectives, memory, compile time, alerts, loss) are shown, not judged.
 
-Exit status (``EXIT_CODES``): 0 nothing judged regressed, 1 a regression, 2 bad usage or input
-(a run without readable summaries, a rank's summary missing or unreadable, too few steps to judge),
-3 an error in the tool itself.
+The machine's own load is the one cause the interval cannot see when it is flat within each run: the
+summaries record how much of the time each training thread waited for a CPU, and two runs whose
+difference in it could move the step time by half the limit get no verdict (``machine_differed``).
+
+Exit status (``EXIT_CODES``): 0 nothing judged regressed, 1 a regression, 2 bad usage or input, or
+no verdict (a run without readable summaries, a rank's summary missing or unreadable, too few steps
+to judge, the machine busier for one run), 3 an error in the tool itself.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ from hpar_agent.tools.summary_schema import TRAINER
 #: The first steps compile and allocate: left out of the judged series.
 WARMUP_STEPS = 2
 EXIT_CODES = {0: "no regression", 1: "regression",
-              2: "bad usage or input (no readable summaries, a rank's summary missing or unreadable, "
-                 "too few steps to judge)",
+              2: "bad usage or input, or no verdict (no readable summaries, a rank's summary missing or "
+                 "unreadable, too few steps to judge, the machine busier for one run)",
               3: "error in the tool"}  # fmt: skip
 EPILOG = "exit status: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
 DESCRIPTION = (
@@ -57,7 +61,8 @@ DESCRIPTION = (
     f"(every step's slowest rank, after the first {WARMUP_STEPS} steps, from the ranks' summaries) are compared "
     f"as distributions: the ratio of the medians with a {LEVEL:.0%} block-bootstrap interval. 'no significant change': "
     "the interval holds no change; 'slower' or 'faster': a significant change within the limit; "
-    "'regressed': a significant slowdown past --max-regression."
+    "'regressed': a significant slowdown past --max-regression; 'unknown' when the machine's load alone "
+    "(how long the training threads waited for a CPU) could move the step time by half the limit."
 )
 
 
@@ -369,15 +374,17 @@ def compare(run_a: Path, run_b: Path, checked: tuple[str, ...] = ("step",), limi
 
 
 def machine_differed(wait_a: float | None, wait_b: float | None, limit: float) -> str:
-    """Why two runs cannot be judged when the machine was busier for one: a training thread that
-    waits for a CPU a larger share of the time takes up to that much longer a step, and a difference
-    of half the limit would pass or fail the gate by itself. Empty when it did not differ (or either
-    run did not measure it)."""
-    if wait_a is None or wait_b is None or abs(wait_b - wait_a) <= limit / 2:
+    """Why two runs cannot be judged when the machine was busier for one, or "". A thread that wants
+    to run but gets a CPU only 1 - w of the time takes 1 / (1 - w) as long, so the load alone moves
+    B's steps by (1 - w_a) / (1 - w_b) - 1; past half the limit it could pass or fail the gate by
+    itself. Nothing is said when either run did not measure it."""
+    if wait_a is None or wait_b is None or max(wait_a, wait_b) >= 1:
+        return ""
+    shift = (1 - wait_a) / (1 - wait_b) - 1
+    if abs(shift) <= limit / 2:
         return ""
     return (f"the training threads waited for a CPU {wait_a:.0%} of the time in A and {wait_b:.0%} in B: the "
-            "machine was busier for one run, which moves step times by as much as the limit; rerun both on a "
-            "quiet machine")
+            f"machine's load alone could make B's steps {units.change(shift)} longer; rerun both on a quiet machine")
 
 
 def render_text(res: Result) -> str:
