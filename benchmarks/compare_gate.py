@@ -8,7 +8,8 @@ machine's load. The order of the three rotates from round to round, so a drift o
 every arm alike. Each round compares A with A2 (a regression there is a false alarm) and A with B (no
 regression there is a miss), with the gate's defaults unless ``--max-regression`` says otherwise.
 
-    python -m benchmarks.compare_gate --pairs 20 --steps 100 --json gate.json
+    python -m benchmarks.compare_gate --pairs 20 --steps 100 --out-dir runs --json gate.json
+    python -m benchmarks.compare_gate --pairs 20 --out-dir runs --rejudge --max-regression 10%
 
 The worker (``python -m benchmarks.compare_gate worker``) is what torchrun starts on each rank.
 """
@@ -50,46 +51,19 @@ def worker(a: argparse.Namespace) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if a.device_ms:
-            time.sleep(a.device_ms / 1e3)  # the accelerator's time, which a GPU job's host waits out
         if a.slowdown:
             time.sleep(a.slowdown * (time.perf_counter() - t0))
     dist.destroy_process_group()
 
 
-def _run(run_dir: Path, steps: int, slowdown: float, device_ms: float) -> None:
+def _run(run_dir: Path, steps: int, slowdown: float) -> None:
     cmd = [sys.executable, "-m", "hpar_agent", "run", "--run-dir", str(run_dir), "--",
            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "benchmarks.compare_gate",
-           "worker", "--steps", str(steps), "--slowdown", str(slowdown), "--device-ms", str(device_ms)]  # fmt: skip
+           "worker", "--steps", str(steps), "--slowdown", str(slowdown)]  # fmt: skip
     env = {**os.environ, "HPAR_METRICS_PORT": "-1", "PYTHONPATH": os.getcwd()}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     if res.returncode:
         sys.exit(f"{run_dir.name} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
-
-
-def _idle_share(seconds: float = 1.0) -> float:
-    """The share of the machine's CPU time that was idle over ``seconds`` (``/proc/stat``)."""
-
-    def read() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        return fields[3] + fields[4], sum(fields)  # idle + iowait, total
-
-    idle0, total0 = read()
-    time.sleep(seconds)
-    idle1, total1 = read()
-    return (idle1 - idle0) / max(1, total1 - total0)
-
-
-def _wait_idle(limit_s: float, share: float = 0.8) -> float:
-    """Wait (at most ``limit_s``) for a second in which ``share`` of the CPUs sat idle: on a shared
-    machine another job's burst would otherwise land on one arm. Returns the last idle share seen."""
-    deadline = time.time() + limit_s
-    idle = _idle_share()
-    while idle < share and time.time() < deadline:
-        time.sleep(2.0)
-        idle = _idle_share()
-    return idle
 
 
 def _pct(v: float | None) -> str:
@@ -109,26 +83,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--slowdown", type=float, default=0.10, help="B's planted slowdown (0.10: every step 10%% slower)")
     ap.add_argument("--max-regression", default="5%", help="the gate's limit (default 5%%)")
-    ap.add_argument("--device-ms", type=float, default=0.0, metavar="MS",
-                    help="a sleep per step standing for accelerator time (a GPU job's host mostly waits)")
-    ap.add_argument("--idle-wait", type=float, default=0.0, metavar="S",
-                    help="before each run wait up to S seconds for the CPUs to sit 80%% idle (a shared machine)")
     ap.add_argument("--out-dir", default=None, help="keep the run directories here (default: a temporary one)")
+    ap.add_argument("--rejudge", action="store_true",
+                    help="run nothing: judge the runs an earlier invocation kept in --out-dir (e.g. with another limit)")
     ap.add_argument("--json", default=None, help="write every comparison and the counts here")
     a = ap.parse_args(argv)
     from benchmarks.common import finish, results
     from hpar_agent.tools.compare import compare, parse_threshold
 
+    if a.rejudge and not a.out_dir:
+        ap.error("--rejudge needs the --out-dir of the runs")
     limit = parse_threshold(a.max_regression)
     r = results("compare_gate", "cpu", argv, pairs=a.pairs, steps=a.steps, slowdown=a.slowdown, limit=limit)
     base = Path(a.out_dir or tempfile.mkdtemp(prefix="compare-gate-"))
     rows: list[dict[str, Any]] = []
     for i in range(a.pairs):
         dirs = {arm: base / f"{i:02d}-{arm}" for arm in ARMS}
-        idle = {}
-        for arm in ARMS[i % 3:] + ARMS[: i % 3]:
-            idle[arm] = _wait_idle(a.idle_wait) if a.idle_wait else _idle_share()
-            _run(dirs[arm], a.steps, a.slowdown if arm == "B" else 0.0, a.device_ms)
+        for arm in [] if a.rejudge else ARMS[i % 3:] + ARMS[: i % 3]:
+            _run(dirs[arm], a.steps, a.slowdown if arm == "B" else 0.0)
         for kind, other in (("identical", "A2"), ("slower", "B")):
             res = compare(dirs["A"], dirs[other], ("step",), limit)
             j = res.judged[0] if res.judged else None
@@ -136,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             row = {"round": i, "kind": kind, "status": res.status, "verdict": j.verdict(limit) if j else "unknown",
                    "cpu_wait": [res.a.figures.get("cpu_wait"), res.b.figures.get("cpu_wait")],
                    "change": c.ratio - 1 if c else None, "low": c.low - 1 if c else None,
-                   "high": c.high - 1 if c else None, "idle_at_start": [idle["A"], idle[other]]}
+                   "high": c.high - 1 if c else None}
             rows.append(row)
             print(f"round {i:2d} {kind:9s} exit {row['status']} {row['verdict']:9s} "
                   + (f"{c.ratio - 1:+.1%} ({c.low - 1:+.1%} .. {c.high - 1:+.1%})" if c else "")
@@ -158,7 +130,6 @@ if __name__ == "__main__":
         wp = argparse.ArgumentParser()
         wp.add_argument("--steps", type=int, default=100)
         wp.add_argument("--slowdown", type=float, default=0.0)
-        wp.add_argument("--device-ms", type=float, default=0.0)
         worker(wp.parse_args(sys.argv[2:]))
     else:
         raise SystemExit(main())
