@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             res = compare(dirs["A"], dirs[other], ("step",), limit)
             j = res.judged[0] if res.judged else None
             c = j.change if j is not None else None
-            row = {"round": i, "kind": kind, "status": res.status, "verdict": j.verdict(limit) if j else "unknown",
+            row: dict[str, Any] = {"round": i, "kind": kind, "status": res.status, "verdict": j.verdict(limit) if j else "unknown",
                    "cpu_wait": [res.a.figures.get("cpu_wait"), res.b.figures.get("cpu_wait")],
                    "change": c.ratio - 1 if c else None, "low": c.low - 1 if c else None,
                    "high": c.high - 1 if c else None}

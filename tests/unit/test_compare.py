@@ -121,19 +121,24 @@ def test_cli_verdicts_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_runs_the_machine_treated_differently_are_not_judged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The training threads waited for a CPU 40% of the time in B, 2% in A: a +30% step time may be the
-    machine's, so the verdict is unknown (with what was measured); 2% against 3% is judged."""
+    """The training threads waited for a CPU 20% of the time in B, 2% in A: a +30% step time may be the
+    machine's, so the verdict is unknown (with what was measured); 2% against 3% is judged; 35% and 34%
+    is an oversubscribed machine, where equal waits do not mean equal treatment."""
     a = _run(tmp_path / "a", seed=1)
-    busy = _run(tmp_path / "busy", seed=2, scale=1.3, cpu_wait=0.40)
+    busy = _run(tmp_path / "busy", seed=2, scale=1.3, cpu_wait=0.20)
     assert cli_main(["compare", str(a), str(busy)]) == 2
     out = capsys.readouterr().out
-    assert ("UNKNOWN: step time: the training threads waited for a CPU 2% of the time in A and 40% in B: the "
-            "machine's load alone could make B's steps +63.3% longer" in out), out
-    assert "(measured +30." in out and "+38.0 pts" in out, out
+    assert ("UNKNOWN: step time: the training threads waited for a CPU 2% of the time in A and 20% in B: the "
+            "machine's load alone could make B's steps +22.5% longer" in out), out
+    assert "(measured +30." in out and "+18.0 pts" in out, out
     calm = _run(tmp_path / "calm", seed=2, scale=1.3, cpu_wait=0.03)
     assert cli_main(["compare", str(a), str(calm)]) == 1
     unmeasured = _run(tmp_path / "unmeasured", seed=2, scale=1.3, cpu_wait=None)  # an older agent: judged
     assert cli_main(["compare", str(a), str(unmeasured)]) == 1
+    capsys.readouterr()
+    busy_a, busy_b = _run(tmp_path / "busy_a", seed=1, cpu_wait=0.35), _run(tmp_path / "busy_b", seed=2, cpu_wait=0.34)
+    assert cli_main(["compare", str(busy_a), str(busy_b)]) == 2  # equally busy, but oversubscribed
+    assert "waited for a CPU 35% of the time in A and 34% in B: on a machine that busy" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("text", "value"), [("5%", 0.05), ("0.1", 0.1), ("12.5%", 0.125)])
