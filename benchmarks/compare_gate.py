@@ -2,9 +2,9 @@
 misses of a planted slowdown.
 
 Each of ``--pairs`` rounds runs three jobs of one program, a 2-rank gloo DDP training loop of
-``tiny_gpt.py``'s model under ``hpar-agent run``: A and A2 (identical) and B, which sleeps
-``--slowdown`` of each step's own time after the step, so every step is that much slower whatever the
-machine's load. The order of the three rotates from round to round, so a drift of the machine falls on
+``tiny_gpt.py``'s model under ``hpar-agent run``: A and A2 (identical) and B, which spins for
+``--slowdown`` of each step's own time after the step: that much more work a step, as a slower kernel
+would add. The order of the three rotates from round to round, so a drift of the machine falls on
 every arm alike. Each round compares A with A2 (a regression there is a false alarm) and A with B (no
 regression there is a miss), with the gate's defaults unless ``--max-regression`` says otherwise.
 
@@ -51,8 +51,10 @@ def worker(a: argparse.Namespace) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if a.slowdown:
-            time.sleep(a.slowdown * (time.perf_counter() - t0))
+        if a.slowdown:  # more work, as a slower kernel would add (a sleep would hand the CPU to the others)
+            until = time.perf_counter() + a.slowdown * (time.perf_counter() - t0)
+            while time.perf_counter() < until:
+                pass
     dist.destroy_process_group()
 
 

@@ -54,7 +54,7 @@ WARMUP_STEPS = 2
 #: A training thread waiting for a CPU more of the time than this: the machine is oversubscribed, and
 #: equal waits no longer mean equal treatment (at 34-35 % in both runs a 10 % slower run read +0.3 %).
 OVERSUBSCRIBED = 0.25
-EXIT_CODES = {0: "no regression", 1: "regression",
+EXIT_CODES = {0: "no significant regression", 1: "regression",
               2: "bad usage or input, or no verdict (no readable summaries, a rank's summary missing or "
                  "unreadable, too few steps to judge, the machine busier for one run)",
               3: "error in the tool"}  # fmt: skip
@@ -327,12 +327,16 @@ def sentence(j: Judged, limit: float) -> str:
                                 f"{units.change(c.high - 1)}; {c.n_a} and {c.n_b} steps)")
     if j.unknown or c is None:
         return f"UNKNOWN: {j.label}: {j.unknown}" + (f" (measured {est})" if est else "")
+    verdict = c.verdict(limit)
+    wide = "" if verdict == "regressed" or c.high - 1 <= limit else (
+        f"; the interval reaches past the {units.change(limit)} limit: a regression that large is not ruled out "
+        "(more steps narrow the interval)")
     return {
         "regressed": f"REGRESSION: {j.label} regressed by {est}, past the {units.change(limit)} limit",
         "slower": f"{j.label}: slower by {est}, within the {units.change(limit)} limit",
         "faster": f"{j.label}: faster by {est}",
         "no change": f"{j.label}: no significant change, {est}",
-    }[c.verdict(limit)]
+    }[verdict] + wide
 
 
 def verdict_lines(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A", "B")) -> list[str]:
