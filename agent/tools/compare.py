@@ -52,7 +52,7 @@ from hpar_agent.tools.summary_schema import TRAINER
 #: The first steps compile and allocate: left out of the judged series.
 WARMUP_STEPS = 2
 #: A training thread waiting for a CPU more of the time than this: the machine is oversubscribed, and
-#: equal waits no longer mean equal treatment (at 34-35 % in both runs a 10 % slower run read +0.3 %).
+#: equal waits no longer mean equal treatment (docs/tools.md).
 OVERSUBSCRIBED = 0.25
 EXIT_CODES = {0: "no significant regression", 1: "regression",
               2: "bad usage or input, or no verdict (no readable summaries, a rank's summary missing or "

@@ -37,8 +37,8 @@ def arr(items: dict[str, Any]) -> dict[str, Any]:
     return {"type": "array", "items": items}
 
 
-#: A long array of numbers (512 step times a rank): checked in one loop, as ``items: NUM`` would be
-#: item by item through the validator at 30 times the cost.
+#: A long array of numbers (512 step times a rank): checked in one loop; ``items: NUM`` would send
+#: every item through the validator, the bulk of the time on a job of many ranks.
 NUMBERS = {"type": "array", "numberItems": True}
 
 
