@@ -170,13 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("kind", choices=("dashboards", "rules", "compose"))
     export.add_argument("--out", required=True, metavar="DIR", help="directory to write into (created)")
     export.set_defaults(func=_export)
-    report = sub.add_parser("report", help="write one self-contained HTML page of a run (no Prometheus)")
+    from hpar_agent.tools import compare
+    from hpar_agent.tools.report import EPILOG as REPORT_EPILOG
+
+    report = sub.add_parser("report", help="write one self-contained HTML page of a run (no Prometheus)",
+                            epilog=REPORT_EPILOG)
     report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (HPAR_RUN_DIR of the run)")
     report.add_argument("-o", "--output", help="output file (default RUN_DIR/report.html)")
-    report.add_argument("--compare", metavar="RUN_B", help="add a side-by-side table against another run")
+    report.add_argument("--compare", metavar="BASELINE", help="add a side-by-side table against a baseline run")
     report.set_defaults(func=_report)
-    from hpar_agent.tools import compare
-
     cmp = sub.add_parser("compare", help="two runs side by side; exit 1 when step time (or --phase) regressed")
     compare.add_arguments(cmp)
     cmp.set_defaults(func=compare.run)

@@ -210,7 +210,7 @@ def test_page_is_offline_escaped_and_links_evidence(run_dir: Path, tmp_path: Pat
     assert "Plotly.newPlot" in page and len(page) > 1_000_000
     assert HOSTILE not in page and "alert(&#x27;x&#x27;)" in page
     assert '<a href="evidence/MemoryLeak-rank2-pyspy.txt">' in page
-    assert "MemoryLeak" in page and "gb0170" in page and "job-report" in page and "<td>4.5e+07</td>" in page
+    assert "MemoryLeak" in page and "gb0170" in page and "job-report" in page and "<td>4.50e+07</td>" in page  # three significant digits
     # written elsewhere, the link still reaches the file relative to the page
     other = report.build_report(run_dir, tmp_path / "pages" / "r.html")
     assert '<a href="../run/evidence/MemoryLeak-rank2-pyspy.txt">' in other.read_text()
@@ -257,7 +257,7 @@ def test_collective_percentiles_are_the_terminal_summarys(run_dir: Path) -> None
     i = cells.index("all_reduce")
     assert cells[i + 4 : i + 6] == ["25.0 ms", "50.0 ms"]
     assert cells[i + 6] == "2.50x" and cells[i + 7] == "2.50 GB/s"  # p50 skew across ranks, bus bandwidth
-    assert cells[i + 3] == "576.0 KiB"  # 4 KiB x 36 ops x 4 ranks
+    assert cells[i + 3] == "576 KiB"  # 4 KiB x 36 ops x 4 ranks
     assert summary.COLLECTIVE_PERCENTILE_SOURCE in terminal and html.escape(summary.COLLECTIVE_PERCENTILE_SOURCE) in table
     skew = report_figures.fig_collective_ranks(rows)
     assert [round(v, 3) for v in skew.data[0].y] == [10.0, 10.0, 10.0, 25.0]
