@@ -51,6 +51,7 @@ REQUIRED_IMPORTS = [
     ("plotly", "plotly", "the run report (hpar-agent report)", "pip install plotly"),
     ("pyyaml", "yaml", "HPAR_WEB_CONFIG (a)", "pip install pyyaml"),
     ("bcrypt", "bcrypt", "basic auth of the metrics endpoint (a)", "pip install bcrypt"),
+    ("jsonschema", "jsonschema", "reading summaries (report, compare, diagnose)", "pip install jsonschema"),
     ("torch.distributed.pipelining", "torch.distributed.pipelining", "pipeline stages (a, t)",
      "install a torch build with distributed support"),
     ("torch.distributed.tensor", "torch.distributed.tensor.parallel", "tensor parallel (t)",

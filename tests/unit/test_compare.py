@@ -289,7 +289,7 @@ def test_summary_shows_phases_verdicts_and_who_holds_the_others(tmp_path: Path) 
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("1 ") and "input-bound" in ln)
     assert "50.0 ms 50%" in line  # backward p50 and its share
     assert "rank 1 holds the others back" in text
-    unknown = _run(tmp_path / "b", 0.100, 0.050, verdicts=("unknown", "host-bound"))
+    unknown = _run(tmp_path / "b", verdicts=("unknown", "host-bound"))
     for path in unknown.glob("summary.rank0.json"):
         s = json.loads(path.read_text())
         s["components"]["anatomy"]["evidence"]["reason"] = "the phases explain 9% of the step"

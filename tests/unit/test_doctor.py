@@ -90,6 +90,16 @@ def test_doctor_fails_when_numpy_is_missing():
     assert fix["numpy"] == "pip install numpy"
 
 
+def test_a_command_whose_package_is_missing_says_which():
+    """compare needs numpy: without it, it names the package (exit 2) and the CLI itself still parses."""
+    import subprocess
+    import sys
+
+    code = BLOCK.format(blocked=["numpy"]).replace('["doctor", "--json"]', '["compare", "a", "b"]')
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "needs numpy" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_doctor_reports_missing_torch_without_a_traceback():
     rc, doc, err = _doctor_json("torch")
     assert rc == 1 and "torch" in doc["missing"] and "Traceback" not in err
