@@ -230,7 +230,6 @@ def test_clean_run_with_a_pause_and_a_late_rank_fires_nothing(clean: Run) -> Non
         for name, state in detectors.items():
             assert state["fired"] == 0 and not state["active"], (rank, name, state)
             assert set(state) >= {"value", "threshold", "params"}
-    # the cross-rank exchange really compared arrivals: a Straggler that never ran stays at 0.0 on every rank,
-    # one that ran nets each rank against the lower-median one of its group (that one reads exactly 0.0)
-    values = [clean.summary(rank)["components"]["detectors"]["Straggler"]["value"] for rank in range(clean.nproc)]
-    assert sum(v != 0.0 for v in values) >= clean.nproc // 2, values
+    # the cross-rank exchange really compared arrivals: every rank's Straggler judged the run
+    judged = [clean.summary(rank)["components"]["detectors"]["Straggler"]["judged"] for rank in range(clean.nproc)]
+    assert all(n > 0 for n in judged), judged
