@@ -35,6 +35,7 @@ from hpar_agent.rankstate import RankState
 from hpar_agent.span_schedule import SpanScheduler
 from hpar_agent.spans import Child
 from hpar_agent.topology import LOCAL_JOB_PREFIX, Topology, detect
+from hpar_agent.torch_compat import pipelining
 
 log = logging.getLogger("hpar_agent")
 
@@ -323,7 +324,7 @@ class Agent:
             return
         stages = list(stages)
         if schedule is not None and not stages:
-            stages = list(getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)])
+            stages = pipelining.schedule_stages(schedule)
         self.guard("pipeline", pipe.watch, [s for s in stages if s is not None], schedule)
 
     def on_alert(self, callback: Callable[[Alert], Any]) -> None:
@@ -443,6 +444,11 @@ def detach_agent(agent: Agent | None = None) -> None:
         if target is _current:
             _current = None
     target.stop()
+
+
+def running() -> Agent | None:
+    """The running agent, or None; unlike ``current()`` it never attaches (zero-code mode's triggers)."""
+    return _current
 
 
 def current() -> Agent | None:

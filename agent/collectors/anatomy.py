@@ -141,7 +141,7 @@ class AnatomyCollector(Component):
                 continue
             step_s = rec.duration_s
             pipe = self._pipe
-            piped = pipe is not None and bool(getattr(pipe, "_wrapped", None))
+            piped = pipe is not None and bool(getattr(pipe, "wrapped", None))
             if end is not None and self._last_end_event is not None and not piped:
                 try:
                     phases, spans, loader, step_s = gpu_phases(rec.start_ns, events, self._last_end_event, end)
@@ -212,7 +212,7 @@ class AnatomyCollector(Component):
         schedule forward and backward are the stage's chunks, and only stage 0 waits for data."""
         pipe = self._pipe
         chunks = None
-        if pipe is not None and getattr(pipe, "_wrapped", None):
+        if pipe is not None and getattr(pipe, "wrapped", None):
             self.hooks.forward_source = "pipeline-chunks"
             chunks = (pipe.phase_by_step.pop(rec.step, {}), pipe.first_forward_ns.pop(rec.step, None))
         return cpu_phases(rec.start_ns, rec.end_ns, events, chunks)

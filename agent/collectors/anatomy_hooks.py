@@ -26,6 +26,7 @@ from hpar_agent import topology_watch as watch
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.collectors import model_root
 from hpar_agent.collectors.phases import BWD0, BWD1, FWD0, FWD1, LOAD, OPT0, OPT1, SYNC1
+from hpar_agent.torch_compat import autograd, dataloader
 
 if TYPE_CHECKING:
     from hpar_agent.collectors.steps import StepCollector
@@ -79,7 +80,7 @@ class AnatomyHooks:
         if dist is not None and dist.is_available():
             self._dist_on = dist.is_initialized
         self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
-        self._queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+        self._queue_callback = autograd.queue_callback()
         self._module_cls = torch.nn.Module
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -96,11 +97,10 @@ class AnatomyHooks:
         self._patch_loader()
 
     def _patch_loader(self) -> None:
-        try:
-            from torch.utils.data.dataloader import _BaseDataLoaderIter
-        except ImportError:
+        cls = dataloader.iterator_class()
+        if cls is None:
             return
-        orig = _BaseDataLoaderIter.__next__
+        orig = cls.__next__
         put, steps = self.buffer.put, self._steps
 
         def __next__(it: Any) -> Any:
@@ -113,8 +113,8 @@ class AnatomyHooks:
                 put((steps.count if steps is not None else 0, LOAD, t0, time.time_ns(), None))
 
         __next__._hpar_orig = orig  # type: ignore[attr-defined]
-        _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
-        self._loader_patch = (_BaseDataLoaderIter, orig)
+        cls.__next__ = __next__
+        self._loader_patch = (cls, orig)
 
     def uninstall(self) -> None:
         watch.unlisten(self._on_source)

@@ -39,6 +39,7 @@ from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.spans import LazySpan, SpanRecord
 from hpar_agent.torch_compat import flight_recorder as fr
+from hpar_agent.torch_compat import parallel
 from hpar_agent.torch_compat.fr_decode import busbw, pg_label
 from hpar_agent.torch_compat.p2p import P2PRecord
 from hpar_agent.traceids import trace_id_hex
@@ -146,11 +147,11 @@ class CollectiveCollector(Component):
         """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
         that group by its dim (dp for a dp-only job; a flattened dim such as HSDP's ``dp`` when no atomic
         dim spans the world), as the other dims' ``mesh_<dim>`` groups are. Not pp: that label's in-flight view is the p2p wrapper's, and would hide a stalled world collective."""
-        from hpar_agent.topology import _mesh_from_model, mesh_dim_names
+        from hpar_agent.topology import mesh_dim_names, mesh_from_model
 
         mesh = getattr(agent, "mesh", None)
         if mesh is None:
-            mesh = _mesh_from_model(getattr(agent, "model", None))
+            mesh = mesh_from_model(getattr(agent, "model", None))
         for i, dim in enumerate(mesh_dim_names(mesh, getattr(agent, "model", None))):  # unnamed FSDP: dp_shard
             try:
                 if mesh.size(i) < 2:
@@ -163,8 +164,7 @@ class CollectiveCollector(Component):
                 self.groups.pp.add((name, desc))
             elif not desc.startswith("mesh_"):
                 self.groups.labels[(name, desc)] = label
-        flattened = getattr(mesh, "_flatten_mapping", None) or {}  # torchtitan's dp, dp_shard_cp (private)
-        for dim, sub in list(flattened.items()):
+        for dim, sub in parallel.flattened_meshes(mesh).items():  # torchtitan's dp, dp_shard_cp
             try:
                 if sub.size() < 2:
                     continue

@@ -155,7 +155,7 @@ class CompileCollector(Component):
         super().install(ctx)
         self.capture.buffer.capacity = ctx.config.buffer_size
         self._steps = self.capture.steps = ctx.find(StepCollector)
-        import torch._dynamo  # noqa: F401 - dynamo's counters and loggers exist once it is imported
+        dynamo.load()  # dynamo's counters and artifact loggers exist once it is imported
 
         self.counters.deltas(dynamo.counters_snapshot())  # the baseline: what came before is not counted
         self.capture.install()

@@ -126,8 +126,7 @@ class DynamoCapture:
         self._metrics_level = logging.INFO
 
     def install(self) -> None:
-        import torch._dynamo  # noqa: F401 - artifact loggers must exist before we configure them
-
+        dynamo.load()  # artifact loggers must exist before we configure them
         self.known_backends = dynamo.known_backends()
         self.callbacks = dynamo.register_callbacks(self._on_start, self._on_end)
         self._capture_metrics()

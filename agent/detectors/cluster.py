@@ -15,6 +15,7 @@ from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
 from hpar_agent.samples import copy_to_host, sample_cat, segment_sums, strided
 from hpar_agent.thresholds import DETECTOR_DEFAULTS
+from hpar_agent.torch_compat import parallel
 
 if TYPE_CHECKING:
     from hpar_agent.detectors.base import Evaluation
@@ -23,7 +24,7 @@ DP_KEYS = ("tp", "pp")  # ranks of one dp group share tp and pp coordinates
 TP_KEYS = ("dp", "pp")
 
 
-def _my_group(ctx: Evaluation, keys: tuple[str, ...], need: str) -> list[int]:
+def my_group(ctx: Evaluation, keys: tuple[str, ...], need: str) -> list[int]:
     """The ranks of this rank's group (by equal coordinates on ``keys``) whose payload has ``need``."""
     coords = {r: p["c"] for r, p in ctx.peers.items() if need in p and "c" in p}
     for group in sig.groups_by(coords, keys):
@@ -249,7 +250,7 @@ class ReplicaDivergence(Detector):
         unknown: list[str] = []
         compared = False
         for label, keys in (("dp", DP_KEYS), ("tp", TP_KEYS)):
-            group = _my_group(ctx, keys, "cd")
+            group = my_group(ctx, keys, "cd")
             if len(group) < 2:
                 continue
             step, by_rank = self._compare(ctx, label, group)
@@ -269,7 +270,7 @@ class ReplicaDivergence(Detector):
         return Verdict(bool(bad), float(sum(b["count"] for b in bad.values())), details)
 
 
-#: The last ``_peer_fr`` answer and the peers dict it came from: three detectors ask per exchange.
+#: The last ``peer_fr`` answer and the peers dict it came from: three detectors ask per exchange.
 _peer_fr_memo: list[Any] = [None, None]
 
 
@@ -277,7 +278,7 @@ _peer_fr_memo: list[Any] = [None, None]
 _KNOWN_PGS = ("dp", "tp", "pp", "default_pg", "dp_replicate", "dp_shard", "cp")
 
 
-def _peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, int]]:
+def peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, int]]:
     """Peers' published entries, and for each pg the number of ranks read that are its members (by
     their coordinates: a collective is judged once every member read has it, so a member that has not
     published it yet never turns a 3-rank majority into a 1-1 tie); computed once per exchange (the
@@ -330,16 +331,15 @@ def intended_reduce_bits(model: Any) -> set[int]:
     except (AttributeError, TypeError):
         return out
     for m in modules:
-        state_fn = getattr(m, "_get_fsdp_state", None)  # FSDPModule (private state: guarded)
-        if state_fn is not None:
+        mp = parallel.fsdp_mixed_precision(m)  # FSDPModule
+        if mp is not None:
             try:
-                mp = state_fn()._mp_policy
                 dtype = mp.reduce_dtype or mp.param_dtype
                 if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
                     out.add(torch.finfo(dtype).bits)
             except Exception:
                 pass
-        for hook, _ in getattr(m, "_comm_hooks", None) or ():  # DistributedDataParallel
+        for hook in parallel.ddp_comm_hooks(m):  # DistributedDataParallel
             bits = _COMPRESS_HOOKS.get(getattr(hook, "__name__", ""))
             if bits:
                 out.add(bits)
@@ -389,7 +389,7 @@ class CollectiveMismatch(Detector):
             self.param_bits = _param_bits(ctx.context.model)
             self.intended = intended_reduce_bits(ctx.context.model) if self.param_bits else set()
         if ctx.peers_fresh:  # pause points between the steps: together they hold the GIL for up to ~5 ms
-            fr, sizes = _peer_fr(ctx)
+            fr, sizes = peer_fr(ctx)
             gil.pause_point()
             every = sig.collective_mismatches(fr, sizes, self.param_bits) if len(fr) >= 2 else {}
             self.cross = every.get(ctx.rank, [])
@@ -456,7 +456,7 @@ class Straggler(Detector):
             return None
         if not ctx.warmed_up(int(self.p("quiet_steps")), int(self.p("max_busy_steps"))):
             return None  # ranks compiling at different speeds (a rank that started late still compiles)
-        fr, sizes = _peer_fr(ctx)
+        fr, sizes = peer_fr(ctx)
         since = max(self.warm_ns or 0, int(ctx.compile_last_ts * 1e9))
         if since and any(e[5] < since for entries in fr.values() for e in entries):  # else the shared
             fr = {r: [e for e in entries if e[5] >= since] for r, entries in fr.items()}  # dict: one common

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from hpar_agent.detectors.sources import step_state
 from hpar_agent.evidence import Evidence, main_stack
 from hpar_agent.spans import StepRecord
 from hpar_agent.thresholds import COMPONENT_DEFAULTS
-from hpar_agent.topology import _mesh_from_model, mesh_dim_names
+from hpar_agent.topology import mesh_dim_names, mesh_from_model
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -70,6 +71,8 @@ MAX_CULPRIT_SERIES = 16
 #: Seconds without an exchange after the store failed: torch logs every failed store call with its C++
 #: stack on stderr, and a store whose host exited fails every call.
 STORE_BACKOFF_S = 30.0
+#: Seconds the store's host waits at exit for its peers' goodbyes (they end within a few passes of it).
+BYE_WAIT_S = 1.0
 
 
 @dataclass
@@ -77,6 +80,7 @@ class AlertState:
     active: bool = False
     value: float = 0.0
     fired: int = 0
+    judged: int = 0  # verdicts given (a detector that had nothing to judge gives none)
     streak: int = 0  # consecutive verdicts disagreeing with ``active``
     last_fired_step: int | None = None
     last_log: float = -1e18
@@ -192,7 +196,10 @@ class DetectorsComponent(Component):
         try:
             self._goodbye()
         except Exception as exc:
-            self.record_error(exc)
+            if _store_failed(exc):  # its host exited first: nothing of this rank's is lost
+                log.debug("hpar_agent: goodbye not delivered (%s)", exc)
+            else:
+                self.record_error(exc)
         if self._store_tried and self._own_store:
             self.exchange = None
         if self.evidence is not None:
@@ -212,7 +219,18 @@ class DetectorsComponent(Component):
         set_timeout = getattr(ex.store, "set_timeout", None)
         if set_timeout is not None and self._own_store:
             set_timeout(timedelta(seconds=1))
-        ex.send(ex.encode({"s": last}))
+        ex.send([*ex.encode({"s": last}), (ex.key("bye", self.rank), last["bye"])])
+        if self.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            self._await_goodbyes(ex)
+
+    def _await_goodbyes(self, ex: Exchange) -> None:
+        """On the rank whose process hosts the job's store (rank 0 unless torchrun's agent does): wait,
+        ``BYE_WAIT_S`` at most, for the peers it saw to say goodbye. Its exit closes the store, and a
+        peer still reading it would fail its last calls, each logged by torch with a C++ stack."""
+        keys = [ex.key("bye", r) for r in self.seen if r != self.rank]
+        deadline = time.monotonic() + BYE_WAIT_S
+        while keys and not ex.store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def _exchange(self) -> None:
         """Capture this rank's payload when an exchange is due (``_due``), then read what the comparison
@@ -249,8 +267,9 @@ class DetectorsComponent(Component):
         if read:
             self._read_at = None
             self._wait_until(tick + offset, cad)
-            self.peers = self._read(self.exchange, cad)
-            self.peers_fresh = True
+            if not ctx.stopping:  # the peers end too, the store's host among them: publish only
+                self.peers = self._read(self.exchange, cad)
+                self.peers_fresh = True
         if self._pending is not None and self._passes >= self._pending[1]:
             parts, at = self._pending
             self._pending = None
@@ -419,7 +438,7 @@ class DetectorsComponent(Component):
         assert ctx is not None
         key = (id(ctx.mesh), id(ctx.model), ctx.topology.rank, ctx.topology.world_size)
         if self._plan_of is None or self._plan_of[0] != key:
-            mesh = ctx.mesh if ctx.mesh is not None else _mesh_from_model(ctx.model)
+            mesh = ctx.mesh if ctx.mesh is not None else mesh_from_model(ctx.model)
             self._plan_of = (key, plan(self._grid(mesh), ctx.topology.rank))
             self.seen = {r: p for r, p in self.seen.items() if r in self._plan_of[1].peers}
         return self._plan_of[1]
@@ -468,6 +487,7 @@ class DetectorsComponent(Component):
                 ctx.record_error(self.name, exc)
                 continue
             if verdict is not None:
+                self.states[d.name].judged += 1
                 self._update(d, verdict.active, verdict.value, verdict.details)
         self._publish_slow_rank(ctx)
 
@@ -606,10 +626,18 @@ class DetectorsComponent(Component):
                 "threshold": d.threshold,
                 "params": d.params,
                 "fired": st.fired,
+                "judged": st.judged,
                 "last_fired_step": st.last_fired_step,
                 "evidence": st.evidence,
             }
         return out
+
+
+def _store_failed(exc: BaseException) -> bool:
+    """A store call failed (connection reset, timeout): torch's ``DistError`` and its kinds."""
+    import torch.distributed as dist
+
+    return isinstance(exc, getattr(dist, "DistError", ()))
 
 
 def _culprits(details: Mapping[str, Any]) -> list[int]:

@@ -36,9 +36,9 @@ class GradSyncIncomplete(Detector):
         return {"gs": {"gst": tp}} if tp else {}
 
     def _judge_tp(self, ctx: Evaluation, comp: GradSyncCollector) -> None:
-        from hpar_agent.detectors.cluster import TP_KEYS, _my_group
+        from hpar_agent.detectors.cluster import TP_KEYS, my_group
 
-        group = _my_group(ctx, TP_KEYS, "gst")
+        group = my_group(ctx, TP_KEYS, "gst")
         if len(group) < 2:
             return
         steps = set.intersection(*(set(ctx.peers[r]["gst"]) for r in group))

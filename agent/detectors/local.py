@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
-from hpar_agent.detectors.cluster import _peer_fr
+from hpar_agent.detectors.cluster import peer_fr
 from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
@@ -333,7 +333,7 @@ class CollectiveLatencyHigh(Detector):
         single = ctx.context.topology.world_size <= 1
         arrivals: dict[tuple[str, int], list[int]] = {}
         if not single and ctx.peers_fresh:
-            fr, sizes = _peer_fr(ctx)
+            fr, sizes = peer_fr(ctx)
             for key, by_rank in sig.common_collectives(fr, sizes).items():
                 arrivals[key] = [e[5] for e in by_rank.values()]
         keep: deque[tuple[str, str, int, int, float, float]] = deque(maxlen=self.pending.maxlen)

@@ -285,7 +285,7 @@ def common_collectives(
 
 
 #: The last ``common_collectives`` answer and its inputs (by identity): the detectors of one exchange
-#: ask it of the same peers' entries (``cluster._peer_fr``) several times.
+#: ask it of the same peers' entries (``cluster.peer_fr``) several times.
 _common_memo: list[Any] = [None, None, None]
 
 
