@@ -225,9 +225,10 @@ class DetectorsComponent(Component):
 
     def _await_goodbyes(self, ex: Exchange) -> None:
         """On the rank whose process hosts the job's store (rank 0 unless torchrun's agent does): wait,
-        ``BYE_WAIT_S`` at most, for the peers it saw to say goodbye. Its exit closes the store, and a
-        peer still reading it would fail its last calls, each logged by torch with a C++ stack."""
-        keys = [ex.key("bye", r) for r in self.seen if r != self.rank]
+        ``BYE_WAIT_S`` at most, for every other rank to say goodbye. Its exit closes the store, and a
+        rank still reading it would fail its last calls, each logged by torch with a C++ stack."""
+        world = self.require_ctx().topology.world_size
+        keys = [ex.key("bye", r) for r in range(world) if r != self.rank]
         deadline = time.monotonic() + BYE_WAIT_S
         while keys and not ex.store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.02)
