@@ -1,6 +1,7 @@
-"""Detector base: a named signal with documented defaults, overridable per job.
+"""Detector base: a named signal whose parameters are declared once, overridable per job.
 
-Overrides come from ``AgentConfig.thresholds["<Alert>.<param>"]``. A detector only computes; the
+A detector's parameters are ``thresholds.DETECTOR_PARAMS[<its alert>]`` (name, default, meaning);
+overrides come from ``AgentConfig.thresholds["<Alert>.<param>"]``. A detector only computes; the
 DetectorsComponent owns the alert state machine (confirm/clear counts, metrics, events, evidence).
 """
 
@@ -10,6 +11,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -70,15 +73,21 @@ class Evaluation(Protocol):
 
 
 class Detector:
-    """Subclasses set ``name`` (an alert of the catalogue), ``defaults`` and ``threshold_param``."""
+    """Subclasses set ``name`` (an alert of the catalogue, whose parameters ``thresholds`` declares) and
+    ``threshold_param`` (the one ``hpar_alert_*`` reports as the threshold)."""
 
     name: ClassVar[str] = ""
-    defaults: ClassVar[dict[str, float]] = {}
+    defaults: ClassVar[Mapping[str, float]] = {}  # DETECTOR_DEFAULTS[name], set for each subclass
     threshold_param: ClassVar[str] = ""
     evidence: ClassVar[tuple[str, ...]] = ()  # kinds: pyspy, allocator, fr
     cross_rank: ClassVar[bool] = False
     confirm: ClassVar[int] = 1  # consecutive active evaluations before firing
     clear: ClassVar[int] = 1  # consecutive inactive evaluations before resolving
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            cls.defaults = DETECTOR_DEFAULTS[cls.name]
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         self.params = dict(self.defaults)

@@ -14,7 +14,6 @@ from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
 from hpar_agent.samples import copy_to_host, sample_cat, segment_sums, strided
-from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
     from hpar_agent.detectors.base import Evaluation
@@ -35,11 +34,6 @@ def _my_group(ctx: Evaluation, keys: tuple[str, ...], need: str) -> list[int]:
 class CompileDivergence(Detector):
     """Ranks of one pipeline stage that compiled different graphs (rank-dependent code, config drift).
 
-    | param | default | meaning |
-    |---|---|---|
-    | warmup_steps | 3 | fingerprints are compared once every rank of the stage completed this many steps |
-    | settle_s | 2 | a rank publishes its fingerprint once its compiles were quiet this long |
-
     A rank publishes its fingerprint only once its compile activity has settled (a rank mid-compile,
     or a moment after, publishes none), and the exchange carries a newly settled one once
     ``exchange_min_s`` passed since the last publish (the peers read it a poll later) rather than at
@@ -56,7 +50,6 @@ class CompileDivergence(Detector):
     """
 
     name = "CompileDivergence"
-    defaults = DETECTOR_DEFAULTS["CompileDivergence"]
     threshold_param = "warmup_steps"
     cross_rank = True
     confirm = 2
@@ -179,11 +172,6 @@ class ReplicaDivergence(Detector):
     """Parameters that must be identical across replicas are not (DDP coverage/nesting errors, TP
     gradients of replicated parameters not reduced, an HSDP replica that missed the replicate all-reduce).
 
-    | param | default | meaning |
-    |---|---|---|
-    | every_steps | 10 | checksum a fixed sample of every parameter every N steps |
-    | per_param | 16 | elements sampled per parameter (strided over the whole tensor) |
-
     Compared at the latest step every member checksummed, within the dp group (same tp/pp) and the tp
     group (same dp/pp), and there only among ranks holding the same piece of a parameter: equal shard
     keys (see ``shard_key``). Replicated parameters are compared across the whole group; TP shards across
@@ -196,7 +184,6 @@ class ReplicaDivergence(Detector):
     """
 
     name = "ReplicaDivergence"
-    defaults = DETECTOR_DEFAULTS["ReplicaDivergence"]
     threshold_param = "every_steps"
     cross_rank = True
 
@@ -351,10 +338,6 @@ class CollectiveMismatch(Detector):
     gradient reduction runs in lower precision than the parameters on this rank while its peers do not
     (e.g. a bf16 compress hook on an fp32 model on one rank).
 
-    | param | default | meaning |
-    |---|---|---|
-    | max_entries | 256 | recent flight-recorder entries each rank publishes |
-
     Only cross-rank disagreement fires: a low-precision reduction that every rank runs (FSDP
     ``MixedPrecisionPolicy(reduce_dtype=bf16)``, DDP's bf16 compress hook) never counts, and one the model
     declares is skipped outright. A narrow reduction counts when the latest exchange shows a peer
@@ -366,7 +349,6 @@ class CollectiveMismatch(Detector):
     """
 
     name = "CollectiveMismatch"
-    defaults = DETECTOR_DEFAULTS["CollectiveMismatch"]
     threshold_param = "max_entries"
     cross_rank = True
     evidence = ("fr",)
@@ -421,21 +403,11 @@ class Straggler(Detector):
     and NCCL) shows who arrives last at each (pg, seq): that rank is blamed for the wait it caused,
     net of the waits it suffered, in each half of the window (``signals.arrival_lag_ratio``).
 
-    | param | default | meaning |
-    |---|---|---|
-    | max_lag_ratio | 0.25 | fire when others wait for this rank more than this share of wall time (net, in both halves of the window; a 1.5x slower rank scores ~0.33) |
-    | min_collectives | 8 | common collectives in the window before judging |
-    | warmup_steps | 3 | collectives enqueued before this rank completed this many steps (compiles) are not judged |
-    | quiet_steps | 3 | ... nor before this rank's compiles were quiet this many steps (ranks compile at different speeds) |
-    | max_busy_steps | 10 | compiles going on for more steps than this are steady state, not warm-up |
-    | min_window_steps | 3 | the judged collectives must span this many median step times (persistence, not one step) |
-
     Confirmed on two consecutive exchanges. Value: this rank's lag ratio. Clock skew between hosts
     adds to every lag: keep hosts NTP/PTP-synced (typical skew << step time).
     """
 
     name = "Straggler"
-    defaults = DETECTOR_DEFAULTS["Straggler"]
     threshold_param = "max_lag_ratio"
     cross_rank = True
     confirm = 2

@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING, Any
 
 from hpar_agent.collectors.gradsync import GradSyncCollector
 from hpar_agent.detectors.base import Detector, Verdict
-from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
     from hpar_agent.detectors.base import Evaluation
@@ -16,16 +15,11 @@ class GradSyncIncomplete(Detector):
     """The lower of the last judged ``hpar_grad_sync_coverage_ratio{group="dp"}`` and ``{group="tp"}`` (see
     ``collectors.gradsync``; the tp one from gradient samples exchanged within the tp group).
 
-    | param | default | meaning |
-    |---|---|---|
-    | min_coverage | 0.99 | coverage below this fires: part of the gradient was never reduced over dp |
-
     Fires on the first judged step below the bound (a wrapper nested wrongly misses every step, from the
     first); resolves after 3 whole steps. Value: the coverage ratio.
     """
 
     name = "GradSyncIncomplete"
-    defaults = DETECTOR_DEFAULTS["GradSyncIncomplete"]
     threshold_param = "min_coverage"
     clear = 3
     cross_rank = True  # the tp coverage compares gradient samples across the tp group

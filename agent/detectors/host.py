@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING
 
 from hpar_agent.collectors.memory import NvmlCollector
 from hpar_agent.detectors.base import Detector, Verdict
-from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
     from hpar_agent.detectors.base import Evaluation
@@ -16,17 +15,12 @@ class NumaMisbinding(Detector):
     """The process's allowed CPUs (``os.sched_getaffinity``) share none with NVML's ideal CPUs for the
     rank's GPU (``nvmlDeviceGetCpuAffinity``), read once at attach (``hpar_agent.affinity``).
 
-    | param | default | meaning |
-    |---|---|---|
-    | min_shared_cpus | 1 | allowed CPUs that are ideal for the GPU, below which it fires |
-
     Fires at the first evaluation (the binding does not change); no NVML or no GPU: no verdict. Value:
     the allowed CPUs among the GPU's ideal ones. Details: allowed CPUs and NUMA nodes, the GPU's ideal
     CPUs and node.
     """
 
     name = "NumaMisbinding"
-    defaults = DETECTOR_DEFAULTS["NumaMisbinding"]
     threshold_param = "min_shared_cpus"
 
     def evaluate(self, ctx: Evaluation) -> Verdict | None:

@@ -17,7 +17,6 @@ from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors import waits
 from hpar_agent.detectors.base import Detector, Verdict
-from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
     from hpar_agent.detectors.base import Evaluation
@@ -26,11 +25,6 @@ if TYPE_CHECKING:
 
 class Hang(Detector):
     """A rank stuck in or missing a collective: an op in flight, or no step, for too long.
-
-    | param | default | meaning |
-    |---|---|---|
-    | timeout_s | 60 | silence that counts as a hang; raised to 10 median steps, capped at 80% of the pg timeout |
-    | warmup_steps | 2 | no-progress is judged only after this many steps (first steps compile) |
 
     An explicit ``Hang.timeout_s`` is used as is. Value: the longer of (seconds since the last step,
     oldest in-flight age). The agent thread keeps evaluating while training is blocked in C++.
@@ -47,7 +41,6 @@ class Hang(Detector):
     """
 
     name = "Hang"
-    defaults = DETECTOR_DEFAULTS["Hang"]
     threshold_param = "timeout_s"
     evidence = ("pyspy", "fr")
     cross_rank = True
@@ -126,10 +119,6 @@ def _group_size(label: str, topo: Topology) -> int | None:
 class RankGone(Detector):
     """A comparison peer that stopped publishing and whose process is gone, stopped, or out of sight.
 
-    | param | default | meaning |
-    |---|---|---|
-    | silent_s | 6 | a peer silent this long is judged; at least two exchange intervals |
-
     Every rank publishes its payload at each exchange (3 s) and says goodbye when it detaches (``bye``:
     a clean end, or how it ended: an uncaught exception, a signal). A peer whose last payload is older
     than ``silent_s`` and that never said goodbye cleanly is named (``details.culprits``), with how far
@@ -142,7 +131,6 @@ class RankGone(Detector):
     """
 
     name = "RankGone"
-    defaults = DETECTOR_DEFAULTS["RankGone"]
     threshold_param = "silent_s"
     cross_rank = True
     confirm = 2  # a pass apart: a job that fails everywhere at once (gloo) ends its ranks within it

@@ -11,7 +11,6 @@ from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
 from hpar_agent.detectors.cluster import _peer_fr
-from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
     from hpar_agent.detectors.base import Evaluation
@@ -38,15 +37,6 @@ class _Windowed:
 class RecompileStorm(Detector):
     """Compile-cache pollution: shapes, Python ints or dtypes that change every step.
 
-    | param | default | meaning |
-    |---|---|---|
-    | max_recompiles | 10 | fire when more recompiles (+ limit hits) than this happen within window_s |
-    | max_limit_hits | 0 | ... or when more frames than this hit Dynamo's recompile limit within window_s |
-    | window_s | 300 | window of the recompile count, seconds |
-    | min_hit_ratio | 0.3 | ... or when the compile-cache hit ratio after warm-up is below this |
-    | min_lookups | 20 | ... over at least this many cache lookups after warm-up |
-    | warmup_steps | 3 | cache lookups before this step (cold caches) are not judged |
-
     A limit hit is a storm by itself: the frame already recompiled ``recompile_limit`` times (8 by
     default, shared by every module instance of one code object, so a per-step storm on identical
     blocks never exceeds 10 recompiles) and now runs uncompiled for good. Value: recompiles in the window.
@@ -58,7 +48,6 @@ class RecompileStorm(Detector):
     """
 
     name = "RecompileStorm"
-    defaults = DETECTOR_DEFAULTS["RecompileStorm"]
     threshold_param = "max_recompiles"
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
@@ -97,17 +86,11 @@ class RecompileStorm(Detector):
 class GraphBreaks(Detector):
     """A graph-break reason never seen during warm-up (``.item()``, print, data-dependent branches).
 
-    | param | default | meaning |
-    |---|---|---|
-    | warmup_steps | 3 | reasons first seen before this many steps completed are the baseline |
-    | hold_steps | 20 | the alert stays active this many steps after the last new reason |
-
     Value: number of new reasons. Details carry the collector's text (user stack) per reason, and
     ``c10d_calls`` when a break comes from a torch.distributed (c10d) call inside compiled code.
     """
 
     name = "GraphBreaks"
-    defaults = DETECTOR_DEFAULTS["GraphBreaks"]
     threshold_param = "warmup_steps"
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
@@ -139,16 +122,6 @@ DEVICE_SOURCES = frozenset({"allocator", "reserved", "nvml"})
 class MemoryLeak(Detector):
     """Post-step memory that keeps rising after warm-up (held tensors, per-microbatch graph leaks).
 
-    | param | default | meaning |
-    |---|---|---|
-    | warmup_steps | 5 | samples before this step are ignored (allocator and caches filling) |
-    | quiet_steps | 3 | ... and samples before compiles have been quiet this many steps (compile caches, loaded kernels) |
-    | max_busy_steps | 10 | compiles going on for more steps than this are the job's steady state (a leak of compiled graphs), not warm-up |
-    | window | 12 | post-step samples in the trend window |
-    | min_slope_bytes | 1048576 | Theil-Sen slope (bytes/step) that counts as growth (1 MiB) |
-    | rss_min_slope_bytes | 2097152 | the same for host RSS (2 MiB), which glibc arenas and Python's allocator move on their own: a clean 40-step CPU demo rose 1.3 MB/step on every rank for a window |
-    | min_increase_fraction | 0.15 | fraction of steps that must rise (stair-steps; one jump is not a leak) |
-
     Per source (allocator, reserved, nvml, rss); the worst source fires. Value: slope in bytes/step. Growth must
     go on across the whole window (``signals.leak_signal``): an allocator or RSS that grows through
     warm-up and flattens fails, a stair-step leak passes. Detection: about ``quiet_steps + window`` steps
@@ -161,7 +134,6 @@ class MemoryLeak(Detector):
     """
 
     name = "MemoryLeak"
-    defaults = DETECTOR_DEFAULTS["MemoryLeak"]
     threshold_param = "min_slope_bytes"
     evidence = ("pyspy", "allocator", "profile")  # profile: a bounded py-spy record, off both threads
     clear = 3
@@ -239,19 +211,11 @@ class CompiledGraphsGrowing(Detector):
     """Compiled graphs still growing after warm-up: the PP x compile-cache leak (a fresh compiled
     function per microbatch that the schedule keeps alive; its graphs and their memory grow).
 
-    | param | default | meaning |
-    |---|---|---|
-    | warmup_steps | 5 | graphs compiled before this step are warm-up |
-    | window_steps | 10 | steps looked back |
-    | min_graphs | 4 | graphs compiled in the window (after warm-up) that count as growth |
-    | min_steps | 3 | ... spread over at least this many distinct steps (one late compile burst is not growth) |
-
     Value: graphs compiled in the window. Details name the code location (function file:line) that
     compiled most of them; MemoryLeak's evidence (py-spy profile) shows where it is called from.
     """
 
     name = "CompiledGraphsGrowing"
-    defaults = DETECTOR_DEFAULTS["CompiledGraphsGrowing"]
     threshold_param = "min_graphs"
     clear = 3
 
@@ -278,18 +242,8 @@ class CompiledGraphsGrowing(Detector):
 
 
 class CollectiveLatencyHigh(Detector):
-    """Slow links or long tails: a (pg, op)'s p99 transfer time over the recent window above its SLO.
-
-    | param | default | meaning |
-    |---|---|---|
-    | slo_s | 0.085 | p99 SLO in seconds of all_reduce (the SLI) |
-    | slo_s.<op> | - | SLO of another op, e.g. ``CollectiveLatencyHigh.slo_s.all_gather``; ops without one
-      are not judged: a p2p recv's time includes waiting for the peer's compute, not only the link |
-    | window_s | 60 | window of the p99, seconds |
-    | min_count | 20 | judged ops in the window before the p99 is judged |
-    | quiet_steps | 3 | ops enqueued before compiles have been quiet this many steps are not judged |
-    | max_busy_steps | 10 | compiles going on for more steps than this are steady state, not warm-up |
-    | match_s | 30 | an op whose peers' entries did not arrive within this is dropped unjudged |
+    """Slow links or long tails: a (pg, op)'s p99 transfer time over the recent window above its SLO
+    (``slo_s.<op>``: another op's SLO; ops without one are not judged).
 
     Judges the transfer, not the wait for a late peer: a timed op's duration (NCCL starts timing when
     the kernel starts, and the kernel waits for every member) includes the time until the last member
@@ -302,7 +256,6 @@ class CollectiveLatencyHigh(Detector):
     """
 
     name = "CollectiveLatencyHigh"
-    defaults = DETECTOR_DEFAULTS["CollectiveLatencyHigh"]
     threshold_param = "slo_s"
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
