@@ -93,7 +93,7 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-def _mesh_from_model(model: Any) -> Any:
+def mesh_from_model(model: Any) -> Any:
     """The DeviceMesh of the first DTensor parameter, if any."""
     if model is None or not hasattr(model, "parameters"):
         return None
@@ -228,7 +228,7 @@ def detect(
     rank = dist.get_rank() if initialized else _env_int("RANK", 0)
     world = dist.get_world_size() if initialized else _env_int("WORLD_SIZE", 1)
     coords = {d: (1, 0) for d in _MESH_DIMS}  # dim -> (degree, coordinate)
-    mesh = mesh if mesh is not None else _mesh_from_model(model)
+    mesh = mesh if mesh is not None else mesh_from_model(model)
     names = mesh_dim_names(mesh, model)
     dims: dict[str, tuple[int, int]] = {}
     try:

@@ -161,11 +161,11 @@ class CollectiveCollector(Component):
         """A mesh dim spanning the whole world reuses the default group (FR desc ``default_pg``): label
         that group by its dim (dp for a dp-only job; a flattened dim such as HSDP's ``dp`` when no atomic
         dim spans the world), as the other dims' ``mesh_<dim>`` groups are. Not pp: that label's in-flight view is the p2p wrapper's, and would hide a stalled world collective."""
-        from hpar_agent.topology import _mesh_from_model, mesh_dim_names
+        from hpar_agent.topology import mesh_dim_names, mesh_from_model
 
         mesh = getattr(agent, "mesh", None)
         if mesh is None:
-            mesh = _mesh_from_model(getattr(agent, "model", None))
+            mesh = mesh_from_model(getattr(agent, "model", None))
         for i, dim in enumerate(mesh_dim_names(mesh, getattr(agent, "model", None))):  # unnamed FSDP: dp_shard
             try:
                 if mesh.size(i) < 2:

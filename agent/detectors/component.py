@@ -52,7 +52,7 @@ from hpar_agent.detectors.sources import step_state
 from hpar_agent.evidence import Evidence, main_stack
 from hpar_agent.spans import StepRecord
 from hpar_agent.thresholds import COMPONENT_DEFAULTS
-from hpar_agent.topology import _mesh_from_model, mesh_dim_names
+from hpar_agent.topology import mesh_dim_names, mesh_from_model
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -419,7 +419,7 @@ class DetectorsComponent(Component):
         assert ctx is not None
         key = (id(ctx.mesh), id(ctx.model), ctx.topology.rank, ctx.topology.world_size)
         if self._plan_of is None or self._plan_of[0] != key:
-            mesh = ctx.mesh if ctx.mesh is not None else _mesh_from_model(ctx.model)
+            mesh = ctx.mesh if ctx.mesh is not None else mesh_from_model(ctx.model)
             self._plan_of = (key, plan(self._grid(mesh), ctx.topology.rank))
             self.seen = {r: p for r, p in self.seen.items() if r in self._plan_of[1].peers}
         return self._plan_of[1]
