@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpar_agent.collectors.memory import NvmlCollector
 from hpar_agent.detectors.base import Detector, Verdict
 
 if TYPE_CHECKING:
-    from hpar_agent.detectors.base import Evaluation
+    from hpar_agent.detectors.snapshot import Snapshot
 
 
 class NumaMisbinding(Detector):
@@ -23,9 +22,8 @@ class NumaMisbinding(Detector):
     name = "NumaMisbinding"
     threshold_param = "min_shared_cpus"
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        nvml = ctx.context.find(NvmlCollector)
-        binding = nvml.binding if nvml is not None else None
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        binding = snap.binding
         if binding is None or not binding.gpu_cpus:
             return None
         shared = len(binding.cpus & binding.gpu_cpus)

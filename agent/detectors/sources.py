@@ -1,4 +1,5 @@
-"""Readers of the collectors' state for the detectors: the one place that knows their fields.
+"""Readers of the collectors' state for the detectors' feed (``feed.DetectorFeed``, which puts what they
+read in each pass's snapshot): the one place that knows the collectors' fields.
 
 Every read is of a typed attribute of a collector class, found through the context by class: a renamed
 field fails mypy and ``tests/unit/test_sources.py``, rather than reading as "no data". A collector that
@@ -13,13 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.collectors.compile import CompileCollector
-from hpar_agent.collectors.memory import MemoryCollector
+from hpar_agent.collectors.gradsync import GradSyncCollector
+from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.detectors.signals import FrEntry
 from hpar_agent.detectors.waits import GroupState
 from hpar_agent.topology import ATOMIC_DIMS, FLATTENED_DIMS
 
 if TYPE_CHECKING:
+    from hpar_agent.affinity import Binding
     from hpar_agent.context import AgentContext
 
 
@@ -55,10 +58,19 @@ def graph_break_reasons(ctx: AgentContext) -> dict[str, int]:
     return dict(c.graph_breaks) if c is not None else {}
 
 
+def graph_break_info(ctx: AgentContext) -> dict[str, Any]:
+    """reason key -> what the compile collector logged for it (``break_detail`` reads one)."""
+    c = ctx.find(CompileCollector)
+    return dict(c.break_info) if c is not None else {}
+
+
 def graph_break_detail(ctx: AgentContext, reason: str) -> str:
     """The user stack / message the compile collector logged for ``reason`` (for the alert details)."""
-    c = ctx.find(CompileCollector)
-    entry = c.break_info.get(reason) if c is not None else None
+    return break_detail(graph_break_info(ctx).get(reason))
+
+
+def break_detail(entry: Any) -> str:
+    """The text of one ``graph_break_info`` entry: the c10d hint, the message, the first user frames."""
     if not isinstance(entry, Mapping):
         return ""
     frames = sorted(str(f) for f in entry.get("user_frames") or ())[:4]
@@ -67,10 +79,8 @@ def graph_break_detail(ctx: AgentContext, reason: str) -> str:
     return "; ".join([*head, str(entry.get("reason", ""))[:500], *frames])
 
 
-def graph_break_c10d(ctx: AgentContext, reason: str) -> str:
-    """The c10d function (e.g. broadcast) that caused graph breaks of ``reason``; '' for other breaks."""
-    c = ctx.find(CompileCollector)
-    entry = c.break_info.get(reason) if c is not None else None
+def break_c10d(entry: Any) -> str:
+    """The c10d function of one ``graph_break_info`` entry; '' for other breaks."""
     return str(entry.get("c10d") or "") if isinstance(entry, Mapping) else ""
 
 
@@ -139,11 +149,6 @@ def timed_ops(ctx: AgentContext) -> tuple[int, list[tuple[str, str, int, int, fl
     return (0, []) if c is None else (c.timed, list(c.timed_ops))
 
 
-def group_key(ctx: AgentContext, label: str) -> str:
-    """The pg id ``fr_entries`` gives this rank's group of ``label`` (to match timed ops with entries)."""
-    return _group_key(label, ctx.topology.coords())  # the same coordinates as fr_entries, or no op matches
-
-
 def oldest_inflight(ctx: AgentContext) -> dict[str, float]:
     """pg -> age in seconds of its oldest op not yet completed."""
     c = ctx.find(CollectiveCollector)
@@ -179,6 +184,30 @@ def pg_timeout_s(ctx: AgentContext) -> float | None:
     return float(v) if v is not None and v > 0 else None
 
 
+#: (dp coverage, tp coverage, last step judged, elements required, this rank's tp samples to publish)
+GradSync = tuple[float | None, float | None, int, int, dict[str, list[list[Any]]]]
+
+
+def grad_sync(ctx: AgentContext) -> GradSync | None:
+    """The gradient-sync collector's coverage (``GradSync``); None without one."""
+    c = ctx.find(GradSyncCollector)
+    return None if c is None else (c.coverage, c.tp_coverage, c.judged, c.required, c.published_tp())
+
+
+def judge_tp(ctx: AgentContext, step: int, samples: dict[int, Any]) -> None:
+    """Hand the tp group's gradient samples of one step (this rank's own included) to the gradient-sync
+    collector, which judges its tp coverage: the exchange carries its samples both ways (the one write)."""
+    c = ctx.find(GradSyncCollector)
+    if c is not None:
+        c.judge_tp(step, samples)
+
+
+def cpu_binding(ctx: AgentContext) -> Binding | None:
+    """The rank's CPU binding against its GPU's ideal CPUs (NVML, read once at attach); None without."""
+    c = ctx.find(NvmlCollector)
+    return c.binding if c is not None else None
+
+
 def group_key_of(label: str, coords: Mapping[str, Any]) -> str:
     """The pg id ``fr_entries`` gives the group of ``label`` on a rank with these (atomic) coordinates."""
     return _group_key(label, coords)
@@ -201,46 +230,52 @@ def _group_key(label: str, coords: Mapping[str, Any]) -> str:
     return f"{label}@" + ",".join(str(coords.get(k)) for k in ATOMIC_DIMS if k not in spans)
 
 
-#: The last ``fr_entries`` answer and what it was computed from: the kept entries change only at a full
-#: FR read (seconds apart), while two detectors ask for them on every pass (publish, evaluate).
-_fr_memo: dict[tuple[Any, ...], list[FrEntry]] = {}
+class FrWindow:
+    """``fr_entries`` kept across passes: the answer is computed again only when the kept entries
+    changed (at a full FR read, seconds apart), and then only the entries the window gained are
+    converted (a read adds a few dozen to a 256-entry window; converting the whole window again was the
+    detectors' largest cost between exchanges)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._out: list[FrEntry] = []
+        #: entries converted, by id (with the entry, so a reused id never matches), for the coordinates
+        #: they were made with
+        self._done: tuple[Any, dict[int, tuple[Any, FrEntry | None]]] = (None, {})
+
+    def read(self, ctx: AgentContext, limit: int = 256) -> list[FrEntry]:
+        """``fr_entries(ctx, limit)``; the list is the last one until the kept entries change: read it,
+        never change it."""
+        c = ctx.find(CollectiveCollector)
+        if c is None:
+            return []
+        v = c.recent_entries
+        coords = ctx.topology.coords()
+        last = v[-1] if v else None
+        record = last.get("record_id") if isinstance(last, Mapping) else None
+        key = (id(v), len(v), id(last), record, limit, tuple(coords.items()))
+        if key == self._key:
+            return self._out
+        uids: dict[str, str] = {}
+        done = self._done[1] if self._done[0] == key[-1] else {}  # conversions made with these coordinates
+        now_done: dict[int, tuple[Any, FrEntry | None]] = {}
+        out: list[FrEntry] = []
+        for e in itertools.islice(v, max(0, len(v) - limit), None):
+            was = done.get(id(e))  # converted at an earlier read (the window slides by a few entries)?
+            entry = was[1] if was is not None and was[0] is e else _fr_entry(e, coords, uids)
+            now_done[id(e)] = (e, entry)
+            if entry is not None:
+                out.append(entry)
+        self._done = (key[-1], now_done)
+        self._key, self._out = key, out
+        return out
 
 
 def fr_entries(ctx: AgentContext, limit: int = 256) -> list[FrEntry]:
     """Recent collectives (p2p excluded: its sequence numbers are per peer pair) as compact tuples
-    (pg id, seq, op, sizes, dtypes, time_created_ns); the pg id is made unique per group. The list is
-    shared between callers until the kept entries change: read it, never change it."""
-    c = ctx.find(CollectiveCollector)
-    if c is None:
-        return []
-    v = c.recent_entries
-    coords = ctx.topology.coords()
-    last = v[-1] if v else None
-    key = (id(v), len(v), id(last), last.get("record_id") if isinstance(last, Mapping) else None, limit,
-           tuple(coords.items()))  # fmt: skip
-    hit = _fr_memo.get(key)
-    if hit is not None:
-        return hit
-    uids: dict[str, str] = {}
-    done = _fr_done[1] if _fr_done[0] == key[-1] else {}  # conversions made with these coordinates
-    now_done: dict[int, tuple[Any, FrEntry | None]] = {}
-    out: list[FrEntry] = []
-    for e in itertools.islice(v, max(0, len(v) - limit), None):
-        was = done.get(id(e))  # converted at an earlier read (the window slides by a few entries)?
-        entry = was[1] if was is not None and was[0] is e else _fr_entry(e, coords, uids)
-        now_done[id(e)] = (e, entry)
-        if entry is not None:
-            out.append(entry)
-    _fr_done[:] = [key[-1], now_done]
-    _fr_memo.clear()
-    _fr_memo[key] = out
-    return out
-
-
-#: Entries ``fr_entries`` converted, by id (with the entry, so a reused id never matches), for the
-#: coordinates they were made with: a read adds a few dozen entries to a 256-entry window, and
-#: converting the whole window again was the detectors' largest cost between exchanges.
-_fr_done: list[Any] = [None, {}]
+    (pg id, seq, op, sizes, dtypes, time_created_ns); the pg id is made unique per group. Converted
+    afresh: ``FrWindow`` keeps a window converted from pass to pass."""
+    return FrWindow().read(ctx, limit)
 
 
 def _fr_entry(e: Any, coords: Mapping[str, Any], uids: dict[str, str]) -> FrEntry | None:

@@ -50,7 +50,7 @@ def test_every_reader_returns_the_collectors_state() -> None:
     assert src.cache_lookups(ctx) == (3.0, 1.0)
     assert src.graph_break_reasons(ctx) == {"gb0007": 2}
     assert "c10d call `broadcast`" in src.graph_break_detail(ctx, "gb0007")
-    assert src.graph_break_c10d(ctx, "gb0007") == "broadcast"
+    assert src.break_c10d(src.graph_break_info(ctx)["gb0007"]) == "broadcast"
     assert src.graph_compiles(ctx) == [(4, "m.py:3")]
     assert isinstance(src.graph_fingerprint(ctx), int)
     assert src.compile_activity(ctx) == (2.0, 0.0, 1.0, 0.0)
@@ -62,6 +62,8 @@ def test_every_reader_returns_the_collectors_state() -> None:
     assert src.pg_timeout_s(ctx) == 600.0
     assert [e[1:3] for e in src.fr_entries(ctx)] == [(0, "all_reduce")]
     assert src.step_state(ctx) == (6, 1.0, [0.3])
+    assert src.grad_sync(ctx) == (None, None, -1, 0, {})  # nothing judged yet
+    assert src.cpu_binding(ctx) is None  # read at install
 
 
 def test_without_collectors_every_reader_reads_no_data() -> None:
@@ -71,6 +73,7 @@ def test_without_collectors_every_reader_reads_no_data() -> None:
     assert src.compile_activity(ctx) is None and src.pg_timeout_s(ctx) is None
     assert src.memory_series(ctx) == {} and src.latency_histograms(ctx) == {} and src.fr_entries(ctx) == []
     assert src.timed_ops(ctx) == (0, []) and src.step_state(ctx) == (0, 0.0, [])
+    assert src.graph_break_info(ctx) == {} and src.grad_sync(ctx) is None and src.cpu_binding(ctx) is None
 
 
 def test_no_reader_guesses_attribute_names() -> None:
@@ -82,21 +85,22 @@ def test_no_reader_guesses_attribute_names() -> None:
 
 
 def test_fr_entries_are_shared_until_the_kept_entries_change() -> None:
-    """Two detectors ask every pass; the answer is computed again only when an FR read added entries."""
+    """The feed asks every pass; the answer is computed again only when an FR read added entries."""
     ctx = AgentContext(AgentConfig(), Topology())
     c = CollectiveCollector()
     ctx.components = [c]
     entry = {"pg": "dp", "seq": 1, "is_p2p": False, "op": "all_reduce", "input_sizes": "[[4]]",
              "input_dtypes": "Float", "time": 1.0, "record_id": 1}
     c.recent_entries.append(entry)
-    first = src.fr_entries(ctx)
-    assert src.fr_entries(ctx) is first and [e[1] for e in first] == [1]
+    window = src.FrWindow()
+    first = window.read(ctx)
+    assert window.read(ctx) is first and [e[1] for e in first] == [1]
     c.recent_entries.append({**entry, "seq": 2, "record_id": 2})
-    second = src.fr_entries(ctx)
+    second = window.read(ctx)
     assert second is not first and [e[1] for e in second] == [1, 2]
-    assert [e[1] for e in src.fr_entries(ctx, limit=1)] == [2]
+    assert [e[1] for e in window.read(ctx, limit=1)] == [2]
     ctx.topology = dataclasses.replace(ctx.topology, tp_rank=1)  # other coordinates: other group ids
-    assert src.fr_entries(ctx) is not second
+    assert window.read(ctx) is not second
 
 
 def test_steps_done_is_the_training_threads_count_not_the_last_drain():
@@ -124,21 +128,20 @@ def test_fr_entries_convert_a_sliding_window_as_a_fresh_conversion_would() -> No
                                         "time_created_ns": 10**18 + i, "is_p2p": i % 7 == 0})  # fmt: skip
 
     def fresh() -> list[tuple]:
-        src._fr_done[:] = [None, {}]
-        src._fr_memo.clear()
-        return src.fr_entries(ctx, 64)
+        return src.fr_entries(ctx, 64)  # a window of its own: converted from scratch
 
+    window = src.FrWindow()
     add(0, 100)
-    src.fr_entries(ctx, 64)
+    window.read(ctx, 64)
     for first in (100, 130, 160):
         add(first, 30)
-        got = src.fr_entries(ctx, 64)
+        got = window.read(ctx, 64)
         assert got == fresh()
         assert [e[1] for e in got] == [i for i in range(first + 30 - 64, first + 30) if i % 7]  # no p2p
     coll.recent_entries[-1] = {**coll.recent_entries[-1], "op": "broadcast", "seq": 999, "is_p2p": False}  # a new dict
-    assert src.fr_entries(ctx, 64)[-1][1:3] == (999, "broadcast")
+    assert window.read(ctx, 64)[-1][1:3] == (999, "broadcast")
     ctx.topology = dataclasses.replace(ctx.topology, dp_rank=1)  # other coordinates: other pg ids
-    assert src.fr_entries(ctx, 64) == fresh()
+    assert window.read(ctx, 64) == fresh()
 
 
 def test_memory_series_last_keeps_the_latest_samples_only() -> None:
