@@ -1,8 +1,8 @@
 """DetectorsComponent: evaluates every detector on the agent thread and turns verdicts into alerts.
 
 One pass: the feed reads the collectors into a snapshot (``feed``), the cross-rank exchange captures,
-reads and publishes what is due (``exchange``), the snapshot is completed with what it read, every
-detector evaluates it, and the alert book turns the verdicts into alerts (``alerts``).
+reads and publishes what is due (``exchange``), the snapshot is completed with what it read (in a pass
+that read), every detector evaluates it, and the alert book turns the verdicts into alerts (``alerts``).
 """
 
 from __future__ import annotations
@@ -165,18 +165,20 @@ class DetectorsComponent(Component):
         ex = self.crossrank
         ex.begin(now)
         evidence_on = self.book.evidence is not None and ctx.config.evidence
-        local = self.feed.snapshot(ctx, now, evidence_on=evidence_on)
+        snap = self.feed.snapshot(ctx, now, ex.view(), evidence_on)
         if ex.up():
             try:
                 ex.run(
-                    self._change_token(local),
+                    self._change_token(snap),
                     confirming=lambda: self.book.confirming(self.detectors),
-                    payload=lambda: payload(local, self.detectors),
+                    payload=lambda: payload(snap, self.detectors),
                 )
             except Exception as exc:
                 ex.back_off()
                 ctx.record_error(self.name, exc)
-        snap = self.snapshot = self.feed.complete(ctx, local, ex.view())
+        if ex.view() is not snap.exchange or ctx.stopping != snap.stopping:  # the turn read, or a stop
+            snap = self.feed.complete(ctx, snap, ex.view())
+        self.snapshot = snap
         for d in self.detectors:
             gil.pause_point()
             try:

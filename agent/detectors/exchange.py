@@ -72,9 +72,10 @@ class CrossRankExchange:
         self._read_at: int | None = None  # the pass to read the peers' payloads of the last publish
         self._slot = -1.0  # the exchange slot last published in (see ``_due``)
         self._cadence_of: tuple[tuple[int, float, float], Cadence] | None = None
-        self._plan_of: tuple[tuple[int, ...], PeerPlan] | None = (
-            None  # (mesh, model ids, rank, world) -> plan
-        )
+        #: (mesh id, model id, rank, world size) -> plan
+        self._plan_of: tuple[tuple[int, ...], PeerPlan] | None = None
+        self._reads = 0  # reads of the store so far
+        self._view: tuple[tuple[Any, ...], PeerView] | None = None  # (what it was built from, the last view)
 
     def install(self, ctx: AgentContext, exchange_s: float, exchange_min_s: float, stale_s: float) -> None:
         self.ctx = ctx
@@ -138,6 +139,7 @@ class CrossRankExchange:
             self._wait_until(tick + offset, cad)
             self.peers = self._read(self.exchange, cad, rank)
             self.fresh = True
+            self._reads += 1
         if self._pending is not None and self._passes >= self._pending[1]:
             parts, at = self._pending
             self._pending = None
@@ -147,16 +149,22 @@ class CrossRankExchange:
             self._read_at = at + cad.polls
 
     def view(self) -> PeerView:
-        """What the detectors read of the exchange in this pass (``seen`` as it is now)."""
-        return PeerView(
-            peers=self.peers,
-            fresh=self.fresh,
-            seen=dict(self.seen),
-            groups=self.peer_groups,
-            read_ok_at=self.read_ok_at,
-            interval_s=self.cadence().interval_s,
-            fetch=self.fetch,
-        )
+        """What the detectors read of the exchange now: the same object until a read, a new plan or
+        cadence, the store opened, or the end of the pass that read."""
+        plan, cad = self._plan(), self.cadence()
+        key = (self._reads, self.fresh, plan, cad, self.exchange)  # the objects: an id may be reused
+        if self._view is None or self._view[0] != key:
+            view = PeerView(
+                peers=self.peers,
+                fresh=self.fresh,
+                seen=dict(self.seen),
+                groups=plan.groups,
+                read_ok_at=self.read_ok_at,
+                interval_s=cad.interval_s,
+                fetch=self.fetch,
+            )
+            self._view = (key, view)
+        return self._view[1]
 
     # ------------------------------------------------------------------------------------ pacing
     def cadence(self) -> Cadence:

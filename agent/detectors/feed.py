@@ -1,8 +1,8 @@
 """What feeds the detectors: each pass's ``Snapshot`` read from the collectors (through ``sources``),
 and the compile warm-up signal tracked from pass to pass.
 
-Every source is read inside its own guard: a reader that fails is counted and reads as no data, so one
-broken source silences only the detectors that need it.
+Each collector's state is read inside its own guard: a reader that fails is counted and reads as no
+data, so one broken collector silences only the detectors that need it.
 """
 
 from __future__ import annotations
@@ -13,16 +13,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
-from hpar_agent.detectors.snapshot import (
-    CollectiveState,
-    CompileState,
-    CompileWarmup,
-    GradSyncState,
-    MemoryState,
-    PeerView,
-    Snapshot,
-    TimedOp,
-)
+from hpar_agent.detectors.snapshot import CompileWarmup, PeerView, Snapshot
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -35,9 +26,9 @@ def _ignore(exc: BaseException) -> None:
 
 
 class DetectorFeed:
-    """Builds the snapshot of a pass: ``snapshot`` at its start (what a payload is built from), then
-    ``complete`` with what the exchange read. ``memory_window`` post-step samples per memory source and
-    ``fr_limit`` flight-recorder entries are read (what MemoryLeak and CollectiveMismatch judge)."""
+    """Builds the snapshot of a pass (``snapshot``), completed with what the exchange read in it
+    (``complete``). ``memory_window`` post-step samples per memory source and ``fr_limit`` flight-recorder
+    entries are read (what MemoryLeak and CollectiveMismatch judge)."""
 
     def __init__(
         self, memory_window: int = 0, fr_limit: int = 256, on_error: Callable[[BaseException], None] = _ignore
@@ -46,78 +37,61 @@ class DetectorFeed:
         self.fr_limit = fr_limit
         self.on_error = on_error
         self.fr = src.FrWindow()
-        self._compile_token: tuple[float, ...] | None = None
+        self._activity: tuple[float, ...] | None = None  # the compile collector's, at the last pass
         self._busy = False  # the last pass saw compile work
         self._busy_since = 0  # first step of the current stretch of passes that saw compile work
         self._last_ts = 0.0  # agent-thread time compile activity was last seen (0: never)
         self._last_step = 0
 
-    def snapshot(self, ctx: AgentContext, now: float, evidence_on: bool = False) -> Snapshot:
-        """The collectors' state now (no exchange yet: ``complete`` adds it). A payload is built from it."""
+    def snapshot(
+        self, ctx: AgentContext, now: float, exchange: PeerView | None = None, evidence_on: bool = False
+    ) -> Snapshot:
+        """The collectors' state now, with ``exchange``: what the exchange holds before this pass's turn
+        (a payload is built from this snapshot; ``complete`` adds what the turn read)."""
         steps_done, last_step_ts, durations = src.step_state(ctx)
-        try:
-            self._track_compiles(ctx, now, steps_done)
-        except Exception as exc:
-            self.on_error(exc)
         topo = ctx.topology
+        comp = self._read(ctx, src.compile_state, None)
+        self._track_compiles(comp, now, steps_done)
         return Snapshot(
-            now=now, topology=topo, coords=topo.coords(), steps_done=steps_done, last_step_ts=last_step_ts,
-            step_durations=durations, warmup=self._warmup(now, steps_done), compile=self._read(ctx, self._compile, None),
-            memory=self._memory(ctx), collectives=self._collectives(ctx), grad_sync=self._read(ctx, self._grad_sync, None),
-            binding=self._read(ctx, src.cpu_binding, None), model=ctx.model, evidence_on=evidence_on,
+            now=now,
+            topology=topo,
+            coords=topo.coords(),
+            steps_done=steps_done,
+            last_step_ts=last_step_ts,
+            step_durations=durations,
+            warmup=self._warmup(now, steps_done),
+            compile=comp,
+            memory=self._read(ctx, lambda c: src.memory_state(c, self.memory_window), src.NO_MEMORY),
+            collectives=self._read(
+                ctx, lambda c: src.collective_state(c, self.fr, self.fr_limit), src.NO_COLLECTIVES
+            ),
+            grad_sync=self._read(ctx, src.grad_sync, None),
+            binding=self._read(ctx, src.cpu_binding, None),
+            model=ctx.model,
+            evidence_on=evidence_on,
             stopping=ctx.stopping,
-        )  # fmt: skip
+            exchange=exchange if exchange is not None else PeerView(),
+        )
 
-    def complete(self, ctx: AgentContext, local: Snapshot, view: PeerView) -> Snapshot:
-        """``local`` with what the exchange holds now. A fresh read brings the tp peers' gradient samples
-        to the gradient-sync collector first, so the coverage read is the one just judged; whether the
-        agent stops is read again (a stop ends the exchange's wait at once)."""
-        grad = local.grad_sync
+    def complete(self, ctx: AgentContext, snap: Snapshot, view: PeerView) -> Snapshot:
+        """``snap`` with what the exchange holds after its turn. A fresh read brings the tp peers' gradient
+        samples to the gradient-sync collector first, so the coverage read is the one just judged; whether
+        the agent stops is read again (a stop ends the exchange's wait at once)."""
+        grad = snap.grad_sync
         if view.fresh:
             try:
-                self._deliver_tp_samples(ctx, local.rank, view)
+                self._deliver_tp_samples(ctx, snap.rank, view)
             except Exception as exc:
                 self.on_error(exc)
-            grad = self._read(ctx, self._grad_sync, None)
-        return dataclasses.replace(local, exchange=view, grad_sync=grad, stopping=ctx.stopping)
+            grad = self._read(ctx, src.grad_sync, None)
+        return dataclasses.replace(snap, exchange=view, grad_sync=grad, stopping=ctx.stopping)
 
-    # ------------------------------------------------------------------------------------ readers
     def _read(self, ctx: AgentContext, reader: Callable[[AgentContext], T], default: T) -> T:
         try:
             return reader(ctx)
         except Exception as exc:
             self.on_error(exc)
             return default
-
-    def _compile(self, ctx: AgentContext) -> CompileState | None:
-        total = src.recompiles_total(ctx)
-        if total is None:
-            return None
-        return CompileState(
-            recompiles=total, limit_hits=src.recompile_limit_hits(ctx), cache_lookups=src.cache_lookups(ctx) or (0.0, 0.0),
-            graph_breaks=src.graph_break_reasons(ctx), break_info=src.graph_break_info(ctx),
-            graph_log=src.graph_compiles(ctx) or [], fingerprint=src.graph_fingerprint(ctx) or 0,
-        )  # fmt: skip
-
-    def _memory(self, ctx: AgentContext) -> MemoryState:
-        return MemoryState(
-            series=self._read(ctx, lambda c: src.memory_series(c, last=self.memory_window), {}),
-            room=self._read(ctx, src.memory_room, {}),
-        )
-
-    def _collectives(self, ctx: AgentContext) -> CollectiveState:
-        none: tuple[int, list[TimedOp]] = (0, [])
-        timed, ops = self._read(ctx, src.timed_ops, none)
-        return CollectiveState(
-            timed=timed, timed_ops=ops, oldest_inflight=self._read(ctx, src.oldest_inflight, {}),
-            groups=self._read(ctx, src.group_states, {}), pg_timeout_s=self._read(ctx, src.pg_timeout_s, None),
-            fr_entries=self._read(ctx, lambda c: self.fr.read(c, self.fr_limit), []),
-        )  # fmt: skip
-
-    @staticmethod
-    def _grad_sync(ctx: AgentContext) -> GradSyncState | None:
-        got = src.grad_sync(ctx)
-        return None if got is None else GradSyncState(*got)
 
     @staticmethod
     def _deliver_tp_samples(ctx: AgentContext, rank: int, view: PeerView) -> None:
@@ -129,14 +103,13 @@ class DetectorFeed:
             src.judge_tp(ctx, int(step), {r: view.peers[r]["gst"][step] for r in group})
 
     # ------------------------------------------------------------------------------------ compile warm-up
-    def _track_compiles(self, ctx: AgentContext, now: float, steps_done: int) -> None:
-        token = src.compile_activity(ctx)
-        if token is None:
+    def _track_compiles(self, comp: src.CompileState | None, now: float, steps_done: int) -> None:
+        if comp is None:
             self._busy = False
             return
-        prev = self._compile_token
+        token, prev = comp.activity, self._activity
         busy = token[-1] > 0 or (token != prev if prev is not None else any(token))
-        self._compile_token = token
+        self._activity = token
         if busy:
             if not self._busy:
                 self._busy_since = steps_done
@@ -146,7 +119,9 @@ class DetectorFeed:
 
     def _warmup(self, now: float, steps_done: int) -> CompileWarmup:
         return CompileWarmup(
-            last_ts=self._last_ts, last_step=self._last_step,
-            quiet_s=now - self._last_ts if self._last_ts else float("inf"), quiet_steps=steps_done - self._last_step,
+            last_ts=self._last_ts,
+            last_step=self._last_step,
+            quiet_s=now - self._last_ts if self._last_ts else float("inf"),
+            quiet_steps=steps_done - self._last_step,
             busy_steps=steps_done - self._busy_since if self._busy else 0,
-        )  # fmt: skip
+        )

@@ -14,11 +14,10 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
-from hpar_agent.detectors.waits import GroupState
 from hpar_agent.topology import Topology
 
 if TYPE_CHECKING:
@@ -29,16 +28,13 @@ KNOWN_PGS = ("dp", "tp", "pp", "default_pg", "dp_replicate", "dp_shard", "cp")
 
 #: ``fetch(purpose, ranks)``: those ranks' blobs of one purpose read from the store now (see ``PeerView``).
 Fetch = Callable[[str, Iterable[int]], dict[int, dict[str, Any]]]
-#: (pg label, op, seq, enqueue ns, seconds) of a timed collective
-TimedOp = tuple[str, str, int, int, float]
 
 
 def _fetch_nothing(purpose: str, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
     return {}
 
 
-@dataclass(frozen=True)
-class CompileWarmup:
+class CompileWarmup(NamedTuple):
     """Compile activity (a compile started, ended or added a graph) as tracked up to this pass, for the
     detectors that must not judge compile warm-up."""
 
@@ -55,52 +51,7 @@ class CompileWarmup:
         return self.quiet_steps >= quiet_steps or self.busy_steps > max_busy_steps
 
 
-@dataclass(frozen=True)
-class CompileState:
-    """The compile collector's state (the snapshot holds None without one)."""
-
-    recompiles: float  # recompiles plus recompile-limit hits so far
-    limit_hits: float
-    cache_lookups: tuple[float, float]  # (hits, misses) over the compile caches so far
-    graph_breaks: Mapping[str, int]  # reason key -> breaks so far
-    break_info: Mapping[str, Any]  # reason key -> what the collector logged (``sources.break_detail``)
-    graph_log: Sequence[tuple[int, str]]  # (step, code location) of every graph compiled (bounded)
-    fingerprint: int
-
-    def break_detail(self, reason: str) -> str:
-        """The user stack / message logged for graph breaks of ``reason`` (for the alert details)."""
-        return src.break_detail(self.break_info.get(reason))
-
-    def break_c10d(self, reason: str) -> str:
-        """The c10d function (e.g. broadcast) that caused graph breaks of ``reason``; '' for other breaks."""
-        return src.break_c10d(self.break_info.get(reason))
-
-
-@dataclass(frozen=True)
-class MemoryState:
-    series: Mapping[str, Sequence[tuple[int, float]]] = field(
-        default_factory=dict
-    )  # source -> last (step, bytes)
-    room: Mapping[str, int] = field(default_factory=dict)  # source -> bytes left (``sources.memory_room``)
-
-
-@dataclass(frozen=True)
-class CollectiveState:
-    timed: int = 0  # ops timed so far
-    timed_ops: Sequence[TimedOp] = ()  # the most recent ones
-    oldest_inflight: Mapping[str, float] = field(default_factory=dict)  # pg -> age of its oldest op in flight
-    groups: Mapping[str, GroupState] = field(default_factory=dict)  # pg id -> this rank's last seqs
-    pg_timeout_s: float | None = None
-    fr_entries: Sequence[sig.FrEntry] = ()  # the last flight-recorder entries (``sources.fr_entries``)
-
-
-@dataclass(frozen=True)
-class GradSyncState:
-    coverage: float | None  # dp coverage of the last judged step
-    tp_coverage: float | None
-    judged: int  # the last step judged
-    required: int  # gradient elements a step must reduce
-    tp_samples: Mapping[str, Any]  # this rank's tp gradient samples, for its tp peers
+NO_WARMUP = CompileWarmup()
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,11 +102,11 @@ class Snapshot:
     steps_done: int = 0
     last_step_ts: float = 0.0  # unix time of the last step
     step_durations: Sequence[float] = ()  # recent step durations, seconds
-    warmup: CompileWarmup = field(default_factory=CompileWarmup)
-    compile: CompileState | None = None
-    memory: MemoryState = field(default_factory=MemoryState)
-    collectives: CollectiveState = field(default_factory=CollectiveState)
-    grad_sync: GradSyncState | None = None
+    warmup: CompileWarmup = NO_WARMUP
+    compile: src.CompileState | None = None  # None without a compile collector
+    memory: src.MemoryState = src.NO_MEMORY
+    collectives: src.CollectiveState = src.NO_COLLECTIVES
+    grad_sync: src.GradSyncState | None = None
     binding: Binding | None = None  # the CPU binding against the GPU's ideal CPUs (read once at attach)
     model: Any = None  # the user's model: its metadata only (parameter dtypes, wrappers' hooks)
     evidence_on: bool = False  # evidence is collected (``AgentConfig.evidence``)

@@ -45,22 +45,25 @@ def _context() -> AgentContext:
 
 def test_every_reader_returns_the_collectors_state() -> None:
     ctx = _context()
-    assert src.recompiles_total(ctx) == 3.0  # 2 recompiles + 1 limit hit
-    assert src.recompile_limit_hits(ctx) == 1.0
-    assert src.cache_lookups(ctx) == (3.0, 1.0)
-    assert src.graph_break_reasons(ctx) == {"gb0007": 2}
-    assert "c10d call `broadcast`" in src.graph_break_detail(ctx, "gb0007")
-    assert src.break_c10d(src.graph_break_info(ctx)["gb0007"]) == "broadcast"
-    assert src.graph_compiles(ctx) == [(4, "m.py:3")]
-    assert isinstance(src.graph_fingerprint(ctx), int)
-    assert src.compile_activity(ctx) == (2.0, 0.0, 1.0, 0.0)
-    assert src.memory_series(ctx) == {"rss": [(5, float(1 << 20))]}
+    comp = src.compile_state(ctx)
+    assert comp is not None
+    assert comp.recompiles == 3.0  # 2 recompiles + 1 limit hit
+    assert comp.limit_hits == 1.0
+    assert comp.cache_lookups == (3.0, 1.0)
+    assert comp.graph_breaks == {"gb0007": 2}
+    assert "c10d call `broadcast`" in comp.break_detail("gb0007") == src.graph_break_detail(ctx, "gb0007")
+    assert comp.break_c10d("gb0007") == "broadcast"
+    assert comp.graph_log == [(4, "m.py:3")]
+    assert isinstance(comp.fingerprint, int)
+    assert comp.activity == (2.0, 0.0, 1.0, 0.0)
+    assert src.memory_state(ctx) == ({"rss": [(5, float(1 << 20))]}, {})  # no room off CUDA
     (bounds, counts), = src.latency_histograms(ctx).values()
     assert bounds == (0.1, 1.0) and sum(counts) == 1
-    assert src.timed_ops(ctx) == (1, [("dp", "all_reduce", 0, 1, 0.01)])
-    assert src.oldest_inflight(ctx) == {"dp": 1.5}
-    assert src.pg_timeout_s(ctx) == 600.0
-    assert [e[1:3] for e in src.fr_entries(ctx)] == [(0, "all_reduce")]
+    coll = src.collective_state(ctx)
+    assert (coll.timed, coll.timed_ops) == (1, [("dp", "all_reduce", 0, 1, 0.01)])
+    assert coll.oldest_inflight == {"dp": 1.5}
+    assert coll.pg_timeout_s == 600.0
+    assert [e[1:3] for e in coll.fr_entries] == [(0, "all_reduce")] == [e[1:3] for e in src.fr_entries(ctx)]
     assert src.step_state(ctx) == (6, 1.0, [0.3])
     assert src.grad_sync(ctx) == (None, None, -1, 0, {})  # nothing judged yet
     assert src.cpu_binding(ctx) is None  # read at install
@@ -68,12 +71,10 @@ def test_every_reader_returns_the_collectors_state() -> None:
 
 def test_without_collectors_every_reader_reads_no_data() -> None:
     ctx = AgentContext(AgentConfig(), Topology())
-    assert src.recompiles_total(ctx) is None and src.cache_lookups(ctx) is None
-    assert src.graph_compiles(ctx) is None and src.graph_fingerprint(ctx) is None
-    assert src.compile_activity(ctx) is None and src.pg_timeout_s(ctx) is None
-    assert src.memory_series(ctx) == {} and src.latency_histograms(ctx) == {} and src.fr_entries(ctx) == []
-    assert src.timed_ops(ctx) == (0, []) and src.step_state(ctx) == (0, 0.0, [])
-    assert src.graph_break_info(ctx) == {} and src.grad_sync(ctx) is None and src.cpu_binding(ctx) is None
+    assert src.compile_state(ctx) is None and src.graph_break_detail(ctx, "gb0007") == ""
+    assert src.memory_state(ctx) == ({}, {}) and src.latency_histograms(ctx) == {} and src.fr_entries(ctx) == []
+    assert src.collective_state(ctx) == (0, [], {}, {}, None, []) and src.step_state(ctx) == (0, 0.0, [])
+    assert src.grad_sync(ctx) is None and src.cpu_binding(ctx) is None
 
 
 def test_no_reader_guesses_attribute_names() -> None:
@@ -150,8 +151,8 @@ def test_memory_series_last_keeps_the_latest_samples_only() -> None:
     assert mem is not None
     for step in range(6, 30):
         mem.post_step["rss"].append((step, step << 20))
-    assert src.memory_series(ctx, last=4) == {"rss": [(s, float(s << 20)) for s in range(26, 30)]}
-    assert len(src.memory_series(ctx)["rss"]) == 25  # unset: the whole history
+    assert src.memory_state(ctx, last=4).series == {"rss": [(s, float(s << 20)) for s in range(26, 30)]}
+    assert len(src.memory_state(ctx).series["rss"]) == 25  # unset: the whole history
 
 
 def test_group_key_separates_hsdp_groups() -> None:
