@@ -165,7 +165,8 @@ class DetectorsComponent(Component):
         ex = self.crossrank
         ex.begin(now)
         evidence_on = self.book.evidence is not None and ctx.config.evidence
-        snap = self.feed.snapshot(ctx, now, ex.view(), evidence_on)
+        before = ex.view()
+        snap = self.feed.snapshot(ctx, now, before, evidence_on)
         if ex.up():
             try:
                 ex.run(
@@ -176,8 +177,9 @@ class DetectorsComponent(Component):
             except Exception as exc:
                 ex.back_off()
                 ctx.record_error(self.name, exc)
-        if ex.view() is not snap.exchange or ctx.stopping != snap.stopping:  # the turn read, or a stop
-            snap = self.feed.complete(ctx, snap, ex.view())
+        after = ex.view()
+        if after is not before or ctx.stopping != snap.stopping:  # the turn read, or the agent stops
+            snap = self.feed.complete(ctx, snap, after)
         self.snapshot = snap
         for d in self.detectors:
             gil.pause_point()

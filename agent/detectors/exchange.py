@@ -151,14 +151,15 @@ class CrossRankExchange:
     def view(self) -> PeerView:
         """What the detectors read of the exchange now: the same object until a read, a new plan or
         cadence, the store opened, or the end of the pass that read."""
-        plan, cad = self._plan(), self.cadence()
+        cad = self.cadence()
+        plan = self._plan() if self._ctx().topology.world_size > 1 else None  # one rank: no peers
         key = (self._reads, self.fresh, plan, cad, self.exchange)  # the objects: an id may be reused
         if self._view is None or self._view[0] != key:
             view = PeerView(
                 peers=self.peers,
                 fresh=self.fresh,
                 seen=dict(self.seen),
-                groups=plan.groups,
+                groups=plan.groups if plan is not None else {},
                 read_ok_at=self.read_ok_at,
                 interval_s=cad.interval_s,
                 fetch=self.fetch,
