@@ -85,6 +85,7 @@ class DetectorsComponent(Component):
         super().__init__()
         self.detectors: list[Detector] = []
         self._step_detectors: tuple[ReplicaDivergence | None, Straggler | None] = (None, None)
+        self._compile_divergence: CompileDivergence | None = None
         self.book = AlertBook(evidence)
         self.crossrank = CrossRankExchange(exchange)
         self.feed = DetectorFeed()
@@ -97,6 +98,7 @@ class DetectorsComponent(Component):
         params = {k: float(th.get(f"detectors.{k}", v)) for k, v in COMPONENT_DEFAULTS.items()}
         self.detectors = [cls(th) for cls in ALL_DETECTORS]
         self._step_detectors = (self.detector(ReplicaDivergence), self.detector(Straggler))  # looked up once
+        self._compile_divergence = self.detector(CompileDivergence)
         self.book.install(ctx, params["log_interval_s"], self.record_error)
         self.crossrank.install(ctx, params["exchange_s"], params["exchange_min_s"], params["stale_s"])
         leak, mismatch = self.detector(MemoryLeak), self.detector(CollectiveMismatch)
@@ -197,7 +199,7 @@ class DetectorsComponent(Component):
         rank reaching the detectors' warm-up step. New flight-recorder entries do not count: they change
         at every read of a running job, and exchanging them every poll made the exchange and the
         cross-rank detectors over half of the agent thread's work."""
-        cd = self.detector(CompileDivergence)
+        cd = self._compile_divergence
         fp = cd.settled_fingerprint(snap) if cd is not None else None
         return (fp, min(snap.steps_done, WARMUP_STEP))
 
@@ -205,7 +207,7 @@ class DetectorsComponent(Component):
         """What the Straggler detector concluded, for the step anatomy (``AgentContext.slow_rank``):
         this rank's own alert, else the peer it confirmed slowest among the ranks' exchanged lags."""
         st = self.states.get("Straggler")
-        d = self.detector(Straggler)
+        d = self._step_detectors[1]
         out = ctx.slow_rank
         out.here = st is not None and st.active
         slowest = d.slowest if d is not None and st is not None and not out.here else None

@@ -50,12 +50,13 @@ class DetectorFeed:
         (a payload is built from this snapshot; ``complete`` adds what the turn read)."""
         steps_done, last_step_ts, durations = src.step_state(ctx)
         topo = ctx.topology
+        coords = topo.coords()
         comp = self._read(ctx, src.compile_state, None)
         self._track_compiles(comp, now, steps_done)
         return Snapshot(
             now=now,
             topology=topo,
-            coords=topo.coords(),
+            coords=coords,
             steps_done=steps_done,
             last_step_ts=last_step_ts,
             step_durations=durations,
@@ -63,7 +64,7 @@ class DetectorFeed:
             compile=comp,
             memory=self._read(ctx, lambda c: src.memory_state(c, self.memory_window), src.NO_MEMORY),
             collectives=self._read(
-                ctx, lambda c: src.collective_state(c, self.fr, self.fr_limit), src.NO_COLLECTIVES
+                ctx, lambda c: src.collective_state(c, self.fr, self.fr_limit, coords), src.NO_COLLECTIVES
             ),
             grad_sync=self._read(ctx, src.grad_sync, None),
             binding=self._read(ctx, src.cpu_binding, None),

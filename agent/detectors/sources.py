@@ -31,15 +31,19 @@ TimedOp = tuple[str, str, int, int, float]
 
 
 # ------------------------------------------------------------------------------------------ steps
+#: Step durations the detectors read (a median over them; the step collector keeps 512)
+RECENT_STEPS = 64
+
+
 def step_state(ctx: AgentContext) -> tuple[int, float, list[float]]:
-    """(steps completed, unix time of the last step, recent step durations). The count is the
+    """(steps completed, unix time of the last step, the last ``RECENT_STEPS`` durations). The count is the
     training thread's own (``count``), not the drained one: a pass reaches the detectors a while after
     the step collector's poll (a full flight-recorder read in between), and what the other collectors
     read since (a graph break of the step in progress) must not look older than it is."""
     c = ctx.find(StepCollector)
     if c is None:
         return 0, 0.0, []
-    return max(c.count, c.total), c.last_step_ts, list(c.durations)
+    return max(c.count, c.total), c.last_step_ts, c.durations[-RECENT_STEPS:]
 
 
 # ------------------------------------------------------------------------------------------ compile
@@ -159,13 +163,18 @@ class CollectiveState(NamedTuple):
 NO_COLLECTIVES = CollectiveState(0, [], {}, {}, None, [])
 
 
-def collective_state(ctx: AgentContext, window: FrWindow | None = None, limit: int = 256) -> CollectiveState:
+def collective_state(
+    ctx: AgentContext,
+    window: FrWindow | None = None,
+    limit: int = 256,
+    coords: Mapping[str, Any] | None = None,
+) -> CollectiveState:
     """The collective collector's state; its last ``limit`` entries through ``window`` (converted from
-    pass to pass), else converted afresh."""
+    pass to pass), else converted afresh. ``coords``: the topology's, when the caller has them."""
     c = ctx.find(CollectiveCollector)
     if c is None:
         return NO_COLLECTIVES
-    coords = ctx.topology.coords()
+    coords = coords if coords is not None else ctx.topology.coords()
     timeout = c.pg_timeout_s
     return CollectiveState(
         timed=c.timed,
