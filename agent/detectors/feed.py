@@ -79,7 +79,7 @@ class DetectorFeed:
         samples to the gradient-sync collector first, so the coverage read is the one just judged; whether
         the agent stops is read again (a stop ends the exchange's wait at once)."""
         grad = snap.grad_sync
-        if view.fresh:
+        if view.fresh and grad is not None:  # a gradient-sync collector to judge the tp peers' samples
             try:
                 self._deliver_tp_samples(ctx, snap.rank, view)
             except Exception as exc:
