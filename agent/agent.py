@@ -36,6 +36,7 @@ from hpar_agent.safefiles import RUNS_DIR, UnsafePathError, default_run_dir, pri
 from hpar_agent.span_schedule import SpanScheduler
 from hpar_agent.spans import Child, StepRecord
 from hpar_agent.topology import LOCAL_JOB_PREFIX, Topology, detect
+from hpar_agent.torch_compat import pipelining
 
 log = logging.getLogger("hpar_agent")
 
@@ -344,7 +345,7 @@ class Agent:
             return
         stages = list(stages)
         if schedule is not None and not stages:
-            stages = list(getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)])
+            stages = pipelining.schedule_stages(schedule)
         self.guard("pipeline", pipe.watch, [s for s in stages if s is not None], schedule)
 
     def on_alert(self, callback: Callable[[Alert], Any]) -> None:
@@ -567,6 +568,11 @@ def detach_agent(agent: Agent | None = None) -> None:
         if target is _current:
             _current = None
     target.stop()
+
+
+def running() -> Agent | None:
+    """The running agent, or None; unlike ``current()`` it never attaches (zero-code mode's triggers)."""
+    return _current
 
 
 def current() -> Agent | None:

@@ -17,7 +17,8 @@ and calls ``arm`` once ``import torch`` completes. From then on the process atta
 A process that does none of these (the torchrun or accelerate launcher, an ``mp.spawn`` parent that
 only waits, DataLoader and compile workers) is never observed: no port, no rank label, no summary.
 Children inherit zero-code mode. Each trigger tries once per process (again in a forked child).
-Standard library and ``topology_watch`` only here: every process that imports torch arms.
+Standard library, ``topology_watch`` and torch_compat adapters (standard library at import) only here:
+every process that imports torch arms.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from hpar_agent import topology_watch
+from hpar_agent.torch_compat import dynamo
 
 #: Trigger names (the summary's ``attached_at``).
 AT_PROCESS_GROUP = "init_process_group"
@@ -46,7 +48,7 @@ _previous_hook: Any = sys.__excepthook__
 def _running() -> Any:
     """The attached agent, without importing the agent module (O(1): the triggers' fast path)."""
     mod = sys.modules.get("hpar_agent.agent")
-    return None if mod is None else mod._current
+    return None if mod is None else mod.running()
 
 
 def arm() -> None:
@@ -59,7 +61,7 @@ def arm() -> None:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     _hooks.append(register_optimizer_step_pre_hook(_on_optimizer_step))
-    topology_watch.after_import("torch._dynamo", _arm_dynamo)
+    topology_watch.after_import(dynamo.MODULE, _arm_dynamo)
     _previous_hook, sys.excepthook = sys.excepthook, _on_uncaught
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_forget_in_child)
@@ -117,11 +119,9 @@ def on_process_group() -> None:
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """Global optimizer step pre-hook: O(1) once attached. Attaching here would register the agent's
     own optimizer hooks while torch iterates over them (a RuntimeError in the user's step), so it is
-    deferred to ``Optimizer._optimizer_step_code``, which every step calls between its update and its
-    post-hooks: the agent's step post-hook then sees this very step."""
+    deferred to the point every step passes between its update and its post-hooks (``optim.run_in_step``):
+    the agent's step post-hook then sees this very step."""
     if _tried or _running() is not None:
-        return
-    if "_optimizer_step_code" in vars(optimizer) or not hasattr(type(optimizer), "_optimizer_step_code"):
         return
     try:
         import torch
@@ -130,20 +130,20 @@ def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             return
     except Exception:
         pass
-    optimizer._optimizer_step_code = functools.partial(_attach_in_step, optimizer)
+    from hpar_agent.torch_compat import optim  # only once a step runs: a process that never trains loads less
+
+    optim.run_in_step(optimizer, _attach_in_step)
 
 
-def _attach_in_step(optimizer: Any) -> None:
-    vars(optimizer).pop("_optimizer_step_code", None)
+def _attach_in_step() -> None:
     attach_now(AT_OPTIMIZER)
-    type(optimizer)._optimizer_step_code(optimizer)
 
 
-def _arm_dynamo(dynamo: ModuleType) -> None:
+def _arm_dynamo(module: ModuleType) -> None:
     """Once ``torch._dynamo`` is imported: the compile start callback, and again after each reset
     (``torch._dynamo.reset()`` clears every callback)."""
     _register_compile_start()
-    reset = getattr(dynamo, "reset", None)
+    reset = getattr(module, "reset", None)
     if callable(reset) and not getattr(reset, "_hpar_autoattach", False):
 
         @functools.wraps(reset)
@@ -154,12 +154,10 @@ def _arm_dynamo(dynamo: ModuleType) -> None:
             return out
 
         reset_then_rearm._hpar_autoattach = True  # type: ignore[attr-defined]
-        dynamo.reset = reset_then_rearm  # type: ignore[attr-defined]
+        module.reset = reset_then_rearm  # type: ignore[attr-defined]
 
 
 def _register_compile_start() -> None:
-    from hpar_agent.torch_compat import dynamo
-
     dynamo.register_callbacks(_on_compile_start, None)
 
 

@@ -1,13 +1,19 @@
 """The one catalogue of names users, dashboards and alert rules depend on.
 
-Every metric, label, span, span attribute, alert and environment variable the agent emits or reads is
-declared here as data. Exporters, docs, dashboards and rules are generated from or tested against it,
+Every metric, label, span, span attribute and alert the agent emits is declared here as data, and every
+environment variable it reads is listed here (``ENV_VARS``, ``TOOL_ENV_VARS``) from its declaration
+in ``hpar_agent.config``. Exporters, docs, dashboards and rules are generated from or tested against it,
 so a name changes in exactly one place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from hpar_agent.config import ENV_AUTOATTACH as ENV_AUTOATTACH
+from hpar_agent.config import ENV_DIAGNOSE_RUN as ENV_DIAGNOSE_RUN
+from hpar_agent.config import SETTINGS, Setting
+from hpar_agent.config import TOOL_ENV_VARS as TOOL_ENV_VARS
 
 # ---------------------------------------------------------------------------------------------- labels
 RANK = "rank"
@@ -332,46 +338,8 @@ EVENT_ALERT = "hpar.alert"
 
 
 # ---------------------------------------------------------------------------------------------- env vars
-@dataclass(frozen=True)
-class EnvVar:
-    """An ``HPAR_*`` environment variable: ``field`` is the AgentConfig field it sets ("" for none)."""
-
-    name: str
-    field: str
-    help: str
-
-
-ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar("HPAR_DISABLE", "disable", "1/true turns attach() into a no-op that installs nothing."),
-    EnvVar("HPAR_METRICS_PORT", "metrics_port", "Base port of the Prometheus endpoint; a rank serves on base + local_rank (0: ephemeral, -1: no endpoint)."),
-    EnvVar("HPAR_METRICS_ADDR", "metrics_addr", "Bind address of the Prometheus endpoint."),
-    EnvVar("HPAR_METRICS_PORT_FALLBACK", "port_fallback", "When the port is taken, try the next free ports (true) or serve no endpoint (false)."),
-    EnvVar("HPAR_WEB_CONFIG", "web_config", "Web configuration file of the endpoint in the Prometheus exporter-toolkit format (TLS, client certificates, basic auth; what `promtool check web-config` checks). Asked for but invalid: no endpoint, one error, training goes on."),
-    EnvVar("HPAR_TLS_CERT", "tls_cert", "PEM certificate file: serve /metrics over HTTPS (needs HPAR_TLS_KEY; shorthand for a web config with TLS alone)."),
-    EnvVar("HPAR_TLS_KEY", "tls_key", "PEM private key file for HPAR_TLS_CERT."),
-    EnvVar("HPAR_RUN_DIR", "run_dir", "Directory for the event log, evidence files and local traces."),
-    EnvVar("HPAR_JOB_ID", "job_id", "Job identifier shared by all ranks (default: torchrun's run id, else generated)."),
-    EnvVar("HPAR_INTERVAL", "interval", "Seconds between agent-thread polls, at the same wall-clock instants on every rank."),
-    EnvVar("HPAR_FR_INTERVAL", "fr_interval", "Seconds between full flight-recorder reads (a stuck op reads earlier); entries the ring overwrote in between are counted in hpar_collective_unobserved_total."),
-    EnvVar("HPAR_TRACE_EVERY", "trace_every", "Keep the trace of every Nth step (slow or anomalous steps are always kept; 0: no traces)."),
-    EnvVar("HPAR_TRACES", "traces", "Where spans go: auto (OTLP when OTEL_EXPORTER_OTLP_*ENDPOINT is set, else a local file), otlp, file, none."),
-    EnvVar("HPAR_EVENT_LOG", "event_log", "Write the per-rank JSONL event log (true/false)."),
-    EnvVar("HPAR_DETAIL_RATE", "detail_rate", "Steps a second that get the per-step detail (phase anatomy, pipeline chunk times, p2p timing); a faster loop gets it on every k-th step (0: every step). Step times, counts and bytes cover every step."),
-    EnvVar("HPAR_BUFFER_SIZE", "buffer_size", "Capacity of each hook buffer; events beyond it are dropped and counted."),
-    EnvVar("HPAR_NCCL_TIMING", "nccl_timing", "Time NCCL collectives (latency, busbw, spans): switched on for every NCCL group at attach and as groups appear (false: leave TORCH_NCCL_ENABLE_TIMING to the user)."),
-    EnvVar("HPAR_DETECTORS", "detectors", "Run the in-process detectors (true/false)."),
-    EnvVar("HPAR_EVIDENCE", "evidence", "Collect evidence (py-spy stacks, allocator snapshots, FR dumps) when an alert fires."),
-    EnvVar("HPAR_DP", "dp", "Override the data-parallel degree when it cannot be read from a mesh or model."),
-    EnvVar("HPAR_TP", "tp", "Override the tensor-parallel degree."),
-    EnvVar("HPAR_PP", "pp", "Override the pipeline-parallel degree."),
-    EnvVar("HPAR_PP_STAGE", "pp_stage", "Override this rank's pipeline stage."),
-    EnvVar("HPAR_LOG_MAX_BYTES", "log_max_bytes", "Size in bytes at which the event log and the traces file rotate, keeping two rotated files each (0: never); a string value in an event is cut at 16 KiB, a record at 64 KiB."),
-)
-ENV_AUTOATTACH = "HPAR_AUTOATTACH"
-ENV_DIAGNOSE_RUN = "HPAR_DIAGNOSE_RUN"
-#: ``HPAR_*`` variables that are not settings: the tools set them in the processes they start.
-TOOL_ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar(ENV_AUTOATTACH, "", "Set to 1 by `hpar-agent run` in the command it starts: zero-code mode attaches the agent in every process of the job that trains (not a setting)."),
-    EnvVar(ENV_DIAGNOSE_RUN, "", "Set by `hpar-agent diagnose` in every process it starts, so that it can stop them all (not a setting)."),
-)
-ENV_BY_NAME: dict[str, EnvVar] = {e.name: e for e in ENV_VARS + TOOL_ENV_VARS}
+#: The settings' ``HPAR_*`` variables, each declared once on its ``AgentConfig`` field (``hpar_agent.config``,
+#: ``setting()``: variable, type, bounds, default, help). The variables the tools set in the processes they
+#: start (``TOOL_ENV_VARS``, imported above) are declared beside them, where the loader's unknown-name
+#: warning reads them too.
+ENV_VARS: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.env)

@@ -1,4 +1,10 @@
-"""AgentConfig: one typed, keyword-only configuration.
+"""AgentConfig: one typed, keyword-only configuration, and the one declaration of every setting.
+
+Each field is declared with ``setting()``: its default, its ``HPAR_*`` variable, its bounds (a test and
+the words that say it) and its help. The loader below, the catalogue's ``ENV_VARS``, the table in
+docs/configuration.md (``scripts/gen_docs.py``) and ``hpar-agent doctor`` all read that declaration,
+through ``SETTINGS``. The other ``HPAR_*`` names the loader knows are here too: the ones the tools set
+(``TOOL_ENV_VARS``) and the removed settings (``REMOVED``).
 
 Precedence is explicit argument > ``HPAR_*`` environment variable > default. A field of a passed
 ``AgentConfig`` that differs from its default counts as explicit, as does every ``attach(**overrides)``
@@ -17,99 +23,275 @@ import logging
 import math
 import os
 import re
-from collections.abc import Mapping
+import types
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, TypeVar, overload
 
-from hpar_agent.catalogue import ENV_VARS, TOOL_ENV_VARS
 from hpar_agent.thresholds import ANATOMY_DEFAULTS, COMPONENT_THRESHOLDS, DETECTOR_DEFAULTS
 
 log = logging.getLogger("hpar_agent")
 
-_TRUE = {"1", "true", "yes", "on"}
+#: What a boolean ``HPAR_*`` variable reads as true (lower-cased, stripped).
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE = {"0", "false", "no", "off", ""}
-TRACE_MODES = ("auto", "otlp", "file", "none")
-#: Sane bounds of the poll intervals: below 50 ms the agent thread competes with training for the GIL,
-#: above an hour nothing is observed; ``inf`` would overflow the thread's wait.
-INTERVAL_RANGE = (0.05, 3600.0)
-FR_INTERVAL_MAX = 86400.0
-#: Threshold keys of the DetectorsComponent itself (besides ``<Alert>.<param>`` of each detector).
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$"
+)
 #: A job id names a directory: no separators, no "..", bounded.
 _JOB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:@+-]{0,127}$")
-#: Settings that no longer exist (field -> env var): a job that still sets one runs, told once.
-REMOVED: dict[str, str] = {
-    "fr_complete": "HPAR_FR_COMPLETE",
-    "fr_fill": "HPAR_FR_FILL",
-    "work_in_waits": "HPAR_WORK_IN_WAITS",
-    "fr_reader": "HPAR_FR_READER",
-    "helper_sched": "HPAR_HELPER_SCHED",
-    "log_backups": "HPAR_LOG_BACKUPS",
-}
+_T = TypeVar("_T")
+
+
+class Bounds(NamedTuple):
+    """What a value of the right type must also be: ``valid`` tests it, ``want`` says it in words (the
+    error message and the docs)."""
+
+    valid: Callable[[Any], bool]
+    want: str
+
+
+def between(lo: int, hi: int) -> Bounds:
+    """An integer from ``lo`` to ``hi``, both included."""
+    return Bounds(lambda v: lo <= v <= hi, f"{lo}..{hi}")
+
+
+def _valid_host(v: str) -> bool:
+    try:
+        ipaddress.ip_address(v.strip("[]"))
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.match(v))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting. ``setting()`` declares ``env``, ``help`` and ``bounds`` on the field; ``name``,
+    ``kind``, ``optional`` and ``default`` come from the field itself (``SETTINGS``)."""
+
+    env: str
+    """Its ``HPAR_*`` variable ("" for a setting only code can set)."""
+    help: str
+    bounds: Bounds | None = None
+    name: str = ""
+    """The ``AgentConfig`` field, which is also the ``attach()`` keyword."""
+    kind: type = object
+    """The field's type without ``None``: bool, int, float, str or dict."""
+    optional: bool = False
+    """``None`` is a valid value."""
+    default: Any = None
+
+    @property
+    def want(self) -> str:
+        """What a valid value is, in words."""
+        if self.bounds is not None:
+            return self.bounds.want
+        return {bool: "true or false", int: "an integer", float: "a number", str: "text"}.get(self.kind, "")
+
+    def read(self, raw: str) -> Any:
+        """The value of the variable's text; ``ValueError`` says what is wrong with it."""
+        text = raw.strip()
+        value: Any = text
+        if self.kind is bool:
+            if text.lower() not in TRUE_WORDS | _FALSE:
+                raise ValueError("expected 1/0/true/false")
+            value = text.lower() in TRUE_WORDS
+        elif self.kind is int:
+            value = None if text == "" and self.optional else int(text)
+        elif self.kind is float:
+            value = float(text)
+        problems = self.problems(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    def problems(self, value: Any) -> list[str]:
+        """What is wrong with a value of this setting alone: its type first, then its bounds."""
+        if value is None and self.optional:
+            return []
+        accepted: tuple[type, ...] = (int, float) if self.kind is float else (self.kind,)
+        if not isinstance(value, accepted) or (isinstance(value, bool) and self.kind is not bool):
+            want = " or ".join(t.__name__ for t in accepted) + (" or None" if self.optional else "")
+            return [f"{self.name} must be {want}, got {type(value).__name__} {value!r}"]
+        if self.bounds is not None and not self.bounds.valid(value):
+            return [f"{self.name} must be {self.bounds.want}, got {value!r}"]
+        return []
+
+
+_SETTING = "hpar_setting"  # the key of a field's declaration in its metadata
+
+
+@overload
+def setting(default: _T, *, env: str = "", bounds: Bounds | None = None, help: str) -> _T: ...
+@overload
+def setting(
+    *, default_factory: Callable[[], _T], env: str = "", bounds: Bounds | None = None, help: str
+) -> _T: ...
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    default_factory: Any = dataclasses.MISSING,
+    env: str = "",
+    bounds: Bounds | None = None,
+    help: str,
+) -> Any:
+    """Declare an ``AgentConfig`` field: its default, ``HPAR_*`` variable, bounds and help."""
+    meta = {_SETTING: Setting(env, help, bounds)}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass(kw_only=True)
 class AgentConfig:
     """Agent settings; every field but ``thresholds`` has an ``HPAR_*`` variable (docs/configuration.md)."""
 
-    disable: bool = False
-    """Install nothing: attach() returns an inert agent."""
-    metrics_port: int = 9470
-    """Base port of the Prometheus endpoint (a rank serves on base + local_rank); 0 ephemeral; -1 none."""
-    metrics_addr: str = "0.0.0.0"
-    """Bind address of the Prometheus endpoint."""
-    port_fallback: bool = True
-    """When the port is taken, use the next free port instead of serving nothing."""
-    web_config: str | None = None
-    """Web configuration file in the Prometheus exporter-toolkit format: TLS, client certificates,
-    basic auth. Asked for but invalid: the endpoint serves nothing (checked at attach, never raised)."""
-    tls_cert: str | None = None
-    """PEM certificate: serve HTTPS (the shorthand of ``web_config`` for TLS alone). Needs ``tls_key``."""
-    tls_key: str | None = None
-    """PEM private key for ``tls_cert``."""
-    run_dir: str = ""
-    """Event log, evidence and local traces; empty means ``./hpar-runs/<job_id>``."""
-    job_id: str = ""
-    """Shared by all ranks; empty means torchrun's run id, else generated and shared via the store."""
-    interval: float = 1.0
-    """Seconds between agent-thread polls (aligned to the wall clock on every rank)."""
-    fr_interval: float = 5.0
-    """Seconds between full flight-recorder reads (a stuck op reads earlier); entries the ring
-    overwrote in between are counted in ``hpar_collective_unobserved_total``."""
-    trace_every: int = 10
-    """Keep every Nth step's trace (slow/anomalous steps always); 0 disables tracing."""
-    traces: str = "auto"
-    """auto | otlp | file | none. auto: OTLP when an OTEL endpoint is set, else OTLP-JSON files."""
-    event_log: bool = True
-    """Write the per-rank JSONL event log into the run directory."""
-    detail_rate: float = 10.0
-    """Steps a second that get the per-step detail (phase anatomy, pipeline chunk times, p2p timing).
-    A faster loop gets it on every k-th step (a divisor or multiple of ``trace_every``, so kept traces
-    stay detailed): the hooks and the agent's work per second stay bounded. Step times, counts and
-    bytes still cover every step. 0: every step."""
-    buffer_size: int = 65536
-    """Capacity of each hook buffer; overflow is dropped and counted."""
-    nccl_timing: bool = True
-    """Time NCCL collectives (CUDA events per op): switched on for every NCCL group, existing or new."""
-    detectors: bool = True
-    """Run the in-process detectors."""
-    evidence: bool = True
-    """Collect evidence files when an alert fires."""
-    dp: int | None = None
-    """Data-parallel degree override (normally read from the mesh or model)."""
-    tp: int | None = None
-    """Tensor-parallel degree override."""
-    pp: int | None = None
-    """Pipeline-parallel degree override."""
-    pp_stage: int | None = None
-    """This rank's pipeline stage override."""
-    thresholds: dict[str, float] = field(default_factory=dict)
-    """Detector threshold overrides, ``{"<Alert>.<param>": value}`` (see detector docs)."""
-    log_max_bytes: int = 64 << 20
-    """Size at which the event log and the traces file rotate, keeping two rotated files (0: never)."""
+    disable: bool = setting(
+        False, env="HPAR_DISABLE", help="Install nothing: attach() returns an inert agent."
+    )
+    metrics_port: int = setting(
+        9470,
+        env="HPAR_METRICS_PORT",
+        bounds=between(-1, 65535),
+        help="Base port of the Prometheus endpoint; a rank serves on base + local_rank (0: ephemeral, -1: no "
+        "endpoint).",
+    )
+    metrics_addr: str = setting(
+        "0.0.0.0",
+        env="HPAR_METRICS_ADDR",
+        bounds=Bounds(_valid_host, "an IP address or a host name"),
+        help="Bind address of the Prometheus endpoint.",
+    )
+    port_fallback: bool = setting(
+        True,
+        env="HPAR_METRICS_PORT_FALLBACK",
+        help="When the port is taken, try the next free ports (true) or serve no endpoint (false).",
+    )
+    web_config: str | None = setting(
+        None,
+        env="HPAR_WEB_CONFIG",
+        help="Web configuration file of the endpoint in the Prometheus exporter-toolkit format (TLS, client "
+        "certificates, basic auth; what `promtool check web-config` checks). Asked for but invalid: no "
+        "endpoint, one error, training goes on.",
+    )
+    tls_cert: str | None = setting(
+        None,
+        env="HPAR_TLS_CERT",
+        help="PEM certificate file: serve /metrics over HTTPS (needs HPAR_TLS_KEY; shorthand for a web config "
+        "with TLS alone).",
+    )
+    tls_key: str | None = setting(None, env="HPAR_TLS_KEY", help="PEM private key file for HPAR_TLS_CERT.")
+    run_dir: str = setting(
+        "",
+        env="HPAR_RUN_DIR",
+        help="Directory for the event log, evidence files and local traces (unset: `./hpar-runs/<job_id>`).",
+    )
+    job_id: str = setting(
+        "",
+        env="HPAR_JOB_ID",
+        bounds=Bounds(
+            lambda v: not v or bool(_JOB_ID.match(v)),
+            "1-128 characters of letters, digits and ._:@+- (not starting with . or -)",
+        ),
+        help="Job identifier shared by all ranks (default: torchrun's run id, else generated); it names the "
+        "run directory.",
+    )
+    interval: float = setting(
+        1.0,
+        env="HPAR_INTERVAL",
+        # below 50 ms the agent thread competes with training for the GIL; inf would overflow its wait
+        bounds=Bounds(
+            lambda v: math.isfinite(v) and 0.05 <= v <= 3600, "a finite number of seconds in 0.05..3600"
+        ),
+        help="Seconds between agent-thread polls, at the same wall-clock instants on every rank.",
+    )
+    fr_interval: float = setting(
+        5.0,
+        env="HPAR_FR_INTERVAL",
+        # reads happen on ticks: a tiny value means "read in full on every tick", never a busy loop
+        bounds=Bounds(
+            lambda v: math.isfinite(v) and 0 < v <= 86400, "a finite number of seconds in (0, 86400]"
+        ),
+        help="Seconds between full flight-recorder reads (a stuck op reads earlier); entries the ring "
+        "overwrote in between are counted in hpar_collective_unobserved_total.",
+    )
+    trace_every: int = setting(
+        10,
+        env="HPAR_TRACE_EVERY",
+        bounds=Bounds(lambda v: v >= 0, ">= 0"),
+        help="Keep the trace of every Nth step (slow or anomalous steps are always kept; 0: no traces).",
+    )
+    traces: str = setting(
+        "auto",
+        env="HPAR_TRACES",
+        bounds=Bounds(
+            lambda v: v in ("auto", "otlp", "file", "none"), "one of ('auto', 'otlp', 'file', 'none')"
+        ),
+        help="Where spans go: auto (OTLP when OTEL_EXPORTER_OTLP_*ENDPOINT is set, else a local file), otlp, "
+        "file, none.",
+    )
+    event_log: bool = setting(True, env="HPAR_EVENT_LOG", help="Write the per-rank JSONL event log.")
+    detail_rate: float = setting(
+        10.0,
+        env="HPAR_DETAIL_RATE",
+        bounds=Bounds(
+            lambda v: math.isfinite(v) and v >= 0, "a finite number of steps a second >= 0 (0: every step)"
+        ),
+        help="Steps a second that get the per-step detail (phase anatomy, pipeline chunk times, p2p timing); "
+        "a faster loop gets it on every k-th step, a divisor or multiple of trace_every so that kept traces "
+        "stay detailed (0: every step). Step times, counts and bytes cover every step.",
+    )
+    buffer_size: int = setting(
+        65536,
+        env="HPAR_BUFFER_SIZE",
+        bounds=between(1, 1 << 24),
+        help="Capacity of each hook buffer; events beyond it are dropped and counted.",
+    )
+    nccl_timing: bool = setting(
+        True,
+        env="HPAR_NCCL_TIMING",
+        help="Time NCCL collectives (latency, busbw, spans): switched on for every NCCL group at attach and as "
+        "groups appear (false: leave TORCH_NCCL_ENABLE_TIMING to the user).",
+    )
+    detectors: bool = setting(True, env="HPAR_DETECTORS", help="Run the in-process detectors.")
+    evidence: bool = setting(
+        True,
+        env="HPAR_EVIDENCE",
+        help="Collect evidence (py-spy stacks, allocator snapshots, FR dumps) when an alert fires.",
+    )
+    dp: int | None = setting(
+        None,
+        env="HPAR_DP",
+        bounds=between(1, 1 << 20),
+        help="Override the data-parallel degree when it cannot be read from a mesh or model.",
+    )
+    tp: int | None = setting(
+        None, env="HPAR_TP", bounds=between(1, 1 << 20), help="Override the tensor-parallel degree."
+    )
+    pp: int | None = setting(
+        None, env="HPAR_PP", bounds=between(1, 1 << 20), help="Override the pipeline-parallel degree."
+    )
+    pp_stage: int | None = setting(
+        None,
+        env="HPAR_PP_STAGE",
+        bounds=between(0, (1 << 20) - 1),
+        help="Override this rank's pipeline stage (below pp).",
+    )
+    thresholds: dict[str, float] = setting(  # noqa: RUF009 (setting() returns a dataclasses.field)
+        default_factory=dict,
+        help='Detector threshold overrides, {"<Alert>.<param>": value} (docs/alerts.md, thresholds).',
+    )
+    log_max_bytes: int = setting(
+        64 << 20,
+        env="HPAR_LOG_MAX_BYTES",
+        bounds=Bounds(lambda v: v == 0 or v >= 1024, "0 (no cap) or >= 1024"),
+        help="Size in bytes at which the event log and the traces file rotate, keeping two rotated files each "
+        "(0: never); a string value in an event is cut at 16 KiB, a record at 64 KiB.",
+    )
 
     def __post_init__(self) -> None:
-        problems = list(_problems(self))
+        problems = _problems(self)
         if problems:
             raise ValueError("invalid hpar_agent config: " + "; ".join(problems))
 
@@ -128,70 +310,98 @@ class AgentConfig:
             if env_name in environ or name in (overrides or {}):
                 _warn_once(env_name, f"hpar_agent: the setting {env_name} / {name}= was removed; ignored")
         overrides = {k: v for k, v in (overrides or {}).items() if k not in REMOVED}
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(overrides) - names
+        unknown = set(overrides) - {s.name for s in SETTINGS}
         if unknown:
             raise ValueError(f"unknown hpar_agent option(s): {', '.join(sorted(unknown))}")
-        defaults = cls()
         explicit: dict[str, Any] = {}
         if config is not None:
             explicit.update(
-                {n: getattr(config, n) for n in names if getattr(config, n) != getattr(defaults, n)}
+                {s.name: getattr(config, s.name) for s in SETTINGS if getattr(config, s.name) != s.default}
             )
         explicit.update(overrides)
         values: dict[str, Any] = {}
-        for var in ENV_VARS:
-            if var.field in explicit or var.name not in environ:
-                continue
-            parsed = _parse_env(var.name, environ[var.name], defaults, var.field)
-            if parsed is not _INVALID:
-                values[var.field] = parsed
+        for s in SETTINGS:
+            if s.env and s.name not in explicit and s.env in environ:
+                try:
+                    values[s.name] = s.read(environ[s.env])
+                except (ValueError, TypeError) as exc:
+                    message = f"ignoring {s.env}={environ[s.env]!r} ({exc}); using the default {s.default!r}"
+                    _warn_once(s.env, "hpar_agent: " + message)
         values.update(explicit)
         return cls(**values)
 
 
-_INVALID = object()
+def _declared(cls: type[Any]) -> tuple[Setting, ...]:
+    """The declaration of each field of ``cls``, completed with the field's name, type and default."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        declared = f.metadata.get(_SETTING)
+        if not isinstance(declared, Setting):
+            raise TypeError(f"{cls.__name__}.{f.name} is not declared with setting()")
+        kind, optional = hints[f.name], False
+        if isinstance(kind, types.UnionType):
+            rest = [a for a in typing.get_args(kind) if a is not type(None)]
+            kind, optional = rest[0], len(rest) < len(typing.get_args(kind))
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        kind = typing.get_origin(kind) or kind  # dict[str, float] -> dict
+        out.append(dataclasses.replace(declared, name=f.name, kind=kind, optional=optional, default=default))
+    return tuple(out)
+
+
+#: Every setting, in the order of ``AgentConfig``'s fields.
+SETTINGS: tuple[Setting, ...] = _declared(AgentConfig)
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """An ``HPAR_*`` variable that is not a setting: a tool sets it in the processes it starts."""
+
+    env: str
+    help: str
+
+
+ENV_AUTOATTACH = "HPAR_AUTOATTACH"
+ENV_DIAGNOSE_RUN = "HPAR_DIAGNOSE_RUN"
+TOOL_ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(
+        ENV_AUTOATTACH,
+        "Set to 1 by `hpar-agent run` in the command it starts: zero-code mode attaches the agent in every "
+        "process of the job that trains (not a setting).",
+    ),
+    EnvVar(
+        ENV_DIAGNOSE_RUN,
+        "Set by `hpar-agent diagnose` in every process it starts, so that it can stop them all (not a setting).",
+    ),
+)
+#: Settings that no longer exist (field -> env var): a job that still sets one runs, told once.
+REMOVED: dict[str, str] = {
+    "fr_complete": "HPAR_FR_COMPLETE",
+    "fr_fill": "HPAR_FR_FILL",
+    "work_in_waits": "HPAR_WORK_IN_WAITS",
+    "fr_reader": "HPAR_FR_READER",
+    "helper_sched": "HPAR_HELPER_SCHED",
+    "log_backups": "HPAR_LOG_BACKUPS",
+}
+
 _warned: set[str] = set()
 
 
-def _parse_env(name: str, raw: str, defaults: AgentConfig, field_name: str) -> Any:
-    default = getattr(defaults, field_name)
-    ftype = {f.name: f.type for f in dataclasses.fields(AgentConfig)}[field_name]
-    text = raw.strip()
-    try:
-        if "bool" in str(ftype):
-            low = text.lower()
-            if low in _TRUE:
-                value: Any = True
-            elif low in _FALSE:
-                value = False
-            else:
-                raise ValueError("expected 1/0/true/false")
-        elif "int" in str(ftype):
-            value = None if text == "" and "None" in str(ftype) else int(text)
-        elif "float" in str(ftype):
-            value = float(text)
-        else:
-            value = text
-        problems = _field_problems(field_name, value)
-        if problems:
-            raise ValueError("; ".join(problems))
-    except (ValueError, TypeError) as exc:
-        _warn_once(name, f"hpar_agent: ignoring {name}={raw!r} ({exc}); using the default {default!r}")
-        return _INVALID
-    return value
+def unknown_names(environ: Mapping[str, str]) -> list[str]:
+    """The ``HPAR_*`` names in ``environ`` that nothing reads (a typo would otherwise be silently ignored),
+    each with the closest setting: ``"HPAR_INTERVALL (did you mean HPAR_INTERVAL?)"``."""
+    settings = {s.env.removeprefix("HPAR_"): s.env for s in SETTINGS if s.env}
+    known = set(settings.values()) | {v.env for v in TOOL_ENV_VARS} | set(REMOVED.values())
+    out = []
+    for name in sorted(n for n in environ if n.upper().startswith("HPAR_") and n not in known):
+        # matched without the shared prefix, which alone makes any two names look alike
+        close = difflib.get_close_matches(name.upper()[len("HPAR_") :], settings, n=1)
+        out.append(f"{name} (did you mean {settings[close[0]]}?)" if close else name)
+    return out
 
 
 def _warn_unknown(environ: Mapping[str, str]) -> None:
-    """One line per process for ``HPAR_*`` names nothing reads (a typo would otherwise be silently
-    ignored), each with the closest setting."""
-    known = {v.name for v in ENV_VARS + TOOL_ENV_VARS} | set(REMOVED.values())
-    settings = {v.name.removeprefix("HPAR_"): v.name for v in ENV_VARS}
-    unknown = []
-    for name in sorted(n for n in environ if n.upper().startswith("HPAR_") and n not in known):
-        # matched without the shared prefix, which alone makes any two names look alike
-        close = difflib.get_close_matches(name.upper()[len("HPAR_"):], settings, n=1)
-        unknown.append(f"{name} (did you mean {settings[close[0]]}?)" if close else name)
+    unknown = unknown_names(environ)
     if unknown:
         _warn_once("unknown", "hpar_agent: ignoring unknown environment variable(s): " + ", ".join(unknown))
 
@@ -200,68 +410,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning("%s", message)
-
-
-def _types(name: str) -> tuple[tuple[type, ...], bool]:
-    """(accepted types, optional) of a field, from its annotation."""
-    ann = str({f.name: f.type for f in dataclasses.fields(AgentConfig)}[name])
-    optional = "None" in ann
-    if ann.startswith("dict"):
-        return (dict,), optional
-    for word, types in (("bool", (bool,)), ("int", (int,)), ("float", (int, float)), ("str", (str,))):
-        if ann.startswith(word):
-            return types, optional
-    return (object,), optional
-
-
-def _field_problems(name: str, value: Any) -> list[str]:
-    """What is wrong with one field's value alone (type first, then range)."""
-    types, optional = _types(name)
-    if value is None and optional:
-        return []
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        want = " or ".join(t.__name__ for t in types) + (" or None" if optional else "")
-        return [f"{name} must be {want}, got {type(value).__name__} {value!r}"]
-    v: Any = value
-    out: list[str] = []
-    if name == "metrics_port" and not -1 <= v <= 65535:
-        out.append(f"metrics_port must be -1..65535, got {v}")
-    elif name == "interval":
-        lo, hi = INTERVAL_RANGE
-        if not (math.isfinite(v) and lo <= v <= hi):
-            out.append(f"interval must be a finite number of seconds in {lo:g}..{hi:g}, got {v}")
-    elif name == "fr_interval" and not (math.isfinite(v) and 0 < v <= FR_INTERVAL_MAX):
-        # reads happen on ticks: a tiny value means "read in full on every tick", never a busy loop
-        out.append(f"fr_interval must be a finite number of seconds in (0, {FR_INTERVAL_MAX:g}], got {v}")
-    elif name == "metrics_addr" and not _valid_host(v):
-        out.append(f"metrics_addr must be an IP address or a host name, got {v!r}")
-    elif name == "job_id" and v and not _JOB_ID.match(v):
-        out.append(f"job_id must be 1-128 characters of letters, digits and ._:@+- (not starting with . or -), got {v!r}")
-    elif name == "trace_every" and v < 0:
-        out.append(f"trace_every must be >= 0, got {v}")
-    elif name == "traces" and v not in TRACE_MODES:
-        out.append(f"traces must be one of {TRACE_MODES}, got {v!r}")
-    elif name == "detail_rate" and not (math.isfinite(v) and v >= 0):
-        out.append(f"detail_rate must be a finite number of steps a second >= 0 (0: every step), got {v}")
-    elif name == "buffer_size" and not 1 <= v <= 1 << 24:
-        out.append(f"buffer_size must be 1..{1 << 24}, got {v}")
-    elif name in ("dp", "tp", "pp") and not 1 <= v <= 1 << 20:
-        out.append(f"{name} must be >= 1, got {v}")
-    elif name == "pp_stage" and not 0 <= v < 1 << 20:
-        out.append(f"pp_stage must be >= 0, got {v}")
-    elif name == "log_max_bytes" and not (v == 0 or v >= 1024):
-        out.append(f"log_max_bytes must be 0 (no cap) or >= 1024, got {v}")
-    elif name == "thresholds":
-        out += threshold_problems(v)
-    return out
-
-
-def _valid_host(v: str) -> bool:
-    try:
-        ipaddress.ip_address(v.strip("[]"))
-        return True
-    except ValueError:
-        return bool(_HOSTNAME.match(v))
 
 
 def threshold_problems(thresholds: Mapping[Any, Any]) -> list[str]:
@@ -289,10 +437,11 @@ def threshold_problems(thresholds: Mapping[Any, Any]) -> list[str]:
 
 
 def _problems(c: AgentConfig) -> list[str]:
-    out = []
-    for f in dataclasses.fields(c):
-        out += _field_problems(f.name, getattr(c, f.name))
-    if c.pp is not None and c.pp_stage is not None and isinstance(c.pp, int) and isinstance(c.pp_stage, int) \
-            and c.pp_stage >= c.pp:
+    """Each setting's own problems, then what no one setting's bounds can say: the threshold keys, and
+    ``pp_stage`` below ``pp``."""
+    out = [p for s in SETTINGS for p in s.problems(getattr(c, s.name))]
+    if isinstance(c.thresholds, dict):
+        out += threshold_problems(c.thresholds)
+    if isinstance(c.pp, int) and isinstance(c.pp_stage, int) and c.pp_stage >= c.pp:
         out.append(f"pp_stage must be < pp ({c.pp}), got {c.pp_stage}")
     return out

@@ -59,6 +59,7 @@ from datetime import timedelta
 from typing import Any
 
 from hpar_agent import gil
+from hpar_agent.torch_compat import parallel
 
 log = logging.getLogger("hpar_agent")
 
@@ -144,14 +145,7 @@ def open_store(timeout_s: float = 5.0) -> Any:
             )
         except Exception as exc:
             log.debug("hpar_agent: own TCPStore client failed (%s); using the default store", exc)
-    if dist.is_available() and dist.is_initialized():
-        try:
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            return _get_default_store()
-        except Exception:
-            return None
-    return None
+    return parallel.default_store()
 
 
 # ------------------------------------------------------------------------------------------ peers

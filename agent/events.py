@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ def _cut(value: Any, chars: int = MAX_FIELD_CHARS, items: int = 256, depth: int 
         if len(value) > chars:
             return value[:chars] + f"...[truncated {len(value) - chars} chars]"
         return value
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # strict JSON: the offline tools refuse NaN and infinities
     if depth > 8:
         return _cut(str(value), chars, items, depth)
     if isinstance(value, dict):
@@ -57,7 +60,7 @@ def bound_record(record: dict[str, Any]) -> str:
     small = {k: v for k, v in record.items() if isinstance(v, (int, float, bool)) or v is None
              or (isinstance(v, str) and len(v) <= 256)}  # fmt: skip
     small["truncated_bytes"] = size
-    return json.dumps(small, default=str)
+    return json.dumps(_cut(small), default=str)
 
 
 class EventLog:

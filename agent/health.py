@@ -8,6 +8,7 @@ this module."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from collections.abc import Iterable
@@ -128,12 +129,25 @@ def summary(agent: HealthSource) -> dict[str, Any]:
     }
 
 
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity replaced by None: the summary is strict JSON, which the
+    offline tools require (a NaN step time must read as missing, never as a number)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def write_summary(agent: HealthSource) -> None:
     """``summary.rank<R>.json`` in the run directory, replaced whole (read by ``hpar-agent demo``)."""
     if not agent.run_dir:
         return
     path = os.path.join(agent.run_dir, f"summary.rank{agent.topology.rank}.json")
     try:
-        write_atomic(path, json.dumps(summary(agent), indent=1, default=str).encode())
+        text = json.dumps(finite(summary(agent)), indent=1, default=str, allow_nan=False)
+        write_atomic(path, text.encode())
     except Exception as exc:  # a full disk keeps the previous summary whole
         agent.record_error("agent", exc)

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
+from hpar_agent.torch_compat import parallel
+
 #: Seconds an owner scan may take; past it the result says ``partial``.
 OWNER_BUDGET_S = 0.5
 #: Largest items kept in a record (tensors, blocks, sites).
@@ -127,7 +129,7 @@ def found_in_frames(frames: Iterable[FrameType]) -> tuple[list[Any], list[Any]]:
 
 def _storage(t: Any, device: Any) -> tuple[int, int] | None:
     """(data_ptr, nbytes) of a tensor's storage on ``device``; None for other devices or no storage."""
-    t = getattr(t, "_local_tensor", t)  # a DTensor's local shard
+    t = parallel.local_tensor(t)  # a DTensor's local shard
     try:
         if t.device != device:
             return None

@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import socket
-import sys
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hpar_agent.config import AgentConfig
+from hpar_agent.torch_compat import parallel
 
 _MESH_DIMS = ("dp", "tp", "pp")
 #: Atomic data/context/model-parallel dims (torchtitan's names), outermost first.
@@ -107,10 +107,6 @@ def mesh_from_model(model: Any) -> Any:
     return None
 
 
-def _is_shard(placement: Any) -> bool:
-    return type(placement).__name__ in ("Shard", "_StridedShard")
-
-
 def _shard_dim_names(model: Any) -> set[str]:
     """Names of the mesh dims some DTensor parameter is ``Shard`` on (its placements)."""
     sharded: set[str] = set()
@@ -125,7 +121,7 @@ def _shard_dim_names(model: Any) -> set[str]:
             continue
         names = p.device_mesh.mesh_dim_names or ()
         for i, pl in enumerate(p.placements):
-            if _is_shard(pl):
+            if parallel.is_shard(pl):
                 sharded.add(names[i] if i < len(names) else f"#{i}")
     return sharded
 
@@ -142,8 +138,8 @@ def mesh_dim_names(mesh: Any, model: Any = None) -> tuple[str, ...]:
     except ImportError:  # pragma: no cover
         return ()
     mods = [model, *getattr(model, "modules", list)()]
-    replicated = getattr(sys.modules.get("torch.distributed._composable.replicate_with_fsdp"), "ReplicateModule", None)
-    if isinstance(replicated, type) and any(isinstance(m, replicated) for m in mods):  # an FSDPModule too
+    replicated = parallel.replicate_module_class()
+    if replicated is not None and any(isinstance(m, replicated) for m in mods):  # an FSDPModule too
         return {1: ("dp_replicate",)}.get(mesh.ndim, ())
     if any(isinstance(m, FSDPModule) for m in mods):
         return {1: ("dp_shard",), 2: ("dp_replicate", "dp_shard")}.get(mesh.ndim, ())
@@ -195,9 +191,7 @@ def _job_id(config: AgentConfig) -> str:
         return _safe_id(run_id)
     if dist.is_available() and dist.is_initialized():
         try:
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            store = _get_default_store()
+            store = parallel.default_store()
             got = store.compare_set(JOB_ID_KEY, "", uuid.uuid4().hex[:12])
             return _safe_id(got.decode() if isinstance(got, bytes) else str(got))
         except Exception as exc:  # a store without compare_set: ids derived from the rendezvous

@@ -15,19 +15,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hpar_agent import catalogue as cat
-from hpar_agent.config import AgentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def env_table() -> str:
-    defaults = AgentConfig()
-    rows = ["| variable | `AgentConfig` field | default | meaning |", "|---|---|---|---|"]
-    for var in cat.ENV_VARS:
-        default = getattr(defaults, var.field)
-        shown = "unset" if default in (None, "") else f"`{default}`"
-        rows.append(f"| `{var.name}` | `{var.field}` | {shown} | {var.help} |")
-    rows += [f"| `{var.name}` | - | unset | {var.help} |" for var in cat.TOOL_ENV_VARS]
+    """The settings' variables, from their declarations on ``AgentConfig``'s fields, then the tools'."""
+    rows = ["| variable | `AgentConfig` field | default | values | meaning |", "|---|---|---|---|---|"]
+    for s in cat.ENV_VARS:
+        shown = "unset" if s.default in (None, "") else f"`{s.default}`"
+        rows.append(f"| `{s.env}` | `{s.name}` | {shown} | {s.want} | {s.help} |")
+    rows += [f"| `{var.env}` | - | unset | - | {var.help} |" for var in cat.TOOL_ENV_VARS]
     return "\n".join(rows)
 
 

@@ -75,6 +75,7 @@ from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord, StepRecord
 from hpar_agent.thresholds import ANATOMY_DEFAULTS
+from hpar_agent.torch_compat import autograd, dataloader
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -155,7 +156,7 @@ class AnatomyCollector(Component):
         if dist is not None and dist.is_available():
             self._dist_on = dist.is_initialized
         self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-        self._queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+        self._queue_callback = autograd.queue_callback()
         self._module_cls = torch.nn.Module
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
@@ -172,11 +173,10 @@ class AnatomyCollector(Component):
         self._patch_loader()
 
     def _patch_loader(self) -> None:
-        try:
-            from torch.utils.data.dataloader import _BaseDataLoaderIter
-        except ImportError:
+        cls = dataloader.iterator_class()
+        if cls is None:
             return
-        orig = _BaseDataLoaderIter.__next__
+        orig = cls.__next__
         put, steps = self.buffer.put, self._steps
 
         def __next__(it: Any) -> Any:
@@ -189,8 +189,8 @@ class AnatomyCollector(Component):
                 put((steps.count if steps is not None else 0, LOAD, t0, time.time_ns(), None))
 
         __next__._hpar_orig = orig  # type: ignore[attr-defined]
-        _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign,assignment]
-        self._loader_patch = (_BaseDataLoaderIter, orig)
+        cls.__next__ = __next__
+        self._loader_patch = (cls, orig)
 
     def uninstall(self) -> None:
         watch.unlisten(self._on_source)
@@ -407,7 +407,7 @@ class AnatomyCollector(Component):
                 self._last_end_event = end
                 continue
             step_s = rec.duration_s
-            piped = self._pipe is not None and bool(getattr(self._pipe, "_wrapped", None))
+            piped = self._pipe is not None and bool(getattr(self._pipe, "wrapped", None))
             if end is not None and self._last_end_event is not None and not piped:
                 try:
                     phases, spans, loader, step_s = gpu_phases(rec.start_ns, events, self._last_end_event, end)
@@ -477,7 +477,7 @@ class AnatomyCollector(Component):
         schedule forward and backward are the stage's chunks, and only stage 0 waits for data."""
         pipe = self._pipe
         chunks = None
-        if pipe is not None and getattr(pipe, "_wrapped", None):
+        if pipe is not None and getattr(pipe, "wrapped", None):
             self.forward_source = "pipeline-chunks"
             chunks = (pipe.phase_by_step.pop(rec.step, {}), pipe.first_forward_ns.pop(rec.step, None))
         return cpu_phases(rec.start_ns, rec.end_ns, events, chunks)

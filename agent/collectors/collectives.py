@@ -39,6 +39,7 @@ from hpar_agent.histogram import Histogram
 from hpar_agent.spans import LazySpan, SpanRecord
 from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat import flight_recorder as fr
+from hpar_agent.torch_compat import parallel
 from hpar_agent.torch_compat.fr_decode import busbw, pg_label, stuck
 from hpar_agent.torch_compat.p2p import P2PWrapper, ops_of, waits_of
 from hpar_agent.traceids import trace_id_hex
@@ -178,8 +179,7 @@ class CollectiveCollector(Component):
                 self.groups.pp.add((name, desc))
             elif not desc.startswith("mesh_"):
                 self.groups.labels[(name, desc)] = label
-        flattened = getattr(mesh, "_flatten_mapping", None) or {}  # torchtitan's dp, dp_shard_cp (private)
-        for dim, sub in list(flattened.items()):
+        for dim, sub in parallel.flattened_meshes(mesh).items():  # torchtitan's dp, dp_shard_cp
             try:
                 if sub.size() < 2:
                     continue

@@ -181,7 +181,7 @@ class CompileCollector(Component):
         super().install(ctx)
         self.buffer.capacity = ctx.config.buffer_size
         self._steps = ctx.find(StepCollector)
-        import torch._dynamo  # noqa: F401 - artifact loggers must exist before we configure them
+        dynamo.load()  # artifact loggers must exist before we configure them
 
         snap = dynamo.counters_snapshot()
         self._diff(snap, count=False)

@@ -48,6 +48,7 @@ from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.samples import copy_to_host, sample_cat, segment_sums, strided
+from hpar_agent.torch_compat import autograd
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -172,7 +173,7 @@ class GradSyncCollector(Component):
             if self._tp_params:
                 self._steps = ctx.find(StepCollector)
                 self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-                self._queue = torch.autograd.Variable._execution_engine.queue_callback
+                self._queue = autograd.queue_callback()
                 self._handles.append(ctx.model.register_forward_hook(self._fwd_post))
                 self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
                 self.up = True
@@ -266,7 +267,7 @@ class GradSyncCollector(Component):
         ctx = self.require_ctx()
         params = list(ctx.model.parameters()) if hasattr(ctx.model, "parameters") else []
         pipe = ctx.find(PipelineCollector)
-        for stage, _ in getattr(pipe, "_wrapped", ()):  # further pipeline chunks of this rank
+        for stage, _ in getattr(pipe, "wrapped", ()):  # further pipeline chunks of this rank
             submod = getattr(stage, "submod", None)
             if submod is not None:
                 params.extend(submod.parameters())

@@ -71,6 +71,11 @@ class PipelineCollector(Component):
                 setattr(stage, method, self._wrap(stage, orig, phase))
                 self._wrapped.append((stage, method))
 
+    @property
+    def wrapped(self) -> list[tuple[Any, str]]:
+        """(stage, method name) of every one-chunk method wrapped now (empty: no pipeline watched)."""
+        return self._wrapped
+
     def uninstall(self) -> None:
         for stage, method in self._wrapped:
             fn = stage.__dict__.get(method)

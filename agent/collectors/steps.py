@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import resource
 import statistics
+import threading
 import time
 import weakref
 from collections.abc import Iterable
@@ -35,6 +36,10 @@ from hpar_agent.traceids import trace_id_hex
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
+
+
+#: Step durations kept: the summary carries them all, ``detail_stride`` reads the last ``RATE_WINDOW``.
+RECENT_STEPS = 512
 
 
 class StepCollector(Component):
@@ -62,9 +67,12 @@ class StepCollector(Component):
         self.tokens_total = 0
         self.last_end_ns = time.time_ns()
         self.last_step_ts = 0.0
-        self.durations: list[float] = []  # recent, for the summary and "slow step" decisions
+        self.durations: list[float] = []  # the last RECENT_STEPS, for the summary and the detail stride
         self._completed: list[StepRecord] = []
         self.rusage = _rusage()  # (minor, major faults, voluntary, involuntary switches) at the last boundary
+        self.tid: int | None = None  # the training thread (the first to mark a step)
+        # (monotonic ns, ns the training thread had waited for a CPU) at the first pass after a step
+        self.wait_origin: tuple[int, int] | None = None
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
@@ -97,6 +105,8 @@ class StepCollector(Component):
         """Record one boundary: O(1), appends only."""
         if explicit:
             self.explicit = True
+        if self.tid is None:
+            self.tid = threading.get_native_id()
         t = time.time_ns()
         step = self.count
         self.count = step + 1
@@ -130,9 +140,22 @@ class StepCollector(Component):
             kept = every > 0 and step % every == 0
             self.hist.observe(dur, trace_id_hex(ctx.topology.job_id, step) if kept else None, end_ns / 1e9)
             self.durations.append(dur)
-            del self.durations[:-512]
+            del self.durations[:-RECENT_STEPS]
             self._completed.append(rec)
         self.stride = detail_stride(self.durations, ctx.config.detail_rate, every)
+        if self.wait_origin is None and (wait := cpu_wait_ns(self.tid)) is not None:
+            self.wait_origin = (time.monotonic_ns(), wait)
+
+    def cpu_wait_share(self) -> float | None:
+        """The share of the time since the first step that the training thread spent runnable but
+        waiting for a CPU: how busy the machine was (``hpar-agent compare`` will not judge two runs
+        the machine treated differently). None without a schedstat (not Linux, or the thread ended)."""
+        wait = cpu_wait_ns(self.tid)
+        if self.wait_origin is None or wait is None:
+            return None
+        t0, w0 = self.wait_origin
+        elapsed = time.monotonic_ns() - t0
+        return round((wait - w0) / elapsed, 4) if elapsed >= 100_000_000 else None
 
     def take_completed(self) -> list[StepRecord]:
         out, self._completed = self._completed, []
@@ -163,13 +186,18 @@ class StepCollector(Component):
         yield switches
 
     def summary(self) -> dict[str, Any]:
-        d = sorted(self.durations)
+        recent = list(self.durations)
+        d = sorted(recent)
         return {
             "steps": self.total,
             "tokens": self.tokens_total,
             "step_seconds_p50": d[len(d) // 2] if d else None,
             "step_seconds_max": d[-1] if d else None,
             "detail_stride": self.stride,
+            "cpu_wait_share": self.cpu_wait_share(),
+            # every recent step, for ``hpar-agent compare`` to judge two runs' distributions
+            "recent_step_seconds": [round(v, 7) for v in recent],
+            "recent_first_step": self.total - len(recent),
         }
 
 
@@ -217,6 +245,18 @@ STEP_RUSAGE_ATTRS = (
     cat.ATTR_VOLUNTARY_SWITCHES,
     cat.ATTR_INVOLUNTARY_SWITCHES,
 )
+
+
+def cpu_wait_ns(tid: int | None) -> int | None:
+    """Nanoseconds the thread ``tid`` of this process has spent runnable but waiting for a CPU
+    (``/proc/self/task/<tid>/schedstat``, second field); None where there is none."""
+    if tid is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _rusage() -> tuple[int, int, int, int]:

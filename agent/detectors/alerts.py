@@ -42,6 +42,7 @@ class AlertState:
     active: bool = False
     value: float = 0.0
     fired: int = 0
+    judged: int = 0  # verdicts given (a detector that had nothing to judge gives none)
     streak: int = 0  # consecutive verdicts disagreeing with ``active``
     last_fired_step: int | None = None
     last_log: float = -1e18
@@ -79,6 +80,7 @@ class AlertBook:
             else:
                 self.evidence.stop_memory_history()
         st = self.states[d.name]
+        st.judged += 1
         st.value = verdict.value
         if verdict.active == st.active:
             st.streak = 0
@@ -219,6 +221,7 @@ class AlertBook:
                 "threshold": d.threshold,
                 "params": d.params,
                 "fired": st.fired,
+                "judged": st.judged,
                 "last_fired_step": st.last_fired_step,
                 "evidence": st.evidence,
             }

@@ -15,6 +15,7 @@ from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
 from hpar_agent.samples import copy_to_host, sample_cat, segment_sums, strided
+from hpar_agent.torch_compat import parallel
 
 if TYPE_CHECKING:
     from hpar_agent.detectors.snapshot import Snapshot
@@ -282,16 +283,15 @@ def intended_reduce_bits(model: Any) -> set[int]:
     except (AttributeError, TypeError):
         return out
     for m in modules:
-        state_fn = getattr(m, "_get_fsdp_state", None)  # FSDPModule (private state: guarded)
-        if state_fn is not None:
+        mp = parallel.fsdp_mixed_precision(m)  # FSDPModule
+        if mp is not None:
             try:
-                mp = state_fn()._mp_policy
                 dtype = mp.reduce_dtype or mp.param_dtype
                 if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
                     out.add(torch.finfo(dtype).bits)
             except Exception:
                 pass
-        for hook, _ in getattr(m, "_comm_hooks", None) or ():  # DistributedDataParallel
+        for hook in parallel.ddp_comm_hooks(m):  # DistributedDataParallel
             bits = _COMPRESS_HOOKS.get(getattr(hook, "__name__", ""))
             if bits:
                 out.add(bits)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
@@ -37,6 +38,8 @@ log = logging.getLogger("hpar_agent")
 #: Seconds without an exchange after the store failed: torch logs every failed store call with its C++
 #: stack on stderr, and a store whose host exited fails every call.
 STORE_BACKOFF_S = 30.0
+#: Seconds the store's host waits at exit for its peers' goodbyes (they end within a few passes of it).
+BYE_WAIT_S = 1.0
 
 #: Payload by purpose (``crossrank``'s table), built when an exchange is due.
 Payload = dict[str, dict[str, Any]]
@@ -137,9 +140,10 @@ class CrossRankExchange:
         if read:
             self._read_at = None
             self._wait_until(tick + offset, cad)
-            self.peers = self._read(self.exchange, cad, rank)
-            self.fresh = True
-            self._reads += 1
+            if not ctx.stopping:  # the peers end too, the store's host among them: publish only
+                self.peers = self._read(self.exchange, cad, rank)
+                self.fresh = True
+                self._reads += 1
         if self._pending is not None and self._passes >= self._pending[1]:
             parts, at = self._pending
             self._pending = None
@@ -291,17 +295,35 @@ class CrossRankExchange:
     def goodbye(self) -> None:
         """This rank's last ``s`` once more with ``bye``: how it ended (``AgentContext.exit_reason``, "exit"
         for a clean one), so its peers' RankGone tells a rank that finished from one that died. The
-        store gets a second at most: its host may be exiting too."""
+        store gets a second at most: its host may be exiting too (a goodbye it missed loses nothing of
+        this rank's, and is no error)."""
         ex, ctx = self.exchange, self.ctx
         if ex is None or ctx is None or "s" not in ex.own or not self.up():
             return  # never published (no peer waits for this rank's payloads), or the store is failing
         last = {k: v for k, v in ex.own["s"].items() if k != "t"}
         last["bye"] = ctx.exit_reason or "exit"
         last["step"] = src.step_state(ctx)[0]
-        set_timeout = getattr(ex.store, "set_timeout", None)
-        if set_timeout is not None and self._own_store:
-            set_timeout(timedelta(seconds=1))
-        ex.send(ex.encode({"s": last}))
+        rank = ctx.topology.rank
+        try:
+            set_timeout = getattr(ex.store, "set_timeout", None)
+            if set_timeout is not None and self._own_store:
+                set_timeout(timedelta(seconds=1))
+            ex.send([*ex.encode({"s": last}), (ex.key("bye", rank), last["bye"])])
+            if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+                self._await_goodbyes(ex, rank)
+        except Exception as exc:
+            if not _store_failed(exc):
+                raise
+            log.debug("hpar_agent: goodbye not delivered (%s)", exc)
+
+    def _await_goodbyes(self, ex: Exchange, rank: int) -> None:
+        """On the rank whose process hosts the job's store (rank 0 unless torchrun's agent does): wait,
+        ``BYE_WAIT_S`` at most, for the peers it saw to say goodbye. Its exit closes the store, and a
+        peer still reading it would fail its last calls, each logged by torch with a C++ stack."""
+        keys = [ex.key("bye", r) for r in self.seen if r != rank]
+        deadline = time.monotonic() + BYE_WAIT_S
+        while keys and not ex.store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def close(self) -> None:
         """Drop the store client the agent opened itself (its socket closes with it; a caller's exchange
@@ -313,3 +335,10 @@ class CrossRankExchange:
         if self.ctx is None:
             raise RuntimeError("the cross-rank exchange is not installed")
         return self.ctx
+
+
+def _store_failed(exc: BaseException) -> bool:
+    """A store call failed (connection reset, timeout): torch's ``DistError`` and its kinds."""
+    import torch.distributed as dist
+
+    return isinstance(exc, getattr(dist, "DistError", ()))

@@ -101,17 +101,18 @@ def analyse(
             beyond = beyond or not (complete or {}).get(uid, True)
     if not waits_for:
         return HangVerdict("none", note="no collective has been in flight for long on the ranks compared")
-    waiting = set(waits_for)
+    waiting = set(waits_for)  # in flight: in a collective, for someone or (all of its group in) for nothing
+    held = {r for r, b in waits_for.items() if b}  # waiting for a member that is behind
     blockers = set().union(*waits_for.values())
     listed = sorted(waits.values(), key=lambda w: (-len(w["waiting"]), w["pg"], w["seq"]))
     for w in listed:
         w["waiting"].sort()
-    roots = sorted(blockers - waiting)
+    roots = sorted(blockers - held)  # what the others wait for and that waits for nobody behind it
     if roots:
-        victims = sorted(r for r in waiting if _reaches(r, set(roots), waits_for))
+        victims = sorted(r for r in held if _reaches(r, set(roots), waits_for))
         return HangVerdict("missing", roots, victims, listed)
     if blockers:  # every rank waited for waits too: a cycle of ranks in different collectives
-        return _desync(states, members, sorted(blockers | waiting), listed)
+        return _desync(states, members, sorted(blockers | held), listed)
     # every member of each group with a long wait has entered it: ops differ, or the collective is stuck
     for w in listed:
         ops = {r: states[r][w["pg"]].op for r in members.get(w["pg"], ()) if w["pg"] in states.get(r, {})}

@@ -13,7 +13,6 @@ from typing import NoReturn
 from hpar_agent._version import __version__
 from hpar_agent.safefiles import default_run_dir, private_dir
 from hpar_agent.tools.launch import TrainerMissing, launch_observed, trainer_scenarios
-from hpar_agent.tools.summary import load_rank_summaries, never_stepped, render_summary
 
 
 def _run_dir(chosen: str | None, tool: str) -> Path:
@@ -61,6 +60,8 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"hpar-agent demo: {why}; stopped torchrun and {run.stopped_workers} rank(s); "
               f"partial outputs in {run_dir}", file=sys.stderr)
         return run.returncode
+    from hpar_agent.tools.summary import load_rank_summaries, never_stepped, render_summary
+
     trainer = json.loads(out.read_text()) if out.exists() else {}
     ranks = load_rank_summaries(run_dir)
     failures = run.rank_errors() if run.returncode else {}
@@ -150,6 +151,18 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _unavailable(p: argparse.ArgumentParser, name: str, exc: ModuleNotFoundError) -> None:
+    """A command whose module cannot import: it says which package is missing instead of the CLI failing."""
+
+    def refuse(_args: argparse.Namespace) -> int:
+        print(f"hpar-agent {name}: error: needs {exc.name}, which is not installed "
+              f"(pip install {exc.name}; `hpar-agent doctor` lists what else is missing)", file=sys.stderr)
+        return 2
+
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=refuse)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="hpar-agent", description=__doc__)
     p.add_argument("--version", action="version", version=f"hpar-agent {__version__}")
@@ -170,16 +183,22 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("kind", choices=("dashboards", "rules", "compose"))
     export.add_argument("--out", required=True, metavar="DIR", help="directory to write into (created)")
     export.set_defaults(func=_export)
-    report = sub.add_parser("report", help="write one self-contained HTML page of a run (no Prometheus)")
-    report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (HPAR_RUN_DIR of the run)")
-    report.add_argument("-o", "--output", help="output file (default RUN_DIR/report.html)")
-    report.add_argument("--compare", metavar="RUN_B", help="add a side-by-side table against another run")
-    report.set_defaults(func=_report)
-    from hpar_agent.tools import compare
-
-    cmp = sub.add_parser("compare", help="two runs side by side; exit 1 when step time (or --phase) regressed")
-    compare.add_arguments(cmp)
-    cmp.set_defaults(func=compare.run)
+    try:
+        from hpar_agent.tools import compare
+        from hpar_agent.tools.report import EPILOG as REPORT_EPILOG
+    except ModuleNotFoundError as exc:  # numpy or jsonschema: doctor and the rest must still run
+        for name in ("report", "compare"):
+            _unavailable(sub.add_parser(name, help=f"(unavailable: {exc.name} is not installed)"), name, exc)
+    else:
+        report = sub.add_parser("report", help="write one self-contained HTML page of a run (no Prometheus)",
+                                epilog=REPORT_EPILOG)
+        report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (HPAR_RUN_DIR of the run)")
+        report.add_argument("-o", "--output", help="output file (default RUN_DIR/report.html)")
+        report.add_argument("--compare", metavar="BASELINE", help="add a side-by-side table against a baseline run")
+        report.set_defaults(func=_report)
+        cmp = sub.add_parser("compare", help="two runs side by side; exit 1 when step time (or --phase) regressed")
+        compare.add_arguments(cmp)
+        cmp.set_defaults(func=compare.run)
     diag = sub.add_parser("diagnose", help="run the trainer with an injected failure; report what fired")
     diag.add_argument("--inject", action="append", help="failure mode (repeatable)")
     diag.add_argument("--all", action="store_true", help="every failure mode: the fault matrix")

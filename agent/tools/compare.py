@@ -1,28 +1,73 @@
 """``hpar-agent compare RUN_A RUN_B``: two runs side by side, and a regression gate for CI.
 
-Reads only what the agent leaves in a run directory (``summary.rank<R>.json``, ``events.rank<R>.jsonl``,
-and ``trainer.json`` when the reference trainer wrote one). Job-level figures take the slowest rank:
-in synchronous training the job moves at its slowest rank's pace. Step and phase times are medians
-after the agent's warm-up steps (compiles), so a compile-time change shows as compile time, not as
-step time. Exit status: 0 when nothing checked regressed past ``--max-regression``, 1 when step time
-(or a ``--phase`` named) did, 2 when a run directory holds no agent summaries.
+RUN_A is the baseline. The gate judges distributions, not two numbers: the job's time of every step
+(the slowest rank's, step by step, after ``WARMUP_STEPS``) from each rank's summary, which carries its
+last 512 step times (or, from an agent that did not write them, the steps the traces files sampled),
+compared with a block-bootstrap interval of the ratio of medians (``stats``). A change is a
+regression when its interval excludes "no change" and it exceeds ``--max-regression``; inside the
+noise it is "no significant change". ``--phase NAME`` judges a phase the same way, from the
+``step.<phase>`` spans of the sampled traces.
+
+The other rows (phases' p50s, collectives, memory, compile time, alerts, loss) are shown, not judged.
+
+The machine's own load is the one cause the interval cannot see when it is flat within each run: the
+summaries record how much of the time each training thread waited for a CPU, and two runs whose
+difference in it could move the step time by half the limit get no verdict (``machine_differed``).
+
+Exit status (``EXIT_CODES``): 0 nothing judged regressed, 1 a regression, 2 bad usage or input, or
+no verdict (a run without readable summaries, a rank's summary missing or unreadable, too few steps
+to judge, the machine busier for one run), 3 an error in the tool itself.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
+import functools
+import math
 import sys
-from dataclasses import dataclass
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpar_agent.catalogue import STEP_PHASES
-from hpar_agent.tools.summary import load_rank_summaries
+import numpy as np
 
-#: rows checked against the threshold by default
-DEFAULT_CHECKED = ("step",)
+from hpar_agent import catalogue as cat
+from hpar_agent.catalogue import STEP_PHASES
+from hpar_agent.tools import units
+from hpar_agent.tools.run_files import (
+    Span,
+    num,
+    rank_files,
+    read_doc,
+    read_events,
+    read_spans,
+    read_summaries,
+)
+from hpar_agent.tools.safe_read import Budget
+from hpar_agent.tools.stats import LEVEL, MIN_STEPS, Change, compare_medians
+from hpar_agent.tools.summary_schema import TRAINER
+
+#: The first steps compile and allocate: left out of the judged series.
+WARMUP_STEPS = 2
+#: A training thread waiting for a CPU more of the time than this: the machine is oversubscribed, and
+#: equal waits no longer mean equal treatment (docs/tools.md).
+OVERSUBSCRIBED = 0.25
+EXIT_CODES = {0: "no significant regression", 1: "regression",
+              2: "bad usage or input, or no verdict (no readable summaries, a rank's summary missing or "
+                 "unreadable, too few steps to judge, the machine busier for one run)",
+              3: "error in the tool"}  # fmt: skip
+EPILOG = "exit status: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
+DESCRIPTION = (
+    "Two runs side by side (RUN_A is the baseline), and a gate on step time. Each run's step times "
+    f"(every step's slowest rank, after the first {WARMUP_STEPS} steps, from the ranks' summaries) are compared "
+    f"as distributions: the ratio of the medians with a {LEVEL:.0%} block-bootstrap interval. 'no significant change': "
+    "the interval holds no change; 'slower' or 'faster': a significant change within the limit; "
+    "'regressed': a significant slowdown past --max-regression; 'unknown' when the machine's load alone "
+    "(how long the training threads waited for a CPU) could move the step time by half the limit, or "
+    f"they waited over {OVERSUBSCRIBED:.0%} of the time."
+)
 
 
 @dataclass
@@ -31,8 +76,7 @@ class Row:
     label: str
     a: float | None
     b: float | None
-    unit: str  # s | bytes | count
-    lower_is_better: bool = True
+    unit: str  # s | bytes | count | "" (a plain number)
 
     @property
     def change(self) -> float | None:
@@ -42,74 +86,197 @@ class Row:
         return (self.b - self.a) / abs(self.a)
 
 
+@dataclass
+class Judged:
+    """A checked figure: the comparison, or why there is none."""
+
+    key: str
+    label: str
+    change: Change | None = None
+    unknown: str = ""
+
+    def verdict(self, limit: float) -> str:
+        return "unknown" if self.unknown or self.change is None else self.change.verdict(limit)
+
+
+@dataclass
+class Digest:
+    """What one run directory says, read once."""
+
+    run_dir: Path
+    summaries: dict[int, dict[str, Any]]
+    problems: list[str] = field(default_factory=list)  # named, shown; the run can still be judged
+    blockers: list[str] = field(default_factory=list)  # why the run cannot be judged at all
+    figures: dict[str, Any] = field(default_factory=dict)
+    budget: Budget = field(default_factory=Budget)  # what may still be read of this run
+    _spans: list[Span] | None = None
+
+    def spans(self) -> list[Span]:
+        """The traces' spans, read on first use (they can be large and most comparisons need none)."""
+        if self._spans is None:
+            self._spans = read_spans(self.run_dir, self.problems, self.budget)
+        return self._spans
+
+
 def _max(values: list[Any]) -> float | None:
-    nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    nums = [f for v in values if (f := num(v)) is not None]
     return max(nums) if nums else None
 
 
-def _alerts(run_dir: Path) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for path in sorted(run_dir.glob("events.rank*.jsonl")):
-        try:
-            lines = path.read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("kind") == "alert" and rec.get("state") == "firing":
-                out[str(rec.get("alert"))] = out.get(str(rec.get("alert")), 0) + 1
-    return out
+def _comps(s: dict[str, Any]) -> dict[str, Any]:
+    return s.get("components") or {}
 
 
-def digest(run_dir: Path) -> dict[str, Any]:
-    """The job-level figures of one run (slowest rank for times, highest rank for memory)."""
-    ranks = load_rank_summaries(run_dir)
-    comps = [r.get("components", {}) for r in ranks]
+def load(run_dir: Path) -> Digest:
+    """Read a run's summaries, events and ``trainer.json``; name what cannot be read."""
+    d = Digest(run_dir, {})
+    d.summaries = read_summaries(run_dir, d.problems, d.budget)
+    unreadable = sorted({r for r, _ in rank_files(run_dir, "summary", "json")} - set(d.summaries))
+    if not d.summaries:
+        d.blockers.append("no readable summary.rank<R>.json")
+        return d
+    if unreadable:
+        d.blockers.append(f"the summaries of rank(s) {_ranks(unreadable)} are unreadable (see above): "
+                          "the slowest rank may be among them")
+    world = max(int((s.get("topology") or {}).get("world_size") or 0) for s in d.summaries.values())
+    missing = [r for r in range(world) if r not in d.summaries and r not in unreadable]
+    if missing:
+        d.blockers.append(f"rank(s) {_ranks(missing)} of {world} wrote no summary: the slowest rank may be among them")
+    d.figures = figures(d.summaries, read_events(run_dir, d.problems, d.budget), _trainer(run_dir, d))
+    return d
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (" ..." if len(ranks) > 16 else "")
+
+
+def _trainer(run_dir: Path, d: Digest) -> dict[str, Any]:
+    path = run_dir / "trainer.json"
+    return (read_doc(path, TRAINER, d.problems, d.budget) or {}) if path.exists() or path.is_symlink() else {}
+
+
+def figures(summaries: dict[int, dict[str, Any]], events: list[dict[str, Any]],
+            trainer: dict[str, Any]) -> dict[str, Any]:
+    """The job-level figures shown beside the judgement (slowest rank for times, highest for memory)."""
+    comps = [_comps(s) for _, s in sorted(summaries.items())]
     anat = [c.get("anatomy") or {} for c in comps]
-    step = _max([a.get("step_seconds_p50") for a in anat]) or _max(
-        [(c.get("steps") or {}).get("step_seconds_p50") for c in comps]
-    )
-    trainer: dict[str, Any] = {}
-    tpath = run_dir / "trainer.json"
-    if tpath.exists():
-        try:
-            trainer = json.loads(tpath.read_text())
-        except (OSError, ValueError):
-            trainer = {}
-    times = trainer.get("step_times") or []
     collectives: dict[str, dict[str, float | None]] = {}
     for c in comps:
-        for t in (c.get("collectives") or {}).get("table", []):
-            key = f"{t.get('pg')}/{t.get('op')}"
-            row = collectives.setdefault(key, {"count": 0.0, "p50_s": None})
-            row["count"] = (row["count"] or 0.0) + float(t.get("count") or 0)
+        for t in (c.get("collectives") or {}).get("table") or ():
+            row = collectives.setdefault(f"{t['pg']}/{t['op']}", {"count": 0.0, "p50_s": None})
+            row["count"] = (row["count"] or 0.0) + (num(t.get("count")) or 0.0)
             row["p50_s"] = _max([row["p50_s"], t.get("p50_s")])
-    memory = [
-        (c.get("memory") or {}).get("rss_bytes") for c in comps
-    ] + [v for c in comps for k, v in ((c.get("memory") or {}).get("allocator") or {}).items() if "peak" in k]
+    memory = [(c.get("memory") or {}).get("rss_bytes") for c in comps]
+    memory += [v for c in comps for k, v in ((c.get("memory") or {}).get("allocator") or {}).items() if "peak" in k]
+    alerts: dict[str, int] = defaultdict(int)
+    for e in events:
+        if e.get("kind") == "alert" and e.get("state") == "firing":
+            alerts[str(e.get("alert"))] += 1
+    losses = [f for v in trainer.get("losses") or () if (f := num(v)) is not None]
     return {
-        "run_dir": str(run_dir),
-        "ranks": len(ranks),
+        "ranks": len(summaries),
         "steps": _max([(c.get("steps") or {}).get("steps") for c in comps]),
-        "step": step,
-        "trainer_step": statistics.median(times[1:]) if len(times) > 1 else None,
+        "step_p50": _max([a.get("step_seconds_p50") for a in anat]) or _max(
+            [(c.get("steps") or {}).get("step_seconds_p50") for c in comps]),
         "phases": {p: _max([(a.get("phase_seconds_p50") or {}).get(p) for a in anat]) for p in STEP_PHASES},
-        "verdicts": {r.get("rank"): (a.get("verdict"), a.get("evidence") or {}) for r, a in zip(ranks, anat, strict=True)},
+        "verdicts": {r: (_comps(s).get("anatomy") or {}).get("verdict") for r, s in sorted(summaries.items())},
         "collectives": collectives,
         "memory_peak": _max(memory),
         "compile": _max([(c.get("compile") or {}).get("compile_seconds_total") for c in comps]),
-        "alerts": _alerts(run_dir),
-        "final_loss": next((v for v in reversed(trainer.get("losses") or []) if v is not None), None),
-    }
+        "alerts": dict(alerts),
+        "final_loss": losses[-1] if losses else None,
+        "cpu_wait": _max_of_all([(c.get("steps") or {}).get("cpu_wait_share") for c in comps]),
+    }  # fmt: skip
 
 
-def rows(a: dict[str, Any], b: dict[str, Any]) -> list[Row]:
-    out = [Row("step", "step time p50 (slowest rank)", a["step"], b["step"], "s")]
-    if a["trainer_step"] is not None or b["trainer_step"] is not None:
-        out.append(Row("trainer_step", "trainer step time median (rank 0)", a["trainer_step"], b["trainer_step"], "s"))
+def _max_of_all(values: list[Any]) -> float | None:
+    """The largest, or None unless every value is a number (an unmeasured rank may be the largest)."""
+    nums = [f for v in values if (f := num(v)) is not None]
+    return max(nums) if nums and len(nums) == len(values) else None
+
+
+# ------------------------------------------------------------------------------- per-step series
+def summary_steps(summaries: dict[int, dict[str, Any]]) -> dict[int, dict[int, float]] | None:
+    """Per rank, {step: seconds} of the step times its summary carries (a rank without them is left
+    out); None when no summary carries any (an older agent wrote them)."""
+    out = {}
+    for rank, s in summaries.items():
+        st = _comps(s).get("steps") or {}
+        values, first = st.get("recent_step_seconds"), st.get("recent_first_step")
+        if values is not None and first is not None:
+            out[rank] = {first + i: v for i, v in enumerate(values) if first + i >= WARMUP_STEPS and v > 0}
+    return out or None
+
+
+def traced_steps(spans: list[Span], name: str) -> dict[int, dict[int, float]]:
+    """Per rank, {step: seconds} of the spans called ``name`` in the steps of the traces' cadence
+    (``HPAR_TRACE_EVERY``, read off the steps kept as ``sampled``, whatever their own reason says):
+    the slow and anomalous steps kept besides would bias a median, and so would dropping a step of
+    the cadence that was kept as slow."""
+    steps = [(s.rank, s.attrs.get(cat.ATTR_STEP), s.attrs.get(cat.ATTR_TRACE_REASON))
+             for s in spans if s.name == cat.SPAN_STEP]  # fmt: skip
+    every = functools.reduce(math.gcd, (st for _, st, why in steps if why == "sampled" and isinstance(st, int)), 0)
+    keep = {(r, st) for r, st, why in steps if isinstance(st, int) and (st % every == 0 if every else why == "sampled")}
+    out: dict[int, dict[int, float]] = defaultdict(dict)
+    for s in spans:
+        step = s.attrs.get(cat.ATTR_STEP)
+        if s.name == name and s.rank is not None and isinstance(step, int) and step >= WARMUP_STEPS \
+                and (s.rank, step) in keep and s.end_ns > s.start_ns:  # fmt: skip
+            out[s.rank][step] = out[s.rank].get(step, 0.0) + s.seconds
+    return dict(out)
+
+
+def job_series(per_rank: dict[int, dict[int, float]], ranks: list[int]) -> tuple[np.ndarray, str]:
+    """The slowest rank's time of every step all ``ranks`` have, in step order; or an empty array and
+    the reason."""
+    lacking = [r for r in ranks if not per_rank.get(r)]
+    if not ranks:
+        return np.empty(0), "no ranks"
+    if lacking:
+        return np.empty(0), f"none from rank(s) {', '.join(map(str, lacking[:16]))}"
+    common = set.intersection(*(set(per_rank[r]) for r in ranks))
+    if not common:
+        return np.empty(0), "the ranks have no step in common"
+    return np.array([max(per_rank[r][k] for r in ranks) for k in sorted(common)]), ""
+
+
+def series(d: Digest, key: str) -> tuple[np.ndarray, str, str]:
+    """(job series, where it came from, why it is empty) of ``step`` or a phase."""
+    ranks = sorted(d.summaries)
+    if key == "step":
+        per_rank = summary_steps(d.summaries)
+        if per_rank is not None:
+            x, why = job_series(per_rank, ranks)
+            return x, "the summaries' step times", why and f"{why} (the summaries' step times)"
+        name, where = cat.SPAN_STEP, "sampled train.step spans (the summaries carry no step times)"
+    else:
+        name, where = cat.SPAN_STEP_PHASES[key], f"sampled {cat.SPAN_STEP_PHASES[key]} spans"
+    x, why = job_series(traced_steps(d.spans(), name), ranks)
+    return x, where, why and f"{why} ({where} in traces.rank<R>.jsonl)"
+
+
+def judge(a: Digest, b: Digest, key: str, label: str) -> Judged:
+    """``key``'s job series of both runs compared, or why they cannot be."""
+    pair = []
+    for run, d in (("A", a), ("B", b)):
+        x, source, why = series(d, key)
+        if why:
+            return Judged(key, label, unknown=f"run {run}: {why}")
+        if len(x) < MIN_STEPS:
+            return Judged(key, label, unknown=f"run {run}: {len(x)} steps after warm-up from {source}; "
+                                              f"an interval needs {MIN_STEPS}")
+        pair.append(x)
+    return Judged(key, label, change=compare_medians(pair[0], pair[1]))
+
+
+# ----------------------------------------------------------------------------------------- table
+def rows(a: dict[str, Any], b: dict[str, Any], judged: list[Judged]) -> list[Row]:
+    steps = next((j for j in judged if j.key == "step" and j.change is not None), None)
+    if steps is not None and steps.change is not None:
+        out = [Row("step", "step time median (slowest rank each step)", steps.change.median_a,
+                   steps.change.median_b, "s")]
+    else:
+        out = [Row("step", "step time p50 (slowest rank)", a["step_p50"], b["step_p50"], "s")]
     for p in STEP_PHASES:
         if a["phases"].get(p) is not None or b["phases"].get(p) is not None:
             out.append(Row(p, f"  {p} p50 (slowest rank)", a["phases"].get(p), b["phases"].get(p), "s"))
@@ -124,109 +291,202 @@ def rows(a: dict[str, Any], b: dict[str, Any]) -> list[Row]:
         out.append(Row(f"alert:{name}", f"alert {name} fired", a["alerts"].get(name, 0), b["alerts"].get(name, 0), "count"))
     if a["final_loss"] is not None or b["final_loss"] is not None:
         out.append(Row("loss", "final loss", a["final_loss"], b["final_loss"], ""))
+    if a["cpu_wait"] is not None or b["cpu_wait"] is not None:
+        out.append(Row("cpu_wait", "time waiting for a CPU (training thread, most-waiting rank)", a["cpu_wait"],
+                       b["cpu_wait"], "share"))
     return out
 
 
-def regressions(table: list[Row], checked: tuple[str, ...], max_regression: float) -> list[Row]:
-    """Checked rows that grew by more than ``max_regression`` (a missing figure is not a pass)."""
-    bad = []
-    for key in checked:
-        row = next((r for r in table if r.key == key), None)
-        if row is None or row.change is None or row.change > max_regression:
-            bad.append(row or Row(key, key, None, None, "s"))
-    return bad
-
-
-def _fmt(v: float | None, unit: str) -> str:
+def fmt(v: float | None, unit: str) -> str:
     if v is None:
         return "-"
     if unit == "s":
-        return f"{v * 1e3:.1f} ms" if abs(v) < 1 else f"{v:.2f} s"
+        return units.seconds(v)
     if unit == "bytes":
-        return f"{v / 2**20:.0f} MiB"
+        return units.size(v)
     if unit == "count":
         return f"{v:.0f}"
-    return f"{v:.4g}"
+    if unit == "share":
+        return f"{v:.1%}"
+    return units.sig(v)
 
 
-def _fmt_change(r: Row) -> str:
+def fmt_change(r: Row) -> str:
+    if r.unit == "share":
+        return "-" if r.a is None or r.b is None else f"{(r.b - r.a) * 100:+.1f} pts"
     c = r.change
     if c is None:
         return "new" if not r.a and r.b else "-"
-    return f"{c:+.1%}"
+    return units.change(c)
 
 
-def render_text(a: dict[str, Any], b: dict[str, Any], table: list[Row], bad: list[Row], checked: tuple[str, ...],
-                max_regression: float) -> str:
-    lines = [f"A: {a['run_dir']} ({a['ranks']} ranks, {a['steps'] or 0:.0f} steps)",
-             f"B: {b['run_dir']} ({b['ranks']} ranks, {b['steps'] or 0:.0f} steps)", ""]
-    cells = [["", "A", "B", "change"]] + [
-        [r.label + (" *" if r.key in checked else ""), _fmt(r.a, r.unit), _fmt(r.b, r.unit), _fmt_change(r)] for r in table
-    ]
-    widths = [max(len(c[i]) for c in cells) for i in range(4)]
-    lines += ["  ".join(c[i].ljust(widths[i]) if i == 0 else c[i].rjust(widths[i]) for i in range(4)) for c in cells]
+def sentence(j: Judged, limit: float) -> str:
+    """One line per checked figure: the verdict, the change and its interval."""
+    c = j.change
+    est = "" if c is None else (f"{units.change(c.ratio - 1)} ({LEVEL:.0%} interval {units.change(c.low - 1)} .. "
+                                f"{units.change(c.high - 1)}; {c.n_a} and {c.n_b} steps)")
+    if j.unknown or c is None:
+        return f"UNKNOWN: {j.label}: {j.unknown}" + (f" (measured {est})" if est else "")
+    verdict = c.verdict(limit)
+    wide = "" if verdict == "regressed" or c.high - 1 <= limit else (
+        f"; the interval reaches past the {units.change(limit)} limit: a regression that large is not ruled out "
+        "(more steps narrow the interval)")
+    return {
+        "regressed": f"REGRESSION: {j.label} regressed by {est}, past the {units.change(limit)} limit",
+        "slower": f"{j.label}: slower by {est}, within the {units.change(limit)} limit",
+        "faster": f"{j.label}: faster by {est}",
+        "no change": f"{j.label}: no significant change, {est}",
+    }[verdict] + wide
+
+
+def verdict_lines(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A", "B")) -> list[str]:
+    """The two runs' bottleneck verdicts, and plainly which ranks' changed."""
+    va, vb = a["verdicts"], b["verdicts"]
+    if not any(va.values()) and not any(vb.values()):
+        return []
+    changed = [f"rank {r}: {va.get(r) or '-'} in {names[0]}, {vb.get(r) or '-'} in {names[1]}"
+               for r in sorted(set(va) | set(vb)) if va.get(r) != vb.get(r)]  # fmt: skip
+    if changed:
+        return ["BOTTLENECK CHANGED: " + "; ".join(changed)]
+    kinds = sorted({str(v) for v in va.values()})
+    same = f"{kinds[0]} on every rank" if len(kinds) == 1 else ", ".join(f"rank {r}: {v}" for r, v in va.items())
+    return [f"bottleneck: the same in both runs ({same})"]
+
+
+@dataclass
+class Result:
+    a: Digest
+    b: Digest
+    table: list[Row]
+    judged: list[Judged]
+    limit: float
+
+    @property
+    def status(self) -> int:
+        if self.a.blockers or self.b.blockers:
+            return 2
+        verdicts = [j.verdict(self.limit) for j in self.judged]
+        return 1 if "regressed" in verdicts else 2 if "unknown" in verdicts else 0
+
+
+def compare(run_a: Path, run_b: Path, checked: tuple[str, ...] = ("step",), limit: float = 0.05) -> Result:
+    a, b = load(run_a), load(run_b)
+    if a.blockers or b.blockers:  # no table either: a run's figures without some ranks would mislead
+        return Result(a, b, [], [], limit)
+    labels = {"step": "step time", **{p: p for p in STEP_PHASES}}
+    judged = [judge(a, b, key, labels[key]) for key in checked]
+    busier = machine_differed(a.figures.get("cpu_wait"), b.figures.get("cpu_wait"), limit)
+    for j in judged:
+        j.unknown = j.unknown or busier
+    return Result(a, b, rows(a.figures, b.figures, judged), judged, limit)
+
+
+def machine_differed(wait_a: float | None, wait_b: float | None, limit: float) -> str:
+    """Why two runs cannot be judged when the machine's load could decide the verdict, or "". A thread
+    that wants to run but gets a CPU only 1 - w of the time takes 1 / (1 - w) as long, so the load
+    alone moves B's steps by (1 - w_a) / (1 - w_b) - 1; past half the limit it could pass or fail the
+    gate by itself. Past ``OVERSUBSCRIBED`` in either run nothing is judged. Nothing is said when
+    either run did not measure it."""
+    if wait_a is None or wait_b is None:
+        return ""
+    if max(wait_a, wait_b) > OVERSUBSCRIBED:
+        return (f"the training threads waited for a CPU {wait_a:.0%} of the time in A and {wait_b:.0%} in B: on a "
+                "machine that busy step times follow its load more than the program; rerun both on a quiet machine")
+    shift = (1 - wait_a) / (1 - wait_b) - 1
+    if abs(shift) <= limit / 2:
+        return ""
+    return (f"the training threads waited for a CPU {wait_a:.0%} of the time in A and {wait_b:.0%} in B: the "
+            f"machine's load alone could make B's steps {units.change(shift)} longer; rerun both on a quiet machine")
+
+
+def render_text(res: Result) -> str:
+    lines = []
+    for name, d in (("A (baseline)", res.a), ("B", res.b)):
+        f = d.figures
+        ranks = len(d.summaries)
+        lines.append(f"{name}: {d.run_dir} ({ranks} rank{'' if ranks == 1 else 's'} read, "
+                     f"{f.get('steps') or 0:.0f} steps)")
+    if res.table:
+        cells = [["", "A", "B", "change"]] + [
+            [r.label + (" *" if r.key in [j.key for j in res.judged] else ""), fmt(r.a, r.unit), fmt(r.b, r.unit),
+             fmt_change(r)] for r in res.table
+        ]  # fmt: skip
+        widths = [max(len(c[i]) for c in cells) for i in range(4)]
+        lines += [""] + ["  ".join(c[i].ljust(widths[i]) if i == 0 else c[i].rjust(widths[i]) for i in range(4))
+                         for c in cells]
+    if res.table:
+        lines += ["", *verdict_lines(res.a.figures, res.b.figures)]
+    notes = [f"{n} {p}" for n, d in (("A:", res.a), ("B:", res.b)) for p in d.problems]
+    if notes:
+        lines += ["", "unreadable input (named, left out):", *(f"  {n}" for n in notes)]
     lines.append("")
-    for name, d in (("A", a), ("B", b)):
-        verdicts = ", ".join(f"rank {r}: {v or '-'}" for r, (v, _ev) in sorted(d["verdicts"].items(), key=lambda kv: kv[0]))
-        lines.append(f"bottleneck {name}: {verdicts or '-'}")
-    lines.append("")
-    if bad:
-        for r in bad:
-            what = "missing" if r.change is None else f"{r.change:+.1%}"
-            lines.append(f"REGRESSION: {r.label.strip()} {what} (limit +{max_regression:.1%})")
-    else:
-        lines.append(f"ok: {', '.join(checked)} within +{max_regression:.1%}")
+    for which, d in (("A", res.a), ("B", res.b)):
+        lines += [f"UNKNOWN: run {which} ({d.run_dir}): {why}" for why in d.blockers]
+    lines += [sentence(j, res.limit) for j in res.judged]
+    lines.append(f"exit {res.status}: {EXIT_CODES[res.status].split(' (')[0]}")
     return "\n".join(lines)
 
 
-def html_table(a_dir: Path, b_dir: Path) -> str:
-    """The side-by-side table for ``hpar-agent report RUN_A --compare RUN_B`` (escaped cells)."""
+def html_table(baseline: Path, this_run: Path, limit: float = 0.05) -> str:
+    """The side-by-side table for ``hpar-agent report RUN --compare BASELINE`` (cells escaped)."""
     import html
 
-    a, b = digest(a_dir), digest(b_dir)
+    res = compare(baseline, this_run, limit=limit)
     body = "".join(
-        f"<tr><td>{html.escape(r.label)}</td><td>{html.escape(_fmt(r.a, r.unit))}</td>"
-        f"<td>{html.escape(_fmt(r.b, r.unit))}</td><td>{html.escape(_fmt_change(r))}</td></tr>"
-        for r in rows(a, b)
+        f"<tr><td>{html.escape(r.label)}</td><td>{html.escape(fmt(r.a, r.unit))}</td>"
+        f"<td>{html.escape(fmt(r.b, r.unit))}</td><td>{html.escape(fmt_change(r))}</td></tr>"
+        for r in res.table
     )
-    head = f"<th></th><th>this run</th><th>{html.escape(b_dir.name)}</th><th>change</th>"
-    return f'<table class="compare"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    head = (f"<th></th><th>baseline: {html.escape(baseline.name)}</th><th>this run: {html.escape(this_run.name)}</th>"
+            "<th>change from the baseline</th>")
+    said = [sentence(j, limit) for j in res.judged]
+    if res.table:
+        said += verdict_lines(res.a.figures, res.b.figures, ("the baseline", "this run"))
+    said += [f"unknown: {n}: {w}" for n, d in (("baseline", res.a), ("this run", res.b)) for w in d.blockers]
+    said += [f"{n}: {p}" for n, d in (("baseline", res.a), ("this run", res.b)) for p in d.problems]
+    notes = "".join(f"<li>{html.escape(s)}</li>" for s in said)
+    return f'<table class="compare"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table><ul>{notes}</ul>'
 
 
 def parse_threshold(text: str) -> float:
     """``5%`` or ``0.05``: a relative change."""
     text = text.strip()
     value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    if value < 0:
-        raise ValueError("the threshold must be >= 0")
+    if not 0 <= value < float("inf"):
+        raise ValueError("the threshold must be a finite number >= 0")
     return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = DESCRIPTION
+    p.epilog = EPILOG
     p.add_argument("run_a", metavar="RUN_A", help="the baseline run directory")
     p.add_argument("run_b", metavar="RUN_B", help="the run directory checked against it")
-    p.add_argument("--max-regression", default="5%", help="allowed growth of step time and --phase (default 5%%)")
+    p.add_argument("--max-regression", default="5%",
+                   help="the smallest slowdown that fails the gate when it is significant (default 5%%)")
     p.add_argument("--phase", action="append", choices=STEP_PHASES, default=[],
-                   help="also fail when this phase regressed (repeatable)")
+                   help="also judge this phase, from the traces' sampled steps (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         limit = parse_threshold(args.max_regression)
     except ValueError as exc:
-        print(f"hpar-agent compare: bad --max-regression {args.max_regression!r}: {exc}", file=sys.stderr)
+        print(f"hpar-agent compare: error: bad --max-regression {args.max_regression!r}: {exc}", file=sys.stderr)
         return 2
-    dirs = [Path(args.run_a), Path(args.run_b)]
-    for d in dirs:
-        if not any(d.glob("summary.rank*.json")):
-            print(f"hpar-agent compare: no summary.rank<R>.json in {d}", file=sys.stderr)
+    for d in (args.run_a, args.run_b):
+        if not Path(d).is_dir():
+            print(f"hpar-agent compare: error: {d}: not a directory", file=sys.stderr)
             return 2
-    a, b = digest(dirs[0]), digest(dirs[1])
-    checked = (*DEFAULT_CHECKED, *args.phase)
-    table = rows(a, b)
-    bad = regressions(table, checked, limit)
-    print(render_text(a, b, table, bad, checked, limit))
-    return 1 if bad else 0
+    try:
+        res = compare(Path(args.run_a), Path(args.run_b), ("step", *dict.fromkeys(args.phase)), limit)
+        print(render_text(res))
+    except Exception:  # a bug here must not read as "regressed" (1) or "bad input" (2)
+        traceback.print_exc()
+        print("hpar-agent compare: internal error (exit 3); please report it with the traceback", file=sys.stderr)
+        return 3
+    return res.status
 
 
-__all__ = ["Row", "digest", "html_table", "parse_threshold", "regressions", "rows", "run"]
+__all__ = ["EXIT_CODES", "Digest", "Judged", "Result", "Row", "compare", "html_table", "load", "parse_threshold",
+           "run"]

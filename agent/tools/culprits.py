@@ -147,7 +147,7 @@ def endings(run_dir: Path, exits: Mapping[int, Exit] | None = None) -> list[Endi
         elif seen:
             how = seen
         elif proc == "":
-            how = "ended on another host (no record of how)"
+            how = "no end recorded (on another host: killed, or still running)"
         else:
             how = "died without exiting (SIGKILL, the kernel's OOM killer or a crash in native code)"
         t = ex.t if ex is not None else (rec.end_ns / 1e9 if rec.end_ns else None)

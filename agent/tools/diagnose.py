@@ -49,7 +49,7 @@ class Finding:
         timeout = f"timed out after {self.timed_out:.0f} s" if self.timed_out else ""
         if not hits:
             fired = f"not fired ({timeout})" if timeout else "not fired"
-            return [self.injection, self.expected, fired, "-", "-", "-", "-", self.others()]
+            return [self.injection, self.expected, fired, "-", "-", "-", "-", "-", self.others()]
         first = min(hits, key=lambda f: f.get("step", 0))
         ranks = ",".join(map(str, sorted({f["rank"] for f in hits})))
         stages = sorted({f.get("pp_stage", 0) for f in hits})
@@ -63,9 +63,20 @@ class Finding:
             ",".join(map(str, stages)),
             str(steps),
             "-" if secs is None else f"{secs:.1f}",
+            self.culprits(),
             ", ".join(evidence) or "-",
             self.others(),
         ]
+
+    def culprits(self) -> str:
+        """The ranks the expected alert's events name as its cause; "unknown" where they name none
+        (a 1-1 split), "-" for an alert that names no culprit (a single rank's own signal)."""
+        named = [f["details"].get("culprits") for f in self.detected if isinstance(f.get("details"), dict)]
+        named = [c for c in named if isinstance(c, list)]
+        if not named:
+            return "-"
+        ranks = sorted({r for c in named for r in c if isinstance(r, int)})
+        return ",".join(map(str, ranks)) if ranks else "unknown"
 
     def others(self) -> str:
         """Alerts other than the expected one, as ``Alert@ranks``."""
@@ -216,8 +227,8 @@ def diagnose(
     )
 
 
-HEADERS = ["injection", "expected alert", "fired on rank", "stage", "steps to detect", "seconds to detect", "evidence",
-           "other alerts"]
+HEADERS = ["injection", "expected alert", "fired on rank", "stage", "steps to detect", "seconds to detect", "culprits",
+           "evidence", "other alerts"]
 
 
 def markdown(findings: list[Finding]) -> str:

@@ -15,10 +15,11 @@ import socket
 import subprocess
 import sys
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from hpar_agent.torch_compat import flight_recorder as fr
+from hpar_agent.torch_compat import probe
 
 OK, DEGRADED, MISSING = "ok", "degraded", "missing"
 
@@ -50,6 +51,7 @@ REQUIRED_IMPORTS = [
     ("plotly", "plotly", "the run report (hpar-agent report)", "pip install plotly"),
     ("pyyaml", "yaml", "HPAR_WEB_CONFIG (a)", "pip install pyyaml"),
     ("bcrypt", "bcrypt", "basic auth of the metrics endpoint (a)", "pip install bcrypt"),
+    ("jsonschema", "jsonschema", "reading summaries (report, compare, diagnose)", "pip install jsonschema"),
     ("torch.distributed.pipelining", "torch.distributed.pipelining", "pipeline stages (a, t)",
      "install a torch build with distributed support"),
     ("torch.distributed.tensor", "torch.distributed.tensor.parallel", "tensor parallel (t)",
@@ -105,20 +107,12 @@ def _torch() -> list[Check]:
             True,
         )
     ]
-    hooks = {
-        "optimizer step hook": "torch.optim.optimizer.register_optimizer_step_post_hook",
-        "dynamo callbacks": "torch._dynamo.callback_handler.register_start_callback",
-        "dynamo compilation metrics": "torch._dynamo.utils.get_compilation_metrics",
-        "flight recorder (gloo)": "torch._C._distributed_c10d._dump_fr_trace",
-        "flight recorder (nccl)": "torch._C._distributed_c10d._dump_nccl_trace",
-        "pipelining": "torch.distributed.pipelining.PipelineStage",
-    }
     cuda = torch.cuda.is_available()
-    for label, path in hooks.items():
+    for label, path in probe.HOOKS.items():
         if "nccl" in label and not cuda:
             out.append(Check(label, OK, "not applicable: no CUDA on this machine"))
             continue
-        ok = _resolve(path)
+        ok = probe.resolves(path)
         fix = "" if ok else "telemetry from this hook is unavailable on this torch build"
         out.append(Check(label, OK if ok else DEGRADED, path, fix))
     size = fr.ring_entries()
@@ -136,9 +130,7 @@ def _torch() -> list[Check]:
 
     env_on = fr.nccl_timing()
     agent_on = AgentConfig.load().nccl_timing
-    api = hasattr(torch.distributed, "ProcessGroup") and hasattr(
-        torch.distributed.ProcessGroup, "_enable_collectives_timing"
-    )
+    api = fr.can_enable_timing()
     if env_on:
         state, detail, fix = OK, "TORCH_NCCL_ENABLE_TIMING=1: every NCCL group is timed", ""
     elif agent_on and api:
@@ -151,24 +143,6 @@ def _torch() -> list[Check]:
         fix = "unset HPAR_NCCL_TIMING or set TORCH_NCCL_ENABLE_TIMING=1 before init_process_group"
     out.append(Check("NCCL collective timing", state, detail, fix))
     return out
-
-
-def _resolve(path: str) -> bool:
-    import importlib
-
-    parts = path.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        try:
-            for attr in parts[i:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            return False
-        return True
-    return False
 
 
 def _nvml() -> list[Check]:
@@ -236,6 +210,29 @@ def _pyspy() -> list[Check]:
     return [Check("py-spy", OK, f"{exe}; can dump this process", required=True)]
 
 
+def _settings(environ: Mapping[str, str] | None = None) -> list[Check]:
+    """The ``HPAR_*`` variables read through each setting's declaration, as attach reads them: a bad
+    value falls back to its default and an unknown name is ignored, each with one warning; here each
+    is named with what it should be."""
+    from hpar_agent.config import REMOVED, SETTINGS, unknown_names
+
+    env = os.environ if environ is None else environ
+    problems, used = [], []
+    for s in SETTINGS:
+        if s.env and s.env in env:
+            used.append(s.env)
+            try:
+                s.read(env[s.env])
+            except (ValueError, TypeError) as exc:
+                problems.append(f"{s.env}={env[s.env]!r}: {exc} (the default {s.default!r} is used)")
+    problems += [f"{name}: removed (ignored)" for name in REMOVED.values() if name in env]
+    problems += [f"{name}: no such setting (ignored)" for name in unknown_names(env)]
+    if problems:
+        fix = "fix or unset them (docs/configuration.md, HPAR_* variables)"
+        return [Check("HPAR_* settings", DEGRADED, "; ".join(problems), fix)]
+    return [Check("HPAR_* settings", OK, f"{', '.join(used)}: valid" if used else "none set: the defaults")]
+
+
 def _port(addr: str, port: int) -> list[Check]:
     with socket.socket() as s:
         try:
@@ -293,6 +290,7 @@ def run_checks() -> list[Check]:
         _nvml,
         _numa,
         _pyspy,
+        _settings,
         lambda: _port(cfg.metrics_addr, max(cfg.metrics_port, 0)),
         lambda: _endpoint_security(cfg),
         _otlp,

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from urllib.parse import quote
 
 from hpar_agent import catalogue as cat
 from hpar_agent.safefiles import private_dir, write_atomic
+from hpar_agent.tools import units
 from hpar_agent.tools.report_figures import (
     COMPILE_KINDS,
     brief,
@@ -47,24 +49,12 @@ MAX_TABLE_ROWS = 500
 
 # ------------------------------------------------------------------------------------------- tables
 def _fmt_s(v: Any) -> str:
-    f = num(v)
-    if f is None:
-        return "-"
-    return f"{f * 1e3:.1f} ms" if f < 1 else f"{f:.2f} s"
-
-
-def _fmt_bytes(v: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(v) < 1024 or unit == "GiB":
-            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
-        v /= 1024
-    return f"{v:.1f} GiB"
+    return units.seconds(num(v))
 
 
 def _fmt_value(v: Any) -> str:
-    """A detector value: 4 significant digits for numbers, text as it came."""
-    f = num(v)
-    return "-" if v is None else f"{f:.4g}" if f is not None else str(v)
+    """A detector value: three significant digits for numbers, text as it came."""
+    return "-" if v is None else units.value(v)
 
 
 def _table(headers: list[str], rows: list[list[str]], cls: str = "") -> str:
@@ -119,7 +109,7 @@ def collectives_table(
         bw = row.get("busbw")
         out.append([
             esc(pg), esc(op), esc(row.get("count") or counts.get(key, "-")), esc(row.get("timed", "-")),
-            esc(_fmt_bytes(row["bytes"]) if row.get("bytes") else "-"),
+            esc(units.size(row["bytes"]) if row.get("bytes") else "-"),
             esc(_fmt_s(row.get("p50"))), esc(_fmt_s(row.get("p99"))), skew,
             esc(f"{bw / 1e9:.2f} GB/s" if bw else "-"), esc(len(samples.get((pg, op), ()))),
         ])  # fmt: skip
@@ -131,7 +121,7 @@ def memory_table(run: Run) -> str:
     rows = []
     for rank, s in sorted(run.summaries.items()):
         for name, v in sorted(memory_series(s).items()):
-            rows.append([esc(rank), esc(name), esc(_fmt_bytes(v))])
+            rows.append([esc(rank), esc(name), esc(units.size(v))])
     return _table(["rank", "source", "bytes"], rows)
 
 
@@ -154,7 +144,10 @@ def _evidence_link(path: Any, run_dir: Path, out_dir: Path) -> str:
     """A link to an evidence file relative to the page, so a copied run directory keeps working."""
     p = Path(str(path))
     target = p if p.is_absolute() else run_dir / p
-    rel = os.path.relpath(target.resolve(), out_dir.resolve())
+    try:
+        rel = os.path.relpath(target.resolve(), out_dir.resolve())
+    except (OSError, ValueError):  # a NUL byte, a link loop: not a path to link
+        return f'{esc(path)} <span class="missing">(not a usable path)</span>'
     exists = "" if target.exists() else ' <span class="missing">(missing)</span>'
     return f'<a href="{esc(quote(Path(rel).as_posix()))}">{esc(Path(rel).as_posix())}</a>{exists}'
 
@@ -173,10 +166,19 @@ def alerts_table(run: Run, out_dir: Path) -> str:
             esc(_when(e.get("ts"))), esc(e.get("rank")), f"<b>{esc(e.get('alert', '?'))}</b>",
             f'<span class="state-{esc(state)}">{esc(state)}</span>', esc(_fmt_value(e.get("value"))),
             esc(_fmt_value(e.get("threshold"))), esc(e.get("step", "-")),
-            f"<pre>{esc(json.dumps(details, default=str))[:2000]}</pre>" if details else "-", links,
+            f"<pre>{esc(json.dumps(units.rounded(details), default=str))[:2000]}</pre>" if details else "-", links,
         ])  # fmt: skip
     headers = ["time", "rank", "alert", "state", "value", "threshold", "step", "details", "evidence"]
     return _table(headers, rows, "alerts")
+
+
+def culprits_list(run: Run) -> str:
+    """Who caused what went wrong (``tools.culprits``): the culprits the cross-rank alerts named, and the
+    first rank to end abnormally (its state file); "" when nothing did."""
+    from hpar_agent.tools.culprits import ending_lines, endings
+
+    lines = ending_lines(endings(run.run_dir), run.events)
+    return "<ul class=\"culprits\">" + "".join(f"<li>{esc(line.strip())}</li>" for line in lines) + "</ul>" if lines else ""
 
 
 def oom_table(run: Run, out_dir: Path) -> str:
@@ -187,7 +189,7 @@ def oom_table(run: Run, out_dir: Path) -> str:
         if e.get("kind") != "oom":
             continue
         kinds = {k: b for k, v in ((e.get("owners") or {}).get("bytes_by_kind") or {}).items() if (b := num(v)) is not None}
-        held = ", ".join(f"{k} {_fmt_bytes(b)}" for k, b in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        held = ", ".join(f"{k} {units.size(b)}" for k, b in sorted(kinds.items(), key=lambda kv: -kv[1]))
         asked, free, limit = (num(e.get(k)) for k in ("requested_bytes", "device_free_bytes", "device_limit_bytes"))
         evidence = e.get("evidence")
         evidence = evidence if isinstance(evidence, list) else []
@@ -195,9 +197,9 @@ def oom_table(run: Run, out_dir: Path) -> str:
             esc(_when(e.get("ts"))), esc(e.get("rank")), esc(e.get("step", "-")),
             '<span class="state-firing">fatal</span>' if e.get("fatal") else "caught, went on",
             esc(e.get("site") or "-"),
-            esc(" ".join(x for x in (f"asked {_fmt_bytes(asked)}" if asked is not None else "",
-                                     f"free {_fmt_bytes(free)}" if free is not None else "",
-                                     f"of {_fmt_bytes(limit)}" if limit is not None else "") if x) or "-"),
+            esc(" ".join(x for x in (f"asked {units.size(asked)}" if asked is not None else "",
+                                     f"free {units.size(free)}" if free is not None else "",
+                                     f"of {units.size(limit)}" if limit is not None else "") if x) or "-"),
             esc(held or "-"), f"<pre>{esc(str(e.get('message') or ''))[:2000]}</pre>",
             "<br>".join(_evidence_link(p, run.run_dir, out_dir) for p in evidence) or "-",
         ])  # fmt: skip
@@ -284,7 +286,7 @@ def anatomy_table(run: Run) -> str:
             cells.append(esc(_fmt_s(p50.get(p))) + ("" if share is None else f" ({share:.0%})"))
         other = num(ev.get("other_share"))
         cells += ["-" if other is None else f"{other:.0%}", f"<b>{esc(a.get('verdict') or '-')}</b>",
-                  esc(", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("shares",)))]
+                  esc(", ".join(f"{k}={units.evidence(k, v)}" for k, v in ev.items() if k not in ("shares",)))]
         rows.append(cells)
     if not rows:
         return ""
@@ -301,7 +303,7 @@ def slow_rank_note(run: Run) -> str:
     )
     if slow is None:
         return ""
-    ev = ", ".join(f"{k}={v}" for k, v in slow.items() if k != "rank" and v is not None)
+    ev = ", ".join(f"{k}={units.evidence(k, v)}" for k, v in slow.items() if k != "rank" and v is not None)
     return f"<p><b>One slow rank: rank {esc(slow['rank'])}</b> ({esc(ev)})</p>"
 
 
@@ -333,12 +335,15 @@ def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
         sections.append(extra)
 
     anatomy = anatomy_table(run)
+    culprits = culprits_list(run)
+    if culprits:
+        sections += ["<h2>Culprits</h2>", culprits]
     if anatomy:
         sections += ["<h2>Where the step time goes</h2>", anatomy]
     if compare is not None:
         from hpar_agent.tools.compare import html_table
 
-        sections += [f"<h2>Compared with {esc(compare.name)}</h2>", html_table(run.run_dir, compare)]
+        sections += [f"<h2>Compared with the baseline {esc(compare.name)}</h2>", html_table(compare, run.run_dir)]
     alerts = [e for e in run.events if e.get("kind") == "alert"]
     sections.append("<h2>Alerts</h2>")
     sections.append(alerts_table(run, out_dir) if alerts else '<p class="none">no alerts fired</p>')
@@ -387,17 +392,18 @@ def build_report(
     run_dir: str | os.PathLike[str],
     output: str | os.PathLike[str] | None = None,
     compare: str | os.PathLike[str] | None = None,
+    run: Run | None = None,
 ) -> Path:
     """Write the report (default ``RUN_DIR/report.html``) and return its path; raises on failure.
-    ``compare``: another run directory shown side by side."""
+    ``compare``: a baseline run directory shown side by side; ``run``: the run, if already loaded."""
     run_path = Path(run_dir)
     if not run_path.is_dir():
         raise FileNotFoundError(f"run directory not found: {run_path}")
     out = Path(output) if output else run_path / "report.html"
-    private_dir(str(out.parent), chosen=True)  # a missing one is created 0700
     if compare is not None and not Path(compare).is_dir():
         raise FileNotFoundError(f"run directory not found: {compare}")
-    page = render(load_run(run_path), out.parent, Path(compare) if compare is not None else None)
+    private_dir(str(out.parent), chosen=True)  # a missing one is created 0700
+    page = render(run or load_run(run_path), out.parent, Path(compare) if compare is not None else None)
     write_atomic(str(out), page.encode("utf-8"))  # 0600; a reader never sees half a page
     return out
 
@@ -417,26 +423,42 @@ def write_report(
 
 #: Files that make a directory a run directory (the agent's and the trainer's outputs).
 RUN_FILES = ("summary.rank*.json", "events.rank*.jsonl", "traces.rank*.jsonl", "trainer.json")
+EXIT_CODES = {0: "the page was written (unreadable files are named on stderr and in the page)",
+              2: "bad usage or input: not a run directory, nothing in it readable, or the page cannot be written",
+              3: "error in the tool"}  # fmt: skip
+EPILOG = "exit status: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
+
+
+def _error(text: str) -> int:
+    print(f"hpar-agent report: error: {text}", file=sys.stderr)
+    return 2
 
 
 def main(run_dir: str, output: str | None = None, compare: str | None = None) -> int:
-    """The ``hpar-agent report`` command: print where the page is; exit 2 (one line, nothing written)
-    for a path that is not a run directory, 1 when the page cannot be written."""
+    """The ``hpar-agent report`` command: print where the page is (exit status: ``EXIT_CODES``)."""
     path = Path(run_dir)
     if not path.is_dir() or not any(next(path.glob(g), None) for g in RUN_FILES):
-        what = "not found" if not path.exists() else "has no summary/events/traces/trainer files"
-        print(f"hpar-agent report: error: {run_dir}: {what}", file=sys.stderr)
-        return 2
+        return _error(f"{run_dir}: {'not found' if not path.exists() else 'has no summary/events/traces/trainer files'}")
+    if compare is not None and not Path(compare).is_dir():
+        return _error(f"--compare {compare}: not a run directory")
     try:
-        out = build_report(run_dir, output, compare)
+        run = load_run(path)
+        for p in run.problems:
+            print(f"hpar-agent report: warning: {p}", file=sys.stderr)
+        if not (run.summaries or run.events or run.spans or run.trainer or run.trainer_steps):
+            return _error(f"{run_dir}: none of its files could be read (see the warnings above)")
+        out = build_report(run_dir, output, compare, run=run)
+    except OSError as exc:
+        return _error(f"cannot write the page: {exc}")
     except ImportError as exc:
         print(f"hpar-agent report: {exc}; reinstall hpar-agent (plotly is a dependency)", file=sys.stderr)
-        return 1
-    except Exception as exc:
-        print(f"hpar-agent report: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return 3
+    except Exception:
+        traceback.print_exc()
+        print("hpar-agent report: internal error (exit 3); please report it with the traceback", file=sys.stderr)
+        return 3
     print(f"report: {out}")
     return 0
 
 
-__all__ = ["Run", "build_report", "load_run", "main", "render", "write_report"]
+__all__ = ["EXIT_CODES", "Run", "build_report", "load_run", "main", "render", "write_report"]

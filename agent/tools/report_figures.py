@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 from hpar_agent import catalogue as cat
+from hpar_agent.tools import units
 from hpar_agent.tools.run_files import Run, Span, num
 
 #: Per (pg, op) samples kept for the latency box plots; more are thinned by a fixed stride.
@@ -51,7 +52,7 @@ def brief(e: dict[str, Any]) -> str:
     parts = []
     for k, v in e.items():
         if k not in _SKIP_FIELDS:
-            parts.append(f"{k}={v if isinstance(v, str) else json.dumps(v, default=str)}")
+            parts.append(f"{k}={v if isinstance(v, str) else json.dumps(units.rounded(v), default=str)}")
     return " ".join(parts)
 
 

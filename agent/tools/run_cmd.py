@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpar_agent.catalogue import ENV_AUTOATTACH
-from hpar_agent.config import _TRUE
+from hpar_agent.config import TRUE_WORDS
 from hpar_agent.safefiles import RUNS_DIR, default_run_dir, private_dir
 from hpar_agent.tools.culprits import Ending, ending_lines, endings
 from hpar_agent.tools.exits import ExitWatcher
@@ -181,7 +181,7 @@ def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, st
     if not cmd:
         _say("error: give the command after --, e.g. hpar-agent run -- torchrun --nproc-per-node 2 train.py")
         return 2
-    if environ.get("HPAR_DISABLE", "").strip().lower() in _TRUE:
+    if environ.get("HPAR_DISABLE", "").strip().lower() in TRUE_WORDS:
         _say("HPAR_DISABLE is set: running the command unobserved")
         return _run_forwarding(cmd, environ)
     chosen = run_dir or environ.get("HPAR_RUN_DIR")

@@ -2,13 +2,14 @@
 
 ``events.rank<R>.jsonl``, ``summary.rank<R>.json``, ``traces.rank<R>.jsonl`` (OTLP/JSON, one
 ExportTraceServiceRequest per line), ``trainer.rank<R>.json`` and ``trainer.json``, all optional and
-read defensively (their shapes evolve, and a killed process leaves a torn last line): what cannot be
-read is listed in ``Run.problems``, never raised.
+read defensively (their shapes evolve, and a killed process leaves a torn last line): regular files
+only, bounded and strict JSON (``safe_read``), summaries checked against their schema
+(``summary_schema``). What cannot be read is listed in ``Run.problems`` with the file's name, never
+raised.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -18,13 +19,21 @@ from pathlib import Path
 from typing import Any
 
 from hpar_agent import catalogue as cat
+from hpar_agent.tools.safe_read import JSONL_LIMIT, Budget, Unreadable, read_json, read_jsonl
+from hpar_agent.tools.summary_schema import SUMMARY, TRAINER, clean
 
 _RANK_RE = re.compile(r"\.rank(\d+)\.")
 
 
 def num(v: Any) -> float | None:
-    """A finite number as a float; None for anything else (bools, text, NaN)."""
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
+    """A finite number as a float; None for anything else (bools, text, NaN, an int past a float)."""
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 @dataclass
@@ -68,30 +77,9 @@ def _rank_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _rank_files(run_dir: Path, prefix: str, ext: str) -> list[tuple[int, Path]]:
+def rank_files(run_dir: Path, prefix: str, ext: str) -> list[tuple[int, Path]]:
     out = [(r, p) for p in run_dir.glob(f"{prefix}.rank*.{ext}") if (r := _rank_of(p)) is not None]
     return sorted(out)
-
-
-def _jsonl(path: Path, run: Run) -> Iterator[dict[str, Any]]:
-    """Records of a JSONL file; a torn last line (the process was killed) is counted, not fatal."""
-    bad = 0
-    try:
-        with path.open(encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    bad += 1
-                    continue
-                if isinstance(rec, dict):
-                    yield rec
-    except OSError as exc:
-        run.problems.append(f"{path.name}: {exc}")
-    if bad:
-        run.problems.append(f"{path.name}: {bad} unreadable line(s) skipped")
 
 
 def _any_value(v: Any) -> Any:
@@ -110,16 +98,20 @@ def _any_value(v: Any) -> Any:
 
 
 def _attrs(items: Any) -> dict[str, Any]:
-    if not isinstance(items, list):
-        return {}
-    return {a["key"]: _any_value(a.get("value")) for a in items if isinstance(a, dict) and "key" in a}
+    return {a["key"]: _any_value(a.get("value")) for a in _dicts(items) if isinstance(a.get("key"), str)}
+
+
+def _dicts(items: Any) -> list[dict[str, Any]]:
+    """The objects of a JSON array (anything else in it, or a non-array, is left out)."""
+    return [x for x in items if isinstance(x, dict)] if isinstance(items, list) else []
 
 
 def _spans_of(request: dict[str, Any], file_rank: int | None) -> Iterator[Span]:
-    for rs in request.get("resourceSpans") or ():
-        res_rank = _attrs((rs.get("resource") or {}).get("attributes")).get(cat.ATTR_RANK, file_rank)
-        for ss in rs.get("scopeSpans") or ():
-            for sp in ss.get("spans") or ():
+    for rs in _dicts(request.get("resourceSpans")):
+        res = rs.get("resource")
+        res_rank = _attrs(res.get("attributes") if isinstance(res, dict) else None).get(cat.ATTR_RANK, file_rank)
+        for ss in _dicts(rs.get("scopeSpans")):
+            for sp in _dicts(ss.get("spans")):
                 try:
                     start, end = int(sp["startTimeUnixNano"]), int(sp["endTimeUnixNano"])
                 except (KeyError, TypeError, ValueError):
@@ -131,39 +123,67 @@ def _spans_of(request: dict[str, Any], file_rank: int | None) -> Iterator[Span]:
                 )
 
 
-def load_run(run_dir: str | os.PathLike[str]) -> Run:
+def read_doc(path: Path, schema: dict[str, Any], problems: list[str], budget: Budget | None = None) -> Any:
+    """A JSON file cleaned against ``schema``, or None; every problem is noted with the file's name."""
+    try:
+        doc = read_json(path, budget=budget)
+        notes = clean(doc, schema)
+    except (Unreadable, ValueError) as exc:
+        problems.append(f"{path.name}: {exc}")
+        return None
+    problems += [f"{path.name}: {n}" for n in notes]
+    return doc
+
+
+def read_summaries(run_dir: Path, problems: list[str], budget: Budget | None = None) -> dict[int, dict[str, Any]]:
+    """Every readable ``summary.rank<R>.json`` by the rank in its name (which its ``rank`` field is set to)."""
+    out = {}
+    for rank, path in rank_files(run_dir, "summary", "json"):
+        doc = read_doc(path, SUMMARY, problems, budget)
+        if doc is not None:
+            doc["rank"] = rank
+            out[rank] = doc
+    return out
+
+
+def read_events(run_dir: Path, problems: list[str], budget: Budget | None = None) -> list[dict[str, Any]]:
+    """Every rank's events in time order; ``rank`` is the one in the file's name."""
+    events = []
+    for rank, path in rank_files(run_dir, "events", "jsonl"):
+        for rec in read_jsonl(path, problems, JSONL_LIMIT, budget):
+            rec["rank"] = rank
+            events.append(rec)
+    events.sort(key=lambda e: num(e.get("ts")) or 0.0)
+    return events
+
+
+def read_spans(run_dir: Path, problems: list[str], budget: Budget | None = None) -> list[Span]:
+    out: list[Span] = []
+    for rank, path in rank_files(run_dir, "traces", "jsonl"):
+        for req in read_jsonl(path, problems, JSONL_LIMIT, budget):
+            out.extend(_spans_of(req, rank))
+    return out
+
+
+def load_run(run_dir: str | os.PathLike[str], budget: Budget | None = None) -> Run:
     """Parse every file of the run that exists; missing or broken files only leave gaps."""
     run = Run(Path(run_dir))
-    for rank, path in _rank_files(run.run_dir, "summary", "json"):
+    budget = budget or Budget()
+    run.summaries = read_summaries(run.run_dir, run.problems, budget)
+    run.events = read_events(run.run_dir, run.problems, budget)
+    run.spans = read_spans(run.run_dir, run.problems, budget)
+    for rank, path in rank_files(run.run_dir, "trainer", "json"):
         try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-            if isinstance(doc, dict):
-                run.summaries[rank] = doc
-        except (OSError, ValueError) as exc:
-            run.problems.append(f"{path.name}: {exc}")
-    for rank, path in _rank_files(run.run_dir, "events", "jsonl"):
-        for rec in _jsonl(path, run):
-            rec.setdefault("rank", rank)
-            run.events.append(rec)
-    run.events.sort(key=lambda e: num(e.get("ts")) or 0.0)
-    for rank, path in _rank_files(run.run_dir, "traces", "jsonl"):
-        for req in _jsonl(path, run):
-            run.spans.extend(_spans_of(req, rank))
-    for rank, path in _rank_files(run.run_dir, "trainer", "json"):
-        try:
-            steps = json.loads(path.read_text(encoding="utf-8")).get("steps")
-        except (OSError, ValueError, AttributeError) as exc:
+            doc = read_json(path, budget=budget)
+        except Unreadable as exc:
             run.problems.append(f"{path.name}: {exc}")
             continue
+        steps = doc.get("steps") if isinstance(doc, dict) else None
         if isinstance(steps, list):
             run.trainer_steps[rank] = [
                 r for r in steps if isinstance(r, dict) and isinstance(r.get("step"), int)
             ]
     trainer = run.run_dir / "trainer.json"
-    if trainer.exists():
-        try:
-            doc = json.loads(trainer.read_text(encoding="utf-8"))
-            run.trainer = doc if isinstance(doc, dict) else {}
-        except (OSError, ValueError) as exc:
-            run.problems.append(f"trainer.json: {exc}")
+    if os.path.lexists(trainer):
+        run.trainer = read_doc(trainer, TRAINER, run.problems, budget) or {}
     return run

@@ -7,21 +7,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-
-def load_rank_summaries(run_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for path in sorted(run_dir.glob("summary.rank*.json"), key=lambda p: int(p.stem.split("rank")[-1])):
-        try:
-            out.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return out
+from hpar_agent.tools import units
+from hpar_agent.tools.run_files import read_summaries
 
 
-def _fmt_s(v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v * 1e3:.1f} ms" if v < 1 else f"{v:.2f} s"
+def load_rank_summaries(run_dir: Path, problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """The readable summaries in rank order; what cannot be read goes to ``problems`` (named)."""
+    found = read_summaries(run_dir, [] if problems is None else problems)
+    return [found[r] for r in sorted(found)]
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
@@ -65,7 +58,7 @@ def render_summary(
         lines.append(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} over {len(losses)} steps")
     times = trainer.get("step_times") or []
     if len(times) > 1:
-        lines.append(f"step time (rank 0, after step 0): median {_fmt_s(statistics.median(times[1:]))}")
+        lines.append(f"step time (rank 0, after step 0): median {units.seconds(statistics.median(times[1:]))}")
     lines.append(f"trainer exit code {rc}; wall time {wall:.1f} s")
     codes = exit_codes or {}
     failed = sorted({*(failures or {}), *(r for r, c in codes.items() if c > 0)})
@@ -99,7 +92,7 @@ def render_summary(
             pipe = comps.get("pipeline", {})
             bubble = pipe.get("bubble_ratio")
             rows.append([
-                r.get("rank"), r.get("pp_stage"), steps.get("steps", 0), _fmt_s(steps.get("step_seconds_p50")),
+                r.get("rank"), r.get("pp_stage"), steps.get("steps", 0), units.seconds(steps.get("step_seconds_p50")),
                 "-" if bubble is None else f"{bubble:.2f}", sum(r.get("errors", {}).values()),
                 r.get("metrics_url") or "-",
             ])  # fmt: skip
@@ -156,7 +149,7 @@ def _stage_rows(ranks: list[dict[str, Any]]) -> list[list[Any]]:
                 members[index].append(r.get("rank"))
     return [
         [index, ",".join(map(str, members[index])),
-         *(_fmt_s(max(phases[p])) if phases.get(p) else "-" for p in ("forward", "backward"))]
+         *(units.seconds(max(phases[p])) if phases.get(p) else "-" for p in ("forward", "backward"))]
         for index, phases in sorted(stages.items())
     ]  # fmt: skip
 
@@ -182,7 +175,7 @@ def _render_generic(name: str, ranks: list[dict[str, Any]]) -> list[str]:
     for r in ranks:
         digest = r.get("components", {}).get(name)
         if digest:
-            lines.append(f"  rank {r.get('rank')}: {json.dumps(digest, default=str)[:300]}")
+            lines.append(f"  rank {r.get('rank')}: {json.dumps(units.rounded(digest), default=str)[:300]}")
     return lines if len(lines) > 1 else []
 
 
@@ -262,7 +255,7 @@ def _render_collectives(name: str, ranks: list[dict[str, Any]]) -> list[str]:
     for (pg, op), row in rows.items():
         bw = row["busbw"]
         table.append([
-            pg, op, row["count"], row["timed"], _fmt_s(row["p50"]), _fmt_s(row["p99"]),
+            pg, op, row["count"], row["timed"], units.seconds(row["p50"]), units.seconds(row["p99"]),
             f"{bw / 1e9:.2f} GB/s" if bw else "-",
         ])  # fmt: skip
     return [
@@ -290,7 +283,7 @@ def _render_memory(name: str, ranks: list[dict[str, Any]]) -> list[str]:
         d = r.get("components", {}).get(name, {})
         last = d.get("post_step_last", {})
         if last:
-            rows.append([r.get("rank"), *(f"{last[k] / 2**20:.0f} MiB" if k in last else "-" for k in ("rss", "allocator", "nvml"))])
+            rows.append([r.get("rank"), *(units.size(last[k]) if k in last else "-" for k in ("rss", "allocator", "nvml"))])
     return ["memory after the last step:", *_table(["rank", "rss", "allocator", "nvml"], rows)] if rows else []
 
 
@@ -309,8 +302,8 @@ def _render_anatomy(name: str, ranks: list[dict[str, Any]]) -> list[str]:
         p50 = a.get("phase_seconds_p50") or {}
         ev = a.get("evidence") or {}
         shares = ev.get("shares") or {}
-        cells = [r.get("rank"), _fmt_s(a.get("step_seconds_p50"))]
-        cells += [f"{_fmt_s(p50[p])} {shares.get(p, 0):.0%}" if p in p50 else "-" for p in phases]
+        cells = [r.get("rank"), units.seconds(a.get("step_seconds_p50"))]
+        cells += [f"{units.seconds(p50[p])} {shares.get(p, 0):.0%}" if p in p50 else "-" for p in phases]
         cells += [f"{ev.get('other_share', 0):.0%}", a["verdict"]]
         rows.append(cells)
     if not rows:
@@ -338,7 +331,7 @@ def _slow_rank_line(ranks: list[dict[str, Any]], name: str = "anatomy") -> list[
     slow = slow_rank_across((r.get("rank"), r.get("pp_stage"), r.get("components", {}).get(name) or {}) for r in ranks)
     if slow is None:
         return []
-    ev = ", ".join(f"{k}={v}" for k, v in slow.items() if k != "rank" and v is not None)
+    ev = ", ".join(f"{k}={units.evidence(k, v)}" for k, v in slow.items() if k != "rank" and v is not None)
     return [f"  one slow rank: rank {slow['rank']} ({ev})"]
 
 

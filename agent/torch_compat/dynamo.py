@@ -1,6 +1,7 @@
 """The one adapter for torch._dynamo / torch._logging private APIs (verified on torch 2.11 and 2.13).
 
-Everything the compile collector needs from dynamo goes through here: the compile start/end callback
+Everything the compile collector and zero-code mode need from dynamo go through here: the package's
+name, the compile start/end callback
 registry, the process-global ``counters``, the ``CompilationMetrics`` log record, the graph-break and
 recompile artifact loggers and the current compile id. Each accessor feature-detects and returns an
 empty/neutral value when torch moved it, so the collector reports ``up=0`` instead of failing.
@@ -13,6 +14,8 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+#: dynamo's package: zero-code mode arms once the program imported it (and wraps its ``reset``).
+MODULE = "torch._dynamo"
 #: Receives every ``CompilationMetrics`` at INFO as ``record.args[0]`` (torch._utils_internal
 #: .log_compilation_event), including attempts rejected by the recompile limit.
 COMPILE_METRICS_LOGGER = "torch._utils_internal"
@@ -49,6 +52,11 @@ METRIC_FIELDS = (
 )  # fmt: skip
 #: The frame of ``convert_frame._compile`` holds the frame being compiled and the backend.
 _COMPILE_FN = ("_compile", "convert_frame.py")
+
+
+def load() -> None:
+    """Import dynamo: its artifact loggers must exist before the compile collector configures them."""
+    import torch._dynamo  # noqa: F401
 
 
 def _callback_handler() -> Any:

@@ -90,6 +90,17 @@ def process_groups() -> list[Any]:
         return []
 
 
+def can_enable_timing() -> bool:
+    """Whether this torch can switch timing on for a live group (``ProcessGroup._enable_collectives_timing``:
+    see ``enable_timing``)."""
+    try:
+        import torch.distributed as dist
+
+        return hasattr(dist.ProcessGroup, "_enable_collectives_timing")
+    except Exception:
+        return False
+
+
 def enable_timing(pg: Any) -> bool:
     """Switch CUDA-event timing on for one NCCL group (``ProcessGroup._enable_collectives_timing``,
     the in-process twin of ``TORCH_NCCL_ENABLE_TIMING``, which ProcessGroupNCCL reads only when it is

@@ -1,4 +1,5 @@
-"""Where torch builds the objects that say how a rank is parallel (verified on torch 2.11 and 2.13).
+"""Where torch builds the objects that say how a rank is parallel, and what the agent reads of them
+(verified on torch 2.11 CUDA and 2.13 CPU).
 
 Each hook point is a method of a class, looked up when the object is built, so patching the class
 catches every construction however the program imported the name: ``DistributedDataParallel`` and
@@ -6,10 +7,15 @@ FSDP1's ``FullyShardedDataParallel`` (the wrapper itself), the state ``init`` of
 ``fully_shard`` and of the composable ``replicate`` (the module it was applied to: the parameters are
 sharded right after, on the agent thread's next pass they are DTensors) and ``DeviceMesh``. Modules
 are named, never imported here: the watcher patches a class once its module has been imported.
+
+The readers below reach private names of those objects (the default store, a mesh's flattened dims,
+FSDP2's mixed-precision policy, DDP's comm hooks, a DTensor's local shard); where torch moved one, each
+reads as "none" (None, {}, []) and the agent reports less, never an error.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,13 +46,14 @@ def _first_module(obj: Any, args: tuple[Any, ...]) -> Any:
     return None
 
 
+#: The composable ``replicate`` (FSDP2-style).
+REPLICATE_MODULE = "torch.distributed._composable.replicate_with_fsdp"
 HOOK_POINTS = (
     HookPoint("torch.nn.parallel.distributed", "DistributedDataParallel", "__init__", "wrapper", _self),
     HookPoint("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel", "__init__",
               "wrapper", _self),
     HookPoint("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", "init", "wrapper", _first_module),
-    HookPoint("torch.distributed._composable.replicate_with_fsdp", "_ReplicateState", "init", "wrapper",
-              _first_module),
+    HookPoint(REPLICATE_MODULE, "_ReplicateState", "init", "wrapper", _first_module),
     HookPoint("torch.distributed.device_mesh", "DeviceMesh", "__init__", "mesh", _self),
 )  # fmt: skip
 #: The modules that define ``init_process_group`` (``torch.distributed`` re-exports c10d's).
@@ -76,3 +83,64 @@ def world_size() -> int | None:
     except Exception:
         pass
     return None
+
+
+# ------------------------------------------------------------------------ what the agent reads of them
+def default_store() -> Any:
+    """The c10d store of the default process group (``distributed_c10d._get_default_store``); None
+    before the group exists or where torch moved the name."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None
+
+
+def flattened_meshes(mesh: Any) -> dict[str, Any]:
+    """``{name: 1-D mesh}`` of the dims flattened from ``mesh`` (torchtitan's ``dp``, ``dp_shard_cp``):
+    the root mesh's ``_flatten_mapping``; {} where there is none."""
+    try:
+        return dict(getattr(mesh, "_flatten_mapping", None) or {})
+    except Exception:
+        return {}
+
+
+def fsdp_mixed_precision(module: Any) -> Any:
+    """The ``MixedPrecisionPolicy`` of an FSDP2 module (``FSDPModule._get_fsdp_state()._mp_policy``);
+    None for other modules or where torch moved the names."""
+    state_fn = getattr(module, "_get_fsdp_state", None)
+    if state_fn is None:
+        return None
+    try:
+        return state_fn()._mp_policy
+    except Exception:
+        return None
+
+
+def ddp_comm_hooks(module: Any) -> list[Any]:
+    """The communication hooks registered on a ``DistributedDataParallel`` (``_comm_hooks``, a list of
+    (hook, state)); [] for other modules or where torch moved the name."""
+    try:
+        return [hook for hook, _state in getattr(module, "_comm_hooks", None) or ()]
+    except Exception:
+        return []
+
+
+def local_tensor(t: Any) -> Any:
+    """A DTensor's local shard (``DTensor._local_tensor``: read without the autograd op that the public
+    ``to_local()`` records); any other tensor as it is."""
+    return getattr(t, "_local_tensor", t)
+
+
+def is_shard(placement: Any) -> bool:
+    """Whether a DTensor placement shards its dim: ``Shard`` or the ``_StridedShard`` that FSDP2 over TP
+    places (by class name: the private class is never imported)."""
+    return type(placement).__name__ in ("Shard", "_StridedShard")
+
+
+def replicate_module_class() -> type | None:
+    """``ReplicateModule``, the class the composable ``replicate`` gives the modules it was applied to,
+    once the program imported it (None before, or where torch moved it)."""
+    cls = getattr(sys.modules.get(REPLICATE_MODULE), "ReplicateModule", None)
+    return cls if isinstance(cls, type) else None

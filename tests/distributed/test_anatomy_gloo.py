@@ -36,7 +36,7 @@ def anatomy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, extra in RUNS.items():  # one after the other: one multi-rank run at a time
         run = base / name
         env = {"HPAR_RUN_DIR": str(run), "HPAR_JOB_ID": name, "HPAR_METRICS_PORT": "-1",
-               "HPAR_TRACES": "file" if name == "slow-data" else "none", "HPAR_TRACE_EVERY": "1",
+               "HPAR_TRACES": "file", "HPAR_TRACE_EVERY": "1",  # compare --phase judges the traced steps
                "HPAR_DETAIL_RATE": "0"}  # every step's phases, however fast the machine
         res = run_torchrun(2, [*BASE, *extra, "--out", str(run / "trainer.json")], env=env, timeout=300)
         assert res.returncode == 0, (name, res.stderr[-3000:])
@@ -87,15 +87,16 @@ def test_phase_spans_are_children_of_the_step_span(anatomy_runs: dict[str, Path]
 
 
 def test_compare_flags_the_straggler(anatomy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    """The straggler's rank sleeps 2 s in every forward: its forward p50 grows past any threshold a
-    loaded machine allows (a clean forward took 0.44 s on a loaded 2-core host). The step's own change
-    is not asserted, nor whether two clean runs pass: both compare step times of runs made at different
-    times, which move with the machine's load (a clean step took 0.2-1.5 s)."""
+    """The straggler's rank sleeps 2 s in every forward: its forward grows past any threshold a loaded
+    machine allows (a clean forward took 0.44 s on a loaded 2-core host). Whether two clean runs made at
+    different times pass is not asserted: their step times move with the machine's load (a clean step
+    took 0.2-1.5 s); a run against itself is no change."""
     clean, straggler = str(anatomy_runs["clean"]), str(anatomy_runs["straggler"])
     assert cli_main(["compare", clean, clean, "--max-regression", "1%"]) == 0, capsys.readouterr().out
     capsys.readouterr()
     assert cli_main(["compare", clean, straggler, "--max-regression", "150%", "--phase", "forward"]) == 1
-    assert "REGRESSION: forward p50 (slowest rank)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "REGRESSION: forward regressed by" in out, out
 
 
 def test_pipeline_phases_come_from_its_chunks(anatomy_runs: dict[str, Path]) -> None:

@@ -105,6 +105,23 @@ def test_run_summaries_name_the_injected_breaks(live):
         assert any(f for b in compile_["graph_breaks"] for f in b["user_frames"]), compile_["graph_breaks"]
 
 
+def test_summaries_carry_every_step_time_and_compare_judges_them(live, capsys):
+    """Every rank's summary holds its step times in the tools' schema; a run against itself is judged
+    "no significant change" from them."""
+    from hpar_agent.tools.cli import main as cli_main
+    from hpar_agent.tools.safe_read import read_json
+    from hpar_agent.tools.summary_schema import clean
+
+    run, _scrapes, _rc = live
+    for rank in range(4):
+        doc = read_json(run.run_dir / f"summary.rank{rank}.json")
+        assert clean(doc) == []
+        steps = doc["components"]["steps"]
+        assert steps["recent_first_step"] == 0 and len(steps["recent_step_seconds"]) == steps["steps"] == 30
+    assert cli_main(["compare", str(run.run_dir), str(run.run_dir)]) == 0
+    assert "step time: no significant change, +0.0%" in capsys.readouterr().out
+
+
 def test_clean_tp_sync_covers_the_replicated_gradients(live):
     """The trainer sums the q/k-norm gradients over tp: tp gradient-sync coverage reads 1.0 on every rank
     (pipeline microbatches included), from step 1."""

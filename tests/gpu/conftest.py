@@ -55,6 +55,12 @@ def attached(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
     yield attach
     hpar_agent.detach()
+    import gc
+
+    import torch
+
+    gc.collect()  # what the test held (an out-of-memory test fills the card): the next tests get the GPU back
+    torch.cuda.empty_cache()
 
 
 #: The reference trainer on one GPU (inductor, bf16, a small model: ~25 ms steps) with the agent.

@@ -64,10 +64,12 @@ DOMAIN: dict[str, tuple[str, ...]] = {
     cat.STREAM: ("cpu",),
     cat.BACKEND: ("inductor",),
     cat.GROUP: ("dp",),
+    cat.CULPRIT: ("3",),
 }
 BUCKETS = (0.01, 0.1, 1.0)
 #: 0/1 state gauges (the simulator keeps 0 and 1 as they are).
-FLAGS = {"hpar_alert_active", "hpar_step_bottleneck", "hpar_gpu_throttle_active", "hpar_agent_component_up"}
+FLAGS = {"hpar_alert_active", "hpar_step_bottleneck", "hpar_gpu_throttle_active", "hpar_agent_component_up",
+         "hpar_alert_culprit"}
 #: worst/best-N panels whose order follows the rank here (values grow with it): they must pick the
 #: highest (worst-N) or lowest (best-N) ranks. Elsewhere ranks tie, or a bare rate() (its scrape-timing
 #: noise is larger than one rank's step) decides: any $topn of them will do.

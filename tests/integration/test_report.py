@@ -210,7 +210,7 @@ def test_page_is_offline_escaped_and_links_evidence(run_dir: Path, tmp_path: Pat
     assert "Plotly.newPlot" in page and len(page) > 1_000_000
     assert HOSTILE not in page and "alert(&#x27;x&#x27;)" in page
     assert '<a href="evidence/MemoryLeak-rank2-pyspy.txt">' in page
-    assert "MemoryLeak" in page and "gb0170" in page and "job-report" in page and "<td>4.5e+07</td>" in page
+    assert "MemoryLeak" in page and "gb0170" in page and "job-report" in page and "<td>4.50e+07</td>" in page  # three significant digits
     # written elsewhere, the link still reaches the file relative to the page
     other = report.build_report(run_dir, tmp_path / "pages" / "r.html")
     assert '<a href="../run/evidence/MemoryLeak-rank2-pyspy.txt">' in other.read_text()
@@ -257,7 +257,7 @@ def test_collective_percentiles_are_the_terminal_summarys(run_dir: Path) -> None
     i = cells.index("all_reduce")
     assert cells[i + 4 : i + 6] == ["25.0 ms", "50.0 ms"]
     assert cells[i + 6] == "2.50x" and cells[i + 7] == "2.50 GB/s"  # p50 skew across ranks, bus bandwidth
-    assert cells[i + 3] == "576.0 KiB"  # 4 KiB x 36 ops x 4 ranks
+    assert cells[i + 3] == "576 KiB"  # 4 KiB x 36 ops x 4 ranks
     assert summary.COLLECTIVE_PERCENTILE_SOURCE in terminal and html.escape(summary.COLLECTIVE_PERCENTILE_SOURCE) in table
     skew = report_figures.fig_collective_ranks(rows)
     assert [round(v, 3) for v in skew.data[0].y] == [10.0, 10.0, 10.0, 25.0]
@@ -305,6 +305,29 @@ def test_empty_run_dir_still_renders(tmp_path: Path) -> None:
     page = out.read_text()
     assert 'data-plots-expected="0"' in page.replace("'", '"')
     assert "no train.step spans" in page and "no alerts fired" in page
+
+
+def test_the_page_names_the_culprits(tmp_path: Path) -> None:
+    """A hang's culprit from the ranks' events, and the first rank to end from a state file of a rank that
+    died without exiting (a state file as a SIGKILL leaves it)."""
+    import struct
+
+    from hpar_agent import rankstate
+
+    for rank in (0, 1):
+        log = EventLog(str(tmp_path / f"events.rank{rank}.jsonl"), rank)
+        log.emit("alert", alert="Hang", state="firing", step=40, value=20.0, threshold=16.0, evidence=[],
+                 details={"culprits": [2], "victims": [0, 1], "kind": "missing",
+                          "waits": [{"pg": "default_pg", "seq": 46, "op": "all_reduce", "waiting": [0, 1], "missing": [2]}]})  # fmt: skip
+        log.close()
+    data = bytearray(rankstate.SIZE)
+    struct.pack_into("<4siiiqqqiiq", data, 0, rankstate.MAGIC, 999_999, 2, 3, 1, 40, 0, 0, 0, 0)
+    data[struct.calcsize("<4siiiqqqiiq"):][:7] = b"no-such"  # another host: its process cannot be read here
+    (tmp_path / "state.rank2").write_bytes(bytes(data))
+    page = report.build_report(tmp_path).read_text()
+    assert "<h2>Culprits</h2>" in page
+    assert "culprit: rank 2 (Hang: not in default_pg all_reduce #46, which ranks 0, 1 wait in" in html.unescape(page)
+    assert "first to end abnormally: rank 2, no end recorded (on another host: killed, or still running)" in html.unescape(page)
 
 
 def test_cli_and_demo_hook(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

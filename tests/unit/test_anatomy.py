@@ -521,7 +521,7 @@ def test_a_pipeline_stage_mostly_waiting_is_unknown_and_the_reason_names_the_bub
     from hpar_agent.spans import StepRecord
 
     ms = 1_000_000
-    pipe = SimpleNamespace(_wrapped=True, phase_by_step={}, first_forward_ns={}, intervals_by_step={}, bubbles=[])
+    pipe = SimpleNamespace(wrapped=True, phase_by_step={}, first_forward_ns={}, intervals_by_step={}, bubbles=[])
     c = AnatomyCollector()
     c._pipe = pipe
     for step in range(6):

@@ -1,17 +1,18 @@
-"""AgentConfig: explicit argument > environment > default; every setting range- and type-checked (a
-ValueError for an explicit value, one warning and the default for an environment value); thresholds
-checked against the detector catalogue; removed settings ignored with one warning."""
+"""AgentConfig: explicit argument > environment > default; every setting range- and type-checked by its
+declaration (a ValueError for an explicit value, one warning and the default for an environment value);
+thresholds checked against the detector catalogue; removed settings ignored with one warning."""
 
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
 import hpar_agent
 from hpar_agent import AgentConfig
 from hpar_agent import config as config_mod
-from hpar_agent.catalogue import ENV_VARS, TOOL_ENV_VARS
+from hpar_agent.config import SETTINGS, setting
 from hpar_agent.topology import detect
 
 
@@ -32,6 +33,11 @@ def _fresh_warnings(monkeypatch):
         ("HPAR_METRICS_ADDR", "300.1.2.3.4/8", "metrics_addr", "0.0.0.0"),
         ("HPAR_JOB_ID", "../../etc", "job_id", ""),
         ("HPAR_BUFFER_SIZE", "0", "buffer_size", 65536),
+        ("HPAR_DP", "0", "dp", None),
+        ("HPAR_PP_STAGE", "-1", "pp_stage", None),
+        ("HPAR_EVENT_LOG", "maybe", "event_log", True),
+        ("HPAR_TRACE_EVERY", "2.5", "trace_every", 10),
+        ("HPAR_TRACES", "jaeger", "traces", "auto"),
     ],
 )
 def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, caplog):
@@ -175,10 +181,71 @@ def test_bad_explicit_value_raises_clear_error():
     assert hpar_agent.agent.current() is None
 
 
-def test_every_env_var_maps_to_a_config_field():
-    fields = set(AgentConfig.__dataclass_fields__)
-    for var in ENV_VARS:
-        assert var.name.startswith("HPAR_")
-        assert var.field in fields, var.name
-    for var in TOOL_ENV_VARS:  # the tools' variables are no setting
-        assert var.name.startswith("HPAR_") and var.field == ""
+def _text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def test_each_variable_reads_back_its_default_as_its_type(caplog):
+    """Every declared variable parses its default's text to the default itself, of the field's type,
+    without a warning: the loader reads each type from the declaration, none by a special case."""
+    env = {s.env: _text(s.default) for s in SETTINGS if s.env and s.default is not None}
+    assert len(env) >= 15
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        cfg = AgentConfig.load(environ=env)
+    assert caplog.records == []
+    for s in SETTINGS:
+        assert getattr(cfg, s.name) == s.default and type(getattr(cfg, s.name)) is type(s.default), s.name
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "field", "value"),
+    [
+        ("HPAR_DP", "", "dp", None),  # an optional integer: empty means unset
+        ("HPAR_DP", " 4 ", "dp", 4),
+        ("HPAR_EVENT_LOG", "off", "event_log", False),
+        ("HPAR_DISABLE", "YES", "disable", True),
+        ("HPAR_INTERVAL", "2", "interval", 2.0),
+        ("HPAR_METRICS_PORT", "-1", "metrics_port", -1),
+        ("HPAR_LOG_MAX_BYTES", "0", "log_max_bytes", 0),
+        ("HPAR_WEB_CONFIG", "", "web_config", ""),  # text is kept as given: the endpoint judges it
+        ("HPAR_RUN_DIR", " runs/a ", "run_dir", "runs/a"),
+    ],
+)
+def test_each_variable_is_read_by_its_declared_type(name, raw, field, value):
+    cfg = AgentConfig.load(environ={name: raw})
+    assert getattr(cfg, field) == value and type(getattr(cfg, field)) is type(value)
+
+
+def test_a_bad_value_is_told_in_the_words_of_its_declaration(caplog):
+    """The words of a setting's bounds are the error's and the warning's (and the docs' values column)."""
+    interval = next(s for s in SETTINGS if s.name == "interval")
+    with pytest.raises(ValueError, match=re.escape(f"interval must be {interval.want}, got 0")):
+        AgentConfig(interval=0)
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        AgentConfig.load(environ={"HPAR_DP": "0"})
+    assert "dp must be 1..1048576, got 0" in caplog.text
+
+
+def test_every_field_is_declared_once_and_typed_from_its_annotation():
+    import dataclasses
+
+    declared = {s.name: s for s in SETTINGS}
+    assert list(declared) == [f.name for f in dataclasses.fields(AgentConfig)]
+    assert [s.name for s in SETTINGS if not s.env] == ["thresholds"]  # code only: a dict
+    assert (declared["dp"].kind, declared["dp"].optional) == (int, True)
+    assert (declared["interval"].kind, declared["thresholds"].kind) == (float, dict)
+    envs = [s.env for s in SETTINGS if s.env]
+    assert len(envs) == len(set(envs)) and all(e.startswith("HPAR_") for e in envs)
+
+
+def test_a_field_without_a_declaration_is_refused():
+    """A field added without setting() fails at import, not silently without a variable or docs."""
+    from dataclasses import dataclass
+
+    @dataclass(kw_only=True)
+    class Partial:
+        ok: int = setting(1, env="HPAR_OK", help="declared")
+        bare: int = 2
+
+    with pytest.raises(TypeError, match=r"Partial\.bare is not declared with setting\(\)"):
+        config_mod._declared(Partial)

@@ -55,6 +55,15 @@ def test_row_counts_seconds_from_the_injection_on_the_firing_rank() -> None:
     assert row[2:6] == ["3", "0", "9", "7.5"], row
 
 
+def test_row_names_the_culprits_the_events_give() -> None:
+    def f(*details: dict) -> Finding:
+        return Finding("x", "Hang", [{"alert": "Hang", "rank": r, "step": 5, "details": d} for r, d in enumerate(details)])
+
+    assert f({"culprits": [3]}, {"culprits": [3]}).row()[6] == "3"
+    assert f({"culprits": [], "culprit_unknown": ["1-1"]}).row()[6] == "unknown"
+    assert f({"value": 1}).row()[6] == "-"  # an alert of one rank's own signal names no culprit
+
+
 def test_injection_times_from_the_rank_records(tmp_path: Path) -> None:
     steps = [{"step": s, "t0": 100.0 + s, "step_s": 0.5} for s in range(3)]  # step 3 never ended (hang)
     (tmp_path / "trainer.rank1.json").write_text(json.dumps({"rank": 1, "steps": steps}))

@@ -90,6 +90,16 @@ def test_doctor_fails_when_numpy_is_missing():
     assert fix["numpy"] == "pip install numpy"
 
 
+def test_a_command_whose_package_is_missing_says_which():
+    """compare needs numpy: without it, it names the package (exit 2) and the CLI itself still parses."""
+    import subprocess
+    import sys
+
+    code = BLOCK.format(blocked=["numpy"]).replace('["doctor", "--json"]', '["compare", "a", "b"]')
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "needs numpy" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_doctor_reports_missing_torch_without_a_traceback():
     rc, doc, err = _doctor_json("torch")
     assert rc == 1 and "torch" in doc["missing"] and "Traceback" not in err
@@ -145,3 +155,26 @@ def test_doctor_reports_the_binding() -> None:
     good = doctor._numa(AffinityNvml(set(mine), 0))[0]
     assert good.status == doctor.OK and f"GPU ideal CPUs {cpu_list(mine)}" in good.detail
     assert any(c.name == "NUMA binding" for c in doctor.run_checks())
+
+
+def test_doctor_reads_the_settings_as_attach_does() -> None:
+    """Each HPAR_* variable is checked through its setting's declaration: a bad value names what it
+    should be and the default used instead; a removed or unknown name is said to be ignored."""
+    env = {
+        "HPAR_INTERVAL": "0",
+        "HPAR_DP": "x",
+        "HPAR_INTERVALL": "2",
+        "HPAR_FR_READER": "inline",
+        "HPAR_TRACES": "file",
+        "PATH": "/bin",
+    }
+    (bad,) = doctor._settings(env)
+    assert bad.status == doctor.DEGRADED and bad.fix
+    assert "HPAR_INTERVAL='0': interval must be a finite number of seconds in 0.05..3600" in bad.detail
+    assert "(the default 1.0 is used)" in bad.detail and "HPAR_DP='x'" in bad.detail
+    assert "HPAR_INTERVALL (did you mean HPAR_INTERVAL?): no such setting" in bad.detail
+    assert "HPAR_FR_READER: removed" in bad.detail and "HPAR_TRACES" not in bad.detail
+    (good,) = doctor._settings({"HPAR_TRACES": "file", "HPAR_DP": "", "HPAR_AUTOATTACH": "1"})
+    assert good.status == doctor.OK and good.detail == "HPAR_TRACES, HPAR_DP: valid"
+    assert doctor._settings({})[0].detail == "none set: the defaults"
+    assert "HPAR_* settings" in {c.name for c in doctor.run_checks()}

@@ -57,7 +57,7 @@ def test_per_stage_table_lists_virtual_stages_and_missing_phases():
     ]
     rows = _section(render_summary({}, ranks, Path("run"), 1.0, 0), "pipeline stages")
     assert [r[:2] for r in rows[1:]] == [["0", "0"], ["1", "1"], ["2", "0"], ["3", "1"]]
-    assert rows[-1][2:] == ["7.0", "ms", "-"]
+    assert rows[-1][2:] == ["7.00", "ms", "-"]  # three significant digits
 
 
 def test_no_pipeline_no_stage_table():

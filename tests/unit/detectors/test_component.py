@@ -333,3 +333,33 @@ def test_a_read_before_the_store_failed_is_judged_once_not_through_the_back_off(
         fresh.append(det.snapshot.exchange.fresh)
     assert agent.errors["detectors"] == 1  # the third pass's publish: the exchange backs off
     assert fresh == [False, True, True, False]  # read at passes 2 and 3, none in the back-off
+
+
+def test_the_stores_host_waits_at_exit_for_its_peers_goodbyes(store: Any, tmp_path: Any) -> None:
+    """Rank 0 hosts the store (no torchrun agent store): its exit closes it, so it waits (bounded) for the
+    peers it saw to say goodbye; a peer stopping makes no read of the store, only its goodbye."""
+    from hpar_agent.detectors import exchange
+
+    pair = [make_agent(tmp_path / str(r), rank=r, world=2, comps=(steps(4),), exchange=Exchange(store, "job", r))
+            for r in (0, 1)]  # fmt: skip
+    t = _after_tick(3.0)
+    for at in (t, t + 1):  # publish, then read each other
+        time.sleep(max(0.0, at + 0.001 - time.time()))
+        for agent, _det in pair:
+            agent.tick()
+    (host, det0), (peer, det1) = pair
+    assert 1 in det0.snapshot.exchange.seen and 0 in det1.snapshot.exchange.seen
+    for agent, _ in pair:
+        agent.started = True
+    ended: list[float] = []
+    th = threading.Thread(target=lambda: (host.stop(), ended.append(time.monotonic())))
+    th.start()
+    time.sleep(0.3)
+    assert not ended  # still waiting for rank 1
+    reads = det1.exchange.bytes_in
+    before = time.monotonic()
+    peer.stop()
+    th.join(exchange.BYE_WAIT_S + 5)
+    assert ended and ended[0] >= before
+    assert det1.exchange.bytes_in == reads
+    assert store.get("hpar/job/x/bye/1") == b"exit" and host.errors == {} and peer.errors == {}

@@ -17,6 +17,13 @@ def test_the_rank_that_never_entered_the_collective_is_the_culprit() -> None:
     assert v.waits == [{"pg": "default_pg", "seq": 46, "op": "all_reduce", "waiting": [0, 1, 3], "missing": [2]}]
 
 
+def test_a_culprit_whose_last_word_shows_an_op_in_flight_is_still_the_culprit() -> None:
+    # rank 2 published while its previous all-reduce (#45) looked in flight: it waits for nobody behind it
+    states = {r: {"default_pg": _gs(46, 45)} for r in (0, 1, 3)} | {2: {"default_pg": _gs(45, 44)}}
+    v = analyse(states, {"default_pg": [0, 1, 2, 3]})
+    assert (v.kind, v.culprits, v.victims) == ("missing", [2], [0, 1, 3])
+
+
 def test_a_rank_never_heard_of_is_missing_from_its_groups() -> None:
     states = {r: {"default_pg": _gs(46, 45)} for r in (0, 1, 3)}
     assert analyse(states, {"default_pg": [0, 1, 2, 3]}).culprits == [2]
