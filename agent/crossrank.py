@@ -77,10 +77,7 @@ PURPOSES = ("s", "fr", "gs", "ck")
 
 
 #: Seconds of spreading per rank and phase: the store gets at most 2,048 of the exchange's requests a
-#: second. Measured (``benchmarks/store_load.py``, 1,024 simulated ranks, dp x tp, 2 cores): one request
-#: per rank spread over 0.5 s (2,048/s) left an unrelated set+get's p99 at 0.79 ms against 1.89 ms idle;
-#: over 0.25 s (4,096/s) 4.58 ms against 2.42, past the 2 ms allowed; all at once 15.4 ms. The rule below,
-#: from 64 to 4,096 ranks, every layout measured: 0.29-1.04 ms against 0.13-0.25 idle (docs/capacity.md, section 5).
+#: second, the rate that kept an unrelated store operation's p99 within 2 ms of idle (docs/capacity.md, section 5).
 SPREAD_PER_RANK_S = 1 / 2048
 #: The share of the agent's interval a pass may wait for its offsets: the rest of the pass must still end
 #: before the next tick.

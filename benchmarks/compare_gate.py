@@ -60,9 +60,10 @@ def worker(a: argparse.Namespace) -> None:
 
 def _run(run_dir: Path, steps: int, slowdown: float) -> None:
     cmd = [sys.executable, "-m", "hpar_agent", "run", "--run-dir", str(run_dir), "--",
-           sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "benchmarks.compare_gate",
+           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "benchmarks.compare_gate",
            "worker", "--steps", str(steps), "--slowdown", str(slowdown)]  # fmt: skip
-    env = {**os.environ, "HPAR_METRICS_PORT": "-1", "PYTHONPATH": os.getcwd()}
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "HPAR_METRICS_PORT": "-1", "PYTHONPATH": path}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     if res.returncode:
         sys.exit(f"{run_dir.name} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")

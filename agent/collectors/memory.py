@@ -55,8 +55,8 @@ def read_rss(proc_root: str = "/proc", pid: str = "self") -> int | None:
 
 
 class RssReader:
-    """RSS through one kept-open ``statm`` descriptor: ``pread`` costs ~6 µs against ~35 µs for
-    open/read/close, which matters because the post-step sample runs on the training thread."""
+    """RSS through one kept-open ``statm`` descriptor: the post-step sample runs on the training
+    thread, where a ``pread`` costs a fraction of open/read/close (docs/overhead.md)."""
 
     def __init__(self, proc_root: str = "/proc") -> None:
         self.proc_root = proc_root
@@ -314,11 +314,9 @@ class MemoryCollector(Component):
     def step_hook(self, step: int, t_ns: int) -> None:
         """Training thread: host-side reads only (statm, the allocator's counters), then append.
 
-        One ``memory_stats_as_nested_dict`` read: ``memory_allocated`` and ``memory_reserved`` each
-        build the flat ``memory_stats`` dict (a Python recursion and sort over every counter), which
-        cost 0.35 ms of every training step on an H200. Even the one read is ~0.1 ms, 2 % of a 6 ms
-        step, so steps closer than ``ALLOCATOR_GAP_NS`` to the last read skip it: the post-step series
-        samples fast loops (a leak's trend is per step either way) and reads every slower step."""
+        One ``memory_stats_as_nested_dict`` read (``memory_allocated`` and ``memory_reserved`` would
+        each build the flat stats dict), and none within ``ALLOCATOR_GAP_NS`` of the last: even one read
+        is a share of a fast loop's step (docs/overhead.md), and a leak's trend is per step either way."""
         rss = self._rss.read()
         alloc = reserved = None
         if self._cuda_ready() and abs(t_ns - self._alloc_read_ns) >= ALLOCATOR_GAP_NS:

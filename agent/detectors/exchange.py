@@ -318,9 +318,11 @@ class CrossRankExchange:
 
     def _await_goodbyes(self, ex: Exchange, rank: int) -> None:
         """On the rank whose process hosts the job's store (rank 0 unless torchrun's agent does): wait,
-        ``BYE_WAIT_S`` at most, for the peers it saw to say goodbye. Its exit closes the store, and a
-        peer still reading it would fail its last calls, each logged by torch with a C++ stack."""
-        keys = [ex.key("bye", r) for r in self.seen if r != rank]
+        ``BYE_WAIT_S`` at most, for every other rank to say goodbye (a short job's ranks may never have
+        read each other). Its exit closes the store, and a rank still reading it would fail its last
+        calls, each logged by torch with a C++ stack."""
+        world = self._ctx().topology.world_size
+        keys = [ex.key("bye", r) for r in range(world) if r != rank]
         deadline = time.monotonic() + BYE_WAIT_S
         while keys and not ex.store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.02)
