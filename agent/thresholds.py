@@ -1,38 +1,188 @@
 """Every alert threshold, in one place.
 
-``DETECTOR_DEFAULTS`` are the in-process detectors' parameters (``thresholds={"<Alert>.<param>": v}``
-overrides one per job; each detector's docstring says what they mean); ``ANATOMY_DEFAULTS`` the step
-anatomy's verdict shares. ``RULE_THRESHOLDS`` are the numbers the Prometheus rules
-(``deploy/prometheus/rules/hpar-alerts.yml``) compare with, in the order they appear in the rule's
-expression; where a rule measures what a detector measures it takes the detector's number from here.
-The detectors, the config's validation, the docs table (``scripts/gen_docs.py``) and a test that reads
+``DETECTOR_PARAMS`` declares each in-process detector's parameters (name, default, meaning;
+``thresholds={"<Alert>.<param>": v}`` overrides one per job) and ``COMPONENT_PARAMS`` those of the
+detectors component (``detectors.<param>``); ``ANATOMY_DEFAULTS`` the step anatomy's verdict shares.
+``RULE_THRESHOLDS`` are the numbers the Prometheus rules (``deploy/prometheus/rules/hpar-alerts.yml``)
+compare with, in the order they appear in the rule's expression; where a rule measures what a detector
+measures it takes the detector's number from here. The detectors, the config's validation, the docs
+tables (``scripts/gen_docs.py``: each alert's parameters in ``docs/alerts.md``) and a test that reads
 the rules file all use these tables, so a threshold changes in one place."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 MiB = 1 << 20
 
-#: alert -> parameter -> default
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter: its name (the part after ``<Alert>.``), default and meaning (the docs' table)."""
+
+    name: str
+    default: float
+    help: str
+
+
+#: alert -> its detector's parameters
+DETECTOR_PARAMS: dict[str, tuple[Param, ...]] = {
+    "RecompileStorm": (
+        Param(
+            "max_recompiles",
+            10,
+            "fire when more recompiles (plus limit hits) than this happen within `window_s`",
+        ),
+        Param(
+            "max_limit_hits",
+            0,
+            "... or when more frames than this hit Dynamo's recompile limit within `window_s`",
+        ),
+        Param("window_s", 300, "window of the recompile count, seconds"),
+        Param("min_hit_ratio", 0.3, "... or when the compile-cache hit ratio after warm-up is below this"),
+        Param("min_lookups", 20, "... over at least this many cache lookups after warm-up"),
+        Param("warmup_steps", 3, "cache lookups before this step (cold caches) are not judged"),
+    ),
+    "GraphBreaks": (
+        Param("warmup_steps", 3, "reasons first seen before this many steps completed are the baseline"),
+        Param("hold_steps", 20, "the alert stays active this many steps after the last new reason"),
+    ),
+    "CompileDivergence": (
+        Param(
+            "warmup_steps",
+            3,
+            "fingerprints are compared once every rank of the stage completed this many steps",
+        ),
+        Param(
+            "settle_s", 2, "a rank publishes its fingerprint once its compiles were quiet this long, seconds"
+        ),
+    ),
+    "ReplicaDivergence": (
+        Param("every_steps", 10, "checksum a fixed sample of every parameter every this many steps"),
+        Param("per_param", 16, "elements sampled per parameter (strided over the whole tensor)"),
+    ),
+    "CollectiveMismatch": (Param("max_entries", 256, "recent flight-recorder entries each rank publishes"),),
+    "MemoryLeak": (
+        Param("warmup_steps", 5, "samples before this step are ignored (allocator and caches filling)"),
+        Param(
+            "quiet_steps",
+            3,
+            "... and samples before compiles have been quiet this many steps (compile caches, "
+            "loaded kernels)",
+        ),
+        Param(
+            "max_busy_steps",
+            10,
+            "compiles going on for more steps than this are the job's steady state (a leak "
+            "of compiled graphs), not warm-up",
+        ),
+        Param("window", 12, "post-step samples in the trend window"),
+        Param("min_slope_bytes", 1 * MiB, "Theil-Sen slope in bytes a step that counts as growth (1 MiB)"),
+        Param(
+            "rss_min_slope_bytes",
+            2 * MiB,
+            "the same for host RSS (2 MiB), which glibc arenas and Python's allocator move on their own",
+        ),
+        Param(
+            "min_increase_fraction",
+            0.15,
+            "fraction of steps that must rise (stair-steps; one jump is not a leak)",
+        ),
+    ),
+    "CompiledGraphsGrowing": (
+        Param("warmup_steps", 5, "graphs compiled before this step are warm-up"),
+        Param("window_steps", 10, "steps looked back"),
+        Param("min_graphs", 4, "graphs compiled in the window (after warm-up) that count as growth"),
+        Param(
+            "min_steps",
+            3,
+            "... spread over at least this many distinct steps (one late compile burst is not growth)",
+        ),
+    ),
+    "CollectiveLatencyHigh": (
+        Param(
+            "slo_s",
+            0.085,
+            "p99 SLO of all_reduce (the SLI), seconds; `slo_s.<op>` sets another op's (e.g. "
+            "`CollectiveLatencyHigh.slo_s.all_gather`): ops without one are not judged, as a "
+            "p2p recv's time includes waiting for the peer's compute",
+        ),
+        Param("window_s", 60, "window of the p99, seconds"),
+        Param("min_count", 20, "judged ops in the window before the p99 is judged"),
+        Param(
+            "quiet_steps", 3, "ops enqueued before compiles have been quiet this many steps are not judged"
+        ),
+        Param(
+            "max_busy_steps", 10, "compiles going on for more steps than this are steady state, not warm-up"
+        ),
+        Param(
+            "match_s",
+            30,
+            "an op whose peers' entries did not arrive within this many seconds is dropped unjudged",
+        ),
+    ),
+    "Straggler": (
+        Param(
+            "max_lag_ratio",
+            0.25,
+            "fire when others wait for this rank more than this share of wall time (net, "
+            "in both halves of the window; a 1.5x slower rank scores about 0.33)",
+        ),
+        Param("min_collectives", 8, "common collectives in the window before judging"),
+        Param(
+            "warmup_steps",
+            3,
+            "collectives enqueued before this rank completed this many steps (compiles) are not judged",
+        ),
+        Param(
+            "min_window_steps",
+            3,
+            "the judged collectives must span this many median step times (persistence, not one step)",
+        ),
+        Param(
+            "quiet_steps",
+            3,
+            "... nor before this rank's compiles were quiet this many steps (ranks compile at "
+            "different speeds)",
+        ),
+        Param(
+            "max_busy_steps", 10, "compiles going on for more steps than this are steady state, not warm-up"
+        ),
+    ),
+    "Hang": (
+        Param(
+            "timeout_s",
+            60,
+            "silence that counts as a hang, seconds; raised to 10 median steps and capped at "
+            "80% of the process group's timeout unless set explicitly",
+        ),
+        Param(
+            "warmup_steps", 2, "no-progress is judged only after this many steps (the first steps compile)"
+        ),
+    ),
+    "RankGone": (
+        Param("silent_s", 6, "a peer silent this long is judged, seconds; at least two exchange intervals"),
+    ),
+    "GradSyncIncomplete": (
+        Param("min_coverage", 0.99, "coverage below this fires: part of the gradient was never reduced"),
+    ),
+    "NumaMisbinding": (
+        Param("min_shared_cpus", 1, "allowed CPUs that are ideal for the GPU, below which it fires"),
+    ),
+}
+#: alert -> parameter -> default (from ``DETECTOR_PARAMS``)
 DETECTOR_DEFAULTS: dict[str, dict[str, float]] = {
-    "RecompileStorm": {"max_recompiles": 10, "max_limit_hits": 0, "window_s": 300, "min_hit_ratio": 0.3, "min_lookups": 20, "warmup_steps": 3},
-    "GraphBreaks": {"warmup_steps": 3, "hold_steps": 20},
-    "CompileDivergence": {"warmup_steps": 3, "settle_s": 2},
-    "ReplicaDivergence": {"every_steps": 10, "per_param": 16},
-    "CollectiveMismatch": {"max_entries": 256},
-    "MemoryLeak": {"warmup_steps": 5, "quiet_steps": 3, "max_busy_steps": 10, "window": 12, "min_slope_bytes": 1 * MiB, "rss_min_slope_bytes": 2 * MiB, "min_increase_fraction": 0.15},
-    "CompiledGraphsGrowing": {"warmup_steps": 5, "window_steps": 10, "min_graphs": 4, "min_steps": 3},
-    "CollectiveLatencyHigh": {"slo_s": 0.085, "window_s": 60, "min_count": 20, "quiet_steps": 3, "max_busy_steps": 10, "match_s": 30},
-    "Straggler": {"max_lag_ratio": 0.25, "min_collectives": 8, "warmup_steps": 3, "min_window_steps": 3, "quiet_steps": 3, "max_busy_steps": 10},
-    "Hang": {"timeout_s": 60, "warmup_steps": 2},
-    "RankGone": {"silent_s": 6},
-    "GradSyncIncomplete": {"min_coverage": 0.99},
-    "NumaMisbinding": {"min_shared_cpus": 1},
+    alert: {p.name: p.default for p in params} for alert, params in DETECTOR_PARAMS.items()
 }
 
-#: parameters of the detectors component itself (``detectors.<param>``), in seconds: between store
-#: exchanges (longer past 1,024 ranks, ``crossrank.cadence``); the soonest an exchange follows the last
-#: when something changed; one log line per alert per interval; peer payloads older than this are ignored
-COMPONENT_DEFAULTS: dict[str, float] = {"exchange_s": 3.0, "exchange_min_s": 1.0, "log_interval_s": 60.0, "stale_s": 30.0}
+#: parameters of the detectors component itself (``detectors.<param>``)
+COMPONENT_PARAMS: tuple[Param, ...] = (
+    Param("exchange_s", 3.0, "seconds between store exchanges (longer past 1,024 ranks)"),
+    Param("exchange_min_s", 1.0, "the soonest an exchange follows the last when something changed, seconds"),
+    Param("log_interval_s", 60.0, "one log line per alert per this many seconds"),
+    Param("stale_s", 30.0, "peers' payloads older than this are ignored, seconds"),
+)
+COMPONENT_DEFAULTS: dict[str, float] = {p.name: p.default for p in COMPONENT_PARAMS}
 COMPONENT_THRESHOLDS = tuple(COMPONENT_DEFAULTS)
 
 #: the step anatomy's bottleneck verdict (``anatomy.<param>``): the share of step time at or above

@@ -5,7 +5,7 @@ old all-peers scheme, side by side.
 One ``TCPStore`` server, alone in its process, and N simulated ranks: threads in ``--procs`` worker
 processes, each rank with its own client socket, as every rank of a job opens its own
 (``crossrank.open_store``). Each rank's payload is made by the agent's own builder
-(``DetectorsComponent._parts`` of a real agent without its thread, whose collectors hold what a rank of
+(``detectors.component.payload`` of a real agent without its thread, whose collectors hold what a rank of
 the reference trainer holds after 30 steps: a 256-entry flight-recorder window of the layout's
 collectives, checksums of the reference GPT's parameters at 3 steps, tp gradient samples), and it
 reads what the agent reads (``crossrank.plan(...).wants()``, through ``crossrank.Exchange``).
@@ -116,7 +116,7 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
     from hpar_agent.component import Component
     from hpar_agent.crossrank import Exchange
     from hpar_agent.detectors.cluster import ReplicaDivergence
-    from hpar_agent.detectors.component import DetectorsComponent
+    from hpar_agent.detectors.component import DetectorsComponent, payload
     from hpar_agent.families import Families
     from hpar_agent.topology import Topology
     from hpar_trainer.model import ModelArgs, build_model
@@ -168,8 +168,7 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
         rep.sampler.plan = [(nm, p, "tp=0" if any(s in nm for s in tp_sharded) else k) for nm, p, k in rep.sampler.plan]
     for step in (10, 20, STEPS):
         rep.sampler.capture(model, step)
-    det.steps_done = STEPS
-    parts = det._parts()
+    parts = payload(det.feed.snapshot(agent.context, time.time()), det.detectors)  # the step collector's STEPS
     assert agent.errors == {}, agent.errors
     return json.loads(json.dumps(parts))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from hpar_agent import catalogue as cat
@@ -59,13 +59,33 @@ def thresholds_table() -> str:
     return "\n".join(rows)
 
 
-TABLES = {"env": env_table, "metrics": metrics_table, "alerts": alerts_table, "thresholds": thresholds_table}
+def params_table(prefix: str) -> str:
+    """The parameters of one detector (``prefix``: its alert) or of the detectors component
+    (``detectors``), as declared in ``hpar_agent.thresholds``, with the key ``thresholds`` takes."""
+    from hpar_agent import thresholds as th
+
+    params = th.COMPONENT_PARAMS if prefix == "detectors" else th.DETECTOR_PARAMS[prefix]
+    rows = ["| parameter | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{prefix}.{p.name}` | {_num(p.default)} | {p.help} |" for p in params]
+    return "\n".join(rows)
+
+
+def _params_tables() -> dict[str, Callable[[], str]]:
+    from hpar_agent import thresholds as th
+
+    return {f"params_{name}": functools.partial(params_table, name) for name in [*th.DETECTOR_PARAMS, "detectors"]}
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "env": env_table, "metrics": metrics_table, "alerts": alerts_table, "thresholds": thresholds_table,
+    **_params_tables(),
+}  # fmt: skip
 
 #: The page that owns each generated table (relative to the repository root).
 PAGES: dict[str, tuple[str, ...]] = {
     "docs/configuration.md": ("env",),
     "docs/metrics.md": ("metrics",),
-    "docs/alerts.md": ("alerts", "thresholds"),
+    "docs/alerts.md": ("alerts", "thresholds", *(name for name in TABLES if name.startswith("params_"))),
 }
 
 

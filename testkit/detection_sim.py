@@ -3,13 +3,13 @@
 Each simulated rank holds what its collectors would (flight-recorder entries, per-group sequence numbers,
 a graph fingerprint, parameter checksums, whether it still publishes); every rank is then judged by the
 real detector classes on the payloads of its real comparison peers (``crossrank.plan``), as the
-detectors component would have read them from the store. What the simulation leaves out is the store
-itself and the exchange's timing (``benchmarks/store_load.py`` measures those).
+detectors component would have read them from the store, in a snapshot built by the component's own
+feed from the rank's collectors. What the simulation leaves out is the store itself and the exchange's
+timing (``benchmarks/store_load.py`` measures those).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -17,12 +17,15 @@ from typing import Any
 
 from hpar_agent.collectors.collective_state import PgState
 from hpar_agent.collectors.collectives import CollectiveCollector
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.config import AgentConfig
 from hpar_agent.context import AgentContext
 from hpar_agent.crossrank import Grid, PeerPlan, plan
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
+from hpar_agent.detectors.feed import DetectorFeed
+from hpar_agent.detectors.snapshot import Fetch, PeerView, Snapshot
 from hpar_agent.detectors.waits import GroupState
 from hpar_agent.topology import Topology
 
@@ -105,35 +108,20 @@ def _states(r: SimRank, entries: list[sig.FrEntry], now: float) -> dict[str, Gro
     return out
 
 
-@dataclass
-class SimEvaluation:
-    """What ``Detector.evaluate`` reads of the detectors component for one simulated rank."""
-
-    context: AgentContext
-    rank: int
-    stage: int
-    now: float
-    peers: dict[int, dict[str, Any]]
-    seen: dict[int, dict[str, Any]]
-    peer_groups: Mapping[str, tuple[int, ...]]
-    checksums: dict[int, dict[str, Any]]
-    steps_done: int = STEPS
-    last_step_ts: float = 0.0
-    step_durations: list[float] = field(default_factory=lambda: [STEP_NS / 1e9] * 64)
-    peers_fresh: bool = True
-    read_ok_at: float = 0.0
-    exchange_interval_s: float = 3.0
-    evidence: Any = None
-    compile_last_ts: float = 0.0
-    compile_last_step: int = 0
-    compile_quiet_s: float = math.inf
-    compile_busy_steps: int = 0
-
-    def fetch(self, purpose: str, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
-        return {r: self.checksums[r] for r in ranks if r in self.checksums} if purpose == "ck" else {}
-
-    def warmed_up(self, quiet_steps: int, max_busy_steps: int) -> bool:
-        return True
+def snapshot(
+    ctx: AgentContext,
+    now: float,
+    peers: dict[int, dict[str, Any]],
+    seen: dict[int, dict[str, Any]],
+    groups: Mapping[str, tuple[int, ...]],
+    fetch: Fetch,
+) -> Snapshot:
+    """What ``Detector.evaluate`` reads for one simulated rank, built as the detectors component builds
+    it: the feed reads the rank's collectors, then the exchange's view of a read made at ``now``."""
+    feed = DetectorFeed()
+    local = feed.snapshot(ctx, now)
+    view = PeerView(peers=peers, fresh=True, seen=seen, groups=groups, read_ok_at=now, interval_s=3.0, fetch=fetch)
+    return feed.complete(ctx, local, view)
 
 
 def judge(
@@ -156,6 +144,10 @@ def judge(
             "q": {uid: st.pack() for uid, st in _states(r, entries[r.rank], now).items()},
             "id": [0, "another-host", 0],
         }  # fmt: skip
+
+    def fetch(purpose: str, wanted: Iterable[int]) -> dict[int, dict[str, Any]]:
+        return {q: checksums[q] for q in wanted if q in checksums} if purpose == "ck" else {}
+
     out = {}
     for r in ranks:
         p: PeerPlan = plan(grid, r.rank)
@@ -168,10 +160,11 @@ def judge(
             label = src.pg_label(uid)
             collector.pgs[label] = PgState(last_enqueued=st.enq, last_completed=st.done, oldest_age=st.age_s)
             collector.recent_entries.append({"pg": label, "seq": st.enq, "op": st.op, "is_p2p": False})
-        ctx = AgentContext(config=AgentConfig(), topology=topo, components=[collector])
-        ev = SimEvaluation(ctx, r.rank, 0, now, fresh, seen, p.groups, checksums, read_ok_at=now,
-                           last_step_ts=now - stalled_s)  # fmt: skip
-        verdict = detector({f"{detector.name}.{k}": v for k, v in thresholds.items()}).evaluate(ev)
+        steps = StepCollector()  # as it stands after STEPS steps of STEP_NS, the last ``stalled_s`` ago
+        steps.total, steps.last_step_ts, steps.durations = STEPS, now - stalled_s, [STEP_NS / 1e9] * 64
+        ctx = AgentContext(config=AgentConfig(), topology=topo, components=[steps, collector])
+        snap = snapshot(ctx, now, fresh, seen, p.groups, fetch)
+        verdict = detector({f"{detector.name}.{k}": v for k, v in thresholds.items()}).evaluate(snap)
         if verdict is not None:
             out[r.rank] = verdict
     return out

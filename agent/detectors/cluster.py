@@ -5,6 +5,7 @@ on the offending rank's own series and no rank has to be a coordinator that coul
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -14,32 +15,14 @@ from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
 from hpar_agent.samples import copy_to_host, sample_cat, segment_sums, strided
-from hpar_agent.thresholds import DETECTOR_DEFAULTS
 from hpar_agent.torch_compat import parallel
 
 if TYPE_CHECKING:
-    from hpar_agent.detectors.base import Evaluation
-
-DP_KEYS = ("tp", "pp")  # ranks of one dp group share tp and pp coordinates
-TP_KEYS = ("dp", "pp")
-
-
-def my_group(ctx: Evaluation, keys: tuple[str, ...], need: str) -> list[int]:
-    """The ranks of this rank's group (by equal coordinates on ``keys``) whose payload has ``need``."""
-    coords = {r: p["c"] for r, p in ctx.peers.items() if need in p and "c" in p}
-    for group in sig.groups_by(coords, keys):
-        if ctx.rank in group:
-            return group
-    return []
+    from hpar_agent.detectors.snapshot import Snapshot
 
 
 class CompileDivergence(Detector):
     """Ranks of one pipeline stage that compiled different graphs (rank-dependent code, config drift).
-
-    | param | default | meaning |
-    |---|---|---|
-    | warmup_steps | 3 | fingerprints are compared once every rank of the stage completed this many steps |
-    | settle_s | 2 | a rank publishes its fingerprint once its compiles were quiet this long |
 
     A rank publishes its fingerprint only once its compile activity has settled (a rank mid-compile,
     or a moment after, publishes none), and the exchange carries a newly settled one once
@@ -57,42 +40,42 @@ class CompileDivergence(Detector):
     """
 
     name = "CompileDivergence"
-    defaults = DETECTOR_DEFAULTS["CompileDivergence"]
     threshold_param = "warmup_steps"
     cross_rank = True
     confirm = 2
 
-    def settled_fingerprint(self, ctx: Evaluation) -> int | None:
-        if ctx.compile_quiet_s < self.p("settle_s"):
+    def settled_fingerprint(self, snap: Snapshot) -> int | None:
+        if snap.warmup.quiet_s < self.p("settle_s") or snap.compile is None:
             return None
-        return src.graph_fingerprint(ctx.context)
+        return snap.compile.fingerprint
 
-    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
-        fp = self.settled_fingerprint(ctx)
+    def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
+        fp = self.settled_fingerprint(snap)
         return {} if fp is None else {"s": {"fp": fp}}
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        if not ctx.peers_fresh:
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        if not snap.exchange.fresh:
             return None
+        rank = snap.rank
         stage = {
             r: p["fp"]
-            for r, p in ctx.peers.items()
-            if "fp" in p and p.get("c", {}).get("stage") == ctx.stage and p.get("step", 0) >= self.p("warmup_steps")
+            for r, p in snap.exchange.peers.items()
+            if "fp" in p and p.get("c", {}).get("stage") == snap.stage and p.get("step", 0) >= self.p("warmup_steps")
         }
-        groups = ctx.peer_groups
-        compared = {ctx.rank}.union(*groups.values())
-        if ctx.rank not in stage or len(compared) < 2 or not compared <= set(stage):
+        groups = snap.exchange.groups
+        compared = {rank}.union(*groups.values())
+        if rank not in stage or len(compared) < 2 or not compared <= set(stage):
             return None  # every peer's fingerprint first: with some missing, a 1-1 split blames a clean rank
         stage = {r: stage[r] for r in sorted(compared)}
-        odd = ctx.rank in sig.odd_ranks(stage)
+        odd = rank in sig.odd_ranks(stage)
         for group in groups.values():
-            vals = {r: stage[r] for r in (ctx.rank, *group)}
+            vals = {r: stage[r] for r in (rank, *group)}
             outvoted = sig.odd_ranks(vals)
-            odd = odd or (len(vals) >= 3 and ctx.rank in outvoted and len(outvoted) < len(vals))
-        differ = sum(1 for v in stage.values() if v != stage[ctx.rank])
+            odd = odd or (len(vals) >= 3 and rank in outvoted and len(outvoted) < len(vals))
+        differ = sum(1 for v in stage.values() if v != stage[rank])
         details = {"fingerprints": {str(r): v for r, v in stage.items()}, **sig.culprits_of(stage)}
-        if odd and ctx.rank not in details["culprits"] and details["culprits"]:
-            details["culprits"] = sorted({*details["culprits"], ctx.rank})  # outvoted along one dim
+        if odd and rank not in details["culprits"] and details["culprits"]:
+            details["culprits"] = sorted({*details["culprits"], rank})  # outvoted along one dim
         return Verdict(odd, float(differ), details)
 
 
@@ -180,11 +163,6 @@ class ReplicaDivergence(Detector):
     """Parameters that must be identical across replicas are not (DDP coverage/nesting errors, TP
     gradients of replicated parameters not reduced, an HSDP replica that missed the replicate all-reduce).
 
-    | param | default | meaning |
-    |---|---|---|
-    | every_steps | 10 | checksum a fixed sample of every parameter every N steps |
-    | per_param | 16 | elements sampled per parameter (strided over the whole tensor) |
-
     Compared at the latest step every member checksummed, within the dp group (same tp/pp) and the tp
     group (same dp/pp), and there only among ranks holding the same piece of a parameter: equal shard
     keys (see ``shard_key``). Replicated parameters are compared across the whole group; TP shards across
@@ -197,7 +175,6 @@ class ReplicaDivergence(Detector):
     """
 
     name = "ReplicaDivergence"
-    defaults = DETECTOR_DEFAULTS["ReplicaDivergence"]
     threshold_param = "every_steps"
     cross_rank = True
 
@@ -212,7 +189,7 @@ class ReplicaDivergence(Detector):
         if model is not None and step > 0 and step % int(self.p("every_steps")) == 0:
             self.sampler.capture(model, step)
 
-    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
+    def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         self.history.extend(self.sampler.resolve())
         if not self.history:
             return {}
@@ -221,19 +198,20 @@ class ReplicaDivergence(Detector):
         return {"s": {"cd": {str(s): d for s, d in self._digests.items()}},
                 "ck": {"cks": {str(s): v for s, v in self.history}, "sk": keys}}  # fmt: skip
 
-    def _compare(self, ctx: Evaluation, label: str, group: list[int]) -> tuple[int, dict[int, list[str]]]:
+    def _compare(self, snap: Snapshot, label: str, group: list[int]) -> tuple[int, dict[int, list[str]]]:
         """(step compared, member -> its offending parameters) at the latest step every member
         digested; the checksums by name only when the digests disagree (once per step and group)."""
-        steps = set.intersection(*(set(ctx.peers[r]["cd"]) for r in group))
+        peers = snap.exchange.peers
+        steps = set.intersection(*(set(peers[r]["cd"]) for r in group))
         if not steps:
             return -1, {}
         step = max(steps, key=int)
-        if sig.digests_agree({r: ctx.peers[r]["cd"][step] for r in group}):
+        if sig.digests_agree({r: peers[r]["cd"][step] for r in group}):
             return int(step), {}
         memo = self._judged.get(label)
         if memo is not None and memo[:2] == (step, group):
             return int(step), memo[2]
-        full = ctx.fetch("ck", group)
+        full = snap.exchange.fetch("ck", group)
         if any(step not in full.get(r, {}).get("cks", {}) for r in group):
             return -1, {}  # a member's checksums moved on (or are missing): the next exchange judges
         sums = {r: full[r]["cks"][step] for r in group}
@@ -242,24 +220,24 @@ class ReplicaDivergence(Detector):
         self._judged[label] = (step, group, diff)
         return int(step), diff
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        if not ctx.peers_fresh:
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        if not snap.exchange.fresh:
             return None
         bad: dict[str, Any] = {}
         culprits: set[int] = set()
         unknown: list[str] = []
         compared = False
-        for label, keys in (("dp", DP_KEYS), ("tp", TP_KEYS)):
-            group = my_group(ctx, keys, "cd")
+        for label, keys in (("dp", sig.DP_KEYS), ("tp", sig.TP_KEYS)):
+            group = sig.group_of(snap.exchange.peers, snap.rank, keys, "cd")
             if len(group) < 2:
                 continue
-            step, by_rank = self._compare(ctx, label, group)
+            step, by_rank = self._compare(snap, label, group)
             compared = compared or step >= 0
             if len(by_rank) == len(group):  # no majority of any parameter (a 1-1 split): who is wrong is unknown
                 unknown.append(f"{label} group {group}: no majority holds the same values")
             else:
                 culprits.update(by_rank)
-            diff = by_rank.get(ctx.rank, [])
+            diff = by_rank.get(snap.rank, [])
             if diff:
                 bad[label] = {"step": step, "ranks": group, "params": diff[:8], "count": len(diff)}
         if not compared:
@@ -270,35 +248,9 @@ class ReplicaDivergence(Detector):
         return Verdict(bool(bad), float(sum(b["count"] for b in bad.values())), details)
 
 
-#: The last ``peer_fr`` answer and the peers dict it came from: three detectors ask per exchange.
-_peer_fr_memo: list[Any] = [None, None]
-
-
-#: pg labels whose members the coordinates say (a user's own group's do not: judged among its reporters).
-_KNOWN_PGS = ("dp", "tp", "pp", "default_pg", "dp_replicate", "dp_shard", "cp")
-
-
-def peer_fr(ctx: Evaluation) -> tuple[dict[int, list[sig.FrEntry]], dict[str, int]]:
-    """Peers' published entries, and for each pg the number of ranks read that are its members (by
-    their coordinates: a collective is judged once every member read has it, so a member that has not
-    published it yet never turns a 3-rank majority into a 1-1 tie); computed once per exchange (the
-    peers dict is new at each). Read the answer, never change it."""
-    peers = ctx.peers
-    if _peer_fr_memo[0] is peers:
-        hit: tuple[dict[int, list[sig.FrEntry]], dict[str, int]] = _peer_fr_memo[1]
-        return hit
-    fr = {r: sig.unpack_fr(p["fr"]) for r, p in peers.items() if "fr" in p}  # unpacked at the read already
-    coords = [p["c"] for p in peers.values() if isinstance(p.get("c"), dict)]
-    uids = {e[0] for entries in fr.values() for e in entries}  # a few groups among ~1,000 entries
-    sizes = {uid: sum(1 for c in coords if src.group_key_of(label, c) == uid)
-             for uid in uids if (label := src.pg_label(uid)) in _KNOWN_PGS}  # fmt: skip
-    _peer_fr_memo[:] = [peers, (fr, sizes)]
-    return fr, sizes
-
-
-def _grad_pgs(ctx: Evaluation, entries: list[sig.FrEntry]) -> list[str]:
+def _grad_pgs(snap: Snapshot, entries: Sequence[sig.FrEntry]) -> list[str]:
     """pg uids that carry gradient reductions: the dp groups (the default group when dp is the world)."""
-    topo = ctx.context.topology
+    topo = snap.topology
     out = []
     for uid in {e[0] for e in entries}:
         low = src.pg_label(uid).lower()
@@ -351,10 +303,6 @@ class CollectiveMismatch(Detector):
     gradient reduction runs in lower precision than the parameters on this rank while its peers do not
     (e.g. a bf16 compress hook on an fp32 model on one rank).
 
-    | param | default | meaning |
-    |---|---|---|
-    | max_entries | 256 | recent flight-recorder entries each rank publishes |
-
     Only cross-rank disagreement fires: a low-precision reduction that every rank runs (FSDP
     ``MixedPrecisionPolicy(reduce_dtype=bf16)``, DDP's bf16 compress hook) never counts, and one the model
     declares is skipped outright. A narrow reduction counts when the latest exchange shows a peer
@@ -366,7 +314,6 @@ class CollectiveMismatch(Detector):
     """
 
     name = "CollectiveMismatch"
-    defaults = DETECTOR_DEFAULTS["CollectiveMismatch"]
     threshold_param = "max_entries"
     cross_rank = True
     evidence = ("fr",)
@@ -379,35 +326,40 @@ class CollectiveMismatch(Detector):
         self.cross: list[dict[str, Any]] = []
         self.odd_peers: list[int] = []  # the ranks compared whose entries differ from the majority's
         self.peer_bits: dict[sig.ReductionKey, float] = {}
+        self.kinds_judged: sig.OddMemo = {}  # ``signals.collective_mismatches``' memo, from exchange to exchange
 
-    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
-        entries = src.fr_entries(ctx.context, int(self.p("max_entries")))
+    def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
+        entries = snap.collectives.fr_entries  # the last ``max_entries`` (``DetectorFeed.fr_limit``)
         return {"fr": {"fr": sig.pack_fr(entries)}} if entries else {}
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
         if self.param_bits is None:
-            self.param_bits = _param_bits(ctx.context.model)
-            self.intended = intended_reduce_bits(ctx.context.model) if self.param_bits else set()
-        if ctx.peers_fresh:  # pause points between the steps: together they hold the GIL for up to ~5 ms
-            fr, sizes = peer_fr(ctx)
+            self.param_bits = _param_bits(snap.model)
+            self.intended = intended_reduce_bits(snap.model) if self.param_bits else set()
+        if snap.exchange.fresh:  # pause points between the steps: together they hold the GIL for up to ~5 ms
+            fr, sizes = snap.exchange.fr
             gil.pause_point()
-            every = sig.collective_mismatches(fr, sizes, self.param_bits) if len(fr) >= 2 else {}
-            self.cross = every.get(ctx.rank, [])
+            every = (
+                sig.collective_mismatches(fr, sizes, self.param_bits, snap.exchange.common, self.kinds_judged)
+                if len(fr) >= 2
+                else {}
+            )
+            self.cross = every.get(snap.rank, [])
             self.odd_peers = sorted(every) if len(every) < len(fr) else []  # all odd: a tie, culprit unknown
             gil.pause_point()
-            self.peer_bits = sig.peer_reduction_bits(fr, ctx.rank)
+            self.peer_bits = sig.peer_reduction_bits(fr, snap.rank)
             gil.pause_point()
-        entries = src.fr_entries(ctx.context, int(self.p("max_entries")))
+        entries = snap.collectives.fr_entries
         if not entries and not self.cross:
             return None
-        low = sig.low_precision_reductions(entries, self.param_bits or 32, _grad_pgs(ctx, entries)) if self.param_bits else []
+        low = sig.low_precision_reductions(entries, self.param_bits or 32, _grad_pgs(snap, entries)) if self.param_bits else []
         unconfirmed = sig.narrower_than_peers([e for e in low if sig.entry_bits(e) not in self.intended], self.peer_bits)
         details = {
             "mismatched": self.cross[:8],
             "low_precision": [{"pg": e[0], "seq": e[1], "op": e[2], "dtypes": e[4]} for e in unconfirmed[:8]],
             "agreed_low_precision": len(low) - len(unconfirmed),
             "param_bits": self.param_bits,
-            "culprits": sorted({*self.odd_peers, *([ctx.rank] if unconfirmed else [])}),
+            "culprits": sorted({*self.odd_peers, *([snap.rank] if unconfirmed else [])}),
         }
         return Verdict(bool(self.cross or unconfirmed), float(len(self.cross) + len(unconfirmed)), details)
 
@@ -421,21 +373,11 @@ class Straggler(Detector):
     and NCCL) shows who arrives last at each (pg, seq): that rank is blamed for the wait it caused,
     net of the waits it suffered, in each half of the window (``signals.arrival_lag_ratio``).
 
-    | param | default | meaning |
-    |---|---|---|
-    | max_lag_ratio | 0.25 | fire when others wait for this rank more than this share of wall time (net, in both halves of the window; a 1.5x slower rank scores ~0.33) |
-    | min_collectives | 8 | common collectives in the window before judging |
-    | warmup_steps | 3 | collectives enqueued before this rank completed this many steps (compiles) are not judged |
-    | quiet_steps | 3 | ... nor before this rank's compiles were quiet this many steps (ranks compile at different speeds) |
-    | max_busy_steps | 10 | compiles going on for more steps than this are steady state, not warm-up |
-    | min_window_steps | 3 | the judged collectives must span this many median step times (persistence, not one step) |
-
     Confirmed on two consecutive exchanges. Value: this rank's lag ratio. Clock skew between hosts
     adds to every lag: keep hosts NTP/PTP-synced (typical skew << step time).
     """
 
     name = "Straggler"
-    defaults = DETECTOR_DEFAULTS["Straggler"]
     threshold_param = "max_lag_ratio"
     cross_rank = True
     confirm = 2
@@ -451,30 +393,31 @@ class Straggler(Detector):
         if self.warm_ns is None and step + 1 >= self.p("warmup_steps"):
             self.warm_ns = t_ns
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        if not ctx.peers_fresh or ctx.steps_done < self.p("warmup_steps"):
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        if not snap.exchange.fresh or snap.steps_done < self.p("warmup_steps"):
             return None
-        if not ctx.warmed_up(int(self.p("quiet_steps")), int(self.p("max_busy_steps"))):
+        if not snap.warmup.warmed_up(int(self.p("quiet_steps")), int(self.p("max_busy_steps"))):
             return None  # ranks compiling at different speeds (a rank that started late still compiles)
-        fr, sizes = peer_fr(ctx)
-        since = max(self.warm_ns or 0, int(ctx.compile_last_ts * 1e9))
-        if since and any(e[5] < since for entries in fr.values() for e in entries):  # else the shared
-            fr = {r: [e for e in entries if e[5] >= since] for r, entries in fr.items()}  # dict: one common
-        if ctx.rank not in fr or len(fr) < 2:
+        fr, sizes = snap.exchange.fr
+        since = max(self.warm_ns or 0, int(snap.warmup.last_ts * 1e9))
+        trimmed = bool(since) and any(e[5] < since for entries in fr.values() for e in entries)
+        if trimmed:  # else the pass's shared answer (``PeerView.common``)
+            fr = {r: [e for e in entries if e[5] >= since] for r, entries in fr.items()}
+        if snap.rank not in fr or len(fr) < 2:
             return None
         gil.pause_point()
-        common = sig.common_collectives(fr, sizes)
+        common = sig.common_collectives(fr, sizes) if trimmed else snap.exchange.common
         if len(common) < self.p("min_collectives"):
             return None
         times = [e[5] for by_rank in common.values() for e in by_rank.values()]
         span_s = (max(times) - min(times)) / 1e9
-        steps = ctx.step_durations[-64:]
+        steps = snap.step_durations[-64:]
         if steps and span_s < self.p("min_window_steps") * median(steps):
             return None  # e.g. a job stuck in its first judged step: too short to call anything persistent
         gil.pause_point()
         lags = sig.arrival_lag_ratio(fr, sizes, common=common)
         self._note_slowest(lags)
-        ratio = lags.get(ctx.rank, 0.0)
+        ratio = lags.get(snap.rank, 0.0)
         slow = sorted(r for r, v in lags.items() if v > self.p("max_lag_ratio"))
         return Verdict(ratio > self.p("max_lag_ratio"), ratio, {
             "collectives": len(common), "window_s": span_s, "culprits": slow,

@@ -4,58 +4,43 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hpar_agent.collectors.gradsync import GradSyncCollector
 from hpar_agent.detectors.base import Detector, Verdict
-from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
-    from hpar_agent.detectors.base import Evaluation
+    from hpar_agent.detectors.snapshot import Snapshot
 
 
 class GradSyncIncomplete(Detector):
     """The lower of the last judged ``hpar_grad_sync_coverage_ratio{group="dp"}`` and ``{group="tp"}`` (see
-    ``collectors.gradsync``; the tp one from gradient samples exchanged within the tp group).
-
-    | param | default | meaning |
-    |---|---|---|
-    | min_coverage | 0.99 | coverage below this fires: part of the gradient was never reduced over dp |
+    ``collectors.gradsync``; the tp one from gradient samples exchanged within the tp group: this rank's
+    go out in its payload, the tp peers' reach the collector through ``DetectorFeed.complete``).
 
     Fires on the first judged step below the bound (a wrapper nested wrongly misses every step, from the
     first); resolves after 3 whole steps. Value: the coverage ratio.
     """
 
     name = "GradSyncIncomplete"
-    defaults = DETECTOR_DEFAULTS["GradSyncIncomplete"]
     threshold_param = "min_coverage"
     clear = 3
     cross_rank = True  # the tp coverage compares gradient samples across the tp group
 
-    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
-        comp = ctx.context.find(GradSyncCollector)
-        tp = comp.published_tp() if comp is not None else {}
+    def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
+        tp = dict(snap.grad_sync.tp_samples) if snap.grad_sync is not None else {}
         return {"gs": {"gst": tp}} if tp else {}
 
-    def _judge_tp(self, ctx: Evaluation, comp: GradSyncCollector) -> None:
-        from hpar_agent.detectors.cluster import TP_KEYS, my_group
-
-        group = my_group(ctx, TP_KEYS, "gst")
-        if len(group) < 2:
-            return
-        steps = set.intersection(*(set(ctx.peers[r]["gst"]) for r in group))
-        for step in sorted(steps, key=int):
-            comp.judge_tp(int(step), {r: ctx.peers[r]["gst"][step] for r in group})
-
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        comp = ctx.context.find(GradSyncCollector)
-        if comp is None:
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        g = snap.grad_sync
+        if g is None:
             return None
-        if ctx.peers_fresh:
-            self._judge_tp(ctx, comp)
-        covs = {g: c for g, c in (("dp", comp.coverage), ("tp", comp.tp_coverage)) if c is not None}
+        covs = {group: c for group, c in (("dp", g.coverage), ("tp", g.tp_coverage)) if c is not None}
         if not covs:
             return None
         coverage = min(covs.values())
         short = coverage < self.p("min_coverage")
-        details = {"step": comp.judged, "required_elements": comp.required, "coverage": covs,
-                   "culprits": [ctx.rank] if short else []}  # its own step reduced too little  # fmt: skip
+        details = {
+            "step": g.judged,
+            "required_elements": g.required,
+            "coverage": covs,
+            "culprits": [snap.rank] if short else [],  # its own step reduced too little
+        }
         return Verdict(short, float(coverage), details)

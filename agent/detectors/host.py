@@ -4,21 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpar_agent.collectors.memory import NvmlCollector
 from hpar_agent.detectors.base import Detector, Verdict
-from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
-    from hpar_agent.detectors.base import Evaluation
+    from hpar_agent.detectors.snapshot import Snapshot
 
 
 class NumaMisbinding(Detector):
     """The process's allowed CPUs (``os.sched_getaffinity``) share none with NVML's ideal CPUs for the
     rank's GPU (``nvmlDeviceGetCpuAffinity``), read once at attach (``hpar_agent.affinity``).
-
-    | param | default | meaning |
-    |---|---|---|
-    | min_shared_cpus | 1 | allowed CPUs that are ideal for the GPU, below which it fires |
 
     Fires at the first evaluation (the binding does not change); no NVML or no GPU: no verdict. Value:
     the allowed CPUs among the GPU's ideal ones. Details: allowed CPUs and NUMA nodes, the GPU's ideal
@@ -26,12 +20,10 @@ class NumaMisbinding(Detector):
     """
 
     name = "NumaMisbinding"
-    defaults = DETECTOR_DEFAULTS["NumaMisbinding"]
     threshold_param = "min_shared_cpus"
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        nvml = ctx.context.find(NvmlCollector)
-        binding = nvml.binding if nvml is not None else None
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        binding = snap.binding
         if binding is None or not binding.gpu_cpus:
             return None
         shared = len(binding.cpus & binding.gpu_cpus)

@@ -1,6 +1,6 @@
 """Detectors of a job that stopped moving: Hang (and whom it waits for), RankGone (a rank that is no more).
 
-Both read the last ``s`` payload of every comparison peer however old it is (``Evaluation.seen``): a
+Both read the last ``s`` payload of every comparison peer however old it is (``PeerView.seen``): a
 stopped or dead rank's last word is where it stopped.
 """
 
@@ -17,20 +17,14 @@ from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors import waits
 from hpar_agent.detectors.base import Detector, Verdict
-from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
-    from hpar_agent.detectors.base import Evaluation
+    from hpar_agent.detectors.snapshot import Snapshot
     from hpar_agent.topology import Topology
 
 
 class Hang(Detector):
     """A rank stuck in or missing a collective: an op in flight, or no step, for too long.
-
-    | param | default | meaning |
-    |---|---|---|
-    | timeout_s | 60 | silence that counts as a hang; raised to 10 median steps, capped at 80% of the pg timeout |
-    | warmup_steps | 2 | no-progress is judged only after this many steps (first steps compile) |
 
     An explicit ``Hang.timeout_s`` is used as is. Value: the longer of (seconds since the last step,
     oldest in-flight age). The agent thread keeps evaluating while training is blocked in C++.
@@ -47,7 +41,6 @@ class Hang(Detector):
     """
 
     name = "Hang"
-    defaults = DETECTOR_DEFAULTS["Hang"]
     threshold_param = "timeout_s"
     evidence = ("pyspy", "fr")
     cross_rank = True
@@ -57,55 +50,57 @@ class Hang(Detector):
         self.explicit = f"{self.name}.timeout_s" in (thresholds or {})
         self.named: waits.HangVerdict | None = None  # the verdict that named culprits, kept while the hang lasts
 
-    def timeout(self, ctx: Evaluation) -> float:
+    def timeout(self, snap: Snapshot) -> float:
         if self.explicit:
             return self.p("timeout_s")
-        durations = ctx.step_durations[-64:]
-        return sig.hang_timeout(self.p("timeout_s"), src.pg_timeout_s(ctx.context), median(durations) if durations else None)
+        durations = snap.step_durations[-64:]
+        pg_timeout = snap.collectives.pg_timeout_s
+        return sig.hang_timeout(self.p("timeout_s"), pg_timeout, median(durations) if durations else None)
 
-    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
-        states = src.group_states(ctx.context)
+    def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
+        states = snap.collectives.groups
         return {"s": {"q": {uid: st.pack() for uid, st in states.items()}}} if states else {}
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        stalled = sig.stalled_seconds(ctx.now, ctx.last_step_ts, ctx.steps_done, int(self.p("warmup_steps")))
-        inflight = src.oldest_inflight(ctx.context)
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        stalled = sig.stalled_seconds(snap.now, snap.last_step_ts, snap.steps_done, int(self.p("warmup_steps")))
+        inflight = snap.collectives.oldest_inflight
         pg, age = max(inflight.items(), key=lambda kv: kv[1], default=("", 0.0))
-        timeout = self.timeout(ctx)
+        timeout = self.timeout(snap)
         value = max(stalled, age)
         details: dict[str, Any] = {"no_step_s": stalled, "oldest_inflight_s": age, "pg": pg, "timeout_s": timeout}
         if value <= timeout / 2:
             self.named = None
         else:
-            verdict = self.named or self.culprits(ctx, min_wait_s=min(timeout / 4, 10.0))
+            verdict = self.named or self.culprits(snap, min_wait_s=min(timeout / 4, 10.0))
             if verdict.culprits and value > timeout:
                 self.named = verdict  # what held when it fired: the ranks ending after it (timeouts) change nothing
             details.update(verdict.details())
-            details["role"] = ("culprit" if ctx.rank in verdict.culprits
-                               else "victim" if ctx.rank in verdict.victims else "")  # fmt: skip
+            details["role"] = (
+                "culprit" if snap.rank in verdict.culprits else "victim" if snap.rank in verdict.victims else ""
+            )
         return Verdict(value > timeout, value, details)
 
-    def culprits(self, ctx: Evaluation, min_wait_s: float) -> waits.HangVerdict:
+    def culprits(self, snap: Snapshot, min_wait_s: float) -> waits.HangVerdict:
         """``waits.analyse`` over this rank (its state now) and the last word of each comparison peer."""
-        topo = ctx.context.topology
+        topo, rank = snap.topology, snap.rank
         states: dict[int, dict[str, waits.GroupState]] = {}
         coords: dict[int, dict[str, Any]] = {}
-        for r, p in ctx.seen.items():
+        for r, p in snap.exchange.seen.items():
             q, c = p.get("q"), p.get("c")
-            if r == ctx.rank or not isinstance(q, dict) or not isinstance(c, dict):
+            if r == rank or not isinstance(q, dict) or not isinstance(c, dict):
                 continue
             states[r] = {str(uid): st for uid, v in q.items() if (st := waits.GroupState.unpack(v)) is not None}
             coords[r] = c
-        states[ctx.rank] = src.group_states(ctx.context)
-        coords[ctx.rank] = topo.coords()
-        silent = {dim: [r for r in peers if r not in coords] for dim, peers in ctx.peer_groups.items()}
+        states[rank] = dict(snap.collectives.groups)
+        coords[rank] = dict(snap.coords)
+        silent = {dim: [r for r in peers if r not in coords] for dim, peers in snap.exchange.groups.items()}
         members: dict[str, list[int]] = {}
         complete: dict[str, bool] = {}
         for uid in sorted({u for groups in states.values() for u in groups}):
             label = src.pg_label(uid)
-            if src.group_key_of(label, coords[ctx.rank]) != label:  # a mesh group: members by coordinates
+            if src.group_key_of(label, coords[rank]) != label:  # a mesh group: members by coordinates
                 ms = [r for r, c in coords.items() if src.group_key_of(label, c) == uid]
-                if uid == src.group_key_of(label, coords[ctx.rank]):  # this rank's own: peers never heard of too
+                if uid == src.group_key_of(label, coords[rank]):  # this rank's own: peers never heard of too
                     ms += silent.get(label, [])
             elif label == "default_pg":  # the world: every rank heard of, and every peer never heard of
                 ms = [*coords, *(r for rs in silent.values() for r in rs)]
@@ -126,10 +121,6 @@ def _group_size(label: str, topo: Topology) -> int | None:
 class RankGone(Detector):
     """A comparison peer that stopped publishing and whose process is gone, stopped, or out of sight.
 
-    | param | default | meaning |
-    |---|---|---|
-    | silent_s | 6 | a peer silent this long is judged; at least two exchange intervals |
-
     Every rank publishes its payload at each exchange (3 s) and says goodbye when it detaches (``bye``:
     a clean end, or how it ended: an uncaught exception, a signal). A peer whose last payload is older
     than ``silent_s`` and that never said goodbye cleanly is named (``details.culprits``), with how far
@@ -142,7 +133,6 @@ class RankGone(Detector):
     """
 
     name = "RankGone"
-    defaults = DETECTOR_DEFAULTS["RankGone"]
     threshold_param = "silent_s"
     cross_rank = True
     confirm = 2  # a pass apart: a job that fails everywhere at once (gloo) ends its ranks within it
@@ -152,19 +142,20 @@ class RankGone(Detector):
         pid = os.getpid()
         self.me = [pid, socket.gethostname(), rankstate.start_ticks(pid) or 0]
 
-    def publish(self, ctx: Evaluation) -> dict[str, dict[str, Any]]:
+    def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         return {"s": {"id": self.me}}
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        limit = max(self.p("silent_s"), 2 * ctx.exchange_interval_s)
-        if not ctx.seen or ctx.now - ctx.read_ok_at > limit / 2 or ctx.context.stopping:
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        ex = snap.exchange
+        limit = max(self.p("silent_s"), 2 * ex.interval_s)
+        if not ex.seen or snap.now - ex.read_ok_at > limit / 2 or snap.stopping:
             return None  # no recent read of the store, or this rank ends too: nothing more to say
         gone: dict[str, dict[str, Any]] = {}
-        for r, p in ctx.seen.items():
-            if r == ctx.rank:
+        for r, p in ex.seen.items():
+            if r == snap.rank:
                 continue
             bye = str(p.get("bye") or "")
-            silent = ctx.now - float(p.get("t", ctx.now))
+            silent = snap.now - float(p.get("t", snap.now))
             if bye == "exit" or (not bye and silent <= limit):
                 continue
             pid, host, ticks = [*(p.get("id") or []), 0, "", 0][:3]

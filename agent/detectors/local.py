@@ -10,12 +10,9 @@ from typing import TYPE_CHECKING, Any
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
-from hpar_agent.detectors.cluster import peer_fr
-from hpar_agent.thresholds import DETECTOR_DEFAULTS
 
 if TYPE_CHECKING:
-    from hpar_agent.detectors.base import Evaluation
-    from hpar_agent.evidence import Evidence
+    from hpar_agent.detectors.snapshot import Snapshot
 
 MiB = float(1 << 20)
 
@@ -38,15 +35,6 @@ class _Windowed:
 class RecompileStorm(Detector):
     """Compile-cache pollution: shapes, Python ints or dtypes that change every step.
 
-    | param | default | meaning |
-    |---|---|---|
-    | max_recompiles | 10 | fire when more recompiles (+ limit hits) than this happen within window_s |
-    | max_limit_hits | 0 | ... or when more frames than this hit Dynamo's recompile limit within window_s |
-    | window_s | 300 | window of the recompile count, seconds |
-    | min_hit_ratio | 0.3 | ... or when the compile-cache hit ratio after warm-up is below this |
-    | min_lookups | 20 | ... over at least this many cache lookups after warm-up |
-    | warmup_steps | 3 | cache lookups before this step (cold caches) are not judged |
-
     A limit hit is a storm by itself: the frame already recompiled ``recompile_limit`` times (8 by
     default, shared by every module instance of one code object, so a per-step storm on identical
     blocks never exceeds 10 recompiles) and now runs uncompiled for good. Value: recompiles in the window.
@@ -58,7 +46,6 @@ class RecompileStorm(Detector):
     """
 
     name = "RecompileStorm"
-    defaults = DETECTOR_DEFAULTS["RecompileStorm"]
     threshold_param = "max_recompiles"
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
@@ -67,16 +54,16 @@ class RecompileStorm(Detector):
         self.limit_window = _Windowed()
         self.cache_base: tuple[float, float] | None = None
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        total = src.recompiles_total(ctx.context)
-        if total is None:
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        c = snap.compile
+        if c is None:
             return None
-        n = self.window.increase(ctx.now, total, self.p("window_s"))
-        limit_hits = self.limit_window.increase(ctx.now, src.recompile_limit_hits(ctx.context), self.p("window_s"))
+        n = self.window.increase(snap.now, c.recompiles, self.p("window_s"))
+        limit_hits = self.limit_window.increase(snap.now, c.limit_hits, self.p("window_s"))
         details: dict[str, Any] = {"recompiles_in_window": n, "limit_hits_in_window": limit_hits}
         ratio = math.nan
-        lookups = src.cache_lookups(ctx.context)
-        if lookups is not None and ctx.steps_done >= self.p("warmup_steps"):
+        lookups = c.cache_lookups
+        if snap.steps_done >= self.p("warmup_steps"):
             if self.cache_base is None:
                 self.cache_base = lookups
             hits, misses = lookups[0] - self.cache_base[0], lookups[1] - self.cache_base[1]
@@ -97,17 +84,11 @@ class RecompileStorm(Detector):
 class GraphBreaks(Detector):
     """A graph-break reason never seen during warm-up (``.item()``, print, data-dependent branches).
 
-    | param | default | meaning |
-    |---|---|---|
-    | warmup_steps | 3 | reasons first seen before this many steps completed are the baseline |
-    | hold_steps | 20 | the alert stays active this many steps after the last new reason |
-
     Value: number of new reasons. Details carry the collector's text (user stack) per reason, and
     ``c10d_calls`` when a break comes from a torch.distributed (c10d) call inside compiled code.
     """
 
     name = "GraphBreaks"
-    defaults = DETECTOR_DEFAULTS["GraphBreaks"]
     threshold_param = "warmup_steps"
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
@@ -115,17 +96,17 @@ class GraphBreaks(Detector):
         self.first_seen: dict[str, int] = {}
         self.last_new_step = -1
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        reasons = src.graph_break_reasons(ctx.context)
-        for r in reasons:
-            self.first_seen.setdefault(r, ctx.steps_done)
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        c = snap.compile
+        for r in c.graph_breaks if c is not None else ():
+            self.first_seen.setdefault(r, snap.steps_done)
         new = sig.new_reasons(self.first_seen, int(self.p("warmup_steps")), 0)
         fresh = [r for r in new if self.first_seen[r] > self.last_new_step]
         if fresh:
             self.last_new_step = max(self.first_seen[r] for r in fresh)
-        active = bool(new) and ctx.steps_done - self.last_new_step <= self.p("hold_steps")
-        details: dict[str, Any] = {"reasons": {r: src.graph_break_detail(ctx.context, r) for r in new[:8]}}
-        c10d = {r: op for r in new[:8] if (op := src.graph_break_c10d(ctx.context, r))}
+        active = bool(new) and snap.steps_done - self.last_new_step <= self.p("hold_steps")
+        details: dict[str, Any] = {"reasons": {r: c.break_detail(r) if c else "" for r in new[:8]}}
+        c10d = {r: op for r in new[:8] if c is not None and (op := c.break_c10d(r))}
         if c10d:  # a torch.distributed call inside compiled code: the fix is functional collectives
             details["c10d_calls"] = c10d
             details["fix"] = "use torch.distributed._functional_collectives inside compiled code"
@@ -139,16 +120,6 @@ DEVICE_SOURCES = frozenset({"allocator", "reserved", "nvml"})
 class MemoryLeak(Detector):
     """Post-step memory that keeps rising after warm-up (held tensors, per-microbatch graph leaks).
 
-    | param | default | meaning |
-    |---|---|---|
-    | warmup_steps | 5 | samples before this step are ignored (allocator and caches filling) |
-    | quiet_steps | 3 | ... and samples before compiles have been quiet this many steps (compile caches, loaded kernels) |
-    | max_busy_steps | 10 | compiles going on for more steps than this are the job's steady state (a leak of compiled graphs), not warm-up |
-    | window | 12 | post-step samples in the trend window |
-    | min_slope_bytes | 1048576 | Theil-Sen slope (bytes/step) that counts as growth (1 MiB) |
-    | rss_min_slope_bytes | 2097152 | the same for host RSS (2 MiB), which glibc arenas and Python's allocator move on their own: a clean 40-step CPU demo rose 1.3 MB/step on every rank for a window |
-    | min_increase_fraction | 0.15 | fraction of steps that must rise (stair-steps; one jump is not a leak) |
-
     Per source (allocator, reserved, nvml, rss); the worst source fires. Value: slope in bytes/step. Growth must
     go on across the whole window (``signals.leak_signal``): an allocator or RSS that grows through
     warm-up and flattens fails, a stair-step leak passes. Detection: about ``quiet_steps + window`` steps
@@ -161,7 +132,6 @@ class MemoryLeak(Detector):
     """
 
     name = "MemoryLeak"
-    defaults = DETECTOR_DEFAULTS["MemoryLeak"]
     threshold_param = "min_slope_bytes"
     evidence = ("pyspy", "allocator", "profile")  # profile: a bounded py-spy record, off both threads
     clear = 3
@@ -171,12 +141,12 @@ class MemoryLeak(Detector):
         self.start = 0  # first step of the trend: after warm-up and after the compiles of warm-up
         self._confirmed = False  # fired: its snapshot took the recorded stacks
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        series = src.memory_series(ctx.context, last=int(self.p("window")))  # the trend reads no more
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        series = snap.memory.series  # the last ``window`` samples: the trend reads no more
         if not series:
             return None
-        if ctx.compile_busy_steps <= self.p("max_busy_steps"):
-            self.start = max(self.start, ctx.compile_last_step + int(self.p("quiet_steps")))
+        if snap.warmup.busy_steps <= self.p("max_busy_steps"):
+            self.start = max(self.start, snap.warmup.last_step + int(self.p("quiet_steps")))
         start = max(int(self.p("warmup_steps")), self.start)
         worst: tuple[float, bool, str] = (-math.inf, False, "")
         suspected = False
@@ -193,19 +163,20 @@ class MemoryLeak(Detector):
             if source in DEVICE_SOURCES and slope >= self.p("min_slope_bytes"):
                 suspected = True  # host RSS says nothing about the CUDA allocator's stacks
         slope, leaking, source = worst
-        details: dict[str, Any] = {"source": source, "trend_from_step": start, **self.forecast(ctx, source, slope)}
-        if ctx.evidence is not None and ctx.context.config.evidence:
-            left = details.get("full_at_step", math.inf) - ctx.steps_done
-            self._record_history(ctx.evidence, suspected, leaking, imminent=left <= self.p("window"))
-        return Verdict(leaking, slope if math.isfinite(slope) else 0.0, details)
+        details: dict[str, Any] = {"source": source, "trend_from_step": start, **self.forecast(snap, source, slope)}
+        history = None
+        if snap.evidence_on:
+            left = details.get("full_at_step", math.inf) - snap.steps_done
+            history = self._history(suspected, leaking, imminent=left <= self.p("window"))
+        return Verdict(leaking, slope if math.isfinite(slope) else 0.0, details, memory_history=history)
 
     @staticmethod
-    def forecast(ctx: Evaluation, source: str, slope: float) -> dict[str, Any]:
+    def forecast(snap: Snapshot, source: str, slope: float) -> dict[str, Any]:
         """When a device source grows: the step at which, at this slope, the device is full (the
         headroom used up, ``sources.memory_room``), and in how long at the median step time."""
-        room = src.memory_room(ctx.context).get(source)
-        durations = ctx.step_durations[-64:]
-        full = sig.time_to_full(room, slope, ctx.steps_done, median(durations) if durations else None) if room is not None else None
+        room = snap.memory.room.get(source)
+        durations = snap.step_durations[-64:]
+        full = sig.time_to_full(room, slope, snap.steps_done, median(durations) if durations else None) if room is not None else None
         if full is None:
             return {}
         step, seconds = full
@@ -213,19 +184,21 @@ class MemoryLeak(Detector):
         return {"room_bytes": room, "full_at_step": step, "seconds_to_full": seconds,
                 "forecast": text + (f" (in ~{_duration(seconds)})" if seconds is not None else "")}  # fmt: skip
 
-    def _record_history(self, evidence: Evidence, suspected: bool, leaking: bool, imminent: bool = False) -> None:
-        """CUDA allocation stacks, recorded (at a cost on every allocation and free) only while a device
-        leak is suspected and not yet confirmed: the snapshot taken when the alert fires stops the
-        recording, and it stays off until the leak clears, unless the device is full within the trend
-        window: the out-of-memory's own snapshot then names the code holding the memory."""
+    def _history(self, suspected: bool, leaking: bool, imminent: bool = False) -> bool | None:
+        """Whether to record CUDA allocation stacks (``Verdict.memory_history``): at a cost on every
+        allocation and free, so only while a device leak is suspected and not yet confirmed: the
+        snapshot taken when the alert fires stops the recording, and it stays off until the leak clears,
+        unless the device is full within the trend window: the out-of-memory's own snapshot then names
+        the code holding the memory."""
         if leaking:
             self._confirmed = True
         elif self._confirmed:
             self._confirmed = False  # cleared: the next suspicion may record again
         if suspected and (not self._confirmed or imminent):
-            evidence.start_memory_history()
-        elif not suspected or not leaking:
-            evidence.stop_memory_history()
+            return True
+        if not suspected or not leaking:
+            return False
+        return None
 
 
 def _duration(seconds: float) -> str:
@@ -239,32 +212,24 @@ class CompiledGraphsGrowing(Detector):
     """Compiled graphs still growing after warm-up: the PP x compile-cache leak (a fresh compiled
     function per microbatch that the schedule keeps alive; its graphs and their memory grow).
 
-    | param | default | meaning |
-    |---|---|---|
-    | warmup_steps | 5 | graphs compiled before this step are warm-up |
-    | window_steps | 10 | steps looked back |
-    | min_graphs | 4 | graphs compiled in the window (after warm-up) that count as growth |
-    | min_steps | 3 | ... spread over at least this many distinct steps (one late compile burst is not growth) |
-
     Value: graphs compiled in the window. Details name the code location (function file:line) that
     compiled most of them; MemoryLeak's evidence (py-spy profile) shows where it is called from.
     """
 
     name = "CompiledGraphsGrowing"
-    defaults = DETECTOR_DEFAULTS["CompiledGraphsGrowing"]
     threshold_param = "min_graphs"
     clear = 3
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        log = src.graph_compiles(ctx.context)
-        if log is None:
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        if snap.compile is None:
             return None
-        lo = max(int(self.p("warmup_steps")), ctx.steps_done - int(self.p("window_steps")))
+        log = snap.compile.graph_log
+        lo = max(int(self.p("warmup_steps")), snap.steps_done - int(self.p("window_steps")))
         recent = [where for step, where in log if step >= lo]
         steps = {step for step, _ in log if step >= lo}
         by = Counter(recent)
         growing = (
-            ctx.steps_done >= self.p("warmup_steps") and len(recent) >= self.p("min_graphs")
+            snap.steps_done >= self.p("warmup_steps") and len(recent) >= self.p("min_graphs")
             and len(steps) >= self.p("min_steps")
         )  # fmt: skip
         details: dict[str, Any] = {
@@ -278,18 +243,8 @@ class CompiledGraphsGrowing(Detector):
 
 
 class CollectiveLatencyHigh(Detector):
-    """Slow links or long tails: a (pg, op)'s p99 transfer time over the recent window above its SLO.
-
-    | param | default | meaning |
-    |---|---|---|
-    | slo_s | 0.085 | p99 SLO in seconds of all_reduce (the SLI) |
-    | slo_s.<op> | - | SLO of another op, e.g. ``CollectiveLatencyHigh.slo_s.all_gather``; ops without one
-      are not judged: a p2p recv's time includes waiting for the peer's compute, not only the link |
-    | window_s | 60 | window of the p99, seconds |
-    | min_count | 20 | judged ops in the window before the p99 is judged |
-    | quiet_steps | 3 | ops enqueued before compiles have been quiet this many steps are not judged |
-    | max_busy_steps | 10 | compiles going on for more steps than this are steady state, not warm-up |
-    | match_s | 30 | an op whose peers' entries did not arrive within this is dropped unjudged |
+    """Slow links or long tails: a (pg, op)'s p99 transfer time over the recent window above its SLO
+    (``slo_s.<op>``: another op's SLO; ops without one are not judged).
 
     Judges the transfer, not the wait for a late peer: a timed op's duration (NCCL starts timing when
     the kernel starts, and the kernel waits for every member) includes the time until the last member
@@ -302,7 +257,6 @@ class CollectiveLatencyHigh(Detector):
     """
 
     name = "CollectiveLatencyHigh"
-    defaults = DETECTOR_DEFAULTS["CollectiveLatencyHigh"]
     threshold_param = "slo_s"
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
@@ -315,50 +269,50 @@ class CollectiveLatencyHigh(Detector):
     def _slo(self, op: str) -> float | None:
         return self.params.get(f"slo_s.{op}", self.p("slo_s") if op == "all_reduce" else None)
 
-    def _read(self, ctx: Evaluation) -> None:
-        total, ops = src.timed_ops(ctx.context)
+    def _read(self, snap: Snapshot) -> None:
+        total, ops = snap.collectives.timed, snap.collectives.timed_ops
         new = min(total - self.seen, len(ops))
         self.seen = total
-        warm = ctx.warmed_up(int(self.p("quiet_steps")), int(self.p("max_busy_steps")))
+        warm = snap.warmup.warmed_up(int(self.p("quiet_steps")), int(self.p("max_busy_steps")))
         if not warm:
             self.open_ns = 0
         elif not self.open_ns:
-            self.open_ns = int(ctx.now * 1e9)
+            self.open_ns = int(snap.now * 1e9)
         for pg, op, seq, created, seconds in ops[len(ops) - new :] if new > 0 else ():
             if self.open_ns and created >= self.open_ns and self._slo(op) is not None:
-                self.pending.append((pg, op, seq, created, seconds, ctx.now))
+                self.pending.append((pg, op, seq, created, seconds, snap.now))
 
-    def _match(self, ctx: Evaluation) -> None:
+    def _match(self, snap: Snapshot) -> None:
         """Move pending ops to the window, net of skew, once the peers' entries show every arrival."""
-        single = ctx.context.topology.world_size <= 1
+        single = snap.topology.world_size <= 1
         arrivals: dict[tuple[str, int], list[int]] = {}
-        if not single and ctx.peers_fresh:
-            fr, sizes = peer_fr(ctx)
-            for key, by_rank in sig.common_collectives(fr, sizes).items():
+        if not single and snap.exchange.fresh:
+            for key, by_rank in snap.exchange.common.items():
                 arrivals[key] = [e[5] for e in by_rank.values()]
         keep: deque[tuple[str, str, int, int, float, float]] = deque(maxlen=self.pending.maxlen)
         for item in self.pending:
             pg, op, seq, created, seconds, t_read = item
+            at = None if single or seq < 0 else arrivals.get((src.group_key_of(pg, snap.coords), seq))
             if single or seq < 0:  # p2p: no (pg, seq) to match; judged as timed where it has an SLO
                 net = seconds
-            elif (src.group_key(ctx.context, pg), seq) in arrivals:
-                net = sig.net_of_skew(seconds, created, arrivals[(src.group_key(ctx.context, pg), seq)])
+            elif at is not None:
+                net = sig.net_of_skew(seconds, created, at)
             else:
-                if ctx.now - t_read < self.p("match_s"):
+                if snap.now - t_read < self.p("match_s"):
                     keep.append(item)
                 continue
             self.judged.setdefault((pg, op), deque(maxlen=4096)).append((created / 1e9, net))
         self.pending = keep
 
-    def evaluate(self, ctx: Evaluation) -> Verdict | None:
-        self._read(ctx)
-        self._match(ctx)
+    def evaluate(self, snap: Snapshot) -> Verdict | None:
+        self._read(snap)
+        self._match(snap)
         if not self.judged:
             return None
         worst = (0.0, 0.0, "")  # (p99 / slo, p99, "pg/op")
         counted = 0
         for (pg, op), window in self.judged.items():
-            while window and window[0][0] <= ctx.now - self.p("window_s"):
+            while window and window[0][0] <= snap.now - self.p("window_s"):
                 window.popleft()
             slo = self._slo(op)
             counted += len(window)

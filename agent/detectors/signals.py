@@ -146,12 +146,27 @@ def culprits_of(values: Mapping[int, Hashable]) -> dict[str, Any]:
     return {"culprits": sorted(odd)}
 
 
+DP_KEYS = ("tp", "pp")  # ranks of one dp group share tp and pp coordinates
+TP_KEYS = ("dp", "pp")
+
+
 def groups_by(coords: Mapping[int, Mapping[str, int]], keys: Sequence[str]) -> list[list[int]]:
     """Partition ranks by equal coordinates on ``keys`` (dp group: same tp/pp; tp group: same dp/pp)."""
     out: dict[tuple[Any, ...], list[int]] = {}
     for rank, c in coords.items():
         out.setdefault(tuple(c.get(k) for k in keys), []).append(rank)
     return [sorted(g) for g in out.values()]
+
+
+def group_of(
+    payloads: Mapping[int, Mapping[str, Any]], rank: int, keys: Sequence[str], need: str
+) -> list[int]:
+    """The ranks of ``rank``'s group (equal coordinates ``c`` on ``keys``) whose payload has ``need``."""
+    coords = {r: p["c"] for r, p in payloads.items() if need in p and "c" in p}
+    for group in groups_by(coords, keys):
+        if rank in group:
+            return group
+    return []
 
 
 def _checksum_key(v: Sequence[float]) -> tuple[str, ...]:
@@ -263,11 +278,7 @@ def common_collectives(
     """(pg, seq) -> rank -> entry, keeping only keys every member of the pg reported: windows of
     different ranks overlap only partly, and a member that has not published yet must not turn a
     3-rank majority into a 1-1 tie. ``sizes`` gives a pg's member count where known; otherwise the
-    members are the ranks that reported any entry of that pg. The answer for the inputs of the last
-    call (the same objects) is shared: read it, never change it."""
-    if _common_memo[0] is entries_by_rank and _common_memo[1] is sizes:
-        hit: dict[tuple[str, int], dict[int, FrEntry]] = _common_memo[2]
-        return hit
+    members are the ranks that reported any entry of that pg."""
     members: dict[str, set[int]] = {}
     keyed: dict[tuple[str, int], dict[int, FrEntry]] = {}
     for rank, entries in entries_by_rank.items():
@@ -275,18 +286,11 @@ def common_collectives(
             members.setdefault(e[0], set()).add(rank)
             keyed.setdefault((e[0], e[1]), {})[rank] = e
     need = sizes or {}
-    out = {
+    return {
         k: v
         for k, v in keyed.items()
         if len(v) >= 2 and set(v) == members[k[0]] and len(v) >= need.get(k[0], 0)
     }
-    _common_memo[:] = [entries_by_rank, sizes, out]
-    return out
-
-
-#: The last ``common_collectives`` answer and its inputs (by identity): the detectors of one exchange
-#: ask it of the same peers' entries (``cluster.peer_fr``) several times.
-_common_memo: list[Any] = [None, None, None]
 
 
 def _signature(e: FrEntry) -> tuple[Any, ...]:
@@ -294,16 +298,33 @@ def _signature(e: FrEntry) -> tuple[Any, ...]:
     return (op, e[4]) if any(s in op for s in _SIZE_FREE_OPS) else (op, e[3], e[4])
 
 
+#: ``collective_mismatches``' memo: the odd ranks of each distinct set of entry kinds judged
+OddMemo = dict[tuple[Any, ...], tuple[int, ...]]
+
+
 def collective_mismatches(
-    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None,
+    entries_by_rank: Mapping[int, Sequence[FrEntry]],
+    sizes: Mapping[str, int] | None = None,
     param_bits: int | None = None,
+    common: Mapping[tuple[str, int], Mapping[int, FrEntry]] | None = None,
+    memo: OddMemo | None = None,
 ) -> dict[int, list[dict[str, Any]]]:
     """rank -> collectives (same pg and seq) where its op, sizes or dtypes differ from the majority's.
 
     With no majority (a 1-1 split of a 2-rank group), ``param_bits`` breaks the tie: when only some
-    ranks reduce in a dtype narrower than the parameters, they are the odd ones."""
-    found = [(key, by_rank, odd) for key, by_rank in common_collectives(entries_by_rank, sizes).items()
-             if (odd := _odd_entries(by_rank, param_bits))]  # fmt: skip
+    ranks reduce in a dtype narrower than the parameters, they are the odd ones. ``common``:
+    ``common_collectives(entries_by_rank, sizes)`` when the caller has it already; ``memo``: a dict the
+    caller keeps from call to call, so each distinct set of entry kinds is judged once (windows slide by a
+    few entries between exchanges while every call judges the whole window again, and a job's
+    collectives repeat a few kinds)."""
+    if common is None:
+        common = common_collectives(entries_by_rank, sizes)
+    memo = {} if memo is None else memo
+    found = [
+        (key, by_rank, odd)
+        for key, by_rank in common.items()
+        if (odd := _odd_entries(by_rank, param_bits, memo))
+    ]
     out: dict[int, list[dict[str, Any]]] = {}
     for (pg, seq), by_rank, odd in sorted(found, key=lambda f: f[0]):  # the few odd ones, not the window
         for r in odd:
@@ -312,24 +333,20 @@ def collective_mismatches(
     return out
 
 
-def _odd_entries(by_rank: Mapping[int, FrEntry], param_bits: int | None) -> tuple[int, ...]:
-    """The ranks whose entry of one (pg, seq) differs from the majority's, sorted. Judged once per
-    distinct set of entry kinds: windows slide by a few entries between exchanges while every pass
-    judges the whole window again, and a job's collectives repeat a few kinds."""
+def _odd_entries(by_rank: Mapping[int, FrEntry], param_bits: int | None, memo: OddMemo) -> tuple[int, ...]:
+    """The ranks whose entry of one (pg, seq) differs from the majority's, sorted (once per distinct set
+    of entry kinds in ``memo``, which holds up to 4,096)."""
     key = (param_bits, *sorted((r, e[2], e[3], e[4]) for r, e in by_rank.items()))
-    hit = _odd_memo.get(key)
+    hit = memo.get(key)
     if hit is None:
         odd = odd_ranks({r: _signature(e) for r, e in by_rank.items()})
         if param_bits and len(odd) == len(by_rank) > 1:
             narrow = {r for r, e in by_rank.items() if "reduce" in e[2] and _min_bits(e[4]) < param_bits}
             odd = narrow or odd
-        if len(_odd_memo) >= 4096:
-            _odd_memo.clear()
-        hit = _odd_memo[key] = tuple(sorted(odd))
+        if len(memo) >= 4096:
+            memo.clear()
+        hit = memo[key] = tuple(sorted(odd))
     return hit
-
-
-_odd_memo: dict[tuple[Any, ...], tuple[int, ...]] = {}
 
 
 _FLOAT_BITS = {"float64": 64, "double": 64, "float32": 32, "float": 32, "float16": 16, "half": 16,

@@ -1,42 +1,76 @@
-"""Readers of the collectors' state for the detectors: the one place that knows their fields.
+"""Readers of the collectors' state for the detectors' feed: the one place that knows their fields.
 
-Every read is of a typed attribute of a collector class, found through the context by class: a renamed
-field fails mypy and ``tests/unit/test_sources.py``, rather than reading as "no data". A collector that
-is not installed (detectors without it) reads as no data (None/empty).
+Each reader finds its collector once (through the context, by class) and returns what the detectors use
+of it as an immutable record, which the pass's snapshot holds (``snapshot.Snapshot``). Every read is of
+a typed attribute of a collector class: a renamed field fails mypy and ``tests/unit/detectors/
+test_sources.py``, rather than reading as "no data". A collector that is not installed (detectors
+without it) reads as no data (None/empty).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.collectors.compile import CompileCollector
-from hpar_agent.collectors.memory import MemoryCollector
+from hpar_agent.collectors.gradsync import GradSyncCollector
+from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.detectors.signals import FrEntry
 from hpar_agent.detectors.waits import GroupState
 from hpar_agent.topology import ATOMIC_DIMS, FLATTENED_DIMS
 
 if TYPE_CHECKING:
+    from hpar_agent.affinity import Binding
     from hpar_agent.context import AgentContext
 
-
-def recompiles_total(ctx: AgentContext) -> float | None:
-    """Recompiles plus recompile-limit hits so far (a limit hit is a recompile that was refused)."""
-    c = ctx.find(CompileCollector)
-    return None if c is None else float(sum(c.recompiles.values()) + c.limit_hits)
+#: (pg label, op, seq, enqueue ns, seconds) of a timed collective
+TimedOp = tuple[str, str, int, int, float]
 
 
-def recompile_limit_hits(ctx: AgentContext) -> float:
-    """Frames that hit Dynamo's recompile limit so far (0 without a compile collector)."""
-    c = ctx.find(CompileCollector)
-    return float(c.limit_hits) if c is not None else 0.0
+# ------------------------------------------------------------------------------------------ steps
+#: Step durations the detectors read (a median over them; the step collector keeps 512)
+RECENT_STEPS = 64
 
 
-def cache_lookups(ctx: AgentContext) -> tuple[float, float] | None:
-    """(hits, misses) summed over the compile caches so far."""
+def step_state(ctx: AgentContext) -> tuple[int, float, list[float]]:
+    """(steps completed, unix time of the last step, the last ``RECENT_STEPS`` durations). The count is the
+    training thread's own (``count``), not the drained one: a pass reaches the detectors a while after
+    the step collector's poll (a full flight-recorder read in between), and what the other collectors
+    read since (a graph break of the step in progress) must not look older than it is."""
+    c = ctx.find(StepCollector)
+    if c is None:
+        return 0, 0.0, []
+    return max(c.count, c.total), c.last_step_ts, c.durations[-RECENT_STEPS:]
+
+
+# ------------------------------------------------------------------------------------------ compile
+class CompileState(NamedTuple):
+    """The compile collector's counters so far."""
+
+    recompiles: float  # recompiles plus recompile-limit hits (a limit hit is a recompile that was refused)
+    limit_hits: float  # frames that hit Dynamo's recompile limit
+    cache_lookups: tuple[float, float]  # (hits, misses) summed over the compile caches
+    graph_breaks: Mapping[str, int]  # reason key -> graph breaks
+    break_info: Mapping[str, Any]  # reason key -> what the collector logged (``break_detail``)
+    graph_log: Sequence[tuple[int, str]]  # (step, code location) of every graph compiled (bounded)
+    fingerprint: int
+    #: changes whenever compile work was seen (compiles started or ended, graphs, compile time); the
+    #: last element: compiles in progress
+    activity: tuple[float, ...]
+
+    def break_detail(self, reason: str) -> str:
+        """The user stack / message logged for graph breaks of ``reason`` (for the alert details)."""
+        return break_detail(self.break_info.get(reason))
+
+    def break_c10d(self, reason: str) -> str:
+        """The c10d function (e.g. broadcast) that caused graph breaks of ``reason``; '' for other breaks."""
+        return break_c10d(self.break_info.get(reason))
+
+
+def compile_state(ctx: AgentContext) -> CompileState | None:
     c = ctx.find(CompileCollector)
     if c is None:
         return None
@@ -46,76 +80,110 @@ def cache_lookups(ctx: AgentContext) -> tuple[float, float] | None:
             hits += n
         elif result == "miss":
             misses += n
-    return hits, misses
-
-
-def graph_break_reasons(ctx: AgentContext) -> dict[str, int]:
-    """reason key -> count of graph breaks seen so far."""
-    c = ctx.find(CompileCollector)
-    return dict(c.graph_breaks) if c is not None else {}
+    activity = (
+        float(sum(c.compiles.values())),
+        float(c.compile_seconds),
+        float(len(c.graphs)),
+        float(c.open_compiles),
+    )
+    return CompileState(
+        recompiles=float(sum(c.recompiles.values()) + c.limit_hits),
+        limit_hits=float(c.limit_hits),
+        cache_lookups=(hits, misses),
+        graph_breaks=dict(c.graph_breaks),
+        break_info=dict(c.break_info),
+        graph_log=list(c.graph_log),
+        fingerprint=int(c.fingerprint),
+        activity=activity,
+    )
 
 
 def graph_break_detail(ctx: AgentContext, reason: str) -> str:
-    """The user stack / message the compile collector logged for ``reason`` (for the alert details)."""
+    """The user stack / message the compile collector logged for ``reason``."""
     c = ctx.find(CompileCollector)
-    entry = c.break_info.get(reason) if c is not None else None
+    return break_detail(c.break_info.get(reason) if c is not None else None)
+
+
+def break_detail(entry: Any) -> str:
+    """The text of one ``break_info`` entry: the c10d hint, the message, the first user frames."""
     if not isinstance(entry, Mapping):
         return ""
     frames = sorted(str(f) for f in entry.get("user_frames") or ())[:4]
     c10d = str(entry.get("c10d") or "")
-    head = [f"c10d call `{c10d}` inside compiled code; use torch.distributed._functional_collectives"] if c10d else []
+    head = (
+        [f"c10d call `{c10d}` inside compiled code; use torch.distributed._functional_collectives"]
+        if c10d
+        else []
+    )
     return "; ".join([*head, str(entry.get("reason", ""))[:500], *frames])
 
 
-def graph_break_c10d(ctx: AgentContext, reason: str) -> str:
-    """The c10d function (e.g. broadcast) that caused graph breaks of ``reason``; '' for other breaks."""
-    c = ctx.find(CompileCollector)
-    entry = c.break_info.get(reason) if c is not None else None
+def break_c10d(entry: Any) -> str:
+    """The c10d function of one ``break_info`` entry; '' for other breaks."""
     return str(entry.get("c10d") or "") if isinstance(entry, Mapping) else ""
 
 
-def graph_compiles(ctx: AgentContext) -> list[tuple[int, str]] | None:
-    """(step, code location) of every graph compiled (bounded log); None without a compile collector."""
-    c = ctx.find(CompileCollector)
-    return None if c is None else list(c.graph_log)
+# ------------------------------------------------------------------------------------------ memory
+class MemoryState(NamedTuple):
+    series: Mapping[str, Sequence[tuple[int, float]]]  # source -> [(step, bytes)] sampled after each step
+    room: Mapping[str, int]  # source -> bytes left before the device is full
 
 
-def graph_fingerprint(ctx: AgentContext) -> int | None:
-    c = ctx.find(CompileCollector)
-    return int(c.fingerprint) if c is not None else None
+NO_MEMORY = MemoryState({}, {})
 
 
-def compile_activity(ctx: AgentContext) -> tuple[float, ...] | None:
-    """A token that changes whenever the compile collector saw compile work (a compile started,
-    ended, added a graph or compile time), and whether a compile is in progress (last element);
-    None without a compile collector."""
-    c = ctx.find(CompileCollector)
-    if c is None:
-        return None
-    return float(sum(c.compiles.values())), float(c.compile_seconds), float(len(c.graphs)), float(c.open_compiles)
-
-
-def memory_series(ctx: AgentContext, last: int = 0) -> dict[str, list[tuple[int, float]]]:
-    """source -> [(step, bytes)] sampled right after each step (the ``last`` ones only, when set: a
-    window over the latest steps needs no more, and the history holds hundreds a source)."""
+def memory_state(ctx: AgentContext, last: int = 0) -> MemoryState:
+    """The post-step samples (the ``last`` ones of each source only, when set: a window over the latest
+    steps needs no more, and the history holds hundreds a source) and the room left: allocated bytes
+    can grow by the headroom (free device memory + the allocator's cache), reserved and NVML bytes by
+    the free device memory (none off CUDA or before the first read)."""
     c = ctx.find(MemoryCollector)
     if c is None:
-        return {}
-    out = {}
+        return NO_MEMORY
+    series = {}
     for k, d in list(c.post_step.items()):
         tail = list(d)[-last:] if last > 0 else list(d)
-        out[str(k)] = [(int(s), float(b)) for s, b in tail]
-    return out
+        series[str(k)] = [(int(s), float(b)) for s, b in tail]
+    room = {}
+    if c.headroom is not None and c.device_free is not None:
+        room = {"allocator": c.headroom, "reserved": c.device_free, "nvml": c.device_free}
+    return MemoryState(series, room)
 
 
-def memory_room(ctx: AgentContext) -> dict[str, int]:
-    """source -> bytes left before the device is full, for the device sources: allocated bytes can grow by
-    the headroom (free device memory + the allocator's cache), reserved and NVML bytes by the free
-    device memory. Empty off CUDA or before the first read."""
-    c = ctx.find(MemoryCollector)
-    if c is None or c.headroom is None or c.device_free is None:
-        return {}
-    return {"allocator": c.headroom, "reserved": c.device_free, "nvml": c.device_free}
+# ------------------------------------------------------------------------------------------ collectives
+class CollectiveState(NamedTuple):
+    timed: int  # ops timed so far
+    timed_ops: Sequence[TimedOp]  # the most recent ones
+    oldest_inflight: Mapping[str, float]  # pg -> age in seconds of its oldest op not yet completed
+    groups: Mapping[str, GroupState]  # pg id -> this rank's last seqs (``group_states``)
+    pg_timeout_s: float | None
+    fr_entries: Sequence[FrEntry]  # the last flight-recorder entries (``fr_entries``)
+
+
+NO_COLLECTIVES = CollectiveState(0, [], {}, {}, None, [])
+
+
+def collective_state(
+    ctx: AgentContext,
+    window: FrWindow | None = None,
+    limit: int = 256,
+    coords: Mapping[str, Any] | None = None,
+) -> CollectiveState:
+    """The collective collector's state; its last ``limit`` entries through ``window`` (converted from
+    pass to pass), else converted afresh. ``coords``: the topology's, when the caller has them."""
+    c = ctx.find(CollectiveCollector)
+    if c is None:
+        return NO_COLLECTIVES
+    coords = coords if coords is not None else ctx.topology.coords()
+    timeout = c.pg_timeout_s
+    return CollectiveState(
+        timed=c.stats.timed,
+        timed_ops=list(c.stats.timed_ops),
+        oldest_inflight={str(k): float(st.oldest_age) for k, st in list(c.pgs.items()) if st.oldest_age is not None},
+        groups=group_states(c, coords),
+        pg_timeout_s=float(timeout) if timeout is not None and timeout > 0 else None,
+        fr_entries=(window or FrWindow()).entries(c, coords, limit),
+    )
 
 
 def latency_histograms(ctx: AgentContext) -> dict[tuple[str, str], tuple[tuple[float, ...], list[int]]]:
@@ -133,32 +201,9 @@ def latency_histograms(ctx: AgentContext) -> dict[tuple[str, str], tuple[tuple[f
     return out
 
 
-def timed_ops(ctx: AgentContext) -> tuple[int, list[tuple[str, str, int, int, float]]]:
-    """(ops timed so far, the most recent timed ops as (pg label, op, seq, enqueue ns, seconds))."""
-    c = ctx.find(CollectiveCollector)
-    return (0, []) if c is None else (c.stats.timed, list(c.stats.timed_ops))
-
-
-def group_key(ctx: AgentContext, label: str) -> str:
-    """The pg id ``fr_entries`` gives this rank's group of ``label`` (to match timed ops with entries)."""
-    return _group_key(label, ctx.topology.coords())  # the same coordinates as fr_entries, or no op matches
-
-
-def oldest_inflight(ctx: AgentContext) -> dict[str, float]:
-    """pg -> age in seconds of its oldest op not yet completed."""
-    c = ctx.find(CollectiveCollector)
-    if c is None:
-        return {}
-    return {str(k): float(st.oldest_age) for k, st in list(c.pgs.items()) if st.oldest_age is not None}
-
-
-def group_states(ctx: AgentContext) -> dict[str, GroupState]:
+def group_states(c: CollectiveCollector, coords: Mapping[str, Any]) -> dict[str, GroupState]:
     """pg id (unique per group, as ``fr_entries`` makes it) -> this rank's last enqueued and completed
     collective, the op of the last enqueued one while it is in flight, and the oldest in-flight age."""
-    c = ctx.find(CollectiveCollector)
-    if c is None:
-        return {}
-    coords = ctx.topology.coords()
     out = {}
     for pg, st in list(c.pgs.items()):
         enq = st.last_enqueued
@@ -178,10 +223,84 @@ def _op_at(entries: Any, pg: str, seq: int, look: int = 512) -> str:
     return ""
 
 
-def pg_timeout_s(ctx: AgentContext) -> float | None:
-    c = ctx.find(CollectiveCollector)
-    v = c.pg_timeout_s if c is not None else None
-    return float(v) if v is not None and v > 0 else None
+class FrWindow:
+    """``fr_entries`` kept from pass to pass: the answer is computed again only when the kept entries
+    changed (at a full FR read, seconds apart), and then only the entries the window gained are
+    converted (a read adds a few dozen to a 256-entry window; converting the whole window again was the
+    detectors' largest cost between exchanges)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._out: list[FrEntry] = []
+        #: entries converted, by id (with the entry, so a reused id never matches), for the coordinates
+        #: they were made with
+        self._done: tuple[Any, dict[int, tuple[Any, FrEntry | None]]] = (None, {})
+
+    def read(self, ctx: AgentContext, limit: int = 256) -> list[FrEntry]:
+        """``fr_entries(ctx, limit)``; the list is the last one until the kept entries change: read it,
+        never change it."""
+        c = ctx.find(CollectiveCollector)
+        return [] if c is None else self.entries(c, ctx.topology.coords(), limit)
+
+    def entries(self, c: CollectiveCollector, coords: Mapping[str, Any], limit: int) -> list[FrEntry]:
+        v = c.recent_entries
+        last = v[-1] if v else None
+        record = last.get("record_id") if isinstance(last, Mapping) else None
+        key = (id(v), len(v), id(last), record, limit, tuple(coords.items()))
+        if key == self._key:
+            return self._out
+        uids: dict[str, str] = {}
+        done = self._done[1] if self._done[0] == key[-1] else {}  # conversions made with these coordinates
+        now_done: dict[int, tuple[Any, FrEntry | None]] = {}
+        out: list[FrEntry] = []
+        for e in itertools.islice(v, max(0, len(v) - limit), None):
+            was = done.get(id(e))  # converted at an earlier read (the window slides by a few entries)?
+            entry = was[1] if was is not None and was[0] is e else _fr_entry(e, coords, uids)
+            now_done[id(e)] = (e, entry)
+            if entry is not None:
+                out.append(entry)
+        self._done = (key[-1], now_done)
+        self._key, self._out = key, out
+        return out
+
+
+def fr_entries(ctx: AgentContext, limit: int = 256) -> list[FrEntry]:
+    """Recent collectives (p2p excluded: its sequence numbers are per peer pair) as compact tuples
+    (pg id, seq, op, sizes, dtypes, time_created_ns); the pg id is made unique per group. Converted
+    afresh: ``FrWindow`` keeps a window converted from pass to pass."""
+    return FrWindow().read(ctx, limit)
+
+
+def _fr_entry(e: Any, coords: Mapping[str, Any], uids: dict[str, str]) -> FrEntry | None:
+    """One FR entry as a compact tuple; None for p2p and malformed entries."""
+    if not isinstance(e, Mapping) or e.get("is_p2p"):
+        return None
+    pg, seq = e.get("pg"), e.get("seq")
+    if pg is None or seq is None:
+        return None
+    uid = uids.get(pg)
+    if uid is None:
+        uid = uids[pg] = _group_key(str(pg), coords)
+    sizes = e.get("input_sizes", e.get("sizes", ""))
+    dtypes = e.get("input_dtypes", e.get("dtypes", ""))
+    t = e.get("time_created_ns", e.get("time", 0))
+    t_ns = int(t * 1e9) if isinstance(t, float) and t < 1e12 else int(t or 0)
+    return (
+        uid,
+        int(seq),
+        str(e.get("op", "")),
+        sizes if isinstance(sizes, str) else str(sizes),
+        _flat(dtypes),
+        t_ns,
+    )
+
+
+def _flat(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, (list, tuple)):
+        return ",".join(_flat(x) if isinstance(x, (list, tuple)) else str(x) for x in v)
+    return str(v)
 
 
 def group_key_of(label: str, coords: Mapping[str, Any]) -> str:
@@ -206,84 +325,38 @@ def _group_key(label: str, coords: Mapping[str, Any]) -> str:
     return f"{label}@" + ",".join(str(coords.get(k)) for k in ATOMIC_DIMS if k not in spans)
 
 
-#: The last ``fr_entries`` answer and what it was computed from: the kept entries change only at a full
-#: FR read (seconds apart), while two detectors ask for them on every pass (publish, evaluate).
-_fr_memo: dict[tuple[Any, ...], list[FrEntry]] = {}
-
-
-def fr_entries(ctx: AgentContext, limit: int = 256) -> list[FrEntry]:
-    """Recent collectives (p2p excluded: its sequence numbers are per peer pair) as compact tuples
-    (pg id, seq, op, sizes, dtypes, time_created_ns); the pg id is made unique per group. The list is
-    shared between callers until the kept entries change: read it, never change it."""
-    c = ctx.find(CollectiveCollector)
-    if c is None:
-        return []
-    v = c.recent_entries
-    coords = ctx.topology.coords()
-    last = v[-1] if v else None
-    key = (id(v), len(v), id(last), last.get("record_id") if isinstance(last, Mapping) else None, limit,
-           tuple(coords.items()))  # fmt: skip
-    hit = _fr_memo.get(key)
-    if hit is not None:
-        return hit
-    uids: dict[str, str] = {}
-    done = _fr_done[1] if _fr_done[0] == key[-1] else {}  # conversions made with these coordinates
-    now_done: dict[int, tuple[Any, FrEntry | None]] = {}
-    out: list[FrEntry] = []
-    for e in itertools.islice(v, max(0, len(v) - limit), None):
-        was = done.get(id(e))  # converted at an earlier read (the window slides by a few entries)?
-        entry = was[1] if was is not None and was[0] is e else _fr_entry(e, coords, uids)
-        now_done[id(e)] = (e, entry)
-        if entry is not None:
-            out.append(entry)
-    _fr_done[:] = [key[-1], now_done]
-    _fr_memo.clear()
-    _fr_memo[key] = out
-    return out
-
-
-#: Entries ``fr_entries`` converted, by id (with the entry, so a reused id never matches), for the
-#: coordinates they were made with: a read adds a few dozen entries to a 256-entry window, and
-#: converting the whole window again was the detectors' largest cost between exchanges.
-_fr_done: list[Any] = [None, {}]
-
-
-def _fr_entry(e: Any, coords: Mapping[str, Any], uids: dict[str, str]) -> FrEntry | None:
-    """One FR entry as a compact tuple; None for p2p and malformed entries."""
-    if not isinstance(e, Mapping) or e.get("is_p2p"):
-        return None
-    pg, seq = e.get("pg"), e.get("seq")
-    if pg is None or seq is None:
-        return None
-    uid = uids.get(pg)
-    if uid is None:
-        uid = uids[pg] = _group_key(str(pg), coords)
-    sizes = e.get("input_sizes", e.get("sizes", ""))
-    dtypes = e.get("input_dtypes", e.get("dtypes", ""))
-    t = e.get("time_created_ns", e.get("time", 0))
-    t_ns = int(t * 1e9) if isinstance(t, float) and t < 1e12 else int(t or 0)
-    return (uid, int(seq), str(e.get("op", "")), sizes if isinstance(sizes, str) else str(sizes), _flat(dtypes), t_ns)
-
-
 def pg_label(uid: str) -> str:
     """The pg label back from an id made by ``_group_key``."""
     return uid.split("@", 1)[0]
 
 
-def _flat(v: Any) -> str:
-    if isinstance(v, str):
-        return v
-    if isinstance(v, (list, tuple)):
-        return ",".join(_flat(x) if isinstance(x, (list, tuple)) else str(x) for x in v)
-    return str(v)
+# ------------------------------------------------------------------------------------------ others
+class GradSyncState(NamedTuple):
+    coverage: float | None  # dp coverage of the last judged step
+    tp_coverage: float | None
+    judged: int  # the last step judged
+    required: int  # gradient elements a step must reduce
+    tp_samples: Mapping[str, Any]  # this rank's tp gradient samples, for its tp peers
 
 
-def step_state(ctx: AgentContext) -> tuple[int, float, list[float]]:
-    """(steps completed, unix time of the last step, recent step durations). The count is the
-    training thread's own (``count``), not the drained one: a pass reaches the detectors a while after
-    the step collector's poll (a full flight-recorder read in between), and what the other collectors
-    read since (a graph break of the step in progress) must not look older than it is."""
-    c = ctx.find(StepCollector)
-    if c is None:
-        return 0, 0.0, []
-    return max(c.count, c.total), c.last_step_ts, list(c.durations)
+def grad_sync(ctx: AgentContext) -> GradSyncState | None:
+    c = ctx.find(GradSyncCollector)
+    return (
+        None
+        if c is None
+        else GradSyncState(c.coverage, c.tp_coverage, c.judged, c.required, c.published_tp())
+    )
+
+
+def judge_tp(ctx: AgentContext, step: int, samples: dict[int, Any]) -> None:
+    """Hand the tp group's gradient samples of one step (this rank's own included) to the gradient-sync
+    collector, which judges its tp coverage: the exchange carries its samples both ways (the one write)."""
+    c = ctx.find(GradSyncCollector)
+    if c is not None:
+        c.judge_tp(step, samples)
+
+
+def cpu_binding(ctx: AgentContext) -> Binding | None:
+    """The rank's CPU binding against its GPU's ideal CPUs (NVML, read once at attach); None without."""
+    c = ctx.find(NvmlCollector)
+    return c.binding if c is not None else None

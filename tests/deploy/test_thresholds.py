@@ -1,5 +1,5 @@
-"""One source for every threshold: the detectors' defaults, the numbers the Prometheus rules compare
-with and the docs table all come from ``hpar_agent.thresholds``; every alert a rule defines is in the
+"""One source for every threshold: the detectors' parameters, the numbers the Prometheus rules compare
+with and the docs tables all come from ``hpar_agent.thresholds``; every alert a rule defines is in the
 catalogue. Needs no promtool (reads the rule files as YAML)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hpar_agent import catalogue as cat
 from hpar_agent import thresholds as th
 from hpar_agent.collectors.verdict import DEFAULTS as ANATOMY
 from hpar_agent.detectors.component import ALL_DETECTORS
-from scripts.gen_docs import _num, thresholds_table
+from scripts.gen_docs import _num, params_table, thresholds_table
 from tests.deploy._tools import ROOT, rule_docs
 
 #: an ordered comparison with a number (``== 1`` on a 0/1 state is not a threshold)
@@ -100,12 +100,14 @@ def test_config_accepts_exactly_the_parameters_of_the_table() -> None:
     assert len(threshold_problems({"anatomy.loader_share": 0.1, "Hang.timeout": 5})) == 2
 
 
-def test_each_detector_docstring_states_the_defaults_of_the_table() -> None:
-    """The ``| param | default | meaning |`` table of each detector's docstring says what the table holds."""
+def test_each_detector_declares_its_parameters_once_and_the_docs_table_is_generated() -> None:
+    """A detector's parameters (name, default, meaning) are ``thresholds.DETECTOR_PARAMS``' only: its
+    docstring holds no second table, and the table of its section in docs/alerts.md is generated."""
+    page = (ROOT / "docs" / "alerts.md").read_text()
+    assert set(th.DETECTOR_PARAMS) == {cls.name for cls in ALL_DETECTORS}
     for cls in ALL_DETECTORS:
-        rows = dict(re.findall(r"^\s*\|\s*(\w+)\s*\|\s*([^|]+?)\s*\|", cls.__doc__ or "", re.M))
-        rows.pop("param", None)
-        defaults = th.DETECTOR_DEFAULTS[cls.name]
-        assert set(rows) == set(defaults), cls.name
-        for p, v in defaults.items():
-            assert float(rows[p]) == v, f"{cls.name}.{p}: docstring {rows[p]}, table {v}"
+        params = th.DETECTOR_PARAMS[cls.name]
+        assert len({p.name for p in params}) == len(params) and all(p.help for p in params), cls.name
+        assert "| param | default |" not in (cls.__doc__ or ""), cls.name
+        assert params_table(cls.name) in page, "run: python scripts/gen_docs.py"
+    assert params_table("detectors") in page

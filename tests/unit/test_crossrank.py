@@ -277,7 +277,7 @@ def _tick(ranks: list[tuple[Any, Any]], times: int) -> None:
 
 
 def _active(ranks: list[tuple[Any, Any]], alert: str) -> set[int]:
-    return {det.rank for _, det in ranks if det.states[alert].active}
+    return {det.snapshot.rank for _, det in ranks if det.states[alert].active}
 
 
 def test_compile_divergence_on_sampled_peers_names_the_odd_rank_only(store: Any, tmp_path: Any) -> None:
@@ -286,7 +286,7 @@ def test_compile_divergence_on_sampled_peers_names_the_odd_rank_only(store: Any,
     ranks = _ranks(store, tmp_path, [("dp", 12)], lambda r: (steps(10), Fake("compile", fingerprint=2 if r == 7 else 1)))
     _tick(ranks, 3)
     assert _active(ranks, "CompileDivergence") == {7}
-    assert all(len(det.peers) == 5 for _, det in ranks)  # each compared itself with 4 of its 11 peers
+    assert all(len(det.snapshot.exchange.peers) == 5 for _, det in ranks)  # each compared itself with 4 of its 11 peers
     assert ranks[7][1].states["CompileDivergence"].details["fingerprints"] == {"3": 1, "5": 1, "7": 2, "9": 1, "11": 1}
 
 
@@ -322,12 +322,12 @@ def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_p
     assert _active(ranks, "CollectiveMismatch") == {0}
     assert _active(ranks, "Straggler") == {5}
     for _, det in ranks:
-        assert len(det.peers) == 5  # itself and 4 of 9
-    readers_of_5 = {det.rank for _, det in ranks if 5 in det.peers and det.rank != 5}
+        assert len(det.snapshot.exchange.peers) == 5  # itself and 4 of 9
+    readers_of_5 = {det.snapshot.rank for _, det in ranks if 5 in det.snapshot.exchange.peers and det.snapshot.rank != 5}
     assert readers_of_5 == {1, 3, 7, 9}  # -4, -2, +2, +4 of 10: they name rank 5 the job's slow rank
     from hpar_agent.detectors.cluster import Straggler
 
-    slowest = {det.rank: getattr(det.detector(Straggler), "slowest", None) for _, det in ranks}
+    slowest = {det.snapshot.rank: getattr(det.detector(Straggler), "slowest", None) for _, det in ranks}
     assert {r for r, s in slowest.items() if s is not None and s[0] == 5} == readers_of_5 | {5}
 
 
@@ -343,7 +343,7 @@ def test_the_component_reads_the_meshs_layout(fake_pg: Any, tmp_path: Any) -> No
     agent, det = make_agent(tmp_path, rank=5, world=16)
     agent.context.mesh = mesh
     groups = {d: sorted(dist.get_process_group_ranks(mesh.get_group(d))) for d in ("dp", "tp")}
-    assert {d: sorted((5, *g)) for d, g in det.peer_groups.items()} == groups  # no pp: stages never compared
+    assert {d: sorted((5, *g)) for d, g in det.crossrank.peer_groups.items()} == groups  # no pp: stages never compared
     agent.context.mesh = mesh["tp"]  # a mesh without every rank: the topology's degrees instead
     agent.context.topology = dataclasses.replace(agent.topology, dp=2, pp=2, tp=4)
-    assert det.peer_groups == {"dp": (1,), "tp": (4, 6, 7)}  # (pp, dp, tp) row-major: rank 5 is pp0 dp1 tp1
+    assert det.crossrank.peer_groups == {"dp": (1,), "tp": (4, 6, 7)}  # (pp, dp, tp) row-major: rank 5 is pp0 dp1 tp1

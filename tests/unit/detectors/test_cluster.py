@@ -102,11 +102,11 @@ def test_replica_divergence_in_sync_compares_digests_only(store: Any, tmp_path: 
         for agent, _det in ranks:
             agent.tick()
     for agent, det in ranks:
-        assert agent.errors == {} and det.peers_fresh
-        verdict = det.detector(ReplicaDivergence).evaluate(det)
+        assert agent.errors == {} and det.snapshot.exchange.fresh
+        verdict = det.detector(ReplicaDivergence).evaluate(det.snapshot)
         assert verdict is not None and not verdict.active and verdict.value == 0.0
         assert not any("/x/ck/" in k for k in det.exchange._seen)
-        assert set(det.peers[1 - min(det.rank, 1)]["cd"]) == {"10"}
+        assert set(det.snapshot.exchange.peers[1 - min(det.snapshot.rank, 1)]["cd"]) == {"10"}
 
 
 def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: Any) -> None:
@@ -163,7 +163,7 @@ def test_straggler_ignores_a_late_ranks_compile_warmup(store: Any, tmp_path: Any
     for _ in range(3):
         for agent, *_ in ranks:
             agent.tick()
-    assert not ranks[1][1].warmed_up(3, 10)
+    assert not ranks[1][1].snapshot.warmup.warmed_up(3, 10)
     assert [d.states["Straggler"].fired for _a, d, *_ in ranks] == [0, 0]
     for *_, st in ranks:  # compiles quiet for 4 steps; the lag goes on: rank 1 is a straggler now
         st.total = 8
@@ -263,7 +263,7 @@ def test_agreed_low_precision_reductions_are_quiet(store: Any, tmp_path: Any) ->
     for job, (model, pg, op) in cases.items():
         ranks = _ranks(store, tmp_path / job, model, pg, op, lambda r, i: "BFloat16", job)
         assert [sample(d, "hpar_alert_active", "CollectiveMismatch") for _, d in ranks] == [0.0, 0.0], job
-        verdict = ranks[1][1].detector(CollectiveMismatch).evaluate(ranks[1][1])
+        verdict = ranks[1][1].detector(CollectiveMismatch).evaluate(ranks[1][1].snapshot)
         assert verdict is not None and not verdict.active, (job, verdict)
         assert verdict.details["agreed_low_precision"] == 40, (job, verdict)  # seen, and not counted
 

@@ -51,17 +51,25 @@ def test_every_component_parameter_is_a_valid_setting(tmp_path: Any) -> None:
 
     overrides = {f"detectors.{k}": v / 2 for k, v in COMPONENT_DEFAULTS.items()}
     _agent, det = make_agent(tmp_path, comps=(steps(1),), **overrides)
+    ex = det.crossrank
+    applied = {
+        "exchange_s": ex.exchange_s,
+        "exchange_min_s": ex.exchange_min_s,
+        "stale_s": ex.stale_s,
+        "log_interval_s": det.book.log_interval_s,
+    }
+    assert set(applied) == set(COMPONENT_DEFAULTS)
     for k, v in COMPONENT_DEFAULTS.items():
-        assert getattr(det, k) == v / 2, k
+        assert applied[k] == v / 2, k
 
 
 def test_the_store_client_the_agent_opened_is_dropped_on_detach(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
-    from hpar_agent.detectors import component as comp_mod
+    from hpar_agent.detectors import exchange as exchange_mod
 
     store = dist.HashStore()
-    monkeypatch.setattr(comp_mod, "open_store", lambda: store)
+    monkeypatch.setattr(exchange_mod, "open_store", lambda: store)
     agent, det = make_agent(tmp_path, rank=0, world=2, comps=(steps(3),))
     agent.tick()
     assert det.exchange is not None and det.exchange.store is store  # opened by the agent itself
@@ -87,17 +95,17 @@ def _pair(store: Any, tmp_path: Any) -> list[tuple[DetectorsComponent, deque, An
         agent, det = make_agent(tmp_path, rank=r, world=2, comps=(st, Fake("collectives", recent_entries=window)),
                                 exchange=Exchange(store, "job", r), coords={"dp": r, "dpn": 2})  # fmt: skip
         agent.config.evidence = False
-        assert det.exchange_s == COMPONENT_DEFAULTS["exchange_s"] == 3.0 and det.exchange_min_s == 1.0
+        assert det.crossrank.exchange_s == COMPONENT_DEFAULTS["exchange_s"] == 3.0 and det.crossrank.exchange_min_s == 1.0
         out.append((det, window, st, agent))
     return out
 
 
 def _poll(pair: list, now: float) -> list[bool]:
-    """One pass of every rank at the same wall-clock tick: each rank's ``peers_fresh`` after it."""
+    """One pass of every rank at the same wall-clock tick: each rank's ``snapshot.exchange.fresh`` after it."""
     for det, *_ in pair:
         det.poll(now)
     assert [dict(agent.errors) for *_, agent in pair] == [{}, {}]
-    return [det.peers_fresh for det, *_ in pair]
+    return [det.snapshot.exchange.fresh for det, *_ in pair]
 
 
 def _published(pair: list) -> list[int]:
@@ -105,7 +113,7 @@ def _published(pair: list) -> list[int]:
 
 
 def _seqs(det: DetectorsComponent, peer: int) -> list[int]:
-    return [e[1] for e in det.peers[peer]["fr"]]
+    return [e[1] for e in det.snapshot.exchange.peers[peer]["fr"]]
 
 
 def _slot_start() -> float:
@@ -121,8 +129,8 @@ def test_ranks_publish_at_one_pass_and_read_each_other_at_the_next(store: Any, t
     assert _poll(pair, t0 + 1) == [True, True]  # read: both peers' payloads of the pass before
     assert _published(pair) == [1, 1]
     for det, *_ in pair:
-        assert set(det.peers) == {0, 1} and _seqs(det, 1 - det.rank) == list(range(8))
-        assert all(type(e) is tuple for e in det.peers[1 - det.rank]["fr"])  # unpacked on read
+        assert set(det.snapshot.exchange.peers) == {0, 1} and _seqs(det, 1 - det.snapshot.rank) == list(range(8))
+        assert all(type(e) is tuple for e in det.snapshot.exchange.peers[1 - det.snapshot.rank]["fr"])  # unpacked on read
     assert _poll(pair, t0 + 2) == [False, False]  # read once per publish
 
 
@@ -142,7 +150,7 @@ def test_new_fr_entries_wait_for_the_regular_exchange(store: Any, tmp_path: Any)
     assert _published(pair) == [2, 2]
     assert _poll(pair, t0 + 4) == [True, True]
     for det, *_ in pair:
-        assert _seqs(det, 1 - det.rank) == list(range(20))
+        assert _seqs(det, 1 - det.snapshot.rank) == list(range(20))
 
 
 def test_warmup_token_change_publishes_after_exchange_min_s(store: Any, tmp_path: Any) -> None:
@@ -156,7 +164,7 @@ def test_warmup_token_change_publishes_after_exchange_min_s(store: Any, tmp_path
     assert _poll(pair, t0 + 1) == [True, True] and _published(pair) == [2, 2]  # exchange_min_s on, same slot
     assert _poll(pair, t0 + 2) == [True, True]
     for det, *_ in pair:
-        assert det.peers[1 - det.rank]["step"] == 3
+        assert det.snapshot.exchange.peers[1 - det.snapshot.rank]["step"] == 3
     for _det, _window, st, _agent in pair:
         st.total = 10  # past warm-up: the token (capped at 3) is unchanged
     assert _published(pair) == [2, 2]
@@ -199,7 +207,7 @@ def test_a_large_jobs_rank_sets_its_payload_at_its_offset_but_at_once_when_stopp
     (waits, det), (final, det_f) = rank(_rank_at(1024, 0.3, 0.4), "a"), rank(_rank_at(1024, 0.4, 0.5), "b")
     t = _after_tick()
     waits.tick()
-    assert time.time() - t >= cadence(1024, 3.0, 1.0).offset(det.rank)[1] - 0.002  # waited its offset
+    assert time.time() - t >= cadence(1024, 3.0, 1.0).offset(det.snapshot.rank)[1] - 0.002  # waited its offset
     assert det.exchange.published == 1
     assert waits.collect_seconds["detectors"] < 0.1  # the poll's work, not its wait (a dashboard panel)
     t0 = time.perf_counter()
@@ -236,7 +244,7 @@ def test_a_small_jobs_pass_is_not_delayed(store: Any, tmp_path: Any) -> None:
             for agent, _det in ranks:
                 agent.tick()
     for world, ranks in jobs.items():
-        assert all(det.exchange.published == 1 and det.peers_fresh for _a, det in ranks)
+        assert all(det.exchange.published == 1 and det.snapshot.exchange.fresh for _a, det in ranks)
         window = cadence(world, 3.0, 1.0).window_s
         assert window <= 0.004 and all(s <= 2 * window for s in asked[world])  # at most 8 ms of a 1 s pass
     assert asked[2] == []
@@ -253,7 +261,7 @@ def test_a_pass_that_reads_and_publishes_reads_before_any_rank_publishes(store: 
                        **th) for r in (a, b)]  # fmt: skip
     for agent, det in pair:
         agent.config.interval = 0.2
-        assert det._cadence().gap == 1 and det._cadence().window_s == 64 / 2048
+        assert det.crossrank.cadence().gap == 1 and det.crossrank.cadence().window_s == 64 / 2048
 
     def passes() -> None:
         threads = [threading.Thread(target=agent.tick) for agent, _ in pair]
@@ -269,7 +277,7 @@ def test_a_pass_that_reads_and_publishes_reads_before_any_rank_publishes(store: 
     time.sleep(t + 0.2 - time.time() + 0.001)
     passes()
     assert [det.exchange.published for _, det in pair] == [2, 2]  # the next exchange came in the read pass
-    assert [det.peers[r]["step"] for (_, det), r in zip(pair, (b, a), strict=True)] == [1, 1]
+    assert [det.snapshot.exchange.peers[r]["step"] for (_, det), r in zip(pair, (b, a), strict=True)] == [1, 1]
     assert [dict(agent.errors) for agent, _ in pair] == [{}, {}]
 
 
@@ -289,16 +297,48 @@ def test_a_very_large_job_spreads_a_phase_over_passes_and_reads_after_every_publ
             st.total = 3  # the warm-up step: would publish early on a small job
         det.poll(t0 + i)
         published.append(det.exchange.published)
-        fresh.append(det.peers_fresh)
+        fresh.append(det.snapshot.exchange.fresh)
     assert published == [0] * 3 + [1] * 16 + [2] * 13
     assert [i for i, f in enumerate(fresh) if f] == [3 + 8, 16 + 3 + 8]
     assert dict(agent.errors) == {}
 
 
+class _FailingSets:
+    """A store whose sets fail after ``ok`` of them (its host went away mid-run); reads still work."""
+
+    def __init__(self, store: Any, ok: int) -> None:
+        self.store, self.ok = store, ok
+
+    def multi_set(self, keys: list[str], values: list[str]) -> None:
+        if self.ok <= 0:
+            raise RuntimeError("store gone")
+        self.ok -= 1
+        self.store.multi_set(keys, values)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_a_read_before_the_store_failed_is_judged_once_not_through_the_back_off(store: Any, tmp_path: Any) -> None:
+    def rank(r: int) -> tuple[Agent, DetectorsComponent]:
+        exchange = Exchange(_FailingSets(store, 2) if r == 0 else store, "job", r)
+        th = {"detectors.exchange_s": 0.0}
+        return make_agent(tmp_path / str(r), rank=r, world=2, comps=(steps(10),), exchange=exchange, **th)
+
+    (agent, det), (peer, _) = rank(0), rank(1)
+    fresh = []
+    for _ in range(4):
+        peer.tick()
+        agent.tick()
+        fresh.append(det.snapshot.exchange.fresh)
+    assert agent.errors["detectors"] == 1  # the third pass's publish: the exchange backs off
+    assert fresh == [False, True, True, False]  # read at passes 2 and 3, none in the back-off
+
+
 def test_the_stores_host_waits_at_exit_for_its_peers_goodbyes(store: Any, tmp_path: Any) -> None:
     """Rank 0 hosts the store (no torchrun agent store): its exit closes it, so it waits (bounded) for the
     peers it saw to say goodbye; a peer stopping makes no read of the store, only its goodbye."""
-    from hpar_agent.detectors import component
+    from hpar_agent.detectors import exchange
 
     pair = [make_agent(tmp_path / str(r), rank=r, world=2, comps=(steps(4),), exchange=Exchange(store, "job", r))
             for r in (0, 1)]  # fmt: skip
@@ -308,7 +348,7 @@ def test_the_stores_host_waits_at_exit_for_its_peers_goodbyes(store: Any, tmp_pa
         for agent, _det in pair:
             agent.tick()
     (host, det0), (peer, det1) = pair
-    assert 1 in det0.seen and 0 in det1.seen
+    assert 1 in det0.snapshot.exchange.seen and 0 in det1.snapshot.exchange.seen
     for agent, _ in pair:
         agent.started = True
     ended: list[float] = []
@@ -319,7 +359,7 @@ def test_the_stores_host_waits_at_exit_for_its_peers_goodbyes(store: Any, tmp_pa
     reads = det1.exchange.bytes_in
     before = time.monotonic()
     peer.stop()
-    th.join(component.BYE_WAIT_S + 5)
+    th.join(exchange.BYE_WAIT_S + 5)
     assert ended and ended[0] >= before
     assert det1.exchange.bytes_in == reads
     assert store.get("hpar/job/x/bye/1") == b"exit" and host.errors == {} and peer.errors == {}

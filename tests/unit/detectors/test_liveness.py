@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from hpar_agent import rankstate
 from hpar_agent.detectors.liveness import RankGone
+from hpar_agent.detectors.snapshot import PeerView, Snapshot
+from hpar_agent.topology import Topology
 
 HOST = socket.gethostname()
 
 
-def _ctx(seen: dict[int, dict[str, Any]], now: float, read_ok_at: float | None = None, rank: int = 0) -> Any:
-    return SimpleNamespace(seen=seen, now=now, read_ok_at=now if read_ok_at is None else read_ok_at, rank=rank,
-                           exchange_interval_s=3.0, context=SimpleNamespace(stopping=False))  # fmt: skip
+def _ctx(seen: dict[int, dict[str, Any]], now: float, read_ok_at: float | None = None, rank: int = 0) -> Snapshot:
+    """A pass of rank ``rank`` whose exchange last heard ``seen`` (the exchange every 3 s)."""
+    view = PeerView(seen=seen, read_ok_at=now if read_ok_at is None else read_ok_at, interval_s=3.0)
+    return Snapshot(now=now, topology=Topology(rank=rank), coords={}, exchange=view)
 
 
 def _payload(t: float, pid: int, step: int = 40, host: str = HOST, **kw: Any) -> dict[str, Any]:
@@ -84,9 +87,7 @@ def test_nothing_is_said_without_a_recent_read_of_the_store_or_while_stopping() 
     now = time.time()
     seen = {1: _payload(now - 60, 999_999)}
     assert RankGone().evaluate(_ctx(seen, now, read_ok_at=now - 10)) is None  # the store went away
-    ctx = _ctx(seen, now)
-    ctx.context.stopping = True
-    assert RankGone().evaluate(ctx) is None
+    assert RankGone().evaluate(dataclasses.replace(_ctx(seen, now), stopping=True)) is None
 
 
 def test_proc_state_tells_a_reused_pid_from_the_process() -> None:

@@ -356,15 +356,15 @@ def test_collective_latency_ignores_peer_waits_in_compile_warmup_and_after(store
     _tick(pair, 1)
     _all_reduces(pair, 0, 40, late_rank=1, skew_s=0.22, transfer_s=0.003, t0=time.time() - 0.3 * 40 - 0.1)  # done by now
     _tick(pair)
-    for _agent, det, _coll, st in pair:  # compiles end (seen at step 5); warm-up is over 3 quiet steps later
-        det.context.find(CompileCollector)._open = {}  # type: ignore[union-attr]
+    for agent, _det, _coll, st in pair:  # compiles end (seen at step 5); warm-up is over 3 quiet steps later
+        agent.context.find(CompileCollector)._open = {}  # type: ignore[union-attr]
         st.total = 5
     _tick(pair)
-    assert not pair[0][1].warmed_up(3, 10)
+    assert not pair[0][1].snapshot.warmup.warmed_up(3, 10)
     for *_, st in pair:
         st.total = 8
     _tick(pair)
-    assert pair[0][1].warmed_up(3, 10)
+    assert pair[0][1].snapshot.warmup.warmed_up(3, 10)
     for _agent, det, *_ in pair:
         assert sample(det, "hpar_alert_active", "CollectiveLatencyHigh") == 0.0
         assert det.detector(CollectiveLatencyHigh).judged == {}  # type: ignore[union-attr]  # nothing of warm-up

@@ -4,7 +4,6 @@ mismatches and their memo, arrival lag, hangs, latency quantiles, sharded parame
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 
@@ -169,14 +168,6 @@ def test_quantile_from_counts_uses_bucket_upper_bound() -> None:
     assert sig.quantile_from_counts(bounds, counts, 0.99) == 0.46
 
 
-@pytest.fixture(autouse=True)
-def _fresh_memo() -> Any:
-    """Each test judges from an empty ``_odd_memo``: what an earlier test left must not decide a verdict."""
-    sig._odd_memo.clear()
-    yield
-    sig._odd_memo.clear()
-
-
 def _window(n: int) -> list[tuple]:
     """n entries of a job repeating a few kinds: dp all-reduces, tp all-gathers in two shapes, increasing times."""
     t0, out = 1_700_000_000_123_456_789, []
@@ -239,45 +230,49 @@ def test_unpack_fr_reads_the_older_list_form() -> None:
 
 
 def test_collective_mismatches_answer_the_same_with_the_memo_warm() -> None:
+    memo: sig.OddMemo = {}  # kept from call to call, as CollectiveMismatch keeps it
     good = [_fr("dp@0,0", s) for s in range(6)]
     bad = [*good[:3], _fr("dp@0,0", 3, dt="BFloat16"), *good[4:]]
-    cold = sig.collective_mismatches({0: list(good), 1: list(good), 2: list(bad)})
-    assert set(cold) == {2} and [m["seq"] for m in cold[2]] == [3]
+    cold = sig.collective_mismatches({0: list(good), 1: list(good), 2: list(bad)}, memo=memo)
+    assert set(cold) == {2} and [m["seq"] for m in cold[2]] == [3] and memo  # the kinds judged are kept
     cold[2].clear()  # a caller's copy: changing it changes no later answer
     for _ in range(3):
-        assert sig.collective_mismatches({0: list(good), 1: list(good), 2: list(bad)}) == {
+        assert sig.collective_mismatches({0: list(good), 1: list(good), 2: list(bad)}, memo=memo) == {
             2: [{"pg": "dp@0,0", "seq": 3, "op": "all_reduce", "sizes": "[[4]]", "dtypes": "BFloat16"}]}
-    assert sig.collective_mismatches({r: list(good) for r in range(3)}) == {}
+    assert sig.collective_mismatches({r: list(good) for r in range(3)}, memo=memo) == {}
 
 
 def test_collective_mismatches_memo_tells_apart_which_rank_holds_which_kind() -> None:
+    memo: sig.OddMemo = {}  # kept from call to call, as CollectiveMismatch keeps it
     good = [_fr("dp@0,0", s) for s in range(4)]
-    assert sig.collective_mismatches({r: list(good) for r in range(3)}) == {}  # every kind judged "all agree"
+    assert sig.collective_mismatches({r: list(good) for r in range(3)}, memo=memo) == {}  # every kind judged "all agree"
     bf16 = [*good[:2], _fr("dp@0,0", 2, dt="BFloat16"), good[3]]
     gather = [*good[:2], _fr("dp@0,0", 2, op="all_gather"), good[3]]
-    assert {r: [m["seq"] for m in v] for r, v in sig.collective_mismatches({0: good, 1: good, 2: bf16}).items()} == {2: [2]}
+    assert {r: [m["seq"] for m in v] for r, v in sig.collective_mismatches({0: good, 1: good, 2: bf16}, memo=memo).items()} == {2: [2]}
     # the same kinds as the window before, held by other ranks: the odd one is rank 1 now
-    assert set(sig.collective_mismatches({0: list(good), 1: list(bf16), 2: list(good)})) == {1}
-    out = sig.collective_mismatches({0: list(gather), 1: list(good), 2: list(good)})
+    assert set(sig.collective_mismatches({0: list(good), 1: list(bf16), 2: list(good)}, memo=memo)) == {1}
+    out = sig.collective_mismatches({0: list(gather), 1: list(good), 2: list(good)}, memo=memo)
     assert set(out) == {0} and out[0][0]["op"] == "all_gather"
 
 
 def test_collective_mismatches_tie_break_by_param_bits_survives_the_memo() -> None:
+    memo: sig.OddMemo = {}  # kept from call to call, as CollectiveMismatch keeps it
     good = [_fr("dp@0,0", s) for s in range(3)]
     bf16 = [*good[:2], _fr("dp@0,0", 2, sizes="[[8]]", dt="BFloat16")]
     for _ in range(2):  # either order, cold or warm
-        assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)}, param_bits=32)) == {1}
-        assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)})) == {0, 1}
-        assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)}, param_bits=16)) == {0, 1}
+        assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)}, param_bits=32, memo=memo)) == {1}
+        assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)}, memo=memo)) == {0, 1}
+        assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)}, param_bits=16, memo=memo)) == {0, 1}
     # the narrow rank is the odd one whichever rank it is
-    assert set(sig.collective_mismatches({0: list(bf16), 1: list(good)}, param_bits=32)) == {0}
+    assert set(sig.collective_mismatches({0: list(bf16), 1: list(good)}, param_bits=32, memo=memo)) == {0}
 
 
 def test_odd_entries_memo_is_bounded() -> None:
+    memo: sig.OddMemo = {}
     for i in range(5000):
-        sig._odd_entries({0: _fr("dp@0,0", 0, sizes=f"[[{i}]]"), 1: _fr("dp@0,0", 0, sizes=f"[[{i}]]")}, None)
-        assert len(sig._odd_memo) <= 4096
-    assert sig._odd_entries({0: _fr("dp@0,0", 0), 1: _fr("dp@0,0", 0, dt="Half"), 2: _fr("dp@0,0", 0)}, None) == (1,)
+        sig._odd_entries({0: _fr("dp@0,0", 0, sizes=f"[[{i}]]"), 1: _fr("dp@0,0", 0, sizes=f"[[{i}]]")}, None, memo)
+        assert len(memo) <= 4096
+    assert sig._odd_entries({0: _fr("dp@0,0", 0), 1: _fr("dp@0,0", 0, dt="Half"), 2: _fr("dp@0,0", 0)}, None, memo) == (1,)
 
 
 def test_peer_reduction_bits_widest_per_message_over_peers_only() -> None:

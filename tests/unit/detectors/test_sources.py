@@ -45,32 +45,36 @@ def _context() -> AgentContext:
 
 def test_every_reader_returns_the_collectors_state() -> None:
     ctx = _context()
-    assert src.recompiles_total(ctx) == 3.0  # 2 recompiles + 1 limit hit
-    assert src.recompile_limit_hits(ctx) == 1.0
-    assert src.cache_lookups(ctx) == (3.0, 1.0)
-    assert src.graph_break_reasons(ctx) == {"gb0007": 2}
-    assert "c10d call `broadcast`" in src.graph_break_detail(ctx, "gb0007")
-    assert src.graph_break_c10d(ctx, "gb0007") == "broadcast"
-    assert src.graph_compiles(ctx) == [(4, "m.py:3")]
-    assert isinstance(src.graph_fingerprint(ctx), int)
-    assert src.compile_activity(ctx) == (2.0, 0.0, 1.0, 0.0)
-    assert src.memory_series(ctx) == {"rss": [(5, float(1 << 20))]}
+    comp = src.compile_state(ctx)
+    assert comp is not None
+    assert comp.recompiles == 3.0  # 2 recompiles + 1 limit hit
+    assert comp.limit_hits == 1.0
+    assert comp.cache_lookups == (3.0, 1.0)
+    assert comp.graph_breaks == {"gb0007": 2}
+    assert "c10d call `broadcast`" in comp.break_detail("gb0007") == src.graph_break_detail(ctx, "gb0007")
+    assert comp.break_c10d("gb0007") == "broadcast"
+    assert comp.graph_log == [(4, "m.py:3")]
+    assert isinstance(comp.fingerprint, int)
+    assert comp.activity == (2.0, 0.0, 1.0, 0.0)
+    assert src.memory_state(ctx) == ({"rss": [(5, float(1 << 20))]}, {})  # no room off CUDA
     (bounds, counts), = src.latency_histograms(ctx).values()
     assert bounds == (0.1, 1.0) and sum(counts) == 1
-    assert src.timed_ops(ctx) == (1, [("dp", "all_reduce", 0, 1, 0.01)])
-    assert src.oldest_inflight(ctx) == {"dp": 1.5}
-    assert src.pg_timeout_s(ctx) == 600.0
-    assert [e[1:3] for e in src.fr_entries(ctx)] == [(0, "all_reduce")]
+    coll = src.collective_state(ctx)
+    assert (coll.timed, coll.timed_ops) == (1, [("dp", "all_reduce", 0, 1, 0.01)])
+    assert coll.oldest_inflight == {"dp": 1.5}
+    assert coll.pg_timeout_s == 600.0
+    assert [e[1:3] for e in coll.fr_entries] == [(0, "all_reduce")] == [e[1:3] for e in src.fr_entries(ctx)]
     assert src.step_state(ctx) == (6, 1.0, [0.3])
+    assert src.grad_sync(ctx) == (None, None, -1, 0, {})  # nothing judged yet
+    assert src.cpu_binding(ctx) is None  # read at install
 
 
 def test_without_collectors_every_reader_reads_no_data() -> None:
     ctx = AgentContext(AgentConfig(), Topology())
-    assert src.recompiles_total(ctx) is None and src.cache_lookups(ctx) is None
-    assert src.graph_compiles(ctx) is None and src.graph_fingerprint(ctx) is None
-    assert src.compile_activity(ctx) is None and src.pg_timeout_s(ctx) is None
-    assert src.memory_series(ctx) == {} and src.latency_histograms(ctx) == {} and src.fr_entries(ctx) == []
-    assert src.timed_ops(ctx) == (0, []) and src.step_state(ctx) == (0, 0.0, [])
+    assert src.compile_state(ctx) is None and src.graph_break_detail(ctx, "gb0007") == ""
+    assert src.memory_state(ctx) == ({}, {}) and src.latency_histograms(ctx) == {} and src.fr_entries(ctx) == []
+    assert src.collective_state(ctx) == (0, [], {}, {}, None, []) and src.step_state(ctx) == (0, 0.0, [])
+    assert src.grad_sync(ctx) is None and src.cpu_binding(ctx) is None
 
 
 def test_no_reader_guesses_attribute_names() -> None:
@@ -82,21 +86,22 @@ def test_no_reader_guesses_attribute_names() -> None:
 
 
 def test_fr_entries_are_shared_until_the_kept_entries_change() -> None:
-    """Two detectors ask every pass; the answer is computed again only when an FR read added entries."""
+    """The feed asks every pass; the answer is computed again only when an FR read added entries."""
     ctx = AgentContext(AgentConfig(), Topology())
     c = CollectiveCollector()
     ctx.components = [c]
     entry = {"pg": "dp", "seq": 1, "is_p2p": False, "op": "all_reduce", "input_sizes": "[[4]]",
              "input_dtypes": "Float", "time": 1.0, "record_id": 1}
     c.recent_entries.append(entry)
-    first = src.fr_entries(ctx)
-    assert src.fr_entries(ctx) is first and [e[1] for e in first] == [1]
+    window = src.FrWindow()
+    first = window.read(ctx)
+    assert window.read(ctx) is first and [e[1] for e in first] == [1]
     c.recent_entries.append({**entry, "seq": 2, "record_id": 2})
-    second = src.fr_entries(ctx)
+    second = window.read(ctx)
     assert second is not first and [e[1] for e in second] == [1, 2]
-    assert [e[1] for e in src.fr_entries(ctx, limit=1)] == [2]
+    assert [e[1] for e in window.read(ctx, limit=1)] == [2]
     ctx.topology = dataclasses.replace(ctx.topology, tp_rank=1)  # other coordinates: other group ids
-    assert src.fr_entries(ctx) is not second
+    assert window.read(ctx) is not second
 
 
 def test_steps_done_is_the_training_threads_count_not_the_last_drain():
@@ -124,21 +129,20 @@ def test_fr_entries_convert_a_sliding_window_as_a_fresh_conversion_would() -> No
                                         "time_created_ns": 10**18 + i, "is_p2p": i % 7 == 0})  # fmt: skip
 
     def fresh() -> list[tuple]:
-        src._fr_done[:] = [None, {}]
-        src._fr_memo.clear()
-        return src.fr_entries(ctx, 64)
+        return src.fr_entries(ctx, 64)  # a window of its own: converted from scratch
 
+    window = src.FrWindow()
     add(0, 100)
-    src.fr_entries(ctx, 64)
+    window.read(ctx, 64)
     for first in (100, 130, 160):
         add(first, 30)
-        got = src.fr_entries(ctx, 64)
+        got = window.read(ctx, 64)
         assert got == fresh()
         assert [e[1] for e in got] == [i for i in range(first + 30 - 64, first + 30) if i % 7]  # no p2p
     coll.recent_entries[-1] = {**coll.recent_entries[-1], "op": "broadcast", "seq": 999, "is_p2p": False}  # a new dict
-    assert src.fr_entries(ctx, 64)[-1][1:3] == (999, "broadcast")
+    assert window.read(ctx, 64)[-1][1:3] == (999, "broadcast")
     ctx.topology = dataclasses.replace(ctx.topology, dp_rank=1)  # other coordinates: other pg ids
-    assert src.fr_entries(ctx, 64) == fresh()
+    assert window.read(ctx, 64) == fresh()
 
 
 def test_memory_series_last_keeps_the_latest_samples_only() -> None:
@@ -147,8 +151,8 @@ def test_memory_series_last_keeps_the_latest_samples_only() -> None:
     assert mem is not None
     for step in range(6, 30):
         mem.post_step["rss"].append((step, step << 20))
-    assert src.memory_series(ctx, last=4) == {"rss": [(s, float(s << 20)) for s in range(26, 30)]}
-    assert len(src.memory_series(ctx)["rss"]) == 25  # unset: the whole history
+    assert src.memory_state(ctx, last=4).series == {"rss": [(s, float(s << 20)) for s in range(26, 30)]}
+    assert len(src.memory_state(ctx).series["rss"]) == 25  # unset: the whole history
 
 
 def test_group_key_separates_hsdp_groups() -> None:
