@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from hpar_agent.tools.cli import main as cli_main
+from hpar_agent.tools.compare import compare
 from hpar_trainer.launch import run_torchrun
 
 pytestmark = pytest.mark.distributed
@@ -90,13 +91,19 @@ def test_compare_flags_the_straggler(anatomy_runs: dict[str, Path], capsys: pyte
     """The straggler's rank sleeps 2 s in every forward: its forward grows past any threshold a loaded
     machine allows (a clean forward took 0.44 s on a loaded 2-core host). Whether two clean runs made at
     different times pass is not asserted: their step times move with the machine's load (a clean step
-    took 0.2-1.5 s); a run against itself is no change."""
-    clean, straggler = str(anatomy_runs["clean"]), str(anatomy_runs["straggler"])
-    assert cli_main(["compare", clean, clean, "--max-regression", "1%"]) == 0, capsys.readouterr().out
-    capsys.readouterr()
-    assert cli_main(["compare", clean, straggler, "--max-regression", "150%", "--phase", "forward"]) == 1
+    took 0.2-1.5 s); a run against itself is no change. On a machine so busy that the training threads
+    waited for a CPU over a quarter of the time, the gate gives no verdict and says why (exit 2)."""
+    clean, straggler = anatomy_runs["clean"], anatomy_runs["straggler"]
+    same = compare(clean, clean, ("step",), 0.01).judged[0]
+    assert same.change is not None and same.change.ratio == 1.0, same
+    code = cli_main(["compare", str(clean), str(clean), "--max-regression", "1%"])
     out = capsys.readouterr().out
-    assert "REGRESSION: forward regressed by" in out, out
+    assert code == 0 or (code == 2 and "waited for a CPU" in out), out
+    forward = compare(clean, straggler, ("forward",), 1.5).judged[0]
+    assert forward.change is not None and forward.change.low > 1.5, forward  # the planted 2 s, found
+    code = cli_main(["compare", str(clean), str(straggler), "--max-regression", "150%", "--phase", "forward"])
+    out = capsys.readouterr().out
+    assert (code == 1 and "REGRESSION: forward regressed by" in out) or (code == 2 and "waited for a CPU" in out), out
 
 
 def test_pipeline_phases_come_from_its_chunks(anatomy_runs: dict[str, Path]) -> None:
@@ -132,7 +139,7 @@ def test_the_verdict_names_the_straggler_across_ranks(
     anatomy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Rank 1 sleeps 2 s in every forward; the job's verdict names rank 1 in the summary and the report
-    (from both ranks' summaries), and a clean run names no slow rank."""
+XX
     from hpar_agent.tools.report import slow_rank_note
     from hpar_agent.tools.run_files import load_run
     from hpar_agent.tools.summary import _slow_rank_line, load_rank_summaries
@@ -144,4 +151,10 @@ def test_the_verdict_names_the_straggler_across_ranks(
     for rank in (0, 1):  # a rank's live verdict, where it names a slow rank, names rank 1
         a = _anatomy(run, rank)
         assert a["evidence"].get("slow_rank", 1) == 1, a
-    assert _slow_rank_line(load_rank_summaries(anatomy_runs["clean"])) == []
+    # a clean run: no rank named by a live verdict; the phases may show one rank slower by a share of a
+    # step on a loaded machine (its cores are shared), never by anything like the planted 2 s
+    from hpar_agent.collectors.verdict import slow_rank_across
+
+    clean = slow_rank_across((r["rank"], r["pp_stage"], r["components"]["anatomy"])
+                             for r in load_rank_summaries(anatomy_runs["clean"]))  # fmt: skip
+    assert clean is None or (clean["source"] == "phases" and clean["compute_excess_s"] < 1.0), clean
