@@ -11,7 +11,7 @@
 #   bash benchmarks/gpu_run.sh cpu-ranks    # 4 CPU ranks, twin blocks on the core halves         (~8 min)
 #   bash benchmarks/gpu_run.sh components   # hook_cost and components.py on the GPU              (~6 min)
 #   bash benchmarks/gpu_run.sh tests        # pytest tests/gpu                                    (~5 min)
-#   bash benchmarks/gpu_run.sh gate         # compare_gate.py on the host's CPUs: 2 x 10 rounds at once (~4 min)
+#   bash benchmarks/gpu_run.sh gate         # compare_gate.py on the host's CPUs: 2 x 10 rounds at once (~8 min)
 # MAX_S=seconds changes a mode's time budget; the pairs it asks for are more than fit, the budget ends it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,8 +45,8 @@ for mode in "$@"; do
     components)
       run hook-cost python3 -m benchmarks.hook_cost --device cuda --json "$OUT/hook-cost.json"
       run components python3 -m benchmarks.components --device cuda --json "$OUT/components.json" ;;
-    gate)  # two halves of 20 rounds side by side, each a 2-rank CPU job at a time (the host has cores to spare)
-      for h in 1 2; do
+    gate)  # GATE_JOBS (2) invocations of 10 rounds side by side, each a 2-rank CPU job at a time
+      for h in $(seq 1 "${GATE_JOBS:-2}"); do
         CUDA_VISIBLE_DEVICES= timeout "${GATE_S:-300}" python3 -m benchmarks.compare_gate --pairs 10 --steps 150 \
           --json "$OUT/gate$h.json" > "$OUT/gate$h.log" 2>&1 &
       done

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Protocol
@@ -69,6 +70,8 @@ class StepBatches(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.source.batch(step, self.dp_rank, self.dp)
 
 
-def loader(source: DataSource, dp_rank: int, dp: int, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The batches of steps 0..steps-1 in order, built in this process (no workers: deterministic)."""
-    return iter(torch.utils.data.DataLoader(StepBatches(source, dp_rank, dp), batch_size=None, sampler=range(steps)))
+def loader(source: DataSource, dp_rank: int, dp: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of steps 0, 1, ... in order, as many as the caller steps (a benchmark steps past
+    ``--steps``), built in this process (no workers: deterministic)."""
+    steps = itertools.count()
+    return iter(torch.utils.data.DataLoader(StepBatches(source, dp_rank, dp), batch_size=None, sampler=steps))

@@ -186,7 +186,7 @@ class Trainer:
         self.agent: Any = None  # set by attach_observability
         self.data = self.injector.data_source(
             MarkovData(vocab=cfg.vocab, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed))
-        self.batches = loader(self.data, self.dp_rank, cfg.dp, cfg.steps)
+        self.batches = loader(self.data, self.dp_rank, cfg.dp)
         self._build()
 
     def _build(self) -> None:
