@@ -121,4 +121,6 @@ def read_binding(nv: Any = None, handle: Any = None, node_root: str = "/sys/devi
     if gpu_numa is None and gpu_cpus:
         found = nodes_of(gpu_cpus, nodes)
         gpu_numa = found[0] if len(found) == 1 else None
-    return Binding(cpus, tuple(nodes_of(set(cpus), nodes)), frozenset(gpu_cpus) if gpu_cpus else None, gpu_numa)
+    return Binding(
+        cpus, tuple(nodes_of(set(cpus), nodes)), frozenset(gpu_cpus) if gpu_cpus else None, gpu_numa
+    )

@@ -89,12 +89,24 @@ class Agent:
         if self._context is None:
             out = self.outputs
             self._context = AgentContext(
-                config=self.config, topology=self.topology, families=self.families, events=out.events,
-                record_error=self.record_error, spans=self, on_step_boundary=self.on_step_boundary,
-                is_stopping=self.loop.stop_event.is_set, wait=self.loop.wait, dispatch_alert=self._dispatch_alert,
-                device=self.device, model=self.model, optimizer=self.optimizer, mesh=self.mesh, run_dir=out.run_dir,
-                components=self.components, redetect=self.redetect,
-            )  # fmt: skip
+                config=self.config,
+                topology=self.topology,
+                families=self.families,
+                events=out.events,
+                record_error=self.record_error,
+                spans=self,
+                on_step_boundary=self.on_step_boundary,
+                is_stopping=self.loop.stop_event.is_set,
+                wait=self.loop.wait,
+                dispatch_alert=self._dispatch_alert,
+                device=self.device,
+                model=self.model,
+                optimizer=self.optimizer,
+                mesh=self.mesh,
+                run_dir=out.run_dir,
+                components=self.components,
+                redetect=self.redetect,
+            )
         return self._context
 
     # ------------------------------------------------------------------------------------ outputs
@@ -407,7 +419,13 @@ def default_components(config: AgentConfig) -> list[Component]:
     from hpar_agent.collectors.gradsync import GradSyncCollector
     from hpar_agent.collectors.oom import OomCollector
 
-    comps: list[Component] = [TopologyWatch(), RankState(), StepCollector(), PipelineCollector(), AnatomyCollector()]
+    comps: list[Component] = [
+        TopologyWatch(),
+        RankState(),
+        StepCollector(),
+        PipelineCollector(),
+        AnatomyCollector(),
+    ]
     comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector(), OomCollector()]
     comps.append(CompileCollector())
     if config.detectors:
@@ -417,7 +435,12 @@ def default_components(config: AgentConfig) -> list[Component]:
 
 # ---------------------------------------------------------------------------------------- module API
 def attach_agent(
-    model: Any = None, *, optimizer: Any = None, mesh: Any = None, config: AgentConfig | None = None, **overrides: Any
+    model: Any = None,
+    *,
+    optimizer: Any = None,
+    mesh: Any = None,
+    config: AgentConfig | None = None,
+    **overrides: Any,
 ) -> Agent:
     global _current
     with _lock:

@@ -92,7 +92,10 @@ def attach_now(trigger: str) -> Any:
             agent.events.emit("autoattach", trigger=trigger)
         return agent
     except Exception as exc:  # never break the user's script
-        print(f"hpar-agent: zero-code attach failed ({type(exc).__name__}: {exc}); not observing", file=sys.stderr)
+        print(
+            f"hpar-agent: zero-code attach failed ({type(exc).__name__}: {exc}); not observing",
+            file=sys.stderr,
+        )
         return None
 
 
@@ -175,13 +178,20 @@ def _on_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None
     it before this one is reached)."""
     try:
         torch = sys.modules.get("torch")
-        if _running() is None and not _tried and torch is not None and isinstance(value, torch.OutOfMemoryError):
+        if (
+            _running() is None
+            and not _tried
+            and torch is not None
+            and isinstance(value, torch.OutOfMemoryError)
+        ):
             agent = attach_now(AT_OOM)
             oom = agent.component("oom") if agent is not None and agent.started else None
             if oom is not None:
                 oom.on_uncaught(value)
     except Exception as exc:  # the user's traceback is printed whatever happens here
-        print(f"hpar-agent: recording the out-of-memory failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+        print(
+            f"hpar-agent: recording the out-of-memory failed ({type(exc).__name__}: {exc})", file=sys.stderr
+        )
     _previous_hook(tp, value, tb)
 
 

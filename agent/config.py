@@ -427,8 +427,10 @@ def threshold_problems(thresholds: Mapping[Any, Any]) -> list[str]:
         alert, _, param = key.partition(".") if isinstance(key, str) else ("", "", "")
         if alert not in params or param.split(".")[0] not in params[alert]:
             known = sorted(params.get(alert, ())) if alert in params else sorted(params)
-            out.append(f"unknown threshold {key!r} (known {'params' if alert in params else 'detectors'}: "
-                       f"{', '.join(known)})")
+            out.append(
+                f"unknown threshold {key!r} (known {'params' if alert in params else 'detectors'}: "
+                f"{', '.join(known)})"
+            )
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             out.append(f"threshold {key} must be a number, got {type(value).__name__} {value!r}")
         elif not (math.isfinite(value) and value >= 0):

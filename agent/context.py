@@ -111,8 +111,12 @@ class AgentContext:
         """The rank's one evidence writer (alerts and out-of-memory records share its limits and its
         allocator-history state), built on first use and kept on the rank's current device and rank."""
         if self._evidence is None:
-            self._evidence = Evidence(self.run_dir, self.topology.rank, enabled=self.config.evidence,
-                                      on_error=lambda exc: self.record_error("evidence", exc))  # fmt: skip
+            self._evidence = Evidence(
+                self.run_dir,
+                self.topology.rank,
+                enabled=self.config.evidence,
+                on_error=lambda exc: self.record_error("evidence", exc),
+            )
         self._evidence.device, self._evidence.rank = self.device, self.topology.rank
         return self._evidence
 

@@ -194,7 +194,9 @@ def select(members: Sequence[int], me: int, k: int = PEERS_PER_DIM, whole: int =
         return [m for m in members if m != me]
     i = members.index(me)
     pairs = max(1, k // 2)
-    offsets = [o for j in range(1, pairs + 1) for o in (j * n // (pairs * 2 + 1), -(j * n // (pairs * 2 + 1)))]
+    offsets = [
+        o for j in range(1, pairs + 1) for o in (j * n // (pairs * 2 + 1), -(j * n // (pairs * 2 + 1)))
+    ]
     out: list[int] = []
     for o in offsets:
         peer = members[(i + o) % n]
@@ -284,7 +286,9 @@ class Exchange:
                 continue
             data = f'{{"t":{now!r}' + ("}" if body == "{}" else "," + body[1:])
             if len(data) > self.max_bytes:
-                raise ValueError(f"exchange payload {purpose!r} of {len(data)} bytes exceeds {self.max_bytes}")
+                raise ValueError(
+                    f"exchange payload {purpose!r} of {len(data)} bytes exceeds {self.max_bytes}"
+                )
             out.append((self.key(purpose, self.rank), data))
             self._sent[purpose] = body
             self.own[purpose] = json.loads(data)

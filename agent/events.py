@@ -57,8 +57,11 @@ def bound_record(record: dict[str, Any]) -> str:
         if len(line.encode()) <= MAX_RECORD_BYTES:
             return line
         size = size or len(line.encode())
-    small = {k: v for k, v in record.items() if isinstance(v, (int, float, bool)) or v is None
-             or (isinstance(v, str) and len(v) <= 256)}  # fmt: skip
+    small = {
+        k: v
+        for k, v in record.items()
+        if isinstance(v, (int, float, bool)) or v is None or (isinstance(v, str) and len(v) <= 256)
+    }
     small["truncated_bytes"] = size
     return json.dumps(_cut(small), default=str)
 

@@ -79,7 +79,9 @@ class Evidence:
 
     def _write(self, name: str, data: bytes) -> str | None:
         if len(data) > self.max_bytes:
-            self._say_once(f"size:{name}", f"{name}: {len(data)} bytes exceeds the {self.max_bytes} limit; skipped")
+            self._say_once(
+                f"size:{name}", f"{name}: {len(data)} bytes exceeds the {self.max_bytes} limit; skipped"
+            )
             return None
         private_dir(self.dir)  # 0700; a planted symlink or a foreign directory is refused
         path = os.path.join(self.dir, name)
@@ -142,9 +144,24 @@ class Evidence:
         path = self._write(self._name(tag, "profile", "speedscope.json"), PROFILE_PLACEHOLDER)
         if path is None:
             return []
-        cmd = [exe, "record", "--pid", str(os.getpid()), "--duration", str(int(seconds)), "--rate",
-               str(PROFILE_RATE), "--format", "speedscope", "--output", path, "--nonblocking"]  # fmt: skip
-        t = threading.Thread(target=self._record, args=(cmd, path, seconds), name="hpar-pyspy-record", daemon=True)
+        cmd = [
+            exe,
+            "record",
+            "--pid",
+            str(os.getpid()),
+            "--duration",
+            str(int(seconds)),
+            "--rate",
+            str(PROFILE_RATE),
+            "--format",
+            "speedscope",
+            "--output",
+            path,
+            "--nonblocking",
+        ]
+        t = threading.Thread(
+            target=self._record, args=(cmd, path, seconds), name="hpar-pyspy-record", daemon=True
+        )
         t.start()
         self.recording = t
         return [path]
@@ -154,9 +171,14 @@ class Evidence:
             res = subprocess.run(cmd, capture_output=True, timeout=seconds + PYSPY_TIMEOUT_S, check=False)
             if res.returncode != 0:
                 why = res.stderr.decode(errors="replace").strip().splitlines()
-                self._say_once("pyspy-record", f"py-spy record exited {res.returncode} ({why[-1] if why else 'no message'})")
+                self._say_once(
+                    "pyspy-record",
+                    f"py-spy record exited {res.returncode} ({why[-1] if why else 'no message'})",
+                )
             elif os.path.getsize(path) > self.max_bytes:
-                self._say_once("size:profile", f"py-spy profile over the {self.max_bytes} byte limit; removed")
+                self._say_once(
+                    "size:profile", f"py-spy profile over the {self.max_bytes} byte limit; removed"
+                )
                 with contextlib.suppress(OSError):
                     os.unlink(path)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -222,7 +244,9 @@ class Evidence:
                 try:
                     data = fr.dump_bytes(recorder, fmt)
                 except Exception as exc:
-                    self._say_once(f"fr:{recorder}:{fmt}", f"the {recorder} flight recorder's {fmt} dump failed ({exc})")
+                    self._say_once(
+                        f"fr:{recorder}:{fmt}", f"the {recorder} flight recorder's {fmt} dump failed ({exc})"
+                    )
                     continue
                 path = self._write(self._name(tag, f"fr-{recorder}", ext), data) if data else None
                 if path:
@@ -263,6 +287,7 @@ def main_stack(path: str, depth: int = 3) -> list[str]:
         frames = main.get("frames") or []
     except (OSError, ValueError, StopIteration, AttributeError, TypeError):
         return []
+
     def library(f: dict[str, Any]) -> bool:
         name = str(f.get("filename", ""))
         return "/site-packages/" in name or "/dist-packages/" in name or "/lib/python3" in name

@@ -67,8 +67,10 @@ def health_metrics(agent: HealthSource) -> Iterable[Metric]:
     if binding is not None:
         info.update(binding.labels())  # NUMA node and CPU affinity against the GPU's ideal CPUs
     yield f.info("hpar_rank_info", info)
-    for name, value in (("hpar_model_flops_per_token", agent.flops_per_token),
-                        ("hpar_peak_flops", agent.peak_flops)):  # fmt: skip
+    for name, value in (
+        ("hpar_model_flops_per_token", agent.flops_per_token),
+        ("hpar_peak_flops", agent.peak_flops),
+    ):
         if value is not None:
             g = f.gauge(name)
             f.add(g, [], value)

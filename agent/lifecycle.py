@@ -127,7 +127,9 @@ class ExceptHook:
         if os.getpid() == self.pid and self.agent.started:
             with contextlib.suppress(Exception):
                 text = str(value).strip().splitlines()
-                self.agent.context.exit_reason = f"exception: {etype.__name__}: {text[0] if text else ''}"[:240]
+                self.agent.context.exit_reason = f"exception: {etype.__name__}: {text[0] if text else ''}"[
+                    :240
+                ]
             for comp in list(self.agent.components):
                 self.agent.guard(comp.name, comp.on_uncaught, value)
         (self.previous or sys.__excepthook__)(etype, value, tb)

@@ -33,7 +33,9 @@ SEARCH_FRAMES, SEARCH_LOCALS = 128, 256
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _PATHS = sysconfig.get_paths()
 _STDLIB_DIR = _PATHS.get("stdlib", "\0") + os.sep
-_SITE_DIRS = tuple(_PATHS[k] + os.sep for k in ("purelib", "platlib") if k in _PATHS)  # inside stdlib outside a venv
+_SITE_DIRS = tuple(
+    _PATHS[k] + os.sep for k in ("purelib", "platlib") if k in _PATHS
+)  # inside stdlib outside a venv
 _LINE = re.compile(r"^(.*):(\d+ in .*)$")
 #: Whether a running frame's locals can be read without keeping them alive (PEP 667's proxy).
 SAFE_LOCALS = sys.version_info >= (3, 13)
@@ -61,8 +63,11 @@ def is_user_file(filename: str) -> bool:
 
 def stack_lines(frames: Iterable[traceback.FrameSummary]) -> list[str]:
     """``file:line in name`` outermost first, the agent's own frames left out, the innermost kept."""
-    lines = [f"{f.filename}:{f.lineno} in {f.name}" for f in frames
-             if not os.path.abspath(f.filename).startswith(_AGENT_DIR)]  # fmt: skip
+    lines = [
+        f"{f.filename}:{f.lineno} in {f.name}"
+        for f in frames
+        if not os.path.abspath(f.filename).startswith(_AGENT_DIR)
+    ]
     return lines[-STACK_FRAMES:]
 
 
@@ -166,8 +171,13 @@ def _tensors(models: Sequence[Any], optimizers: Sequence[Any]) -> Iterator[tuple
                     yield "optimizer_state", f"{names.get(id(p), '?')}.{key}", v
 
 
-def owners(models: Sequence[Any], optimizers: Sequence[Any], device: Any, allocated: int | None,
-           budget_s: float = OWNER_BUDGET_S) -> tuple[dict[str, Any], dict[int, str]]:  # fmt: skip
+def owners(
+    models: Sequence[Any],
+    optimizers: Sequence[Any],
+    device: Any,
+    allocated: int | None,
+    budget_s: float = OWNER_BUDGET_S,
+) -> tuple[dict[str, Any], dict[int, str]]:
     """What the known objects hold on ``device``: bytes by kind (parameter, gradient, buffer,
     optimizer_state, and ``other``: ``allocated`` less those), the largest tensors with their names, and
     ``partial`` when the budget ran out. Also storage address -> ``kind name``, to name snapshot blocks."""
@@ -187,19 +197,31 @@ def owners(models: Sequence[Any], optimizers: Sequence[Any], device: Any, alloca
     if allocated is not None:
         by_kind["other"] = max(0, int(allocated) - sum(by_kind.values()))
     largest = [
-        {"kind": k, "name": nm, "bytes": b, "shape": list(getattr(t, "shape", ())), "dtype": str(getattr(t, "dtype", ""))}
+        {
+            "kind": k,
+            "name": nm,
+            "bytes": b,
+            "shape": list(getattr(t, "shape", ())),
+            "dtype": str(getattr(t, "dtype", "")),
+        }
         for k, nm, b, t in sorted(seen.values(), key=lambda e: -e[2])[:TOP]
     ]
     out = {"source": "", "bytes_by_kind": by_kind, "largest": largest, "partial": partial}
     return out, {ptr: f"{kind} {name}" for ptr, (kind, name, _, _) in seen.items()}
 
 
-def snapshot_digest(snap: Mapping[str, Any], device_index: int | None, names: Mapping[int, str]) -> dict[str, Any]:
+def snapshot_digest(
+    snap: Mapping[str, Any], device_index: int | None, names: Mapping[int, str]
+) -> dict[str, Any]:
     """The allocator snapshot of one device in a few numbers: segments and what they hold, the largest
     free block (a request larger than it but smaller than the free total is fragmentation), the largest
     live blocks with their owner (by address) and allocating site (when history was recorded), live
     bytes by allocating site, and the site of the failed request from the OOM trace entry."""
-    segs = [s for s in snap.get("segments") or () if device_index is None or s.get("device", device_index) == device_index]
+    segs = [
+        s
+        for s in snap.get("segments") or ()
+        if device_index is None or s.get("device", device_index) == device_index
+    ]
     blocks = [b for s in segs for b in s.get("blocks") or ()]
     live = [b for b in blocks if b.get("state") == "active_allocated"]
     free = [int(b.get("size", 0)) for b in blocks if b.get("state") == "inactive"]
@@ -212,7 +234,11 @@ def snapshot_digest(snap: Mapping[str, Any], device_index: int | None, names: Ma
     trace = traces[device_index] if device_index is not None and 0 <= device_index < len(traces) else []
     oom = next((t for t in reversed(trace) if t.get("action") == "oom"), None)
     largest = [
-        {"bytes": int(b.get("size", 0)), "owner": names.get(int(b.get("address", -1)), ""), "site": frame_site(b.get("frames") or ())}
+        {
+            "bytes": int(b.get("size", 0)),
+            "owner": names.get(int(b.get("address", -1)), ""),
+            "site": frame_site(b.get("frames") or ()),
+        }
         for b in sorted(live, key=lambda b: -int(b.get("size", 0)))[:TOP]
     ]
     return {

@@ -145,7 +145,9 @@ class RankState(Component):
         finally:
             os.close(fd)
         pid = os.getpid()
-        _HEAD.pack_into(m, 0, MAGIC, pid, topo.rank, topo.world_size, start_ticks(pid) or 0, 0, 0, RUNNING, 0, 0)
+        _HEAD.pack_into(
+            m, 0, MAGIC, pid, topo.rank, topo.world_size, start_ticks(pid) or 0, 0, 0, RUNNING, 0, 0
+        )
         m[_HEAD.size : _HEAD.size + _HOST] = socket.gethostname().encode()[:_HOST].ljust(_HOST, b"\0")
         self._map, self.path = m, path
 
@@ -171,7 +173,13 @@ class RankState(Component):
         if m is None:
             return
         reason = self.require_ctx().exit_reason
-        kind = EXCEPTION if reason.startswith("exception") else SIGNALLED if reason.startswith("signal") else EXITED
+        kind = (
+            EXCEPTION
+            if reason.startswith("exception")
+            else SIGNALLED
+            if reason.startswith("signal")
+            else EXITED
+        )
         signum = _signum(reason) if kind == SIGNALLED else 0
         struct.pack_into("<iiq", m, _HEAD.size - 16, kind, signum, _now_ns())
         m[_HEAD.size + _HOST :] = reason.encode()[:_TEXT].ljust(_TEXT, b"\0")

@@ -78,7 +78,9 @@ def private_dir(path: str, *, chosen: bool = False) -> str:
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafePathError(f"{path} exists and is not a directory")
     if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-        raise UnsafePathError(f"{path} belongs to uid {st.st_uid}, not to this process; choose another run dir")
+        raise UnsafePathError(
+            f"{path} belongs to uid {st.st_uid}, not to this process; choose another run dir"
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077)  # owner keeps its bits; group/others none
     return path
@@ -91,7 +93,9 @@ def default_run_dir(name: str) -> str:
     try:
         private_dir(RUNS_DIR)
     except UnsafePathError as exc:
-        raise UnsafePathError(f"{exc} (name the directory, in HPAR_RUN_DIR or a tool's --run-dir, to write through a link)") from None
+        raise UnsafePathError(
+            f"{exc} (name the directory, in HPAR_RUN_DIR or a tool's --run-dir, to write through a link)"
+        ) from None
     return private_dir(os.path.join(RUNS_DIR, name))
 
 

@@ -75,7 +75,9 @@ class Topology:
     def coords(self) -> dict[str, int]:
         """This rank's coordinate on every atomic dim (dp_replicate, dp_shard, cp, tp, pp)."""
         out = {d: getattr(self, f"{d}_rank") for d in ATOMIC_DIMS}
-        if self.dp_rank and not (self.dp_replicate_rank or self.dp_shard_rank):  # dp set alone (HPAR_*, tests)
+        if self.dp_rank and not (
+            self.dp_replicate_rank or self.dp_shard_rank
+        ):  # dp set alone (HPAR_*, tests)
             out["dp_replicate"] = self.dp_rank
         return out
 

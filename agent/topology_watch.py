@@ -65,7 +65,10 @@ def notify(kind: str, obj: Any = None) -> None:
         if kind == "wrapper" and obj is not None:
             _state.wrapper = weakref.ref(obj)
         elif kind == "mesh" and obj is not None:
-            _state.meshes = [*(r for r in _state.meshes[-(MAX_MESHES - 1):] if r() is not None), weakref.ref(obj)]
+            _state.meshes = [
+                *(r for r in _state.meshes[-(MAX_MESHES - 1) :] if r() is not None),
+                weakref.ref(obj),
+            ]
         if obj is not None and _state.listeners:
             _state.held.append(obj)  # until a listener re-detected: a short job may drop it before that
             del _state.held[:-MAX_MESHES]
@@ -278,7 +281,9 @@ class _AfterImport:
 
     _hpar_autoattach = True  # the zero-code shim's own finders carry the same tag
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if fullname not in _waiting:
             return None
         for finder in sys.meta_path:

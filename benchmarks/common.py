@@ -53,9 +53,18 @@ def ratio_stats(ratios: list[float]) -> dict[str, Any]:
     error, min and max of per-pair ratios (or differences)."""
     sem = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
     lo, hi, cov = median_interval(ratios)
-    return {"median": statistics.median(ratios), "ci_lo": lo, "ci_hi": hi, "ci_coverage": cov,
-            "mean": statistics.fmean(ratios), "sem": sem, "min": min(ratios), "max": max(ratios),
-            "pairs": len(ratios), "ratios": ratios}  # fmt: skip
+    return {
+        "median": statistics.median(ratios),
+        "ci_lo": lo,
+        "ci_hi": hi,
+        "ci_coverage": cov,
+        "mean": statistics.fmean(ratios),
+        "sem": sem,
+        "min": min(ratios),
+        "max": max(ratios),
+        "pairs": len(ratios),
+        "ratios": ratios,
+    }
 
 
 def paired(runs: list[dict[str, Any]], arms: Iterable[str], key: str = "step_s") -> dict[str, dict[str, Any]]:
@@ -80,8 +89,12 @@ def adjacent_aa(runs: list[dict[str, Any]], key: str = "step_s") -> list[float]:
     of separate results (``source``, pooled by ``--merge``) are never compared."""
     out: list[float] = []
     for prev, cur in itertools.pairwise(runs):
-        if (prev["pair"] >= 0 and cur["arm"] == prev["arm"] and cur["pair"] != prev["pair"]
-                and cur.get("source") == prev.get("source")):  # fmt: skip
+        if (
+            prev["pair"] >= 0
+            and cur["arm"] == prev["arm"]
+            and cur["pair"] != prev["pair"]
+            and cur.get("source") == prev.get("source")
+        ):
             r = cur[key] / prev[key]
             out.append(r if len(out) % 2 == 0 else 1.0 / r)
     return out
@@ -91,15 +104,22 @@ def describe(values: list[float], scale: float = 1.0) -> dict[str, float]:
     """Count, median, p99, max and mean of samples (times ``scale``)."""
     if not values:
         return {}
-    return {"n": len(values), "median": statistics.median(values) * scale, "p99": p99(values) * scale,
-            "max": max(values) * scale, "mean": statistics.fmean(values) * scale}  # fmt: skip
+    return {
+        "n": len(values),
+        "median": statistics.median(values) * scale,
+        "p99": p99(values) * scale,
+        "max": max(values) * scale,
+        "mean": statistics.fmean(values) * scale,
+    }
 
 
 def stats_line(name: str, st: dict[str, Any], fmt: str = ".4f") -> str:
     """One line of ``ratio_stats``: median, interval (coverage), mean +- sem, min/max, pairs."""
-    return (f"{name:10} {st['median']:{fmt}} {st['ci_lo']:{fmt}}-{st['ci_hi']:{fmt}} ({st['ci_coverage']:5.1%}) "
-            f"mean {st['mean']:{fmt}} +- {st['sem']:{fmt}}, min {st['min']:{fmt}} max {st['max']:{fmt}}, "
-            f"{st['pairs']} pairs")  # fmt: skip
+    return (
+        f"{name:10} {st['median']:{fmt}} {st['ci_lo']:{fmt}}-{st['ci_hi']:{fmt}} ({st['ci_coverage']:5.1%}) "
+        f"mean {st['mean']:{fmt}} +- {st['sem']:{fmt}}, min {st['min']:{fmt}} max {st['max']:{fmt}}, "
+        f"{st['pairs']} pairs"
+    )
 
 
 def pooled_p99(jobs: list[list[dict[str, Any]]], arms: list[str]) -> dict[str, float]:
@@ -112,8 +132,13 @@ def pooled_p99(jobs: list[list[dict[str, Any]]], arms: list[str]) -> dict[str, f
         for b in job:
             if b["pair"] >= 0:
                 kept.setdefault(b["arm"], []).extend(b["times"])
-        per_job.append({arm: p99(kept[arm]) / p99(kept["off"]) for arm in arms
-                        if arm != "off" and kept.get(arm) and kept.get("off")})  # fmt: skip
+        per_job.append(
+            {
+                arm: p99(kept[arm]) / p99(kept["off"])
+                for arm in arms
+                if arm != "off" and kept.get(arm) and kept.get("off")
+            }
+        )
     for arm in arms:
         vals = [r[arm] for r in per_job if arm in r]
         if vals and len(vals) == len(jobs):
@@ -121,8 +146,9 @@ def pooled_p99(jobs: list[list[dict[str, Any]]], arms: list[str]) -> dict[str, f
     return out
 
 
-def pooled_p99_report(jobs: list[list[dict[str, Any]]], arms: list[str], reps: int = 1000,
-                      seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def pooled_p99_report(
+    jobs: list[list[dict[str, Any]]], arms: list[str], reps: int = 1000, seed: int = 0
+) -> dict[str, Any]:
     """``pooled_p99`` and, per arm, the 2.5th and 97.5th percentiles of it over the pairs resampled
     with replacement (a pair's blocks go together, as a stall they share does); no interval with fewer
     than 3 pairs."""
@@ -140,7 +166,10 @@ def pooled_p99_report(jobs: list[list[dict[str, Any]]], arms: list[str], reps: i
             draws.setdefault(arm, []).append(v)
     for arm, vals in draws.items():
         vals.sort()
-        out["p99_pooled_interval"][arm] = (vals[int(0.025 * (len(vals) - 1))], vals[int(0.975 * (len(vals) - 1))])
+        out["p99_pooled_interval"][arm] = (
+            vals[int(0.025 * (len(vals) - 1))],
+            vals[int(0.975 * (len(vals) - 1))],
+        )
     return out
 
 
@@ -160,8 +189,10 @@ class PairBudget:
         if self.pair_t0 is not None:
             self.slowest = max(self.slowest, t - self.pair_t0)
             if self.max_s and t - self.t0 + self.slowest > self.max_s:
-                print(f"--max-s {self.max_s:g}: another pair ({self.slowest:.0f} s) would end past it; stopping",
-                      flush=True)
+                print(
+                    f"--max-s {self.max_s:g}: another pair ({self.slowest:.0f} s) would end past it; stopping",
+                    flush=True,
+                )
                 return False
         self.pair_t0 = t
         return True
@@ -384,11 +415,15 @@ def need_device(device: str) -> None:
 def results(script: str, device: str, argv: list[str] | None, **extra: Any) -> dict[str, Any]:
     """The header of every benchmark's results: machine, torch, date, command, load."""
     return {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-        "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "command": f"python -m benchmarks.{script} " + " ".join(argv if argv is not None else sys.argv[1:]),
-        **extra, "load_avg_start": os.getloadavg(), "t_start": time.time(),
-    }  # fmt: skip
+        **extra,
+        "load_avg_start": os.getloadavg(),
+        "t_start": time.time(),
+    }
 
 
 def finish(r: dict[str, Any], json_path: str | None) -> None:
@@ -400,4 +435,6 @@ def finish(r: dict[str, Any], json_path: str | None) -> None:
 
 
 def title(r: dict[str, Any], what: str) -> str:
-    return f"\n=== {what} ({r['device']}, torch {r['torch']}, {r['cpu_count']} cores, {r['wall_s']:.0f} s) ==="
+    return (
+        f"\n=== {what} ({r['device']}, torch {r['torch']}, {r['cpu_count']} cores, {r['wall_s']:.0f} s) ==="
+    )

@@ -59,9 +59,28 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def _run(run_dir: Path, steps: int, slowdown: float) -> None:
-    cmd = [sys.executable, "-m", "hpar_agent", "run", "--run-dir", str(run_dir), "--",
-           sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "benchmarks.compare_gate",
-           "worker", "--steps", str(steps), "--slowdown", str(slowdown)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hpar_agent",
+        "run",
+        "--run-dir",
+        str(run_dir),
+        "--",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "benchmarks.compare_gate",
+        "worker",
+        "--steps",
+        str(steps),
+        "--slowdown",
+        str(slowdown),
+    ]
     path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "HPAR_METRICS_PORT": "-1", "PYTHONPATH": path}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
@@ -84,11 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=20)
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--slowdown", type=float, default=0.10, help="B's planted slowdown (0.10: every step 10%% slower)")
+    ap.add_argument(
+        "--slowdown", type=float, default=0.10, help="B's planted slowdown (0.10: every step 10%% slower)"
+    )
     ap.add_argument("--max-regression", default="5%", help="the gate's limit (default 5%%)")
-    ap.add_argument("--out-dir", default=None, help="keep the run directories here (default: a temporary one)")
-    ap.add_argument("--rejudge", action="store_true",
-                    help="run nothing: judge the runs an earlier invocation kept in --out-dir (e.g. with another limit)")
+    ap.add_argument(
+        "--out-dir", default=None, help="keep the run directories here (default: a temporary one)"
+    )
+    ap.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="run nothing: judge the runs an earlier invocation kept in --out-dir (e.g. with another limit)",
+    )
     ap.add_argument("--json", default=None, help="write every comparison and the counts here")
     a = ap.parse_args(argv)
     from benchmarks.common import finish, results
@@ -102,28 +128,39 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for i in range(a.pairs):
         dirs = {arm: base / f"{i:02d}-{arm}" for arm in ARMS}
-        for arm in [] if a.rejudge else ARMS[i % 3:] + ARMS[: i % 3]:
+        for arm in [] if a.rejudge else ARMS[i % 3 :] + ARMS[: i % 3]:
             _run(dirs[arm], a.steps, a.slowdown if arm == "B" else 0.0)
         for kind, other in (("identical", "A2"), ("slower", "B")):
             res = compare(dirs["A"], dirs[other], ("step",), limit)
             j = res.judged[0] if res.judged else None
             c = j.change if j is not None else None
-            row: dict[str, Any] = {"round": i, "kind": kind, "status": res.status, "verdict": j.verdict(limit) if j else "unknown",
-                   "cpu_wait": [res.a.figures.get("cpu_wait"), res.b.figures.get("cpu_wait")],
-                   "change": c.ratio - 1 if c else None, "low": c.low - 1 if c else None,
-                   "high": c.high - 1 if c else None}
+            row: dict[str, Any] = {
+                "round": i,
+                "kind": kind,
+                "status": res.status,
+                "verdict": j.verdict(limit) if j else "unknown",
+                "cpu_wait": [res.a.figures.get("cpu_wait"), res.b.figures.get("cpu_wait")],
+                "change": c.ratio - 1 if c else None,
+                "low": c.low - 1 if c else None,
+                "high": c.high - 1 if c else None,
+            }
             rows.append(row)
-            print(f"round {i:2d} {kind:9s} exit {row['status']} {row['verdict']:9s} "
-                  + (f"{c.ratio - 1:+.1%} ({c.low - 1:+.1%} .. {c.high - 1:+.1%})" if c else "")
-                  + f"  CPU wait {_pct(row['cpu_wait'][0])} / {_pct(row['cpu_wait'][1])}", flush=True)
+            print(
+                f"round {i:2d} {kind:9s} exit {row['status']} {row['verdict']:9s} "
+                + (f"{c.ratio - 1:+.1%} ({c.low - 1:+.1%} .. {c.high - 1:+.1%})" if c else "")
+                + f"  CPU wait {_pct(row['cpu_wait'][0])} / {_pct(row['cpu_wait'][1])}",
+                flush=True,
+            )
     r["rows"] = rows
     print()
     for kind in ("identical", "slower"):
         mine = [x for x in rows if x["kind"] == kind]
         codes = {code: sum(x["status"] == code for x in mine) for code in (0, 1, 2)}
         r[f"{kind}_exit_codes"] = codes
-        print(f"{kind}: exit 0 (no regression) {codes[0]}, exit 1 (regression) {codes[1]}, exit 2 (unknown) "
-              f"{codes[2]} of {len(mine)}; change {_describe([x['change'] for x in mine if x['change'] is not None])}")
+        print(
+            f"{kind}: exit 0 (no regression) {codes[0]}, exit 1 (regression) {codes[1]}, exit 2 (unknown) "
+            f"{codes[2]} of {len(mine)}; change {_describe([x['change'] for x in mine if x['change'] is not None])}"
+        )
     finish(r, a.json)
     return 0
 

@@ -1,22 +1,22 @@
 """What each part of the agent costs, measured where it is paid (``--only`` picks the parts):
 
-  cpu     the agent's threads' CPU on the reference trainer in-process (world size 1), at the default
-          trace sampling and with every step traced: each thread's CPU per second and per step (its own
-          CPU clock), the agent thread's by part (each component's ``poll``/``on_step``/``end_pass``,
-          span building), the passes' wall time and the garbage collector's pauses;
-  render  ``/metrics``: the one-rank registry rendered in-process (text and OpenMetrics), scaled k-fold
-          up to the every-cap worst case of ``scale.worst_case`` (the slope is the cost per series), and
-          scraped over HTTP as Prometheus asks (OpenMetrics, gzip), one scrape at a time;
-  rss     the resident memory the agent adds: pairs of trainer processes with and without it, VmRSS and
-          VmHWM after the last step, and on a GPU the caching allocator's bytes (expect +0);
-  spans   span export into an OTLP/HTTP receiver in a subprocess: (a) ``Tracing.export_step`` flat out
-          with 17-span steps (the bounded queue overflows): spans/s accepted, dropped, CPU a span built
-          and exported; (b) a one-stage pipeline's training thread, every step traced: no agent, a
-          receiver answering at once, one answering after ``--slow-delay`` s (a training thread that
-          waited on the exporter would show it).
+cpu     the agent's threads' CPU on the reference trainer in-process (world size 1), at the default
+        trace sampling and with every step traced: each thread's CPU per second and per step (its own
+        CPU clock), the agent thread's by part (each component's ``poll``/``on_step``/``end_pass``,
+        span building), the passes' wall time and the garbage collector's pauses;
+render  ``/metrics``: the one-rank registry rendered in-process (text and OpenMetrics), scaled k-fold
+        up to the every-cap worst case of ``scale.worst_case`` (the slope is the cost per series), and
+        scraped over HTTP as Prometheus asks (OpenMetrics, gzip), one scrape at a time;
+rss     the resident memory the agent adds: pairs of trainer processes with and without it, VmRSS and
+        VmHWM after the last step, and on a GPU the caching allocator's bytes (expect +0);
+spans   span export into an OTLP/HTTP receiver in a subprocess: (a) ``Tracing.export_step`` flat out
+        with 17-span steps (the bounded queue overflows): spans/s accepted, dropped, CPU a span built
+        and exported; (b) a one-stage pipeline's training thread, every step traced: no agent, a
+        receiver answering at once, one answering after ``--slow-delay`` s (a training thread that
+        waited on the exporter would show it).
 
-    python -m benchmarks.components --json components-cpu.json
-    python -m benchmarks.components --device cuda --only cpu,render,rss --json components-gpu.json
+  python -m benchmarks.components --json components-cpu.json
+  python -m benchmarks.components --device cuda --only cpu,render,rss --json components-gpu.json
 """
 
 from __future__ import annotations
@@ -54,15 +54,49 @@ from benchmarks.common import (
 )
 
 TRAINER = {  # the reference trainer per device (world size 1)
-    "cpu": ["--compile", "aot_eager", "--layers", "2", "--dim", "64", "--heads", "4", "--seq-len", "32",
-            "--global-batch", "8", "--device", "cpu"],
-    "cuda": ["--compile", "inductor", "--dtype", "bf16", "--layers", "4", "--dim", "1024", "--heads", "8",
-             "--seq-len", "512", "--global-batch", "8", "--lr", "3e-4", "--device", "cuda"],
-}  # fmt: skip
+    "cpu": [
+        "--compile",
+        "aot_eager",
+        "--layers",
+        "2",
+        "--dim",
+        "64",
+        "--heads",
+        "4",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "8",
+        "--device",
+        "cpu",
+    ],
+    "cuda": [
+        "--compile",
+        "inductor",
+        "--dtype",
+        "bf16",
+        "--layers",
+        "4",
+        "--dim",
+        "1024",
+        "--heads",
+        "8",
+        "--seq-len",
+        "512",
+        "--global-batch",
+        "8",
+        "--lr",
+        "3e-4",
+        "--device",
+        "cuda",
+    ],
+}
 AGENT_ENV = {"HPAR_TRACES": "file", "HPAR_METRICS_PORT": "0"}
 SKIP = 5  # steps before a steady window (compile, first passes)
-PROM_HEADERS = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
-                "Accept-Encoding": "gzip"}  # fmt: skip
+PROM_HEADERS = {
+    "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
+    "Accept-Encoding": "gzip",
+}
 
 
 def current_agent() -> Any:
@@ -149,15 +183,25 @@ class Window(threading.Thread):
         for name, c in self.clocks.read().items():
             group = thread_group(name)
             threads[group] = threads.get(group, 0.0) + c - self.start_snap["cpu"].get(name, c)
-        self.result = {"window_s": wall, "steps": steps, "steps_per_s": steps / wall,
-                "thread_cpu_ms_per_s": {k: v / wall * 1e3 for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
-                "thread_cpu_us_per_step": {k: v / steps * 1e6 for k, v in threads.items()},
-                "agent_parts_ms_per_s": {k: v / wall * 1e3 for k, v in sorted(self.parts.items(), key=lambda kv: -kv[1])},
-                "pass_ms": describe(self.passes, 1e3), "gc": self.gc.summary()}  # fmt: skip
+        self.result = {
+            "window_s": wall,
+            "steps": steps,
+            "steps_per_s": steps / wall,
+            "thread_cpu_ms_per_s": {
+                k: v / wall * 1e3 for k, v in sorted(threads.items(), key=lambda kv: -kv[1])
+            },
+            "thread_cpu_us_per_step": {k: v / steps * 1e6 for k, v in threads.items()},
+            "agent_parts_ms_per_s": {
+                k: v / wall * 1e3 for k, v in sorted(self.parts.items(), key=lambda kv: -kv[1])
+            },
+            "pass_ms": describe(self.passes, 1e3),
+            "gc": self.gc.summary(),
+        }
 
 
 def measure_cpu(device: str, work: str, window_s: float) -> dict[str, Any]:
     """A warm-up run (compile caches, the step rate), then a run per trace sampling with a window."""
+
     def args_for(steps: int, out: str) -> list[str]:
         return [*TRAINER[device], "--steps", str(steps), "--log-every", "100000", "--out", out]
 
@@ -181,12 +225,16 @@ def measure_cpu(device: str, work: str, window_s: float) -> dict[str, Any]:
 def print_cpu(c: dict[str, Any]) -> None:
     print("cpu: the agent's threads on the reference trainer (steady window)")
     for label, run in c["runs"].items():
-        threads = ", ".join(f"{k} {v:.2f} ms/s = {run['thread_cpu_us_per_step'][k]:.0f} us/step"
-                            for k, v in run["thread_cpu_ms_per_s"].items())  # fmt: skip
+        threads = ", ".join(
+            f"{k} {v:.2f} ms/s = {run['thread_cpu_us_per_step'][k]:.0f} us/step"
+            for k, v in run["thread_cpu_ms_per_s"].items()
+        )
         parts = ", ".join(f"{k} {v:.2f}" for k, v in list(run["agent_parts_ms_per_s"].items())[:6])
         print(f"  {label}: {run['steps_per_s']:.1f} steps/s over {run['window_s']:.1f} s; {threads}")
-        print(f"    agent thread by part (ms CPU per s): {parts}; passes {run['pass_ms'].get('median', 0):.1f} ms "
-              f"(max {run['pass_ms'].get('max', 0):.1f}); gen-2 GCs {run['gc'].get('gen2', {}).get('count', 0)}")
+        print(
+            f"    agent thread by part (ms CPU per s): {parts}; passes {run['pass_ms'].get('median', 0):.1f} ms "
+            f"(max {run['pass_ms'].get('max', 0):.1f}); gen-2 GCs {run['gc'].get('gen2', {}).get('count', 0)}"
+        )
 
 
 # ------------------------------------------------------------------------------------ render
@@ -208,7 +256,9 @@ class Scaled:
                 if out is None:
                     out = fams[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
                 for s in fam.samples:
-                    out.samples.append(s._replace(labels={**s.labels, "rank": f"{s.labels.get('rank', '')}x{i}"}))
+                    out.samples.append(
+                        s._replace(labels={**s.labels, "rank": f"{s.labels.get('rank', '')}x{i}"})
+                    )
         yield from fams.values()
 
 
@@ -245,49 +295,72 @@ def measure_render(device: str, work: str, reps: int) -> dict[str, Any]:
         worst = sum(worst_case(counted["by_metric"]).values())
         points = []
         for k in sorted({1, 8, max(1, -(-worst // max(1, counted["total"])))}):
-            points.append({"k": k, "series": counted["total"] * k, **time_render(Scaled(agent.registry, k), max(10, reps // k))})
+            points.append(
+                {
+                    "k": k,
+                    "series": counted["total"] * k,
+                    **time_render(Scaled(agent.registry, k), max(10, reps // k)),
+                }
+            )
         out.update(worst_case_series=worst, points=points)
         lo, hi = points[0], points[-1]
         for key in ("text", "openmetrics"):
             if hi["series"] > lo["series"]:
-                out[f"{key}_us_per_series"] = ((hi[f"{key}_ms"]["median"] - lo[f"{key}_ms"]["median"])
-                                               / (hi["series"] - lo["series"]) * 1e3)  # fmt: skip
+                out[f"{key}_us_per_series"] = (
+                    (hi[f"{key}_ms"]["median"] - lo[f"{key}_ms"]["median"])
+                    / (hi["series"] - lo["series"])
+                    * 1e3
+                )
         if agent.metrics_url:  # one scrape at a time, 50 ms apart: the endpoint paces back-to-back answers
             for key, headers in (("prometheus", PROM_HEADERS), ("plain", {})):
                 times = []
                 for _ in range(min(reps, 50)):
                     time.sleep(0.05)
                     t0 = time.perf_counter()
-                    urllib.request.urlopen(urllib.request.Request(agent.metrics_url, headers=headers), timeout=10).read()
+                    urllib.request.urlopen(
+                        urllib.request.Request(agent.metrics_url, headers=headers), timeout=10
+                    ).read()
                     times.append(time.perf_counter() - t0)
                 out[f"http_{key}_ms"] = describe(times, 1e3)
 
     args = [*TRAINER[device], "--steps", "30", "--log-every", "100000"]
-    train_inprocess(args, {**AGENT_ENV, "HPAR_RUN_DIR": os.path.join(work, "render"), "HPAR_TRACE_EVERY": "1"}, at_end)
+    train_inprocess(
+        args, {**AGENT_ENV, "HPAR_RUN_DIR": os.path.join(work, "render"), "HPAR_TRACE_EVERY": "1"}, at_end
+    )
     return out
 
 
 def print_render(r: dict[str, Any]) -> None:
     d = r["direct"]
-    print(f"render: {r['series']} series, {d['text_bytes']} B text; text {d['text_ms']['median']:.2f} ms (p99 "
-          f"{d['text_ms']['p99']:.2f}), OpenMetrics {d['openmetrics_ms']['median']:.2f} ms; HTTP GET as Prometheus "
-          f"{r.get('http_prometheus_ms', {}).get('median', float('nan')):.2f} ms, plain "
-          f"{r.get('http_plain_ms', {}).get('median', float('nan')):.2f} ms")  # fmt: skip
-    pts = "; ".join(f"{p['series']} series {p['text_ms']['median']:.1f} / {p['openmetrics_ms']['median']:.1f} ms"
-                    for p in r["points"])  # fmt: skip
-    print(f"  scaled (text / OpenMetrics): {pts}; {r.get('text_us_per_series', float('nan')):.2f} / "
-          f"{r.get('openmetrics_us_per_series', float('nan')):.2f} us per series; every-cap worst case "
-          f"{r['worst_case_series']} series")  # fmt: skip
+    print(
+        f"render: {r['series']} series, {d['text_bytes']} B text; text {d['text_ms']['median']:.2f} ms (p99 "
+        f"{d['text_ms']['p99']:.2f}), OpenMetrics {d['openmetrics_ms']['median']:.2f} ms; HTTP GET as Prometheus "
+        f"{r.get('http_prometheus_ms', {}).get('median', float('nan')):.2f} ms, plain "
+        f"{r.get('http_plain_ms', {}).get('median', float('nan')):.2f} ms"
+    )
+    pts = "; ".join(
+        f"{p['series']} series {p['text_ms']['median']:.1f} / {p['openmetrics_ms']['median']:.1f} ms"
+        for p in r["points"]
+    )
+    print(
+        f"  scaled (text / OpenMetrics): {pts}; {r.get('text_us_per_series', float('nan')):.2f} / "
+        f"{r.get('openmetrics_us_per_series', float('nan')):.2f} us per series; every-cap worst case "
+        f"{r['worst_case_series']} series"
+    )
 
 
 # ------------------------------------------------------------------------------------ rss
 def child_rss(out: str, argv: list[str]) -> int:
     """One trainer process; its memory after the last step, before the agent detaches."""
+
     def at_end() -> None:
         d: dict[str, Any] = {**proc_status(), "agent": current_agent() is not None}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
-            d.update(cuda_allocated=torch.cuda.memory_allocated(), cuda_max_reserved=torch.cuda.max_memory_reserved())
+            d.update(
+                cuda_allocated=torch.cuda.memory_allocated(),
+                cuda_max_reserved=torch.cuda.max_memory_reserved(),
+            )
         Path(out).write_text(json.dumps(d))
 
     train_inprocess(argv, {}, at_end)
@@ -301,11 +374,25 @@ def measure_rss(device: str, work: str, pairs: int, steps: int) -> dict[str, Any
         procs = []
         for arm in ("on", "off") if rep % 2 == 0 else ("off", "on"):
             out = os.path.join(work, f"rss{rep}-{arm}.json")
-            args = [*TRAINER[device], "--steps", str(steps), "--log-every", "100000"] + (["--no-agent"] if arm == "off" else [])
-            env = {**os.environ, "OMP_NUM_THREADS": "1", **AGENT_ENV, "HPAR_RUN_DIR": os.path.join(work, f"rss{rep}")}
+            args = [*TRAINER[device], "--steps", str(steps), "--log-every", "100000"] + (
+                ["--no-agent"] if arm == "off" else []
+            )
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                **AGENT_ENV,
+                "HPAR_RUN_DIR": os.path.join(work, f"rss{rep}"),
+            }
             cmd = [sys.executable, "-m", "benchmarks.components", "--child-rss", out, "--", *args]
-            procs.append((arm, out, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                                     text=True)))  # fmt: skip
+            procs.append(
+                (
+                    arm,
+                    out,
+                    subprocess.Popen(
+                        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+                    ),
+                )
+            )
         for arm, out, p in procs:
             _, err = p.communicate(timeout=900)
             if p.returncode or not os.path.exists(out):
@@ -325,11 +412,19 @@ def measure_rss(device: str, work: str, pairs: int, steps: int) -> dict[str, Any
 
 
 def print_rss(r: dict[str, Any]) -> None:
-    cuda = (f"; CUDA allocated {r['cuda_allocated_added']['median']:+.0f} B, max reserved "
-            f"{r['cuda_max_reserved_added']['median']:+.0f} B") if "cuda_max_reserved_added" in r else ""  # fmt: skip
-    print(f"rss: the agent adds VmRSS {r['VmRSS_added']['median'] / 2**20:+.1f} MiB (pairs "
-          f"{', '.join(f'{d / 2**20:+.1f}' for d in r['VmRSS_added']['pairs'])}; off {r['VmRSS_off_median'] / 2**20:.0f} "
-          f"MiB), VmHWM {r['VmHWM_added']['median'] / 2**20:+.1f} MiB" + cuda)  # fmt: skip
+    cuda = (
+        (
+            f"; CUDA allocated {r['cuda_allocated_added']['median']:+.0f} B, max reserved "
+            f"{r['cuda_max_reserved_added']['median']:+.0f} B"
+        )
+        if "cuda_max_reserved_added" in r
+        else ""
+    )
+    print(
+        f"rss: the agent adds VmRSS {r['VmRSS_added']['median'] / 2**20:+.1f} MiB (pairs "
+        f"{', '.join(f'{d / 2**20:+.1f}' for d in r['VmRSS_added']['pairs'])}; off {r['VmRSS_off_median'] / 2**20:.0f} "
+        f"MiB), VmHWM {r['VmHWM_added']['median'] / 2**20:+.1f} MiB" + cuda
+    )
 
 
 # ------------------------------------------------------------------------------------ spans
@@ -364,8 +459,13 @@ class Receiver:
     """The parent's side of ``child_receiver``."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.components", "--child-receiver"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.components", "--child-receiver"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
         assert self.proc.stdout is not None and self.proc.stdin is not None
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self.endpoint = f"http://127.0.0.1:{int(self.stdout.readline())}/v1/traces"
@@ -387,16 +487,24 @@ def attach_traced(model: Any, optimizer: Any, run_dir: str, receiver: Receiver) 
     import hpar_agent
 
     with patched_env({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint}):
-        return hpar_agent.attach(model, optimizer=optimizer, run_dir=run_dir, metrics_port=-1, traces="otlp",
-                                 trace_every=1)  # fmt: skip
+        return hpar_agent.attach(
+            model, optimizer=optimizer, run_dir=run_dir, metrics_port=-1, traces="otlp", trace_every=1
+        )
 
 
 def exporter_gone(timeout: float) -> float | None:
     """Seconds until no span-exporter thread is left (None: still there after ``timeout``)."""
     t0 = time.perf_counter()
-    while any(t.name.startswith("OtelBatch") for t in threading.enumerate()) and time.perf_counter() - t0 < timeout:
+    while (
+        any(t.name.startswith("OtelBatch") for t in threading.enumerate())
+        and time.perf_counter() - t0 < timeout
+    ):
         time.sleep(0.02)
-    return None if any(t.name.startswith("OtelBatch") for t in threading.enumerate()) else time.perf_counter() - t0
+    return (
+        None
+        if any(t.name.startswith("OtelBatch") for t in threading.enumerate())
+        else time.perf_counter() - t0
+    )
 
 
 def measure_capacity(receiver: Receiver, work: str, seconds: float) -> dict[str, Any]:
@@ -423,12 +531,22 @@ def measure_capacity(receiver: Receiver, work: str, seconds: float) -> dict[str,
             for i in range(4):
                 a = t - 9_000_000 + i * 2_000_000
                 pp = {cat.ATTR_PP_STAGE: 0, cat.ATTR_MICROBATCH: i, cat.ATTR_STREAM: "cpu"}
-                rec.children += [SpanRecord(cat.SPAN_PP_FORWARD, a, a + 500_000, step, dict(pp)),
-                                 SpanRecord(cat.SPAN_PP_BACKWARD, a + 500_000, a + 1_500_000, step, dict(pp))]  # fmt: skip
+                rec.children += [
+                    SpanRecord(cat.SPAN_PP_FORWARD, a, a + 500_000, step, dict(pp)),
+                    SpanRecord(cat.SPAN_PP_BACKWARD, a + 500_000, a + 1_500_000, step, dict(pp)),
+                ]
                 for op in ("send", "recv"):
-                    attrs = {cat.ATTR_PG: "pp", cat.ATTR_OP: op, cat.ATTR_SEQ: step * 8 + i, cat.ATTR_BYTES: 65536,
-                             cat.ATTR_STREAM: "cpu", cat.ATTR_PEER: 1}  # fmt: skip
-                    rec.children.append(SpanRecord(cat.SPAN_COLLECTIVE_PREFIX + op, a, a + 200_000, step, attrs))
+                    attrs = {
+                        cat.ATTR_PG: "pp",
+                        cat.ATTR_OP: op,
+                        cat.ATTR_SEQ: step * 8 + i,
+                        cat.ATTR_BYTES: 65536,
+                        cat.ATTR_STREAM: "cpu",
+                        cat.ATTR_PEER: 1,
+                    }
+                    rec.children.append(
+                        SpanRecord(cat.SPAN_COLLECTIVE_PREFIX + op, a, a + 200_000, step, attrs)
+                    )
             tracing.export_step(rec)
             step += 1
         res["producer_cpu_s"] = time.thread_time() - c0
@@ -444,15 +562,22 @@ def measure_capacity(receiver: Receiver, work: str, seconds: float) -> dict[str,
     t1 = time.perf_counter()
     hpar_agent.detach()
     created, accepted = c1 - c0, s1["spans"] - s0["spans"]
-    res.update(window_s=wall, offered_per_s=created / wall, accepted_per_s=accepted / wall, dropped=d1 - d0,
-               build_us_per_span=res["producer_cpu_s"] / created * 1e6 if created else None,
-               export_us_per_span=(x1 - x0) / accepted * 1e6 if accepted else None,
-               detach_s=time.perf_counter() - t1, exporter_gone_s=exporter_gone(10))  # fmt: skip
+    res.update(
+        window_s=wall,
+        offered_per_s=created / wall,
+        accepted_per_s=accepted / wall,
+        dropped=d1 - d0,
+        build_us_per_span=res["producer_cpu_s"] / created * 1e6 if created else None,
+        export_us_per_span=(x1 - x0) / accepted * 1e6 if accepted else None,
+        detach_s=time.perf_counter() - t1,
+        exporter_gone_s=exporter_gone(10),
+    )
     return res
 
 
-def measure_training(receiver: Receiver, device: torch.device, work: str, reps: int, arm_s: float,
-                     slow_delay: float) -> dict[str, Any]:  # fmt: skip
+def measure_training(
+    receiver: Receiver, device: torch.device, work: str, reps: int, arm_s: float, slow_delay: float
+) -> dict[str, Any]:
     """A one-stage pipeline (8 microbatches: 17 spans a step), every step traced; arms interleaved."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -460,12 +585,22 @@ def measure_training(receiver: Receiver, device: torch.device, work: str, reps: 
     import hpar_agent
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, device_id=device if device.type == "cuda" else None)  # fmt: skip
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=device if device.type == "cuda" else None,
+        )
     dim = 1024 if device.type == "cuda" else 64
-    model = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)).to(device)
-    sched = ScheduleGPipe(PipelineStage(model, 0, 1, device), n_microbatches=8,
-                          loss_fn=lambda o, t: torch.nn.functional.mse_loss(o, t))  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)
+    ).to(device)
+    sched = ScheduleGPipe(
+        PipelineStage(model, 0, 1, device),
+        n_microbatches=8,
+        loss_fn=lambda o, t: torch.nn.functional.mse_loss(o, t),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(64, dim, device=device)
     opt_s: list[float] = []
@@ -485,7 +620,11 @@ def measure_training(receiver: Receiver, device: torch.device, work: str, reps: 
     for rep in range(reps):
         for arm in ("noagent", "fast", "slow"):
             receiver.send(f"delay {slow_delay if arm == 'slow' else 0}")
-            agent = None if arm == "noagent" else attach_traced(model, opt, os.path.join(work, f"{arm}{rep}"), receiver)
+            agent = (
+                None
+                if arm == "noagent"
+                else attach_traced(model, opt, os.path.join(work, f"{arm}{rep}"), receiver)
+            )
             if agent is not None:
                 agent.watch_pipeline(schedule=sched)
             for _ in range(10):
@@ -496,14 +635,21 @@ def measure_training(receiver: Receiver, device: torch.device, work: str, reps: 
                 t0 = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - t0)
-            run: dict[str, Any] = {"arm": arm, "rep": rep, "step_ms": describe(times, 1e3),
-                                   "opt_step_us": describe(opt_s, 1e6)}  # fmt: skip
+            run: dict[str, Any] = {
+                "arm": arm,
+                "rep": rep,
+                "step_ms": describe(times, 1e3),
+                "opt_step_us": describe(opt_s, 1e6),
+            }
             if agent is not None:
                 tracing = agent.tracing
                 t1 = time.perf_counter()
                 hpar_agent.detach()
-                run.update(detach_s=time.perf_counter() - t1, exporter_gone_s=exporter_gone(slow_delay + 10),
-                           dropped=getattr(tracing, "dropped", None))  # fmt: skip
+                run.update(
+                    detach_s=time.perf_counter() - t1,
+                    exporter_gone_s=exporter_gone(slow_delay + 10),
+                    dropped=getattr(tracing, "dropped", None),
+                )
             runs.append(run)
     dist.destroy_process_group()
     base = statistics.median(r["step_ms"]["median"] for r in runs if r["arm"] == "noagent")
@@ -511,26 +657,40 @@ def measure_training(receiver: Receiver, device: torch.device, work: str, reps: 
     for arm in ("noagent", "fast", "slow"):
         rs = [r for r in runs if r["arm"] == arm]
         med = statistics.median(r["step_ms"]["median"] for r in rs)
-        arms[arm] = {"step_ms": med, "ratio": med / base, "step_ms_max": max(r["step_ms"]["max"] for r in rs),
-                     "opt_step_us_max": max(r["opt_step_us"]["max"] for r in rs),
-                     "detach_s_max": max((r.get("detach_s", 0.0) for r in rs), default=0.0),
-                     "dropped": sum(r.get("dropped") or 0 for r in rs),
-                     "exporter_gone_s": [r["exporter_gone_s"] for r in rs if "exporter_gone_s" in r]}  # fmt: skip
+        arms[arm] = {
+            "step_ms": med,
+            "ratio": med / base,
+            "step_ms_max": max(r["step_ms"]["max"] for r in rs),
+            "opt_step_us_max": max(r["opt_step_us"]["max"] for r in rs),
+            "detach_s_max": max((r.get("detach_s", 0.0) for r in rs), default=0.0),
+            "dropped": sum(r.get("dropped") or 0 for r in rs),
+            "exporter_gone_s": [r["exporter_gone_s"] for r in rs if "exporter_gone_s" in r],
+        }
     return {"reps": reps, "arm_s": arm_s, "slow_delay_s": slow_delay, "arms": arms, "runs": runs}
 
 
 def print_spans(s: dict[str, Any]) -> None:
     c = s["capacity"]
-    print(f"spans (a): offered {c['offered_per_s']:.0f} spans/s, accepted {c['accepted_per_s']:.0f}/s, dropped "
-          f"{c['dropped']}; build {c['build_us_per_span']:.1f} us CPU a span, export "
-          f"{c['export_us_per_span'] or float('nan'):.1f} us; detach {c['detach_s']:.2f} s")  # fmt: skip
+    print(
+        f"spans (a): offered {c['offered_per_s']:.0f} spans/s, accepted {c['accepted_per_s']:.0f}/s, dropped "
+        f"{c['dropped']}; build {c['build_us_per_span']:.1f} us CPU a span, export "
+        f"{c['export_us_per_span'] or float('nan'):.1f} us; detach {c['detach_s']:.2f} s"
+    )
     t = s["training"]
-    print(f"spans (b): the training thread, every step traced (slow receiver: {t['slow_delay_s']} s a request):")
+    print(
+        f"spans (b): the training thread, every step traced (slow receiver: {t['slow_delay_s']} s a request):"
+    )
     for arm, v in t["arms"].items():
-        print(f"  {arm:8} step {v['step_ms']:.3f} ms (x{v['ratio']:.3f}), max {v['step_ms_max']:.2f} ms; "
-              f"optimizer.step max {v['opt_step_us_max'] / 1e3:.2f} ms; dropped {v['dropped']}"
-              + (f"; detach max {v['detach_s_max']:.2f} s, the exporter thread gone after (s; None: still there) "
-                 f"{[None if g is None else round(g, 3) for g in v['exporter_gone_s']]}" if arm != "noagent" else ""))  # fmt: skip
+        print(
+            f"  {arm:8} step {v['step_ms']:.3f} ms (x{v['ratio']:.3f}), max {v['step_ms_max']:.2f} ms; "
+            f"optimizer.step max {v['opt_step_us_max'] / 1e3:.2f} ms; dropped {v['dropped']}"
+            + (
+                f"; detach max {v['detach_s_max']:.2f} s, the exporter thread gone after (s; None: still there) "
+                f"{[None if g is None else round(g, 3) for g in v['exporter_gone_s']]}"
+                if arm != "noagent"
+                else ""
+            )
+        )
 
 
 # ------------------------------------------------------------------------------------ main
@@ -562,14 +722,22 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", 0) if a.device == "cuda" else torch.device("cpu")
         receiver = Receiver()
         try:
-            r["spans"] = {"capacity": measure_capacity(receiver, work, a.span_seconds),
-                          "training": measure_training(receiver, device, work, a.span_reps, a.arm_seconds,
-                                                       a.slow_delay)}  # fmt: skip
+            r["spans"] = {
+                "capacity": measure_capacity(receiver, work, a.span_seconds),
+                "training": measure_training(
+                    receiver, device, work, a.span_reps, a.arm_seconds, a.slow_delay
+                ),
+            }
         finally:
             receiver.close()
     finish(r, a.json)
     print(title(r, "component costs"))
-    for key, show in (("cpu", print_cpu), ("render", print_render), ("rss", print_rss), ("spans", print_spans)):
+    for key, show in (
+        ("cpu", print_cpu),
+        ("render", print_render),
+        ("rss", print_rss),
+        ("spans", print_spans),
+    ):
         if key in r:
             show(r[key])
     return 0

@@ -58,7 +58,9 @@ from benchmarks.tiny_gpt import PRESETS, TinyGPT
 GAP_S = 100e-6
 
 
-def attach(model: Any = None, optimizer: Any = None, schedule: Any = None, run_dir: str = "", **kw: Any) -> Any:
+def attach(
+    model: Any = None, optimizer: Any = None, schedule: Any = None, run_dir: str = "", **kw: Any
+) -> Any:
     import hpar_agent
 
     agent = hpar_agent.attach(model, optimizer=optimizer, run_dir=run_dir, **kw)
@@ -74,17 +76,30 @@ def micro(device: torch.device, microbatches: int) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1, device_id=device if device.type == "cuda" else None)  # fmt: skip
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=device if device.type == "cuda" else None,
+        )
     torch.manual_seed(0)
 
     def mlp() -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32)).to(device)
+        return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32)).to(
+            device
+        )
 
     model, pp_model = mlp(), mlp()
-    opt, pp_opt = torch.optim.SGD(model.parameters(), lr=1e-4), torch.optim.SGD(pp_model.parameters(), lr=1e-4)
-    sched = ScheduleGPipe(PipelineStage(pp_model, 0, 1, device), n_microbatches=microbatches,
-                          loss_fn=lambda out, y: (out - y).square().mean())  # fmt: skip
+    opt, pp_opt = (
+        torch.optim.SGD(model.parameters(), lr=1e-4),
+        torch.optim.SGD(pp_model.parameters(), lr=1e-4),
+    )
+    sched = ScheduleGPipe(
+        PipelineStage(pp_model, 0, 1, device),
+        n_microbatches=microbatches,
+        loss_fn=lambda out, y: (out - y).square().mean(),
+    )
     x = torch.randn(4 * microbatches, 32, device=device)
 
     held = {"model": model}
@@ -101,11 +116,20 @@ def micro(device: torch.device, microbatches: int) -> dict[str, Any]:
         pp_opt.step()
         pp_opt.zero_grad(set_to_none=True)
 
-    return {"model": model, "opt": opt, "step": step, "pp_model": pp_model, "pp_opt": pp_opt, "sched": sched,
-            "pp_step": pp_step}  # fmt: skip
+    return {
+        "model": model,
+        "opt": opt,
+        "step": step,
+        "pp_model": pp_model,
+        "pp_opt": pp_opt,
+        "sched": sched,
+        "pp_step": pp_step,
+    }
 
 
-def hook_blocks(m: dict[str, Any], rounds: int, per_block: int, detail_rate: str, work: str) -> dict[str, Any]:
+def hook_blocks(
+    m: dict[str, Any], rounds: int, per_block: int, detail_rate: str, work: str
+) -> dict[str, Any]:
     """Training-thread CPU per step of each arm in interleaved blocks (``detail_rate``: the agent's
     ``HPAR_DETAIL_RATE``), and each hook's cost: an arm minus the arm it adds to, pair by pair."""
     import hpar_agent
@@ -122,7 +146,7 @@ def hook_blocks(m: dict[str, Any], rounds: int, per_block: int, detail_rate: str
     cpu: dict[str, list[float]] = {a: [] for a in names}
     strides: set[Any] = set()
     for r in range(rounds):
-        for arm in names[r % len(names):] + names[:r % len(names)]:
+        for arm in names[r % len(names) :] + names[: r % len(names)]:
             step, attach_arm = arms[arm]
             with patched_env({"HPAR_DETAIL_RATE": detail_rate}):
                 agent = attach_arm(os.path.join(work, f"hooks-{detail_rate}-{r}-{arm}"))
@@ -154,10 +178,15 @@ def hook_blocks(m: dict[str, Any], rounds: int, per_block: int, detail_rate: str
     def cost(arm: str, base: str) -> dict[str, Any]:
         return ratio_stats([(a - b) * 1e6 for a, b in zip(cpu[arm], cpu[base], strict=True)])
 
-    return {"detail_rate": detail_rate, "strides": sorted(strides, key=str), "mark_us": mark_us,
-            "cpu_us": {a: statistics.median(v) * 1e6 for a, v in cpu.items()},
-            "optimizer_hooks_us": cost("optimizer", "off"), "module_hooks_us": cost("model", "optimizer"),
-            "pipeline_us": cost("pp_on", "pp_off")}  # fmt: skip
+    return {
+        "detail_rate": detail_rate,
+        "strides": sorted(strides, key=str),
+        "mark_us": mark_us,
+        "cpu_us": {a: statistics.median(v) * 1e6 for a, v in cpu.items()},
+        "optimizer_hooks_us": cost("optimizer", "off"),
+        "module_hooks_us": cost("model", "optimizer"),
+        "pipeline_us": cost("pp_on", "pp_off"),
+    }
 
 
 # ------------------------------------------------------------------------------------ 2. agent threads, 3. GIL
@@ -196,15 +225,23 @@ def probe(seconds: float, probe_s: float, step: Callable[[], None], clocks: list
             if t - last_t > GAP_S:
                 stalls.append((t - last_t, c - last_c, own - last_own))
             last_t, last_own, last_c = t, own, c
-    holds = [min(a, w) for w, a, _o in stalls if a > GAP_S]  # the agent's CPU while the training thread waited
-    return {"seconds": seconds, "stalls": len(stalls), "agent_holds": len(holds),
-            "agent_hold_ms": describe(holds, 1e3), "holds_over_1ms_per_s": sum(h > 1e-3 for h in holds) / seconds,
-            "own_ms": describe([o for w, a, o in stalls if a <= GAP_S and o >= 0.5 * w], 1e3),
-            "other_ms": describe([w for w, a, o in stalls if a <= GAP_S and o < 0.5 * w], 1e3)}  # fmt: skip
+    holds = [
+        min(a, w) for w, a, _o in stalls if a > GAP_S
+    ]  # the agent's CPU while the training thread waited
+    return {
+        "seconds": seconds,
+        "stalls": len(stalls),
+        "agent_holds": len(holds),
+        "agent_hold_ms": describe(holds, 1e3),
+        "holds_over_1ms_per_s": sum(h > 1e-3 for h in holds) / seconds,
+        "own_ms": describe([o for w, a, o in stalls if a <= GAP_S and o >= 0.5 * w], 1e3),
+        "other_ms": describe([w for w, a, o in stalls if a <= GAP_S and o < 0.5 * w], 1e3),
+    }
 
 
-def agent_threads(device: torch.device, seconds: float, probe_seconds: float, probe_ms: float,
-                  work: str) -> dict[str, Any]:  # fmt: skip
+def agent_threads(
+    device: torch.device, seconds: float, probe_seconds: float, probe_ms: float, work: str
+) -> dict[str, Any]:
     """The tiny GPT loop with the agent at its defaults: its threads' CPU over a window, then the probe."""
     import hpar_agent
 
@@ -233,21 +270,31 @@ def agent_threads(device: torch.device, seconds: float, probe_seconds: float, pr
         threads: dict[str, float] = {}
         for name, c in cpu1.items():
             threads[thread_group(name)] = threads.get(thread_group(name), 0.0) + c - cpu0.get(name, c)
-        by_clock = [clocks.clocks[n] for n in clocks.clocks if thread_group(n) in ("agent thread", "span exporter")]
+        by_clock = [
+            clocks.clocks[n] for n in clocks.clocks if thread_group(n) in ("agent thread", "span exporter")
+        ]
         gil = probe(probe_seconds, probe_ms / 1e3, step, by_clock)
     finally:
         hpar_agent.detach()
     per_step = {k: v for k, v in parts.items() if k.endswith(".on_step") or k == "tracing.export_step"}
     agent_cpu = threads.get("agent thread", 0.0)
-    return {"steps": steps, "window_s": wall, "steps_per_s": steps / wall, "step_ms": wall / steps * 1e3,
-            "training_thread_cpu_us_per_step": own / steps * 1e6, "detail_stride": stride,
-            "thread_cpu_ms_per_s": {k: v / wall * 1e3 for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
-            "thread_cpu_us_per_step": {k: v / steps * 1e6 for k, v in threads.items()},
-            "agent_parts_us_per_step": {k: v / steps * 1e6 for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
-            "agent_per_step_work_us": sum(per_step.values()) / steps * 1e6,
-            "span_building_us_per_step": parts.get("tracing.export_step", 0.0) / steps * 1e6,
-            "agent_per_pass_work_ms_per_s": (agent_cpu - sum(per_step.values())) / wall * 1e3,
-            "gil": gil}  # fmt: skip
+    return {
+        "steps": steps,
+        "window_s": wall,
+        "steps_per_s": steps / wall,
+        "step_ms": wall / steps * 1e3,
+        "training_thread_cpu_us_per_step": own / steps * 1e6,
+        "detail_stride": stride,
+        "thread_cpu_ms_per_s": {k: v / wall * 1e3 for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
+        "thread_cpu_us_per_step": {k: v / steps * 1e6 for k, v in threads.items()},
+        "agent_parts_us_per_step": {
+            k: v / steps * 1e6 for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+        },
+        "agent_per_step_work_us": sum(per_step.values()) / steps * 1e6,
+        "span_building_us_per_step": parts.get("tracing.export_step", 0.0) / steps * 1e6,
+        "agent_per_pass_work_ms_per_s": (agent_cpu - sum(per_step.values())) / wall * 1e3,
+        "gil": gil,
+    }
 
 
 # ------------------------------------------------------------------------------------ report
@@ -257,40 +304,63 @@ def print_report(r: dict[str, Any]) -> None:
         c = h["cpu_us"]
         st = sorted(x for x in h["strides"] if x is not None)
         stride = "-" if not st else str(st[0]) if len(st) == 1 else f"{st[0]}-{st[-1]}"
-        print(f"1. training-thread hooks, HPAR_DETAIL_RATE={h['detail_rate']} (detail stride {stride}); micro "
-              f"step {c['off']:.1f} us, pipeline step {c['pp_off']:.1f} us detached:")  # fmt: skip
-        for key, what in (("optimizer_hooks_us", "optimizer hooks + step marking (attach())"),
-                          ("module_hooks_us", "module/autograd hooks (attach(model) over attach())"),
-                          ("pipeline_us", f"pipeline step, {r['microbatches']} microbatches (attach(model) + "
-                                          "watch_pipeline over detached)")):  # fmt: skip
+        print(
+            f"1. training-thread hooks, HPAR_DETAIL_RATE={h['detail_rate']} (detail stride {stride}); micro "
+            f"step {c['off']:.1f} us, pipeline step {c['pp_off']:.1f} us detached:"
+        )
+        for key, what in (
+            ("optimizer_hooks_us", "optimizer hooks + step marking (attach())"),
+            ("module_hooks_us", "module/autograd hooks (attach(model) over attach())"),
+            (
+                "pipeline_us",
+                f"pipeline step, {r['microbatches']} microbatches (attach(model) + "
+                "watch_pipeline over detached)",
+            ),
+        ):
             st = h[key]
-            print(f"   {what:70} {st['median']:7.1f} us ({st['ci_lo']:.1f}-{st['ci_hi']:.1f}, {st['ci_coverage']:.0%})")
-        print(f"   {'of the optimizer hooks, step marking (StepCollector.mark() called directly)':70} {h['mark_us']:7.1f} us")
+            print(
+                f"   {what:70} {st['median']:7.1f} us ({st['ci_lo']:.1f}-{st['ci_hi']:.1f}, {st['ci_coverage']:.0%})"
+            )
+        print(
+            f"   {'of the optimizer hooks, step marking (StepCollector.mark() called directly)':70} {h['mark_us']:7.1f} us"
+        )
     t = r["threads"]
-    print(f"2. agent threads on the tiny GPT loop ({t['step_ms']:.2f} ms steps, {t['steps_per_s']:.1f} steps/s, "
-          f"{t['window_s']:.0f} s; detail stride {t['detail_stride']}); training thread {t['training_thread_cpu_us_per_step']:.0f} "
-          "us CPU a step")  # fmt: skip
+    print(
+        f"2. agent threads on the tiny GPT loop ({t['step_ms']:.2f} ms steps, {t['steps_per_s']:.1f} steps/s, "
+        f"{t['window_s']:.0f} s; detail stride {t['detail_stride']}); training thread {t['training_thread_cpu_us_per_step']:.0f} "
+        "us CPU a step"
+    )
     for name, ms in t["thread_cpu_ms_per_s"].items():
         print(f"   {name:20} {ms:7.2f} ms CPU per s = {t['thread_cpu_us_per_step'][name]:7.1f} us per step")
     parts = ", ".join(f"{k} {v:.1f}" for k, v in list(t["agent_parts_us_per_step"].items())[:8])
     print(f"   agent thread by part (us per step): {parts}")
     g = t["gil"]
     hold = g["agent_hold_ms"]
-    print(f"3. GIL holds seen by a pure-Python training thread ({g['seconds']:.0f} s): {g['agent_holds']} by the agent's "
-          f"threads, longest {hold.get('max', 0):.2f} ms, p99 {hold.get('p99', 0):.2f} ms, median "
-          f"{hold.get('median', 0):.2f} ms; {g['holds_over_1ms_per_s']:.2f} over 1 ms a second; own stalls (GC) max "
-          f"{g['own_ms'].get('max', 0):.2f} ms, descheduled max {g['other_ms'].get('max', 0):.2f} ms")  # fmt: skip
+    print(
+        f"3. GIL holds seen by a pure-Python training thread ({g['seconds']:.0f} s): {g['agent_holds']} by the agent's "
+        f"threads, longest {hold.get('max', 0):.2f} ms, p99 {hold.get('p99', 0):.2f} ms, median "
+        f"{hold.get('median', 0):.2f} ms; {g['holds_over_1ms_per_s']:.2f} over 1 ms a second; own stalls (GC) max "
+        f"{g['own_ms'].get('max', 0):.2f} ms, descheduled max {g['other_ms'].get('max', 0):.2f} ms"
+    )
     f = r["fixed"]
     train = f["optimizer_us"] + f["module_us"]
-    print(f"\nfixed cost per step at {f['rate']:.0f} steps/s ({1e3 / f['rate']:.0f} ms steps; one detailed in {f['stride']}):")
-    print(f"  training thread, on every step: {train:.1f} us = optimizer hooks {f['optimizer_us']:.1f} (step marking "
-          f"{f['mark_us']:.1f}) + module hooks {f['module_us']:.1f} (a detailed step {f['module_detailed_us']:.1f}); "
-          f"a watched pipeline's step {f['pipeline_us']:.1f}")  # fmt: skip
-    print(f"  agent threads, beside it:       agent thread {f['agent_thread_us']:.1f} us = per-step work "
-          f"{f['agent_per_step_us']:.1f} (span building {f['span_building_us']:.1f}; measured at one detailed in "
-          f"{f['window_stride']}) + per-pass work {f['agent_per_pass_us']:.1f}; span exporter {f['exporter_us']:.1f} us")  # fmt: skip
-    print(f"  GIL: the agent's threads held it from a waiting training thread {f['hold_max_ms']:.2f} ms at the "
-          f"longest (p99 {f['hold_p99_ms']:.2f} ms)")
+    print(
+        f"\nfixed cost per step at {f['rate']:.0f} steps/s ({1e3 / f['rate']:.0f} ms steps; one detailed in {f['stride']}):"
+    )
+    print(
+        f"  training thread, on every step: {train:.1f} us = optimizer hooks {f['optimizer_us']:.1f} (step marking "
+        f"{f['mark_us']:.1f}) + module hooks {f['module_us']:.1f} (a detailed step {f['module_detailed_us']:.1f}); "
+        f"a watched pipeline's step {f['pipeline_us']:.1f}"
+    )
+    print(
+        f"  agent threads, beside it:       agent thread {f['agent_thread_us']:.1f} us = per-step work "
+        f"{f['agent_per_step_us']:.1f} (span building {f['span_building_us']:.1f}; measured at one detailed in "
+        f"{f['window_stride']}) + per-pass work {f['agent_per_pass_us']:.1f}; span exporter {f['exporter_us']:.1f} us"
+    )
+    print(
+        f"  GIL: the agent's threads held it from a waiting training thread {f['hold_max_ms']:.2f} ms at the "
+        f"longest (p99 {f['hold_p99_ms']:.2f} ms)"
+    )
 
 
 def stride_at(rate: float, measured: int | None) -> int:
@@ -317,15 +387,24 @@ def fixed_cost(hooks: list[dict[str, Any]], t: dict[str, Any], rate: float) -> d
         return float(none[key]["median"] + (full[key]["median"] - none[key]["median"]) / stride)
 
     per_pass_us = t["agent_per_pass_work_ms_per_s"] * 1e3 / rate
-    return {"rate": rate, "stride": stride, "window_steps_per_s": t["steps_per_s"], "window_stride": t["detail_stride"],
-            "optimizer_us": avg("optimizer_hooks_us"), "module_us": avg("module_hooks_us"),
-            "mark_us": none["mark_us"] + (full["mark_us"] - none["mark_us"]) / stride,
-            "module_detailed_us": full["module_hooks_us"]["median"], "pipeline_us": avg("pipeline_us"),
-            "agent_per_step_us": t["agent_per_step_work_us"], "span_building_us": t["span_building_us_per_step"],
-            "agent_per_pass_us": per_pass_us, "agent_thread_us": t["agent_per_step_work_us"] + per_pass_us,
-            "exporter_us": t["thread_cpu_us_per_step"].get("span exporter", 0.0),
-            "hold_max_ms": t["gil"]["agent_hold_ms"].get("max", 0.0),
-            "hold_p99_ms": t["gil"]["agent_hold_ms"].get("p99", 0.0)}  # fmt: skip
+    return {
+        "rate": rate,
+        "stride": stride,
+        "window_steps_per_s": t["steps_per_s"],
+        "window_stride": t["detail_stride"],
+        "optimizer_us": avg("optimizer_hooks_us"),
+        "module_us": avg("module_hooks_us"),
+        "mark_us": none["mark_us"] + (full["mark_us"] - none["mark_us"]) / stride,
+        "module_detailed_us": full["module_hooks_us"]["median"],
+        "pipeline_us": avg("pipeline_us"),
+        "agent_per_step_us": t["agent_per_step_work_us"],
+        "span_building_us": t["span_building_us_per_step"],
+        "agent_per_pass_us": per_pass_us,
+        "agent_thread_us": t["agent_per_step_work_us"] + per_pass_us,
+        "exporter_us": t["thread_cpu_us_per_step"].get("span exporter", 0.0),
+        "hold_max_ms": t["gil"]["agent_hold_ms"].get("max", 0.0),
+        "hold_p99_ms": t["gil"]["agent_hold_ms"].get("p99", 0.0),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

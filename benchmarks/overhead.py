@@ -89,20 +89,113 @@ TINY_GPT = Path(__file__).resolve().parent / "tiny_gpt.py"
 #: ``block_skip`` of gpu: the first second after an attach (12 steps of ~84 ms) holds the agent's
 #: start-up and first pass, which a job pays once, when it attaches: the blocks keep the steady state.
 CONFIGS: dict[str, dict[str, Any]] = {
-    "cpu": {"nproc": 4, "steps": 16, "skip": 4, "block": 20, "block_skip": 3, "pairs": 10,
-            "args": ["--dp", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--compile", "aot_eager", "--layers", "4",
-                     "--dim", "64", "--heads", "4", "--seq-len", "32", "--global-batch", "16", "--device", "cpu"]},
-    "gpu": {"nproc": 1, "steps": 40, "skip": 10, "block": 30, "block_skip": 12, "pairs": 15,
-            "args": ["--compile", "inductor", "--dtype", "bf16", "--layers", "12", "--dim", "2048", "--heads", "16",
-                     "--seq-len", "1024", "--global-batch", "8", "--vocab", "8192", "--lr", "3e-4", "--device", "cuda"]},
-    "cpu-smoke": {"nproc": 1, "steps": 8, "skip": 3, "block": 6, "block_skip": 2, "pairs": 3,
-                  "args": ["--compile", "aot_eager", "--layers", "2", "--dim", "64", "--heads", "4", "--seq-len", "32",
-                           "--global-batch", "8", "--device", "cpu"]},
-    "short-cpu": {"nproc": 1, "steps": 400, "skip": 50, "block": 300, "block_skip": 30, "pairs": 20,
-                  "workload": "tiny_gpt", "args": ["--preset", "cpu"]},
-    "short-gpu": {"nproc": 1, "steps": 600, "skip": 50, "block": 300, "block_skip": 30, "pairs": 16,
-                  "workload": "tiny_gpt", "args": ["--preset", "gpu"]},
-}  # fmt: skip
+    "cpu": {
+        "nproc": 4,
+        "steps": 16,
+        "skip": 4,
+        "block": 20,
+        "block_skip": 3,
+        "pairs": 10,
+        "args": [
+            "--dp",
+            "1",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--schedule",
+            "1f1b",
+            "--compile",
+            "aot_eager",
+            "--layers",
+            "4",
+            "--dim",
+            "64",
+            "--heads",
+            "4",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "16",
+            "--device",
+            "cpu",
+        ],
+    },
+    "gpu": {
+        "nproc": 1,
+        "steps": 40,
+        "skip": 10,
+        "block": 30,
+        "block_skip": 12,
+        "pairs": 15,
+        "args": [
+            "--compile",
+            "inductor",
+            "--dtype",
+            "bf16",
+            "--layers",
+            "12",
+            "--dim",
+            "2048",
+            "--heads",
+            "16",
+            "--seq-len",
+            "1024",
+            "--global-batch",
+            "8",
+            "--vocab",
+            "8192",
+            "--lr",
+            "3e-4",
+            "--device",
+            "cuda",
+        ],
+    },
+    "cpu-smoke": {
+        "nproc": 1,
+        "steps": 8,
+        "skip": 3,
+        "block": 6,
+        "block_skip": 2,
+        "pairs": 3,
+        "args": [
+            "--compile",
+            "aot_eager",
+            "--layers",
+            "2",
+            "--dim",
+            "64",
+            "--heads",
+            "4",
+            "--seq-len",
+            "32",
+            "--global-batch",
+            "8",
+            "--device",
+            "cpu",
+        ],
+    },
+    "short-cpu": {
+        "nproc": 1,
+        "steps": 400,
+        "skip": 50,
+        "block": 300,
+        "block_skip": 30,
+        "pairs": 20,
+        "workload": "tiny_gpt",
+        "args": ["--preset", "cpu"],
+    },
+    "short-gpu": {
+        "nproc": 1,
+        "steps": 600,
+        "skip": 50,
+        "block": 300,
+        "block_skip": 30,
+        "pairs": 16,
+        "workload": "tiny_gpt",
+        "args": ["--preset", "gpu"],
+    },
+}
 FIXED_ARMS = ("off", "on", "aa", "profiler", "nccl")
 #: The inductor caches every run of the runs design shares (TORCHINDUCTOR_CACHE_DIR): the warm-up run
 #: compiles, the others load the FX graphs and AOT-autograd graphs it saved.
@@ -148,7 +241,9 @@ def parse_variants(specs: list[str]) -> dict[str, dict[str, str]]:
 
 def maybe_profiler(on: bool) -> contextlib.AbstractContextManager[Any]:
     """torch.profiler as users run it: CPU activities, plus CUDA when a GPU is present."""
-    acts = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * torch.cuda.is_available()
+    acts = [torch.profiler.ProfilerActivity.CPU] + [
+        torch.profiler.ProfilerActivity.CUDA
+    ] * torch.cuda.is_available()
     return torch.profiler.profile(activities=acts) if on else contextlib.nullcontext()
 
 
@@ -161,8 +256,15 @@ def run_cmd(cfg: dict[str, Any], arm: str, out: str, variants: dict[str, dict[st
         cmd = [py, str(TINY_GPT), *cfg["args"], "--steps", str(cfg["steps"]), "--out", out]
         return [py, "-m", "hpar_agent", "run", "--", *cmd] if on else cmd
     args = [*cfg["args"], "--steps", str(cfg["steps"]), "--log-every", "100000", "--out", out]
-    child = ["-m", "benchmarks.overhead", "--child", "profiler" if arm == "profiler" else "plain", "--",
-             *args, *([] if on else ["--no-agent"])]  # fmt: skip
+    child = [
+        "-m",
+        "benchmarks.overhead",
+        "--child",
+        "profiler" if arm == "profiler" else "plain",
+        "--",
+        *args,
+        *([] if on else ["--no-agent"]),
+    ]
     if cfg["nproc"] > 1:
         return [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg['nproc']}", *child]
     return [py, *child]
@@ -202,8 +304,14 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
     for i, (arm, pair) in enumerate(order):
         new_pair = i + 1 == len(order) or order[i + 1][1] != pair
         if twin:  # both jobs start block i together; the leader's --max-s ends both at a pair boundary
-            stop = bool(twin["leader"] and spec["max_s"] and i and pair >= 0 and pair != order[i - 1][1]
-                        and time.monotonic() - t_start > spec["max_s"])  # fmt: skip
+            stop = bool(
+                twin["leader"]
+                and spec["max_s"]
+                and i
+                and pair >= 0
+                and pair != order[i - 1][1]
+                and time.monotonic() - t_start > spec["max_s"]
+            )
             go = [twin_gate(twin, i, stop) if rank == 0 else None]
             dist.broadcast_object_list(go, src=0)  # outside the block's steps, in every arm alike
             if not go[0]:
@@ -212,8 +320,9 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
         env = arm_env(arm, os.path.join(spec["work"], f"agent{i}"), f"overhead-b{i}", variants) if on else {}
         with patched_env(env):  # a fresh job id a block: no stale cross-rank keys from the last attach
             if on:
-                trainer.agent = attach_observability(on_cfg, trainer.modules, trainer.optimizer, trainer.mesh,
-                                                     trainer.schedule)  # fmt: skip
+                trainer.agent = attach_observability(
+                    on_cfg, trainer.modules, trainer.optimizer, trainer.mesh, trainer.schedule
+                )
                 if trainer.agent is None:
                     raise RuntimeError("attaching the agent failed (see the log above)")
             try:
@@ -226,7 +335,7 @@ def run_blocks(spec: dict[str, Any], trainer_argv: list[str]) -> int:
                     trainer.agent = None
         blocks.append({"arm": arm, "pair": pair, "times": times, "cpu": cpu})
         if rank == 0:
-            med = statistics.median(times[spec["block_skip"]:])
+            med = statistics.median(times[spec["block_skip"] :])
             print(f"[block {i + 1}/{len(order)}] {arm:8} pair {pair:2}: step {med * 1e3:9.3f} ms", flush=True)
         if not twin and spec["max_s"] and pair >= 0 and new_pair:
             stop_now = [time.monotonic() - t_start > spec["max_s"]]  # rank 0 decides for every rank
@@ -276,8 +385,11 @@ def run_tiny_blocks(spec: dict[str, Any], argv: list[str]) -> None:
                 if on:
                     hpar_agent.detach()
         blocks.append({"arm": arm, "pair": pair, "times": times, "cpu": cpu})
-        print(f"[block {i + 1}/{len(order)}] {arm:8} pair {pair:2}: step "
-              f"{statistics.median(times[spec['block_skip']:]) * 1e3:9.3f} ms", flush=True)  # fmt: skip
+        print(
+            f"[block {i + 1}/{len(order)}] {arm:8} pair {pair:2}: step "
+            f"{statistics.median(times[spec['block_skip'] :]) * 1e3:9.3f} ms",
+            flush=True,
+        )
         last_of_pair = i + 1 == len(order) or order[i + 1][1] != pair
         if spec["max_s"] and pair >= 0 and last_of_pair and time.monotonic() - t_start > spec["max_s"]:
             print(f"--max-s {spec['max_s']:g} reached: stopping after pair {pair}", flush=True)
@@ -285,11 +397,26 @@ def run_tiny_blocks(spec: dict[str, Any], argv: list[str]) -> None:
     Path(spec["out"]).write_text(json.dumps({"blocks": blocks}))
 
 
-def torchrun_blocks(nproc: int, spec: dict[str, Any], argv: list[str], cpus: list[int] | None = None,
-                    ) -> subprocess.Popen[str]:  # fmt: skip
+def torchrun_blocks(
+    nproc: int,
+    spec: dict[str, Any],
+    argv: list[str],
+    cpus: list[int] | None = None,
+) -> subprocess.Popen[str]:
     """The blocks of ``spec`` under torchrun (every rank through ``--child-blocks``), on ``cpus`` when given."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "benchmarks.overhead", "--child-blocks", json.dumps(spec), "--", *argv]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "benchmarks.overhead",
+        "--child-blocks",
+        json.dumps(spec),
+        "--",
+        *argv,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True, preexec_fn=pin)
@@ -302,8 +429,15 @@ def wait_job(proc: subprocess.Popen[str], what: str) -> None:
 
 
 def blocks_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, work: str) -> dict[str, Any]:
-    spec = {"order": block_order(arms, cfg["pairs"], a.warm), "block": cfg["block"], "block_skip": cfg["block_skip"],
-            "work": work, "out": os.path.join(work, "blocks.json"), "max_s": a.max_s, "variants": a.variants}  # fmt: skip
+    spec = {
+        "order": block_order(arms, cfg["pairs"], a.warm),
+        "block": cfg["block"],
+        "block_skip": cfg["block_skip"],
+        "work": work,
+        "out": os.path.join(work, "blocks.json"),
+        "max_s": a.max_s,
+        "variants": a.variants,
+    }
     argv = [*cfg["args"], "--log-every", "1000000"]
     if cfg.get("workload") == "tiny_gpt":
         run_tiny_blocks(spec, cfg["args"])
@@ -312,8 +446,10 @@ def blocks_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, w
     else:
         wait_job(torchrun_blocks(cfg["nproc"], spec, argv), "block run")
     skip = cfg["block_skip"]
-    blocks = [{**b, "times": b["times"][skip:], "cpu": b["cpu"][skip:]}
-              for b in json.loads(Path(spec["out"]).read_text())["blocks"]]  # fmt: skip
+    blocks = [
+        {**b, "times": b["times"][skip:], "cpu": b["cpu"][skip:]}
+        for b in json.loads(Path(spec["out"]).read_text())["blocks"]
+    ]
     return summarize_runs(blocks, arms, "blocks")
 
 
@@ -326,14 +462,21 @@ def summarize_runs(runs: list[dict[str, Any]], arms: list[str], unit: str) -> di
         if r.get("cpu"):
             r["cpu_s"] = statistics.median(r["cpu"])
     aa = adjacent_aa(runs)
-    out = {"ratios": {**paired(runs, arms), **({"aa": ratio_stats(aa)} if aa else {})},
-           "aa_method": f"adjacent {unit} of the same arm at each pair boundary (the order reverses a pair)",
-           **pooled_p99_report([runs], arms),
-           "off_step_s_median": statistics.median(r["step_s"] for r in runs if r["arm"] == "off" and r["pair"] >= 0)
-           if any(r["arm"] == "off" and r["pair"] >= 0 for r in runs) else None,
-           "pairs_done": sum({r["arm"] for r in runs if r["pair"] == p} == set(arms)
-                             for p in {r["pair"] for r in runs if r["pair"] >= 0}),
-           unit: runs}  # fmt: skip
+    out = {
+        "ratios": {**paired(runs, arms), **({"aa": ratio_stats(aa)} if aa else {})},
+        "aa_method": f"adjacent {unit} of the same arm at each pair boundary (the order reverses a pair)",
+        **pooled_p99_report([runs], arms),
+        "off_step_s_median": statistics.median(
+            r["step_s"] for r in runs if r["arm"] == "off" and r["pair"] >= 0
+        )
+        if any(r["arm"] == "off" and r["pair"] >= 0 for r in runs)
+        else None,
+        "pairs_done": sum(
+            {r["arm"] for r in runs if r["pair"] == p} == set(arms)
+            for p in {r["pair"] for r in runs if r["pair"] >= 0}
+        ),
+        unit: runs,
+    }
     if unit == "blocks":
         out["train_cpu"] = paired(runs, arms, "cpu_s")
     else:
@@ -351,22 +494,47 @@ def run_order(arms: list[str], pairs: int) -> list[tuple[str, int]]:
 def one_run(cfg: dict[str, Any], arm: str, i: int, work: str, a: argparse.Namespace) -> dict[str, Any]:
     """One fresh run of ``arm``: its kept steps, their p99, and those over 1.5x their median."""
     out = os.path.join(work, f"run{i}-{arm}.json")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **INDUCTOR_CACHES, "TORCHINDUCTOR_CACHE_DIR": a.cache_dir,
-           **arm_env(arm, os.path.join(work, f"agent{i}"), f"overhead-{i}", a.variants)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        **INDUCTOR_CACHES,
+        "TORCHINDUCTOR_CACHE_DIR": a.cache_dir,
+        **arm_env(arm, os.path.join(work, f"agent{i}"), f"overhead-{i}", a.variants),
+    }
     t0 = time.perf_counter()
-    res = subprocess.run(run_cmd(cfg, arm, out, a.variants), env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=a.timeout, check=False)  # fmt: skip
+    res = subprocess.run(
+        run_cmd(cfg, arm, out, a.variants),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=a.timeout,
+        check=False,
+    )
     if res.returncode or not os.path.exists(out):
-        raise RuntimeError(f"{arm} run failed (rc {res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{arm} run failed (rc {res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+        )
     times = json.loads(Path(out).read_text())["step_times"]
-    kept = times[cfg["skip"]:] or times[-1:]
+    kept = times[cfg["skip"] :] or times[-1:]
     med = statistics.median(kept)
-    return {"arm": arm, "p99_s": p99(kept), "wall_s": time.perf_counter() - t0, "times": kept,
-            "long": [(k + cfg["skip"], round(t * 1e3, 1)) for k, t in enumerate(kept) if t > 1.5 * med]}  # fmt: skip
+    return {
+        "arm": arm,
+        "p99_s": p99(kept),
+        "wall_s": time.perf_counter() - t0,
+        "times": kept,
+        "long": [(k + cfg["skip"], round(t * 1e3, 1)) for k, t in enumerate(kept) if t > 1.5 * med],
+    }
 
 
-def runs_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, work: str, save: Any,
-                clock: Callable[[], float] | None = None) -> dict[str, Any]:  # fmt: skip
+def runs_design(
+    cfg: dict[str, Any],
+    arms: list[str],
+    a: argparse.Namespace,
+    work: str,
+    save: Any,
+    clock: Callable[[], float] | None = None,
+) -> dict[str, Any]:
     """``--warm`` short runs that fill the caches, then the pairs; ``save(result)`` after every run (a
     cut-off invocation keeps its figures)."""
     budget = PairBudget(a.max_s, clock or time.monotonic)
@@ -382,10 +550,13 @@ def runs_design(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, wor
             break
         runs.append({**one_run(cfg, arm, a.warm + i, work, a), "pair": pair})
         r, per_run, left = runs[-1], statistics.fmean(x["wall_s"] for x in runs), len(order) - i - 1
-        print(f"[{i + 1}/{len(order)}] {arm:8} pair {pair:2}: step {statistics.median(r['times']) * 1e3:8.2f} ms, "
-              f"p99 {r['p99_s'] * 1e3:8.2f} ms, run {r['wall_s']:5.1f} s (~{per_run:.0f} s a run; {left} runs left "
-              f"~{left * per_run / 60:.1f} min{'' if not a.max_s else f', budget {budget.left_s() / 60:.1f} min'}); "
-              f"long steps {r['long'][:5]}", flush=True)  # fmt: skip
+        print(
+            f"[{i + 1}/{len(order)}] {arm:8} pair {pair:2}: step {statistics.median(r['times']) * 1e3:8.2f} ms, "
+            f"p99 {r['p99_s'] * 1e3:8.2f} ms, run {r['wall_s']:5.1f} s (~{per_run:.0f} s a run; {left} runs left "
+            f"~{left * per_run / 60:.1f} min{'' if not a.max_s else f', budget {budget.left_s() / 60:.1f} min'}); "
+            f"long steps {r['long'][:5]}",
+            flush=True,
+        )
         result = summarize_runs([dict(x) for x in runs], arms, "runs")
         save(result)
     return result
@@ -401,16 +572,29 @@ def merge(paths: list[str]) -> dict[str, Any]:
         raise SystemExit("--merge takes results of one blocks or runs design")
     runs, offset = [], 0
     for source, d in enumerate(docs):
-        runs += [{**r, "pair": r["pair"] + offset if r["pair"] >= 0 else -1, "source": source} for r in d[unit]]
+        runs += [
+            {**r, "pair": r["pair"] + offset if r["pair"] >= 0 else -1, "source": source} for r in d[unit]
+        ]
         offset += max((r["pair"] for r in d[unit]), default=-1) + 1
-    head = {k: v for k, v in docs[0].items() if k not in (unit, "ratios", "p99_pooled", "p99_pooled_interval")}
-    return {**head, "merged": paths, "wall_s": sum(d["wall_s"] for d in docs),
-            **summarize_runs(runs, docs[0]["arms"], unit)}
+    head = {
+        k: v for k, v in docs[0].items() if k not in (unit, "ratios", "p99_pooled", "p99_pooled_interval")
+    }
+    return {
+        **head,
+        "merged": paths,
+        "wall_s": sum(d["wall_s"] for d in docs),
+        **summarize_runs(runs, docs[0]["arms"], unit),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ twin
-def twin_runs(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, halves: tuple[list[int], list[int]],
-              work: str) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:  # fmt: skip
+def twin_runs(
+    cfg: dict[str, Any],
+    arms: list[str],
+    a: argparse.Namespace,
+    halves: tuple[list[int], list[int]],
+    work: str,
+) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:
     """A warm-up slot, then slot after slot of two fresh jobs started together, one per half."""
     budget = PairBudget(a.max_s)
 
@@ -418,15 +602,30 @@ def twin_runs(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, halve
         outs = [os.path.join(work, f"{tag}-{h}.json") for h in HALVES]
         procs = []
         for arm, out, cpus, h in zip((arm_a, arm_b), outs, halves, HALVES, strict=True):
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                   **arm_env(arm, os.path.join(work, f"agent-{tag}-{h}"), f"twin-{tag}-{h}", a.variants)}  # fmt: skip
-            procs.append(subprocess.Popen(run_cmd(cfg, arm, out, a.variants), env=env, cwd=ROOT, text=True,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                          preexec_fn=functools.partial(os.sched_setaffinity, 0, cpus)))  # fmt: skip
+            env = {
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1",
+                **arm_env(arm, os.path.join(work, f"agent-{tag}-{h}"), f"twin-{tag}-{h}", a.variants),
+            }
+            procs.append(
+                subprocess.Popen(
+                    run_cmd(cfg, arm, out, a.variants),
+                    env=env,
+                    cwd=ROOT,
+                    text=True,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    preexec_fn=functools.partial(os.sched_setaffinity, 0, cpus),
+                )
+            )
         for proc, arm in zip(procs, (arm_a, arm_b), strict=True):
             wait_job(proc, f"{arm} job")
         same = common_seconds([json.loads(Path(o).read_text()) for o in outs], cfg["skip"])
-        return {h: {"median_s": statistics.median(t), "p99_s": p99(t), "times": t} for h, t in zip(HALVES, same, strict=True)}
+        return {
+            h: {"median_s": statistics.median(t), "p99_s": p99(t), "times": t}
+            for h, t in zip(HALVES, same, strict=True)
+        }
 
     slot("on", "off", "warm")
     slots: list[dict[str, Any]] = []
@@ -437,34 +636,62 @@ def twin_runs(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, halve
         t = time.monotonic()
         slots.append({"a": arm_a, "b": arm_b, "pair": pair, **slot(arm_a, arm_b, f"s{i}")})
         s = slots[-1]
-        print(f"[slot {i + 1}/{len(order)}] pair {pair:2}: A {arm_a:6} {s['A']['median_s'] * 1e3:8.2f} ms, B {arm_b:6} "
-              f"{s['B']['median_s'] * 1e3:8.2f} ms ({time.monotonic() - t:4.1f} s)", flush=True)
+        print(
+            f"[slot {i + 1}/{len(order)}] pair {pair:2}: A {arm_a:6} {s['A']['median_s'] * 1e3:8.2f} ms, B {arm_b:6} "
+            f"{s['B']['median_s'] * 1e3:8.2f} ms ({time.monotonic() - t:4.1f} s)",
+            flush=True,
+        )
     jobs = [[{"arm": s[h.lower()], "pair": s["pair"], "times": s[h]["times"]} for s in slots] for h in HALVES]
     return slots, jobs
 
 
-def twin_blocks(cfg: dict[str, Any], arms: list[str], a: argparse.Namespace, halves: tuple[list[int], list[int]],
-                work: str) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:  # fmt: skip
+def twin_blocks(
+    cfg: dict[str, Any],
+    arms: list[str],
+    a: argparse.Namespace,
+    halves: tuple[list[int], list[int]],
+    work: str,
+) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:
     """Two long-lived jobs, one per half, running blocks in lockstep (``twin_gate``)."""
     order = [(arm, "off" if arm != "off" else "on", -1) for _ in range(a.warm) for arm in ("on", "off")]
     order += slot_order(arms, cfg["pairs"])
     gate = os.path.join(work, "gate")
     os.makedirs(gate)
-    specs = [{"order": [(o[col], o[2]) for o in order], "block": cfg["block"], "block_skip": cfg["block_skip"],
-              "work": os.path.join(work, h), "out": os.path.join(work, f"blocks-{h}.json"),
-              "max_s": a.max_s if h == "A" else 0, "variants": a.variants,
-              "twin": {"dir": gate, "me": h, "other": "B" if h == "A" else "A", "leader": h == "A"}}
-             for h, col in zip(HALVES, (0, 1), strict=True)]  # fmt: skip
+    specs = [
+        {
+            "order": [(o[col], o[2]) for o in order],
+            "block": cfg["block"],
+            "block_skip": cfg["block_skip"],
+            "work": os.path.join(work, h),
+            "out": os.path.join(work, f"blocks-{h}.json"),
+            "max_s": a.max_s if h == "A" else 0,
+            "variants": a.variants,
+            "twin": {"dir": gate, "me": h, "other": "B" if h == "A" else "A", "leader": h == "A"},
+        }
+        for h, col in zip(HALVES, (0, 1), strict=True)
+    ]
     argv = [*cfg["args"], "--log-every", "1000000"]
     procs = [torchrun_blocks(cfg["nproc"], s, argv, cpus) for s, cpus in zip(specs, halves, strict=True)]
     for proc, h in zip(procs, HALVES, strict=True):
         wait_job(proc, f"twin job {h}")
     blocks = [json.loads(Path(s["out"]).read_text())["blocks"] for s in specs]
     skip = cfg["block_skip"]
-    slots = [{"a": ba["arm"], "b": bb["arm"], "pair": ba["pair"],
-              **{h: {"median_s": statistics.median(b["times"][skip:]), "cpu_s": statistics.median(b["cpu"][skip:])}
-                 for h, b in zip(HALVES, (ba, bb), strict=True)}}
-             for ba, bb in zip(*blocks, strict=False) if ba["pair"] >= 0]  # fmt: skip
+    slots = [
+        {
+            "a": ba["arm"],
+            "b": bb["arm"],
+            "pair": ba["pair"],
+            **{
+                h: {
+                    "median_s": statistics.median(b["times"][skip:]),
+                    "cpu_s": statistics.median(b["cpu"][skip:]),
+                }
+                for h, b in zip(HALVES, (ba, bb), strict=True)
+            },
+        }
+        for ba, bb in zip(*blocks, strict=False)
+        if ba["pair"] >= 0
+    ]
     return slots, [[{**b, "times": b["times"][skip:]} for b in job] for job in blocks]
 
 
@@ -480,10 +707,14 @@ def resolve_config(name: str, a: argparse.Namespace) -> dict[str, Any]:
 
 def print_report(r: dict[str, Any]) -> None:
     off = r.get("off_step_s_median")
-    print(f"\nconfig {r['config']}, design {r['design']} ({r['nproc']} rank(s), torch {r['torch']}, {r['device']}, "
-          f"{r['cpu_count']} CPUs); off step median {off * 1e3 if off else float('nan'):.3f} ms; {r['pairs_done']} "
-          f"pairs in {r['wall_s']:.0f} s")  # fmt: skip
-    print("step time over off, per pair (median, order-statistic interval (coverage), mean +- sem, min, max):")
+    print(
+        f"\nconfig {r['config']}, design {r['design']} ({r['nproc']} rank(s), torch {r['torch']}, {r['device']}, "
+        f"{r['cpu_count']} CPUs); off step median {off * 1e3 if off else float('nan'):.3f} ms; {r['pairs_done']} "
+        f"pairs in {r['wall_s']:.0f} s"
+    )
+    print(
+        "step time over off, per pair (median, order-statistic interval (coverage), mean +- sem, min, max):"
+    )
     for arm, st in r["ratios"].items():
         print("  " + stats_line(arm, st))
     if r.get("aa_method"):
@@ -491,8 +722,10 @@ def print_report(r: dict[str, Any]) -> None:
     for arm, v in r.get("p99_pooled", {}).items():
         lo, hi = r.get("p99_pooled_interval", {}).get(arm, (float("nan"),) * 2)
         per_pair = r.get("p99_pair_ratios", {}).get(arm)
-        print(f"  p99 of every kept step {arm:10} {v:.4f}x off (pairs resampled {lo:.4f}-{hi:.4f})"
-              + (f"; the pairs' p99 ratios: median {per_pair['median']:.4f}" if per_pair else ""))  # fmt: skip
+        print(
+            f"  p99 of every kept step {arm:10} {v:.4f}x off (pairs resampled {lo:.4f}-{hi:.4f})"
+            + (f"; the pairs' p99 ratios: median {per_pair['median']:.4f}" if per_pair else "")
+        )
     for arm, st in r.get("train_cpu", {}).items():
         print("  training thread's CPU per step " + stats_line(arm, st))
 
@@ -500,23 +733,49 @@ def print_report(r: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=[c for c in CONFIGS if c != "cpu-smoke"], default="cpu")
-    ap.add_argument("--cpu-smoke", action="store_true", help="the gpu configuration's path on CPU, a tiny model")
-    ap.add_argument("--design", choices=("blocks", "runs"), default=None, help="default: blocks (short-*: runs)")
-    ap.add_argument("--twin", action="store_true", help="two jobs side by side on the core halves (torchrun configs)")
+    ap.add_argument(
+        "--cpu-smoke", action="store_true", help="the gpu configuration's path on CPU, a tiny model"
+    )
+    ap.add_argument(
+        "--design", choices=("blocks", "runs"), default=None, help="default: blocks (short-*: runs)"
+    )
+    ap.add_argument(
+        "--twin", action="store_true", help="two jobs side by side on the core halves (torchrun configs)"
+    )
     ap.add_argument("--pairs", type=int, default=0, help="pairs after warm-up (default per config)")
-    ap.add_argument("--max-s", type=float, default=0.0, help="no pair starts that would end past this (0: all pairs)")
+    ap.add_argument(
+        "--max-s", type=float, default=0.0, help="no pair starts that would end past this (0: all pairs)"
+    )
     ap.add_argument("--block", type=int, default=0, help="blocks: steps per block (default per config)")
     ap.add_argument("--block-skip", type=int, default=-1, help="blocks: steps left out of a block's median")
     ap.add_argument("--steps", type=int, default=0, help="runs: steps per run (default per config)")
     ap.add_argument("--skip", type=int, default=-1, help="runs: steps left out of a run's median")
-    ap.add_argument("--warm", type=int, default=-1, help="warm-up (blocks: rounds of every arm, 2; runs: short on runs, 1)")
+    ap.add_argument(
+        "--warm",
+        type=int,
+        default=-1,
+        help="warm-up (blocks: rounds of every arm, 2; runs: short on runs, 1)",
+    )
     ap.add_argument("--no-aa", action="store_true", help="twin: leave the A/A pairs out")
     ap.add_argument("--profiler", action="store_true", help="add a torch.profiler arm")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:K=V,...",
-                    help="an arm running the agent with these settings over its defaults (repeatable)")
-    ap.add_argument("--nproc", type=int, default=0, help="ranks (default per config; > 1 runs under torchrun)")
-    ap.add_argument("--extra", default="", help="more workload arguments (later ones win), e.g. '--dp 2 --tp 2'")
-    ap.add_argument("--cache-dir", default=None, help="runs: every run's TORCHINDUCTOR_CACHE_DIR (default: the variable's, else a new one)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:K=V,...",
+        help="an arm running the agent with these settings over its defaults (repeatable)",
+    )
+    ap.add_argument(
+        "--nproc", type=int, default=0, help="ranks (default per config; > 1 runs under torchrun)"
+    )
+    ap.add_argument(
+        "--extra", default="", help="more workload arguments (later ones win), e.g. '--dp 2 --tp 2'"
+    )
+    ap.add_argument(
+        "--cache-dir",
+        default=None,
+        help="runs: every run's TORCHINDUCTOR_CACHE_DIR (default: the variable's, else a new one)",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run or job")
     ap.add_argument("--json", default=None, help="write the results here (runs: after every run)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="pool the pairs of these results (one design)")
@@ -540,17 +799,27 @@ def main(argv: list[str] | None = None) -> int:
     a.variants = parse_variants(a.variant)
     a.warm = a.warm if a.warm >= 0 else (1 if design == "runs" or a.twin else 2)
     work = tempfile.mkdtemp(prefix="hpar-overhead-")
-    a.cache_dir = a.cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(work, "inductor-cache")
+    a.cache_dir = (
+        a.cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(work, "inductor-cache")
+    )
     arms = ["off", "on"] + (["profiler"] if a.profiler else [])
     arms += ["aa"] if a.twin and not a.no_aa else []  # blocks and runs: adjacent blocks or runs of one arm
     arms += list(a.variants) + (["nccl"] if name == "gpu" and design == "runs" and cfg["nproc"] > 1 else [])
     t_start = time.time()
-    head: dict[str, Any] = {"config": name, "design": ("twin-" if a.twin else "") + design, "workload_args": cfg["args"],
-            "nproc": cfg["nproc"], "arms": arms, "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and "cpu" not in name else "cpu",
-            "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d", time.gmtime(t_start)),
-            "command": "python -m benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:]),
-            **{k: cfg[k] for k in ("steps", "skip", "block", "block_skip") if k in cfg}, "warm": a.warm}  # fmt: skip
+    head: dict[str, Any] = {
+        "config": name,
+        "design": ("twin-" if a.twin else "") + design,
+        "workload_args": cfg["args"],
+        "nproc": cfg["nproc"],
+        "arms": arms,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() and "cpu" not in name else "cpu",
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime(t_start)),
+        "command": "python -m benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        **{k: cfg[k] for k in ("steps", "skip", "block", "block_skip") if k in cfg},
+        "warm": a.warm,
+    }
 
     def save(body: dict[str, Any]) -> dict[str, Any]:
         result = {**head, "wall_s": time.time() - t_start, **body}
@@ -561,10 +830,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.twin:
         halves = core_halves(sorted(os.sched_getaffinity(0)))
         slots, jobs = (twin_runs if design == "runs" else twin_blocks)(cfg, arms, a, halves, work)
-        body = {"ratios": twin_estimates(slots), **pooled_p99_report(jobs, arms), "halves": halves,
-                "pairs_done": len({s["pair"] for s in slots}), "slots": slots,
-                "off_step_s_median": statistics.median(s[h]["median_s"] for s in slots for h in HALVES
-                                                        if s[h.lower()] == "off")}  # fmt: skip
+        body = {
+            "ratios": twin_estimates(slots),
+            **pooled_p99_report(jobs, arms),
+            "halves": halves,
+            "pairs_done": len({s["pair"] for s in slots}),
+            "slots": slots,
+            "off_step_s_median": statistics.median(
+                s[h]["median_s"] for s in slots for h in HALVES if s[h.lower()] == "off"
+            ),
+        }
         if design == "blocks":
             body["train_cpu"] = twin_estimates(slots, "cpu_s")
     elif design == "blocks":
@@ -579,5 +854,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         sys.exit(child(sys.argv[2:]))
     if sys.argv[1:2] == ["--child-blocks"]:
-        sys.exit(run_blocks(json.loads(sys.argv[2]), sys.argv[4:] if sys.argv[3:4] == ["--"] else sys.argv[3:]))
+        sys.exit(
+            run_blocks(json.loads(sys.argv[2]), sys.argv[4:] if sys.argv[3:4] == ["--"] else sys.argv[3:])
+        )
     sys.exit(main())

@@ -56,10 +56,33 @@ from testkit.otlp_receiver import HttpReceiver
 from testkit.ports import free_base_port
 
 TRAINER_ARGS = [
-    "--dp", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "2",
-    "--global-batch", "4", "--seq-len", "16", "--layers", "2", "--dim", "32", "--heads", "2", "--vocab", "64",
-    "--compile", "none", "--device", "cpu",
-]  # fmt: skip
+    "--dp",
+    "1",
+    "--tp",
+    "2",
+    "--pp",
+    "2",
+    "--schedule",
+    "1f1b",
+    "--microbatches",
+    "2",
+    "--global-batch",
+    "4",
+    "--seq-len",
+    "16",
+    "--layers",
+    "2",
+    "--dim",
+    "32",
+    "--heads",
+    "2",
+    "--vocab",
+    "64",
+    "--compile",
+    "none",
+    "--device",
+    "cpu",
+]
 
 
 class CountingReceiver(HttpReceiver):
@@ -224,7 +247,9 @@ def analyse(samples: list[dict[str, Any]], nproc: int, warmup: int, calib: float
         threads = [x.get("threads", 0) for x in after]
         fds = [x.get("fds", 0) for x in after]
         rss_slope = fit(steps, rss) or 0.0
-        robust = theil_sen_slope(list(zip(steps, rss, strict=True)))  # RSS dips now and then: a median ignores them
+        robust = theil_sen_slope(
+            list(zip(steps, rss, strict=True))
+        )  # RSS dips now and then: a median ignores them
         thr_slope = fit(steps, threads) or 0.0
         out[str(r)] = {
             "rss_source": "/proc VmRSS",
@@ -316,14 +341,16 @@ def main(argv: list[str] | None = None) -> int:
         flap_thread = threading.Thread(
             target=flapper, args=(receiver, a.flap_down, a.flap_up, stop, flaps), name="flapper", daemon=True
         )
-        env.update({
-            "HPAR_METRICS_PORT": str(base),
-            "HPAR_METRICS_ADDR": "127.0.0.1",
-            "HPAR_METRICS_PORT_FALLBACK": "0",
-            "HPAR_TRACE_EVERY": str(a.trace_every),
-            "HPAR_TRACES": "otlp",
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
-        })  # fmt: skip
+        env.update(
+            {
+                "HPAR_METRICS_PORT": str(base),
+                "HPAR_METRICS_ADDR": "127.0.0.1",
+                "HPAR_METRICS_PORT_FALLBACK": "0",
+                "HPAR_TRACE_EVERY": str(a.trace_every),
+                "HPAR_TRACES": "otlp",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
+            }
+        )
     else:
         args.append("--no-agent")
     log_path = run_dir / "torchrun.log"

@@ -87,7 +87,10 @@ def _fr_window(dims: dict[str, int], n: int = 256) -> list[dict[str, Any]]:
                 per_step.append(("dp_shard", "_allgather_base", [[14848]]))
     for _block in range(4):
         if dims.get("dp_shard", 1) > 1:
-            per_step += [("dp_shard", "_reduce_scatter_base", [[14848]]), ("dp_replicate", "all_reduce", [[1856]])]
+            per_step += [
+                ("dp_shard", "_reduce_scatter_base", [[14848]]),
+                ("dp_replicate", "all_reduce", [[1856]]),
+            ]
     if "dp" in dims:
         per_step.append(("dp", "all_reduce", [[118016]]))
     out: list[dict[str, Any]] = []
@@ -97,8 +100,18 @@ def _fr_window(dims: dict[str, int], n: int = 256) -> list[dict[str, Any]]:
         for pg, op, sizes in per_step:
             t += 1_500_000 + (len(out) * 7919) % 900_000  # 1.5-2.4 ms apart
             seq[pg] = seq.get(pg, 0) + 1
-            out.append({"pg": pg, "seq": seq[pg], "op": op, "is_p2p": False, "record_id": len(out),
-                        "input_sizes": sizes, "input_dtypes": ["Float"], "time_created_ns": t})  # fmt: skip
+            out.append(
+                {
+                    "pg": pg,
+                    "seq": seq[pg],
+                    "op": op,
+                    "is_p2p": False,
+                    "record_id": len(out),
+                    "input_sizes": sizes,
+                    "input_dtypes": ["Float"],
+                    "time_created_ns": t,
+                }
+            )
     return out[-n:]
 
 
@@ -121,8 +134,19 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
     from hpar_agent.topology import Topology
     from hpar_trainer.model import ModelArgs, build_model
 
-    held = {name: getattr(Component, name) for name in ("install", "uninstall", "poll", "step_hook", "on_step",
-                                                         "collect", "span_watermark_ns", "summary")}  # fmt: skip
+    held = {
+        name: getattr(Component, name)
+        for name in (
+            "install",
+            "uninstall",
+            "poll",
+            "step_hook",
+            "on_step",
+            "collect",
+            "span_watermark_ns",
+            "summary",
+        )
+    }
 
     def holding(cls: type[Component], **state: Any) -> Component:
         """The real collector class, installing and polling nothing: it holds ``state``."""
@@ -134,7 +158,9 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
 
     dims = dict(LAYOUTS[layout](n))
     torch.manual_seed(0)
-    model = build_model(ModelArgs(vocab=128, dim=64, heads=4, layers=4, seq_len=32), seed=0)  # the trainer's default
+    model = build_model(
+        ModelArgs(vocab=128, dim=64, heads=4, layers=4, seq_len=32), seed=0
+    )  # the trainer's default
     with torch.no_grad():  # trained weights: norms and biases off their round initial values, as a run's are
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 1e-3)
@@ -142,22 +168,44 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
     tp_sharded = (".attn.w", ".mlp.w")  # what the trainer's TP plan shards (colwise/rowwise)
     replicated = [p for name, p in model.named_parameters() if not any(s in name for s in tp_sharded)]
     dp = dims.get("dp", dims.get("dp_replicate", 1) * dims.get("dp_shard", 1))
-    topo = Topology(rank=0, world_size=n, job_id="bench", dp=dp, tp=tp, pp=dims.get("pp", 1),
-                    dp_replicate=dims.get("dp_replicate", dp if "dp" in dims else 1), dp_shard=dims.get("dp_shard", 1))  # fmt: skip
+    topo = Topology(
+        rank=0,
+        world_size=n,
+        job_id="bench",
+        dp=dp,
+        tp=tp,
+        pp=dims.get("pp", 1),
+        dp_replicate=dims.get("dp_replicate", dp if "dp" in dims else 1),
+        dp_shard=dims.get("dp_shard", 1),
+    )
     run_dir = tempfile.mkdtemp(prefix="hpar-store-load-")
     agent = Agent(model, metrics_port=-1, traces="none", run_dir=run_dir)
     agent.topology = topo
     agent.families = Families(["0", "0"])
     gen = torch.Generator().manual_seed(0)  # tp gradient samples as a run's: signed, full-precision floats
-    samples = {s: [(torch.randn(len(replicated), generator=gen, dtype=torch.float64) * 1e-2).tolist()
-                   for _ in range(2)] for s in (1, 11, 21)} if tp > 1 else {}  # fmt: skip
+    samples = (
+        {
+            s: [
+                (torch.randn(len(replicated), generator=gen, dtype=torch.float64) * 1e-2).tolist()
+                for _ in range(2)
+            ]
+            for s in (1, 11, 21)
+        }
+        if tp > 1
+        else {}
+    )
     window = _fr_window(dims)
     last = {e["pg"]: e["seq"] for e in window}  # each group's last collective, entered and completed
-    for comp in (holding(StepCollector, count=STEPS, total=STEPS, last_step_ts=time.time(), durations=[0.3] * 8),
-                 holding(CompileCollector, fingerprint=1022026788184957),
-                 holding(CollectiveCollector, recent_entries=deque(window, maxlen=2048),
-                         pgs={pg: PgState(last_enqueued=seq, last_completed=seq) for pg, seq in last.items()}),
-                 holding(GradSyncCollector, tp_samples=samples)):  # fmt: skip
+    for comp in (
+        holding(StepCollector, count=STEPS, total=STEPS, last_step_ts=time.time(), durations=[0.3] * 8),
+        holding(CompileCollector, fingerprint=1022026788184957),
+        holding(
+            CollectiveCollector,
+            recent_entries=deque(window, maxlen=2048),
+            pgs={pg: PgState(last_enqueued=seq, last_completed=seq) for pg, seq in last.items()},
+        ),
+        holding(GradSyncCollector, tp_samples=samples),
+    ):
         agent.add_component(comp)
     det = DetectorsComponent(exchange=Exchange(HashStore(), "bench", 0))
     agent.add_component(det)
@@ -165,10 +213,14 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
     assert rep is not None
     rep.sampler.plan = rep.sampler._make_plan(model)
     if tp > 1:  # the trainer's TP-sharded weights hold shard "tp=<rank>"
-        rep.sampler.plan = [(nm, p, "tp=0" if any(s in nm for s in tp_sharded) else k) for nm, p, k in rep.sampler.plan]
+        rep.sampler.plan = [
+            (nm, p, "tp=0" if any(s in nm for s in tp_sharded) else k) for nm, p, k in rep.sampler.plan
+        ]
     for step in (10, 20, STEPS):
         rep.sampler.capture(model, step)
-    parts = payload(det.feed.snapshot(agent.context, time.time()), det.detectors)  # the step collector's STEPS
+    parts = payload(
+        det.feed.snapshot(agent.context, time.time()), det.detectors
+    )  # the step collector's STEPS
     assert agent.errors == {}, agent.errors
     return json.loads(json.dumps(parts))
 
@@ -191,8 +243,9 @@ class _Rank:
         import torch.distributed as dist
 
         self.rank = rank
-        self.store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=300))  # fmt: skip
+        self.store = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=300)
+        )
         self.ex: Any = None
         self.wants: dict[str, list[int]] = {}
         self.ages: dict[str, float] = {}
@@ -248,7 +301,9 @@ def _server(port_q: Any, nice: int, stop: Any) -> None:
     import torch.distributed as dist
 
     _renice(nice)
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
+    )
     port_q.put(server.port)
     stop.wait()
 
@@ -262,8 +317,9 @@ def _cpu_s(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _worker(port: int, ranks: list[list[int]], nice: int, commands: Any, barrier: Any, start_at: Any,
-            results: Any) -> None:  # fmt: skip
+def _worker(
+    port: int, ranks: list[list[int]], nice: int, commands: Any, barrier: Any, start_at: Any, results: Any
+) -> None:
     """One process of simulated ranks: a thread per list of ``ranks`` (a store client per rank; a
     thread's ranks go one after the other). Every phase of a case is bracketed by ``barrier`` (shared
     with the coordinator); in it, every rank starts its operation at the instant ``start_at`` (plus its
@@ -312,7 +368,9 @@ def _worker(port: int, ranks: list[list[int]], nice: int, commands: Any, barrier
         for g in gates:
             g.release()
 
-    threads = [threading.Thread(target=loop, args=(r, g), daemon=True) for r, g in zip(ranks, gates, strict=True)]
+    threads = [
+        threading.Thread(target=loop, args=(r, g), daemon=True) for r, g in zip(ranks, gates, strict=True)
+    ]
     for t in threads:
         t.start()
     finished.wait()  # every client connected
@@ -326,8 +384,13 @@ def _worker(port: int, ranks: list[list[int]], nice: int, commands: Any, barrier
             release()
             finished.wait()
             barrier.wait()
-        results.put({"out": sum(s.ex.bytes_out for s in sims), "in": sum(s.ex.bytes_in for s in sims),
-                     "errors": state["errors"]})  # fmt: skip
+        results.put(
+            {
+                "out": sum(s.ex.bytes_out for s in sims),
+                "in": sum(s.ex.bytes_in for s in sims),
+                "errors": state["errors"],
+            }
+        )
     now.clear()
     release()
     for t in threads:
@@ -339,7 +402,9 @@ def _prober(port: int, nice: int, ready: Any, stop: Any, results: Any) -> None:
     import torch.distributed as dist
 
     _renice(nice)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=300))
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=300)
+    )
     out = []
     ready.set()
     while not stop.is_set():
@@ -370,15 +435,22 @@ class Ranks:
         per = math.ceil(n / min(n, threads))  # ranks a thread goes through one after the other
         lists = [list(range(n))[i : i + per] for i in range(0, n, per)]
         self.concurrency = len(lists)
-        self.workers = [ctx.Process(target=_worker, args=(port, lists[i::procs], nice, q, self.barrier,
-                                                          self.start_at, self.results), daemon=True)
-                        for i, q in enumerate(self.commands)]  # fmt: skip
+        self.workers = [
+            ctx.Process(
+                target=_worker,
+                args=(port, lists[i::procs], nice, q, self.barrier, self.start_at, self.results),
+                daemon=True,
+            )
+            for i, q in enumerate(self.commands)
+        ]
         for w in self.workers:
             w.start()
         self.barrier.wait()  # every rank's client connected
         self.probes = ctx.Queue()
         ready = ctx.Event()
-        self.prober = ctx.Process(target=_prober, args=(port, store_nice, ready, self.stop, self.probes), daemon=True)
+        self.prober = ctx.Process(
+            target=_prober, args=(port, store_nice, ready, self.stop, self.probes), daemon=True
+        )
         self.prober.start()
         ready.wait(300)
         self.cases: list[tuple[dict[str, Any], dict[str, list[tuple[float, float]]]]] = []
@@ -392,8 +464,16 @@ class Ranks:
         for part in parts.values():
             merged.update(part)
         self.job += 1
-        case = {"job": f"bench{self.job}", "layout": layout, "n": self.n, "scheme": scheme, "parts": parts,
-                "merged": merged, "rounds": rounds, "cadence": cad}  # fmt: skip
+        case = {
+            "job": f"bench{self.job}",
+            "layout": layout,
+            "n": self.n,
+            "scheme": scheme,
+            "parts": parts,
+            "merged": merged,
+            "rounds": rounds,
+            "cadence": cad,
+        }
         spans: dict[str, list[tuple[float, float]]] = {"idle": [], "publish": [], "read": [], "other": []}
         cpu = 0.0  # the store's CPU seconds in the publish and read phases
         idle_from: float | None = time.time()
@@ -418,10 +498,20 @@ class Ranks:
                 idle_from = t1
                 time.sleep(IDLE_S)
         totals = [self.results.get(timeout=300) for _ in self.workers]
-        out = {"layout": layout, "ranks": self.n, "scheme": scheme, "rounds": rounds, "spread": _spread(cad, spread),
-               "window_s": cad.window_s, "polls": cad.polls, "threads": self.concurrency,
-               "out": sum(t["out"] for t in totals), "in": sum(t["in"] for t in totals), "store_cpu_s": cpu,
-               "errors": sum(t["errors"] for t in totals)}  # fmt: skip
+        out = {
+            "layout": layout,
+            "ranks": self.n,
+            "scheme": scheme,
+            "rounds": rounds,
+            "spread": _spread(cad, spread),
+            "window_s": cad.window_s,
+            "polls": cad.polls,
+            "threads": self.concurrency,
+            "out": sum(t["out"] for t in totals),
+            "in": sum(t["in"] for t in totals),
+            "store_cpu_s": cpu,
+            "errors": sum(t["errors"] for t in totals),
+        }
         self.cases.append((out, spans))
         return out
 
@@ -436,8 +526,9 @@ class Ranks:
         return [_figures(case, spans, probes) for case, spans in self.cases]
 
 
-def _figures(case: dict[str, Any], spans: dict[str, list[tuple[float, float]]],
-             probes: list[tuple[float, float]]) -> dict[str, Any]:  # fmt: skip
+def _figures(
+    case: dict[str, Any], spans: dict[str, list[tuple[float, float]]], probes: list[tuple[float, float]]
+) -> dict[str, Any]:
     def within(kind: str) -> list[float]:
         return [dt for t, dt in probes if any(a <= t <= b for a, b in spans[kind])]
 
@@ -448,13 +539,17 @@ def _figures(case: dict[str, Any], spans: dict[str, list[tuple[float, float]]],
     during = within("publish") + within("read")
     return {
         **{k: v for k, v in case.items() if k not in ("out", "in")},
-        "kb_set_per_rank": case["out"] / rounds / n / 1e3, "kb_got_per_rank": case["in"] / rounds / n / 1e3,
+        "kb_set_per_rank": case["out"] / rounds / n / 1e3,
+        "kb_got_per_rank": case["in"] / rounds / n / 1e3,
         "mb_per_round": (case["out"] + case["in"]) / rounds / 1e6,
         "store_cpu_ms_per_round": case["store_cpu_s"] / rounds * 1e3,
-        "publish_s": statistics.median(pub), "read_s": statistics.median(read),
-        "round_s": statistics.median(rounds_s), "round_max_s": max(rounds_s),
-        "idle_ms": _stats(within("idle")), "during_ms": _stats(during),
-    }  # fmt: skip
+        "publish_s": statistics.median(pub),
+        "read_s": statistics.median(read),
+        "round_s": statistics.median(rounds_s),
+        "round_max_s": max(rounds_s),
+        "idle_ms": _stats(within("idle")),
+        "during_ms": _stats(during),
+    }
 
 
 def pace(n: int, spread: float | None) -> Any:
@@ -478,19 +573,25 @@ def _stats(values: list[float]) -> dict[str, float]:
     v = sorted(values)
     if not v:
         return {"n": 0}
-    return {"n": len(v), "median": statistics.median(v) * 1e3, "p99": v[min(len(v) - 1, int(0.99 * len(v)))] * 1e3,
-            "max": v[-1] * 1e3}  # fmt: skip
+    return {
+        "n": len(v),
+        "median": statistics.median(v) * 1e3,
+        "p99": v[min(len(v) - 1, int(0.99 * len(v)))] * 1e3,
+        "max": v[-1] * 1e3,
+    }
 
 
 def _row(r: dict[str, Any]) -> str:
     i, d = r["idle_ms"], r["during_ms"]
     ranks = f"{r['ranks']:,}" + (f" ({r['threads']:,} threads)" if r["threads"] < r["ranks"] else "")
-    return (f"| {ranks} | {r['layout']} | {r['scheme']} | {r['spread']} "
-            f"| {r['kb_set_per_rank']:.1f} | {r['kb_got_per_rank']:.1f} "
-            f"| {r['mb_per_round']:.1f} | {r['store_cpu_ms_per_round']:.0f} "
-            f"| {r['round_s']:.3f} ({r['publish_s']:.3f} + {r['read_s']:.3f}) "
-            f"| {i.get('median', math.nan):.2f} / {i.get('p99', math.nan):.2f} "
-            f"| {d.get('median', math.nan):.2f} / {d.get('p99', math.nan):.2f} / {d.get('max', math.nan):.1f} |")  # fmt: skip
+    return (
+        f"| {ranks} | {r['layout']} | {r['scheme']} | {r['spread']} "
+        f"| {r['kb_set_per_rank']:.1f} | {r['kb_got_per_rank']:.1f} "
+        f"| {r['mb_per_round']:.1f} | {r['store_cpu_ms_per_round']:.0f} "
+        f"| {r['round_s']:.3f} ({r['publish_s']:.3f} + {r['read_s']:.3f}) "
+        f"| {i.get('median', math.nan):.2f} / {i.get('p99', math.nan):.2f} "
+        f"| {d.get('median', math.nan):.2f} / {d.get('p99', math.nan):.2f} / {d.get('max', math.nan):.1f} |"
+    )
 
 
 def _spread_arg(text: str) -> float | None:
@@ -504,15 +605,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scheme", choices=("peers", "all", "both"), default="both")
     ap.add_argument("--all-max", type=int, default=256, help="largest N the old all-peers scheme runs at")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--procs", type=int, default=2, help="worker processes the simulated ranks are spread over")
-    ap.add_argument("--threads", type=int, default=1024,
-                    help="threads at most over all processes; past it a thread goes through several ranks in turn")
-    ap.add_argument("--spread", type=_spread_arg, nargs="+", default=[None], metavar="S|agent",
-                    help="seconds over which the ranks' store operations of a phase are spread (by rank), or "
-                         "'agent' (the default): the agent's own cadence; the old scheme never spreads")
+    ap.add_argument(
+        "--procs", type=int, default=2, help="worker processes the simulated ranks are spread over"
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1024,
+        help="threads at most over all processes; past it a thread goes through several ranks in turn",
+    )
+    ap.add_argument(
+        "--spread",
+        type=_spread_arg,
+        nargs="+",
+        default=[None],
+        metavar="S|agent",
+        help="seconds over which the ranks' store operations of a phase are spread (by rank), or "
+        "'agent' (the default): the agent's own cadence; the old scheme never spreads",
+    )
     ap.add_argument("--nice", type=int, default=19, help="niceness of the simulated ranks' processes")
-    ap.add_argument("--store-nice", type=int, default=-10,
-                    help="niceness of the store's and the prober's processes (below 0 needs root)")
+    ap.add_argument(
+        "--store-nice",
+        type=int,
+        default=-10,
+        help="niceness of the store's and the prober's processes (below 0 needs root)",
+    )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     # The store's server looks up each client's name as it accepts it; on a host whose DNS does not
@@ -526,10 +643,15 @@ def main(argv: list[str] | None = None) -> int:
     if None in args.spread and "peers" in schemes:
         for n in args.ranks:
             cad = pace(n, None)
-            print(f"# {n:,} ranks, the agent's cadence: window {cad.window_s:g} s per pass over {cad.polls} "
-                  f"pass(es), an exchange every {cad.interval_s:g} s", flush=True)  # fmt: skip
-    print("| ranks | layout | scheme | spread s per pass | KB set / rank | KB got / rank | MB / round | store CPU ms / round "
-          "| round s (publish + read) | unrelated idle ms (median / p99) | during (median / p99 / max) |")
+            print(
+                f"# {n:,} ranks, the agent's cadence: window {cad.window_s:g} s per pass over {cad.polls} "
+                f"pass(es), an exchange every {cad.interval_s:g} s",
+                flush=True,
+            )
+    print(
+        "| ranks | layout | scheme | spread s per pass | KB set / rank | KB got / rank | MB / round | store CPU ms / round "
+        "| round s (publish + read) | unrelated idle ms (median / p99) | during (median / p99 / max) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     out = []
     for n in args.ranks:

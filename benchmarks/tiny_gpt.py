@@ -24,10 +24,27 @@ from torch import nn
 
 #: Sizes for about 10-12 ms a step: ``cpu`` on one thread of a current x86 core, ``gpu`` on an H100.
 PRESETS: dict[str, dict[str, int | str]] = {
-    "cpu": {"device": "cpu", "layers": 2, "dim": 128, "heads": 4, "seq_len": 64, "batch": 4, "vocab": 512, "threads": 1},
-    "gpu": {"device": "cuda", "layers": 6, "dim": 512, "heads": 8, "seq_len": 512, "batch": 16, "vocab": 8192,
-            "threads": 0},
-}  # fmt: skip
+    "cpu": {
+        "device": "cpu",
+        "layers": 2,
+        "dim": 128,
+        "heads": 4,
+        "seq_len": 64,
+        "batch": 4,
+        "vocab": 512,
+        "threads": 1,
+    },
+    "gpu": {
+        "device": "cuda",
+        "layers": 6,
+        "dim": 512,
+        "heads": 8,
+        "seq_len": 512,
+        "batch": 16,
+        "vocab": 8192,
+        "threads": 0,
+    },
+}
 
 
 class Block(nn.Module):
@@ -122,12 +139,24 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(step(it))
         times.append(time.perf_counter() - t0)
     med = sorted(times)[len(times) // 2]
-    print(f"tiny_gpt: {a.steps} steps on {device}, median {med * 1e3:.2f} ms, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    print(
+        f"tiny_gpt: {a.steps} steps on {device}, median {med * 1e3:.2f} ms, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    )
     if a.out:
         params = sum(p.numel() for p in model.parameters())
         with open(a.out, "w") as f:
-            json.dump({"step_times": times, "step_starts": starts, "losses": losses, "device": str(device),
-                       "params": params, "torch": torch.__version__, "args": vars(a)}, f)
+            json.dump(
+                {
+                    "step_times": times,
+                    "step_starts": starts,
+                    "losses": losses,
+                    "device": str(device),
+                    "params": params,
+                    "torch": torch.__version__,
+                    "args": vars(a),
+                },
+                f,
+            )
     return 0 if all(math.isfinite(v) for v in losses) else 1
 
 

@@ -9,7 +9,9 @@ from hpar_agent import catalogue as cat
 
 def compile_board() -> Board:
     b = Board(
-        cat.DASH_COMPILE, "hpar / torch.compile", "Compiles, recompiles, graph breaks, caches and compile time."
+        cat.DASH_COMPILE,
+        "hpar / torch.compile",
+        "Compiles, recompiles, graph breaks, caches and compile time.",
     )
     b.row("Compiles")
     ts(
@@ -57,8 +59,14 @@ def compile_board() -> Board:
         "Graphs compiled in 5m, identical ones included, of the $topn ranks with the highest peak. Flat after "
         "warm-up; a line that keeps rising is a fresh compiled function per microbatch kept alive "
         "(CompiledGraphsGrowing names its file:line).",
-        [Q(worst(f"sum by (job, instance, rank) (increase(hpar_dynamo_graphs_compiled_total{{{SEL}}}[5m]))"),
-           "rank {{rank}}")],
+        [
+            Q(
+                worst(
+                    f"sum by (job, instance, rank) (increase(hpar_dynamo_graphs_compiled_total{{{SEL}}}[5m]))"
+                ),
+                "rank {{rank}}",
+            )
+        ],
         "short",
     )
     b.row("Caches and compile time")
@@ -82,10 +90,18 @@ def compile_board() -> Board:
         "hit ratio (0-1) is below 0.3; RecompileStorm signal=cache_pollution fires when both hold. The $topn "
         "ranks with the most recompiles and the $topn with the lowest hit ratio.",
         [
-            Q(worst(f"sum by (job, instance, rank) (increase(hpar_dynamo_recompiles_total{{{SEL}}}[5m]))"),
-              "recompiles 5m rank {{rank}}"),
-            Q(worst(f"min by (job, rank) (rank_cache:hpar_dynamo_cache_hit:ratio5m{{{SEL}}})", best=True, join=False),
-              "hit ratio rank {{rank}}"),
+            Q(
+                worst(f"sum by (job, instance, rank) (increase(hpar_dynamo_recompiles_total{{{SEL}}}[5m]))"),
+                "recompiles 5m rank {{rank}}",
+            ),
+            Q(
+                worst(
+                    f"min by (job, rank) (rank_cache:hpar_dynamo_cache_hit:ratio5m{{{SEL}}})",
+                    best=True,
+                    join=False,
+                ),
+                "hit ratio rank {{rank}}",
+            ),
         ],
         "short",
     )

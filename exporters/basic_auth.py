@@ -72,7 +72,9 @@ class BasicAuth:
             self._good[user] = hashlib.sha256(password).digest()
         return ok
 
-    def check_later(self, creds: Credentials, done: Callable[[bool], None], wanted: Callable[[], bool]) -> None:
+    def check_later(
+        self, creds: Credentials, done: Callable[[bool], None], wanted: Callable[[], bool]
+    ) -> None:
         """Run ``check`` on the worker thread and hand the verdict to ``done`` there; skipped when
         ``wanted()`` is false by then (the connection went away)."""
         if self._worker is None:

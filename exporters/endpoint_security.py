@@ -25,9 +25,16 @@ TOP_KEYS = ("tls_server_config", "basic_auth_users")
 TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version")
 #: Toolkit keys it does not implement: refused by name rather than ignored.
 UNSUPPORTED_KEYS = {
-    "http_server_config", "rate_limit", "cert", "key", "client_ca", "cipher_suites", "curve_preferences",
-    "prefer_server_cipher_suites", "client_allowed_sans",
-}  # fmt: skip
+    "http_server_config",
+    "rate_limit",
+    "cert",
+    "key",
+    "client_ca",
+    "cipher_suites",
+    "curve_preferences",
+    "prefer_server_cipher_suites",
+    "client_allowed_sans",
+}
 TLS_VERSIONS = {
     "TLS10": ssl.TLSVersion.TLSv1,
     "TLS11": ssl.TLSVersion.TLSv1_1,
@@ -71,7 +78,9 @@ class Security:
     def describe(self) -> str:
         parts = ["TLS" if self.tls is not None else "plain HTTP"]
         if self.client_certs:
-            parts.append(f"client certificates {'required' if self.client_certs == 'required' else 'verified if given'}")
+            parts.append(
+                f"client certificates {'required' if self.client_certs == 'required' else 'verified if given'}"
+            )
         if self.users:
             parts.append(f"basic auth ({len(self.users)} user{'s' if len(self.users) > 1 else ''})")
         if not self.authenticates:
@@ -104,10 +113,14 @@ def exposure(host: str, port: int, security: Security) -> str | None:
     shown = f"[{ip}]" if ip.version == 6 else str(ip)
     if not security.authenticates:
         how = "over TLS" if security.tls is not None else "in clear text"
-        return (f"the metrics endpoint {shown}:{port} ({where}) serves this rank's metrics to anyone who can "
-                f"reach it, {how} and without authentication")  # fmt: skip
+        return (
+            f"the metrics endpoint {shown}:{port} ({where}) serves this rank's metrics to anyone who can "
+            f"reach it, {how} and without authentication"
+        )
     if security.tls is None:
-        return f"the metrics endpoint {shown}:{port} ({where}) takes basic-auth passwords in clear text (no TLS)"
+        return (
+            f"the metrics endpoint {shown}:{port} ({where}) takes basic-auth passwords in clear text (no TLS)"
+        )
     return None
 
 
@@ -147,8 +160,10 @@ def _from_file(path: str) -> Security:
     if dup is not None:
         raise WebConfigError(f"{where}: key {dup!r} appears twice")
     if doc is None or doc == {}:
-        raise WebConfigError(f"{where} is empty: it configures neither TLS nor authentication "
-                             "(unset HPAR_WEB_CONFIG to serve plain HTTP)")  # fmt: skip
+        raise WebConfigError(
+            f"{where} is empty: it configures neither TLS nor authentication "
+            "(unset HPAR_WEB_CONFIG to serve plain HTTP)"
+        )
     if not isinstance(doc, dict):
         raise WebConfigError(f"{where} must be a mapping of {', '.join(TOP_KEYS)}")
     _known_keys(doc, TOP_KEYS, where, "")
@@ -165,14 +180,20 @@ def _known_keys(section: Mapping[Any, Any], known: tuple[str, ...], where: str, 
         if key in known:
             continue
         if key in UNSUPPORTED_KEYS:
-            raise WebConfigError(f"{where}: {prefix}{key} is not supported by hpar-agent (supported: "
-                                 f"{', '.join(prefix + k for k in known)})")  # fmt: skip
-        raise WebConfigError(f"{where}: unknown key {prefix}{key!s} (known: {', '.join(prefix + k for k in known)})")
+            raise WebConfigError(
+                f"{where}: {prefix}{key} is not supported by hpar-agent (supported: "
+                f"{', '.join(prefix + k for k in known)})"
+            )
+        raise WebConfigError(
+            f"{where}: unknown key {prefix}{key!s} (known: {', '.join(prefix + k for k in known)})"
+        )
 
 
 def _tls_section(sec: Any, base: str, where: str) -> tuple[ssl.SSLContext, str]:
     if not sec:
-        raise WebConfigError(f"{where}: tls_server_config is empty (give cert_file and key_file, or remove it)")
+        raise WebConfigError(
+            f"{where}: tls_server_config is empty (give cert_file and key_file, or remove it)"
+        )
     if not isinstance(sec, dict):
         raise WebConfigError(f"{where}: tls_server_config must be a mapping")
     _known_keys(sec, TLS_KEYS, where, "tls_server_config.")
@@ -182,18 +203,24 @@ def _tls_section(sec: Any, base: str, where: str) -> tuple[ssl.SSLContext, str]:
             raise WebConfigError(f"{where}: tls_server_config.{k} is missing")
     auth = text.get("client_auth_type") or "NoClientCert"
     if auth in UNVERIFIED_CLIENT_AUTH:
-        raise WebConfigError(f"{where}: client_auth_type {auth} accepts any certificate without verifying it, "
-                             "which authenticates no one: use RequireAndVerifyClientCert with client_ca_file")  # fmt: skip
+        raise WebConfigError(
+            f"{where}: client_auth_type {auth} accepts any certificate without verifying it, "
+            "which authenticates no one: use RequireAndVerifyClientCert with client_ca_file"
+        )
     if auth not in CLIENT_AUTH:
         raise WebConfigError(f"{where}: unknown client_auth_type {auth!r} (one of {', '.join(CLIENT_AUTH)})")
     mode, needs_ca = CLIENT_AUTH[auth]
     ca = text.get("client_ca_file")
     if ca and not needs_ca:
-        raise WebConfigError(f"{where}: client_ca_file is set but client_auth_type is {auth}, which checks no "
-                             "client certificate (use RequireAndVerifyClientCert)")  # fmt: skip
+        raise WebConfigError(
+            f"{where}: client_ca_file is set but client_auth_type is {auth}, which checks no "
+            "client certificate (use RequireAndVerifyClientCert)"
+        )
     if needs_ca and not ca:
-        raise WebConfigError(f"{where}: client_auth_type {auth} needs client_ca_file (the CA that signs the "
-                             "scrapers' certificates)")  # fmt: skip
+        raise WebConfigError(
+            f"{where}: client_auth_type {auth} needs client_ca_file (the CA that signs the "
+            "scrapers' certificates)"
+        )
     versions = []
     for k, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
         name = text.get(k) or default
@@ -210,7 +237,9 @@ def _tls_section(sec: Any, base: str, where: str) -> tuple[ssl.SSLContext, str]:
         try:
             ctx.load_verify_locations(cafile=ca)
         except (ssl.SSLError, ValueError) as exc:
-            raise WebConfigError(f"tls_server_config.client_ca_file {ca!r} does not load as PEM certificates ({exc})") from None
+            raise WebConfigError(
+                f"tls_server_config.client_ca_file {ca!r} does not load as PEM certificates ({exc})"
+            ) from None
         if not ctx.cert_store_stats().get("x509_ca"):
             raise WebConfigError(f"tls_server_config.client_ca_file {ca!r} holds no CA certificate")
         ctx.verify_mode = mode
@@ -228,19 +257,23 @@ def _string(sec: Mapping[str, Any], key: str, where: str) -> str:
 
 def _users(users: Any, where: str) -> dict[str, bytes]:
     if not users:
-        raise WebConfigError(f"{where}: basic_auth_users is empty, which would let every client in "
-                             "(add users or remove it)")  # fmt: skip
+        raise WebConfigError(
+            f"{where}: basic_auth_users is empty, which would let every client in (add users or remove it)"
+        )
     if not isinstance(users, dict):
         raise WebConfigError(f"{where}: basic_auth_users must map user names to bcrypt hashes")
     out = {}
     for name, hashed in users.items():
         if not isinstance(name, str) or not name or ":" in name:
-            raise WebConfigError(f"{where}: basic_auth_users: user name {name!r} must be a non-empty string "
-                                 "without ':'")  # fmt: skip
+            raise WebConfigError(
+                f"{where}: basic_auth_users: user name {name!r} must be a non-empty string without ':'"
+            )
         if not isinstance(hashed, str) or not _BCRYPT.match(hashed):
-            raise WebConfigError(f"{where}: basic_auth_users.{name} is not a bcrypt hash ($2b$<cost>$ and 53 "
-                                 "characters, e.g. from python -c 'import bcrypt; "
-                                 "print(bcrypt.hashpw(b\"PASSWORD\", bcrypt.gensalt()).decode())')")  # fmt: skip
+            raise WebConfigError(
+                f"{where}: basic_auth_users.{name} is not a bcrypt hash ($2b$<cost>$ and 53 "
+                "characters, e.g. from python -c 'import bcrypt; "
+                'print(bcrypt.hashpw(b"PASSWORD", bcrypt.gensalt()).decode())\')'
+            )
         out[name] = hashed.encode()
     return out
 
@@ -275,6 +308,8 @@ def _context(
     except WebConfigError as exc:
         raise WebConfigError(f"{key_what} {key!r}: {exc}") from None
     except ssl.SSLError as exc:
-        raise WebConfigError(f"{cert_what} {cert!r} and {key_what} {key!r} do not load as a PEM certificate "
-                             f"and its private key ({exc.reason or exc})") from None  # fmt: skip
+        raise WebConfigError(
+            f"{cert_what} {cert!r} and {key_what} {key!r} do not load as a PEM certificate "
+            f"and its private key ({exc.reason or exc})"
+        ) from None
     return ctx

@@ -128,8 +128,13 @@ def parse_head(head: bytes) -> tuple[str, Any] | None:
 
 
 def response(status: HTTPStatus, headers: dict[str, str], body: bytes, with_body: bool = True) -> bytes:
-    lines = [f"HTTP/1.1 {status.value} {status.phrase}", "Server: hpar-agent", "Connection: close",
-             f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]  # fmt: skip
+    lines = [
+        f"HTTP/1.1 {status.value} {status.phrase}",
+        "Server: hpar-agent",
+        "Connection: close",
+        f"Content-Length: {len(body)}",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body if with_body else b"")
 
 
@@ -213,8 +218,11 @@ class MetricsServer:
     def _evict(self, spare: _Conn) -> bool:
         """Close the oldest evictable connection other than ``spare``; False when there is none."""
         late = time.monotonic() - SEND_GRACE_S
-        victims = [c for c in self._conns if c is not spare and (c.state in (HEAD, AUTH) or
-                                                                   (c.state == SENDING and c.since < late))]
+        victims = [
+            c
+            for c in self._conns
+            if c is not spare and (c.state in (HEAD, AUTH) or (c.state == SENDING and c.since < late))
+        ]
         if not victims:
             return False
         victim = min(victims, key=lambda c: c.since)

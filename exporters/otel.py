@@ -79,12 +79,18 @@ class OtlpJsonFileExporter(SpanExporter):
     """Writes each batch as OTLP/JSON ``ExportTraceServiceRequest`` lines, one per chunk (the format of the
     OTel file exporter spec and the Collector's ``otlpjsonfile`` receiver: ids as hex, enums as ints)."""
 
-    def __init__(self, path: str, max_bytes: int = 0, backups: int = 2,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        max_bytes: int = 0,
+        backups: int = 2,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         # Imported here, at attach, not on the first export: importing the encoder and the OTLP
         # protos held the GIL for about 100 ms on the exporter thread, mid-training.
         import google.protobuf.json_format  # noqa: F401
         import opentelemetry.exporter.otlp.proto.common.trace_encoder  # noqa: F401
+
         self.path = path
         self._file = RotatingFile(path, max_bytes, backups)  # 0600, no symlinks, size-capped
         self.on_error = on_error
@@ -346,8 +352,10 @@ class Tracing:
         cfg = self.ctx.config
         record = self.ctx.record_error
         return OtlpJsonFileExporter(
-            self.path, getattr(cfg, "log_max_bytes", 0), on_error=lambda exc: record("tracing", exc),
-        ), "file"  # fmt: skip
+            self.path,
+            getattr(cfg, "log_max_bytes", 0),
+            on_error=lambda exc: record("tracing", exc),
+        ), "file"
 
     @staticmethod
     def _resource(topo: Any) -> Resource:
@@ -360,7 +368,9 @@ class Tracing:
             cat.RES_HOST_NAME: topo.host,
             cat.RES_PROCESS_PID: os.getpid(),
         }
-        defaults.update({attr: os.environ[var] for var, attr in cat.RESOURCE_ENV.items() if os.environ.get(var)})
+        defaults.update(
+            {attr: os.environ[var] for var, attr in cat.RESOURCE_ENV.items() if os.environ.get(var)}
+        )
         return Resource.create({**defaults, **user.attributes, **_topology_attributes(topo)})
 
     def retopologize(self, topo: Any) -> bool:
@@ -370,7 +380,9 @@ class Tracing:
         if topo.rank != self.rank and self.kind == "file":
             return False
         new = dict(_topology_attributes(topo))
-        if self.resource.attributes.get(cat.RES_SERVICE_INSTANCE_ID) == _instance_id(self):  # ours, not the user's
+        if self.resource.attributes.get(cat.RES_SERVICE_INSTANCE_ID) == _instance_id(
+            self
+        ):  # ours, not the user's
             new[cat.RES_SERVICE_INSTANCE_ID] = _instance_id(topo)
         self.job_id, self.rank, self.pp_stage = topo.job_id, topo.rank, topo.pp_stage
         self.resource = self.resource.merge(Resource(new))
@@ -404,10 +416,13 @@ class Tracing:
         common = {cat.ATTR_RANK: self.rank, cat.ATTR_PP_STAGE: self.pp_stage, cat.ATTR_STEP: rec.step}
         tid = trace_id(self.job_id, rec.step)
         root = SpanContext(tid, step_span_id(self.job_id, rec.step, 0), is_remote=True, trace_flags=_SAMPLED)
-        own = SpanContext(tid, step_span_id(self.job_id, rec.step, self.rank), is_remote=False, trace_flags=_SAMPLED)
+        own = SpanContext(
+            tid, step_span_id(self.job_id, rec.step, self.rank), is_remote=False, trace_flags=_SAMPLED
+        )
         attrs = {**common, **{k: _attr(v) for k, v in rec.attributes.items()}, cat.ATTR_TRACE_REASON: reason}
-        step_span = self._span(cat.SPAN_STEP, own, None if self.rank == 0 else root, attrs, rec.events,
-                               rec.start_ns, rec.end_ns)  # fmt: skip
+        step_span = self._span(
+            cat.SPAN_STEP, own, None if self.rank == 0 else root, attrs, rec.events, rec.start_ns, rec.end_ns
+        )
         spans = []
         for c in children:
             # Real times, no clamping: children are recorded between the step's boundaries, and one
@@ -423,17 +438,29 @@ class Tracing:
         return True
 
     def _span(
-        self, name: str, ctx: SpanContext, parent: SpanContext | None, attrs: dict[str, Any],
-        events: list[tuple[str, int, dict[str, Any]]], start_ns: int, end_ns: int,
-    ) -> ReadableSpan:  # fmt: skip
+        self,
+        name: str,
+        ctx: SpanContext,
+        parent: SpanContext | None,
+        attrs: dict[str, Any],
+        events: list[tuple[str, int, dict[str, Any]]],
+        start_ns: int,
+        end_ns: int,
+    ) -> ReadableSpan:
         """A finished span, made whole: every span here is over when it is built, and the SDK's
         live-span path (``Tracer.start_span`` then ``end``: context, sampler, locks, attribute
         limits) made ``export_step`` cost about three times the CPU a span."""
         return ReadableSpan(
-            name=name, context=ctx, parent=parent, resource=self.resource, attributes=attrs,
+            name=name,
+            context=ctx,
+            parent=parent,
+            resource=self.resource,
+            attributes=attrs,
             events=[Event(n, {k: _attr(v) for k, v in a.items()}, timestamp=ts) for n, ts, a in events],
-            start_time=start_ns, end_time=max(end_ns, start_ns), instrumentation_scope=self._scope,
-        )  # fmt: skip
+            start_time=start_ns,
+            end_time=max(end_ns, start_ns),
+            instrumentation_scope=self._scope,
+        )
 
     # ----------------------------------------------------------------------------- accounting
     @property

@@ -101,13 +101,17 @@ def encode(spans: Sequence[ReadableSpan]) -> dict[str, Any] | None:
                 if scope is not None:
                     if getattr(scope, "attributes", None):
                         raise _Unsupported("scope attributes")
-                    entry["scope"] = {k: v for k, v in (("name", scope.name), ("version", scope.version)) if v}
+                    entry["scope"] = {
+                        k: v for k, v in (("name", scope.name), ("version", scope.version)) if v
+                    }
                 entry["spans"] = encoded
                 if scope is not None and scope.schema_url:
                     entry["schemaUrl"] = scope.schema_url
                 scope_spans.append(entry)
-            rs: dict[str, Any] = {"resource": {"attributes": _attributes(res.attributes)} if res.attributes else {},
-                                  "scopeSpans": scope_spans}  # fmt: skip
+            rs: dict[str, Any] = {
+                "resource": {"attributes": _attributes(res.attributes)} if res.attributes else {},
+                "scopeSpans": scope_spans,
+            }
             if res.schema_url:
                 rs["schemaUrl"] = res.schema_url
             out.append(rs)

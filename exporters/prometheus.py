@@ -109,8 +109,11 @@ def open_endpoint(
         log.info("hpar_agent: serving metrics at %s (%s)", url, security.describe())
         if risk and risk not in _warned:
             _warned.add(risk)
-            log.warning("hpar_agent: %s; set HPAR_WEB_CONFIG (docs/configuration.md, \"Securing the endpoint\") "
-                        "or bind HPAR_METRICS_ADDR=127.0.0.1", risk)  # fmt: skip
+            log.warning(
+                'hpar_agent: %s; set HPAR_WEB_CONFIG (docs/configuration.md, "Securing the endpoint") '
+                "or bind HPAR_METRICS_ADDR=127.0.0.1",
+                risk,
+            )
         return server, url
     log.warning(
         "hpar_agent: metrics port %d is in use (%s) and %s; no metrics endpoint on this rank "

@@ -53,7 +53,9 @@ def thresholds_table() -> str:
     rows = ["| alert | parameter | default | compared by |", "|---|---|---|---|"]
     for alert, params in th.DETECTOR_DEFAULTS.items():
         rows += [f"| `{alert}` | `{p}` | {_num(v)} | detector |" for p, v in params.items()]
-    rows += [f"| step anatomy | `anatomy.{p}` | {_num(v)} | verdict |" for p, v in th.ANATOMY_DEFAULTS.items()]
+    rows += [
+        f"| step anatomy | `anatomy.{p}` | {_num(v)} | verdict |" for p, v in th.ANATOMY_DEFAULTS.items()
+    ]
     for (alert, signal), params in th.RULE_THRESHOLDS.items():
         rows += [f"| `{alert}` | `{p}` | {_num(v)} | rule signal={signal} |" for p, v in params.items()]
     return "\n".join(rows)
@@ -73,13 +75,18 @@ def params_table(prefix: str) -> str:
 def _params_tables() -> dict[str, Callable[[], str]]:
     from hpar_agent import thresholds as th
 
-    return {f"params_{name}": functools.partial(params_table, name) for name in [*th.DETECTOR_PARAMS, "detectors"]}
+    return {
+        f"params_{name}": functools.partial(params_table, name) for name in [*th.DETECTOR_PARAMS, "detectors"]
+    }
 
 
 TABLES: dict[str, Callable[[], str]] = {
-    "env": env_table, "metrics": metrics_table, "alerts": alerts_table, "thresholds": thresholds_table,
+    "env": env_table,
+    "metrics": metrics_table,
+    "alerts": alerts_table,
+    "thresholds": thresholds_table,
     **_params_tables(),
-}  # fmt: skip
+}
 
 #: The page that owns each generated table (relative to the repository root).
 PAGES: dict[str, tuple[str, ...]] = {

@@ -37,9 +37,24 @@ def _run(*args: str, cwd: Path) -> None:
 
 def _ca(d: Path, name: str) -> tuple[str, str]:
     cert, key = d / f"{name}.pem", d / f"{name}.key"
-    _run("req", "-x509", *_KEY, "-days", "2", "-subj", f"/CN=hpar test {name}", "-keyout", str(key),
-         "-out", str(cert), "-addext", "basicConstraints=critical,CA:TRUE",
-         "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)  # fmt: skip
+    _run(
+        "req",
+        "-x509",
+        *_KEY,
+        "-days",
+        "2",
+        "-subj",
+        f"/CN=hpar test {name}",
+        "-keyout",
+        str(key),
+        "-out",
+        str(cert),
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=d,
+    )
     return str(cert), str(key)
 
 
@@ -51,8 +66,24 @@ def _leaf(d: Path, name: str, ca: tuple[str, str], usage: str, san: str) -> Pair
         "authorityKeyIdentifier=keyid,issuer\n"
     )
     _run("req", *_KEY, "-subj", f"/CN={name}", "-keyout", str(key), "-out", str(csr), cwd=d)
-    _run("x509", "-req", "-in", str(csr), "-CA", ca[0], "-CAkey", ca[1], "-CAcreateserial", "-days", "2",
-         "-extfile", str(ext), "-out", str(cert), cwd=d)  # fmt: skip
+    _run(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        ca[0],
+        "-CAkey",
+        ca[1],
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        str(ext),
+        "-out",
+        str(cert),
+        cwd=d,
+    )
     return Pair(str(cert), str(key))
 
 

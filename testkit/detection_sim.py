@@ -80,15 +80,24 @@ def _timelines(ranks: list[SimRank], dims: Mapping[str, int]) -> dict[int, list[
         for members in by_group.values():
             cursor = start
             for j in range(4 if tp > 1 else 0):
-                at = {r.rank: cursor + 2_000_000 + (r.late_ns if j == 0 else 0) + _jitter(r.rank, step, j) for r in members}
+                at = {
+                    r.rank: cursor + 2_000_000 + (r.late_ns if j == 0 else 0) + _jitter(r.rank, step, j)
+                    for r in members
+                }
                 for r in members:
-                    out[r.rank].append((tp_uid[r.rank], step * 4 + j, "all_reduce", "[[1024]]", "Float", at[r.rank]))
+                    out[r.rank].append(
+                        (tp_uid[r.rank], step * 4 + j, "all_reduce", "[[1024]]", "Float", at[r.rank])
+                    )
                 cursor = max(at.values())
             for r in members:
-                arrive_dp[r.rank] = cursor + 2_000_000 + (r.late_ns if tp == 1 else 0) + _jitter(r.rank, step, 9)
+                arrive_dp[r.rank] = (
+                    cursor + 2_000_000 + (r.late_ns if tp == 1 else 0) + _jitter(r.rank, step, 9)
+                )
         for r in ranks:
             if r.skipped is None or step < r.skipped:
-                out[r.rank].append((dp_uid[r.rank], step, "all_reduce", "[[1024]]", "Float", arrive_dp[r.rank]))
+                out[r.rank].append(
+                    (dp_uid[r.rank], step, "all_reduce", "[[1024]]", "Float", arrive_dp[r.rank])
+                )
         start = max(arrive_dp.values()) + STEP_NS
     return out
 
@@ -120,7 +129,9 @@ def snapshot(
     it: the feed reads the rank's collectors, then the exchange's view of a read made at ``now``."""
     feed = DetectorFeed()
     local = feed.snapshot(ctx, now)
-    view = PeerView(peers=peers, fresh=True, seen=seen, groups=groups, read_ok_at=now, interval_s=3.0, fetch=fetch)
+    view = PeerView(
+        peers=peers, fresh=True, seen=seen, groups=groups, read_ok_at=now, interval_s=3.0, fetch=fetch
+    )
     return feed.complete(ctx, local, view)
 
 
@@ -139,11 +150,15 @@ def judge(
         sums = {f"w{i}": [r.checksum * (i + 1), r.checksum * (i + 1)] for i in range(4)}
         checksums[r.rank] = {"cks": {str(STEPS): sums}, "sk": ckeys}
         payloads[r.rank] = {
-            "t": now - r.silent_s, "c": {**r.coords, "dp": r.coords["dp_replicate"], "stage": 0}, "step": STEPS,
-            "fp": r.fingerprint, "cd": {str(STEPS): sig.checksum_digests(sums, ckeys)}, "fr": entries[r.rank],
+            "t": now - r.silent_s,
+            "c": {**r.coords, "dp": r.coords["dp_replicate"], "stage": 0},
+            "step": STEPS,
+            "fp": r.fingerprint,
+            "cd": {str(STEPS): sig.checksum_digests(sums, ckeys)},
+            "fr": entries[r.rank],
             "q": {uid: st.pack() for uid, st in _states(r, entries[r.rank], now).items()},
             "id": [0, "another-host", 0],
-        }  # fmt: skip
+        }
 
     def fetch(purpose: str, wanted: Iterable[int]) -> dict[int, dict[str, Any]]:
         return {q: checksums[q] for q in wanted if q in checksums} if purpose == "ck" else {}
@@ -153,8 +168,16 @@ def judge(
         p: PeerPlan = plan(grid, r.rank)
         seen = {q: payloads[q] for q in (*p.peers, r.rank)}
         fresh = {q: v for q, v in seen.items() if v["t"] >= now - 30}
-        topo = Topology(rank=r.rank, world_size=len(ranks), job_id="sim", dp=dims.get("dp", 1), tp=dims.get("tp", 1),
-                        dp_rank=r.coords["dp_replicate"], dp_replicate=dims.get("dp", 1), tp_rank=r.coords["tp"])  # fmt: skip
+        topo = Topology(
+            rank=r.rank,
+            world_size=len(ranks),
+            job_id="sim",
+            dp=dims.get("dp", 1),
+            tp=dims.get("tp", 1),
+            dp_rank=r.coords["dp_replicate"],
+            dp_replicate=dims.get("dp", 1),
+            tp_rank=r.coords["tp"],
+        )
         collector = CollectiveCollector()  # never installed: it holds what the test gives it
         for uid, st in _states(r, entries[r.rank], now).items():
             label = src.pg_label(uid)

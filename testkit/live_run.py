@@ -16,7 +16,9 @@ from testkit.ports import free_base_port
 class LiveRun:
     """The trainer under torchrun with per-rank endpoints on ``base + local_rank``."""
 
-    def __init__(self, run_dir: Path, args: Sequence[str], nproc: int = 4, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, args: Sequence[str], nproc: int = 4, env: dict[str, str] | None = None
+    ) -> None:
         self.run_dir = run_dir
         self.nproc = nproc
         self.base = free_base_port(nproc)

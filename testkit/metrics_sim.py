@@ -141,9 +141,15 @@ def serve(scrapes: list[Path], base: int, n: int, interval: float, use_gzip: boo
                     data = gzip.compress(data, compresslevel=1)
                     extra = b"Content-Encoding: gzip\r\n"
                 writer.write(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: " + CONTENT_TYPE + b"\r\n" + extra
-                    + b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data
-                )  # fmt: skip
+                    b"HTTP/1.1 200 OK\r\nContent-Type: "
+                    + CONTENT_TYPE
+                    + b"\r\n"
+                    + extra
+                    + b"Content-Length: "
+                    + str(len(data)).encode()
+                    + b"\r\n\r\n"
+                    + data
+                )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass

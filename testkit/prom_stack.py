@@ -234,7 +234,9 @@ class PromStack:
 
     def targets(self, job: str) -> list[dict[str, Any]]:
         """The job's active targets as Prometheus sees them (``health``, ``lastError``, ...)."""
-        return [t for t in self.api("targets", state="active")["activeTargets"] if t["labels"].get("job") == job]
+        return [
+            t for t in self.api("targets", state="active")["activeTargets"] if t["labels"].get("job") == job
+        ]
 
     def alerts(self) -> list[dict[str, Any]]:
         """Prometheus' active alerts (pending and firing)."""

@@ -13,17 +13,36 @@ from pathlib import Path
 from typing import Any
 
 #: What a launcher around the test run may have set; the shim and the launchers under test read them.
-LAUNCH_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS",
-               "SLURM_PROCID", "SLURM_LOCALID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}  # fmt: skip
+LAUNCH_VARS = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+}
 
 
 def clean_env(run_dir: Path, **extra: str) -> dict[str, str]:
     """This process's environment without any agent, torchrun or launcher setting, plus the run
     directory, loopback endpoints on free ports and one thread per rank."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HPAR_", "TORCHELASTIC_")) and k not in LAUNCH_VARS}  # fmt: skip
-    env.update(HPAR_RUN_DIR=str(run_dir), HPAR_METRICS_ADDR="127.0.0.1", HPAR_METRICS_PORT="0",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HPAR_", "TORCHELASTIC_")) and k not in LAUNCH_VARS
+    }
+    env.update(
+        HPAR_RUN_DIR=str(run_dir),
+        HPAR_METRICS_ADDR="127.0.0.1",
+        HPAR_METRICS_PORT="0",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
     env.update(extra)
     return env
 
@@ -33,14 +52,24 @@ def run_cmd(cmd: list[str]) -> list[str]:
     return [sys.executable, "-m", "hpar_agent.tools.cli", "run", "--", *cmd]
 
 
-def hpar_run(run_dir: Path, cmd: list[str], timeout: float = 90, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(run_cmd(cmd), env=clean_env(run_dir, **env), capture_output=True, text=True,
-                          timeout=timeout, check=False)  # fmt: skip
+def hpar_run(
+    run_dir: Path, cmd: list[str], timeout: float = 90, **env: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        run_cmd(cmd),
+        env=clean_env(run_dir, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def summaries(run_dir: Path) -> dict[int, dict[str, Any]]:
     """rank -> its ``summary.rank<R>.json``."""
-    return {int(p.stem.split("rank")[-1]): json.loads(p.read_text()) for p in run_dir.glob("summary.rank*.json")}
+    return {
+        int(p.stem.split("rank")[-1]): json.loads(p.read_text()) for p in run_dir.glob("summary.rank*.json")
+    }
 
 
 def events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
@@ -92,7 +121,10 @@ class Run:
 
     def results(self) -> dict[int, dict[str, Any]]:
         """rank -> what the program says it did."""
-        return {int(p.stem.split("rank")[-1]): json.loads(p.read_text()) for p in self.out_dir.glob("result.rank*.json")}
+        return {
+            int(p.stem.split("rank")[-1]): json.loads(p.read_text())
+            for p in self.out_dir.glob("result.rank*.json")
+        }
 
     def alerts(self) -> dict[int, set[str]]:
         """rank -> every alert that went firing there."""
@@ -110,15 +142,26 @@ def launch(base: Path, name: str, spec: Spec, timeout: float = 300) -> Run:
     import pytest
 
     if spec.needs:
-        pytest.importorskip(spec.needs, reason=f"{spec.needs} is in the compat extra: pip install -e '.[compat]'")
+        pytest.importorskip(
+            spec.needs, reason=f"{spec.needs} is in the compat extra: pip install -e '.[compat]'"
+        )
     run_dir, out_dir = base / name / "run", base / name / "out"
     out_dir.mkdir(parents=True)
-    env = clean_env(run_dir, COMPAT_OUT=str(out_dir), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                    HF_DATASETS_OFFLINE="1", HF_HOME=str(base / "hf-home"), TOKENIZERS_PARALLELISM="false",
-                    **spec.env)  # fmt: skip
+    env = clean_env(
+        run_dir,
+        COMPAT_OUT=str(out_dir),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HOME=str(base / "hf-home"),
+        TOKENIZERS_PARALLELISM="false",
+        **spec.env,
+    )
     t0 = time.monotonic()
     cmd = run_cmd(spec.cmd) if spec.zero_code else spec.cmd
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False, cwd=base / name)
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False, cwd=base / name
+    )
     run = Run(name, spec, run_dir, out_dir, proc, time.monotonic() - t0)
     assert proc.returncode == 0, run.why()
     return run

@@ -46,8 +46,10 @@ NEEDS_DDP = {"dtype-mismatch", "slow-collective"}
 DP_MODES = ("ddp", "replicate", "fsdp")
 MP_DTYPES = ("fp32", "bf16")
 
-EPILOG = "injections (--inject NAME, repeatable; rank = --inject-rank, default the last rank; " \
+EPILOG = (
+    "injections (--inject NAME, repeatable; rank = --inject-rank, default the last rank; "
     "step = --inject-step, default 3):\n" + "\n".join(f"  {k:16} {v}" for k, v in INJECTIONS.items())
+)
 
 
 @dataclass(kw_only=True)
@@ -170,8 +172,21 @@ class TrainConfig:
         self.dp_replicate, self.dp_shard = rep, shard
 
     def _validate(self) -> None:
-        for name in ("dp", "pp", "tp", "microbatches", "stages_per_rank", "steps", "global_batch",
-                     "seq_len", "layers", "dim", "heads", "vocab", "log_every"):
+        for name in (
+            "dp",
+            "pp",
+            "tp",
+            "microbatches",
+            "stages_per_rank",
+            "steps",
+            "global_batch",
+            "seq_len",
+            "layers",
+            "dim",
+            "heads",
+            "vocab",
+            "log_every",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if not (0 <= self.peak_tflops < float("inf")):
@@ -189,10 +204,14 @@ class TrainConfig:
         if self.dim % self.heads:
             raise ValueError(f"--dim {self.dim} is not divisible by --heads {self.heads}")
         if self.layers % self.num_stages:
-            raise ValueError(f"--layers {self.layers} is not divisible by pp*stages-per-rank = {self.num_stages}")
+            raise ValueError(
+                f"--layers {self.layers} is not divisible by pp*stages-per-rank = {self.num_stages}"
+            )
         if self.global_batch % (self.dp * self.microbatches):
-            raise ValueError(f"--global-batch {self.global_batch} is not divisible by "
-                             f"dp*microbatches = {self.dp * self.microbatches}")
+            raise ValueError(
+                f"--global-batch {self.global_batch} is not divisible by "
+                f"dp*microbatches = {self.dp * self.microbatches}"
+            )
         for name in self.inject:
             _choice("inject", name, tuple(INJECTIONS))
             if name in NEEDS_COMPILE and self.compile == "none":
@@ -207,10 +226,13 @@ class TrainConfig:
             raise ValueError("--start-delay must be >= 0")
         if "tp-grad-skip" in self.inject and self.tp < 2:
             raise ValueError("--inject tp-grad-skip needs --tp >= 2")
-        if "hsdp-replicate-skip" in self.inject and (self.dp_mode != "fsdp" or self.dp_replicate < 2
-                                                      or self.dp_shard < 2):
+        if "hsdp-replicate-skip" in self.inject and (
+            self.dp_mode != "fsdp" or self.dp_replicate < 2 or self.dp_shard < 2
+        ):
             # with one shard FSDP copies instead of calling its reduce-scatter, which the injection wraps
-            raise ValueError("--inject hsdp-replicate-skip needs --dp-mode fsdp, --dp-replicate >= 2 and --dp-shard >= 2")
+            raise ValueError(
+                "--inject hsdp-replicate-skip needs --dp-mode fsdp, --dp-replicate >= 2 and --dp-shard >= 2"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -224,8 +246,9 @@ class TrainConfig:
     def check_world_size(self, world_size: int) -> None:
         """Raise unless the mesh degrees multiply to the launched world size."""
         if self.world_size != world_size:
-            raise ValueError(f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} "
-                             f"but WORLD_SIZE is {world_size}")
+            raise ValueError(
+                f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} but WORLD_SIZE is {world_size}"
+            )
         if "hang" in self.inject and world_size < 2:
             raise ValueError("--inject hang needs at least 2 ranks")
         if self.start_delay_rank >= world_size:
@@ -255,43 +278,94 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig.__dataclass_fields__
-    p = _OneLineParser(prog="hpar-train", description="Train a small GPT with DP x TP x PP.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _OneLineParser(
+        prog="hpar-train",
+        description="Train a small GPT with DP x TP x PP.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add = p.add_argument
     for name in ("dp", "tp", "pp"):
         add(f"--{name}", type=int, default=1, help=f"{name} degree; dp*tp*pp must equal WORLD_SIZE")
     add("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
     add("--microbatches", type=int, default=0, help="pipeline microbatches (default 2*pp)")
     add("--stages-per-rank", type=int, default=2, help="virtual stages per rank for interleaved-1f1b")
-    add("--dp-mode", choices=DP_MODES, default="",
+    add(
+        "--dp-mode",
+        choices=DP_MODES,
+        default="",
         help="data parallelism: ddp, replicate or fsdp (FSDP2 per block, then the root); default replicate "
-        "(torch 2.11 cannot run DDP with TP inside a pipeline stage), fsdp when --dp-replicate/--dp-shard is given")
-    add("--dp-replicate", type=int, default=0, metavar="M", help="fsdp: HSDP replicate degree (mesh dim dp_replicate)")
-    add("--dp-shard", type=int, default=0, metavar="N", help="fsdp: shard degree (mesh dim dp_shard); dp = M*N")
+        "(torch 2.11 cannot run DDP with TP inside a pipeline stage), fsdp when --dp-replicate/--dp-shard is given",
+    )
+    add(
+        "--dp-replicate",
+        type=int,
+        default=0,
+        metavar="M",
+        help="fsdp: HSDP replicate degree (mesh dim dp_replicate)",
+    )
+    add(
+        "--dp-shard",
+        type=int,
+        default=0,
+        metavar="N",
+        help="fsdp: shard degree (mesh dim dp_shard); dp = M*N",
+    )
     add("--mp-param-dtype", choices=MP_DTYPES, default="", help="fsdp: MixedPrecisionPolicy param_dtype")
     add("--mp-reduce-dtype", choices=MP_DTYPES, default="", help="fsdp: MixedPrecisionPolicy reduce_dtype")
     add("--compile", choices=COMPILE_BACKENDS, default="none", help="torch.compile backend per block")
     add("--dtype", choices=("fp32", "bf16"), default="fp32")
     for name in ("steps", "seed", "global_batch", "seq_len", "layers", "dim", "heads", "vocab", "log_every"):
-        add(f"--{name.replace('_', '-')}", type=int, default=d[name].default, help=f"(default {d[name].default})")
+        add(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=d[name].default,
+            help=f"(default {d[name].default})",
+        )
     add("--lr", type=float, default=d["lr"].default)
-    add("--peak-tflops", type=float, default=0.0, metavar="T",
+    add(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        metavar="T",
         help="peak TFLOP/s of one rank's accelerator for --dtype (datasheet dense figure), for the MFU panel; "
-        "0 (default): unknown, no MFU")
-    add("--device", choices=("auto", "cpu", "cuda"), default="auto",
-        help="auto: cuda if available; cpu uses gloo and 1 thread per rank, cuda uses nccl")
+        "0 (default): unknown, no MFU",
+    )
+    add(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda if available; cpu uses gloo and 1 thread per rank, cuda uses nccl",
+    )
     add("--no-agent", action="store_true", help="do not attach the hpar_agent observability agent")
     add("--pg-timeout", type=float, default=0.0, help="process-group timeout in s (default 300; 20 for hang)")
     add("--inject", action="append", default=[], metavar="NAME", help="failure to reproduce (see below)")
     add("--inject-rank", type=int, default=-1, help="rank for rank-specific injections (default last rank)")
-    add("--inject-step", type=int, default=3, help="step an injection starts at, where it applies (default 3)")
-    add("--inject-delay", type=float, default=0.2, help="straggler/slow-collective/slow-data delay in s (default 0.2)")
+    add(
+        "--inject-step", type=int, default=3, help="step an injection starts at, where it applies (default 3)"
+    )
+    add(
+        "--inject-delay",
+        type=float,
+        default=0.2,
+        help="straggler/slow-collective/slow-data delay in s (default 0.2)",
+    )
     add("--inject-size", type=int, default=4 << 20, help="bytes leaked per step/microbatch (default 4 MiB)")
-    add("--pause-at", type=int, default=-1, metavar="STEP",
-        help="before STEP rank 0 pauses like a checkpoint save while the others wait for it (default -1: never)")
+    add(
+        "--pause-at",
+        type=int,
+        default=-1,
+        metavar="STEP",
+        help="before STEP rank 0 pauses like a checkpoint save while the others wait for it (default -1: never)",
+    )
     add("--pause-seconds", type=float, default=0.0, metavar="S", help="length of the --pause-at pause")
-    add("--start-delay-rank", type=int, default=-1, metavar="RANK",
-        help="this rank starts training --start-delay s after the others (default -1: none)")
+    add(
+        "--start-delay-rank",
+        type=int,
+        default=-1,
+        metavar="RANK",
+        help="this rank starts training --start-delay s after the others (default -1: none)",
+    )
     add("--start-delay", type=float, default=0.0, metavar="S", help="how late --start-delay-rank starts")
     add("--out", default=None, help="JSON summary written by rank 0 (plus <stem>.rank<r>.json per rank)")
     return p

@@ -37,7 +37,7 @@ class MarkovData:
     def batch(self, step: int, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of this dp rank's shard, each (global_batch / dp, seq_len)."""
         n = self.global_batch // dp
-        shard = self.global_batch_at(step)[dp_rank * n:(dp_rank + 1) * n]
+        shard = self.global_batch_at(step)[dp_rank * n : (dp_rank + 1) * n]
         return shard[:, :-1].contiguous(), shard[:, 1:].contiguous()
 
 

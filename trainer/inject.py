@@ -68,7 +68,9 @@ def _bf16_same_bytes_hook(group: dist.ProcessGroup, bucket: Any) -> torch.future
     rank's own dtype and element count, which is what CollectiveMismatch compares.
     """
     buf = bucket.buffer()
-    packed = torch.zeros(max(buf.numel(), buf.numel() * buf.element_size() // 2), dtype=torch.bfloat16, device=buf.device)
+    packed = torch.zeros(
+        max(buf.numel(), buf.numel() * buf.element_size() // 2), dtype=torch.bfloat16, device=buf.device
+    )
     packed[: buf.numel()] = buf / group.size()
 
     def decompress(fut: torch.futures.Future[Any]) -> torch.Tensor:
@@ -92,10 +94,18 @@ class _KeepLocalShard:
         keeper = self
 
         class KeepingReduceScatter(DefaultReduceScatter):
-            def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                         async_op: bool = False) -> Any:
+            def __call__(
+                self,
+                output_tensor: torch.Tensor,
+                input_tensor: torch.Tensor,
+                group: Any,
+                op: Any,
+                async_op: bool = False,
+            ) -> Any:
                 work = super().__call__(output_tensor, input_tensor, group, op, async_op)
-                keeper.kept = output_tensor.clone() if keeper.live() else None  # same stream: ordered after RS
+                keeper.kept = (
+                    output_tensor.clone() if keeper.live() else None
+                )  # same stream: ordered after RS
                 return work
 
         self.reduce_scatter = KeepingReduceScatter()
@@ -109,8 +119,14 @@ class _KeepLocalShard:
 class Injector:
     """Installs the configured injections on this rank and drives their per-step state."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, recorder: RankRecorder,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rank: int,
+        world_size: int,
+        recorder: RankRecorder,
+        device: torch.device | None = None,
+    ) -> None:
         self.device = device or torch.device("cpu")  # leaks live where the model lives (NVML sees them)
         self.cfg, self.rank, self.rec = cfg, rank, recorder
         self.names = set(cfg.inject)
@@ -121,7 +137,9 @@ class Injector:
         self._breaking = False
 
     def _live(self, name: str, rank_specific: bool = True) -> bool:
-        return name in self.names and (self.on_rank or not rank_specific) and self.step >= self.cfg.inject_step
+        return (
+            name in self.names and (self.on_rank or not rank_specific) and self.step >= self.cfg.inject_step
+        )
 
     # --- build time -------------------------------------------------------------------------
     def prepare_blocks(self, part: GPT) -> None:
@@ -172,7 +190,9 @@ class Injector:
             fut = (_bf16_same_bytes_hook if bf16 else default_hooks.allreduce_hook)(group, bucket)
 
             def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-                self.rec.current["dp_wait_s"] = self.rec.current.get("dp_wait_s", 0.0) + time.perf_counter() - t0
+                self.rec.current["dp_wait_s"] = (
+                    self.rec.current.get("dp_wait_s", 0.0) + time.perf_counter() - t0
+                )
                 return f.value()
 
             return fut.then(done)

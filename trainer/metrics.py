@@ -35,8 +35,13 @@ class RankRecorder:
 
     def __init__(self, out: str | None, rank: int, coords: dict[str, int]) -> None:
         self.path = rank_path(out, rank) if out else None
-        self.data: dict[str, Any] = {"rank": rank, "coords": coords, "steps": [], "compile": {"graphs": 0, "ops": 0, "comm_ops": 0},
-                                     "leaked_bytes": 0}
+        self.data: dict[str, Any] = {
+            "rank": rank,
+            "coords": coords,
+            "steps": [],
+            "compile": {"graphs": 0, "ops": 0, "comm_ops": 0},
+            "leaked_bytes": 0,
+        }
         self.current: dict[str, Any] = {}
         self._fwd_t0: float | None = None
 
@@ -70,7 +75,9 @@ class RankRecorder:
         self.data["dynamo"] = {
             "frames": dict(counters["frames"]),
             "graph_breaks": sum(counters["graph_break"].values()),
-            "recompile_limit_hits": sum(v for k, v in counters["unimplemented"].items() if "recompile limit" in k),
+            "recompile_limit_hits": sum(
+                v for k, v in counters["unimplemented"].items() if "recompile limit" in k
+            ),
         }
         self.data["checksums"] = param_checksums(parts)
         self.flush()

@@ -69,8 +69,15 @@ def counting_backend(name: str, stats: dict[str, int]) -> Callable[..., Any]:
     return backend
 
 
-def parallelize(part: GPT, mesh: DeviceMesh, cfg: TrainConfig, injector: Injector,
-                compile_stats: dict[str, int], device: torch.device, dp_mesh: DeviceMesh | None = None) -> nn.Module:
+def parallelize(
+    part: GPT,
+    mesh: DeviceMesh,
+    cfg: TrainConfig,
+    injector: Injector,
+    compile_stats: dict[str, int],
+    device: torch.device,
+    dp_mesh: DeviceMesh | None = None,
+) -> nn.Module:
     """TP -> compile -> DP, the torchtitan order.
 
     TP first so compiled blocks trace the sharded (local-heads) computation; compile per block before

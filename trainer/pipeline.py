@@ -42,14 +42,23 @@ def split_stage(full: GPT, stage: int, num_stages: int) -> GPT:
     return part
 
 
-def build_schedule(parts: list[nn.Module], stages: list[int], cfg: TrainConfig, mesh: DeviceMesh,
-                   device: torch.device, loss_fn: LossFn) -> _PipelineSchedule:
+def build_schedule(
+    parts: list[nn.Module],
+    stages: list[int],
+    cfg: TrainConfig,
+    mesh: DeviceMesh,
+    device: torch.device,
+    loss_fn: LossFn,
+) -> _PipelineSchedule:
     group = mesh["pp"].get_group()
-    pipe_stages = [PipelineStage(p, s, cfg.num_stages, device, group=group)
-                   for p, s in zip(parts, stages, strict=True)]
+    pipe_stages = [
+        PipelineStage(p, s, cfg.num_stages, device, group=group) for p, s in zip(parts, stages, strict=True)
+    ]
     if cfg.schedule == "interleaved-1f1b":
         return ScheduleInterleaved1F1B(
-            pipe_stages, n_microbatches=cfg.microbatches, loss_fn=loss_fn  # type: ignore[arg-type]
+            pipe_stages,  # type: ignore[arg-type]
+            n_microbatches=cfg.microbatches,
+            loss_fn=loss_fn,  # type: ignore[arg-type]
         )
     cls = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
     return cls(pipe_stages[0], n_microbatches=cfg.microbatches, loss_fn=loss_fn)

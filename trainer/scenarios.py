@@ -74,9 +74,23 @@ FROM_START = {"divergent-graph", "ddp-nesting", "tp-grad-skip"}
 
 #: the demo: 4 CPU ranks, tp2 x pp2 with compiled blocks.
 DEMO_ARGS = [
-    "--dp", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
-    "--compile", "aot_eager", "--steps", "40", "--log-every", "5",
-]  # fmt: skip
+    "--dp",
+    "1",
+    "--tp",
+    "2",
+    "--pp",
+    "2",
+    "--schedule",
+    "1f1b",
+    "--microbatches",
+    "4",
+    "--compile",
+    "aot_eager",
+    "--steps",
+    "40",
+    "--log-every",
+    "5",
+]
 
 
 def layout(injection: str, nproc: int) -> list[str]:
@@ -94,16 +108,23 @@ def layout(injection: str, nproc: int) -> list[str]:
     return ["--dp", str(nproc), "--tp", "1", *COMMON]
 
 
-def diagnose_argv(injection: str, nproc: int, *, steps: int = 0, out: str, extra: Sequence[str] = ()) -> list[str]:
+def diagnose_argv(
+    injection: str, nproc: int, *, steps: int = 0, out: str, extra: Sequence[str] = ()
+) -> list[str]:
     """Trainer argv of one fault-matrix run: the mode's layout, its steps (``steps`` or the mode's
     default), the injection from ``INJECT_STEP``, the summary at ``out``; ``extra`` flags last (they win)."""
     return [
         *layout(injection, nproc),
-        "--steps", str(steps or STEPS.get(injection, DEFAULT_STEPS)),
-        "--inject", injection, "--inject-step", str(INJECT_STEP),
-        "--out", out,
+        "--steps",
+        str(steps or STEPS.get(injection, DEFAULT_STEPS)),
+        "--inject",
+        injection,
+        "--inject-step",
+        str(INJECT_STEP),
+        "--out",
+        out,
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def demo_argv(*, steps: int = 0, inject: Sequence[str] = (), extra: Sequence[str] = ()) -> list[str]:
@@ -132,7 +153,9 @@ def check(argv: Sequence[str], nproc: int) -> tuple[TrainConfig | None, str | No
     except SystemExit as exc:
         if exc.code in (0, None):
             raise
-        return None, (err.getvalue().strip().splitlines() or ["invalid trainer flags"])[-1].split("error: ", 1)[-1]
+        return None, (err.getvalue().strip().splitlines() or ["invalid trainer flags"])[-1].split(
+            "error: ", 1
+        )[-1]
 
 
 def describe(cfg: TrainConfig) -> str:

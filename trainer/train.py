@@ -92,8 +92,11 @@ def build_mesh(cfg: TrainConfig, device: torch.device) -> tuple[DeviceMesh, Devi
     if cfg.dp_mode != "fsdp":
         mesh = init_device_mesh(device.type, (cfg.dp, cfg.pp, cfg.tp), mesh_dim_names=("dp", "pp", "tp"))
         return mesh, mesh["dp"]
-    mesh = init_device_mesh(device.type, (cfg.dp_replicate, cfg.dp_shard, cfg.pp, cfg.tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"))
+    mesh = init_device_mesh(
+        device.type,
+        (cfg.dp_replicate, cfg.dp_shard, cfg.pp, cfg.tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "pp", "tp"),
+    )
     return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")  # private; what torchtitan does
 
 
@@ -134,8 +137,13 @@ def model_flops_per_token(model_parts: list[nn.Module]) -> float:
     return 6.0 * n
 
 
-def attach_observability(cfg: TrainConfig, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
-                         mesh: DeviceMesh, schedule: Any) -> Any:
+def attach_observability(
+    cfg: TrainConfig,
+    model_parts: list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    mesh: DeviceMesh,
+    schedule: Any,
+) -> Any:
     """Attach the hpar_agent to the built model (unless --no-agent); it must never stop training."""
     if cfg.no_agent:
         return None
@@ -145,8 +153,10 @@ def attach_observability(cfg: TrainConfig, model_parts: list[nn.Module], optimiz
         agent = hpar_agent.attach(model_parts[0], optimizer=optimizer, mesh=mesh)
         if schedule is not None:
             agent.watch_pipeline(schedule=schedule)
-        agent.report_flops(per_token=model_flops_per_token(model_parts),
-                           peak=cfg.peak_tflops * 1e12 if cfg.peak_tflops > 0 else None)
+        agent.report_flops(
+            per_token=model_flops_per_token(model_parts),
+            peak=cfg.peak_tflops * 1e12 if cfg.peak_tflops > 0 else None,
+        )
         return agent
     except ValueError:
         raise  # a bad explicit setting: the user must fix it
@@ -185,32 +195,47 @@ class Trainer:
         self.injector = Injector(cfg, self.rank, world, self.rec, device)
         self.agent: Any = None  # set by attach_observability
         self.data = self.injector.data_source(
-            MarkovData(vocab=cfg.vocab, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed))
+            MarkovData(vocab=cfg.vocab, seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed)
+        )
         self.batches = loader(self.data, self.dp_rank, cfg.dp)
         self._build()
 
     def _build(self) -> None:
         cfg = self.cfg
-        args = ModelArgs(vocab=cfg.vocab, dim=cfg.dim, heads=cfg.heads, layers=cfg.layers, seq_len=cfg.seq_len)
-        full = build_model(args, cfg.seed).to(self.device, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+        args = ModelArgs(
+            vocab=cfg.vocab, dim=cfg.dim, heads=cfg.heads, layers=cfg.layers, seq_len=cfg.seq_len
+        )
+        full = build_model(args, cfg.seed).to(
+            self.device, torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+        )
         self.stages = stage_ids(self.pp_rank, cfg) if cfg.pp > 1 else [0]
-        self.parts: list[GPT] = [split_stage(full, s, cfg.num_stages) for s in self.stages] if cfg.pp > 1 else [full]
+        self.parts: list[GPT] = (
+            [split_stage(full, s, cfg.num_stages) for s in self.stages] if cfg.pp > 1 else [full]
+        )
         self.modules: list[nn.Module] = []
         for part in self.parts:
             self.rec.forward_timer(part)
             self.injector.install_forward_hooks(part)
-            self.modules.append(parallelize(part, self.mesh, cfg, self.injector, self.rec.compile_stats, self.device,
-                                            self.dp_mesh))
+            self.modules.append(
+                parallelize(
+                    part, self.mesh, cfg, self.injector, self.rec.compile_stats, self.device, self.dp_mesh
+                )
+            )
         params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, foreach=False)
-        self.schedule = (build_schedule(self.modules, self.stages, cfg, self.mesh, self.device, loss_fn)
-                         if cfg.pp > 1 else None)
+        self.schedule = (
+            build_schedule(self.modules, self.stages, cfg, self.mesh, self.device, loss_fn)
+            if cfg.pp > 1
+            else None
+        )
         self.has_first = 0 in self.stages
         self.has_last = cfg.num_stages - 1 in self.stages
 
     def step(self, step: int) -> float | None:
         """One optimizer step; returns the dp-mean loss on last-stage ranks, None elsewhere."""
-        x, y = (t.to(self.device) for t in next(self.batches))  # the batch of ``step``: the loader yields them in order
+        x, y = (
+            t.to(self.device) for t in next(self.batches)
+        )  # the batch of ``step``: the loader yields them in order
         self.optimizer.zero_grad(set_to_none=True)
         if self.schedule is None:
             loss = loss_fn(self.modules[0](x), y)
@@ -244,7 +269,11 @@ class Trainer:
         with torch.no_grad():
             staged = [p.detach().clone() for m in self.modules for p in m.parameters()]
         if self.rank == 0:
-            log.info("rank 0: checkpoint-like pause of %.1fs before step %d", self.cfg.pause_seconds, self.cfg.pause_at)
+            log.info(
+                "rank 0: checkpoint-like pause of %.1fs before step %d",
+                self.cfg.pause_seconds,
+                self.cfg.pause_at,
+            )
             time.sleep(self.cfg.pause_seconds)
         del staged
 
@@ -278,9 +307,13 @@ class Trainer:
         box = [losses]
         dist.broadcast_object_list(box, src=log_rank)
         if self.rank == 0 and self.cfg.out:
-            summary = {"config": self.cfg.to_dict(), "world_size": dist.get_world_size(), "losses": box[0],
-                       "step_times": [s["step_s"] for s in self.rec.data["steps"]],
-                       "step_starts": [s["t0"] for s in self.rec.data["steps"]]}  # wall clock, s
+            summary = {
+                "config": self.cfg.to_dict(),
+                "world_size": dist.get_world_size(),
+                "losses": box[0],
+                "step_times": [s["step_s"] for s in self.rec.data["steps"]],
+                "step_starts": [s["t0"] for s in self.rec.data["steps"]],
+            }  # wall clock, s
             Path(self.cfg.out).write_text(json.dumps(summary, indent=1))
 
 
@@ -290,13 +323,17 @@ def main(argv: list[str] | None = None) -> int:
     device = init_distributed(cfg)
     try:
         trainer = Trainer(cfg, device)
-        trainer.agent = attach_observability(cfg, trainer.modules, trainer.optimizer, trainer.mesh, trainer.schedule)
+        trainer.agent = attach_observability(
+            cfg, trainer.modules, trainer.optimizer, trainer.mesh, trainer.schedule
+        )
         losses = trainer.run()
         trainer.write_summary(losses)
         detach_observability()
     except Exception as e:
         traceback.print_exc()
-        sys.stderr.write(f"hpar-train: rank {dist.get_rank()}: error: {type(e).__name__}: {str(e).splitlines()[0]}\n")
+        sys.stderr.write(
+            f"hpar-train: rank {dist.get_rank()}: error: {type(e).__name__}: {str(e).splitlines()[0]}\n"
+        )
         detach_observability()
         sys.stderr.flush()
         sys.stdout.flush()

@@ -75,13 +75,17 @@ class AnatomyCollector(Component):
         self._pipe: PipelineCollector | None = None
         self._coll: CollectiveCollector | None = None
         #: steps awaiting their collectives: (rec, busy intervals, host waits, phases dict to complete)
-        self.comm_pending: list[tuple[StepRecord, list[tuple[int, int]], list[tuple[int, int]], dict[str, float]]] = []
+        self.comm_pending: list[
+            tuple[StepRecord, list[tuple[int, int]], list[tuple[int, int]], dict[str, float]]
+        ] = []
         self._events: dict[int, list[Event]] = {}  # step -> its marks as ``phases`` reads them
         self._waiting: list[tuple[StepRecord, list[Event]]] = []  # steps awaiting their CUDA events
         self._last_end_event: Any = None
         self.clock = "cpu"
         self.hists: dict[str, Histogram] = {p: Histogram(cat.LATENCY_BUCKETS) for p in PHASES}
-        self.history: list[tuple[int, float, dict[str, float], float]] = []  # (step, step s, phases, loader s)
+        self.history: list[
+            tuple[int, float, dict[str, float], float]
+        ] = []  # (step, step s, phases, loader s)
         self.verdict: str | None = None
         self._unjudged = False  # steps finished by on_step, judged in end_pass
         self.slow_rank: int | None = None  # the peer a slow-rank verdict names (None: this rank, or none)
@@ -144,7 +148,9 @@ class AnatomyCollector(Component):
             piped = pipe is not None and bool(getattr(pipe, "wrapped", None))
             if end is not None and self._last_end_event is not None and not piped:
                 try:
-                    phases, spans, loader, step_s = gpu_phases(rec.start_ns, events, self._last_end_event, end)
+                    phases, spans, loader, step_s = gpu_phases(
+                        rec.start_ns, events, self._last_end_event, end
+                    )
                     self.clock = "cuda-events"
                 except Exception as exc:  # an event not recorded (e.g. another device): CPU times
                     self.record_error(exc)
@@ -173,8 +179,13 @@ class AnatomyCollector(Component):
         now, mark = time.time_ns(), None
         while self.comm_pending:
             rec, busy, waits, phases = self.comm_pending[0]
-            if (coll is not None and coll.up and not (agent is not None and agent.stopping)
-                    and len(self.comm_pending) <= MAX_COMM_WAITING and now - rec.end_ns < COMM_WAIT_NS):
+            if (
+                coll is not None
+                and coll.up
+                and not (agent is not None and agent.stopping)
+                and len(self.comm_pending) <= MAX_COMM_WAITING
+                and now - rec.end_ns < COMM_WAIT_NS
+            ):
                 if mark is None:
                     mark = coll.span_watermark_ns()
                 if mark is not None and mark < rec.end_ns:
@@ -193,8 +204,14 @@ class AnatomyCollector(Component):
                     agent.add_span(SpanRecord(cat.SPAN_STEP_PHASES["comm_exposed"], t0, t1, rec.step))
         return done
 
-    def _finish(self, rec: StepRecord, phases: dict[str, float], spans: list[tuple[str, int, int]],
-                loader: float, step_s: float) -> None:
+    def _finish(
+        self,
+        rec: StepRecord,
+        phases: dict[str, float],
+        spans: list[tuple[str, int, int]],
+        loader: float,
+        step_s: float,
+    ) -> None:
         for phase, secs in phases.items():
             self.hists[phase].observe(secs)
         self.history.append((rec.step, step_s, phases, loader))
@@ -234,8 +251,11 @@ class AnatomyCollector(Component):
         self.shares = {p: sums[p] / total for p in PHASES if p in seen}
         th = self.ctx.config.thresholds if self.ctx is not None else {}
         straggler, lag, slow_rank = self._straggler()
-        verdict = bottleneck(self.shares, straggler=straggler,
-                             thresholds={k: float(th.get(f"anatomy.{k}", v)) for k, v in ANATOMY_DEFAULTS.items()})
+        verdict = bottleneck(
+            self.shares,
+            straggler=straggler,
+            thresholds={k: float(th.get(f"anatomy.{k}", v)) for k, v in ANATOMY_DEFAULTS.items()},
+        )
         self.verdict = verdict.name
         rank = self.ctx.topology.rank if self.ctx is not None else 0
         self.evidence = {
@@ -262,18 +282,24 @@ class AnatomyCollector(Component):
         pipe = self._pipe
         bubbles = [b for step, b in getattr(pipe, "bubbles", ()) if step in steps]
         if self.hooks.forward_source == "pipeline-chunks" and bubbles:
-            reason += (f"; the rest is mostly the pipeline's bubble ({sum(bubbles) / len(bubbles):.0%} of the step, "
-                       "hpar_pp_bubble_ratio): the stage waits for its neighbours")
+            reason += (
+                f"; the rest is mostly the pipeline's bubble ({sum(bubbles) / len(bubbles):.0%} of the step, "
+                "hpar_pp_bubble_ratio): the stage waits for its neighbours"
+            )
         return reason
 
     def _no_forward(self) -> str:
         """Why no step has a forward timed (the reason of an unknown verdict)."""
         root = self.hooks.root
         if not root.class_name:
-            return ("no forward timed: the model is not known (give it to attach(model); under hpar-agent run "
-                    "a DDP/FSDP wrapper or the training loop's variables at an optimizer step name it)")
-        return (f"no forward timed: the forward hooks of the model's root ({root.class_name}, from "
-                f"{root.found_by}) never ran outside torch.compile")
+            return (
+                "no forward timed: the model is not known (give it to attach(model); under hpar-agent run "
+                "a DDP/FSDP wrapper or the training loop's variables at an optimizer step name it)"
+            )
+        return (
+            f"no forward timed: the forward hooks of the model's root ({root.class_name}, from "
+            f"{root.found_by}) never ran outside torch.compile"
+        )
 
     def _straggler(self) -> tuple[bool, float | None, int | None]:
         """Whether the job has one slow rank, its arrival lag at collectives and which rank (None: this

@@ -152,7 +152,9 @@ class CollectiveCollector(Component):
         mesh = getattr(agent, "mesh", None)
         if mesh is None:
             mesh = mesh_from_model(getattr(agent, "model", None))
-        for i, dim in enumerate(mesh_dim_names(mesh, getattr(agent, "model", None))):  # unnamed FSDP: dp_shard
+        for i, dim in enumerate(
+            mesh_dim_names(mesh, getattr(agent, "model", None))
+        ):  # unnamed FSDP: dp_shard
             try:
                 if mesh.size(i) < 2:
                     continue
@@ -200,8 +202,12 @@ class CollectiveCollector(Component):
             "hpar_agent: the %s flight recorder overwrote %d entries before they were read (a ring of %d "
             "at ~%.0f collectives a second); hpar_collective_unobserved_total counts them. A larger ring "
             "keeps them: TORCH_FR_BUFFER_SIZE=%d before init_process_group",
-            rec, n, self._ring, rate, max(size, 2 * self._ring),
-        )  # fmt: skip
+            rec,
+            n,
+            self._ring,
+            rate,
+            max(size, 2 * self._ring),
+        )
 
     def timing_enabled(self) -> dict[str, bool]:
         """pg label -> whether its ops carry durations (the ``hpar_collective_timing_enabled`` series).
@@ -257,7 +263,9 @@ class CollectiveCollector(Component):
 
     def _read_and_process(self, now: float, now_ns: int, p2p: list[P2PRecord]) -> None:
         self._drain_boundaries()  # every step that ended by now: the p2p ops' steps, and the ledger's placing
-        self._process_p2p(p2p)  # before the reads: it names the NCCL groups pipelining runs on (their FR entries are pp)
+        self._process_p2p(
+            p2p
+        )  # before the reads: it names the NCCL groups pipelining runs on (their FR entries are pp)
         for rec in self.recorders:
             with gcpause.paused():  # a full read's objects die inside the block (see gcpause)
                 status, upd = self._read(rec, now)
@@ -354,7 +362,9 @@ class CollectiveCollector(Component):
         if upd.labels:
             self.groups.labels.update(upd.labels)
         if upd.pg_timeout_s is not None:
-            self.pg_timeout_s = upd.pg_timeout_s if self.pg_timeout_s is None else min(self.pg_timeout_s, upd.pg_timeout_s)
+            self.pg_timeout_s = (
+                upd.pg_timeout_s if self.pg_timeout_s is None else min(self.pg_timeout_s, upd.pg_timeout_s)
+            )
         if upd.p2p:
             reader.p2p = True
         reader.pending, reader.pending_min_ns = upd.pending, upd.pending_min_ns
@@ -438,13 +448,18 @@ class CollectiveCollector(Component):
         for (pg, op), n in sorted(stats.counts.items()):
             merged = [h for (hpg, hop, _stream), h in stats.hists.items() if (hpg, hop) == (pg, op)]
             hist = merged[0] if len(merged) == 1 else None
-            table.append({
-                "pg": pg, "op": op, "count": n, "bytes": stats.bytes[(pg, op)],
-                "timed": sum(h.count for h in merged),
-                "p50_s": hist.quantile(0.5) if hist and hist.count else None,
-                "p99_s": hist.quantile(0.99) if hist and hist.count else None,
-                "busbw_bytes_per_s": stats.last_busbw.get((pg, op)),
-            })  # fmt: skip
+            table.append(
+                {
+                    "pg": pg,
+                    "op": op,
+                    "count": n,
+                    "bytes": stats.bytes[(pg, op)],
+                    "timed": sum(h.count for h in merged),
+                    "p50_s": hist.quantile(0.5) if hist and hist.count else None,
+                    "p99_s": hist.quantile(0.99) if hist and hist.count else None,
+                    "busbw_bytes_per_s": stats.last_busbw.get((pg, op)),
+                }
+            )
         reasons = self.read_reasons
         return {
             "recorders": self.recorders,

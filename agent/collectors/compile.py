@@ -302,7 +302,11 @@ class CompileCollector(Component):
         else:
             outcome = "ok"
         fr = self.notes.frames.get(cid, {})
-        chash = code_hash(m["co_filename"], m["co_firstlineno"], m["co_name"]) if m["co_name"] else fr.get("code_hash", "")
+        chash = (
+            code_hash(m["co_filename"], m["co_firstlineno"], m["co_name"])
+            if m["co_name"]
+            else fr.get("code_hash", "")
+        )
         # an attempt refused by the recompile limit fires no start callback: the frame's last backend
         backend_of = self.notes.backend_of
         backend = fr.get("backend") or backend_of.get(chash) or backend_of.get(frame_id(cid)) or "unknown"
@@ -338,9 +342,15 @@ class CompileCollector(Component):
             if chash:
                 span.attributes[cat.ATTR_CODE_HASH] = chash
             if recompile:
-                span.events.append((cat.EVENT_RECOMPILE, span.start_ns, {cat.ATTR_RECOMPILE_REASON: recompile}))
+                span.events.append(
+                    (cat.EVENT_RECOMPILE, span.start_ns, {cat.ATTR_RECOMPILE_REASON: recompile})
+                )
             span.events.append(
-                (cat.EVENT_BACKEND_COMPILE, span.end_ns, {cat.ATTR_COMPILE_OUTCOME: outcome, cat.ATTR_COMPILE_BACKEND: backend})
+                (
+                    cat.EVENT_BACKEND_COMPILE,
+                    span.end_ns,
+                    {cat.ATTR_COMPILE_OUTCOME: outcome, cat.ATTR_COMPILE_BACKEND: backend},
+                )
             )
             agent.add_span(span)
         agent.events.emit(
@@ -371,10 +381,15 @@ class CompileCollector(Component):
         ident = "|".join(
             str(x)
             for x in (
-                os.path.basename(str(m["co_filename"])), m["co_firstlineno"], m["co_name"], m["graph_op_count"],
-                m["graph_node_count"], m["graph_input_count"], m["graph_node_shapes"],
+                os.path.basename(str(m["co_filename"])),
+                m["co_firstlineno"],
+                m["co_name"],
+                m["graph_op_count"],
+                m["graph_node_count"],
+                m["graph_input_count"],
+                m["graph_node_shapes"],
             )
-        )  # fmt: skip
+        )
         digest = hashlib.sha1(ident.encode()).hexdigest()
         if digest not in self.graphs:
             self.graphs.add(digest)
@@ -399,7 +414,8 @@ class CompileCollector(Component):
             guard=first_guard,
             guard_failures=failed or [first_guard],
             failed_guards=failed or [first_guard],
-            user_stack=user_frames(text) or ([where.split(" ", 1)[-1]] if where else []),  # size guards give none
+            user_stack=user_frames(text)
+            or ([where.split(" ", 1)[-1]] if where else []),  # size guards give none
             message=text,
         )
         return kind
@@ -455,7 +471,11 @@ class CompileCollector(Component):
                     "count": self.graph_breaks[key],
                     "message": info["reason"],
                     "user_frames": sorted(info["user_frames"]),
-                    **({"c10d_call": info["c10d"], "hint": FUNCTIONAL_COLLECTIVES_HINT} if info.get("c10d") else {}),
+                    **(
+                        {"c10d_call": info["c10d"], "hint": FUNCTIONAL_COLLECTIVES_HINT}
+                        if info.get("c10d")
+                        else {}
+                    ),
                 }
                 for key, info in sorted(self.break_info.items())
             ],

@@ -111,7 +111,9 @@ class Update:
     unplaced: list[tuple[int, str, int]] = field(default_factory=list)
     kept: list[dict[str, Any]] = field(default_factory=list)  # new entries for the detectors, oldest first
     timed: list[tuple[Op, float]] = field(default_factory=list)  # (op, seconds)
-    opened: list[tuple[str, int, int]] = field(default_factory=list)  # (pg, seq, created ns) not done at the dump
+    opened: list[tuple[str, int, int]] = field(
+        default_factory=list
+    )  # (pg, seq, created ns) not done at the dump
     pg_ids: dict[str, str] = field(default_factory=dict)  # the recorder's pg_id -> pg label
     backends: dict[str, str] = field(default_factory=dict)  # pg label -> recorder
     labels: dict[tuple[str, str], str] = field(default_factory=dict)  # labels the ledger assigned
@@ -187,7 +189,9 @@ class Ledger:
         done = {str(k): int(v.get("last_completed_collective", -1)) for k, v in upd.status.items()}
         labels_before = len(self.groups.labels)
         kept: deque[dict[str, Any]] = deque(maxlen=self.recent)
-        first_new = bisect.bisect_left(entries, nxt, key=lambda e: e["record_id"])  # the ring's older half was read
+        first_new = bisect.bisect_left(
+            entries, nxt, key=lambda e: e["record_id"]
+        )  # the ring's older half was read
         for i, e in enumerate(itertools.islice(entries, first_new, None)):
             if i & 255 == 255:
                 gil.pause_point()  # ~1 ms of entries: the training thread gets the GIL back
@@ -248,9 +252,15 @@ class Ledger:
             nbytes = entry_bytes(sizes, dtypes)
             out_bytes = entry_bytes(e.get("output_sizes"), e.get("output_dtypes"))
             dec = self._decoded[key] = _Decoded(
-                pname, op_label(pname), entry_backend(pname, rec), nbytes, max(nbytes, out_bytes),
-                entry_numel(sizes), sys.intern(sizes_text), sys.intern(dtypes_text),
-            )  # fmt: skip
+                pname,
+                op_label(pname),
+                entry_backend(pname, rec),
+                nbytes,
+                max(nbytes, out_bytes),
+                entry_numel(sizes),
+                sys.intern(sizes_text),
+                sys.intern(dtypes_text),
+            )
         return dec
 
     def _step_of(self, t_ns: int) -> int | None:
@@ -259,9 +269,18 @@ class Ledger:
         return self._bound_s[i] if i < len(self._bound_s) else None
 
     def _observe(
-        self, rec: str, e: dict[str, Any], pg: str, name: str, seq: int, is_p2p: bool, created: int,
-        nccl_timing: bool, upd: Update, kept: deque[dict[str, Any]],
-    ) -> None:  # fmt: skip
+        self,
+        rec: str,
+        e: dict[str, Any],
+        pg: str,
+        name: str,
+        seq: int,
+        is_p2p: bool,
+        created: int,
+        nccl_timing: bool,
+        upd: Update,
+        kept: deque[dict[str, Any]],
+    ) -> None:
         dec = self._decode(rec, e)
         op, nbytes = dec.op, dec.nbytes
         batch_key = (rec, str(name))
@@ -278,15 +297,32 @@ class Ledger:
                 if by_pg is None:
                     by_pg = upd.reduced[step] = Counter()
                 by_pg[pg] += dec.numel
-        kept.append({
-            "pg": pg, "seq": seq, "is_p2p": is_p2p, "op": op, "input_sizes": dec.sizes,
-            "input_dtypes": dec.dtypes, "time": created / 1e9, "record_id": e.get("record_id"),
-        })  # fmt: skip
+        kept.append(
+            {
+                "pg": pg,
+                "seq": seq,
+                "is_p2p": is_p2p,
+                "op": op,
+                "input_sizes": dec.sizes,
+                "input_dtypes": dec.dtypes,
+                "time": created / 1e9,
+                "record_id": e.get("record_id"),
+            }
+        )
         peer = -1
         if is_p2p and (p := p2p_peer(dec.pname)) is not None:
             peer = self.groups.global_rank(name, p)
-        item = Op(pg, op, seq, nbytes, dec.data_bytes, created, comm_stream_label(pg, dec.backend),
-                  self.groups.sizes.get(name), peer)  # fmt: skip
+        item = Op(
+            pg,
+            op,
+            seq,
+            nbytes,
+            dec.data_bytes,
+            created,
+            comm_stream_label(pg, dec.backend),
+            self.groups.sizes.get(name),
+            peer,
+        )
         key = (rec, int(e["record_id"]))
         if batch:  # the p2p ops of a batch_isend_irecv: timed by the coalesced entry that ends it
             ops = [self._pending.pop(k) for k in batch if k in self._pending]

@@ -287,7 +287,9 @@ class MemoryCollector(Component):
         self.rss: int | None = None
         self.allocator: dict[str, float] = {}
         self.device_free: int | None = None  # device memory no process holds
-        self.headroom: int | None = None  # what this process can still allocate (hpar_gpu_memory_headroom_bytes)
+        self.headroom: int | None = (
+            None  # what this process can still allocate (hpar_gpu_memory_headroom_bytes)
+        )
         self.headroom_series: deque[tuple[int, int]] = deque(maxlen=history)  # (last step, headroom) a pass
         self._rss = RssReader(proc_root)
         self._cuda_seen = False
@@ -310,7 +312,9 @@ class MemoryCollector(Component):
         if not self._cuda_seen:
             cuda = self._cuda
             on_gpu = getattr(self._device, "type", "cuda") == "cuda"  # a CPU rank reads no allocator
-            self._cuda_seen = on_gpu and cuda is not None and bool(cuda.is_initialized()) and bool(cuda.is_available())
+            self._cuda_seen = (
+                on_gpu and cuda is not None and bool(cuda.is_initialized()) and bool(cuda.is_available())
+            )
         return self._cuda_seen
 
     def step_hook(self, step: int, t_ns: int) -> None:

@@ -83,7 +83,9 @@ def candidates(frame: Any, module_cls: type, skip: Iterable[Any] = ()) -> list[A
 def find_root(optimizer: Any, module_cls: type, skip: Iterable[Any] = (), frame: Any = None) -> Any:
     """The model the frames above hold whose parameters the optimizer steps, or None."""
     ids = param_ids(optimizer)
-    holders = [m for m in candidates(frame or sys._getframe(1), module_cls, skip) if holds(m, ids)] if ids else []
+    holders = (
+        [m for m in candidates(frame or sys._getframe(1), module_cls, skip) if holds(m, ids)] if ids else []
+    )
     tops = [m for m in holders if not any(contains(o, m) for o in holders)]
     if len(tops) < 2:
         return tops[0] if tops else None

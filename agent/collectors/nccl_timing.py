@@ -65,5 +65,6 @@ class NcclTiming:
                     continue  # one log line
                 log.warning(
                     "hpar_agent: NCCL group %s is not timed (no latency, busbw or spans): set "
-                    "TORCH_NCCL_ENABLE_TIMING=1 before init_process_group", key[1] or key[0]
+                    "TORCH_NCCL_ENABLE_TIMING=1 before init_process_group",
+                    key[1] or key[0],
                 )

@@ -61,8 +61,11 @@ class OomCollector(Component):
 
     name = "oom"
 
-    def __init__(self, snapshot: Callable[[Any], Mapping[str, Any]] | None = None,
-                 stats: Callable[[Any], Mapping[str, Any]] = _stats) -> None:  # fmt: skip
+    def __init__(
+        self,
+        snapshot: Callable[[Any], Mapping[str, Any]] | None = None,
+        stats: Callable[[Any], Mapping[str, Any]] = _stats,
+    ) -> None:
         super().__init__()
         self._snapshot = snapshot or cuda_memory.snapshot  # injectable for tests
         self._stats = stats
@@ -108,8 +111,15 @@ class OomCollector(Component):
                 top = sys._current_frames().get(main.ident)  # a backward's allocation: the loop is there
                 stacks[main.name] = mf.stack_lines(traceback.extract_stack(top))
                 frames += list(mf.frames_up(top))
-            self._write("allocator", device, frames if mf.SAFE_LOCALS else [], stacks, requested=requested,
-                        limit=limit, free=free)  # fmt: skip
+            self._write(
+                "allocator",
+                device,
+                frames if mf.SAFE_LOCALS else [],
+                stacks,
+                requested=requested,
+                limit=limit,
+                free=free,
+            )
         except Exception as exc:
             self.record_error(exc)
         finally:
@@ -128,20 +138,33 @@ class OomCollector(Component):
         rec = self.record
         if rec is None:
             index = getattr(self.require_ctx().device, "index", None)
-            self._write("exception", index, mf.tb_frames(exc.__traceback__), {"traceback": stack}, fatal=fatal)
+            self._write(
+                "exception", index, mf.tb_frames(exc.__traceback__), {"traceback": stack}, fatal=fatal
+            )
             return
         rec["stacks"]["traceback"] = stack
         rec.update(fatal, site=rec.get("site") or mf.user_site(stack))
         self.require_ctx().events.emit("oom", **rec)
 
     # ------------------------------------------------------------------------------------ the record
-    def _write(self, source: str, device: int | None, frames: list[FrameType], stacks: dict[str, list[str]],
-               requested: int | None = None, limit: int | None = None, free: int | None = None,
-               fatal: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+    def _write(
+        self,
+        source: str,
+        device: int | None,
+        frames: list[FrameType],
+        stacks: dict[str, list[str]],
+        requested: int | None = None,
+        limit: int | None = None,
+        free: int | None = None,
+        fatal: Mapping[str, Any] | None = None,
+    ) -> None:
         ctx = self.require_ctx()
         dev = ctx.device
         stats = self._stats(dev)
-        allocated, reserved = stats.get("allocated_bytes.all.current"), stats.get("reserved_bytes.all.current")
+        allocated, reserved = (
+            stats.get("allocated_bytes.all.current"),
+            stats.get("reserved_bytes.all.current"),
+        )
         models, optimizers, found = self._objects(frames)
         owners, names = mf.owners(models, optimizers, dev, allocated)
         owners["source"] = found
@@ -155,24 +178,37 @@ class OomCollector(Component):
         steps = ctx.find(StepCollector)
         site = next((s for s in map(mf.user_site, stacks.values()) if s), "")
         rec: dict[str, Any] = {
-            "source": source, "fatal": False, "step": steps.count if steps is not None else None,
-            "device": str(dev), "requested_bytes": requested, "device_limit_bytes": limit,
+            "source": source,
+            "fatal": False,
+            "step": steps.count if steps is not None else None,
+            "device": str(dev),
+            "requested_bytes": requested,
+            "device_limit_bytes": limit,
             "device_free_bytes": free,
-            "headroom_bytes": None if free is None or allocated is None or reserved is None
+            "headroom_bytes": None
+            if free is None or allocated is None or reserved is None
             else free + max(0, reserved - allocated),
-            "allocated_bytes": allocated, "reserved_bytes": reserved,
-            "site": site, "stacks": stacks, "owners": owners,
+            "allocated_bytes": allocated,
+            "reserved_bytes": reserved,
+            "site": site,
+            "stacks": stacks,
+            "owners": owners,
             "snapshot": mf.snapshot_digest(snap, device, names) if snap is not None else {"note": snap_note},
-            "trend": self._trend(), **(fatal or {}),
-        }  # fmt: skip
+            "trend": self._trend(),
+            **(fatal or {}),
+        }
         if rec["snapshot"].get("oom_site"):
             rec["site"] = rec["snapshot"]["oom_site"]
         rec["evidence"] = self._evidence(rec, snap) if ctx.config.evidence and ctx.run_dir else []
         self.record = rec
         ctx.events.emit("oom", **rec)
-        log.warning("hpar_agent: CUDA out of memory on rank %d after %s completed steps%s%s", ctx.topology.rank,
-                    rec["step"], f" at {rec['site']}" if rec["site"] else "",
-                    f"; evidence: {', '.join(rec['evidence'])}" if rec["evidence"] else "")  # fmt: skip
+        log.warning(
+            "hpar_agent: CUDA out of memory on rank %d after %s completed steps%s%s",
+            ctx.topology.rank,
+            rec["step"],
+            f" at {rec['site']}" if rec["site"] else "",
+            f"; evidence: {', '.join(rec['evidence'])}" if rec["evidence"] else "",
+        )
 
     def _objects(self, frames: list[FrameType]) -> tuple[list[Any], list[Any], str]:
         """The model and optimizer given to ``attach`` (else the optimizer that steps), and what the
@@ -188,8 +224,15 @@ class OomCollector(Component):
             return models, optimizers, "attached model and optimizer"
         found_models, found_opts = mf.found_in_frames(frames) if frames else ([], [])
         models, optimizers = models or found_models, optimizers or found_opts
-        what = ("attached model" if ctx.model is not None else "model found on the stack" if models
-                else "optimizer's parameters (no model known)" if optimizers else "no model known")  # fmt: skip
+        what = (
+            "attached model"
+            if ctx.model is not None
+            else "model found on the stack"
+            if models
+            else "optimizer's parameters (no model known)"
+            if optimizers
+            else "no model known"
+        )
         return models, optimizers, what
 
     def _trend(self) -> dict[str, Any]:

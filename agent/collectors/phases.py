@@ -62,10 +62,14 @@ def split_gap(lo: int, hi: int, loads: Sequence[Interval]) -> tuple[list[Interva
     return data, exposed_ns([(lo, hi)], data, lo, hi)
 
 
-def _gap(out: dict[str, float], spans: list[Span], lo: int, hi: int, loads: Sequence[Interval], shift: int = 0) -> None:
+def _gap(
+    out: dict[str, float], spans: list[Span], lo: int, hi: int, loads: Sequence[Interval], shift: int = 0
+) -> None:
     data, host = split_gap(lo, hi, loads)
     out["data_wait"], out["host"] = seconds(data), seconds(host)
-    parts = sorted([("data_wait", a, b) for a, b in data] + [("host", a, b) for a, b in host], key=lambda s: s[1])
+    parts = sorted(
+        [("data_wait", a, b) for a, b in data] + [("host", a, b) for a, b in host], key=lambda s: s[1]
+    )
     spans[:0] = [(p, a + shift, b + shift) for p, a, b in parts[:MAX_GAP_SPANS]]
 
 
@@ -74,7 +78,10 @@ def loads_of(events: Iterable[Event]) -> list[Interval]:
 
 
 def cpu_phases(
-    start_ns: int, end_ns: int, events: Sequence[Event], chunks: tuple[dict[str, float], int | None] | None = None
+    start_ns: int,
+    end_ns: int,
+    events: Sequence[Event],
+    chunks: tuple[dict[str, float], int | None] | None = None,
 ) -> tuple[dict[str, float], list[Span], float]:
     """Phase seconds of one step from CPU wall-clock times, the spans behind them and the seconds spent in
     the data loader. ``chunks``: under a pipeline schedule, the stage's forward/backward chunk seconds

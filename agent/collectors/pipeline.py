@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 _TAG = "_hpar_wrapped"
 _METHODS = (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"))
-BUBBLE_WARMUP_STEPS = 2  # steps left out of bubble_ratio_mean: the first ones run shape inference and compiles
+BUBBLE_WARMUP_STEPS = (
+    2  # steps left out of bubble_ratio_mean: the first ones run shape inference and compiles
+)
 
 
 #: One microbatch's chunk: (step, stage index, microbatch, phase, stream label, t0 epoch ns, t1 epoch ns
@@ -59,7 +61,9 @@ class PipelineCollector(Component):
         # per step: chunk seconds by phase and the first stage-0 forward's start (read by the anatomy)
         self.phase_by_step: dict[int, dict[str, float]] = {}
         self.first_forward_ns: dict[int, int] = {}
-        self.intervals_by_step: dict[int, list[tuple[int, int]]] = {}  # chunk (t0, t1): the anatomy's busy time
+        self.intervals_by_step: dict[
+            int, list[tuple[int, int]]
+        ] = {}  # chunk (t0, t1): the anatomy's busy time
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
@@ -126,7 +130,9 @@ class PipelineCollector(Component):
                     e1.record(torch.cuda.current_stream(device))
                     buffer.put((step, stage_index, chunk, phase, stream, t0, 0, e0, e1, cs.cuda_stream))
                 else:
-                    buffer.put((step, stage_index, chunk, phase, cpu_stream, t0, time.time_ns(), None, None, None))
+                    buffer.put(
+                        (step, stage_index, chunk, phase, cpu_stream, t0, time.time_ns(), None, None, None)
+                    )
             except Exception as exc:
                 self.record_error(exc)
             return out
@@ -165,7 +171,9 @@ class PipelineCollector(Component):
             times.append(dur)
             del times[:-256]
             if tracing:
-                ctx.add_span(LazySpan(step, _chunk_span, (phase, t0, t1, step, stage_index, chunk, stream, handle)))
+                ctx.add_span(
+                    LazySpan(step, _chunk_span, (phase, t0, t1, step, stage_index, chunk, stream, handle))
+                )
 
     def on_step(self, rec: StepRecord) -> None:
         busy = self.busy_by_step.pop(rec.step, None)
@@ -196,7 +204,9 @@ class PipelineCollector(Component):
 
     def summary(self) -> dict[str, Any]:
         per_stage = {
-            f"{stage}/{phase}": sorted(v)[len(v) // 2] for (stage, phase), v in sorted(self.stage_times.items()) if v
+            f"{stage}/{phase}": sorted(v)[len(v) // 2]
+            for (stage, phase), v in sorted(self.stage_times.items())
+            if v
         }
         warm = [b for step, b in self.bubbles if step >= BUBBLE_WARMUP_STEPS] or [b for _, b in self.bubbles]
         return {

@@ -211,8 +211,14 @@ WRAPPED_OPTIMIZER_ATTRS = ("optimizer", "_optimizer")
 def innermost_optimizer(opt: Any) -> Any:
     """The optimizer a wrapper steps (the wrapper's own ``step`` runs no torch step hook)."""
     for _ in range(8):
-        inner = next((getattr(opt, a) for a in WRAPPED_OPTIMIZER_ATTRS if hasattr(opt, "step")
-                      and getattr(opt, a, None) is not None), None)  # fmt: skip
+        inner = next(
+            (
+                getattr(opt, a)
+                for a in WRAPPED_OPTIMIZER_ATTRS
+                if hasattr(opt, "step") and getattr(opt, a, None) is not None
+            ),
+            None,
+        )
         if inner is None or inner is opt or not hasattr(inner, "step"):
             return opt
         opt = inner

@@ -18,7 +18,9 @@ class Verdict(NamedTuple):
     reason: str  # the numbers that gave it, one line
 
 
-def bottleneck(shares: Mapping[str, float], *, straggler: bool = False, thresholds: Mapping[str, float] | None = None) -> Verdict:
+def bottleneck(
+    shares: Mapping[str, float], *, straggler: bool = False, thresholds: Mapping[str, float] | None = None
+) -> Verdict:
     """The verdict from phase shares of step time (``thresholds``: ``ANATOMY_DEFAULTS``' keys).
 
     A cause is named when its phase reaches its threshold: input first (a rank whose loader is slow
@@ -30,7 +32,9 @@ def bottleneck(shares: Mapping[str, float], *, straggler: bool = False, threshol
 
     def over(phase: str, key: str) -> str | None:
         share = shares.get(phase, 0.0)
-        return f"{phase} is {share:.0%} of the step (anatomy.{key} {th[key]:.0%})" if share >= th[key] else None
+        return (
+            f"{phase} is {share:.0%} of the step (anatomy.{key} {th[key]:.0%})" if share >= th[key] else None
+        )
 
     if why := over("data_wait", "input_share"):
         return Verdict("input-bound", why)
@@ -42,11 +46,17 @@ def bottleneck(shares: Mapping[str, float], *, straggler: bool = False, threshol
         return Verdict("communication-bound", why)
     explained = sum(shares.values())
     if explained < th["min_explained"]:
-        return Verdict("unknown", f"the phases explain {explained:.0%} of the step (anatomy.min_explained "
-                                  f"{th['min_explained']:.0%})")
+        return Verdict(
+            "unknown",
+            f"the phases explain {explained:.0%} of the step (anatomy.min_explained "
+            f"{th['min_explained']:.0%})",
+        )
     compute = sum(shares.get(p, 0.0) for p in COMPUTE)
-    return Verdict("compute-bound", f"forward, backward and optimizer are {compute:.0%} of the step; no other "
-                                    "phase reaches its threshold")
+    return Verdict(
+        "compute-bound",
+        f"forward, backward and optimizer are {compute:.0%} of the step; no other "
+        "phase reaches its threshold",
+    )
 
 
 SLOW_EXCESS = 0.2  # a rank's compute past its stage peers' median by this share of its step is slow
@@ -89,13 +99,20 @@ def slow_rank_across(ranks: Iterable[tuple[Any, Any, dict[str, Any]]]) -> dict[s
             if excess <= SLOW_EXCESS * step:
                 continue
             waits: list[float] = [
-                float(w) for o, d in group
-                if o != r and o in busy and (w := (d.get("phase_seconds_p50") or {}).get("comm_exposed")) is not None
+                float(w)
+                for o, d in group
+                if o != r
+                and o in busy
+                and (w := (d.get("phase_seconds_p50") or {}).get("comm_exposed")) is not None
             ]
             if waits and statistics.median(waits) < 0.5 * excess:
                 continue
             if best is None or excess > best["compute_excess_s"]:
-                best = {"rank": r, "source": "phases", "compute_excess_s": round(excess, 4),
-                        "compute_share_excess": round(excess / step, 4),
-                        "peers_comm_exposed_s": round(statistics.median(waits), 4) if waits else None}
+                best = {
+                    "rank": r,
+                    "source": "phases",
+                    "compute_excess_s": round(excess, 4),
+                    "compute_share_excess": round(excess / step, 4),
+                    "peers_comm_exposed_s": round(statistics.median(waits), 4) if waits else None,
+                }
     return best

@@ -60,7 +60,9 @@ class CompileDivergence(Detector):
         stage = {
             r: p["fp"]
             for r, p in snap.exchange.peers.items()
-            if "fp" in p and p.get("c", {}).get("stage") == snap.stage and p.get("step", 0) >= self.p("warmup_steps")
+            if "fp" in p
+            and p.get("c", {}).get("stage") == snap.stage
+            and p.get("step", 0) >= self.p("warmup_steps")
         }
         groups = snap.exchange.groups
         compared = {rank}.union(*groups.values())
@@ -195,8 +197,10 @@ class ReplicaDivergence(Detector):
             return {}
         keys = self.sampler.shard_keys()
         self._digests = {s: self._digests.get(s) or sig.checksum_digests(v, keys) for s, v in self.history}
-        return {"s": {"cd": {str(s): d for s, d in self._digests.items()}},
-                "ck": {"cks": {str(s): v for s, v in self.history}, "sk": keys}}  # fmt: skip
+        return {
+            "s": {"cd": {str(s): d for s, d in self._digests.items()}},
+            "ck": {"cks": {str(s): v for s, v in self.history}, "sk": keys},
+        }
 
     def _compare(self, snap: Snapshot, label: str, group: list[int]) -> tuple[int, dict[int, list[str]]]:
         """(step compared, member -> its offending parameters) at the latest step every member
@@ -233,7 +237,9 @@ class ReplicaDivergence(Detector):
                 continue
             step, by_rank = self._compare(snap, label, group)
             compared = compared or step >= 0
-            if len(by_rank) == len(group):  # no majority of any parameter (a 1-1 split): who is wrong is unknown
+            if len(by_rank) == len(
+                group
+            ):  # no majority of any parameter (a 1-1 split): who is wrong is unknown
                 unknown.append(f"{label} group {group}: no majority holds the same values")
             else:
                 culprits.update(by_rank)
@@ -268,8 +274,12 @@ def _param_bits(model: Any) -> int | None:
     return max(bits, default=None)
 
 
-_COMPRESS_HOOKS = {"bf16_compress_hook": 16, "fp16_compress_hook": 16,
-                   "bf16_compress_wrapper_hook": 16, "fp16_compress_wrapper_hook": 16}  # fmt: skip
+_COMPRESS_HOOKS = {
+    "bf16_compress_hook": 16,
+    "fp16_compress_hook": 16,
+    "bf16_compress_wrapper_hook": 16,
+    "fp16_compress_wrapper_hook": 16,
+}
 
 
 def intended_reduce_bits(model: Any) -> set[int]:
@@ -352,8 +362,14 @@ class CollectiveMismatch(Detector):
         entries = snap.collectives.fr_entries
         if not entries and not self.cross:
             return None
-        low = sig.low_precision_reductions(entries, self.param_bits or 32, _grad_pgs(snap, entries)) if self.param_bits else []
-        unconfirmed = sig.narrower_than_peers([e for e in low if sig.entry_bits(e) not in self.intended], self.peer_bits)
+        low = (
+            sig.low_precision_reductions(entries, self.param_bits or 32, _grad_pgs(snap, entries))
+            if self.param_bits
+            else []
+        )
+        unconfirmed = sig.narrower_than_peers(
+            [e for e in low if sig.entry_bits(e) not in self.intended], self.peer_bits
+        )
         details = {
             "mismatched": self.cross[:8],
             "low_precision": [{"pg": e[0], "seq": e[1], "op": e[2], "dtypes": e[4]} for e in unconfirmed[:8]],
@@ -419,10 +435,17 @@ class Straggler(Detector):
         self._note_slowest(lags)
         ratio = lags.get(snap.rank, 0.0)
         slow = sorted(r for r, v in lags.items() if v > self.p("max_lag_ratio"))
-        return Verdict(ratio > self.p("max_lag_ratio"), ratio, {
-            "collectives": len(common), "window_s": span_s, "culprits": slow,
-            "victims": sorted(set(lags) - set(slow)) if slow else [],
-            "lags": {str(r): round(v, 3) for r, v in sorted(lags.items())}})  # fmt: skip
+        return Verdict(
+            ratio > self.p("max_lag_ratio"),
+            ratio,
+            {
+                "collectives": len(common),
+                "window_s": span_s,
+                "culprits": slow,
+                "victims": sorted(set(lags) - set(slow)) if slow else [],
+                "lags": {str(r): round(v, 3) for r, v in sorted(lags.items())},
+            },
+        )
 
     def _note_slowest(self, lags: dict[int, float]) -> None:
         """The job's slow rank as every rank sees it (the step anatomy names it): the rank with the

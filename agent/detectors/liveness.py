@@ -48,7 +48,9 @@ class Hang(Detector):
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         super().__init__(thresholds)
         self.explicit = f"{self.name}.timeout_s" in (thresholds or {})
-        self.named: waits.HangVerdict | None = None  # the verdict that named culprits, kept while the hang lasts
+        self.named: waits.HangVerdict | None = (
+            None  # the verdict that named culprits, kept while the hang lasts
+        )
 
     def timeout(self, snap: Snapshot) -> float:
         if self.explicit:
@@ -62,21 +64,34 @@ class Hang(Detector):
         return {"s": {"q": {uid: st.pack() for uid, st in states.items()}}} if states else {}
 
     def evaluate(self, snap: Snapshot) -> Verdict | None:
-        stalled = sig.stalled_seconds(snap.now, snap.last_step_ts, snap.steps_done, int(self.p("warmup_steps")))
+        stalled = sig.stalled_seconds(
+            snap.now, snap.last_step_ts, snap.steps_done, int(self.p("warmup_steps"))
+        )
         inflight = snap.collectives.oldest_inflight
         pg, age = max(inflight.items(), key=lambda kv: kv[1], default=("", 0.0))
         timeout = self.timeout(snap)
         value = max(stalled, age)
-        details: dict[str, Any] = {"no_step_s": stalled, "oldest_inflight_s": age, "pg": pg, "timeout_s": timeout}
+        details: dict[str, Any] = {
+            "no_step_s": stalled,
+            "oldest_inflight_s": age,
+            "pg": pg,
+            "timeout_s": timeout,
+        }
         if value <= timeout / 2:
             self.named = None
         else:
             verdict = self.named or self.culprits(snap, min_wait_s=min(timeout / 4, 10.0))
             if verdict.culprits and value > timeout:
-                self.named = verdict  # what held when it fired: the ranks ending after it (timeouts) change nothing
+                self.named = (
+                    verdict  # what held when it fired: the ranks ending after it (timeouts) change nothing
+                )
             details.update(verdict.details())
             details["role"] = (
-                "culprit" if snap.rank in verdict.culprits else "victim" if snap.rank in verdict.victims else ""
+                "culprit"
+                if snap.rank in verdict.culprits
+                else "victim"
+                if snap.rank in verdict.victims
+                else ""
             )
         return Verdict(value > timeout, value, details)
 
@@ -89,7 +104,9 @@ class Hang(Detector):
             q, c = p.get("q"), p.get("c")
             if r == rank or not isinstance(q, dict) or not isinstance(c, dict):
                 continue
-            states[r] = {str(uid): st for uid, v in q.items() if (st := waits.GroupState.unpack(v)) is not None}
+            states[r] = {
+                str(uid): st for uid, v in q.items() if (st := waits.GroupState.unpack(v)) is not None
+            }
             coords[r] = c
         states[rank] = dict(snap.collectives.groups)
         coords[rank] = dict(snap.coords)
@@ -162,6 +179,13 @@ class RankGone(Detector):
             proc = rankstate.proc_state(int(pid or 0), int(ticks) or None, str(host)) if not bye else ""
             if proc == "running":
                 continue  # its process runs: its agent thread is late, the rank is not gone
-            gone[str(r)] = {"silent_s": round(silent, 1), "last_step": p.get("step"), "host": host,
-                            "process": proc or ("ended" if bye else "unknown (another host)"), "ended": bye}  # fmt: skip
-        return Verdict(bool(gone), float(len(gone)), {"culprits": sorted(int(r) for r in gone), "ranks": gone})
+            gone[str(r)] = {
+                "silent_s": round(silent, 1),
+                "last_step": p.get("step"),
+                "host": host,
+                "process": proc or ("ended" if bye else "unknown (another host)"),
+                "ended": bye,
+            }
+        return Verdict(
+            bool(gone), float(len(gone)), {"culprits": sorted(int(r) for r in gone), "ranks": gone}
+        )

@@ -75,9 +75,16 @@ class RecompileStorm(Detector):
         many = n > self.p("max_recompiles")
         limit = limit_hits > self.p("max_limit_hits")
         details["mode"] = (
-            "cache_pollution" if many and low_hits else "recompiles" if many else "limit" if limit
-            else "cache_hit_ratio" if low_hits else ""
-        )  # fmt: skip
+            "cache_pollution"
+            if many and low_hits
+            else "recompiles"
+            if many
+            else "limit"
+            if limit
+            else "cache_hit_ratio"
+            if low_hits
+            else ""
+        )
         return Verdict(many or limit or low_hits, n, details)
 
 
@@ -163,7 +170,11 @@ class MemoryLeak(Detector):
             if source in DEVICE_SOURCES and slope >= self.p("min_slope_bytes"):
                 suspected = True  # host RSS says nothing about the CUDA allocator's stacks
         slope, leaking, source = worst
-        details: dict[str, Any] = {"source": source, "trend_from_step": start, **self.forecast(snap, source, slope)}
+        details: dict[str, Any] = {
+            "source": source,
+            "trend_from_step": start,
+            **self.forecast(snap, source, slope),
+        }
         history = None
         if snap.evidence_on:
             left = details.get("full_at_step", math.inf) - snap.steps_done
@@ -176,13 +187,21 @@ class MemoryLeak(Detector):
         headroom used up, ``sources.memory_room``), and in how long at the median step time."""
         room = snap.memory.room.get(source)
         durations = snap.step_durations[-64:]
-        full = sig.time_to_full(room, slope, snap.steps_done, median(durations) if durations else None) if room is not None else None
+        full = (
+            sig.time_to_full(room, slope, snap.steps_done, median(durations) if durations else None)
+            if room is not None
+            else None
+        )
         if full is None:
             return {}
         step, seconds = full
         text = f"at {slope / MiB:.1f} MiB/step the device is full at step {step}"
-        return {"room_bytes": room, "full_at_step": step, "seconds_to_full": seconds,
-                "forecast": text + (f" (in ~{_duration(seconds)})" if seconds is not None else "")}  # fmt: skip
+        return {
+            "room_bytes": room,
+            "full_at_step": step,
+            "seconds_to_full": seconds,
+            "forecast": text + (f" (in ~{_duration(seconds)})" if seconds is not None else ""),
+        }
 
     def _history(self, suspected: bool, leaking: bool, imminent: bool = False) -> bool | None:
         """Whether to record CUDA allocation stacks (``Verdict.memory_history``): at a cost on every
@@ -229,9 +248,10 @@ class CompiledGraphsGrowing(Detector):
         steps = {step for step, _ in log if step >= lo}
         by = Counter(recent)
         growing = (
-            snap.steps_done >= self.p("warmup_steps") and len(recent) >= self.p("min_graphs")
+            snap.steps_done >= self.p("warmup_steps")
+            and len(recent) >= self.p("min_graphs")
             and len(steps) >= self.p("min_steps")
-        )  # fmt: skip
+        )
         details: dict[str, Any] = {
             "location": by.most_common(1)[0][0] if by else "",
             "graphs_in_window": len(recent),
@@ -321,5 +341,10 @@ class CollectiveLatencyHigh(Detector):
             p99 = sig.quantile([v for _, v in window], 0.99)
             if p99 / slo > worst[0]:
                 worst = (p99 / slo, p99, f"{pg}/{op}")
-        details = {"worst": worst[2], "ratio_to_slo": worst[0], "judged": counted, "unmatched": len(self.pending)}
+        details = {
+            "worst": worst[2],
+            "ratio_to_slo": worst[0],
+            "judged": counted,
+            "unmatched": len(self.pending),
+        }
         return Verdict(worst[0] > 1.0, worst[1], details)

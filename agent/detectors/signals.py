@@ -24,15 +24,14 @@ from typing import Any
 def theil_sen_slope(points: Sequence[tuple[float, float]]) -> float:
     """Median of pairwise slopes: robust to a few outliers (a checkpoint spike, one GC) unlike a fit."""
     slopes = [
-        (y2 - y1) / (x2 - x1)
-        for i, (x1, y1) in enumerate(points)
-        for x2, y2 in points[i + 1 :]
-        if x2 != x1
+        (y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :] if x2 != x1
     ]
     return median(slopes) if slopes else 0.0
 
 
-def time_to_full(room: float, slope: float, steps_done: int, step_seconds: float | None) -> tuple[int, float | None] | None:
+def time_to_full(
+    room: float, slope: float, steps_done: int, step_seconds: float | None
+) -> tuple[int, float | None] | None:
     """(the step at which ``room`` bytes are used up at ``slope`` bytes a step, seconds until then at
     ``step_seconds`` a step or None); None when memory is not growing."""
     if not slope > 0 or not math.isfinite(slope):
@@ -100,9 +99,7 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def net_of_skew(
-    seconds: float, created_ns: int, arrivals_ns: Sequence[int]
-) -> float:
+def net_of_skew(seconds: float, created_ns: int, arrivals_ns: Sequence[int]) -> float:
     """An op's duration less the time it waited for the last member of its group to arrive (enqueue):
     what the transfer itself took, as the last-arriving rank would time it."""
     wait = max(0.0, (max(arrivals_ns, default=created_ns) - created_ns) / 1e9)
@@ -142,7 +139,10 @@ def culprits_of(values: Mapping[int, Hashable]) -> dict[str, Any]:
     strict majority (a 1-1 split) no culprit, and ``culprit_unknown`` says why."""
     odd = odd_ranks(values)
     if odd and len(odd) == len(values):
-        return {"culprits": [], "culprit_unknown": f"no majority among ranks {sorted(values)}: who is wrong is unknown"}
+        return {
+            "culprits": [],
+            "culprit_unknown": f"no majority among ranks {sorted(values)}: who is wrong is unknown",
+        }
     return {"culprits": sorted(odd)}
 
 
@@ -266,8 +266,10 @@ def unpack_fr(packed: Any) -> list[FrEntry]:
             return []
         times = itertools.accumulate(flat[2::3], initial=int(packed["t0"]))
         next(times)
-        return [(kd[0], seq, kd[1], kd[2], kd[3], t)
-                for kd, seq, t in zip(map(kinds.__getitem__, flat[0::3]), flat[1::3], times, strict=True)]
+        return [
+            (kd[0], seq, kd[1], kd[2], kd[3], t)
+            for kd, seq, t in zip(map(kinds.__getitem__, flat[0::3]), flat[1::3], times, strict=True)
+        ]
     except (KeyError, IndexError, TypeError, ValueError):
         return []
 
@@ -349,8 +351,17 @@ def _odd_entries(by_rank: Mapping[int, FrEntry], param_bits: int | None, memo: O
     return hit
 
 
-_FLOAT_BITS = {"float64": 64, "double": 64, "float32": 32, "float": 32, "float16": 16, "half": 16,
-               "bfloat16": 16, "float8_e4m3fn": 8, "float8_e5m2": 8}  # fmt: skip
+_FLOAT_BITS = {
+    "float64": 64,
+    "double": 64,
+    "float32": 32,
+    "float": 32,
+    "float16": 16,
+    "half": 16,
+    "bfloat16": 16,
+    "float8_e4m3fn": 8,
+    "float8_e5m2": 8,
+}
 
 
 def dtype_bits(name: str) -> int | None:
@@ -399,7 +410,9 @@ def _message_bytes(sizes: str, dtypes: str) -> int:
 ReductionKey = tuple[str, str, int]  # (pg uid, op, message bytes)
 
 
-def peer_reduction_bits(entries_by_rank: Mapping[int, Sequence[FrEntry]], rank: int) -> dict[ReductionKey, float]:
+def peer_reduction_bits(
+    entries_by_rank: Mapping[int, Sequence[FrEntry]], rank: int
+) -> dict[ReductionKey, float]:
     """What the other ranks reduce: (pg, op, bytes) -> the widest dtype bits seen for it."""
     out: dict[ReductionKey, float] = {}
     kinds = {(e[0], e[2], e[3], e[4]) for r, entries in entries_by_rank.items() if r != rank for e in entries}
@@ -416,13 +429,17 @@ def narrower_than_peers(low: Sequence[FrEntry], peers: Mapping[ReductionKey, flo
     return [e for e in low if peers.get((e[0], e[2], entry_bytes(e)), 0.0) > _min_bits(e[4])]
 
 
-def low_precision_reductions(entries: Sequence[FrEntry], param_bits: int, pgs: Sequence[str]) -> list[FrEntry]:
+def low_precision_reductions(
+    entries: Sequence[FrEntry], param_bits: int, pgs: Sequence[str]
+) -> list[FrEntry]:
     """Reductions on the gradient groups ``pgs`` whose dtype has fewer bits than the parameters."""
     return [e for e in entries if e[0] in pgs and "reduce" in e[2] and _min_bits(e[4]) < param_bits]
 
 
 def arrival_lag_ratio(
-    entries_by_rank: Mapping[int, Sequence[FrEntry]], sizes: Mapping[str, int] | None = None, slices: int = 2,
+    entries_by_rank: Mapping[int, Sequence[FrEntry]],
+    sizes: Mapping[str, int] | None = None,
+    slices: int = 2,
     common: Mapping[tuple[str, int], Mapping[int, FrEntry]] | None = None,
 ) -> dict[int, float]:
     """Per rank: the share of wall time the job waited for it, net of the typical rank's share, in the

@@ -80,8 +80,11 @@ class PeerView:
         }  # unpacked at the read already
         coords = [p["c"] for p in self.peers.values() if isinstance(p.get("c"), dict)]
         uids = {e[0] for entries in fr.values() for e in entries}  # a few groups among ~1,000 entries
-        sizes = {uid: sum(1 for c in coords if src.group_key_of(label, c) == uid)
-                 for uid in uids if (label := src.pg_label(uid)) in KNOWN_PGS}  # fmt: skip
+        sizes = {
+            uid: sum(1 for c in coords if src.group_key_of(label, c) == uid)
+            for uid in uids
+            if (label := src.pg_label(uid)) in KNOWN_PGS
+        }
         return fr, sizes
 
     @cached_property

@@ -179,7 +179,9 @@ def collective_state(
     return CollectiveState(
         timed=c.stats.timed,
         timed_ops=list(c.stats.timed_ops),
-        oldest_inflight={str(k): float(st.oldest_age) for k, st in list(c.pgs.items()) if st.oldest_age is not None},
+        oldest_inflight={
+            str(k): float(st.oldest_age) for k, st in list(c.pgs.items()) if st.oldest_age is not None
+        },
         groups=group_states(c, coords),
         pg_timeout_s=float(timeout) if timeout is not None and timeout > 0 else None,
         fr_entries=(window or FrWindow()).entries(c, coords, limit),

@@ -95,7 +95,9 @@ def analyse(
                 continue
             missing = [m for m in members.get(uid, ()) if m != r and _enq(states, m, uid) < st.enq]
             waits_for.setdefault(r, set()).update(missing)
-            w = waits.setdefault((uid, st.enq), {"pg": uid, "seq": st.enq, "op": st.op, "waiting": [], "missing": []})
+            w = waits.setdefault(
+                (uid, st.enq), {"pg": uid, "seq": st.enq, "op": st.op, "waiting": [], "missing": []}
+            )
             w["waiting"].append(r)
             w["missing"] = sorted(set(w["missing"]) | set(missing))
             beyond = beyond or not (complete or {}).get(uid, True)
@@ -118,8 +120,14 @@ def analyse(
         ops = {r: states[r][w["pg"]].op for r in members.get(w["pg"], ()) if w["pg"] in states.get(r, {})}
         if len(set(ops.values())) > 1:
             return _desync(states, members, sorted(ops), listed, group=w["pg"])
-    note = ("the ranks not in it are beyond this rank's comparison peers (the HparHangCulprit rule compares "
-            "every rank)") if beyond else "every member entered it: the collective itself does not complete"
+    note = (
+        (
+            "the ranks not in it are beyond this rank's comparison peers (the HparHangCulprit rule compares "
+            "every rank)"
+        )
+        if beyond
+        else "every member entered it: the collective itself does not complete"
+    )
     return HangVerdict("unknown" if beyond else "stuck", [], sorted(waiting), listed, note=note)
 
 
@@ -142,8 +150,11 @@ def _reaches(r: int, targets: set[int], edges: Mapping[int, set[int]]) -> bool:
 
 
 def _desync(
-    states: Mapping[int, Mapping[str, GroupState]], members: Mapping[str, Sequence[int]], ranks: list[int],
-    waits: list[dict[str, Any]], group: str = "",
+    states: Mapping[int, Mapping[str, GroupState]],
+    members: Mapping[str, Sequence[int]],
+    ranks: list[int],
+    waits: list[dict[str, Any]],
+    group: str = "",
 ) -> HangVerdict:
     """Ranks in different collectives, each side named by the op it is in (``pg: op``). The culprits are
     the ranks that are a strict minority of some group by the seq they reached, or by the op they run at
@@ -151,7 +162,9 @@ def _desync(
     when no group has one (two ranks that disagree 1-1)."""
     side_of: dict[int, str] = {}
     for r in ranks:
-        inflight = [(uid, st) for uid, st in states.get(r, {}).items() if st.in_flight and (not group or uid == group)]
+        inflight = [
+            (uid, st) for uid, st in states.get(r, {}).items() if st.in_flight and (not group or uid == group)
+        ]
         uid, st = max(inflight, key=lambda x: x[1].age_s, default=("", GroupState(-1, -1)))
         side_of[r] = f"{uid.split('@', 1)[0]}: {st.op or '?'}" if uid else "not in a collective"
     sides: dict[str, list[int]] = {}
@@ -171,5 +184,9 @@ def _desync(
             if counts[-1] > counts[-2]:
                 odd.update(r for v in by.values() if len(v) < counts[-1] for r in v)
     culprits = sorted(odd & set(ranks))
-    note = "" if culprits else "no group has a minority that entered a different collective: the culprit is unknown"
+    note = (
+        ""
+        if culprits
+        else "no group has a minority that entered a different collective: the culprit is unknown"
+    )
     return HangVerdict("desync", culprits, sorted(set(ranks) - set(culprits)), waits, sides, note=note)

@@ -53,21 +53,39 @@ def _demo(args: argparse.Namespace) -> int:
     )
     layout = sc.describe(cfg)
     print(f"hpar-agent demo: {args.nproc} CPU ranks ({layout}); outputs in {run_dir}", flush=True)
-    print(f"  metrics while it runs: http://{env['HPAR_METRICS_ADDR']}:{ports}/metrics (Ctrl-C stops every rank)", flush=True)
-    run = launch_observed(args.nproc, "hpar_trainer", trainer_args, log_dir=run_dir / "logs", env=env, timeout=args.timeout)
+    print(
+        f"  metrics while it runs: http://{env['HPAR_METRICS_ADDR']}:{ports}/metrics (Ctrl-C stops every rank)",
+        flush=True,
+    )
+    run = launch_observed(
+        args.nproc, "hpar_trainer", trainer_args, log_dir=run_dir / "logs", env=env, timeout=args.timeout
+    )
     if run.interrupted or run.timed_out:
         why = "interrupted" if run.interrupted else f"timed out after {args.timeout:g} s"
-        print(f"hpar-agent demo: {why}; stopped torchrun and {run.stopped_workers} rank(s); "
-              f"partial outputs in {run_dir}", file=sys.stderr)
+        print(
+            f"hpar-agent demo: {why}; stopped torchrun and {run.stopped_workers} rank(s); "
+            f"partial outputs in {run_dir}",
+            file=sys.stderr,
+        )
         return run.returncode
     from hpar_agent.tools.summary import load_rank_summaries, never_stepped, render_summary
 
     trainer = json.loads(out.read_text()) if out.exists() else {}
     ranks = load_rank_summaries(run_dir)
     failures = run.rank_errors() if run.returncode else {}
-    print(render_summary(trainer, ranks, run_dir, run.wall_s, run.returncode,
-                         nproc=args.nproc, failures=failures, torchrun_tail=run.torchrun_tail,
-                         exit_codes=run.exit_codes() if run.returncode else None))
+    print(
+        render_summary(
+            trainer,
+            ranks,
+            run_dir,
+            run.wall_s,
+            run.returncode,
+            nproc=args.nproc,
+            failures=failures,
+            torchrun_tail=run.torchrun_tail,
+            exit_codes=run.exit_codes() if run.returncode else None,
+        )
+    )
     if never_stepped(trainer, ranks):
         print("  report: none (the run never stepped)")
     else:
@@ -111,8 +129,10 @@ def _diagnose(args: argparse.Namespace) -> int:
         return 2
     unknown = [m for m in modes if m not in expected]
     if unknown:  # refused before any run starts
-        print(f"hpar-agent diagnose: error: unknown injection {', '.join(unknown)}; one of: {', '.join(expected)}",
-              file=sys.stderr)
+        print(
+            f"hpar-agent diagnose: error: unknown injection {', '.join(unknown)}; one of: {', '.join(expected)}",
+            file=sys.stderr,
+        )
         return 2
     try:
         base = _run_dir(args.run_dir, "diagnose")
@@ -123,17 +143,29 @@ def _diagnose(args: argparse.Namespace) -> int:
     for mode in modes:
         print(f"diagnose: running {mode} ...", flush=True)
         finding = diagnose(
-            mode, base / mode, steps=args.steps, timeout=args.timeout, extra=args.trainer_args, nproc=args.nproc
+            mode,
+            base / mode,
+            steps=args.steps,
+            timeout=args.timeout,
+            extra=args.trainer_args,
+            nproc=args.nproc,
         )
-        ended = f"timed out after {finding.timed_out:.0f} s" if finding.timed_out else f"exit {finding.exit_code}"
-        print(f"  {ended} after {finding.wall_s:.0f} s; fired: "
-              f"{sorted({(f['alert'], f['rank']) for f in finding.fired}) or 'nothing'}", flush=True)
+        ended = (
+            f"timed out after {finding.timed_out:.0f} s" if finding.timed_out else f"exit {finding.exit_code}"
+        )
+        print(
+            f"  {ended} after {finding.wall_s:.0f} s; fired: "
+            f"{sorted({(f['alert'], f['rank']) for f in finding.fired}) or 'nothing'}",
+            flush=True,
+        )
         findings.append(finding)
     import torch
 
     extra = f", extra flags: {' '.join(args.trainer_args)}" if args.trainer_args else ""
-    print(f"\nfault matrix ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {args.nproc} ranks, "
-          f"default layout per mode{extra}):\n")
+    print(
+        f"\nfault matrix ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {args.nproc} ranks, "
+        f"default layout per mode{extra}):\n"
+    )
     print(markdown(findings))
     return 0 if all(f.detected for f in findings) else 1
 
@@ -155,8 +187,11 @@ def _unavailable(p: argparse.ArgumentParser, name: str, exc: ModuleNotFoundError
     """A command whose module cannot import: it says which package is missing instead of the CLI failing."""
 
     def refuse(_args: argparse.Namespace) -> int:
-        print(f"hpar-agent {name}: error: needs {exc.name}, which is not installed "
-              f"(pip install {exc.name}; `hpar-agent doctor` lists what else is missing)", file=sys.stderr)
+        print(
+            f"hpar-agent {name}: error: needs {exc.name}, which is not installed "
+            f"(pip install {exc.name}; `hpar-agent doctor` lists what else is missing)",
+            file=sys.stderr,
+        )
         return 2
 
     p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -172,12 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=0, help="training steps (default 40)")
     demo.add_argument("--nproc", type=int, default=4, help=argparse.SUPPRESS)
     demo.add_argument("--inject", action="append", help="inject a failure mode (see hpar-train --help)")
-    demo.add_argument("--metrics-port", type=int, default=9470, help="base metrics port (rank r: base + r; 0: free ports)")
+    demo.add_argument(
+        "--metrics-port", type=int, default=9470, help="base metrics port (rank r: base + r; 0: free ports)"
+    )
     demo.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
     demo.add_argument("trainer_args", nargs=argparse.REMAINDER, help="extra hpar-train flags after --")
     demo.set_defaults(func=_demo)
     doctor = sub.add_parser("doctor", help="check what the agent can rely on here (ok / degraded / missing)")
-    doctor.add_argument("--json", action="store_true", help="one JSON object (ok, missing, checks) for scripts")
+    doctor.add_argument(
+        "--json", action="store_true", help="one JSON object (ok, missing, checks) for scripts"
+    )
     doctor.set_defaults(func=_doctor)
     export = sub.add_parser("export", help="write the packaged dashboards, Prometheus rules or compose stack")
     export.add_argument("kind", choices=("dashboards", "rules", "compose"))
@@ -190,13 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
         for name in ("report", "compare"):
             _unavailable(sub.add_parser(name, help=f"(unavailable: {exc.name} is not installed)"), name, exc)
     else:
-        report = sub.add_parser("report", help="write one self-contained HTML page of a run (no Prometheus)",
-                                epilog=REPORT_EPILOG)
+        report = sub.add_parser(
+            "report", help="write one self-contained HTML page of a run (no Prometheus)", epilog=REPORT_EPILOG
+        )
         report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (HPAR_RUN_DIR of the run)")
         report.add_argument("-o", "--output", help="output file (default RUN_DIR/report.html)")
-        report.add_argument("--compare", metavar="BASELINE", help="add a side-by-side table against a baseline run")
+        report.add_argument(
+            "--compare", metavar="BASELINE", help="add a side-by-side table against a baseline run"
+        )
         report.set_defaults(func=_report)
-        cmp = sub.add_parser("compare", help="two runs side by side; exit 1 when step time (or --phase) regressed")
+        cmp = sub.add_parser(
+            "compare", help="two runs side by side; exit 1 when step time (or --phase) regressed"
+        )
         compare.add_arguments(cmp)
         cmp.set_defaults(func=compare.run)
     diag = sub.add_parser("diagnose", help="run the trainer with an injected failure; report what fired")
@@ -206,11 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--run-dir", help="output directory (one subdirectory per mode)")
     diag.add_argument("--timeout", type=float, default=600, help="per-mode time limit in seconds")
     diag.add_argument("--nproc", type=int, default=4, help="ranks (the default layout needs 4)")
-    diag.add_argument("trainer_args", nargs=argparse.REMAINDER, help="hpar-train flags after --, e.g. a GPU layout")
+    diag.add_argument(
+        "trainer_args", nargs=argparse.REMAINDER, help="hpar-train flags after --, e.g. a GPU layout"
+    )
     diag.set_defaults(func=_diagnose)
     from hpar_agent.tools import fr_trace
 
-    frt = sub.add_parser("fr-trace", help="torch's flight-recorder analyser on a run's per-rank dumps (a hang's second opinion)")
+    frt = sub.add_parser(
+        "fr-trace",
+        help="torch's flight-recorder analyser on a run's per-rank dumps (a hang's second opinion)",
+    )
     fr_trace.add_arguments(frt)
     frt.set_defaults(func=fr_trace.run)
     run = sub.add_parser("run", help="observe an unmodified script: hpar-agent run -- torchrun ... train.py")

@@ -54,10 +54,13 @@ WARMUP_STEPS = 2
 #: A training thread waiting for a CPU more of the time than this: the machine is oversubscribed, and
 #: equal waits no longer mean equal treatment (docs/tools.md).
 OVERSUBSCRIBED = 0.25
-EXIT_CODES = {0: "no significant regression", 1: "regression",
-              2: "bad usage or input, or no verdict (no readable summaries, a rank's summary missing or "
-                 "unreadable, too few steps to judge, the machine busier for one run)",
-              3: "error in the tool"}  # fmt: skip
+EXIT_CODES = {
+    0: "no significant regression",
+    1: "regression",
+    2: "bad usage or input, or no verdict (no readable summaries, a rank's summary missing or "
+    "unreadable, too few steps to judge, the machine busier for one run)",
+    3: "error in the tool",
+}
 EPILOG = "exit status: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
 DESCRIPTION = (
     "Two runs side by side (RUN_A is the baseline), and a gate on step time. Each run's step times "
@@ -136,12 +139,16 @@ def load(run_dir: Path) -> Digest:
         d.blockers.append("no readable summary.rank<R>.json")
         return d
     if unreadable:
-        d.blockers.append(f"the summaries of rank(s) {_ranks(unreadable)} are unreadable (see above): "
-                          "the slowest rank may be among them")
+        d.blockers.append(
+            f"the summaries of rank(s) {_ranks(unreadable)} are unreadable (see above): "
+            "the slowest rank may be among them"
+        )
     world = max(int((s.get("topology") or {}).get("world_size") or 0) for s in d.summaries.values())
     missing = [r for r in range(world) if r not in d.summaries and r not in unreadable]
     if missing:
-        d.blockers.append(f"rank(s) {_ranks(missing)} of {world} wrote no summary: the slowest rank may be among them")
+        d.blockers.append(
+            f"rank(s) {_ranks(missing)} of {world} wrote no summary: the slowest rank may be among them"
+        )
     d.figures = figures(d.summaries, read_events(run_dir, d.problems, d.budget), _trainer(run_dir, d))
     return d
 
@@ -155,8 +162,9 @@ def _trainer(run_dir: Path, d: Digest) -> dict[str, Any]:
     return (read_doc(path, TRAINER, d.problems, d.budget) or {}) if path.exists() or path.is_symlink() else {}
 
 
-def figures(summaries: dict[int, dict[str, Any]], events: list[dict[str, Any]],
-            trainer: dict[str, Any]) -> dict[str, Any]:
+def figures(
+    summaries: dict[int, dict[str, Any]], events: list[dict[str, Any]], trainer: dict[str, Any]
+) -> dict[str, Any]:
     """The job-level figures shown beside the judgement (slowest rank for times, highest for memory)."""
     comps = [_comps(s) for _, s in sorted(summaries.items())]
     anat = [c.get("anatomy") or {} for c in comps]
@@ -167,7 +175,9 @@ def figures(summaries: dict[int, dict[str, Any]], events: list[dict[str, Any]],
             row["count"] = (row["count"] or 0.0) + (num(t.get("count")) or 0.0)
             row["p50_s"] = _max([row["p50_s"], t.get("p50_s")])
     memory = [(c.get("memory") or {}).get("rss_bytes") for c in comps]
-    memory += [v for c in comps for k, v in ((c.get("memory") or {}).get("allocator") or {}).items() if "peak" in k]
+    memory += [
+        v for c in comps for k, v in ((c.get("memory") or {}).get("allocator") or {}).items() if "peak" in k
+    ]
     alerts: dict[str, int] = defaultdict(int)
     for e in events:
         if e.get("kind") == "alert" and e.get("state") == "firing":
@@ -176,17 +186,19 @@ def figures(summaries: dict[int, dict[str, Any]], events: list[dict[str, Any]],
     return {
         "ranks": len(summaries),
         "steps": _max([(c.get("steps") or {}).get("steps") for c in comps]),
-        "step_p50": _max([a.get("step_seconds_p50") for a in anat]) or _max(
-            [(c.get("steps") or {}).get("step_seconds_p50") for c in comps]),
+        "step_p50": _max([a.get("step_seconds_p50") for a in anat])
+        or _max([(c.get("steps") or {}).get("step_seconds_p50") for c in comps]),
         "phases": {p: _max([(a.get("phase_seconds_p50") or {}).get(p) for a in anat]) for p in STEP_PHASES},
-        "verdicts": {r: (_comps(s).get("anatomy") or {}).get("verdict") for r, s in sorted(summaries.items())},
+        "verdicts": {
+            r: (_comps(s).get("anatomy") or {}).get("verdict") for r, s in sorted(summaries.items())
+        },
         "collectives": collectives,
         "memory_peak": _max(memory),
         "compile": _max([(c.get("compile") or {}).get("compile_seconds_total") for c in comps]),
         "alerts": dict(alerts),
         "final_loss": losses[-1] if losses else None,
         "cpu_wait": _max_of_all([(c.get("steps") or {}).get("cpu_wait_share") for c in comps]),
-    }  # fmt: skip
+    }
 
 
 def _max_of_all(values: list[Any]) -> float | None:
@@ -213,15 +225,30 @@ def traced_steps(spans: list[Span], name: str) -> dict[int, dict[int, float]]:
     (``HPAR_TRACE_EVERY``, read off the steps kept as ``sampled``, whatever their own reason says):
     the slow and anomalous steps kept besides would bias a median, and so would dropping a step of
     the cadence that was kept as slow."""
-    steps = [(s.rank, s.attrs.get(cat.ATTR_STEP), s.attrs.get(cat.ATTR_TRACE_REASON))
-             for s in spans if s.name == cat.SPAN_STEP]  # fmt: skip
-    every = functools.reduce(math.gcd, (st for _, st, why in steps if why == "sampled" and isinstance(st, int)), 0)
-    keep = {(r, st) for r, st, why in steps if isinstance(st, int) and (st % every == 0 if every else why == "sampled")}
+    steps = [
+        (s.rank, s.attrs.get(cat.ATTR_STEP), s.attrs.get(cat.ATTR_TRACE_REASON))
+        for s in spans
+        if s.name == cat.SPAN_STEP
+    ]
+    every = functools.reduce(
+        math.gcd, (st for _, st, why in steps if why == "sampled" and isinstance(st, int)), 0
+    )
+    keep = {
+        (r, st)
+        for r, st, why in steps
+        if isinstance(st, int) and (st % every == 0 if every else why == "sampled")
+    }
     out: dict[int, dict[int, float]] = defaultdict(dict)
     for s in spans:
         step = s.attrs.get(cat.ATTR_STEP)
-        if s.name == name and s.rank is not None and isinstance(step, int) and step >= WARMUP_STEPS \
-                and (s.rank, step) in keep and s.end_ns > s.start_ns:  # fmt: skip
+        if (
+            s.name == name
+            and s.rank is not None
+            and isinstance(step, int)
+            and step >= WARMUP_STEPS
+            and (s.rank, step) in keep
+            and s.end_ns > s.start_ns
+        ):
             out[s.rank][step] = out[s.rank].get(step, 0.0) + s.seconds
     return dict(out)
 
@@ -263,8 +290,12 @@ def judge(a: Digest, b: Digest, key: str, label: str) -> Judged:
         if why:
             return Judged(key, label, unknown=f"run {run}: {why}")
         if len(x) < MIN_STEPS:
-            return Judged(key, label, unknown=f"run {run}: {len(x)} steps after warm-up from {source}; "
-                                              f"an interval needs {MIN_STEPS}")
+            return Judged(
+                key,
+                label,
+                unknown=f"run {run}: {len(x)} steps after warm-up from {source}; "
+                f"an interval needs {MIN_STEPS}",
+            )
         pair.append(x)
     return Judged(key, label, change=compare_medians(pair[0], pair[1]))
 
@@ -273,8 +304,15 @@ def judge(a: Digest, b: Digest, key: str, label: str) -> Judged:
 def rows(a: dict[str, Any], b: dict[str, Any], judged: list[Judged]) -> list[Row]:
     steps = next((j for j in judged if j.key == "step" and j.change is not None), None)
     if steps is not None and steps.change is not None:
-        out = [Row("step", "step time median (slowest rank each step)", steps.change.median_a,
-                   steps.change.median_b, "s")]
+        out = [
+            Row(
+                "step",
+                "step time median (slowest rank each step)",
+                steps.change.median_a,
+                steps.change.median_b,
+                "s",
+            )
+        ]
     else:
         out = [Row("step", "step time p50 (slowest rank)", a["step_p50"], b["step_p50"], "s")]
     for p in STEP_PHASES:
@@ -282,18 +320,45 @@ def rows(a: dict[str, Any], b: dict[str, Any], judged: list[Judged]) -> list[Row
             out.append(Row(p, f"  {p} p50 (slowest rank)", a["phases"].get(p), b["phases"].get(p), "s"))
     for key in sorted(set(a["collectives"]) | set(b["collectives"])):
         ca, cb = a["collectives"].get(key, {}), b["collectives"].get(key, {})
-        out.append(Row(f"collective:{key}", f"collectives {key} count", ca.get("count"), cb.get("count"), "count"))
+        out.append(
+            Row(f"collective:{key}", f"collectives {key} count", ca.get("count"), cb.get("count"), "count")
+        )
         if ca.get("p50_s") is not None or cb.get("p50_s") is not None:
-            out.append(Row(f"collective_p50:{key}", f"collectives {key} p50", ca.get("p50_s"), cb.get("p50_s"), "s"))
-    out.append(Row("memory_peak", "memory peak (RSS / allocator, highest rank)", a["memory_peak"], b["memory_peak"], "bytes"))
+            out.append(
+                Row(f"collective_p50:{key}", f"collectives {key} p50", ca.get("p50_s"), cb.get("p50_s"), "s")
+            )
+    out.append(
+        Row(
+            "memory_peak",
+            "memory peak (RSS / allocator, highest rank)",
+            a["memory_peak"],
+            b["memory_peak"],
+            "bytes",
+        )
+    )
     out.append(Row("compile", "compile time (slowest rank)", a["compile"], b["compile"], "s"))
     for name in sorted(set(a["alerts"]) | set(b["alerts"])):
-        out.append(Row(f"alert:{name}", f"alert {name} fired", a["alerts"].get(name, 0), b["alerts"].get(name, 0), "count"))
+        out.append(
+            Row(
+                f"alert:{name}",
+                f"alert {name} fired",
+                a["alerts"].get(name, 0),
+                b["alerts"].get(name, 0),
+                "count",
+            )
+        )
     if a["final_loss"] is not None or b["final_loss"] is not None:
         out.append(Row("loss", "final loss", a["final_loss"], b["final_loss"], ""))
     if a["cpu_wait"] is not None or b["cpu_wait"] is not None:
-        out.append(Row("cpu_wait", "time waiting for a CPU (training thread, most-waiting rank)", a["cpu_wait"],
-                       b["cpu_wait"], "share"))
+        out.append(
+            Row(
+                "cpu_wait",
+                "time waiting for a CPU (training thread, most-waiting rank)",
+                a["cpu_wait"],
+                b["cpu_wait"],
+                "share",
+            )
+        )
     return out
 
 
@@ -323,14 +388,25 @@ def fmt_change(r: Row) -> str:
 def sentence(j: Judged, limit: float) -> str:
     """One line per checked figure: the verdict, the change and its interval."""
     c = j.change
-    est = "" if c is None else (f"{units.change(c.ratio - 1)} ({LEVEL:.0%} interval {units.change(c.low - 1)} .. "
-                                f"{units.change(c.high - 1)}; {c.n_a} and {c.n_b} steps)")
+    est = (
+        ""
+        if c is None
+        else (
+            f"{units.change(c.ratio - 1)} ({LEVEL:.0%} interval {units.change(c.low - 1)} .. "
+            f"{units.change(c.high - 1)}; {c.n_a} and {c.n_b} steps)"
+        )
+    )
     if j.unknown or c is None:
         return f"UNKNOWN: {j.label}: {j.unknown}" + (f" (measured {est})" if est else "")
     verdict = c.verdict(limit)
-    wide = "" if verdict == "regressed" or c.high - 1 <= limit else (
-        f"; the interval reaches past the {units.change(limit)} limit: a regression that large is not ruled out "
-        "(more steps narrow the interval)")
+    wide = (
+        ""
+        if verdict == "regressed" or c.high - 1 <= limit
+        else (
+            f"; the interval reaches past the {units.change(limit)} limit: a regression that large is not ruled out "
+            "(more steps narrow the interval)"
+        )
+    )
     return {
         "regressed": f"REGRESSION: {j.label} regressed by {est}, past the {units.change(limit)} limit",
         "slower": f"{j.label}: slower by {est}, within the {units.change(limit)} limit",
@@ -344,12 +420,17 @@ def verdict_lines(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] =
     va, vb = a["verdicts"], b["verdicts"]
     if not any(va.values()) and not any(vb.values()):
         return []
-    changed = [f"rank {r}: {va.get(r) or '-'} in {names[0]}, {vb.get(r) or '-'} in {names[1]}"
-               for r in sorted(set(va) | set(vb)) if va.get(r) != vb.get(r)]  # fmt: skip
+    changed = [
+        f"rank {r}: {va.get(r) or '-'} in {names[0]}, {vb.get(r) or '-'} in {names[1]}"
+        for r in sorted(set(va) | set(vb))
+        if va.get(r) != vb.get(r)
+    ]
     if changed:
         return ["BOTTLENECK CHANGED: " + "; ".join(changed)]
     kinds = sorted({str(v) for v in va.values()})
-    same = f"{kinds[0]} on every rank" if len(kinds) == 1 else ", ".join(f"rank {r}: {v}" for r, v in va.items())
+    same = (
+        f"{kinds[0]} on every rank" if len(kinds) == 1 else ", ".join(f"rank {r}: {v}" for r, v in va.items())
+    )
     return [f"bottleneck: the same in both runs ({same})"]
 
 
@@ -390,13 +471,17 @@ def machine_differed(wait_a: float | None, wait_b: float | None, limit: float) -
     if wait_a is None or wait_b is None:
         return ""
     if max(wait_a, wait_b) > OVERSUBSCRIBED:
-        return (f"the training threads waited for a CPU {wait_a:.0%} of the time in A and {wait_b:.0%} in B: on a "
-                "machine that busy step times follow its load more than the program; rerun both on a quiet machine")
+        return (
+            f"the training threads waited for a CPU {wait_a:.0%} of the time in A and {wait_b:.0%} in B: on a "
+            "machine that busy step times follow its load more than the program; rerun both on a quiet machine"
+        )
     shift = (1 - wait_a) / (1 - wait_b) - 1
     if abs(shift) <= limit / 2:
         return ""
-    return (f"the training threads waited for a CPU {wait_a:.0%} of the time in A and {wait_b:.0%} in B: the "
-            f"machine's load alone could make B's steps {units.change(shift)} longer; rerun both on a quiet machine")
+    return (
+        f"the training threads waited for a CPU {wait_a:.0%} of the time in A and {wait_b:.0%} in B: the "
+        f"machine's load alone could make B's steps {units.change(shift)} longer; rerun both on a quiet machine"
+    )
 
 
 def render_text(res: Result) -> str:
@@ -404,16 +489,25 @@ def render_text(res: Result) -> str:
     for name, d in (("A (baseline)", res.a), ("B", res.b)):
         f = d.figures
         ranks = len(d.summaries)
-        lines.append(f"{name}: {d.run_dir} ({ranks} rank{'' if ranks == 1 else 's'} read, "
-                     f"{f.get('steps') or 0:.0f} steps)")
+        lines.append(
+            f"{name}: {d.run_dir} ({ranks} rank{'' if ranks == 1 else 's'} read, "
+            f"{f.get('steps') or 0:.0f} steps)"
+        )
     if res.table:
         cells = [["", "A", "B", "change"]] + [
-            [r.label + (" *" if r.key in [j.key for j in res.judged] else ""), fmt(r.a, r.unit), fmt(r.b, r.unit),
-             fmt_change(r)] for r in res.table
-        ]  # fmt: skip
+            [
+                r.label + (" *" if r.key in [j.key for j in res.judged] else ""),
+                fmt(r.a, r.unit),
+                fmt(r.b, r.unit),
+                fmt_change(r),
+            ]
+            for r in res.table
+        ]
         widths = [max(len(c[i]) for c in cells) for i in range(4)]
-        lines += [""] + ["  ".join(c[i].ljust(widths[i]) if i == 0 else c[i].rjust(widths[i]) for i in range(4))
-                         for c in cells]
+        lines += [""] + [
+            "  ".join(c[i].ljust(widths[i]) if i == 0 else c[i].rjust(widths[i]) for i in range(4))
+            for c in cells
+        ]
     if res.table:
         lines += ["", *verdict_lines(res.a.figures, res.b.figures)]
     notes = [f"{n} {p}" for n, d in (("A:", res.a), ("B:", res.b)) for p in d.problems]
@@ -437,15 +531,19 @@ def html_table(baseline: Path, this_run: Path, limit: float = 0.05) -> str:
         f"<td>{html.escape(fmt(r.b, r.unit))}</td><td>{html.escape(fmt_change(r))}</td></tr>"
         for r in res.table
     )
-    head = (f"<th></th><th>baseline: {html.escape(baseline.name)}</th><th>this run: {html.escape(this_run.name)}</th>"
-            "<th>change from the baseline</th>")
+    head = (
+        f"<th></th><th>baseline: {html.escape(baseline.name)}</th><th>this run: {html.escape(this_run.name)}</th>"
+        "<th>change from the baseline</th>"
+    )
     said = [sentence(j, limit) for j in res.judged]
     if res.table:
         said += verdict_lines(res.a.figures, res.b.figures, ("the baseline", "this run"))
     said += [f"unknown: {n}: {w}" for n, d in (("baseline", res.a), ("this run", res.b)) for w in d.blockers]
     said += [f"{n}: {p}" for n, d in (("baseline", res.a), ("this run", res.b)) for p in d.problems]
     notes = "".join(f"<li>{html.escape(s)}</li>" for s in said)
-    return f'<table class="compare"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table><ul>{notes}</ul>'
+    return (
+        f'<table class="compare"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table><ul>{notes}</ul>'
+    )
 
 
 def parse_threshold(text: str) -> float:
@@ -462,17 +560,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("run_a", metavar="RUN_A", help="the baseline run directory")
     p.add_argument("run_b", metavar="RUN_B", help="the run directory checked against it")
-    p.add_argument("--max-regression", default="5%",
-                   help="the smallest slowdown that fails the gate when it is significant (default 5%%)")
-    p.add_argument("--phase", action="append", choices=STEP_PHASES, default=[],
-                   help="also judge this phase, from the traces' sampled steps (repeatable)")
+    p.add_argument(
+        "--max-regression",
+        default="5%",
+        help="the smallest slowdown that fails the gate when it is significant (default 5%%)",
+    )
+    p.add_argument(
+        "--phase",
+        action="append",
+        choices=STEP_PHASES,
+        default=[],
+        help="also judge this phase, from the traces' sampled steps (repeatable)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         limit = parse_threshold(args.max_regression)
     except ValueError as exc:
-        print(f"hpar-agent compare: error: bad --max-regression {args.max_regression!r}: {exc}", file=sys.stderr)
+        print(
+            f"hpar-agent compare: error: bad --max-regression {args.max_regression!r}: {exc}", file=sys.stderr
+        )
         return 2
     for d in (args.run_a, args.run_b):
         if not Path(d).is_dir():
@@ -483,10 +591,23 @@ def run(args: argparse.Namespace) -> int:
         print(render_text(res))
     except Exception:  # a bug here must not read as "regressed" (1) or "bad input" (2)
         traceback.print_exc()
-        print("hpar-agent compare: internal error (exit 3); please report it with the traceback", file=sys.stderr)
+        print(
+            "hpar-agent compare: internal error (exit 3); please report it with the traceback",
+            file=sys.stderr,
+        )
         return 3
     return res.status
 
 
-__all__ = ["EXIT_CODES", "Digest", "Judged", "Result", "Row", "compare", "html_table", "load", "parse_threshold",
-           "run"]
+__all__ = [
+    "EXIT_CODES",
+    "Digest",
+    "Judged",
+    "Result",
+    "Row",
+    "compare",
+    "html_table",
+    "load",
+    "parse_threshold",
+    "run",
+]

@@ -75,13 +75,17 @@ def _why(c: Culprits) -> str:
         waits = any_d.get("waits") or []
         parts = []
         if any_d.get("kind") == "desync":
-            sides = "; ".join(f"{ranks_text(rs)} in {side}" for side, rs in (any_d.get("sides") or {}).items())
+            sides = "; ".join(
+                f"{ranks_text(rs)} in {side}" for side, rs in (any_d.get("sides") or {}).items()
+            )
             parts.append(f"desync: {sides}")
         elif waits:
             w = waits[0]
             pg = str(w.get("pg", "")).split("@", 1)[0]
-            parts.append(f"not in {pg} {w.get('op') or 'collective'} #{w.get('seq')}, which "
-                         f"{ranks_text(w.get('waiting') or [])} wait in")  # fmt: skip
+            parts.append(
+                f"not in {pg} {w.get('op') or 'collective'} #{w.get('seq')}, which "
+                f"{ranks_text(w.get('waiting') or [])} wait in"
+            )
         if own:
             parts.append(f"at {own['stack'][0]}")
         return "; ".join(parts)
@@ -89,25 +93,39 @@ def _why(c: Culprits) -> str:
         bits = []
         for d in c.details.values():
             for r, g in (d.get("ranks") or {}).items():
-                how = short(g.get("ended") or "") or f"silent {g.get('silent_s')} s, process {g.get('process')}"
+                how = (
+                    short(g.get("ended") or "") or f"silent {g.get('silent_s')} s, process {g.get('process')}"
+                )
                 bits.append(f"rank {r} at step {g.get('last_step')}: {how}")
         return "; ".join(sorted(set(bits))[:4])
     if c.alert == "Straggler":
-        lags = [v for d in c.details.values() for r, v in (d.get("lags") or {}).items() if int(r) in c.culprits]
-        return f"the others wait for them at every collective ({min(lags):.2f}-{max(lags):.2f} of wall time)" if lags else ""
-    return {"ReplicaDivergence": "their parameters differ from the majority of their replicas",
-            "CompileDivergence": "they compiled graphs their stage's majority did not",
-            "CollectiveMismatch": "their collectives differ (op, size or dtype) from their peers'"}.get(c.alert, "")  # fmt: skip
+        lags = [
+            v for d in c.details.values() for r, v in (d.get("lags") or {}).items() if int(r) in c.culprits
+        ]
+        return (
+            f"the others wait for them at every collective ({min(lags):.2f}-{max(lags):.2f} of wall time)"
+            if lags
+            else ""
+        )
+    return {
+        "ReplicaDivergence": "their parameters differ from the majority of their replicas",
+        "CompileDivergence": "they compiled graphs their stage's majority did not",
+        "CollectiveMismatch": "their collectives differ (op, size or dtype) from their peers'",
+    }.get(c.alert, "")
 
 
 def culprit_lines(events: Iterable[Mapping[str, Any]]) -> list[str]:
     """One line per cross-rank alert of the run: ``culprit: <ranks> (<alert>: why)``, or why unknown."""
     lines = []
-    for name, c in sorted(alert_culprits(events).items(), key=lambda kv: (kv[1].first_ts, kv[0])):  # causes first
+    for name, c in sorted(
+        alert_culprits(events).items(), key=lambda kv: (kv[1].first_ts, kv[0])
+    ):  # causes first
         if c.culprits:
             why = _why(c)
-            lines.append(f"  culprit: {ranks_text(c.culprits)} ({name}{': ' + why if why else ''}; "
-                         f"raised on {ranks_text(c.raised_on)})")  # fmt: skip
+            lines.append(
+                f"  culprit: {ranks_text(c.culprits)} ({name}{': ' + why if why else ''}; "
+                f"raised on {ranks_text(c.raised_on)})"
+            )
         else:
             why = c.unknown[-1] if c.unknown else "no rank named one"
             lines.append(f"  {name} on {ranks_text(c.raised_on)}: culprit unknown ({why})")
@@ -165,14 +183,19 @@ def failure_lines(ended: Iterable[Ending], blamed: bool = False) -> list[str]:
     first, rest = failed[0], failed[1:]
     when = "" if first.t is None else f" ({_clock(first.t)})"
     what = f"{first.how}, at step {first.step}{when}"
-    lines = [f"  first to end abnormally: rank {first.rank}, {what}" if blamed
-             else f"  culprit: rank {first.rank}, the first to end abnormally: {what}"]  # fmt: skip
+    lines = [
+        f"  first to end abnormally: rank {first.rank}, {what}"
+        if blamed
+        else f"  culprit: rank {first.rank}, the first to end abnormally: {what}"
+    ]
     if rest:
         hows = sorted({e.how for e in rest})
         later = [e.t - first.t for e in rest if e.t is not None and first.t is not None]
         span = f" within {max(later):.1f} s" if later else ""
-        lines.append(f"  then {ranks_text(e.rank for e in rest)}{span}: {'; '.join(hows[:2])}"
-                     + (f"; and {len(hows) - 2} other endings" if len(hows) > 2 else ""))
+        lines.append(
+            f"  then {ranks_text(e.rank for e in rest)}{span}: {'; '.join(hows[:2])}"
+            + (f"; and {len(hows) - 2} other endings" if len(hows) > 2 else "")
+        )
     return lines
 
 

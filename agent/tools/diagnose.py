@@ -41,7 +41,11 @@ class Finding:
 
     def seconds_to_detect(self) -> float | None:
         """From the injection becoming active on the firing rank to its first firing event."""
-        secs = [f["ts"] - self.started[f["rank"]] for f in self.detected if f.get("rank") in self.started and "ts" in f]
+        secs = [
+            f["ts"] - self.started[f["rank"]]
+            for f in self.detected
+            if f.get("rank") in self.started and "ts" in f
+        ]
         return max(0.0, min(secs)) if secs else None
 
     def row(self) -> list[str]:
@@ -206,13 +210,21 @@ def diagnose(
     if injection not in sc.EXPECTED:
         raise ValueError(f"unknown injection {injection!r}; one of: {', '.join(sc.EXPECTED)}")
     private_dir(str(run_dir), chosen=True)
-    args = sc.diagnose_argv(injection, nproc, steps=steps, out=str(run_dir / "trainer.json"), extra=extra or ())
+    args = sc.diagnose_argv(
+        injection, nproc, steps=steps, out=str(run_dir / "trainer.json"), extra=extra or ()
+    )
     env = {
-        **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-        "HPAR_RUN_DIR": str(run_dir), "HPAR_JOB_ID": run_dir.name, "HPAR_METRICS_PORT": "0",
-    }  # fmt: skip
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "HPAR_RUN_DIR": str(run_dir),
+        "HPAR_JOB_ID": run_dir.name,
+        "HPAR_METRICS_PORT": "0",
+    }
     t0 = time.time()
-    code, timed_out, token = run_group(torchrun_cmd(nproc, "hpar_trainer", args), env, run_dir / "diagnose.log", timeout)
+    code, timed_out, token = run_group(
+        torchrun_cmd(nproc, "hpar_trainer", args), env, run_dir / "diagnose.log", timeout
+    )
     from_start = injection in sc.FROM_START
     return Finding(
         injection,
@@ -227,8 +239,17 @@ def diagnose(
     )
 
 
-HEADERS = ["injection", "expected alert", "fired on rank", "stage", "steps to detect", "seconds to detect", "culprits",
-           "evidence", "other alerts"]
+HEADERS = [
+    "injection",
+    "expected alert",
+    "fired on rank",
+    "stage",
+    "steps to detect",
+    "seconds to detect",
+    "culprits",
+    "evidence",
+    "other alerts",
+]
 
 
 def markdown(findings: list[Finding]) -> str:

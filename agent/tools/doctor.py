@@ -40,28 +40,52 @@ REQUIRED_IMPORTS = [
     ("prometheus_client", "prometheus_client", "metrics endpoint (a)", "pip install prometheus-client"),
     ("opentelemetry api", "opentelemetry.trace", "spans (a)", "pip install opentelemetry-api"),
     ("opentelemetry sdk", "opentelemetry.sdk.trace", "spans (a)", "pip install opentelemetry-sdk"),
-    ("otlp http exporter", "opentelemetry.exporter.otlp.proto.http.trace_exporter", "span export (a)",
-     "pip install opentelemetry-exporter-otlp-proto-http"),
-    ("otlp span encoder", "opentelemetry.exporter.otlp.proto.common.trace_encoder", "trace files (a)",
-     "pip install opentelemetry-exporter-otlp-proto-common"),
-    ("otlp json files", "opentelemetry.proto.collector.trace.v1.trace_service_pb2", "trace files (a)",
-     "pip install opentelemetry-proto"),
+    (
+        "otlp http exporter",
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+        "span export (a)",
+        "pip install opentelemetry-exporter-otlp-proto-http",
+    ),
+    (
+        "otlp span encoder",
+        "opentelemetry.exporter.otlp.proto.common.trace_encoder",
+        "trace files (a)",
+        "pip install opentelemetry-exporter-otlp-proto-common",
+    ),
+    (
+        "otlp json files",
+        "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
+        "trace files (a)",
+        "pip install opentelemetry-proto",
+    ),
     ("protobuf json_format", "google.protobuf.json_format", "trace files (a)", "pip install protobuf"),
     ("pynvml", "pynvml", "GPU metrics (a)", "pip install nvidia-ml-py"),
     ("plotly", "plotly", "the run report (hpar-agent report)", "pip install plotly"),
     ("pyyaml", "yaml", "HPAR_WEB_CONFIG (a)", "pip install pyyaml"),
     ("bcrypt", "bcrypt", "basic auth of the metrics endpoint (a)", "pip install bcrypt"),
     ("jsonschema", "jsonschema", "reading summaries (report, compare, diagnose)", "pip install jsonschema"),
-    ("torch.distributed.pipelining", "torch.distributed.pipelining", "pipeline stages (a, t)",
-     "install a torch build with distributed support"),
-    ("torch.distributed.tensor", "torch.distributed.tensor.parallel", "tensor parallel (t)",
-     "install a torch build with distributed support"),
-]  # fmt: skip
+    (
+        "torch.distributed.pipelining",
+        "torch.distributed.pipelining",
+        "pipeline stages (a, t)",
+        "install a torch build with distributed support",
+    ),
+    (
+        "torch.distributed.tensor",
+        "torch.distributed.tensor.parallel",
+        "tensor parallel (t)",
+        "install a torch build with distributed support",
+    ),
+]
 #: Optional imports: missing ones are ``degraded`` with the way to add them.
 OPTIONAL_IMPORTS = [
-    ("otlp grpc exporter", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
-     "OTEL_EXPORTER_OTLP_PROTOCOL=grpc", "pip install 'hpar-agent[grpc]'"),
-]  # fmt: skip
+    (
+        "otlp grpc exporter",
+        "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+        "OTEL_EXPORTER_OTLP_PROTOCOL=grpc",
+        "pip install 'hpar-agent[grpc]'",
+    ),
+]
 
 
 def _imports() -> list[Check]:
@@ -72,7 +96,9 @@ def _imports() -> list[Check]:
                 importlib.import_module(module)
             except Exception as exc:  # ImportError, or a broken install raising anything else
                 status = MISSING if required else DEGRADED
-                out.append(Check(label, status, f"{module}: {type(exc).__name__}: {exc}"[:200], fix, required))
+                out.append(
+                    Check(label, status, f"{module}: {type(exc).__name__}: {exc}"[:200], fix, required)
+                )
                 continue
             version = getattr(importlib.import_module(module.split(".")[0]), "__version__", "")
             out.append(Check(label, OK, f"{module} {version}".strip() + f" ({why})", required=required))
@@ -182,8 +208,14 @@ def _numa(nvml: object = None) -> list[Check]:
         return [Check("NUMA binding", OK, f"{here}; GPU affinity unknown (no NVML or no GPU)")]
     gpu = f"GPU ideal CPUs {cpu_list(b.gpu_cpus)} (node {'?' if b.gpu_numa is None else b.gpu_numa})"
     if b.misbound:
-        return [Check("NUMA binding", DEGRADED, f"{here}; {gpu}: none shared",
-                      "bind each rank to its GPU's node: numactl --cpunodebind=N --membind=N")]  # fmt: skip
+        return [
+            Check(
+                "NUMA binding",
+                DEGRADED,
+                f"{here}; {gpu}: none shared",
+                "bind each rank to its GPU's node: numactl --cpunodebind=N --membind=N",
+            )
+        ]
     return [Check("NUMA binding", OK, f"{here}; {gpu}")]
 
 
@@ -191,7 +223,9 @@ def _pyspy() -> list[Check]:
     beside = os.path.join(os.path.dirname(sys.executable), "py-spy")  # a venv's bin/ not on PATH
     exe = shutil.which("py-spy") or (beside if os.access(beside, os.X_OK) else None)
     if exe is None:
-        return [Check("py-spy", MISSING, "not on PATH", "pip install py-spy (hang/leak stack evidence)", True)]
+        return [
+            Check("py-spy", MISSING, "not on PATH", "pip install py-spy (hang/leak stack evidence)", True)
+        ]
     try:
         res = subprocess.run(
             [exe, "dump", "--pid", str(os.getpid())], capture_output=True, text=True, timeout=20
@@ -238,7 +272,9 @@ def _port(addr: str, port: int) -> list[Check]:
         try:
             s.bind((addr, port))
         except OSError as exc:
-            return [Check("metrics port", DEGRADED, f"{addr}:{port}: {exc.strerror}", "set HPAR_METRICS_PORT")]
+            return [
+                Check("metrics port", DEGRADED, f"{addr}:{port}: {exc.strerror}", "set HPAR_METRICS_PORT")
+            ]
     return [Check("metrics port", OK, f"{addr}:{port} is free")]
 
 
@@ -252,21 +288,41 @@ def _endpoint_security(cfg) -> list[Check]:
     try:
         security = load_security(cfg)
     except WebConfigError as exc:
-        return [Check(name, MISSING, f"no endpoint would be served: {exc}",
-                      "fix the file or the variables (docs/configuration.md, Securing the endpoint)", True)]
+        return [
+            Check(
+                name,
+                MISSING,
+                f"no endpoint would be served: {exc}",
+                "fix the file or the variables (docs/configuration.md, Securing the endpoint)",
+                True,
+            )
+        ]
     try:
         host = socket.getaddrinfo(cfg.metrics_addr.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]
     except OSError as exc:
-        return [Check(name, DEGRADED, f"HPAR_METRICS_ADDR={cfg.metrics_addr}: {exc}", "set an address of this host")]
+        return [
+            Check(
+                name, DEGRADED, f"HPAR_METRICS_ADDR={cfg.metrics_addr}: {exc}", "set an address of this host"
+            )
+        ]
     risk = exposure(host, max(cfg.metrics_port, 0), security)
     if risk:
-        return [Check(name, DEGRADED, risk, "set HPAR_WEB_CONFIG (basic auth or client certificates, with TLS) "
-                      "or HPAR_METRICS_ADDR=127.0.0.1")]  # fmt: skip
+        return [
+            Check(
+                name,
+                DEGRADED,
+                risk,
+                "set HPAR_WEB_CONFIG (basic auth or client certificates, with TLS) "
+                "or HPAR_METRICS_ADDR=127.0.0.1",
+            )
+        ]
     return [Check(name, OK, f"{security.describe()}; bound to {cfg.metrics_addr}")]
 
 
 def _otlp() -> list[Check]:
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
     if not endpoint:
         return [Check("OTLP endpoint", OK, "none set: traces go to OTLP-JSON files in HPAR_RUN_DIR")]
     url = urllib.parse.urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
@@ -275,7 +331,9 @@ def _otlp() -> list[Check]:
         with socket.create_connection((url.hostname or "localhost", port), timeout=2):
             pass
     except OSError as exc:
-        return [Check("OTLP endpoint", DEGRADED, f"{endpoint}: {exc}", "start the collector or fix the endpoint")]
+        return [
+            Check("OTLP endpoint", DEGRADED, f"{endpoint}: {exc}", "start the collector or fix the endpoint")
+        ]
     return [Check("OTLP endpoint", OK, f"{endpoint} reachable")]
 
 

@@ -100,7 +100,9 @@ class ExitWatcher:
         elif timeout:
             self._stop.wait(timeout)
         for pid, (rank, pidfd) in list(self._watched.items()):
-            if pid in ready or (pidfd is None and rankstate.proc_state(pid, None, self._host) in ("zombie", "gone")):
+            if pid in ready or (
+                pidfd is None and rankstate.proc_state(pid, None, self._host) in ("zombie", "gone")
+            ):
                 self.exits[rank] = Exit(rank, pid, time.time(), rankstate.exit_status(pid))
                 del self._watched[pid]
                 if pidfd is not None:

@@ -70,7 +70,11 @@ def mend(dumps: dict[int, dict[str, Any]]) -> None:
         for name, ranks in members.items():
             if name not in cfg:
                 full = descs[name] == "default_pg" and world is not None
-                cfg[name] = {"name": name, "desc": descs[name], "ranks": world if full else str(sorted(ranks))}
+                cfg[name] = {
+                    "name": name,
+                    "desc": descs[name],
+                    "ranks": world if full else str(sorted(ranks)),
+                }
         d["pg_config"] = cfg
 
 
@@ -78,8 +82,11 @@ def analyse(run_dir: Path, recorder: str | None = None, extra: list[str] | None 
     """(exit status, output) of torch's analyser over the run's dumps (status 2: nothing to analyse)."""
     found = latest_dumps(run_dir, recorder)
     if not found:
-        return 2, f"no flight-recorder dumps in {run_dir / 'evidence'} (they are taken when Hang or " \
-                  "CollectiveMismatch fires)"
+        return (
+            2,
+            f"no flight-recorder dumps in {run_dir / 'evidence'} (they are taken when Hang or "
+            "CollectiveMismatch fires)",
+        )
     rec = recorder or max(found, key=lambda r: len(found[r]))
     dumps = {}
     for rank, path in sorted(found[rec].items()):
@@ -94,13 +101,21 @@ def analyse(run_dir: Path, recorder: str | None = None, extra: list[str] | None 
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     head = f"torch's flight-recorder analyser on the {rec} dumps of ranks {', '.join(map(str, sorted(dumps)))}:\n"
     out = res.stdout + res.stderr  # the analyser logs its verdicts on stderr
-    return res.returncode, head + "\n".join(line for line in out.splitlines() if "tabulate is not installed" not in line)
+    return res.returncode, head + "\n".join(
+        line for line in out.splitlines() if "tabulate is not installed" not in line
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (HPAR_RUN_DIR of the run)")
-    p.add_argument("--recorder", choices=("gloo", "nccl"), help="which recorder's dumps (default: the one most ranks wrote)")
-    p.add_argument("analyser_args", nargs=argparse.REMAINDER, help="more arguments for the analyser, after --")
+    p.add_argument(
+        "--recorder",
+        choices=("gloo", "nccl"),
+        help="which recorder's dumps (default: the one most ranks wrote)",
+    )
+    p.add_argument(
+        "analyser_args", nargs=argparse.REMAINDER, help="more arguments for the analyser, after --"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,11 +30,20 @@ _RANK_LINE = re.compile(r"^\[rank(\d+)\]:")
 _FAILURE = re.compile(r"^\s*rank\s*: (\d+) .*\n\s*exitcode\s*: (-?\d+)", re.MULTILINE)
 
 
-def torchrun_cmd(nproc: int, module: str, args: Sequence[str], *, torchrun_args: Sequence[str] = ()) -> list[str]:
+def torchrun_cmd(
+    nproc: int, module: str, args: Sequence[str], *, torchrun_args: Sequence[str] = ()
+) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        *torchrun_args, "-m", module, *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *torchrun_args,
+        "-m",
+        module,
+        *args,
+    ]
 
 
 def _children(pid: int) -> list[int]:
@@ -115,7 +124,9 @@ def run_trainer(
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = torchrun_cmd(nproc, "hpar_trainer", args)
     pipe = subprocess.PIPE if capture else None
-    with subprocess.Popen(cmd, env=full_env, stdout=pipe, stderr=pipe, text=True, start_new_session=True) as proc:
+    with subprocess.Popen(
+        cmd, env=full_env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
+    ) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except BaseException:  # TimeoutExpired, KeyboardInterrupt
@@ -188,10 +199,15 @@ def launch_observed(
     Ctrl-C or ``timeout`` stops every rank (``stop``) and is reported, not raised."""
     private_dir(str(log_dir), chosen=True)
     full_env = {
-        **os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:", **(env or {}),
-    }  # fmt: skip
-    cmd = torchrun_cmd(nproc, module, args, torchrun_args=["--log-dir", str(log_dir), "--redirects", "3", "--tee", "3"])
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:",
+        **(env or {}),
+    }
+    cmd = torchrun_cmd(
+        nproc, module, args, torchrun_args=["--log-dir", str(log_dir), "--redirects", "3", "--tee", "3"]
+    )
     tail: list[str] = []
     t0 = time.monotonic()
     proc = subprocess.Popen(

@@ -79,11 +79,17 @@ def ranks_table(run: Run) -> str:
         steps = comps.get("steps") or {}
         bubble = num((comps.get("pipeline") or {}).get("bubble_ratio"))
         errors = sum(v for v in (s.get("errors") or {}).values() if isinstance(v, int))
-        rows.append([
-            esc(rank), esc(s.get("pp_stage", "-")), esc(steps.get("steps", "-")),
-            esc(_fmt_s(steps.get("step_seconds_p50"))), esc(_fmt_s(steps.get("step_seconds_max"))),
-            "-" if bubble is None else f"{bubble:.2f}", esc(errors),
-        ])  # fmt: skip
+        rows.append(
+            [
+                esc(rank),
+                esc(s.get("pp_stage", "-")),
+                esc(steps.get("steps", "-")),
+                esc(_fmt_s(steps.get("step_seconds_p50"))),
+                esc(_fmt_s(steps.get("step_seconds_max"))),
+                "-" if bubble is None else f"{bubble:.2f}",
+                esc(errors),
+            ]
+        )
     return _table(["rank", "pp stage", "steps", "step p50", "step max", "bubble ratio", "agent errors"], rows)
 
 
@@ -107,13 +113,32 @@ def collectives_table(
         per_rank = sorted((row.get("rank_p50") or {}).values())
         skew = f"{per_rank[-1] / per_rank[0]:.2f}x" if len(per_rank) > 1 and per_rank[0] > 0 else "-"
         bw = row.get("busbw")
-        out.append([
-            esc(pg), esc(op), esc(row.get("count") or counts.get(key, "-")), esc(row.get("timed", "-")),
-            esc(units.size(row["bytes"]) if row.get("bytes") else "-"),
-            esc(_fmt_s(row.get("p50"))), esc(_fmt_s(row.get("p99"))), skew,
-            esc(f"{bw / 1e9:.2f} GB/s" if bw else "-"), esc(len(samples.get((pg, op), ()))),
-        ])  # fmt: skip
-    heads = ["pg", "op", "ops counted", "timed", "bytes", "p50", "p99", "p50 skew (max/min rank)", "busbw", "traced spans"]
+        out.append(
+            [
+                esc(pg),
+                esc(op),
+                esc(row.get("count") or counts.get(key, "-")),
+                esc(row.get("timed", "-")),
+                esc(units.size(row["bytes"]) if row.get("bytes") else "-"),
+                esc(_fmt_s(row.get("p50"))),
+                esc(_fmt_s(row.get("p99"))),
+                skew,
+                esc(f"{bw / 1e9:.2f} GB/s" if bw else "-"),
+                esc(len(samples.get((pg, op), ()))),
+            ]
+        )
+    heads = [
+        "pg",
+        "op",
+        "ops counted",
+        "timed",
+        "bytes",
+        "p50",
+        "p99",
+        "p50 skew (max/min rank)",
+        "busbw",
+        "traced spans",
+    ]
     return _table(heads, out) + f'<p class="meta">{esc(COLLECTIVE_PERCENTILE_SOURCE)}.</p>'
 
 
@@ -162,12 +187,21 @@ def alerts_table(run: Run, out_dir: Path) -> str:
         links = "<br>".join(_evidence_link(p, run.run_dir, out_dir) for p in evidence) or "-"
         state = str(e.get("state", ""))
         details = e.get("details")
-        rows.append([
-            esc(_when(e.get("ts"))), esc(e.get("rank")), f"<b>{esc(e.get('alert', '?'))}</b>",
-            f'<span class="state-{esc(state)}">{esc(state)}</span>', esc(_fmt_value(e.get("value"))),
-            esc(_fmt_value(e.get("threshold"))), esc(e.get("step", "-")),
-            f"<pre>{esc(json.dumps(units.rounded(details), default=str))[:2000]}</pre>" if details else "-", links,
-        ])  # fmt: skip
+        rows.append(
+            [
+                esc(_when(e.get("ts"))),
+                esc(e.get("rank")),
+                f"<b>{esc(e.get('alert', '?'))}</b>",
+                f'<span class="state-{esc(state)}">{esc(state)}</span>',
+                esc(_fmt_value(e.get("value"))),
+                esc(_fmt_value(e.get("threshold"))),
+                esc(e.get("step", "-")),
+                f"<pre>{esc(json.dumps(units.rounded(details), default=str))[:2000]}</pre>"
+                if details
+                else "-",
+                links,
+            ]
+        )
     headers = ["time", "rank", "alert", "state", "value", "threshold", "step", "details", "evidence"]
     return _table(headers, rows, "alerts")
 
@@ -178,7 +212,11 @@ def culprits_list(run: Run) -> str:
     from hpar_agent.tools.culprits import ending_lines, endings
 
     lines = ending_lines(endings(run.run_dir), run.events)
-    return "<ul class=\"culprits\">" + "".join(f"<li>{esc(line.strip())}</li>" for line in lines) + "</ul>" if lines else ""
+    return (
+        '<ul class="culprits">' + "".join(f"<li>{esc(line.strip())}</li>" for line in lines) + "</ul>"
+        if lines
+        else ""
+    )
 
 
 def oom_table(run: Run, out_dir: Path) -> str:
@@ -188,21 +226,41 @@ def oom_table(run: Run, out_dir: Path) -> str:
     for e in run.events:
         if e.get("kind") != "oom":
             continue
-        kinds = {k: b for k, v in ((e.get("owners") or {}).get("bytes_by_kind") or {}).items() if (b := num(v)) is not None}
+        kinds = {
+            k: b
+            for k, v in ((e.get("owners") or {}).get("bytes_by_kind") or {}).items()
+            if (b := num(v)) is not None
+        }
         held = ", ".join(f"{k} {units.size(b)}" for k, b in sorted(kinds.items(), key=lambda kv: -kv[1]))
-        asked, free, limit = (num(e.get(k)) for k in ("requested_bytes", "device_free_bytes", "device_limit_bytes"))
+        asked, free, limit = (
+            num(e.get(k)) for k in ("requested_bytes", "device_free_bytes", "device_limit_bytes")
+        )
         evidence = e.get("evidence")
         evidence = evidence if isinstance(evidence, list) else []
-        rows.append([
-            esc(_when(e.get("ts"))), esc(e.get("rank")), esc(e.get("step", "-")),
-            '<span class="state-firing">fatal</span>' if e.get("fatal") else "caught, went on",
-            esc(e.get("site") or "-"),
-            esc(" ".join(x for x in (f"asked {units.size(asked)}" if asked is not None else "",
-                                     f"free {units.size(free)}" if free is not None else "",
-                                     f"of {units.size(limit)}" if limit is not None else "") if x) or "-"),
-            esc(held or "-"), f"<pre>{esc(str(e.get('message') or ''))[:2000]}</pre>",
-            "<br>".join(_evidence_link(p, run.run_dir, out_dir) for p in evidence) or "-",
-        ])  # fmt: skip
+        rows.append(
+            [
+                esc(_when(e.get("ts"))),
+                esc(e.get("rank")),
+                esc(e.get("step", "-")),
+                '<span class="state-firing">fatal</span>' if e.get("fatal") else "caught, went on",
+                esc(e.get("site") or "-"),
+                esc(
+                    " ".join(
+                        x
+                        for x in (
+                            f"asked {units.size(asked)}" if asked is not None else "",
+                            f"free {units.size(free)}" if free is not None else "",
+                            f"of {units.size(limit)}" if limit is not None else "",
+                        )
+                        if x
+                    )
+                    or "-"
+                ),
+                esc(held or "-"),
+                f"<pre>{esc(str(e.get('message') or ''))[:2000]}</pre>",
+                "<br>".join(_evidence_link(p, run.run_dir, out_dir) for p in evidence) or "-",
+            ]
+        )
     headers = ["time", "rank", "after steps", "outcome", "where", "request", "held by", "message", "evidence"]
     return _table(headers, rows, "ooms")
 
@@ -285,8 +343,11 @@ def anatomy_table(run: Run) -> str:
             share = num(shares.get(p))
             cells.append(esc(_fmt_s(p50.get(p))) + ("" if share is None else f" ({share:.0%})"))
         other = num(ev.get("other_share"))
-        cells += ["-" if other is None else f"{other:.0%}", f"<b>{esc(a.get('verdict') or '-')}</b>",
-                  esc(", ".join(f"{k}={units.evidence(k, v)}" for k, v in ev.items() if k not in ("shares",)))]
+        cells += [
+            "-" if other is None else f"{other:.0%}",
+            f"<b>{esc(a.get('verdict') or '-')}</b>",
+            esc(", ".join(f"{k}={units.evidence(k, v)}" for k, v in ev.items() if k not in ("shares",))),
+        ]
         rows.append(cells)
     if not rows:
         return ""
@@ -299,7 +360,8 @@ def slow_rank_note(run: Run) -> str:
     from hpar_agent.collectors.verdict import slow_rank_across
 
     slow = slow_rank_across(
-        (r, s.get("pp_stage"), (s.get("components") or {}).get("anatomy") or {}) for r, s in sorted(run.summaries.items())
+        (r, s.get("pp_stage"), (s.get("components") or {}).get("anatomy") or {})
+        for r, s in sorted(run.summaries.items())
     )
     if slow is None:
         return ""
@@ -317,8 +379,9 @@ def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
     figures: dict[str, Any] = {}
     sections: list[str] = [
         f"<h1>hpar-agent run report</h1>{_header(run)}",
-        "" if run.trainer or run.trainer_steps else
-        "<p class='meta'>A run of your own script (no trainer.json: losses are the training script's "
+        ""
+        if run.trainer or run.trainer_steps
+        else "<p class='meta'>A run of your own script (no trainer.json: losses are the training script's "
         "to log). Everything below is what the agent observed: step time, pipeline, collectives, "
         "torch.compile, memory and alerts.</p>",
         "<h2>Ranks</h2>",
@@ -343,7 +406,10 @@ def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
     if compare is not None:
         from hpar_agent.tools.compare import html_table
 
-        sections += [f"<h2>Compared with the baseline {esc(compare.name)}</h2>", html_table(compare, run.run_dir)]
+        sections += [
+            f"<h2>Compared with the baseline {esc(compare.name)}</h2>",
+            html_table(compare, run.run_dir),
+        ]
     alerts = [e for e in run.events if e.get("kind") == "alert"]
     sections.append("<h2>Alerts</h2>")
     sections.append(alerts_table(run, out_dir) if alerts else '<p class="none">no alerts fired</p>')
@@ -362,18 +428,24 @@ def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
         figures["fig-memory-steps"] = json.loads(mem_steps.to_json())
         sections.append('<div id="fig-memory-steps" class="plot"></div>')
     section(
-        "Collectives", "fig-collectives", fig_collectives(samples),
-        collectives_table(run, samples, coll_rows), none="no collective.* spans",
-    )  # fmt: skip
+        "Collectives",
+        "fig-collectives",
+        fig_collectives(samples),
+        collectives_table(run, samples, coll_rows),
+        none="no collective.* spans",
+    )
     skew = fig_collective_ranks(coll_rows)
     if skew is not None:
         figures["fig-collective-ranks"] = json.loads(skew.to_json())
         sections.append('<div id="fig-collective-ranks" class="plot"></div>')
     compile_events = any(e.get("kind") in COMPILE_KINDS for e in run.events)
     section(
-        "torch.compile", "fig-compile", fig_compile(run),
-        compile_table(run) if compile_events else "", none="no compile events",
-    )  # fmt: skip
+        "torch.compile",
+        "fig-compile",
+        fig_compile(run),
+        compile_table(run) if compile_events else "",
+        none="no compile events",
+    )
     if run.problems:
         sections.append("<h2>Unreadable input</h2><ul>")
         sections += [f"<li>{esc(p)}</li>" for p in run.problems]
@@ -423,9 +495,11 @@ def write_report(
 
 #: Files that make a directory a run directory (the agent's and the trainer's outputs).
 RUN_FILES = ("summary.rank*.json", "events.rank*.jsonl", "traces.rank*.jsonl", "trainer.json")
-EXIT_CODES = {0: "the page was written (unreadable files are named on stderr and in the page)",
-              2: "bad usage or input: not a run directory, nothing in it readable, or the page cannot be written",
-              3: "error in the tool"}  # fmt: skip
+EXIT_CODES = {
+    0: "the page was written (unreadable files are named on stderr and in the page)",
+    2: "bad usage or input: not a run directory, nothing in it readable, or the page cannot be written",
+    3: "error in the tool",
+}
 EPILOG = "exit status: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
 
 
@@ -438,7 +512,9 @@ def main(run_dir: str, output: str | None = None, compare: str | None = None) ->
     """The ``hpar-agent report`` command: print where the page is (exit status: ``EXIT_CODES``)."""
     path = Path(run_dir)
     if not path.is_dir() or not any(next(path.glob(g), None) for g in RUN_FILES):
-        return _error(f"{run_dir}: {'not found' if not path.exists() else 'has no summary/events/traces/trainer files'}")
+        return _error(
+            f"{run_dir}: {'not found' if not path.exists() else 'has no summary/events/traces/trainer files'}"
+        )
     if compare is not None and not Path(compare).is_dir():
         return _error(f"--compare {compare}: not a run directory")
     try:
@@ -455,7 +531,9 @@ def main(run_dir: str, output: str | None = None, compare: str | None = None) ->
         return 3
     except Exception:
         traceback.print_exc()
-        print("hpar-agent report: internal error (exit 3); please report it with the traceback", file=sys.stderr)
+        print(
+            "hpar-agent report: internal error (exit 3); please report it with the traceback", file=sys.stderr
+        )
         return 3
     print(f"report: {out}")
     return 0

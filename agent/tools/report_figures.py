@@ -244,8 +244,13 @@ def fig_compile(run: Run) -> Any:
     t0 = _t0(run)
     xtitle = "step (interpolated between traced steps)" if on_steps else "seconds since the first event"
     fig = go.Figure(layout=_layout("torch.compile events", xtitle, "rank"))
-    symbols = {"compile_start": "triangle-right", "backend_compile": "circle", "compile": "circle",
-               "graph_break": "x", "recompile": "diamond"}
+    symbols = {
+        "compile_start": "triangle-right",
+        "backend_compile": "circle",
+        "compile": "circle",
+        "graph_break": "x",
+        "recompile": "diamond",
+    }
     for kind in COMPILE_KINDS:
         mine = [e for e in events if e.get("kind") == kind]
         if mine:
@@ -268,7 +273,11 @@ def pipeline_step(run: Run) -> tuple[int, list[Span]] | None:
     by_step: dict[int, list[Span]] = defaultdict(list)
     for s in run.spans:
         step = s.attrs.get(cat.ATTR_STEP)
-        if s.name in (cat.SPAN_PP_FORWARD, cat.SPAN_PP_BACKWARD) and s.rank is not None and isinstance(step, int):
+        if (
+            s.name in (cat.SPAN_PP_FORWARD, cat.SPAN_PP_BACKWARD)
+            and s.rank is not None
+            and isinstance(step, int)
+        ):
             by_step[step].append(s)
     if not by_step:
         return None
@@ -289,22 +298,30 @@ def fig_pipeline(run: Run) -> Any:
     stage_of = {s.rank: s.attrs.get(cat.ATTR_PP_STAGE, "?") for s in spans}
     order = sorted(stage_of, key=lambda r: (str(stage_of[r]), r), reverse=True)  # stage 0 on top
     label = {r: f"stage {stage_of[r]} · rank {r}" for r in order}
-    fig = go.Figure(layout=_layout(
-        f"Pipeline schedule of step {step} (pp.forward / pp.backward spans)",
-        "milliseconds since the step's first chunk", "", barmode="overlay",
-        height=max(260, 60 + 34 * len(order)),
-    ))  # fmt: skip
+    fig = go.Figure(
+        layout=_layout(
+            f"Pipeline schedule of step {step} (pp.forward / pp.backward spans)",
+            "milliseconds since the step's first chunk",
+            "",
+            barmode="overlay",
+            height=max(260, 60 + 34 * len(order)),
+        )
+    )
     for name, short, color in ((cat.SPAN_PP_FORWARD, "F", "#4c78a8"), (cat.SPAN_PP_BACKWARD, "B", "#f58518")):
         mine = sorted((s for s in spans if s.name == name), key=lambda s: (s.rank, s.start_ns))
         if not mine:
             continue
         fig.add_bar(
-            orientation="h", name=name, marker={"color": color, "line": {"color": "white", "width": 1}},
+            orientation="h",
+            name=name,
+            marker={"color": color, "line": {"color": "white", "width": 1}},
             y=[label[s.rank] for s in mine],  # type: ignore[index]
-            base=[(s.start_ns - t0) / 1e6 for s in mine], x=[(s.end_ns - s.start_ns) / 1e6 for s in mine],
-            text=[f"{short}{s.attrs.get(cat.ATTR_MICROBATCH, '')}" for s in mine], textposition="inside",
+            base=[(s.start_ns - t0) / 1e6 for s in mine],
+            x=[(s.end_ns - s.start_ns) / 1e6 for s in mine],
+            text=[f"{short}{s.attrs.get(cat.ATTR_MICROBATCH, '')}" for s in mine],
+            textposition="inside",
             hovertemplate="%{y}<br>%{text}: %{base:.1f} ms + %{x:.1f} ms<extra></extra>",
-        )  # fmt: skip
+        )
     fig.update_yaxes(categoryorder="array", categoryarray=[label[r] for r in order])
     return fig
 
@@ -316,13 +333,16 @@ def fig_collective_ranks(rows: dict[tuple[str, str], dict[str, Any]]) -> Any:
     rows = {k: v for k, v in rows.items() if v["rank_p50"]}
     if not rows:
         return None
-    fig = go.Figure(layout=_layout(
-        "Collective p50 per rank (skew across ranks)", "rank", "milliseconds", barmode="group"
-    ))
+    fig = go.Figure(
+        layout=_layout("Collective p50 per rank (skew across ranks)", "rank", "milliseconds", barmode="group")
+    )
     for (pg, op), row in rows.items():
         ranks = sorted(row["rank_p50"])
-        fig.add_bar(x=[f"rank {r}" for r in ranks], y=[row["rank_p50"][r] * 1e3 for r in ranks],
-                    name=esc(f"{pg} / {op}"))
+        fig.add_bar(
+            x=[f"rank {r}" for r in ranks],
+            y=[row["rank_p50"][r] * 1e3 for r in ranks],
+            name=esc(f"{pg} / {op}"),
+        )
     return fig
 
 

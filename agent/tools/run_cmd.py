@@ -115,19 +115,28 @@ def rank_lines(run_dir: Path, ended: Sequence[Ending] = ()) -> list[str]:
     unsummarized = [e for e in ended if e.rank not in {r.get("rank") for r in ranks}]
     if not ranks and not unsummarized:
         return [NOT_ATTACHED]
-    world = max([int(r.get("topology", {}).get("world_size", 0) or 0) for r in ranks] + [e.world for e in unsummarized])
+    world = max(
+        [int(r.get("topology", {}).get("world_size", 0) or 0) for r in ranks]
+        + [e.world for e in unsummarized]
+    )
     seen = {r.get("rank") for r in ranks} | {e.rank for e in unsummarized}
     missing = [i for i in range(world) if i not in seen]
-    lines = [f"  ranks observed: {len(seen)} of {world} (summary.rank<R>.json, events.rank<R>.jsonl, state.rank<R>)"]
+    lines = [
+        f"  ranks observed: {len(seen)} of {world} (summary.rank<R>.json, events.rank<R>.jsonl, state.rank<R>)"
+    ]
     if missing:
         shown = ", ".join(map(str, missing[:32])) + (" ..." if len(missing) > 32 else "")
-        lines.append(f"  not observed: rank(s) {shown} of {world} (crashed or killed before attaching, or "
-                     "writing to another host's run directory)")
+        lines.append(
+            f"  not observed: rank(s) {shown} of {world} (crashed or killed before attaching, or "
+            "writing to another host's run directory)"
+        )
     steps = [int(r.get("components", {}).get("steps", {}).get("steps", 0)) for r in ranks]
     errors = [sum(r.get("errors", {}).values()) for r in ranks]
     ooms = [line for r in ranks if (line := oom_line(r))]
     if len(ooms) > RANK_LINES_MAX:
-        ooms[RANK_LINES_MAX:] = [f"  ... and {len(ooms) - RANK_LINES_MAX} more rank(s) ran out of CUDA memory"]
+        ooms[RANK_LINES_MAX:] = [
+            f"  ... and {len(ooms) - RANK_LINES_MAX} more rank(s) ran out of CUDA memory"
+        ]
     if len(seen) > RANK_LINES_MAX:
         steps += [e.step for e in unsummarized]
         lines.append(f"  steps per rank: min {min(steps)}, max {max(steps)}; agent errors: {sum(errors)}")
@@ -138,14 +147,22 @@ def rank_lines(run_dir: Path, ended: Sequence[Ending] = ()) -> list[str]:
         topo = r.get("topology", {})
         p50 = comps.get("steps", {}).get("step_seconds_p50")
         attached = comps.get("zerocode", {}).get("attached_at", "attach()")
-        per_rank.append((int(r.get("rank") or 0),
-            f"  rank {r.get('rank')}/{topo.get('world_size', '?')} ({topo.get('backend', '?')}, dp "
-            f"{topo.get('dp', '?')}): {n} steps, step p50 {'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, "
-            f"attached at {attached}, agent errors {err}, metrics {r.get('metrics_url') or '-'}"
-        ))  # fmt: skip
+        per_rank.append(
+            (
+                int(r.get("rank") or 0),
+                f"  rank {r.get('rank')}/{topo.get('world_size', '?')} ({topo.get('backend', '?')}, dp "
+                f"{topo.get('dp', '?')}): {n} steps, step p50 {'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, "
+                f"attached at {attached}, agent errors {err}, metrics {r.get('metrics_url') or '-'}",
+            )
+        )
     for e in unsummarized:
-        per_rank.append((e.rank, f"  rank {e.rank}/{e.world}: {e.step} steps, then {e.how} (no summary: it ended "
-                                 "before its agent could write one)"))  # fmt: skip
+        per_rank.append(
+            (
+                e.rank,
+                f"  rank {e.rank}/{e.world}: {e.step} steps, then {e.how} (no summary: it ended "
+                "before its agent could write one)",
+            )
+        )
     return lines + [line for _, line in sorted(per_rank)] + ooms
 
 
@@ -165,13 +182,18 @@ def oom_line(summary: dict[str, Any]) -> str | None:
     else:
         what = f"ran out of CUDA memory {oom.get('count') or 1} time(s) and went on; the first"
     ask = f"; asked {_gib(rec['requested_bytes'])}" if rec.get("requested_bytes") is not None else ""
-    free = f" with {_gib(rec['device_free_bytes'])} free of {_gib(rec.get('device_limit_bytes'))}" if (
-        rec.get("device_free_bytes") is not None) else ""
+    free = (
+        f" with {_gib(rec['device_free_bytes'])} free of {_gib(rec.get('device_limit_bytes'))}"
+        if (rec.get("device_free_bytes") is not None)
+        else ""
+    )
     held = f"; allocated {_gib(rec['allocated_bytes'])}" if rec.get("allocated_bytes") is not None else ""
     where = f" at {rec['site']}" if rec.get("site") else ""
     files = [p for p in rec.get("evidence") or () if str(p).endswith(".oom.json")]
-    return (f"  rank {summary.get('rank')}: {what} after {rec.get('step', '?')} completed steps{where}{ask}{free}"
-            f"{held}; record: {files[0] if files else 'events.rank<R>.jsonl (kind oom)'}")
+    return (
+        f"  rank {summary.get('rank')}: {what} after {rec.get('step', '?')} completed steps{where}{ask}{free}"
+        f"{held}; record: {files[0] if files else 'events.rank<R>.jsonl (kind oom)'}"
+    )
 
 
 def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -187,7 +209,9 @@ def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, st
     chosen = run_dir or environ.get("HPAR_RUN_DIR")
     rd = Path(chosen or fresh_run_dir())
     try:  # 0700, as the agent's own files are 0600
-        rd = Path(private_dir(str(rd.resolve()), chosen=True) if chosen else default_run_dir(rd.name)).resolve()
+        rd = Path(
+            private_dir(str(rd.resolve()), chosen=True) if chosen else default_run_dir(rd.name)
+        ).resolve()
     except OSError as exc:
         _say(f"error: run directory {rd}: {exc}")
         return 2

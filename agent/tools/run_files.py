@@ -109,7 +109,9 @@ def _dicts(items: Any) -> list[dict[str, Any]]:
 def _spans_of(request: dict[str, Any], file_rank: int | None) -> Iterator[Span]:
     for rs in _dicts(request.get("resourceSpans")):
         res = rs.get("resource")
-        res_rank = _attrs(res.get("attributes") if isinstance(res, dict) else None).get(cat.ATTR_RANK, file_rank)
+        res_rank = _attrs(res.get("attributes") if isinstance(res, dict) else None).get(
+            cat.ATTR_RANK, file_rank
+        )
         for ss in _dicts(rs.get("scopeSpans")):
             for sp in _dicts(ss.get("spans")):
                 try:
@@ -135,7 +137,9 @@ def read_doc(path: Path, schema: dict[str, Any], problems: list[str], budget: Bu
     return doc
 
 
-def read_summaries(run_dir: Path, problems: list[str], budget: Budget | None = None) -> dict[int, dict[str, Any]]:
+def read_summaries(
+    run_dir: Path, problems: list[str], budget: Budget | None = None
+) -> dict[int, dict[str, Any]]:
     """Every readable ``summary.rank<R>.json`` by the rank in its name (which its ``rank`` field is set to)."""
     out = {}
     for rank, path in rank_files(run_dir, "summary", "json"):

@@ -84,8 +84,15 @@ def _boot_medians(x: np.ndarray, block: int, rng: np.random.Generator, resamples
     return np.median(x[idx], axis=1)
 
 
-def compare_medians(a: np.ndarray, b: np.ndarray, *, level: float = LEVEL, resamples: int = RESAMPLES,
-                    seed: int = SEED, block: int | None = None) -> Change:
+def compare_medians(
+    a: np.ndarray,
+    b: np.ndarray,
+    *,
+    level: float = LEVEL,
+    resamples: int = RESAMPLES,
+    seed: int = SEED,
+    block: int | None = None,
+) -> Change:
     """The ratio median(b) / median(a) and its percentile interval from independent block bootstraps
     of the two series (in step order). ``block`` overrides the chosen length (tests: 1 is i.i.d.).
     ``ValueError`` with fewer than ``MIN_STEPS`` positive values in either."""
@@ -93,7 +100,9 @@ def compare_medians(a: np.ndarray, b: np.ndarray, *, level: float = LEVEL, resam
     b = np.asarray(b, dtype=float)
     for name, x in (("A", a), ("B", b)):
         if len(x) < MIN_STEPS or not np.all(np.isfinite(x)) or not np.all(x > 0):
-            raise ValueError(f"run {name}: {len(x)} steps, an interval needs {MIN_STEPS} positive finite ones")
+            raise ValueError(
+                f"run {name}: {len(x)} steps, an interval needs {MIN_STEPS} positive finite ones"
+            )
     rng = np.random.default_rng(seed)
     ba, bb = block or block_length(a), block or block_length(b)
     ratios = _boot_medians(b, bb, rng, resamples) / _boot_medians(a, ba, rng, resamples)

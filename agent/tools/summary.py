@@ -58,7 +58,9 @@ def render_summary(
         lines.append(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} over {len(losses)} steps")
     times = trainer.get("step_times") or []
     if len(times) > 1:
-        lines.append(f"step time (rank 0, after step 0): median {units.seconds(statistics.median(times[1:]))}")
+        lines.append(
+            f"step time (rank 0, after step 0): median {units.seconds(statistics.median(times[1:]))}"
+        )
     lines.append(f"trainer exit code {rc}; wall time {wall:.1f} s")
     codes = exit_codes or {}
     failed = sorted({*(failures or {}), *(r for r, c in codes.items() if c > 0)})
@@ -91,11 +93,17 @@ def render_summary(
             steps = comps.get("steps", {})
             pipe = comps.get("pipeline", {})
             bubble = pipe.get("bubble_ratio")
-            rows.append([
-                r.get("rank"), r.get("pp_stage"), steps.get("steps", 0), units.seconds(steps.get("step_seconds_p50")),
-                "-" if bubble is None else f"{bubble:.2f}", sum(r.get("errors", {}).values()),
-                r.get("metrics_url") or "-",
-            ])  # fmt: skip
+            rows.append(
+                [
+                    r.get("rank"),
+                    r.get("pp_stage"),
+                    steps.get("steps", 0),
+                    units.seconds(steps.get("step_seconds_p50")),
+                    "-" if bubble is None else f"{bubble:.2f}",
+                    sum(r.get("errors", {}).values()),
+                    r.get("metrics_url") or "-",
+                ]
+            )
         lines += _table(["rank", "stage", "steps", "step p50", "bubble", "agent errors", "metrics"], rows)
     stage_rows = _stage_rows(ranks)
     if stage_rows:
@@ -105,8 +113,10 @@ def render_summary(
         if section[0].startswith("alerts: none fired") and (missing or not stepped):
             if not stepped:
                 continue  # detectors that never saw a step have nothing to say
-            section = [f"alerts: none fired on ranks {_span([p for p in present if p is not None])}; "
-                       f"ranks {_span(missing)} wrote no summary"]
+            section = [
+                f"alerts: none fired on ranks {_span([p for p in present if p is not None])}; "
+                f"ranks {_span(missing)} wrote no summary"
+            ]
         lines += ["", *section]
     lines += ["", f"outputs: {run_dir}", f"  {_outputs(run_dir)}"]
     return "\n".join(lines)
@@ -148,10 +158,13 @@ def _stage_rows(ranks: list[dict[str, Any]]) -> list[list[Any]]:
             if r.get("rank") not in members.setdefault(index, []):
                 members[index].append(r.get("rank"))
     return [
-        [index, ",".join(map(str, members[index])),
-         *(units.seconds(max(phases[p])) if phases.get(p) else "-" for p in ("forward", "backward"))]
+        [
+            index,
+            ",".join(map(str, members[index])),
+            *(units.seconds(max(phases[p])) if phases.get(p) else "-" for p in ("forward", "backward")),
+        ]
         for index, phases in sorted(stages.items())
-    ]  # fmt: skip
+    ]
 
 
 def _component_sections(ranks: list[dict[str, Any]]) -> list[list[str]]:
@@ -201,7 +214,9 @@ def _render_compile(name: str, ranks: list[dict[str, Any]]) -> list[str]:
         breaks: dict[str, dict[str, Any]] = {}
         for d in digests:
             for b in d.get("graph_breaks", []):
-                entry = breaks.setdefault(b["reason"], {"count": 0, "frames": set(), "message": b.get("message", "")})
+                entry = breaks.setdefault(
+                    b["reason"], {"count": 0, "frames": set(), "message": b.get("message", "")}
+                )
                 entry["count"] += b.get("count", 0)
                 entry["frames"].update(b.get("user_frames", []))
         for key, b in sorted(breaks.items()):
@@ -238,7 +253,11 @@ def collective_rows(ranks: list[dict[str, Any]]) -> dict[tuple[str, str], dict[s
             row["count"] += int(t.get("count") or 0)
             row["timed"] += int(t.get("timed") or 0)
             row["bytes"] += int(t.get("bytes") or 0)
-            for key, src, pick in (("p50", "p50_s", max), ("p99", "p99_s", max), ("busbw", "busbw_bytes_per_s", max)):
+            for key, src, pick in (
+                ("p50", "p50_s", max),
+                ("p99", "p99_s", max),
+                ("busbw", "busbw_bytes_per_s", max),
+            ):
                 v = t.get(src)
                 if isinstance(v, int | float) and not isinstance(v, bool):
                     row[key] = v if row[key] is None else pick(row[key], v)
@@ -254,10 +273,17 @@ def _render_collectives(name: str, ranks: list[dict[str, Any]]) -> list[str]:
     table = []
     for (pg, op), row in rows.items():
         bw = row["busbw"]
-        table.append([
-            pg, op, row["count"], row["timed"], units.seconds(row["p50"]), units.seconds(row["p99"]),
-            f"{bw / 1e9:.2f} GB/s" if bw else "-",
-        ])  # fmt: skip
+        table.append(
+            [
+                pg,
+                op,
+                row["count"],
+                row["timed"],
+                units.seconds(row["p50"]),
+                units.seconds(row["p99"]),
+                f"{bw / 1e9:.2f} GB/s" if bw else "-",
+            ]
+        )
     return [
         f"collectives (all ranks; {COLLECTIVE_PERCENTILE_SOURCE}):",
         *_table(["pg", "op", "count", "timed", "p50", "p99", "busbw"], table),
@@ -270,7 +296,16 @@ def _render_detectors(name: str, ranks: list[dict[str, Any]]) -> list[str]:
         for alert, st in r.get("components", {}).get(name, {}).items():
             if st.get("fired"):
                 evidence = ", ".join(Path(e).name for e in st.get("evidence", [])) or "-"
-                fired.append([alert, r.get("rank"), r.get("pp_stage"), st.get("fired"), st.get("last_fired_step"), evidence])
+                fired.append(
+                    [
+                        alert,
+                        r.get("rank"),
+                        r.get("pp_stage"),
+                        st.get("fired"),
+                        st.get("last_fired_step"),
+                        evidence,
+                    ]
+                )
     if not fired:
         n = len({a for r in ranks for a in r.get("components", {}).get(name, {})})
         return [f"alerts: none fired ({n} detectors ran on every rank)"] if n else []
@@ -283,8 +318,15 @@ def _render_memory(name: str, ranks: list[dict[str, Any]]) -> list[str]:
         d = r.get("components", {}).get(name, {})
         last = d.get("post_step_last", {})
         if last:
-            rows.append([r.get("rank"), *(units.size(last[k]) if k in last else "-" for k in ("rss", "allocator", "nvml"))])
-    return ["memory after the last step:", *_table(["rank", "rss", "allocator", "nvml"], rows)] if rows else []
+            rows.append(
+                [
+                    r.get("rank"),
+                    *(units.size(last[k]) if k in last else "-" for k in ("rss", "allocator", "nvml")),
+                ]
+            )
+    return (
+        ["memory after the last step:", *_table(["rank", "rss", "allocator", "nvml"], rows)] if rows else []
+    )
 
 
 def _render_anatomy(name: str, ranks: list[dict[str, Any]]) -> list[str]:
@@ -328,7 +370,9 @@ def _slow_rank_line(ranks: list[dict[str, Any]], name: str = "anatomy") -> list[
     """The job's one slow rank, named across the ranks' summaries (``verdict.slow_rank_across``)."""
     from hpar_agent.collectors.verdict import slow_rank_across
 
-    slow = slow_rank_across((r.get("rank"), r.get("pp_stage"), r.get("components", {}).get(name) or {}) for r in ranks)
+    slow = slow_rank_across(
+        (r.get("rank"), r.get("pp_stage"), r.get("components", {}).get(name) or {}) for r in ranks
+    )
     if slow is None:
         return []
     ev = ", ".join(f"{k}={units.evidence(k, v)}" for k, v in slow.items() if k != "rank" and v is not None)

@@ -22,8 +22,9 @@ NUM_OR_NULL = {"type": ["number", "null"]}
 STR_OR_NULL = {"type": ["string", "null"]}
 
 
-def obj(props: dict[str, Any] | None = None, values: dict[str, Any] | None = None,
-        required: tuple[str, ...] = ()) -> dict[str, Any]:
+def obj(
+    props: dict[str, Any] | None = None, values: dict[str, Any] | None = None, required: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """An object with these properties (``values``: the schema of every other property)."""
     out: dict[str, Any] = {"type": "object", "properties": props or {}}
     if values is not None:
@@ -51,49 +52,95 @@ def _number_items(_validator: Any, on: bool, instance: Any, _schema: Any) -> Any
 
 
 COMPONENTS = {
-    "steps": obj({
-        "steps": INT, "tokens": INT, "detail_stride": INT,
-        "step_seconds_p50": NUM_OR_NULL, "step_seconds_max": NUM_OR_NULL,
-        "recent_step_seconds": NUMBERS, "recent_first_step": INT, "cpu_wait_share": NUM_OR_NULL,
-    }),
+    "steps": obj(
+        {
+            "steps": INT,
+            "tokens": INT,
+            "detail_stride": INT,
+            "step_seconds_p50": NUM_OR_NULL,
+            "step_seconds_max": NUM_OR_NULL,
+            "recent_step_seconds": NUMBERS,
+            "recent_first_step": INT,
+            "cpu_wait_share": NUM_OR_NULL,
+        }
+    ),
     "pipeline": obj({"bubble_ratio": NUM_OR_NULL, "chunk_seconds_p50": obj(values=NUM)}),
-    "anatomy": obj({
-        "clock": STR_OR_NULL, "verdict": STR_OR_NULL, "step_seconds_p50": NUM_OR_NULL,
-        "phase_seconds_p50": obj(values=NUM),
-        "evidence": obj({"shares": obj(values=NUM), "other_share": NUM}),
-    }),
-    "collectives": obj({
-        "ops": obj(values=INT),
-        "table": arr(obj({
-            "pg": STR, "op": STR, "count": INT, "timed": INT, "bytes": INT,
-            "p50_s": NUM_OR_NULL, "p99_s": NUM_OR_NULL, "busbw_bytes_per_s": NUM_OR_NULL,
-        }, required=("pg", "op"))),
-    }),
-    "memory": obj({
-        "rss_bytes": NUM_OR_NULL, "post_step_last": obj(values=NUM), "allocator": obj(values=NUM_OR_NULL),
-    }),
+    "anatomy": obj(
+        {
+            "clock": STR_OR_NULL,
+            "verdict": STR_OR_NULL,
+            "step_seconds_p50": NUM_OR_NULL,
+            "phase_seconds_p50": obj(values=NUM),
+            "evidence": obj({"shares": obj(values=NUM), "other_share": NUM}),
+        }
+    ),
+    "collectives": obj(
+        {
+            "ops": obj(values=INT),
+            "table": arr(
+                obj(
+                    {
+                        "pg": STR,
+                        "op": STR,
+                        "count": INT,
+                        "timed": INT,
+                        "bytes": INT,
+                        "p50_s": NUM_OR_NULL,
+                        "p99_s": NUM_OR_NULL,
+                        "busbw_bytes_per_s": NUM_OR_NULL,
+                    },
+                    required=("pg", "op"),
+                )
+            ),
+        }
+    ),
+    "memory": obj(
+        {
+            "rss_bytes": NUM_OR_NULL,
+            "post_step_last": obj(values=NUM),
+            "allocator": obj(values=NUM_OR_NULL),
+        }
+    ),
     "nvml": obj({"process_bytes": NUM_OR_NULL}),
-    "compile": obj({
-        "graphs": INT, "compile_seconds_total": NUM, "fingerprint": {"type": ["string", "integer", "null"]},
-        "recompiles": arr(obj({"reason": STR, "count": INT}, required=("reason", "count"))),
-        "graph_breaks": arr(obj({"reason": STR, "count": INT, "message": STR, "user_frames": arr(STR)},
-                                required=("reason",))),
-    }),
+    "compile": obj(
+        {
+            "graphs": INT,
+            "compile_seconds_total": NUM,
+            "fingerprint": {"type": ["string", "integer", "null"]},
+            "recompiles": arr(obj({"reason": STR, "count": INT}, required=("reason", "count"))),
+            "graph_breaks": arr(
+                obj(
+                    {"reason": STR, "count": INT, "message": STR, "user_frames": arr(STR)},
+                    required=("reason",),
+                )
+            ),
+        }
+    ),
     "detectors": obj(values=obj({"fired": INT, "last_fired_step": INT_OR_NULL, "evidence": arr(STR)})),
     "zerocode": obj({"attached_at": STR}),
-}  # fmt: skip
+}
 
-SUMMARY = obj({
-    "rank": INT,
-    "pp_stage": INT_OR_NULL,
-    "topology": obj({"world_size": {"type": ["string", "integer"], "pattern": "^[0-9]{1,7}$", "minimum": 0,
-                                    "maximum": 9_999_999}},  # pattern for text, the bounds for a number
-                    values={"type": ["string", "number", "boolean", "null"]}),
-    "metrics_url": STR_OR_NULL,
-    "run_dir": STR_OR_NULL,
-    "errors": obj(values=INT),
-    "components": obj(COMPONENTS),
-})  # fmt: skip
+SUMMARY = obj(
+    {
+        "rank": INT,
+        "pp_stage": INT_OR_NULL,
+        "topology": obj(
+            {
+                "world_size": {
+                    "type": ["string", "integer"],
+                    "pattern": "^[0-9]{1,7}$",
+                    "minimum": 0,
+                    "maximum": 9_999_999,
+                }
+            },  # pattern for text, the bounds for a number
+            values={"type": ["string", "number", "boolean", "null"]},
+        ),
+        "metrics_url": STR_OR_NULL,
+        "run_dir": STR_OR_NULL,
+        "errors": obj(values=INT),
+        "components": obj(COMPONENTS),
+    }
+)
 
 #: ``trainer.json`` of the reference trainer, the fields the tools read.
 TRAINER = obj({"losses": arr(NUM_OR_NULL), "step_times": arr(NUM)})

@@ -43,13 +43,34 @@ CACHE_COUNTERS: dict[tuple[str, str], tuple[str, str]] = {
 }
 #: CompilationMetrics fields the collector reads (absent fields read as None on older torch).
 METRIC_FIELDS = (
-    "compile_id", "co_name", "co_filename", "co_firstlineno", "cache_size", "recompile_reason",
-    "restart_reasons", "fail_type", "fail_reason", "graph_op_count", "graph_node_count",
-    "graph_input_count", "graph_node_shapes", "entire_frame_compile_time_s", "backend_compile_time_s",
-    "inductor_compile_time_s", "code_gen_time_s", "duration_us", "is_forward", "is_runtime",
-    "start_time_us", "end_time_us", "frame_key", "stack_trace", "exception_stack_trace",
-    "fail_user_frame_filename", "fail_user_frame_lineno",
-)  # fmt: skip
+    "compile_id",
+    "co_name",
+    "co_filename",
+    "co_firstlineno",
+    "cache_size",
+    "recompile_reason",
+    "restart_reasons",
+    "fail_type",
+    "fail_reason",
+    "graph_op_count",
+    "graph_node_count",
+    "graph_input_count",
+    "graph_node_shapes",
+    "entire_frame_compile_time_s",
+    "backend_compile_time_s",
+    "inductor_compile_time_s",
+    "code_gen_time_s",
+    "duration_us",
+    "is_forward",
+    "is_runtime",
+    "start_time_us",
+    "end_time_us",
+    "frame_key",
+    "stack_trace",
+    "exception_stack_trace",
+    "fail_user_frame_filename",
+    "fail_user_frame_lineno",
+)
 #: The frame of ``convert_frame._compile`` holds the frame being compiled and the backend.
 _COMPILE_FN = ("_compile", "convert_frame.py")
 
@@ -155,7 +176,12 @@ def counters_snapshot() -> dict[str, Any]:
     limit = sum(int(v) for k, v in list(unimpl.items()) if str(k).startswith(RECOMPILE_LIMIT_PREFIX))
     breaks = dict(c.get("graph_break") or {})
     stats = c.get("stats") or {}
-    return {"caches": caches, "limit": limit, "graph_break": breaks, "graphs": int(stats.get(UNIQUE_GRAPHS, 0))}
+    return {
+        "caches": caches,
+        "limit": limit,
+        "graph_break": breaks,
+        "graphs": int(stats.get(UNIQUE_GRAPHS, 0)),
+    }
 
 
 def _log_state() -> Any:
@@ -202,9 +228,13 @@ def _backend_name(fn: Any) -> str:
             name = getattr(fn, attr, None)
             if isinstance(name, str) and name:
                 names.append(name)
-        nxt = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
-               or getattr(fn, "func", None) or getattr(fn, "__wrapped__", None)
-               or getattr(getattr(fn, "__self__", None), "backend_compile_fn", None))  # fmt: skip
+        nxt = (
+            getattr(fn, "_torchdynamo_orig_backend", None)
+            or getattr(fn, "compiler_fn", None)
+            or getattr(fn, "func", None)
+            or getattr(fn, "__wrapped__", None)
+            or getattr(getattr(fn, "__self__", None), "backend_compile_fn", None)
+        )
         if nxt is None or nxt is fn:
             break
         fn = nxt

@@ -50,8 +50,12 @@ def p2p_ops_info(p2p_ops: Any, sends: tuple[Any, ...]) -> tuple[Any, ...]:
     (``sends``: the functions that send, ``dist.isend`` and ``dist.send``): O(ops)."""
     out: list[Any] = []
     for p in p2p_ops or ():
-        out += ("send" if p.op in sends else "recv", int(getattr(p, "peer", -1)), p.tensor.nbytes,
-                getattr(p, "group", None))  # fmt: skip
+        out += (
+            "send" if p.op in sends else "recv",
+            int(getattr(p, "peer", -1)),
+            p.tensor.nbytes,
+            getattr(p, "group", None),
+        )
     return tuple(out)
 
 
@@ -130,8 +134,15 @@ class P2PWrapper:
             out = orig(p2p_ops, *args, **kwargs)
             if self.active:
                 try:
-                    put(("issue", t0, p2p_ops_info(p2p_ops, sends), tuple(map(id, works_of(out))),
-                         steps is None or steps.detailed))  # fmt: skip
+                    put(
+                        (
+                            "issue",
+                            t0,
+                            p2p_ops_info(p2p_ops, sends),
+                            tuple(map(id, works_of(out))),
+                            steps is None or steps.detailed,
+                        )
+                    )
                 except Exception as exc:
                     self.on_error(exc)
             return out

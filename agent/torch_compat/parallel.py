@@ -50,12 +50,19 @@ def _first_module(obj: Any, args: tuple[Any, ...]) -> Any:
 REPLICATE_MODULE = "torch.distributed._composable.replicate_with_fsdp"
 HOOK_POINTS = (
     HookPoint("torch.nn.parallel.distributed", "DistributedDataParallel", "__init__", "wrapper", _self),
-    HookPoint("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel", "__init__",
-              "wrapper", _self),
-    HookPoint("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", "init", "wrapper", _first_module),
+    HookPoint(
+        "torch.distributed.fsdp.fully_sharded_data_parallel",
+        "FullyShardedDataParallel",
+        "__init__",
+        "wrapper",
+        _self,
+    ),
+    HookPoint(
+        "torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState", "init", "wrapper", _first_module
+    ),
     HookPoint(REPLICATE_MODULE, "_ReplicateState", "init", "wrapper", _first_module),
     HookPoint("torch.distributed.device_mesh", "DeviceMesh", "__init__", "mesh", _self),
-)  # fmt: skip
+)
 #: The modules that define ``init_process_group`` (``torch.distributed`` re-exports c10d's).
 PROCESS_GROUP_MODULES = ("torch.distributed.distributed_c10d", "torch.distributed")
 

@@ -25,7 +25,9 @@ _TRUE = ("1", "true", "yes", "on")
 
 
 def _say(what, exc):
-    print(f"hpar-agent: zero-code {what} failed ({type(exc).__name__}: {exc}); not observing", file=sys.stderr)
+    print(
+        f"hpar-agent: zero-code {what} failed ({type(exc).__name__}: {exc}); not observing", file=sys.stderr
+    )
 
 
 def _wrap_init_process_group(c10d):

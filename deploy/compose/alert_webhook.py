@@ -24,9 +24,11 @@ def format_alerts(path: str, payload: dict[str, Any]) -> list[str]:
         labels, ann = a.get("labels", {}), a.get("annotations", {})
         where = " ".join(f"{k}={labels[k]}" for k in ("job", "job_id", "rank", "instance") if k in labels)
         runbook = f" (runbook: {ann['runbook_url']})" if ann.get("runbook_url") else ""
-        lines.append(f"[{path.strip('/') or 'default'}] {a.get('status', '?').upper()} "
-                     f"{labels.get('alertname', '?')} ({labels.get('severity', '?')}) {where}: "
-                     f"{ann.get('summary', '')}{runbook}")
+        lines.append(
+            f"[{path.strip('/') or 'default'}] {a.get('status', '?').upper()} "
+            f"{labels.get('alertname', '?')} ({labels.get('severity', '?')}) {where}: "
+            f"{ann.get('summary', '')}{runbook}"
+        )
     return lines
 
 

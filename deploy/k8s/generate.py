@@ -82,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         "--check", action="store_true", help="exit 1 if a committed file differs from its sources"
     )
     args = ap.parse_args(argv)
-    return sync_generated({HERE / "monitoring" / name: text for name, text in render().items()}, args.check, "python -m deploy.k8s.generate")
+    return sync_generated(
+        {HERE / "monitoring" / name: text for name, text in render().items()},
+        args.check,
+        "python -m deploy.k8s.generate",
+    )
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -54,8 +54,11 @@ def test_p99_interpolates_and_stays_within_range() -> None:
 
 def test_paired_ratios_are_within_a_pair_and_leave_the_warm_up_out() -> None:
     runs = [{"arm": "on", "pair": -1, "step_s": 9.0}, {"arm": "off", "pair": -1, "step_s": 1.0}]
-    runs += [{"arm": a, "pair": p, "step_s": s} for p, (off, on) in enumerate([(1.0, 1.1), (2.0, 2.2), (4.0, 4.4)])
-             for a, s in (("off", off), ("on", on))]  # fmt: skip
+    runs += [
+        {"arm": a, "pair": p, "step_s": s}
+        for p, (off, on) in enumerate([(1.0, 1.1), (2.0, 2.2), (4.0, 4.4)])
+        for a, s in (("off", off), ("on", on))
+    ]
     runs.append({"arm": "on", "pair": 3, "step_s": 5.0})  # its off never ran: no ratio
     st = paired(runs, ["off", "on", "aa"])
     assert list(st) == ["on"] and st["on"]["pairs"] == 3 and st["on"]["median"] == pytest.approx(1.1)
@@ -68,7 +71,9 @@ def test_adjacent_runs_of_one_arm_make_the_aa_with_the_direction_alternating() -
     runs = [{"arm": a, "pair": p, "step_s": 1.1**i} for i, (a, p) in enumerate(order)]
     aa = adjacent_aa(runs)
     assert aa == pytest.approx([1.1, 1 / 1.1, 1.1])
-    assert adjacent_aa([{"arm": "on", "pair": -1, "step_s": 1.0}, {"arm": "on", "pair": 0, "step_s": 1.0}]) == []
+    assert (
+        adjacent_aa([{"arm": "on", "pair": -1, "step_s": 1.0}, {"arm": "on", "pair": 0, "step_s": 1.0}]) == []
+    )
 
 
 def test_budget_stops_before_a_pair_that_would_end_past_it() -> None:
@@ -110,7 +115,10 @@ def _blocks(pairs: int, on: list[float], stall_pair: int | None = None) -> list[
         times = list(on)
         if p == stall_pair:  # more stalled steps than a pooled p99's top 1 %
             times[-10:] = [3.0] * 10
-        out += [{"arm": "on", "pair": p, "times": times}, {"arm": "off", "pair": p, "times": [1.0 + 0.001 * i for i in range(60)]}]
+        out += [
+            {"arm": "on", "pair": p, "times": times},
+            {"arm": "off", "pair": p, "times": [1.0 + 0.001 * i for i in range(60)]},
+        ]
     return out
 
 

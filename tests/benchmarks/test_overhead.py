@@ -18,12 +18,30 @@ from benchmarks.overhead import arm_env, block_order, parse_variants, run_cmd, r
 
 def test_blocks_warm_every_arm_then_pair_in_the_runs_order() -> None:
     order = block_order(["off", "on"], pairs=3, warm=1)
-    assert order == [("off", -1), ("on", -1), ("off", 0), ("on", 0), ("on", 1), ("off", 1), ("off", 2), ("on", 2)]
+    assert order == [
+        ("off", -1),
+        ("on", -1),
+        ("off", 0),
+        ("on", 0),
+        ("on", 1),
+        ("off", 1),
+        ("off", 2),
+        ("on", 2),
+    ]
 
 
 def test_runs_alternate_the_order_so_every_pair_boundary_repeats_an_arm() -> None:
     order = run_order(["off", "on"], 4)
-    assert order == [("off", 0), ("on", 0), ("on", 1), ("off", 1), ("off", 2), ("on", 2), ("on", 3), ("off", 3)]
+    assert order == [
+        ("off", 0),
+        ("on", 0),
+        ("on", 1),
+        ("off", 1),
+        ("off", 2),
+        ("on", 2),
+        ("on", 3),
+        ("off", 3),
+    ]
     runs = [{"arm": a, "pair": p, "step_s": 1.0} for a, p in order]
     assert len(adjacent_aa(runs)) == 3  # n pairs give n - 1 A/A ratios
 
@@ -66,7 +84,10 @@ def test_twin_halves_speeds_and_machine_swings_cancel_and_the_cost_remains() -> 
     slots = []
     for pair, machine in enumerate((1.0, 1.3, 0.8)):  # the whole machine 30 % slower, then 20 % faster
         half_a, half_b, cost = 0.070 * machine, 0.077 * machine, 1.02  # half B 10 % slower than A
-        slots += [_slot("on", "off", pair, half_a * cost, half_b), _slot("off", "on", pair, half_a, half_b * cost)]
+        slots += [
+            _slot("on", "off", pair, half_a * cost, half_b),
+            _slot("off", "on", pair, half_a, half_b * cost),
+        ]
         slots += [_slot("aa", "off", pair, half_a, half_b), _slot("off", "aa", pair, half_a, half_b)]
     slots.append({**_slot("off", "on", 3, 1.0, 1.0), "A": {"median_s": None}})  # a pair missing a value
     st = twin_estimates(slots)
@@ -99,8 +120,14 @@ def test_runs_stop_at_the_budget_and_write_their_figures_after_every_run(
     saved: list[dict[str, Any]] = []
     a = argparse.Namespace(max_s=75.0, warm=1)
     cfg = {"pairs": 10, "steps": 40, "skip": 10}
-    result = overhead.runs_design(cfg, ["off", "on"], a, str(tmp_path), lambda r: saved.append(json.loads(json.dumps(r))),
-                                  clock=lambda: clock[0])
+    result = overhead.runs_design(
+        cfg,
+        ["off", "on"],
+        a,
+        str(tmp_path),
+        lambda r: saved.append(json.loads(json.dumps(r))),
+        clock=lambda: clock[0],
+    )
     assert result["pairs_done"] == 3 and len(result["runs"]) == 6 and len(saved) == 6
     assert result["ratios"]["on"]["median"] == pytest.approx(1.05)
     assert result["ratios"]["aa"]["pairs"] == 2 and result["ratios"]["aa"]["median"] == pytest.approx(1.0)
@@ -110,11 +137,19 @@ def test_runs_stop_at_the_budget_and_write_their_figures_after_every_run(
 
 def test_merged_results_pool_their_pairs(tmp_path: Path) -> None:
     """Two results' runs: the pairs are numbered on and every figure is recomputed over all of them."""
+
     def result(ratio: float, pairs: int) -> dict[str, Any]:
-        runs = [{"arm": arm, "pair": p, "p99_s": 0.1, "times": [0.1 * (ratio if arm == "on" else 1.0)] * 5}
-                for arm, p in run_order(["off", "on"], pairs)]  # fmt: skip
-        return {"config": "gpu", "design": "runs", "arms": ["off", "on"], "wall_s": 100.0,
-                **overhead.summarize_runs(runs, ["off", "on"], "runs")}  # fmt: skip
+        runs = [
+            {"arm": arm, "pair": p, "p99_s": 0.1, "times": [0.1 * (ratio if arm == "on" else 1.0)] * 5}
+            for arm, p in run_order(["off", "on"], pairs)
+        ]
+        return {
+            "config": "gpu",
+            "design": "runs",
+            "arms": ["off", "on"],
+            "wall_s": 100.0,
+            **overhead.summarize_runs(runs, ["off", "on"], "runs"),
+        }
 
     paths = []
     for i, (ratio, pairs) in enumerate(((1.01, 4), (1.03, 3))):

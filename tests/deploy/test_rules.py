@@ -69,15 +69,29 @@ def test_the_documented_runbook_rewrites_work(tmp_path: Path) -> None:
     want = "https://docs.example.com/hpar/alerts.md#hang"
     line = next(x for x in text.splitlines() if x.startswith("{{ reReplaceAll"))
     url = catalogue.ALERTS_BY_NAME["Hang"].runbook_url
-    (tmp_path / "t.tmpl").write_text('{{ define "t" }}' + line.replace(".Annotations.runbook_url", f'"{url}"') + "{{ end }}")
-    res = run(["amtool", "template", "render", f"--template.glob={tmp_path}/t.tmpl", '--template.text={{ template "t" . }}'])
+    (tmp_path / "t.tmpl").write_text(
+        '{{ define "t" }}' + line.replace(".Annotations.runbook_url", f'"{url}"') + "{{ end }}"
+    )
+    res = run(
+        [
+            "amtool",
+            "template",
+            "render",
+            f"--template.glob={tmp_path}/t.tmpl",
+            '--template.text={{ template "t" . }}',
+        ]
+    )
     assert res.returncode == 0 and res.stdout.strip() == want, res.stdout + res.stderr
     sed = re.search(r"`(sed -i [^`]+)`", text)
     assert sed
     shutil.copy(RULES[0].parent / "hpar-alerts.yml", tmp_path / "hpar-alerts.yml")
     assert run(["bash", "-c", sed.group(1)], cwd=tmp_path).returncode == 0
-    urls = [r["annotations"]["runbook_url"] for g in yaml.safe_load((tmp_path / "hpar-alerts.yml").read_text())["groups"]
-            for r in g["rules"] if "alert" in r]  # fmt: skip
+    urls = [
+        r["annotations"]["runbook_url"]
+        for g in yaml.safe_load((tmp_path / "hpar-alerts.yml").read_text())["groups"]
+        for r in g["rules"]
+        if "alert" in r
+    ]
     assert want in urls and all(u.startswith("https://docs.example.com/hpar/alerts.md#") for u in urls)
 
 
@@ -129,8 +143,18 @@ def test_alertmanager_config_is_valid_and_routes_by_severity() -> None:
         "warning": "hpar-team",
     }
     for severity, receiver in routes.items():
-        res = run(["amtool", "config", "routes", "test", f"--config.file={path}",
-                   "alertname=Hang", "job=hpar", f"severity={severity}"])  # fmt: skip
+        res = run(
+            [
+                "amtool",
+                "config",
+                "routes",
+                "test",
+                f"--config.file={path}",
+                "alertname=Hang",
+                "job=hpar",
+                f"severity={severity}",
+            ]
+        )
         assert res.stdout.strip() == receiver, res.stdout + res.stderr
     cfg = yaml.safe_load(path.read_text())
     assert cfg["route"]["group_by"] == ["job", "alertname"]

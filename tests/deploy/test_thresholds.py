@@ -58,10 +58,22 @@ def test_every_rule_compares_with_the_numbers_of_the_table() -> None:
 
 def test_rules_measuring_what_a_detector_measures_use_its_number() -> None:
     d = th.DETECTOR_DEFAULTS
-    assert th.RULE_THRESHOLDS[("CollectiveLatencyHigh", "p99_latency")]["slo_s"] == d["CollectiveLatencyHigh"]["slo_s"]
-    assert th.RULE_THRESHOLDS[("GradSyncIncomplete", "grad_sync_coverage")]["min_coverage"] == d["GradSyncIncomplete"]["min_coverage"]
-    assert th.RULE_THRESHOLDS[("RecompileStorm", "recompiles")]["max_recompiles"] == d["RecompileStorm"]["max_recompiles"]
-    assert th.RULE_THRESHOLDS[("InputBound", "data_wait_ratio")]["input_share"] == th.ANATOMY_DEFAULTS["input_share"]
+    assert (
+        th.RULE_THRESHOLDS[("CollectiveLatencyHigh", "p99_latency")]["slo_s"]
+        == d["CollectiveLatencyHigh"]["slo_s"]
+    )
+    assert (
+        th.RULE_THRESHOLDS[("GradSyncIncomplete", "grad_sync_coverage")]["min_coverage"]
+        == d["GradSyncIncomplete"]["min_coverage"]
+    )
+    assert (
+        th.RULE_THRESHOLDS[("RecompileStorm", "recompiles")]["max_recompiles"]
+        == d["RecompileStorm"]["max_recompiles"]
+    )
+    assert (
+        th.RULE_THRESHOLDS[("InputBound", "data_wait_ratio")]["input_share"]
+        == th.ANATOMY_DEFAULTS["input_share"]
+    )
 
 
 def test_every_rule_alert_is_in_the_catalogue_with_its_severity() -> None:

@@ -20,8 +20,22 @@ from hpar_trainer.launch import run_torchrun
 pytestmark = pytest.mark.distributed
 
 # --dim 256 --global-batch 64: compute, not the synthetic data or the dp all-reduce, holds most of a clean step
-BASE = ["--dp", "2", "--compile", "eager", "--dim", "256", "--global-batch", "64", "--steps", "12",
-        "--inject-step", "2", "--log-every", "100"]
+BASE = [
+    "--dp",
+    "2",
+    "--compile",
+    "eager",
+    "--dim",
+    "256",
+    "--global-batch",
+    "64",
+    "--steps",
+    "12",
+    "--inject-step",
+    "2",
+    "--log-every",
+    "100",
+]
 RUNS = {
     "clean": [],
     "slow-data": ["--inject", "slow-data", "--inject-delay", "0.5"],
@@ -36,9 +50,14 @@ def anatomy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for name, extra in RUNS.items():  # one after the other: one multi-rank run at a time
         run = base / name
-        env = {"HPAR_RUN_DIR": str(run), "HPAR_JOB_ID": name, "HPAR_METRICS_PORT": "-1",
-               "HPAR_TRACES": "file", "HPAR_TRACE_EVERY": "1",  # compare --phase judges the traced steps
-               "HPAR_DETAIL_RATE": "0"}  # every step's phases, however fast the machine
+        env = {
+            "HPAR_RUN_DIR": str(run),
+            "HPAR_JOB_ID": name,
+            "HPAR_METRICS_PORT": "-1",
+            "HPAR_TRACES": "file",
+            "HPAR_TRACE_EVERY": "1",  # compare --phase judges the traced steps
+            "HPAR_DETAIL_RATE": "0",
+        }  # every step's phases, however fast the machine
         res = run_torchrun(2, [*BASE, *extra, "--out", str(run / "trainer.json")], env=env, timeout=300)
         assert res.returncode == 0, (name, res.stderr[-3000:])
         out[name] = run
@@ -57,7 +76,10 @@ def test_slow_data_is_input_bound_on_the_injected_rank(anatomy_runs: dict[str, P
     assert slow["verdict"] == "input-bound", slow
     assert slow["phase_seconds_p50"]["data_wait"] >= 0.5  # the injected 0.5 s per batch (a sleep)
     assert peer["verdict"] != "input-bound", peer
-    assert slow["phase_seconds_p50"]["data_wait"] - peer["phase_seconds_p50"]["data_wait"] > 0.25, (slow, peer)
+    assert slow["phase_seconds_p50"]["data_wait"] - peer["phase_seconds_p50"]["data_wait"] > 0.25, (
+        slow,
+        peer,
+    )
 
 
 def test_clean_run_has_every_phase_and_no_planted_cause(anatomy_runs: dict[str, Path]) -> None:
@@ -66,7 +88,14 @@ def test_clean_run_has_every_phase_and_no_planted_cause(anatomy_runs: dict[str, 
     ranks wait for each other's slices): the planted-cause tests (test_verdicts.py) check those."""
     for rank in (0, 1):
         a = _anatomy(anatomy_runs["clean"], rank)
-        assert set(a["phase_seconds_p50"]) == {"data_wait", "host", "forward", "backward", "optimizer", "comm_exposed"}
+        assert set(a["phase_seconds_p50"]) == {
+            "data_wait",
+            "host",
+            "forward",
+            "backward",
+            "optimizer",
+            "comm_exposed",
+        }
         assert a["verdict"] in ("compute-bound", "communication-bound"), a
         assert a["model"]["found_by"] == "attach(model)" and a["model"]["class"].endswith("GPT"), a
 
@@ -81,13 +110,17 @@ def test_phase_spans_are_children_of_the_step_span(anatomy_runs: dict[str, Path]
     waits = [s for s in spans if s["name"] == "step.data_wait"]
     assert {"step.forward", "step.backward", "step.optimizer"} <= {s["name"] for s in spans}
     assert waits and all(s["parentSpanId"] in steps for s in waits)
-    comm = [s for s in spans if s["name"] == "step.comm_exposed"]  # the replicate reduction after the backward
+    comm = [
+        s for s in spans if s["name"] == "step.comm_exposed"
+    ]  # the replicate reduction after the backward
     assert comm and all(s["parentSpanId"] in steps for s in comm)
     longest = max((int(s["endTimeUnixNano"]) - int(s["startTimeUnixNano"])) / 1e9 for s in waits)
     assert longest > 0.49
 
 
-def test_compare_flags_the_straggler(anatomy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_compare_flags_the_straggler(
+    anatomy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     """The straggler's rank sleeps 2 s in every forward: its forward grows past any threshold a loaded
     machine allows (a clean forward took 0.44 s on a loaded 2-core host). Whether two clean runs made at
     different times pass is not asserted: their step times move with the machine's load (a clean step
@@ -103,7 +136,9 @@ def test_compare_flags_the_straggler(anatomy_runs: dict[str, Path], capsys: pyte
     assert forward.change is not None and forward.change.low > 1.5, forward  # the planted 2 s, found
     code = cli_main(["compare", str(clean), str(straggler), "--max-regression", "150%", "--phase", "forward"])
     out = capsys.readouterr().out
-    assert (code == 1 and "REGRESSION: forward regressed by" in out) or (code == 2 and "waited for a CPU" in out), out
+    assert (code == 1 and "REGRESSION: forward regressed by" in out) or (
+        code == 2 and "waited for a CPU" in out
+    ), out
 
 
 def test_pipeline_phases_come_from_its_chunks(anatomy_runs: dict[str, Path]) -> None:
@@ -132,14 +167,16 @@ def test_ddp_exposed_communication(anatomy_runs: dict[str, Path]) -> None:
             comm, step = a["phase_seconds_p50"]["comm_exposed"], a["step_seconds_p50"]
             assert 0 < comm <= step, (name, rank, a)
             assert sum(a["evidence"]["shares"].values()) <= 1.0 + 1e-6, a  # disjoint from the other phases
-    assert _anatomy(anatomy_runs["straggler"], 0)["phase_seconds_p50"]["comm_exposed"] > 1.5  # the injected 2 s
+    assert (
+        _anatomy(anatomy_runs["straggler"], 0)["phase_seconds_p50"]["comm_exposed"] > 1.5
+    )  # the injected 2 s
 
 
 def test_the_verdict_names_the_straggler_across_ranks(
     anatomy_runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Rank 1 sleeps 2 s in every forward; the job's verdict names rank 1 in the summary and the report
-XX
+    (from both ranks' summaries), and a clean run names no rank for anything like it."""
     from hpar_agent.tools.report import slow_rank_note
     from hpar_agent.tools.run_files import load_run
     from hpar_agent.tools.summary import _slow_rank_line, load_rank_summaries
@@ -155,6 +192,8 @@ XX
     # step on a loaded machine (its cores are shared), never by anything like the planted 2 s
     from hpar_agent.collectors.verdict import slow_rank_across
 
-    clean = slow_rank_across((r["rank"], r["pp_stage"], r["components"]["anatomy"])
-                             for r in load_rank_summaries(anatomy_runs["clean"]))  # fmt: skip
+    clean = slow_rank_across(
+        (r["rank"], r["pp_stage"], r["components"]["anatomy"])
+        for r in load_rank_summaries(anatomy_runs["clean"])
+    )
     assert clean is None or (clean["source"] == "phases" and clean["compute_excess_s"] < 1.0), clean

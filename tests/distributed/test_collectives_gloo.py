@@ -31,7 +31,6 @@ WORLD = 4
 ROUNDS = 3
 
 
-
 def _rank(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
@@ -84,9 +83,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
 def test_collective_series_agree_with_flight_recorder(tmp_path):
     # fork: the children inherit the parent's imports (torch.distributed.pipelining alone takes ~20 s
     # per process on a loaded host); no CUDA and no process group exist in the parent.
-    mp.start_processes(
-        _rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork"
-    )
+    mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method="fork")
     for rank in range(WORLD):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         total = {(s[1]["pg"], s[1]["op"]): s[2] for s in res["scraped"] if s[0] == "hpar_collectives_total"}

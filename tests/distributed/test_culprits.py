@@ -24,7 +24,15 @@ SCRIPT = Path(__file__).resolve().parents[1] / "zerocode_scripts" / "faulty_ddp.
 
 
 def _torchrun(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(SCRIPT), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(SCRIPT),
+        *args,
+    ]
 
 
 def _alerts(run_dir: Path, name: str, state: str = "firing") -> dict[int, dict[str, Any]]:
@@ -43,8 +51,14 @@ def _alerts(run_dir: Path, name: str, state: str = "firing") -> dict[int, dict[s
 
 def _run(tmp: Path, name: str, nproc: int, *args: str, timeout: float = 240) -> tuple[Path, str]:
     run_dir = tmp / name
-    proc = subprocess.run(run_cmd(_torchrun(nproc, *args)), env=clean_env(run_dir), capture_output=True, text=True,
-                          timeout=timeout, check=False)  # fmt: skip
+    proc = subprocess.run(
+        run_cmd(_torchrun(nproc, *args)),
+        env=clean_env(run_dir),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     return run_dir, proc.stderr
 
 
@@ -53,7 +67,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]
     return {}
 
 
-def _once(runs: dict[str, tuple[Path, str]], tmp: pytest.TempPathFactory, name: str, *args: Any) -> tuple[Path, str]:
+def _once(
+    runs: dict[str, tuple[Path, str]], tmp: pytest.TempPathFactory, name: str, *args: Any
+) -> tuple[Path, str]:
     if name not in runs:
         runs[name] = _run(tmp.mktemp(name), name, *args)
     return runs[name]
@@ -64,8 +80,21 @@ def test_a_hang_names_the_rank_not_in_the_collective_and_what_it_is_doing(
 ) -> None:
     """Rank 2 sleeps before its backward at step 40; ranks 0, 1, 3 wait in the DDP all-reduce. A 20 s
     process-group timeout makes Hang fire at 16 s (80 %), on every rank."""
-    run_dir, out = _once(runs, tmp_path_factory, "hang", 4, "200", "--fault", "sleep", "--rank", "2", "--at", "40",
-                         "--timeout-s", "20")  # fmt: skip
+    run_dir, out = _once(
+        runs,
+        tmp_path_factory,
+        "hang",
+        4,
+        "200",
+        "--fault",
+        "sleep",
+        "--rank",
+        "2",
+        "--at",
+        "40",
+        "--timeout-s",
+        "20",
+    )
     hangs = _alerts(run_dir, "Hang")
     assert sorted(hangs) == [0, 1, 2, 3], out[-3000:]
     for r, e in hangs.items():
@@ -74,7 +103,9 @@ def test_a_hang_names_the_rank_not_in_the_collective_and_what_it_is_doing(
         assert d["role"] == ("culprit" if r == 2 else "victim")
         (wait,) = d["waits"]
         assert (wait["op"], wait["waiting"], wait["missing"]) == ("all_reduce", [0, 1, 3], [2])
-    assert any("faulty_ddp.py" in f and "time.sleep(3600)" in f for f in hangs[2]["details"]["stack"])  # its own py-spy
+    assert any(
+        "faulty_ddp.py" in f and "time.sleep(3600)" in f for f in hangs[2]["details"]["stack"]
+    )  # its own py-spy
     line = next(x for x in out.splitlines() if x.startswith("  culprit:"))
     assert line.startswith("  culprit: rank 2 (Hang: not in default_pg all_reduce #"), out[-3000:]
     assert "time.sleep(3600)" in line
@@ -84,18 +115,40 @@ def test_torchs_own_analyser_names_the_same_rank(
     runs: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
-    run_dir, _ = _once(runs, tmp_path_factory, "hang", 4, "200", "--fault", "sleep", "--rank", "2", "--at", "40",
-                       "--timeout-s", "20")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "hpar_agent.tools.cli", "fr-trace", str(run_dir)], capture_output=True,
-                          text=True, timeout=300, check=False)  # fmt: skip
-    assert "Not all ranks joining collective" in proc.stdout and "missing ranks: {2}" in proc.stdout, proc.stdout
+    run_dir, _ = _once(
+        runs,
+        tmp_path_factory,
+        "hang",
+        4,
+        "200",
+        "--fault",
+        "sleep",
+        "--rank",
+        "2",
+        "--at",
+        "40",
+        "--timeout-s",
+        "20",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpar_agent.tools.cli", "fr-trace", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert "Not all ranks joining collective" in proc.stdout and "missing ranks: {2}" in proc.stdout, (
+        proc.stdout
+    )
 
 
 def test_a_killed_rank_is_named_first_not_the_first_to_notice(
     runs: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """On gloo the others crash at once (connection reset); torchrun's summary blames whichever it saw first."""
-    _run_dir, out = _once(runs, tmp_path_factory, "kill", 4, "200", "--fault", "SIGKILL", "--rank", "2", "--at", "40")
+    _run_dir, out = _once(
+        runs, tmp_path_factory, "kill", 4, "200", "--fault", "SIGKILL", "--rank", "2", "--at", "40"
+    )
     line = next((x for x in out.splitlines() if x.startswith("  culprit:")), "")
     assert line.startswith("  culprit: rank 2, the first to end abnormally: "), out[-3000:]
     assert ("killed by signal 9 (SIGKILL)" in line or "died without exiting" in line) and "at step 40" in line
@@ -105,8 +158,12 @@ def test_a_stopped_rank_is_named_within_ten_seconds_while_the_others_wait(tmp_pa
     """Rank 2 stops itself (SIGSTOP) at step 40, a few seconds in: alive, silent, its peers in the
     all-reduce. RankGone fires on them naming it; then the test kills it and the job ends."""
     run_dir = tmp_path / "stop"
-    proc = subprocess.Popen(run_cmd(_torchrun(4, "200", "--fault", "SIGSTOP", "--rank", "2", "--at", "40", "--step-s",
-                                              "0.1")), env=clean_env(run_dir), stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        run_cmd(_torchrun(4, "200", "--fault", "SIGSTOP", "--rank", "2", "--at", "40", "--step-s", "0.1")),
+        env=clean_env(run_dir),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         gone: dict[int, dict[str, Any]] = {}

@@ -20,14 +20,14 @@ pytestmark = pytest.mark.distributed
 SMALL = ["--nproc", "2", "--metrics-port", "0"]
 SMALL_TRAINER = ["--", "--tp", "1", "--compile", "eager"]
 
-BLOCK_NUMPY = '''
+BLOCK_NUMPY = """
 import sys
 class _NoNumpy:
     def find_spec(self, name, path=None, target=None):
         if name == "numpy" or name.startswith("numpy."):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, _NoNumpy())
-'''
+"""
 
 
 def _descendants(pid: int) -> set[int]:
@@ -62,10 +62,23 @@ def test_ranks_without_numpy_fail_the_demo_and_are_named(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(site)}
     res = subprocess.run(
-        [sys.executable, "-m", "hpar_agent", "demo", "--run-dir", str(run_dir), "--steps", "2", *SMALL,
-         *SMALL_TRAINER],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpar_agent",
+            "demo",
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "2",
+            *SMALL,
+            *SMALL_TRAINER,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = res.stdout
     assert res.returncode != 0, out[-2000:]
     # the first rank to die is named with its error line; torchrun may stop the other before its own
@@ -88,11 +101,24 @@ def test_ctrl_c_stops_every_rank_promptly(tmp_path, sig):
     # A terminal's Ctrl-C reaches a demo whose SIGINT is not ignored; a test run started in the
     # background of a shell without job control inherits SIGINT ignored, so the demo gets it back.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hpar_agent", "demo", "--run-dir", str(tmp_path / "run"), "--steps", "100000",
-         *SMALL, *SMALL_TRAINER],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "hpar_agent",
+            "demo",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "100000",
+            *SMALL,
+            *SMALL_TRAINER,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
+    )
     tree: list[int] = []
     try:
         assert proc.stdout is not None
@@ -125,12 +151,29 @@ def test_ctrl_c_stops_every_rank_promptly(tmp_path, sig):
 def test_timeout_stops_every_rank(tmp_path):
     """``--timeout`` ends torchrun and the ranks alike (killing torchrun alone orphans them)."""
     res = subprocess.run(
-        [sys.executable, "-m", "hpar_agent", "demo", "--run-dir", str(tmp_path / "run"), "--steps", "100000",
-         "--timeout", "20", *SMALL, *SMALL_TRAINER],
-        capture_output=True, text=True, timeout=120, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpar_agent",
+            "demo",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "100000",
+            "--timeout",
+            "20",
+            *SMALL,
+            *SMALL_TRAINER,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
     assert res.returncode == 124 and "timed out after 20 s" in res.stderr, res.stderr[-2000:]
-    ranks = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True).stdout.split()
+    ranks = subprocess.run(
+        ["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True
+    ).stdout.split()
     assert not ranks, f"ranks still running: {ranks}"
 
 
@@ -138,10 +181,22 @@ def test_demo_output_is_rank_prefixed_and_summarised(tmp_path):
     """A clean small run: exit 0, rank output tagged, a summary and a report."""
     run_dir = tmp_path / "run"
     res = subprocess.run(
-        [sys.executable, "-m", "hpar_agent", "demo", "--run-dir", str(run_dir), "--steps", "3", *SMALL,
-         *SMALL_TRAINER],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "hpar_agent",
+            "demo",
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "3",
+            *SMALL,
+            *SMALL_TRAINER,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     assert "[rank0]:" in res.stdout and "=== hpar-agent demo summary ===" in res.stdout
     assert "FAILED" not in res.stdout and "no summary from" not in res.stdout

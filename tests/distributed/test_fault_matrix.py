@@ -35,17 +35,84 @@ DP2_TP2 = ["--dp", "2", "--tp", "2", "--pp", "1", "--log-every", "10"]
 RUNS: dict[str, tuple[int, list[str]]] = {
     # 60 steps (~30 s): Straggler needs entries from full FR reads (once per 5 s slot) confirmed on two
     # exchanges (every 3 s) after warm-up; 40 steps left that a few seconds short on a loaded machine
-    "combined": (4, [*DP2_TP2, "--compile", "eager", "--steps", "60",
-                     "--inject", "divergent-graph", "--inject", "tp-grad-skip", "--inject", "tensor-leak",
-                     "--inject", "graph-break", "--inject", "straggler", "--inject-delay", "0.4"]),
+    "combined": (
+        4,
+        [
+            *DP2_TP2,
+            "--compile",
+            "eager",
+            "--steps",
+            "60",
+            "--inject",
+            "divergent-graph",
+            "--inject",
+            "tp-grad-skip",
+            "--inject",
+            "tensor-leak",
+            "--inject",
+            "graph-break",
+            "--inject",
+            "straggler",
+            "--inject-delay",
+            "0.4",
+        ],
+    ),
     "hang": (4, [*DP2_TP2, "--steps", "8", "--inject", "hang"]),
-    "ddp": (2, ["--dp", "2", "--dp-mode", "ddp", "--steps", "80", "--log-every", "10",
-                "--inject", "dtype-mismatch", "--inject", "slow-collective"]),
-    "clean": (4, ["--dp", "2", "--pp", "2", "--schedule", "1f1b", "--compile", "aot_eager", "--steps", "100",
-                  "--log-every", "50", "--layers", "2", "--dim", "32", "--heads", "2", "--seq-len", "16",
-                  "--global-batch", "8", "--microbatches", "2", "--pause-at", "60", "--pause-seconds", "12",
-                  "--start-delay-rank", "1", "--start-delay", "10"]),
-}  # fmt: skip
+    "ddp": (
+        2,
+        [
+            "--dp",
+            "2",
+            "--dp-mode",
+            "ddp",
+            "--steps",
+            "80",
+            "--log-every",
+            "10",
+            "--inject",
+            "dtype-mismatch",
+            "--inject",
+            "slow-collective",
+        ],
+    ),
+    "clean": (
+        4,
+        [
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--schedule",
+            "1f1b",
+            "--compile",
+            "aot_eager",
+            "--steps",
+            "100",
+            "--log-every",
+            "50",
+            "--layers",
+            "2",
+            "--dim",
+            "32",
+            "--heads",
+            "2",
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "8",
+            "--microbatches",
+            "2",
+            "--pause-at",
+            "60",
+            "--pause-seconds",
+            "12",
+            "--start-delay-rank",
+            "1",
+            "--start-delay",
+            "10",
+        ],
+    ),
+}
 INJECT_STEP = 3  # the trainer's default --inject-step
 
 
@@ -76,7 +143,12 @@ def _launch(tmp_path_factory: pytest.TempPathFactory, name: str) -> Run:
     nproc, args = RUNS[name]
     run_dir = tmp_path_factory.mktemp("matrix") / name
     run_dir.mkdir()
-    env = {"HPAR_RUN_DIR": str(run_dir), "HPAR_JOB_ID": name, "HPAR_METRICS_PORT": "-1", "HPAR_TRACES": "none"}
+    env = {
+        "HPAR_RUN_DIR": str(run_dir),
+        "HPAR_JOB_ID": name,
+        "HPAR_METRICS_PORT": "-1",
+        "HPAR_TRACES": "none",
+    }
     proc = run_trainer(nproc, [*args, "--out", str(run_dir / "trainer.json")], env=env, timeout=400)
     return Run(run_dir, proc.returncode, (proc.stdout or "") + (proc.stderr or ""), nproc)
 
@@ -123,8 +195,12 @@ def test_tp_grad_skip_on_every_tp_group(combined: Run) -> None:
     fired = combined.fired("ReplicaDivergence")
     assert set(fired) == {0, 1, 2, 3}, fired  # every tp pair drifts apart: no majority, all ranks flagged
     for rank, event in fired.items():
-        assert set(event["details"]) - {"culprits", "culprit_unknown"} == {"tp"}, event["details"]  # dp in sync
-        assert event["details"]["culprits"] == [] and "no majority" in event["details"]["culprit_unknown"][0]  # 1-1
+        assert set(event["details"]) - {"culprits", "culprit_unknown"} == {"tp"}, event[
+            "details"
+        ]  # dp in sync
+        assert (
+            event["details"]["culprits"] == [] and "no majority" in event["details"]["culprit_unknown"][0]
+        )  # 1-1
         tp = event["details"]["tp"]
         assert rank in tp["ranks"] and len(tp["ranks"]) == 2
         assert all("q_norm" in p or "k_norm" in p for p in tp["params"]), tp["params"]
@@ -174,7 +250,12 @@ def test_hang_fires_on_every_stuck_rank_before_the_job_dies(hang: Run) -> None:
         assert details["timeout_s"] == pytest.approx(16.0)  # 80% of the 20 s pg timeout
         assert details["timeout_s"] < event["value"] < 20.0
         _private_files(event["evidence"])
-        assert {evidence_kind(p) for p in event["evidence"]} == {"pyspy.txt", "pyspy.json", "fr-gloo.json", "fr-gloo.pickle"}
+        assert {evidence_kind(p) for p in event["evidence"]} == {
+            "pyspy.txt",
+            "pyspy.json",
+            "fr-gloo.json",
+            "fr-gloo.pickle",
+        }
     # the culprit is visible: rank 3 waits in a barrier of the default group, its peers in dp/tp ops
     assert fired[3]["details"]["pg"] == "default_pg"
     assert {fired[r]["details"]["pg"] for r in (0, 1, 2)} <= {"dp", "tp"}
@@ -186,7 +267,9 @@ def test_hang_fires_on_every_stuck_rank_before_the_job_dies(hang: Run) -> None:
         details = event["details"]
         assert (details["kind"], details["culprits"]) == ("desync", [3]), (r, details)
         assert details["sides"]["default_pg: barrier"] == [3]
-        assert sorted(x for side, ranks in details["sides"].items() if side != "default_pg: barrier" for x in ranks) == [0, 1, 2]
+        assert sorted(
+            x for side, ranks in details["sides"].items() if side != "default_pg: barrier" for x in ranks
+        ) == [0, 1, 2]
     assert any("barrier" in frame for frame in fired[3]["details"]["stack"])
 
 
@@ -224,12 +307,16 @@ def test_clean_run_with_a_pause_and_a_late_rank_fires_nothing(clean: Run) -> Non
     for rank in range(clean.nproc):
         s = clean.summary(rank)
         assert s["components"]["steps"]["steps"] == 100
-        assert s["components"]["steps"]["step_seconds_max"] > 10  # the pause (and the late start) inside a step
+        assert (
+            s["components"]["steps"]["step_seconds_max"] > 10
+        )  # the pause (and the late start) inside a step
         detectors = s["components"]["detectors"]
         assert set(detectors) == set(cat.ALERT_NAMES)
         for name, state in detectors.items():
             assert state["fired"] == 0 and not state["active"], (rank, name, state)
             assert set(state) >= {"value", "threshold", "params"}
     # the cross-rank exchange really compared arrivals: every rank's Straggler judged the run
-    judged = [clean.summary(rank)["components"]["detectors"]["Straggler"]["judged"] for rank in range(clean.nproc)]
+    judged = [
+        clean.summary(rank)["components"]["detectors"]["Straggler"]["judged"] for rank in range(clean.nproc)
+    ]
     assert all(n > 0 for n in judged), judged

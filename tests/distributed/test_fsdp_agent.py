@@ -20,14 +20,29 @@ from hpar_agent.tools.launch import run_trainer
 
 pytestmark = pytest.mark.distributed
 
-ARGS = ["--dp-replicate", "2", "--dp-shard", "2", "--steps", "60", "--log-every", "20",
-        "--inject", "hsdp-replicate-skip"]  # fmt: skip
+ARGS = [
+    "--dp-replicate",
+    "2",
+    "--dp-shard",
+    "2",
+    "--steps",
+    "60",
+    "--log-every",
+    "20",
+    "--inject",
+    "hsdp-replicate-skip",
+]
 
 
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("hsdp")
-    env = {"HPAR_RUN_DIR": str(run_dir), "HPAR_JOB_ID": "hsdp", "HPAR_METRICS_PORT": "-1", "HPAR_TRACES": "none"}
+    env = {
+        "HPAR_RUN_DIR": str(run_dir),
+        "HPAR_JOB_ID": "hsdp",
+        "HPAR_METRICS_PORT": "-1",
+        "HPAR_TRACES": "none",
+    }
     proc = run_trainer(4, [*ARGS, "--out", str(run_dir / "trainer.json")], env=env, timeout=400)
     assert proc.returncode == 0, ((proc.stdout or "") + (proc.stderr or ""))[-3000:]
     return run_dir
@@ -69,7 +84,10 @@ def test_rank_info_and_collective_labels(hsdp: Path) -> None:
         topo = _summary(hsdp, rank)["topology"]
         assert (topo["dp"], topo["dp_replicate"], topo["dp_shard"]) == ("4", "2", "2")
         assert (topo["dp_replicate_rank"], topo["dp_shard_rank"], topo["dp_rank"]) == (
-            str(rank // 2), str(rank % 2), str(rank))
+            str(rank // 2),
+            str(rank % 2),
+            str(rank),
+        )
         assert topo["mesh_dims"] == "dp_replicate=2,dp_shard=2,pp=1,tp=1"
     table = {(row["pg"], row["op"]): row for row in _summary(hsdp, 0)["components"]["collectives"]["table"]}
     # 5 FSDP modules (4 blocks + root) all-gather over dp_shard every step; gloo runs their
@@ -78,5 +96,6 @@ def test_rank_info_and_collective_labels(hsdp: Path) -> None:
     assert table[("dp_shard", "all_reduce")]["count"] >= 5 * 60
     assert table[("dp_replicate", "all_reduce")]["count"] >= 5 * 60
     assert table[("dp_replicate", "all_reduce")]["bytes"] * 2 == pytest.approx(
-        table[("dp_shard", "all_reduce")]["bytes"], rel=0.01)  # a shard is half the gradient
+        table[("dp_shard", "all_reduce")]["bytes"], rel=0.01
+    )  # a shard is half the gradient
     assert ("dp", "all_reduce") in table  # the trainer's loss mean over the flattened dp group

@@ -17,8 +17,25 @@ pytestmark = pytest.mark.distributed
 
 
 def _run(tmp_path: Path, *extra: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    env = {"HPAR_RUN_DIR": str(tmp_path), "HPAR_JOB_ID": "gradsync", "HPAR_METRICS_PORT": "-1", "HPAR_TRACES": "none"}
-    args = ["--dp", "2", "--dp-mode", "ddp", "--compile", "eager", "--steps", "6", *extra, "--out", str(tmp_path / "t.json")]
+    env = {
+        "HPAR_RUN_DIR": str(tmp_path),
+        "HPAR_JOB_ID": "gradsync",
+        "HPAR_METRICS_PORT": "-1",
+        "HPAR_TRACES": "none",
+    }
+    args = [
+        "--dp",
+        "2",
+        "--dp-mode",
+        "ddp",
+        "--compile",
+        "eager",
+        "--steps",
+        "6",
+        *extra,
+        "--out",
+        str(tmp_path / "t.json"),
+    ]
     proc = run_trainer(2, args, env=env, timeout=240)
     assert proc.returncode == 0, (proc.stdout or "")[-2000:] + (proc.stderr or "")[-2000:]
     summaries = [json.loads((tmp_path / f"summary.rank{r}.json").read_text())["components"] for r in (0, 1)]
@@ -41,7 +58,10 @@ def test_ddp_nesting_shows_the_missing_share_at_once(tmp_path: Path) -> None:
         assert 0.5 < gs["coverage"] < 0.95 and gs["coverage_min"] == gs["coverage"], gs  # every step short
         det = comps["detectors"]["GradSyncIncomplete"]
         assert det["fired"] == 1 and det["value"] == pytest.approx(gs["coverage"])
-    assert {a["rank"] for a in alerts if a["alert"] == "GradSyncIncomplete" and a["state"] == "firing"} == {0, 1}
+    assert {a["rank"] for a in alerts if a["alert"] == "GradSyncIncomplete" and a["state"] == "firing"} == {
+        0,
+        1,
+    }
 
 
 def _tp_program(rank: int, port: int, out_dir: str, skip: bool) -> None:
@@ -74,8 +94,15 @@ def _tp_program(rank: int, port: int, out_dir: str, skip: bool) -> None:
     model = Tiny()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    agent = hpar_agent.attach(model, mesh=mesh, metrics_port=-1, traces="none", run_dir=out_dir, job_id="tp-cov",
-                              thresholds={"detectors.exchange_s": 0.0})
+    agent = hpar_agent.attach(
+        model,
+        mesh=mesh,
+        metrics_port=-1,
+        traces="none",
+        run_dir=out_dir,
+        job_id="tp-cov",
+        thresholds={"detectors.exchange_s": 0.0},
+    )
     try:
         data = torch.Generator().manual_seed(0)  # the same batch on both tp ranks
         for _ in range(3):
@@ -101,7 +128,9 @@ def test_tp_coverage_of_replicated_gradients(tmp_path: Path, skip: bool) -> None
     import torch.multiprocessing as mp
 
     port = free_port()
-    mp.start_processes(_tp_program, args=(port, str(tmp_path), skip), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(
+        _tp_program, args=(port, str(tmp_path), skip), nprocs=2, join=True, start_method="fork"
+    )
     for rank in (0, 1):
         gs = json.loads((tmp_path / f"summary.rank{rank}.json").read_text())["components"]["gradsync"]
         assert gs["tp_replicated_elements"] == 8 * 8 + 8 + 8 and gs["tp_judged_steps"] == [1], gs

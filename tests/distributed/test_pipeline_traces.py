@@ -33,9 +33,23 @@ pytestmark = pytest.mark.distributed
 MICROBATCHES = 4
 TRACE_STEPS = 4
 TRACE_ARGS = [
-    "--dp", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", str(MICROBATCHES),
-    "--compile", "none", "--steps", str(TRACE_STEPS), "--log-every", "1",
-]  # fmt: skip
+    "--dp",
+    "1",
+    "--tp",
+    "2",
+    "--pp",
+    "2",
+    "--schedule",
+    "1f1b",
+    "--microbatches",
+    str(MICROBATCHES),
+    "--compile",
+    "none",
+    "--steps",
+    str(TRACE_STEPS),
+    "--log-every",
+    "1",
+]
 DP_STEPS = 6
 DP_ARGS = ["--dp", "2", "--compile", "none", "--steps", str(DP_STEPS), "--log-every", "1"]
 _OTEL_VARS = (
@@ -60,8 +74,12 @@ def background_runs(tmp_path_factory):
         for var in _OTEL_VARS:  # the standard variable alone must route the spans
             mp.delenv(var, raising=False)
         # every step traced and detailed (a faster machine would detail every k-th only): the counts below are per step
-        otel_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.base_endpoint, "HPAR_TRACE_EVERY": "1",
-                    "HPAR_DETAIL_RATE": "0", **no_endpoint}
+        otel_env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.base_endpoint,
+            "HPAR_TRACE_EVERY": "1",
+            "HPAR_DETAIL_RATE": "0",
+            **no_endpoint,
+        }
         runs: dict[str, LiveRun] = {}
         try:
             runs["traces"] = LiveRun(root / "traces", TRACE_ARGS, env=otel_env)
@@ -94,7 +112,9 @@ def _by_step(spans: list[ReceivedSpan]) -> dict[int, list[ReceivedSpan]]:
 
 def test_every_rank_exports_every_step_over_otlp(traces):
     run, spans = traces
-    steps = [(s.resource[cat.ATTR_RANK], s.attributes[cat.ATTR_STEP]) for s in spans if s.name == cat.SPAN_STEP]
+    steps = [
+        (s.resource[cat.ATTR_RANK], s.attributes[cat.ATTR_STEP]) for s in spans if s.name == cat.SPAN_STEP
+    ]
     assert sorted(steps) == [(r, n) for r in range(4) for n in range(TRACE_STEPS)], run.tail()
     for s in spans:
         assert s.resource[cat.ATTR_JOB] == run.run_dir.name
@@ -138,14 +158,19 @@ def test_pipeline_and_collective_spans_are_children_inside_their_step(traces):
         for s in mine:
             if s.name == cat.SPAN_STEP:
                 continue
-            assert s.name in (cat.SPAN_PP_FORWARD, cat.SPAN_PP_BACKWARD, *cat.SPAN_STEP_PHASES.values()) or s.name.startswith(
-                cat.SPAN_COLLECTIVE_PREFIX
-            ), s.name
+            assert s.name in (
+                cat.SPAN_PP_FORWARD,
+                cat.SPAN_PP_BACKWARD,
+                *cat.SPAN_STEP_PHASES.values(),
+            ) or s.name.startswith(cat.SPAN_COLLECTIVE_PREFIX), s.name
             parent = step_spans[s.resource[cat.ATTR_RANK]]
             assert s.parent_span_id == parent.span_id, (step, s.name)
             assert parent.start_ns - SLACK_NS <= s.start_ns <= s.end_ns <= parent.end_ns + SLACK_NS, (
-                step, s.name, s.start_ns - parent.start_ns, parent.end_ns - s.end_ns,
-            )  # fmt: skip
+                step,
+                s.name,
+                s.start_ns - parent.start_ns,
+                parent.end_ns - s.end_ns,
+            )
             seen[s.name] += 1
     per_rank_step = 4 * TRACE_STEPS
     assert seen[cat.SPAN_PP_FORWARD] == per_rank_step * MICROBATCHES
@@ -179,7 +204,8 @@ def test_span_attributes_name_rank_stage_microbatch_and_group(traces):
 def _grad_bytes(args: list[str]) -> int:
     cfg = parse_args(args, world_size=2)
     model = build_model(
-        ModelArgs(vocab=cfg.vocab, dim=cfg.dim, heads=cfg.heads, layers=cfg.layers, seq_len=cfg.seq_len), cfg.seed
+        ModelArgs(vocab=cfg.vocab, dim=cfg.dim, heads=cfg.heads, layers=cfg.layers, seq_len=cfg.seq_len),
+        cfg.seed,
     )
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
@@ -206,10 +232,29 @@ def test_dp_all_reduce_bytes_are_the_gradient_bytes_every_step(background_runs, 
 # ---------------------------------------------------------------------------------------- bubbles
 BUBBLE_STEPS = 5
 BUBBLE_ARGS = [
-    "--dp", "1", "--tp", "1", "--pp", "2", "--microbatches", "2", "--layers", "8", "--dim", "256",
-    "--seq-len", "64", "--global-batch", "32", "--compile", "none", "--steps", str(BUBBLE_STEPS),
-    "--log-every", "1",
-]  # fmt: skip
+    "--dp",
+    "1",
+    "--tp",
+    "1",
+    "--pp",
+    "2",
+    "--microbatches",
+    "2",
+    "--layers",
+    "8",
+    "--dim",
+    "256",
+    "--seq-len",
+    "64",
+    "--global-batch",
+    "32",
+    "--compile",
+    "none",
+    "--steps",
+    str(BUBBLE_STEPS),
+    "--log-every",
+    "1",
+]
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 

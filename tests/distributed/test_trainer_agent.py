@@ -18,10 +18,27 @@ from testkit.live_run import LiveRun
 pytestmark = pytest.mark.distributed
 
 ARGS = [
-    "--dp", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
-    "--compile", "aot_eager", "--steps", "30", "--log-every", "10",
-    "--inject", "recompile-storm", "--inject", "graph-break",
-]  # fmt: skip
+    "--dp",
+    "1",
+    "--tp",
+    "2",
+    "--pp",
+    "2",
+    "--schedule",
+    "1f1b",
+    "--microbatches",
+    "4",
+    "--compile",
+    "aot_eager",
+    "--steps",
+    "30",
+    "--log-every",
+    "10",
+    "--inject",
+    "recompile-storm",
+    "--inject",
+    "graph-break",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +59,9 @@ def _samples(text: str) -> list:
 
 def _value(text: str, name: str, **labels: str) -> float:
     return sum(
-        s.value for s in _samples(text) if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        s.value
+        for s in _samples(text)
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
 
 

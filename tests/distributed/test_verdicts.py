@@ -38,11 +38,22 @@ class Runs:
         if (cause, arm) not in self.done:
             world, _ = CAUSES[cause]
             run_dir = self.base / f"{cause}-{arm.replace(' ', '-')}"
-            head = [sys.executable, str(SCRIPT)] if world == 1 else [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", str(SCRIPT)]
+            head = (
+                [sys.executable, str(SCRIPT)]
+                if world == 1
+                else [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc-per-node={world}",
+                    str(SCRIPT),
+                ]
+            )
             cmd = [*head, cause, "attach"] if arm == "attach" else run_cmd([*head, cause])
-            env = clean_env(run_dir, HPAR_METRICS_PORT="-1", HPAR_DETECTORS="0", HPAR_TRACES="none",
-                            HPAR_DETAIL_RATE="0")  # every step's phases, however fast the machine
+            env = clean_env(
+                run_dir, HPAR_METRICS_PORT="-1", HPAR_DETECTORS="0", HPAR_TRACES="none", HPAR_DETAIL_RATE="0"
+            )  # every step's phases, however fast the machine
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, check=False)
             assert proc.returncode == 0, proc.stderr[-3000:]
             self.done[(cause, arm)] = {r: s["components"]["anatomy"] for r, s in summaries(run_dir).items()}
@@ -65,7 +76,11 @@ def test_the_planted_cause_is_named_the_same_both_ways(runs: Runs, cause: str) -
             found_by = "attach(model)" if arm == "attach" else "wrapper" if world > 1 else "optimizer step"
             assert a["model"]["found_by"] == found_by, (arm, rank, a)
             assert a["verdict"] == expected[rank], (arm, rank, a)
-            assert a["evidence"]["steps"] >= 6, (arm, rank, a)  # ten steps, two of warm-up, judged after the model is known
+            assert a["evidence"]["steps"] >= 6, (
+                arm,
+                rank,
+                a,
+            )  # ten steps, two of warm-up, judged after the model is known
         verdicts[arm] = {r: a["verdict"] for r, a in got.items()}
     assert verdicts["attach"] == verdicts["hpar-agent run"]
 
@@ -75,9 +90,14 @@ def test_the_planted_seconds_are_in_the_named_phase(runs: Runs) -> None:
     work is no data wait: the data wait never exceeds the time spent in the loader."""
     for arm in ARMS:
         slow, host = runs("slow-data", arm)[0], runs("host", arm)[0]
-        assert slow["phase_seconds_p50"]["data_wait"] >= 0.2 and host["phase_seconds_p50"]["host"] >= 0.2, (slow, host)
+        assert slow["phase_seconds_p50"]["data_wait"] >= 0.2 and host["phase_seconds_p50"]["host"] >= 0.2, (
+            slow,
+            host,
+        )
         for a in (slow, host):
             ev = a["evidence"]
             waited = ev["shares"]["data_wait"] * ev["step_seconds_mean"]  # the share is rounded to 1e-4
             assert waited <= ev["loader_seconds_mean"] + 1e-4 * ev["step_seconds_mean"], a
-        assert runs("slow-peer", arm)[0]["phase_seconds_p50"]["comm_exposed"] >= 0.1  # rank 0 waits for rank 1
+        assert (
+            runs("slow-peer", arm)[0]["phase_seconds_p50"]["comm_exposed"] >= 0.1
+        )  # rank 0 waits for rank 1

@@ -35,9 +35,11 @@ def torchrun(script: str, *args: str, launcher: str = "module") -> list[str]:
 
 
 def _assert_every_rank_observed(
-    run_dir: Path, proc: subprocess.CompletedProcess[str] | None = None, backend: str = "gloo",
+    run_dir: Path,
+    proc: subprocess.CompletedProcess[str] | None = None,
+    backend: str = "gloo",
     degrees: dict[str, str] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Both ranks, their rank, world, backend and the degrees the wrapper or mesh built after attach
     says (``degrees``: the summary's topology values)."""
     why = "" if proc is None else proc.stderr[-3000:]
@@ -73,9 +75,13 @@ def test_ddp_under_torchrun_scraped_mid_run(tmp_path: Path) -> None:
     base = free_base_port(2)
     release = tmp_path / "release"
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(run_cmd(torchrun("ddp_train.py", str(STEPS), str(release), launcher="torchrun")),
-                            env=clean_env(run_dir, HPAR_METRICS_PORT=str(base)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        run_cmd(torchrun("ddp_train.py", str(STEPS), str(release), launcher="torchrun")),
+        env=clean_env(run_dir, HPAR_METRICS_PORT=str(base)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 60
         seen: dict[int, dict[str, list[Any]]] = {}
@@ -162,10 +168,17 @@ def test_exit_code_and_disable(tmp_path: Path) -> None:
 def test_sigterm_reaches_the_whole_process_group(tmp_path: Path) -> None:
     """SIGTERM to ``hpar-agent run`` reaches the child and its own children; status 128 + 15."""
     pid_file = tmp_path / "grandchild.pid"
-    code = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
-            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")  # fmt: skip
-    proc = subprocess.Popen(run_cmd([sys.executable, "-c", code]), env=clean_env(tmp_path / "run"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    code = (
+        "import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    proc = subprocess.Popen(
+        run_cmd([sys.executable, "-c", code]),
+        env=clean_env(tmp_path / "run"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 20
         while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:

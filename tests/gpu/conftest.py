@@ -64,9 +64,32 @@ def attached(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
 
 #: The reference trainer on one GPU (inductor, bf16, a small model: ~25 ms steps) with the agent.
-TRAINER = ["--device", "cuda", "--compile", "inductor", "--dtype", "bf16", "--layers", "4", "--dim", "1024",
-           "--heads", "8", "--seq-len", "512", "--global-batch", "8", "--vocab", "8192", "--lr", "3e-4",
-           "--steps", "150", "--log-every", "50"]  # fmt: skip
+TRAINER = [
+    "--device",
+    "cuda",
+    "--compile",
+    "inductor",
+    "--dtype",
+    "bf16",
+    "--layers",
+    "4",
+    "--dim",
+    "1024",
+    "--heads",
+    "8",
+    "--seq-len",
+    "512",
+    "--global-batch",
+    "8",
+    "--vocab",
+    "8192",
+    "--lr",
+    "3e-4",
+    "--steps",
+    "150",
+    "--log-every",
+    "50",
+]
 TRAINER_RUNS = {"clean": [], "slow-data": ["--inject", "slow-data", "--inject-delay", "0.05"]}
 
 
@@ -80,8 +103,14 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for name, extra in TRAINER_RUNS.items():
         run = base / name
-        env = {"HPAR_RUN_DIR": str(run), "HPAR_JOB_ID": f"gpu-{name}", "HPAR_METRICS_PORT": "-1",
-               "HPAR_TRACES": "file", "HPAR_TRACE_EVERY": "1", "HPAR_DETAIL_RATE": "0"}  # fmt: skip
+        env = {
+            "HPAR_RUN_DIR": str(run),
+            "HPAR_JOB_ID": f"gpu-{name}",
+            "HPAR_METRICS_PORT": "-1",
+            "HPAR_TRACES": "file",
+            "HPAR_TRACE_EVERY": "1",
+            "HPAR_DETAIL_RATE": "0",
+        }
         res = run_torchrun(1, [*TRAINER, *extra, "--out", str(run / "trainer.json")], env=env, timeout=600)
         assert res.returncode == 0, (name, res.stderr[-3000:])
         out[name] = run

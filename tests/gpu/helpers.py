@@ -9,8 +9,12 @@ from typing import Any
 
 def sample_sum(agent: Any, sample: str, **labels: str) -> float:
     """Sum of a sample over every series of the agent's registry whose labels include ``labels``."""
-    return sum(s.value for fam in agent.registry.collect() for s in fam.samples
-               if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+    return sum(
+        s.value
+        for fam in agent.registry.collect()
+        for s in fam.samples
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def alert_events(run_dir: str | Path, alert: str, state: str = "firing") -> list[dict[str, Any]]:

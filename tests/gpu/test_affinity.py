@@ -60,7 +60,9 @@ def test_rank_info_binding_matches_sysfs_and_the_affinity(attached: Callable[...
     if sysfs["numa_node"] not in ("", "-1"):  # -1: the platform does not say (common in VMs)
         assert info.get("gpu_numa_node") == sysfs["numa_node"], (info, sysfs)
     assert not alert_events(agent.run_dir, "NumaMisbinding"), "NumaMisbinding fired in an unpinned process"
-    doctor = subprocess.run([sys.executable, "-m", "hpar_agent", "doctor"], capture_output=True, text=True, timeout=120)
+    doctor = subprocess.run(
+        [sys.executable, "-m", "hpar_agent", "doctor"], capture_output=True, text=True, timeout=120
+    )
     assert "GPU ideal CPUs" in doctor.stdout + doctor.stderr, doctor.stdout[-2000:]
 
 
@@ -70,8 +72,14 @@ def test_a_process_pinned_off_the_gpus_cpus_raises_numa_misbinding(tmp_path: Pat
         pytest.skip("sysfs gives no local_cpulist for this GPU")
     off = set(os.sched_getaffinity(0)) - parse_cpu_list(ideal)
     if not off:
-        pytest.skip(f"every CPU of this process ({cpu_list(set(os.sched_getaffinity(0)))}) is ideal for the GPU")
-    res = subprocess.run(["taskset", "-c", cpu_list(off), sys.executable, "-c", PINNED, str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+        pytest.skip(
+            f"every CPU of this process ({cpu_list(set(os.sched_getaffinity(0)))}) is ideal for the GPU"
+        )
+    res = subprocess.run(
+        ["taskset", "-c", cpu_list(off), sys.executable, "-c", PINNED, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert alert_events(tmp_path, "NumaMisbinding"), "NumaMisbinding did not fire off the GPU's ideal CPUs"

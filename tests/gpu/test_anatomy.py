@@ -27,13 +27,29 @@ def test_a_slow_loader_is_input_bound_and_compare_flags_the_run(trainer_runs: di
     slow, clean = anatomy(trainer_runs["slow-data"]), anatomy(trainer_runs["clean"])
     assert slow["verdict"] == "input-bound", slow
     assert slow["phase_seconds_p50"]["data_wait"] >= 0.045, slow  # the injected 50 ms a batch (a sleep)
-    assert slow["phase_seconds_p50"]["data_wait"] - clean["phase_seconds_p50"]["data_wait"] > 0.025, (slow, clean)
-    res = subprocess.run([sys.executable, "-m", "hpar_agent", "compare", str(trainer_runs["clean"]),
-                          str(trainer_runs["slow-data"])], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert slow["phase_seconds_p50"]["data_wait"] - clean["phase_seconds_p50"]["data_wait"] > 0.025, (
+        slow,
+        clean,
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hpar_agent",
+            "compare",
+            str(trainer_runs["clean"]),
+            str(trainer_runs["slow-data"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
 
 
-def test_under_hpar_agent_run_the_verdict_is_the_attached_runs(trainer_runs: dict[str, Path], tmp_path: Path) -> None:
+def test_under_hpar_agent_run_the_verdict_is_the_attached_runs(
+    trainer_runs: dict[str, Path], tmp_path: Path
+) -> None:
     """The clean trainer under ``hpar-agent run`` attaching nothing itself (``--no-agent``): the model is
     found at an optimizer step (the trainer keeps it in a list attribute), its phases are CUDA-event
     phases, and the verdict is the attached clean run's."""
@@ -42,8 +58,19 @@ def test_under_hpar_agent_run_the_verdict_is_the_attached_runs(trainer_runs: dic
     from .conftest import TRAINER
 
     run = tmp_path / "zero-code"
-    cmd = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m",
-                   "hpar_trainer", *TRAINER, "--no-agent"])  # fmt: skip
+    cmd = run_cmd(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            "-m",
+            "hpar_trainer",
+            *TRAINER,
+            "--no-agent",
+        ]
+    )
     env = clean_env(run, HPAR_METRICS_PORT="-1", HPAR_TRACES="none", HPAR_DETAIL_RATE="0")
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -38,13 +38,18 @@ def nccl_entries() -> list[dict[str, Any]]:
 
 def device_us(prof: Any) -> float | None:
     """Device time of the op's own work in a profile (kernels, else copies), µs in total."""
-    events = [(e.name, float(e.time_range.elapsed_us())) for e in prof.events()
-              if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
+    events = [
+        (e.name, float(e.time_range.elapsed_us()))
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
     work = [us for n, us in events if COMM_KERNEL.search(n)] or [us for n, us in events if COPY.search(n)]
     return sum(work) if work else None
 
 
-@pytest.mark.parametrize(("op", "reduce"), [("all_reduce", "sum"), ("all_reduce", "avg"), ("all_gather", None)])
+@pytest.mark.parametrize(
+    ("op", "reduce"), [("all_reduce", "sum"), ("all_reduce", "avg"), ("all_gather", None)]
+)
 def test_every_collective_is_timed_and_agrees_with_the_profiler(
     nccl_group: torch.device, attached: Callable[..., Any], op: str, reduce: str | None
 ) -> None:
@@ -64,8 +69,9 @@ def test_every_collective_is_timed_and_agrees_with_the_profiler(
         agent.tick()  # whatever the recorder held before is read now, not counted below
         before = sample_sum(agent, "hpar_collective_duration_seconds_count", op=op)
         collective()  # warm-up, outside the profile
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
             for _ in range(REPS):
                 collective()
             torch.cuda.synchronize()
@@ -75,11 +81,15 @@ def test_every_collective_is_timed_and_agrees_with_the_profiler(
             entries = [e for e in nccl_entries() if e["record_id"] > last_id]
             timed = [e for e in entries if e.get("duration_ms") is not None]
             counted = sample_sum(agent, "hpar_collective_duration_seconds_count", op=op) - before
-            if (len(timed) == len(entries) == REPS + 1 and counted >= REPS + 1) or time.monotonic() > deadline:
+            if (
+                len(timed) == len(entries) == REPS + 1 and counted >= REPS + 1
+            ) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         assert len(entries) == REPS + 1, (nbytes, [e.get("profiling_name") for e in entries])
-        assert len(timed) == len(entries), f"{op} {nbytes}: {len(timed)}/{len(entries)} flight-recorder entries timed"
+        assert len(timed) == len(entries), (
+            f"{op} {nbytes}: {len(timed)}/{len(entries)} flight-recorder entries timed"
+        )
         assert counted == REPS + 1, f"{op} {nbytes}: the agent timed {counted} of {REPS + 1}"
         last_id = max(e["record_id"] for e in entries)
         work_us = device_us(prof)

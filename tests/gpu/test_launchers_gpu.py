@@ -31,15 +31,47 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 PROGRAMS = Path(__file__).resolve().parents[1] / "compat" / "programs"
 REPO = Path(__file__).resolve().parents[2]
-OWN_LINES = ("hpar-agent run: ", "  ranks observed: ", "  not observed: ", "  rank ", "hpar_agent: ", "hpar-agent: ")
-NANOGPT = [sys.executable, str(PROGRAMS / "nanogpt.py"), "--device", "cuda", "--steps", "200", "--eval-every", "50"]
+OWN_LINES = (
+    "hpar-agent run: ",
+    "  ranks observed: ",
+    "  not observed: ",
+    "  rank ",
+    "hpar_agent: ",
+    "hpar-agent: ",
+)
+NANOGPT = [
+    sys.executable,
+    str(PROGRAMS / "nanogpt.py"),
+    "--device",
+    "cuda",
+    "--steps",
+    "200",
+    "--eval-every",
+    "50",
+]
 SPECS = {
-    "hf_trainer_inductor": Spec([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                                 str(PROGRAMS / "hf_trainer.py"), "--device", "cuda", "--steps", "20",
-                                 "--compile", "inductor"], world=1, needs="transformers", compile_backend="inductor"),
+    "hf_trainer_inductor": Spec(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            str(PROGRAMS / "hf_trainer.py"),
+            "--device",
+            "cuda",
+            "--steps",
+            "20",
+            "--compile",
+            "inductor",
+        ],
+        world=1,
+        needs="transformers",
+        compile_backend="inductor",
+    ),
     "nanogpt_clean": Spec(NANOGPT, world=1),
     "nanogpt_leak": Spec([*NANOGPT, "--leak-mib", "16"], world=1, faults={0: "MemoryLeak"}),
-}  # fmt: skip
+}
 #: Memory sources on the device (a held CUDA tensor leaves the host RSS alone).
 DEVICE_SOURCES = {"allocator", "reserved", "nvml"}
 
@@ -58,10 +90,11 @@ def gpu_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GpuRun]:
 def _record(done: dict[str, Run | BaseException]) -> dict[str, Any]:
     """What each run showed, with the machine (the docs' table)."""
     rec: dict[str, Any] = {
-        "torch": torch.__version__, "python": platform.python_version(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "",
         "runs": {},
-    }  # fmt: skip
+    }
     for name, run in done.items():
         if isinstance(run, BaseException):
             rec["runs"][name] = {"error": f"{type(run).__name__}: {run}"[:2000]}
@@ -69,12 +102,18 @@ def _record(done: dict[str, Run | BaseException]) -> dict[str, Any]:
         s = run.summaries().get(0, {})
         comp = s.get("components", {})
         rec["runs"][name] = {
-            "seconds": round(run.seconds, 1), "topology": s.get("topology"),
-            "attached_at": comp.get("zerocode", {}).get("attached_at"), "steps": comp.get("steps", {}).get("steps"),
-            "result": run.results().get(0), "compile": {k: comp.get("compile", {}).get(k) for k in
-                                                         ("graphs", "graphs_compiled", "backends", "compiles")},
-            "alerts": sorted(run.alerts().get(0, set())), "errors": s.get("errors"),
-        }  # fmt: skip
+            "seconds": round(run.seconds, 1),
+            "topology": s.get("topology"),
+            "attached_at": comp.get("zerocode", {}).get("attached_at"),
+            "steps": comp.get("steps", {}).get("steps"),
+            "result": run.results().get(0),
+            "compile": {
+                k: comp.get("compile", {}).get(k)
+                for k in ("graphs", "graphs_compiled", "backends", "compiles")
+            },
+            "alerts": sorted(run.alerts().get(0, set())),
+            "errors": s.get("errors"),
+        }
     return rec
 
 
@@ -125,7 +164,9 @@ def test_no_alert_but_the_planted_leak(gpu_run: GpuRun, name: str) -> None:
     assert run.spec.faults[0] in alerts, alerts
     from hpar_agent.tools.diagnose import read_alerts
 
-    sources = {a.get("details", {}).get("source") for a in read_alerts(run.run_dir) if a["alert"] == "MemoryLeak"}
+    sources = {
+        a.get("details", {}).get("source") for a in read_alerts(run.run_dir) if a["alert"] == "MemoryLeak"
+    }
     assert sources & DEVICE_SOURCES, sources
 
 

@@ -21,12 +21,31 @@ from hpar_trainer.launch import run_torchrun
 from tests.gpu.helpers import alert_events, sample_sum
 
 MiB = 1 << 20
-GPU_SERIES = ("hpar_gpu_memory_used_bytes", "hpar_gpu_memory_total_bytes", "hpar_gpu_process_memory_bytes",
-              "hpar_gpu_utilization_ratio", "hpar_gpu_power_watts", "hpar_gpu_temperature_celsius",
-              "hpar_gpu_clock_hertz")  # fmt: skip
+GPU_SERIES = (
+    "hpar_gpu_memory_used_bytes",
+    "hpar_gpu_memory_total_bytes",
+    "hpar_gpu_process_memory_bytes",
+    "hpar_gpu_utilization_ratio",
+    "hpar_gpu_power_watts",
+    "hpar_gpu_temperature_celsius",
+    "hpar_gpu_clock_hertz",
+)
 #: A training step's pace in the in-process leak (the agent samples the allocator at most every 50 ms).
 STEP_S = 0.06
-SMALL = ["--layers", "2", "--dim", "64", "--heads", "4", "--seq-len", "32", "--global-batch", "8", "--device", "cuda"]
+SMALL = [
+    "--layers",
+    "2",
+    "--dim",
+    "64",
+    "--heads",
+    "4",
+    "--seq-len",
+    "32",
+    "--global-batch",
+    "8",
+    "--device",
+    "cuda",
+]
 
 
 def snapshot_sites(paths: list[str], pattern: str) -> dict[str, int]:
@@ -48,8 +67,13 @@ def test_nvml_series_are_real_and_served(attached: Callable[..., Any]) -> None:
     agent = attached(metrics_port=0, metrics_addr="127.0.0.1", traces="none", interval=3600.0)
     agent.tick()
     values = {n: sample_sum(agent, n) for n in GPU_SERIES}
-    for name in ("hpar_gpu_memory_used_bytes", "hpar_gpu_memory_total_bytes", "hpar_gpu_process_memory_bytes",
-                 "hpar_gpu_power_watts", "hpar_gpu_clock_hertz"):  # fmt: skip
+    for name in (
+        "hpar_gpu_memory_used_bytes",
+        "hpar_gpu_memory_total_bytes",
+        "hpar_gpu_process_memory_bytes",
+        "hpar_gpu_power_watts",
+        "hpar_gpu_clock_hertz",
+    ):
         assert values[name] > 0, (name, values)
     assert values["hpar_gpu_process_memory_bytes"] >= held.numel() * 4
     assert agent.metrics_url
@@ -90,12 +114,22 @@ def test_held_cuda_memory_fires_memory_leak_naming_the_site(attached: Callable[.
 @pytest.mark.parametrize("inject", ["tensor-leak", "compile-leak"])
 def test_the_trainers_injected_leak_fires_naming_the_inject_site(tmp_path: Path, inject: str) -> None:
     run = tmp_path / inject
-    env = {"HPAR_RUN_DIR": str(run), "HPAR_TRACES": "none", "HPAR_METRICS_PORT": "0", "HPAR_INTERVAL": "0.2",
-           "HPAR_JOB_ID": f"gpu-{inject}"}  # fmt: skip
-    res = run_torchrun(1, [*SMALL, "--steps", "150", "--inject", inject, "--inject-rank", "0", "--log-every", "1000"],
-                       env=env, timeout=300)  # fmt: skip
+    env = {
+        "HPAR_RUN_DIR": str(run),
+        "HPAR_TRACES": "none",
+        "HPAR_METRICS_PORT": "0",
+        "HPAR_INTERVAL": "0.2",
+        "HPAR_JOB_ID": f"gpu-{inject}",
+    }
+    res = run_torchrun(
+        1,
+        [*SMALL, "--steps", "150", "--inject", inject, "--inject-rank", "0", "--log-every", "1000"],
+        env=env,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     firing = alert_events(run, "MemoryLeak")
     assert firing, f"{inject}: MemoryLeak did not fire"
     assert snapshot_sites([p for e in firing for p in e.get("evidence", [])], r"inject\.py"), (
-        f"{inject}: the allocator snapshot does not name the trainer's inject module")
+        f"{inject}: the allocator snapshot does not name the trainer's inject module"
+    )

@@ -33,36 +33,82 @@ pytestmark = pytest.mark.gpus(2)
 HERE = Path(__file__).resolve().parent
 NGPU = max(2, torch.cuda.device_count())
 HALF = str(max(1, NGPU // 2))
-MODEL = ["--compile", "inductor", "--dtype", "bf16", "--layers", "4", "--dim", "1024", "--heads", "8",
-         "--seq-len", "512", "--global-batch", "16", "--vocab", "8192", "--log-every", "10", "--device", "cuda"]  # fmt: skip
+MODEL = [
+    "--compile",
+    "inductor",
+    "--dtype",
+    "bf16",
+    "--layers",
+    "4",
+    "--dim",
+    "1024",
+    "--heads",
+    "8",
+    "--seq-len",
+    "512",
+    "--global-batch",
+    "16",
+    "--vocab",
+    "8192",
+    "--log-every",
+    "10",
+    "--device",
+    "cuda",
+]
 STEPS, SCRAPE_AT, TIMEOUT = 300, 200, 240.0
 LINK_GBS = float(os.environ.get("HPAR_TEST_LINK_GBS", "450"))  # per-direction NVLink of an H100/H200
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LAYOUTS = {
     "pp_1f1b": ["--dp", HALF, "--pp", "2", "--schedule", "1f1b", "--microbatches", "8"],
-    "pp_interleaved": ["--dp", HALF, "--pp", "2", "--schedule", "interleaved-1f1b", "--stages-per-rank", "2",
-                       "--microbatches", "8"],
+    "pp_interleaved": [
+        "--dp",
+        HALF,
+        "--pp",
+        "2",
+        "--schedule",
+        "interleaved-1f1b",
+        "--stages-per-rank",
+        "2",
+        "--microbatches",
+        "8",
+    ],
     "dp_ddp": ["--dp", str(NGPU), "--dp-mode", "ddp"],
     "dp_replicate": ["--dp", str(NGPU), "--dp-mode", "replicate"],
     "tp": ["--dp", HALF, "--tp", "2"],
     "fsdp": ["--dp", str(NGPU), "--dp-mode", "fsdp", "--mp-param-dtype", "bf16", "--mp-reduce-dtype", "bf16"],
     # a checkpoint-like 10 s pause of rank 0 and the last rank starting 10 s late: still no alert
-    "pause_late": ["--dp", str(NGPU), "--dp-mode", "ddp", "--pause-at", "150", "--pause-seconds", "10",
-                   "--start-delay-rank", str(NGPU - 1), "--start-delay", "10"],
-}  # fmt: skip
+    "pause_late": [
+        "--dp",
+        str(NGPU),
+        "--dp-mode",
+        "ddp",
+        "--pause-at",
+        "150",
+        "--pause-seconds",
+        "10",
+        "--start-delay-rank",
+        str(NGPU - 1),
+        "--start-delay",
+        "10",
+    ],
+}
 
 
 def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return [(s.name, dict(s.labels), s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+    return [
+        (s.name, dict(s.labels), s.value) for f in text_string_to_metric_families(text) for s in f.samples
+    ]
 
 
 def torchrun(target: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[Any]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NGPU}", *target]
     full = {**os.environ, **NCCL_ENV, "PYTHONUNBUFFERED": "1", **env}
     full.pop("TORCH_NCCL_ENABLE_TIMING", None)  # timing must come from the agent
-    return subprocess.Popen(cmd, env=full, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=full, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def finish(proc: subprocess.Popen[Any], deadline: float) -> int:
@@ -103,8 +149,10 @@ def problems(name: str, args: list[str], run: Path, scrapes: dict[int, list[Any]
         info = next((lab for n, lab, _ in samples if n == "hpar_rank_info"), {})
         if info.get("device") != f"cuda:{info.get('local_rank', r)}":
             probs.append(f"rank {r}: device {info.get('device')}")
-        values = {(n, tuple(sorted((k, v) for k, v in lab.items() if k not in ("rank", "pp_stage")))): v
-                  for n, lab, v in samples}  # fmt: skip
+        values = {
+            (n, tuple(sorted((k, v) for k, v in lab.items() if k not in ("rank", "pp_stage")))): v
+            for n, lab, v in samples
+        }
         if not values.get(("hpar_allocator_bytes", (("kind", "allocated"),))):
             probs.append(f"rank {r}: hpar_allocator_bytes allocated is 0 or missing")
         if not values.get(("hpar_gpu_process_memory_bytes", ())):
@@ -122,7 +170,11 @@ def problems(name: str, args: list[str], run: Path, scrapes: dict[int, list[Any]
                 busbw = max(busbw, v)
             elif n == "hpar_collective_bytes_total" and lab["pg"] == "pp":
                 pp_bytes[lab["op"]] = pp_bytes.get(lab["op"], 0) + v
-        probs += [f"rank {r}: group {pg} has no durations" for pg in sorted(groups) if not durations.get(pg) or not timed.get(pg)]
+        probs += [
+            f"rank {r}: group {pg} has no durations"
+            for pg in sorted(groups)
+            if not durations.get(pg) or not timed.get(pg)
+        ]
     if busbw > LINK_GBS * 1e9:
         probs.append(f"bus bandwidth {busbw / 1e9:.0f} GB/s above the link's {LINK_GBS:.0f}")
     if "--pp" in args:
@@ -130,8 +182,12 @@ def problems(name: str, args: list[str], run: Path, scrapes: dict[int, list[Any]
             probs.append(f"p2p not pp/send + pp/recv with bytes: {pp_bytes}")
         if bad_ops:
             probs.append(f"ops not decoded: {sorted(bad_ops)}")
-        peers = [s for s in spans(run) if s["name"] in ("collective.send", "collective.recv")
-                 and any(kv["key"] == "collective.peer" for kv in s.get("attributes", []))]  # fmt: skip
+        peers = [
+            s
+            for s in spans(run)
+            if s["name"] in ("collective.send", "collective.recv")
+            and any(kv["key"] == "collective.peer" for kv in s.get("attributes", []))
+        ]
         if not peers:
             probs.append("no collective.send/recv span names its peer")
     return probs + [f"alerts in a clean run: {a}" for a in fired(run)]
@@ -140,11 +196,20 @@ def problems(name: str, args: list[str], run: Path, scrapes: dict[int, list[Any]
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_every_series_of_every_rank_is_true(name: str, tmp_path: Path) -> None:
     args, base = LAYOUTS[name], 19470
-    env = {"HPAR_RUN_DIR": str(tmp_path), "HPAR_JOB_ID": f"gpu-{name}", "HPAR_METRICS_PORT": str(base),
-           "HPAR_METRICS_PORT_FALLBACK": "0", "HPAR_METRICS_ADDR": "127.0.0.1", "HPAR_TRACE_EVERY": "5"}  # fmt: skip
+    env = {
+        "HPAR_RUN_DIR": str(tmp_path),
+        "HPAR_JOB_ID": f"gpu-{name}",
+        "HPAR_METRICS_PORT": str(base),
+        "HPAR_METRICS_PORT_FALLBACK": "0",
+        "HPAR_METRICS_ADDR": "127.0.0.1",
+        "HPAR_TRACE_EVERY": "5",
+    }
     deadline = time.time() + TIMEOUT
-    proc = torchrun(["-m", "hpar_trainer", *args, *MODEL, "--steps", str(STEPS), "--out", str(tmp_path / "trainer.json")],
-                    env, tmp_path / "torchrun.log")  # fmt: skip
+    proc = torchrun(
+        ["-m", "hpar_trainer", *args, *MODEL, "--steps", str(STEPS), "--out", str(tmp_path / "trainer.json")],
+        env,
+        tmp_path / "torchrun.log",
+    )
     scrapes = {}
     for r in range(NGPU):
         text = scrape_when(f"http://127.0.0.1:{base + r}/metrics", SCRAPE_AT, proc, deadline)
@@ -163,8 +228,17 @@ def test_a_users_ddp_program_reads_each_ranks_own_memory(tmp_path: Path) -> None
     for r, d in enumerate(ranks):
         s = d["scrape"]
         agent_alloc = s.get('hpar_allocator_bytes{kind="allocated"}')
-        assert agent_alloc == pytest.approx(d["allocated_in_rank"], rel=0.01), (r, agent_alloc, d["allocated_in_rank"])
+        assert agent_alloc == pytest.approx(d["allocated_in_rank"], rel=0.01), (
+            r,
+            agent_alloc,
+            d["allocated_in_rank"],
+        )
         assert sum(v for k, v in s.items() if k.startswith("hpar_collective_duration_seconds_count")) > 0, r
-    extra = ranks[-1]["scrape"]["hpar_gpu_process_memory_bytes{}"] - ranks[0]["scrape"]["hpar_gpu_process_memory_bytes{}"]
-    assert extra >= 0.9 * (1 << 30), f"NVML process memory of the last rank over the first: {extra} B, expected ~1 GiB"
+    extra = (
+        ranks[-1]["scrape"]["hpar_gpu_process_memory_bytes{}"]
+        - ranks[0]["scrape"]["hpar_gpu_process_memory_bytes{}"]
+    )
+    assert extra >= 0.9 * (1 << 30), (
+        f"NVML process memory of the last rank over the first: {extra} B, expected ~1 GiB"
+    )
     assert fired(tmp_path) == []

@@ -68,8 +68,12 @@ def figures() -> Iterator[None]:
     yield
     out = os.environ.get("OUT")
     if out and FIGURES:
-        FIGURES.update(torch=torch.__version__, python=platform.python_version(),
-                       gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d"))  # fmt: skip
+        FIGURES.update(
+            torch=torch.__version__,
+            python=platform.python_version(),
+            gpu=torch.cuda.get_device_name(0),
+            date=time.strftime("%Y-%m-%d"),
+        )
         Path(out, "gpu-oom.json").write_text(json.dumps(FIGURES, indent=1, default=str))
 
 
@@ -79,14 +83,21 @@ def test_a_batch_far_too_large_under_hpar_agent_run(tmp_path: Path) -> None:
     batch = _far_too_large()
     run = tmp_path / "run"
     t0 = time.monotonic()
-    proc = hpar_run(run, [sys.executable, str(NANOGPT), "--device", "cuda", "--steps", "3", "--batch", str(batch)],
-                    timeout=240, HPAR_METRICS_PORT="-1", HPAR_TRACES="none")  # fmt: skip
+    proc = hpar_run(
+        run,
+        [sys.executable, str(NANOGPT), "--device", "cuda", "--steps", "3", "--batch", str(batch)],
+        timeout=240,
+        HPAR_METRICS_PORT="-1",
+        HPAR_TRACES="none",
+    )
     seconds = time.monotonic() - t0
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "torch.OutOfMemoryError: CUDA out of memory" in proc.stderr  # the user's traceback, as without us
     line = next(x for x in proc.stderr.splitlines() if x.startswith("  rank 0: "))
-    assert line.startswith(f"  rank 0: died of CUDA out of memory after 0 completed steps at nanogpt.py:"
-                           f"{_line('x = self.tok(idx)')} in forward"), line  # fmt: skip
+    assert line.startswith(
+        f"  rank 0: died of CUDA out of memory after 0 completed steps at nanogpt.py:"
+        f"{_line('x = self.tok(idx)')} in forward"
+    ), line
     summary = json.loads((run / "summary.rank0.json").read_text())
     assert summary["components"]["zerocode"]["attached_at"] == "CUDA out of memory"
     rec = summary["components"]["oom"]["record"]
@@ -100,8 +111,13 @@ def test_a_batch_far_too_large_under_hpar_agent_run(tmp_path: Path) -> None:
     assert rec["snapshot"]["allocated_bytes"] >= params + 2 * batch * SEQ * 8
     assert line.endswith(next(p for p in rec["evidence"] if p.endswith(".oom.json")))
     _private(rec["evidence"])
-    FIGURES["first_step_under_run"] = {"batch": batch, "seconds": round(seconds, 1), "closing_line": line,
-                                       "message": rec["message"], "owners": owners["bytes_by_kind"]}  # fmt: skip
+    FIGURES["first_step_under_run"] = {
+        "batch": batch,
+        "seconds": round(seconds, 1),
+        "closing_line": line,
+        "message": rec["message"],
+        "owners": owners["bytes_by_kind"],
+    }
 
 
 def test_a_batch_far_too_large_is_recorded_once_with_its_owners(attached: Callable[..., Any]) -> None:
@@ -136,19 +152,28 @@ def test_a_batch_far_too_large_is_recorded_once_with_its_owners(attached: Callab
     assert all(t["name"] in named and t["bytes"] == named[t["name"]] for t in owners["largest"])
     assert owners["bytes_by_kind"]["other"] >= batch * SEQ * 8  # the batch
     assert any(b["owner"].startswith("parameter ") for b in rec["snapshot"]["largest_blocks"])
-    assert sorted(p.rsplit(".", 2)[-2] for p in rec["evidence"] if not p.endswith(("pyspy.txt", "pyspy.json"))) == [
-        "allocator", "oom"]  # fmt: skip
+    assert sorted(
+        p.rsplit(".", 2)[-2] for p in rec["evidence"] if not p.endswith(("pyspy.txt", "pyspy.json"))
+    ) == ["allocator", "oom"]
     _private(rec["evidence"])
-    assert len(os.listdir(Path(agent.run_dir) / "evidence")) == len(rec["evidence"])  # the second wrote nothing
+    assert len(os.listdir(Path(agent.run_dir) / "evidence")) == len(
+        rec["evidence"]
+    )  # the second wrote nothing
     headroom = sample_sum(agent, "hpar_gpu_memory_headroom_bytes")
     assert 0 < headroom <= torch.cuda.mem_get_info(0)[1]
     line = oom_line(agent.summary())
     assert line is not None and line.startswith(
-        "  rank 0: ran out of CUDA memory 2 time(s) and went on; the first after 0 completed steps at nanogpt.py:")
+        "  rank 0: ran out of CUDA memory 2 time(s) and went on; the first after 0 completed steps at nanogpt.py:"
+    )
     assert not agent.errors, dict(agent.errors)
-    FIGURES["first_step_in_process"] = {"batch": batch, "first_oom_s": round(took[0], 3), "second_oom_s": round(took[1], 4),
-                                        "closing_line": line, "requested_bytes": rec["requested_bytes"],
-                                        "owners": owners["bytes_by_kind"]}  # fmt: skip
+    FIGURES["first_step_in_process"] = {
+        "batch": batch,
+        "first_oom_s": round(took[0], 3),
+        "second_oom_s": round(took[1], 4),
+        "closing_line": line,
+        "requested_bytes": rec["requested_bytes"],
+        "owners": owners["bytes_by_kind"],
+    }
 
 
 def _keep(kept: list[torch.Tensor], nbytes: int) -> None:
@@ -200,6 +225,12 @@ def test_memory_growing_every_step_ooms_late(attached: Callable[..., Any]) -> No
     line = oom_line(agent.summary())
     assert line is not None and f"after {oom_step} completed steps at {rec['site']}" in line
     assert not agent.errors, dict(agent.errors)
-    FIGURES["late"] = {"leak_bytes_per_step": leak, "oom_after_steps": oom_step, "forecast": details["forecast"],
-                       "fired_at_step": firing[0]["step"], "closing_line": line,
-                       "headroom_first_last": [seen[0], seen[-1]], "site_bytes": by_site.get(rec["site"])}  # fmt: skip
+    FIGURES["late"] = {
+        "leak_bytes_per_step": leak,
+        "oom_after_steps": oom_step,
+        "forecast": details["forecast"],
+        "fired_at_step": firing[0]["step"],
+        "closing_line": line,
+        "headroom_first_last": [seen[0], seen[-1]],
+        "site_bytes": by_site.get(rec["site"]),
+    }

@@ -22,9 +22,12 @@ def test_chunk_spans_carry_the_stream_they_ran_on(
 ) -> None:
     monkeypatch.setenv("HPAR_DETAIL_RATE", "0")  # every step's chunks, however fast the steps
     device = nccl_group
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)).to(device)
-    sched = ScheduleGPipe(PipelineStage(model, 0, 1, device), n_microbatches=2,
-                          loss_fn=lambda out, y: (out - y).square().mean())  # fmt: skip
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)).to(
+        device
+    )
+    sched = ScheduleGPipe(
+        PipelineStage(model, 0, 1, device), n_microbatches=2, loss_fn=lambda out, y: (out - y).square().mean()
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     agent = attached(model, optimizer=opt, metrics_port=-1, traces="file", trace_every=1, interval=0.2)
     agent.watch_pipeline(schedule=sched)

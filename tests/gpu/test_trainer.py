@@ -23,7 +23,9 @@ def test_the_trainer_trains_on_a_gpu_and_the_agent_sees_every_step(trainer_runs:
     assert summary["topology"]["device"] == "cuda:0"
     comps = summary["components"]
     assert comps["steps"]["steps"] == steps
-    assert "inductor" in comps["compile"]["backends"] and comps["compile"]["graphs_compiled"] > 0, comps["compile"]
+    assert "inductor" in comps["compile"]["backends"] and comps["compile"]["graphs_compiled"] > 0, comps[
+        "compile"
+    ]
     assert len(spans(run, "train.step")) >= 0.9 * steps  # every step traced (HPAR_TRACE_EVERY=1)
     events = [json.loads(line) for line in (run / "events.rank0.jsonl").read_text().splitlines()]
     assert not [e for e in events if e.get("kind") == "alert" and e.get("state") == "firing"]

@@ -68,8 +68,13 @@ DOMAIN: dict[str, tuple[str, ...]] = {
 }
 BUCKETS = (0.01, 0.1, 1.0)
 #: 0/1 state gauges (the simulator keeps 0 and 1 as they are).
-FLAGS = {"hpar_alert_active", "hpar_step_bottleneck", "hpar_gpu_throttle_active", "hpar_agent_component_up",
-         "hpar_alert_culprit"}
+FLAGS = {
+    "hpar_alert_active",
+    "hpar_step_bottleneck",
+    "hpar_gpu_throttle_active",
+    "hpar_agent_component_up",
+    "hpar_alert_culprit",
+}
 #: worst/best-N panels whose order follows the rank here (values grow with it): they must pick the
 #: highest (worst-N) or lowest (best-N) ranks. Elsewhere ranks tie, or a bare rate() (its scrape-timing
 #: noise is larger than one rank's step) decides: any $topn of them will do.
@@ -98,8 +103,13 @@ def exposition(rank: int) -> str:
     for spec in cat.METRICS:
         if spec.type == "info":
             info = {k: "0" for k in cat.INFO_LABELS}
-            info.update(job_id=job_id(rank), host=f"node{rank // 8}", local_rank=str(rank % 8),
-                        gpu_index=str(rank % 8), gpu_uuid=GPU_UUID.format(rank))  # fmt: skip
+            info.update(
+                job_id=job_id(rank),
+                host=f"node{rank // 8}",
+                local_rank=str(rank % 8),
+                gpu_index=str(rank % 8),
+                gpu_uuid=GPU_UUID.format(rank),
+            )
             fams.append(f.info(spec.name, info))
             continue
         fam = getattr(f, spec.type)(spec.name)
@@ -137,10 +147,23 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromStack]:
     for _attempt in range(5):  # a port of the range can be taken between the check and the bind
         base = free_base_port(RANKS)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "testkit.metrics_sim", "--base", str(base),
-             "--targets", str(RANKS), "--interval", "1", "--scrapes", *files],
-            stdout=subprocess.PIPE, text=True, cwd=ROOT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "testkit.metrics_sim",
+                "--base",
+                str(base),
+                "--targets",
+                str(RANKS),
+                "--interval",
+                "1",
+                "--scrapes",
+                *files,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
         assert proc.stdout is not None
         if proc.stdout.readline().strip() == "ready":
             break

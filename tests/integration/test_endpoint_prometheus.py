@@ -31,16 +31,22 @@ def _jobs(pki: PKI, pw_file: Path, wrong_file: Path) -> dict[str, dict[str, Any]
     client = {**ca, "cert_file": pki.client.cert, "key_file": pki.client.key}
     rogue = {**ca, "cert_file": pki.rogue_client.cert, "key_file": pki.rogue_client.key}
     return {
-        "basic-auth": {"scheme": "https", "tls_config": ca,
-                       "basic_auth": {"username": "prom", "password_file": str(pw_file)}},
-        "basic-auth-wrong": {"scheme": "https", "tls_config": ca,
-                             "basic_auth": {"username": "prom", "password_file": str(wrong_file)}},
+        "basic-auth": {
+            "scheme": "https",
+            "tls_config": ca,
+            "basic_auth": {"username": "prom", "password_file": str(pw_file)},
+        },
+        "basic-auth-wrong": {
+            "scheme": "https",
+            "tls_config": ca,
+            "basic_auth": {"username": "prom", "password_file": str(wrong_file)},
+        },
         "basic-auth-none": {"scheme": "https", "tls_config": ca},
         "mtls": {"scheme": "https", "tls_config": client},
         "mtls-rogue": {"scheme": "https", "tls_config": rogue},
         "mtls-none": {"scheme": "https", "tls_config": ca},
         "plain-http": {"scheme": "http"},
-    }  # fmt: skip
+    }
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +68,13 @@ def setup(tmp_path_factory):
 def _attach(work: Path, web_config: str) -> Any:
     path = work / "web.yml"
     path.write_text(web_config)
-    agent = hpar_agent.attach(metrics_port=0, metrics_addr="127.0.0.1", traces="none", run_dir=str(work / "run"),
-                              web_config=str(path))  # fmt: skip
+    agent = hpar_agent.attach(
+        metrics_port=0,
+        metrics_addr="127.0.0.1",
+        traces="none",
+        run_dir=str(work / "run"),
+        web_config=str(path),
+    )
     assert agent.metrics_url is not None and agent.metrics_url.startswith("https://")
     return agent
 
@@ -85,7 +96,9 @@ def _check(stack: PromStack, address: str, good: str, bad: dict[str, str]) -> No
     for job in jobs:
         stack.set_targets(job, [address])
     try:
-        wait_for(lambda: stack.query(f'hpar_rank_info{{job="{good}"}}'), 60, f"hpar_rank_info from job {good}")
+        wait_for(
+            lambda: stack.query(f'hpar_rank_info{{job="{good}"}}'), 60, f"hpar_rank_info from job {good}"
+        )
         targets = _scraped(stack, jobs)
         assert targets[good]["health"] == "up", targets[good]
         for job, why in bad.items():
@@ -99,20 +112,30 @@ def _check(stack: PromStack, address: str, good: str, bad: dict[str, str]) -> No
 
 def test_prometheus_scrapes_with_basic_auth_and_fails_without(setup):
     stack, pki, hashed, work = setup
-    agent = _attach(work, f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.server.key}\n"
-                          f"basic_auth_users:\n  prom: '{hashed}'\n")  # fmt: skip
+    agent = _attach(
+        work,
+        f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.server.key}\n"
+        f"basic_auth_users:\n  prom: '{hashed}'\n",
+    )
     try:
         address = agent.metrics_url.split("//", 1)[1].split("/")[0]
-        _check(stack, address, "basic-auth", {"basic-auth-wrong": "401", "basic-auth-none": "401",
-                                               "plain-http": ""})  # fmt: skip
+        _check(
+            stack,
+            address,
+            "basic-auth",
+            {"basic-auth-wrong": "401", "basic-auth-none": "401", "plain-http": ""},
+        )
     finally:
         hpar_agent.detach()
 
 
 def test_prometheus_scrapes_with_client_certificates_and_fails_without(setup):
     stack, pki, _, work = setup
-    agent = _attach(work, f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.server.key}\n"
-                          f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca}\n")  # fmt: skip
+    agent = _attach(
+        work,
+        f"tls_server_config:\n  cert_file: {pki.server.cert}\n  key_file: {pki.server.key}\n"
+        f"  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {pki.ca}\n",
+    )
     try:
         address = agent.metrics_url.split("//", 1)[1].split("/")[0]
         # the handshake fails: Go reports a closed connection rather than a TLS alert, so no error text is

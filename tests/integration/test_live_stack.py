@@ -41,12 +41,39 @@ COMPILE_ALERTS = ("GraphBreaks", "RecompileStorm")  # injected on every rank
 EVERY_RANK = {"0", "1", "2", "3"}
 LEAK_RANK, LEAK_STAGE = 3, 1  # mesh (dp, pp, tp) = (1, 2, 2): rank 3 is stage 1
 SHAPE = [
-    "--dp", "1", "--tp", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
-    "--layers", "2", "--compile", "aot_eager", "--log-every", "10", "--peak-tflops", "0.05",
-]  # fmt: skip
+    "--dp",
+    "1",
+    "--tp",
+    "2",
+    "--pp",
+    "2",
+    "--schedule",
+    "1f1b",
+    "--microbatches",
+    "4",
+    "--layers",
+    "2",
+    "--compile",
+    "aot_eager",
+    "--log-every",
+    "10",
+    "--peak-tflops",
+    "0.05",
+]
 # The leak run has far more steps than it needs: it is stopped once the alert reached the webhook.
-LEAK_ARGS = [*SHAPE, "--steps", "1000", "--inject", "tensor-leak", "--inject", "graph-break",
-             "--inject", "recompile-storm", "--inject-rank", str(LEAK_RANK)]  # fmt: skip
+LEAK_ARGS = [
+    *SHAPE,
+    "--steps",
+    "1000",
+    "--inject",
+    "tensor-leak",
+    "--inject",
+    "graph-break",
+    "--inject",
+    "recompile-storm",
+    "--inject-rank",
+    str(LEAK_RANK),
+]
 # Long enough for every detector to judge: MemoryLeak needs 5 warm-up + 20 window steps.
 CLEAN_STEPS = 32
 CLEAN_ARGS = [*SHAPE, "--steps", str(CLEAN_STEPS)]
@@ -153,7 +180,9 @@ def _launch(stack: PromStack, job: str, args: list[str], where: Path) -> tuple[L
 
 def _ranks_fired(stack: PromStack, start: float, end: float) -> dict[str, set[str]]:
     """alertname -> the leak run's ranks on which that detector alert fired between start and end."""
-    fired = stack.query_range(f'ALERTS{{job="{LEAK_JOB}",alertstate="firing",signal="detector"}}', start, end, step=1)
+    fired = stack.query_range(
+        f'ALERTS{{job="{LEAK_JOB}",alertstate="firing",signal="detector"}}', start, end, step=1
+    )
     ranks: dict[str, set[str]] = {}
     for series in fired:
         ranks.setdefault(series["metric"]["alertname"], set()).add(series["metric"]["rank"])
@@ -179,8 +208,9 @@ def leak(stack: PromStack, tmp_path_factory: pytest.TempPathFactory) -> Run:
             _alive(run)
             leaking = any(
                 a["labels"].get("alertname") == "MemoryLeak" and a["labels"].get("job") == LEAK_JOB
-                for a in stack.alerts() if a["state"] == "firing"
-            )  # fmt: skip
+                for a in stack.alerts()
+                if a["state"] == "firing"
+            )
             fired = _ranks_fired(stack, start, time.time())
             return leaking and all(fired.get(a) == EVERY_RANK for a in COMPILE_ALERTS)
 
@@ -285,8 +315,12 @@ def test_injected_compile_failures_fire_their_alerts_too(stack: PromStack, leak:
 def test_every_shipped_rule_evaluates_cleanly_on_live_data(leak: Run) -> None:
     rules = [r for g in leak.rules for r in g["rules"]]
     assert {r["name"] for r in rules if r["type"] == "alerting"} == {a.name for a in cat.ALERTS} | {
-        "GpuMemoryNearFull", "GpuEccErrors", "HparAgentDown", "HparAgentErrors", "InputBound",
-    }  # fmt: skip
+        "GpuMemoryNearFull",
+        "GpuEccErrors",
+        "HparAgentDown",
+        "HparAgentErrors",
+        "InputBound",
+    }
     bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
     assert bad == [], bad
 

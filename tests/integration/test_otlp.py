@@ -124,8 +124,13 @@ def test_grpc_two_ranks_one_trace(tmp_path, monkeypatch):
 def test_resource_carries_the_pod_and_slurm_identity(tmp_path, monkeypatch):
     """The downward API's K8S_* variables and Slurm's job id reach the receiver on the Resource, under
     the semantic conventions' names; OTEL_RESOURCE_ATTRIBUTES wins where it names the same key."""
-    env = {"K8S_POD_NAME": "hpar-trainer-0-x7k2p", "K8S_NAMESPACE_NAME": "ml", "K8S_NODE_NAME": "gpu-7",
-           "SLURM_JOB_ID": "81234", "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=ml-prod,team=llm"}
+    env = {
+        "K8S_POD_NAME": "hpar-trainer-0-x7k2p",
+        "K8S_NAMESPACE_NAME": "ml",
+        "K8S_NODE_NAME": "gpu-7",
+        "SLURM_JOB_ID": "81234",
+        "OTEL_RESOURCE_ATTRIBUTES": "k8s.namespace.name=ml-prod,team=llm",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with HttpReceiver() as rx:

@@ -53,9 +53,16 @@ def _tracing(run_dir: Path, rank: int) -> Tracing:
     """The agent's own span pipeline writing ``traces.rank<R>.jsonl`` (the real OTLP/JSON exporter)."""
     agent = Agent(metrics_port=-1, run_dir=str(run_dir), trace_every=1, traces="file")
     agent.topology = Topology(
-        rank=rank, world_size=RANKS, job_id=JOB, host="node0", tp=2, pp=2,
-        tp_rank=rank % 2, pp_rank=_stage(rank), pp_stage=_stage(rank),
-    )  # fmt: skip
+        rank=rank,
+        world_size=RANKS,
+        job_id=JOB,
+        host="node0",
+        tp=2,
+        pp=2,
+        tp_rank=rank % 2,
+        pp_rank=_stage(rank),
+        pp_stage=_stage(rank),
+    )
     agent.outputs.run_dir = str(run_dir)
     tracing = Tracing(agent.context)
     assert tracing.kind == "file"
@@ -69,25 +76,45 @@ def _step_record(rank: int, step: int) -> StepRecord:
     # (stage 0 waiting for stage 1's backward, stage 1 waiting for stage 0's forward) are the bubble.
     lag = 10 * _stage(rank)
     kids = [
-        SpanRecord(cat.SPAN_PP_FORWARD, start + (5 + lag + 10 * mb) * MS, start + (14 + lag + 10 * mb) * MS, step,
-                   {cat.ATTR_MICROBATCH: mb, cat.ATTR_STREAM: "cpu"})
+        SpanRecord(
+            cat.SPAN_PP_FORWARD,
+            start + (5 + lag + 10 * mb) * MS,
+            start + (14 + lag + 10 * mb) * MS,
+            step,
+            {cat.ATTR_MICROBATCH: mb, cat.ATTR_STREAM: "cpu"},
+        )
         for mb in range(2)
     ]
     kids += [
-        SpanRecord(cat.SPAN_PP_BACKWARD, start + (60 - lag + 12 * (1 - mb)) * MS, start + (71 - lag + 12 * (1 - mb)) * MS,
-                   step, {cat.ATTR_MICROBATCH: mb, cat.ATTR_STREAM: "cpu"})
+        SpanRecord(
+            cat.SPAN_PP_BACKWARD,
+            start + (60 - lag + 12 * (1 - mb)) * MS,
+            start + (71 - lag + 12 * (1 - mb)) * MS,
+            step,
+            {cat.ATTR_MICROBATCH: mb, cat.ATTR_STREAM: "cpu"},
+        )
         for mb in range(2)
-    ]  # fmt: skip
+    ]
     ar = start + 50 * MS
     kids.append(
-        SpanRecord(cat.SPAN_COLLECTIVE_PREFIX + "all_reduce", ar, ar + allreduce_ms(rank, step) * MS, step,
-                   {cat.ATTR_PG: "tp", cat.ATTR_OP: "all_reduce", cat.ATTR_BYTES: 4096, cat.ATTR_SEQ: step})
-    )  # fmt: skip
+        SpanRecord(
+            cat.SPAN_COLLECTIVE_PREFIX + "all_reduce",
+            ar,
+            ar + allreduce_ms(rank, step) * MS,
+            step,
+            {cat.ATTR_PG: "tp", cat.ATTR_OP: "all_reduce", cat.ATTR_BYTES: 4096, cat.ATTR_SEQ: step},
+        )
+    )
     if _stage(rank) == 0:
         kids.append(
-            SpanRecord(cat.SPAN_COLLECTIVE_PREFIX + "send", ar + 5 * MS, ar + 6 * MS, step,
-                       {cat.ATTR_PG: "pp", cat.ATTR_OP: "send", cat.ATTR_PEER: rank + 2})
-        )  # fmt: skip
+            SpanRecord(
+                cat.SPAN_COLLECTIVE_PREFIX + "send",
+                ar + 5 * MS,
+                ar + 6 * MS,
+                step,
+                {cat.ATTR_PG: "pp", cat.ATTR_OP: "send", cat.ATTR_PEER: rank + 2},
+            )
+        )
     return StepRecord(step=step, start_ns=start, end_ns=start + dur * MS, children=kids)
 
 
@@ -95,24 +122,53 @@ def _summary(rank: int, run_dir: Path) -> dict:
     return {
         "rank": rank,
         "pp_stage": _stage(rank),
-        "topology": {"job": JOB, "host": "node0", "world_size": str(RANKS), "dp": "1", "tp": "2", "pp": "2",
-                     "backend": "gloo", "device": "cpu", "torch_version": "2.13.0"},
+        "topology": {
+            "job": JOB,
+            "host": "node0",
+            "world_size": str(RANKS),
+            "dp": "1",
+            "tp": "2",
+            "pp": "2",
+            "backend": "gloo",
+            "device": "cpu",
+            "torch_version": "2.13.0",
+        },
         "metrics_url": None,
         "run_dir": str(run_dir),
         "errors": {"collectives": 1} if rank == 1 else {},
         "components": {
-            "steps": {"steps": STEPS, "tokens": 0, "step_seconds_p50": step_ms(rank, 2) / 1e3,
-                      "step_seconds_max": max(step_ms(rank, s) for s in range(STEPS)) / 1e3},
+            "steps": {
+                "steps": STEPS,
+                "tokens": 0,
+                "step_seconds_p50": step_ms(rank, 2) / 1e3,
+                "step_seconds_max": max(step_ms(rank, s) for s in range(STEPS)) / 1e3,
+            },
             "pipeline": {"bubble_ratio": 0.25 + 0.05 * _stage(rank)},
             # the agent's histogram percentiles (bucket bounds): 10 ms, not the spans' 2-4 ms samples
-            "collectives": {"ops": {"tp/all_reduce": 6 * STEPS}, "timed": 6 * STEPS, "table": [
-                {"pg": "tp", "op": "all_reduce", "count": 6 * STEPS, "bytes": 4096 * 6 * STEPS, "timed": 6 * STEPS,
-                 "p50_s": 0.01 if rank != 3 else 0.025, "p99_s": 0.05, "busbw_bytes_per_s": 2.5e9}]},
-            "memory": {"rss_bytes": (900 + 100 * rank) * 2**20, "post_step_last": {"rss": (890 + 100 * rank) * 2**20},
-                       "allocator": {}},
+            "collectives": {
+                "ops": {"tp/all_reduce": 6 * STEPS},
+                "timed": 6 * STEPS,
+                "table": [
+                    {
+                        "pg": "tp",
+                        "op": "all_reduce",
+                        "count": 6 * STEPS,
+                        "bytes": 4096 * 6 * STEPS,
+                        "timed": 6 * STEPS,
+                        "p50_s": 0.01 if rank != 3 else 0.025,
+                        "p99_s": 0.05,
+                        "busbw_bytes_per_s": 2.5e9,
+                    }
+                ],
+            },
+            "memory": {
+                "rss_bytes": (900 + 100 * rank) * 2**20,
+                "post_step_last": {"rss": (890 + 100 * rank) * 2**20},
+                "allocator": {},
+            },
             "nvml": {"up": False, "process_bytes": None},
         },
-    }  # fmt: skip
+    }
 
 
 def make_run(run_dir: Path) -> Path:
@@ -130,11 +186,26 @@ def make_run(run_dir: Path) -> Path:
         if rank in (0, 2):
             log.emit("graph_break", reason="gb0170", user_frame="model.py:57", text=f"print() {HOSTILE}")
             # as the compile collector writes it: the first guard in guard, failed_guards and message
-            log.emit("recompile", compile_id="0/1", function="forward /src/pkg/model.py:40", reason="size", guard=GUARD,
-                     failed_guards=[GUARD], message=f"Recompiling function forward:\n  triggered by:\n  - {GUARD}")
+            log.emit(
+                "recompile",
+                compile_id="0/1",
+                function="forward /src/pkg/model.py:40",
+                reason="size",
+                guard=GUARD,
+                failed_guards=[GUARD],
+                message=f"Recompiling function forward:\n  triggered by:\n  - {GUARD}",
+            )
         if rank == 2:
-            log.emit("alert", alert="MemoryLeak", state="firing", value=4.5e7, threshold=2**20, step=4,
-                     details={"source": "rss", "slope_bytes_per_step": 8 * 2**20}, evidence=[str(stack)])  # fmt: skip
+            log.emit(
+                "alert",
+                alert="MemoryLeak",
+                state="firing",
+                value=4.5e7,
+                threshold=2**20,
+                step=4,
+                details={"source": "rss", "slope_bytes_per_step": 8 * 2**20},
+                evidence=[str(stack)],
+            )
             log.emit("alert", alert="MemoryLeak", state="resolved", value=0.0, evidence=[])
         log.emit("detach")
         log.close()
@@ -152,8 +223,10 @@ def make_run(run_dir: Path) -> Path:
             rec["ts"] = t0 + i + 0.1 * rank
         path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"ts": 1, "kind": "torn')
     for rank in range(RANKS):  # the reference trainer's per-rank records: every step, RSS leaking on rank 2
-        steps = [{"step": i, "step_s": step_ms(rank, i) / 1e3, "rss_mb": 400.0 + (8 * i if rank == 2 else 0)}
-                 for i in range(STEPS)]  # fmt: skip
+        steps = [
+            {"step": i, "step_s": step_ms(rank, i) / 1e3, "rss_mb": 400.0 + (8 * i if rank == 2 else 0)}
+            for i in range(STEPS)
+        ]
         (run_dir / f"trainer.rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}))
     losses = [4.0 - 0.3 * i for i in range(STEPS)]
     (run_dir / "trainer.json").write_text(json.dumps({"losses": losses, "step_times": [0.9, 0.1, 0.1, 0.1]}))
@@ -210,7 +283,9 @@ def test_page_is_offline_escaped_and_links_evidence(run_dir: Path, tmp_path: Pat
     assert "Plotly.newPlot" in page and len(page) > 1_000_000
     assert HOSTILE not in page and "alert(&#x27;x&#x27;)" in page
     assert '<a href="evidence/MemoryLeak-rank2-pyspy.txt">' in page
-    assert "MemoryLeak" in page and "gb0170" in page and "job-report" in page and "<td>4.50e+07</td>" in page  # three significant digits
+    assert (
+        "MemoryLeak" in page and "gb0170" in page and "job-report" in page and "<td>4.50e+07</td>" in page
+    )  # three significant digits
     # written elsewhere, the link still reaches the file relative to the page
     other = report.build_report(run_dir, tmp_path / "pages" / "r.html")
     assert '<a href="../run/evidence/MemoryLeak-rank2-pyspy.txt">' in other.read_text()
@@ -258,7 +333,10 @@ def test_collective_percentiles_are_the_terminal_summarys(run_dir: Path) -> None
     assert cells[i + 4 : i + 6] == ["25.0 ms", "50.0 ms"]
     assert cells[i + 6] == "2.50x" and cells[i + 7] == "2.50 GB/s"  # p50 skew across ranks, bus bandwidth
     assert cells[i + 3] == "576 KiB"  # 4 KiB x 36 ops x 4 ranks
-    assert summary.COLLECTIVE_PERCENTILE_SOURCE in terminal and html.escape(summary.COLLECTIVE_PERCENTILE_SOURCE) in table
+    assert (
+        summary.COLLECTIVE_PERCENTILE_SOURCE in terminal
+        and html.escape(summary.COLLECTIVE_PERCENTILE_SOURCE) in table
+    )
     skew = report_figures.fig_collective_ranks(rows)
     assert [round(v, 3) for v in skew.data[0].y] == [10.0, 10.0, 10.0, 25.0]
 
@@ -271,7 +349,10 @@ def test_recompile_rows_show_the_guard_once_shortened(run_dir: Path) -> None:
     assert "forward model.py:40 · size: " + guard in table
     assert "Recompiling function" not in table and "failed_guards" not in table and "0/0:" not in table
     assert "/src/pkg" not in table  # the function by file name, not the install path
-    assert report_figures.short_guard("x" * 500).endswith("…") and len(report_figures.short_guard("x" * 500)) == report_figures.GUARD_CHARS
+    assert (
+        report_figures.short_guard("x" * 500).endswith("…")
+        and len(report_figures.short_guard("x" * 500)) == report_figures.GUARD_CHARS
+    )
 
 
 def test_compile_events_sit_on_the_step_axis(run_dir: Path) -> None:
@@ -283,9 +364,15 @@ def test_compile_events_sit_on_the_step_axis(run_dir: Path) -> None:
     assert xs and all(0 <= x <= STEPS for x in xs)
     anchors = report_figures.step_anchors(run)
     t0 = T0 / 1e9
-    assert report_figures.event_step({"rank": 0, "ts": t0 + 2.0}, anchors) == pytest.approx(1.0)  # step 1 starts
-    assert report_figures.event_step({"rank": 0, "ts": t0 + 2.05}, anchors) == pytest.approx(1.5)  # mid step 1 (100 ms)
-    assert report_figures.event_step({"rank": 0, "ts": t0 + 3.0}, anchors) == pytest.approx(2.0)  # between steps 1 and 2
+    assert report_figures.event_step({"rank": 0, "ts": t0 + 2.0}, anchors) == pytest.approx(
+        1.0
+    )  # step 1 starts
+    assert report_figures.event_step({"rank": 0, "ts": t0 + 2.05}, anchors) == pytest.approx(
+        1.5
+    )  # mid step 1 (100 ms)
+    assert report_figures.event_step({"rank": 0, "ts": t0 + 3.0}, anchors) == pytest.approx(
+        2.0
+    )  # between steps 1 and 2
     assert report_figures.event_step({"rank": 0, "ts": t0 - 5}, anchors) == 0.0
     assert report_figures.event_step({"rank": 0, "ts": t0, "step": 4}, anchors) == 4.0
 
@@ -316,18 +403,38 @@ def test_the_page_names_the_culprits(tmp_path: Path) -> None:
 
     for rank in (0, 1):
         log = EventLog(str(tmp_path / f"events.rank{rank}.jsonl"), rank)
-        log.emit("alert", alert="Hang", state="firing", step=40, value=20.0, threshold=16.0, evidence=[],
-                 details={"culprits": [2], "victims": [0, 1], "kind": "missing",
-                          "waits": [{"pg": "default_pg", "seq": 46, "op": "all_reduce", "waiting": [0, 1], "missing": [2]}]})  # fmt: skip
+        log.emit(
+            "alert",
+            alert="Hang",
+            state="firing",
+            step=40,
+            value=20.0,
+            threshold=16.0,
+            evidence=[],
+            details={
+                "culprits": [2],
+                "victims": [0, 1],
+                "kind": "missing",
+                "waits": [
+                    {"pg": "default_pg", "seq": 46, "op": "all_reduce", "waiting": [0, 1], "missing": [2]}
+                ],
+            },
+        )
         log.close()
     data = bytearray(rankstate.SIZE)
     struct.pack_into("<4siiiqqqiiq", data, 0, rankstate.MAGIC, 999_999, 2, 3, 1, 40, 0, 0, 0, 0)
-    data[struct.calcsize("<4siiiqqqiiq"):][:7] = b"no-such"  # another host: its process cannot be read here
+    data[struct.calcsize("<4siiiqqqiiq") :][:7] = b"no-such"  # another host: its process cannot be read here
     (tmp_path / "state.rank2").write_bytes(bytes(data))
     page = report.build_report(tmp_path).read_text()
     assert "<h2>Culprits</h2>" in page
-    assert "culprit: rank 2 (Hang: not in default_pg all_reduce #46, which ranks 0, 1 wait in" in html.unescape(page)
-    assert "first to end abnormally: rank 2, no end recorded (on another host: killed, or still running)" in html.unescape(page)
+    assert (
+        "culprit: rank 2 (Hang: not in default_pg all_reduce #46, which ranks 0, 1 wait in"
+        in html.unescape(page)
+    )
+    assert (
+        "first to end abnormally: rank 2, no end recorded (on another host: killed, or still running)"
+        in html.unescape(page)
+    )
 
 
 def test_cli_and_demo_hook(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -348,10 +455,19 @@ def _browser(page: Path, profile: Path, *extra: str) -> subprocess.CompletedProc
     exe = _chromium()
     assert exe
     flags = [
-        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=10000",
-    ]  # fmt: skip
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--virtual-time-budget=10000",
+    ]
     return subprocess.run(
         [exe, *flags, *extra, page.resolve().as_uri()],
         capture_output=True,

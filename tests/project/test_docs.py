@@ -33,7 +33,9 @@ def test_each_table_has_one_page() -> None:
     for path in [ROOT / "README.md", *DOCS]:
         page = str(path.relative_to(ROOT))
         for name in re.findall(r"<!-- catalogue:(\w+) -->", path.read_text()):
-            assert name in PAGES.get(page, ()), f"{page} holds the {name} table, which belongs in another page"
+            assert name in PAGES.get(page, ()), (
+                f"{page} holds the {name} table, which belongs in another page"
+            )
 
 
 def test_every_env_var_is_documented() -> None:
@@ -43,8 +45,18 @@ def test_every_env_var_is_documented() -> None:
 
 
 #: Where the project's files name HPAR_* variables (config.py, the loader, names the removed ones).
-_NAMING_HPAR = ["README.md", "docs", "deploy", "agent", "exporters", "trainer", "benchmarks", "testkit",
-                "dashboards", "scripts"]  # fmt: skip
+_NAMING_HPAR = [
+    "README.md",
+    "docs",
+    "deploy",
+    "agent",
+    "exporters",
+    "trainer",
+    "benchmarks",
+    "testkit",
+    "dashboards",
+    "scripts",
+]
 
 
 def test_every_hpar_name_in_docs_and_code_is_declared() -> None:
@@ -52,7 +64,9 @@ def test_every_hpar_name_in_docs_and_code_is_declared() -> None:
     code stopped reading (HPAR_LOG_BACKUPS) cannot linger in the docs, nor a read slip past the
     unknown-name warning."""
     declared = {v.env for v in cat.ENV_VARS + cat.TOOL_ENV_VARS}
-    files = [p for top in _NAMING_HPAR for p in ([ROOT / top] if top.endswith(".md") else (ROOT / top).rglob("*"))]
+    files = [
+        p for top in _NAMING_HPAR for p in ([ROOT / top] if top.endswith(".md") else (ROOT / top).rglob("*"))
+    ]
     seen = set()
     for path in files:
         if not path.is_file() or path.suffix not in {".md", ".py", ".yml", ".yaml", ".sh", ".toml"}:
@@ -61,7 +75,9 @@ def test_every_hpar_name_in_docs_and_code_is_declared() -> None:
             continue
         for name in re.findall(r"\bHPAR_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()):
             seen.add(name)
-            assert name in declared, f"{path.relative_to(ROOT)} names {name}, which the catalogue does not declare"
+            assert name in declared, (
+                f"{path.relative_to(ROOT)} names {name}, which the catalogue does not declare"
+            )
     assert {"HPAR_RUN_DIR", "HPAR_AUTOATTACH", "HPAR_DIAGNOSE_RUN"} <= seen  # the scan reads the code
 
 
@@ -89,7 +105,9 @@ def test_every_runbook_url_lands_on_its_alert_section() -> None:
 def test_every_span_and_attribute_is_documented() -> None:
     text = _text("docs/traces.md")
     names = [*cat.SPAN_NAMES, cat.SPAN_COLLECTIVE_PREFIX + "<op>"]
-    attrs = [v for k, v in vars(cat).items() if k.startswith(("ATTR_", "RES_", "EVENT_")) and isinstance(v, str)]
+    attrs = [
+        v for k, v in vars(cat).items() if k.startswith(("ATTR_", "RES_", "EVENT_")) and isinstance(v, str)
+    ]
     for name in [*names, *attrs]:
         assert f"`{name}`" in text, name
 

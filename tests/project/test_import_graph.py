@@ -66,7 +66,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(graph[n]):
             if state.get(m) == 1:
-                return [*stack[stack.index(m):], m]
+                return [*stack[stack.index(m) :], m]
             if m not in state and (found := visit(m)):
                 return found
         stack.pop()
@@ -81,8 +81,13 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_the_runtime_modules() -> None:
     g = _graph()
-    assert {"hpar_agent.agent", "hpar_agent.context", "hpar_agent.component", "hpar_agent.detectors.sources",
-            "hpar_agent.exporters.otel"} <= set(g)  # fmt: skip
+    assert {
+        "hpar_agent.agent",
+        "hpar_agent.context",
+        "hpar_agent.component",
+        "hpar_agent.detectors.sources",
+        "hpar_agent.exporters.otel",
+    } <= set(g)
     assert not any(m.rsplit(".", 1)[-1] in OFFLINE for m in g)
     assert "hpar_agent.collectors.steps" in g["hpar_agent.detectors.sources"]  # typed reads
     assert "hpar_agent.context" in g["hpar_agent.component"]  # a TYPE_CHECKING import counts
@@ -118,6 +123,9 @@ def test_collectors_never_import_detectors() -> None:
     """Detectors read collectors, never the other way: what a collector needs of a detector's
     conclusion comes through the context (``AgentContext.slow_rank``)."""
     g = _graph()
-    users = sorted(m for m, deps in g.items() if m.startswith("hpar_agent.collectors")
-                   and any(d.startswith("hpar_agent.detectors") for d in deps))  # fmt: skip
+    users = sorted(
+        m
+        for m, deps in g.items()
+        if m.startswith("hpar_agent.collectors") and any(d.startswith("hpar_agent.detectors") for d in deps)
+    )
     assert users == []

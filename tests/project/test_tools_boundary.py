@@ -17,7 +17,9 @@ ENTRY_POINTS = {REPO / "agent" / "__main__.py"}
 
 def runtime_files() -> list[Path]:
     files = [*(REPO / "agent").rglob("*.py"), *(REPO / "exporters").rglob("*.py")]
-    return sorted(p for p in files if TOOLS not in p.parents and p not in ENTRY_POINTS and "assets" not in p.parts)
+    return sorted(
+        p for p in files if TOOLS not in p.parents and p not in ENTRY_POINTS and "assets" not in p.parts
+    )
 
 
 def tools_imports(source: str, rel: tuple[str, ...]) -> list[str]:
@@ -35,7 +37,11 @@ def tools_imports(source: str, rel: tuple[str, ...]) -> list[str]:
             names = [base, *(f"{base}.{a.name}" for a in node.names)]
         else:
             continue
-        found += [f"line {node.lineno}: {n}" for n in names if n == "hpar_agent.tools" or n.startswith("hpar_agent.tools.")]
+        found += [
+            f"line {node.lineno}: {n}"
+            for n in names
+            if n == "hpar_agent.tools" or n.startswith("hpar_agent.tools.")
+        ]
     return found
 
 
@@ -57,7 +63,11 @@ def test_the_static_check_sees_every_spelling() -> None:
 def test_no_runtime_module_imports_the_tools() -> None:
     files = runtime_files()
     assert any(p.name == "agent.py" for p in files) and any(p.parent.name == "collectors" for p in files)
-    bad = {str(p.relative_to(REPO)): hits for p in files if (hits := tools_imports(p.read_text(), p.relative_to(REPO).parts))}
+    bad = {
+        str(p.relative_to(REPO)): hits
+        for p in files
+        if (hits := tools_imports(p.read_text(), p.relative_to(REPO).parts))
+    }
     assert bad == {}, "the runtime must not import hpar_agent.tools"
 
 
@@ -75,10 +85,14 @@ for m in mods:
     importlib.import_module(m)
 print(json.dumps({"imported": mods, "tools": sorted(m for m in sys.modules if m.startswith("hpar_agent.tools"))}))
 """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO / "tests")
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO / "tests"
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert {"hpar_agent.agent", "hpar_agent.collectors.steps", "hpar_agent.exporters.otel"} <= set(out["imported"])
+    assert {"hpar_agent.agent", "hpar_agent.collectors.steps", "hpar_agent.exporters.otel"} <= set(
+        out["imported"]
+    )
     assert "hpar_agent.__main__" in out["imported"]  # importing the entry point runs nothing
     assert not any(m.startswith("hpar_agent.tools") for m in out["imported"])
     assert out["tools"] == []

@@ -41,7 +41,11 @@ def trainer_flag_uses(source: str, flags: set[str]) -> list[str]:
     own: set[int] = set()
     own_flags: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_argument"
+        ):
             for arg in node.args:
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                     own.add(id(arg))
@@ -93,7 +97,9 @@ print("give --inject NAME or --all")
 def _cli_without_trainer(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """``hpar-agent ARGS`` in an interpreter where ``hpar_trainer`` cannot be imported."""
     code = "import sys; sys.modules['hpar_trainer'] = None; from hpar_agent.tools.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60, cwd=cwd
+    )
 
 
 @pytest.mark.parametrize("command", [["demo"], ["diagnose", "--inject", "straggler"], ["diagnose", "--all"]])

@@ -32,7 +32,9 @@ def train(tmp: Path, nproc: int, *args: str, timeout: float = 240) -> Run:
     res = run_torchrun(nproc, ["--no-agent", "--out", str(out), *args], timeout=timeout)
     seconds = time.perf_counter() - t0
     summary = json.loads(out.read_text()) if out.exists() else None
-    ranks = [json.loads(p.read_text()) if (p := rank_path(str(out), r)).exists() else {} for r in range(nproc)]
+    ranks = [
+        json.loads(p.read_text()) if (p := rank_path(str(out), r)).exists() else {} for r in range(nproc)
+    ]
     return Run(res.returncode, res.stdout + res.stderr, seconds, summary, ranks)
 
 

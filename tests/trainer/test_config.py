@@ -14,14 +14,17 @@ def test_defaults_are_valid():
     assert cfg.microbatches == 2 and cfg.stages_per_rank == 1
 
 
-@pytest.mark.parametrize(("argv", "rep_shard"), [
-    (["--dp-replicate", "2", "--dp-shard", "2"], (2, 2)),  # HSDP; fsdp implied, dp = 4
-    (["--dp", "4", "--dp-shard", "2"], (2, 2)),
-    (["--dp", "4", "--dp-mode", "fsdp"], (1, 4)),  # plain FSDP
-    (["--dp", "4", "--dp-replicate", "4"], (4, 1)),  # replicate-only through fully_shard's 2-D mesh
-    (["--dp-shard", "4"], (1, 4)),  # --dp follows the factors given
-    (["--dp-replicate", "4"], (4, 1)),
-])
+@pytest.mark.parametrize(
+    ("argv", "rep_shard"),
+    [
+        (["--dp-replicate", "2", "--dp-shard", "2"], (2, 2)),  # HSDP; fsdp implied, dp = 4
+        (["--dp", "4", "--dp-shard", "2"], (2, 2)),
+        (["--dp", "4", "--dp-mode", "fsdp"], (1, 4)),  # plain FSDP
+        (["--dp", "4", "--dp-replicate", "4"], (4, 1)),  # replicate-only through fully_shard's 2-D mesh
+        (["--dp-shard", "4"], (1, 4)),  # --dp follows the factors given
+        (["--dp-replicate", "4"], (4, 1)),
+    ],
+)
 def test_fsdp_degrees_resolve(argv, rep_shard):
     cfg = parse_args(argv, world_size=4)
     assert (cfg.dp_mode, cfg.dp, (cfg.dp_replicate, cfg.dp_shard)) == ("fsdp", 4, rep_shard)
@@ -32,7 +35,9 @@ def test_fsdp_mixed_precision_policy():
 
     from hpar_trainer.parallelize import mp_policy
 
-    bf16_fp32 = mp_policy(parse_args(["--dp-mode", "fsdp", "--mp-param-dtype", "bf16", "--mp-reduce-dtype", "fp32"], 1))
+    bf16_fp32 = mp_policy(
+        parse_args(["--dp-mode", "fsdp", "--mp-param-dtype", "bf16", "--mp-reduce-dtype", "fp32"], 1)
+    )
     assert (bf16_fp32.param_dtype, bf16_fp32.reduce_dtype) == (torch.bfloat16, torch.float32)
     bf16 = mp_policy(parse_args(["--dp-mode", "fsdp", "--mp-param-dtype", "bf16"], 1))
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.bfloat16)  # reduce follows params
@@ -48,21 +53,24 @@ def test_help_documents_every_injection(capsys):
     assert "torch 2.11 cannot run DDP with TP" in " ".join(text.split())
 
 
-@pytest.mark.parametrize(("argv", "world", "needle"), [
-    (["--dp", "2"], 4, "WORLD_SIZE is 4"),
-    (["--tp", "3"], 3, "--heads 4 is not divisible by --tp 3"),
-    (["--pp", "2", "--layers", "3"], 2, "--layers 3 is not divisible"),
-    (["--pp", "2", "--schedule", "interleaved-1f1b", "--layers", "2"], 2, "--layers 2 is not divisible"),
-    (["--inject", "nope"], 1, "--inject 'nope'"),
-    (["--dp", "2", "--global-batch", "6"], 2, "--global-batch 6 is not divisible"),
-    (["--inject", "graph-break"], 1, "needs --compile"),
-    (["--schedule", "zigzag"], 1, "invalid choice"),
-    (["--dp-replicate", "2", "--dp-mode", "ddp"], 2, "need --dp-mode fsdp"),
-    (["--dp", "4", "--dp-shard", "3"], 4, "--dp 4 is not divisible by --dp-shard 3"),
-    (["--dp", "2", "--dp-replicate", "2", "--dp-shard", "2"], 4, "--dp 2 != dp_replicate*dp_shard"),
-    (["--dp-mode", "fsdp", "--dp", "2", "--inject", "hsdp-replicate-skip"], 2, "--dp-replicate >= 2"),
-    (["--dp-replicate", "2", "--inject", "hsdp-replicate-skip"], 2, "--dp-shard >= 2"),
-])
+@pytest.mark.parametrize(
+    ("argv", "world", "needle"),
+    [
+        (["--dp", "2"], 4, "WORLD_SIZE is 4"),
+        (["--tp", "3"], 3, "--heads 4 is not divisible by --tp 3"),
+        (["--pp", "2", "--layers", "3"], 2, "--layers 3 is not divisible"),
+        (["--pp", "2", "--schedule", "interleaved-1f1b", "--layers", "2"], 2, "--layers 2 is not divisible"),
+        (["--inject", "nope"], 1, "--inject 'nope'"),
+        (["--dp", "2", "--global-batch", "6"], 2, "--global-batch 6 is not divisible"),
+        (["--inject", "graph-break"], 1, "needs --compile"),
+        (["--schedule", "zigzag"], 1, "invalid choice"),
+        (["--dp-replicate", "2", "--dp-mode", "ddp"], 2, "need --dp-mode fsdp"),
+        (["--dp", "4", "--dp-shard", "3"], 4, "--dp 4 is not divisible by --dp-shard 3"),
+        (["--dp", "2", "--dp-replicate", "2", "--dp-shard", "2"], 4, "--dp 2 != dp_replicate*dp_shard"),
+        (["--dp-mode", "fsdp", "--dp", "2", "--inject", "hsdp-replicate-skip"], 2, "--dp-replicate >= 2"),
+        (["--dp-replicate", "2", "--inject", "hsdp-replicate-skip"], 2, "--dp-shard >= 2"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(capsys, argv, world, needle):
     with pytest.raises(SystemExit) as exc:
         parse_args(argv, world_size=world)
@@ -111,7 +119,9 @@ def test_model_flops_per_token_counts_fsdp_shards_whole():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8), torch.nn.LayerNorm(8))
+        m = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8), torch.nn.LayerNorm(8)
+        )
         parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         fully_shard(m, mesh=mesh["dp_replicate", "dp_shard"])
         assert all(p.to_local().numel() < p.numel() for p in m.parameters())  # every parameter is sharded

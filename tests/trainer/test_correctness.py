@@ -20,12 +20,16 @@ def dp2_tp2(launch):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [
-    ("--tp", "2", "--pp", "2"),
-    ("--dp", "2", "--pp", "2", "--schedule", "gpipe"),
-    ("--dp", "2", "--pp", "2", "--schedule", "1f1b"),
-    ("--pp", "2", "--schedule", "interleaved-1f1b", "--compile", "eager"),
-], ids=lambda a: "-".join(x.strip("-") for x in a))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--tp", "2", "--pp", "2"),
+        ("--dp", "2", "--pp", "2", "--schedule", "gpipe"),
+        ("--dp", "2", "--pp", "2", "--schedule", "1f1b"),
+        ("--pp", "2", "--schedule", "interleaved-1f1b", "--compile", "eager"),
+    ],
+    ids=lambda a: "-".join(x.strip("-") for x in a),
+)
 def test_layout_matches_single_rank(launch, reference, layout):
     nproc = 1
     for flag in ("--dp", "--tp", "--pp"):
@@ -83,12 +87,15 @@ def test_hsdp_compiled_matches_single_rank_with_comm_outside_graphs(launch, refe
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [
-    ("--dp", "2", "--tp", "2"),  # fully_shard on dp_shard over TP's DTensors: 2-D (dp_shard, tp) params
-    ("--dp", "2", "--pp", "2", "--schedule", "1f1b"),  # FSDP inside each pipeline stage
-], ids=lambda a: "fsdp-" + "-".join(x.strip("-") for x in a))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--dp", "2", "--tp", "2"),  # fully_shard on dp_shard over TP's DTensors: 2-D (dp_shard, tp) params
+        ("--dp", "2", "--pp", "2", "--schedule", "1f1b"),  # FSDP inside each pipeline stage
+    ],
+    ids=lambda a: "fsdp-" + "-".join(x.strip("-") for x in a),
+)
 def test_fsdp_layout_matches_single_rank(launch, reference, layout):
     run = launch(4, "--dp-mode", "fsdp", *layout, *FIVE)
     assert run.returncode == 0, run.output
     assert run.summary["losses"] == pytest.approx(reference, rel=1e-4)
-

@@ -22,7 +22,9 @@ def _differing(a: dict[str, float], b: dict[str, float]) -> set[str]:
 
 
 def test_recompile_storm(launch):
-    run = launch(1, "--compile", "eager", "--inject", "recompile-storm", "--steps", "12", "--inject-step", "1")
+    run = launch(
+        1, "--compile", "eager", "--inject", "recompile-storm", "--steps", "12", "--inject-step", "1"
+    )
     assert run.returncode == 0, run.output
     dyn = run.ranks[0]["dynamo"]
     # one compile, then one recompile per step until Dynamo's recompile limit (8) stops compiling
@@ -35,7 +37,9 @@ def test_graph_break(launch):
     assert run.ranks[0]["dynamo"]["graph_breaks"] > 0
     before = launch(1, "--compile", "eager", "--inject", "graph-break", "--steps", "2", "--inject-step", "2")
     assert before.returncode == 0, before.output
-    assert before.ranks[0]["dynamo"]["graph_breaks"] == 0  # the break appears at --inject-step (after warm-up)
+    assert (
+        before.ranks[0]["dynamo"]["graph_breaks"] == 0
+    )  # the break appears at --inject-step (after warm-up)
 
 
 def test_divergent_graph(launch):
@@ -88,7 +92,9 @@ def test_straggler_compute_time(launch):
 
 
 def test_slow_collective_peer_waits(launch):
-    run = launch(2, "--dp", "2", "--dp-mode", "ddp", "--inject", "slow-collective", "--inject-delay", "0.3", *STEPS)
+    run = launch(
+        2, "--dp", "2", "--dp-mode", "ddp", "--inject", "slow-collective", "--inject-delay", "0.3", *STEPS
+    )
     assert run.returncode == 0, run.output
     before, after = _mean(run.steps(0, "dp_wait_s")[:2]), _mean(run.steps(0, "dp_wait_s", 2))
     assert after - before > 0.2, (before, after)
@@ -100,4 +106,3 @@ def test_hang_times_out(launch):
     assert run.returncode != 0
     assert run.seconds < 90, run.seconds
     assert "timed out" in run.output.lower() or "timeout" in run.output.lower(), run.output[-2000:]
-

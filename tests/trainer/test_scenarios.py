@@ -33,19 +33,33 @@ def test_layouts_fit_the_rank_count():
 
 
 def test_flags_given_later_win():
-    cfg, _ = sc.check(sc.diagnose_argv("straggler", 2, steps=7, out="t.json", extra=["--compile", "eager"]), 2)
+    cfg, _ = sc.check(
+        sc.diagnose_argv("straggler", 2, steps=7, out="t.json", extra=["--compile", "eager"]), 2
+    )
     assert cfg is not None and (cfg.steps, cfg.compile) == (7, "eager")
 
 
 def test_the_demo_run():
     cfg, problem = sc.check(sc.with_out(sc.demo_argv(), "d/trainer.json"), 4)
     assert problem is None and cfg is not None
-    assert sc.describe(cfg) == "dp1 x tp2 x pp2, 1f1b, aot_eager" and (cfg.steps, cfg.out) == (40, "d/trainer.json")
-    cfg, _ = sc.check(sc.demo_argv(steps=5, inject=["straggler", "tensor-leak"], extra=["--schedule", "gpipe"]), 4)
-    assert cfg is not None and (cfg.steps, cfg.inject, cfg.schedule) == (5, ["straggler", "tensor-leak"], "gpipe")
+    assert sc.describe(cfg) == "dp1 x tp2 x pp2, 1f1b, aot_eager" and (cfg.steps, cfg.out) == (
+        40,
+        "d/trainer.json",
+    )
+    cfg, _ = sc.check(
+        sc.demo_argv(steps=5, inject=["straggler", "tensor-leak"], extra=["--schedule", "gpipe"]), 4
+    )
+    assert cfg is not None and (cfg.steps, cfg.inject, cfg.schedule) == (
+        5,
+        ["straggler", "tensor-leak"],
+        "gpipe",
+    )
 
 
 def test_a_bad_run_is_one_line():
-    assert sc.check(sc.demo_argv(inject=["bogus"]), 4) == (None, "--inject 'bogus' is not one of " + ", ".join(INJECTIONS))
+    assert sc.check(sc.demo_argv(inject=["bogus"]), 4) == (
+        None,
+        "--inject 'bogus' is not one of " + ", ".join(INJECTIONS),
+    )
     _cfg, problem = sc.check(sc.demo_argv(), 2)
     assert problem is not None and "WORLD_SIZE is 2" in problem

@@ -20,13 +20,23 @@ from hpar_agent.families import Families
 from hpar_agent.topology import Topology
 
 _REAL: dict[str, type[Component]] = {
-    "steps": StepCollector, "compile": CompileCollector, "memory": MemoryCollector, "collectives": CollectiveCollector,
-}  # fmt: skip
+    "steps": StepCollector,
+    "compile": CompileCollector,
+    "memory": MemoryCollector,
+    "collectives": CollectiveCollector,
+}
 
 
-_INERT = {"install": Component.install, "uninstall": Component.uninstall, "poll": Component.poll,
-          "step_hook": Component.step_hook, "on_step": Component.on_step, "collect": Component.collect,
-          "span_watermark_ns": Component.span_watermark_ns, "summary": Component.summary}  # fmt: skip
+_INERT = {
+    "install": Component.install,
+    "uninstall": Component.uninstall,
+    "poll": Component.poll,
+    "step_hook": Component.step_hook,
+    "on_step": Component.on_step,
+    "collect": Component.collect,
+    "span_watermark_ns": Component.span_watermark_ns,
+    "summary": Component.summary,
+}
 
 
 def inert(cls: type[Component]) -> type[Component]:
@@ -44,13 +54,31 @@ def Fake(name: str, **state: Any) -> Any:
     return comp
 
 
-def make_agent(tmp_path: Any, rank: int = 0, world: int = 1, comps: tuple[Component, ...] = (), exchange: Exchange | None = None,
-               coords: dict[str, int] | None = None, model: Any = None, **thresholds: float) -> tuple[Agent, DetectorsComponent]:  # fmt: skip
+def make_agent(
+    tmp_path: Any,
+    rank: int = 0,
+    world: int = 1,
+    comps: tuple[Component, ...] = (),
+    exchange: Exchange | None = None,
+    coords: dict[str, int] | None = None,
+    model: Any = None,
+    **thresholds: float,
+) -> tuple[Agent, DetectorsComponent]:
     """An agent wired by hand (no thread, no endpoint) so several fake ranks can live in one process."""
-    agent = Agent(model, metrics_port=-1, traces="none", run_dir=str(tmp_path / f"r{rank}"), thresholds=thresholds)
+    agent = Agent(
+        model, metrics_port=-1, traces="none", run_dir=str(tmp_path / f"r{rank}"), thresholds=thresholds
+    )
     c = coords or {}
-    agent.topology = Topology(rank=rank, world_size=world, job_id="job", dp=c.get("dpn", 1), dp_rank=c.get("dp", 0),
-                              tp_rank=c.get("tp", 0), pp_rank=c.get("pp", 0), pp_stage=c.get("pp", 0))  # fmt: skip
+    agent.topology = Topology(
+        rank=rank,
+        world_size=world,
+        job_id="job",
+        dp=c.get("dpn", 1),
+        dp_rank=c.get("dp", 0),
+        tp_rank=c.get("tp", 0),
+        pp_rank=c.get("pp", 0),
+        pp_stage=c.get("pp", 0),
+    )
     agent.families = Families([str(rank), str(c.get("pp", 0))])
     agent.outputs.run_dir = str(tmp_path / f"r{rank}")
     os.makedirs(agent.run_dir, exist_ok=True)
@@ -78,4 +106,6 @@ def alert_events(agent: Agent) -> list[dict]:
 
 
 def steps(total: int, last_ts: float | None = None) -> Fake:
-    return Fake("steps", total=total, last_step_ts=time.time() if last_ts is None else last_ts, durations=[0.3] * 8)
+    return Fake(
+        "steps", total=total, last_step_ts=time.time() if last_ts is None else last_ts, durations=[0.3] * 8
+    )

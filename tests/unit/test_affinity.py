@@ -41,8 +41,12 @@ def test_binding_against_the_gpus_ideal_cpus(tmp_path) -> None:
         (tmp_path / f"node{node}" / "cpulist").write_text(cpu_list(cpus) + "\n")
     bad = read_binding(AffinityNvml(far, 1), "h", str(tmp_path))
     assert bad.misbound and bad.numa == (0,) and bad.gpu_numa == 1
-    assert bad.labels() == {"numa_node": "0", "cpu_affinity": cpu_list(mine), "gpu_numa_node": "1",
-                            "gpu_cpu_affinity": cpu_list(far)}  # fmt: skip
+    assert bad.labels() == {
+        "numa_node": "0",
+        "cpu_affinity": cpu_list(mine),
+        "gpu_numa_node": "1",
+        "gpu_cpu_affinity": cpu_list(far),
+    }
     good = read_binding(AffinityNvml(set(mine), 0), "h", str(tmp_path))
     assert not good.misbound and good.gpu_numa == 0
     unknown = read_binding(None, None, str(tmp_path))  # no NVML: the CPU half only, never misbound

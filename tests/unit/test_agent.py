@@ -19,7 +19,14 @@ from tests.unit.conftest import train_linear
 
 
 def test_public_api_is_small():
-    assert sorted(hpar_agent.__all__) == ["Agent", "AgentConfig", "__version__", "attach", "current", "detach"]
+    assert sorted(hpar_agent.__all__) == [
+        "Agent",
+        "AgentConfig",
+        "__version__",
+        "attach",
+        "current",
+        "detach",
+    ]
 
 
 def test_steps_from_global_optimizer_hook(attach):
@@ -28,7 +35,9 @@ def test_steps_from_global_optimizer_hook(attach):
     train_linear(4)
     agent.tick()
     assert agent.registry.get_sample_value("hpar_steps_total", {"rank": "0", "pp_stage": "0"}) == 4
-    count = agent.registry.get_sample_value("hpar_step_duration_seconds_count", {"rank": "0", "pp_stage": "0"})
+    count = agent.registry.get_sample_value(
+        "hpar_step_duration_seconds_count", {"rank": "0", "pp_stage": "0"}
+    )
     assert count == 4
 
 
@@ -133,9 +142,12 @@ def test_errors_in_a_component_are_counted_not_raised(attach):
     agent.add_component(Broken())
     agent.tick()
     agent.tick()
-    assert agent.registry.get_sample_value(
-        "hpar_agent_errors_total", {"rank": "0", "pp_stage": "0", "component": "broken"}
-    ) == 2
+    assert (
+        agent.registry.get_sample_value(
+            "hpar_agent_errors_total", {"rank": "0", "pp_stage": "0", "component": "broken"}
+        )
+        == 2
+    )
 
 
 def test_exposition_uses_only_catalogued_names(attach):
@@ -181,11 +193,19 @@ def test_a_second_collector_of_an_agent_metric_cannot_register(attach):
         def collect(self):
             yield self.fam
 
-    for fam in (GaugeMetricFamily("hpar_step_phase_ratio", "dup"), CounterMetricFamily("hpar_agent_errors", "dup")):
+    for fam in (
+        GaugeMetricFamily("hpar_step_phase_ratio", "dup"),
+        CounterMetricFamily("hpar_agent_errors", "dup"),
+    ):
         with pytest.raises(ValueError, match="Duplicated timeseries"):
             agent.registry.register(Exports(fam))
     agent.registry.register(Exports(GaugeMetricFamily("user_metric", "a name of its own")))  # no collision
-    assert agent.registry.get_sample_value("hpar_agent_component_up", {"rank": "0", "pp_stage": "0", "component": "steps"}) == 1
+    assert (
+        agent.registry.get_sample_value(
+            "hpar_agent_component_up", {"rank": "0", "pp_stage": "0", "component": "steps"}
+        )
+        == 1
+    )
 
 
 def test_single_process_topology(attach):
@@ -193,5 +213,7 @@ def test_single_process_topology(attach):
     topo = agent.topology
     assert (topo.rank, topo.world_size, topo.dp, topo.tp, topo.pp, topo.pp_stage) == (0, 1, 1, 1, 1, 0)
     assert topo.job_id
-    info = agent.registry.get_sample_value("hpar_rank_info", {**_info_labels(agent), "rank": "0", "pp_stage": "0"})
+    info = agent.registry.get_sample_value(
+        "hpar_rank_info", {**_info_labels(agent), "rank": "0", "pp_stage": "0"}
+    )
     assert info == 1.0

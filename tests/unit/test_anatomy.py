@@ -33,7 +33,9 @@ def agent(tmp_path):
     agents = []
 
     def _attach(model, **kw):
-        a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path), detectors=False, **kw)
+        a = hpar_agent.attach(
+            model, metrics_port=-1, traces="none", run_dir=str(tmp_path), detectors=False, **kw
+        )
         agents.append(a)
         return a
 
@@ -55,13 +57,19 @@ class Sleepy(torch.utils.data.Dataset):
         return torch.randn(2, 4)
 
 
-def _loop(model: torch.nn.Module, steps: int, host_s: float = 0.0, opt_s: float = 0.0, load_s: float | None = None) -> None:
+def _loop(
+    model: torch.nn.Module, steps: int, host_s: float = 0.0, opt_s: float = 0.0, load_s: float | None = None
+) -> None:
     """``steps`` optimizer steps; ``host_s`` of host work after each, ``load_s``: batches from a
     DataLoader whose every item takes that long (else made in the loop)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     if opt_s:
         opt.register_step_pre_hook(lambda *_: time.sleep(opt_s))
-    batches = iter(torch.utils.data.DataLoader(Sleepy(load_s, steps), batch_size=None)) if load_s is not None else None
+    batches = (
+        iter(torch.utils.data.DataLoader(Sleepy(load_s, steps), batch_size=None))
+        if load_s is not None
+        else None
+    )
     for _ in range(steps):
         x = next(batches) if batches is not None else torch.randn(2, 4)
         model(x).sum().backward()
@@ -114,7 +122,9 @@ def test_a_fast_loop_gets_phases_on_every_strideth_step_only(agent, monkeypatch)
     phases (they are timed and counted all the same)."""
     from hpar_agent.agent_thread import AgentThread
 
-    monkeypatch.setattr(AgentThread, "_run", lambda self: None)  # only this test's tick: a pass would reset the stride
+    monkeypatch.setattr(
+        AgentThread, "_run", lambda self: None
+    )  # only this test's tick: a pass would reset the stride
     model = Slow(0.0, 0.0)
     a = agent(model)
     steps, anatomy = a.component("steps"), a.component("anatomy")
@@ -128,8 +138,15 @@ def test_a_fast_loop_gets_phases_on_every_strideth_step_only(agent, monkeypatch)
 
 @pytest.mark.parametrize(
     ("median_s", "rate", "every", "stride"),
-    [(0.2, 10.0, 10, 1), (0.043, 10.0, 10, 5), (0.043, 0.0, 10, 1), (0.055, 10.0, 10, 2),
-     (0.004, 10.0, 10, 30), (0.043, 10.0, 0, 3), (0.043, 10.0, 4, 4)],
+    [
+        (0.2, 10.0, 10, 1),
+        (0.043, 10.0, 10, 5),
+        (0.043, 0.0, 10, 1),
+        (0.055, 10.0, 10, 2),
+        (0.004, 10.0, 10, 30),
+        (0.043, 10.0, 0, 3),
+        (0.043, 10.0, 4, 4),
+    ],
 )
 def test_detail_stride_bounds_the_detailed_steps_a_second(median_s, rate, every, stride) -> None:
     from hpar_agent.collectors.steps import detail_stride
@@ -250,13 +267,27 @@ def test_phase_spans_are_children_of_the_step() -> None:
     rec = StepRecord(step=5, start_ns=0, end_ns=100 * ms)
     # 1-8 ms in the loader, then host work to the forward at 10 ms; a second loader call inside the
     # backward (a prefetch) is loader time but no data wait
-    events = [(0, 10 * ms, 0, None), (1, 40 * ms, 0, None), (2, 45 * ms, 0, None), (3, 85 * ms, 0, None),
-              (4, 90 * ms, 0, None), (5, 1 * ms, 8 * ms, None), (5, 50 * ms, 52 * ms, None)]
+    events = [
+        (0, 10 * ms, 0, None),
+        (1, 40 * ms, 0, None),
+        (2, 45 * ms, 0, None),
+        (3, 85 * ms, 0, None),
+        (4, 90 * ms, 0, None),
+        (5, 1 * ms, 8 * ms, None),
+        (5, 50 * ms, 52 * ms, None),
+    ]
     phases, spans, loader = c.phases(rec, events)
-    assert phases == pytest.approx({"data_wait": 0.007, "host": 0.003, "forward": 0.03, "backward": 0.04,
-                                    "optimizer": 0.01})
-    assert spans == [("host", 0, 1 * ms), ("data_wait", 1 * ms, 8 * ms), ("host", 8 * ms, 10 * ms),
-                     ("forward", 10 * ms, 40 * ms), ("backward", 45 * ms, 85 * ms), ("optimizer", 90 * ms, 100 * ms)]
+    assert phases == pytest.approx(
+        {"data_wait": 0.007, "host": 0.003, "forward": 0.03, "backward": 0.04, "optimizer": 0.01}
+    )
+    assert spans == [
+        ("host", 0, 1 * ms),
+        ("data_wait", 1 * ms, 8 * ms),
+        ("host", 8 * ms, 10 * ms),
+        ("forward", 10 * ms, 40 * ms),
+        ("backward", 45 * ms, 85 * ms),
+        ("optimizer", 90 * ms, 100 * ms),
+    ]
     assert loader == pytest.approx(0.009)
 
 
@@ -284,19 +315,26 @@ def test_cuda_events_give_stream_phases_and_wait_for_completion() -> None:
     c._last_end_event = FakeEvent(0.0)  # the previous step's end on the stream
     end = FakeEvent(110.0, done=False)
     # host: 31 ms in the loader, then launches within 5 ms; the stream: idle 30 ms (input), fwd 30, bwd 40, opt 10
-    events = [(0, 31 * ms, 0, FakeEvent(30.0)), (1, 32 * ms, 0, FakeEvent(60.0)), (2, 33 * ms, 0, FakeEvent(60.0)),
-              (3, 34 * ms, 0, FakeEvent(100.0)), (4, 35 * ms, 0, FakeEvent(100.0)), (6, 36 * ms, 0, end),
-              (5, 0, 31 * ms, None)]
+    events = [
+        (0, 31 * ms, 0, FakeEvent(30.0)),
+        (1, 32 * ms, 0, FakeEvent(60.0)),
+        (2, 33 * ms, 0, FakeEvent(60.0)),
+        (3, 34 * ms, 0, FakeEvent(100.0)),
+        (4, 35 * ms, 0, FakeEvent(100.0)),
+        (6, 36 * ms, 0, end),
+        (5, 0, 31 * ms, None),
+    ]
     c._events[3] = events  # as poll() leaves them
     c.on_step(StepRecord(step=3, start_ns=0, end_ns=36 * ms))
     assert c.history == [] and c.span_watermark_ns() == 0  # the end event is still pending
     end.done = True
     c._flush()
-    (step, step_s, phases, _loader), = c.history
+    ((step, step_s, phases, _loader),) = c.history
     assert step == 3 and step_s == pytest.approx(0.11)
     # the stream's 30 ms idle is the last 30 ms of the host's 31 ms to the forward, all in the loader
-    assert phases == pytest.approx({"data_wait": 0.03, "host": 0.0, "forward": 0.03, "backward": 0.04,
-                                    "optimizer": 0.01})
+    assert phases == pytest.approx(
+        {"data_wait": 0.03, "host": 0.0, "forward": 0.03, "backward": 0.04, "optimizer": 0.01}
+    )
     assert c.clock == "cuda-events" and c._last_end_event is end and c.span_watermark_ns() is None
     assert c.verdict == "input-bound"  # 27% of the stream's step time idle, waiting for input
 
@@ -314,21 +352,31 @@ def test_cuda_phases_of_a_detailed_step_are_measured_from_the_undetailed_step_be
     c.on_step(StepRecord(step=2, start_ns=0, end_ns=1 * ms, detailed=False))
     assert c.history == [] and c._last_end_event is prev_end
     end = FakeEvent(110.0)
-    c._events[3] = [(0, 31 * ms, 0, FakeEvent(30.0)), (1, 32 * ms, 0, FakeEvent(60.0)), (2, 33 * ms, 0, FakeEvent(60.0)),
-                    (3, 34 * ms, 0, FakeEvent(100.0)), (4, 35 * ms, 0, FakeEvent(100.0)), (6, 36 * ms, 0, end)]
+    c._events[3] = [
+        (0, 31 * ms, 0, FakeEvent(30.0)),
+        (1, 32 * ms, 0, FakeEvent(60.0)),
+        (2, 33 * ms, 0, FakeEvent(60.0)),
+        (3, 34 * ms, 0, FakeEvent(100.0)),
+        (4, 35 * ms, 0, FakeEvent(100.0)),
+        (6, 36 * ms, 0, end),
+    ]
     c.on_step(StepRecord(step=3, start_ns=1 * ms, end_ns=36 * ms))
-    (step, step_s, phases, _loader), = c.history
+    ((step, step_s, phases, _loader),) = c.history
     assert step == 3 and step_s == pytest.approx(0.11)
     assert phases["forward"] == pytest.approx(0.03) and phases["optimizer"] == pytest.approx(0.01)
 
 
-@pytest.mark.parametrize(("prev", "nxt", "recorded"), [(True, False, True), (False, True, True), (False, False, False)])
+@pytest.mark.parametrize(
+    ("prev", "nxt", "recorded"), [(True, False, True), (False, True, True), (False, False, False)]
+)
 def test_cuda_end_event_is_recorded_for_a_detailed_step_and_the_one_before(prev, nxt, recorded) -> None:
     from types import SimpleNamespace
 
     c = AnatomyCollector()
     opt = object()
-    c.hooks._steps = SimpleNamespace(explicit=False, _optimizer_id=id(opt), count=5, prev_detailed=prev, detailed=nxt)
+    c.hooks._steps = SimpleNamespace(
+        explicit=False, _optimizer_id=id(opt), count=5, prev_detailed=prev, detailed=nxt
+    )
     c.hooks.event = lambda enable_timing: SimpleNamespace(record=lambda stream: None)
     c.hooks._stream = lambda: None
     c.hooks._opt_post(opt, (), {})
@@ -345,11 +393,17 @@ def test_cuda_stream_idle_of_a_host_bound_loop_is_not_data_wait() -> None:
     ms = 1_000_000
     c._last_end_event = FakeEvent(0.0)
     end = FakeEvent(110.0)
-    events = [(0, 1 * ms, 0, FakeEvent(30.0)), (1, 2 * ms, 0, FakeEvent(60.0)), (2, 3 * ms, 0, FakeEvent(60.0)),
-              (3, 4 * ms, 0, FakeEvent(100.0)), (4, 5 * ms, 0, FakeEvent(100.0)), (6, 6 * ms, 0, end)]
+    events = [
+        (0, 1 * ms, 0, FakeEvent(30.0)),
+        (1, 2 * ms, 0, FakeEvent(60.0)),
+        (2, 3 * ms, 0, FakeEvent(60.0)),
+        (3, 4 * ms, 0, FakeEvent(100.0)),
+        (4, 5 * ms, 0, FakeEvent(100.0)),
+        (6, 6 * ms, 0, end),
+    ]
     c._events[3] = events
     c.on_step(StepRecord(step=3, start_ns=0, end_ns=6 * ms))
-    (_step, _s, phases, _loader), = c.history
+    ((_step, _s, phases, _loader),) = c.history
     assert phases["host"] == pytest.approx(0.001) and phases["data_wait"] == 0.0
     assert c.verdict is None  # judged once per pass, after its steps (as the agent's tick calls it)
     c.end_pass()
@@ -362,7 +416,9 @@ def test_the_rank_straggler_names_is_the_slow_rank(tmp_path, monkeypatch) -> Non
 
     from hpar_agent.agent_thread import AgentThread
 
-    monkeypatch.setattr(AgentThread, "_run", lambda self: None)  # only this test's tick: the thread's would re-judge
+    monkeypatch.setattr(
+        AgentThread, "_run", lambda self: None
+    )  # only this test's tick: the thread's would re-judge
     model = Slow(0.01, 0.01)
     a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path))
     try:
@@ -429,10 +485,16 @@ def test_ddp_wait_after_backward_is_exposed_communication(tmp_path) -> None:
 
     c = AnatomyCollector()
     ms = 1_000_000
-    c._events[1] = [(FWD0, 1 * ms, 0, None), (FWD1, 3 * ms, 0, None), (BWD0, 3 * ms, 0, None),
-                    (BWD1, 6 * ms, 0, None), (SYNC1, 9 * ms, 0, None), (OPT0, 9 * ms, 0, None)]
+    c._events[1] = [
+        (FWD0, 1 * ms, 0, None),
+        (FWD1, 3 * ms, 0, None),
+        (BWD0, 3 * ms, 0, None),
+        (BWD1, 6 * ms, 0, None),
+        (SYNC1, 9 * ms, 0, None),
+        (OPT0, 9 * ms, 0, None),
+    ]
     c.on_step(StepRecord(step=1, start_ns=0, end_ns=10 * ms))
-    (_step, _s, phases, _loader), = c.history
+    ((_step, _s, phases, _loader),) = c.history
     assert phases["comm_exposed"] == pytest.approx(0.003) and not c.comm_pending
     c._events[2] = [(FWD0, 11 * ms, 0, None), (FWD1, 13 * ms, 0, None), (OPT0, 14 * ms, 0, None)]
     c.on_step(StepRecord(step=2, start_ns=10 * ms, end_ns=15 * ms))
@@ -459,14 +521,20 @@ def test_comm_exposed_waits_for_the_steps_collectives() -> None:
 
     c, coll = AnatomyCollector(), Coll()
     c._coll = coll
-    c._events[4] = [(FWD0, b + 1_000, 0, None), (FWD1, b + 3_000, 0, None), (BWD0, b + 3_000, 0, None),
-                    (BWD1, b + 8_000, 0, None)]
+    c._events[4] = [
+        (FWD0, b + 1_000, 0, None),
+        (FWD1, b + 3_000, 0, None),
+        (BWD0, b + 3_000, 0, None),
+        (BWD1, b + 8_000, 0, None),
+    ]
     c.on_step(StepRecord(step=4, start_ns=b, end_ns=b + 10_000))
     assert "comm_exposed" not in c.history[0][2] and c.span_watermark_ns() == b
     coll.mark = b + 10_000  # read through the step's end
     c._flush()
     assert c.history[0][2]["comm_exposed"] == pytest.approx(2e-6)  # 8-10 µs: the rest hid under backward
-    assert c.span_watermark_ns() is None and c.summary()["phase_seconds_p50"]["comm_exposed"] == pytest.approx(2e-6)
+    assert c.span_watermark_ns() is None and c.summary()["phase_seconds_p50"][
+        "comm_exposed"
+    ] == pytest.approx(2e-6)
 
 
 def test_a_peer_the_straggler_exchange_names_is_the_slow_rank(tmp_path, monkeypatch) -> None:
@@ -522,7 +590,9 @@ def test_a_pipeline_stage_mostly_waiting_is_unknown_and_the_reason_names_the_bub
     from hpar_agent.spans import StepRecord
 
     ms = 1_000_000
-    pipe = SimpleNamespace(wrapped=True, phase_by_step={}, first_forward_ns={}, intervals_by_step={}, bubbles=[])
+    pipe = SimpleNamespace(
+        wrapped=True, phase_by_step={}, first_forward_ns={}, intervals_by_step={}, bubbles=[]
+    )
     c = AnatomyCollector()
     c._pipe = pipe
     for step in range(6):
@@ -533,6 +603,8 @@ def test_a_pipeline_stage_mostly_waiting_is_unknown_and_the_reason_names_the_bub
         c.on_step(StepRecord(step=step, start_ns=t, end_ns=t + 100 * ms))
     c.end_pass()
     assert c.verdict == "unknown", c.evidence
-    assert c.evidence["reason"] == ("the phases explain 41% of the step (anatomy.min_explained 60%); the rest is "
-                                    "mostly the pipeline's bubble (60% of the step, hpar_pp_bubble_ratio): the "
-                                    "stage waits for its neighbours")
+    assert c.evidence["reason"] == (
+        "the phases explain 41% of the step (anatomy.min_explained 60%); the rest is "
+        "mostly the pipeline's bubble (60% of the step, hpar_pp_bubble_ratio): the "
+        "stage waits for its neighbours"
+    )

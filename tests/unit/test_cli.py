@@ -39,10 +39,19 @@ def test_version_has_one_source():
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["demo", "--inject", "bogus"], "hpar-agent demo: error: --inject 'bogus' is not one of recompile-storm"),
+        (
+            ["demo", "--inject", "bogus"],
+            "hpar-agent demo: error: --inject 'bogus' is not one of recompile-storm",
+        ),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),
-        (["demo", "--", "--compile", "nope"], "hpar-agent demo: error: argument --compile: invalid choice: 'nope'"),
-        (["demo", "--inject", "graph-break", "--", "--compile", "none"], "--inject graph-break needs --compile"),
+        (
+            ["demo", "--", "--compile", "nope"],
+            "hpar-agent demo: error: argument --compile: invalid choice: 'nope'",
+        ),
+        (
+            ["demo", "--inject", "graph-break", "--", "--compile", "none"],
+            "--inject graph-break needs --compile",
+        ),
         (["report", "no-such-run"], "hpar-agent report: error: no-such-run: not found"),
         (["report", "."], "has no summary/events/traces/trainer files"),
         (["export", "grafana", "--out", "x"], "invalid choice: 'grafana'"),
@@ -69,12 +78,14 @@ def test_a_linked_hpar_runs_is_refused_in_one_line(tmp_path, tool, args):
 def test_first_error_line_is_the_exception_of_the_first_traceback():
     log = (
         "W1201 warning from torch\n"
-        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n    import numpy\n"
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    import numpy\n'
         "    ^^^^^^^^^^^^\nRuntimeError: Numpy is not available\n"
-        "Traceback (most recent call last):\n  File \"y.py\", line 2\nValueError: later\n"
+        'Traceback (most recent call last):\n  File "y.py", line 2\nValueError: later\n'
     )
     assert first_error_line(log) == "RuntimeError: Numpy is not available"
-    assert first_error_line("hpar-train: error: --dp must be >= 1\n") == "hpar-train: error: --dp must be >= 1"
+    assert (
+        first_error_line("hpar-train: error: --dp must be >= 1\n") == "hpar-train: error: --dp must be >= 1"
+    )
     assert first_error_line("all fine\n") is None
 
 
@@ -97,8 +108,14 @@ def test_export_compose_keeps_the_layout_its_mounts_expect(tmp_path):
     assert export.main("compose", str(tmp_path)) == 0
     compose = tmp_path / "deploy/compose/compose.yaml"
     assert filecmp.cmp(compose, REPO / "deploy/compose/compose.yaml", shallow=False)
-    for mount in ("../prometheus/prometheus.yml", "../prometheus/rules", "../alertmanager/alertmanager.yml",
-                  "./grafana/provisioning", "../../dashboards", "./alert_webhook.py"):
+    for mount in (
+        "../prometheus/prometheus.yml",
+        "../prometheus/rules",
+        "../alertmanager/alertmanager.yml",
+        "./grafana/provisioning",
+        "../../dashboards",
+        "./alert_webhook.py",
+    ):
         assert mount in compose.read_text() and (compose.parent / mount).exists(), mount
     assert (tmp_path / "dashboards/overview.json").exists()
 
@@ -109,16 +126,27 @@ def test_wheel_ships_assets_and_license(tmp_path):
 
     res = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(REPO)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     (wheel,) = tmp_path.glob("hpar_agent-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     want = {f"hpar_agent/assets/dashboards/{p.name}" for p in (REPO / "dashboards").glob("*.json")}
-    want |= {f"hpar_agent/assets/deploy/prometheus/rules/{p.name}" for p in (REPO / "deploy/prometheus/rules").glob("*.yml")}
-    want |= {"hpar_agent/assets/deploy/compose/compose.yaml", "hpar_agent/assets/deploy/alertmanager/alertmanager.yml",
-             "hpar_agent/assets/deploy/compose/alert_webhook.py",
-             "hpar_agent/__main__.py", "hpar_agent/_version.py", "hpar_agent/tools/cli.py", "hpar_agent/tools/report.py"}
+    want |= {
+        f"hpar_agent/assets/deploy/prometheus/rules/{p.name}"
+        for p in (REPO / "deploy/prometheus/rules").glob("*.yml")
+    }
+    want |= {
+        "hpar_agent/assets/deploy/compose/compose.yaml",
+        "hpar_agent/assets/deploy/alertmanager/alertmanager.yml",
+        "hpar_agent/assets/deploy/compose/alert_webhook.py",
+        "hpar_agent/__main__.py",
+        "hpar_agent/_version.py",
+        "hpar_agent/tools/cli.py",
+        "hpar_agent/tools/report.py",
+    }
     assert want <= names, sorted(want - names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
@@ -128,7 +156,9 @@ def test_wheel_ships_assets_and_license(tmp_path):
     assert not any(n.endswith("generate.py") for n in names)  # the generators stay in the source tree
     # developer tooling and test helpers stay in the source tree too
     assert not any(n.startswith(("scripts/", "testkit/", "benchmarks/", "tests/")) for n in names)
-    assert not {"hpar_agent/docs.py", "hpar_agent/cli.py"} & names and not any(n.endswith("gen_docs.py") for n in names)
+    assert not {"hpar_agent/docs.py", "hpar_agent/cli.py"} & names and not any(
+        n.endswith("gen_docs.py") for n in names
+    )
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "hpar-agent = hpar_agent.tools.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
     # Installed from the wheel (a pure-Python wheel is a zip of site-packages), export needs no clone.
@@ -137,14 +167,19 @@ def test_wheel_ships_assets_and_license(tmp_path):
     code = "import sys, hpar_agent.tools.cli as c; print(c.__file__); sys.exit(c.main(sys.argv[1:]))"
     res = subprocess.run(
         [sys.executable, "-c", code, "export", "rules", "--out", str(tmp_path / "rules")],
-        capture_output=True, text=True, timeout=60, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+    )
     assert res.returncode == 0 and res.stdout.startswith(str(site)), res.stdout + res.stderr
     for rule in (REPO / "deploy/prometheus/rules").glob("*.yml"):
         assert filecmp.cmp(tmp_path / "rules" / rule.name, rule, shallow=False)
 
 
-@pytest.mark.parametrize(("environ", "addr"), [({}, "127.0.0.1"), ({"HPAR_METRICS_ADDR": "0.0.0.0"}, "0.0.0.0")])
+@pytest.mark.parametrize(
+    ("environ", "addr"), [({}, "127.0.0.1"), ({"HPAR_METRICS_ADDR": "0.0.0.0"}, "0.0.0.0")]
+)
 def test_demo_binds_loopback_unless_told_otherwise(tmp_path, monkeypatch, environ, addr):
     """The demo's ranks serve on 127.0.0.1; HPAR_METRICS_ADDR (compose sets 0.0.0.0, so Prometheus
     in another container scrapes them) is passed on to every rank."""

@@ -27,7 +27,9 @@ class FakeRecorder:
         self.status: dict[str, dict] = {}
         self.full_dumps = 0
 
-    def add(self, rid, pg_id, pg, desc, seq, name="nccl:all_reduce", n=256, dur=None, state="completed", p2p=False):
+    def add(
+        self, rid, pg_id, pg, desc, seq, name="nccl:all_reduce", n=256, dur=None, state="completed", p2p=False
+    ):
         self.entries.append(
             {
                 "record_id": rid,
@@ -76,7 +78,9 @@ def fake(monkeypatch, tmp_path, ring_at_attach):
     monkeypatch.setattr(fr, "process_groups", list)  # the fake's groups only (none a test before left)
     monkeypatch.setattr(AgentThread, "_run", lambda self: None)  # only the test's own ticks: they count reads
     # every tick a new fr_interval slot: full reads whenever something moved
-    agent = Agent(metrics_port=-1, traces="file", run_dir=str(tmp_path), trace_every=1, job_id="j", fr_interval=1e-6)
+    agent = Agent(
+        metrics_port=-1, traces="file", run_dir=str(tmp_path), trace_every=1, job_id="j", fr_interval=1e-6
+    )
     agent.start()
     c = agent.component("collectives")
     c.groups.sizes.update({name: 4 for name in "0123"})  # as _sync_groups learns them from torch
@@ -136,8 +140,12 @@ def test_nccl_p2p_batch_is_labelled_pp_with_peer_bytes_and_the_coalesced_duratio
     hl = {**L, "pg": "pp", "op": "send", "stream": "nccl:pp"}
     assert get("hpar_collective_duration_seconds_count", hl) == 1
     assert get("hpar_collective_duration_seconds_sum", hl) == pytest.approx(0.004)
-    assert get("hpar_collective_busbw_bytes_per_second", {**L, "pg": "pp", "op": "recv"}) == pytest.approx(2000 / 0.004)
-    spans = sorted((realize(s) for ss in agent.span_schedule.pending.values() for s in ss), key=lambda s: s.name)
+    assert get("hpar_collective_busbw_bytes_per_second", {**L, "pg": "pp", "op": "recv"}) == pytest.approx(
+        2000 / 0.004
+    )
+    spans = sorted(
+        (realize(s) for ss in agent.span_schedule.pending.values() for s in ss), key=lambda s: s.name
+    )
     assert [(s.name, s.attributes["collective.pg"], s.attributes["collective.peer"]) for s in spans] == [
         ("collective.recv", "pp", 11),
         ("collective.send", "pp", 11),
@@ -257,7 +265,9 @@ def test_an_empty_recorder_is_read_in_full_once(fake):
     agent.config.fr_interval = 1e-6
     agent.tick()  # entries at last: read at the next slot
     assert rec.full_dumps == at_attach + 2 and c.read_reasons == {"first": 1, "slot": 1}
-    assert agent.registry.get_sample_value("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 1
+    assert (
+        agent.registry.get_sample_value("hpar_collectives_total", {**L, "pg": "dp", "op": "all_reduce"}) == 1
+    )
 
 
 def test_full_reads_once_per_slot_unless_stuck(fake):
@@ -325,7 +335,8 @@ def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):
     agent.config.fr_interval = 3600.0
     exported: list[tuple[int, list[str]]] = []
     agent.outputs.tracing = SimpleNamespace(
-        export_step=lambda r: exported.append((r.step, [realize(s).name for s in r.children])), shutdown=lambda t: None
+        export_step=lambda r: exported.append((r.step, [realize(s).name for s in r.children])),
+        shutdown=lambda t: None,
     )
     rec.add(0, 1, "1", "mesh_dp", 1, dur=1.0)
     agent.tick()  # first read: the op above
@@ -337,7 +348,10 @@ def test_step_trace_waits_for_spans_of_a_later_fr_read(fake):
     agent.tick()
     # with them the step's exposed communication (no model here: nothing hides the two ops)
     ((step, names),) = exported
-    assert step == 0 and [n for n in names if n != "step.comm_exposed"] == ["collective.all_reduce", "collective.broadcast"]
+    assert step == 0 and [n for n in names if n != "step.comm_exposed"] == [
+        "collective.all_reduce",
+        "collective.broadcast",
+    ]
     assert "step.comm_exposed" in names
 
 
@@ -346,9 +360,13 @@ def test_no_spans_are_built_with_tracing_off(fake):
     agent.outputs.tracing = None
     rec.add(0, 1, "1", "mesh_dp", 1, dur=1.0)
     agent.tick()
-    assert agent.registry.get_sample_value(
-        "hpar_collective_duration_seconds_count", {**L, "pg": "dp", "op": "all_reduce", "stream": "nccl:dp"}
-    ) == 1
+    assert (
+        agent.registry.get_sample_value(
+            "hpar_collective_duration_seconds_count",
+            {**L, "pg": "dp", "op": "all_reduce", "stream": "nccl:dp"},
+        )
+        == 1
+    )
     assert not agent.span_schedule.pending
 
 
@@ -396,7 +414,9 @@ def test_p2p_wrappers_count_time_and_restore(tmp_path):
         send = get("hpar_collective_duration_seconds_sum", {**L, "pg": "pp", "op": "send", "stream": "cpu"})
         recv = get("hpar_collective_duration_seconds_sum", {**L, "pg": "pp", "op": "recv", "stream": "cpu"})
         assert send >= 0.01 > recv  # recv was complete when waited: timed to the wait's entry
-        spans = {s.name: s for s in map(realize, (s for ss in agent.span_schedule.pending.values() for s in ss))}
+        spans = {
+            s.name: s for s in map(realize, (s for ss in agent.span_schedule.pending.values() for s in ss))
+        }
         assert spans["collective.recv"].attributes["collective.peer"] == 3
         assert get("hpar_collective_inflight", {**L, "pg": "pp"}) == 0
         batch(ops)  # issued, never waited: in flight
@@ -407,8 +427,13 @@ def test_p2p_wrappers_count_time_and_restore(tmp_path):
         wait(batch(ops))
         agent.tick()
         assert get("hpar_collectives_total", {**L, "pg": "pp", "op": "send"}) == 3  # counted
-        assert get("hpar_collective_duration_seconds_count", {**L, "pg": "pp", "op": "send", "stream": "cpu"}) == 1
-        assert get("hpar_collective_inflight", {**L, "pg": "pp"}) == 2  # done, not timed; the earlier two wait on
+        assert (
+            get("hpar_collective_duration_seconds_count", {**L, "pg": "pp", "op": "send", "stream": "cpu"})
+            == 1
+        )
+        assert (
+            get("hpar_collective_inflight", {**L, "pg": "pp"}) == 2
+        )  # done, not timed; the earlier two wait on
     finally:
         agent.stop()
     assert sched._batch_p2p is orig_batch and sched._wait_batch_p2p is orig_wait

@@ -33,9 +33,18 @@ def ar1(seed: int, n: int = STEPS, phi: float = 0.5, base: float = 0.1, sd: floa
     return base * np.exp(x)
 
 
-def _run(path: Path, times: list[np.ndarray] | None = None, *, seed: int = 0, scale: float = 1.0,
-         backward: float = 0.05, verdicts: tuple[str, str] = ("compute-bound", "compute-bound"),
-         alerts: tuple[str, ...] = (), samples: bool = True, cpu_wait: float | None = 0.02) -> Path:
+def _run(
+    path: Path,
+    times: list[np.ndarray] | None = None,
+    *,
+    seed: int = 0,
+    scale: float = 1.0,
+    backward: float = 0.05,
+    verdicts: tuple[str, str] = ("compute-bound", "compute-bound"),
+    alerts: tuple[str, ...] = (),
+    samples: bool = True,
+    cpu_wait: float | None = 0.02,
+) -> Path:
     """A 2-rank run directory as the agent leaves it, each rank's summary carrying its step times."""
     path.mkdir(parents=True)
     if times is None:
@@ -44,21 +53,35 @@ def _run(path: Path, times: list[np.ndarray] | None = None, *, seed: int = 0, sc
     for rank in (0, 1):
         phases = {"data_wait": 0.01, "forward": 0.02, "backward": backward, "optimizer": 0.005}
         step = 0.1 * scale
-        steps: dict = {"steps": STEPS, "step_seconds_p50": float(np.median(times[rank])), "cpu_wait_share": cpu_wait}
+        steps: dict = {
+            "steps": STEPS,
+            "step_seconds_p50": float(np.median(times[rank])),
+            "cpu_wait_share": cpu_wait,
+        }
         if samples:
-            steps |= {"recent_step_seconds": [round(float(v), 7) for v in times[rank]], "recent_first_step": 0}
+            steps |= {
+                "recent_step_seconds": [round(float(v), 7) for v in times[rank]],
+                "recent_first_step": 0,
+            }
         summary = {
-            "rank": rank, "pp_stage": 0, "errors": {}, "topology": {"world_size": "2"},
+            "rank": rank,
+            "pp_stage": 0,
+            "errors": {},
+            "topology": {"world_size": "2"},
             "components": {
                 "steps": steps,
-                "anatomy": {"step_seconds_p50": step, "phase_seconds_p50": phases, "verdict": verdicts[rank],
-                            "clock": "cpu",
-                            "evidence": {"shares": {k: v / step for k, v in phases.items()}, "other_share": 0.0}},
+                "anatomy": {
+                    "step_seconds_p50": step,
+                    "phase_seconds_p50": phases,
+                    "verdict": verdicts[rank],
+                    "clock": "cpu",
+                    "evidence": {"shares": {k: v / step for k, v in phases.items()}, "other_share": 0.0},
+                },
                 "collectives": {"table": [{"pg": "dp", "op": "all_reduce", "count": 20, "p50_s": None}]},
                 "memory": {"rss_bytes": 100 << 20, "allocator": {}},
                 "compile": {"compile_seconds_total": 1.5},
             },
-        }  # fmt: skip
+        }
         (path / f"summary.rank{rank}.json").write_text(json.dumps(summary))
         events = [{"kind": "alert", "state": "firing", "alert": a, "rank": rank} for a in alerts if rank == 1]
         (path / f"events.rank{rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
@@ -120,7 +143,9 @@ def test_cli_verdicts_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "faster by -23." in capsys.readouterr().out
 
 
-def test_runs_the_machine_treated_differently_are_not_judged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_runs_the_machine_treated_differently_are_not_judged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The training threads waited for a CPU 20% of the time in B, 2% in A: a +30% step time may be the
     machine's, so the verdict is unknown (with what was measured); 2% against 3% is judged; 35% and 34%
     is an oversubscribed machine, where equal waits do not mean equal treatment."""
@@ -128,17 +153,25 @@ def test_runs_the_machine_treated_differently_are_not_judged(tmp_path: Path, cap
     busy = _run(tmp_path / "busy", seed=2, scale=1.3, cpu_wait=0.20)
     assert cli_main(["compare", str(a), str(busy)]) == 2
     out = capsys.readouterr().out
-    assert ("UNKNOWN: step time: the training threads waited for a CPU 2% of the time in A and 20% in B: the "
-            "machine's load alone could make B's steps +22.5% longer" in out), out
+    assert (
+        "UNKNOWN: step time: the training threads waited for a CPU 2% of the time in A and 20% in B: the "
+        "machine's load alone could make B's steps +22.5% longer" in out
+    ), out
     assert "(measured +30." in out and "+18.0 pts" in out, out
     calm = _run(tmp_path / "calm", seed=2, scale=1.3, cpu_wait=0.03)
     assert cli_main(["compare", str(a), str(calm)]) == 1
     unmeasured = _run(tmp_path / "unmeasured", seed=2, scale=1.3, cpu_wait=None)  # an older agent: judged
     assert cli_main(["compare", str(a), str(unmeasured)]) == 1
     capsys.readouterr()
-    busy_a, busy_b = _run(tmp_path / "busy_a", seed=1, cpu_wait=0.35), _run(tmp_path / "busy_b", seed=2, cpu_wait=0.34)
+    busy_a, busy_b = (
+        _run(tmp_path / "busy_a", seed=1, cpu_wait=0.35),
+        _run(tmp_path / "busy_b", seed=2, cpu_wait=0.34),
+    )
     assert cli_main(["compare", str(busy_a), str(busy_b)]) == 2  # equally busy, but oversubscribed
-    assert "waited for a CPU 35% of the time in A and 34% in B: on a machine that busy" in capsys.readouterr().out
+    assert (
+        "waited for a CPU 35% of the time in A and 34% in B: on a machine that busy"
+        in capsys.readouterr().out
+    )
 
 
 @pytest.mark.parametrize(("text", "value"), [("5%", 0.05), ("0.1", 0.1), ("12.5%", 0.125)])
@@ -156,8 +189,9 @@ def test_bad_usage_exits_2(tmp_path: Path, bad: str) -> None:
     assert exc.value.code == 2
 
 
-def test_a_bug_in_the_tool_is_neither_a_regression_nor_bad_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bug_in_the_tool_is_neither_a_regression_nor_bad_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def broken(_d: Path) -> None:
         raise KeyError("bug")
 
@@ -167,21 +201,30 @@ def test_a_bug_in_the_tool_is_neither_a_regression_nor_bad_input(tmp_path: Path,
     assert "internal error" in capsys.readouterr().err
 
 
-def test_a_phase_is_judged_from_the_sampled_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_phase_is_judged_from_the_sampled_traces(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a, b = _run(tmp_path / "a", seed=1), _run(tmp_path / "b", seed=2)
     for run, scale in ((a, 1.0), (b, 1.5)):
-        _traces(run, {r: {s: 0.05 * scale * (1 + 0.01 * (s % 7)) for s in range(0, STEPS, 2)} for r in (0, 1)},
-                phase="backward")
+        _traces(
+            run,
+            {r: {s: 0.05 * scale * (1 + 0.01 * (s % 7)) for s in range(0, STEPS, 2)} for r in (0, 1)},
+            phase="backward",
+        )
     assert cli_main(["compare", str(a), str(b), "--phase", "backward"]) == 1
     out = capsys.readouterr().out
     assert "REGRESSION: backward regressed by +50.0%" in out and "step time:" in out
     c = _run(tmp_path / "c")  # no traces: the phase cannot be judged
     assert cli_main(["compare", str(a), str(c), "--phase", "backward"]) == 2
-    assert "UNKNOWN: backward: run B: none from rank(s) 0, 1 (sampled step.backward spans" in capsys.readouterr().out
+    assert (
+        "UNKNOWN: backward: run B: none from rank(s) 0, 1 (sampled step.backward spans"
+        in capsys.readouterr().out
+    )
 
 
-def _traces(run: Path, per_rank: dict[int, dict[int, float]], phase: str | None = None,
-            reason: str = "sampled") -> None:
+def _traces(
+    run: Path, per_rank: dict[int, dict[int, float]], phase: str | None = None, reason: str = "sampled"
+) -> None:
     """``traces.rank<R>.jsonl`` with a train.step span (and a ``step.<phase>`` child) per given step."""
     for rank, steps in per_rank.items():
         lines = []
@@ -190,22 +233,34 @@ def _traces(run: Path, per_rank: dict[int, dict[int, float]], phase: str | None 
             spans = [(cat.SPAN_STEP, secs * 2 if phase else secs, {cat.ATTR_TRACE_REASON: reason})]
             if phase:
                 spans.append((cat.SPAN_STEP_PHASES[phase], secs, {}))
-            otlp = [{"name": name, "startTimeUnixNano": str(t0), "endTimeUnixNano": str(t0 + int(d * 1e9)),
-                     "attributes": [{"key": cat.ATTR_STEP, "value": {"intValue": str(step)}},
-                                    *({"key": k, "value": {"stringValue": v}} for k, v in extra.items())]}
-                    for name, d, extra in spans]  # fmt: skip
+            otlp = [
+                {
+                    "name": name,
+                    "startTimeUnixNano": str(t0),
+                    "endTimeUnixNano": str(t0 + int(d * 1e9)),
+                    "attributes": [
+                        {"key": cat.ATTR_STEP, "value": {"intValue": str(step)}},
+                        *({"key": k, "value": {"stringValue": v}} for k, v in extra.items()),
+                    ],
+                }
+                for name, d, extra in spans
+            ]
             res = {"attributes": [{"key": cat.ATTR_RANK, "value": {"intValue": str(rank)}}]}
             lines.append(json.dumps({"resourceSpans": [{"resource": res, "scopeSpans": [{"spans": otlp}]}]}))
         (run / f"traces.rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def test_summaries_without_step_times_fall_back_to_sampled_traces(tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_summaries_without_step_times_fall_back_to_sampled_traces(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """An older agent's summaries carry no step times: the traces' sampled steps stand in; the slow
     steps the traces also keep are left out (they would bias the median)."""
     a, b = _run(tmp_path / "a", samples=False), _run(tmp_path / "b", samples=False)
     assert cli_main(["compare", str(a), str(b)]) == 2  # nothing per step at all
-    assert "UNKNOWN: step time: run A: none from rank(s) 0, 1 (sampled train.step spans" in capsys.readouterr().out
+    assert (
+        "UNKNOWN: step time: run A: none from rank(s) 0, 1 (sampled train.step spans"
+        in capsys.readouterr().out
+    )
     for run, seed, scale in ((a, 1, 1.0), (b, 2, 1.25)):
         x = ar1(seed, 60) * scale
         _traces(run, {r: {10 * i: float(v) for i, v in enumerate(x)} for r in (0, 1)})
@@ -214,11 +269,42 @@ def test_summaries_without_step_times_fall_back_to_sampled_traces(tmp_path: Path
         with (a / f"traces.rank{rank}.jsonl").open("a") as fh:
             for step, secs in steps.items():
                 t0 = 10**18 + step * 10**9
-                fh.write(json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{
-                    "name": cat.SPAN_STEP, "startTimeUnixNano": str(t0), "endTimeUnixNano": str(t0 + int(secs * 1e9)),
-                    "attributes": [{"key": cat.ATTR_STEP, "value": {"intValue": str(step)}},
-                                   {"key": cat.ATTR_RANK, "value": {"intValue": str(rank)}},
-                                   {"key": cat.ATTR_TRACE_REASON, "value": {"stringValue": "slow"}}]}]}]}]}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "resourceSpans": [
+                                {
+                                    "scopeSpans": [
+                                        {
+                                            "spans": [
+                                                {
+                                                    "name": cat.SPAN_STEP,
+                                                    "startTimeUnixNano": str(t0),
+                                                    "endTimeUnixNano": str(t0 + int(secs * 1e9)),
+                                                    "attributes": [
+                                                        {
+                                                            "key": cat.ATTR_STEP,
+                                                            "value": {"intValue": str(step)},
+                                                        },
+                                                        {
+                                                            "key": cat.ATTR_RANK,
+                                                            "value": {"intValue": str(rank)},
+                                                        },
+                                                        {
+                                                            "key": cat.ATTR_TRACE_REASON,
+                                                            "value": {"stringValue": "slow"},
+                                                        },
+                                                    ],
+                                                }
+                                            ]
+                                        }
+                                    ]
+                                }
+                            ]
+                        }
+                    )
+                    + "\n"
+                )
     assert cli_main(["compare", str(a), str(b)]) == 1
     out = capsys.readouterr().out
     assert "REGRESSION: step time regressed by +2" in out
@@ -234,10 +320,18 @@ def _summary_path(run: Path, rank: int = 1) -> Path:
     [
         (lambda p: p.write_text(p.read_text()[:200]), "summary.rank1.json: not JSON: "),
         (lambda p: p.write_bytes(pickle.dumps({"rank": 1})), "summary.rank1.json: not UTF-8 text"),
-        (lambda p: p.write_text(p.read_text().replace('"step_seconds_p50": 0.', '"step_seconds_p50": NaN, "x": 0.')),
-         "summary.rank1.json: not valid JSON: holds NaN"),
-        (lambda p: p.write_text(p.read_text().replace('"step_seconds_p50": 0.', '"step_seconds_p50": 1e999, "x": 0.')),
-         "summary.rank1.json: not valid JSON: holds 1e999"),
+        (
+            lambda p: p.write_text(
+                p.read_text().replace('"step_seconds_p50": 0.', '"step_seconds_p50": NaN, "x": 0.')
+            ),
+            "summary.rank1.json: not valid JSON: holds NaN",
+        ),
+        (
+            lambda p: p.write_text(
+                p.read_text().replace('"step_seconds_p50": 0.', '"step_seconds_p50": 1e999, "x": 0.')
+            ),
+            "summary.rank1.json: not valid JSON: holds 1e999",
+        ),
         (lambda p: p.write_text("[1, 2]"), "summary.rank1.json: not the expected document"),
         (lambda p: (p.unlink(), os.mkfifo(p)), "summary.rank1.json: a FIFO, not a regular file: skipped"),
         (lambda p: p.unlink(), "rank(s) 1 of 2 wrote no summary"),
@@ -245,8 +339,9 @@ def _summary_path(run: Path, rank: int = 1) -> Path:
     ids=["truncated", "pickle", "nan", "overflow", "array", "fifo", "missing"],
 )
 @pytest.mark.timeout(60)
-def test_unreadable_input_is_named_and_judged_unknown(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                      damage, says: str) -> None:
+def test_unreadable_input_is_named_and_judged_unknown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage, says: str
+) -> None:
     """A truncated, binary, NaN-holding or odd summary, a FIFO in its place (reading it would wait
     forever) or a missing rank: exit 2 naming the file, never "ok" and never a traceback."""
     a, b = _run(tmp_path / "a"), _run(tmp_path / "b")
@@ -257,7 +352,9 @@ def test_unreadable_input_is_named_and_judged_unknown(tmp_path: Path, capsys: py
     assert "UNKNOWN: run B" in out and "the slowest rank may be among them" in out and "ok" not in out.split()
 
 
-def test_an_odd_field_is_dropped_and_named_the_rest_is_used(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_odd_field_is_dropped_and_named_the_rest_is_used(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a, b = _run(tmp_path / "a"), _run(tmp_path / "b")
     doc = json.loads(_summary_path(b).read_text())
     doc["components"]["memory"]["allocator"] = [1, 2]
@@ -279,7 +376,9 @@ def test_changed_bottleneck_verdicts_are_said_plainly(tmp_path: Path) -> None:
     b = _run(tmp_path / "b", seed=2, verdicts=("compute-bound", "input-bound"))
     text = compare_mod.render_text(compare(a, b))
     assert "BOTTLENECK CHANGED: rank 1: compute-bound in A, input-bound in B" in text
-    assert "bottleneck: the same in both runs (compute-bound on every rank)" in compare_mod.render_text(compare(a, a))
+    assert "bottleneck: the same in both runs (compute-bound on every rank)" in compare_mod.render_text(
+        compare(a, a)
+    )
 
 
 def test_summary_shows_phases_verdicts_and_who_holds_the_others(tmp_path: Path) -> None:
@@ -295,7 +394,10 @@ def test_summary_shows_phases_verdicts_and_who_holds_the_others(tmp_path: Path) 
         s["components"]["anatomy"]["evidence"]["reason"] = "the phases explain 9% of the step"
         path.write_text(json.dumps(s))
     text = render_summary({}, load_rank_summaries(unknown), unknown, 1.0, 0)
-    assert "rank 0: unknown: the phases explain 9% of the step" in text and "rank 1 holds the others back" in text
+    assert (
+        "rank 0: unknown: the phases explain 9% of the step" in text
+        and "rank 1 holds the others back" in text
+    )
 
 
 def test_report_labels_the_baseline_and_shows_the_judgement(tmp_path: Path) -> None:
@@ -320,5 +422,8 @@ def test_the_traces_cadence_counts_its_slow_steps_and_leaves_the_others_out() ->
     def step(n: int, secs: float, why: str) -> Span:
         return Span(cat.SPAN_STEP, 0, 0, int(secs * 1e9), {cat.ATTR_STEP: n, cat.ATTR_TRACE_REASON: why})
 
-    spans = [step(n, 0.1, "sampled") for n in (0, 10, 20, 40)] + [step(30, 0.5, "slow"), step(35, 0.9, "slow")]
+    spans = [step(n, 0.1, "sampled") for n in (0, 10, 20, 40)] + [
+        step(30, 0.5, "slow"),
+        step(35, 0.9, "slow"),
+    ]
     assert compare_mod.traced_steps(spans, cat.SPAN_STEP) == {0: {10: 0.1, 20: 0.1, 30: 0.5, 40: 0.1}}

@@ -77,7 +77,11 @@ def test_c10d_call_in_compiled_code_is_named_with_the_functional_collectives_hin
         comp = a.component("compile")
         comp._on_graph_break(C10D_BREAK, 0, "3/0")
         (ev,) = _events(a, "graph_break")
-        assert ev["c10d_call"] == "broadcast" and "_functional_collectives" in ev["hint"] and ev["frame_id"] == "3"
+        assert (
+            ev["c10d_call"] == "broadcast"
+            and "_functional_collectives" in ev["hint"]
+            and ev["frame_id"] == "3"
+        )
         (brk,) = comp.summary()["graph_breaks"]
         assert brk["c10d_call"] == "broadcast" and brk["hint"] == FUNCTIONAL_COLLECTIVES_HINT
         from hpar_agent.detectors import sources as src
@@ -94,11 +98,15 @@ def test_failed_backend_compile_record_has_node_name_and_traceback_depth(tmp_pat
     try:
         m = dict.fromkeys(dynamo.METRIC_FIELDS)
         m.update(
-            compile_id="4/0", co_name="forward", co_filename="/src/model.py", co_firstlineno=40, is_forward=True,
+            compile_id="4/0",
+            co_name="forward",
+            co_filename="/src/model.py",
+            co_firstlineno=40,
+            is_forward=True,
             fail_type="BackendCompilerFailed",
             fail_reason="backend='inductor' raised:\nRuntimeError: boom\n\nWhile executing %addmm_3 : [num_users=1]",
             exception_stack_trace=["Line: 1, Name: a", "Line: 2, Name: b", "Line: 3, Name: c"],
-        )  # fmt: skip
+        )
         a.component("compile")._on_metrics(m)
         (ev,) = _events(a, "backend_compile")
         assert ev["outcome"] == "failed" and ev["node_name"] == "addmm_3" and ev["traceback_depth"] == 3
@@ -121,8 +129,13 @@ def test_graph_break_counted_with_gb_key_and_user_frame_in_event_log(agent, capf
     torch.compile(_breaks, backend="eager")(torch.ones(3))
     agent.tick()
     assert _val(agent, "hpar_dynamo_graph_breaks_total", reason="gb0059") == 1.0
-    assert _val(agent, "hpar_dynamo_compiles_total", outcome="graph_break", trigger="forward", backend="eager") == 1.0
-    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="eager") == 1.0  # the resume fn
+    assert (
+        _val(agent, "hpar_dynamo_compiles_total", outcome="graph_break", trigger="forward", backend="eager")
+        == 1.0
+    )
+    assert (
+        _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="eager") == 1.0
+    )  # the resume fn
     where = f"{__file__}:{BREAK_LINE}"
     (ev,) = _events(agent, "graph_break")
     assert ev["reason"] == "gb0059" and ev["user_frame"] == where and ev["compile_id"] == "0/0"
@@ -134,17 +147,25 @@ def test_graph_break_counted_with_gb_key_and_user_frame_in_event_log(agent, capf
     (brk,) = summary["graph_breaks"]
     assert brk["reason"] == "gb0059" and brk["count"] == 1 and where in brk["user_frames"]
     assert summary["graphs"] == 2 and summary["compile_seconds_total"] > 0
-    assert brk["message"].startswith("Failed to trace builtin operator: Dynamo does not know how to trace builtin")
+    assert brk["message"].startswith(
+        "Failed to trace builtin operator: Dynamo does not know how to trace builtin"
+    )
     assert ev["reason_text"] == brk["message"] and ev["user_stack"] == ev["frames"] and ev["frame_id"] == "0"
     # the design document's records: compile_start (names of locals only) and backend_compile, tied by compile id
     starts = _events(agent, "compile_start")
     assert [e["compile_id"] for e in starts][:1] == ["0/0"]
     st = starts[0]
     assert st["f_locals_keys"] == ["x"] and st["backend"] == "eager" and st["frame_id"] == "0"
-    assert st["code_hash"] == code_hash(__file__, _breaks.__code__.co_firstlineno, "_breaks") == ev["code_hash"]
+    assert (
+        st["code_hash"] == code_hash(__file__, _breaks.__code__.co_firstlineno, "_breaks") == ev["code_hash"]
+    )
     bc = {e["compile_id"]: e for e in _events(agent, "backend_compile")}
     assert bc["0/0"]["outcome"] == "graph_break" and bc["0/0"]["code_hash"] == st["code_hash"]
-    assert bc["0/0"]["backend"] == "eager" and bc["0/0"]["node_name"] == "" and bc["0/0"]["traceback_depth"] is None
+    assert (
+        bc["0/0"]["backend"] == "eager"
+        and bc["0/0"]["node_name"] == ""
+        and bc["0/0"]["traceback_depth"] is None
+    )
     assert summary["backends"] == ["eager"]
     # compile spans, with the graph break as a span event on the frame that broke
     spans = [s for s in agent.span_schedule.pending.get(0, []) if s.name == "dynamo.compile"]
@@ -152,7 +173,10 @@ def test_graph_break_counted_with_gb_key_and_user_frame_in_event_log(agent, capf
     assert spans[0].attributes["dynamo.outcome"] == "graph_break" and spans[0].end_ns > spans[0].start_ns
     assert [e[0] for e in spans[0].events] == ["compile_start", "graph_break", "backend_compile"]
     assert spans[0].events[1][2]["dynamo.user_frame"] == where
-    assert spans[0].attributes["dynamo.backend"] == "eager" and spans[0].attributes["dynamo.code_hash"] == st["code_hash"]
+    assert (
+        spans[0].attributes["dynamo.backend"] == "eager"
+        and spans[0].attributes["dynamo.code_hash"] == st["code_hash"]
+    )
     h = _val(agent, "hpar_dynamo_compile_duration_seconds_count", phase="entire_frame")
     assert h == 2.0
     # captured quietly: nothing reached the terminal from the artifact/metrics loggers
@@ -180,7 +204,9 @@ def test_backend_label_sees_through_wrappers_and_bounds_custom_backends(agent):
     torch.compile(_plus_one, backend=counting)(torch.ones(2))
     torch.compile(_plus_two, backend=mine)(torch.ones(2))
     agent.tick()
-    assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="aot_eager") == 1.0
+    assert (
+        _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="aot_eager") == 1.0
+    )
     assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="custom") == 1.0
 
 
@@ -279,7 +305,9 @@ def test_shape_int_dtype_changes_are_recompiles_with_reasons(agent):
     assert evs[0]["user_stack"] == [f"{__file__}:{_scale.__code__.co_firstlineno}"]  # none given: the frame
     spans = [s for s in agent.span_schedule.pending.get(0, []) if s.name == "dynamo.compile"]
     assert [e[2]["dynamo.recompile.reason"] for s in spans for e in s.events if e[0] == "recompile"] == [
-        "tensor_size", "int_value", "tensor_dtype"
+        "tensor_size",
+        "int_value",
+        "tensor_dtype",
     ]
     rec = {r["reason"]: r for r in agent.component("compile").summary()["recompiles"]}
     assert rec["int_value"]["count"] == 1 and "n == 2" in rec["int_value"]["examples"][0]
@@ -292,7 +320,9 @@ def test_recompile_limit_hit(agent):
             fn(torch.ones(2), n)
     agent.tick()
     assert _val(agent, "hpar_dynamo_recompile_limit_hits_total") == 1.0
-    assert _val(agent, "hpar_dynamo_compiles_total", outcome="limit", trigger="forward", backend="eager") == 1.0
+    assert (
+        _val(agent, "hpar_dynamo_compiles_total", outcome="limit", trigger="forward", backend="eager") == 1.0
+    )
     assert _val(agent, "hpar_dynamo_compiles_total", outcome="ok", trigger="forward", backend="eager") == 2.0
 
 

@@ -78,8 +78,14 @@ def test_bad_explicit_value_raises_value_error(kwargs):
 
 def test_removed_settings_are_ignored_with_one_warning(caplog):
     """A job that still sets a removed setting runs: the env var or keyword is ignored, said once."""
-    removed = {"HPAR_FR_READER": "process", "HPAR_FR_COMPLETE": "0", "HPAR_FR_FILL": "2",
-               "HPAR_WORK_IN_WAITS": "x", "HPAR_HELPER_SCHED": "nice", "HPAR_LOG_BACKUPS": "-1"}
+    removed = {
+        "HPAR_FR_READER": "process",
+        "HPAR_FR_COMPLETE": "0",
+        "HPAR_FR_FILL": "2",
+        "HPAR_WORK_IN_WAITS": "x",
+        "HPAR_HELPER_SCHED": "nice",
+        "HPAR_LOG_BACKUPS": "-1",
+    }
     with caplog.at_level(logging.WARNING, logger="hpar_agent"):
         for _ in range(2):
             cfg = AgentConfig.load(overrides={"fr_reader": "inline", "interval": 2.0}, environ=removed)
@@ -92,8 +98,16 @@ def test_removed_settings_are_ignored_with_one_warning(caplog):
 def test_unknown_names_get_one_warning_with_the_closest_setting(caplog):
     """A misspelled variable is not silently ignored: one line per process names each unknown
     HPAR_* variable with the setting it was probably meant to be; the tools' variables are known."""
-    env = {"HPAR_METRIC_PORT": "9000", "HPAR_INTERVALL": "2", "hpar_trace_every": "5", "HPAR_ZQX": "1",
-           "HPAR_AUTOATTACH": "1", "HPAR_DIAGNOSE_RUN": "7-1", "HPAR_DETECTORS": "0", "PATH": "/bin"}
+    env = {
+        "HPAR_METRIC_PORT": "9000",
+        "HPAR_INTERVALL": "2",
+        "hpar_trace_every": "5",
+        "HPAR_ZQX": "1",
+        "HPAR_AUTOATTACH": "1",
+        "HPAR_DIAGNOSE_RUN": "7-1",
+        "HPAR_DETECTORS": "0",
+        "PATH": "/bin",
+    }
     with caplog.at_level(logging.WARNING, logger="hpar_agent"):
         for _ in range(3):
             cfg = AgentConfig.load(environ=env)
@@ -111,7 +125,11 @@ def test_valid_values_are_accepted():
         overrides={
             "interval": 0.5,
             "metrics_addr": "::1",
-            "thresholds": {"Hang.timeout_s": 0, "CollectiveLatencyHigh.slo_s.all_gather": 0.2, "detectors.stale_s": 10},
+            "thresholds": {
+                "Hang.timeout_s": 0,
+                "CollectiveLatencyHigh.slo_s.all_gather": 0.2,
+                "detectors.stale_s": 10,
+            },
         },
         environ={"HPAR_METRICS_ADDR": "node-1.example", "HPAR_INTERVAL": "2"},
     )
@@ -137,7 +155,9 @@ def test_bad_threshold_never_turns_detectors_off(tmp_path):
 
     with pytest.raises(ValueError, match=r"Hang\.timeout_s"):
         hpar_agent.attach(thresholds={"Hang.timeout_s": "abc"}, metrics_port=-1, run_dir=str(tmp_path))
-    agent = hpar_agent.attach(thresholds={"Hang.timeout_s": 7}, metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    agent = hpar_agent.attach(
+        thresholds={"Hang.timeout_s": 7}, metrics_port=-1, traces="none", run_dir=str(tmp_path)
+    )
     try:
         det = agent.component("detectors")
         assert det is not None and det.up

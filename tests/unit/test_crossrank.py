@@ -30,11 +30,17 @@ from hpar_agent.crossrank import (
 
 @pytest.fixture
 def store() -> Any:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
 
 
-PARTS = {"s": {"step": 3}, "fr": {"fr": {"k": [], "e": [], "t0": 0}}, "gs": {"gst": {"1": [[1.0], [1.0]]}},
-         "ck": {"cks": {"10": {"w": [1.0, 2.0]}}, "sk": {}}}  # fmt: skip
+PARTS = {
+    "s": {"step": 3},
+    "fr": {"fr": {"k": [], "e": [], "t0": 0}},
+    "gs": {"gst": {"1": [[1.0], [1.0]]}},
+    "ck": {"cks": {"10": {"w": [1.0, 2.0]}}, "sk": {}},
+}
 
 
 # ------------------------------------------------------------------------------------------ store
@@ -45,8 +51,12 @@ def test_one_key_per_rank_and_purpose_overwritten(store: Any) -> None:
     b.publish({**PARTS, "s": {"step": 4}})
     b.publish({**PARTS, "s": {"step": 5}})
     got = a.read({"s": [0, 1], "ck": [1]})
-    assert got["s"] == {1: {**got["s"][1], "step": 5}} and got["ck"][1]["cks"] == PARTS["ck"]["cks"]  # never its own
-    assert a.own["s"]["step"] == 3 and a.own["ck"]["cks"] == PARTS["ck"]["cks"]  # its own, as readers decode it
+    assert (
+        got["s"] == {1: {**got["s"][1], "step": 5}} and got["ck"][1]["cks"] == PARTS["ck"]["cks"]
+    )  # never its own
+    assert (
+        a.own["s"]["step"] == 3 and a.own["ck"]["cks"] == PARTS["ck"]["cks"]
+    )  # its own, as readers decode it
     assert Exchange(store, "other", 0).read({"s": [1]}) == {}  # namespaced by job
 
 
@@ -115,8 +125,12 @@ def test_8192_ranks_spread_over_passes_and_exchange_less_often() -> None:
 def test_the_stores_request_rate_is_bounded_whatever_the_jobs_size(interval: float) -> None:
     for n in (3, 64, 1000, 1024, 1025, 3000, 8192, 100_000):
         c = cadence(n, 3.0, interval)
-        assert c.window_s <= 0.5 * interval + 1e-12  # a pass waits at most half its interval, or twice a quarter
-        assert n / (c.polls * c.window_s) <= 1 / SPREAD_PER_RANK_S * (1 + 1e-9)  # requests a second, one phase
+        assert (
+            c.window_s <= 0.5 * interval + 1e-12
+        )  # a pass waits at most half its interval, or twice a quarter
+        assert n / (c.polls * c.window_s) <= 1 / SPREAD_PER_RANK_S * (
+            1 + 1e-9
+        )  # requests a second, one phase
         assert c.interval_s >= c.gap * interval  # the reads of one exchange end before the next capture
         if c.gap == 1:  # a read window then a publish window in one pass
             assert c.polls == 1 and 2 * c.window_s <= 0.5 * interval
@@ -228,7 +242,11 @@ def test_groups_match_the_device_meshs_own(fake_pg: Any) -> None:
     cases = [
         ((2, 2, 4), ("dp", "pp", "tp"), None),
         ((2, 8), ("dp_replicate", "dp_shard"), None),
-        ((2, 2, 4), ("dp", "pp", "tp"), torch.randperm(16, generator=torch.Generator().manual_seed(0)).view(2, 2, 4)),
+        (
+            (2, 2, 4),
+            ("dp", "pp", "tp"),
+            torch.randperm(16, generator=torch.Generator().manual_seed(0)).view(2, 2, 4),
+        ),
     ]
     for shape, names, layout in cases:
         for rank in (0, 5, 14):
@@ -239,11 +257,15 @@ def test_groups_match_the_device_meshs_own(fake_pg: Any) -> None:
                 mesh = DeviceMesh("cpu", layout, mesh_dim_names=names)
             grid = Grid.from_mesh(mesh, names)
             for dim in names:
-                assert sorted(grid.group(rank, dim)) == sorted(dist.get_process_group_ranks(mesh.get_group(dim)))
+                assert sorted(grid.group(rank, dim)) == sorted(
+                    dist.get_process_group_ranks(mesh.get_group(dim))
+                )
 
 
 # ------------------------------------------------------------------------------------------ detectors
-def _ranks(store: Any, tmp_path: Any, dims: list[tuple[str, int]], comps: Any, **kw: Any) -> list[tuple[Any, Any]]:
+def _ranks(
+    store: Any, tmp_path: Any, dims: list[tuple[str, int]], comps: Any, **kw: Any
+) -> list[tuple[Any, Any]]:
     """One agent per rank of a job laid out over ``dims`` (no mesh: (pp, dp, tp) row-major), all on
     ``store``; ``comps(rank)`` gives each rank's collectors."""
     import dataclasses
@@ -256,10 +278,22 @@ def _ranks(store: Any, tmp_path: Any, dims: list[tuple[str, int]], comps: Any, *
     out = []
     for r in grid.ranks:
         c = _coords(grid, r)
-        agent, det = make_agent(tmp_path, rank=r, world=len(grid.ranks), comps=comps(r), exchange=Exchange(store, "job", r),
-                                **{"detectors.exchange_s": 0.0}, **kw)  # fmt: skip
-        agent.topology = dataclasses.replace(agent.topology, dp=sizes.get("dp", 1), tp=sizes.get("tp", 1),
-                                             dp_rank=c.get("dp", 0), tp_rank=c.get("tp", 0))  # fmt: skip
+        agent, det = make_agent(
+            tmp_path,
+            rank=r,
+            world=len(grid.ranks),
+            comps=comps(r),
+            exchange=Exchange(store, "job", r),
+            **{"detectors.exchange_s": 0.0},
+            **kw,
+        )
+        agent.topology = dataclasses.replace(
+            agent.topology,
+            dp=sizes.get("dp", 1),
+            tp=sizes.get("tp", 1),
+            dp_rank=c.get("dp", 0),
+            tp_rank=c.get("tp", 0),
+        )
         agent._context = None
         agent.components.remove(det)
         det = DetectorsComponent(exchange=det.exchange)
@@ -283,11 +317,21 @@ def _active(ranks: list[tuple[Any, Any]], alert: str) -> set[int]:
 def test_compile_divergence_on_sampled_peers_names_the_odd_rank_only(store: Any, tmp_path: Any) -> None:
     from tests.unit.harness import Fake, steps
 
-    ranks = _ranks(store, tmp_path, [("dp", 12)], lambda r: (steps(10), Fake("compile", fingerprint=2 if r == 7 else 1)))
+    ranks = _ranks(
+        store, tmp_path, [("dp", 12)], lambda r: (steps(10), Fake("compile", fingerprint=2 if r == 7 else 1))
+    )
     _tick(ranks, 3)
     assert _active(ranks, "CompileDivergence") == {7}
-    assert all(len(det.snapshot.exchange.peers) == 5 for _, det in ranks)  # each compared itself with 4 of its 11 peers
-    assert ranks[7][1].states["CompileDivergence"].details["fingerprints"] == {"3": 1, "5": 1, "7": 2, "9": 1, "11": 1}
+    assert all(
+        len(det.snapshot.exchange.peers) == 5 for _, det in ranks
+    )  # each compared itself with 4 of its 11 peers
+    assert ranks[7][1].states["CompileDivergence"].details["fingerprints"] == {
+        "3": 1,
+        "5": 1,
+        "7": 2,
+        "9": 1,
+        "11": 1,
+    }
 
 
 def test_compile_divergence_of_a_whole_node_is_outvoted_along_dp(store: Any, tmp_path: Any) -> None:
@@ -295,8 +339,12 @@ def test_compile_divergence_of_a_whole_node_is_outvoted_along_dp(store: Any, tmp
     Among the peers each reads (4 tp, 4 dp) they are the majority; along dp they are outvoted."""
     from tests.unit.harness import Fake, steps
 
-    ranks = _ranks(store, tmp_path, [("dp", 8), ("tp", 8)],
-                   lambda r: (steps(10), Fake("compile", fingerprint=2 if r // 8 == 3 else 1)))  # fmt: skip
+    ranks = _ranks(
+        store,
+        tmp_path,
+        [("dp", 8), ("tp", 8)],
+        lambda r: (steps(10), Fake("compile", fingerprint=2 if r // 8 == 3 else 1)),
+    )
     _tick(ranks, 3)
     assert _active(ranks, "CompileDivergence") == set(range(24, 32))
 
@@ -310,11 +358,17 @@ def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_p
 
     def comps(r: int) -> Any:
         entries = deque(
-            {"pg": "dp", "seq": i, "op": "all_reduce", "is_p2p": False, "input_sizes": [[4]],
-             "input_dtypes": ["BFloat16" if (r == 0 and i == 7) else "Float"],
-             "time": ((i // 4) * step + i * 1_000_000 + (80_000_000 if r == 5 else 0)) / 1e9}
+            {
+                "pg": "dp",
+                "seq": i,
+                "op": "all_reduce",
+                "is_p2p": False,
+                "input_sizes": [[4]],
+                "input_dtypes": ["BFloat16" if (r == 0 and i == 7) else "Float"],
+                "time": ((i // 4) * step + i * 1_000_000 + (80_000_000 if r == 5 else 0)) / 1e9,
+            }
             for i in range(40)
-        )  # fmt: skip
+        )
         return steps(10), Fake("collectives", recent_entries=entries)
 
     ranks = _ranks(store, tmp_path, [("dp", 10)], comps)
@@ -323,7 +377,9 @@ def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_p
     assert _active(ranks, "Straggler") == {5}
     for _, det in ranks:
         assert len(det.snapshot.exchange.peers) == 5  # itself and 4 of 9
-    readers_of_5 = {det.snapshot.rank for _, det in ranks if 5 in det.snapshot.exchange.peers and det.snapshot.rank != 5}
+    readers_of_5 = {
+        det.snapshot.rank for _, det in ranks if 5 in det.snapshot.exchange.peers and det.snapshot.rank != 5
+    }
     assert readers_of_5 == {1, 3, 7, 9}  # -4, -2, +2, +4 of 10: they name rank 5 the job's slow rank
     from hpar_agent.detectors.cluster import Straggler
 
@@ -339,11 +395,18 @@ def test_the_component_reads_the_meshs_layout(fake_pg: Any, tmp_path: Any) -> No
     from tests.unit.harness import make_agent
 
     fake_pg(5, 16)
-    mesh = init_device_mesh("cpu", (2, 2, 4), mesh_dim_names=("dp", "pp", "tp"))  # the reference trainer's order
+    mesh = init_device_mesh(
+        "cpu", (2, 2, 4), mesh_dim_names=("dp", "pp", "tp")
+    )  # the reference trainer's order
     agent, det = make_agent(tmp_path, rank=5, world=16)
     agent.context.mesh = mesh
     groups = {d: sorted(dist.get_process_group_ranks(mesh.get_group(d))) for d in ("dp", "tp")}
-    assert {d: sorted((5, *g)) for d, g in det.crossrank.peer_groups.items()} == groups  # no pp: stages never compared
+    assert {
+        d: sorted((5, *g)) for d, g in det.crossrank.peer_groups.items()
+    } == groups  # no pp: stages never compared
     agent.context.mesh = mesh["tp"]  # a mesh without every rank: the topology's degrees instead
     agent.context.topology = dataclasses.replace(agent.topology, dp=2, pp=2, tp=4)
-    assert det.crossrank.peer_groups == {"dp": (1,), "tp": (4, 6, 7)}  # (pp, dp, tp) row-major: rank 5 is pp0 dp1 tp1
+    assert det.crossrank.peer_groups == {
+        "dp": (1,),
+        "tp": (4, 6, 7),
+    }  # (pp, dp, tp) row-major: rank 5 is pp0 dp1 tp1

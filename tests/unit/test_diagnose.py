@@ -29,9 +29,11 @@ def test_a_mode_past_its_timeout_becomes_a_row_and_leaves_no_process(tmp_path: P
 
 def test_a_timed_out_run_leaves_no_process_in_any_session(tmp_path: Path) -> None:
     # like torchrun: a parent that ignores SIGTERM starts a child in a session of its own
-    code = ("import signal,subprocess,sys,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
-            "time.sleep(60)")  # fmt: skip
+    code = (
+        "import signal,subprocess,sys,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+        "time.sleep(60)"
+    )
     t0 = time.monotonic()
     _code, timed_out, token = run_group([sys.executable, "-c", code], dict(os.environ), tmp_path / "log", 2.0)
     assert timed_out and time.monotonic() - t0 < 20
@@ -40,8 +42,12 @@ def test_a_timed_out_run_leaves_no_process_in_any_session(tmp_path: Path) -> Non
     assert "import time; time.sleep(60)" not in out.replace(code, "")
 
 
-def test_a_bad_injection_name_is_refused_before_anything_starts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli.main(["diagnose", "--inject", "straggler", "--inject", "no-such-mode", "--run-dir", str(tmp_path)])
+def test_a_bad_injection_name_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(
+        ["diagnose", "--inject", "straggler", "--inject", "no-such-mode", "--run-dir", str(tmp_path)]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no-such-mode" in err[0] and "straggler" in err[0], err
@@ -49,15 +55,24 @@ def test_a_bad_injection_name_is_refused_before_anything_starts(tmp_path: Path, 
 
 
 def test_row_counts_seconds_from_the_injection_on_the_firing_rank() -> None:
-    f = Finding("straggler", "Straggler", [{"alert": "Straggler", "rank": 3, "step": 12, "ts": 107.5, "pp_stage": 0}],
-                inject_step=3, started={3: 100.0, 0: 90.0})
+    f = Finding(
+        "straggler",
+        "Straggler",
+        [{"alert": "Straggler", "rank": 3, "step": 12, "ts": 107.5, "pp_stage": 0}],
+        inject_step=3,
+        started={3: 100.0, 0: 90.0},
+    )
     row = f.row()
     assert row[2:6] == ["3", "0", "9", "7.5"], row
 
 
 def test_row_names_the_culprits_the_events_give() -> None:
     def f(*details: dict) -> Finding:
-        return Finding("x", "Hang", [{"alert": "Hang", "rank": r, "step": 5, "details": d} for r, d in enumerate(details)])
+        return Finding(
+            "x",
+            "Hang",
+            [{"alert": "Hang", "rank": r, "step": 5, "details": d} for r, d in enumerate(details)],
+        )
 
     assert f({"culprits": [3]}, {"culprits": [3]}).row()[6] == "3"
     assert f({"culprits": [], "culprit_unknown": ["1-1"]}).row()[6] == "unknown"

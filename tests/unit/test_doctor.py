@@ -67,7 +67,10 @@ def _doctor_json(*blocked: str) -> tuple[int, dict, str]:
     import sys
 
     res = subprocess.run(
-        [sys.executable, "-c", BLOCK.format(blocked=list(blocked))], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", BLOCK.format(blocked=list(blocked))],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return res.returncode, json.loads(res.stdout), res.stderr
 
@@ -76,8 +79,18 @@ def test_doctor_json_passes_on_this_install():
     rc, doc, _ = _doctor_json()
     names = {c["name"] for c in doc["checks"] if c["required"]}
     assert rc == 0 and doc["ok"] is True and doc["missing"] == []
-    assert {"torch", "numpy", "torch <-> numpy", "prometheus_client", "opentelemetry sdk", "otlp http exporter",
-            "pynvml", "plotly", "torch.distributed.pipelining", "py-spy"} <= names
+    assert {
+        "torch",
+        "numpy",
+        "torch <-> numpy",
+        "prometheus_client",
+        "opentelemetry sdk",
+        "otlp http exporter",
+        "pynvml",
+        "plotly",
+        "torch.distributed.pipelining",
+        "py-spy",
+    } <= names
     assert set(NOT_IMPORTS.values()) <= names
 
 

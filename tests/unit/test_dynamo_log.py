@@ -60,7 +60,10 @@ C10D_BREAK = (
 
 
 def test_node_name_of_a_backend_failure():
-    assert node_name("BackendCompilerFailed: ... While executing %addmm_3 : [num_users=1] = call_function") == "addmm_3"
+    assert (
+        node_name("BackendCompilerFailed: ... While executing %addmm_3 : [num_users=1] = call_function")
+        == "addmm_3"
+    )
     assert node_name("some other failure") == ""
 
 
@@ -71,14 +74,19 @@ def test_graph_break_reason_is_the_cause_not_the_header():
         "Failed to trace builtin operator: Dynamo does not know how to trace builtin operator `print` with "
         "argument types ['str'] (has_kwargs False)"
     )
-    assert break_reason("Graph Break Reason: call_function BuiltinVariable(print)") == "call_function BuiltinVariable(print)"
+    assert (
+        break_reason("Graph Break Reason: call_function BuiltinVariable(print)")
+        == "call_function BuiltinVariable(print)"
+    )
     assert graph_break_key(PRINT_BREAK) == "gb0059" and graph_break_key(C10D_BREAK) == "gb0007"
 
 
 def test_c10d_call_and_the_users_frame():
     assert c10d_call(C10D_BREAK) == "broadcast" and c10d_call(PRINT_BREAK) == ""
     frames = user_frames(C10D_BREAK)
-    assert frames[0] == "/src/train.py:16 in <module>" and frames[-1].endswith("in instantiate_user_defined_class_object")
+    assert frames[0] == "/src/train.py:16 in <module>" and frames[-1].endswith(
+        "in instantiate_user_defined_class_object"
+    )
     assert user_frame(frames, C10D_BREAK) == "/src/train.py:14"  # the user's line, not torch's polyfill
     assert user_frame(user_frames(PRINT_BREAK), PRINT_BREAK) == "/src/train.py:12"
     no_traceback = "Graph break in user code at /src/m.py:7\nGraph Break Reason: x"
@@ -91,7 +99,7 @@ RECOMPILE = (
     "Recompiling function f in /src/train.py:9\n    triggered by the following guard failure(s):\n"
     "    - 0/2: tensor 'x' dtype mismatch. expected Float, actual Double\n"
     "    - 0/1: n == 2                                                   #   # /src/train.py:9 in f\n"
-    "    - User stack trace:\n    -   File \"/src/train.py\", line 9, in f\n"
+    '    - User stack trace:\n    -   File "/src/train.py", line 9, in f\n'
     "    - 0/0: tensor 'x' dtype mismatch. expected Float, actual Double"
 )
 
@@ -104,7 +112,10 @@ def test_recompile_guards_and_compile_ids():
         "0/0: tensor 'x' dtype mismatch. expected Float, actual Double",
     ]  # every cached entry's guard, not the stack-trace lines between them
     assert [guard_kind(g) for g in failed] == ["tensor_dtype", "int_value", "tensor_dtype"]
-    assert guard_text(failed[1]) == "n == 2" and guard_text("- 3/0: x.size()[0] == 4\nmore") == "x.size()[0] == 4"
+    assert (
+        guard_text(failed[1]) == "n == 2"
+        and guard_text("- 3/0: x.size()[0] == 4\nmore") == "x.size()[0] == 4"
+    )
     assert guard_text("") == "" and len(guard_text("0/0: " + "y" * 500)) == 300
     assert user_frames(RECOMPILE) == ["/src/train.py:9 in f"]
     assert frame_id("3/1") == "3" and frame_id("!0/2") == "0" and frame_id("") == ""

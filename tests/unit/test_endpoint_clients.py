@@ -40,8 +40,9 @@ def endpoint(monkeypatch, tmp_path):
             pki = make_pki(tmp_path / "pki")
             kw = {"tls_cert": pki.server.cert, "tls_key": pki.server.key}
             ctx = ssl.create_default_context(cafile=pki.ca)
-        agent = hpar_agent.attach(metrics_port=0, metrics_addr="127.0.0.1", traces="none",
-                                  run_dir=str(tmp_path), **kw)  # fmt: skip
+        agent = hpar_agent.attach(
+            metrics_port=0, metrics_addr="127.0.0.1", traces="none", run_dir=str(tmp_path), **kw
+        )
         return agent, ctx
 
     yield start
@@ -49,19 +50,33 @@ def endpoint(monkeypatch, tmp_path):
 
 
 def _attack(port: int, mode: str, n: int) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "testkit.hostile_clients", "--port", str(port), "--mode", mode, "-n", str(n),
-           "--duration", str(ATTACK_S)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "testkit.hostile_clients",
+        "--port",
+        str(port),
+        "--mode",
+        mode,
+        "-n",
+        str(n),
+        "--duration",
+        str(ATTACK_S),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
 
 
-@pytest.mark.parametrize(("mode", "n", "tls"), [
-    ("dribble", 8, False),    # the attack
-    ("dribble", 200, False),  # more dribblers than the endpoint holds connections
-    ("idle", 200, True),      # TLS handshakes that never start
-    ("flood", 200, False),    # 200 clients scraping in a loop
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "n", "tls"),
+    [
+        ("dribble", 8, False),  # the attack
+        ("dribble", 200, False),  # more dribblers than the endpoint holds connections
+        ("idle", 200, True),  # TLS handshakes that never start
+        ("flood", 200, False),  # 200 clients scraping in a loop
+    ],
+)
 def test_a_scrape_is_answered_within_6_s_while_clients_attack(endpoint, mode, n, tls):
     agent, ctx = endpoint(tls)
     server = agent.server
@@ -70,7 +85,9 @@ def test_a_scrape_is_answered_within_6_s_while_clients_attack(endpoint, mode, n,
     try:
         time.sleep(1.0)  # every attacker connected and, for dribblers, mid-head
         waits = []
-        until = time.monotonic() + http_server.HEAD_DEADLINE_S + 2  # past one head deadline: cut ones are back
+        until = (
+            time.monotonic() + http_server.HEAD_DEADLINE_S + 2
+        )  # past one head deadline: cut ones are back
         while not waits or time.monotonic() < until:
             t0 = time.monotonic()
             with urllib.request.urlopen(agent.metrics_url, timeout=30, context=ctx) as resp:

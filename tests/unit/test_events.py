@@ -49,7 +49,9 @@ def test_rotation_is_configured_from_the_environment(tmp_path, monkeypatch):
     """HPAR_LOG_MAX_BYTES caps each file; two rotated files are kept, so a log takes at most three times that."""
     monkeypatch.setenv("HPAR_LOG_MAX_BYTES", "2048")
     assert AgentConfig.load().log_max_bytes == 2048
-    agent = hpar_agent.attach(metrics_port=-1, traces="file", trace_every=1, detectors=False, run_dir=str(tmp_path))
+    agent = hpar_agent.attach(
+        metrics_port=-1, traces="file", trace_every=1, detectors=False, run_dir=str(tmp_path)
+    )
     for _ in range(4):  # four export batches: the traces file rotates between them
         for _ in range(15):
             agent.events.emit("note", text="y" * 200)

@@ -57,7 +57,9 @@ def test_evidence_pyspy_record_profile_is_bounded_and_never_waited_on(tmp_path: 
         stop.set()
 
 
-def test_evidence_fr_dump_and_missing_pyspy(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_evidence_fr_dump_and_missing_pyspy(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     ev = Evidence(str(tmp_path), rank=0)
     paths = ev.fr_dump("CollectiveMismatch-1")
     assert paths and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in paths)

@@ -34,12 +34,17 @@ def _rank(tmp_path: Path, ending: str) -> Path:
     return script
 
 
-@pytest.mark.parametrize(("ending", "how"), [
-    ("os.kill(os.getpid(), signal.SIGKILL)", "killed by signal 9 (SIGKILL)"),
-    ("raise RuntimeError('boom')", "exception: RuntimeError: boom (exit code 1)"),
-    ("pass", "exit code 0"),
-])  # fmt: skip
-def test_the_watcher_and_the_state_file_say_how_and_when_a_rank_ended(tmp_path: Path, ending: str, how: str) -> None:
+@pytest.mark.parametrize(
+    ("ending", "how"),
+    [
+        ("os.kill(os.getpid(), signal.SIGKILL)", "killed by signal 9 (SIGKILL)"),
+        ("raise RuntimeError('boom')", "exception: RuntimeError: boom (exit code 1)"),
+        ("pass", "exit code 0"),
+    ],
+)
+def test_the_watcher_and_the_state_file_say_how_and_when_a_rank_ended(
+    tmp_path: Path, ending: str, how: str
+) -> None:
     script = _rank(tmp_path, ending)
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
@@ -73,7 +78,10 @@ def test_describe_status() -> None:
 def test_garbage_is_not_a_state_file(tmp_path: Path) -> None:
     (tmp_path / "state.rank0").write_bytes(b"garbage" * 100)
     (tmp_path / "state.rank1").write_bytes(b"")
-    assert rankstate.read(str(tmp_path / "state.rank0")) is None and rankstate.read(str(tmp_path / "state.rank1")) is None
+    assert (
+        rankstate.read(str(tmp_path / "state.rank0")) is None
+        and rankstate.read(str(tmp_path / "state.rank1")) is None
+    )
     assert endings(tmp_path) == []
 
 
@@ -83,17 +91,42 @@ def _alert(rank: int, alert: str, ts: float, **details: object) -> dict[str, obj
 
 def test_culprit_lines_come_in_the_order_the_alerts_first_fired() -> None:
     events = [
-        _alert(0, "Hang", 10.0, culprits=[2], kind="missing", waits=[{"pg": "default_pg@", "seq": 46,
-               "op": "all_reduce", "waiting": [0, 1, 3], "missing": [2]}]),
-        _alert(2, "Hang", 10.1, culprits=[2], kind="missing", stack=["train.py:43 in <module>: time.sleep(3600)"]),
-        _alert(1, "RankGone", 20.0, culprits=[0], ranks={"0": {"ended": "exception: RuntimeError: x", "last_step": 40}}),
+        _alert(
+            0,
+            "Hang",
+            10.0,
+            culprits=[2],
+            kind="missing",
+            waits=[
+                {"pg": "default_pg@", "seq": 46, "op": "all_reduce", "waiting": [0, 1, 3], "missing": [2]}
+            ],
+        ),
+        _alert(
+            2, "Hang", 10.1, culprits=[2], kind="missing", stack=["train.py:43 in <module>: time.sleep(3600)"]
+        ),
+        _alert(
+            1,
+            "RankGone",
+            20.0,
+            culprits=[0],
+            ranks={"0": {"ended": "exception: RuntimeError: x", "last_step": 40}},
+        ),
         _alert(3, "ReplicaDivergence", 5.0, culprits=[], culprit_unknown=["dp group [0, 1]: no majority"]),
-        {"kind": "alert", "state": "resolved", "alert": "Straggler", "rank": 0, "ts": 1.0, "details": {"culprits": [9]}},
+        {
+            "kind": "alert",
+            "state": "resolved",
+            "alert": "Straggler",
+            "rank": 0,
+            "ts": 1.0,
+            "details": {"culprits": [9]},
+        },
     ]
     lines = culprit_lines(events)
     assert lines[0] == "  ReplicaDivergence on rank 3: culprit unknown (dp group [0, 1]: no majority)"
-    assert lines[1].startswith("  culprit: rank 2 (Hang: not in default_pg all_reduce #46, which ranks 0, 1, 3 "
-                               "wait in; at train.py:43 in <module>: time.sleep(3600); raised on ranks 0, 2)")
+    assert lines[1].startswith(
+        "  culprit: rank 2 (Hang: not in default_pg all_reduce #46, which ranks 0, 1, 3 "
+        "wait in; at train.py:43 in <module>: time.sleep(3600); raised on ranks 0, 2)"
+    )
     assert lines[2].startswith("  culprit: rank 0 (RankGone: rank 0 at step 40: exception: RuntimeError: x")
     assert len(lines) == 3  # a resolution names nobody
 
@@ -101,8 +134,10 @@ def test_culprit_lines_come_in_the_order_the_alerts_first_fired() -> None:
 def test_the_first_to_end_is_not_the_culprit_when_an_alert_named_one(tmp_path: Path) -> None:
     from hpar_agent.tools.culprits import Ending, ending_lines
 
-    ended = [Ending(1, 2, "exception: RuntimeError: Timed out waiting 20000ms", 40, 5.0, True),
-             Ending(2, 2, "killed by signal 15 (SIGTERM)", 40, 5.1, True)]  # fmt: skip
+    ended = [
+        Ending(1, 2, "exception: RuntimeError: Timed out waiting 20000ms", 40, 5.0, True),
+        Ending(2, 2, "killed by signal 15 (SIGTERM)", 40, 5.1, True),
+    ]
     named = ending_lines(ended, [_alert(1, "Hang", 1.0, culprits=[2])])
     assert named[0].startswith("  culprit: rank 2 (Hang")
     assert named[1].startswith("  first to end abnormally: rank 1, exception: RuntimeError: Timed out")

@@ -76,16 +76,37 @@ def test_nccl_p2p_batch_as_the_raw_recorder_holds_it():
     ``nccl:recv 0<-1`` (``is_p2p``, 4 MiB each, ``scheduled``, no duration) then one ``nccl:coalesced``
     entry (0 bytes, ``completed``, ``duration_ms`` 0.09)."""
     f32 = {"input_dtypes": ["Float"], "output_dtypes": ["Float"]}
-    send = _entry(0, "nccl:send 0->1", is_p2p=True, p2p_seq_id=1, state="scheduled",
-                  input_sizes=[[MIB4]], output_sizes=[[MIB4]], **f32)  # fmt: skip
-    recv = _entry(1, "nccl:recv 0<-1", is_p2p=True, p2p_seq_id=2, state="scheduled",
-                  input_sizes=[[MIB4]], output_sizes=[[MIB4]], **f32)  # fmt: skip
+    send = _entry(
+        0,
+        "nccl:send 0->1",
+        is_p2p=True,
+        p2p_seq_id=1,
+        state="scheduled",
+        input_sizes=[[MIB4]],
+        output_sizes=[[MIB4]],
+        **f32,
+    )
+    recv = _entry(
+        1,
+        "nccl:recv 0<-1",
+        is_p2p=True,
+        p2p_seq_id=2,
+        state="scheduled",
+        input_sizes=[[MIB4]],
+        output_sizes=[[MIB4]],
+        **f32,
+    )
     coalesced = _entry(2, "nccl:coalesced", collective_seq_id=1, duration_ms=0.09)
     got = [
-        (d.op_label(e["profiling_name"]), d.p2p_peer(e["profiling_name"]), d.entry_seq(e, e["is_p2p"]),
-         d.entry_bytes(e["input_sizes"], e["input_dtypes"]), d.duration_s(e))
+        (
+            d.op_label(e["profiling_name"]),
+            d.p2p_peer(e["profiling_name"]),
+            d.entry_seq(e, e["is_p2p"]),
+            d.entry_bytes(e["input_sizes"], e["input_dtypes"]),
+            d.duration_s(e),
+        )
         for e in (send, recv, coalesced)
-    ]  # fmt: skip
+    ]
     assert got == [
         ("send", 1, 1, 4 << 20, None),
         ("recv", 1, 2, 4 << 20, None),
@@ -93,7 +114,9 @@ def test_nccl_p2p_batch_as_the_raw_recorder_holds_it():
     ]
     assert d.busbw("send", 4 << 20, 0.09e-3, None) == pytest.approx((4 << 20) / 0.09e-3)
     assert {d.entry_group(e) for e in (send, recv, coalesced)} == {("0", "default_pg")}
-    assert d.entry_backend("nccl:send 0->1", "gloo") == "nccl" and d.entry_backend("gloo:send", "gloo") == "gloo"
+    assert (
+        d.entry_backend("nccl:send 0->1", "gloo") == "nccl" and d.entry_backend("gloo:send", "gloo") == "gloo"
+    )
 
 
 def test_entry_fields_tolerate_what_older_recorders_leave_out():

@@ -60,8 +60,9 @@ _FORK = textwrap.dedent(
 
 
 def test_forked_child_exits_normally(tmp_path):
-    out = subprocess.run([sys.executable, "-c", _FORK, str(tmp_path)], capture_output=True, text=True,
-                         timeout=120, env=_ENV)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _FORK, str(tmp_path)], capture_output=True, text=True, timeout=120, env=_ENV
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
@@ -91,9 +92,14 @@ _SIGNAL = textwrap.dedent(
 def _run_until_signal(tmp_path, sig: int, how: str = "default") -> subprocess.CompletedProcess[str]:
     # the child takes SIGINT as a terminal's Ctrl-C would reach it, even when this test run inherited
     # it ignored (started in the background of a shell without job control)
-    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL, str(tmp_path), how], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_ENV,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SIGNAL, str(tmp_path), how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_ENV,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(sig)
@@ -123,7 +129,9 @@ def test_sigterm_chains_to_the_users_handler(tmp_path):
 
 def test_sigint_flushes_then_raises_keyboard_interrupt(tmp_path):
     res = _run_until_signal(tmp_path, signal.SIGINT)
-    assert "KeyboardInterrupt" in res.stderr and res.returncode == -signal.SIGINT, res.stderr[-3000:]  # as plain Python
+    assert "KeyboardInterrupt" in res.stderr and res.returncode == -signal.SIGINT, res.stderr[
+        -3000:
+    ]  # as plain Python
     _flushed(tmp_path)
 
 
@@ -147,8 +155,13 @@ _STUCK = textwrap.dedent(
 
 
 def test_sigterm_while_the_main_thread_is_stuck_in_cpp(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", _STUCK, str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_ENV)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STUCK, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_ENV,
+    )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGTERM)
@@ -178,8 +191,13 @@ def test_a_handler_installed_after_attach_is_left_to_decide(tmp_path):
         """
     )
     code = _STUCK.replace('print("ready", flush=True)', user)
-    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_ENV)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_ENV,
+    )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGTERM)

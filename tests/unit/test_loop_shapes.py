@@ -35,7 +35,9 @@ class Sleepy(torch.nn.Module):
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Any:
-    a = hpar_agent.attach(metrics_port=-1, traces="none", run_dir=str(tmp_path), detectors=False, detail_rate=0.0)
+    a = hpar_agent.attach(
+        metrics_port=-1, traces="none", run_dir=str(tmp_path), detectors=False, detail_rate=0.0
+    )
     yield a
     hpar_agent.detach()
 

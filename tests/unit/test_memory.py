@@ -56,7 +56,10 @@ class FakeCuda:
     def memory_stats_as_nested_dict(self, device=None):
         self.reads += 1
         self.devices.add(device)
-        return {"allocated_bytes": {"all": {"current": self.allocated}}, "reserved_bytes": {"all": {"current": 4096}}}
+        return {
+            "allocated_bytes": {"all": {"current": self.allocated}},
+            "reserved_bytes": {"all": {"current": 4096}},
+        }
 
     def memory_stats(self, device=None):
         self.reads += 1

@@ -48,8 +48,9 @@ class Holder(torch.nn.Module):
 @pytest.fixture
 def attach(tmp_path: Path) -> Iterator[Any]:
     def _attach(model: Any = None) -> Any:
-        return hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path), detectors=False,
-                                 detail_rate=0.0)  # fmt: skip
+        return hpar_agent.attach(
+            model, metrics_port=-1, traces="none", run_dir=str(tmp_path), detectors=False, detail_rate=0.0
+        )
 
     yield _attach
     hpar_agent.detach()
@@ -57,7 +58,9 @@ def attach(tmp_path: Path) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def train(model: Any, steps: int = STEPS, host_s: float = 0.0, call: Any = None, opt: Any = None) -> torch.optim.Optimizer:
+def train(
+    model: Any, steps: int = STEPS, host_s: float = 0.0, call: Any = None, opt: Any = None
+) -> torch.optim.Optimizer:
     """A training loop that holds ``model`` in a local, as scripts do; ``call``: what it calls instead."""
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
     forward = model if call is None else call
@@ -74,8 +77,12 @@ def anatomy(agent: Any) -> dict[str, Any]:
     return dict(agent.component("anatomy").summary())
 
 
-@pytest.mark.parametrize(("fwd_s", "host_s", "verdict"), [(0.1, 0.0, "compute-bound"), (0.0, 0.2, "host-bound")])
-def test_found_at_the_optimizer_step_the_verdict_is_attachs(attach, fwd_s: float, host_s: float, verdict: str) -> None:
+@pytest.mark.parametrize(
+    ("fwd_s", "host_s", "verdict"), [(0.1, 0.0, "compute-bound"), (0.0, 0.2, "host-bound")]
+)
+def test_found_at_the_optimizer_step_the_verdict_is_attachs(
+    attach, fwd_s: float, host_s: float, verdict: str
+) -> None:
     """The same loop, attached with and without the model: the same phases from the third step on
     (warm-up is two), and the same verdict."""
     got = {}
@@ -138,7 +145,10 @@ def test_another_models_wrapper_gives_way_to_the_stepped_models(attach) -> None:
     student = Net()
     train(student, call=lambda x: student(x) + teacher(x).detach())
     a = anatomy(agent)
-    assert a["model"] == {"class": "Net", "found_by": "optimizer step"} and agent.component("anatomy").hooks.root.module is student
+    assert (
+        a["model"] == {"class": "Net", "found_by": "optimizer step"}
+        and agent.component("anatomy").hooks.root.module is student
+    )
     assert not teacher._forward_pre_hooks
 
 
@@ -154,7 +164,9 @@ def test_fully_shard_moves_the_root_outwards(attach) -> None:
     fully_shard(model[0])
     assert comp.hooks.root.module is model[0] and comp.hooks.root.found_by == "wrapper"
     fully_shard(model)
-    assert comp.hooks.root.module is model and comp.hooks._fwd_pre not in model[0]._forward_pre_hooks.values()  # moved, not added
+    assert (
+        comp.hooks.root.module is model and comp.hooks._fwd_pre not in model[0]._forward_pre_hooks.values()
+    )  # moved, not added
     torch.nn.parallel.DistributedDataParallel(Net())
     assert comp.hooks.root.module is model
 
@@ -206,7 +218,9 @@ def test_find_root_takes_the_outermost_holder_with_most_parameters() -> None:
     opt = torch.optim.SGD([*a.parameters(), next(b.parameters())], lr=0.1)  # all of a, one of b
     assert model_root.find_root(opt, torch.nn.Module) is outer
     assert model_root.find_root(opt, torch.nn.Module, skip=[outer]) is a
-    unheld = torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1)  # its module is gone: no frame holds it
+    unheld = torch.optim.SGD(
+        torch.nn.Linear(4, 4).parameters(), lr=0.1
+    )  # its module is gone: no frame holds it
     assert model_root.find_root(unheld, torch.nn.Module) is None
 
 
@@ -218,5 +232,7 @@ def test_find_root_reads_a_trainers_attributes_and_their_lists() -> None:
     trainer = SimpleNamespace(parts=[Net()], by_name={"other": Net()})
     found = model_root.find_root(torch.optim.SGD(trainer.parts[0].parameters(), lr=0.1), torch.nn.Module)
     assert found is trainer.parts[0]
-    hidden = model_root.find_root(torch.optim.SGD(trainer.by_name["other"].parameters(), lr=0.1), torch.nn.Module)
+    hidden = model_root.find_root(
+        torch.optim.SGD(trainer.by_name["other"].parameters(), lr=0.1), torch.nn.Module
+    )
     assert hidden is None

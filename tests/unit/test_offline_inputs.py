@@ -25,15 +25,23 @@ pytestmark = pytest.mark.timeout(120)  # a read that blocks must fail the test, 
 
 # ------------------------------------------------------------------------------------ safe_read
 def test_special_files_are_skipped_without_opening_them_for_long(tmp_path: Path) -> None:
-    fifo, sock, folder = tmp_path / "summary.rank0.json", tmp_path / "summary.rank1.json", tmp_path / "summary.rank2.json"
+    fifo, sock, folder = (
+        tmp_path / "summary.rank0.json",
+        tmp_path / "summary.rank1.json",
+        tmp_path / "summary.rank2.json",
+    )
     os.mkfifo(fifo)  # no writer: a blocking open would wait forever
     server = socket.socket(socket.AF_UNIX)
     server.bind(str(sock))
     folder.mkdir()
     (tmp_path / "summary.rank3.json").symlink_to("/dev/zero")  # endless: a read without bound never ends
     try:
-        for path, kind in ((fifo, "a FIFO"), (sock, "a socket"), (folder, "a directory"),
-                           (tmp_path / "summary.rank3.json", "a character device")):  # fmt: skip
+        for path, kind in (
+            (fifo, "a FIFO"),
+            (sock, "a socket"),
+            (folder, "a directory"),
+            (tmp_path / "summary.rank3.json", "a character device"),
+        ):
             with pytest.raises(safe_read.Unreadable, match=f"^{kind}, not a regular file: skipped$"):
                 safe_read.read_json(path)
         problems: list[str] = []
@@ -62,7 +70,10 @@ def test_special_files_are_skipped_without_opening_them_for_long(tmp_path: Path)
         ("[" * 100_000, "nested too deeply"),
         ('{"a": 1', "not JSON: Expecting ',' delimiter (line 1, column 8); the file ends early (cut short?)"),
         ('{"a": "bc', "not JSON: Unterminated string starting at (line 1, column 7); the file ends early"),
-        ('{"a": 1,, "b": 2}', "not JSON: Expecting property name enclosed in double quotes (line 1, column 9)"),
+        (
+            '{"a": 1,, "b": 2}',
+            "not JSON: Expecting property name enclosed in double quotes (line 1, column 9)",
+        ),
         ("", "empty"),
     ],
 )
@@ -83,7 +94,9 @@ def test_reads_are_bounded(tmp_path: Path) -> None:
     lines.write_text("".join(json.dumps({"i": i}) + "\n" for i in range(1000)))  # 10890 bytes
     problems: list[str] = []
     assert len(list(safe_read.read_jsonl(lines, problems, limit=1000))) == 100
-    assert problems == ["events.rank0.jsonl: read the first 990 bytes of 10890 bytes (the tools' limit for one file)"]
+    assert problems == [
+        "events.rank0.jsonl: read the first 990 bytes of 10890 bytes (the tools' limit for one file)"
+    ]
     one_line = tmp_path / "traces.rank0.jsonl"
     one_line.write_bytes(b"x" * (4 << 20))  # no newline: a line reader would take it whole
     problems = []
@@ -93,7 +106,10 @@ def test_reads_are_bounded(tmp_path: Path) -> None:
     problems = []
     assert len(list(safe_read.read_jsonl(lines, problems, limit=1000, budget=budget))) == 100
     assert len(list(safe_read.read_jsonl(lines, problems, limit=1000, budget=budget))) == 52
-    assert problems[-1] == "events.rank0.jsonl: read the first 510 bytes of 10890 bytes (the read budget of one run)"
+    assert (
+        problems[-1]
+        == "events.rank0.jsonl: read the first 510 bytes of 10890 bytes (the read budget of one run)"
+    )
 
 
 def test_jsonl_counts_what_it_cannot_use(tmp_path: Path) -> None:
@@ -120,7 +136,9 @@ def test_the_agents_summary_is_strict_json_of_the_expected_shape(attach, tmp_pat
     assert all(v > 0 for v in steps["recent_step_seconds"])
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir() or not hasattr(os, "sched_setaffinity"), reason="Linux")
+@pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir() or not hasattr(os, "sched_setaffinity"), reason="Linux"
+)
 def test_the_training_threads_wait_for_a_cpu_is_measured() -> None:
     """Two busy processes pinned to the training thread's one CPU: it waits for the CPU about two
     thirds of the time, whatever else the machine runs (the cause is planted on one core)."""
@@ -155,7 +173,10 @@ def test_the_training_threads_wait_for_a_cpu_is_measured() -> None:
 
 
 def test_non_finite_numbers_are_written_as_null(tmp_path: Path) -> None:
-    assert finite({"a": [math.nan, 1.0, {"b": math.inf}], "c": "nan"}) == {"a": [None, 1.0, {"b": None}], "c": "nan"}
+    assert finite({"a": [math.nan, 1.0, {"b": math.inf}], "c": "nan"}) == {
+        "a": [None, 1.0, {"b": None}],
+        "c": "nan",
+    }
     log = EventLog(str(tmp_path / "events.rank0.jsonl"), 0)
     log.emit("alert", alert="MemoryLeak", value=math.nan, details={"slope": -math.inf})
     log.close()
@@ -167,29 +188,69 @@ def test_non_finite_numbers_are_written_as_null(tmp_path: Path) -> None:
 def rich_summary(rank: int = 0) -> dict[str, Any]:
     """A summary with every field the tools read, filled in."""
     return {
-        "rank": rank, "pp_stage": 0, "metrics_url": "http://127.0.0.1:9470/metrics", "run_dir": "/r",
+        "rank": rank,
+        "pp_stage": 0,
+        "metrics_url": "http://127.0.0.1:9470/metrics",
+        "run_dir": "/r",
         "topology": {"world_size": "1", "dp": "1", "tp": "1", "pp": "1", "backend": "gloo", "job": "j"},
         "errors": {"collectives": 1},
         "components": {
-            "steps": {"steps": 30, "tokens": 0, "step_seconds_p50": 0.1, "step_seconds_max": 0.3, "detail_stride": 1,
-                      "recent_step_seconds": [0.1 + 0.001 * i for i in range(30)], "recent_first_step": 0},
+            "steps": {
+                "steps": 30,
+                "tokens": 0,
+                "step_seconds_p50": 0.1,
+                "step_seconds_max": 0.3,
+                "detail_stride": 1,
+                "recent_step_seconds": [0.1 + 0.001 * i for i in range(30)],
+                "recent_first_step": 0,
+            },
             "pipeline": {"bubble_ratio": 0.2, "chunk_seconds_p50": {"0/forward": 0.01, "0/backward": 0.02}},
-            "anatomy": {"clock": "cpu", "verdict": "compute-bound", "step_seconds_p50": 0.1,
-                        "phase_seconds_p50": {"forward": 0.03, "backward": 0.05, "optimizer": 0.01},
-                        "evidence": {"shares": {"forward": 0.3, "backward": 0.5}, "other_share": 0.1,
-                                     "step_seconds_mean": 0.10123456789}},
-            "collectives": {"ops": {"dp/all_reduce": 30}, "timed": 30, "table": [
-                {"pg": "dp", "op": "all_reduce", "count": 30, "timed": 30, "bytes": 4096, "p50_s": 0.01,
-                 "p99_s": 0.02, "busbw_bytes_per_s": 1e9}]},
-            "memory": {"rss_bytes": 1 << 30, "post_step_last": {"rss": 1 << 30}, "allocator": {"peak": 1 << 20}},
+            "anatomy": {
+                "clock": "cpu",
+                "verdict": "compute-bound",
+                "step_seconds_p50": 0.1,
+                "phase_seconds_p50": {"forward": 0.03, "backward": 0.05, "optimizer": 0.01},
+                "evidence": {
+                    "shares": {"forward": 0.3, "backward": 0.5},
+                    "other_share": 0.1,
+                    "step_seconds_mean": 0.10123456789,
+                },
+            },
+            "collectives": {
+                "ops": {"dp/all_reduce": 30},
+                "timed": 30,
+                "table": [
+                    {
+                        "pg": "dp",
+                        "op": "all_reduce",
+                        "count": 30,
+                        "timed": 30,
+                        "bytes": 4096,
+                        "p50_s": 0.01,
+                        "p99_s": 0.02,
+                        "busbw_bytes_per_s": 1e9,
+                    }
+                ],
+            },
+            "memory": {
+                "rss_bytes": 1 << 30,
+                "post_step_last": {"rss": 1 << 30},
+                "allocator": {"peak": 1 << 20},
+            },
             "nvml": {"up": False, "process_bytes": None},
-            "compile": {"graphs": 2, "compile_seconds_total": 1.5, "fingerprint": 12,
-                        "recompiles": [{"reason": "size", "count": 1}],
-                        "graph_breaks": [{"reason": "gb0170", "count": 1, "message": "print", "user_frames": ["m.py:3"]}]},
+            "compile": {
+                "graphs": 2,
+                "compile_seconds_total": 1.5,
+                "fingerprint": 12,
+                "recompiles": [{"reason": "size", "count": 1}],
+                "graph_breaks": [
+                    {"reason": "gb0170", "count": 1, "message": "print", "user_frames": ["m.py:3"]}
+                ],
+            },
             "detectors": {"Hang": {"fired": 1, "last_fired_step": 3, "evidence": ["evidence/hang.txt"]}},
             "zerocode": {"attached_at": "init_process_group"},
         },
-    }  # fmt: skip
+    }
 
 
 def _paths(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -213,13 +274,21 @@ def _every_tool(run_dir: Path) -> str:
     render_summary({}, ranks, run_dir, 1.0, 0, nproc=1)
     run_cmd.rank_lines(run_dir)
     digest = compare.load(run_dir)
-    compare.render_text(compare.Result(digest, digest, compare.rows(digest.figures, digest.figures, []), [], 0.05)
-                        if digest.figures else compare.compare(run_dir, run_dir))
+    compare.render_text(
+        compare.Result(digest, digest, compare.rows(digest.figures, digest.figures, []), [], 0.05)
+        if digest.figures
+        else compare.compare(run_dir, run_dir)
+    )
     compare.series(digest, "step")
     run = load_run(run_dir)
     rows = collective_rows([{"rank": r, **s} for r, s in sorted(run.summaries.items())])
-    for table in (report.ranks_table(run), report.anatomy_table(run), report.memory_table(run),
-                  report.collectives_table(run, {}, rows), report.slow_rank_note(run)):  # fmt: skip
+    for table in (
+        report.ranks_table(run),
+        report.anatomy_table(run),
+        report.memory_table(run),
+        report.collectives_table(run, {}, rows),
+        report.slow_rank_note(run),
+    ):
         assert isinstance(table, str)
     return "\n".join(problems)
 
@@ -256,18 +325,32 @@ def test_a_page_renders_from_a_summary_of_nothing_but_odd_fields(tmp_path: Path)
         run_dir = tmp_path / f"run-{type(wrong).__name__}"
         run_dir.mkdir()
         (run_dir / "summary.rank0.json").write_text(json.dumps(doc))
-        (run_dir / "events.rank0.jsonl").write_text(json.dumps({"kind": "alert", "rank": [1], "ts": "x", "step": {},
-                                                                 "evidence": ["a\u0000b"], "details": {"v": 0.123456789}}))
-        (run_dir / "traces.rank0.jsonl").write_text(json.dumps({"resourceSpans": {"x": 1}}) + "\n"
-                                                    + json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": "s"}]}]}))
+        (run_dir / "events.rank0.jsonl").write_text(
+            json.dumps(
+                {
+                    "kind": "alert",
+                    "rank": [1],
+                    "ts": "x",
+                    "step": {},
+                    "evidence": ["a\u0000b"],
+                    "details": {"v": 0.123456789},
+                }
+            )
+        )
+        (run_dir / "traces.rank0.jsonl").write_text(
+            json.dumps({"resourceSpans": {"x": 1}})
+            + "\n"
+            + json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": "s"}]}]})
+        )
         run = load_run(run_dir)
         assert any("summary.rank0.json: components." in p for p in run.problems)
         page = report.render(run, run_dir)
         assert "(not a usable path)" in page and "0.123456789" not in page and "0.123" in page
 
 
-def test_report_names_what_it_skips_and_exits_by_the_documented_codes(tmp_path: Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_names_what_it_skips_and_exits_by_the_documented_codes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from hpar_agent.tools.cli import main as cli_main
 
     run_dir = tmp_path / "run"

@@ -33,23 +33,49 @@ HERE = os.path.basename(__file__)
 def fake_snapshot(site_file: str = "/jobs/llm/train.py") -> dict[str, Any]:
     """Shaped as ``torch.cuda.memory._snapshot()``: two segments of device 0 (one block of each state),
     one of device 1, and device 0's trace ending with the failed request."""
-    frames = [{"filename": os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "linear.py"), "line": 125,
-               "name": "forward"},
-              {"filename": site_file, "line": 42, "name": "step"}]  # innermost first, as torch gives them
+    frames = [
+        {
+            "filename": os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "linear.py"),
+            "line": 125,
+            "name": "forward",
+        },
+        {"filename": site_file, "line": 42, "name": "step"},
+    ]  # innermost first, as torch gives them
     return {
         "segments": [
-            {"device": 0, "total_size": 64 * MiB, "allocated_size": 48 * MiB, "blocks": [
-                {"address": 0x1000, "size": 48 * MiB, "state": "active_allocated", "frames": frames},
-                {"address": 0x1000 + 48 * MiB, "size": 16 * MiB, "state": "inactive", "frames": []}]},
-            {"device": 0, "total_size": 20 * MiB, "allocated_size": 2 * MiB, "blocks": [
-                {"address": 0x9000_0000, "size": 2 * MiB, "state": "active_allocated", "frames": []},
-                {"address": 0x9000_0000 + 2 * MiB, "size": 18 * MiB, "state": "inactive", "frames": []}]},
-            {"device": 1, "total_size": 999 * MiB, "allocated_size": 999 * MiB, "blocks": [
-                {"address": 0x5, "size": 999 * MiB, "state": "active_allocated", "frames": []}]},
+            {
+                "device": 0,
+                "total_size": 64 * MiB,
+                "allocated_size": 48 * MiB,
+                "blocks": [
+                    {"address": 0x1000, "size": 48 * MiB, "state": "active_allocated", "frames": frames},
+                    {"address": 0x1000 + 48 * MiB, "size": 16 * MiB, "state": "inactive", "frames": []},
+                ],
+            },
+            {
+                "device": 0,
+                "total_size": 20 * MiB,
+                "allocated_size": 2 * MiB,
+                "blocks": [
+                    {"address": 0x9000_0000, "size": 2 * MiB, "state": "active_allocated", "frames": []},
+                    {"address": 0x9000_0000 + 2 * MiB, "size": 18 * MiB, "state": "inactive", "frames": []},
+                ],
+            },
+            {
+                "device": 1,
+                "total_size": 999 * MiB,
+                "allocated_size": 999 * MiB,
+                "blocks": [{"address": 0x5, "size": 999 * MiB, "state": "active_allocated", "frames": []}],
+            },
         ],
-        "device_traces": [[{"action": "alloc", "addr": 0x1000, "size": 48 * MiB, "frames": frames},
-                           {"action": "oom", "device_free": 1 * MiB, "size": 2 * GiB, "frames": frames}], []],
-    }  # fmt: skip
+        "device_traces": [
+            [
+                {"action": "alloc", "addr": 0x1000, "size": 48 * MiB, "frames": frames},
+                {"action": "oom", "device_free": 1 * MiB, "size": 2 * GiB, "frames": frames},
+            ],
+            [],
+        ],
+    }
 
 
 STATS = {"allocated_bytes.all.current": 50 * MiB, "reserved_bytes.all.current": 84 * MiB}
@@ -86,8 +112,11 @@ def _allocating_site(comp: OomCollector) -> None:
 
 
 def _events(a: Agent, kind: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(a.events.path or "").read_text().splitlines()
-            if json.loads(line)["kind"] == kind]  # fmt: skip
+    return [
+        json.loads(line)
+        for line in Path(a.events.path or "").read_text().splitlines()
+        if json.loads(line)["kind"] == kind
+    ]
 
 
 # ------------------------------------------------------------------------------------------ the observer
@@ -154,11 +183,19 @@ def test_the_first_oom_writes_the_record_once_then_counts(agent: Agent) -> None:
     assert snap["largest_free_block_bytes"] == 18 * MiB and snap["free_bytes"] == 34 * MiB
     assert snap["largest_blocks"][0] == {"bytes": 48 * MiB, "owner": "", "site": "train.py:42 in step"}
     assert snap["live_bytes_by_site"] == {"train.py:42 in step": 48 * MiB} and snap["history"]
-    assert rec["owners"] == {"source": "no model known", "bytes_by_kind": {"other": 50 * MiB}, "largest": [],
-                             "partial": False}  # fmt: skip
+    assert rec["owners"] == {
+        "source": "no model known",
+        "bytes_by_kind": {"other": 50 * MiB},
+        "largest": [],
+        "partial": False,
+    }
     files = rec["evidence"]
     assert sorted(p.rsplit(".", 2)[-2] + "." + p.rsplit(".", 1)[-1] for p in files) == [
-        "allocator.pickle", "oom.json", "pyspy.json", "pyspy.txt"]  # fmt: skip
+        "allocator.pickle",
+        "oom.json",
+        "pyspy.json",
+        "pyspy.txt",
+    ]
     for p in files:
         assert stat.S_IMODE(os.stat(p).st_mode) == 0o600 and "OutOfMemory.rank0." in p
     pick = next(p for p in files if p.endswith(".pickle"))
@@ -184,7 +221,9 @@ def test_the_observer_keeps_no_reference_to_the_programs_locals(agent: Agent) ->
     before = sys.getrefcount(batch), sys.getrefcount(model)
     _allocating_site(_oom(agent))
     assert (sys.getrefcount(batch), sys.getrefcount(model)) == before
-    assert _oom(agent).record["owners"]["source"] == ("model found on the stack" if mf.SAFE_LOCALS else "no model known")
+    assert _oom(agent).record["owners"]["source"] == (
+        "model found on the stack" if mf.SAFE_LOCALS else "no model known"
+    )
 
 
 def test_a_failing_snapshot_still_leaves_a_record(agent: Agent) -> None:
@@ -196,7 +235,9 @@ def test_a_failing_snapshot_still_leaves_a_record(agent: Agent) -> None:
     oom._snapshot = broken
     _allocating_site(oom)
     assert oom.record is not None
-    assert oom.record["snapshot"] == {"note": "no allocator snapshot (RuntimeError: allocator is not the caching one)"}
+    assert oom.record["snapshot"] == {
+        "note": "no allocator snapshot (RuntimeError: allocator is not the caching one)"
+    }
     assert not any(p.endswith(".pickle") for p in oom.record["evidence"])
     assert not agent.errors
 
@@ -205,8 +246,9 @@ def _raise_oom() -> None:
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
 
 
-def test_an_uncaught_oom_marks_the_record_fatal_and_chains_the_previous_hook(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_an_uncaught_oom_marks_the_record_fatal_and_chains_the_previous_hook(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[Any] = []
 
     def user_hook(*args: Any) -> None:
@@ -276,8 +318,11 @@ def test_without_a_model_the_optimizer_names_its_parameters_by_place() -> None:
     out, names = mf.owners([], [opt], torch.device("cpu"), allocated=None)
     assert out["bytes_by_kind"]["parameter"] == 100 * 16 * 4 + 2 * 16 * 4
     assert out["largest"][0]["name"] in ("param_groups[0][0]", "param_groups[0][0].exp_avg")
-    assert {"parameter param_groups[1][1]", "gradient param_groups[0][0]",
-            "optimizer_state param_groups[0][0].exp_avg_sq"} <= set(names.values())  # fmt: skip
+    assert {
+        "parameter param_groups[1][1]",
+        "gradient param_groups[0][0]",
+        "optimizer_state param_groups[0][0].exp_avg_sq",
+    } <= set(names.values())
 
 
 def test_an_owner_scan_past_its_budget_says_partial() -> None:
@@ -305,8 +350,12 @@ def test_the_model_and_optimizer_are_found_on_the_stack() -> None:
 def test_user_site_skips_torch_the_agent_and_the_standard_library() -> None:
     import threading
 
-    lines = [f"{__file__}:10 in main", f"{threading.__file__}:5 in run", f"{torch.__file__}:3 in f",
-             f"{mf.__file__}:1 in g"]  # fmt: skip
+    lines = [
+        f"{__file__}:10 in main",
+        f"{threading.__file__}:5 in run",
+        f"{torch.__file__}:3 in f",
+        f"{mf.__file__}:1 in g",
+    ]
     assert mf.user_site(lines) == f"{HERE}:10 in main"
     assert mf.user_site(lines[1:]) == ""
 
@@ -340,7 +389,9 @@ def _run_script(tmp_path: Path, attach: str, steps: int) -> tuple[Any, Path]:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT.format(attach=attach, steps=steps)))
     run = tmp_path / "run"
-    proc = hpar_run(run, [sys.executable, str(script)], timeout=180, HPAR_METRICS_PORT="-1", HPAR_TRACES="none")
+    proc = hpar_run(
+        run, [sys.executable, str(script)], timeout=180, HPAR_METRICS_PORT="-1", HPAR_TRACES="none"
+    )
     return proc, run
 
 
@@ -349,9 +400,13 @@ def test_zero_code_attaches_for_an_oom_in_the_first_step(tmp_path: Path) -> None
     agent: the error attaches it, and the end of ``hpar-agent run`` says where the memory ran out."""
     proc, run = _run_script(tmp_path, attach="", steps=0)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB." in proc.stderr  # as without us
+    assert (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB." in proc.stderr
+    )  # as without us
     line = next(x for x in proc.stderr.splitlines() if x.startswith("  rank 0: "))
-    assert line.startswith("  rank 0: died of CUDA out of memory after 0 completed steps at train.py:13 in far_too_large")
+    assert line.startswith(
+        "  rank 0: died of CUDA out of memory after 0 completed steps at train.py:13 in far_too_large"
+    )
     summary = json.loads((run / "summary.rank0.json").read_text())
     assert summary["components"]["zerocode"]["attached_at"] == "CUDA out of memory"
     rec = summary["components"]["oom"]["record"]
@@ -367,7 +422,9 @@ def test_zero_code_attaches_for_an_oom_in_the_first_step(tmp_path: Path) -> None
 
 
 def test_an_attached_agent_records_an_uncaught_oom_after_steps(tmp_path: Path) -> None:
-    proc, run = _run_script(tmp_path, attach="import hpar_agent; hpar_agent.attach(model, optimizer=opt)", steps=3)
+    proc, run = _run_script(
+        tmp_path, attach="import hpar_agent; hpar_agent.attach(model, optimizer=opt)", steps=3
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "  rank 0: died of CUDA out of memory after 3 completed steps at train.py:13" in proc.stderr
     rec = json.loads((run / "summary.rank0.json").read_text())["components"]["oom"]["record"]

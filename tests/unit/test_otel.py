@@ -192,8 +192,10 @@ def test_resource_identity_and_otel_env(tmp_path, tracings, monkeypatch):
     assert res[cat.ATTR_JOB] == JOB and res[cat.ATTR_RANK] == 3 and res[cat.ATTR_PP_STAGE] == 1
     assert (res[cat.RES_DP], res[cat.RES_TP], res[cat.RES_PP], res[cat.RES_DP_RANK]) == (2, 1, 2, 1)
     monkeypatch.setenv("OTEL_SERVICE_NAME", "my-train")
-    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES",
-                       "deployment.environment=ci,host.name=override,k8s.node.name=mine,hpar.rank=9")
+    monkeypatch.setenv(
+        "OTEL_RESOURCE_ATTRIBUTES",
+        "deployment.environment=ci,host.name=override,k8s.node.name=mine,hpar.rank=9",
+    )
     monkeypatch.setenv("K8S_POD_NAME", "train-0-abcde")
     monkeypatch.setenv("K8S_NAMESPACE_NAME", "ml")
     monkeypatch.setenv("K8S_NODE_NAME", "gpu-node-7")
@@ -222,7 +224,10 @@ def test_resource_names_are_the_semantic_conventions():
     assert cat.RES_HOST_NAME == host_attributes.HOST_NAME
     assert cat.RES_PROCESS_PID == process_attributes.PROCESS_PID
     assert (cat.RES_K8S_POD_NAME, cat.RES_K8S_NAMESPACE_NAME, cat.RES_K8S_NODE_NAME) == (
-        k8s_attributes.K8S_POD_NAME, k8s_attributes.K8S_NAMESPACE_NAME, k8s_attributes.K8S_NODE_NAME)
+        k8s_attributes.K8S_POD_NAME,
+        k8s_attributes.K8S_NAMESPACE_NAME,
+        k8s_attributes.K8S_NODE_NAME,
+    )
     assert cat.RES_SLURM_JOB_ID.startswith("hpar.")  # no convention: our namespace
 
 
@@ -333,8 +338,13 @@ def test_file_exporter_encodes_a_batch_in_chunks(tmp_path):
     exp.shutdown()
     lines = (tmp_path / "t.jsonl").read_text().splitlines()
     assert len(lines) == 3
-    names = [s.name for line in lines for rs in parse_otlp_json_line(line).resource_spans
-             for ss in rs.scope_spans for s in ss.spans]  # fmt: skip
+    names = [
+        s.name
+        for line in lines
+        for rs in parse_otlp_json_line(line).resource_spans
+        for ss in rs.scope_spans
+        for s in ss.spans
+    ]
     assert sorted(names) == sorted(f"s{i}" for i in range(2 * EXPORT_CHUNK + 3))
 
 
@@ -459,11 +469,16 @@ def test_the_direct_otlp_json_encoder_spells_what_the_sdk_encoder_does(tmp_path)
     provider.add_span_processor(SimpleSpanProcessor(mem))
     tracer = provider.get_tracer("hpar_agent", "1.0")
     remote = SpanContext(0xABC, 0x99, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
-    step = tracer.start_span("train.step", context=trace.set_span_in_context(NonRecordingSpan(remote)),
-                             attributes={"s": "a", "b": True, "i": -3, "f": 0.25, "l": [1, 2], "t": ("x",), "e": []})
+    step = tracer.start_span(
+        "train.step",
+        context=trace.set_span_in_context(NonRecordingSpan(remote)),
+        attributes={"s": "a", "b": True, "i": -3, "f": 0.25, "l": [1, 2], "t": ("x",), "e": []},
+    )
     ctx = trace.set_span_in_context(step)
     for i in range(3):
-        child = tracer.start_span("pp.forward", context=ctx, attributes={"hpar.microbatch": i}, start_time=10 + i)
+        child = tracer.start_span(
+            "pp.forward", context=ctx, attributes={"hpar.microbatch": i}, start_time=10 + i
+        )
         child.add_event("late", {"k": 1}, timestamp=12)
         child.add_event("bare", timestamp=13)
         if i == 1:
@@ -482,7 +497,9 @@ def test_the_direct_otlp_json_encoder_spells_what_the_sdk_encoder_does(tmp_path)
     exp.export([linked, *spans[:2]])
     exp.shutdown()
     (line,) = (tmp_path / "t.jsonl").read_text().splitlines()
-    names = [s.name for rs in parse_otlp_json_line(line).resource_spans for ss in rs.scope_spans for s in ss.spans]
+    names = [
+        s.name for rs in parse_otlp_json_line(line).resource_spans for ss in rs.scope_spans for s in ss.spans
+    ]
     assert names == ["linked", spans[0].name, spans[1].name]
 
 

@@ -43,7 +43,11 @@ def test_patches_only_an_imported_module_records_issue_and_wait_and_restores(mon
     orig_batch, orig_wait = mod._batch_p2p, mod._wait_batch_p2p
     monkeypatch.setitem(sys.modules, SCHEDULES, mod)
     w.patch()
-    assert w.patched and mod._batch_p2p.__wrapped__ is orig_batch and mod._wait_batch_p2p.__wrapped__ is orig_wait
+    assert (
+        w.patched
+        and mod._batch_p2p.__wrapped__ is orig_batch
+        and mod._wait_batch_p2p.__wrapped__ is orig_wait
+    )
     ops = [
         SimpleNamespace(op=dist.isend, tensor=torch.zeros(8), peer=1, group=None),
         SimpleNamespace(op=dist.irecv, tensor=torch.zeros(2, 3, dtype=torch.float64), peer=3, group=None),
@@ -95,7 +99,9 @@ def test_records_are_untracked_by_the_garbage_collector() -> None:
     works = [Work(True)]
     batch = w.wrap_batch(lambda ops, desc=None: works)
     wait = w.wrap_wait(lambda work: None)
-    ops = [SimpleNamespace(op=dist.isend, tensor=torch.zeros(4), peer=1, group=None)]  # a ProcessGroup is untracked too
+    ops = [
+        SimpleNamespace(op=dist.isend, tensor=torch.zeros(4), peer=1, group=None)
+    ]  # a ProcessGroup is untracked too
     wait(batch(ops))
     gc.collect()  # the first collection that sees them untracks the inner tuples, the second the records
     gc.collect()

@@ -55,10 +55,27 @@ def test_port_in_use_without_fallback_serves_nothing_and_training_goes_on(attach
 def test_tls_endpoint_serves_https(attach, tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     agent = attach(tls_cert=str(cert), tls_key=str(key))
     assert agent.metrics_url.startswith("https://")
     ctx = ssl.create_default_context(cafile=str(cert))
@@ -76,10 +93,28 @@ def cert(tmp_path_factory):
     d = tmp_path_factory.mktemp("tls")
     crt, key = d / "cert.pem", d / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(crt)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(crt),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return str(crt), str(key)
 
 
@@ -102,7 +137,9 @@ def test_tls_from_environment_serves_https_despite_idle_clients(agent_env, cert)
     agent_env.setenv("HPAR_TLS_KEY", cert[1])
     agent = hpar_agent.attach()
     assert agent.metrics_url is not None and agent.metrics_url.startswith("https://"), agent.metrics_url
-    idle = [socket.create_connection(("127.0.0.1", _port(agent.metrics_url))) for _ in range(3)]  # no handshake
+    idle = [
+        socket.create_connection(("127.0.0.1", _port(agent.metrics_url))) for _ in range(3)
+    ]  # no handshake
     try:
         ctx = ssl.create_default_context(cafile=cert[0])
         body = urllib.request.urlopen(agent.metrics_url, timeout=10, context=ctx).read().decode()
@@ -141,7 +178,9 @@ def test_half_open_connections_beyond_the_cap_hold_no_threads_or_fds(agent_env):
     n = 3 * http_server.MAX_CONNECTIONS
     held = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
     try:
-        body = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()  # a scraper still gets in
+        body = (
+            urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+        )  # a scraper still gets in
         assert "hpar_rank_info" in body
         assert agent.server.evicted > 0  # idle ones made room for it
         assert threading.active_count() == threads0  # connections cost no thread
@@ -228,7 +267,17 @@ def test_get_and_head_are_answered_every_other_method_gets_405(agent_env):
     assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n")  # headers only
     length = [h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")]
     assert length and int(length[0].split(b":")[1]) > 0  # the GET body's length
-    for method in (b"POST", b"PUT", b"DELETE", b"PATCH", b"OPTIONS", b"TRACE", b"CONNECT", b"PROPFIND", b"BREW"):
+    for method in (
+        b"POST",
+        b"PUT",
+        b"DELETE",
+        b"PATCH",
+        b"OPTIONS",
+        b"TRACE",
+        b"CONNECT",
+        b"PROPFIND",
+        b"BREW",
+    ):
         out = _raw(port, method + b" /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx")
         assert out.startswith(b"HTTP/1.1 405 "), (method, out[:80])
         assert b"\r\nAllow: GET, HEAD\r\n" in out and b"hpar_" not in out

@@ -48,8 +48,9 @@ def test_missing_program_exits_127(tmp_path: Path) -> None:
     assert run(["--", str(tmp_path / "nope")], run_dir=str(tmp_path / "run"), environ={}) == 127
 
 
-def test_a_linked_default_parent_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_linked_default_parent_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "hpar-runs").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
@@ -61,12 +62,19 @@ def test_a_linked_default_parent_is_refused(tmp_path: Path, monkeypatch: pytest.
 def _write_summaries(run_dir: Path, world: int, ranks: list[int], steps: int = 5) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     for r in ranks:
-        (run_dir / f"summary.rank{r}.json").write_text(json.dumps({
-            "rank": r, "topology": {"world_size": str(world), "backend": "gloo", "dp": str(world)},
-            "errors": {"steps": r % 2},
-            "components": {"steps": {"steps": steps + r, "step_seconds_p50": 0.01},
-                           "zerocode": {"attached_at": "init_process_group"}},
-        }))  # fmt: skip
+        (run_dir / f"summary.rank{r}.json").write_text(
+            json.dumps(
+                {
+                    "rank": r,
+                    "topology": {"world_size": str(world), "backend": "gloo", "dp": str(world)},
+                    "errors": {"steps": r % 2},
+                    "components": {
+                        "steps": {"steps": steps + r, "step_seconds_p50": 0.01},
+                        "zerocode": {"attached_at": "init_process_group"},
+                    },
+                }
+            )
+        )
 
 
 def test_end_of_run_says_how_many_ranks_were_observed_and_names_the_missing(tmp_path: Path) -> None:
@@ -76,7 +84,9 @@ def test_end_of_run_says_how_many_ranks_were_observed_and_names_the_missing(tmp_
     lines = rank_lines(tmp_path)
     assert lines[0] == "  ranks observed: 2 of 3 (summary.rank<R>.json, events.rank<R>.jsonl, state.rank<R>)"
     assert lines[1].startswith("  not observed: rank(s) 1 of 3 (")
-    assert lines[2].startswith("  rank 0/3 (gloo, dp 3): 5 steps, step p50 10.0 ms, attached at init_process_group")
+    assert lines[2].startswith(
+        "  rank 0/3 (gloo, dp 3): 5 steps, step p50 10.0 ms, attached at init_process_group"
+    )
     assert lines[3].startswith("  rank 2/3 (gloo, dp 3): 7 steps") and len(lines) == 4
 
 
@@ -91,9 +101,19 @@ GiB = 1 << 30
 
 
 def _oom(rank: int, fatal: bool, count: int = 1) -> dict:
-    rec = {"fatal": fatal, "step": 7, "site": "train.py:41 in forward", "requested_bytes": 20 * GiB,
-           "device_free_bytes": GiB // 2, "device_limit_bytes": 80 * GiB, "allocated_bytes": 76 * GiB,
-           "evidence": ["run/evidence/OutOfMemory.rank1.t.0.allocator.pickle", "run/evidence/OutOfMemory.rank1.t.1.oom.json"]}  # fmt: skip
+    rec = {
+        "fatal": fatal,
+        "step": 7,
+        "site": "train.py:41 in forward",
+        "requested_bytes": 20 * GiB,
+        "device_free_bytes": GiB // 2,
+        "device_limit_bytes": 80 * GiB,
+        "allocated_bytes": 76 * GiB,
+        "evidence": [
+            "run/evidence/OutOfMemory.rank1.t.0.allocator.pickle",
+            "run/evidence/OutOfMemory.rank1.t.1.oom.json",
+        ],
+    }
     return {"rank": rank, "components": {"oom": {"count": count, "record": rec}}}
 
 
@@ -102,9 +122,11 @@ def test_an_oom_is_one_line_saying_where_what_and_the_record() -> None:
     assert oom_line({"rank": 0, "components": {}}) is None
     assert oom_line(_oom(1, fatal=True)) == (
         "  rank 1: died of CUDA out of memory after 7 completed steps at train.py:41 in forward; asked 20.00 GiB "
-        "with 0.50 GiB free of 80.00 GiB; allocated 76.00 GiB; record: run/evidence/OutOfMemory.rank1.t.1.oom.json")
+        "with 0.50 GiB free of 80.00 GiB; allocated 76.00 GiB; record: run/evidence/OutOfMemory.rank1.t.1.oom.json"
+    )
     assert oom_line(_oom(1, fatal=False, count=3)).startswith(  # type: ignore[union-attr]
-        "  rank 1: ran out of CUDA memory 3 time(s) and went on; the first after 7 completed steps at train.py:41")
+        "  rank 1: ran out of CUDA memory 3 time(s) and went on; the first after 7 completed steps at train.py:41"
+    )
 
 
 def test_the_end_of_run_names_each_rank_that_ran_out(tmp_path: Path) -> None:
@@ -114,7 +136,10 @@ def test_the_end_of_run_names_each_rank_that_ran_out(tmp_path: Path) -> None:
     doc["components"].update(_oom(1, fatal=True)["components"])
     path.write_text(json.dumps(doc))
     lines = rank_lines(tmp_path)
-    assert lines[-1].startswith("  rank 1: died of CUDA out of memory after 7 completed steps") and len(lines) == 4
+    assert (
+        lines[-1].startswith("  rank 1: died of CUDA out of memory after 7 completed steps")
+        and len(lines) == 4
+    )
     n = RANK_LINES_MAX + 4
     _write_summaries(tmp_path / "many", n, list(range(n)))
     for r in range(n):
@@ -123,4 +148,7 @@ def test_the_end_of_run_names_each_rank_that_ran_out(tmp_path: Path) -> None:
         doc["components"].update(_oom(r, fatal=True)["components"])
         p.write_text(json.dumps(doc))
     lines = rank_lines(tmp_path / "many")
-    assert lines[-1] == "  ... and 4 more rank(s) ran out of CUDA memory" and len(lines) == 2 + RANK_LINES_MAX + 1
+    assert (
+        lines[-1] == "  ... and 4 more rank(s) ran out of CUDA memory"
+        and len(lines) == 2 + RANK_LINES_MAX + 1
+    )

@@ -65,7 +65,10 @@ def test_default_run_dir_is_checked_and_tightened(tmp_path, monkeypatch):
     agent = hpar_agent.attach(metrics_port=-1, traces="none", detectors=False, job_id="linked-job")
     hpar_agent.detach()
     assert list(elsewhere.iterdir()) == []  # a planted link in place of the run dir is refused
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "hpar-runs"]  # and nothing lands in cwd
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "elsewhere",
+        "hpar-runs",
+    ]  # and nothing lands in cwd
     assert agent.errors["agent"] >= 1
 
 
@@ -82,8 +85,10 @@ def test_a_linked_hpar_runs_is_refused_and_a_named_one_followed(tmp_path, monkey
         hpar_agent.detach()
     assert list(elsewhere.iterdir()) == [] and agent.run_dir == ""
     assert agent.errors["agent"] == 1
-    assert any("hpar-runs is a symbolic link" in r.getMessage() and "HPAR_RUN_DIR" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "hpar-runs is a symbolic link" in r.getMessage() and "HPAR_RUN_DIR" in r.getMessage()
+        for r in caplog.records
+    )
     with pytest.raises(safefiles.UnsafePathError, match="HPAR_RUN_DIR"):
         safefiles.default_run_dir("demo-1")  # the tools' default directories too
     agent = _attach(tmp_path / "hpar-runs" / "j2")
@@ -187,5 +192,10 @@ def test_unwritable_run_dir_leaves_the_rest_of_the_agent_working(tmp_path):
     assert agent.loop.thread is not None and agent.loop.thread.is_alive()
     agent.step()
     agent.tick()
-    assert agent.registry.get_sample_value("hpar_agent_errors_total", {"rank": "0", "pp_stage": "0", "component": "agent"}) >= 1
+    assert (
+        agent.registry.get_sample_value(
+            "hpar_agent_errors_total", {"rank": "0", "pp_stage": "0", "component": "agent"}
+        )
+        >= 1
+    )
     hpar_agent.detach()

@@ -23,7 +23,10 @@ def test_strided_reads_a_view_from_its_own_offset() -> None:
 
 
 def test_sample_cat_is_float32_and_sums_per_segment() -> None:
-    parts = [strided(torch.ones(8, dtype=torch.bfloat16), 4), strided(torch.full((6,), -2.0, dtype=torch.float64), 3)]
+    parts = [
+        strided(torch.ones(8, dtype=torch.bfloat16), 4),
+        strided(torch.full((6,), -2.0, dtype=torch.float64), 3),
+    ]
     cat = sample_cat(parts)
     assert cat.dtype == torch.float32 and cat.numel() == 7
     assert segment_sums(cat, [4, 3], with_abs=True) == [[4.0, 4.0], [-6.0, 6.0]]

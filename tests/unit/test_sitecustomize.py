@@ -27,14 +27,23 @@ PROBE = (
 
 
 def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if not k.startswith(("HPAR_", "TORCHELASTIC_", "PYTHONPATH")) and k not in LAUNCH_VARS}  # fmt: skip
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HPAR_", "TORCHELASTIC_", "PYTHONPATH")) and k not in LAUNCH_VARS
+    }
 
 
 def _probe(env: dict[str, str]) -> list[Any]:
     base = _clean_env()
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**base, **env}, capture_output=True, text=True,
-                         timeout=30, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -43,9 +52,12 @@ def test_shim_is_shipped_in_the_package() -> None:
 
 
 @pytest.mark.parametrize(
-    "launch_env", [{}, {"TORCHELASTIC_RUN_ID": "x"}, {"WORLD_SIZE": "2"}, {"SLURM_NTASKS": "8"}, {"WORLD_SIZE": "1"}]
+    "launch_env",
+    [{}, {"TORCHELASTIC_RUN_ID": "x"}, {"WORLD_SIZE": "2"}, {"SLURM_NTASKS": "8"}, {"WORLD_SIZE": "1"}],
 )
-def test_every_process_arms_the_same_way_and_imports_nothing(tmp_path: Path, launch_env: dict[str, str]) -> None:
+def test_every_process_arms_the_same_way_and_imports_nothing(
+    tmp_path: Path, launch_env: dict[str, str]
+) -> None:
     """Whatever launched it: one finder waits for c10d and torch, nothing is imported, and the marker
     stays in the environment for the process's own children (mp.spawn ranks, Lightning's ranks)."""
     sc, mode, var, torch_loaded, finders = _probe({**child_env({}, tmp_path), **launch_env})
@@ -65,7 +77,16 @@ def test_an_existing_sitecustomize_still_runs(tmp_path: Path) -> None:
     (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = 'yes'\n")
     env = child_env({"PYTHONPATH": str(theirs)}, tmp_path / "run")
     base = _clean_env()
-    out = subprocess.run([sys.executable, "-c", "import os, sitecustomize; print(os.environ.get('THEIRS_RAN'), "
-                          "sitecustomize._hpar_mode)"], env={**base, **env}, capture_output=True, text=True,
-                         timeout=30, check=True)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, sitecustomize; print(os.environ.get('THEIRS_RAN'), sitecustomize._hpar_mode)",
+        ],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     assert out.stdout.split() == ["yes", "armed"]

@@ -74,7 +74,12 @@ class _Source(Component):
 
 def test_watermark_is_the_earliest_source_that_is_up_and_a_failing_one_is_reported():
     errors: list[tuple[str, str]] = []
-    sources = [_Source("a", 50), _Source("b", None), _Source("down", 10, up=False), _Source("bad", 1, fail=True)]
+    sources = [
+        _Source("a", 50),
+        _Source("b", None),
+        _Source("down", 10, up=False),
+        _Source("bad", 1, fail=True),
+    ]
     assert SpanScheduler().watermark(sources, 100, lambda n, e: errors.append((n, str(e)))) == 50
     assert errors == [("bad", "broken source")]
     assert SpanScheduler().watermark([], 100, lambda n, e: None) == 100

@@ -21,10 +21,14 @@ def test_payloads_are_the_agents_with_a_compact_summary() -> None:
         assert set(parts) == set(PURPOSES)
         size = {p: len(json.dumps(v, separators=(",", ":"))) for p, v in parts.items()}
         assert size["s"] <= 2048, size  # what every comparison peer reads
-        assert set(parts["s"]) == {"c", "step", "fp", "cd", "q", "id"} and parts["s"]["step"] == store_load.STEPS
+        assert (
+            set(parts["s"]) == {"c", "step", "fp", "cd", "q", "id"} and parts["s"]["step"] == store_load.STEPS
+        )
         assert len(parts["fr"]["fr"]["e"]) == 3 * 256 and set(parts["ck"]["cks"]) == {"10", "20", "30"}
         assert bool(parts["gs"]) == ("tp" in dict(store_load.LAYOUTS[layout](64)))
-        if "tp" in dict(store_load.LAYOUTS[layout](64)):  # a 4-rank dp2 x tp2 hpar-train run sets 19.6 KB at most
+        if "tp" in dict(
+            store_load.LAYOUTS[layout](64)
+        ):  # a 4-rank dp2 x tp2 hpar-train run sets 19.6 KB at most
             assert 18_500 < sum(size.values()) < 21_000, size
 
 
@@ -41,11 +45,15 @@ def test_the_agents_scheme_is_spread_by_the_agents_own_cadence() -> None:
         cad = store_load.pace(n, None)
         assert cad == cadence(n, COMPONENT_DEFAULTS["exchange_s"], AgentConfig().interval)
         at = [store_load._Rank.offset(SimpleNamespace(rank=r), {"cadence": cad}) for r in range(n)]  # type: ignore[arg-type]
-        for r in range(min(n, 50)):  # its pass of the phase (a second apart), its offset into that pass's window
+        for r in range(
+            min(n, 50)
+        ):  # its pass of the phase (a second apart), its offset into that pass's window
             k, off = cad.offset(r)
             assert at[r] == pytest.approx(k * AgentConfig().interval + off)
         assert max(at) < cad.polls - 1 + cad.window_s
-    assert store_load.pace(1024, 0.0).window_s == 0 and store_load.pace(1024, 0.5).window_s == 0.5  # --spread S
+    assert (
+        store_load.pace(1024, 0.0).window_s == 0 and store_load.pace(1024, 0.5).window_s == 0.5
+    )  # --spread S
 
 
 def test_a_small_run_measures_both_schemes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,5 +64,7 @@ def test_a_small_run_measures_both_schemes(tmp_path: Path, monkeypatch: pytest.M
     assert set(rows) == {"peers", "all"} and all(r["errors"] == 0 for r in rows.values())
     assert rows["peers"]["kb_got_per_rank"] < rows["all"]["kb_got_per_rank"] / 4
     assert rows["peers"]["round_s"] > 0 and rows["peers"]["idle_ms"]["n"] > 0
-    assert rows["peers"]["window_s"] == cadence(16, 3.0, 1.0).window_s and rows["peers"]["spread"].startswith("agent")
+    assert rows["peers"]["window_s"] == cadence(16, 3.0, 1.0).window_s and rows["peers"]["spread"].startswith(
+        "agent"
+    )
     assert rows["all"]["window_s"] == 0  # the old scheme went all at once

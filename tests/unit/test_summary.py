@@ -84,10 +84,15 @@ def test_failed_ranks_are_named_with_their_error_and_silent_ranks_listed():
     """One rank of four wrote a summary; two crashed, one was stopped by torchrun: no clean-run claims."""
     ranks = [_with_detectors(_rank(0, 0, {}))]
     text = render_summary(
-        {"losses": [4.0]}, ranks, Path("run"), 9.0, 1, nproc=4,
+        {"losses": [4.0]},
+        ranks,
+        Path("run"),
+        9.0,
+        1,
+        nproc=4,
         failures={2: "RuntimeError: Numpy is not available", 3: "RuntimeError: Numpy is not available"},
         exit_codes={1: -15, 2: 1, 3: 1},
-    )  # fmt: skip
+    )
     assert "FAILED ranks: 2, 3" in text
     assert "  rank 2 (exit 1): RuntimeError: Numpy is not available" in text
     assert "stopped by torchrun after the failure: ranks 1" in text

@@ -54,7 +54,9 @@ def test_unnamed_mesh_is_named_only_for_fsdp_models() -> None:
 
 
 def test_coords_and_info_labels() -> None:
-    t = Topology(dp=4, dp_rank=3, dp_replicate=2, dp_shard=2, dp_replicate_rank=1, dp_shard_rank=1, mesh_dims="x")
+    t = Topology(
+        dp=4, dp_rank=3, dp_replicate=2, dp_shard=2, dp_replicate_rank=1, dp_shard_rank=1, mesh_dims="x"
+    )
     assert t.coords() == {"dp_replicate": 1, "dp_shard": 1, "cp": 0, "tp": 0, "pp": 0}
     assert Topology(dp=2, dp_rank=1).coords()["dp_replicate"] == 1  # dp given alone (HPAR_DP, old callers)
     labels = t.info_labels()
@@ -98,10 +100,15 @@ def test_late_peer_does_not_block_attach_and_ids_agree(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPAR_", "TORCHELASTIC"))}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     procs = [
-        subprocess.Popen([sys.executable, "-c", _RANK, str(tmp_path)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(tmp_path)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(2)
-    ]  # fmt: skip
+    ]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     ids = [(tmp_path / f"attached{r}").read_text() for r in range(2)]

@@ -25,8 +25,9 @@ def agent(tmp_path: Path) -> Iterator[Agent]:
     """Attached before any process group exists (a zero-code attach at the first compile, or a user
     who calls ``attach()`` at the top of the script)."""
     assert not dist.is_initialized()
-    a = hpar_agent.attach(metrics_port=-1, traces="file", run_dir=str(tmp_path), interval=3600, detectors=False,
-                          job_id="watch")  # fmt: skip
+    a = hpar_agent.attach(
+        metrics_port=-1, traces="file", run_dir=str(tmp_path), interval=3600, detectors=False, job_id="watch"
+    )
     try:
         yield a
     finally:
@@ -54,7 +55,11 @@ def test_a_group_after_attach_gives_the_rank_every_label_and_file(agent: Agent, 
     assert agent.registry.get_sample_value("hpar_steps_total", {"rank": str(RANK), "pp_stage": "0"}) == 0.0
     events = [json.loads(line) for line in (tmp_path / f"events.rank{RANK}.jsonl").read_text().splitlines()]
     (ev,) = [e for e in events if e["kind"] == "topology"]
-    assert ev["rank"] == RANK and ev["changed"]["rank"] == str(RANK) and ev["changed"]["world_size"] == str(WORLD)
+    assert (
+        ev["rank"] == RANK
+        and ev["changed"]["rank"] == str(RANK)
+        and ev["changed"]["world_size"] == str(WORLD)
+    )
     assert agent.component("topology").summary() == {"redetects": 1, "sources": ["process_group"]}
     hpar_agent.detach()
     summary = json.loads((tmp_path / f"summary.rank{RANK}.json").read_text())
@@ -120,8 +125,12 @@ def test_a_redetection_still_due_runs_before_the_group_is_destroyed(agent: Agent
 def test_detach_restores_every_patch() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
-    before = (DeviceMesh.__init__, torch.nn.parallel.DistributedDataParallel.__init__, dist.init_process_group,
-              dist.destroy_process_group)  # fmt: skip
+    before = (
+        DeviceMesh.__init__,
+        torch.nn.parallel.DistributedDataParallel.__init__,
+        dist.init_process_group,
+        dist.destroy_process_group,
+    )
     a = hpar_agent.attach(metrics_port=-1, traces="none", event_log=False, interval=3600, detectors=False)
     try:
         assert getattr(DeviceMesh.__init__, topology_watch.TAG, None) is before[0]
@@ -129,8 +138,12 @@ def test_detach_restores_every_patch() -> None:
     finally:
         hpar_agent.detach()
     assert not a.started
-    after = (DeviceMesh.__init__, torch.nn.parallel.DistributedDataParallel.__init__, dist.init_process_group,
-             dist.destroy_process_group)  # fmt: skip
+    after = (
+        DeviceMesh.__init__,
+        torch.nn.parallel.DistributedDataParallel.__init__,
+        dist.init_process_group,
+        dist.destroy_process_group,
+    )
     assert after == before
 
 
@@ -139,13 +152,16 @@ def test_the_wrapper_built_around_the_given_model_is_read_not_another(tmp_path: 
     the wrapper says dp; a DDP around some other module does not speak for the given model."""
     _group()
     model = _model()
-    a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600,
-                          detectors=False)  # fmt: skip
+    a = hpar_agent.attach(
+        model, metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=3600, detectors=False
+    )
     try:
         torch.nn.parallel.DistributedDataParallel(_model())  # not around the given model
         a.tick()
         assert a.topology.dp == 1
-        torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(model))  # a wrapper around a wrapper of it
+        torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(model)
+        )  # a wrapper around a wrapper of it
         assert (a.topology.dp, a.topology.dp_rank) == (WORLD, RANK)  # at once, before any pass
     finally:
         hpar_agent.detach()

@@ -31,28 +31,69 @@ def test_verdict_on_synthetic_shares(shares, straggler, verdict) -> None:
 def test_each_verdict_says_why_and_the_thresholds_are_the_declared_ones() -> None:
     v = bottleneck({"data_wait": 0.05, "forward": 0.3, "backward": 0.2})
     assert v == ("unknown", "the phases explain 55% of the step (anatomy.min_explained 60%)")
-    assert bottleneck({"data_wait": 0.05, "forward": 0.3, "backward": 0.2}, thresholds={"min_explained": 0.5}).name == "compute-bound"
-    assert bottleneck({"host": 0.25, "forward": 0.7}).reason == "host is 25% of the step (anatomy.host_share 20%)"
+    assert (
+        bottleneck(
+            {"data_wait": 0.05, "forward": 0.3, "backward": 0.2}, thresholds={"min_explained": 0.5}
+        ).name
+        == "compute-bound"
+    )
+    assert (
+        bottleneck({"host": 0.25, "forward": 0.7}).reason
+        == "host is 25% of the step (anatomy.host_share 20%)"
+    )
     assert bottleneck({"host": 0.25, "forward": 0.7}, thresholds={"host_share": 0.3}).name == "compute-bound"
-    assert bottleneck({"forward": 0.5, "backward": 0.4}).reason.startswith("forward, backward and optimizer are 90%")
-    assert set(DEFAULTS) == {"anatomy.input_share", "anatomy.host_share", "anatomy.comm_share", "anatomy.min_explained"}
-    assert {bottleneck(s, straggler=st).name for s, st in [({"data_wait": 1}, False), ({"host": 1}, False), ({}, True),
-            ({"comm_exposed": 1}, False), ({}, False), ({"forward": 1}, False)]} == set(VERDICTS)
+    assert bottleneck({"forward": 0.5, "backward": 0.4}).reason.startswith(
+        "forward, backward and optimizer are 90%"
+    )
+    assert set(DEFAULTS) == {
+        "anatomy.input_share",
+        "anatomy.host_share",
+        "anatomy.comm_share",
+        "anatomy.min_explained",
+    }
+    assert {
+        bottleneck(s, straggler=st).name
+        for s, st in [
+            ({"data_wait": 1}, False),
+            ({"host": 1}, False),
+            ({}, True),
+            ({"comm_exposed": 1}, False),
+            ({}, False),
+            ({"forward": 1}, False),
+        ]
+    } == set(VERDICTS)
 
 
 def test_slow_rank_across_the_run_directorys_summaries() -> None:
     def digest(fwd: float, comm: float, verdict: str = "compute-bound", **ev: object) -> dict:
-        return {"verdict": verdict, "step_seconds_p50": 2.6, "evidence": ev,
-                "phase_seconds_p50": {"forward": fwd, "backward": 0.3, "optimizer": 0.01, "comm_exposed": comm}}
+        return {
+            "verdict": verdict,
+            "step_seconds_p50": 2.6,
+            "evidence": ev,
+            "phase_seconds_p50": {"forward": fwd, "backward": 0.3, "optimizer": 0.01, "comm_exposed": comm},
+        }
 
     # rank 2 computes 2 s longer per step; ranks 0, 1, 3 wait for it in their exposed communication
-    ranks = [(0, 0, digest(0.2, 2.0)), (1, 0, digest(0.2, 2.05)), (2, 0, digest(2.2, 0.01)), (3, 0, digest(0.21, 1.9))]
+    ranks = [
+        (0, 0, digest(0.2, 2.0)),
+        (1, 0, digest(0.2, 2.05)),
+        (2, 0, digest(2.2, 0.01)),
+        (3, 0, digest(0.21, 1.9)),
+    ]
     slow = slow_rank_across(ranks)
-    assert slow is not None and slow["rank"] == 2 and slow["source"] == "phases" and slow["compute_excess_s"] > 1.9
+    assert (
+        slow is not None
+        and slow["rank"] == 2
+        and slow["source"] == "phases"
+        and slow["compute_excess_s"] > 1.9
+    )
     assert slow_rank_across([(r, 0, digest(0.2, 0.01)) for r in range(4)]) is None  # a clean run
     # longer compute but nobody waits for it (its own stage in a pipeline, or overlap): not named
     assert slow_rank_across([(0, 0, digest(0.2, 0.0)), (1, 0, digest(2.2, 0.0))]) is None
     assert slow_rank_across([(0, 0, digest(2.2, 0.0)), (1, 1, digest(0.2, 2.0))]) is None  # other stages
     # the live verdicts name it: taken as they are
-    named = [(0, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1)), (1, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1))]
+    named = [
+        (0, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1)),
+        (1, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1)),
+    ]
     assert slow_rank_across(named) == {"rank": 1, "source": "straggler", "ranks_naming_it": 2, "ranks": 2}

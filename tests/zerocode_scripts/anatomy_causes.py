@@ -36,7 +36,9 @@ class Data(torch.utils.data.Dataset):
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cause == "slow-peer" and rank == 1:

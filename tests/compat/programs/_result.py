@@ -29,6 +29,13 @@ def dump(rank: int, world: int, steps: int, **extra: object) -> None:
     out = os.environ.get("COMPAT_OUT")
     if not out:
         return
-    data = {"rank": rank, "world_size": world, "steps": steps, "pid": os.getpid(), "dynamo": dynamo_counts(), **extra}
+    data = {
+        "rank": rank,
+        "world_size": world,
+        "steps": steps,
+        "pid": os.getpid(),
+        "dynamo": dynamo_counts(),
+        **extra,
+    }
     with open(os.path.join(out, f"result.rank{rank}.json"), "w") as fh:
         json.dump(data, fh)

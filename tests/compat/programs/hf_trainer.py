@@ -41,11 +41,21 @@ def main() -> None:
     model = GPT2LMHeadModel(cfg)
     with tempfile.TemporaryDirectory() as out:
         targs = TrainingArguments(
-            output_dir=out, max_steps=args.steps, per_device_train_batch_size=4, learning_rate=1e-3,
-            logging_steps=1000, save_strategy="no", report_to=[], use_cpu=cpu, ddp_backend="gloo" if cpu else "nccl",
-            dataloader_num_workers=0, disable_tqdm=True, seed=0,
-            torch_compile=bool(args.compile), torch_compile_backend=args.compile or None,
-        )  # fmt: skip
+            output_dir=out,
+            max_steps=args.steps,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            logging_steps=1000,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=cpu,
+            ddp_backend="gloo" if cpu else "nccl",
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            seed=0,
+            torch_compile=bool(args.compile),
+            torch_compile_backend=args.compile or None,
+        )
         trainer = Trainer(model=model, args=targs, train_dataset=Tokens(64, 16, cfg.vocab_size))
         if args.attach:
             import hpar_agent
@@ -54,8 +64,13 @@ def main() -> None:
         trainer.train()
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         group = torch.distributed.is_initialized()
-        dump(rank, world, int(trainer.state.global_step), dp=world,
-             backend=str(torch.distributed.get_backend()) if group else "none")
+        dump(
+            rank,
+            world,
+            int(trainer.state.global_step),
+            dp=world,
+            backend=str(torch.distributed.get_backend()) if group else "none",
+        )
 
 
 if __name__ == "__main__":

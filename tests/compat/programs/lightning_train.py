@@ -51,13 +51,28 @@ def main() -> None:
     torch.manual_seed(0)
     data = torch.utils.data.DataLoader(torch.randn(256, 16), batch_size=8)
     module = Tiny(args.compile)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0,
-                        callbacks=[Attach()] if args.attach else [])  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[Attach()] if args.attach else [],
+    )
     trainer.fit(module, data)
-    dump(trainer.global_rank, trainer.world_size, module.optimizer_steps, dp=trainer.world_size,
-         global_step=trainer.global_step, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    dump(
+        trainer.global_rank,
+        trainer.world_size,
+        module.optimizer_steps,
+        dp=trainer.world_size,
+        global_step=trainer.global_step,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+    )
 
 
 if __name__ == "__main__":

@@ -94,8 +94,10 @@ def main() -> None:
                 with torch.no_grad(), torch.autocast(args.device, dtype=torch.bfloat16):
                     val = sum(float(model(*batch_of(10_000 + i))) for i in range(4)) / 4
                 model.train()
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "val": val},
-                           os.path.join(ckpt_dir, "ckpt.pt"))  # fmt: skip
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "val": val},
+                    os.path.join(ckpt_dir, "ckpt.pt"),
+                )
     dump(0, 1, taken[0], dp=1, optimizer_steps_called=args.steps)
 
 

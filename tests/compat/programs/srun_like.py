@@ -15,9 +15,17 @@ def main() -> int:
         port = s.getsockname()[1]
     procs = []
     for r in range(n):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "SLURM_PROCID": str(r), "SLURM_NTASKS": str(n), "SLURM_LOCALID": str(r)}  # fmt: skip
+        env = {
+            **os.environ,
+            "RANK": str(r),
+            "WORLD_SIZE": str(n),
+            "LOCAL_RANK": str(r),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "SLURM_PROCID": str(r),
+            "SLURM_NTASKS": str(n),
+            "SLURM_LOCALID": str(r),
+        }
         procs.append(subprocess.Popen(cmd, env=env))
     codes = [p.wait() for p in procs]
     return max(codes, key=abs)

@@ -54,7 +54,9 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
             dist.init_process_group("gloo")
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world)
-    model: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    model: torch.nn.Module = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+    )
     if args.compile:  # compiled inside DDP: dynamo splits the graph at DDP's buckets (DDPOptimizer)
         model = torch.compile(model, backend=args.compile)
     if distributed:

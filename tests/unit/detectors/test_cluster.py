@@ -29,8 +29,17 @@ def test_compile_divergence_attributed_to_minority(store: Any, tmp_path: Any) ->
     ranks = []
     for r in range(3):
         comp = Fake("compile", fingerprint=111 if r != 2 else 222)
-        ranks.append(make_agent(tmp_path, rank=r, world=3, comps=(steps(10), comp), exchange=Exchange(store, "job", r),
-                                coords={"dp": r, "dpn": 3}, **{"detectors.exchange_s": 0.0}))  # fmt: skip
+        ranks.append(
+            make_agent(
+                tmp_path,
+                rank=r,
+                world=3,
+                comps=(steps(10), comp),
+                exchange=Exchange(store, "job", r),
+                coords={"dp": r, "dpn": 3},
+                **{"detectors.exchange_s": 0.0},
+            )
+        )
     for _ in range(3):  # round 1 publishes; two confirmations follow
         for agent, _det in ranks:
             agent.tick()
@@ -46,8 +55,17 @@ def test_compile_divergence_waits_for_every_rank_of_the_stage(store: Any, tmp_pa
     ranks = []
     for r in range(4):
         comp = Fake("compile", fingerprint=111 if r != 3 else 222)
-        ranks.append(make_agent(tmp_path, rank=r, world=4, comps=(steps(10), comp), exchange=Exchange(store, "job", r),
-                                coords={"dp": r, "dpn": 4}, **{"detectors.exchange_s": 0.0}))  # fmt: skip
+        ranks.append(
+            make_agent(
+                tmp_path,
+                rank=r,
+                world=4,
+                comps=(steps(10), comp),
+                exchange=Exchange(store, "job", r),
+                coords={"dp": r, "dpn": 4},
+                **{"detectors.exchange_s": 0.0},
+            )
+        )
     for _ in range(3):  # ranks 0 and 2 have not published yet
         for r in (1, 3):
             ranks[r][0].tick()
@@ -71,8 +89,18 @@ def _dp_replicas(store: Any, tmp_path: Any, drifted: int | None = None) -> list[
         if r == drifted:
             with torch.no_grad():
                 model[1].weight.add_(1e-3)
-        ranks.append(make_agent(tmp_path, rank=r, world=3, comps=(steps(10),), exchange=Exchange(store, "job", r),
-                                coords={"dp": r, "dpn": 3}, model=model, **{"detectors.exchange_s": 0.0}))  # fmt: skip
+        ranks.append(
+            make_agent(
+                tmp_path,
+                rank=r,
+                world=3,
+                comps=(steps(10),),
+                exchange=Exchange(store, "job", r),
+                coords={"dp": r, "dpn": 3},
+                model=model,
+                **{"detectors.exchange_s": 0.0},
+            )
+        )
     return ranks
 
 
@@ -89,7 +117,9 @@ def test_replica_divergence_dp_group(store: Any, tmp_path: Any) -> None:
     assert details["dp"]["params"] == ["1.weight"] and details["dp"]["step"] == 10
     rep = ranks[0][1].detector(ReplicaDivergence)
     assert rep is not None and rep.sampler.replicated() == ["0.weight", "0.bias", "1.weight", "1.bias"]
-    assert all(any("/x/ck/" in k for k in det.exchange._seen) for _, det in ranks)  # digests differed: fetched
+    assert all(
+        any("/x/ck/" in k for k in det.exchange._seen) for _, det in ranks
+    )  # digests differed: fetched
 
 
 def test_replica_divergence_in_sync_compares_digests_only(store: Any, tmp_path: Any) -> None:
@@ -114,14 +144,29 @@ def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: A
     ranks = []
     for r in range(3):
         entries = deque(
-            {"pg": "dp", "seq": i, "op": "all_reduce", "is_p2p": False, "input_sizes": [[4]],
-             "input_dtypes": ["BFloat16" if (r == 0 and i == 7) else "Float"],
-             "time": ((i // 4) * step + i * 1_000_000 + (80_000_000 if r == 2 else 0)) / 1e9}
+            {
+                "pg": "dp",
+                "seq": i,
+                "op": "all_reduce",
+                "is_p2p": False,
+                "input_sizes": [[4]],
+                "input_dtypes": ["BFloat16" if (r == 0 and i == 7) else "Float"],
+                "time": ((i // 4) * step + i * 1_000_000 + (80_000_000 if r == 2 else 0)) / 1e9,
+            }
             for i in range(40)
-        )  # fmt: skip
+        )
         coll = Fake("collectives", recent_entries=entries)
-        ranks.append(make_agent(tmp_path, rank=r, world=3, comps=(steps(10), coll), exchange=Exchange(store, "job", r),
-                                coords={"dp": r, "dpn": 3}, **{"detectors.exchange_s": 0.0}))  # fmt: skip
+        ranks.append(
+            make_agent(
+                tmp_path,
+                rank=r,
+                world=3,
+                comps=(steps(10), coll),
+                exchange=Exchange(store, "job", r),
+                coords={"dp": r, "dpn": 3},
+                **{"detectors.exchange_s": 0.0},
+            )
+        )
     for agent, _det in ranks:
         agent.config.evidence = False
     for _ in range(3):
@@ -143,9 +188,15 @@ def test_straggler_ignores_a_late_ranks_compile_warmup(store: Any, tmp_path: Any
         entries: deque = deque(maxlen=512)
         comp = Fake("compile", compiles=Counter(), _open={}, compile_seconds=0.0, graphs=set())
         st = steps(4)
-        agent, det = make_agent(tmp_path, rank=r, world=2, comps=(st, comp, Fake("collectives", recent_entries=entries)),
-                                exchange=Exchange(store, "job", r), coords={"dp": r, "dpn": 2},
-                                **{"detectors.exchange_s": 0.0})  # fmt: skip
+        agent, det = make_agent(
+            tmp_path,
+            rank=r,
+            world=2,
+            comps=(st, comp, Fake("collectives", recent_entries=entries)),
+            exchange=Exchange(store, "job", r),
+            coords={"dp": r, "dpn": 2},
+            **{"detectors.exchange_s": 0.0},
+        )
         agent.config.evidence = False
         ranks.append((agent, det, entries, comp, st))
 
@@ -153,8 +204,18 @@ def test_straggler_ignores_a_late_ranks_compile_warmup(store: Any, tmp_path: Any
         for i in range(first, first + n):  # 4 all-reduces per 0.3 s step, rank 1 late by late_s
             t = start + (i - first) // 4 * 0.3 + (i % 4) * 0.001
             for r, (*_, entries, _comp, _st) in enumerate(ranks):
-                entries.append({"pg": "dp", "seq": i, "op": "all_reduce", "is_p2p": False, "input_sizes": [[4]],
-                                "input_dtypes": ["Float"], "time": t + (late_s if r == 1 else 0.0), "record_id": i})
+                entries.append(
+                    {
+                        "pg": "dp",
+                        "seq": i,
+                        "op": "all_reduce",
+                        "is_p2p": False,
+                        "input_sizes": [[4]],
+                        "input_dtypes": ["Float"],
+                        "time": t + (late_s if r == 1 else 0.0),
+                        "record_id": i,
+                    }
+                )
 
     ranks[1][3].compiles[("ok", "x")] += 1  # rank 1 compiles at its step 4
     for *_, st in ranks:
@@ -194,7 +255,9 @@ class _Param:
 
 def test_shard_key_names_only_the_sharded_dims() -> None:
     hsdp = _Mesh(("dp_replicate", "dp_shard"), (1, 0))
-    assert shard_key(_Param((Replicate(), Shard(0)), hsdp)) == "dp_shard=0"  # the replicate coord is not in it
+    assert (
+        shard_key(_Param((Replicate(), Shard(0)), hsdp)) == "dp_shard=0"
+    )  # the replicate coord is not in it
     fsdp_tp = _Mesh(("dp_shard", "tp"), (1, 1))
     assert shard_key(_Param((Shard(0), Shard(0)), fsdp_tp)) == "dp_shard=1,tp=1"
     assert shard_key(_Param((Shard(0), Replicate()), fsdp_tp)) == "dp_shard=1"  # a TP-replicated norm weight
@@ -229,19 +292,34 @@ def test_intended_reduce_bits_reads_fsdp_policy_and_ddp_compress_hooks() -> None
     assert intended_reduce_bits(nn.Linear(2, 2)) == set()
 
 
-def _ranks(store: Any, tmp_path: Any, model: Any, pg: str, op: str, dtype_of: Any, job: str) -> list[tuple[Any, Any]]:
+def _ranks(
+    store: Any, tmp_path: Any, model: Any, pg: str, op: str, dtype_of: Any, job: str
+) -> list[tuple[Any, Any]]:
     """Two fake dp ranks whose flight recorders hold 40 gradient reductions each (fp32 model)."""
     ranks = []
     for r in range(2):
         entries = deque(
-            {"pg": pg, "seq": i, "op": op, "is_p2p": False,
-             "input_sizes": [[8]] if dtype_of(r, i) == "Float" else [[16]],
-             "input_dtypes": [dtype_of(r, i)], "time": i * 1e-3}
+            {
+                "pg": pg,
+                "seq": i,
+                "op": op,
+                "is_p2p": False,
+                "input_sizes": [[8]] if dtype_of(r, i) == "Float" else [[16]],
+                "input_dtypes": [dtype_of(r, i)],
+                "time": i * 1e-3,
+            }
             for i in range(40)
-        )  # fmt: skip
-        agent, det = make_agent(tmp_path, rank=r, world=2, comps=(steps(10), Fake("collectives", recent_entries=entries)),
-                                exchange=Exchange(store, job, r), coords={"dp": r, "dpn": 2}, model=model,
-                                **{"detectors.exchange_s": 0.0})  # fmt: skip
+        )
+        agent, det = make_agent(
+            tmp_path,
+            rank=r,
+            world=2,
+            comps=(steps(10), Fake("collectives", recent_entries=entries)),
+            exchange=Exchange(store, job, r),
+            coords={"dp": r, "dpn": 2},
+            model=model,
+            **{"detectors.exchange_s": 0.0},
+        )
         agent.config.evidence = False
         ranks.append((agent, det))
     for _ in range(3):
@@ -253,8 +331,11 @@ def _ranks(store: Any, tmp_path: Any, model: Any, pg: str, op: str, dtype_of: An
 def test_agreed_low_precision_reductions_are_quiet(store: Any, tmp_path: Any) -> None:
     cases = {
         # FSDP2 MixedPrecisionPolicy(reduce_dtype=bf16): bf16 reduce-scatters on every rank
-        "fsdp": (_FsdpLike(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
-                 "dp_shard", "reduce_scatter_tensor_coalesced"),
+        "fsdp": (
+            _FsdpLike(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+            "dp_shard",
+            "reduce_scatter_tensor_coalesced",
+        ),
         # DDP's bf16 compress hook on every rank
         "ddp": (_DdpLike(default_hooks.bf16_compress_hook), "dp", "all_reduce"),
         # an undeclared bf16 hook, but every rank runs it: still agreement, still quiet
@@ -271,9 +352,18 @@ def test_agreed_low_precision_reductions_are_quiet(store: Any, tmp_path: Any) ->
 def test_one_rank_reducing_narrower_still_fires(store: Any, tmp_path: Any) -> None:
     # rank 1 sends its buckets as bf16 padded to the fp32 byte size from seq 10 on (the trainer's
     # dtype-mismatch injection): its peer reduces the same bytes in fp32
-    ranks = _ranks(store, tmp_path, nn.Linear(4, 4), "dp", "all_reduce",
-                   lambda r, i: "BFloat16" if r == 1 and i >= 10 else "Float", "mismatch")
+    ranks = _ranks(
+        store,
+        tmp_path,
+        nn.Linear(4, 4),
+        "dp",
+        "all_reduce",
+        lambda r, i: "BFloat16" if r == 1 and i >= 10 else "Float",
+        "mismatch",
+    )
     assert [sample(d, "hpar_alert_active", "CollectiveMismatch") for _, d in ranks] == [0.0, 1.0]
     details = ranks[1][1].states["CollectiveMismatch"].details
     assert details["low_precision"] and details["low_precision"][0]["dtypes"] == "BFloat16"
-    assert details["mismatched"] and details["mismatched"][0]["seq"] >= 10  # and the cross-rank compare agrees
+    assert (
+        details["mismatched"] and details["mismatched"][0]["seq"] >= 10
+    )  # and the cross-rank compare agrees

@@ -63,7 +63,9 @@ def test_every_component_parameter_is_a_valid_setting(tmp_path: Any) -> None:
         assert applied[k] == v / 2, k
 
 
-def test_the_store_client_the_agent_opened_is_dropped_on_detach(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_store_client_the_agent_opened_is_dropped_on_detach(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import torch.distributed as dist
 
     from hpar_agent.detectors import exchange as exchange_mod
@@ -82,8 +84,16 @@ def test_the_store_client_the_agent_opened_is_dropped_on_detach(tmp_path: Any, m
 
 
 def _entry(seq: int, t: float) -> dict[str, Any]:
-    return {"pg": "dp", "seq": seq, "op": "all_reduce", "is_p2p": False, "record_id": seq,
-            "input_sizes": [[4]], "input_dtypes": ["Float"], "time": t}  # fmt: skip
+    return {
+        "pg": "dp",
+        "seq": seq,
+        "op": "all_reduce",
+        "is_p2p": False,
+        "record_id": seq,
+        "input_sizes": [[4]],
+        "input_dtypes": ["Float"],
+        "time": t,
+    }
 
 
 def _pair(store: Any, tmp_path: Any) -> list[tuple[DetectorsComponent, deque, Any, Agent]]:
@@ -92,10 +102,19 @@ def _pair(store: Any, tmp_path: Any) -> list[tuple[DetectorsComponent, deque, An
     t = time.time()
     for r in range(2):
         window, st = deque((_entry(i, t + 0.01 * i) for i in range(8)), maxlen=2048), steps(10)
-        agent, det = make_agent(tmp_path, rank=r, world=2, comps=(st, Fake("collectives", recent_entries=window)),
-                                exchange=Exchange(store, "job", r), coords={"dp": r, "dpn": 2})  # fmt: skip
+        agent, det = make_agent(
+            tmp_path,
+            rank=r,
+            world=2,
+            comps=(st, Fake("collectives", recent_entries=window)),
+            exchange=Exchange(store, "job", r),
+            coords={"dp": r, "dpn": 2},
+        )
         agent.config.evidence = False
-        assert det.crossrank.exchange_s == COMPONENT_DEFAULTS["exchange_s"] == 3.0 and det.crossrank.exchange_min_s == 1.0
+        assert (
+            det.crossrank.exchange_s == COMPONENT_DEFAULTS["exchange_s"] == 3.0
+            and det.crossrank.exchange_min_s == 1.0
+        )
         out.append((det, window, st, agent))
     return out
 
@@ -129,8 +148,12 @@ def test_ranks_publish_at_one_pass_and_read_each_other_at_the_next(store: Any, t
     assert _poll(pair, t0 + 1) == [True, True]  # read: both peers' payloads of the pass before
     assert _published(pair) == [1, 1]
     for det, *_ in pair:
-        assert set(det.snapshot.exchange.peers) == {0, 1} and _seqs(det, 1 - det.snapshot.rank) == list(range(8))
-        assert all(type(e) is tuple for e in det.snapshot.exchange.peers[1 - det.snapshot.rank]["fr"])  # unpacked on read
+        assert set(det.snapshot.exchange.peers) == {0, 1} and _seqs(det, 1 - det.snapshot.rank) == list(
+            range(8)
+        )
+        assert all(
+            type(e) is tuple for e in det.snapshot.exchange.peers[1 - det.snapshot.rank]["fr"]
+        )  # unpacked on read
     assert _poll(pair, t0 + 2) == [False, False]  # read once per publish
 
 
@@ -142,7 +165,9 @@ def test_new_fr_entries_wait_for_the_regular_exchange(store: Any, tmp_path: Any)
     for _det, window, *_ in pair:  # the job runs on: new entries at every read
         window.extend(_entry(i, t0 + 0.01 * i) for i in range(8, 16))
     assert _poll(pair, t0 + 2) == [False, False]  # past exchange_min_s, yet nothing that is due early
-    assert not any(st.streak for det, *_ in pair for st in det.states.values())  # no alert awaiting confirmation
+    assert not any(
+        st.streak for det, *_ in pair for st in det.states.values()
+    )  # no alert awaiting confirmation
     assert _published(pair) == [1, 1]
     for _det, window, *_ in pair:
         window.extend(_entry(i, t0 + 0.01 * i) for i in range(16, 20))
@@ -168,7 +193,10 @@ def test_warmup_token_change_publishes_after_exchange_min_s(store: Any, tmp_path
     for _det, _window, st, _agent in pair:
         st.total = 10  # past warm-up: the token (capped at 3) is unchanged
     assert _published(pair) == [2, 2]
-    assert _poll(pair, t0 + 2.9996) == [False, False] and _published(pair) == [3, 3]  # next slot: a poll a bit early
+    assert _poll(pair, t0 + 2.9996) == [False, False] and _published(pair) == [
+        3,
+        3,
+    ]  # next slot: a poll a bit early
 
 
 def test_a_rank_that_started_a_poll_late_publishes_in_the_same_slots(store: Any, tmp_path: Any) -> None:
@@ -202,12 +230,16 @@ def test_a_large_jobs_rank_sets_its_payload_at_its_offset_but_at_once_when_stopp
     store: Any, tmp_path: Any
 ) -> None:
     def rank(r: int, name: str) -> tuple[Agent, DetectorsComponent]:
-        return make_agent(tmp_path / name, rank=r, world=1024, comps=(steps(10),), exchange=Exchange(store, "job", r))
+        return make_agent(
+            tmp_path / name, rank=r, world=1024, comps=(steps(10),), exchange=Exchange(store, "job", r)
+        )
 
     (waits, det), (final, det_f) = rank(_rank_at(1024, 0.3, 0.4), "a"), rank(_rank_at(1024, 0.4, 0.5), "b")
     t = _after_tick()
     waits.tick()
-    assert time.time() - t >= cadence(1024, 3.0, 1.0).offset(det.snapshot.rank)[1] - 0.002  # waited its offset
+    assert (
+        time.time() - t >= cadence(1024, 3.0, 1.0).offset(det.snapshot.rank)[1] - 0.002
+    )  # waited its offset
     assert det.exchange.published == 1
     assert waits.collect_seconds["detectors"] < 0.1  # the poll's work, not its wait (a dashboard panel)
     t0 = time.perf_counter()
@@ -229,9 +261,19 @@ def test_a_large_jobs_rank_sets_its_payload_at_its_offset_but_at_once_when_stopp
 
 
 def test_a_small_jobs_pass_is_not_delayed(store: Any, tmp_path: Any) -> None:
-    jobs = {world: [make_agent(tmp_path / f"{world}-{r}", rank=r, world=world, comps=(steps(10),),
-                               exchange=Exchange(store, f"job{world}", r)) for r in range(world)]
-            for world in (2, 4, 8)}  # fmt: skip
+    jobs = {
+        world: [
+            make_agent(
+                tmp_path / f"{world}-{r}",
+                rank=r,
+                world=world,
+                comps=(steps(10),),
+                exchange=Exchange(store, f"job{world}", r),
+            )
+            for r in range(world)
+        ]
+        for world in (2, 4, 8)
+    }
     asked: dict[int, list[float]] = {world: [] for world in jobs}
     for world, ranks in jobs.items():
         for agent, _det in ranks:
@@ -257,8 +299,12 @@ def test_a_pass_that_reads_and_publishes_reads_before_any_rank_publishes(store: 
     th = {"detectors.exchange_s": 1.0, "detectors.exchange_min_s": 0.1}
     a = _rank_at(64, 0.0005, 0.006, interval=0.2)
     b = (a + 12) % 64  # 12 x 0.618 = 0.42 of the window further (mod 1): later
-    pair = [make_agent(tmp_path / str(r), rank=r, world=64, comps=(steps(1),), exchange=Exchange(store, "job", r),
-                       **th) for r in (a, b)]  # fmt: skip
+    pair = [
+        make_agent(
+            tmp_path / str(r), rank=r, world=64, comps=(steps(1),), exchange=Exchange(store, "job", r), **th
+        )
+        for r in (a, b)
+    ]
     for agent, det in pair:
         agent.config.interval = 0.2
         assert det.crossrank.cadence().gap == 1 and det.crossrank.cadence().window_s == 64 / 2048
@@ -277,7 +323,10 @@ def test_a_pass_that_reads_and_publishes_reads_before_any_rank_publishes(store: 
     time.sleep(t + 0.2 - time.time() + 0.001)
     passes()
     assert [det.exchange.published for _, det in pair] == [2, 2]  # the next exchange came in the read pass
-    assert [det.snapshot.exchange.peers[r]["step"] for (_, det), r in zip(pair, (b, a), strict=True)] == [1, 1]
+    assert [det.snapshot.exchange.peers[r]["step"] for (_, det), r in zip(pair, (b, a), strict=True)] == [
+        1,
+        1,
+    ]
     assert [dict(agent.errors) for agent, _ in pair] == [{}, {}]
 
 
@@ -319,7 +368,9 @@ class _FailingSets:
         return getattr(self.store, name)
 
 
-def test_a_read_before_the_store_failed_is_judged_once_not_through_the_back_off(store: Any, tmp_path: Any) -> None:
+def test_a_read_before_the_store_failed_is_judged_once_not_through_the_back_off(
+    store: Any, tmp_path: Any
+) -> None:
     def rank(r: int) -> tuple[Agent, DetectorsComponent]:
         exchange = Exchange(_FailingSets(store, 2) if r == 0 else store, "job", r)
         th = {"detectors.exchange_s": 0.0}
@@ -340,8 +391,10 @@ def test_the_stores_host_waits_at_exit_for_its_peers_goodbyes(store: Any, tmp_pa
     peers it saw to say goodbye; a peer stopping makes no read of the store, only its goodbye."""
     from hpar_agent.detectors import exchange
 
-    pair = [make_agent(tmp_path / str(r), rank=r, world=2, comps=(steps(4),), exchange=Exchange(store, "job", r))
-            for r in (0, 1)]  # fmt: skip
+    pair = [
+        make_agent(tmp_path / str(r), rank=r, world=2, comps=(steps(4),), exchange=Exchange(store, "job", r))
+        for r in (0, 1)
+    ]
     t = _after_tick(3.0)
     for at in (t, t + 1):  # publish, then read each other
         time.sleep(max(0.0, at + 0.001 - time.time()))

@@ -15,7 +15,9 @@ N = 1024
 LATE_NS = 120_000_000  # 120 ms more compute a 0.3 s step: others wait for it 0.4 of the time
 
 
-@pytest.mark.parametrize("slow", [{500}, {500, 501}, set(range(512, 520))], ids=["one", "two adjacent", "a node of 8"])
+@pytest.mark.parametrize(
+    "slow", [{500}, {500, 501}, set(range(512, 520))], ids=["one", "two adjacent", "a node of 8"]
+)
 def test_slow_ranks_are_named_whole_and_no_other(slow: set[int]) -> None:
     grid, ranks = job([("dp", N)])
     for r in slow:
@@ -67,7 +69,9 @@ def test_a_skipped_collective_names_the_rank_the_others_wait_for() -> None:
     grid, ranks = job([("dp", N)])
     for r in ranks:
         uid = group_key_of("dp", r.coords)
-        r.groups = {uid: GroupState(40, 40, "all_reduce") if r.rank == 300 else GroupState(41, 40, "all_reduce", 60.0)}
+        r.groups = {
+            uid: GroupState(40, 40, "all_reduce") if r.rank == 300 else GroupState(41, 40, "all_reduce", 60.0)
+        }
     verdicts = judge(Hang, grid, ranks, stalled_s=60.0, timeout_s=30)
     assert raised(verdicts) == set(range(N))  # every rank is stalled
     naming = {r for r, v in verdicts.items() if v.details["culprits"]}

@@ -21,7 +21,9 @@ from hpar_agent.topology import Topology
 HOST = socket.gethostname()
 
 
-def _ctx(seen: dict[int, dict[str, Any]], now: float, read_ok_at: float | None = None, rank: int = 0) -> Snapshot:
+def _ctx(
+    seen: dict[int, dict[str, Any]], now: float, read_ok_at: float | None = None, rank: int = 0
+) -> Snapshot:
     """A pass of rank ``rank`` whose exchange last heard ``seen`` (the exchange every 3 s)."""
     view = PeerView(seen=seen, read_ok_at=now if read_ok_at is None else read_ok_at, interval_s=3.0)
     return Snapshot(now=now, topology=Topology(rank=rank), coords={}, exchange=view)
@@ -59,8 +61,10 @@ def test_a_silent_peer_that_is_gone_or_elsewhere_is_named(sleeper: Any) -> None:
     ticks = rankstate.start_ticks(sleeper.pid)
     sleeper.kill()
     sleeper.wait()
-    seen = {1: {**_payload(now - 8, sleeper.pid), "id": [sleeper.pid, HOST, ticks]},
-            2: _payload(now - 9, 12345, host="another-host")}  # fmt: skip
+    seen = {
+        1: {**_payload(now - 8, sleeper.pid), "id": [sleeper.pid, HOST, ticks]},
+        2: _payload(now - 9, 12345, host="another-host"),
+    }
     v = RankGone().evaluate(_ctx(seen, now))
     assert v is not None and v.details["culprits"] == [1, 2]
     assert v.details["ranks"]["1"]["process"] == "gone"
@@ -77,7 +81,9 @@ def test_a_peer_is_judged_only_past_two_exchanges_and_a_clean_goodbye_never(slee
 
 def test_a_goodbye_with_an_exception_names_the_rank_at_once() -> None:
     now = time.time()
-    seen = {1: _payload(now - 0.5, 999_999, bye="exception: RuntimeError: CUDA error: an illegal memory access")}
+    seen = {
+        1: _payload(now - 0.5, 999_999, bye="exception: RuntimeError: CUDA error: an illegal memory access")
+    }
     v = RankGone().evaluate(_ctx(seen, now))
     assert v is not None and v.details["culprits"] == [1]
     assert v.details["ranks"]["1"]["ended"].startswith("exception: RuntimeError")
@@ -93,7 +99,9 @@ def test_nothing_is_said_without_a_recent_read_of_the_store_or_while_stopping() 
 def test_proc_state_tells_a_reused_pid_from_the_process() -> None:
     me = os.getpid()
     assert rankstate.proc_state(me, rankstate.start_ticks(me), HOST) == "running"
-    assert rankstate.proc_state(me, (rankstate.start_ticks(me) or 0) + 1, HOST) == "gone"  # another process now
+    assert (
+        rankstate.proc_state(me, (rankstate.start_ticks(me) or 0) + 1, HOST) == "gone"
+    )  # another process now
     assert rankstate.proc_state(me, None, "another-host") == ""
 
 

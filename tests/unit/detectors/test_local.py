@@ -29,7 +29,9 @@ from tests.unit.harness import Fake, alert_events, inert, make_agent, sample, st
 MiB = 1 << 20
 
 
-def test_memory_leak_fires_with_evidence_then_resolves(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+def test_memory_leak_fires_with_evidence_then_resolves(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     series: deque = deque(maxlen=64)
     mem = Fake("memory", post_step={"rss": series})
     agent, det = make_agent(tmp_path, comps=(steps(40), mem))
@@ -41,7 +43,9 @@ def test_memory_leak_fires_with_evidence_then_resolves(tmp_path: Any, caplog: py
     assert sample(det, "hpar_alerts_total", "MemoryLeak") == 1.0
     assert sample(det, "hpar_detector_value", "MemoryLeak") == pytest.approx(4 * MiB)
     fired = alert_events(agent)
-    assert [(e["alert"], e["state"], e["rank"], e["pp_stage"]) for e in fired] == [("MemoryLeak", "firing", 0, 0)]
+    assert [(e["alert"], e["state"], e["rank"], e["pp_stage"]) for e in fired] == [
+        ("MemoryLeak", "firing", 0, 0)
+    ]
     txt = [p for p in fired[0]["evidence"] if p.endswith(".pyspy.txt")]
     assert txt, fired[0]["evidence"]
     assert stat.S_IMODE(os.stat(txt[0]).st_mode) == 0o600
@@ -49,7 +53,11 @@ def test_memory_leak_fires_with_evidence_then_resolves(tmp_path: Any, caplog: py
         assert "Thread" in fh.read()  # py-spy's dump of this very process
     rec = StepRecord(step=40, start_ns=0, end_ns=1)
     det.on_step(rec)
-    assert rec.anomalous and rec.events[0][0] == cat.EVENT_ALERT and rec.events[0][2][cat.ATTR_ALERT] == "MemoryLeak"
+    assert (
+        rec.anomalous
+        and rec.events[0][0] == cat.EVENT_ALERT
+        and rec.events[0][2][cat.ATTR_ALERT] == "MemoryLeak"
+    )
 
     series.extend((s, 10**9 + 4 * MiB * 40) for s in range(40, 80))  # flat: the leak stopped
     for _ in range(MemoryLeak.clear):
@@ -82,7 +90,9 @@ def _warmup_rss(s: int) -> float:
     return 2e9 + grow + tail + ((s * 7919) % 5) * 100_000
 
 
-def _run_memory(tmp_path: Any, series: dict[str, list[tuple[int, float]]], compiles: Any, steps_to: int) -> tuple[DetectorsComponent, list[int]]:
+def _run_memory(
+    tmp_path: Any, series: dict[str, list[tuple[int, float]]], compiles: Any, steps_to: int
+) -> tuple[DetectorsComponent, list[int]]:
     """Tick the detectors once per step as the agent would, with a compile at each step of
     ``compiles``; returns the steps (completed) at which MemoryLeak was active."""
     fed: dict[str, deque] = {k: deque(maxlen=256) for k in series}
@@ -119,7 +129,11 @@ def test_memory_leak_catches_4mib_per_step_on_host_and_device_within_the_bound(t
     # every 5 steps (judged alone too: reserved and NVML bytes see only the stairs)
     allocated = [(s, 1e9 + 4 * MiB * max(0, s - inject)) for s in range(60)]
     reserved = [(s, 1e9 + 20 * MiB * (max(0, s - inject) // 5)) for s in range(60)]
-    for name, series in (("host", {"rss": host}), ("device", {"allocator": allocated}), ("stairs", {"reserved": reserved})):
+    for name, series in (
+        ("host", {"rss": host}),
+        ("device", {"allocator": allocated}),
+        ("stairs", {"reserved": reserved}),
+    ):
         det, active = _run_memory(tmp_path / name, series, range(2), steps_to=60)
         assert active, name
         assert active[0] - inject <= 20, (name, active[0])
@@ -173,7 +187,9 @@ def test_hang_on_collective_in_flight(tmp_path: Any) -> None:
 
 
 def test_recompile_storm_and_cache_hit_ratio(tmp_path: Any) -> None:
-    comp = Fake("compile", recompiles=Counter({"size": 3}), limit_hits=0, cache=Counter(), graph_breaks=Counter())
+    comp = Fake(
+        "compile", recompiles=Counter({"size": 3}), limit_hits=0, cache=Counter(), graph_breaks=Counter()
+    )
     st = steps(10)
     agent, det = make_agent(tmp_path, comps=(st, comp))
     agent.tick()
@@ -202,7 +218,9 @@ def test_cache_pollution_needs_both_many_recompiles_and_a_low_hit_ratio(tmp_path
     comp.cache.update({("fx_graph", "miss"): 24, ("fx_graph", "hit"): 2})  # ratio 0.08, 6 recompiles
     agent.tick()
     st = det.states["RecompileStorm"]
-    assert sample(det, "hpar_alert_active", "RecompileStorm") == 1.0 and st.details["mode"] == "cache_hit_ratio"
+    assert (
+        sample(det, "hpar_alert_active", "RecompileStorm") == 1.0 and st.details["mode"] == "cache_hit_ratio"
+    )
     comp.recompiles["tensor_size"] += 6  # 12 recompiles in the window and still ratio < 0.3
     comp.cache.update({("fx_graph", "miss"): 6})
     agent.tick()
@@ -260,7 +278,9 @@ def test_compiled_graphs_growing_after_warmup_names_the_location(tmp_path: Any) 
 
 
 def test_recompile_limit_hit_is_a_storm(tmp_path: Any) -> None:
-    comp = Fake("compile", recompiles=Counter({"int_value": 7}), limit_hits=0, cache=Counter(), graph_breaks=Counter())
+    comp = Fake(
+        "compile", recompiles=Counter({"int_value": 7}), limit_hits=0, cache=Counter(), graph_breaks=Counter()
+    )
     agent, det = make_agent(tmp_path, comps=(steps(10), comp))
     agent.tick()
     assert sample(det, "hpar_alert_active", "RecompileStorm") == 0.0  # 7 recompiles: under 10
@@ -271,7 +291,11 @@ def test_recompile_limit_hit_is_a_storm(tmp_path: Any) -> None:
 
 
 def test_graph_breaks_after_warmup_only(tmp_path: Any) -> None:
-    comp = Fake("compile", graph_breaks=Counter({"gb0007": 2}), break_info={"gb0170": {"reason": "item()", "user_frames": {"model.py:12"}}})
+    comp = Fake(
+        "compile",
+        graph_breaks=Counter({"gb0007": 2}),
+        break_info={"gb0170": {"reason": "item()", "user_frames": {"model.py:12"}}},
+    )
     st = steps(1)
     agent, det = make_agent(tmp_path, comps=(st, comp))
     agent.tick()  # warm-up break: baseline
@@ -293,13 +317,27 @@ class TimedOps(inert(CollectiveCollector)):  # type: ignore[misc]
 
     def __init__(self) -> None:
         super().__init__()
-        self.stats.timed_ops, self.stats.timed, self.recent_entries = deque(maxlen=2048), 0, deque(maxlen=2048)
+        self.stats.timed_ops, self.stats.timed, self.recent_entries = (
+            deque(maxlen=2048),
+            0,
+            deque(maxlen=2048),
+        )
 
     def op(self, seq: int, created_s: float, seconds: float, pg: str = "dp") -> None:
         self.stats.timed_ops.append((pg, "all_reduce", seq, int(created_s * 1e9), seconds))
         self.stats.timed += 1
-        self.recent_entries.append({"pg": pg, "seq": seq, "op": "all_reduce", "is_p2p": False, "record_id": seq,
-                                    "input_sizes": [[1024]], "input_dtypes": ["Float"], "time": created_s})
+        self.recent_entries.append(
+            {
+                "pg": pg,
+                "seq": seq,
+                "op": "all_reduce",
+                "is_p2p": False,
+                "record_id": seq,
+                "input_sizes": [[1024]],
+                "input_dtypes": ["Float"],
+                "time": created_s,
+            }
+        )
 
 
 def test_collective_latency_single_rank_p99_above_slo(tmp_path: Any) -> None:
@@ -318,21 +356,43 @@ def test_collective_latency_single_rank_p99_above_slo(tmp_path: Any) -> None:
     assert sample(det, "hpar_detector_value", "CollectiveLatencyHigh") == pytest.approx(0.4)
 
 
-def _dp_pair(store: Any, tmp_path: Any, compile_state: dict[str, Any]) -> list[tuple[Agent, DetectorsComponent, TimedOps, Fake]]:
+def _dp_pair(
+    store: Any, tmp_path: Any, compile_state: dict[str, Any]
+) -> list[tuple[Agent, DetectorsComponent, TimedOps, Fake]]:
     out = []
     for r in range(2):
         coll, st = TimedOps(), steps(1)
-        comp = Fake("compile", compiles=Counter(compile_state["compiles"]), _open=dict(compile_state["open"]),
-                    compile_seconds=0.0, graphs=set(), fingerprint=7)
-        agent, det = make_agent(tmp_path, rank=r, world=2, comps=(st, comp, coll), exchange=Exchange(store, "job", r),
-                                coords={"dp": r, "dpn": 2}, **{"detectors.exchange_s": 0.0})  # fmt: skip
+        comp = Fake(
+            "compile",
+            compiles=Counter(compile_state["compiles"]),
+            _open=dict(compile_state["open"]),
+            compile_seconds=0.0,
+            graphs=set(),
+            fingerprint=7,
+        )
+        agent, det = make_agent(
+            tmp_path,
+            rank=r,
+            world=2,
+            comps=(st, comp, coll),
+            exchange=Exchange(store, "job", r),
+            coords={"dp": r, "dpn": 2},
+            **{"detectors.exchange_s": 0.0},
+        )
         agent.config.evidence = False
         out.append((agent, det, coll, st))
     return out
 
 
-def _all_reduces(pair: list, first_seq: int, n: int, late_rank: int, skew_s: float, transfer_s: float,
-                 t0: float | None = None) -> None:
+def _all_reduces(
+    pair: list,
+    first_seq: int,
+    n: int,
+    late_rank: int,
+    skew_s: float,
+    transfer_s: float,
+    t0: float | None = None,
+) -> None:
     """n all-reduces of a dp pair 0.3 s apart from ``t0`` (now) as NCCL times them: every rank's duration
     runs from its kernel start to the end, so the rank that arrived first also times the wait for
     ``late_rank`` (``skew_s``)."""
@@ -354,7 +414,9 @@ def test_collective_latency_ignores_peer_waits_in_compile_warmup_and_after(store
     # The clean dp2 H200 run: rank 1 still compiling, rank 0's all-reduces wait for it (p99 0.22 s).
     pair = _dp_pair(store, tmp_path, {"compiles": {("ok", "x"): 1}, "open": {("1/0", "x"): (0, 0)}})
     _tick(pair, 1)
-    _all_reduces(pair, 0, 40, late_rank=1, skew_s=0.22, transfer_s=0.003, t0=time.time() - 0.3 * 40 - 0.1)  # done by now
+    _all_reduces(
+        pair, 0, 40, late_rank=1, skew_s=0.22, transfer_s=0.003, t0=time.time() - 0.3 * 40 - 0.1
+    )  # done by now
     _tick(pair)
     for agent, _det, _coll, st in pair:  # compiles end (seen at step 5); warm-up is over 3 quiet steps later
         agent.context.find(CompileCollector)._open = {}  # type: ignore[union-attr]
@@ -407,8 +469,9 @@ def test_thresholds_override_defaults() -> None:
     assert GraphBreaks().p("warmup_steps") == 3 and Hang().threshold == 60
 
 
-def history_probe(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, source: str,
-                  n_steps: int) -> tuple[Any, Any, deque, list[str]]:
+def history_probe(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, source: str, n_steps: int
+) -> tuple[Any, Any, deque, list[str]]:
     """An agent whose memory series ``source`` the test fills, and the allocator-history starts/stops
     its evidence collector is asked for (recorded, not run)."""
     series: deque = deque(maxlen=64)
@@ -420,7 +483,9 @@ def history_probe(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, source: str,
     return agent, det, series, calls
 
 
-def test_allocator_history_runs_only_while_a_leak_is_suspected(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_allocator_history_runs_only_while_a_leak_is_suspected(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Recording every allocation's stack costs every step: a warm-up rise starts it, the plateau after
     stops it (left running it cost users 2-7% from the first steps on)."""
     agent, det, series, calls = history_probe(tmp_path, monkeypatch, "allocator", 60)
@@ -433,7 +498,9 @@ def test_allocator_history_runs_only_while_a_leak_is_suspected(tmp_path: Any, mo
     assert sample(det, "hpar_alert_active", "MemoryLeak") == 0.0
 
 
-def test_allocator_history_is_not_restarted_after_the_leak_fired(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_allocator_history_is_not_restarted_after_the_leak_fired(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The snapshot taken when MemoryLeak fires stops the recording; a leak still going on must not start
     it again (it would record every allocation's stack for the rest of the leak, for no snapshot)."""
     agent, det, series, calls = history_probe(tmp_path, monkeypatch, "allocator", 80)
@@ -476,8 +543,9 @@ def test_memory_leak_says_when_the_device_is_full_at_this_slope(tmp_path: Any) -
     assert det.states["MemoryLeak"].details["full_at_step"] == 40 + 63  # 500 MiB / 8 MiB = 62.5 steps
 
 
-def test_allocator_history_resumes_when_the_device_is_full_within_the_window(tmp_path: Any,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_allocator_history_resumes_when_the_device_is_full_within_the_window(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After the leak's own snapshot the recording stays off, unless an out-of-memory is due within the
     trend window: its snapshot then names the code holding the memory."""
     agent, det, series, calls = history_probe(tmp_path, monkeypatch, "allocator", 40)

@@ -16,7 +16,9 @@ MiB = 1 << 20
 LEAK = {"warmup_steps": 5, "window": 20, "min_slope": float(MiB), "min_increase_fraction": 0.2}
 
 
-def _fr(pg: str, seq: int, op: str = "all_reduce", sizes: str = "[[4]]", dt: str = "Float", t: int = 0) -> tuple:
+def _fr(
+    pg: str, seq: int, op: str = "all_reduce", sizes: str = "[[4]]", dt: str = "Float", t: int = 0
+) -> tuple:
     return (pg, seq, op, sizes, dt, t)
 
 
@@ -94,9 +96,12 @@ def test_low_precision_reduction_only_on_gradient_groups() -> None:
 
 def test_arrival_lag_flags_the_late_rank_not_jitter() -> None:
     step = 300_000_000  # 0.3 s steps, 6 collectives per step
+
     def entries(rank: int, late_ns: int) -> list[tuple]:
-        return [_fr("tp@0,0", i, t=(i // 6) * step + (i % 6) * 1_000_000 + late_ns + (rank * 37 * i) % 500_000)
-                for i in range(60)]  # fmt: skip
+        return [
+            _fr("tp@0,0", i, t=(i // 6) * step + (i % 6) * 1_000_000 + late_ns + (rank * 37 * i) % 500_000)
+            for i in range(60)
+        ]
 
     ratios = sig.arrival_lag_ratio({0: entries(0, 0), 1: entries(1, 0), 2: entries(2, 60_000_000)})
     assert ratios[2] > 0.1 and max(ratios[0], ratios[1]) < 0.02
@@ -104,7 +109,9 @@ def test_arrival_lag_flags_the_late_rank_not_jitter() -> None:
     assert max(calm.values()) < 0.02
 
 
-def _lagged(late: dict[int, dict[int, int]], n_ranks: int = 2, steps: int = 30, per_step: int = 6) -> dict[int, list[tuple]]:
+def _lagged(
+    late: dict[int, dict[int, int]], n_ranks: int = 2, steps: int = 30, per_step: int = 6
+) -> dict[int, list[tuple]]:
     """Collectives 1 ms apart in 0.3 s steps, asynchronous within a step; ``late[rank][i]`` ns of extra
     work before op i of that rank (its later ops of the step come that much later too). Its peers wait
     for the step's ops at its end: every rank's next step starts after the step's latest arrival."""
@@ -221,10 +228,18 @@ def test_unpack_fr_of_malformed_payloads_is_empty_and_never_raises() -> None:
 
 
 def test_unpack_fr_reads_the_older_list_form() -> None:
-    old = [["dp@0,0", 0, "all_reduce", "[[4]]", "Float", 5], ["dp@0,0", 1], "x",
-           ("tp@0,0", 1, "all_gather", "[[2]]", "Half", 6), ["dp@0,0", 2, "all_reduce", "[[4]]", "Float", 9, 0]]  # fmt: skip
+    old = [
+        ["dp@0,0", 0, "all_reduce", "[[4]]", "Float", 5],
+        ["dp@0,0", 1],
+        "x",
+        ("tp@0,0", 1, "all_gather", "[[2]]", "Half", 6),
+        ["dp@0,0", 2, "all_reduce", "[[4]]", "Float", 9, 0],
+    ]
     back = sig.unpack_fr(json.loads(json.dumps(old)))
-    assert back == [("dp@0,0", 0, "all_reduce", "[[4]]", "Float", 5), ("tp@0,0", 1, "all_gather", "[[2]]", "Half", 6)]
+    assert back == [
+        ("dp@0,0", 0, "all_reduce", "[[4]]", "Float", 5),
+        ("tp@0,0", 1, "all_gather", "[[2]]", "Half", 6),
+    ]
     assert all(type(e) is tuple for e in back)
     assert sig.unpack_fr(back) is back  # unpacked already (the detectors read the peers' entries again)
 
@@ -238,17 +253,23 @@ def test_collective_mismatches_answer_the_same_with_the_memo_warm() -> None:
     cold[2].clear()  # a caller's copy: changing it changes no later answer
     for _ in range(3):
         assert sig.collective_mismatches({0: list(good), 1: list(good), 2: list(bad)}, memo=memo) == {
-            2: [{"pg": "dp@0,0", "seq": 3, "op": "all_reduce", "sizes": "[[4]]", "dtypes": "BFloat16"}]}
+            2: [{"pg": "dp@0,0", "seq": 3, "op": "all_reduce", "sizes": "[[4]]", "dtypes": "BFloat16"}]
+        }
     assert sig.collective_mismatches({r: list(good) for r in range(3)}, memo=memo) == {}
 
 
 def test_collective_mismatches_memo_tells_apart_which_rank_holds_which_kind() -> None:
     memo: sig.OddMemo = {}  # kept from call to call, as CollectiveMismatch keeps it
     good = [_fr("dp@0,0", s) for s in range(4)]
-    assert sig.collective_mismatches({r: list(good) for r in range(3)}, memo=memo) == {}  # every kind judged "all agree"
+    assert (
+        sig.collective_mismatches({r: list(good) for r in range(3)}, memo=memo) == {}
+    )  # every kind judged "all agree"
     bf16 = [*good[:2], _fr("dp@0,0", 2, dt="BFloat16"), good[3]]
     gather = [*good[:2], _fr("dp@0,0", 2, op="all_gather"), good[3]]
-    assert {r: [m["seq"] for m in v] for r, v in sig.collective_mismatches({0: good, 1: good, 2: bf16}, memo=memo).items()} == {2: [2]}
+    assert {
+        r: [m["seq"] for m in v]
+        for r, v in sig.collective_mismatches({0: good, 1: good, 2: bf16}, memo=memo).items()
+    } == {2: [2]}
     # the same kinds as the window before, held by other ranks: the odd one is rank 1 now
     assert set(sig.collective_mismatches({0: list(good), 1: list(bf16), 2: list(good)}, memo=memo)) == {1}
     out = sig.collective_mismatches({0: list(gather), 1: list(good), 2: list(good)}, memo=memo)
@@ -262,7 +283,10 @@ def test_collective_mismatches_tie_break_by_param_bits_survives_the_memo() -> No
     for _ in range(2):  # either order, cold or warm
         assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)}, param_bits=32, memo=memo)) == {1}
         assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)}, memo=memo)) == {0, 1}
-        assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)}, param_bits=16, memo=memo)) == {0, 1}
+        assert set(sig.collective_mismatches({0: list(good), 1: list(bf16)}, param_bits=16, memo=memo)) == {
+            0,
+            1,
+        }
     # the narrow rank is the odd one whichever rank it is
     assert set(sig.collective_mismatches({0: list(bf16), 1: list(good)}, param_bits=32, memo=memo)) == {0}
 
@@ -270,21 +294,33 @@ def test_collective_mismatches_tie_break_by_param_bits_survives_the_memo() -> No
 def test_odd_entries_memo_is_bounded() -> None:
     memo: sig.OddMemo = {}
     for i in range(5000):
-        sig._odd_entries({0: _fr("dp@0,0", 0, sizes=f"[[{i}]]"), 1: _fr("dp@0,0", 0, sizes=f"[[{i}]]")}, None, memo)
+        sig._odd_entries(
+            {0: _fr("dp@0,0", 0, sizes=f"[[{i}]]"), 1: _fr("dp@0,0", 0, sizes=f"[[{i}]]")}, None, memo
+        )
         assert len(memo) <= 4096
-    assert sig._odd_entries({0: _fr("dp@0,0", 0), 1: _fr("dp@0,0", 0, dt="Half"), 2: _fr("dp@0,0", 0)}, None, memo) == (1,)
+    assert sig._odd_entries(
+        {0: _fr("dp@0,0", 0), 1: _fr("dp@0,0", 0, dt="Half"), 2: _fr("dp@0,0", 0)}, None, memo
+    ) == (1,)
 
 
 def test_peer_reduction_bits_widest_per_message_over_peers_only() -> None:
     own = [_fr("dp@0,0", s, sizes="[[8]]", dt="Float64") for s in range(3)]  # 64 bytes: only this rank
-    own.append(_fr("dp@0,0", 3, sizes="[[4]]", dt="Float64"))  # 32 bytes, 64 bits: must not widen a peer's key
+    own.append(
+        _fr("dp@0,0", 3, sizes="[[4]]", dt="Float64")
+    )  # 32 bytes, 64 bits: must not widen a peer's key
     narrow = [_fr("dp@0,0", s, sizes="[[8]]", dt="BFloat16") for s in range(20)]  # 16 bytes, 16 bits
     wide = [_fr("dp@0,0", s, sizes="[[4]]", dt="Float") for s in range(20)]  # 16 bytes, 32 bits
-    other = [_fr("dp@0,0", 0, sizes="[[8]]", dt="Float"),  # 32 bytes, 32 bits
-             _fr("tp@0,0", 1, op="reduce_scatter", sizes="[[2]]", dt="Half"),  # 4 bytes, 16 bits
-             _fr("dp@0,0", 2, op="all_gather", sizes="[[4]]", dt="Float64"),  # not a reduction
-             _fr("dp@0,0", 3, sizes="[[4]]", dt="Long")]  # no floating dtype  # fmt: skip
-    want = {("dp@0,0", "all_reduce", 16): 32, ("dp@0,0", "all_reduce", 32): 32, ("tp@0,0", "reduce_scatter", 4): 16}
+    other = [
+        _fr("dp@0,0", 0, sizes="[[8]]", dt="Float"),  # 32 bytes, 32 bits
+        _fr("tp@0,0", 1, op="reduce_scatter", sizes="[[2]]", dt="Half"),  # 4 bytes, 16 bits
+        _fr("dp@0,0", 2, op="all_gather", sizes="[[4]]", dt="Float64"),  # not a reduction
+        _fr("dp@0,0", 3, sizes="[[4]]", dt="Long"),
+    ]  # no floating dtype
+    want = {
+        ("dp@0,0", "all_reduce", 16): 32,
+        ("dp@0,0", "all_reduce", 32): 32,
+        ("tp@0,0", "reduce_scatter", 4): 16,
+    }
     assert sig.peer_reduction_bits({0: own, 1: narrow, 2: wide, 3: other}, 0) == want
     assert sig.peer_reduction_bits({3: other, 2: wide, 1: narrow, 0: own}, 0) == want  # any order of peers
     assert sig.peer_reduction_bits({0: own, 1: narrow}, 0) == {("dp@0,0", "all_reduce", 16): 16}
@@ -295,12 +331,21 @@ def test_peer_reduction_bits_widest_per_message_over_peers_only() -> None:
 def test_same_shard_offenders_compare_shards_only_across_replicas() -> None:
     # HSDP 2x2: ranks 0,1 hold shards 0,1 of replica 0; ranks 2,3 the same shards of replica 1.
     keys = {r: {"w": f"dp_shard={r % 2}"} for r in range(4)}
-    sums = {0: {"w": [1.0, 1.0], "b": [5.0, 5.0]}, 1: {"w": [2.0, 2.0], "b": [5.0, 5.0]},
-            2: {"w": [1.0, 1.0], "b": [5.0, 5.0]}, 3: {"w": [2.0, 2.0], "b": [5.0, 5.0]}}  # fmt: skip
+    sums = {
+        0: {"w": [1.0, 1.0], "b": [5.0, 5.0]},
+        1: {"w": [2.0, 2.0], "b": [5.0, 5.0]},
+        2: {"w": [1.0, 1.0], "b": [5.0, 5.0]},
+        3: {"w": [2.0, 2.0], "b": [5.0, 5.0]},
+    }
     for r in range(4):  # different shards differ: that is correct
         assert sig.same_shard_offenders(sums, keys, r) == []
     sums[3] = {"w": [2.5, 2.5], "b": [5.0, 5.0]}  # replica 1's shard 1 missed the replicate all-reduce
-    assert [sig.same_shard_offenders(sums, keys, r) for r in range(4)] == [[], ["w"], [], ["w"]]  # a 1-1 split
+    assert [sig.same_shard_offenders(sums, keys, r) for r in range(4)] == [
+        [],
+        ["w"],
+        [],
+        ["w"],
+    ]  # a 1-1 split
     sums[2]["b"] = [6.0, 6.0]  # a whole (replicated) parameter compares across all four: 3-1 majority
     assert sig.same_shard_offenders(sums, keys, 2) == ["b"] and sig.same_shard_offenders(sums, keys, 0) == []
     fsdp = {r: {"w": f"dp_shard={r}"} for r in range(2)}  # plain FSDP: nothing to compare
@@ -320,10 +365,16 @@ def test_entry_bytes_and_narrower_than_peers() -> None:
     assert sig.narrower_than_peers([padded_bf16], sig.peer_reduction_bits({0: [loss]}, rank=1)) == []
 
 
-@pytest.mark.parametrize(("sizes", "dtypes", "expect"), [
-    ("[[1024, 4]]", "Float", 16384), ("[[8], [8]]", "BFloat16", 32), ("", "Float", 0),
-    ("[[2", "Float", -1), ("[[4]]", "Long", -1),
-])
+@pytest.mark.parametrize(
+    ("sizes", "dtypes", "expect"),
+    [
+        ("[[1024, 4]]", "Float", 16384),
+        ("[[8], [8]]", "BFloat16", 32),
+        ("", "Float", 0),
+        ("[[2", "Float", -1),
+        ("[[4]]", "Long", -1),
+    ],
+)
 def test_entry_bytes_cached_gives_the_same_answers(sizes: str, dtypes: str, expect: int) -> None:
     e = ("dp@0", 1, "allreduce", sizes, dtypes, 0)
     assert sig.entry_bytes(e) == expect

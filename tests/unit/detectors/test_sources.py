@@ -34,8 +34,13 @@ def _context() -> AgentContext:
     hist = Histogram((0.1, 1.0))
     hist.observe(0.05)
     coll.stats.hists[("dp", "all_reduce", "nccl:0")] = hist
-    coll.stats.timed, coll.stats.timed_ops = 1, coll.stats.timed_ops.__class__([("dp", "all_reduce", 0, 1, 0.01)])
-    coll.recent_entries.append({"pg": "dp", "seq": 0, "op": "all_reduce", "record_id": 9, "time_created_ns": 5})
+    coll.stats.timed, coll.stats.timed_ops = (
+        1,
+        coll.stats.timed_ops.__class__([("dp", "all_reduce", 0, 1, 0.01)]),
+    )
+    coll.recent_entries.append(
+        {"pg": "dp", "seq": 0, "op": "all_reduce", "record_id": 9, "time_created_ns": 5}
+    )
     coll.pg("dp").oldest_age = 1.5
     coll.pg_timeout_s = 600.0
     steps.total, steps.last_step_ts, steps.durations = 6, 1.0, [0.3]
@@ -57,7 +62,7 @@ def test_every_reader_returns_the_collectors_state() -> None:
     assert isinstance(comp.fingerprint, int)
     assert comp.activity == (2.0, 0.0, 1.0, 0.0)
     assert src.memory_state(ctx) == ({"rss": [(5, float(1 << 20))]}, {})  # no room off CUDA
-    (bounds, counts), = src.latency_histograms(ctx).values()
+    ((bounds, counts),) = src.latency_histograms(ctx).values()
     assert bounds == (0.1, 1.0) and sum(counts) == 1
     coll = src.collective_state(ctx)
     assert (coll.timed, coll.timed_ops) == (1, [("dp", "all_reduce", 0, 1, 0.01)])
@@ -72,7 +77,9 @@ def test_every_reader_returns_the_collectors_state() -> None:
 def test_without_collectors_every_reader_reads_no_data() -> None:
     ctx = AgentContext(AgentConfig(), Topology())
     assert src.compile_state(ctx) is None and src.graph_break_detail(ctx, "gb0007") == ""
-    assert src.memory_state(ctx) == ({}, {}) and src.latency_histograms(ctx) == {} and src.fr_entries(ctx) == []
+    assert (
+        src.memory_state(ctx) == ({}, {}) and src.latency_histograms(ctx) == {} and src.fr_entries(ctx) == []
+    )
     assert src.collective_state(ctx) == (0, [], {}, {}, None, []) and src.step_state(ctx) == (0, 0.0, [])
     assert src.grad_sync(ctx) is None and src.cpu_binding(ctx) is None
 
@@ -90,8 +97,16 @@ def test_fr_entries_are_shared_until_the_kept_entries_change() -> None:
     ctx = AgentContext(AgentConfig(), Topology())
     c = CollectiveCollector()
     ctx.components = [c]
-    entry = {"pg": "dp", "seq": 1, "is_p2p": False, "op": "all_reduce", "input_sizes": "[[4]]",
-             "input_dtypes": "Float", "time": 1.0, "record_id": 1}
+    entry = {
+        "pg": "dp",
+        "seq": 1,
+        "is_p2p": False,
+        "op": "all_reduce",
+        "input_sizes": "[[4]]",
+        "input_dtypes": "Float",
+        "time": 1.0,
+        "record_id": 1,
+    }
     c.recent_entries.append(entry)
     window = src.FrWindow()
     first = window.read(ctx)
@@ -124,9 +139,18 @@ def test_fr_entries_convert_a_sliding_window_as_a_fresh_conversion_would() -> No
 
     def add(first: int, n: int) -> None:
         for i in range(first, first + n):
-            coll.recent_entries.append({"pg": "tp" if i % 3 else "dp", "seq": i, "op": "all_reduce", "record_id": i,
-                                        "input_sizes": [[4, i % 5]], "input_dtypes": ["Float"],
-                                        "time_created_ns": 10**18 + i, "is_p2p": i % 7 == 0})  # fmt: skip
+            coll.recent_entries.append(
+                {
+                    "pg": "tp" if i % 3 else "dp",
+                    "seq": i,
+                    "op": "all_reduce",
+                    "record_id": i,
+                    "input_sizes": [[4, i % 5]],
+                    "input_dtypes": ["Float"],
+                    "time_created_ns": 10**18 + i,
+                    "is_p2p": i % 7 == 0,
+                }
+            )
 
     def fresh() -> list[tuple]:
         return src.fr_entries(ctx, 64)  # a window of its own: converted from scratch
@@ -139,7 +163,12 @@ def test_fr_entries_convert_a_sliding_window_as_a_fresh_conversion_would() -> No
         got = window.read(ctx, 64)
         assert got == fresh()
         assert [e[1] for e in got] == [i for i in range(first + 30 - 64, first + 30) if i % 7]  # no p2p
-    coll.recent_entries[-1] = {**coll.recent_entries[-1], "op": "broadcast", "seq": 999, "is_p2p": False}  # a new dict
+    coll.recent_entries[-1] = {
+        **coll.recent_entries[-1],
+        "op": "broadcast",
+        "seq": 999,
+        "is_p2p": False,
+    }  # a new dict
     assert window.read(ctx, 64)[-1][1:3] == (999, "broadcast")
     ctx.topology = dataclasses.replace(ctx.topology, dp_rank=1)  # other coordinates: other pg ids
     assert window.read(ctx, 64) == fresh()
@@ -159,8 +188,14 @@ def test_group_key_separates_hsdp_groups() -> None:
     from hpar_agent.detectors.sources import _group_key
 
     def topo(rep: int, shard: int) -> Topology:
-        return Topology(dp=4, dp_replicate=2, dp_shard=2, dp_rank=rep * 2 + shard, dp_replicate_rank=rep,
-                        dp_shard_rank=shard)
+        return Topology(
+            dp=4,
+            dp_replicate=2,
+            dp_shard=2,
+            dp_rank=rep * 2 + shard,
+            dp_replicate_rank=rep,
+            dp_shard_rank=shard,
+        )
 
     keys = {(rep, sh): _group_key("dp_shard", topo(rep, sh).coords()) for rep in (0, 1) for sh in (0, 1)}
     assert keys[(0, 0)] == keys[(0, 1)] != keys[(1, 0)] == keys[(1, 1)]  # one dp_shard group per replica

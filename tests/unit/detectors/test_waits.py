@@ -14,7 +14,9 @@ def test_the_rank_that_never_entered_the_collective_is_the_culprit() -> None:
     states = {r: {"default_pg": _gs(46, 45)} for r in (0, 1, 3)} | {2: {"default_pg": _gs(45)}}
     v = analyse(states, {"default_pg": [0, 1, 2, 3]})
     assert (v.kind, v.culprits, v.victims) == ("missing", [2], [0, 1, 3])
-    assert v.waits == [{"pg": "default_pg", "seq": 46, "op": "all_reduce", "waiting": [0, 1, 3], "missing": [2]}]
+    assert v.waits == [
+        {"pg": "default_pg", "seq": 46, "op": "all_reduce", "waiting": [0, 1, 3], "missing": [2]}
+    ]
 
 
 def test_a_culprit_whose_last_word_shows_an_op_in_flight_is_still_the_culprit() -> None:
@@ -66,7 +68,9 @@ def test_a_desync_at_one_seq_with_no_majority_names_both_sides_and_no_culprit() 
 
 def test_a_wrong_scope_reduce_is_named_where_the_group_has_a_majority() -> None:
     # tp4: only tp rank 0 enters tp reduce #8; ranks 1-3 went on to a dp all-reduce that waits for rank 0
-    states = {0: {"tp@x": _gs(8, 7), "dp@0": _gs(3)}} | {r: {"tp@x": _gs(7), "dp@" + str(r): _gs(4, 3)} for r in (1, 2, 3)}
+    states = {0: {"tp@x": _gs(8, 7), "dp@0": _gs(3)}} | {
+        r: {"tp@x": _gs(7), "dp@" + str(r): _gs(4, 3)} for r in (1, 2, 3)
+    }
     members = {"tp@x": [0, 1, 2, 3], "dp@0": [0], "dp@1": [1], "dp@2": [2], "dp@3": [3]}
     for r in (1, 2, 3):  # each waits for its dp peer, rank 0's replica... here rank 0 itself
         members["dp@" + str(r)] = [r, 0]
