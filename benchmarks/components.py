@@ -54,42 +54,11 @@ from benchmarks.common import (
 )
 
 TRAINER = {  # the reference trainer per device (world size 1)
-    "cpu": [
-        "--compile",
-        "aot_eager",
-        "--layers",
-        "2",
-        "--dim",
-        "64",
-        "--heads",
-        "4",
-        "--seq-len",
-        "32",
-        "--global-batch",
-        "8",
-        "--device",
-        "cpu",
-    ],
-    "cuda": [
-        "--compile",
-        "inductor",
-        "--dtype",
-        "bf16",
-        "--layers",
-        "4",
-        "--dim",
-        "1024",
-        "--heads",
-        "8",
-        "--seq-len",
-        "512",
-        "--global-batch",
-        "8",
-        "--lr",
-        "3e-4",
-        "--device",
-        "cuda",
-    ],
+    "cpu": "--compile aot_eager --layers 2 --dim 64 --heads 4 --seq-len 32 --global-batch 8 --device cpu".split(),
+    "cuda": (
+        "--compile inductor --dtype bf16 --layers 4 --dim 1024 --heads 8 "
+        "--seq-len 512 --global-batch 8 --lr 3e-4 --device cuda"
+    ).split(),
 }
 AGENT_ENV = {"HPAR_TRACES": "file", "HPAR_METRICS_PORT": "0"}
 SKIP = 5  # steps before a steady window (compile, first passes)

@@ -83,6 +83,7 @@ from benchmarks.common import (
     twin_estimates,
     twin_gate,
 )
+from hpar_agent.tools.launch import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT = Path(__file__).resolve().parent / "tiny_gpt.py"
@@ -96,30 +97,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "block": 20,
         "block_skip": 3,
         "pairs": 10,
-        "args": [
-            "--dp",
-            "1",
-            "--tp",
-            "2",
-            "--pp",
-            "2",
-            "--schedule",
-            "1f1b",
-            "--compile",
-            "aot_eager",
-            "--layers",
-            "4",
-            "--dim",
-            "64",
-            "--heads",
-            "4",
-            "--seq-len",
-            "32",
-            "--global-batch",
-            "16",
-            "--device",
-            "cpu",
-        ],
+        "args": (
+            "--dp 1 --tp 2 --pp 2 --schedule 1f1b --compile aot_eager --layers 4 "
+            "--dim 64 --heads 4 --seq-len 32 --global-batch 16 --device cpu"
+        ).split(),
     },
     "gpu": {
         "nproc": 1,
@@ -128,28 +109,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "block": 30,
         "block_skip": 12,
         "pairs": 15,
-        "args": [
-            "--compile",
-            "inductor",
-            "--dtype",
-            "bf16",
-            "--layers",
-            "12",
-            "--dim",
-            "2048",
-            "--heads",
-            "16",
-            "--seq-len",
-            "1024",
-            "--global-batch",
-            "8",
-            "--vocab",
-            "8192",
-            "--lr",
-            "3e-4",
-            "--device",
-            "cuda",
-        ],
+        "args": (
+            "--compile inductor --dtype bf16 --layers 12 --dim 2048 --heads 16 "
+            "--seq-len 1024 --global-batch 8 --vocab 8192 --lr 3e-4 --device cuda"
+        ).split(),
     },
     "cpu-smoke": {
         "nproc": 1,
@@ -158,22 +121,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "block": 6,
         "block_skip": 2,
         "pairs": 3,
-        "args": [
-            "--compile",
-            "aot_eager",
-            "--layers",
-            "2",
-            "--dim",
-            "64",
-            "--heads",
-            "4",
-            "--seq-len",
-            "32",
-            "--global-batch",
-            "8",
-            "--device",
-            "cpu",
-        ],
+        "args": (
+            "--compile aot_eager --layers 2 --dim 64 --heads 4 --seq-len 32 --global-batch 8 --device cpu"
+        ).split(),
     },
     "short-cpu": {
         "nproc": 1,
@@ -398,25 +348,10 @@ def run_tiny_blocks(spec: dict[str, Any], argv: list[str]) -> None:
 
 
 def torchrun_blocks(
-    nproc: int,
-    spec: dict[str, Any],
-    argv: list[str],
-    cpus: list[int] | None = None,
+    nproc: int, spec: dict[str, Any], argv: list[str], cpus: list[int] | None = None
 ) -> subprocess.Popen[str]:
     """The blocks of ``spec`` under torchrun (every rank through ``--child-blocks``), on ``cpus`` when given."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "benchmarks.overhead",
-        "--child-blocks",
-        json.dumps(spec),
-        "--",
-        *argv,
-    ]
+    cmd = torchrun_cmd(nproc, "benchmarks.overhead", ["--child-blocks", json.dumps(spec), "--", *argv])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True, preexec_fn=pin)

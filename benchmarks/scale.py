@@ -200,10 +200,7 @@ def count(a: argparse.Namespace) -> dict[str, Any]:
         a.compile,
         "--steps",
         str(a.steps),
-        "--log-every",
-        "1",
-        "--device",
-        "cpu",
+        *"--log-every 1 --device cpu".split(),
         *shlex.split(a.extra),
     ]
     run_dir = Path(tempfile.mkdtemp(prefix="hpar-series-")) / "series"

@@ -55,34 +55,11 @@ from hpar_agent.tools.launch import torchrun_cmd
 from testkit.otlp_receiver import HttpReceiver
 from testkit.ports import free_base_port
 
-TRAINER_ARGS = [
-    "--dp",
-    "1",
-    "--tp",
-    "2",
-    "--pp",
-    "2",
-    "--schedule",
-    "1f1b",
-    "--microbatches",
-    "2",
-    "--global-batch",
-    "4",
-    "--seq-len",
-    "16",
-    "--layers",
-    "2",
-    "--dim",
-    "32",
-    "--heads",
-    "2",
-    "--vocab",
-    "64",
-    "--compile",
-    "none",
-    "--device",
-    "cpu",
-]
+TRAINER_ARGS = (
+    "--dp 1 --tp 2 --pp 2 --schedule 1f1b --microbatches 2 --global-batch 4 "
+    "--seq-len 16 --layers 2 --dim 32 --heads 2 --vocab 64 --compile none "
+    "--device cpu"
+).split()
 
 
 class CountingReceiver(HttpReceiver):

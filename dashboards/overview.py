@@ -137,12 +137,7 @@ def overview() -> Board:
         "Ranks input-bound for 10 minutes",
         "Number of ranks whose bottleneck verdict has been input-bound for the whole last 10 minutes "
         "(InputBound fires on each); the table next to it gives every rank's current verdict.",
-        [
-            Q(
-                f'sum(min_over_time(hpar_step_bottleneck{{{SEL},verdict="input-bound"}}[10m]))',
-                "ranks",
-            )
-        ],
+        [Q(f'sum(min_over_time(hpar_step_bottleneck{{{SEL},verdict="input-bound"}}[10m]))', "ranks")],
         "short",
     )
     table(
@@ -213,12 +208,7 @@ def overview() -> Board:
         b,
         "Agent errors",
         "Exceptions caught inside agent components (training unaffected).",
-        [
-            Q(
-                f"sum by (component) (rate(hpar_agent_errors_total{{{SEL}}}[{RI}]))",
-                "{{component}}",
-            )
-        ],
+        [Q(f"sum by (component) (rate(hpar_agent_errors_total{{{SEL}}}[{RI}]))", "{{component}}")],
         "short",
         w=8,
     )

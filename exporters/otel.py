@@ -352,9 +352,7 @@ class Tracing:
         cfg = self.ctx.config
         record = self.ctx.record_error
         return OtlpJsonFileExporter(
-            self.path,
-            getattr(cfg, "log_max_bytes", 0),
-            on_error=lambda exc: record("tracing", exc),
+            self.path, getattr(cfg, "log_max_bytes", 0), on_error=lambda exc: record("tracing", exc)
         ), "file"
 
     @staticmethod

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
+
+from hpar_agent.tools.launch import torchrun_cmd
 
 
 def run_torchrun(
@@ -21,15 +22,6 @@ def run_torchrun(
     ``--standalone`` rendezvouses on a free local port and OMP_NUM_THREADS=1 is set so concurrent launches neither collide nor
     oversubscribe the cores; raises subprocess.TimeoutExpired past ``timeout``.
     """
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "hpar_trainer",
-        *trainer_args,
-    ]
+    cmd = torchrun_cmd(nproc, "hpar_trainer", trainer_args)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, env=full_env, timeout=timeout, capture_output=capture, text=True, check=False)

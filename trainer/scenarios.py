@@ -73,24 +73,7 @@ INJECT_STEP = 3
 FROM_START = {"divergent-graph", "ddp-nesting", "tp-grad-skip"}
 
 #: the demo: 4 CPU ranks, tp2 x pp2 with compiled blocks.
-DEMO_ARGS = [
-    "--dp",
-    "1",
-    "--tp",
-    "2",
-    "--pp",
-    "2",
-    "--schedule",
-    "1f1b",
-    "--microbatches",
-    "4",
-    "--compile",
-    "aot_eager",
-    "--steps",
-    "40",
-    "--log-every",
-    "5",
-]
+DEMO_ARGS = "--dp 1 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --compile aot_eager --steps 40 --log-every 5".split()
 
 
 def layout(injection: str, nproc: int) -> list[str]:

@@ -129,12 +129,7 @@ class Ledger:
     """The flight-recorder half of the collectives collector: entries in, one ``Update`` per read."""
 
     def __init__(
-        self,
-        *,
-        attach_ns: int,
-        recent: int = 2048,
-        max_pending: int = 4096,
-        groups: Groups | None = None,
+        self, *, attach_ns: int, recent: int = 2048, max_pending: int = 4096, groups: Groups | None = None
     ) -> None:
         self.attach_ns = attach_ns
         self.recent = recent

@@ -84,7 +84,7 @@ OPTIONAL_IMPORTS = [
         "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
         "OTEL_EXPORTER_OTLP_PROTOCOL=grpc",
         "pip install 'hpar-agent[grpc]'",
-    ),
+    )
 ]
 
 

@@ -95,11 +95,7 @@ COMPONENTS = {
         }
     ),
     "memory": obj(
-        {
-            "rss_bytes": NUM_OR_NULL,
-            "post_step_last": obj(values=NUM),
-            "allocator": obj(values=NUM_OR_NULL),
-        }
+        {"rss_bytes": NUM_OR_NULL, "post_step_last": obj(values=NUM), "allocator": obj(values=NUM_OR_NULL)}
     ),
     "nvml": obj({"process_bytes": NUM_OR_NULL}),
     "compile": obj(

@@ -138,10 +138,7 @@ def test_alertmanager_config_is_valid_and_routes_by_severity() -> None:
     path = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
     res = run(["amtool", "check-config", str(path)])
     assert res.returncode == 0, res.stdout + res.stderr
-    routes = {
-        "critical": "hpar-pager",
-        "warning": "hpar-team",
-    }
+    routes = {"critical": "hpar-pager", "warning": "hpar-team"}
     for severity, receiver in routes.items():
         res = run(
             [

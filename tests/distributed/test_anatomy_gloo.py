@@ -20,22 +20,7 @@ from hpar_trainer.launch import run_torchrun
 pytestmark = pytest.mark.distributed
 
 # --dim 256 --global-batch 64: compute, not the synthetic data or the dp all-reduce, holds most of a clean step
-BASE = [
-    "--dp",
-    "2",
-    "--compile",
-    "eager",
-    "--dim",
-    "256",
-    "--global-batch",
-    "64",
-    "--steps",
-    "12",
-    "--inject-step",
-    "2",
-    "--log-every",
-    "100",
-]
+BASE = "--dp 2 --compile eager --dim 256 --global-batch 64 --steps 12 --inject-step 2 --log-every 100".split()
 RUNS = {
     "clean": [],
     "slow-data": ["--inject", "slow-data", "--inject-delay", "0.5"],

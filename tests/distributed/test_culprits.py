@@ -81,19 +81,7 @@ def test_a_hang_names_the_rank_not_in_the_collective_and_what_it_is_doing(
     """Rank 2 sleeps before its backward at step 40; ranks 0, 1, 3 wait in the DDP all-reduce. A 20 s
     process-group timeout makes Hang fire at 16 s (80 %), on every rank."""
     run_dir, out = _once(
-        runs,
-        tmp_path_factory,
-        "hang",
-        4,
-        "200",
-        "--fault",
-        "sleep",
-        "--rank",
-        "2",
-        "--at",
-        "40",
-        "--timeout-s",
-        "20",
+        runs, tmp_path_factory, "hang", 4, *"200 --fault sleep --rank 2 --at 40 --timeout-s 20".split()
     )
     hangs = _alerts(run_dir, "Hang")
     assert sorted(hangs) == [0, 1, 2, 3], out[-3000:]
@@ -116,19 +104,7 @@ def test_torchs_own_analyser_names_the_same_rank(
 ) -> None:
     pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
     run_dir, _ = _once(
-        runs,
-        tmp_path_factory,
-        "hang",
-        4,
-        "200",
-        "--fault",
-        "sleep",
-        "--rank",
-        "2",
-        "--at",
-        "40",
-        "--timeout-s",
-        "20",
+        runs, tmp_path_factory, "hang", 4, *"200 --fault sleep --rank 2 --at 40 --timeout-s 20".split()
     )
     proc = subprocess.run(
         [sys.executable, "-m", "hpar_agent.tools.cli", "fr-trace", str(run_dir)],

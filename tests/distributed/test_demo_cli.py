@@ -64,10 +64,7 @@ def test_ranks_without_numpy_fail_the_demo_and_are_named(tmp_path):
     res = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "hpar_agent",
-            "demo",
-            "--run-dir",
+            *"-m hpar_agent demo --run-dir".split(),
             str(run_dir),
             "--steps",
             "2",
@@ -103,10 +100,7 @@ def test_ctrl_c_stops_every_rank_promptly(tmp_path, sig):
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "hpar_agent",
-            "demo",
-            "--run-dir",
+            *"-m hpar_agent demo --run-dir".split(),
             str(tmp_path / "run"),
             "--steps",
             "100000",
@@ -153,15 +147,9 @@ def test_timeout_stops_every_rank(tmp_path):
     res = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "hpar_agent",
-            "demo",
-            "--run-dir",
+            *"-m hpar_agent demo --run-dir".split(),
             str(tmp_path / "run"),
-            "--steps",
-            "100000",
-            "--timeout",
-            "20",
+            *"--steps 100000 --timeout 20".split(),
             *SMALL,
             *SMALL_TRAINER,
         ],
@@ -183,10 +171,7 @@ def test_demo_output_is_rank_prefixed_and_summarised(tmp_path):
     res = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "hpar_agent",
-            "demo",
-            "--run-dir",
+            *"-m hpar_agent demo --run-dir".split(),
             str(run_dir),
             "--steps",
             "3",

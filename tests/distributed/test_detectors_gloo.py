@@ -20,18 +20,7 @@ pytestmark = pytest.mark.distributed
 def test_leak_and_straggler_attributed_to_the_injected_rank(tmp_path: Path) -> None:
     run = tmp_path / "run"
     env = {"HPAR_RUN_DIR": str(run), "HPAR_METRICS_PORT": "-1", "HPAR_TRACES": "none"}
-    args = [
-        "--dp",
-        "2",
-        "--steps",
-        "45",
-        "--inject",
-        "tensor-leak",
-        "--inject",
-        "straggler",
-        "--inject-delay",
-        "0.3",
-    ]
+    args = "--dp 2 --steps 45 --inject tensor-leak --inject straggler --inject-delay 0.3".split()
     res = run_torchrun(2, args, env=env, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     alerts = read_alerts(run)

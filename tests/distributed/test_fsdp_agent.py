@@ -20,18 +20,7 @@ from hpar_agent.tools.launch import run_trainer
 
 pytestmark = pytest.mark.distributed
 
-ARGS = [
-    "--dp-replicate",
-    "2",
-    "--dp-shard",
-    "2",
-    "--steps",
-    "60",
-    "--log-every",
-    "20",
-    "--inject",
-    "hsdp-replicate-skip",
-]
+ARGS = "--dp-replicate 2 --dp-shard 2 --steps 60 --log-every 20 --inject hsdp-replicate-skip".split()
 
 
 @pytest.fixture(scope="module")

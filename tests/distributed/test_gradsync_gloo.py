@@ -24,14 +24,7 @@ def _run(tmp_path: Path, *extra: str) -> tuple[list[dict[str, Any]], list[dict[s
         "HPAR_TRACES": "none",
     }
     args = [
-        "--dp",
-        "2",
-        "--dp-mode",
-        "ddp",
-        "--compile",
-        "eager",
-        "--steps",
-        "6",
+        *"--dp 2 --dp-mode ddp --compile eager --steps 6".split(),
         *extra,
         "--out",
         str(tmp_path / "t.json"),

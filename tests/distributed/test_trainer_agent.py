@@ -17,28 +17,10 @@ from testkit.live_run import LiveRun
 
 pytestmark = pytest.mark.distributed
 
-ARGS = [
-    "--dp",
-    "1",
-    "--tp",
-    "2",
-    "--pp",
-    "2",
-    "--schedule",
-    "1f1b",
-    "--microbatches",
-    "4",
-    "--compile",
-    "aot_eager",
-    "--steps",
-    "30",
-    "--log-every",
-    "10",
-    "--inject",
-    "recompile-storm",
-    "--inject",
-    "graph-break",
-]
+ARGS = (
+    "--dp 1 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --compile aot_eager "
+    "--steps 30 --log-every 10 --inject recompile-storm --inject graph-break"
+).split()
 
 
 @pytest.fixture(scope="module")

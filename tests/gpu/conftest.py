@@ -64,32 +64,11 @@ def attached(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
 
 #: The reference trainer on one GPU (inductor, bf16, a small model: ~25 ms steps) with the agent.
-TRAINER = [
-    "--device",
-    "cuda",
-    "--compile",
-    "inductor",
-    "--dtype",
-    "bf16",
-    "--layers",
-    "4",
-    "--dim",
-    "1024",
-    "--heads",
-    "8",
-    "--seq-len",
-    "512",
-    "--global-batch",
-    "8",
-    "--vocab",
-    "8192",
-    "--lr",
-    "3e-4",
-    "--steps",
-    "150",
-    "--log-every",
-    "50",
-]
+TRAINER = (
+    "--device cuda --compile inductor --dtype bf16 --layers 4 --dim 1024 "
+    "--heads 8 --seq-len 512 --global-batch 8 --vocab 8192 --lr 3e-4 "
+    "--steps 150 --log-every 50"
+).split()
 TRAINER_RUNS = {"clean": [], "slow-data": ["--inject", "slow-data", "--inject-delay", "0.05"]}
 
 

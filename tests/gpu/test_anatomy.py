@@ -61,12 +61,7 @@ def test_under_hpar_agent_run_the_verdict_is_the_attached_runs(
     cmd = run_cmd(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=1",
-            "-m",
-            "hpar_trainer",
+            *"-m torch.distributed.run --standalone --nproc-per-node=1 -m hpar_trainer".split(),
             *TRAINER,
             "--no-agent",
         ]

@@ -39,31 +39,14 @@ OWN_LINES = (
     "hpar_agent: ",
     "hpar-agent: ",
 )
-NANOGPT = [
-    sys.executable,
-    str(PROGRAMS / "nanogpt.py"),
-    "--device",
-    "cuda",
-    "--steps",
-    "200",
-    "--eval-every",
-    "50",
-]
+NANOGPT = [sys.executable, str(PROGRAMS / "nanogpt.py"), *"--device cuda --steps 200 --eval-every 50".split()]
 SPECS = {
     "hf_trainer_inductor": Spec(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=1",
+            *"-m torch.distributed.run --standalone --nproc-per-node=1".split(),
             str(PROGRAMS / "hf_trainer.py"),
-            "--device",
-            "cuda",
-            "--steps",
-            "20",
-            "--compile",
-            "inductor",
+            *"--device cuda --steps 20 --compile inductor".split(),
         ],
         world=1,
         needs="transformers",

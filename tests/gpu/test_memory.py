@@ -32,20 +32,7 @@ GPU_SERIES = (
 )
 #: A training step's pace in the in-process leak (the agent samples the allocator at most every 50 ms).
 STEP_S = 0.06
-SMALL = [
-    "--layers",
-    "2",
-    "--dim",
-    "64",
-    "--heads",
-    "4",
-    "--seq-len",
-    "32",
-    "--global-batch",
-    "8",
-    "--device",
-    "cuda",
-]
+SMALL = "--layers 2 --dim 64 --heads 4 --seq-len 32 --global-batch 8 --device cuda".split()
 
 
 def snapshot_sites(paths: list[str], pattern: str) -> dict[str, int]:

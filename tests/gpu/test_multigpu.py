@@ -33,28 +33,10 @@ pytestmark = pytest.mark.gpus(2)
 HERE = Path(__file__).resolve().parent
 NGPU = max(2, torch.cuda.device_count())
 HALF = str(max(1, NGPU // 2))
-MODEL = [
-    "--compile",
-    "inductor",
-    "--dtype",
-    "bf16",
-    "--layers",
-    "4",
-    "--dim",
-    "1024",
-    "--heads",
-    "8",
-    "--seq-len",
-    "512",
-    "--global-batch",
-    "16",
-    "--vocab",
-    "8192",
-    "--log-every",
-    "10",
-    "--device",
-    "cuda",
-]
+MODEL = (
+    "--compile inductor --dtype bf16 --layers 4 --dim 1024 --heads 8 "
+    "--seq-len 512 --global-batch 16 --vocab 8192 --log-every 10 --device cuda"
+).split()
 STEPS, SCRAPE_AT, TIMEOUT = 300, 200, 240.0
 LINK_GBS = float(os.environ.get("HPAR_TEST_LINK_GBS", "450"))  # per-direction NVLink of an H100/H200
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -63,14 +45,7 @@ LAYOUTS = {
     "pp_interleaved": [
         "--dp",
         HALF,
-        "--pp",
-        "2",
-        "--schedule",
-        "interleaved-1f1b",
-        "--stages-per-rank",
-        "2",
-        "--microbatches",
-        "8",
+        *"--pp 2 --schedule interleaved-1f1b --stages-per-rank 2 --microbatches 8".split(),
     ],
     "dp_ddp": ["--dp", str(NGPU), "--dp-mode", "ddp"],
     "dp_replicate": ["--dp", str(NGPU), "--dp-mode", "replicate"],
@@ -80,13 +55,7 @@ LAYOUTS = {
     "pause_late": [
         "--dp",
         str(NGPU),
-        "--dp-mode",
-        "ddp",
-        "--pause-at",
-        "150",
-        "--pause-seconds",
-        "10",
-        "--start-delay-rank",
+        *"--dp-mode ddp --pause-at 150 --pause-seconds 10 --start-delay-rank".split(),
         str(NGPU - 1),
         "--start-delay",
         "10",

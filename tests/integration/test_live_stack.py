@@ -40,38 +40,14 @@ LEAK_JOB, CLEAN_JOB = "hpar-leak", "hpar-clean"
 COMPILE_ALERTS = ("GraphBreaks", "RecompileStorm")  # injected on every rank
 EVERY_RANK = {"0", "1", "2", "3"}
 LEAK_RANK, LEAK_STAGE = 3, 1  # mesh (dp, pp, tp) = (1, 2, 2): rank 3 is stage 1
-SHAPE = [
-    "--dp",
-    "1",
-    "--tp",
-    "2",
-    "--pp",
-    "2",
-    "--schedule",
-    "1f1b",
-    "--microbatches",
-    "4",
-    "--layers",
-    "2",
-    "--compile",
-    "aot_eager",
-    "--log-every",
-    "10",
-    "--peak-tflops",
-    "0.05",
-]
+SHAPE = (
+    "--dp 1 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --layers 2 "
+    "--compile aot_eager --log-every 10 --peak-tflops 0.05"
+).split()
 # The leak run has far more steps than it needs: it is stopped once the alert reached the webhook.
 LEAK_ARGS = [
     *SHAPE,
-    "--steps",
-    "1000",
-    "--inject",
-    "tensor-leak",
-    "--inject",
-    "graph-break",
-    "--inject",
-    "recompile-storm",
-    "--inject-rank",
+    *"--steps 1000 --inject tensor-leak --inject graph-break --inject recompile-storm --inject-rank".split(),
     str(LEAK_RANK),
 ]
 # Long enough for every detector to judge: MemoryLeak needs 5 warm-up + 20 window steps.

@@ -455,14 +455,7 @@ def _browser(page: Path, profile: Path, *extra: str) -> subprocess.CompletedProc
     exe = _chromium()
     assert exe
     flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
+        *"--headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking --disable-component-update --disable-sync".split(),
         f"--user-data-dir={profile}",
         "--enable-logging=stderr",
         "--v=0",
