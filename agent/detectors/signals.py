@@ -391,8 +391,8 @@ def entry_bytes(e: FrEntry) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _message_bytes(sizes: str, dtypes: str) -> int:
-    """Cached: ``literal_eval`` costs ~20 µs, and the dtype detectors ask it for every peer entry of
-    every pass (30 % of the agent thread on a 4-rank CPU run before) over a handful of distinct shapes."""
+    """Cached: ``literal_eval`` takes tens of µs, and the dtype detectors ask it for every peer entry of
+    every pass, over a handful of distinct shapes."""
     bits = _min_bits(dtypes)
     try:
         shapes = ast.literal_eval(sizes) if sizes else []
