@@ -41,14 +41,15 @@ def test_only_the_inject_rank_gets_the_slow_source() -> None:
 
 def test_the_loader_yields_each_steps_batch_through_a_dataloader() -> None:
     """The trainer reads its batches through a DataLoader (the step anatomy times the wait there): step
-    i's batch of this dp rank, in order, the same tensors as the source gives."""
+    i's batch of this dp rank, in order, the same tensors as the source gives, for as many steps as the
+    caller takes (the overhead benchmark steps past ``--steps``)."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
     from hpar_trainer.data import loader
 
-    batches = loader(_data(), 1, 2, 3)
+    batches = loader(_data(), 1, 2)
     assert isinstance(batches, _BaseDataLoaderIter)
-    for step in range(3):
+    for step in range(40):
         x, y = next(batches)
         want = _data().batch(step, 1, 2)
         assert torch.equal(x, want[0]) and torch.equal(y, want[1])
