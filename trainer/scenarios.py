@@ -33,7 +33,7 @@ EXPECTED: dict[str, str] = {
 NOTES: dict[str, str] = {
     "hsdp-replicate-skip": "HSDP 2 x 2 (FSDP2): rank 3 keeps its own reduce-scatter output instead of the "
     "replicate all-reduce result (it still joins every collective); it and rank 1 (same shard, other replica) "
-    "drift, and the 1-1 split names both; ranks 0 and 2 (shard 0) stay quiet. Needs 4 ranks.",
+    "drift: it fires on both and, a 1-1 split, names no culprit; ranks 0 and 2 (shard 0) stay quiet. Needs 4 ranks.",
     "slow-collective": "every rank in dp with DDP. The inject rank arrives late at every dp all-reduce: "
     "arrival skew names it (Straggler). CollectiveLatencyHigh judges the transfer (a timed op's duration less "
     "the wait for the last member to arrive), so the peers' long waits do not raise it; gloo records no "
@@ -45,10 +45,10 @@ NOTES: dict[str, str] = {
     "aborts (by design later than 10 s: a checkpoint-like pause of 12 s must not fire it); rank 3's details "
     "and stacks show it in a default_pg barrier, its peers in dp/tp all-reduces; every rank exits after the "
     "pg timeout.",
-    "ddp-nesting": "all ranks train the detached block unsynchronised: every dp pair drifts (a 1-1 split "
-    "names both ranks); GradSyncIncomplete fires on every rank from the first judged step, its value the "
+    "ddp-nesting": "all ranks train the detached block unsynchronised: every dp pair drifts (it fires on both of a "
+    "pair and, a 1-1 split, names no culprit); GradSyncIncomplete fires on every rank from the first judged step, its value the "
     "share of the gradient reduced over dp.",
-    "tp-grad-skip": "all ranks skip the sync: every tp pair drifts (a 1-1 split names both ranks); "
+    "tp-grad-skip": "all ranks skip the sync: every tp pair drifts (it fires on both of a pair, a 1-1 split names no culprit); "
     "GradSyncIncomplete fires on every rank with coverage.tp 0.0 (gradients sampled from step 1).",
     "compile-leak": "a new code object compiled per microbatch: CompiledGraphsGrowing names "
     "`_leaky_graph trainer/inject.py:<line>` first (2 ranks: step 10, MemoryLeak at step 30 with a py-spy "

@@ -202,27 +202,31 @@ class ReplicaDivergence(Detector):
             "ck": {"cks": {str(s): v for s, v in self.history}, "sk": keys},
         }
 
-    def _compare(self, snap: Snapshot, label: str, group: list[int]) -> tuple[int, dict[int, list[str]]]:
-        """(step compared, member -> its offending parameters) at the latest step every member
-        digested; the checksums by name only when the digests disagree (once per step and group)."""
+    def _compare(
+        self, snap: Snapshot, label: str, group: list[int]
+    ) -> tuple[int, dict[int, list[str]], list[int]]:
+        """(step compared, member -> its offending parameters, the members of a split with no majority)
+        at the latest step every member digested; the checksums by name only when the digests disagree
+        (once per step and group)."""
         peers = snap.exchange.peers
         steps = set.intersection(*(set(peers[r]["cd"]) for r in group))
         if not steps:
-            return -1, {}
+            return -1, {}, []
         step = max(steps, key=int)
         if sig.digests_agree({r: peers[r]["cd"][step] for r in group}):
-            return int(step), {}
+            return int(step), {}, []
         memo = self._judged.get(label)
         if memo is not None and memo[:2] == (step, group):
-            return int(step), memo[2]
+            return int(step), memo[2], memo[3]
         full = snap.exchange.fetch("ck", group)
         if any(step not in full.get(r, {}).get("cks", {}) for r in group):
-            return -1, {}  # a member's checksums moved on (or are missing): the next exchange judges
+            return -1, {}, []  # a member's checksums moved on (or are missing): the next exchange judges
         sums = {r: full[r]["cks"][step] for r in group}
         keys = {r: full[r].get("sk", {}) for r in group}
         diff = {r: d for r in group if (d := sig.same_shard_offenders(sums, keys, r))}
-        self._judged[label] = (step, group, diff)
-        return int(step), diff
+        split = sorted({m for r in diff for m in sig.unsplittable(sums, keys, r)})
+        self._judged[label] = (step, group, diff, split)
+        return int(step), diff, split
 
     def evaluate(self, snap: Snapshot) -> Verdict | None:
         if not snap.exchange.fresh:
@@ -235,14 +239,13 @@ class ReplicaDivergence(Detector):
             group = sig.group_of(snap.exchange.peers, snap.rank, keys, "cd")
             if len(group) < 2:
                 continue
-            step, by_rank = self._compare(snap, label, group)
+            step, by_rank, split = self._compare(snap, label, group)
             compared = compared or step >= 0
-            if len(by_rank) == len(
-                group
-            ):  # no majority of any parameter (a 1-1 split): who is wrong is unknown
-                unknown.append(f"{label} group {group}: no majority holds the same values")
-            else:
-                culprits.update(by_rank)
+            if split:  # holders of one piece split with no majority (a 1-1 split): who is wrong is unknown
+                unknown.append(
+                    f"{label} group {group}: no majority holds the same values among ranks {split}"
+                )
+            culprits.update(r for r in by_rank if r not in split)
             diff = by_rank.get(snap.rank, [])
             if diff:
                 bad[label] = {"step": step, "ranks": group, "params": diff[:8], "count": len(diff)}

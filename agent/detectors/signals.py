@@ -191,23 +191,43 @@ def replica_offenders(
     return out
 
 
-def same_shard_offenders(
+def _pieces(
     sums: Mapping[int, Mapping[str, Sequence[float]]], keys: Mapping[int, Mapping[str, str]], rank: int
-) -> list[str]:
-    """``rank``'s parameters whose checksum is not the majority's among the ranks holding the same
-    piece of that parameter (equal shard key; missing key: a whole, replicated parameter). Shards of
-    one FSDP parameter on different ranks are different values and are never compared."""
-    mine = sums.get(rank, {})
+) -> dict[tuple[int, ...], list[str]]:
+    """The ranks holding the same piece as ``rank`` (equal shard key; missing key: a whole, replicated
+    parameter) -> the names of ``rank``'s parameters they hold, where at least two hold them."""
     mkeys = keys.get(rank, {})
     by_members: dict[tuple[int, ...], list[str]] = {}
-    for name in mine:
+    for name in sums.get(rank, {}):
         key = mkeys.get(name, "")
         members = tuple(r for r, s in sums.items() if name in s and keys.get(r, {}).get(name, "") == key)
         if len(members) >= 2:
             by_members.setdefault(members, []).append(name)
+    return by_members
+
+
+def same_shard_offenders(
+    sums: Mapping[int, Mapping[str, Sequence[float]]], keys: Mapping[int, Mapping[str, str]], rank: int
+) -> list[str]:
+    """``rank``'s parameters whose checksum is not the majority's among the ranks holding the same
+    piece of that parameter. Shards of one FSDP parameter on different ranks are different values and
+    are never compared."""
     out: list[str] = []
-    for members, names in by_members.items():
+    for members, names in _pieces(sums, keys, rank).items():
         out += replica_offenders({r: sums[r] for r in members}, names).get(rank, [])
+    return sorted(out)
+
+
+def unsplittable(
+    sums: Mapping[int, Mapping[str, Sequence[float]]], keys: Mapping[int, Mapping[str, str]], rank: int
+) -> list[int]:
+    """The holders of a piece ``rank`` holds that differ with no strict majority among them (a 1-1
+    split of two HSDP replicas of one shard): who of them is wrong is unknown."""
+    out: set[int] = set()
+    for members, names in _pieces(sums, keys, rank).items():
+        odd = replica_offenders({r: sums[r] for r in members}, names)
+        if rank in odd and set(odd) == set(members):
+            out.update(members)
     return sorted(out)
 
 

@@ -345,9 +345,11 @@ def test_same_shard_offenders_compare_shards_only_across_replicas() -> None:
         ["w"],
         [],
         ["w"],
-    ]  # a 1-1 split
+    ]  # a 1-1 split: who of the shard's two holders is wrong is unknown, the other shard's are not in it
+    assert [sig.unsplittable(sums, keys, r) for r in range(4)] == [[], [1, 3], [], [1, 3]]
     sums[2]["b"] = [6.0, 6.0]  # a whole (replicated) parameter compares across all four: 3-1 majority
     assert sig.same_shard_offenders(sums, keys, 2) == ["b"] and sig.same_shard_offenders(sums, keys, 0) == []
+    assert sig.unsplittable(sums, keys, 2) == []  # rank 2 is the culprit of "b"
     fsdp = {r: {"w": f"dp_shard={r}"} for r in range(2)}  # plain FSDP: nothing to compare
     assert sig.same_shard_offenders({0: {"w": [1.0, 1.0]}, 1: {"w": [9.0, 9.0]}}, fsdp, 0) == []
 
