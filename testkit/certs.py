@@ -87,6 +87,16 @@ def _leaf(d: Path, name: str, ca: tuple[str, str], usage: str, san: str) -> Pair
     return Pair(str(cert), str(key))
 
 
+def self_signed(d: Path) -> Pair:
+    """One self-signed certificate for 127.0.0.1 and its key in ``d``: a server whose clients trust the
+    certificate itself."""
+    d.mkdir(parents=True, exist_ok=True)
+    cert, key = d / "cert.pem", d / "key.pem"
+    args = "req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1"
+    _run(*args.split(), "-keyout", str(key), "-out", str(cert), cwd=d)
+    return Pair(str(cert), str(key))
+
+
 def make_pki(d: Path) -> PKI:
     """Every file in ``d`` (created if missing)."""
     d.mkdir(parents=True, exist_ok=True)

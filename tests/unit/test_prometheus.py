@@ -23,6 +23,7 @@ import torch
 import hpar_agent
 from hpar_agent.exporters import http_server
 from hpar_agent.exporters import prometheus as prom
+from testkit.certs import self_signed
 from tests.unit.conftest import train_linear
 
 
@@ -53,29 +54,8 @@ def test_port_in_use_without_fallback_serves_nothing_and_training_goes_on(attach
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl CLI not installed")
 def test_tls_endpoint_serves_https(attach, tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    pair = self_signed(tmp_path)
+    cert, key = pair.cert, pair.key
     agent = attach(tls_cert=str(cert), tls_key=str(key))
     assert agent.metrics_url.startswith("https://")
     ctx = ssl.create_default_context(cafile=str(cert))
@@ -90,32 +70,8 @@ needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None, reason="open
 def cert(tmp_path_factory):
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not installed")
-    d = tmp_path_factory.mktemp("tls")
-    crt, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(crt),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return str(crt), str(key)
+    pair = self_signed(tmp_path_factory.mktemp("tls"))
+    return pair.cert, pair.key
 
 
 @pytest.fixture
