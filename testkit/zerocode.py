@@ -13,6 +13,15 @@ from pathlib import Path
 from typing import Any
 
 #: What a launcher around the test run may have set; the shim and the launchers under test read them.
+#: How the agent's own lines start (hpar-agent run's, and the agent's one-line messages).
+OWN_LINES = (
+    "hpar-agent run: ",
+    "  ranks observed: ",
+    "  not observed: ",
+    "  rank ",
+    "hpar_agent: ",
+    "hpar-agent: ",
+)
 LAUNCH_VARS = {
     "RANK",
     "LOCAL_RANK",

@@ -19,22 +19,13 @@ import pytest
 
 from hpar_agent.collectors.zerocode import NO_STEPS
 from hpar_agent.tools.report import build_report
-from testkit.zerocode import events
+from testkit.zerocode import OWN_LINES, events
 from tests.compat.conftest import SPECS, Run
 
 ALL = list(SPECS)
 DISTRIBUTED = [n for n, s in SPECS.items() if s.world > 1]
 COMPILED = [n for n, s in SPECS.items() if s.compile_backend]
 REPO = Path(__file__).resolve().parents[2]
-#: How the agent's own lines start (hpar-agent run's, and the agent's one-line messages).
-OWN_LINES = (
-    "hpar-agent run: ",
-    "  ranks observed: ",
-    "  not observed: ",
-    "  rank ",
-    "hpar_agent: ",
-    "hpar-agent: ",
-)
 
 pytestmark = pytest.mark.compat
 CompatRun = Callable[[str], Run]

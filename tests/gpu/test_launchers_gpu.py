@@ -25,20 +25,12 @@ import pytest
 import torch
 
 from hpar_agent.collectors.zerocode import NO_STEPS
-from testkit.zerocode import Launches, Run, Spec, events
+from testkit.zerocode import OWN_LINES, Launches, Run, Spec, events
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PROGRAMS = Path(__file__).resolve().parents[1] / "compat" / "programs"
 REPO = Path(__file__).resolve().parents[2]
-OWN_LINES = (
-    "hpar-agent run: ",
-    "  ranks observed: ",
-    "  not observed: ",
-    "  rank ",
-    "hpar_agent: ",
-    "hpar-agent: ",
-)
 NANOGPT = [sys.executable, str(PROGRAMS / "nanogpt.py"), *"--device cuda --steps 200 --eval-every 50".split()]
 SPECS = {
     "hf_trainer_inductor": Spec(
