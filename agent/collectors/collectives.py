@@ -244,6 +244,8 @@ class CollectiveCollector(Component):
         p2p = self.p2p.buffer.drain()
         now_ns = int(now * 1e9)
         self._read_and_process(now, now_ns, p2p)
+        if self.p2p.timeout_s is not None:  # a pipeline on gloo: no FR entry says its groups' timeout
+            self.pg_timeout_s = min(self.pg_timeout_s or self.p2p.timeout_s, self.p2p.timeout_s)
         oldest = self.p2p.oldest_ns()
         if oldest is not None:
             st = self.pg(PP_PG)

@@ -1,7 +1,8 @@
 """The pipeline's p2p ops between the schedule's issue and its wait, from the ``torch_compat.p2p``
 wrapper's records: gloo's only source of pipeline traffic (its flight recorder records no send/recv).
 On NCCL the recorder counts and times p2p itself; the wrapper then only names the groups pipelining
-runs on (their entries are ``pp``)."""
+runs on (their entries are ``pp``). The ops the training thread waits in now (an ``enter`` record no
+``wait`` record followed) are a hang's p2p edges: whom this rank waits for (``waiting_in``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from hpar_agent.collectors.collective_state import OpStats
 from hpar_agent.collectors.fr_ledger import PP_PG, Groups, Op
 from hpar_agent.streams import comm_stream_label
 from hpar_agent.torch_compat import flight_recorder as fr
-from hpar_agent.torch_compat.p2p import IssueRecord, P2PRecord, P2PWrapper, WaitRecord, ops_of, waits_of
+from hpar_agent.torch_compat.p2p import (
+    EnterRecord,
+    IssueRecord,
+    P2PRecord,
+    P2PWrapper,
+    WaitRecord,
+    ops_of,
+    waits_of,
+)
 
 #: Process groups whose backend is remembered (cleared when full).
 MAX_GROUPS = 64
@@ -31,6 +40,9 @@ class P2PTracker:
         self.pending: dict[int, list[Op]] = {}  # id(Work) -> ops awaiting a wait record
         self.untimed: set[int] = set()  # id(Work) of pending ops issued in a step without detail
         self._backends: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, backend)
+        #: (wait entered ns, the ops it blocks on) while the training thread waits in p2p ops
+        self.waiting: tuple[int, list[Op]] | None = None
+        self.timeout_s: float | None = None  # the shortest timeout of the groups p2p ran on
 
     def process(
         self,
@@ -46,7 +58,10 @@ class P2PTracker:
                 gil.pause_point()
             if rec[0] == "issue":
                 self._issue(rec, stats, nccl_recorded)
+            elif rec[0] == "enter":
+                self._enter(rec)
             else:
+                self.waiting = None
                 self._wait(rec, finish)
 
     def _issue(self, rec: IssueRecord, stats: OpStats, nccl_recorded: bool) -> None:
@@ -74,6 +89,15 @@ class P2PTracker:
             untimed.discard(wid := next(iter(self.pending)))
             del self.pending[wid]
 
+    def _enter(self, rec: EnterRecord) -> None:
+        _, t_enter, open_ids = rec
+        ops = [o for wid in open_ids for o in self.pending.get(wid, ())]
+        self.waiting = (t_enter, ops) if ops else None
+
+    def waiting_in(self) -> tuple[int, list[Op]] | None:
+        """(ns the wait began, its ops: op, peer, pg) while the training thread waits in p2p ops."""
+        return self.waiting
+
     def _wait(self, rec: WaitRecord, finish: Callable[[Op, float], None]) -> None:
         _, t_enter, done, t_exit = rec
         for wid, was_done in waits_of(done):
@@ -93,6 +117,9 @@ class P2PTracker:
             if len(self._backends) >= MAX_GROUPS:
                 self._backends.clear()
             backend = fr.group_backend(group)
+            t = fr.group_timeout_s(group)
+            if t is not None:
+                self.timeout_s = t if self.timeout_s is None else min(self.timeout_s, t)
             if backend == "nccl":
                 self.groups.pp.add(fr.group_name(group))
             hit = self._backends[id(group)] = (group, backend)

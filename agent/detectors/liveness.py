@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class Hang(Detector):
-    """A rank stuck in or missing a collective: an op in flight, or no step, for too long.
+    """A rank stuck in or missing a collective or a p2p op: an op in flight, or no step, for too long.
 
     An explicit ``Hang.timeout_s`` is used as is. Value: the longer of (seconds since the last step,
     oldest in-flight age). The agent thread keeps evaluating while training is blocked in C++.
@@ -33,7 +33,9 @@ class Hang(Detector):
     completed collective and the op in flight (``q`` in ``s``). From this rank's and its comparison
     peers' (the last word of a stopped or dead one included; a peer never heard of has entered none of
     its groups' collectives), the ranks the others wait for and that
-    wait for nobody are named (``details.culprits``; ``victims``: the ranks waiting), or ranks in
+    wait for nobody are named (``details.culprits``; ``victims``: the ranks waiting); each rank's p2p
+    waits (``w`` in ``s``: the pipeline's send/recv it blocks in, and the peer) are edges too, so the
+    end of a pipeline's chain of waits is named; or ranks in
     different collectives (``kind`` desync, each side's op), or a collective every member entered
     (``stuck``: culprit unknown). Judged from half the timeout on, so the firing event carries them;
     once named, kept until the hang clears: peers ending at the process group's timeout, after it fired,
@@ -60,8 +62,13 @@ class Hang(Detector):
         return sig.hang_timeout(self.p("timeout_s"), pg_timeout, median(durations) if durations else None)
 
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
-        states = snap.collectives.groups
-        return {"s": {"q": {uid: st.pack() for uid, st in states.items()}}} if states else {}
+        states, p2p = snap.collectives.groups, snap.collectives.p2p_waits
+        out: dict[str, Any] = {}
+        if states:
+            out["q"] = {uid: st.pack() for uid, st in states.items()}
+        if p2p:
+            out["w"] = [w.pack() for w in p2p]
+        return {"s": out} if out else {}
 
     def evaluate(self, snap: Snapshot) -> Verdict | None:
         stalled = sig.stalled_seconds(
@@ -99,16 +106,19 @@ class Hang(Detector):
         """``waits.analyse`` over this rank (its state now) and the last word of each comparison peer."""
         topo, rank = snap.topology, snap.rank
         states: dict[int, dict[str, waits.GroupState]] = {}
+        p2p: dict[int, list[waits.P2PWait]] = {}
         coords: dict[int, dict[str, Any]] = {}
         for r, p in snap.exchange.seen.items():
-            q, c = p.get("q"), p.get("c")
-            if r == rank or not isinstance(q, dict) or not isinstance(c, dict):
+            q, c, w = p.get("q") or {}, p.get("c"), p.get("w") or []
+            if r == rank or not isinstance(q, dict) or not isinstance(c, dict) or not isinstance(w, list):
                 continue
             states[r] = {
                 str(uid): st for uid, v in q.items() if (st := waits.GroupState.unpack(v)) is not None
             }
+            p2p[r] = [pw for v in w if (pw := waits.P2PWait.unpack(v)) is not None]
             coords[r] = c
         states[rank] = dict(snap.collectives.groups)
+        p2p[rank] = list(snap.collectives.p2p_waits)
         coords[rank] = dict(snap.coords)
         silent = {dim: [r for r in peers if r not in coords] for dim, peers in snap.exchange.groups.items()}
         members: dict[str, list[int]] = {}
@@ -127,7 +137,8 @@ class Hang(Detector):
             members[uid] = sorted(set(ms))
             size = _group_size(label, topo)
             complete[uid] = len(ms) >= size if size else len(coords) >= topo.world_size
-        return waits.analyse(states, members, complete, min_wait_s)
+        seen = set(coords) | {r for rs in silent.values() for r in rs}
+        return waits.analyse(states, members, complete, min_wait_s, p2p=p2p, seen=seen)
 
 
 def _group_size(label: str, topo: Topology) -> int | None:

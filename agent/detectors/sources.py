@@ -10,6 +10,7 @@ without it) reads as no data (None/empty).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -19,7 +20,7 @@ from hpar_agent.collectors.gradsync import GradSyncCollector
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.detectors.signals import FrEntry
-from hpar_agent.detectors.waits import GroupState
+from hpar_agent.detectors.waits import GroupState, P2PWait, p2p_waits
 from hpar_agent.topology import ATOMIC_DIMS, FLATTENED_DIMS
 
 if TYPE_CHECKING:
@@ -158,6 +159,7 @@ class CollectiveState(NamedTuple):
     groups: Mapping[str, GroupState]  # pg id -> this rank's last seqs (``group_states``)
     pg_timeout_s: float | None
     fr_entries: Sequence[FrEntry]  # the last flight-recorder entries (``fr_entries``)
+    p2p_waits: Sequence[P2PWait] = ()  # the p2p ops the training thread waits in now, one per peer
 
 
 NO_COLLECTIVES = CollectiveState(0, [], {}, {}, None, [])
@@ -185,7 +187,17 @@ def collective_state(
         groups=group_states(c, coords),
         pg_timeout_s=float(timeout) if timeout is not None and timeout > 0 else None,
         fr_entries=(window or FrWindow()).entries(c, coords, limit),
+        p2p_waits=waiting_in(c),
     )
+
+
+def waiting_in(c: CollectiveCollector) -> list[P2PWait]:
+    """The p2p ops this rank's training thread waits in now (the pipelining wrapper's), one per peer."""
+    got = c.p2p.waiting_in()
+    if got is None:
+        return []
+    t_enter, ops = got
+    return p2p_waits([(o.op, o.peer, o.pg) for o in ops], max(0.0, (time.time_ns() - t_enter) / 1e9))
 
 
 def latency_histograms(ctx: AgentContext) -> dict[tuple[str, str], tuple[tuple[float, ...], list[int]]]:

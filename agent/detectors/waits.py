@@ -16,11 +16,16 @@ on each member, so in a program that runs the same collectives on every rank the
 - when every member entered the same collective and it does not complete, no rank is missing: the
   collective itself is stuck (``stuck``: the transport, NCCL, a link), and the culprit is unknown;
 - members that this rank cannot see (beyond its comparison peers) leave the culprit unknown.
+
+Ranks also meet point to point (a pipeline's send/recv): a rank that waits in p2p ops (``P2PWait``:
+the op, its peer, since when) waits for that peer, an edge like a collective's. Chains form: the last
+stage waits for a stage's activations, the earlier stages for their successor's gradients, and the
+rank the chain ends at, waiting for nobody (asleep in Python), is the culprit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +56,37 @@ class GroupState:
             return None
 
 
+@dataclass(frozen=True)
+class P2PWait:
+    """One rank waiting in p2p ops with one peer: ``op`` (send, recv, or send+recv for a batch), the
+    peer's global rank, the group's label, and how long the wait has lasted."""
+
+    op: str
+    peer: int
+    pg: str = "pp"
+    age_s: float = 0.0
+
+    def pack(self) -> list[Any]:
+        return [self.op, self.peer, self.pg, round(self.age_s, 1)]
+
+    @classmethod
+    def unpack(cls, v: Any) -> P2PWait | None:
+        """From ``pack``'s list; None for anything malformed."""
+        try:
+            return cls(str(v[0]), int(v[1]), str(v[2]), float(v[3]))
+        except (TypeError, ValueError, IndexError, KeyError):
+            return None
+
+
+def p2p_waits(ops: Sequence[tuple[str, int, str]], age_s: float) -> list[P2PWait]:
+    """The (op, peer, pg) a rank waits in, one ``P2PWait`` per peer (a batch's send and recv joined)."""
+    by: dict[tuple[int, str], set[str]] = {}
+    for op, peer, pg in ops:
+        if peer >= 0:
+            by.setdefault((peer, pg), set()).add(op)
+    return [P2PWait("+".join(sorted(o)), peer, pg, age_s) for (peer, pg), o in sorted(by.items())]
+
+
 @dataclass
 class HangVerdict:
     """``kind``: missing | desync | stuck | none | unknown. ``waits``: each (group, seq) some ranks wait
@@ -79,16 +115,30 @@ def analyse(
     members: Mapping[str, Sequence[int]],
     complete: Mapping[str, bool] | None = None,
     min_wait_s: float = 1.0,
+    p2p: Mapping[int, Sequence[P2PWait]] | None = None,
+    seen: Collection[int] | None = None,
 ) -> HangVerdict:
     """The culprit(s) of a hang among the ranks in ``states`` (rank -> group id -> state).
 
     ``members``: group id -> the ranks in ``states`` that belong to it (a member with no state for it
     has enqueued none of its collectives); ``complete``: group id -> whether every member of the group
     is among them (else a culprit may be beyond view). Ops in flight for less than ``min_wait_s`` are
-    not waits (a healthy collective completes in ms)."""
+    not waits (a healthy collective completes in ms). ``p2p``: rank -> the p2p ops it waits in, each
+    an edge to its peer; ``seen``: the ranks whose state is known (a peer outside it may wait itself:
+    beyond view)."""
     waits_for: dict[int, set[int]] = {}
-    waits: dict[tuple[str, int], dict[str, Any]] = {}
+    waits: dict[tuple[Any, ...], dict[str, Any]] = {}
     beyond = False
+    for r, ws in (p2p or {}).items():
+        for pw in ws:
+            if pw.age_s < min_wait_s or pw.peer == r or pw.peer < 0:
+                continue
+            waits_for.setdefault(r, set()).add(pw.peer)
+            w = waits.setdefault(
+                (pw.pg, "p2p", pw.op, pw.peer),
+                {"pg": pw.pg, "op": pw.op, "peer": pw.peer, "p2p": True, "waiting": [], "missing": [pw.peer]},
+            )
+            w["waiting"].append(r)
     for r, groups in states.items():
         for uid, st in groups.items():
             if not st.in_flight or st.age_s < min_wait_s:
@@ -102,21 +152,38 @@ def analyse(
             w["missing"] = sorted(set(w["missing"]) | set(missing))
             beyond = beyond or not (complete or {}).get(uid, True)
     if not waits_for:
-        return HangVerdict("none", note="no collective has been in flight for long on the ranks compared")
+        return HangVerdict(
+            "none", note="no collective or p2p op has been in flight for long on the ranks compared"
+        )
     waiting = set(waits_for)  # in flight: in a collective, for someone or (all of its group in) for nothing
     held = {r for r, b in waits_for.items() if b}  # waiting for a member that is behind
     blockers = set().union(*waits_for.values())
-    listed = sorted(waits.values(), key=lambda w: (-len(w["waiting"]), w["pg"], w["seq"]))
+    listed = sorted(
+        waits.values(), key=lambda w: (-len(w["waiting"]), bool(w.get("p2p")), w["pg"], w.get("seq", -1))
+    )
     for w in listed:
         w["waiting"].sort()
     roots = sorted(blockers - held)  # what the others wait for and that waits for nobody behind it
+    unseen = [r for r in roots if seen is not None and r not in seen]  # a p2p peer never heard of
+    if unseen:
+        roots = [r for r in roots if r not in unseen]
+        if not roots:
+            return HangVerdict(
+                "unknown",
+                [],
+                sorted(waiting),
+                listed,
+                note=f"the chain of waits leaves this rank's comparison peers at {unseen[:8]}",
+            )
     if roots:
         victims = sorted(r for r in held if _reaches(r, set(roots), waits_for))
         return HangVerdict("missing", roots, victims, listed)
     if blockers:  # every rank waited for waits too: a cycle of ranks in different collectives
-        return _desync(states, members, sorted(blockers | held), listed)
+        return _desync(states, members, sorted(blockers | held), listed, p2p=p2p)
     # every member of each group with a long wait has entered it: ops differ, or the collective is stuck
     for w in listed:
+        if w.get("p2p"):
+            continue
         ops = {r: states[r][w["pg"]].op for r in members.get(w["pg"], ()) if w["pg"] in states.get(r, {})}
         if len(set(ops.values())) > 1:
             return _desync(states, members, sorted(ops), listed, group=w["pg"])
@@ -129,6 +196,17 @@ def analyse(
         else "every member entered it: the collective itself does not complete"
     )
     return HangVerdict("unknown" if beyond else "stuck", [], sorted(waiting), listed, note=note)
+
+
+def _p2p_text(op: str, peer: int) -> str:
+    """``recv from rank 2``, ``send to rank 3``, ``send+recv with rank 1``."""
+    word = {"recv": "from", "send": "to"}.get(op, "with")
+    return f"{op} {word} rank {peer}"
+
+
+def p2p_text(w: Mapping[str, Any]) -> str:
+    """A p2p wait of ``HangVerdict.waits`` in words (``recv from rank 2``)."""
+    return _p2p_text(str(w.get("op", "")), int(w.get("peer", -1)))
 
 
 def _enq(states: Mapping[int, Mapping[str, GroupState]], rank: int, uid: str) -> int:
@@ -155,6 +233,7 @@ def _desync(
     ranks: list[int],
     waits: list[dict[str, Any]],
     group: str = "",
+    p2p: Mapping[int, Sequence[P2PWait]] | None = None,
 ) -> HangVerdict:
     """Ranks in different collectives, each side named by the op it is in (``pg: op``). The culprits are
     the ranks that are a strict minority of some group by the seq they reached, or by the op they run at
@@ -166,7 +245,14 @@ def _desync(
             (uid, st) for uid, st in states.get(r, {}).items() if st.in_flight and (not group or uid == group)
         ]
         uid, st = max(inflight, key=lambda x: x[1].age_s, default=("", GroupState(-1, -1)))
-        side_of[r] = f"{uid.split('@', 1)[0]}: {st.op or '?'}" if uid else "not in a collective"
+        pw = max((p2p or {}).get(r, ()), key=lambda w: w.age_s, default=None)
+        side_of[r] = (
+            f"{uid.split('@', 1)[0]}: {st.op or '?'}"
+            if uid
+            else f"{pw.pg}: {_p2p_text(pw.op, pw.peer)}"
+            if pw is not None
+            else "not in a collective"
+        )
     sides: dict[str, list[int]] = {}
     for r, side in sorted(side_of.items()):
         sides.setdefault(side, []).append(r)

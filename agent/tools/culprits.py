@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpar_agent import rankstate
+from hpar_agent.detectors.waits import p2p_text
 from hpar_agent.tools.exits import Exit, describe_status
 
 
@@ -80,12 +81,19 @@ def _why(c: Culprits) -> str:
             )
             parts.append(f"desync: {sides}")
         elif waits:
-            w = waits[0]
-            pg = str(w.get("pg", "")).split("@", 1)[0]
-            parts.append(
-                f"not in {pg} {w.get('op') or 'collective'} #{w.get('seq')}, which "
-                f"{ranks_text(w.get('waiting') or [])} wait in"
-            )
+            mine = [w for w in waits if set(w.get("missing") or ()) & c.culprits] or waits
+            w = next((w for w in mine if not w.get("p2p")), None)
+            if w is not None:
+                pg = str(w.get("pg", "")).split("@", 1)[0]
+                parts.append(
+                    f"not in {pg} {w.get('op') or 'collective'} #{w.get('seq')}, which "
+                    f"{ranks_text(w.get('waiting') or [])} wait in"
+                )
+            p2p = [w for w in mine if w.get("p2p")]
+            if p2p:
+                waiting = {r for w in p2p for r in w.get("waiting") or ()}
+                ops = "; ".join(f"{ranks_text(w.get('waiting') or [])}: {p2p_text(w)}" for w in p2p[:4])
+                parts.append(f"{ranks_text(waiting)} wait for it point to point ({ops})")
         if own:
             parts.append(f"at {own['stack'][0]}")
         return "; ".join(parts)

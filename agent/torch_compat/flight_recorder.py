@@ -150,3 +150,20 @@ def group_backend(group: Any) -> str:
         return str(dist.get_backend(group))
     except Exception:
         return "unknown"
+
+
+def group_timeout_s(group: Any) -> float | None:
+    """The timeout of a ProcessGroup's backend (None: the default group) in seconds, None if unknown: a
+    program that only sends and receives (a pipeline on gloo) leaves no flight-recorder entry to read it
+    from. ``ProcessGroup._get_backend(device).options._timeout`` (a timedelta), checked on torch 2.13."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        backend = str(dist.get_backend(pg))
+        device = torch.device("cuda" if backend == "nccl" else "cpu")
+        t = pg._get_backend(device).options._timeout.total_seconds()
+        return float(t) if t > 0 else None
+    except Exception:
+        return None

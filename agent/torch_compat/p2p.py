@@ -8,6 +8,9 @@ agent thread. Records (``IssueRecord``, ``WaitRecord``; mypy tells them apart by
 
 - ``("issue", t0_ns, (op "send"/"recv", global peer, bytes, group, op, peer, ...), (id(Work), ...), timed)``
   (``timed``: the step in progress has detail, ``StepCollector.stride``; the others' ops are counted, not timed)
+- ``("enter", t_enter_ns, (id(Work), ...))``: the Works not complete as the schedule began to wait for
+  them, put before the wait blocks (none when all were complete): while no ``wait`` record follows, the
+  rank waits in those ops (a hang's p2p edge: whom it waits for)
 - ``("wait", t_enter_ns, (id(Work), was_completed, id(Work), ...), t_exit_ns)``
 
 One buffer keeps them in call order (a wait follows its issue; a freed Work's id comes back). Records
@@ -32,9 +35,11 @@ from typing import Any, Literal
 
 #: The ops a ``_batch_p2p`` call issued: see the module docstring.
 IssueRecord = tuple[Literal["issue"], int, tuple[Any, ...], tuple[int, ...], bool]
+#: A ``_wait_batch_p2p`` call that blocks, as it begins: see the module docstring.
+EnterRecord = tuple[Literal["enter"], int, tuple[int, ...]]
 #: A ``_wait_batch_p2p`` call: see the module docstring.
 WaitRecord = tuple[Literal["wait"], int, tuple[Any, ...], int]
-P2PRecord = IssueRecord | WaitRecord
+P2PRecord = IssueRecord | EnterRecord | WaitRecord
 
 
 def p2p_module() -> Any:
@@ -162,6 +167,9 @@ class P2PWrapper:
                     for w in works_of(work):
                         flat += (id(w), w.is_completed() is True)
                     done = tuple(flat)
+                    open_ids = tuple(wid for wid, was_done in waits_of(done) if not was_done)
+                    if open_ids:
+                        put(("enter", t0, open_ids))
                 except Exception as exc:
                     self.on_error(exc)
             out = orig(work, *args, **kwargs)

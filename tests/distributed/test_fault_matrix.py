@@ -1,11 +1,13 @@
 """The fault matrix on CPU ranks: injected failures raise the right alert on the right rank, with evidence,
 and a clean run of 200 steps with a checkpoint-like pause raises none.
 
-Four trainer runs serve every test here (module-scoped, about 3 minutes on 2 cores):
+Six trainer runs serve every test here (module-scoped, about 4 minutes on 2 cores):
 - ``combined``: 4 ranks dp2 x tp2, eager compile, with divergent-graph, tp-grad-skip, tensor-leak,
   graph-break and straggler at once (they act on different signals and do not mask each other);
 - ``hang``: 4 ranks dp2 x tp2, rank 3 skips step 3's collectives; every rank is stuck until gloo's
   20 s timeout, so Hang must fire on all of them, with stacks and a flight-recorder dump, before that;
+- ``pp_hang``, ``dp_pp_hang``: the same hang in 4 ranks tp2 x pp2 (the demo's layout) and dp2 x pp2,
+  a tiny model, a 10 s pg timeout: the waits cross the pipeline's send/recv;
 - ``ddp``: 2 ranks dp2 under DDP, rank 1's comm hook reduces in bf16 (dtype-mismatch) after sleeping
   (slow-collective): a 1-1 split that only the dtype can attribute;
 - ``clean``: 4 ranks dp2 x pp2 (1F1B), a tiny model compiled with aot_eager (compile warm-up on every
@@ -32,6 +34,11 @@ from hpar_agent.tools.launch import run_trainer
 pytestmark = pytest.mark.distributed
 
 DP2_TP2 = ["--dp", "2", "--tp", "2", "--pp", "1", "--log-every", "10"]
+#: a tiny pipeline stuck at step 3 with a 10 s pg timeout (Hang at 8 s)
+PP_HANG = (
+    "--schedule 1f1b --microbatches 4 --steps 8 --inject hang --pg-timeout 10 --log-every 10 "
+    "--layers 2 --dim 32 --heads 2 --seq-len 16 --global-batch 8"
+).split()
 RUNS: dict[str, tuple[int, list[str]]] = {
     # 60 steps (~30 s): Straggler needs entries from full FR reads (once per 5 s slot) confirmed on two
     # exchanges (every 3 s) after warm-up; 40 steps left that a few seconds short on a loaded machine
@@ -43,6 +50,10 @@ RUNS: dict[str, tuple[int, list[str]]] = {
         ],
     ),
     "hang": (4, [*DP2_TP2, "--steps", "8", "--inject", "hang"]),
+    # the demo's layout (tp2 x pp2) and dp2 x pp2: rank 3 waits in a world barrier at step 3; its tp or
+    # dp peer waits for it in a collective, the other stage's ranks in the pipeline's send/recv
+    "pp_hang": (4, ["--dp", "1", "--tp", "2", "--pp", "2", *PP_HANG]),
+    "dp_pp_hang": (4, ["--dp", "2", "--tp", "1", "--pp", "2", *PP_HANG]),
     "ddp": (
         2,
         (
@@ -109,7 +120,9 @@ def _run_fixture(name: str) -> Any:
     return run
 
 
-combined, hang, ddp, clean = (_run_fixture(n) for n in ("combined", "hang", "ddp", "clean"))
+combined, hang, ddp, clean, pp_hang, dp_pp_hang = (
+    _run_fixture(n) for n in ("combined", "hang", "ddp", "clean", "pp_hang", "dp_pp_hang")
+)
 
 
 def _private_files(paths: list[str]) -> None:
@@ -216,6 +229,23 @@ def test_hang_fires_on_every_stuck_rank_before_the_job_dies(hang: Run) -> None:
         assert sorted(
             x for side, ranks in details["sides"].items() if side != "default_pg: barrier" for x in ranks
         ) == [0, 1, 2]
+    assert any("barrier" in frame for frame in fired[3]["details"]["stack"])
+
+
+@pytest.mark.parametrize("layout", ["pp_hang", "dp_pp_hang"])
+def test_a_pipeline_hang_names_the_rank_its_waits_end_at(layout: str, request: pytest.FixtureRequest) -> None:
+    """tp2 x pp2 (the demo's layout) and dp2 x pp2: rank 3 sits in a world barrier. Its peer in its
+    stage waits for it in a collective, the other stage's ranks wait in the pipeline's send/recv (p2p
+    edges of the wait-for graph): every rank names rank 3 alone, before gloo's 10 s timeout."""
+    run: Run = request.getfixturevalue(layout)
+    assert run.returncode != 0
+    fired = run.fired("Hang")
+    assert set(fired) == {0, 1, 2, 3}, run.output[-3000:]
+    for r, event in fired.items():
+        d = event["details"]
+        assert d["culprits"] == [3] and d["victims"] == [0, 1, 2], (r, d)
+        assert event["threshold"] == pytest.approx(8.0) and event["value"] < 10.0
+        assert any(w.get("p2p") for w in d["waits"]), d["waits"]  # some rank waits point to point
     assert any("barrier" in frame for frame in fired[3]["details"]["stack"])
 
 

@@ -533,3 +533,26 @@ def test_a_full_flight_recorder_read_is_processed_with_collection_paused(monkeyp
     monkeypatch.setattr(c, "_patch_p2p", lambda: None)
     c.poll(time.time())
     assert seen == [False, False] and gc.isenabled()
+
+
+def test_the_p2p_ops_a_wait_blocks_in_are_what_the_rank_waits_in_until_it_returns():
+    """A hang's p2p edge: the wrapper's ``enter`` record (put before the wait blocks) names the ops not
+    complete; the ``wait`` record that follows ends it."""
+    from hpar_agent.collectors.collective_state import OpStats
+    from hpar_agent.collectors.fr_ledger import Groups
+    from hpar_agent.collectors.pipeline_p2p import P2PTracker
+    from hpar_agent.torch_compat import flight_recorder as frc
+
+    tracker = P2PTracker(Groups(), 64, lambda exc: None)
+    stats, finished = OpStats(64), []
+    t0 = time.time_ns()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(frc, "group_backend", lambda g: "gloo")
+        mp.setattr(frc, "group_timeout_s", lambda g: 12.0)
+        issue = ("issue", t0, ("send", 1, 8, None, "recv", 3, 48, None), (101, 102), True)
+        tracker.process([issue, ("enter", t0 + 5, (102,))], stats, False, lambda o, s: finished.append(o))
+    t_enter, ops = tracker.waiting_in()
+    assert t_enter == t0 + 5 and [(o.op, o.peer, o.pg) for o in ops] == [("recv", 3, "pp")]
+    assert tracker.timeout_s == 12.0  # the group's own timeout: no FR entry of gloo p2p says it
+    tracker.process([("wait", t0 + 5, (101, True, 102, False), t0 + 9)], stats, False, lambda o, s: None)
+    assert tracker.waiting_in() is None

@@ -53,17 +53,21 @@ def test_patches_only_an_imported_module_records_issue_and_wait_and_restores(mon
         SimpleNamespace(op=dist.irecv, tensor=torch.zeros(2, 3, dtype=torch.float64), peer=3, group=None),
     ]
     mod._wait_batch_p2p(mod._batch_p2p(ops))
-    (kind, t0, infos, ids, timed), (wkind, t_enter, done, t_exit) = records
-    assert (kind, wkind, timed) == ("issue", "wait", True)  # no step collector: every issue is timed
+    (kind, t0, infos, ids, timed), (ekind, t_begin, open_ids), (wkind, t_enter, done, t_exit) = records
+    assert (kind, ekind, wkind, timed) == ("issue", "enter", "wait", True)  # no step collector: timed
     assert list(p2p.ops_of(infos)) == [("send", 1, 32, None), ("recv", 3, 48, None)]
     assert ids == tuple(id(x) for x in works)
+    assert open_ids == (id(works[0]),)  # the one it blocks on, recorded before it blocks
     assert list(p2p.waits_of(done)) == [(id(works[0]), False), (id(works[1]), True)]
-    assert t0 <= t_enter <= t_exit and not errors
+    assert t0 <= t_begin == t_enter <= t_exit and not errors
+    works[0].done = True
+    mod._wait_batch_p2p(mod._batch_p2p(ops))
+    assert [r[0] for r in records[3:]] == ["issue", "wait"]  # nothing to block on: no enter record
 
     w.restore()
     assert mod._batch_p2p is orig_batch and mod._wait_batch_p2p is orig_wait and not w.patched
     mod._wait_batch_p2p(mod._batch_p2p(ops))
-    assert len(records) == 2  # restored: no more records
+    assert len(records) == 5  # restored: no more records
 
 
 def test_a_failing_record_is_reported_not_raised_and_a_later_wrapper_stays(monkeypatch):

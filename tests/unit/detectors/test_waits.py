@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpar_agent.detectors.waits import GroupState, analyse
+from hpar_agent.detectors.waits import GroupState, P2PWait, analyse, p2p_text, p2p_waits
 
 
 def _gs(enq: int, done: int | None = None, op: str = "all_reduce", age: float = 30.0) -> GroupState:
@@ -100,3 +100,54 @@ def test_a_peers_malformed_state_is_ignored() -> None:
     assert GroupState.unpack(["x", 1, "op", 0]) is None and GroupState.unpack(None) is None
     st = GroupState(5, 4, "all_reduce", 12.5)
     assert GroupState.unpack(st.pack()) == st
+
+
+def _pw(op: str, peer: int, age: float = 30.0) -> P2PWait:
+    return P2PWait(op, peer, "pp", age)
+
+
+def test_a_pipelines_chain_of_p2p_waits_names_the_stage_it_ends_at() -> None:
+    # 4 stages, one rank each, no collective at all: stage 2 sleeps; stage 3 waits for its activations,
+    # stage 1 for its gradients, stage 0 for stage 1's gradients
+    p2p = {0: [_pw("recv", 1)], 1: [_pw("recv", 2)], 3: [_pw("recv", 2)], 2: []}
+    v = analyse({r: {} for r in range(4)}, {}, p2p=p2p, seen=range(4))
+    assert (v.kind, v.culprits, v.victims) == ("missing", [2], [0, 1, 3])
+    assert v.waits[0] == {"pg": "pp", "op": "recv", "peer": 2, "p2p": True, "waiting": [1, 3], "missing": [2]}
+    assert p2p_text(v.waits[0]) == "recv from rank 2"
+
+
+def test_p2p_and_collective_waits_meet_in_one_graph() -> None:
+    # dp2 x pp2 (stage 0: ranks 0, 2; stage 1: ranks 1, 3): rank 3 sleeps; rank 2 waits for its
+    # gradients, ranks 0 and 1 wait in their dp all-reduces for ranks 2 and 3
+    states = {0: {"dp@a": _gs(7, 6)}, 1: {"dp@b": _gs(7, 6)}, 2: {"dp@a": _gs(6)}, 3: {"dp@b": _gs(6)}}
+    members = {"dp@a": [0, 2], "dp@b": [1, 3]}
+    v = analyse(states, members, p2p={2: [_pw("recv", 3)]}, seen=range(4))
+    assert (v.kind, v.culprits, v.victims) == ("missing", [3], [0, 1, 2])
+
+
+def test_a_barrier_on_one_rank_of_a_pipeline_is_a_desync_named_by_the_minority() -> None:
+    # tp2 x pp2 (the demo): rank 3 waits in a world barrier; rank 2 waits for it in tp; ranks 0 and 1
+    # wait in p2p for their stage-1 peers: every rank waits, the odd one out is the barrier's
+    states = {
+        0: {"tp@x": _gs(30)},
+        1: {"tp@x": _gs(30)},
+        2: {"tp@y": _gs(31, 30)},
+        3: {"default_pg": _gs(1, 0, op="barrier"), "tp@y": _gs(30)},
+    }
+    members = {"default_pg": [0, 1, 2, 3], "tp@x": [0, 1], "tp@y": [2, 3]}
+    p2p = {0: [_pw("recv", 2)], 1: [_pw("recv", 3)]}
+    v = analyse(states, members, p2p=p2p, seen=range(4))
+    assert (v.kind, v.culprits, v.victims) == ("desync", [3], [0, 1, 2])
+    assert v.sides["pp: recv from rank 2"] == [0] and v.sides["default_pg: barrier"] == [3]
+
+
+def test_a_chain_that_leaves_the_view_names_no_culprit() -> None:
+    v = analyse({3: {}}, {}, p2p={3: [_pw("recv", 2)]}, seen=[3])
+    assert (v.kind, v.culprits) == ("unknown", []) and "[2]" in v.note
+
+
+def test_short_p2p_waits_and_a_batch_with_one_peer() -> None:
+    assert analyse({0: {}}, {}, p2p={0: [_pw("recv", 1, age=0.2)]}).kind == "none"
+    (w,) = p2p_waits([("send", 1, "pp"), ("recv", 1, "pp"), ("recv", -1, "pp")], 3.0)
+    assert w == P2PWait("recv+send", 1, "pp", 3.0) and P2PWait.unpack(w.pack()) == w
+    assert P2PWait.unpack(["recv"]) is None
