@@ -49,6 +49,7 @@ class AlertState:
     logged: bool = False
     evidence: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
+    threshold: float | None = None  # the limit the last verdict was compared with (None: the parameter's)
 
 
 class AlertBook:
@@ -82,6 +83,7 @@ class AlertBook:
         st = self.states[d.name]
         st.judged += 1
         st.value = verdict.value
+        st.threshold = verdict.threshold
         if verdict.active == st.active:
             st.streak = 0
             if verdict.active:
@@ -142,7 +144,7 @@ class AlertBook:
             pp_stage=snap.stage,
             step=snap.steps_done,
             value=st.value,
-            threshold=d.threshold,
+            threshold=limit(d, st),
             evidence=st.evidence if state == "firing" else [],
             details=st.details,
         )
@@ -169,7 +171,7 @@ class AlertBook:
                 snap.rank,
                 snap.stage,
                 st.value,
-                d.threshold,
+                limit(d, st),
                 f"; culprit rank(s) {_ranks_text(named)}" if state == "firing" and named else "",
                 f"; evidence: {', '.join(st.evidence)}" if state == "firing" and st.evidence else "",
             )
@@ -180,7 +182,7 @@ class AlertBook:
             name=d.name,
             state=state,
             value=st.value,
-            threshold=d.threshold,
+            threshold=limit(d, st),
             step=step,
             rank=rank,
             details=dict(st.details),
@@ -218,7 +220,7 @@ class AlertBook:
             out[d.name] = {
                 "active": st.active,
                 "value": st.value,
-                "threshold": d.threshold,
+                "threshold": limit(d, st),
                 "params": d.params,
                 "fired": st.fired,
                 "judged": st.judged,
@@ -231,6 +233,13 @@ class AlertBook:
         if self.ctx is None:
             raise RuntimeError("the alert book is not installed")
         return self.ctx
+
+
+def limit(d: Detector, st: AlertState) -> float:
+    """The threshold an alert's value was compared with: its verdict's own, else the parameter's. Every
+    line, event and callback prints this one, so a value is never shown against a limit it was not
+    judged by."""
+    return d.threshold if st.threshold is None else st.threshold
 
 
 def culprits(details: Mapping[str, Any]) -> list[int]:

@@ -22,12 +22,15 @@ if TYPE_CHECKING:
 @dataclass
 class Verdict:
     """One evaluation on this rank: ``active`` means this rank is the offender. ``memory_history``:
-    start (True) or stop (False) recording the CUDA allocator's history for the evidence; None leaves it."""
+    start (True) or stop (False) recording the CUDA allocator's history for the evidence; None leaves it.
+    ``threshold``: the limit ``value`` was compared with, where the detector derived it (Hang: from the
+    process group's timeout and the step time); None: the detector's ``threshold`` parameter."""
 
     active: bool
     value: float
     details: dict[str, Any] = field(default_factory=dict)
     memory_history: bool | None = None
+    threshold: float | None = None
 
 
 class Detector:

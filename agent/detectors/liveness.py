@@ -100,7 +100,7 @@ class Hang(Detector):
                 if snap.rank in verdict.victims
                 else ""
             )
-        return Verdict(value > timeout, value, details)
+        return Verdict(value > timeout, value, details, threshold=timeout)
 
     def culprits(self, snap: Snapshot, min_wait_s: float) -> waits.HangVerdict:
         """``waits.analyse`` over this rank (its state now) and the last word of each comparison peer."""

@@ -117,7 +117,7 @@ class GraphBreaks(Detector):
         if c10d:  # a torch.distributed call inside compiled code: the fix is functional collectives
             details["c10d_calls"] = c10d
             details["fix"] = "use torch.distributed._functional_collectives inside compiled code"
-        return Verdict(active, float(len(new)), details)
+        return Verdict(active, float(len(new)), details, threshold=0.0)  # new reasons past warm-up
 
 
 #: memory sources the CUDA allocator's history explains
@@ -329,7 +329,7 @@ class CollectiveLatencyHigh(Detector):
         self._match(snap)
         if not self.judged:
             return None
-        worst = (0.0, 0.0, "")  # (p99 / slo, p99, "pg/op")
+        worst = (0.0, 0.0, "", math.nan)  # (p99 / slo, p99, "pg/op", slo)
         counted = 0
         for (pg, op), window in self.judged.items():
             while window and window[0][0] <= snap.now - self.p("window_s"):
@@ -340,11 +340,14 @@ class CollectiveLatencyHigh(Detector):
                 continue
             p99 = sig.quantile([v for _, v in window], 0.99)
             if p99 / slo > worst[0]:
-                worst = (p99 / slo, p99, f"{pg}/{op}")
+                worst = (p99 / slo, p99, f"{pg}/{op}", slo)
         details = {
             "worst": worst[2],
             "ratio_to_slo": worst[0],
             "judged": counted,
             "unmatched": len(self.pending),
         }
-        return Verdict(worst[0] > 1.0, worst[1], details)
+        # the worst op's p99 against its own SLO (slo_s, or a per-op one)
+        return Verdict(
+            worst[0] > 1.0, worst[1], details, threshold=None if math.isnan(worst[3]) else worst[3]
+        )

@@ -170,6 +170,24 @@ def test_hang_on_no_progress_with_threshold_override(tmp_path: Any) -> None:
     assert sample(det, "hpar_alert_active", "Hang") == 0.0
 
 
+def test_an_alert_line_prints_the_threshold_its_value_was_compared_with(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Hang's limit comes from the process group's timeout (80 % of 20 s), not its 60 s parameter: the
+    line, the event, the callbacks' alert and the summary show the 16 s it fired past."""
+    coll = Fake("collectives", pg_timeout_s=20.0, recent_entries=deque())
+    agent, det = make_agent(tmp_path, comps=(steps(5, last_ts=time.time() - 17), coll))
+    agent.config.evidence = False
+    caplog.set_level(logging.INFO, logger="hpar_agent")
+    agent.tick()
+    (fired,) = [e for e in alert_events(agent) if e["alert"] == "Hang"]
+    assert fired["threshold"] == pytest.approx(16.0) and fired["value"] > 16.0
+    (line,) = [r.getMessage() for r in caplog.records if "alert Hang firing" in r.getMessage()]
+    assert ", threshold 16)" in line, line
+    assert det.summary()["Hang"]["threshold"] == pytest.approx(16.0)
+    assert det.active_alerts()[0].threshold == pytest.approx(16.0)
+
+
 def test_hang_default_timeout_is_not_a_checkpoint_pause(tmp_path: Any) -> None:
     agent, det = make_agent(tmp_path, comps=(steps(50, last_ts=time.time() - 40),))
     agent.tick()
