@@ -11,7 +11,7 @@ import socket
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
-from hpar_agent import rankstate
+from hpar_agent import endings, rankstate
 from hpar_agent.crossrank import WHOLE_GROUP
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
@@ -155,7 +155,10 @@ class RankGone(Detector):
     it got (its last step) and what its process is where this rank can see it (``rankstate.proc_state``:
     on the same host ``gone``, ``zombie``, ``stopped``; a process that still runs only has a late agent
     thread and is not named; on another host the process is unknown). A peer that ended by an exception
-    is named a pass later (``confirm``). Judged only while this rank's own reads of the store succeed: a store that went
+    is named a pass later (``confirm``). A peer whose ending is a consequence of the incident (its
+    collective or p2p op timed out, its peer closed the connection, the launcher terminated it after
+    another peer went: ``endings``) is a victim (``details.victims``), never named: RankGone fires only
+    for a peer that went on its own. Judged only while this rank's own reads of the store succeed: a store that went
     away (its host exited first) says nothing of the peers. Value: peers named. Raised on the ranks
     that see it, never on the rank that is gone.
     """
@@ -197,6 +200,19 @@ class RankGone(Detector):
                 "process": proc or ("ended" if bye else "unknown (another host)"),
                 "ended": bye,
             }
-        return Verdict(
-            bool(gone), float(len(gone)), {"culprits": sorted(int(r) for r in gone), "ranks": gone}
-        )
+        culprits, victims = _causes(gone)
+        details: dict[str, Any] = {"culprits": culprits, "ranks": gone}
+        if victims:
+            details["victims"] = victims
+        return Verdict(bool(culprits), float(len(culprits)), details, threshold=0.0)  # any peer named
+
+
+def _causes(gone: dict[str, dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """(culprits, victims) among the gone peers: a peer whose ending is a consequence of the incident
+    (a communication timeout, a connection its peer closed, an abort; the launcher's SIGTERM once
+    another peer went first) is a victim, never a culprit (``endings``)."""
+    comm = {r for r, g in gone.items() if endings.communication_failure(str(g.get("ended") or ""))}
+    signalled = {r for r, g in gone.items() if endings.launcher_signal(str(g.get("ended") or ""))}
+    if signalled and len(signalled) < len(gone):  # terminated by the launcher after another went
+        comm |= signalled
+    return sorted(int(r) for r in gone if r not in comm), sorted(int(r) for r in comm)

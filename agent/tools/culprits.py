@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpar_agent import endings as endings_of
 from hpar_agent import rankstate
 from hpar_agent.detectors.waits import p2p_text
 from hpar_agent.tools.exits import Exit, describe_status
@@ -35,7 +36,7 @@ class Culprits:
 
 
 def alert_culprits(events: Iterable[Mapping[str, Any]]) -> dict[str, Culprits]:
-    """alert -> its culprits, from ``alert`` events in time order (a rank's latest details win)."""
+    """alert -> its culprits, from ``alert`` events in time order (a rank's latest firing's details win)."""
     out: dict[str, Culprits] = {}
     for e in events:
         if e.get("kind") != "alert" or e.get("state") not in ("firing", "updated"):
@@ -46,7 +47,9 @@ def alert_culprits(events: Iterable[Mapping[str, Any]]) -> dict[str, Culprits]:
             continue
         c = out.setdefault(str(e.get("alert")), Culprits(str(e.get("alert")), float(e.get("ts") or 0.0)))
         c.raised_on.add(rank)
-        c.details[rank] = {**c.details.get(rank, {}), **details}
+        # a new firing replaces what the rank said at an earlier one (its stack then is not its stack
+        # now); an update adds to the firing it updates
+        c.details[rank] = {**(c.details.get(rank, {}) if e.get("state") == "updated" else {}), **details}
         named = [r for r in details.get("culprits") or () if isinstance(r, int)]
         c.culprits.update(named)
         why = details.get("culprit_unknown") or (details.get("note") if not named else None)
@@ -123,11 +126,23 @@ def _why(c: Culprits) -> str:
 
 
 def culprit_lines(events: Iterable[Mapping[str, Any]]) -> list[str]:
-    """One line per cross-rank alert of the run: ``culprit: <ranks> (<alert>: why)``, or why unknown."""
+    """One line per cross-rank alert of the run: ``culprit: <ranks> (<alert>: why)``, or why unknown. A
+    rank a hang's verdict calls a victim (it only waited) is no other alert's culprit: its ending (a
+    timeout, a closed connection) was the hang's consequence."""
     lines = []
-    for name, c in sorted(
-        alert_culprits(events).items(), key=lambda kv: (kv[1].first_ts, kv[0])
-    ):  # causes first
+    found = alert_culprits(events)
+    hang = found.get("Hang")
+    waited = (
+        {r for d in hang.details.values() for r in d.get("victims") or () if isinstance(r, int)}
+        - hang.culprits
+        if hang is not None and hang.culprits
+        else set()
+    )
+    for name, c in sorted(found.items(), key=lambda kv: (kv[1].first_ts, kv[0])):  # causes first
+        if name != "Hang" and waited & c.culprits:
+            c.culprits -= waited
+            if not c.culprits:
+                continue  # it named only the hang's victims: the hang's line says the incident
         if c.culprits:
             why = _why(c)
             lines.append(
@@ -150,6 +165,9 @@ class Ending:
     step: int
     t: float | None
     failed: bool
+    #: what its ending says of the incident (``endings``): "communication" (a timeout, a closed or reset
+    #: connection, an abort), "signal" (one a launcher sends the ranks still running), "" (its own)
+    cause: str = ""
 
 
 def endings(run_dir: Path, exits: Mapping[int, Exit] | None = None) -> list[Ending]:
@@ -177,25 +195,45 @@ def endings(run_dir: Path, exits: Mapping[int, Exit] | None = None) -> list[Endi
         else:
             how = "died without exiting (SIGKILL, the kernel's OOM killer or a crash in native code)"
         t = ex.t if ex is not None else (rec.end_ns / 1e9 if rec.end_ns else None)
-        out.append(Ending(rec.rank, rec.world, how, rec.steps, t, not clean))
+        said = f"{rec.text if rec.end in ('exception', 'signal') else ''} {seen}"
+        cause = (
+            "communication"
+            if rec.end == "exception" and endings_of.communication_failure(rec.text)
+            else "signal"
+            if endings_of.launcher_signal(said)
+            else ""
+        )
+        out.append(Ending(rec.rank, rec.world, how, rec.steps, t, not clean, cause))
     return sorted(out, key=lambda e: (e.t is None, e.t or 0.0, e.rank))
 
 
-def failure_lines(ended: Iterable[Ending], blamed: bool = False) -> list[str]:
+def failure_lines(ended: Iterable[Ending], blamed: bool = False, forwarded: bool = False) -> list[str]:
     """The first rank to end abnormally, and then the others that failed, when any rank did. It is the
     culprit (``culprit: rank R, the first to end ...``) unless an alert named one already (``blamed``: in a
-    hang the waiting ranks time out first, and the rank they waited for is the cause)."""
+    hang the waiting ranks time out first, and the rank they waited for is the cause), or its ending is
+    a consequence of a fault elsewhere (a communication timeout or abort, a closed connection; a
+    launcher's signal when ``hpar-agent run`` forwarded one to every rank, ``forwarded``): then the
+    culprit is unknown, and the line says why."""
     failed = [e for e in ended if e.failed]
     if not failed:
         return []
     first, rest = failed[0], failed[1:]
     when = "" if first.t is None else f" ({_clock(first.t)})"
     what = f"{first.how}, at step {first.step}{when}"
-    lines = [
-        f"  first to end abnormally: rank {first.rank}, {what}"
-        if blamed
-        else f"  culprit: rank {first.rank}, the first to end abnormally: {what}"
-    ]
+    if blamed:
+        lines = [f"  first to end abnormally: rank {first.rank}, {what}"]
+    elif first.cause == "communication" or (first.cause == "signal" and forwarded):
+        why = (
+            "a communication failure, the consequence of a fault on a rank it waited for"
+            if first.cause == "communication"
+            else "the signal hpar-agent run forwarded to every rank"
+        )
+        lines = [
+            f"  culprit unknown: the first to end abnormally, rank {first.rank}, ended of {why}, and no "
+            f"alert named the rank the waits pointed to: {what}"
+        ]
+    else:
+        lines = [f"  culprit: rank {first.rank}, the first to end abnormally: {what}"]
     if rest:
         hows = sorted({e.how for e in rest})
         later = [e.t - first.t for e in rest if e.t is not None and first.t is not None]
@@ -207,11 +245,14 @@ def failure_lines(ended: Iterable[Ending], blamed: bool = False) -> list[str]:
     return lines
 
 
-def ending_lines(ended: list[Ending], events: Iterable[Mapping[str, Any]]) -> list[str]:
+def ending_lines(
+    ended: list[Ending], events: Iterable[Mapping[str, Any]], forwarded: bool = False
+) -> list[str]:
     """What ``hpar-agent run`` ends with after the ranks: the culprits the alerts named, then the
-    first rank to end abnormally."""
+    first rank to end abnormally (``forwarded``: ``hpar-agent run`` forwarded a signal to the ranks)."""
     named = culprit_lines(events)
-    return named + failure_lines(ended, blamed=any(line.startswith("  culprit:") for line in named))
+    blamed = any(line.startswith("  culprit:") for line in named)
+    return named + failure_lines(ended, blamed=blamed, forwarded=forwarded)
 
 
 def _clock(t: float) -> str:

@@ -67,15 +67,15 @@ def _exit_status(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def _run_forwarding(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+def _run_forwarding(cmd: Sequence[str], env: Mapping[str, str], received: list[int] | None = None) -> int:
     """Run ``cmd`` in its own process group, forward termination signals to the group, return its
-    exit status."""
+    exit status; ``received`` gets the signals forwarded."""
     try:
         proc = subprocess.Popen(list(cmd), env=dict(env), preexec_fn=os.setpgrp)
     except OSError as exc:
         _say(f"cannot start {cmd[0]!r}: {exc}")
         return 127
-    received: list[int] = []
+    received = [] if received is None else received
 
     def forward(signum: int, _frame: Any) -> None:
         sig = signal.SIGKILL if received else signum
@@ -218,10 +218,11 @@ def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, st
     _say(f"observing `{shlex.join(cmd)}`; outputs in {rd}")
     t0 = time.time()
     watcher = ExitWatcher(rd).start()
-    status = _run_forwarding(cmd, child_env(environ, rd))
+    forwarded: list[int] = []
+    status = _run_forwarding(cmd, child_env(environ, rd), forwarded)
     exits = watcher.stop()
     _say(f"exit code {status} after {time.time() - t0:.1f} s; outputs in {rd}")
     ended = endings(rd, exits)
-    for line in [*rank_lines(rd, ended), *ending_lines(ended, load_run(rd).events)]:
+    for line in [*rank_lines(rd, ended), *ending_lines(ended, load_run(rd).events, bool(forwarded))]:
         print(line, file=sys.stderr)
     return status

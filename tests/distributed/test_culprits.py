@@ -20,17 +20,18 @@ from testkit.zerocode import clean_env, run_cmd
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = Path(__file__).resolve().parents[1] / "zerocode_scripts" / "faulty_ddp.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "zerocode_scripts"
+SCRIPT = SCRIPTS / "faulty_ddp.py"
 
 
-def _torchrun(nproc: int, *args: str) -> list[str]:
+def _torchrun(nproc: int, *args: str, script: Path = SCRIPT) -> list[str]:
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
-        str(SCRIPT),
+        str(script),
         *args,
     ]
 
@@ -49,10 +50,12 @@ def _alerts(run_dir: Path, name: str, state: str = "firing") -> dict[int, dict[s
     return out
 
 
-def _run(tmp: Path, name: str, nproc: int, *args: str, timeout: float = 240) -> tuple[Path, str]:
+def _run(
+    tmp: Path, name: str, nproc: int, *args: str, timeout: float = 240, script: Path = SCRIPT
+) -> tuple[Path, str]:
     run_dir = tmp / name
     proc = subprocess.run(
-        run_cmd(_torchrun(nproc, *args)),
+        run_cmd(_torchrun(nproc, *args, script=script)),
         env=clean_env(run_dir),
         capture_output=True,
         text=True,
@@ -97,6 +100,47 @@ def test_a_hang_names_the_rank_not_in_the_collective_and_what_it_is_doing(
     line = next(x for x in out.splitlines() if x.startswith("  culprit:"))
     assert line.startswith("  culprit: rank 2 (Hang: not in default_pg all_reduce #"), out[-3000:]
     assert "time.sleep(3600)" in line
+
+
+def test_the_ranks_a_hang_ends_by_timeout_are_its_victims_not_a_second_culprit(
+    runs: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """After Hang fired, ranks 0, 1, 3 die of gloo's timeout and rank 2 sees them go: their endings are
+    the hang's consequence. One culprit line, for rank 2; RankGone names none of them."""
+    run_dir, out = _once(
+        runs, tmp_path_factory, "hang", 4, *"200 --fault sleep --rank 2 --at 40 --timeout-s 20".split()
+    )
+    named = [x for x in out.splitlines() if x.startswith("  culprit")]
+    assert len(named) == 1 and named[0].startswith("  culprit: rank 2 (Hang"), out[-3000:]
+    for e in _alerts(run_dir, "RankGone").values():
+        assert not set(e["details"]["culprits"]) & {0, 1, 3}, e["details"]
+    assert any(x.startswith("  first to end abnormally: rank ") for x in out.splitlines()), out[-3000:]
+
+
+def test_a_pipeline_hang_names_the_stage_the_chain_of_waits_ends_at(tmp_path: Path) -> None:
+    """A plain GPipe program, 4 stages on 4 ranks: stage 2 sleeps at step 20. Stage 3 waits for its
+    activations, stage 1 (in its send, then its recv) for it, stage 0 for stage 1: every rank's Hang
+    names rank 2 with its own line from py-spy, before gloo's 12 s timeout ends the others, and the
+    run names one culprit."""
+    run_dir, out = _run(
+        tmp_path,
+        "pipeline",
+        4,
+        *"60 --sleep-rank 2 --at 20 --timeout-s 12".split(),
+        script=SCRIPTS / "faulty_gpipe.py",
+    )
+    hangs = _alerts(run_dir, "Hang")
+    assert sorted(hangs) == [0, 1, 2, 3], out[-3000:]
+    for r, e in hangs.items():
+        d = e["details"]
+        assert (d["kind"], d["culprits"], d["victims"]) == ("missing", [2], [0, 1, 3]), (r, d)
+        assert e["threshold"] == pytest.approx(9.6) and e["value"] < 12.0  # 80 % of the pg timeout
+        p2p = {(r, w["op"], w["peer"]) for w in d["waits"] for r in w["waiting"]}
+        assert (3, "recv", 2) in p2p and (0, "recv", 1) in p2p, d["waits"]
+    assert any("faulty_gpipe.py" in f and "time.sleep(3600)" in f for f in hangs[2]["details"]["stack"])
+    named = [x for x in out.splitlines() if x.startswith("  culprit")]
+    assert len(named) == 1 and named[0].startswith("  culprit: rank 2 (Hang: "), out[-3000:]
+    assert "point to point" in named[0] and "time.sleep(3600)" in named[0]
 
 
 def test_torchs_own_analyser_names_the_same_rank(

@@ -135,11 +135,60 @@ def test_the_first_to_end_is_not_the_culprit_when_an_alert_named_one(tmp_path: P
     from hpar_agent.tools.culprits import Ending, ending_lines
 
     ended = [
-        Ending(1, 2, "exception: RuntimeError: Timed out waiting 20000ms", 40, 5.0, True),
-        Ending(2, 2, "killed by signal 15 (SIGTERM)", 40, 5.1, True),
+        Ending(1, 2, "exception: RuntimeError: Timed out waiting 20000ms", 40, 5.0, True, "communication"),
+        Ending(2, 2, "killed by signal 15 (SIGTERM)", 40, 5.1, True, "signal"),
     ]
     named = ending_lines(ended, [_alert(1, "Hang", 1.0, culprits=[2])])
     assert named[0].startswith("  culprit: rank 2 (Hang")
     assert named[1].startswith("  first to end abnormally: rank 1, exception: RuntimeError: Timed out")
-    assert ending_lines(ended, [])[0].startswith("  culprit: rank 1, the first to end abnormally")
+    assert not any(line.startswith("  culprit: rank 1") for line in named)
+    # no alert named the rank the waits point to: a timeout is a consequence, never the culprit
+    (unknown, _then) = ending_lines(ended, [])
+    assert unknown.startswith(
+        "  culprit unknown: the first to end abnormally, rank 1, ended of a communication"
+    )
+    # an ending of its own is the culprit; the launcher's SIGTERM is only when run forwarded none
+    own = Ending(0, 2, "exception: ValueError: bad batch (exit code 1)", 40, 4.0, True)
+    assert ending_lines([own, *ended], [])[0].startswith("  culprit: rank 0, the first to end abnormally")
+    assert ending_lines(ended[1:], [])[0].startswith("  culprit: rank 2, the first to end abnormally")
+    assert ending_lines(ended[1:], [], forwarded=True)[0].startswith("  culprit unknown:")
     assert os.path.basename(rankstate.file_name(3)) == "state.rank3"
+
+
+def test_one_incident_has_one_culprit_line_and_names_no_rank_that_only_waited() -> None:
+    """DDP, rank 2 asleep: Hang names it; the others end of the gloo timeout and an agent that still
+    saw RankGone name them (an older agent's events) adds no second culprit line."""
+    events = [
+        _alert(0, "Hang", 10.0, culprits=[2], victims=[0, 1, 3], kind="missing", waits=[]),
+        _alert(2, "RankGone", 30.0, culprits=[0, 1, 3], ranks={}),
+    ]
+    lines = culprit_lines(events)
+    assert len(lines) == 1 and lines[0].startswith("  culprit: rank 2 (Hang"), lines
+
+
+def test_a_pipeline_hang_says_who_waits_for_the_culprit_point_to_point() -> None:
+    waits = [
+        {"pg": "pp", "op": "recv", "peer": 1, "p2p": True, "waiting": [0], "missing": [1]},
+        {"pg": "pp", "op": "send", "peer": 2, "p2p": True, "waiting": [1], "missing": [2]},
+        {"pg": "pp", "op": "recv", "peer": 2, "p2p": True, "waiting": [3], "missing": [2]},
+    ]
+    (line,) = culprit_lines(
+        [_alert(0, "Hang", 1.0, culprits=[2], victims=[0, 1, 3], kind="missing", waits=waits)]
+    )
+    assert line.startswith(
+        "  culprit: rank 2 (Hang: ranks 1, 3 wait for it point to point (rank 1: send to rank 2; "
+        "rank 3: recv from rank 2); raised on rank 0)"
+    ), line
+
+
+def test_a_culprits_stack_is_the_one_of_its_latest_firing() -> None:
+    """An early firing's py-spy stack (a slow compile) is not the stack of a later firing whose evidence
+    the rate limit skipped."""
+    events = [
+        _alert(3, "Hang", 1.0, culprits=[], kind="stuck", stack=["train.py:248 in step: compile()"]),
+        _alert(3, "Hang", 50.0, culprits=[3], kind="desync", sides={"default_pg: barrier": [3]}),
+    ]
+    (line,) = culprit_lines(events)
+    assert "compile()" not in line and line.startswith(
+        "  culprit: rank 3 (Hang: desync: rank 3 in default_pg"
+    ), line

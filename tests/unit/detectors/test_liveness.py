@@ -113,3 +113,41 @@ def test_exit_status_is_read_from_an_unreaped_child() -> None:
     status = rankstate.exit_status(proc.pid)
     proc.wait()
     assert status is not None and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def test_a_peer_that_ended_of_a_communication_timeout_is_a_victim_never_named() -> None:
+    """A hang's waiting ranks end at the process group's timeout, a killed rank's peers of a reset
+    connection: consequences. The rank that stayed (here: this one) sees them go and names none."""
+    now = time.time()
+    timeout = "exception: RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv operation to complete"
+    closed = "exception: DistBackendError: Connection closed by peer [127.0.0.1]:4321"
+    seen = {1: _payload(now - 1, 999_991, bye=timeout), 3: _payload(now - 1, 999_993, bye=closed)}
+    v = RankGone().evaluate(_ctx(seen, now, rank=2))
+    assert v is not None and not v.active and v.details["culprits"] == [] and v.details["victims"] == [1, 3]
+    # one that went on its own is named; the launcher's SIGTERM to the others after it is a consequence
+    seen[0] = _payload(now - 1, 999_990, bye="exception: ValueError: bad batch")
+    seen[2] = _payload(now - 1, 999_992, bye="signal: SIGTERM")
+    v = RankGone().evaluate(_ctx(seen, now, rank=4))
+    assert v is not None and v.active and (v.details["culprits"], v.details["victims"]) == ([0], [1, 2, 3])
+    assert v.value == 1.0
+
+
+def test_endings_tell_a_consequence_from_a_cause() -> None:
+    from hpar_agent import endings
+
+    for text in (
+        "exception: RuntimeError: Timed out waiting 20000ms for send operation to complete",
+        "exception: DistBackendError: NCCL communicator was aborted on rank 1.",
+        "exception: RuntimeError: Connection reset by peer",
+        "exception: DistNetworkError: failed to recv, got 0 bytes",
+    ):
+        assert endings.communication_failure(text), text
+    for text in (
+        "exception: ValueError: bad batch",
+        "exception: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        "",
+    ):
+        assert not endings.communication_failure(text), text
+    assert endings.launcher_signal("killed by signal 15 (SIGTERM)") and not endings.launcher_signal(
+        "killed by signal 9 (SIGKILL)"
+    )
