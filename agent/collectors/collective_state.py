@@ -36,6 +36,8 @@ class RecorderState:
     p2p: bool = False  # its entries include p2p ops, which pg_status does not count
     pending: int = 0  # entries awaiting their duration
     pending_min_ns: int | None = None  # the oldest of them (the span watermark)
+    #: (op, peer, pg, seconds open) of the p2p ops its last full read showed not completed (NCCL)
+    p2p_open: list[tuple[str, int, str, float]] = field(default_factory=list)
     pg_ids: dict[str, str] = field(default_factory=dict)  # the recorder's pg_id -> pg label
     reasons: Counter[str] = field(default_factory=Counter)  # full reads by what called for them
 

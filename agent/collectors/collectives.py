@@ -370,6 +370,7 @@ class CollectiveCollector(Component):
         if upd.p2p:
             reader.p2p = True
         reader.pending, reader.pending_min_ns = upd.pending, upd.pending_min_ns
+        reader.p2p_open = upd.p2p_open
         for i, (op, seconds) in enumerate(upd.timed):
             self._finish(op, seconds)
             if i % 256 == 255:

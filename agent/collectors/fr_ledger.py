@@ -123,6 +123,9 @@ class Update:
     cursor: int | None = None
     pending: int = 0  # the recorder's entries awaiting their duration
     pending_min_ns: int | None = None  # the oldest of them (the span watermark)
+    #: (op, peer, pg, seconds open at this read) of the p2p ops the dump shows not completed: the ops a
+    #: rank waits in on a backend whose recorder holds p2p (NCCL), a hang's p2p edges
+    p2p_open: list[tuple[str, int, str, float]] = field(default_factory=list)
 
 
 class Ledger:
@@ -173,6 +176,8 @@ class Ledger:
             self._read_entries(rec, entries, nccl_timing, upd)
         mine = [o.start_ns for k, o in self._pending.items() if k[0] == rec]
         upd.pending, upd.pending_min_ns = len(mine), min(mine, default=None)
+        if mine and entries:
+            upd.p2p_open = self._open_p2p(rec, entries, now_ns)
         upd.cursor = self._cursor.get(rec)
         return upd
 
@@ -339,6 +344,31 @@ class Ledger:
                 batch_ops = self._open_batch.setdefault(batch_key, [])
                 batch_ops.append(key)
                 del batch_ops[: -self.max_pending]  # plain isend/irecv never close a batch: bounded
+
+    def _open_p2p(
+        self, rec: str, entries: list[dict[str, Any]], now_ns: int
+    ) -> list[tuple[str, int, str, float]]:
+        """The pending p2p ops of ``rec`` (a coalesced batch's through its entry) whose entry this dump
+        (``entries``, by record id) shows not completed, each open for at least now - enqueue. An op
+        completed since is no longer pending, or shows completed at the next read: the age it gets is
+        what this read saw, never more."""
+        out: list[tuple[str, int, str, float]] = []
+        for key, item in self._pending.items():
+            if key[0] != rec:
+                continue
+            ops = self._batches.get(key) or ([item] if item.peer >= 0 else [])
+            if not ops:
+                continue
+            i = bisect.bisect_left(entries, key[1], key=lambda e: e["record_id"])
+            if (
+                i < len(entries)
+                and entries[i]["record_id"] == key[1]
+                and entries[i].get("state") != "completed"
+            ):
+                out += [
+                    (o.op, o.peer, o.pg, max(0.0, (now_ns - o.start_ns) / 1e9)) for o in ops if o.peer >= 0
+                ]
+        return out
 
     def _complete_pending(
         self, rec: str, entries: list[dict[str, Any]], nccl_timing: bool, now_ns: int, upd: Update

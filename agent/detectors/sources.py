@@ -192,12 +192,19 @@ def collective_state(
 
 
 def waiting_in(c: CollectiveCollector) -> list[P2PWait]:
-    """The p2p ops this rank's training thread waits in now (the pipelining wrapper's), one per peer."""
+    """The p2p ops this rank waits in, one per peer: the ones its training thread blocks in now (the
+    pipelining wrapper's, gloo), else those the flight recorder's last full read showed open (NCCL,
+    whose wait does not block the thread), aged as of that read."""
     got = c.p2p.waiting_in()
-    if got is None:
-        return []
-    t_enter, ops = got
-    return p2p_waits([(o.op, o.peer, o.pg) for o in ops], max(0.0, (time.time_ns() - t_enter) / 1e9))
+    if got is not None:
+        t_enter, ops = got
+        return p2p_waits([(o.op, o.peer, o.pg) for o in ops], max(0.0, (time.time_ns() - t_enter) / 1e9))
+    out: list[P2PWait] = []
+    for reader in list(c.readers.values()):
+        opened = reader.p2p_open
+        if opened:
+            out += p2p_waits([(op, peer, pg) for op, peer, pg, _ in opened], min(a for *_, a in opened))
+    return out
 
 
 def latency_histograms(ctx: AgentContext) -> dict[tuple[str, str], tuple[tuple[float, ...], list[int]]]:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from hpar_agent.agent import Agent
 from hpar_agent.agent_thread import AgentThread
+from hpar_agent.detectors import sources as src
 from hpar_agent.spans import realize
 from hpar_agent.torch_compat import flight_recorder as fr
 
@@ -135,8 +136,12 @@ def test_nccl_p2p_batch_is_labelled_pp_with_peer_bytes_and_the_coalesced_duratio
     assert get("hpar_collective_bytes_total", {**L, "pg": "pp", "op": "send"}) == 4000
     assert get("hpar_collective_bytes_total", {**L, "pg": "pp", "op": "recv"}) == 2000
     assert get("hpar_collectives_total", {**L, "pg": "default_pg", "op": "coalesced"}) is None
+    # not completed at the read: the ops this rank waits in (NCCL's wait does not block the thread)
+    (w,) = src.waiting_in(c)
+    assert (w.op, w.peer, w.pg) == ("recv+send", 11, "pp") and w.age_s >= 0.0
     rec.entries[2].update(state="completed", duration_ms=4.0)
     agent.tick()
+    assert src.waiting_in(c) == []
     hl = {**L, "pg": "pp", "op": "send", "stream": "nccl:pp"}
     assert get("hpar_collective_duration_seconds_count", hl) == 1
     assert get("hpar_collective_duration_seconds_sum", hl) == pytest.approx(0.004)
