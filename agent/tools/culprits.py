@@ -88,15 +88,16 @@ def _why(c: Culprits) -> str:
             w = next((w for w in mine if not w.get("p2p")), None)
             if w is not None:
                 pg = str(w.get("pg", "")).split("@", 1)[0]
+                waiting = w.get("waiting") or []
                 parts.append(
                     f"not in {pg} {w.get('op') or 'collective'} #{w.get('seq')}, which "
-                    f"{ranks_text(w.get('waiting') or [])} wait in"
+                    f"{ranks_text(waiting)} {_wait(waiting)} in"
                 )
             p2p = [w for w in mine if w.get("p2p")]
             if p2p:
-                waiting = {r for w in p2p for r in w.get("waiting") or ()}
+                on = sorted({r for w in p2p for r in w.get("waiting") or ()})
                 ops = "; ".join(f"{ranks_text(w.get('waiting') or [])}: {p2p_text(w)}" for w in p2p[:4])
-                parts.append(f"{ranks_text(waiting)} wait for it point to point ({ops})")
+                parts.append(f"{ranks_text(on)} {_wait(on)} for it point to point ({ops})")
         if own:
             parts.append(f"at {own['stack'][0]}")
         return "; ".join(parts)
@@ -123,6 +124,10 @@ def _why(c: Culprits) -> str:
         "CompileDivergence": "they compiled graphs their stage's majority did not",
         "CollectiveMismatch": "their collectives differ (op, size or dtype) from their peers'",
     }.get(c.alert, "")
+
+
+def _wait(ranks: list[int]) -> str:
+    return "waits" if len(set(ranks)) == 1 else "wait"
 
 
 def culprit_lines(events: Iterable[Mapping[str, Any]]) -> list[str]:
