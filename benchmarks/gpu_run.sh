@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_run.sh short-cpu    # the same blocks on one CPU thread of the host        (~7 min)
 #   bash benchmarks/gpu_run.sh cpu-ranks    # 4 CPU ranks, twin blocks on the core halves         (~8 min)
 #   bash benchmarks/gpu_run.sh components   # hook_cost and components.py on the GPU              (~6 min)
-#   bash benchmarks/gpu_run.sh tests        # pytest tests/gpu                                    (~5 min)
+#   bash benchmarks/gpu_run.sh tests        # pytest tests/gpu (tests tests: twice, tests.log and tests-2.log) (~5 min)
 #   bash benchmarks/gpu_run.sh gate         # compare_gate.py on the host's CPUs: 2 x 10 rounds at once (~8 min)
 # MAX_S=seconds changes a mode's time budget; the pairs it asks for are more than fit, the budget ends it.
 set -uo pipefail
@@ -51,7 +51,10 @@ for mode in "$@"; do
           --json "$OUT/gate$h.json" > "$OUT/gate$h.log" 2>&1 &
       done
       wait; tail -n 4 "$OUT"/gate?.log ;;
-    tests) run tests python3 -m pytest tests/gpu -v -p no:cacheprovider --junitxml "$OUT/tests.xml" ;;
+    tests)  # TESTS: the files, in order (default tests/gpu); a second pass writes tests-2.log, and so on
+      n=1; name=tests; while [ -e "$OUT/$name.log" ]; do n=$((n + 1)); name=tests-$n; done
+      # shellcheck disable=SC2086
+      run "$name" python3 -m pytest ${TESTS:-tests/gpu} -v -p no:cacheprovider ;;
     *) echo "unknown mode $mode (blocks runs short short-blocks short-bound short-cpu cpu-ranks components tests gate)"; exit 2 ;;
   esac
 done
