@@ -17,10 +17,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-fi
-python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null || exit 1
+# One install: a second --target --upgrade install replaces /tmp/site/bin whole (py-spy would go)
+wheels=$(ls .whl/*.whl 2>/dev/null)
+# shellcheck disable=SC2086
+python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site \
+  $wheels . >/dev/null || exit 1
+command -v py-spy >/dev/null || echo "gpu_run.sh: py-spy is not on PATH: the stack evidence will be missing"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   echo "cpus $(nproc)"; lscpu | grep -E '^(Model name|Thread|Core|Socket)'; } > "$OUT/machine.txt"

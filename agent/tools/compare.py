@@ -31,7 +31,7 @@ import functools
 import math
 import sys
 import traceback
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +63,10 @@ SERIES_SPANS: dict[str, tuple[str, ...]] = {
     "forward": (cat.SPAN_STEP_PHASES["forward"], cat.SPAN_PP_FORWARD),
     "backward": (cat.SPAN_STEP_PHASES["backward"], cat.SPAN_PP_BACKWARD),
 }
+#: Steps of the traces kept per rank, the last ones (the summaries carry 512): memory stays bounded
+#: whatever the traces' size.
+MAX_TRACED_STEPS = 4096
+_UNTRACED = object()  # a step whose train.step span was not (yet) seen
 #: The first steps compile and allocate: left out of the judged series.
 WARMUP_STEPS = 2
 #: A training thread waiting for a CPU more of the time than this: the machine is oversubscribed, and
@@ -265,42 +269,37 @@ def traced_series(
     of the traces' cadence (``HPAR_TRACE_EVERY``, read off the steps kept as ``sampled``, whatever
     their own reason says): the slow and anomalous steps kept besides would bias a median, and so
     would dropping a step of the cadence that was kept as slow. One pass over ``spans`` (a stream:
-    the traces can be GiBs), keeping only a number per step."""
+    the traces can be GiBs), keeping each rank's last ``MAX_TRACED_STEPS`` steps, a few numbers each."""
     of_name: dict[str, list[str]] = defaultdict(list)
     for key, names in wanted.items():
         for n in names:
             of_name[n].append(key)
-    reasons: dict[tuple[int | None, Any], Any] = {}
-    sums: dict[str, dict[tuple[int, int], float]] = {key: defaultdict(float) for key in wanted}
+    # rank -> step -> [its train.step span's reason, {key: seconds}], in the order the steps came
+    per_rank: dict[int, OrderedDict[int, list[Any]]] = defaultdict(OrderedDict)
     for s in spans:
-        step = s.attrs.get(cat.ATTR_STEP)
+        step, keys = s.attrs.get(cat.ATTR_STEP), of_name.get(s.name)
+        if s.rank is None or not isinstance(step, int) or not (keys or s.name == cat.SPAN_STEP):
+            continue
+        steps = per_rank[s.rank]
+        rec = steps.get(step)
+        if rec is None:
+            rec = steps[step] = [_UNTRACED, {}]
+            if len(steps) > MAX_TRACED_STEPS:
+                steps.popitem(last=False)
         if s.name == cat.SPAN_STEP:
-            reasons[(s.rank, step)] = s.attrs.get(cat.ATTR_TRACE_REASON)
-        keys = of_name.get(s.name)
-        if (
-            keys
-            and s.rank is not None
-            and isinstance(step, int)
-            and step >= WARMUP_STEPS
-            and s.end_ns > s.start_ns
-        ):
+            rec[0] = s.attrs.get(cat.ATTR_TRACE_REASON)
+        if keys and step >= WARMUP_STEPS and s.end_ns > s.start_ns:
             for key in keys:
-                sums[key][(s.rank, step)] += s.seconds
-    every = functools.reduce(
-        math.gcd, (st for (_, st), why in reasons.items() if why == "sampled" and isinstance(st, int)), 0
-    )
-    keep = {
-        (r, st)
-        for (r, st), why in reasons.items()
-        if isinstance(st, int) and (st % every == 0 if every else why == "sampled")
-    }
-    out: dict[str, dict[int, dict[int, float]]] = {}
-    for key, by_step in sums.items():
-        per_rank: dict[int, dict[int, float]] = defaultdict(dict)
-        for (rank, step), secs in sorted(by_step.items()):
-            if (rank, step) in keep:
-                per_rank[rank][step] = secs
-        out[key] = dict(per_rank)
+                rec[1][key] = rec[1].get(key, 0.0) + s.seconds
+    sampled = (st for steps in per_rank.values() for st, (why, _) in steps.items() if why == "sampled")
+    every = functools.reduce(math.gcd, sampled, 0)
+    out: dict[str, dict[int, dict[int, float]]] = {key: {} for key in wanted}
+    for rank, steps in per_rank.items():
+        for step, (why, sums) in sorted(steps.items()):
+            if why is _UNTRACED or not (step % every == 0 if every else why == "sampled"):
+                continue
+            for key, secs in sums.items():
+                out[key].setdefault(rank, {})[step] = secs
     return out
 
 

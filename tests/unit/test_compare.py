@@ -486,3 +486,22 @@ def test_the_traces_cadence_counts_its_slow_steps_and_leaves_the_others_out() ->
         step(35, 0.9, "slow"),
     ]
     assert compare_mod.traced_steps(spans, cat.SPAN_STEP) == {0: {10: 0.1, 20: 0.1, 30: 0.5, 40: 0.1}}
+
+
+def test_the_traces_are_read_in_bounded_memory() -> None:
+    """A stream of three times ``MAX_TRACED_STEPS`` sampled steps: only each rank's last
+    ``MAX_TRACED_STEPS`` are kept (1 GiB of traces once took 20 GiB)."""
+    from hpar_agent.tools.run_files import Span
+
+    cap = compare_mod.MAX_TRACED_STEPS
+
+    def spans():
+        for n in range(3 * cap):
+            attrs = {cat.ATTR_STEP: n, cat.ATTR_TRACE_REASON: "sampled"}
+            yield Span(cat.SPAN_STEP, 0, 0, 10**8, attrs)
+            yield Span(cat.SPAN_PP_FORWARD, 0, 0, 10**7, {cat.ATTR_STEP: n})
+            yield Span(cat.SPAN_PP_FORWARD, 0, 0, 10**7, {cat.ATTR_STEP: n})
+
+    out = compare_mod.traced_series(spans(), {"forward": compare_mod.SERIES_SPANS["forward"]})
+    assert sorted(out["forward"][0]) == list(range(2 * cap, 3 * cap))
+    assert all(v == pytest.approx(0.02) for v in out["forward"][0].values())
