@@ -20,7 +20,7 @@ traces.
 
 Exit status (``EXIT_CODES``): 0 nothing judged regressed, 1 a regression, 2 bad usage or input, or
 no verdict (a run without readable summaries, a rank's summary missing or unreadable, too few steps
-to judge, the machine busier for one run), 3 an error in the tool itself.
+to judge, a difference in the machine's load that could explain the verdict), 3 an error in the tool itself.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ EXIT_CODES = {
     0: "no significant regression",
     1: "regression",
     2: "bad usage or input, or no verdict (no readable summaries, a rank's summary missing or "
-    "unreadable, too few steps to judge, the machine busier for one run)",
+    "unreadable, too few steps to judge, a difference in the machine's load that could explain the verdict)",
     3: "error in the tool",
 }
 EPILOG = "exit status: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
