@@ -129,13 +129,13 @@ class AlertBook:
                 self.on_error(exc)
         st.evidence = paths
         st.kept = {}
-        stack = next((main_stack(p) for p in paths if p.endswith(".pyspy.json")), [])
-        if stack:
-            st.kept[d.stack_detail] = stack  # what this rank was doing (the culprit of a hang: why)
-        try:
+        try:  # before the stack: a page that cuts long details keeps the site
             st.kept.update(d.fired_details(self.evidence, snap, st.value, st.details))
         except Exception as exc:
             self.on_error(exc)
+        stack = next((main_stack(p) for p in paths if p.endswith(".pyspy.json")), [])
+        if stack:
+            st.kept[d.stack_detail] = stack  # what this rank was doing (the culprit of a hang: why)
         st.details.update(st.kept)
         self._announce(d, st, "firing", logging.WARNING, snap)
 
