@@ -59,6 +59,11 @@ class Evidence:
         self._last: dict[str, float] = {}
         self._said: set[str] = set()
         self.history_started = False
+        self.history_step: int | None = None  # the step at which the recording began
+        self.history_why = (  # why there is no snapshot with history, when there is none
+            "the allocator's history was not recording when the alert fired (confirmed at once)"
+        )
+        self.last_snapshot: dict[str, Any] | None = None  # the last allocator snapshot, until taken
         self.recording: threading.Thread | None = None  # the last py-spy record, for tests and shutdown
         self.device: Any = None  # this rank's CUDA device (the agent thread's current one is device 0)
 
@@ -184,18 +189,24 @@ class Evidence:
         except (OSError, subprocess.TimeoutExpired) as exc:
             self._say_once("pyspy-record", f"py-spy record failed ({exc}); no profile")
 
-    def start_memory_history(self, max_entries: int = 100_000) -> bool:
-        """Start recording CUDA allocations with stacks (lazily: only once a leak is suspected)."""
+    def start_memory_history(self, max_entries: int = 100_000, step: int | None = None) -> bool:
+        """Start recording CUDA allocations with stacks (lazily: only once a leak is suspected), at
+        ``step`` (the steps done)."""
         if self.history_started or not self.enabled:
+            if not self.enabled:
+                self.history_why = "evidence collection is off (HPAR_EVIDENCE)"
             return self.history_started
         try:
             if not cuda_memory.cuda_initialized():
+                self.history_why = "this process uses no CUDA device: no allocator history (CPU)"
                 return False
             cuda_memory.record_history(self.device, max_entries)
         except Exception as exc:
-            self._say_once("history", f"allocator history unavailable ({exc})")
+            self.history_why = f"allocator history unavailable ({exc})"
+            self._say_once("history", self.history_why)
             return False
         self.history_started = True
+        self.history_step = step
         return True
 
     def stop_memory_history(self) -> None:
@@ -210,18 +221,37 @@ class Evidence:
             self._say_once("history-stop", f"allocator history could not be stopped ({exc})")
 
     def allocator_snapshot(self, tag: str) -> list[str]:
-        """A ``torch.cuda.memory._snapshot()`` pickle (open it in pytorch.org/memory_viz)."""
-        if not self.history_started or not self._allowed("allocator"):
+        """A ``torch.cuda.memory._snapshot()`` pickle (open it in pytorch.org/memory_viz); the snapshot
+        is also kept (``take_snapshot``) for the leak's site. The recording stops either way."""
+        if not self.history_started:
             return []
         try:
-            data = pickle.dumps(cuda_memory.snapshot(self.device))
+            if not self._allowed("allocator"):
+                self.history_why = (
+                    f"the allocator snapshot was rate-limited (one every {self.min_interval_s:.0f} s, "
+                    f"{self.max_files} evidence files at most)"
+                )
+                return []
+            snap = cuda_memory.snapshot(self.device)
+            data = pickle.dumps(snap)
         except Exception as exc:
-            self._say_once("snapshot", f"allocator snapshot failed ({exc})")
+            self.history_why = f"allocator snapshot failed ({exc})"
+            self._say_once("snapshot", self.history_why)
             return []
         finally:
             self.stop_memory_history()
+        self.last_snapshot = snap
         path = self._write(self._name(tag, "allocator", "pickle"), data)
         return [path] if path else []
+
+    def take_snapshot(self) -> tuple[dict[str, Any] | None, int | None, str]:
+        """(the last allocator snapshot, the step its history began at, why there is none), once: it
+        can be large."""
+        snap, self.last_snapshot = self.last_snapshot, None
+        why = self.history_why
+        if snap is None and self.enabled and not cuda_memory.cuda_initialized():
+            why = "this process uses no CUDA device: no allocator history (CPU)"
+        return snap, self.history_step, why
 
     def save(self, tag: str, kind: str, ext: str, data: bytes, limit: str = "") -> list[str]:
         """``data`` as one file of ``kind``, under the rate limit ``limit`` (default: ``kind``): the

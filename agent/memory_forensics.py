@@ -25,6 +25,8 @@ from hpar_agent.torch_compat import parallel
 OWNER_BUDGET_S = 0.5
 #: Largest items kept in a record (tensors, blocks, sites).
 TOP = 10
+#: Share of a leak's growth a step one allocating site must hold to be named the leak's site.
+SITE_SHARE = 0.5
 #: Frames of a stack kept (the innermost ones).
 STACK_FRAMES = 40
 #: Frames and locals per frame searched for a model or an optimizer.
@@ -254,6 +256,44 @@ def snapshot_digest(
         "live_bytes_by_site": dict(sorted(by_site.items(), key=lambda kv: -kv[1])[:TOP]),
         "oom_site": frame_site(oom.get("frames") or ()) if oom else "",
     }
+
+
+def leak_site(snap: Mapping[str, Any], device_index: int | None, steps: int, slope: float) -> dict[str, Any]:
+    """Where a leak allocates, from an allocator snapshot whose history began ``steps`` steps ago: of
+    the blocks allocated since (the ones that carry frames) and still live, the bytes by allocating
+    site (the program's innermost frame); the site holding the most, with its growth a step, when
+    that growth is at least ``SITE_SHARE`` of the ``slope`` the memory grew (bytes a step). Else
+    ``site: "unknown"`` and ``site_unknown`` saying why: a batch's allocations churn (allocated and
+    freed every step), so they hold at most one step's worth, and a site that holds more grew."""
+    if steps <= 0:
+        return _unknown("the allocator's history began at the step the alert fired: no step recorded")
+    by_site: dict[str, int] = {}
+    for seg in snap.get("segments") or ():
+        if device_index is not None and seg.get("device", device_index) != device_index:
+            continue
+        for b in seg.get("blocks") or ():
+            frames = b.get("frames")
+            if b.get("state") == "active_allocated" and frames:
+                site = frame_site(frames)
+                if site:
+                    by_site[site] = by_site.get(site, 0) + int(b.get("size", 0))
+    if not by_site:
+        return _unknown(
+            f"no allocation of the {steps} steps recorded is still live at a frame of the program"
+        )
+    site, live = max(by_site.items(), key=lambda kv: kv[1])
+    growth = live / steps
+    if growth < SITE_SHARE * slope:
+        return _unknown(
+            f"no site holds the growth: of the allocations of the {steps} steps recorded, {site} holds the "
+            f"most still live, {live} bytes ({growth:.0f} a step), under {SITE_SHARE:.0%} of the "
+            f"{slope:.0f} bytes a step the memory grew"
+        )
+    return {"site": site, "site_live_bytes": live, "site_growth_bytes_per_step": growth, "site_steps": steps}
+
+
+def _unknown(why: str) -> dict[str, Any]:
+    return {"site": "unknown", "site_unknown": why}
 
 
 def trend(series: Mapping[str, Sequence[tuple[int, float]]], last: int = 16) -> dict[str, Any]:

@@ -150,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{kind}: exit 0 (no regression) {codes[0]}, exit 1 (regression) {codes[1]}, exit 2 (unknown) "
             f"{codes[2]} of {len(mine)}; change {_describe([x['change'] for x in mine if x['change'] is not None])}"
         )
+        for side, busier in (("A", lambda w: w[0] > w[1]), ("B", lambda w: w[1] > w[0])):  # load's direction
+            some = [x for x in mine if None not in x["cpu_wait"] and busier(x["cpu_wait"])]
+            by = {code: sum(x["status"] == code for x in some) for code in (0, 1, 2)}
+            r[f"{kind}_exit_codes_{side}_busier"] = by
+            print(
+                f"  {'A (the baseline)' if side == 'A' else 'B'} waited more: exit 0/1/2 {by[0]}/{by[1]}/{by[2]} of {len(some)}"
+            )
     finish(r, a.json)
     return 0
 

@@ -10,17 +10,19 @@
 #   bash benchmarks/gpu_run.sh short-cpu    # the same blocks on one CPU thread of the host        (~7 min)
 #   bash benchmarks/gpu_run.sh cpu-ranks    # 4 CPU ranks, twin blocks on the core halves         (~8 min)
 #   bash benchmarks/gpu_run.sh components   # hook_cost and components.py on the GPU              (~6 min)
-#   bash benchmarks/gpu_run.sh tests        # pytest tests/gpu                                    (~5 min)
+#   bash benchmarks/gpu_run.sh tests        # pytest tests/gpu (tests tests: twice, tests.log and tests-2.log) (~5 min)
 #   bash benchmarks/gpu_run.sh gate         # compare_gate.py on the host's CPUs: 2 x 10 rounds at once (~8 min)
 # MAX_S=seconds changes a mode's time budget; the pairs it asks for are more than fit, the budget ends it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-fi
-python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-compile --target /tmp/site . >/dev/null || exit 1
+# One install: a second --target --upgrade install replaces /tmp/site/bin whole (py-spy would go)
+wheels=$(ls .whl/*.whl 2>/dev/null)
+# shellcheck disable=SC2086
+python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site \
+  $wheels . >/dev/null || exit 1
+command -v py-spy >/dev/null || echo "gpu_run.sh: py-spy is not on PATH: the stack evidence will be missing"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
   echo "cpus $(nproc)"; lscpu | grep -E '^(Model name|Thread|Core|Socket)'; } > "$OUT/machine.txt"
@@ -51,7 +53,10 @@ for mode in "$@"; do
           --json "$OUT/gate$h.json" > "$OUT/gate$h.log" 2>&1 &
       done
       wait; tail -n 4 "$OUT"/gate?.log ;;
-    tests) run tests python3 -m pytest tests/gpu -v -p no:cacheprovider --junitxml "$OUT/tests.xml" ;;
+    tests)  # TESTS: the files, in order (default tests/gpu); a second pass writes tests-2.log, and so on
+      n=1; name=tests; while [ -e "$OUT/$name.log" ]; do n=$((n + 1)); name=tests-$n; done
+      # shellcheck disable=SC2086
+      run "$name" python3 -m pytest ${TESTS:-tests/gpu} -v -p no:cacheprovider ;;
     *) echo "unknown mode $mode (blocks runs short short-blocks short-bound short-cpu cpu-ranks components tests gate)"; exit 2 ;;
   esac
 done

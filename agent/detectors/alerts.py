@@ -50,6 +50,7 @@ class AlertState:
     evidence: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
     threshold: float | None = None  # the limit the last verdict was compared with (None: the parameter's)
+    kept: dict[str, Any] = field(default_factory=dict)  # details read from the evidence at firing
 
 
 class AlertBook:
@@ -77,7 +78,7 @@ class AlertBook:
         """Apply one verdict of ``d``: its request about the allocator's history, then the state machine."""
         if verdict.memory_history is not None and self.evidence is not None:
             if verdict.memory_history:
-                self.evidence.start_memory_history()
+                self.evidence.start_memory_history(step=snap.steps_done)
             else:
                 self.evidence.stop_memory_history()
         st = self.states[d.name]
@@ -89,7 +90,7 @@ class AlertBook:
             if verdict.active:
                 details = verdict.details
                 named = culprits(details) != culprits(st.details) and bool(culprits(details))
-                st.details = {**details, **{k: st.details[k] for k in ("stack",) if k in st.details}}
+                st.details = {**details, **st.kept}
                 if named:
                     self._announce(d, st, "updated", logging.INFO, snap)
             return
@@ -129,9 +130,15 @@ class AlertBook:
             except Exception as exc:
                 self.on_error(exc)
         st.evidence = paths
+        st.kept = {}
+        try:  # before the stack: a page that cuts long details keeps the site
+            st.kept.update(d.fired_details(self.evidence, snap, st.value, st.details))
+        except Exception as exc:
+            self.on_error(exc)
         stack = next((main_stack(p) for p in paths if p.endswith(".pyspy.json")), [])
         if stack:
-            st.details["stack"] = stack  # what this rank was doing (the culprit of a hang: why)
+            st.kept[d.stack_detail] = stack  # what this rank was doing (the culprit of a hang: why)
+        st.details.update(st.kept)
         self._announce(d, st, "firing", logging.WARNING, snap)
 
     def _announce(self, d: Detector, st: AlertState, state: str, level: int, snap: Snapshot) -> None:
@@ -165,7 +172,7 @@ class AlertBook:
         if st.logged:
             log.log(
                 level,
-                "hpar_agent: alert %s %s on rank %d stage %d (value %.4g, threshold %.4g)%s%s",
+                "hpar_agent: alert %s %s on rank %d stage %d (value %.4g, threshold %.4g)%s%s%s",
                 d.name,
                 state,
                 snap.rank,
@@ -173,6 +180,7 @@ class AlertBook:
                 st.value,
                 limit(d, st),
                 f"; culprit rank(s) {_ranks_text(named)}" if state == "firing" and named else "",
+                _site_text(st.details) if state == "firing" else "",
                 f"; evidence: {', '.join(st.evidence)}" if state == "firing" and st.evidence else "",
             )
 
@@ -246,6 +254,17 @@ def culprits(details: Mapping[str, Any]) -> list[int]:
     """The ranks a verdict names as the cause (``details.culprits``), [] when it names none."""
     got = details.get("culprits")
     return [int(r) for r in got if isinstance(r, int)] if isinstance(got, list) else []
+
+
+def _site_text(details: Mapping[str, Any]) -> str:
+    """The allocating site an alert names (MemoryLeak), or why it names none."""
+    site = details.get("site")
+    if not site:
+        return ""
+    if site == "unknown":
+        return f"; site unknown: {details.get('site_unknown', '')}"
+    growth = details.get("site_growth_bytes_per_step") or 0
+    return f"; site {site} ({growth / (1 << 20):.1f} MiB a step)"
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -44,6 +44,8 @@ class Detector:
     cross_rank: ClassVar[bool] = False
     confirm: ClassVar[int] = 1  # consecutive active evaluations before firing
     clear: ClassVar[int] = 1  # consecutive inactive evaluations before resolving
+    #: The details key of the py-spy stack taken when the alert fires: what the rank was doing then.
+    stack_detail: ClassVar[str] = "stack"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -67,6 +69,13 @@ class Detector:
     def evaluate(self, snap: Snapshot) -> Verdict | None:
         """Agent thread. None when there is no data yet (the alert state is left as it is)."""
         raise NotImplementedError
+
+    def fired_details(
+        self, evidence: Any, snap: Snapshot, value: float, details: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Agent thread, once the alert fired and its evidence is collected: details read from the
+        evidence (``evidence.Evidence`` or None), kept while the alert stays active."""
+        return {}
 
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         """Cross-rank detectors: this rank's part of the payload put in the store, by purpose (see

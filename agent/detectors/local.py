@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Mapping
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +143,7 @@ class MemoryLeak(Detector):
     threshold_param = "min_slope_bytes"
     evidence = ("pyspy", "allocator", "profile")  # profile: a bounded py-spy record, off both threads
     clear = 3
+    stack_detail = "stack_at_firing"  # what the training thread was doing then, not where it allocated
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         super().__init__(thresholds)
@@ -180,6 +182,25 @@ class MemoryLeak(Detector):
             left = details.get("full_at_step", math.inf) - snap.steps_done
             history = self._history(suspected, leaking, imminent=left <= self.p("window"))
         return Verdict(leaking, slope if math.isfinite(slope) else 0.0, details, memory_history=history)
+
+    def fired_details(
+        self, evidence: Any, snap: Snapshot, value: float, details: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The leak's site: the allocating site whose live bytes grew over the steps the allocator's
+        history recorded (``memory_forensics.leak_site``), or ``site: "unknown"`` and why."""
+        if evidence is None:
+            return {"site": "unknown", "site_unknown": "evidence collection is off (HPAR_EVIDENCE)"}
+        recorded, since, why = evidence.take_snapshot()  # taken either way: a snapshot can be large
+        source = details.get("source")
+        if source not in DEVICE_SOURCES:
+            why = f"the memory that grew is the host's ({source}): the CUDA allocator's history covers device memory only"
+        elif recorded is not None:
+            from hpar_agent.memory_forensics import leak_site
+
+            index = getattr(evidence.device, "index", None)
+            steps = snap.steps_done - since if since is not None else 0
+            return leak_site(recorded, index, steps, value)
+        return {"site": "unknown", "site_unknown": why}
 
     @staticmethod
     def forecast(snap: Snapshot, source: str, slope: float) -> dict[str, Any]:

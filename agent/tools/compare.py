@@ -11,22 +11,28 @@ noise it is "no significant change". ``--phase NAME`` judges a phase the same wa
 The other rows (phases' p50s, collectives, memory, compile time, alerts, loss) are shown, not judged.
 
 The machine's own load is the one cause the interval cannot see when it is flat within each run: the
-summaries record how much of the time each training thread waited for a CPU, and two runs whose
-difference in it could move the step time by half the limit get no verdict (``machine_differed``).
+summaries record how much of the time each training thread waited for a CPU, and a verdict is withheld
+only when that difference could explain it, in its direction and size (``load_guard``): a quiet run
+slower than a loaded baseline is judged.
+
+The run files are streamed: memory grows with the steps kept, not with the size of the event logs and
+traces.
 
 Exit status (``EXIT_CODES``): 0 nothing judged regressed, 1 a regression, 2 bad usage or input, or
 no verdict (a run without readable summaries, a rank's summary missing or unreadable, too few steps
-to judge, the machine busier for one run), 3 an error in the tool itself.
+to judge, a difference in the machine's load that could explain the verdict), 3 an error in the tool itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import sys
 import traceback
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,17 +44,29 @@ from hpar_agent.catalogue import STEP_PHASES
 from hpar_agent.tools import units
 from hpar_agent.tools.run_files import (
     Span,
+    iter_events,
+    iter_spans,
     num,
     rank_files,
     read_doc,
-    read_events,
-    read_spans,
     read_summaries,
 )
 from hpar_agent.tools.safe_read import Budget
 from hpar_agent.tools.stats import LEVEL, MIN_STEPS, Change, compare_medians
 from hpar_agent.tools.summary_schema import TRAINER
 
+#: The spans each judged series sums, a step at a time: a pipeline stage's forward and backward are its
+#: microbatches' ``pp.forward`` / ``pp.backward`` spans (its steps have no ``step.forward``).
+SERIES_SPANS: dict[str, tuple[str, ...]] = {
+    "step": (cat.SPAN_STEP,),
+    **{p: (cat.SPAN_STEP_PHASES[p],) for p in STEP_PHASES},
+    "forward": (cat.SPAN_STEP_PHASES["forward"], cat.SPAN_PP_FORWARD),
+    "backward": (cat.SPAN_STEP_PHASES["backward"], cat.SPAN_PP_BACKWARD),
+}
+#: Steps of the traces kept per rank, the last ones (the summaries carry 512): memory stays bounded
+#: whatever the traces' size.
+MAX_TRACED_STEPS = 4096
+_UNTRACED = object()  # a step whose train.step span was not (yet) seen
 #: The first steps compile and allocate: left out of the judged series.
 WARMUP_STEPS = 2
 #: A training thread waiting for a CPU more of the time than this: the machine is oversubscribed, and
@@ -58,7 +76,7 @@ EXIT_CODES = {
     0: "no significant regression",
     1: "regression",
     2: "bad usage or input, or no verdict (no readable summaries, a rank's summary missing or "
-    "unreadable, too few steps to judge, the machine busier for one run)",
+    "unreadable, too few steps to judge, a difference in the machine's load that could explain the verdict)",
     3: "error in the tool",
 }
 EPILOG = "exit status: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
@@ -67,9 +85,9 @@ DESCRIPTION = (
     f"(every step's slowest rank, after the first {WARMUP_STEPS} steps, from the ranks' summaries) are compared "
     f"as distributions: the ratio of the medians with a {LEVEL:.0%} block-bootstrap interval. 'no significant change': "
     "the interval holds no change; 'slower' or 'faster': a significant change within the limit; "
-    "'regressed': a significant slowdown past --max-regression; 'unknown' when the machine's load alone "
-    "(how long the training threads waited for a CPU) could move the step time by half the limit, or "
-    f"they waited over {OVERSUBSCRIBED:.0%} of the time."
+    "'regressed': a significant slowdown past --max-regression; 'unknown' when the difference in the "
+    "machine's load (how long the training threads waited for a CPU) could explain the verdict, or they "
+    f"waited over {OVERSUBSCRIBED:.0%} of the time in a run whose load could explain it."
 )
 
 
@@ -97,6 +115,7 @@ class Judged:
     label: str
     change: Change | None = None
     unknown: str = ""
+    note: str = ""  # what the load guard saw when it let the verdict stand
 
     def verdict(self, limit: float) -> str:
         return "unknown" if self.unknown or self.change is None else self.change.verdict(limit)
@@ -112,13 +131,23 @@ class Digest:
     blockers: list[str] = field(default_factory=list)  # why the run cannot be judged at all
     figures: dict[str, Any] = field(default_factory=dict)
     budget: Budget = field(default_factory=Budget)  # what may still be read of this run
-    _spans: list[Span] | None = None
+    wanted: tuple[str, ...] = ("step",)  # the series read from the traces, in one pass
+    _traced: dict[str, dict[int, dict[int, float]]] | None = None
+    _traces_budget: int = 0
 
-    def spans(self) -> list[Span]:
-        """The traces' spans, read on first use (they can be large and most comparisons need none)."""
-        if self._spans is None:
-            self._spans = read_spans(self.run_dir, self.problems, self.budget)
-        return self._spans
+    def traced(self, key: str) -> dict[int, dict[int, float]]:
+        """``key``'s per-rank series from the traces, read on first use (most comparisons need none;
+        the traces are streamed, keeping a number per step)."""
+        if self._traced is None or key not in self._traced:
+            if self._traced is None:
+                self._traces_budget = self.budget.left  # a second read (a key not wanted) spends it again
+            self.wanted = tuple(dict.fromkeys((*self.wanted, key)))
+            budget = Budget(self._traces_budget)
+            self._traced = traced_series(
+                iter_spans(self.run_dir, self.problems, budget), {k: SERIES_SPANS[k] for k in self.wanted}
+            )
+            self.budget.left = budget.left
+        return self._traced[key]
 
 
 def _max(values: list[Any]) -> float | None:
@@ -130,9 +159,10 @@ def _comps(s: dict[str, Any]) -> dict[str, Any]:
     return s.get("components") or {}
 
 
-def load(run_dir: Path) -> Digest:
-    """Read a run's summaries, events and ``trainer.json``; name what cannot be read."""
-    d = Digest(run_dir, {})
+def load(run_dir: Path, checked: tuple[str, ...] = ("step",)) -> Digest:
+    """Read a run's summaries, events and ``trainer.json``; name what cannot be read. Events are
+    streamed (only the alerts are counted), so memory stays bounded whatever the files' size."""
+    d = Digest(run_dir, {}, wanted=checked)
     d.summaries = read_summaries(run_dir, d.problems, d.budget)
     unreadable = sorted({r for r, _ in rank_files(run_dir, "summary", "json")} - set(d.summaries))
     if not d.summaries:
@@ -149,7 +179,9 @@ def load(run_dir: Path) -> Digest:
         d.blockers.append(
             f"rank(s) {_ranks(missing)} of {world} wrote no summary: the slowest rank may be among them"
         )
-    d.figures = figures(d.summaries, read_events(run_dir, d.problems, d.budget), _trainer(run_dir, d))
+    d.figures = figures(
+        d.summaries, alert_counts(iter_events(run_dir, d.problems, d.budget)), _trainer(run_dir, d)
+    )
     return d
 
 
@@ -162,8 +194,17 @@ def _trainer(run_dir: Path, d: Digest) -> dict[str, Any]:
     return (read_doc(path, TRAINER, d.problems, d.budget) or {}) if path.exists() or path.is_symlink() else {}
 
 
+def alert_counts(events: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """How many times each alert fired."""
+    alerts: dict[str, int] = defaultdict(int)
+    for e in events:
+        if e.get("kind") == "alert" and e.get("state") == "firing":
+            alerts[str(e.get("alert"))] += 1
+    return dict(alerts)
+
+
 def figures(
-    summaries: dict[int, dict[str, Any]], events: list[dict[str, Any]], trainer: dict[str, Any]
+    summaries: dict[int, dict[str, Any]], alerts: dict[str, int], trainer: dict[str, Any]
 ) -> dict[str, Any]:
     """The job-level figures shown beside the judgement (slowest rank for times, highest for memory)."""
     comps = [_comps(s) for _, s in sorted(summaries.items())]
@@ -178,10 +219,6 @@ def figures(
     memory += [
         v for c in comps for k, v in ((c.get("memory") or {}).get("allocator") or {}).items() if "peak" in k
     ]
-    alerts: dict[str, int] = defaultdict(int)
-    for e in events:
-        if e.get("kind") == "alert" and e.get("state") == "firing":
-            alerts[str(e.get("alert"))] += 1
     losses = [f for v in trainer.get("losses") or () if (f := num(v)) is not None]
     return {
         "ranks": len(summaries),
@@ -195,7 +232,7 @@ def figures(
         "collectives": collectives,
         "memory_peak": _max(memory),
         "compile": _max([(c.get("compile") or {}).get("compile_seconds_total") for c in comps]),
-        "alerts": dict(alerts),
+        "alerts": alerts,
         "final_loss": losses[-1] if losses else None,
         "cpu_wait": _max_of_all([(c.get("steps") or {}).get("cpu_wait_share") for c in comps]),
     }
@@ -220,37 +257,50 @@ def summary_steps(summaries: dict[int, dict[str, Any]]) -> dict[int, dict[int, f
     return out or None
 
 
-def traced_steps(spans: list[Span], name: str) -> dict[int, dict[int, float]]:
-    """Per rank, {step: seconds} of the spans called ``name`` in the steps of the traces' cadence
-    (``HPAR_TRACE_EVERY``, read off the steps kept as ``sampled``, whatever their own reason says):
-    the slow and anomalous steps kept besides would bias a median, and so would dropping a step of
-    the cadence that was kept as slow."""
-    steps = [
-        (s.rank, s.attrs.get(cat.ATTR_STEP), s.attrs.get(cat.ATTR_TRACE_REASON))
-        for s in spans
-        if s.name == cat.SPAN_STEP
-    ]
-    every = functools.reduce(
-        math.gcd, (st for _, st, why in steps if why == "sampled" and isinstance(st, int)), 0
-    )
-    keep = {
-        (r, st)
-        for r, st, why in steps
-        if isinstance(st, int) and (st % every == 0 if every else why == "sampled")
-    }
-    out: dict[int, dict[int, float]] = defaultdict(dict)
+def traced_steps(spans: Iterable[Span], name: str) -> dict[int, dict[int, float]]:
+    """Per rank, {step: seconds} of the spans called ``name`` in the steps of the traces' cadence."""
+    return traced_series(spans, {name: (name,)})[name]
+
+
+def traced_series(
+    spans: Iterable[Span], wanted: Mapping[str, tuple[str, ...]]
+) -> dict[str, dict[int, dict[int, float]]]:
+    """For each key of ``wanted``, per rank, {step: seconds} summed over its span names, in the steps
+    of the traces' cadence (``HPAR_TRACE_EVERY``, read off the steps kept as ``sampled``, whatever
+    their own reason says): the slow and anomalous steps kept besides would bias a median, and so
+    would dropping a step of the cadence that was kept as slow. One pass over ``spans`` (a stream:
+    the traces can be GiBs), keeping each rank's last ``MAX_TRACED_STEPS`` steps, a few numbers each."""
+    of_name: dict[str, list[str]] = defaultdict(list)
+    for key, names in wanted.items():
+        for n in names:
+            of_name[n].append(key)
+    # rank -> step -> [its train.step span's reason, {key: seconds}], in the order the steps came
+    per_rank: dict[int, OrderedDict[int, list[Any]]] = defaultdict(OrderedDict)
     for s in spans:
-        step = s.attrs.get(cat.ATTR_STEP)
-        if (
-            s.name == name
-            and s.rank is not None
-            and isinstance(step, int)
-            and step >= WARMUP_STEPS
-            and (s.rank, step) in keep
-            and s.end_ns > s.start_ns
-        ):
-            out[s.rank][step] = out[s.rank].get(step, 0.0) + s.seconds
-    return dict(out)
+        step, keys = s.attrs.get(cat.ATTR_STEP), of_name.get(s.name)
+        if s.rank is None or not isinstance(step, int) or not (keys or s.name == cat.SPAN_STEP):
+            continue
+        steps = per_rank[s.rank]
+        rec = steps.get(step)
+        if rec is None:
+            rec = steps[step] = [_UNTRACED, {}]
+            if len(steps) > MAX_TRACED_STEPS:
+                steps.popitem(last=False)
+        if s.name == cat.SPAN_STEP:
+            rec[0] = s.attrs.get(cat.ATTR_TRACE_REASON)
+        if keys and step >= WARMUP_STEPS and s.end_ns > s.start_ns:
+            for key in keys:
+                rec[1][key] = rec[1].get(key, 0.0) + s.seconds
+    sampled = (st for steps in per_rank.values() for st, (why, _) in steps.items() if why == "sampled")
+    every = functools.reduce(math.gcd, sampled, 0)
+    out: dict[str, dict[int, dict[int, float]]] = {key: {} for key in wanted}
+    for rank, steps in per_rank.items():
+        for step, (why, sums) in sorted(steps.items()):
+            if why is _UNTRACED or not (step % every == 0 if every else why == "sampled"):
+                continue
+            for key, secs in sums.items():
+                out[key].setdefault(rank, {})[step] = secs
+    return out
 
 
 def job_series(per_rank: dict[int, dict[int, float]], ranks: list[int]) -> tuple[np.ndarray, str]:
@@ -275,10 +325,10 @@ def series(d: Digest, key: str) -> tuple[np.ndarray, str, str]:
         if per_rank is not None:
             x, why = job_series(per_rank, ranks)
             return x, "the summaries' step times", why and f"{why} (the summaries' step times)"
-        name, where = cat.SPAN_STEP, "sampled train.step spans (the summaries carry no step times)"
+        where = f"sampled {cat.SPAN_STEP} spans (the summaries carry no step times)"
     else:
-        name, where = cat.SPAN_STEP_PHASES[key], f"sampled {cat.SPAN_STEP_PHASES[key]} spans"
-    x, why = job_series(traced_steps(d.spans(), name), ranks)
+        where = f"sampled {' or '.join(SERIES_SPANS[key])} spans"
+    x, why = job_series(d.traced(key), ranks)
     return x, where, why and f"{why} ({where} in traces.rank<R>.jsonl)"
 
 
@@ -407,12 +457,16 @@ def sentence(j: Judged, limit: float) -> str:
             "(more steps narrow the interval)"
         )
     )
-    return {
-        "regressed": f"REGRESSION: {j.label} regressed by {est}, past the {units.change(limit)} limit",
-        "slower": f"{j.label}: slower by {est}, within the {units.change(limit)} limit",
-        "faster": f"{j.label}: faster by {est}",
-        "no change": f"{j.label}: no significant change, {est}",
-    }[verdict] + wide
+    return (
+        {
+            "regressed": f"REGRESSION: {j.label} regressed by {est}, past the {units.change(limit)} limit",
+            "slower": f"{j.label}: slower by {est}, within the {units.change(limit)} limit",
+            "faster": f"{j.label}: faster by {est}",
+            "no change": f"{j.label}: no significant change, {est}",
+        }[verdict]
+        + wide
+        + (f" ({j.note})" if j.note else "")
+    )
 
 
 def verdict_lines(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A", "B")) -> list[str]:
@@ -451,36 +505,66 @@ class Result:
 
 
 def compare(run_a: Path, run_b: Path, checked: tuple[str, ...] = ("step",), limit: float = 0.05) -> Result:
-    a, b = load(run_a), load(run_b)
+    a, b = load(run_a, checked), load(run_b, checked)
     if a.blockers or b.blockers:  # no table either: a run's figures without some ranks would mislead
         return Result(a, b, [], [], limit)
     labels = {"step": "step time", **{p: p for p in STEP_PHASES}}
     judged = [judge(a, b, key, labels[key]) for key in checked]
-    busier = machine_differed(a.figures.get("cpu_wait"), b.figures.get("cpu_wait"), limit)
     for j in judged:
-        j.unknown = j.unknown or busier
+        if not j.unknown and j.change is not None:
+            j.unknown, j.note = load_guard(
+                a.figures.get("cpu_wait"), b.figures.get("cpu_wait"), j.change, limit
+            )
     return Result(a, b, rows(a.figures, b.figures, judged), judged, limit)
 
 
-def machine_differed(wait_a: float | None, wait_b: float | None, limit: float) -> str:
-    """Why two runs cannot be judged when the machine's load could decide the verdict, or "". A thread
-    that wants to run but gets a CPU only 1 - w of the time takes 1 / (1 - w) as long, so the load
-    alone moves B's steps by (1 - w_a) / (1 - w_b) - 1; past half the limit it could pass or fail the
-    gate by itself. Past ``OVERSUBSCRIBED`` in either run nothing is judged. Nothing is said when
-    either run did not measure it."""
+def _scaled(c: Change, factor: float) -> Change:
+    """``c`` with B's steps divided by ``factor``: what it would read had the load not moved them."""
+    return dataclasses.replace(c, ratio=c.ratio / factor, low=c.low / factor, high=c.high / factor)
+
+
+def load_guard(wait_a: float | None, wait_b: float | None, c: Change, limit: float) -> tuple[str, str]:
+    """(why no verdict, or ""; a note on the load, or "") for the change ``c`` between runs whose
+    training threads waited for a CPU ``wait_a`` and ``wait_b`` of the time.
+
+    A thread that wants to run but gets a CPU only 1 - w of the time takes 1 / (1 - w) as long, so the
+    load alone moves B's steps by f = (1 - w_a) / (1 - w_b); how much of that reached the step time is
+    unknown, between none and all of it. The program's own change lies between the measured one and the
+    measured one divided by f, and the verdict (monotone in the change) is given when both ends get the
+    same one: a quiet B slower than a loaded A is slower still once the load is taken out. A run past
+    ``OVERSUBSCRIBED`` may have lost any amount to the load: only a verdict the load works against
+    stands (B slower than a busier A; B faster than A when B was the busier). A shift within half the
+    limit is noise of the guard's own. Nothing is said when either run did not measure its waits."""
     if wait_a is None or wait_b is None:
-        return ""
+        return "", ""
+    waits = f"the training threads waited for a CPU {wait_a:.0%} of the time in A and {wait_b:.0%} in B"
+    verdict = c.verdict(limit)
     if max(wait_a, wait_b) > OVERSUBSCRIBED:
-        return (
-            f"the training threads waited for a CPU {wait_a:.0%} of the time in A and {wait_b:.0%} in B: on a "
-            "machine that busy step times follow its load more than the program; rerun both on a quiet machine"
+        against = (verdict == "regressed" and wait_a > wait_b and wait_b <= OVERSUBSCRIBED) or (
+            verdict == "faster" and wait_b > wait_a and wait_a <= OVERSUBSCRIBED
         )
-    shift = (1 - wait_a) / (1 - wait_b) - 1
-    if abs(shift) <= limit / 2:
-        return ""
+        if against:
+            return "", f"{waits}: the load can only have hidden part of this change, not made it"
+        return (
+            f"{waits}: on a machine that busy step times follow its load more than the program; "
+            "rerun both on a quiet machine",
+            "",
+        )
+    factor = (1 - wait_a) / (1 - wait_b)
+    if abs(factor - 1) <= limit / 2:
+        return "", ""
+    longer = "longer" if factor > 1 else "shorter"
+    moved = f"the machine's load alone could make B's steps {units.change(abs(factor - 1))[1:]} {longer}"
+    without = _scaled(c, factor)
+    if without.verdict(limit) == verdict:
+        return "", (
+            f"{waits}: {moved}; without it the change would read {units.change(without.ratio - 1)}, "
+            f"the same verdict"
+        )
     return (
-        f"the training threads waited for a CPU {wait_a:.0%} of the time in A and {wait_b:.0%} in B: the "
-        f"machine's load alone could make B's steps {units.change(shift)} longer; rerun both on a quiet machine"
+        f"{waits}: {moved}, and without it the change would read {units.change(without.ratio - 1)} "
+        f"({without.verdict(limit)}); rerun both on a quiet machine",
+        "",
     )
 
 

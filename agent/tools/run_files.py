@@ -150,23 +150,31 @@ def read_summaries(
     return out
 
 
-def read_events(run_dir: Path, problems: list[str], budget: Budget | None = None) -> list[dict[str, Any]]:
-    """Every rank's events in time order; ``rank`` is the one in the file's name."""
-    events = []
+def iter_events(run_dir: Path, problems: list[str], budget: Budget | None = None) -> Iterator[dict[str, Any]]:
+    """Every rank's events, file by file as read (a stream: an event log can be hundreds of MiB);
+    ``rank`` is the one in the file's name."""
     for rank, path in rank_files(run_dir, "events", "jsonl"):
         for rec in read_jsonl(path, problems, JSONL_LIMIT, budget):
             rec["rank"] = rank
-            events.append(rec)
+            yield rec
+
+
+def read_events(run_dir: Path, problems: list[str], budget: Budget | None = None) -> list[dict[str, Any]]:
+    """Every rank's events in time order; ``rank`` is the one in the file's name."""
+    events = list(iter_events(run_dir, problems, budget))
     events.sort(key=lambda e: num(e.get("ts")) or 0.0)
     return events
 
 
-def read_spans(run_dir: Path, problems: list[str], budget: Budget | None = None) -> list[Span]:
-    out: list[Span] = []
+def iter_spans(run_dir: Path, problems: list[str], budget: Budget | None = None) -> Iterator[Span]:
+    """Every rank's spans, as read (a stream)."""
     for rank, path in rank_files(run_dir, "traces", "jsonl"):
         for req in read_jsonl(path, problems, JSONL_LIMIT, budget):
-            out.extend(_spans_of(req, rank))
-    return out
+            yield from _spans_of(req, rank)
+
+
+def read_spans(run_dir: Path, problems: list[str], budget: Budget | None = None) -> list[Span]:
+    return list(iter_spans(run_dir, problems, budget))
 
 
 def load_run(run_dir: str | os.PathLike[str], budget: Budget | None = None) -> Run:

@@ -141,6 +141,10 @@ def test_pipeline_phases_come_from_its_chunks(anatomy_runs: dict[str, Path]) -> 
     # only stage 0 consumes the batch: stage 1's wait for activations is not a data wait
     assert "data_wait" in _anatomy(anatomy_runs["pp"], 0)["phase_seconds_p50"]
     assert "data_wait" not in _anatomy(anatomy_runs["pp"], 1)["phase_seconds_p50"]
+    # compare --phase forward/backward judges a pipeline from its chunks' pp.forward/pp.backward spans
+    judged = compare(anatomy_runs["pp"], anatomy_runs["pp"], ("forward", "backward"), 0.05).judged
+    assert all(j.change is not None and j.change.ratio == 1.0 for j in judged), judged
+    assert all(not j.unknown or "waited for a CPU" in j.unknown for j in judged), judged  # a busy machine
 
 
 def test_ddp_exposed_communication(anatomy_runs: dict[str, Path]) -> None:

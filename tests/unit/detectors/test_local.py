@@ -12,6 +12,7 @@ from collections import Counter, deque
 from typing import Any
 
 import pytest
+import torch
 
 from hpar_agent import catalogue as cat
 from hpar_agent.agent import Agent
@@ -496,7 +497,7 @@ def history_probe(
     agent, det = make_agent(tmp_path, comps=(steps(n_steps), Fake("memory", post_step={source: series})))
     calls: list[str] = []
     assert det.evidence is not None
-    monkeypatch.setattr(det.evidence, "start_memory_history", lambda: calls.append("start") or True)
+    monkeypatch.setattr(det.evidence, "start_memory_history", lambda **_: calls.append("start") or True)
     monkeypatch.setattr(det.evidence, "stop_memory_history", lambda: calls.append("stop"))
     return agent, det, series, calls
 
@@ -582,3 +583,65 @@ def test_allocator_history_resumes_when_the_device_is_full_within_the_window(
     mem.__dict__.update(headroom=80 * MiB)  # 10 steps left
     agent.tick()
     assert calls[fired_at:] == ["start"]
+
+
+def _block(size: int, site: str | None, state: str = "active_allocated") -> dict[str, Any]:
+    """An allocator snapshot's block; ``site`` ("file:line name") allocated it while history recorded."""
+    frames = []
+    if site:
+        where, name = site.split(" ")
+        filename, line = where.split(":")
+        frames = [
+            {
+                "filename": os.path.join(os.path.dirname(torch.__file__), "_tensor.py"),
+                "line": 1,
+                "name": "ones",
+            },
+            {"filename": f"/home/user/{filename}", "line": int(line), "name": name},
+        ]
+    return {"size": size, "state": state, "frames": frames}
+
+
+def test_the_leak_site_is_the_allocating_line_whose_live_bytes_grew() -> None:
+    """Ten steps recorded: 16 MiB kept every step at train.py:42; the batch (churn: one step's worth
+    live) and 2 GiB allocated before the recording (no frames) are not the site."""
+    from hpar_agent.memory_forensics import leak_site
+
+    blocks = [_block(16 * MiB, "train.py:42 main") for _ in range(10)]
+    blocks += [_block(4 * MiB, "train.py:30 get_batch"), _block(4 * MiB, "train.py:30 get_batch", "inactive")]
+    blocks += [_block(1 << 30, None), _block(1 << 30, None)]
+    snap = {"segments": [{"device": 0, "blocks": blocks}]}
+    site = leak_site(snap, 0, 10, 20 * MiB)  # the reserved bytes grew 20 MiB a step
+    assert site == {
+        "site": "train.py:42 in main",
+        "site_live_bytes": 160 * MiB,
+        "site_growth_bytes_per_step": 16 * MiB,
+        "site_steps": 10,
+    }
+    churn = {"segments": [{"device": 0, "blocks": blocks[10:]}]}
+    unknown = leak_site(churn, 0, 10, 16 * MiB)
+    assert (
+        unknown["site"] == "unknown" and "train.py:30 in get_batch holds the most" in unknown["site_unknown"]
+    )
+    assert leak_site({"segments": [{"device": 1, "blocks": blocks}]}, 0, 10, 16 * MiB)["site"] == "unknown"
+    assert "began at the step the alert fired" in leak_site(snap, 0, 0, 16 * MiB)["site_unknown"]
+
+
+def test_memory_leak_on_cpu_says_site_unknown_and_why_and_keeps_the_stack_apart(tmp_path: Any) -> None:
+    """No allocator history on CPU: the alert says "site unknown" with the reason, never a site; the
+    py-spy stack at firing stays in the details as what the thread was doing, not as "stack" (the site)."""
+    series: deque = deque((s, 10**9 + 4 * MiB * s) for s in range(40))
+    agent, det = make_agent(tmp_path, comps=(steps(40), Fake("memory", post_step={"rss": series})))
+    agent.tick()
+    d = alert_events(agent)[0]["details"]
+    assert d["site"] == "unknown" and d["site_unknown"].startswith("the memory that grew is the host's (rss)")
+    assert "stack" not in d and d.get("stack_at_firing"), d
+    agent.tick()  # still active: the details read at firing stay
+    assert det.states["MemoryLeak"].details["site"] == "unknown"
+    series2: deque = deque((s, 10**9 + 4 * MiB * s) for s in range(40))
+    agent2, _ = make_agent(
+        tmp_path / "b", comps=(steps(40), Fake("memory", post_step={"allocator": series2}))
+    )
+    agent2.tick()
+    d2 = alert_events(agent2)[0]["details"]
+    assert d2["site"] == "unknown" and "no allocator history (CPU)" in d2["site_unknown"], d2
