@@ -32,11 +32,14 @@ class CompileDivergence(Detector):
     exchanges.
 
     Compared with this rank's comparison peers (``crossrank.plan``: every member of a small group, four
-    of a large one, per mesh dim), all of one stage: the odd rank(s) are the minority among them all
-    (a 1-1 split flags both), or the minority of three or more along one dim (a node whose tp group
-    compiled alike, outvoted by its dp peers). The stage as a whole is the Prometheus rule's
-    (``job_pp_stage:hpar_dynamo_graph_fingerprint:distinct``). Value: compared ranks whose fingerprint
-    differs from ours.
+    of a large one, per mesh dim), all of one stage, one dim at a time: the culprits are the ranks off a
+    clear majority of this rank and its peers along one dim (``signals.outvoted``), never the minority
+    of all compared together (a node whose tp group compiled alike would outvote its healthy dp peers:
+    along tp the node agrees, along dp each of its ranks is outvoted 4 to 1). Where the values split
+    with no clear majority (1-1, 3-2: half the job compiled differently) no culprit is named and
+    ``culprit_unknown`` and ``split`` say so; the alert is raised on the ranks of the split. The stage
+    as a whole is the Prometheus rule's (``job_pp_stage:hpar_dynamo_graph_fingerprint:distinct``).
+    Value: compared ranks whose fingerprint differs from ours.
     """
 
     name = "CompileDivergence"
@@ -68,16 +71,28 @@ class CompileDivergence(Detector):
         compared = {rank}.union(*groups.values())
         if rank not in stage or len(compared) < 2 or not compared <= set(stage):
             return None  # every peer's fingerprint first: with some missing, a 1-1 split blames a clean rank
-        stage = {r: stage[r] for r in sorted(compared)}
-        odd = rank in sig.odd_ranks(stage)
-        for group in groups.values():
+        culprits: set[int] = set()
+        unknown: list[str] = []
+        splits: dict[str, list[list[int]]] = {}
+        odd = False
+        for dim, group in sorted(groups.items()):
             vals = {r: stage[r] for r in (rank, *group)}
-            outvoted = sig.odd_ranks(vals)
-            odd = odd or (len(vals) >= 3 and rank in outvoted and len(outvoted) < len(vals))
-        differ = sum(1 for v in stage.values() if v != stage[rank])
-        details = {"fingerprints": {str(r): v for r, v in stage.items()}, **sig.culprits_of(stage)}
-        if odd and rank not in details["culprits"] and details["culprits"]:
-            details["culprits"] = sorted({*details["culprits"], rank})  # outvoted along one dim
+            verdict = sig.culprits_of(vals)
+            culprits.update(verdict["culprits"])
+            odd = odd or rank in verdict["culprits"]
+            if "split" in verdict:
+                odd = True  # a split with no majority on this rank's own dim: reported, culprit unknown
+                unknown.append(f"{dim}: {verdict['culprit_unknown']}")
+                splits[dim] = verdict["split"]
+        shown = {r: stage[r] for r in sorted(compared)}
+        differ = sum(1 for v in shown.values() if v != stage[rank])
+        details: dict[str, Any] = {
+            "fingerprints": {str(r): v for r, v in shown.items()},
+            "culprits": sorted(culprits),
+        }
+        if unknown:
+            details["culprit_unknown"] = "; ".join(unknown)
+            details["split"] = splits
         return Verdict(odd, float(differ), details)
 
 
@@ -241,9 +256,11 @@ class ReplicaDivergence(Detector):
                 continue
             step, by_rank, split = self._compare(snap, label, group)
             compared = compared or step >= 0
-            if split:  # holders of one piece split with no majority (a 1-1 split): who is wrong is unknown
+            if split:  # holders of one piece split with no clear majority (1-1, 3-2): who is wrong is unknown
+                parts = sig.sides({r: str(snap.exchange.peers[r]["cd"].get(str(step))) for r in split})
                 unknown.append(
-                    f"{label} group {group}: no majority holds the same values among ranks {split}"
+                    f"{label} group {group}: culprit unknown: no majority holds the same values, split "
+                    f"{'-'.join(str(len(p)) for p in parts)} among ranks {parts}"
                 )
             culprits.update(r for r in by_rank if r not in split)
             diff = by_rank.get(snap.rank, [])

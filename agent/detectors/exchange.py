@@ -21,6 +21,7 @@ from hpar_agent.crossrank import (
     Grid,
     PeerPlan,
     cadence,
+    node_sizes,
     open_store,
     plan,
 )
@@ -269,7 +270,7 @@ class CrossRankExchange:
         key = (id(ctx.mesh), id(ctx.model), ctx.topology.rank, ctx.topology.world_size)
         if self._plan_of is None or self._plan_of[0] != key:
             mesh = ctx.mesh if ctx.mesh is not None else mesh_from_model(ctx.model)
-            self._plan_of = (key, plan(self._grid(mesh), ctx.topology.rank))
+            self._plan_of = (key, plan(self._grid(mesh), ctx.topology.rank, nodes=node_sizes()))
             self.seen = {r: p for r, p in self.seen.items() if r in self._plan_of[1].peers}
         return self._plan_of[1]
 

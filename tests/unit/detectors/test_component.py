@@ -294,11 +294,11 @@ def test_a_small_jobs_pass_is_not_delayed(store: Any, tmp_path: Any) -> None:
 
 def test_a_pass_that_reads_and_publishes_reads_before_any_rank_publishes(store: Any, tmp_path: Any) -> None:
     """64 ranks at a 0.2 s interval: 31 ms windows, a pass may read one exchange and publish the next.
-    Rank a sets its next payload early in its window, its peer b = a+12 (64 // 5) reads later in its own:
+    Rank a sets its next payload early in its window, its peer b = a-26 (2 x 64 // 5, moved to even) reads later in its own:
     without the read window first, b would read a's new payload against its own old one."""
     th = {"detectors.exchange_s": 1.0, "detectors.exchange_min_s": 0.1}
-    a = _rank_at(64, 0.0005, 0.006, interval=0.2)
-    b = (a + 12) % 64  # 12 x 0.618 = 0.42 of the window further (mod 1): later
+    a = _rank_at(64, 0.0005, 0.002, interval=0.2)
+    b = (a - 26) % 64  # -26 x 0.618 = 0.93 of the window further (mod 1): later
     pair = [
         make_agent(
             tmp_path / str(r), rank=r, world=64, comps=(steps(1),), exchange=Exchange(store, "job", r), **th
