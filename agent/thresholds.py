@@ -161,7 +161,13 @@ DETECTOR_PARAMS: dict[str, tuple[Param, ...]] = {
         ),
     ),
     "RankGone": (
-        Param("silent_s", 6, "a peer silent this long is judged, seconds; at least two exchange intervals"),
+        Param(
+            "silent_s",
+            6,
+            "a peer silent this long is judged, seconds, once it also missed more than one exchange "
+            "(its payload at this rank's read over an exchange interval and 2 s older than the "
+            "cadence makes a live peer's)",
+        ),
     ),
     "GradSyncIncomplete": (
         Param("min_coverage", 0.99, "coverage below this fires: part of the gradient was never reduced"),

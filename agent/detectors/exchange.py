@@ -4,6 +4,7 @@ last read brought, the goodbye at detach, and the back-off after the store faile
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -168,6 +169,9 @@ class CrossRankExchange:
                 read_ok_at=self.read_ok_at,
                 interval_s=cad.interval_s,
                 fetch=self.fetch,
+                publish_lag=functools.partial(
+                    cad.publish_lag, self._ctx().topology.rank, pass_s=self._ctx().config.interval
+                ),
             )
             self._view = (key, view)
         return self._view[1]

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from hpar_agent.crossrank import Grid, plan, select
+from hpar_agent.crossrank import Grid, cadence, plan, select
 from hpar_agent.detectors.base import Verdict
 from hpar_agent.detectors.cluster import CompileDivergence, ReplicaDivergence
+from hpar_agent.detectors.liveness import RankGone
+from hpar_agent.detectors.snapshot import PeerView, Snapshot
+from hpar_agent.thresholds import COMPONENT_DEFAULTS
+from hpar_agent.topology import Topology
 from testkit.detection_sim import SimRank, job, judge, named, raised
 
 N = 1024
@@ -97,3 +101,51 @@ def test_a_node_that_compiled_differently_in_dp_x_tp_is_named_not_its_dp_peers()
     _diverge(CompileDivergence, ranks, node)
     verdicts = judge(CompileDivergence, grid, ranks)
     assert raised(verdicts) == node and named(verdicts) == node
+
+
+@pytest.mark.parametrize("n", [2_048, 4_096])
+def test_a_peer_one_exchange_late_is_never_gone_and_a_dead_one_is_named_at_its_second_miss(n: int) -> None:
+    """At 2,048 and 4,096 ranks the exchange paces itself (4 s and 8 s, spread over 2 and 4 passes): a
+    peer's payload is up to 7.5 s old at a read on time. Rank 1,000, a pass late on one exchange, is
+    judged by each of its readers at every pass until the next read; dead after its publish, it is
+    named by every reader at the read of the second exchange it missed. Its readers are on other
+    hosts (the process unknown): the margin alone decides."""
+    grid, _ = job([("dp", n)])
+    cad = cadence(n, COMPONENT_DEFAULTS["exchange_s"], 1.0)
+    every = cad.interval_s
+    late, read_at = 1_000, 1_796_000_000.0
+
+    def verdicts(missed: int, behind_s: float, after_s: float) -> dict[int, Verdict]:
+        out = {}
+        for r in plan(grid, late).peers:  # who reads rank 1,000 (symmetric: the ranks it reads)
+            seen = {
+                q: {
+                    "t": read_at
+                    - cad.publish_lag(r, q, 1.0)
+                    - (missed * every + behind_s if q == late else 0),
+                    "step": 40,
+                    "id": [4242, "another-host", 1],
+                }
+                for q in plan(grid, r).peers
+            }
+            view = PeerView(
+                seen=seen,
+                read_ok_at=read_at,
+                interval_s=every,
+                publish_lag=lambda q, r=r: cad.publish_lag(r, q, 1.0),
+            )
+            snap = Snapshot(
+                now=read_at + after_s, topology=Topology(rank=r, world_size=n), coords={}, exchange=view
+            )
+            got = RankGone().evaluate(snap)
+            assert got is not None
+            out[r] = got
+        return out
+
+    assert every == {2_048: 4.0, 4_096: 8.0}[n]
+    for after_s in (0.0, every - 1.0):  # every pass from one read to the pass before the next
+        assert (
+            raised(verdicts(1, 1.0, after_s)) == set()
+        )  # an exchange and a pass late: silent up to 2I + 7.5 s
+    dead = verdicts(2, 0.0, 0.0)
+    assert raised(dead) == set(plan(grid, late).peers) and named(dead) == {late}
