@@ -216,7 +216,7 @@ def select(
         return [m for m in members if m != me]
     i = members.index(me)
     pairs = max(1, k // 2)
-    sizes, steps = tuple(nodes), []
+    sizes, steps = tuple(nodes), list[int]()
     stride = _stride(members)
     for j in range(1, pairs + 1):
         base = j * n // (pairs * 2 + 1)

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from hpar_agent import gil
 from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.context import Conclusion
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
-from hpar_agent.detectors.base import Detector, Verdict
+from hpar_agent.detectors.base import Detector, FeedNeeds, StepTick, Verdict
 from hpar_agent.samples import copy_to_host, sample_cat, segment_sums, strided
 from hpar_agent.torch_compat import parallel
 
@@ -51,6 +52,9 @@ class CompileDivergence(Detector):
         if snap.warmup.quiet_s < self.p("settle_s") or snap.compile is None:
             return None
         return snap.compile.fingerprint
+
+    def change_token(self, snap: Snapshot) -> int | None:
+        return self.settled_fingerprint(snap)  # a newly settled fingerprint goes out before the next slot
 
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         fp = self.settled_fingerprint(snap)
@@ -202,9 +206,10 @@ class ReplicaDivergence(Detector):
         self._digests: dict[int, dict[str, str]] = {}  # step -> its digests (a step's checksums never change)
         self._judged: dict[str, tuple[Any, ...]] = {}  # group label -> (step, members, offending params)
 
-    def step_hook(self, model: Any, step: int) -> None:
-        if model is not None and step > 0 and step % int(self.p("every_steps")) == 0:
-            self.sampler.capture(model, step)
+    def step_hook(self, tick: StepTick) -> None:
+        every = int(self.p("every_steps"))
+        if tick.world_size > 1 and tick.model is not None and tick.step > 0 and tick.step % every == 0:
+            self.sampler.capture(tick.model, tick.step)
 
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         self.history.extend(self.sampler.resolve())
@@ -358,6 +363,9 @@ class CollectiveMismatch(Detector):
         self.peer_bits: dict[sig.ReductionKey, float] = {}
         self.kinds_judged: sig.OddMemo = {}  # ``signals.collective_mismatches``' memo, from exchange to exchange
 
+    def needs(self) -> FeedNeeds:
+        return FeedNeeds(fr_entries=int(self.p("max_entries")))
+
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         entries = snap.collectives.fr_entries  # the last ``max_entries`` (``DetectorFeed.fr_limit``)
         return {"fr": {"fr": sig.pack_fr(entries)}} if entries else {}
@@ -425,9 +433,17 @@ class Straggler(Detector):
         self._slow_candidate: int | None = None
         self._slow_streak = 0
 
-    def step_hook(self, step: int, t_ns: int) -> None:
-        if self.warm_ns is None and step + 1 >= self.p("warmup_steps"):
-            self.warm_ns = t_ns
+    def step_hook(self, tick: StepTick) -> None:
+        if self.warm_ns is None and tick.step + 1 >= self.p("warmup_steps"):
+            self.warm_ns = tick.t_ns
+
+    def conclusion(self, active: bool, value: float) -> Conclusion:
+        """For the step anatomy's slow-rank verdict: this rank's own alert, else the peer it confirmed
+        slowest among the ranks' exchanged lags (``slowest``)."""
+        if active:
+            return Conclusion(True, None, float(value) if value else None)
+        slowest = self.slowest
+        return Conclusion(False, *slowest) if slowest is not None else Conclusion()
 
     def evaluate(self, snap: Snapshot) -> Verdict | None:
         if not snap.exchange.fresh or snap.steps_done < self.p("warmup_steps"):

@@ -416,3 +416,18 @@ def test_the_stores_host_waits_at_exit_for_its_peers_goodbyes(store: Any, tmp_pa
     assert ended and ended[0] >= before
     assert det1.exchange.bytes_in == reads
     assert store.get("hpar/job/x/bye/1") == b"exit" and host.errors == {} and peer.errors == {}
+
+
+def test_the_component_names_no_detector_and_every_alert_has_one() -> None:
+    """A detector is its module, its catalogue entry, its parameters, its rule, docs and tests: the
+    component reaches every detector through the base's hooks only (a name of a detector or alert in
+    its source would be one more place to edit)."""
+    import inspect
+
+    from hpar_agent import catalogue
+    from hpar_agent.detectors import component
+    from hpar_agent.detectors.base import detector_classes
+
+    source = inspect.getsource(component)
+    assert [a for a in catalogue.ALERT_NAMES if a in source] == []
+    assert [c.name for c in detector_classes()] == list(catalogue.ALERT_NAMES)
