@@ -32,10 +32,11 @@ class CompileDivergence(Detector):
     known, a clean rank and the odd one would split 1-1 and both be named). Confirmed on two consecutive
     exchanges.
 
-    Compared with this rank's comparison peers (``crossrank.plan``: every member of a small group, four
-    of a large one, per mesh dim), all of one stage, one dim at a time: the culprits are the ranks off a
-    clear majority of this rank and its peers along one dim (``signals.outvoted``), never the minority
-    of all compared together (a node whose tp group compiled alike would outvote its healthy dp peers:
+    Where this rank read every rank of its stage (a job of up to 8 ranks reads every rank), the
+    stage's clear majority decides (``signals.outvoted``: 3-1 of dp2 x tp2). Else compared with this
+    rank's comparison peers (``crossrank.plan``: every member of a small group, four of a large one,
+    per mesh dim), one dim at a time: the culprits are the ranks off a clear majority of this rank and
+    its peers along one dim, never the minority of all compared together (a node whose tp group compiled alike would outvote its healthy dp peers:
     along tp the node agrees, along dp each of its ranks is outvoted 4 to 1). Where the values split
     with no clear majority (1-1, 3-2: half the job compiled differently) no culprit is named and
     ``culprit_unknown`` and ``split`` say so; the alert is raised on the ranks of the split. The stage
@@ -75,23 +76,29 @@ class CompileDivergence(Detector):
         compared = {rank}.union(*groups.values())
         if rank not in stage or len(compared) < 2 or not compared <= set(stage):
             return None  # every peer's fingerprint first: with some missing, a 1-1 split blames a clean rank
+        topo = snap.topology
+        if len(stage) >= topo.world_size // max(topo.pp, 1):  # every rank of the stage read (up to 8 ranks)
+            shown, verdicts = stage, {"stage": sig.culprits_of(stage)}
+        else:
+            shown = {r: stage[r] for r in compared}
+            verdicts = {
+                dim: sig.culprits_of({r: stage[r] for r in (rank, *group)})
+                for dim, group in sorted(groups.items())
+            }
         culprits: set[int] = set()
         unknown: list[str] = []
         splits: dict[str, list[list[int]]] = {}
         odd = False
-        for dim, group in sorted(groups.items()):
-            vals = {r: stage[r] for r in (rank, *group)}
-            verdict = sig.culprits_of(vals)
+        for dim, verdict in verdicts.items():
             culprits.update(verdict["culprits"])
             odd = odd or rank in verdict["culprits"]
             if "split" in verdict:
                 odd = True  # a split with no majority on this rank's own dim: reported, culprit unknown
                 unknown.append(f"{dim}: {verdict['culprit_unknown']}")
                 splits[dim] = verdict["split"]
-        shown = {r: stage[r] for r in sorted(compared)}
         differ = sum(1 for v in shown.values() if v != stage[rank])
         details: dict[str, Any] = {
-            "fingerprints": {str(r): v for r, v in shown.items()},
+            "fingerprints": {str(r): v for r, v in sorted(shown.items())},
             "culprits": sorted(culprits),
         }
         if unknown:

@@ -347,6 +347,24 @@ def test_compile_divergence_of_a_whole_node_is_outvoted_along_dp(store: Any, tmp
     )
     _tick(ranks, 3)
     assert _active(ranks, "CompileDivergence") == set(range(24, 32))
+    culprits = {r for _, det in ranks for r in det.states["CompileDivergence"].details.get("culprits", ())}
+    assert culprits == set(range(24, 32))  # never their healthy dp peers (the minority of all 12 compared)
+
+
+def test_compile_divergence_in_dp2_x_tp2_is_judged_over_the_whole_stage(store: Any, tmp_path: Any) -> None:
+    """Each of rank 3's dims holds one peer (1-1 splits); a job of 4 reads every rank, and the stage's
+    3-1 names rank 3 alone."""
+    from tests.unit.harness import Fake, steps
+
+    ranks = _ranks(
+        store,
+        tmp_path,
+        [("dp", 2), ("tp", 2)],
+        lambda r: (steps(10), Fake("compile", fingerprint=2 if r == 3 else 1)),
+    )
+    _tick(ranks, 3)
+    assert _active(ranks, "CompileDivergence") == {3}
+    assert ranks[3][1].states["CompileDivergence"].details["culprits"] == [3]
 
 
 def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_path: Any) -> None:
