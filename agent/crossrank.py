@@ -205,10 +205,10 @@ def select(
     """The members of one group that ``me`` compares with: all of them in a group of up to ``whole``;
     else ``k`` spread evenly around the group, at +-n/(k/2+1), +-2n/(k/2+1), ... in the group's order
     (for ``k`` = 4: +-n/5 and +-2n/5), each moved up to the first offset that is not a whole number of
-    nodes (``unaligned``), the first also to an odd one and the second to an even one where they
-    can: a fault on every other rank then splits each rank's five 3-2 (no culprit, a split) instead
-    of 4-1 the wrong way, and a fault on one GPU of every node reaches a healthy rank's five once at
-    most. Symmetric: a rank is read by the ranks it reads. Far apart: a
+    nodes nor half a node (``unaligned``), the first also to an odd one and the second to an even one
+    where they can: a fault on every other rank then splits each rank's five 3-2 (no culprit, a split)
+    instead of 4-1 the wrong way, and the four peers sit on four other local indices, so a fault on
+    one GPU of every node reaches a healthy rank's five once at most. Symmetric: a rank is read by the ranks it reads. Far apart: a
     block of up to n/5 contiguous ranks that is wrong together (a slow or miscompiled node) holds none
     of a member's peers, so each of its ranks is outvoted 4 to 1 by ranks outside it."""
     n = len(members)
@@ -241,8 +241,9 @@ def unaligned(
     taken: Sequence[int] = (),
     stride: int | None = None,
 ) -> int | None:
-    """``offset``, or the first of the next ones (up to a node's size on) by which no member of the group
-    reaches a rank of the same local index (``rank % node``) on any node size in ``nodes``, and (with
+    """``offset``, or the first of the next ones (up to two nodes on) by which no member of the group
+    reaches a rank of the same local index (``rank % node``) on any node size in ``nodes``, nor of
+    the index half a node away (so +offset and -offset reach two different local indices), and (with
     ``parity``) only ranks that far apart in that parity; None where none is. An offset that reaches
     the same peer as one ``taken`` (or itself backwards) is skipped. ``stride``: the members' rank
     step where they are evenly spaced (``_stride``), None where not. Why: at an offset that is a multiple of the node size (n/5 whenever n mod 40 is 0-4 with 8
@@ -254,14 +255,14 @@ def unaligned(
     nodes = tuple(size for size in nodes if size > 1)
     if (not nodes and parity is None) or n < 2:
         return offset
-    for o in range(offset, min(offset + max((*nodes, 2)), n)):
+    for o in range(offset, min(offset + 2 * max((*nodes, 2)), n)):
         if 2 * o == n or any(o in (t, n - t) for t in taken):
             continue
         if stride is not None:
             apart = {o * stride, (o - n) * stride}  # without and with wrapping around the group's end
         else:
             apart = {members[(p + o) % n] - members[p] for p in range(n)}
-        if all(d % size for d in apart for size in nodes) and (
+        if all(2 * d % size for d in apart for size in nodes) and (
             parity is None or all(d % 2 == parity for d in apart)
         ):
             return o
