@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar, overload
 
-from hpar_agent.thresholds import ANATOMY_DEFAULTS, COMPONENT_THRESHOLDS, DETECTOR_DEFAULTS
+from hpar_agent.thresholds import ANATOMY_DEFAULTS, COMPONENT_THRESHOLDS, DETECTOR_DEFAULTS, param_bounds
 
 log = logging.getLogger("hpar_agent")
 
@@ -87,7 +87,13 @@ class Setting:
         """What a valid value is, in words."""
         if self.bounds is not None:
             return self.bounds.want
-        return {bool: "true or false", int: "an integer", float: "a number", str: "text"}.get(self.kind, "")
+        return {
+            bool: "true or false",
+            int: "an integer",
+            float: "a number",
+            str: "text",
+            dict: "`<Alert>.<param>=value,...`",
+        }.get(self.kind, "")
 
     def read(self, raw: str) -> Any:
         """The value of the variable's text; ``ValueError`` says what is wrong with it."""
@@ -101,7 +107,9 @@ class Setting:
             value = None if text == "" and self.optional else int(text)
         elif self.kind is float:
             value = float(text)
-        problems = self.problems(value)
+        elif self.kind is dict:
+            value = parse_thresholds(text)
+        problems = self.problems(value) + (threshold_problems(value) if self.kind is dict else [])
         if problems:
             raise ValueError("; ".join(problems))
         return value
@@ -145,7 +153,7 @@ def setting(
 
 @dataclass(kw_only=True)
 class AgentConfig:
-    """Agent settings; every field but ``thresholds`` has an ``HPAR_*`` variable (docs/configuration.md)."""
+    """Agent settings, each with its ``HPAR_*`` variable (docs/configuration.md)."""
 
     disable: bool = setting(
         False, env="HPAR_DISABLE", help="Install nothing: attach() returns an inert agent."
@@ -280,7 +288,11 @@ class AgentConfig:
     )
     thresholds: dict[str, float] = setting(  # noqa: RUF009 (setting() returns a dataclasses.field)
         default_factory=dict,
-        help='Detector threshold overrides, {"<Alert>.<param>": value} (docs/alerts.md, thresholds).',
+        env="HPAR_THRESHOLDS",
+        help="Detector parameter overrides: `Straggler.max_lag_ratio=0.3,Hang.timeout_s=120` (in code "
+        '{"<Alert>.<param>": value}); every parameter, its default, type and bounds are in docs/alerts.md '
+        "(thresholds); `detectors.<param>` and `anatomy.<param>` set the detectors component's and the step "
+        "anatomy's.",
     )
     log_max_bytes: int = setting(
         64 << 20,
@@ -412,29 +424,49 @@ def _warn_once(key: str, message: str) -> None:
         log.warning("%s", message)
 
 
+def parse_thresholds(text: str) -> dict[str, float]:
+    """``HPAR_THRESHOLDS``' text, ``<Alert>.<param>=value`` pairs separated by commas, as a dict; a
+    pair without ``=`` or a value that is not a number raises ``ValueError`` naming it."""
+    out: dict[str, float] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"expected <Alert>.<param>=value, got {pair!r}")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"{key.strip()} must be a number, got {value.strip()!r}") from None
+    return out
+
+
 def threshold_problems(thresholds: Mapping[Any, Any]) -> list[str]:
     """Each key must name a detector of the catalogue and one of its parameters (``<Alert>.<param>``,
     ``detectors.<param>`` for the component, ``anatomy.<param>`` for the step anatomy's verdict; the
-    table is ``hpar_agent.thresholds``), each value a finite non-negative number: a typo must
-    not be ignored, and a bad value must not turn the detectors off at install."""
+    table is ``hpar_agent.thresholds``; an unknown one is named with the closest real one), each value
+    a finite number within the parameter's bounds, a whole number where it counts something
+    (``thresholds.param_bounds``): a typo must not be ignored, and a bad value must not turn the
+    detectors off at install."""
     if not thresholds:
         return []
     params = {alert: set(defaults) for alert, defaults in DETECTOR_DEFAULTS.items()}
     params["detectors"] = set(COMPONENT_THRESHOLDS)
     params["anatomy"] = set(ANATOMY_DEFAULTS)
+    every = [f"{alert}.{p}" for alert, names in params.items() for p in sorted(names)]
     out = []
     for key, value in thresholds.items():
         alert, _, param = key.partition(".") if isinstance(key, str) else ("", "", "")
         if alert not in params or param.split(".")[0] not in params[alert]:
-            known = sorted(params.get(alert, ())) if alert in params else sorted(params)
-            out.append(
-                f"unknown threshold {key!r} (known {'params' if alert in params else 'detectors'}: "
-                f"{', '.join(known)})"
-            )
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            out.append(f"threshold {key} must be a number, got {type(value).__name__} {value!r}")
-        elif not (math.isfinite(value) and value >= 0):
-            out.append(f"threshold {key} must be finite and >= 0, got {value}")
+            close = difflib.get_close_matches(str(key), every, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else "the parameters are in docs/alerts.md"
+            out.append(f"unknown threshold {key!r} ({hint})")
+            continue
+        whole, lo, hi = param_bounds(param)
+        kind = "a whole number" if whole else "a number"
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            out.append(f"threshold {key} must be {kind}, got {type(value).__name__} {value!r}")
+        elif not (math.isfinite(value) and lo <= value <= hi) or (whole and not float(value).is_integer()):
+            upto = f"..{hi:g}" if math.isfinite(hi) else " or more"
+            out.append(f"threshold {key} must be {kind} {lo:g}{upto}, got {value}")
     return out
 
 

@@ -40,14 +40,15 @@ class _NoSpans:
         return None
 
 
-@dataclass(slots=True)
-class SlowRank:
-    """The job's slow rank as the Straggler detector last judged it. The detectors write it every pass
-    and the step anatomy reads it, so a collector never reaches into a detector."""
+@dataclass(frozen=True, slots=True)
+class Conclusion:
+    """What a detector concluded, for the rest of the agent (``AgentContext.conclusions``, by alert).
+    The detectors component writes it after every pass and a collector reads it (the step anatomy
+    reads Straggler's), so a collector never reaches into a detector."""
 
-    here: bool = False  # this rank's own Straggler alert is active: the others wait for it
-    peer: int | None = None  # else the peer the detector confirmed slowest; None: no slow rank
-    lag: float | None = None  # the slow rank's arrival lag ratio at collectives
+    here: bool = False  # this rank's own alert is active: it is the offender
+    peer: int | None = None  # else the peer the detector names; None: no offender
+    value: float | None = None  # the offender's value (Straggler: its arrival lag ratio)
 
 
 def _never() -> bool:
@@ -99,8 +100,8 @@ class AgentContext:
     run_dir: str = ""
     #: the agent's component list (shared: a component added later is found too)
     components: Sequence[object] = ()
-    #: the Straggler detector's conclusion, for the step anatomy's verdict
-    slow_rank: SlowRank = field(default_factory=SlowRank)
+    #: each detector's conclusion by alert (``Detector.conclusion``): the step anatomy reads Straggler's
+    conclusions: dict[str, Conclusion] = field(default_factory=dict)
     #: how the process is ending, set on the way out: "exception: <Type>: <message>" (uncaught in the main
     #: thread), "signal: SIGTERM", else "" (a clean exit or detach)
     exit_reason: str = ""

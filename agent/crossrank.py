@@ -18,7 +18,9 @@ key per step), and a reader fetches only the purposes it compares:
 
 Comparison peers (``plan``): along every mesh dim but ``pp`` (stages hold different graphs and
 parameters), the members of this rank's group on that dim: all of them in a group of up to
-``WHOLE_GROUP`` (8), else the four at +-n/5 and +-2n/5 in the group's order (``select``). The choice is
+``WHOLE_GROUP`` (8), else the four at +-n/5 and +-2n/5 in the group's order (``select``), moved
+to the next offset that is not a multiple of the node size (8, and ``LOCAL_WORLD_SIZE``), so that
+peers sit on other local GPU indices (``unaligned``). The choice is
 symmetric (a rank is read by the ranks it reads), so a lone odd rank is outvoted 4 to 1 wherever it
 is, and far apart: a block of up to n/5 contiguous ranks that is wrong or slow together (a node) holds
 none of its members' peers, so every one of its ranks is named, not only its edges. What each detector compares, with whom:
@@ -65,6 +67,8 @@ log = logging.getLogger("hpar_agent")
 
 #: Peers read along one mesh dim once its group has more members than ``WHOLE_GROUP``.
 PEERS_PER_DIM = 4
+#: Ranks a node holds unless ``LOCAL_WORLD_SIZE`` says more: peer offsets avoid its multiples (``unaligned``).
+NODE_RANKS = 8
 #: Groups of up to this many members are read whole: half of a group of 8 that is slow together (a
 #: node) cannot be told from the other half by four of them.
 WHOLE_GROUP = 8
@@ -107,6 +111,14 @@ class Cadence:
         u = (rank * _GOLDEN) % 1.0 * self.polls
         k = min(int(u), self.polls - 1)
         return k, (u - k) * self.window_s
+
+    def publish_lag(self, reader: int, peer: int, pass_s: float) -> float:
+        """Seconds from ``peer``'s publish of an exchange to ``reader``'s read of it: a rank publishes at
+        its offset ``k`` passes after the capture and reads ``polls`` passes after its own publish
+        (``pass_s``: the agent's interval), so a live peer's payload is this old at the read."""
+        k_reader, off_reader = self.offset(reader)
+        k_peer, off_peer = self.offset(peer)
+        return (self.polls + k_reader - k_peer) * pass_s + off_reader - off_peer
 
 
 def cadence(ranks: int, exchange_s: float, interval_s: float) -> Cadence:
@@ -183,10 +195,20 @@ class Grid:
         return [self.ranks[start + i * stride] for i in range(self.shape[axis])]
 
 
-def select(members: Sequence[int], me: int, k: int = PEERS_PER_DIM, whole: int = WHOLE_GROUP) -> list[int]:
+def select(
+    members: Sequence[int],
+    me: int,
+    k: int = PEERS_PER_DIM,
+    whole: int = WHOLE_GROUP,
+    nodes: Iterable[int] = (NODE_RANKS,),
+) -> list[int]:
     """The members of one group that ``me`` compares with: all of them in a group of up to ``whole``;
     else ``k`` spread evenly around the group, at +-n/(k/2+1), +-2n/(k/2+1), ... in the group's order
-    (for ``k`` = 4: +-n/5 and +-2n/5). Symmetric: a rank is read by the ranks it reads. Far apart: a
+    (for ``k`` = 4: +-n/5 and +-2n/5), each moved up to the first offset that is not a whole number of
+    nodes nor half a node (``unaligned``), the first also to an odd one and the second to an even one
+    where they can: a fault on every other rank then splits each rank's five 3-2 (no culprit, a split)
+    instead of 4-1 the wrong way, and the four peers sit on four other local indices, so a fault on
+    one GPU of every node reaches a healthy rank's five once at most. Symmetric: a rank is read by the ranks it reads. Far apart: a
     block of up to n/5 contiguous ranks that is wrong together (a slow or miscompiled node) holds none
     of a member's peers, so each of its ranks is outvoted 4 to 1 by ranks outside it."""
     n = len(members)
@@ -194,15 +216,67 @@ def select(members: Sequence[int], me: int, k: int = PEERS_PER_DIM, whole: int =
         return [m for m in members if m != me]
     i = members.index(me)
     pairs = max(1, k // 2)
-    offsets = [
-        o for j in range(1, pairs + 1) for o in (j * n // (pairs * 2 + 1), -(j * n // (pairs * 2 + 1)))
-    ]
+    sizes, steps = tuple(nodes), list[int]()
+    stride = _stride(members)
+    for j in range(1, pairs + 1):
+        base = j * n // (pairs * 2 + 1)
+        found = unaligned(members, base, sizes, j % 2, steps, stride)  # odd, then even: see every-other
+        steps.append(
+            found if found is not None else unaligned(members, base, sizes, None, steps, stride) or base
+        )
+    offsets = [o for step in steps for o in (step, -step)]
     out: list[int] = []
     for o in offsets:
         peer = members[(i + o) % n]
         if peer != me and peer not in out:
             out.append(peer)
     return out
+
+
+def unaligned(
+    members: Sequence[int],
+    offset: int,
+    nodes: tuple[int, ...],
+    parity: int | None = None,
+    taken: Sequence[int] = (),
+    stride: int | None = None,
+) -> int | None:
+    """``offset``, or the first of the next ones (up to two nodes on) by which no member of the group
+    reaches a rank of the same local index (``rank % node``) on any node size in ``nodes``, nor of
+    the index half a node away (so +offset and -offset reach two different local indices), and (with
+    ``parity``) only ranks that far apart in that parity; None where none is. An offset that reaches
+    the same peer as one ``taken`` (or itself backwards) is skipped. ``stride``: the members' rank
+    step where they are evenly spaced (``_stride``), None where not. Why: at an offset that is a multiple of the node size (n/5 whenever n mod 40 is 0-4 with 8
+    ranks a node) every peer uses the same local GPU index as the rank itself, and a fault on that one
+    GPU of every node (a bad slot, a driver setting, a rank-dependent code path) would be outvoted by
+    no one. A group whose members are all on the same local index (the dp group of dp x tp with tp a
+    node) cannot avoid it."""
+    n = len(members)
+    nodes = tuple(size for size in nodes if size > 1)
+    if (not nodes and parity is None) or n < 2:
+        return offset
+    for o in range(offset, min(offset + 2 * max((*nodes, 2)), n)):
+        if 2 * o == n or any(o in (t, n - t) for t in taken):
+            continue
+        if stride is not None:
+            apart = {o * stride, (o - n) * stride}  # without and with wrapping around the group's end
+        else:
+            apart = {members[(p + o) % n] - members[p] for p in range(n)}
+        if all(2 * d % size for d in apart for size in nodes) and (
+            parity is None or all(d % 2 == parity for d in apart)
+        ):
+            return o
+    return None
+
+
+def _stride(members: Sequence[int]) -> int | None:
+    """The step between consecutive members where they are evenly spaced (a mesh dim's group), else None."""
+    if isinstance(members, range):
+        return members.step
+    if len(members) < 2:
+        return None
+    step = members[1] - members[0]
+    return step if list(members) == list(range(members[0], members[0] + len(members) * step, step)) else None
 
 
 @dataclass(frozen=True)
@@ -231,18 +305,36 @@ class PeerPlan:
         return out
 
 
-def plan(grid: Grid, rank: int, k: int = PEERS_PER_DIM, skip: Iterable[str] = ("pp",)) -> PeerPlan:
-    """``rank``'s comparison peers along every dim of ``grid`` but ``skip`` (see the module doc)."""
+def plan(
+    grid: Grid,
+    rank: int,
+    k: int = PEERS_PER_DIM,
+    skip: Iterable[str] = ("pp",),
+    nodes: Iterable[int] = (NODE_RANKS,),
+) -> PeerPlan:
+    """``rank``'s comparison peers along every dim of ``grid`` but ``skip`` (see the module doc), none
+    of them a whole number of ``nodes`` (sizes of a node in ranks) away where the group allows."""
     if rank not in grid.ranks:
         return PeerPlan(rank, {})
     skipped = set(skip)
+    sizes = tuple(nodes)
     groups = {
-        dim: tuple(select(grid.group(rank, dim), rank, k))
+        dim: tuple(select(grid.group(rank, dim), rank, k, nodes=sizes))
         for dim, size in zip(grid.names, grid.shape, strict=True)
         if size > 1 and dim not in skipped
     }
     world = tuple(r for r in grid.ranks if r != rank) if len(grid.ranks) <= WHOLE_GROUP else ()
     return PeerPlan(rank, groups, world)
+
+
+def node_sizes(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """The node sizes peer offsets avoid: ``NODE_RANKS`` and the launcher's ``LOCAL_WORLD_SIZE``."""
+    env = os.environ if environ is None else environ
+    try:
+        local = int(env.get("LOCAL_WORLD_SIZE", "0"))
+    except ValueError:
+        local = 0
+    return tuple(sorted({NODE_RANKS, *((local,) if local > 1 else ())}))
 
 
 # ------------------------------------------------------------------------------------------ store

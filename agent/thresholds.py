@@ -161,7 +161,13 @@ DETECTOR_PARAMS: dict[str, tuple[Param, ...]] = {
         ),
     ),
     "RankGone": (
-        Param("silent_s", 6, "a peer silent this long is judged, seconds; at least two exchange intervals"),
+        Param(
+            "silent_s",
+            6,
+            "a peer silent this long is judged, seconds, once it also missed more than one exchange "
+            "(its payload at this rank's read over an exchange interval and 2 s older than the "
+            "cadence makes a live peer's)",
+        ),
     ),
     "GradSyncIncomplete": (
         Param("min_coverage", 0.99, "coverage below this fires: part of the gradient was never reduced"),
@@ -170,6 +176,24 @@ DETECTOR_PARAMS: dict[str, tuple[Param, ...]] = {
         Param("min_shared_cpus", 1, "allowed CPUs that are ideal for the GPU, below which it fires"),
     ),
 }
+#: Parameter names (the part after ``<Alert>.``, without a ``.<op>`` suffix) that count things: whole
+#: numbers. By ending, so that a new parameter of that kind is one without a declaration here.
+_COUNTS = ("_steps", "_entries", "window", "_count", "_collectives", "_graphs", "_recompiles", "_hits")
+_COUNTS_TOO = ("min_lookups", "min_shared_cpus", "per_param")
+#: ... that are shares of a whole: 0..1.
+_SHARES = ("_ratio", "_fraction", "_coverage", "_share", "min_explained")
+#: ... that must be at least 1 (a divisor, a sample size).
+_AT_LEAST_ONE = ("every_steps", "per_param", "window")
+
+
+def param_bounds(name: str) -> tuple[bool, float, float]:
+    """(whole number, lowest, highest) a value of the parameter ``name`` may take: what the config
+    validates every override against (``config.threshold_problems``)."""
+    base = name.split(".")[0]
+    whole = base.endswith(_COUNTS) or base in _COUNTS_TOO
+    return whole, 1.0 if base in _AT_LEAST_ONE else 0.0, 1.0 if base.endswith(_SHARES) else float("inf")
+
+
 #: alert -> parameter -> default (from ``DETECTOR_PARAMS``)
 DETECTOR_DEFAULTS: dict[str, dict[str, float]] = {
     alert: {p.name: p.default for p in params} for alert, params in DETECTOR_PARAMS.items()

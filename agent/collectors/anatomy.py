@@ -303,11 +303,11 @@ class AnatomyCollector(Component):
 
     def _straggler(self) -> tuple[bool, float | None, int | None]:
         """Whether the job has one slow rank, its arrival lag at collectives and which rank (None: this
-        one), as the Straggler detector concluded (``AgentContext.slow_rank``)."""
-        sr = self.ctx.slow_rank if self.ctx is not None else None
+        one), as the Straggler detector concluded (``AgentContext.conclusions``)."""
+        sr = self.ctx.conclusions.get("Straggler") if self.ctx is not None else None
         if sr is None or not (sr.here or sr.peer is not None):
             return False, None, None
-        return True, sr.lag, None if sr.here else sr.peer
+        return True, sr.value, None if sr.here else sr.peer
 
     def collect(self) -> Iterable[Metric]:
         f = self.require_ctx().families

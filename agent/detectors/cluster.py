@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from hpar_agent import gil
 from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.context import Conclusion
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
-from hpar_agent.detectors.base import Detector, Verdict
+from hpar_agent.detectors.base import Detector, FeedNeeds, StepTick, Verdict
 from hpar_agent.samples import copy_to_host, sample_cat, segment_sums, strided
 from hpar_agent.torch_compat import parallel
 
@@ -31,12 +32,16 @@ class CompileDivergence(Detector):
     known, a clean rank and the odd one would split 1-1 and both be named). Confirmed on two consecutive
     exchanges.
 
-    Compared with this rank's comparison peers (``crossrank.plan``: every member of a small group, four
-    of a large one, per mesh dim), all of one stage: the odd rank(s) are the minority among them all
-    (a 1-1 split flags both), or the minority of three or more along one dim (a node whose tp group
-    compiled alike, outvoted by its dp peers). The stage as a whole is the Prometheus rule's
-    (``job_pp_stage:hpar_dynamo_graph_fingerprint:distinct``). Value: compared ranks whose fingerprint
-    differs from ours.
+    Where this rank read every rank of its stage (a job of up to 8 ranks reads every rank), the
+    stage's clear majority decides (``signals.outvoted``: 3-1 of dp2 x tp2). Else compared with this
+    rank's comparison peers (``crossrank.plan``: every member of a small group, four of a large one,
+    per mesh dim), one dim at a time: the culprits are the ranks off a clear majority of this rank and
+    its peers along one dim, never the minority of all compared together (a node whose tp group compiled alike would outvote its healthy dp peers:
+    along tp the node agrees, along dp each of its ranks is outvoted 4 to 1). Where the values split
+    with no clear majority (1-1, 3-2: half the job compiled differently) no culprit is named and
+    ``culprit_unknown`` and ``split`` say so; the alert is raised on the ranks of the split. The stage
+    as a whole is the Prometheus rule's (``job_pp_stage:hpar_dynamo_graph_fingerprint:distinct``).
+    Value: compared ranks whose fingerprint differs from ours.
     """
 
     name = "CompileDivergence"
@@ -48,6 +53,9 @@ class CompileDivergence(Detector):
         if snap.warmup.quiet_s < self.p("settle_s") or snap.compile is None:
             return None
         return snap.compile.fingerprint
+
+    def change_token(self, snap: Snapshot) -> int | None:
+        return self.settled_fingerprint(snap)  # a newly settled fingerprint goes out before the next slot
 
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         fp = self.settled_fingerprint(snap)
@@ -68,16 +76,34 @@ class CompileDivergence(Detector):
         compared = {rank}.union(*groups.values())
         if rank not in stage or len(compared) < 2 or not compared <= set(stage):
             return None  # every peer's fingerprint first: with some missing, a 1-1 split blames a clean rank
-        stage = {r: stage[r] for r in sorted(compared)}
-        odd = rank in sig.odd_ranks(stage)
-        for group in groups.values():
-            vals = {r: stage[r] for r in (rank, *group)}
-            outvoted = sig.odd_ranks(vals)
-            odd = odd or (len(vals) >= 3 and rank in outvoted and len(outvoted) < len(vals))
-        differ = sum(1 for v in stage.values() if v != stage[rank])
-        details = {"fingerprints": {str(r): v for r, v in stage.items()}, **sig.culprits_of(stage)}
-        if odd and rank not in details["culprits"] and details["culprits"]:
-            details["culprits"] = sorted({*details["culprits"], rank})  # outvoted along one dim
+        topo = snap.topology
+        if len(stage) >= topo.world_size // max(topo.pp, 1):  # every rank of the stage read (up to 8 ranks)
+            shown, verdicts = stage, {"stage": sig.culprits_of(stage)}
+        else:
+            shown = {r: stage[r] for r in compared}
+            verdicts = {
+                dim: sig.culprits_of({r: stage[r] for r in (rank, *group)})
+                for dim, group in sorted(groups.items())
+            }
+        culprits: set[int] = set()
+        unknown: list[str] = []
+        splits: dict[str, list[list[int]]] = {}
+        odd = False
+        for dim, verdict in verdicts.items():
+            culprits.update(verdict["culprits"])
+            odd = odd or rank in verdict["culprits"]
+            if "split" in verdict:
+                odd = True  # a split with no majority on this rank's own dim: reported, culprit unknown
+                unknown.append(f"{dim}: {verdict['culprit_unknown']}")
+                splits[dim] = verdict["split"]
+        differ = sum(1 for v in shown.values() if v != stage[rank])
+        details: dict[str, Any] = {
+            "fingerprints": {str(r): v for r, v in sorted(shown.items())},
+            "culprits": sorted(culprits),
+        }
+        if unknown:
+            details["culprit_unknown"] = "; ".join(unknown)
+            details["split"] = splits
         return Verdict(odd, float(differ), details)
 
 
@@ -187,9 +213,10 @@ class ReplicaDivergence(Detector):
         self._digests: dict[int, dict[str, str]] = {}  # step -> its digests (a step's checksums never change)
         self._judged: dict[str, tuple[Any, ...]] = {}  # group label -> (step, members, offending params)
 
-    def step_hook(self, model: Any, step: int) -> None:
-        if model is not None and step > 0 and step % int(self.p("every_steps")) == 0:
-            self.sampler.capture(model, step)
+    def step_hook(self, tick: StepTick) -> None:
+        every = int(self.p("every_steps"))
+        if tick.world_size > 1 and tick.model is not None and tick.step > 0 and tick.step % every == 0:
+            self.sampler.capture(tick.model, tick.step)
 
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         self.history.extend(self.sampler.resolve())
@@ -241,9 +268,11 @@ class ReplicaDivergence(Detector):
                 continue
             step, by_rank, split = self._compare(snap, label, group)
             compared = compared or step >= 0
-            if split:  # holders of one piece split with no majority (a 1-1 split): who is wrong is unknown
+            if split:  # holders of one piece split with no clear majority (1-1, 3-2): who is wrong is unknown
+                parts = sig.sides({r: str(snap.exchange.peers[r]["cd"].get(str(step))) for r in split})
                 unknown.append(
-                    f"{label} group {group}: no majority holds the same values among ranks {split}"
+                    f"{label} group {group}: culprit unknown: no majority holds the same values, split "
+                    f"{'-'.join(str(len(p)) for p in parts)} among ranks {parts}"
                 )
             culprits.update(r for r in by_rank if r not in split)
             diff = by_rank.get(snap.rank, [])
@@ -341,6 +370,9 @@ class CollectiveMismatch(Detector):
         self.peer_bits: dict[sig.ReductionKey, float] = {}
         self.kinds_judged: sig.OddMemo = {}  # ``signals.collective_mismatches``' memo, from exchange to exchange
 
+    def needs(self) -> FeedNeeds:
+        return FeedNeeds(fr_entries=int(self.p("max_entries")))
+
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         entries = snap.collectives.fr_entries  # the last ``max_entries`` (``DetectorFeed.fr_limit``)
         return {"fr": {"fr": sig.pack_fr(entries)}} if entries else {}
@@ -408,9 +440,17 @@ class Straggler(Detector):
         self._slow_candidate: int | None = None
         self._slow_streak = 0
 
-    def step_hook(self, step: int, t_ns: int) -> None:
-        if self.warm_ns is None and step + 1 >= self.p("warmup_steps"):
-            self.warm_ns = t_ns
+    def step_hook(self, tick: StepTick) -> None:
+        if self.warm_ns is None and tick.step + 1 >= self.p("warmup_steps"):
+            self.warm_ns = tick.t_ns
+
+    def conclusion(self, active: bool, value: float) -> Conclusion:
+        """For the step anatomy's slow-rank verdict: this rank's own alert, else the peer it confirmed
+        slowest among the ranks' exchanged lags (``slowest``)."""
+        if active:
+            return Conclusion(True, None, float(value) if value else None)
+        slowest = self.slowest
+        return Conclusion(False, *slowest) if slowest is not None else Conclusion()
 
     def evaluate(self, snap: Snapshot) -> Verdict | None:
         if not snap.exchange.fresh or snap.steps_done < self.p("warmup_steps"):

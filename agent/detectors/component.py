@@ -17,20 +17,9 @@ from hpar_agent.alert_callbacks import Alert
 from hpar_agent.component import Component
 from hpar_agent.crossrank import PURPOSES, Exchange
 from hpar_agent.detectors.alerts import AlertBook, AlertState
-from hpar_agent.detectors.base import Detector
-from hpar_agent.detectors.cluster import CollectiveMismatch, CompileDivergence, ReplicaDivergence, Straggler
+from hpar_agent.detectors.base import Detector, StepTick, detector_classes
 from hpar_agent.detectors.exchange import CrossRankExchange, Payload
 from hpar_agent.detectors.feed import DetectorFeed
-from hpar_agent.detectors.gradsync import GradSyncIncomplete
-from hpar_agent.detectors.host import NumaMisbinding
-from hpar_agent.detectors.liveness import Hang, RankGone
-from hpar_agent.detectors.local import (
-    CollectiveLatencyHigh,
-    CompiledGraphsGrowing,
-    GraphBreaks,
-    MemoryLeak,
-    RecompileStorm,
-)
 from hpar_agent.detectors.snapshot import Snapshot
 from hpar_agent.thresholds import COMPONENT_DEFAULTS
 
@@ -42,21 +31,9 @@ if TYPE_CHECKING:
 
 D = TypeVar("D", bound=Detector)
 
-ALL_DETECTORS: tuple[type[Detector], ...] = (
-    RecompileStorm,
-    GraphBreaks,
-    CompileDivergence,
-    ReplicaDivergence,
-    CollectiveMismatch,
-    MemoryLeak,
-    CompiledGraphsGrowing,
-    CollectiveLatencyHigh,
-    Straggler,
-    Hang,
-    GradSyncIncomplete,
-    NumaMisbinding,
-    RankGone,
-)
+#: Every detector, in the catalogue's order (``base.detector_classes``: a module of this package that
+#: defines a ``Detector`` subclass named for an alert of ``catalogue.ALERTS`` is all it takes).
+ALL_DETECTORS: tuple[type[Detector], ...] = detector_classes()
 #: What a rank reaching the detectors' warm-up step changes in its payload (see ``_change_token``).
 WARMUP_STEP = 3
 
@@ -84,8 +61,7 @@ class DetectorsComponent(Component):
     def __init__(self, exchange: Exchange | None = None, evidence: Evidence | None = None) -> None:
         super().__init__()
         self.detectors: list[Detector] = []
-        self._step_detectors: tuple[ReplicaDivergence | None, Straggler | None] = (None, None)
-        self._compile_divergence: CompileDivergence | None = None
+        self._stepping: tuple[Detector, ...] = ()  # those with a step hook of their own
         self.book = AlertBook(evidence)
         self.crossrank = CrossRankExchange(exchange)
         self.feed = DetectorFeed()
@@ -97,14 +73,13 @@ class DetectorsComponent(Component):
         th = dict(ctx.config.thresholds)
         params = {k: float(th.get(f"detectors.{k}", v)) for k, v in COMPONENT_DEFAULTS.items()}
         self.detectors = [cls(th) for cls in ALL_DETECTORS]
-        self._step_detectors = (self.detector(ReplicaDivergence), self.detector(Straggler))  # looked up once
-        self._compile_divergence = self.detector(CompileDivergence)
+        self._stepping = tuple(d for d in self.detectors if type(d).step_hook is not Detector.step_hook)
         self.book.install(ctx, params["log_interval_s"], self.record_error)
         self.crossrank.install(ctx, params["exchange_s"], params["exchange_min_s"], params["stale_s"])
-        leak, mismatch = self.detector(MemoryLeak), self.detector(CollectiveMismatch)
+        needs = [d.needs() for d in self.detectors]
         self.feed = DetectorFeed(
-            memory_window=int(leak.p("window")) if leak is not None else 0,
-            fr_limit=int(mismatch.p("max_entries")) if mismatch is not None else 0,
+            memory_window=max((n.memory_window for n in needs), default=0),
+            fr_limit=max((n.fr_entries for n in needs), default=0),
             on_error=self.record_error,
         )
 
@@ -150,14 +125,15 @@ class DetectorsComponent(Component):
 
     # ------------------------------------------------------------------------------------ training thread
     def step_hook(self, step: int, t_ns: int) -> None:
-        rep, straggler = self._step_detectors
-        if rep is not None and self.ctx is not None and self.ctx.topology.world_size > 1:
+        ctx = self.ctx
+        if ctx is None or not self._stepping:
+            return
+        tick = StepTick(step, t_ns, ctx.model, ctx.topology.world_size)
+        for d in self._stepping:
             try:
-                rep.step_hook(self.ctx.model, step)
+                d.step_hook(tick)
             except Exception as exc:
-                self.ctx.record_error(self.name, exc)
-        if straggler is not None:
-            straggler.step_hook(step, t_ns)
+                ctx.record_error(self.name, exc)
 
     # ------------------------------------------------------------------------------------ agent thread
     def poll(self, now: float) -> None:
@@ -192,30 +168,31 @@ class DetectorsComponent(Component):
                 continue
             if verdict is not None:
                 self.book.update(d, verdict, snap)
-        self._publish_slow_rank(ctx)
+        self._publish_conclusions(ctx)
 
     def _change_token(self, snap: Snapshot) -> tuple[Any, ...]:
-        """What a publish would carry that peers act on at once: a settled graph fingerprint, and this
-        rank reaching the detectors' warm-up step. New flight-recorder entries do not count: they change
-        at every read of a running job, and exchanging them every poll made the exchange and the
-        cross-rank detectors over half of the agent thread's work."""
-        cd = self._compile_divergence
-        fp = cd.settled_fingerprint(snap) if cd is not None else None
-        return (fp, min(snap.steps_done, WARMUP_STEP))
+        """What a publish would carry that peers act on at once (each cross-rank detector's
+        ``change_token``: a settled graph fingerprint), and this rank reaching the detectors' warm-up
+        step. New flight-recorder entries do not count: they change at every read of a running job, and
+        exchanging them every poll made the exchange and the cross-rank detectors over half of the agent
+        thread's work."""
+        tokens = tuple(d.change_token(snap) for d in self.detectors if d.cross_rank)
+        return (tokens, min(snap.steps_done, WARMUP_STEP))
 
-    def _publish_slow_rank(self, ctx: AgentContext) -> None:
-        """What the Straggler detector concluded, for the step anatomy (``AgentContext.slow_rank``):
-        this rank's own alert, else the peer it confirmed slowest among the ranks' exchanged lags."""
-        st = self.states.get("Straggler")
-        d = self._step_detectors[1]
-        out = ctx.slow_rank
-        out.here = st is not None and st.active
-        slowest = d.slowest if d is not None and st is not None and not out.here else None
-        out.peer = slowest[0] if slowest is not None else None
-        if out.here:
-            out.lag = float(st.value) if st is not None and st.value else None
-        else:
-            out.lag = float(slowest[1]) if slowest is not None else None
+    def _publish_conclusions(self, ctx: AgentContext) -> None:
+        """Each detector's conclusion after the pass (``Detector.conclusion``), for the rest of the
+        agent: ``AgentContext.conclusions`` by alert."""
+        for d in self.detectors:
+            try:
+                st = self.states[d.name]
+                got = d.conclusion(st.active, st.value)
+            except Exception as exc:
+                ctx.record_error(self.name, exc)
+                continue
+            if got is None:
+                ctx.conclusions.pop(d.name, None)
+            else:
+                ctx.conclusions[d.name] = got
 
     def on_step(self, rec: StepRecord) -> None:
         events = self.book.take_span_events()

@@ -4,6 +4,7 @@ last read brought, the goodbye at detach, and the back-off after the store faile
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ from hpar_agent.crossrank import (
     Grid,
     PeerPlan,
     cadence,
+    node_sizes,
     open_store,
     plan,
 )
@@ -167,6 +169,9 @@ class CrossRankExchange:
                 read_ok_at=self.read_ok_at,
                 interval_s=cad.interval_s,
                 fetch=self.fetch,
+                publish_lag=functools.partial(
+                    cad.publish_lag, self._ctx().topology.rank, pass_s=self._ctx().config.interval
+                ),
             )
             self._view = (key, view)
         return self._view[1]
@@ -269,7 +274,7 @@ class CrossRankExchange:
         key = (id(ctx.mesh), id(ctx.model), ctx.topology.rank, ctx.topology.world_size)
         if self._plan_of is None or self._plan_of[0] != key:
             mesh = ctx.mesh if ctx.mesh is not None else mesh_from_model(ctx.model)
-            self._plan_of = (key, plan(self._grid(mesh), ctx.topology.rank))
+            self._plan_of = (key, plan(self._grid(mesh), ctx.topology.rank, nodes=node_sizes()))
             self.seen = {r: p for r, p in self.seen.items() if r in self._plan_of[1].peers}
         return self._plan_of[1]
 

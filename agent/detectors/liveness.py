@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -146,12 +147,17 @@ def _group_size(label: str, topo: Topology) -> int | None:
     return {"default_pg": topo.world_size, "dp": topo.dp, "tp": topo.tp, "pp": topo.pp}.get(label.lower())
 
 
+#: Seconds a live peer's publish, or this rank's read, may come after the cadence's time (a late pass).
+LATE_S = 2.0
+
+
 class RankGone(Detector):
     """A comparison peer that stopped publishing and whose process is gone, stopped, or out of sight.
 
     Every rank publishes its payload at each exchange (3 s) and says goodbye when it detaches (``bye``:
     a clean end, or how it ended: an uncaught exception, a signal). A peer whose last payload is older
-    than ``silent_s`` and that never said goodbye cleanly is named (``details.culprits``), with how far
+    than ``silent_s`` and missed an exchange beyond one (``_missed``) and that never said goodbye
+    cleanly is named (``details.culprits``), with how far
     it got (its last step) and what its process is where this rank can see it (``rankstate.proc_state``:
     on the same host ``gone``, ``zombie``, ``stopped``; a process that still runs only has a late agent
     thread and is not named; on another host the process is unknown). A peer that ended by an exception
@@ -176,6 +182,16 @@ class RankGone(Detector):
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         return {"s": {"id": self.me}}
 
+    def _missed(self, snap: Snapshot, rank: int, payload: Mapping[str, Any]) -> bool:
+        """Whether the peer's last payload is older than ``silent_s`` and, at this rank's last read, more
+        than one exchange and ``LATE_S`` older than the cadence says a live peer's is (``publish_lag``):
+        a live peer one exchange late is never judged, a dead one is at the second exchange it missed,
+        on this host or another alike."""
+        ex = snap.exchange
+        t = float(payload.get("t", snap.now))
+        late = ex.read_ok_at - t - ex.publish_lag(rank)
+        return snap.now - t > self.p("silent_s") and late > ex.interval_s + LATE_S
+
     def evaluate(self, snap: Snapshot) -> Verdict | None:
         ex = snap.exchange
         limit = max(self.p("silent_s"), 2 * ex.interval_s)
@@ -187,7 +203,7 @@ class RankGone(Detector):
                 continue
             bye = str(p.get("bye") or "")
             silent = snap.now - float(p.get("t", snap.now))
-            if bye == "exit" or (not bye and silent <= limit):
+            if bye == "exit" or (not bye and not self._missed(snap, r, p)):
                 continue
             pid, host, ticks = [*(p.get("id") or []), 0, "", 0][:3]
             proc = rankstate.proc_state(int(pid or 0), int(ticks) or None, str(host)) if not bye else ""

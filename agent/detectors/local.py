@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
-from hpar_agent.detectors.base import Detector, Verdict
+from hpar_agent.detectors.base import Detector, FeedNeeds, Verdict
 
 if TYPE_CHECKING:
     from hpar_agent.detectors.snapshot import Snapshot
@@ -149,6 +149,9 @@ class MemoryLeak(Detector):
         super().__init__(thresholds)
         self.start = 0  # first step of the trend: after warm-up and after the compiles of warm-up
         self._confirmed = False  # fired: its snapshot took the recorded stacks
+
+    def needs(self) -> FeedNeeds:
+        return FeedNeeds(memory_window=int(self.p("window")))
 
     def evaluate(self, snap: Snapshot) -> Verdict | None:
         series = snap.memory.series  # the last ``window`` samples: the trend reads no more

@@ -267,6 +267,30 @@ def _settings(environ: Mapping[str, str] | None = None) -> list[Check]:
     return [Check("HPAR_* settings", OK, f"{', '.join(used)}: valid" if used else "none set: the defaults")]
 
 
+def _thresholds(environ: Mapping[str, str] | None = None) -> list[Check]:
+    """The detector parameters ``HPAR_THRESHOLDS`` sets, each with its default: what the detectors
+    of a job started here will use (a bad value is the ``HPAR_* settings`` row's)."""
+    from hpar_agent.config import parse_thresholds, threshold_problems
+    from hpar_agent.thresholds import ANATOMY_DEFAULTS, COMPONENT_DEFAULTS, DETECTOR_DEFAULTS
+
+    text = (os.environ if environ is None else environ).get("HPAR_THRESHOLDS", "")
+    try:
+        got = parse_thresholds(text)
+    except ValueError:
+        got = {}
+    if not got or threshold_problems(got):
+        return [Check("detector thresholds", OK, "the defaults (docs/alerts.md, thresholds)")]
+    defaults = {
+        **{f"{a}.{p}": v for a, params in DETECTOR_DEFAULTS.items() for p, v in params.items()},
+        **{f"detectors.{p}": v for p, v in COMPONENT_DEFAULTS.items()},
+        **{f"anatomy.{p}": v for p, v in ANATOMY_DEFAULTS.items()},
+    }
+    shown = [
+        f"{k}={v:g} (default {defaults[k]:g})" if k in defaults else f"{k}={v:g}" for k, v in got.items()
+    ]
+    return [Check("detector thresholds", OK, "; ".join(shown) + "; the others: the defaults")]
+
+
 def _port(addr: str, port: int) -> list[Check]:
     with socket.socket() as s:
         try:
@@ -349,6 +373,7 @@ def run_checks() -> list[Check]:
         _numa,
         _pyspy,
         _settings,
+        _thresholds,
         lambda: _port(cfg.metrics_addr, max(cfg.metrics_port, 0)),
         lambda: _endpoint_security(cfg),
         _otlp,

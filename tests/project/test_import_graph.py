@@ -121,7 +121,7 @@ def test_components_see_the_agent_only_through_the_context() -> None:
 
 def test_collectors_never_import_detectors() -> None:
     """Detectors read collectors, never the other way: what a collector needs of a detector's
-    conclusion comes through the context (``AgentContext.slow_rank``)."""
+    conclusion comes through the context (``AgentContext.conclusions``)."""
     g = _graph()
     users = sorted(
         m

@@ -64,6 +64,9 @@ def test_bad_env_value_warns_once_and_uses_default(name, raw, field, default, ca
         {"thresholds": {"Hang.timeout_s": "abc"}},
         {"thresholds": {"Hang.timeout_s": -1}},
         {"thresholds": {"Hang.timeout_s": float("nan")}},
+        {"thresholds": {"Hang.warmup_steps": 2.5}},  # a count: a whole number
+        {"thresholds": {"Straggler.max_lag_ratio": 1.5}},  # a share: 0..1
+        {"thresholds": {"ReplicaDivergence.every_steps": 0}},  # a divisor: at least 1
         {"thresholds": {"Hang.timeout": 5}},
         {"thresholds": {"NoSuchAlert.timeout_s": 5}},
         {"thresholds": {"detectors.nope": 5}},
@@ -202,6 +205,8 @@ def test_bad_explicit_value_raises_clear_error():
 
 
 def _text(value: object) -> str:
+    if isinstance(value, dict):  # HPAR_THRESHOLDS' form
+        return ",".join(f"{k}={v}" for k, v in value.items())
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -251,7 +256,7 @@ def test_every_field_is_declared_once_and_typed_from_its_annotation():
 
     declared = {s.name: s for s in SETTINGS}
     assert list(declared) == [f.name for f in dataclasses.fields(AgentConfig)]
-    assert [s.name for s in SETTINGS if not s.env] == ["thresholds"]  # code only: a dict
+    assert [s.name for s in SETTINGS if not s.env] == []  # thresholds too: HPAR_THRESHOLDS
     assert (declared["dp"].kind, declared["dp"].optional) == (int, True)
     assert (declared["interval"].kind, declared["thresholds"].kind) == (float, dict)
     envs = [s.env for s in SETTINGS if s.env]
@@ -269,3 +274,38 @@ def test_a_field_without_a_declaration_is_refused():
 
     with pytest.raises(TypeError, match=r"Partial\.bare is not declared with setting\(\)"):
         config_mod._declared(Partial)
+
+
+def test_hpar_thresholds_is_read_and_validated_like_every_setting(caplog, tmp_path):
+    """``HPAR_THRESHOLDS`` sets detector parameters without code; a bad one is warned with the closest
+    real name and the defaults are used; what it sets is what the detectors and the summary use."""
+    from hpar_agent.agent import Agent
+    from hpar_agent.detectors.component import DetectorsComponent
+
+    env = {"HPAR_THRESHOLDS": " Straggler.max_lag_ratio=0.3, RankGone.silent_s=9,detectors.stale_s=40 "}
+    cfg = AgentConfig.load(environ=env)
+    assert cfg.thresholds == {
+        "Straggler.max_lag_ratio": 0.3,
+        "RankGone.silent_s": 9.0,
+        "detectors.stale_s": 40.0,
+    }
+    assert AgentConfig.load(environ=env, overrides={"thresholds": {"Hang.timeout_s": 5}}).thresholds == {
+        "Hang.timeout_s": 5
+    }  # an explicit argument wins
+    for text, said in (
+        ("Straggler.max_lag_ratoi=0.3", "did you mean Straggler.max_lag_ratio?"),
+        ("Hang.warmup_steps=1.5", "Hang.warmup_steps must be a whole number 0 or more"),
+        ("Straggler.max_lag_ratio=abc", "Straggler.max_lag_ratio must be a number, got 'abc'"),
+        ("Straggler.max_lag_ratio", "expected <Alert>.<param>=value"),
+    ):
+        caplog.clear()
+        config_mod._warned.clear()
+        with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+            assert AgentConfig.load(environ={"HPAR_THRESHOLDS": text}).thresholds == {}
+        assert said in caplog.text and "HPAR_THRESHOLDS" in caplog.text, caplog.text
+    agent = Agent(None, config=cfg, metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    det = DetectorsComponent()
+    agent.add_component(det)  # wired by hand, as tests.unit.harness does: no thread, no endpoint
+    params = agent.summary()["components"]["detectors"]
+    assert params["Straggler"]["params"]["max_lag_ratio"] == 0.3 and params["Straggler"]["threshold"] == 0.3
+    assert params["RankGone"]["params"]["silent_s"] == 9.0 and det.crossrank.stale_s == 40.0

@@ -170,8 +170,8 @@ def _coords(grid: Grid, rank: int) -> dict[str, int]:
 def test_select_takes_a_small_group_whole_and_four_of_a_large_one() -> None:
     assert select([0, 1], 0) == [1]
     assert select(list(range(5)), 2) == [0, 1, 3, 4]
-    members = list(range(100, 160))  # 60 members: peers at +-60 // 5 and +-2 * 60 // 5
-    assert select(members, 100) == [112, 148, 124, 136]
+    members = list(range(100, 160))  # 60 members: peers near +-60 // 5 and +-2 * 60 // 5, moved to 13
+    assert select(members, 100) == [113, 147, 126, 134]  # (odd, 47 back) and 26 (even, 24 is a node)
     for n in (6, 7, 8, 9, 64, 1000):
         for i in range(n):
             peers = select(list(range(n)), i)
@@ -326,11 +326,11 @@ def test_compile_divergence_on_sampled_peers_names_the_odd_rank_only(store: Any,
         len(det.snapshot.exchange.peers) == 5 for _, det in ranks
     )  # each compared itself with 4 of its 11 peers
     assert ranks[7][1].states["CompileDivergence"].details["fingerprints"] == {
-        "3": 1,
+        "4": 1,  # offsets 3 (12 // 5 = 2 moved to odd) and 10 (2 * 12 // 5 = 4 is 8 back, 6 half-way)
         "5": 1,
         "7": 2,
         "9": 1,
-        "11": 1,
+        "10": 1,
     }
 
 
@@ -347,6 +347,24 @@ def test_compile_divergence_of_a_whole_node_is_outvoted_along_dp(store: Any, tmp
     )
     _tick(ranks, 3)
     assert _active(ranks, "CompileDivergence") == set(range(24, 32))
+    culprits = {r for _, det in ranks for r in det.states["CompileDivergence"].details.get("culprits", ())}
+    assert culprits == set(range(24, 32))  # never their healthy dp peers (the minority of all 12 compared)
+
+
+def test_compile_divergence_in_dp2_x_tp2_is_judged_over_the_whole_stage(store: Any, tmp_path: Any) -> None:
+    """Each of rank 3's dims holds one peer (1-1 splits); a job of 4 reads every rank, and the stage's
+    3-1 names rank 3 alone."""
+    from tests.unit.harness import Fake, steps
+
+    ranks = _ranks(
+        store,
+        tmp_path,
+        [("dp", 2), ("tp", 2)],
+        lambda r: (steps(10), Fake("compile", fingerprint=2 if r == 3 else 1)),
+    )
+    _tick(ranks, 3)
+    assert _active(ranks, "CompileDivergence") == {3}
+    assert ranks[3][1].states["CompileDivergence"].details["culprits"] == [3]
 
 
 def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_path: Any) -> None:
@@ -380,7 +398,12 @@ def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_p
     readers_of_5 = {
         det.snapshot.rank for _, det in ranks if 5 in det.snapshot.exchange.peers and det.snapshot.rank != 5
     }
-    assert readers_of_5 == {1, 3, 7, 9}  # -4, -2, +2, +4 of 10: they name rank 5 the job's slow rank
+    assert readers_of_5 == {
+        2,
+        4,
+        6,
+        8,
+    }  # +-3 (10 // 5 moved to odd) and +-1 (4 and 6 reach a node or half one)
     from hpar_agent.detectors.cluster import Straggler
 
     slowest = {det.snapshot.rank: getattr(det.detector(Straggler), "slowest", None) for _, det in ranks}

@@ -191,3 +191,15 @@ def test_doctor_reads_the_settings_as_attach_does() -> None:
     assert good.status == doctor.OK and good.detail == "HPAR_TRACES, HPAR_DP: valid"
     assert doctor._settings({})[0].detail == "none set: the defaults"
     assert "HPAR_* settings" in {c.name for c in doctor.run_checks()}
+
+
+def test_doctor_shows_the_detector_thresholds_in_effect() -> None:
+    env = {"HPAR_THRESHOLDS": "Straggler.max_lag_ratio=0.3,Hang.timeout_s=120"}
+    (row,) = doctor._thresholds(env)
+    assert row.status == doctor.OK
+    assert row.detail.startswith(
+        "Straggler.max_lag_ratio=0.3 (default 0.25); Hang.timeout_s=120 (default 60)"
+    )
+    (bad,) = doctor._settings({"HPAR_THRESHOLDS": "Straggler.max_lag_rati=0.3"})
+    assert bad.status == doctor.DEGRADED and "did you mean Straggler.max_lag_ratio?" in bad.detail
+    assert doctor._thresholds({})[0].detail.startswith("the defaults")

@@ -59,6 +59,17 @@ def test_odd_ranks_majority_and_tie() -> None:
     assert sig.odd_ranks({0: 5, 1: 5}) == set()
 
 
+def test_outvoted_needs_a_clear_majority_else_names_everyone_of_the_split() -> None:
+    assert sig.outvoted({0: 1, 1: 1, 2: 1, 3: 1, 4: 2}) == {4}  # 4-1
+    assert sig.outvoted({0: 1, 1: 1, 2: 1, 3: 2, 4: 2}) == {0, 1, 2, 3, 4}  # 3-2: who is wrong is unknown
+    assert sig.outvoted({0: 1, 1: 1, 2: 2}) == {2} and sig.outvoted({0: 1, 1: 2}) == {0, 1}
+    assert sig.outvoted({r: 1 if r < 6 else 2 for r in range(8)}) == {6, 7}  # 6-2
+    got = sig.culprits_of({0: 1, 1: 2, 2: 1, 3: 2, 4: 1})
+    assert got["culprits"] == [] and got["split"] == [[0, 2, 4], [1, 3]]
+    assert "no majority" in got["culprit_unknown"] and "split 3-2" in got["culprit_unknown"]
+    assert sig.culprits_of({0: 1, 1: 1, 2: 1, 3: 1, 4: 2}) == {"culprits": [4]}
+
+
 def test_replica_offenders_dp_and_tp_subset() -> None:
     same = {"w": [1.5, 3.0], "b": [0.25, 0.25]}
     sums = {0: same, 1: same, 2: {"w": [1.5000001, 3.0], "b": [0.25, 0.25]}}
