@@ -66,6 +66,7 @@ class Front:
         self.evicted = self.timed_out = self.answered = self.errors = 0
         self.auth_failures: Counter[str] = Counter()
         self.ready = threading.Event()
+        self._closing = False
         self.socket, child = socket.socketpair()  # ``socket``: what a forked child closes
         env = {k: v for k, v in os.environ.items() if k != "HPAR_AUTOATTACH"}
         env["PYTHONSAFEPATH"] = "1"  # the working directory's modules never shadow the front's
@@ -102,6 +103,7 @@ class Front:
 
     def close(self, timeout: float = 2.0) -> None:
         """End the front (it closes every connection) and wait at most ``timeout`` for it."""
+        self._closing = True
         with contextlib.suppress(OSError):
             self.proc.terminate()
         try:
@@ -122,13 +124,21 @@ class Front:
             while line := reader.readline(_MAX_LINE):
                 self._handle(json.loads(line))
         except (OSError, ValueError) as exc:
-            if self.proc.poll() is None:
+            if not self._closing:
                 self.on_error(f"lost the endpoint's front process: {exc}")
         finally:
             reader.close()
-        code = self.proc.poll()
-        if code not in (None, 0, -signal.SIGTERM) and not self.ready.is_set():
-            self.on_error(f"the endpoint's front process ended with exit status {code} before serving")
+        if self._closing:
+            return
+        try:
+            code: int | None = self.proc.wait(WATCH_S * 4)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code != 1:  # 1: it said why (an ``error`` message)
+            self.on_error(
+                f"the endpoint's front process ended (exit status {code}); no metrics endpoint on this rank "
+                "until the agent is attached again (training goes on)"
+            )
 
     def _handle(self, msg: dict[str, Any]) -> None:
         if "render" in msg:

@@ -183,3 +183,18 @@ def test_the_front_ends_when_the_training_process_is_killed(tmp_path, pki):
             return f.read().split(")")[-1].split()[0] == "Z"
 
     _eventually(gone, "the front outlived its training process")
+
+
+def test_a_front_that_dies_is_counted_and_named_once(attach, pki, caplog):
+    import signal
+
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        agent = attach(tls_cert=pki.server.cert, tls_key=pki.server.key)
+        assert agent.server.ready.wait(60)
+        os.kill(agent.server.proc.pid, signal.SIGKILL)
+        labels = {"component": "prometheus"}
+        _eventually(
+            lambda: _sample(agent, "hpar_agent_errors_total", **labels) == 1, "the lost front counted"
+        )
+    said = [r.getMessage() for r in caplog.records if "front process ended" in r.getMessage()]
+    assert len(said) == 1 and f"exit status {-signal.SIGKILL}" in said[0], said
