@@ -162,3 +162,17 @@ def test_hpar_agent_run_with_fifos_for_the_web_config_and_a_state_file_trains_an
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "trained" in res.stdout, out
     assert "is a FIFO, not a regular file" in out and "no metrics endpoint" in out, out
+
+
+def test_fifos_named_like_the_run_directorys_files_never_block_attach_or_training(attach, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    for name in ("events.rank0.jsonl", "traces.rank0.jsonl", "state.rank0"):
+        _fifo(run_dir / name)
+    with caplog.at_level(logging.WARNING, logger="hpar_agent"):
+        agent = attach(run_dir=str(run_dir), traces="file")
+        train_linear(3)
+        agent.tick()
+    assert agent.registry.get_sample_value("hpar_steps_total", {"rank": "0", "pp_stage": "0"}) == 3
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "events.rank0.jsonl is a FIFO, not a regular file" in said, said
