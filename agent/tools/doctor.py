@@ -249,8 +249,8 @@ def _settings(environ: Mapping[str, str] | None = None) -> list[Check]:
     value falls back to its default and an unknown name is ignored, each with one warning; here each
     is named with what it should be. The endpoint's security settings are judged with their files
     (``_endpoint_security``), never called valid here."""
-    from hpar_agent.config import REMOVED, SETTINGS, unknown_names
-    from hpar_agent.exporters.endpoint_security import SECURITY_ENV
+    from hpar_agent.config import REMOVED, SETTINGS, near_misses, unknown_names
+    from hpar_agent.exporters.endpoint_security import NEAR_MISS_ENV, SECURITY_ENV
 
     env = os.environ if environ is None else environ
     problems, used, secured = [], [], []
@@ -264,7 +264,11 @@ def _settings(environ: Mapping[str, str] | None = None) -> list[Check]:
             except (ValueError, TypeError) as exc:
                 problems.append(f"{s.env}={env[s.env]!r}: {exc} (the default {s.default!r} is used)")
     problems += [f"{name}: removed (ignored)" for name in REMOVED.values() if name in env]
-    problems += [f"{name}: no such setting (ignored)" for name in unknown_names(env)]
+    closing = {name for name, _ in near_misses(env, NEAR_MISS_ENV)}
+    problems += [
+        f"{name}: no such setting ({'closes the metrics endpoint' if name.split()[0] in closing else 'ignored'})"
+        for name in unknown_names(env)
+    ]
     seen = [f"{', '.join(used)}: valid"] if used else []
     seen += [f"{', '.join(secured)}: see metrics endpoint security"] if secured else []
     if problems:

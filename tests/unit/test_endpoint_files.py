@@ -102,6 +102,8 @@ def test_a_misspelt_security_setting_closes_the_endpoint_naming_both(
 ):
     monkeypatch.setenv(typo, str(tmp_path / "web.yml"))  # used to be warned, then plain HTTP on 0.0.0.0
     _refused(caplog, attach, [typo, f"did you mean {meant}?"])
+    settings = {c.name: c for c in doctor.run_checks()}["HPAR_* settings"]
+    assert f"{typo} (did you mean {meant}?): no such setting (closes the metrics endpoint)" in settings.detail
 
 
 def test_doctor_says_a_fifo_web_config_is_a_fifo_and_returns(tmp_path):
