@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import ssl
 import statistics
 import subprocess
@@ -202,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from testkit.certs import PKI, Pair, make_pki
 
-    r = results("endpoint_flood", "cpu", argv, clients=a.clients, rounds=a.rounds, seconds=a.seconds)
+    usable = len(os.sched_getaffinity(0))  # taskset -c 0,1 ...: a 2-core host on a larger one
+    r = results(
+        "endpoint_flood", "cpu", argv, clients=a.clients, rounds=a.rounds, seconds=a.seconds, cpus=usable
+    )
     tmp = Path(tempfile.mkdtemp(prefix="hpar-endpoint-flood-"))
     d = Path(a.pki).resolve() if a.pki else tmp / "pki"
     if (d / "server.key").exists():  # made before (where there is no openssl CLI)
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     r["rows"] = rows
     finish(r, a.json)
-    print(title(r, f"training step under {a.clients} TLS scrapers in a loop"))
+    print(title(r, f"training step under {a.clients} TLS scrapers in a loop, on {usable} usable cores"))
     print(
         f"{'config':10} {'server':10} {'p90 quiet':>10} {'p90 flood':>10} {'ratio':>6} {'p99 quiet':>10} "
         f"{'p99 flood':>10} {'scrape med':>10} {'scrape max':>10} {'failed':>6} {'flood ans/s':>11}"
