@@ -5,7 +5,9 @@ and its endpoint secured by a web config; another process runs ``--clients`` thr
 connect over TLS, GET /metrics and close, in a loop (with ``tls+auth`` they send no credentials and
 get 401). Windows without and with the flood alternate (``--rounds`` of each, ``--seconds`` long,
 the first ``SETTLE_S`` of each left out); the training step's p50/p90/p99 are printed side by side,
-with a legitimate scrape's latency (valid credentials, one a second, during the flood).
+with a legitimate scrape's latency (valid credentials, one a second, during the flood) and the share
+of a core the endpoint's threads ran in the training process during the flood (read through each
+thread's own CPU clock: what the endpoint took from training, however loaded the machine is).
 
 Servers (``--servers``): ``front`` (the agent as shipped: TLS and bcrypt in a process of its own)
 and ``inprocess`` (the same bounded server on a thread of the training process, as before the front:
@@ -73,14 +75,34 @@ def train(a: argparse.Namespace) -> None:
 
     threading.Thread(target=wait_for_eof, daemon=True).start()
     steps: list[tuple[float, float]] = []
+    cpu: list[tuple[float, float]] = []  # (time, CPU seconds of the endpoint's threads in this process)
+
+    def sample() -> None:
+        while not stop.wait(0.25):
+            cpu.append((time.time(), _endpoint_cpu()))
+
+    threading.Thread(target=sample, daemon=True).start()
     while not stop.is_set():
         t0 = time.perf_counter()
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
         steps.append((time.time(), time.perf_counter() - t0))
-    Path(a.out).write_text(json.dumps(steps))
+    Path(a.out).write_text(json.dumps({"steps": steps, "cpu": cpu}))
     hpar_agent.detach()
+
+
+def _endpoint_cpu() -> float:
+    """CPU seconds the endpoint's threads of this process ran (``hpar-metrics*``: the server's loop and
+    bcrypt worker in-process, the feed thread with the front), each through its own CPU clock."""
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name.startswith("hpar-metrics") and t.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except OSError:  # ended meanwhile
+                pass
+    return total
 
 
 # ------------------------------------------------------------------------------------ the flood
@@ -154,10 +176,18 @@ def run_case(
                 flood_s += time.time() - t0
     proc.stdin.close()
     proc.wait(120)
-    steps = json.loads(out.read_text())
+    data = json.loads(out.read_text())
+    steps, cpu = data["steps"], data["cpu"]
     by_arm: dict[str, list[float]] = {"quiet": [], "flood": []}
+    cpu_s = {"quiet": 0.0, "flood": 0.0}
+    wall_s = {"quiet": 0.0, "flood": 0.0}
     for arm, lo, hi in windows:
         by_arm[arm] += [s for t, s in steps if lo <= t <= hi]
+        inside = [c for t, c in cpu if lo <= t <= hi]
+        inside_t = [t for t, _ in cpu if lo <= t <= hi]
+        if len(inside) > 1:
+            cpu_s[arm] += inside[-1] - inside[0]
+            wall_s[arm] += inside_t[-1] - inside_t[0]
     row: dict[str, Any] = {
         "server": server,
         "config": Path(web).stem,
@@ -171,6 +201,8 @@ def run_case(
             "p99_ms": _pct(xs, 99) * 1e3,
         }
     row["p90_ratio"] = row["flood"]["p90_ms"] / row["quiet"]["p90_ms"]
+    # the endpoint's threads' share of a core in the training process, flooded: what it took from training
+    row["endpoint_cpu_share"] = {arm: cpu_s[arm] / wall_s[arm] if wall_s[arm] else 0.0 for arm in cpu_s}
     row["legit_scrape_s"] = {
         "median": statistics.median(legit) if legit else float("nan"),
         "max": max(legit, default=float("nan")),
@@ -230,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     print(title(r, f"training step under {a.clients} TLS scrapers in a loop, on {usable} usable cores"))
     print(
         f"{'config':10} {'server':10} {'p90 quiet':>10} {'p90 flood':>10} {'ratio':>6} {'p99 quiet':>10} "
-        f"{'p99 flood':>10} {'scrape med':>10} {'scrape max':>10} {'failed':>6} {'flood ans/s':>11}"
+        f"{'p99 flood':>10} {'scrape med':>10} {'scrape max':>10} {'failed':>6} {'flood ans/s':>11} {'endpoint CPU':>12}"
     )
     for row in rows:
         q, f = row["quiet"], row["flood"]
@@ -238,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['config']:10} {row['server']:10} {q['p90_ms']:8.2f}ms {f['p90_ms']:8.2f}ms {row['p90_ratio']:5.2f}x "
             f"{q['p99_ms']:8.2f}ms {f['p99_ms']:8.2f}ms {row['legit_scrape_s']['median']:9.2f}s "
             f"{row['legit_scrape_s']['max']:9.2f}s {row['legit_scrape_s']['failed']:6d} "
-            f"{row['flood_answers_per_s']:11.0f}"
+            f"{row['flood_answers_per_s']:11.0f} {row['endpoint_cpu_share']['flood'] * 100:11.1f}%"
         )
     return 0
 
