@@ -195,6 +195,24 @@ METRICS: tuple[MetricSpec, ...] = (
         "counter",
         "Spans dropped by the bounded span queue or a failing exporter.",
     ),
+    # the metrics endpoint's own audit (exporters.endpoint_audit, exporters.http_server)
+    _m(
+        "hpar_endpoint_auth_failures_total",
+        "counter",
+        "Clients the metrics endpoint refused, by reason: no_credentials, wrong_password, unknown_user, "
+        "no_client_certificate, bad_client_certificate.",
+        REASON,
+    ),
+    _m(
+        "hpar_endpoint_connections_evicted_total",
+        "counter",
+        "Connections the metrics endpoint closed to make room for another (slow or idle clients).",
+    ),
+    _m(
+        "hpar_endpoint_connections_timed_out_total",
+        "counter",
+        "Connections the metrics endpoint closed at a deadline (request head in 5 s, whole exchange in 30 s).",
+    ),
     # steps and pipeline
     _m(
         "hpar_step_duration_seconds",

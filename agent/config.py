@@ -25,7 +25,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar, overload
 
@@ -402,13 +402,23 @@ _warned: set[str] = set()
 def unknown_names(environ: Mapping[str, str]) -> list[str]:
     """The ``HPAR_*`` names in ``environ`` that nothing reads (a typo would otherwise be silently ignored),
     each with the closest setting: ``"HPAR_INTERVALL (did you mean HPAR_INTERVAL?)"``."""
+    return [f"{name} (did you mean {close}?)" if close else name for name, close in _unknown(environ)]
+
+
+def near_misses(environ: Mapping[str, str], names: Collection[str]) -> list[tuple[str, str]]:
+    """(unknown name, setting) for each unknown ``HPAR_*`` name in ``environ`` whose did-you-mean
+    match is one of ``names``: a misspelt security setting must not leave the endpoint open."""
+    return [(name, close) for name, close in _unknown(environ) if close in names]
+
+
+def _unknown(environ: Mapping[str, str]) -> list[tuple[str, str]]:
     settings = {s.env.removeprefix("HPAR_"): s.env for s in SETTINGS if s.env}
     known = set(settings.values()) | {v.env for v in TOOL_ENV_VARS} | set(REMOVED.values())
     out = []
     for name in sorted(n for n in environ if n.upper().startswith("HPAR_") and n not in known):
         # matched without the shared prefix, which alone makes any two names look alike
         close = difflib.get_close_matches(name.upper()[len("HPAR_") :], settings, n=1)
-        out.append(f"{name} (did you mean {settings[close[0]]}?)" if close else name)
+        out.append((name, settings[close[0]] if close else ""))
     return out
 
 

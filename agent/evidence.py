@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hpar_agent.safefiles import private_dir, write_new
+from hpar_agent.safefiles import private_dir, read_regular, write_new
 from hpar_agent.torch_compat import cuda_memory
 
 log = logging.getLogger("hpar_agent")
@@ -311,8 +311,7 @@ def main_stack(path: str, depth: int = 3) -> list[str]:
     import linecache
 
     try:
-        with open(path, "rb") as f:
-            threads = json.loads(f.read(1 << 20))
+        threads = json.loads(read_regular(path, 1 << 20))
         main = next(t for t in threads if t.get("thread_name") == "MainThread")
         frames = main.get("frames") or []
     except (OSError, ValueError, StopIteration, AttributeError, TypeError):

@@ -21,6 +21,7 @@ from hpar_agent._version import __version__
 from hpar_agent.collectors.memory import NvmlCollector
 from hpar_agent.component import Component
 from hpar_agent.context import AgentContext
+from hpar_agent.exporters.endpoint_audit import REASONS
 from hpar_agent.families import Families
 from hpar_agent.safefiles import write_atomic
 from hpar_agent.topology import Topology
@@ -41,6 +42,9 @@ class HealthSource(Protocol):
 
     @property
     def tracing(self) -> Any: ...
+
+    @property
+    def server(self) -> Any: ...
 
     @property
     def metrics_url(self) -> str | None: ...
@@ -96,6 +100,28 @@ def health_metrics(agent: HealthSource) -> Iterable[Metric]:
     spans_dropped = f.counter("hpar_agent_spans_dropped_total")
     f.add(spans_dropped, [], getattr(agent.tracing, "dropped", 0))
     yield spans_dropped
+    yield from endpoint_metrics(agent)
+
+
+def endpoint_metrics(agent: HealthSource) -> Iterable[Metric]:
+    """The endpoint's audit: refused clients by reason, evicted and timed-out connections (none
+    without an endpoint)."""
+    server = agent.server
+    if server is None:
+        return
+    f = agent.families
+    refused = f.counter("hpar_endpoint_auth_failures_total")
+    failures = dict(server.auth_failures)
+    for reason in REASONS:
+        f.add(refused, [reason], failures.get(reason, 0))
+    yield refused
+    for name, value in (
+        ("hpar_endpoint_connections_evicted_total", server.evicted),
+        ("hpar_endpoint_connections_timed_out_total", server.timed_out),
+    ):
+        fam = f.counter(name)
+        f.add(fam, [], value)
+        yield fam
 
 
 class AgentCollector:

@@ -76,12 +76,19 @@ class Outputs:
         from hpar_agent.exporters.prometheus import open_endpoint
 
         try:
-            self.server, self.metrics_url = open_endpoint(registry, self.config, local_rank)
+            self.server, self.metrics_url = open_endpoint(
+                registry, self.config, local_rank, self._endpoint_error
+            )
         except WebConfigError as exc:  # security fails closed: no endpoint rather than a weaker one
             self._errors["prometheus"] += 1
             log.error("hpar_agent: no metrics endpoint on this rank: %s (training goes on)", exc)
         except Exception as exc:
             self.record_error("prometheus", exc)
+
+    def _endpoint_error(self, text: str) -> None:
+        """What goes wrong in the endpoint's front process later (``exporters.secure_front``)."""
+        self._errors["prometheus"] += 1
+        log.error("hpar_agent: %s", text)
 
     def start_tracing(self, ctx: AgentContext) -> None:
         if self.config.traces == "none" or self.config.trace_every == 0:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hpar_agent.component import Component
-from hpar_agent.safefiles import open_private
+from hpar_agent.safefiles import open_private, open_regular
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -106,7 +106,8 @@ class RankRecord:
 def read(path: str) -> RankRecord | None:
     """A state file's record; None for anything that is not one (a tool reads whatever lies there)."""
     try:
-        with open(path, "rb") as f:
+        fd = open_regular(path)  # a FIFO named like a state file must not block the tool
+        with os.fdopen(fd, "rb") as f:
             data = f.read(SIZE)
     except OSError:
         return None

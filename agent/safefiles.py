@@ -8,7 +8,11 @@ file names, and a run directory under a shared path can be pre-planted with link
   created 0600, and an existing file must be a regular file owned by us with one link;
 - whole files (summaries) are written to a temp file in the same directory and renamed over the
   target, so a reader never sees a half-written file and a full disk leaves the old one intact;
-- logs rotate at a size cap (``RotatingFile``).
+- logs rotate at a size cap (``RotatingFile``);
+- every file the agent or its tools read or write is opened non-blocking and checked with ``fstat``
+  to be a regular file (``open_regular``, ``open_private``): a FIFO, socket or device in its place
+  is refused with its kind named (``NotRegularError``) instead of blocking the caller forever, and
+  swapping the file between a check and the open changes nothing.
 
 Every function raises ``OSError`` (``UnsafePathError`` for a refused path); callers count it.
 """
@@ -16,6 +20,7 @@ Every function raises ``OSError`` (``UnsafePathError`` for a refused path); call
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -28,6 +33,16 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_NOCTTY = getattr(os, "O_NOCTTY", 0)
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISLNK, "a symbolic link"),
+)
 
 
 _orphans: list[IO[str]] = []  # file objects a forked child must not flush or close
@@ -35,6 +50,75 @@ _orphans: list[IO[str]] = []  # file objects a forked child must not flush or cl
 
 class UnsafePathError(OSError):
     """A path the agent refuses to use (a symlink, another owner's file or directory, a hard link)."""
+
+
+class NotRegularError(UnsafePathError):
+    """A FIFO, socket, device or directory where a file was expected; ``kind`` says which."""
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(f"{path} is {kind}, not a regular file")
+        self.path, self.kind = path, kind
+
+
+def kind(mode: int) -> str | None:
+    """What a file of this mode is, in words ("a FIFO"); None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def not_a_directory(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` is not a directory, in the words every tool uses ("not found", "a symbolic link
+    loop", "a FIFO, not a directory"); None for a directory (symlinks followed)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if exc.errno == errno.ENOENT:
+            return "a dangling symbolic link" if os.path.islink(path) else "not found"
+        return exc.strerror or str(exc)
+    return None if stat.S_ISDIR(mode) else f"{kind(mode) or 'a regular file'}, not a directory"
+
+
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """A blocking read-only fd of ``path`` (symlinks followed), which must be a regular file.
+
+    Opened with ``O_NONBLOCK`` (a FIFO without a writer opens at once rather than waiting for one) and
+    checked with ``fstat`` on the fd: ``NotRegularError`` names a FIFO, socket or device, whatever was
+    at the path before the open."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC | _NOCTTY)
+    except OSError as exc:  # a socket: ENXIO, which says nothing
+        _name_kind(path, exc)
+        raise
+    try:
+        what = kind(os.fstat(fd).st_mode)
+        if what is not None:
+            raise NotRegularError(os.fspath(path), what)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _name_kind(path: str | os.PathLike[str], exc: OSError) -> None:
+    """Raise ``NotRegularError`` for ``exc`` when ``path`` is a special file."""
+    what = None
+    with contextlib.suppress(OSError):
+        what = kind(os.stat(path).st_mode)
+    if what is not None:
+        raise NotRegularError(os.fspath(path), what) from exc
+
+
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of the regular file ``path``; ``OSError`` when it is over ``limit`` bytes."""
+    with os.fdopen(open_regular(path), "rb") as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes", os.fspath(path))
+    return data
 
 
 def _makedirs(path: str) -> None:
@@ -101,8 +185,9 @@ def default_run_dir(name: str) -> str:
 
 def _check_fd(fd: int, path: str) -> None:
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise UnsafePathError(f"{path} is not a regular file")
+    what = kind(st.st_mode)
+    if what is not None:
+        raise NotRegularError(path, what)
     if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
         raise UnsafePathError(f"{path} belongs to uid {st.st_uid}, not to this process")
     if st.st_nlink > 1:
@@ -114,7 +199,7 @@ def _check_fd(fd: int, path: str) -> None:
 def open_private(path: str, *, append: bool = True, exclusive: bool = False, readable: bool = False) -> int:
     """An fd for writing ``path`` (and reading it, ``readable``: a shared mapping needs both): never
     through a symlink, 0600, close-on-exec."""
-    flags = (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | _NOFOLLOW | _CLOEXEC
+    flags = (os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | _NOFOLLOW | _CLOEXEC | _NONBLOCK
     flags |= os.O_EXCL if exclusive else 0
     flags |= os.O_APPEND if append else os.O_TRUNC
     if not append and not exclusive:
@@ -124,9 +209,11 @@ def open_private(path: str, *, append: bool = True, exclusive: bool = False, rea
     except OSError as exc:
         if os.path.islink(path):
             raise UnsafePathError(f"{path} is a symbolic link; the agent does not write through it") from exc
+        _name_kind(path, exc)  # a FIFO without a reader: ENXIO, which says nothing
         raise
     try:
         _check_fd(fd, path)
+        os.set_blocking(fd, True)
         if not append and not exclusive:
             os.ftruncate(fd, 0)
     except BaseException:

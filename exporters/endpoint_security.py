@@ -10,16 +10,24 @@ less than the file suggests, this is stricter (docs/configuration.md, "Securing 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import ipaddress
 import os
 import re
 import ssl
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpar_agent.config import AgentConfig
+from hpar_agent.config import AgentConfig, near_misses
+from hpar_agent.safefiles import NotRegularError, open_regular, read_regular
 
+#: The settings that secure the endpoint (field -> variable): set but empty, or misspelt, they close it.
+SECURITY_ENV = {"web_config": "HPAR_WEB_CONFIG", "tls_cert": "HPAR_TLS_CERT", "tls_key": "HPAR_TLS_KEY"}
+#: Names an unknown ``HPAR_*`` variable must not be a misspelling of (the address too: a misspelt
+#: HPAR_METRICS_ADDR=127.0.0.1 would serve every interface).
+NEAR_MISS_ENV = (*SECURITY_ENV.values(), "HPAR_METRICS_ADDR")
 #: The exporter-toolkit keys this endpoint implements.
 TOP_KEYS = ("tls_server_config", "basic_auth_users")
 TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version")
@@ -88,8 +96,23 @@ class Security:
         return ", ".join(parts)
 
 
-def load_security(config: AgentConfig) -> Security:
-    """The endpoint's security from ``config``; raises ``WebConfigError`` naming what is wrong."""
+def load_security(config: AgentConfig, environ: Mapping[str, str] | None = None) -> Security:
+    """The endpoint's security from ``config``; raises ``WebConfigError`` naming what is wrong: a
+    setting set but empty, or an unknown ``HPAR_*`` name in ``environ`` (default ``os.environ``) that
+    reads as a misspelt security setting, closes the endpoint rather than leaving it open."""
+    env = os.environ if environ is None else environ
+    misses = near_misses(env, NEAR_MISS_ENV)
+    if misses:
+        raise WebConfigError(
+            "; ".join(f"{name} is not a setting: did you mean {meant}?" for name, meant in misses)
+            + " (the endpoint serves nothing until it is renamed or unset)"
+        )
+    for field_name, env_name in SECURITY_ENV.items():
+        value = getattr(config, field_name)
+        if value is not None and not value.strip():
+            raise WebConfigError(
+                f"{env_name} is set but empty (name a file, or unset {env_name} to serve without it)"
+            )
     web, cert, key = config.web_config, config.tls_cert, config.tls_key
     if web and (cert or key):
         raise WebConfigError("set HPAR_WEB_CONFIG or HPAR_TLS_CERT/HPAR_TLS_KEY, not both")
@@ -144,13 +167,7 @@ def _duplicate_key(node: Any) -> str | None:
 def _from_file(path: str) -> Security:
     import yaml
 
-    try:
-        with open(path, "rb") as f:
-            text = f.read(_MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise WebConfigError(f"HPAR_WEB_CONFIG {path!r} cannot be read: {exc.strerror}") from None
-    if len(text) > _MAX_FILE_BYTES:
-        raise WebConfigError(f"HPAR_WEB_CONFIG {path!r} is larger than {_MAX_FILE_BYTES} bytes")
+    text = _read(path, "HPAR_WEB_CONFIG")
     where = f"HPAR_WEB_CONFIG {path!r}"
     try:
         dup = _duplicate_key(yaml.compose(text, Loader=yaml.SafeLoader))
@@ -233,10 +250,10 @@ def _tls_section(sec: Any, base: str, where: str) -> tuple[ssl.SSLContext, str]:
     ctx = _context(cert, key, "tls_server_config.cert_file", "tls_server_config.key_file", *versions)
     if ca:
         ca = os.path.join(base, ca)
-        _readable(ca, "tls_server_config.client_ca_file")
+        pem = _read(ca, "tls_server_config.client_ca_file")
         try:
-            ctx.load_verify_locations(cafile=ca)
-        except (ssl.SSLError, ValueError) as exc:
+            ctx.load_verify_locations(cadata=pem.decode("ascii"))
+        except (ssl.SSLError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
             raise WebConfigError(
                 f"tls_server_config.client_ca_file {ca!r} does not load as PEM certificates ({exc})"
             ) from None
@@ -279,12 +296,34 @@ def _users(users: Any, where: str) -> dict[str, bytes]:
 
 
 # --------------------------------------------------------------------------------------- TLS context
-def _readable(path: str, what: str) -> None:
+def _read(path: str, what: str) -> bytes:
+    """The bytes of one of the endpoint's files; never blocks on a FIFO or a device."""
     try:
-        with open(path, "rb"):
-            pass
+        return read_regular(path, _MAX_FILE_BYTES)
+    except NotRegularError as exc:
+        raise WebConfigError(f"{what} {path!r} is {exc.kind}, not a regular file") from None
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            raise WebConfigError(f"{what} {path!r} is larger than {_MAX_FILE_BYTES} bytes") from None
+        raise WebConfigError(f"{what} {path!r} cannot be read: {exc.strerror}") from None
+
+
+@contextlib.contextmanager
+def _checked(path: str, what: str) -> Iterator[str]:
+    """A path for ``ssl`` to open that is the regular file just checked: ``/proc/self/fd/N`` of an fd
+    opened without blocking (the same file, whatever replaces ``path`` meanwhile), or ``path`` itself
+    where there is no /proc."""
+    try:
+        fd = open_regular(path)
+    except NotRegularError as exc:
+        raise WebConfigError(f"{what} {path!r} is {exc.kind}, not a regular file") from None
     except OSError as exc:
         raise WebConfigError(f"{what} {path!r} cannot be read: {exc.strerror}") from None
+    try:
+        proc = f"/proc/self/fd/{fd}"
+        yield proc if os.path.exists(proc) else path
+    finally:
+        os.close(fd)
 
 
 def _no_password() -> bytes:
@@ -299,12 +338,11 @@ def _context(
     min_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2,
     max_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_3,
 ) -> ssl.SSLContext:
-    _readable(cert, cert_what)
-    _readable(key, key_what)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version, ctx.maximum_version = min_version, max_version
     try:
-        ctx.load_cert_chain(cert, key, password=_no_password)  # never a prompt on the terminal
+        with _checked(cert, cert_what) as cert_path, _checked(key, key_what) as key_path:
+            ctx.load_cert_chain(cert_path, key_path, password=_no_password)  # never a terminal prompt
     except WebConfigError as exc:
         raise WebConfigError(f"{key_what} {key!r}: {exc}") from None
     except ssl.SSLError as exc:

@@ -8,11 +8,10 @@ the TLS handshake out of reach. Here connections are plain sockets the loop acce
 - a connection's whole request head, TLS handshake included, must arrive within ``HEAD_DEADLINE_S``
   and fit in ``MAX_HEAD_BYTES``; a connection lives at most ``DEADLINE_S``;
 - at most ``MAX_CONNECTIONS`` are held. At the cap, a new connection closes the oldest one that is not
-  waiting for its answer: still sending its head or handshake, waiting for bcrypt, or not reading its
-  answer after ``SEND_GRACE_S``. Slow clients so make room for a scraper, which sends its request at
-  once. When every held
-  connection is waiting for its answer, the next one waits in the kernel's accept queue (first come,
-  first served) until one ends: a scrape is delayed, never refused;
+  waiting for its answer and has been ``GRACE_S`` in its state: still sending its head or handshake,
+  waiting for bcrypt, or not reading its answer. Slow clients so make room for a scraper, which sends
+  its request at once. When no held connection can be closed, the next one waits in the kernel's
+  accept queue (first come, first served) until one can: a scrape is delayed, never refused;
 - answers go out at most one per ``MIN_INTERVAL_S`` over all connections, in arrival order: a flood
   spends little of the GIL training needs, and with N clients in a loop a scrape waits about
   N x ``MIN_INTERVAL_S``. Connections are accepted at most one per ``ACCEPT_INTERVAL_S``, which bounds
@@ -27,18 +26,30 @@ import asyncio
 import functools
 import http.client
 import io
+import logging
 import re
 import socket
+import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any
 
 from prometheus_client.exposition import gzip_accepted
 
 from hpar_agent.exporters.basic_auth import BasicAuth, credentials
+from hpar_agent.exporters.endpoint_audit import (
+    BAD_CLIENT_CERTIFICATE,
+    NO_CLIENT_CERTIFICATE,
+    NO_CREDENTIALS,
+    UNKNOWN_USER,
+    WRONG_PASSWORD,
+    Audit,
+)
 from hpar_agent.exporters.endpoint_security import Security
+
+log = logging.getLogger("hpar_agent")
 
 #: Connections held at once (each is a file descriptor).
 MAX_CONNECTIONS = 64
@@ -52,11 +63,13 @@ MIN_INTERVAL_S = 0.02
 ACCEPT_INTERVAL_S = 0.005
 #: Largest request head (request line and headers) read.
 MAX_HEAD_BYTES = 16 << 10
-#: Seconds a client may take to read its answer before its connection can be closed for another.
-SEND_GRACE_S = 1.0
+#: Seconds a connection is safe from being closed for another in each state: to finish its TLS
+#: handshake and send its head, to have its password checked, to read its answer. A handshake on a
+#: busy host takes a while: evicted at once, a scraper behind a flood of fast clients never got in.
+GRACE_S = 1.0
 
 # A connection's state: still sending its head, waiting for bcrypt, waiting for its turn, reading its
-# answer. A queued one is never closed to make room, a sending one only after SEND_GRACE_S.
+# answer. A queued one is never closed to make room, the others only after GRACE_S in their state.
 HEAD, AUTH, QUEUED, SENDING = "head", "auth", "queued", "sending"
 
 Render = Callable[[str, bool], tuple[bytes, str]]
@@ -65,10 +78,10 @@ _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP method (RFC 911
 
 
 class _Conn:
-    __slots__ = ("handed", "since", "sock", "state", "stream", "task")
+    __slots__ = ("handed", "peer", "since", "sock", "state", "stream", "task")
 
-    def __init__(self, sock: socket.socket, stream: _Stream) -> None:
-        self.sock, self.stream = sock, stream
+    def __init__(self, sock: socket.socket, stream: _Stream, peer: str) -> None:
+        self.sock, self.stream, self.peer = sock, stream, peer
         self.handed = False  # the socket belongs to an asyncio transport, which closes it
         self.state = HEAD
         self.since = time.monotonic()
@@ -110,6 +123,17 @@ class _Stream(asyncio.Protocol):
                 fut.set_result(None)
 
 
+def _certificate_refusal(exc: ssl.SSLError) -> str:
+    """The audit reason of a handshake that failed on the client's certificate, else ""."""
+    said = f"{exc.reason or ''} {exc}".upper()
+    reason: str = ""
+    if "PEER_DID_NOT_RETURN_A_CERTIFICATE" in said or "CERTIFICATE_REQUIRED" in said:
+        reason = NO_CLIENT_CERTIFICATE
+    elif isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in said:
+        reason = BAD_CLIENT_CERTIFICATE
+    return reason
+
+
 def _head_end(buf: bytearray) -> int:
     ends = [i + len(sep) for sep in (b"\r\n\r\n", b"\n\n") if (i := buf.find(sep)) >= 0]
     return min(ends) if ends else 0
@@ -141,11 +165,14 @@ def response(status: HTTPStatus, headers: dict[str, str], body: bytes, with_body
 class MetricsServer:
     """Serves ``render(accept, gzip)`` -> (body, content type) on an already listening socket."""
 
-    def __init__(self, sock: socket.socket, render: Render, security: Security) -> None:
+    def __init__(
+        self, sock: socket.socket, render: Render, security: Security, audit: Audit | None = None
+    ) -> None:
         self.socket = sock
         self.render = render
         self.security = security
         self.auth = BasicAuth(security.users) if security.users else None
+        self.audit = audit or Audit(lambda line: log.warning("%s", line))
         self.evicted = 0  # connections closed to make room for another
         self.timed_out = 0  # connections closed at a deadline
         self.answered = 0
@@ -157,6 +184,12 @@ class MetricsServer:
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()  # a connection ended or became evictable
         self._thread = threading.Thread(target=self._run, name="hpar-metrics", daemon=True)
+
+    @property
+    def auth_failures(self) -> Mapping[str, int]:
+        """Refused clients by reason (``endpoint_audit.REASONS``)."""
+        failures: Mapping[str, int] = self.audit.failures
+        return failures
 
     @property
     def address(self) -> tuple[str, int]:
@@ -191,9 +224,9 @@ class MetricsServer:
 
     async def _main(self) -> None:
         acceptor = asyncio.ensure_future(self._accept_loop())
+        flusher = asyncio.ensure_future(self._flush_audit())
         await self._stop.wait()
-        acceptor.cancel()
-        tasks = [acceptor, *(c.task for c in self._conns if c.task is not None)]
+        tasks = [acceptor, flusher, *(c.task for c in self._conns if c.task is not None)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -202,26 +235,32 @@ class MetricsServer:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                sock, _ = await loop.sock_accept(self.socket)
+                sock, addr = await loop.sock_accept(self.socket)
             except OSError:  # out of file descriptors, a reset before accept: try again shortly
                 await asyncio.sleep(0.1)
                 continue
-            conn = _Conn(sock, _Stream(loop, self.security.tls is not None))
+            peer = addr[0] if isinstance(addr, tuple) else str(addr)
+            conn = _Conn(sock, _Stream(loop, self.security.tls is not None), peer)
             self._conns[conn] = None
             conn.task = loop.create_task(self._serve(conn))
             conn.task.add_done_callback(functools.partial(self._finish, conn))  # also if cancelled unstarted
+            loop.call_later(GRACE_S, self._changed.set)  # evictable from then, if still in its head
             while len(self._conns) > MAX_CONNECTIONS and not self._evict(spare=conn):
                 self._changed.clear()  # every held one awaits its answer: accept no more until one ends
                 await self._changed.wait()
             await asyncio.sleep(ACCEPT_INTERVAL_S)
 
+    async def _flush_audit(self) -> None:
+        """The audit's pending line, once it is due, also when no more refusals come."""
+        while True:
+            await asyncio.sleep(1.0)
+            self.audit.flush()
+
     def _evict(self, spare: _Conn) -> bool:
         """Close the oldest evictable connection other than ``spare``; False when there is none."""
-        late = time.monotonic() - SEND_GRACE_S
+        late = time.monotonic() - GRACE_S
         victims = [
-            c
-            for c in self._conns
-            if c is not spare and (c.state in (HEAD, AUTH) or (c.state == SENDING and c.since < late))
+            c for c in self._conns if c is not spare and c.state in (HEAD, AUTH, SENDING) and c.since < late
         ]
         if not victims:
             return False
@@ -239,10 +278,8 @@ class MetricsServer:
 
     def _enter(self, conn: _Conn, state: str) -> None:
         conn.state, conn.since = state, time.monotonic()
-        if state == AUTH:
-            self._changed.set()
-        elif state == SENDING:
-            asyncio.get_running_loop().call_later(SEND_GRACE_S, self._changed.set)
+        if state in (AUTH, SENDING):  # evictable once its grace is over: wake a waiting accept then
+            asyncio.get_running_loop().call_later(GRACE_S, self._changed.set)
 
     # ------------------------------------------------------------------------------ one connection
     async def _serve(self, conn: _Conn) -> None:
@@ -250,7 +287,11 @@ class MetricsServer:
             await asyncio.wait_for(self._exchange(conn), DEADLINE_S)
         except asyncio.TimeoutError:
             self.timed_out += 1
-        except (OSError, ValueError):  # a reset, a failed TLS handshake
+        except ssl.SSLError as exc:  # a failed TLS handshake: a refused client certificate is audited
+            reason = _certificate_refusal(exc)
+            if reason:
+                self.audit.refused(reason, None, conn.peer)
+        except (OSError, ValueError):  # a reset
             pass
         except Exception:  # never let one connection reach the loop's exception handler
             self.errors += 1
@@ -285,7 +326,7 @@ class MetricsServer:
 
     async def _answer(self, conn: _Conn, head: bytes) -> bytes:
         req = parse_head(head)
-        allowed = req is not None and await self._authorized(conn, req[1])
+        allowed = req is None or await self._authorized(conn, req[1])
         self._enter(conn, QUEUED)
         await self._turn()
         if req is None:
@@ -308,6 +349,7 @@ class MetricsServer:
             return True
         creds = credentials(headers.get("Authorization"))
         if creds is None:
+            self.audit.refused(NO_CREDENTIALS, None, conn.peer)
             return False
         if self.auth.known(creds):
             return True
@@ -323,7 +365,11 @@ class MetricsServer:
 
         self._enter(conn, AUTH)
         self.auth.check_later(creds, done, lambda: not verdict.done())
-        return await verdict
+        ok = await verdict
+        if not ok:  # told apart only after bcrypt ran: an unknown user costs what a wrong password costs
+            why = WRONG_PASSWORD if creds[0] in self.auth.users else UNKNOWN_USER
+            self.audit.refused(why, creds[0], conn.peer)
+        return ok
 
     async def _turn(self) -> None:
         """Wait for this answer's turn: answers at least ``MIN_INTERVAL_S`` apart, first come first served."""

@@ -4,7 +4,8 @@ A taken port never crashes training: with fallback on, the next free ports are t
 agent serves nothing and says so once. TLS or authentication asked for but not validly configured
 (``endpoint_security``) serves nothing either, never plain HTTP in its place. The exposition is
 rendered at most once per ``CACHE_S`` per format, however often it is scraped (rendering holds the
-GIL training needs). The HTTP server and its bounds are in ``http_server``.
+GIL training needs). The HTTP server and its bounds are in ``http_server``; with TLS or passwords it
+runs in a process of its own (``secure_front``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import gzip
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
@@ -21,6 +23,7 @@ from prometheus_client.exposition import choose_encoder
 from hpar_agent.config import AgentConfig
 from hpar_agent.exporters.endpoint_security import exposure, load_security
 from hpar_agent.exporters.http_server import MetricsServer
+from hpar_agent.exporters.secure_front import Front
 
 log = logging.getLogger("hpar_agent")
 
@@ -77,10 +80,17 @@ def url_host(host: str) -> str:
 
 
 def open_endpoint(
-    registry: CollectorRegistry, config: AgentConfig, local_rank: int
-) -> tuple[MetricsServer | None, str | None]:
+    registry: CollectorRegistry,
+    config: AgentConfig,
+    local_rank: int,
+    on_error: Callable[[str], None] | None = None,
+) -> tuple[MetricsServer | Front | None, str | None]:
     """Start the HTTP(S) server; return (server, url) or (None, None) when no port could be bound.
-    Raises ``WebConfigError`` when TLS or authentication is asked for but not validly configured."""
+    Raises ``WebConfigError`` when TLS or authentication is asked for but not validly configured.
+
+    Plain HTTP is served by a thread of this process; TLS or passwords by the front
+    (``secure_front``), a process of its own, so that handshakes and bcrypt never take training's
+    CPU or GIL. ``on_error`` gets what goes wrong in the front later."""
     security = load_security(config)
     base = config.metrics_port
     first = 0 if base == 0 else base + local_rank
@@ -101,8 +111,17 @@ def open_endpoint(
             risk = exposure(host, bound, security)
         except ValueError:  # not an IP address we can judge (never seen): say nothing rather than fail
             risk = None
-        server = MetricsServer(sock, Exposition(registry), security)
-        server.start()
+        server: MetricsServer | Front
+        if security.tls is not None or security.users:
+            settings = {
+                "web_config": config.web_config,
+                "tls_cert": config.tls_cert,
+                "tls_key": config.tls_key,
+            }
+            server = Front(sock, Exposition(registry), settings, on_error or _log_error)
+        else:
+            server = MetricsServer(sock, Exposition(registry), security)
+            server.start()
         if i:
             log.warning("hpar_agent: metrics port %d is in use; serving on %d instead", first, bound)
         url = f"{'https' if security.tls else 'http'}://{url_host(host)}:{bound}/metrics"
@@ -125,5 +144,9 @@ def open_endpoint(
     return None, None
 
 
-def close_endpoint(server: MetricsServer) -> None:
+def _log_error(text: str) -> None:
+    log.error("hpar_agent: %s", text)
+
+
+def close_endpoint(server: MetricsServer | Front) -> None:
     server.close()

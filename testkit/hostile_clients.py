@@ -6,7 +6,8 @@ long as the attack lasts, as an attacker or a broken proxy would.
 
 - ``dribble``: send a request line, then one header byte every ``--every`` seconds, never ending the head;
 - ``idle``: connect and send nothing;
-- ``flood``: scrape in a loop (connect, GET, read the answer, close).
+- ``flood``: scrape in a loop (connect, GET, read the answer, close); with ``--ca`` over TLS (each
+  scrape a full handshake), without credentials.
 
 Prints ``ready`` once every client has connected, and on exit one JSON line: connections made,
 answers read (flood), and how many connections the server closed.
@@ -18,18 +19,20 @@ import argparse
 import contextlib
 import json
 import socket
+import ssl
 import sys
 import threading
 import time
 
 
 class Attack:
-    def __init__(self, port: int, mode: str, n: int, duration: float, every: float) -> None:
+    def __init__(self, port: int, mode: str, n: int, duration: float, every: float, ca: str = "") -> None:
         self.port, self.mode, self.n, self.every = port, mode, n, every
+        self.tls = ssl.create_default_context(cafile=ca) if ca else None
         self.until = time.monotonic() + duration
         self.lock = threading.Lock()
         self.connected = threading.Semaphore(0)
-        self.stats = {"connections": 0, "answers": 0, "closed_by_server": 0, "refused": 0}
+        self.stats = {"connections": 0, "answers": 0, "denied": 0, "closed_by_server": 0, "refused": 0}
 
     def count(self, key: str) -> None:
         with self.lock:
@@ -40,6 +43,8 @@ class Attack:
         while time.monotonic() < self.until:
             try:
                 sock = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+                if self.tls is not None:
+                    sock = self.tls.wrap_socket(sock, server_hostname="127.0.0.1")
             except OSError:
                 self.count("refused")
                 time.sleep(0.05)
@@ -65,6 +70,8 @@ class Attack:
             got += chunk
         if got.startswith(b"HTTP/1.1 200"):
             self.count("answers")
+        elif got.startswith(b"HTTP/1.1 401"):
+            self.count("denied")
         else:
             self.count("closed_by_server")
 
@@ -91,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", type=int, default=8)
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--every", type=float, default=2.0, help="seconds between dribbled bytes")
+    ap.add_argument("--ca", default="", help="connect over TLS, trusting this CA (PEM)")
     args = ap.parse_args(argv)
-    attack = Attack(args.port, args.mode, args.n, args.duration, args.every)
+    attack = Attack(args.port, args.mode, args.n, args.duration, args.every, args.ca)
     threads = [threading.Thread(target=attack.client, daemon=True) for _ in range(args.n)]
     for t in threads:
         t.start()

@@ -15,6 +15,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hpar_agent.safefiles import private_dir, write_atomic
+
 
 def rss_mb() -> float:
     """Current resident set size (falls back to peak RSS where /proc is missing)."""
@@ -84,8 +86,8 @@ class RankRecorder:
 
     def flush(self) -> None:
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.data, indent=1))
+            private_dir(str(self.path.parent), chosen=True)  # 0600 in 0700, as the agent's own files
+            write_atomic(str(self.path), json.dumps(self.data, indent=1).encode())
 
 
 def param_checksums(parts: list[nn.Module]) -> dict[str, float]:

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+
+from hpar_agent.safefiles import write_atomic
 
 from .config import TrainConfig, parse_args
 from .data import MarkovData, loader
@@ -314,12 +315,24 @@ class Trainer:
                 "step_times": [s["step_s"] for s in self.rec.data["steps"]],
                 "step_starts": [s["t0"] for s in self.rec.data["steps"]],
             }  # wall clock, s
-            Path(self.cfg.out).write_text(json.dumps(summary, indent=1))
+            write_atomic(self.cfg.out, json.dumps(summary, indent=1).encode())  # 0600, as the agent's
+
+
+class _Prefix(logging.Filter):
+    """The logger's name before the message, unless the message starts with it already (the agent's
+    lines read ``hpar_agent: ...`` on their own, without a logging setup)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        named = record.getMessage().startswith(f"{record.name}: ")
+        record.prefix = "" if named else f"{record.name}: "
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(prefix)s%(message)s", stream=sys.stdout)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_Prefix())
     device = init_distributed(cfg)
     try:
         trainer = Trainer(cfg, device)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from hpar_agent._version import __version__
-from hpar_agent.safefiles import default_run_dir, private_dir
+from hpar_agent.safefiles import default_run_dir, private_dir, read_regular
 from hpar_agent.tools.launch import TrainerMissing, launch_observed, trainer_scenarios
 
 
@@ -70,7 +70,10 @@ def _demo(args: argparse.Namespace) -> int:
         return run.returncode
     from hpar_agent.tools.summary import load_rank_summaries, never_stepped, render_summary
 
-    trainer = json.loads(out.read_text()) if out.exists() else {}
+    try:
+        trainer = json.loads(read_regular(out, 16 << 20)) if out.exists() else {}
+    except (OSError, ValueError):
+        trainer = {}
     ranks = load_rank_summaries(run_dir)
     failures = run.rank_errors() if run.returncode else {}
     print(

@@ -41,6 +41,7 @@ import numpy as np
 
 from hpar_agent import catalogue as cat
 from hpar_agent.catalogue import STEP_PHASES
+from hpar_agent.safefiles import not_a_directory
 from hpar_agent.tools import units
 from hpar_agent.tools.run_files import (
     Span,
@@ -667,8 +668,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     for d in (args.run_a, args.run_b):
-        if not Path(d).is_dir():
-            print(f"hpar-agent compare: error: {d}: not a directory", file=sys.stderr)
+        if why := not_a_directory(d):
+            print(f"hpar-agent compare: error: {d}: {why}", file=sys.stderr)
             return 2
     try:
         res = compare(Path(args.run_a), Path(args.run_b), ("step", *dict.fromkeys(args.phase)), limit)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpar_agent.catalogue import ENV_DIAGNOSE_RUN
-from hpar_agent.safefiles import open_private, private_dir
+from hpar_agent.safefiles import open_private, private_dir, read_regular
 from hpar_agent.tools.launch import torchrun_cmd, trainer_scenarios
 
 
@@ -100,7 +100,11 @@ def read_alerts(run_dir: Path) -> list[dict[str, Any]]:
     """Every ``alert`` event that went firing, from all ranks' event logs."""
     out = []
     for path in sorted(run_dir.glob("events.rank*.jsonl")):
-        for line in path.read_text().splitlines():
+        try:
+            text = read_regular(path, 256 << 20).decode("utf-8", "replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
             try:
                 rec = json.loads(line)
             except ValueError:
@@ -118,7 +122,7 @@ def injection_times(run_dir: Path, step: int, from_start: bool) -> dict[int, flo
     out = {}
     for path in run_dir.glob("trainer.rank*.json"):
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_regular(path, 16 << 20))
             steps = {s["step"]: s for s in data["steps"] if "t0" in s}
             if from_start and 0 in steps:
                 out[int(data["rank"])] = steps[0]["t0"] + steps[0].get("step_s", 0.0)

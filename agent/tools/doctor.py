@@ -247,24 +247,34 @@ def _pyspy() -> list[Check]:
 def _settings(environ: Mapping[str, str] | None = None) -> list[Check]:
     """The ``HPAR_*`` variables read through each setting's declaration, as attach reads them: a bad
     value falls back to its default and an unknown name is ignored, each with one warning; here each
-    is named with what it should be."""
-    from hpar_agent.config import REMOVED, SETTINGS, unknown_names
+    is named with what it should be. The endpoint's security settings are judged with their files
+    (``_endpoint_security``), never called valid here."""
+    from hpar_agent.config import REMOVED, SETTINGS, near_misses, unknown_names
+    from hpar_agent.exporters.endpoint_security import NEAR_MISS_ENV, SECURITY_ENV
 
     env = os.environ if environ is None else environ
-    problems, used = [], []
+    problems, used, secured = [], [], []
     for s in SETTINGS:
-        if s.env and s.env in env:
+        if s.env in SECURITY_ENV.values() and s.env in env:
+            secured.append(s.env)
+        elif s.env and s.env in env:
             used.append(s.env)
             try:
                 s.read(env[s.env])
             except (ValueError, TypeError) as exc:
                 problems.append(f"{s.env}={env[s.env]!r}: {exc} (the default {s.default!r} is used)")
     problems += [f"{name}: removed (ignored)" for name in REMOVED.values() if name in env]
-    problems += [f"{name}: no such setting (ignored)" for name in unknown_names(env)]
+    closing = {name for name, _ in near_misses(env, NEAR_MISS_ENV)}
+    problems += [
+        f"{name}: no such setting ({'closes the metrics endpoint' if name.split()[0] in closing else 'ignored'})"
+        for name in unknown_names(env)
+    ]
+    seen = [f"{', '.join(used)}: valid"] if used else []
+    seen += [f"{', '.join(secured)}: see metrics endpoint security"] if secured else []
     if problems:
         fix = "fix or unset them (docs/configuration.md, HPAR_* variables)"
         return [Check("HPAR_* settings", DEGRADED, "; ".join(problems), fix)]
-    return [Check("HPAR_* settings", OK, f"{', '.join(used)}: valid" if used else "none set: the defaults")]
+    return [Check("HPAR_* settings", OK, "; ".join(seen) if seen else "none set: the defaults")]
 
 
 def _thresholds(environ: Mapping[str, str] | None = None) -> list[Check]:

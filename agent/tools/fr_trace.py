@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hpar_agent.safefiles import open_regular
+
 _DUMP = re.compile(r"\.rank(\d+)\.[^/]*\.fr-(gloo|nccl)\.pickle$")
 PREFIX = "rank"
 ANALYSER = "torch.distributed.flight_recorder.fr_trace"
@@ -90,7 +92,7 @@ def analyse(run_dir: Path, recorder: str | None = None, extra: list[str] | None 
     rec = recorder or max(found, key=lambda r: len(found[r]))
     dumps = {}
     for rank, path in sorted(found[rec].items()):
-        with path.open("rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             dumps[rank] = pickle.load(f)  # see the module doc: only the agent's own files
     mend(dumps)
     with tempfile.TemporaryDirectory(prefix="hpar-fr-") as tmp:

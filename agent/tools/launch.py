@@ -22,7 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from hpar_agent.safefiles import open_private, private_dir
+from hpar_agent.safefiles import open_private, open_regular, private_dir
+
+#: The most of a log the launcher reads back (its failure report and first error lines are near the top).
+LOG_LIMIT = 64 << 20
+
+
+def _read_log(path: Path) -> str:
+    """The first ``LOG_LIMIT`` bytes of a log as text; never blocks on a FIFO in its place."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        return f.read(LOG_LIMIT).decode(errors="replace")
+
 
 #: Rank output lines as torchrun tees them (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` below).
 _RANK_LINE = re.compile(r"^\[rank(\d+)\]:")
@@ -151,7 +161,7 @@ class Launch:
     def exit_codes(self) -> dict[int, int]:
         """``{rank: exit code}`` of the ranks torchrun's failure report lists (negative: a signal)."""
         try:
-            text = (self.log_dir / "torchrun.log").read_text(errors="replace")
+            text = _read_log(self.log_dir / "torchrun.log")
         except OSError:
             return {}
         return {int(r): int(c) for r, c in _FAILURE.findall(text)}
@@ -162,7 +172,7 @@ class Launch:
         for path in sorted(self.log_dir.glob("*/attempt_*/*/stderr.log")):
             try:
                 rank = int(path.parent.name)
-                line = first_error_line(path.read_text(errors="replace"))
+                line = first_error_line(_read_log(path))
             except (OSError, ValueError):
                 continue
             if line:

@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import quote
 
 from hpar_agent import catalogue as cat
-from hpar_agent.safefiles import private_dir, write_atomic
+from hpar_agent.safefiles import not_a_directory, private_dir, write_atomic
 from hpar_agent.tools import units
 from hpar_agent.tools.report_figures import (
     COMPILE_KINDS,
@@ -511,12 +511,11 @@ def _error(text: str) -> int:
 def main(run_dir: str, output: str | None = None, compare: str | None = None) -> int:
     """The ``hpar-agent report`` command: print where the page is (exit status: ``EXIT_CODES``)."""
     path = Path(run_dir)
-    if not path.is_dir() or not any(next(path.glob(g), None) for g in RUN_FILES):
-        return _error(
-            f"{run_dir}: {'not found' if not path.exists() else 'has no summary/events/traces/trainer files'}"
-        )
-    if compare is not None and not Path(compare).is_dir():
-        return _error(f"--compare {compare}: not a run directory")
+    for name, where in ((str(run_dir), path), (f"--compare {compare}", compare)):
+        if where is not None and (why := not_a_directory(where)):
+            return _error(f"{name}: {why}")
+    if not any(next(path.glob(g), None) for g in RUN_FILES):
+        return _error(f"{run_dir}: has no summary/events/traces/trainer files")
     try:
         run = load_run(path)
         for p in run.problems:

@@ -1,9 +1,9 @@
 """How the offline tools read a run directory's files: they never hang, never read without bound and
 never take a number JSON cannot hold.
 
-- Regular files only: a FIFO, socket or device named like a run file is skipped with a message (open a
-  FIFO and the tool waits for a writer forever). The file is opened non-blocking and checked again
-  with ``fstat``, so swapping it between the check and the open changes nothing.
+- Regular files only (``safefiles.open_regular``, which the agent uses too): a FIFO, socket or device
+  named like a run file is skipped with a message (open a FIFO and the tool waits for a writer
+  forever).
 - Bounded: a whole-file read refuses a file over its limit; a JSONL read stops at its limit and says
   so; a ``Budget`` bounds what one command reads across all the files of a run.
 - Strict JSON (RFC 8259): ``NaN``, ``Infinity`` and numbers that overflow to infinity are refused, so
@@ -16,19 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
-_KINDS = (
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISDIR, "a directory"),
-)
+from hpar_agent import safefiles
 
 MiB = 1 << 20
 #: One summary or trainer file (a summary is tens of KiB).
@@ -56,13 +48,6 @@ class Budget:
         self.left -= n
 
 
-def _kind(mode: int) -> str | None:
-    """Why a file of this mode is not read, or None for a regular file."""
-    if stat.S_ISREG(mode):
-        return None
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
-
-
 def _size(n: int) -> str:
     return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n} bytes"
 
@@ -70,21 +55,11 @@ def _size(n: int) -> str:
 def open_regular(path: Path) -> int:
     """A read-only fd of ``path`` if it is a regular file (symlinks followed); else ``Unreadable``."""
     try:
-        kind = _kind(os.stat(path).st_mode)
-        if kind is not None:
-            raise Unreadable(f"{kind}, not a regular file: skipped")
-        fd = os.open(path, _FLAGS)
+        return safefiles.open_regular(path)
+    except safefiles.NotRegularError as exc:
+        raise Unreadable(f"{exc.kind}, not a regular file: skipped") from None
     except OSError as exc:
         raise Unreadable(exc.strerror or str(exc)) from None
-    try:
-        kind = _kind(os.fstat(fd).st_mode)  # replaced between the stat and the open
-        if kind is not None:
-            raise Unreadable(f"{kind}, not a regular file: skipped")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def read_bytes(path: Path, limit: int = JSON_LIMIT, budget: Budget | None = None) -> bytes:

@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -199,3 +201,58 @@ def test_unwritable_run_dir_leaves_the_rest_of_the_agent_working(tmp_path):
         >= 1
     )
     hpar_agent.detach()
+
+
+@pytest.mark.timeout(60)  # a blocking open of a FIFO would hang: fail instead
+def test_a_fifo_or_socket_is_refused_by_kind_and_never_blocks(tmp_path):
+    import socket
+
+    fifo = tmp_path / "events.rank0.jsonl"
+    os.mkfifo(fifo)
+    for opener in (safefiles.open_regular, lambda p: safefiles.open_private(str(p))):
+        with pytest.raises(safefiles.NotRegularError, match=f"^{fifo} is a FIFO, not a regular file$"):
+            opener(fifo)
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(tmp_path / "sock"))
+        with pytest.raises(safefiles.NotRegularError, match="is a socket, not a regular file"):
+            safefiles.read_regular(tmp_path / "sock", 10)
+    (tmp_path / "big").write_bytes(b"x" * 11)
+    with pytest.raises(OSError, match="larger than 10 bytes"):
+        safefiles.read_regular(tmp_path / "big", 10)
+    # a run state file that is a FIFO reads as no record
+    from hpar_agent import rankstate
+
+    assert rankstate.read(str(fifo)) is None
+
+
+def test_every_tool_names_what_is_not_a_directory_in_the_same_words(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "loop1").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop1")
+    (tmp_path / "file").write_text("")
+    words = {
+        name: safefiles.not_a_directory(tmp_path / name) for name in ("fifo", "loop1", "file", "none", ".")
+    }
+    assert words == {
+        "fifo": "a FIFO, not a directory",
+        "loop1": "a symbolic link loop",
+        "file": "a regular file, not a directory",
+        "none": "not found",
+        ".": None,
+    }
+    for name in ("fifo", "loop1"):
+        for argv in (["report", str(tmp_path / name)], ["compare", str(tmp_path / name), str(tmp_path)]):
+            res = subprocess.run(
+                [sys.executable, "-m", "hpar_agent", *argv], capture_output=True, text=True, timeout=60
+            )
+            assert res.returncode == 2 and f"{tmp_path / name}: {words[name]}" in res.stderr, res.stderr
+
+
+def test_the_trainers_files_are_private_as_the_agents(tmp_path):
+    from hpar_trainer.metrics import RankRecorder
+
+    rec = RankRecorder(str(tmp_path / "run" / "trainer.json"), 0, {})
+    rec.flush()
+    assert rec.path is not None and json.loads(rec.path.read_text())["rank"] == 0
+    assert stat.S_IMODE(os.stat(rec.path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "run").st_mode) == 0o700
