@@ -416,6 +416,7 @@ def default_components(config: AgentConfig) -> list[Component]:
     from hpar_agent.collectors.anatomy import AnatomyCollector
     from hpar_agent.collectors.collectives import CollectiveCollector
     from hpar_agent.collectors.compile import CompileCollector
+    from hpar_agent.collectors.goodput import GoodputCollector
     from hpar_agent.collectors.gradsync import GradSyncCollector
     from hpar_agent.collectors.oom import OomCollector
 
@@ -430,6 +431,7 @@ def default_components(config: AgentConfig) -> list[Component]:
     comps.append(CompileCollector())
     if config.detectors:
         comps.append(DetectorsComponent())
+    comps.append(GoodputCollector())  # last: it reads the others' conclusions of the pass
     return comps
 
 

@@ -39,6 +39,7 @@ PEER = "peer"
 VERDICT = "verdict"
 GROUP = "group"
 CULPRIT = "culprit"
+CAUSE = "cause"
 
 #: Labels every series carries, in this order.
 COMMON_LABELS: tuple[str, ...] = (RANK, PP_STAGE)
@@ -153,6 +154,19 @@ STEP_BUCKETS: tuple[float, ...] = (
 #: loader before the forward; host: the rest of that time; comm_exposed: collective time no other phase
 #: hides, only where collective timing exists) and the ``verdict`` values of hpar_step_bottleneck.
 STEP_PHASES: tuple[str, ...] = ("data_wait", "host", "forward", "backward", "optimizer", "comm_exposed")
+#: The ``cause`` values of hpar_lost_seconds_total (docs/metrics.md#goodput says what each holds).
+GOODPUT_CAUSES: tuple[str, ...] = (
+    "startup",
+    "compile",
+    "data_wait",
+    "host",
+    "checkpoint",
+    "wait",
+    "hang",
+    "restart",
+    "recomputed",
+    "other",
+)
 VERDICTS: tuple[str, ...] = (
     "input-bound",
     "host-bound",
@@ -232,6 +246,26 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "Share of step time spent in the phase over the recent steps (after warm-up).",
         PHASE,
+        unit="ratio",
+    ),
+    _m(
+        "hpar_lost_seconds_total",
+        "counter",
+        "Seconds of this rank's wall time since its process started that produced no training, by cause (startup, compile, data_wait, host, checkpoint, wait, hang, restart, recomputed, other); culprit: the rank a wait was for, only on waits with a named culprit. Accounted a step behind the clock.",
+        CAUSE,
+        CULPRIT,
+        unit="seconds",
+    ),
+    _m(
+        "hpar_productive_seconds_total",
+        "counter",
+        "Seconds of this rank's wall time spent in its steps' own compute and communication (the complement of hpar_lost_seconds_total).",
+        unit="seconds",
+    ),
+    _m(
+        "hpar_goodput_ratio",
+        "gauge",
+        "Productive seconds over the wall time accounted since the process started.",
         unit="ratio",
     ),
     _m(
