@@ -8,7 +8,8 @@ training-thread cost it adds, two clock reads a checkpoint call). The culprit of
 Straggler detector concluded (``AgentContext.slow_rank``): while it names a peer, this rank's exposed
 communication is waiting for that peer; else it is the step's own communication (productive), once no
 culprit was named within ``goodput_ledger.UNDECIDED_STEPS`` steps. While the Hang alert is active, the
-time since the last accounted step is hang.
+time since the last accounted step is hang. Earlier attempts in the same run directory (a restart) are
+added, with ``restart`` and ``recomputed`` (``goodput_attempts``).
 
 A step is accounted once the anatomy has finished it (its CUDA events and collectives read), so the
 counters run a step or two behind the clock; the time after the last step counts at detach (hang, or
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import Metric
 
 from hpar_agent.catalogue import GOODPUT_CAUSES as CAUSES
+from hpar_agent.collectors import goodput_attempts
 from hpar_agent.collectors.anatomy import AnatomyCollector
 from hpar_agent.collectors.checkpoint_wrap import CheckpointWrap
 from hpar_agent.collectors.compile import CompileCollector
@@ -37,6 +39,7 @@ from hpar_agent.spans import StepRecord
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
 
+WRITE_EVERY_NS = 5 * 10**9  # how often the attempt's ledger is written to the run directory
 MAX_PENDING = 8192  # steps awaiting the anatomy; past it the oldest are accounted with the recent shares
 SHARE_WEIGHT = 0.25  # weight of the newest detailed step in the shares undetailed steps get
 HANG_ALERT = "Hang"
@@ -75,13 +78,20 @@ class GoodputCollector(Component):
         self._steps: StepCollector | None = None
         self._anatomy: AnatomyCollector | None = None
         self._compile: CompileCollector | None = None
+        self.attempts: goodput_attempts.Attempts | None = None  # read at the first pass
+        self.earlier: Ledger | None = None  # the earlier attempts' seconds, restarts included
+        self.resumed = False  # a checkpoint was loaded before the first step
+        self.base_step: int | None = None  # the number of this attempt's first step across attempts
+        self.saved_at: int | None = None  # this attempt's steps done at its last checkpoint save
+        self._written_ns = 0
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
         self._steps = ctx.find(StepCollector)
         self._anatomy = ctx.find(AnatomyCollector)
         self._compile = ctx.find(CompileCollector)
-        self.ckpt.install(ctx.config.buffer_size)
+        steps = self._steps
+        self.ckpt.install(ctx.config.buffer_size, (lambda: steps.count) if steps is not None else None)
 
     def uninstall(self) -> None:
         self.ckpt.uninstall()
@@ -89,7 +99,13 @@ class GoodputCollector(Component):
     # ------------------------------------------------------------------------------------ agent thread
     def poll(self, now: float) -> None:
         tid = self._steps.tid if self._steps is not None else None
-        calls = self._other_threads + self.ckpt.buffer.drain()
+        new = self.ckpt.buffer.drain()
+        for _t0, _t1, _thread, save, done in new:
+            if save:
+                self.saved_at = done
+            elif done == 0:
+                self.resumed = True
+        calls = self._other_threads + [(t0, t1, thread) for t0, t1, thread, _s, _d in new]
         self._other_threads = []
         for t0, t1, thread in calls:
             if tid is None and len(self._other_threads) < 1024:
@@ -110,17 +126,38 @@ class GoodputCollector(Component):
         ctx = self.ctx
         if ctx is None:
             return
+        if self.attempts is None and ctx.run_dir:
+            earlier = goodput_attempts.read(ctx.run_dir, ctx.topology.rank)
+            self.attempts = goodput_attempts.Attempts(earlier, os.getpid(), self.ledger.start_ns)
+            self.earlier = self.attempts.total()
         self._account_steps(ctx.stopping)
         now = time.time_ns()
-        if self.pending:
-            return
-        if self._hung():
-            self.ledger.decide(self._culprit())
-            self.ledger.span(now, "hang", self.ckpt_calls, self._compiles())
-        elif ctx.stopping:  # the program's end after its last step, or a run that never stepped
-            self.ledger.decide(None)
-            rest = "other" if self.ledger.steps else "startup"
-            self.ledger.span(now, rest, self.ckpt_calls, self._compiles())
+        if not self.pending:
+            if self._hung():
+                self.ledger.decide(self._culprit())
+                self.ledger.span(now, "hang", self.ckpt_calls, self._compiles())
+            elif ctx.stopping:  # the program's end after its last step, or a run that never stepped
+                self.ledger.decide(None)
+                rest = "other" if self.ledger.steps else "startup"
+                self.ledger.span(now, rest, self.ckpt_calls, self._compiles())
+        if ctx.run_dir and (ctx.stopping or now - self._written_ns >= WRITE_EVERY_NS):
+            self._written_ns = now
+            self._write(ctx.run_dir, ctx.topology.rank)
+
+    def _write(self, run_dir: str, rank: int) -> None:
+        """This attempt's ledger into the run directory, beside the earlier attempts'."""
+        base = self.base_step or 0
+        current = {
+            "pid": os.getpid(),
+            "ledger": self.ledger.to_dict(),
+            "base_step": base,
+            "last_save_step": None if self.saved_at is None else base + self.saved_at,
+        }
+        earlier = self.attempts.earlier if self.attempts is not None else []
+        try:
+            goodput_attempts.write(run_dir, rank, earlier, current)
+        except OSError as exc:
+            self.record_error(exc)
 
     def _compiles(self) -> Iterable[tuple[int, int]]:
         return self._compile.intervals if self._compile is not None else ()
@@ -147,6 +184,8 @@ class GoodputCollector(Component):
         mark = anatomy.span_watermark_ns() if anatomy is not None else None
         by_step: dict[int, tuple[float, dict[str, float], float]] | None = None
         culprit = self._culprit()
+        att = self.attempts
+        seen = att.steps_seen() if att is not None else 0
         while self.pending:
             rec = self.pending[0]
             if mark is not None and rec.start_ns >= mark and not stopping and len(self.pending) < MAX_PENDING:
@@ -167,7 +206,11 @@ class GoodputCollector(Component):
                         phases.get("comm_exposed", 0.0) / step_s,
                     )
                     self._learn(shares)
-            self.ledger.step(rec.start_ns, rec.end_ns, shares, culprit, self.ckpt_calls, self._compiles())
+            if self.base_step is None:  # resumed from the last checkpoint an earlier attempt saved, or anew
+                self.base_step = att.last_save_step() if att is not None and self.resumed else 0
+            again = self.base_step + rec.step < seen
+            led = self.ledger
+            led.step(rec.start_ns, rec.end_ns, shares, culprit, self.ckpt_calls, self._compiles(), again)
 
     def _learn(self, s: Shares) -> None:
         w, o = SHARE_WEIGHT, self.shares
@@ -183,9 +226,20 @@ class GoodputCollector(Component):
         )
 
     # ------------------------------------------------------------------------------------ outputs
+    def total(self) -> Ledger:
+        """This attempt's ledger with the earlier attempts' seconds added."""
+        own = self.ledger
+        out = Ledger(
+            own.start_ns, own.covered_ns, own.productive, dict(own.lost), dict(own.wait_by), own.steps
+        )
+        out.undecided.extend(own.undecided)
+        if self.earlier is not None:
+            out.add(self.earlier)
+        return out
+
     def collect(self) -> Iterable[Metric]:
         f = self.require_ctx().families
-        led = self.ledger
+        led = self.total()
         lost = f.counter("hpar_lost_seconds_total")
         for cause in CAUSES:
             if cause == "wait":
@@ -206,7 +260,11 @@ class GoodputCollector(Component):
         yield ratio
 
     def summary(self) -> dict[str, Any]:
-        out = self.ledger.to_dict()
+        out = self.total().to_dict()
+        earlier = self.attempts.ledgers if self.attempts is not None else []
+        out["start"] = min([self.ledger.start_ns, *(e.start_ns for e in earlier)]) / 1e9
+        out["end"] = self.ledger.covered_ns / 1e9
+        out["attempts"] = 1 + len(earlier)
         out["checkpoint_seconds_all_threads"] = round(self.ckpt_seconds, 6)
         out["steps_pending"] = len(self.pending)
         return out

@@ -108,10 +108,12 @@ class Ledger:
         culprit: int | None = None,
         ckpt: Iterable[Interval] = (),
         compiles: Iterable[Interval] = (),
+        recomputed: bool = False,
     ) -> None:
         """One step. Before the first one, the time since the process started is startup; in the first
         one, so is its host time before the forward (process group, model and loader set-up when the
-        agent attached before them)."""
+        agent attached before them). ``recomputed``: an earlier attempt did this step already, so all of
+        it but its checkpoints, compiles and set-up is ``recomputed``."""
         ckpt, compiles = list(ckpt), list(compiles)
         first = self.steps == 0
         if first and start_ns > self.covered_ns:
@@ -123,14 +125,23 @@ class Ledger:
         total = (hi - lo) / 1e9
         in_ckpt = self._fixed(lo, hi, ckpt, compiles)
         rem = total - seconds(exposed_ns([*ckpt, *compiles], [], lo, hi))
+        self.covered_ns = hi
+        host = min(max(0.0, shares.host * total - in_ckpt), rem)
+        if first:
+            self.lost["startup"] += host
+            rem -= host
+        if recomputed:
+            self.lost["recomputed"] += max(0.0, rem)
+            return
         data = min(max(0.0, shares.data_wait) * total, rem)
         rem -= data
-        host = min(max(0.0, shares.host * total - in_ckpt), rem)
-        rem -= host
+        if not first:
+            host = min(host, rem)
+            self.lost["host"] += host
+            rem -= host
         comm = min(max(0.0, shares.comm) * total, rem)
         rem -= comm
         self.lost["data_wait"] += data
-        self.lost["startup" if first else "host"] += host
         if culprit is not None:
             self.decide(culprit)
             self._wait(comm, culprit)
@@ -139,7 +150,36 @@ class Ledger:
             if len(self.undecided) > UNDECIDED_STEPS:
                 self.productive += self.undecided.popleft()
         self.productive += max(0.0, rem)
-        self.covered_ns = hi
+
+    def add(self, other: Ledger) -> None:
+        """Add another ledger's seconds and wall time to this one's (a total over attempts: its
+        ``covered_ns`` is then no instant, only ``wall`` means something)."""
+        self.covered_ns += other.covered_ns - other.start_ns
+        self.productive += other.productive
+        for cause, secs in other.lost.items():
+            self.lost[cause] = self.lost.get(cause, 0.0) + secs
+        for r, secs in other.wait_by.items():
+            if r in self.wait_by or len(self.wait_by) < MAX_CULPRITS:
+                self.wait_by[r] = self.wait_by.get(r, 0.0) + secs
+        self.steps += other.steps
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> Ledger:
+        """A ledger written by ``to_dict`` (an earlier attempt's)."""
+        start, end = float(d["start"]), float(d["end"])  # type: ignore[arg-type]
+        lost: dict[str, float] = dict.fromkeys(CAUSES, 0.0)
+        for k, v in dict(d.get("lost_seconds") or {}).items():  # type: ignore[call-overload]
+            if k in lost:
+                lost[k] = float(v)
+        wait_by = {int(k): float(v) for k, v in dict(d.get("wait_by_culprit") or {}).items()}  # type: ignore[call-overload]
+        return cls(
+            start_ns=int(start * 1e9),
+            covered_ns=int(end * 1e9),
+            productive=float(d.get("productive_seconds") or 0.0),  # type: ignore[arg-type]
+            lost=lost,
+            wait_by=wait_by,
+            steps=int(d.get("steps") or 0),  # type: ignore[call-overload]
+        )
 
     def to_dict(self) -> dict[str, object]:
         return {

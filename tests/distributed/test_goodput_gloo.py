@@ -2,7 +2,9 @@
 one slow rank of 4 under torchrun (gloo, DDP), a function recompiled every step, and
 torch.distributed.checkpoint every 4 steps. Each run's planted cause is its largest loss after startup
 (the imports of a few-second program), the slow rank is named, and every rank's causes add up to its
-wall time, which spans the whole program. The four runs start together and share one fixture."""
+wall time, which spans the whole program. And a job under ``torchrun --max-restarts 1`` whose first
+attempt crashes (``goodput_restart.py``): its accounting spans both attempts, with the restart between
+them and the steps done again. The five runs start together and share one fixture."""
 
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ from testkit.zerocode import clean_env, summaries
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = Path(__file__).resolve().parents[1] / "zerocode_scripts" / "goodput_causes.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "zerocode_scripts"
+SCRIPT = SCRIPTS / "goodput_causes.py"
 #: cause -> (ranks, steps)
 RUNS = {"slow-data": (1, 8), "recompile": (1, 6), "checkpoint": (1, 8), "slow-rank": (4, 60)}
+RESTART_STEPS = 16  # the crash comes before step 10; the second attempt resumes at 8
 SLOW = 2  # the script's slow rank
 
 
@@ -59,6 +63,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
             stderr=subprocess.STDOUT,
             text=True,
         )
+    run = out["restart"] = Run(base / "restart")
+    procs["restart"] = subprocess.Popen(
+        [
+            *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
+            *["--max-restarts", "1", str(SCRIPTS / "goodput_restart.py"), str(RESTART_STEPS), str(run.out)],
+        ],
+        env=clean_env(run.run_dir, HPAR_METRICS_PORT="-1", HPAR_TRACES="none"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for cause, proc in procs.items():
         text, _ = proc.communicate(timeout=400)
         assert proc.returncode == 0, (cause, text[-3000:])
@@ -129,3 +144,19 @@ def test_checkpoints_are_found_without_user_code(runs: dict[str, Run]) -> None:
         led,
         res,
     )
+
+
+def test_a_restarted_job_keeps_the_first_attempts_time(runs: dict[str, Run]) -> None:
+    run = runs["restart"]
+    ledgers, results = run.ledgers(), run.results()
+    assert sorted(ledgers) == sorted(results) == [0, 1]
+    for rank, led in ledgers.items():
+        assert results[rank] == {"attempt": 1, "start": 8}  # the second attempt resumed at step 8
+        assert led["attempts"] == 2, led
+        # 10 steps before the crash, 8 after resuming: both attempts' steps, and their time
+        assert led["steps"] == 18, led
+        lost = led["lost_seconds"]
+        assert lost["restart"] > 0 and lost["recomputed"] > 0, led
+        total = led["productive_seconds"] + sum(lost.values())
+        assert abs(total - led["wall_seconds"]) <= 0.01 * led["wall_seconds"], led
+        assert led["wall_seconds"] == pytest.approx(led["end"] - led["start"], rel=0.01), led

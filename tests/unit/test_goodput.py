@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpar_agent.collectors import goodput_attempts
 from hpar_agent.collectors.checkpoint_wrap import CheckpointWrap
 from hpar_agent.collectors.goodput import process_start_ns
 from hpar_agent.collectors.goodput_ledger import UNDECIDED_STEPS, Ledger, Shares
@@ -106,7 +107,8 @@ def test_checkpoint_wrappers_time_outermost_state_dict_calls(tmp_path: Path) -> 
     assert torch.save is orig
     calls = w.buffer.drain()
     assert len(calls) == 4, calls  # save, load, dcp.save (its inner writes not again), dcp.load
-    assert all(t0 <= t1 for t0, t1, _tid in calls)
+    assert all(t0 <= t1 for t0, t1, _tid, _save, _done in calls)
+    assert [c[3] for c in calls] == [True, False, True, False]  # saves and loads told apart
 
 
 def _summary(rank: int, productive: float, **lost: float) -> dict[str, object]:
@@ -139,3 +141,27 @@ def test_closing_line_names_the_biggest_losses_with_the_culprit() -> None:
     assert goodput_view.closing_line([{"components": {}}]) is None
     fig = goodput_view.figure({0: ranks[0], 1: ranks[1]})
     assert fig is not None and {t.name for t in fig.data} >= {"productive", "waiting for rank 2", "compile"}
+
+
+def test_earlier_attempts_add_their_seconds_and_the_restart_between(tmp_path: Path) -> None:
+    first = Ledger(start_ns=100 * S)
+    first.step(102 * S, 110 * S, Shares())  # startup 2 s, then 8 s of steps
+    first.steps = 10
+    goodput_attempts.write(
+        str(tmp_path), 3, [], {"pid": 1, "ledger": first.to_dict(), "base_step": 0, "last_save_step": 8}
+    )
+    att = goodput_attempts.Attempts(goodput_attempts.read(str(tmp_path), 3), pid=2, start_ns=115 * S)
+    assert att.steps_seen() == 10 and att.last_save_step() == 8
+    total = att.total()
+    assert total is not None
+    assert total.lost["restart"] == pytest.approx(5.0)  # from the first attempt's end to this one's start
+    assert total.wall == pytest.approx(15.0) and total.productive == pytest.approx(8.0)
+    # this attempt resumed at step 8: its steps 8 and 9 are done again
+    now = Ledger(start_ns=115 * S)
+    for i in range(4):
+        now.step((116 + i) * S, (117 + i) * S, Shares(), recomputed=8 + i < att.steps_seen())
+    assert now.lost["recomputed"] == pytest.approx(2.0) and now.productive == pytest.approx(2.0)
+    now.add(total)
+    assert now.wall == pytest.approx(20.0)
+    assert now.productive + sum(now.lost.values()) == pytest.approx(now.wall)
+    assert goodput_attempts.read(str(tmp_path), 4) == []  # another rank's file: none
