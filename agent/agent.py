@@ -417,6 +417,7 @@ def default_components(config: AgentConfig) -> list[Component]:
     from hpar_agent.collectors.collectives import CollectiveCollector
     from hpar_agent.collectors.compile import CompileCollector
     from hpar_agent.collectors.goodput import GoodputCollector
+    from hpar_agent.collectors.gpu_health import GpuHealthCollector
     from hpar_agent.collectors.gradsync import GradSyncCollector
     from hpar_agent.collectors.oom import OomCollector
 
@@ -428,6 +429,7 @@ def default_components(config: AgentConfig) -> list[Component]:
         AnatomyCollector(),
     ]
     comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector(), OomCollector()]
+    comps.append(GpuHealthCollector())
     comps.append(CompileCollector())
     if config.detectors:
         comps.append(DetectorsComponent())

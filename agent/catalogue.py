@@ -40,6 +40,9 @@ VERDICT = "verdict"
 GROUP = "group"
 CULPRIT = "culprit"
 CAUSE = "cause"
+GPU = "gpu"
+WHICH = "which"
+XID = "xid"
 
 #: Labels every series carries, in this order.
 COMMON_LABELS: tuple[str, ...] = (RANK, PP_STAGE)
@@ -444,6 +447,57 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _m("hpar_gpu_throttle_active", "gauge", "NVML: 1 while a clock-throttle reason is active.", REASON),
     _m(
+        "hpar_gpu_clock_max_hertz",
+        "gauge",
+        "NVML: the GPU's maximum clock by domain (sm, mem): hpar_gpu_clock_hertz against it tells a throttled GPU.",
+        GPU,
+        CLOCK,
+        unit="hertz",
+    ),
+    _m("hpar_gpu_power_limit_watts", "gauge", "NVML: the enforced board power limit.", GPU, unit="watts"),
+    _m(
+        "hpar_gpu_pcie_link_generation",
+        "gauge",
+        "NVML: PCIe link generation, current and max (a current below max under load: a downtrained link).",
+        GPU,
+        WHICH,
+    ),
+    _m("hpar_gpu_pcie_link_width", "gauge", "NVML: PCIe link width (lanes), current and max.", GPU, WHICH),
+    _m(
+        "hpar_gpu_retired_pages",
+        "gauge",
+        "NVML: device memory pages retired, by cause (single_bit: multiple single-bit ECC errors, double_bit).",
+        GPU,
+        CAUSE,
+    ),
+    _m(
+        "hpar_gpu_retired_pages_pending",
+        "gauge",
+        "NVML: 1 while a page retirement waits for the GPU's reset.",
+        GPU,
+    ),
+    _m(
+        "hpar_gpu_remapped_rows",
+        "gauge",
+        "NVML (Ampere and later): memory rows remapped, by kind (correctable, uncorrectable; pending and failed are 1 while true).",
+        GPU,
+        KIND,
+    ),
+    _m(
+        "hpar_gpu_xid_events_total",
+        "counter",
+        "NVML: Xid critical error events on this rank's GPU since attach, by Xid code (at most 16 codes); absent where NVML cannot watch them.",
+        GPU,
+        XID,
+    ),
+    _m(
+        "hpar_gpu_nvlink_errors_total",
+        "counter",
+        "NVML: NVLink error counters summed over the GPU's active links, by kind (replay, recovery, crc_flit, crc_data).",
+        GPU,
+        KIND,
+    ),
+    _m(
         "hpar_allocator_bytes",
         "gauge",
         "CUDA caching allocator current bytes by kind (allocated, reserved, active).",
@@ -622,6 +676,18 @@ RULE_ALERTS: tuple[AlertSpec, ...] = (
         "GpuEccErrors",
         "critical",
         "NVML counted uncorrected ECC errors on the rank's GPU (Prometheus rule only).",
+        DASH_MEMORY,
+    ),
+    AlertSpec(
+        "GpuThrottled",
+        "warning",
+        "NVML reports the rank's GPU throttled by heat, power delivery or a hardware slowdown for 5 minutes (Prometheus rule only).",
+        DASH_MEMORY,
+    ),
+    AlertSpec(
+        "GpuHardwareErrors",
+        "critical",
+        "The rank's GPU reports an Xid error, a pending or failed memory repair, a downtrained PCIe link or NVLink errors (Prometheus rule only).",
         DASH_MEMORY,
     ),
     AlertSpec(
