@@ -419,6 +419,7 @@ def default_components(config: AgentConfig) -> list[Component]:
     from hpar_agent.collectors.goodput import GoodputCollector
     from hpar_agent.collectors.gpu_health import GpuHealthCollector
     from hpar_agent.collectors.gradsync import GradSyncCollector
+    from hpar_agent.collectors.mfu import MfuCollector
     from hpar_agent.collectors.oom import OomCollector
 
     comps: list[Component] = [
@@ -429,7 +430,7 @@ def default_components(config: AgentConfig) -> list[Component]:
         AnatomyCollector(),
     ]
     comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector(), OomCollector()]
-    comps.append(GpuHealthCollector())
+    comps += [GpuHealthCollector(), MfuCollector()]
     comps.append(CompileCollector())
     if config.detectors:
         comps.append(DetectorsComponent())

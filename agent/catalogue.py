@@ -252,6 +252,23 @@ METRICS: tuple[MetricSpec, ...] = (
         unit="ratio",
     ),
     _m(
+        "hpar_model_flops_per_step",
+        "gauge",
+        "The model's FLOPs in one step of this rank (its pipeline stage's part), counted once with torch's flop counter on a steady step; absent for a torch.compile'd model.",
+    ),
+    _m(
+        "hpar_mfu",
+        "gauge",
+        "Model FLOPs utilisation: hpar_model_flops_per_step over the median recent step time and the GPU's dense peak for the dtype in use (docs/metrics.md#mfu has the table).",
+        unit="ratio",
+    ),
+    _m(
+        "hpar_mfu_at_clock",
+        "gauge",
+        "hpar_mfu against the peak at the GPU's current SM clock (NVML): a throttled GPU reads higher here than in hpar_mfu, a waiting one low in both.",
+        unit="ratio",
+    ),
+    _m(
         "hpar_lost_seconds_total",
         "counter",
         "Seconds of this rank's wall time since its process started that produced no training, by cause (startup, compile, data_wait, host, checkpoint, wait, hang, restart, recomputed, other); culprit: the rank a wait was for, only on waits with a named culprit. Accounted a step behind the clock.",
