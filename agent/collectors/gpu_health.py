@@ -22,9 +22,12 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
+from hpar_agent.collectors.memory import NvmlCollector
 from hpar_agent.component import Component
 
 READ_EVERY_S = 10.0
+#: Throttle reasons that slow a GPU down (the power cap is normal at full load; idle is no slowdown).
+SLOWING = frozenset({"hw_slowdown", "hw_thermal", "sw_thermal", "hw_power_brake", "sw_power_cap"})
 MAX_XIDS = 16  # distinct Xid codes a rank keeps a series for (the label's bound)
 MAX_EVENTS_A_PASS = 64
 NVLINK_COUNTERS = (
@@ -60,6 +63,7 @@ class GpuHealthCollector(Component):
         self.values: dict[str, Any] = {}  # what the last read gave: name -> value or {label: value}
         self.xids: dict[int, int] = {}  # Xid code -> events seen
         self.last_xid: tuple[int, float] | None = None  # (code, epoch s) of the last Xid event
+        self.throttled_since: dict[str, float] = {}  # throttle reason -> epoch s it became active
 
     # ------------------------------------------------------------------------------------ agent thread
     def _start(self) -> None:
@@ -120,9 +124,33 @@ class GpuHealthCollector(Component):
         if not self.up:
             return
         self._poll_xids()
+        self._note_throttles(now)
         if now - self._read_at >= READ_EVERY_S or self.require_ctx().stopping:
             self._read_at = now
             self.values = self._read()
+
+    def _note_throttles(self, now: float) -> None:
+        """Since when each slowing throttle reason has been active (the memory collector reads them)."""
+        nv = self.require_ctx().find(NvmlCollector)
+        active = {r for r, on in ((nv.values.get("throttle") or {}) if nv is not None else {}).items() if on}
+        for reason in SLOWING & active:
+            self.throttled_since.setdefault(reason, now)
+        for reason in set(self.throttled_since) - active:
+            del self.throttled_since[reason]
+
+    def describe(self) -> str:
+        """One line on this GPU's state, e.g. ``GPU 5: hw_slowdown since 14:02:11, SM clock 1,410 MHz
+        against 1,980``: what a verdict naming this rank can quote."""
+        nv = self.require_ctx().find(NvmlCollector)
+        sm = ((nv.values.get("clocks") or {}).get("sm") if nv is not None else None) or 0.0
+        top = (self.values.get("clock_max") or {}).get("sm") or 0.0
+        parts = [
+            f"{r} since {time.strftime('%H:%M:%S', time.localtime(t))}"
+            for r, t in sorted(self.throttled_since.items())
+        ]
+        if sm and top:
+            parts.append(f"SM clock {sm / 1e6:,.0f} MHz against {top / 1e6:,.0f}")
+        return f"GPU {self.gpu}: " + (", ".join(parts) or "no reading")
 
     def _poll_xids(self) -> None:
         nv, events = self._nvml, self._events
@@ -261,4 +289,6 @@ class GpuHealthCollector(Component):
             "xid_events": {str(k): n for k, n in sorted(self.xids.items())},
             "xid_events_watched": self._events is not None,
             "last_xid": None if self.last_xid is None else {"xid": self.last_xid[0], "at": self.last_xid[1]},
+            "throttled_since": dict(self.throttled_since),
+            "state": self.describe(),
         }

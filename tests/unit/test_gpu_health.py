@@ -144,6 +144,13 @@ def test_health_series_from_nvml(agent, monkeypatch):
     assert get("hpar_gpu_remapped_rows", {**L, "kind": "pending"}) is None  # not supported: absent
     assert nv.remap_calls == 1  # asked once
     assert set(nv.waits) == {0}  # polled, never waited on
+    nvml = agent.component("nvml")
+    nvml.values = {"throttle": {"hw_slowdown": 1, "gpu_idle": 0}, "clocks": {"sm": 1410e6}}
+    agent.tick()
+    comp = agent.component("gpu_health")
+    assert set(comp.throttled_since) == {"hw_slowdown"}
+    assert comp.describe().startswith("GPU 1: hw_slowdown since ")
+    assert comp.describe().endswith("SM clock 1,410 MHz against 1,980")
 
 
 def test_no_gpu_means_no_health_series(agent, monkeypatch):
