@@ -31,7 +31,7 @@ from hpar_agent.collectors import goodput_attempts
 from hpar_agent.collectors.anatomy import AnatomyCollector
 from hpar_agent.collectors.checkpoint_wrap import CheckpointWrap
 from hpar_agent.collectors.compile import CompileCollector
-from hpar_agent.collectors.goodput_ledger import Ledger, Shares
+from hpar_agent.collectors.goodput_ledger import Ledger, Shares, merged
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.component import Component
 from hpar_agent.spans import StepRecord
@@ -184,6 +184,7 @@ class GoodputCollector(Component):
         mark = anatomy.span_watermark_ns() if anatomy is not None else None
         by_step: dict[int, tuple[float, dict[str, float], float]] | None = None
         culprit = self._culprit()
+        ckpt, compiles = merged(self.ckpt_calls), merged(self._compiles())  # once a pass, not a step
         att = self.attempts
         seen = att.steps_seen() if att is not None else 0
         while self.pending:
@@ -210,7 +211,7 @@ class GoodputCollector(Component):
                 self.base_step = att.last_save_step() if att is not None and self.resumed else 0
             again = self.base_step + rec.step < seen
             led = self.ledger
-            led.step(rec.start_ns, rec.end_ns, shares, culprit, self.ckpt_calls, self._compiles(), again)
+            led.step(rec.start_ns, rec.end_ns, shares, culprit, ckpt, compiles, again)
 
     def _learn(self, s: Shares) -> None:
         w, o = SHARE_WEIGHT, self.shares

@@ -16,17 +16,33 @@ for the culprit if one is named in time, else productive: the step's own communi
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from hpar_agent.catalogue import GOODPUT_CAUSES as CAUSES
-from hpar_agent.collectors.phases import Interval, exposed_ns, seconds
+from hpar_agent.collectors.phases import Interval, exposed_ns, seconds, union
 
 MAX_CULPRITS = 16  # distinct culprits a rank keeps a wait series for (the label's bound)
 #: Steps whose exposed communication waits undecided for a culprit: the Straggler detector confirms one
 #: over a window of recent collectives, so the waits of that window are for it too.
 UNDECIDED_STEPS = 32
+
+
+def within(merged: Sequence[Interval], lo: int, hi: int) -> Sequence[Interval]:
+    """The intervals of ``merged`` (``phases.union``'s output: sorted, disjoint) that overlap [lo, hi],
+    found by bisection: a pass accounts thousands of steps against thousands of compiles."""
+    i = bisect.bisect_right(merged, (lo, lo))
+    if i > 0 and merged[i - 1][1] > lo:
+        i -= 1
+    j = bisect.bisect_left(merged, (hi, hi), lo=i)
+    return merged[i:j]
+
+
+def merged(intervals: Iterable[Interval]) -> list[Interval]:
+    """Intervals sorted and made disjoint, as ``Ledger.step`` takes them."""
+    return union(intervals)
 
 
 @dataclass(frozen=True)
@@ -106,15 +122,15 @@ class Ledger:
         end_ns: int,
         shares: Shares,
         culprit: int | None = None,
-        ckpt: Iterable[Interval] = (),
-        compiles: Iterable[Interval] = (),
+        ckpt: Sequence[Interval] = (),
+        compiles: Sequence[Interval] = (),
         recomputed: bool = False,
     ) -> None:
         """One step. Before the first one, the time since the process started is startup; in the first
         one, so is its host time before the forward (process group, model and loader set-up when the
         agent attached before them). ``recomputed``: an earlier attempt did this step already, so all of
-        it but its checkpoints, compiles and set-up is ``recomputed``."""
-        ckpt, compiles = list(ckpt), list(compiles)
+        it but its checkpoints, compiles and set-up is ``recomputed``. ``ckpt`` and ``compiles``: sorted and
+        disjoint (``merged``)."""
         first = self.steps == 0
         if first and start_ns > self.covered_ns:
             self.span(start_ns, "startup", ckpt, compiles)
@@ -123,6 +139,7 @@ class Ledger:
         if hi <= lo:
             return
         total = (hi - lo) / 1e9
+        ckpt, compiles = within(ckpt, lo, hi), within(compiles, lo, hi)
         in_ckpt = self._fixed(lo, hi, ckpt, compiles)
         rem = total - seconds(exposed_ns([*ckpt, *compiles], [], lo, hi))
         self.covered_ns = hi
