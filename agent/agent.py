@@ -416,7 +416,10 @@ def default_components(config: AgentConfig) -> list[Component]:
     from hpar_agent.collectors.anatomy import AnatomyCollector
     from hpar_agent.collectors.collectives import CollectiveCollector
     from hpar_agent.collectors.compile import CompileCollector
+    from hpar_agent.collectors.goodput import GoodputCollector
+    from hpar_agent.collectors.gpu_health import GpuHealthCollector
     from hpar_agent.collectors.gradsync import GradSyncCollector
+    from hpar_agent.collectors.mfu import MfuCollector
     from hpar_agent.collectors.oom import OomCollector
 
     comps: list[Component] = [
@@ -427,9 +430,11 @@ def default_components(config: AgentConfig) -> list[Component]:
         AnatomyCollector(),
     ]
     comps += [CollectiveCollector(), GradSyncCollector(), NvmlCollector(), MemoryCollector(), OomCollector()]
+    comps += [GpuHealthCollector(), MfuCollector()]
     comps.append(CompileCollector())
     if config.detectors:
         comps.append(DetectorsComponent())
+    comps.append(GoodputCollector())  # last: it reads the others' conclusions of the pass
     return comps
 
 

@@ -39,6 +39,10 @@ PEER = "peer"
 VERDICT = "verdict"
 GROUP = "group"
 CULPRIT = "culprit"
+CAUSE = "cause"
+GPU = "gpu"
+WHICH = "which"
+XID = "xid"
 
 #: Labels every series carries, in this order.
 COMMON_LABELS: tuple[str, ...] = (RANK, PP_STAGE)
@@ -153,6 +157,19 @@ STEP_BUCKETS: tuple[float, ...] = (
 #: loader before the forward; host: the rest of that time; comm_exposed: collective time no other phase
 #: hides, only where collective timing exists) and the ``verdict`` values of hpar_step_bottleneck.
 STEP_PHASES: tuple[str, ...] = ("data_wait", "host", "forward", "backward", "optimizer", "comm_exposed")
+#: The ``cause`` values of hpar_lost_seconds_total (docs/metrics.md#goodput says what each holds).
+GOODPUT_CAUSES: tuple[str, ...] = (
+    "startup",
+    "compile",
+    "data_wait",
+    "host",
+    "checkpoint",
+    "wait",
+    "hang",
+    "restart",
+    "recomputed",
+    "other",
+)
 VERDICTS: tuple[str, ...] = (
     "input-bound",
     "host-bound",
@@ -250,6 +267,43 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "Share of step time spent in the phase over the recent steps (after warm-up).",
         PHASE,
+        unit="ratio",
+    ),
+    _m(
+        "hpar_model_flops_per_step",
+        "gauge",
+        "The model's FLOPs in one step of this rank (its pipeline stage's part), counted once with torch's flop counter on a steady step; absent for a torch.compile'd model.",
+    ),
+    _m(
+        "hpar_mfu",
+        "gauge",
+        "Model FLOPs utilisation: hpar_model_flops_per_step over the median recent step time and the GPU's dense peak for the dtype in use (docs/metrics.md#mfu has the table).",
+        unit="ratio",
+    ),
+    _m(
+        "hpar_mfu_at_clock",
+        "gauge",
+        "hpar_mfu against the peak at the GPU's current SM clock (NVML): a throttled GPU reads higher here than in hpar_mfu, a waiting one low in both.",
+        unit="ratio",
+    ),
+    _m(
+        "hpar_lost_seconds_total",
+        "counter",
+        "Seconds of this rank's wall time since its process started that produced no training, by cause (startup, compile, data_wait, host, checkpoint, wait, hang, restart, recomputed, other); culprit: the rank a wait was for, only on waits with a named culprit. Accounted a step behind the clock.",
+        CAUSE,
+        CULPRIT,
+        unit="seconds",
+    ),
+    _m(
+        "hpar_productive_seconds_total",
+        "counter",
+        "Seconds of this rank's wall time spent in its steps' own compute and communication (the complement of hpar_lost_seconds_total).",
+        unit="seconds",
+    ),
+    _m(
+        "hpar_goodput_ratio",
+        "gauge",
+        "Productive seconds over the wall time accounted since the process started.",
         unit="ratio",
     ),
     _m(
@@ -427,6 +481,57 @@ METRICS: tuple[MetricSpec, ...] = (
         ERROR_TYPE,
     ),
     _m("hpar_gpu_throttle_active", "gauge", "NVML: 1 while a clock-throttle reason is active.", REASON),
+    _m(
+        "hpar_gpu_clock_max_hertz",
+        "gauge",
+        "NVML: the GPU's maximum clock by domain (sm, mem): hpar_gpu_clock_hertz against it tells a throttled GPU.",
+        GPU,
+        CLOCK,
+        unit="hertz",
+    ),
+    _m("hpar_gpu_power_limit_watts", "gauge", "NVML: the enforced board power limit.", GPU, unit="watts"),
+    _m(
+        "hpar_gpu_pcie_link_generation",
+        "gauge",
+        "NVML: PCIe link generation, current and max (a current below max under load: a downtrained link).",
+        GPU,
+        WHICH,
+    ),
+    _m("hpar_gpu_pcie_link_width", "gauge", "NVML: PCIe link width (lanes), current and max.", GPU, WHICH),
+    _m(
+        "hpar_gpu_retired_pages",
+        "gauge",
+        "NVML: device memory pages retired, by cause (single_bit: multiple single-bit ECC errors, double_bit).",
+        GPU,
+        CAUSE,
+    ),
+    _m(
+        "hpar_gpu_retired_pages_pending",
+        "gauge",
+        "NVML: 1 while a page retirement waits for the GPU's reset.",
+        GPU,
+    ),
+    _m(
+        "hpar_gpu_remapped_rows",
+        "gauge",
+        "NVML (Ampere and later): memory rows remapped, by kind (correctable, uncorrectable; pending and failed are 1 while true).",
+        GPU,
+        KIND,
+    ),
+    _m(
+        "hpar_gpu_xid_events_total",
+        "counter",
+        "NVML: Xid critical error events on this rank's GPU since attach, by Xid code (at most 16 codes); absent where NVML cannot watch them.",
+        GPU,
+        XID,
+    ),
+    _m(
+        "hpar_gpu_nvlink_errors_total",
+        "counter",
+        "NVML: NVLink error counters summed over the GPU's active links, by kind (replay, recovery, crc_flit, crc_data).",
+        GPU,
+        KIND,
+    ),
     _m(
         "hpar_allocator_bytes",
         "gauge",
@@ -606,6 +711,18 @@ RULE_ALERTS: tuple[AlertSpec, ...] = (
         "GpuEccErrors",
         "critical",
         "NVML counted uncorrected ECC errors on the rank's GPU (Prometheus rule only).",
+        DASH_MEMORY,
+    ),
+    AlertSpec(
+        "GpuThrottled",
+        "warning",
+        "NVML reports the rank's GPU throttled by heat, power delivery or a hardware slowdown for 5 minutes (Prometheus rule only).",
+        DASH_MEMORY,
+    ),
+    AlertSpec(
+        "GpuHardwareErrors",
+        "critical",
+        "The rank's GPU reports an Xid error, a pending or failed memory repair, a downtrained PCIe link or NVLink errors (Prometheus rule only).",
         DASH_MEMORY,
     ),
     AlertSpec(

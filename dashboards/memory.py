@@ -197,4 +197,46 @@ def memory() -> Board:
         w=8,
         gpu=True,
     )
+    ts(
+        b,
+        "SM clock against its maximum",
+        "Each rank's SM clock over the GPU's maximum (NVML), the $topn lowest: a throttled GPU sits below 1 "
+        "under load (GpuThrottled names the reason); an idle one drops too.",
+        [
+            Q(
+                worst(
+                    f'max by (job, instance, rank) (hpar_gpu_clock_hertz{{{SEL},clock="sm"}}) / '
+                    f'max by (job, instance, rank) (hpar_gpu_clock_max_hertz{{{SEL},clock="sm"}})',
+                    best=True,
+                ),
+                "rank {{rank}}",
+            )
+        ],
+        "percentunit",
+        w=8,
+        gpu=True,
+    )
+    ts(
+        b,
+        "GPU hardware errors",
+        "Per interval: Xid critical errors by code, NVLink errors by kind; and the ranks with a memory "
+        "repair pending or failed, or a PCIe link below its width. GpuHardwareErrors fires on each.",
+        [
+            Q(f"sum by (xid) (increase(hpar_gpu_xid_events_total{{{SEL}}}[{RI}]))", "Xid {{xid}}"),
+            Q(f"sum by (kind) (increase(hpar_gpu_nvlink_errors_total{{{SEL}}}[{RI}]))", "NVLink {{kind}}"),
+            Q(
+                f'count(hpar_gpu_remapped_rows{{{SEL},kind=~"pending|failed"}} > 0)',
+                "rows remap pending/failed",
+            ),
+            Q(f"count(hpar_gpu_retired_pages_pending{{{SEL}}} > 0)", "page retirement pending"),
+            Q(
+                f'count(hpar_gpu_pcie_link_width{{{SEL},which="current"}} < on (job, instance, rank, gpu) '
+                f'hpar_gpu_pcie_link_width{{{SEL},which="max"}})',
+                "PCIe below max width",
+            ),
+        ],
+        "short",
+        w=8,
+        gpu=True,
+    )
     return b

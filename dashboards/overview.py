@@ -132,6 +132,22 @@ def overview() -> Board:
         "percentunit",
         max_val=1,
     )
+    lost = f"rate(hpar_lost_seconds_total{{{SEL}}}[5m])"
+    accounted = f"(sum(rate(hpar_productive_seconds_total{{{SEL}}}[5m])) + sum({lost}))"
+    ts(
+        b,
+        "Where the time went (goodput)",
+        "Share of the selected ranks' wall time since their processes started that was productive (the "
+        "steps' own compute and communication; recording rule rank:hpar_goodput:ratio5m, mean over ranks), "
+        "and the share lost to each cause: startup, compile, data_wait, host, checkpoint, wait (labelled "
+        "with the rank waited for when one is named), hang, restart, recomputed, other. 5m window.",
+        [
+            Q(f"avg(rank:hpar_goodput:ratio5m{{{SEL}}})", "goodput"),
+            Q(f"sum by (cause, culprit) ({lost}) / scalar({accounted})", "{{cause}} {{culprit}}"),
+        ],
+        "percentunit",
+        max_val=1,
+    )
     ts(
         b,
         "Ranks input-bound for 10 minutes",

@@ -143,6 +143,8 @@ class CompileCollector(Component):
         self.fingerprint = _fingerprint(())
         self.resets = 0
         self._open: dict[tuple[str, str], tuple[int, int]] = {}  # (cid, trigger) -> (start ns, step)
+        #: (start ns, end ns) of the recent compiles, for the goodput ledger's compile time
+        self.intervals: deque[tuple[int, int]] = deque(maxlen=4096)
         self.notes = CompileNotes()
 
     # --------------------------------------------------------------------------------- install
@@ -268,6 +270,7 @@ class CompileCollector(Component):
         if opened is None:
             return
         start_ns, step = opened
+        self.intervals.append((start_ns, t_ns))
         trig = _TRIGGER_LABEL.get(trigger, trigger)
         span = SpanRecord(
             name=cat.SPAN_COMPILE,

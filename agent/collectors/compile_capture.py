@@ -121,6 +121,7 @@ class DynamoCapture:
         self.steps: Any = None  # the StepCollector whose count is the step a compile starts in
         self.known_backends: frozenset[str] = frozenset()  # dynamo's registered backend names
         self.callbacks = False  # the start/end callbacks are registered
+        self.compiled = False  # dynamo started a compile since install (set on the training thread)
         self._saved: dict[str, tuple[int, bool]] = {}  # logger -> (level, propagate) before install
         self._owned_artifacts: set[str] = set()
         self._metrics_level = logging.INFO
@@ -192,6 +193,7 @@ class DynamoCapture:
 
     # --------------------------------------------------------------------------------- training thread
     def _on_start(self, args: Any) -> None:
+        self.compiled = True
         try:
             step = self.steps.count if self.steps is not None else 0
             trigger = dynamo.trigger_name(args)

@@ -13,6 +13,7 @@ from statistics import median
 from typing import TYPE_CHECKING, Any
 
 from hpar_agent import endings, rankstate
+from hpar_agent.context import Conclusion
 from hpar_agent.crossrank import WHOLE_GROUP
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
@@ -70,6 +71,10 @@ class Hang(Detector):
         if p2p:
             out["w"] = [w.pack() for w in p2p]
         return {"s": out} if out else {}
+
+    def conclusion(self, active: bool, value: float) -> Conclusion | None:
+        """While this rank's Hang is active (the goodput ledger counts the time as ``hang``)."""
+        return Conclusion(True, None, float(value)) if active else None
 
     def evaluate(self, snap: Snapshot) -> Verdict | None:
         stalled = sig.stalled_seconds(

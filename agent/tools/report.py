@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 from hpar_agent import catalogue as cat
 from hpar_agent.safefiles import not_a_directory, private_dir, write_atomic
-from hpar_agent.tools import units
+from hpar_agent.tools import goodput_view, units
 from hpar_agent.tools.report_figures import (
     COMPILE_KINDS,
     brief,
@@ -401,6 +401,10 @@ def render(run: Run, out_dir: Path, compare: Path | None = None) -> str:
     culprits = culprits_list(run)
     if culprits:
         sections += ["<h2>Culprits</h2>", culprits]
+    gp_fig = goodput_view.figure(run.summaries)
+    if gp_fig is not None:
+        line = goodput_view.closing_line(run.summaries.values()) or ""
+        section("Where the time went", "fig-goodput", gp_fig, f"<p>{esc(line)}</p>")
     if anatomy:
         sections += ["<h2>Where the step time goes</h2>", anatomy]
     if compare is not None:

@@ -26,6 +26,7 @@ from hpar_agent.config import TRUE_WORDS
 from hpar_agent.safefiles import RUNS_DIR, default_run_dir, private_dir
 from hpar_agent.tools.culprits import Ending, ending_lines, endings
 from hpar_agent.tools.exits import ExitWatcher
+from hpar_agent.tools.goodput_view import closing_line
 from hpar_agent.tools.run_files import load_run
 from hpar_agent.tools.summary import load_rank_summaries
 
@@ -225,4 +226,7 @@ def run(cmd: Sequence[str], run_dir: str | None = None, environ: Mapping[str, st
     ended = endings(rd, exits)
     for line in [*rank_lines(rd, ended), *ending_lines(ended, load_run(rd).events, bool(forwarded))]:
         print(line, file=sys.stderr)
+    goodput = closing_line(load_rank_summaries(rd))
+    if goodput:
+        _say(goodput)
     return status

@@ -64,6 +64,14 @@ COMPONENTS = {
             "cpu_wait_share": NUM_OR_NULL,
         }
     ),
+    "goodput": obj(
+        {
+            "wall_seconds": NUM,
+            "productive_seconds": NUM,
+            "lost_seconds": obj(values=NUM),
+            "wait_by_culprit": obj(values=NUM),
+        }
+    ),
     "pipeline": obj({"bubble_ratio": NUM_OR_NULL, "chunk_seconds_p50": obj(values=NUM)}),
     "anatomy": obj(
         {

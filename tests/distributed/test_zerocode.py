@@ -105,8 +105,11 @@ def test_ddp_under_torchrun_scraped_mid_run(tmp_path: Path) -> None:
         (info,) = fams["hpar_rank_info"]
         assert info.labels["rank"] == str(r) and info.labels["world_size"] == "2"
         assert info.labels["backend"] == "gloo" and info.labels["local_rank"] == str(r)
+        assert 0 < fams["hpar_goodput_ratio"][0].value <= 1  # where the time went, live
+        assert "startup" in {x.labels["cause"] for x in fams["hpar_lost_seconds_total"]}
     assert proc.returncode == 0, err[-3000:]
     assert f"outputs in {run_dir.resolve()}" in err and "exit code 0" in err
+    assert "hpar-agent run: goodput " in err  # the closing line
     _assert_every_rank_observed(run_dir, degrees={"dp": "2", "dp_replicate": "2"})
 
 
