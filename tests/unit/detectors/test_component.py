@@ -33,7 +33,8 @@ def test_every_alert_exported_from_the_start_and_clean_loop_is_quiet(tmp_path: A
             assert agent.registry.get_sample_value("hpar_alert_active", labels) == 0.0
             assert agent.registry.get_sample_value("hpar_alerts_total", labels) == 0.0
         det = agent.component("detectors")
-        assert isinstance(det, DetectorsComponent) and det is agent.components[-1]
+        assert isinstance(det, DetectorsComponent)  # after every collector it reads; only goodput follows
+        assert [c.name for c in agent.components[agent.components.index(det) + 1 :]] == ["goodput"]
         for _ in range(6):  # a clean loop with the real collectors: no alert, no detector error
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
