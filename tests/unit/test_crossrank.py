@@ -367,11 +367,16 @@ def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_p
                 "input_dtypes": ["BFloat16" if (r == 0 and i == 7) else "Float"],
                 "time": ((i // 4) * step + i * 1_000_000 + (80_000_000 if r == 5 else 0)) / 1e9,
             }
-            for i in range(40)
+            for i in range(80)
         )
         return steps(10), Fake("collectives", recent_entries=entries)
 
+    from hpar_agent.detectors.cluster import Straggler
+
     ranks = _ranks(store, tmp_path, [("dp", 10)], comps)
+    for _, det in ranks:  # 20 steps of 4 all-reduces, each ending 0.2 s in
+        for s in range(20):
+            det.detector(Straggler).step_hook(s, s * step + 200_000_000)
     _tick(ranks, 3)
     assert _active(ranks, "CollectiveMismatch") == {0}
     assert _active(ranks, "Straggler") == {5}
@@ -381,8 +386,6 @@ def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_p
         det.snapshot.rank for _, det in ranks if 5 in det.snapshot.exchange.peers and det.snapshot.rank != 5
     }
     assert readers_of_5 == {1, 3, 7, 9}  # -4, -2, +2, +4 of 10: they name rank 5 the job's slow rank
-    from hpar_agent.detectors.cluster import Straggler
-
     slowest = {det.snapshot.rank: getattr(det.detector(Straggler), "slowest", None) for _, det in ranks}
     assert {r for r, s in slowest.items() if s is not None and s[0] == 5} == readers_of_5 | {5}
 
