@@ -2,7 +2,8 @@
 confirmed, its score for 1 to 8 gradient buckets a step, and false alerts over long clean runs.
 
 ``python -m benchmarks.straggler_sim [--ranks 1024,8192] [--clean-passes 300]``. Steps of 0.3 s, an
-exchange every 10 steps (3 s); the judged ranks are those whose views hold the slow rank plus 48 spread
+exchange every 10 steps (3 s) from the job's first step (confirmed: the second consecutive exchange
+whose verdict is active; warm-up, compiles and the exchange's own delays left out); the judged ranks are those whose views hold the slow rank plus 48 spread
 over the job (``cover``); a clean run judges 64 spread ranks. Times are simulated job time, not the
 store's (``benchmarks/store_load.py`` measures that).
 """
@@ -31,9 +32,9 @@ def confirm(n: int, noise_name: str, buckets: int) -> str:
     slow = n // 2 + 3
     job = Job(dp=n, buckets=buckets, noise=noise, slow={slow: 1.5})
     sim = StragglerSim(job, cover(job))
-    history = sim.run(4)
+    history = sim.run(8, fill=False)  # from the job's start: an exchange every 10 steps
     at = first_fired_pass(history, slow)
-    steps = sim.keep + (at or 0) * job.steps_per_pass
+    steps = ((at or 0) + 1) * job.steps_per_pass
     others = named(history) - {slow}
     when = f"{steps * STEP_S:.0f} s ({steps} steps)" if at is not None else "not confirmed"
     score = history[-1][slow].value if slow in history[-1] else float("nan")

@@ -193,12 +193,12 @@ class StragglerSim:
             exchange=view,
         )
 
-    def run(self, passes: int) -> list[dict[int, Verdict]]:
-        """``passes`` exchanges (the first after a window's worth of steps); each judged rank's step hook
-        sees every step end."""
+    def run(self, passes: int, fill: bool = True) -> list[dict[int, Verdict]]:
+        """``passes`` exchanges (the first after a window's worth of steps with ``fill``, else as a job
+        that just started: after ``steps_per_pass``); each judged rank's step hook sees every step end."""
         out = []
         for p in range(passes):
-            for _ in range(self.keep if p == 0 else self.job.steps_per_pass):
+            for _ in range(self.keep if p == 0 and fill else self.job.steps_per_pass):
                 self.run_step()
                 for det in self.detectors.values():
                     det.step_hook(self.step - 1, self.ends[-1])
