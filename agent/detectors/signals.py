@@ -570,14 +570,19 @@ def model_parallel_dim(label: str) -> str | None:
 
 
 def _median_of_others(ordered: Sequence[int], own: int) -> float:
-    """The lower median of ``ordered`` without one ``own`` value (``own`` when it is alone): a rank is
-    not its own reference, or a slow rank among five raises the median it is compared with."""
+    """The median of ``ordered`` without one ``own`` value (``own`` when it is alone): a rank is not its
+    own reference, or a slow rank among five raises the median it is compared with; and not a lower
+    median, which noise puts under the typical rank (every rank then looks late)."""
     n = len(ordered)
     if n < 2:
         return float(own)
-    m = (n - 2) // 2
     at = bisect.bisect_left(ordered, own)
-    return float(ordered[m] if m < at else ordered[m + 1])
+
+    def other(k: int) -> int:  # the k-th smallest of the others
+        return ordered[k if k < at else k + 1]
+
+    m = n - 1
+    return float(other(m // 2)) if m % 2 else (other(m // 2 - 1) + other(m // 2)) / 2
 
 
 def _replica_median(groups: Sequence[Sequence[int]]) -> float:
