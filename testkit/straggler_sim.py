@@ -4,7 +4,10 @@ The job runs ``steps`` of a synthetic program on one consistent timeline (numpy,
 per step a forward of 4 compute segments, each ending in a tp all-reduce that blocks its tp group
 (with tp), then a backward whose ``buckets`` gradient all-reduces on the dp group are enqueued as
 their gradients are ready, without waiting (DDP); the step ends for every rank when the last bucket's
-reduction completes, plus the optimizer. A rank's compute is its ``factor`` (a slow GPU: 1.5) x a
+reduction completes, plus the optimizer. With ``pp`` stages (dp x pp) a replica's forward goes
+through its stages in turn and its backward back (each stage waits for its neighbour's activations
+or gradients, p2p, which the flight recorder does not show), each stage's buckets over its own
+backward; ``stage_work`` makes a stage slower by design. A rank's compute is its ``factor`` (a slow GPU: 1.5) x a
 fixed per-GPU speed (``gpu_sigma``) x per-segment noise (lognormal ``sigma``, with ``spike_p`` spikes
 of ``spike`` x). Every ``steps_per_pass`` steps an exchange: each rank's last ``window`` entries are
 what its peers read (``crossrank.plan``), and each judged rank's own ``Straggler`` (kept from pass to
@@ -57,13 +60,15 @@ class Job:
     buckets: int = 1
     noise: Noise = field(default_factory=Noise)
     slow: Mapping[int, float] = field(default_factory=dict)  # rank -> compute factor (1.5: 1.5x slower)
+    pp: int = 1  # pipeline stages (dp x pp, pp innermost): one microbatch through the stages
+    stage_work: Mapping[int, float] = field(default_factory=dict)  # stage -> its compute by design (1.3)
     window: int = 256  # flight-recorder entries each rank publishes (at least; ``StragglerSim.window``)
     steps_per_pass: int = 10  # 0.3 s steps, an exchange every 3 s
     seed: int = 0
 
     @property
     def n(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.pp
 
 
 class StragglerSim:
@@ -72,8 +77,7 @@ class StragglerSim:
 
     def __init__(self, job: Job, judged: Collection[int] | None = None, **thresholds: float) -> None:
         self.job = job
-        dims = [("dp", job.dp), ("tp", job.tp)] if job.tp > 1 else [("dp", job.dp)]
-        self.grid = Grid.row_major(dims)
+        self.grid = Grid.row_major(_dims(job))
         self.rng = np.random.default_rng(job.seed)
         n = job.n
         self.speed = (
@@ -81,6 +85,8 @@ class StragglerSim:
         )
         for r, f in job.slow.items():
             self.speed[r] *= f
+        for r in range(n):
+            self.speed[r] *= job.stage_work.get(r % job.pp, 1.0)
         self.coords = [self._coords(r) for r in range(n)]
         self.ops = (4 if job.tp > 1 else 0) + job.buckets  # collectives a step
         # the feed's window: ``window`` entries, more to span 3 steps (``sources.FrWindow``)
@@ -98,6 +104,9 @@ class StragglerSim:
         self.uids = [self._uids(r) for r in range(n)]
 
     def _coords(self, r: int) -> dict[str, int]:
+        if self.job.pp > 1:
+            dp, pp = divmod(r, self.job.pp)
+            return {"dp_replicate": dp, "dp_shard": 0, "cp": 0, "tp": 0, "pp": pp}
         dp, tp = divmod(r, self.job.tp)
         return {"dp_replicate": dp, "dp_shard": 0, "cp": 0, "tp": tp, "pp": 0}
 
@@ -120,6 +129,22 @@ class StragglerSim:
         start = self.now_ns
         cursor = np.full(job.n, start, dtype=np.int64)
         rows = []
+        if job.pp > 1:  # forward through the stages, then backward back: each waits for its neighbour
+            own = self._compute(FORWARD_S).reshape(job.dp, job.pp)
+            at = np.full(job.dp, start, dtype=np.int64)
+            for st in range(job.pp):
+                at = at + own[:, st] + int(COMM_S * 1e9)
+            grads = self._compute(BACKWARD_S).reshape(job.dp, job.pp)
+            ready = np.zeros((job.dp, job.pp), dtype=np.int64)  # when each stage may start its backward
+            for st in reversed(range(job.pp)):
+                ready[:, st] = at
+                at = at + grads[:, st] + int(COMM_S * 1e9)
+            cursor = ready.reshape(-1)
+            for _ in range(job.buckets):  # the stage's buckets over its backward
+                cursor = cursor + (grads.reshape(-1) // job.buckets)
+                rows.append(cursor)
+            self._close_step(rows, cursor)
+            return
         if job.tp > 1:
             for _ in range(4):
                 at = cursor + self._compute(FORWARD_S / 4)
@@ -131,6 +156,9 @@ class StragglerSim:
         for _ in range(job.buckets):  # async: each bucket enqueued when its gradients are ready
             cursor = cursor + self._compute(BACKWARD_S / job.buckets)
             rows.append(cursor)
+        self._close_step(rows, cursor)
+
+    def _close_step(self, rows: list[np.ndarray], cursor: np.ndarray) -> None:
         end = int(cursor.max()) + int((COMM_S + OPTIMIZER_S) * 1e9)
         self.times.append(np.stack(rows))
         self.ends.append(end)
@@ -158,7 +186,7 @@ class StragglerSim:
         def payload(q: int) -> dict[str, Any]:
             if q not in cache:
                 c = self.coords[q]
-                cache[q] = {"c": {**c, "dp": c["dp_replicate"], "stage": 0}, "fr": self.entries(q)}
+                cache[q] = {"c": {**c, "dp": c["dp_replicate"], "stage": c["pp"]}, "fr": self.entries(q)}
             return cache[q]
 
         out = {}
@@ -182,6 +210,8 @@ class StragglerSim:
             dp_rank=c["dp_replicate"],
             dp_replicate=self.job.dp,
             tp_rank=c["tp"],
+            pp=self.job.pp,
+            pp_stage=c["pp"],
         )
         view = PeerView(peers=peers, fresh=True, seen=peers, groups=self.plans[r].groups)
         return Snapshot(
@@ -249,11 +279,16 @@ def cover(job: Job, sample: int = 48) -> set[int]:
     """The ranks to judge for exact culprit sets at a fraction of the cost: every rank whose view holds
     a slow rank (only there is a median shifted, or a slow rank named), and ``sample`` ranks spread
     over the job whose views are clean (every other view is like one of them)."""
-    dims = [("dp", job.dp), ("tp", job.tp)] if job.tp > 1 else [("dp", job.dp)]
-    grid = Grid.row_major(dims)
+    grid = Grid.row_major(_dims(job))
     return readers(grid, job.slow) | set(range(0, job.n, max(1, job.n // sample)))
 
 
 def score(verdicts: Mapping[int, Verdict], rank: int) -> float:
     v = verdicts.get(rank)
     return math.nan if v is None else v.value
+
+
+def _dims(job: Job) -> list[tuple[str, int]]:
+    if job.pp > 1:
+        return [("dp", job.dp), ("pp", job.pp)]
+    return [("dp", job.dp), ("tp", job.tp)] if job.tp > 1 else [("dp", job.dp)]
