@@ -61,7 +61,14 @@ DETECTOR_PARAMS: dict[str, tuple[Param, ...]] = {
         Param("every_steps", 10, "checksum a fixed sample of every parameter every this many steps"),
         Param("per_param", 16, "elements sampled per parameter (strided over the whole tensor)"),
     ),
-    "CollectiveMismatch": (Param("max_entries", 256, "recent flight-recorder entries each rank publishes"),),
+    "CollectiveMismatch": (
+        Param(
+            "max_entries",
+            256,
+            "recent flight-recorder entries each rank publishes (up to 4x more where these span less "
+            "than 3 median steps: Straggler measures whole steps)",
+        ),
+    ),
     "MemoryLeak": (
         Param("warmup_steps", 5, "samples before this step are ignored (allocator and caches filling)"),
         Param(
