@@ -61,7 +61,14 @@ DETECTOR_PARAMS: dict[str, tuple[Param, ...]] = {
         Param("every_steps", 10, "checksum a fixed sample of every parameter every this many steps"),
         Param("per_param", 16, "elements sampled per parameter (strided over the whole tensor)"),
     ),
-    "CollectiveMismatch": (Param("max_entries", 256, "recent flight-recorder entries each rank publishes"),),
+    "CollectiveMismatch": (
+        Param(
+            "max_entries",
+            256,
+            "recent flight-recorder entries each rank publishes (up to 4x more where these span less "
+            "than 3 median steps: Straggler measures whole steps)",
+        ),
+    ),
     "MemoryLeak": (
         Param("warmup_steps", 5, "samples before this step are ignored (allocator and caches filling)"),
         Param(
@@ -125,20 +132,17 @@ DETECTOR_PARAMS: dict[str, tuple[Param, ...]] = {
         Param(
             "max_lag_ratio",
             0.25,
-            "fire when others wait for this rank more than this share of wall time (net, "
-            "in both halves of the window; a 1.5x slower rank scores about 0.33)",
+            "fire when the others wait for this rank more than this share of its own step time (the "
+            "median over the measured steps, counted once a step whatever the number of gradient "
+            "buckets; a 1.5x slower rank scores 0.33, a 1.1x one 0.09)",
         ),
-        Param("min_collectives", 8, "common collectives in the window before judging"),
         Param(
             "warmup_steps",
             3,
             "collectives enqueued before this rank completed this many steps (compiles) are not judged",
         ),
-        Param(
-            "min_window_steps",
-            3,
-            "the judged collectives must span this many median step times (persistence, not one step)",
-        ),
+        Param("min_window_steps", 12, "steps measured before a verdict (persistence, not one step)"),
+        Param("window_steps", 64, "the last this many measured steps make the score (kept per peer)"),
         Param(
             "quiet_steps",
             3,

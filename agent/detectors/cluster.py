@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from statistics import median
 from typing import TYPE_CHECKING, Any
 
 from hpar_agent import gil
@@ -416,16 +415,26 @@ class CollectiveMismatch(Detector):
 
 
 class Straggler(Detector):
-    """One rank persistently slower than its group, holding everyone at every collective.
+    """One rank (or a block of them) persistently slower than its peers, holding everyone at every
+    collective.
 
-    Why arrival skew: with synchronous collectives every rank's step time equalizes (the fast ranks
+    Why arrival times: with synchronous collectives every rank's step time equalizes (the fast ranks
     wait), so step time cannot tell who is slow; per-chunk compute time includes the TP all-reduces
     that wait for the slow rank too. The flight recorder's ``time_created_ns`` (enqueue time, on gloo
-    and NCCL) shows who arrives last at each (pg, seq): that rank is blamed for the wait it caused,
-    net of the waits it suffered, in each half of the window (``signals.arrival_lag_ratio``).
+    and NCCL) shows who arrives late at each collective. Each exchange, the steps of this rank that
+    every peer's window covers are measured (``signals.step_delays``): each peer's delay in the step,
+    counted once however many collectives (gradient buckets) the step holds, net of the waits it
+    suffered (a tp peer waiting for a slow rank is a victim), as a share of the typical rank's step.
+    The shares of the last ``window_steps`` measured steps are kept from exchange to exchange (memory:
+    a float per peer and step), so a job with hundreds of collectives a step, whose window holds one
+    step, is judged too; the score is the median share m as ``m / (1 + m)`` (``signals.delay_score``):
+    a 1.5x slower rank scores 0.33, a 1.1x one 0.09, for any number of buckets.
 
-    Confirmed on two consecutive exchanges. Value: this rank's lag ratio. Clock skew between hosts
-    adds to every lag: keep hosts NTP/PTP-synced (typical skew << step time).
+    Culprits are the ranks over ``max_lag_ratio`` whose waits this rank can see: the members of its
+    own groups, and of any model-parallel group (tp, cp) it reads whole; a rank of another replica is
+    a reference only (its tp peers are not read, so what it waited for is not known). Confirmed on two
+    consecutive exchanges. Value: this rank's score. Clock skew between hosts adds to every lag: keep
+    hosts NTP/PTP-synced (typical skew << step time).
     """
 
     name = "Straggler"
@@ -436,6 +445,8 @@ class Straggler(Detector):
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         super().__init__(thresholds)
         self.warm_ns: int | None = None  # when this rank completed warmup_steps steps
+        self.ends: deque[int] = deque(maxlen=512)  # this rank's step boundaries, ns since the epoch
+        self.shares: dict[int, dict[int, float]] = {}  # rank -> step end ns -> its share that step
         self.slowest: tuple[int, float] | None = None  # (rank, lag ratio) of the job's confirmed slow rank
         self._slow_candidate: int | None = None
         self._slow_streak = 0
@@ -443,6 +454,7 @@ class Straggler(Detector):
     def step_hook(self, tick: StepTick) -> None:
         if self.warm_ns is None and tick.step + 1 >= self.p("warmup_steps"):
             self.warm_ns = tick.t_ns
+        self.ends.append(tick.t_ns)
 
     def conclusion(self, active: bool, value: float) -> Conclusion:
         """For the step anatomy's slow-rank verdict: this rank's own alert, else the peer it confirmed
@@ -457,38 +469,47 @@ class Straggler(Detector):
             return None
         if not snap.warmup.warmed_up(int(self.p("quiet_steps")), int(self.p("max_busy_steps"))):
             return None  # ranks compiling at different speeds (a rank that started late still compiles)
-        fr, sizes = snap.exchange.fr
-        since = max(self.warm_ns or 0, int(snap.warmup.last_ts * 1e9))
-        trimmed = bool(since) and any(e[5] < since for entries in fr.values() for e in entries)
-        if trimmed:  # else the pass's shared answer (``PeerView.common``)
-            fr = {r: [e for e in entries if e[5] >= since] for r, entries in fr.items()}
+        fr, _sizes = snap.exchange.fr
         if snap.rank not in fr or len(fr) < 2:
             return None
+        since = max(self.warm_ns or 0, int(snap.warmup.last_ts * 1e9))
+        ends = [t for t in self.ends if t >= since]
         gil.pause_point()
-        common = sig.common_collectives(fr, sizes) if trimmed else snap.exchange.common
-        if len(common) < self.p("min_collectives"):
+        stages = {r: int(p.get("c", {}).get("stage", 0) or 0) for r, p in snap.exchange.peers.items()}
+        measured = max((t for v in self.shares.values() for t in v), default=0)
+        self._keep(sig.step_delays(fr, ends, stages, after=measured), since)
+        scores = {
+            r: sig.delay_score(list(v.values()))
+            for r, v in self.shares.items()
+            if r in fr and len(v) >= self.p("min_window_steps")
+        }
+        if snap.rank not in scores:
             return None
-        times = [e[5] for by_rank in common.values() for e in by_rank.values()]
-        span_s = (max(times) - min(times)) / 1e9
-        steps = snap.step_durations[-64:]
-        if steps and span_s < self.p("min_window_steps") * median(steps):
-            return None  # e.g. a job stuck in its first judged step: too short to call anything persistent
-        gil.pause_point()
-        lags = sig.arrival_lag_ratio(fr, sizes, common=common)
-        self._note_slowest(lags)
-        ratio = lags.get(snap.rank, 0.0)
-        slow = sorted(r for r, v in lags.items() if v > self.p("max_lag_ratio"))
+        self._note_slowest(scores)
+        limit = self.p("max_lag_ratio")
+        seen = _seen_whole(fr, snap)
+        slow = sorted(r for r, v in scores.items() if v > limit and r in seen)
+        ratio = scores[snap.rank]
         return Verdict(
-            ratio > self.p("max_lag_ratio"),
+            ratio > limit,
             ratio,
             {
-                "collectives": len(common),
-                "window_s": span_s,
+                "steps": len(self.shares.get(snap.rank, {})),
                 "culprits": slow,
-                "victims": sorted(set(lags) - set(slow)) if slow else [],
-                "lags": {str(r): round(v, 3) for r, v in sorted(lags.items())},
+                "victims": sorted(seen - set(slow)) if slow else [],
+                "lags": {str(r): round(v, 3) for r, v in sorted(scores.items())},
             },
         )
+
+    def _keep(self, measured: dict[int, dict[int, float]], since: int) -> None:
+        """Add this exchange's measured steps; keep the last ``window_steps`` of each rank (and none from
+        before ``since``: compiles)."""
+        keep = int(self.p("window_steps"))
+        for r, by_step in measured.items():
+            held = self.shares.setdefault(r, {})
+            held.update(by_step)
+            if len(held) > keep or min(held, default=since) < since:
+                self.shares[r] = dict(sorted((t, v) for t, v in held.items() if t >= since)[-keep:])
 
     def _note_slowest(self, lags: dict[int, float]) -> None:
         """The job's slow rank as every rank sees it (the step anatomy names it): the rank with the
@@ -500,3 +521,20 @@ class Straggler(Detector):
         self._slow_streak = self._slow_streak + 1 if worst == self._slow_candidate else 1
         self._slow_candidate = worst
         self.slowest = (worst, lags[worst]) if self._slow_streak >= self.confirm else None
+
+
+def _seen_whole(fr: dict[int, list[sig.FrEntry]], snap: Snapshot) -> set[int]:
+    """The ranks read whose waits this rank can see: every model-parallel group they entered (tp, cp)
+    has all its members read. Waits in a gradient group (dp) end for all its members at once."""
+    topo = snap.topology
+    size = {"tp": topo.tp, "cp": topo.cp}
+    members: dict[str, set[int]] = {}
+    for r, entries in fr.items():
+        for e in entries:
+            members.setdefault(e[0], set()).add(r)
+    short = {
+        uid
+        for uid, rs in members.items()
+        if (dim := sig.model_parallel_dim(src.pg_label(uid))) and len(rs) < size[dim]
+    }
+    return {r for r, entries in fr.items() if not any(e[0] in short for e in entries)}

@@ -25,6 +25,15 @@ def _ignore(exc: BaseException) -> None:
     return None
 
 
+#: Median steps the flight-recorder window spans at least (``sources.FrWindow``): Straggler measures
+#: steps whose start and end every rank's window covers
+WINDOW_STEPS = 3
+
+
+def _span_ns(durations: list[float]) -> int:
+    return int(WINDOW_STEPS * sorted(durations)[len(durations) // 2] * 1e9) if durations else 0
+
+
 class DetectorFeed:
     """Builds the snapshot of a pass (``snapshot``), completed with what the exchange read in it
     (``complete``). ``memory_window`` post-step samples per memory source and ``fr_limit`` flight-recorder
@@ -64,7 +73,9 @@ class DetectorFeed:
             compile=comp,
             memory=self._read(ctx, lambda c: src.memory_state(c, self.memory_window), src.NO_MEMORY),
             collectives=self._read(
-                ctx, lambda c: src.collective_state(c, self.fr, self.fr_limit, coords), src.NO_COLLECTIVES
+                ctx,
+                lambda c: src.collective_state(c, self.fr, self.fr_limit, coords, _span_ns(durations)),
+                src.NO_COLLECTIVES,
             ),
             grad_sync=self._read(ctx, src.grad_sync, None),
             binding=self._read(ctx, src.cpu_binding, None),

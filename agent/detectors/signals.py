@@ -485,71 +485,149 @@ def low_precision_reductions(
     return [e for e in entries if e[0] in pgs and "reduce" in e[2] and _min_bits(e[4]) < param_bits]
 
 
-def arrival_lag_ratio(
+def step_delays(
     entries_by_rank: Mapping[int, Sequence[FrEntry]],
-    sizes: Mapping[str, int] | None = None,
-    slices: int = 2,
-    common: Mapping[tuple[str, int], Mapping[int, FrEntry]] | None = None,
-) -> dict[int, float]:
-    """Per rank: the share of wall time the job waited for it, net of the typical rank's share, in the
-    less affected part (``slices``) of the window.
+    step_ends: Sequence[int],
+    stage_of: Mapping[int, int] | None = None,
+    after: int = 0,
+) -> dict[int, dict[int, float]]:
+    """Per rank and step: the time the others waited for it in that step, as a share of the reference
+    rank's time to the same collective, its last of the step (rank -> {the step's end, ns: share}).
 
-    A rank's time to each collective it enters (its arrival, less the moment it was free to go on:
-    the last arrival at its own previous collective, in any group) is its own work, whatever it waited
-    for before. Its excess over the median rank's time to the same collective (same group kind and
-    seq: every rank of a SPMD program runs them) is what it kept the others waiting; a rank that waited
-    in its tp group for a slow peer spent no more of its own time than its dp peers, and a slow tp
-    group, its members alike, spent more than the other replicas'. Asynchronous bursts (DDP buckets
-    enqueued back to back) count once: a rank enqueues the next op before the last one completes, so
-    only the time to the burst's first op is its work. Against the median, a block of slow ranks (two
-    neighbours, a slow host's eight, half of a group) is slow as a whole, each of its ranks by its own
-    excess. Within one of ``slices`` equal parts of the window, a rank's excess (what it took before each
-    arrival over the median rank's), over the time its arrivals there cover, less the lower-median
-    rank's share, is its net lag there: jitter, and ranks taking turns being slow on oversubscribed
-    cores, cancel out (~0); the minimum over the slices is taken: a straggler is slow in every part of
-    the window, while a one-off stall (a compile, a descheduled process, a checkpoint pause) fills one
-    part only. Not judged before every rank has ``2 * slices`` judged collectives. A rank 1.5x
-    slower than its peers scores ~0.33. ``common``: ``common_collectives(entries_by_rank, sizes)`` when
-    the caller has it already.
+    Steps are the judging rank's own (``step_ends``: its step boundaries, ns since the epoch like the
+    flight recorder's enqueue times); a step is judged when every rank's window covers it, and only
+    steps ending after ``after`` (those measured at an earlier exchange are not measured again). A
+    rank's delay in a step counts once, whatever the number of collectives (DDP's gradient buckets):
+    it is the lesser of two bounds on it.
+
+    - Its own work, summed over the step: at each collective, its time since it was free to go on (the
+      last arrival, among the ranks read, at its own previous collective: a tp peer that waited for a
+      slow rank is free when that rank arrives) over the reference rank's time to the same collective.
+      Async bursts, where a rank does not wait for its previous op, make this an overestimate.
+    - Its lateness at the step's collectives: its arrival over the reference rank's arrival at the same
+      collective, the most of the step. A rank that waited for a slow peer inherits that peer's lateness,
+      so this is an overestimate for victims, never for the rank that caused it.
+
+    The reference at a collective (same group kind, pipeline stage and seq) is the median over the
+    groups holding it of each group's lower-median member: replicas are compared with replicas (a tp
+    group slow across all its compute is late against the other replicas), ranks of one group with
+    each other. A rank 1.5x slower than the reference scores 0.5 a step; ``delay_score`` makes that the
+    share of its own step time the others waited (0.33).
     """
-    if common is None:
-        common = common_collectives(entries_by_rank, sizes)
-    last = {key: max(e[5] for e in by_rank.values()) for key, by_rank in common.items()}
-    work: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}  # (kind, seq) -> rank -> (arrival, own ns)
-    for r, entries in entries_by_rank.items():
-        for prev, e in pairwise(sorted(entries, key=lambda x: x[5])):
-            free = last.get((prev[0], prev[1]))
-            if free is not None:  # every member of its previous collective is read: when it was free is known
-                work.setdefault((e[0].split("@", 1)[0], e[1]), {})[r] = (e[5], max(0, e[5] - free))
-    excess: dict[int, list[tuple[int, int]]] = {}  # rank -> (arrival ns, ns over the median rank's)
-    for ranks_work in work.values():
-        if len(ranks_work) < 2:
-            continue
-        ref = sorted(w for _, w in ranks_work.values())[(len(ranks_work) - 1) // 2]
-        for r, (t, w) in ranks_work.items():
-            excess.setdefault(r, []).append((t, w - ref))
-    if len(excess) < 2 or any(len(xs) < 2 * slices for xs in excess.values()):
+    if len(entries_by_rank) < 2 or len(step_ends) < 2:
         return {}
-    t0 = min(t for xs in excess.values() for t, _ in xs)
-    t1 = max(t for xs in excess.values() for t, _ in xs)
-    if t1 <= t0:
+    stage_of = stage_of or {}
+    ordered = {r: sorted(es, key=lambda e: e[5]) for r, es in entries_by_rank.items() if es}
+    if len(ordered) < 2:
         return {}
-    width = (t1 - t0) / slices
-    part: dict[int, list[list[int]]] = {}  # rank -> per part: [excess ns, ns its arrivals there cover]
-    for r, xs in excess.items():
-        xs.sort()
-        part[r] = [[0, 0] for _ in range(slices)]
-        for (t_prev, _), (t, x) in pairwise(xs):
-            p = part[r][min(slices - 1, int((t - t0) / width))]
-            p[0] += max(0, x)
-            p[1] += t - t_prev
-    nets: dict[int, float] = {}
-    for i in range(slices):
-        share = {r: (p[i][0] / p[i][1] if p[i][1] > 0 else 0.0) for r, p in part.items()}
-        typical = sorted(share.values())[(len(share) - 1) // 2]
-        for r, v in share.items():
-            nets[r] = min(nets.get(r, math.inf), v - typical)
-    return nets
+    t_lo = max(es[0][5] for es in ordered.values())
+    t_hi = min(es[-1][5] for es in ordered.values())
+    ends = [b for b in sorted(step_ends) if max(t_lo, after) <= b <= t_hi]
+    if len(ends) < 2:
+        return {}
+    first, final = ends[0], ends[-1]
+    last: dict[tuple[str, int], int] = {}  # (pg uid, seq) -> the last arrival among the ranks read
+    spans: dict[int, list[tuple[FrEntry, FrEntry]]] = {}  # rank -> (previous, entry) of the judged steps
+    for r, es in ordered.items():
+        times = [e[5] for e in es]
+        lo = max(1, bisect.bisect_right(times, first))
+        hi = bisect.bisect_right(times, final)
+        spans[r] = list(zip(es[lo - 1 : hi - 1], es[lo:hi], strict=True))
+        for e in es[lo - 1 : hi]:
+            k = (e[0], e[1])
+            if e[5] > last.get(k, 0):
+                last[k] = e[5]
+    # (kind, stage, seq) -> pg uid -> [(rank, step, arrival, ns since its previous op's last arrival,
+    # ns since its own previous arrival)]
+    at: dict[tuple[str, int, int], dict[str, list[tuple[int, int, int, int, int]]]] = {}
+    for r, pairs in spans.items():
+        stage = stage_of.get(r, 0)
+        for prev, e in pairs:
+            t = e[5]
+            i = bisect.bisect_left(ends, t)
+            op_key = (e[0].split("@", 1)[0], stage, e[1])
+            at.setdefault(op_key, {}).setdefault(e[0], []).append(
+                (r, i, t, t - last[(prev[0], prev[1])], t - prev[5])
+            )
+    excess: dict[tuple[int, int], float] = {}  # (rank, step) -> work over the reference's, summed
+    late: dict[tuple[int, int], float] = {}  # (rank, step) -> the most it arrived after the reference
+    reach: dict[tuple[int, int], tuple[int, float]] = {}  # (rank, step) -> its last arrival, the reference's
+    for (label, *_), holders in at.items():
+        # most ranks that were not the last at their previous op entered this one before that op could
+        # complete: enqueued without waiting (an async burst, DDP's buckets), so each rank's work is its
+        # time since its own previous arrival
+        went_on = sum(1 for g in holders.values() for x in g if x[3] < 0)
+        burst = 2 * went_on > sum(1 for g in holders.values() for x in g if x[3] != x[4])
+        groups = {
+            uid: [(r, i, t, own if burst else max(0, blocked)) for r, i, t, blocked, own in g]
+            for uid, g in holders.items()
+        }
+        arrivals = {uid: sorted(x[2] for x in g) for uid, g in groups.items()}
+        works = {uid: sorted(x[3] for x in g) for uid, g in groups.items()}
+        across = model_parallel_dim(label) is not None and len(groups) > 1
+        for uid, g in groups.items():
+            if across:  # the groups are replicas of each other: compared with the other groups
+                ref_t = _replica_median([v for u, v in arrivals.items() if u != uid])
+                ref_w = _replica_median([v for u, v in works.items() if u != uid])
+            for r, i, t, w in g:
+                if not across:  # the members of a gradient group are the replicas: compared within it
+                    ref_t, ref_w = _median_of_others(arrivals[uid], t), _median_of_others(works[uid], w)
+                key = (r, i)
+                if w > ref_w:
+                    excess[key] = excess.get(key, 0) + w - ref_w
+                late[key] = max(late.get(key, 0), t - ref_t)
+                if t > reach.get(key, (0, 0.0))[0]:
+                    reach[key] = (t, ref_t)
+    out: dict[int, dict[int, float]] = {}
+    for (r, i), lt in late.items():
+        base = reach[(r, i)][1] - ends[i - 1]  # the reference rank's time to this rank's last collective
+        if base > 0:
+            out.setdefault(r, {})[ends[i]] = min(excess.get((r, i), 0), max(0, lt)) / base
+    return out
+
+
+_MODEL_PARALLEL = ("tp", "cp")  # groups whose members hold different parts of one replica
+
+
+def model_parallel_dim(label: str) -> str | None:
+    """ "tp" or "cp" for a tp or cp group's label (a user's "tp_group" too); None for gradient groups
+    (dp, dp_shard_cp, the default group) and others."""
+    low = label.lower()
+    if "dp" in low:
+        return None
+    return next((d for d in _MODEL_PARALLEL if d in low), None)
+
+
+def _median_of_others(ordered: Sequence[int], own: int) -> float:
+    """The median of ``ordered`` without one ``own`` value (``own`` when it is alone): a rank is not its
+    own reference, or a slow rank among five raises the median it is compared with; and not a lower
+    median, which noise puts under the typical rank (every rank then looks late)."""
+    n = len(ordered)
+    if n < 2:
+        return float(own)
+    at = bisect.bisect_left(ordered, own)
+
+    def other(k: int) -> int:  # the k-th smallest of the others
+        return ordered[k if k < at else k + 1]
+
+    m = n - 1
+    return float(other(m // 2)) if m % 2 else (other(m // 2 - 1) + other(m // 2)) / 2
+
+
+def _replica_median(groups: Sequence[Sequence[int]]) -> float:
+    """The median over groups (each sorted) of each group's lower-median member."""
+    lows = sorted(g[(len(g) - 1) // 2] for g in groups)
+    return float(lows[(len(lows) - 1) // 2])
+
+
+def delay_score(shares: Sequence[float]) -> float:
+    """A rank's score from its per-step shares (``step_delays``): of the median share m, ``m / (1 + m)``,
+    the part of its own step time the others waited for it (1.5x slower: 0.33; 1.1x: 0.09). The median
+    over steps: one spike, a checkpoint pause or a descheduled process, fills a step, not half of them."""
+    if not shares:
+        return 0.0
+    m = median(shares)
+    return m / (1.0 + m)
 
 
 # ------------------------------------------------------------------------------------------ latency

@@ -170,9 +170,11 @@ def collective_state(
     window: FrWindow | None = None,
     limit: int = 256,
     coords: Mapping[str, Any] | None = None,
+    span_ns: int = 0,
 ) -> CollectiveState:
     """The collective collector's state; its last ``limit`` entries through ``window`` (converted from
-    pass to pass), else converted afresh. ``coords``: the topology's, when the caller has them."""
+    pass to pass), else converted afresh, more where those span less than ``span_ns`` (``FrWindow``).
+    ``coords``: the topology's, when the caller has them."""
     c = ctx.find(CollectiveCollector)
     if c is None:
         return NO_COLLECTIVES
@@ -186,7 +188,7 @@ def collective_state(
         },
         groups=group_states(c, coords),
         pg_timeout_s=float(timeout) if timeout is not None and timeout > 0 else None,
-        fr_entries=(window or FrWindow()).entries(c, coords, limit),
+        fr_entries=(window or FrWindow()).entries(c, coords, limit, span_ns),
         p2p_waits=waiting_in(c),
     )
 
@@ -263,17 +265,23 @@ class FrWindow:
         c = ctx.find(CollectiveCollector)
         return [] if c is None else self.entries(c, ctx.topology.coords(), limit)
 
-    def entries(self, c: CollectiveCollector, coords: Mapping[str, Any], limit: int) -> list[FrEntry]:
+    def entries(
+        self, c: CollectiveCollector, coords: Mapping[str, Any], limit: int, span_ns: int = 0
+    ) -> list[FrEntry]:
+        """The last ``limit`` entries, or more where those span less than ``span_ns`` (a job with
+        hundreds of collectives a step: Straggler measures whole steps), up to ``WIDEST`` x ``limit``."""
         v = c.recent_entries
         last = v[-1] if v else None
         record = last.get("record_id") if isinstance(last, Mapping) else None
-        key = (id(v), len(v), id(last), record, limit, tuple(coords.items()))
+        key = (id(v), len(v), id(last), record, limit, span_ns, tuple(coords.items()))
         if key == self._key:
             return self._out
         uids: dict[str, str] = {}
         done = self._done[1] if self._done[0] == key[-1] else {}  # conversions made with these coordinates
         now_done: dict[int, tuple[Any, FrEntry | None]] = {}
         out: list[FrEntry] = []
+        if span_ns > 0 and len(v) > limit and last is not None:
+            limit = _spanning(v, span_ns, limit, WIDEST * limit)
         for e in itertools.islice(v, max(0, len(v) - limit), None):
             was = done.get(id(e))  # converted at an earlier read (the window slides by a few entries)?
             entry = was[1] if was is not None and was[0] is e else _fr_entry(e, coords, uids)
@@ -283,6 +291,29 @@ class FrWindow:
         self._done = (key[-1], now_done)
         self._key, self._out = key, out
         return out
+
+
+#: The most ``FrWindow`` widens its window to span its ``span_ns``, in multiples of its entry limit.
+WIDEST = 4
+
+
+def _spanning(v: Sequence[Any] | Any, span_ns: int, least: int, most: int) -> int:
+    """How many of the last entries of ``v`` reach back ``span_ns`` from the newest (at least ``least``,
+    at most ``most``)."""
+    n = 0
+    newest = None
+    for e in itertools.islice(reversed(v), most):
+        t = _time_ns(e)
+        newest = t if newest is None else newest
+        n += 1
+        if n >= least and t < newest - span_ns:
+            break
+    return max(least, n)
+
+
+def _time_ns(e: Any) -> int:
+    t = e.get("time_created_ns", e.get("time", 0)) if isinstance(e, Mapping) else 0
+    return int(t * 1e9) if isinstance(t, float) and t < 1e12 else int(t or 0)
 
 
 def fr_entries(ctx: AgentContext, limit: int = 256) -> list[FrEntry]:
@@ -304,8 +335,7 @@ def _fr_entry(e: Any, coords: Mapping[str, Any], uids: dict[str, str]) -> FrEntr
         uid = uids[pg] = _group_key(str(pg), coords)
     sizes = e.get("input_sizes", e.get("sizes", ""))
     dtypes = e.get("input_dtypes", e.get("dtypes", ""))
-    t = e.get("time_created_ns", e.get("time", 0))
-    t_ns = int(t * 1e9) if isinstance(t, float) and t < 1e12 else int(t or 0)
+    t_ns = _time_ns(e)
     return (
         uid,
         int(seq),

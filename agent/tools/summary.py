@@ -356,7 +356,7 @@ def _render_anatomy(name: str, ranks: list[dict[str, Any]]) -> list[str]:
         *_table(["rank", "step p50", *phases, "other", "bottleneck"], rows),
     ]
     lines += _slow_rank_line(ranks, name)
-    held = [str(row[0]) for row in rows if row[-1] in ("input-bound", "host-bound", "slow-rank")]
+    held = _holding(ranks, name)
     if held and len(held) < len(rows):
         lines.append(f"  rank {', '.join(held)} holds the others back: they wait for it inside collectives")
     for r in ranks:
@@ -387,3 +387,18 @@ RENDERERS: dict[str, Any] = {
     "memory": _render_memory,
     "nvml": lambda _name, _ranks: [],
 }
+
+
+def _holding(ranks: list[dict[str, Any]], name: str) -> list[str]:
+    """The ranks that hold the others back: those bound by their own input or host work, and the slow
+    rank a slow-rank verdict names (a rank waiting for it, its tp peer, is a victim, not named)."""
+    out: set[int] = set()
+    for r in ranks:
+        a = r.get("components", {}).get(name) or {}
+        verdict, ev = a.get("verdict"), a.get("evidence") or {}
+        if verdict in ("input-bound", "host-bound"):
+            out.add(int(r.get("rank", -1)))
+        elif verdict == "slow-rank":
+            slow = ev.get("slow_rank")
+            out.add(int(slow) if isinstance(slow, int) else int(r.get("rank", -1)))
+    return [str(r) for r in sorted(out)]

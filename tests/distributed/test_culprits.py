@@ -215,3 +215,30 @@ def test_a_slow_half_of_eight_ranks_is_named_whole(
     assert sorted(slow) == [4, 5, 6, 7], out[-3000:]
     assert all(e["details"]["culprits"] == [4, 5, 6, 7] for e in slow.values())
     assert "  culprit: ranks 4, 5, 6, 7 (Straggler" in out
+
+
+def test_every_other_rank_slow_under_a_dozen_buckets_a_step_names_exactly_those(
+    runs: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Ranks 1, 3, 5, 7 sleep 60 ms more every step, in a DDP model whose gradients go in about a dozen
+    all-reduces a step: each slow rank's delay counts once a step, not once a bucket, and no fast rank,
+    read by slow and fast ranks alike, is named."""
+    run_dir, out = _once(
+        runs, tmp_path_factory, "every-other", 8, *"120 --slow 1,3,5,7 --slow-s 0.06 --buckets 12".split()
+    )
+    slow = _alerts(run_dir, "Straggler")
+    assert sorted(slow) == [1, 3, 5, 7], out[-3000:]
+    assert all(e["details"]["culprits"] == [1, 3, 5, 7] for e in slow.values())
+    assert "  culprit: ranks 1, 3, 5, 7 (Straggler" in out
+
+
+def test_one_slow_rank_under_a_dozen_buckets_a_step_is_named_alone(
+    runs: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    run_dir, out = _once(
+        runs, tmp_path_factory, "one-slow", 4, *"100 --slow 2 --slow-s 0.06 --buckets 12".split()
+    )
+    slow = _alerts(run_dir, "Straggler")
+    assert sorted(slow) == [2], out[-3000:]
+    assert slow[2]["details"]["culprits"] == [2] and slow[2]["value"] > 0.25
+    assert "  culprit: rank 2 (Straggler" in out

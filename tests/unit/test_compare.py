@@ -505,3 +505,15 @@ def test_the_traces_are_read_in_bounded_memory() -> None:
     out = compare_mod.traced_series(spans(), {"forward": compare_mod.SERIES_SPANS["forward"]})
     assert sorted(out["forward"][0]) == list(range(2 * cap, 3 * cap))
     assert all(v == pytest.approx(0.02) for v in out["forward"][0].values())
+
+
+def test_a_slow_ranks_waiting_tp_peer_is_not_said_to_hold_the_others_back(tmp_path: Path) -> None:
+    """Both ranks' verdicts are slow-rank, each naming rank 1 (the demo's straggler run: rank 3 slow,
+    its tp peer rank 2 waiting): only rank 1 holds the others back."""
+    run = _run(tmp_path / "a", verdicts=("slow-rank", "slow-rank"))
+    for path in run.glob("summary.rank*.json"):
+        s = json.loads(path.read_text())
+        s["components"]["anatomy"]["evidence"]["slow_rank"] = 1
+        path.write_text(json.dumps(s))
+    text = render_summary({}, load_rank_summaries(run), run, 1.0, 0)
+    assert "rank 1 holds the others back" in text and "rank 0, 1 holds" not in text

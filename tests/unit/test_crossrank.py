@@ -26,6 +26,7 @@ from hpar_agent.crossrank import (
     plan,
     select,
 )
+from hpar_agent.detectors.base import StepTick
 
 
 @pytest.fixture
@@ -385,11 +386,16 @@ def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_p
                 "input_dtypes": ["BFloat16" if (r == 0 and i == 7) else "Float"],
                 "time": ((i // 4) * step + i * 1_000_000 + (80_000_000 if r == 5 else 0)) / 1e9,
             }
-            for i in range(40)
+            for i in range(80)
         )
         return steps(10), Fake("collectives", recent_entries=entries)
 
+    from hpar_agent.detectors.cluster import Straggler
+
     ranks = _ranks(store, tmp_path, [("dp", 10)], comps)
+    for _, det in ranks:  # 20 steps of 4 all-reduces, each ending 0.2 s in
+        for s in range(20):
+            det.detector(Straggler).step_hook(StepTick(s, s * step + 200_000_000, None, 0))
     _tick(ranks, 3)
     assert _active(ranks, "CollectiveMismatch") == {0}
     assert _active(ranks, "Straggler") == {5}

@@ -4,7 +4,8 @@
 at step S rank R (F =) ``sleep``s before its backward (the others wait in the DDP all-reduce),
 sends itself ``SIGKILL``, or ``SIGSTOP``s itself; ``--slow 4,5,6,7`` makes those ranks sleep
 ``--slow-s`` more every step. ``--step-s`` paces every rank (a fault then comes seconds in, after the
-agents' first exchanges). ``--timeout-s``: the process group's timeout.
+agents' first exchanges). ``--timeout-s``: the process group's timeout. ``--buckets 12``: a deeper model
+whose gradients DDP reduces in about that many all-reduces a step.
 """
 
 import argparse
@@ -26,13 +27,21 @@ p.add_argument("--slow", default="")
 p.add_argument("--slow-s", type=float, default=0.06)
 p.add_argument("--step-s", type=float, default=0.0)
 p.add_argument("--timeout-s", type=float, default=1800)
+p.add_argument("--buckets", type=int, default=1)
 a = p.parse_args()
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=a.timeout_s))
 rank = dist.get_rank()
 torch.manual_seed(0)
-model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
+if a.buckets > 1:  # one 256x256 layer (256 KiB of fp32 gradients) per bucket of 0.25 MiB
+    layers = [torch.nn.Linear(64, 256)] + [torch.nn.Linear(256, 256) for _ in range(a.buckets - 1)]
+    net = torch.nn.Sequential(
+        *[m for layer in layers for m in (layer, torch.nn.ReLU())], torch.nn.Linear(256, 1)
+    )
+    model = DDP(net, bucket_cap_mb=0.25)
+else:
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 slow = {int(r) for r in a.slow.split(",") if r}
 for step in range(a.steps):

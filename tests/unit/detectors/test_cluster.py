@@ -15,10 +15,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 
 from hpar_agent.crossrank import Exchange
+from hpar_agent.detectors.base import StepTick
 from hpar_agent.detectors.cluster import (
     CollectiveMismatch,
     CompileDivergence,
     ReplicaDivergence,
+    Straggler,
     intended_reduce_bits,
     shard_key,
 )
@@ -153,7 +155,7 @@ def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: A
                 "input_dtypes": ["BFloat16" if (r == 0 and i == 7) else "Float"],
                 "time": ((i // 4) * step + i * 1_000_000 + (80_000_000 if r == 2 else 0)) / 1e9,
             }
-            for i in range(40)
+            for i in range(80)
         )
         coll = Fake("collectives", recent_entries=entries)
         ranks.append(
@@ -167,8 +169,10 @@ def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: A
                 **{"detectors.exchange_s": 0.0},
             )
         )
-    for agent, _det in ranks:
+    for agent, det in ranks:
         agent.config.evidence = False
+        for s in range(20):  # each step ends 0.2 s in, after its 4 all-reduces
+            det.detector(Straggler).step_hook(StepTick(s, s * step + 200_000_000, None, 0))
     for _ in range(3):
         for agent, _det in ranks:
             agent.tick()
@@ -216,6 +220,11 @@ def test_straggler_ignores_a_late_ranks_compile_warmup(store: Any, tmp_path: Any
                         "record_id": i,
                     }
                 )
+            if i % 4 == 3:  # the step ends (every rank's step hook) once both ranks entered its last op
+                for _a, det, *_ in ranks:
+                    det.detector(Straggler).step_hook(
+                        StepTick(i // 4, int((t - 0.003 + 0.25) * 1e9), None, 0)
+                    )
 
     ranks[1][3].compiles[("ok", "x")] += 1  # rank 1 compiles at its step 4
     for *_, st in ranks:
@@ -230,7 +239,7 @@ def test_straggler_ignores_a_late_ranks_compile_warmup(store: Any, tmp_path: Any
         st.total = 8
     for agent, *_ in ranks:
         agent.tick()
-    ops(40, 40, time.time(), 0.2)
+    ops(40, 80, time.time(), 0.2)
     for _ in range(3):
         for agent, *_ in ranks:
             agent.tick()

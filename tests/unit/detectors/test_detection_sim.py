@@ -1,48 +1,111 @@
-"""At 1,024 ranks, the real cross-rank detectors and peer selection on synthetic inputs
-(``testkit.detection_sim``): each fault is named on exactly its ranks, a block of them whole."""
+"""At 1,024 ranks (Straggler up to 8,192), the real cross-rank detectors and peer selection on synthetic
+inputs (``testkit.detection_sim``, ``testkit.straggler_sim``): each fault is named on exactly its ranks,
+a block of them whole."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from hpar_agent.detectors.cluster import CompileDivergence, ReplicaDivergence, Straggler
+from hpar_agent.detectors.cluster import CompileDivergence, ReplicaDivergence
 from hpar_agent.detectors.liveness import Hang, RankGone
 from hpar_agent.detectors.sources import group_key_of
 from hpar_agent.detectors.waits import GroupState
 from testkit.detection_sim import job, judge, named, raised
+from testkit.straggler_sim import HEAVY, HEAVY_GPUS, MILD, Job, Noise, StragglerSim, cover, fired
+from testkit.straggler_sim import named as named_in
 
 N = 1024
-LATE_NS = 120_000_000  # 120 ms more compute a 0.3 s step: others wait for it 0.4 of the time
+
+# --------------------------------------------------------------------------------- Straggler
+# (``testkit.straggler_sim``: K gradient buckets a step, dp x tp, noise, pass after pass; judged: the
+# ranks whose views hold a slow rank and a clean sample, ``cover``)
 
 
+def _run(
+    job: Job, passes: int = 3, judged: set[int] | None = None
+) -> tuple[set[int], set[int], list[dict[int, Any]]]:
+    sim = StragglerSim(job, cover(job) if judged is None else judged)
+    history = sim.run(passes)
+    return fired(history), named_in(history), history
+
+
+@pytest.mark.parametrize("n", [N, 1280, 2560, 8192])
 @pytest.mark.parametrize(
-    "slow", [{500}, {500, 501}, set(range(512, 520))], ids=["one", "two adjacent", "a node of 8"]
+    ("buckets", "noise"),
+    [(1, MILD), (8, HEAVY), (3, HEAVY_GPUS)],
+    ids=["K1-mild", "K8-heavy", "K3-heavy-gpus"],
 )
-def test_slow_ranks_are_named_whole_and_no_other(slow: set[int]) -> None:
-    grid, ranks = job([("dp", N)])
-    for r in slow:
-        ranks[r].late_ns = LATE_NS
-    verdicts = judge(Straggler, grid, ranks)
-    assert raised(verdicts) == slow
-    assert named(verdicts) == slow
+def test_a_slow_rank_is_named_alone(n: int, buckets: int, noise: Noise) -> None:
+    """x1.5 on one rank, under lognormal sigma 0.3 noise with 1 % 5x spikes too (and fixed per-GPU
+    speeds of sigma 0.05): it and only it fires, within 3 passes (the first after a window's steps)."""
+    slow = {n // 2 + 3}
+    assert _run(Job(dp=n, buckets=buckets, noise=noise, slow=dict.fromkeys(slow, 1.5)))[:2] == (slow, slow)
 
 
-def test_a_slow_tp_group_is_named_whole_in_dp_x_tp() -> None:
-    grid, ranks = job([("dp", N // 4), ("tp", 4)])
-    slow = {400, 401, 402, 403}  # one replica's tp group: equally late in tp, late against the others in dp
-    for r in slow:
-        ranks[r].late_ns = LATE_NS
-    verdicts = judge(Straggler, grid, ranks)
-    assert raised(verdicts) == slow and named(verdicts) == slow
+def test_the_score_is_the_same_for_any_number_of_buckets_and_a_tenth_slower_does_not_fire() -> None:
+    scores = []
+    for k in range(1, 9):
+        fire, name, history = _run(Job(dp=N, buckets=k, noise=MILD, slow={500: 1.5}), passes=2)
+        assert fire == name == {500}, k
+        scores.append(history[-1][500].value)
+    assert max(scores) / min(scores) < 1.1 and min(scores) == pytest.approx(1 / 3, abs=0.03)
+    for k in (1, 8):
+        fire, name, history = _run(Job(dp=N, buckets=k, noise=MILD, slow={500: 1.1}), passes=2)
+        assert not fire and not name and history[-1][500].value < 0.12
 
 
-def test_a_slow_ranks_tp_peers_that_wait_for_it_are_not_named() -> None:
-    """Rank 401 computes slowly: its tp peers wait for it at every tp all-reduce and so reach their dp
-    all-reduce late too, but what they waited for is not theirs."""
-    grid, ranks = job([("dp", N // 4), ("tp", 4)])
-    ranks[401].late_ns = LATE_NS
-    verdicts = judge(Straggler, grid, ranks)
-    assert raised(verdicts) == {401} and named(verdicts) == {401}
+@pytest.mark.parametrize("slow", [{500, 501}, set(range(512, 520))], ids=["two adjacent", "a node of 8"])
+def test_a_block_of_slow_ranks_is_named_whole(slow: set[int]) -> None:
+    job = Job(dp=N, buckets=4, noise=MILD, slow=dict.fromkeys(slow, 1.5))
+    assert _run(job)[:2] == (slow, slow)
+
+
+@pytest.mark.parametrize("n", [N, 8192])
+@pytest.mark.parametrize("layout", ["half", "every other", "scattered"])
+def test_dense_faults_name_only_slow_ranks(n: int, layout: str) -> None:
+    slow = {
+        "half": set(range(n // 2)),
+        "every other": set(range(0, n, 2)),
+        "scattered": set(range(7, n, n // 32)),
+    }[layout]
+    judged = {r + d for r in range(0, n, n // 96) for d in (0, 1)}  # dense: a sample, slow and healthy
+    job = Job(dp=n, buckets=2, noise=MILD, slow=dict.fromkeys(slow, 1.5))
+    fire, name, _ = _run(job, passes=2, judged=judged if layout != "scattered" else None)
+    assert name <= slow and fire <= slow
+    if layout == "scattered":  # 32 slow ranks among healthy ones: every one named
+        assert name == slow
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("buckets", [1, 8])
+def test_dp_x_tp_names_the_slow_rank_not_its_tp_peers_and_a_slow_tp_group_whole(
+    tp: int, buckets: int
+) -> None:
+    """A slow rank's tp peers wait for it at every tp all-reduce and reach their buckets late too: what
+    they waited for is not theirs. A tp group slow across all its compute is late against the other
+    replicas at every collective: named whole."""
+    one = {tp * 40 + 1}
+    job = Job(dp=N // tp, tp=tp, buckets=buckets, noise=MILD, slow=dict.fromkeys(one, 1.5))
+    assert _run(job)[:2] == (one, one)
+    group = set(range(tp * 40, tp * 41))
+    job = Job(dp=N // tp, tp=tp, buckets=buckets, noise=MILD, slow=dict.fromkeys(group, 1.5))
+    assert _run(job)[:2] == (group, group)
+
+
+def test_many_collectives_a_step_are_judged() -> None:
+    """160 collectives a step: the window widens to 3 steps (481 entries, not 256) and the steps
+    measured add up over the exchanges."""
+    job = Job(dp=256, buckets=160, noise=MILD, slow={100: 1.5}, steps_per_pass=2)
+    fire, name, history = _run(job, passes=10)
+    assert (fire, name) == ({100}, {100}) and history[-1][100].value == pytest.approx(1 / 3, abs=0.03)
+
+
+def test_a_clean_run_raises_nothing_under_heavy_tails() -> None:
+    job = Job(dp=N, buckets=2, noise=HEAVY_GPUS)
+    fire, name, _ = _run(job, passes=12)
+    assert not fire and not name
 
 
 @pytest.mark.parametrize("wrong", [{700}, set(range(100, 108))], ids=["one", "a node of 8"])
@@ -95,3 +158,13 @@ def _peers(grid: object, rank: int) -> list[int]:
 
 def _readers(grid: object, rank: int) -> list[int]:
     return sorted(p for p in range(N) if rank in _peers(grid, p))
+
+
+def test_pp4_x_dp256_a_stage_slower_by_design_is_no_culprit_a_2x_rank_is_named_alone() -> None:
+    """The last stage does 30 % more work on every replica: compared with the same stage of the other
+    replicas it is on time. A rank of stage 2 twice as slow is named alone: the neighbours that wait
+    for its activations and gradients are compared with their own stage's replicas."""
+    job = Job(dp=256, pp=4, buckets=2, noise=MILD, stage_work={3: 1.3})
+    assert _run(job)[:2] == (set(), set())
+    job = Job(dp=256, pp=4, buckets=2, noise=MILD, stage_work={3: 1.3}, slow={4 * 100 + 2: 2.0})
+    assert _run(job)[:2] == ({402}, {402})

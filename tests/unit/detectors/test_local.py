@@ -21,6 +21,8 @@ from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.collectors.compile import CompileCollector
 from hpar_agent.crossrank import Exchange
 from hpar_agent.detectors import signals as sig
+from hpar_agent.detectors.base import StepTick
+from hpar_agent.detectors.cluster import Straggler
 from hpar_agent.detectors.component import DetectorsComponent
 from hpar_agent.detectors.liveness import Hang
 from hpar_agent.detectors.local import CollectiveLatencyHigh, GraphBreaks, MemoryLeak, RecompileStorm
@@ -421,6 +423,10 @@ def _all_reduces(
         for r, (_agent, _det, coll, _st) in enumerate(pair):
             late = skew_s if r == late_rank else 0.0
             coll.op(seq, start + late, transfer_s + (skew_s - late))
+        for _agent, det, *_ in pair:  # each all-reduce ends a step (Straggler measures steps)
+            det.detector(Straggler).step_hook(
+                StepTick(seq, int((start + skew_s + transfer_s + 0.005) * 1e9), None, 0)
+            )
 
 
 def _tick(pair: list, times: int = 2) -> None:

@@ -119,6 +119,27 @@ def test_fr_entries_are_shared_until_the_kept_entries_change() -> None:
     assert window.read(ctx) is not second
 
 
+def test_the_fr_window_widens_to_span_its_steps_up_to_four_times_its_limit() -> None:
+    """160 collectives a 0.3 s step: 256 entries hold 1.6 steps; asked to span 3 steps (0.9 s) the window
+    holds 482 entries, never more than 4 x 256."""
+    c = CollectiveCollector()
+    for i in range(2000):
+        c.recent_entries.append(
+            {
+                "pg": "dp",
+                "seq": i,
+                "op": "all_reduce",
+                "time_created_ns": i // 160 * 300_000_000 + i % 160 * 1_000_000,
+            }
+        )
+    coords = Topology().coords()
+    assert len(src.FrWindow().entries(c, coords, 256)) == 256
+    assert (
+        len(src.FrWindow().entries(c, coords, 256, span_ns=900_000_000)) == 3 * 160 + 2
+    )  # and the one before
+    assert len(src.FrWindow().entries(c, coords, 256, span_ns=10 * 300_000_000)) == 4 * 256
+
+
 def test_steps_done_is_the_training_threads_count_not_the_last_drain():
     """A paced pass reaches the detectors most of an interval after the step collector drained its
     boundaries; a graph break of step 3 read in between must not count as one of warm-up step 2."""
