@@ -149,9 +149,10 @@ class Agent:
         if not self.enabled or self.started:
             return self
         self.started = True
+        from hpar_agent import topology_watch as watch
         from hpar_agent.device import resolve_device
 
-        topo = detect(self.model, self.mesh, self.config)
+        topo = detect(self.model, self.mesh, self.config, stages=watch.stages())
         self.device = resolve_device(self.model, self.mesh, topo.local_rank)
         self.topology = topo = dataclasses.replace(topo, device=str(self.device))
         self.families = Families([str(topo.rank), str(topo.pp_stage)])
@@ -172,8 +173,9 @@ class Agent:
     def redetect(self, *, wait: bool = True, in_pass: bool = False) -> bool:
         """Detect this rank's topology again and apply what changed; True when something did.
 
-        ``TopologyWatch`` calls it when a process group, a data-parallel wrapper or a mesh was built
-        (on the training thread, ``wait`` False: not while a pass runs), in the next pass (``in_pass``:
+        ``TopologyWatch`` calls it when a process group, a data-parallel wrapper, a mesh or a pipeline
+        stage was built, or a schedule's stages first seen (on the training thread, ``wait`` False:
+        not while a pass runs), in the next pass (``in_pass``:
         the pass holds the lock), and before the default group is destroyed (``wait``: for a pass in
         progress, at most a few seconds, else the topology stays as it is). The sources: the mesh given
         to ``attach``, else the job's mesh the program built; the wrapper the program built around the
@@ -203,7 +205,7 @@ class Agent:
         model = _outermost(self.model, watch.wrapper())
         mesh = self.mesh if self.mesh is not None else watch.mesh(world)
         keep_job = None if world is not None and old.job_id.startswith(LOCAL_JOB_PREFIX) else old.job_id
-        new = detect(model, mesh, self.config, job_id=keep_job)
+        new = detect(model, mesh, self.config, job_id=keep_job, stages=watch.stages())
         device = self.device
         if new.local_rank != old.local_rank:
             from hpar_agent.device import resolve_device
@@ -337,6 +339,10 @@ class Agent:
         stages = list(stages)
         if schedule is not None and not stages:
             stages = pipelining.schedule_stages(schedule)
+        if any(s is not None for s in stages):
+            from hpar_agent import topology_watch
+
+            topology_watch.notify("stage", [s for s in stages if s is not None])  # where this rank sits
         self.guard("pipeline", pipe.watch, [s for s in stages if s is not None], schedule)
 
     def on_alert(self, callback: Callable[[Alert], Any]) -> None:

@@ -66,6 +66,7 @@ INFO_LABELS: tuple[str, ...] = (
     "dp_shard_rank",
     "cp_rank",
     "mesh_dims",  # the mesh as read: name=size,... in mesh order
+    "pp_stages",  # the pipeline stages this rank runs: 1,5 (interleaved); empty where none was seen
     "backend",
     "device",
     "torch_version",

@@ -1,7 +1,14 @@
 """Where this rank sits: rank, world, host, job id and its dp/tp/pp coordinates.
 
 Read from, in order: the ``mesh`` argument, the model (DTensor parameters' mesh, a PipelineStage or its
-submodule, a DDP/replicate process group), then ``HPAR_*`` overrides. Works without torch.distributed.
+submodule, a DDP/replicate process group), the pipeline stages this rank built or runs (``stages``), then
+``HPAR_*`` overrides. Works without torch.distributed.
+
+A pipeline without a mesh says pp (its group's size), this rank's pp coordinate (its rank in that group)
+and its stages; ``pp_stage`` is the rank's first stage (with several stages a rank, as interleaved and V
+schedules place them, its rank in the pipeline group). Without a mesh or a data-parallel wrapper the
+ranks outside one pipeline are its replicas: dp = world / pp, and the rank's dp coordinate is its
+pipeline's place among them.
 
 Mesh dimensions use torchtitan's names: ``dp_replicate`` (DDP/replicate, HSDP's outer dim), ``dp_shard``
 (FSDP), ``cp``, ``tp``, ``pp``, and flattened ones (``dp`` = dp_replicate x dp_shard, ``dp_shard_cp``,
@@ -12,11 +19,13 @@ Mesh dimensions use torchtitan's names: ``dp_replicate`` (DDP/replicate, HSDP's 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import re
 import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hpar_agent.config import AgentConfig
-from hpar_agent.torch_compat import parallel
+from hpar_agent.torch_compat import parallel, pipelining
 
 _MESH_DIMS = ("dp", "tp", "pp")
 #: Atomic data/context/model-parallel dims (torchtitan's names), outermost first.
@@ -71,6 +80,8 @@ class Topology:
     cp_rank: int = 0
     mesh_dims: str = ""
     """The mesh as read, ``name=size`` comma-separated in mesh order (empty without a named mesh)."""
+    pp_stages: str = ""
+    """The pipeline stages this rank runs, comma-separated (empty where no stage was seen)."""
 
     def coords(self) -> dict[str, int]:
         """This rank's coordinate on every atomic dim (dp_replicate, dp_shard, cp, tp, pp)."""
@@ -168,14 +179,52 @@ def _stage_index(model: Any) -> int | None:
     return None
 
 
-def _dp_group_size(model: Any) -> int | None:
-    pg = getattr(model, "process_group", None)  # DistributedDataParallel
+def _dp_group(model: Any) -> tuple[int, int] | None:
+    """(size, this rank's place) of a DistributedDataParallel's process group."""
+    pg = getattr(model, "process_group", None)
     if pg is not None and dist.is_initialized():
         try:
-            return dist.get_world_size(pg)
+            return dist.get_world_size(pg), dist.get_rank(pg)
         except Exception:
             return None
     return None
+
+
+@dataclass(frozen=True)
+class _Pipeline:
+    size: int
+    rank: int  # this rank's place in the pipeline group
+    stages: tuple[int, ...]
+    replica: int | None  # the pipeline's place among the job's pipelines (None: unknown)
+
+
+def _pipeline(stages: Sequence[Any], world: int) -> _Pipeline | None:
+    """What this rank's stages say: all on one group (``topology_watch.stages``)."""
+    infos = [i for i in (pipelining.stage_info(s) for s in stages) if i is not None]
+    if not infos:
+        return None
+    first = infos[0]
+    size = first.group_size
+    return _Pipeline(
+        size,
+        first.group_rank,
+        tuple(sorted({i.index for i in infos})),
+        replica(first.group_ranks, size, world),
+    )
+
+
+def replica(ranks: Sequence[int], pp: int, world: int) -> int | None:
+    """The place of the pipeline whose members are ``ranks`` among the job's ``world / pp`` pipelines,
+    the members of each an arithmetic progression (``rank = replica * pp + stage``: [2, 3] of 4 ranks
+    is pipeline 1; ``rank = stage * dp + replica``: [1, 3] is pipeline 1); None for another layout."""
+    r = sorted(ranks)
+    if len(r) != pp or pp < 1 or world % pp or r[-1] >= world:
+        return None
+    stride = r[1] - r[0] if pp > 1 else 1
+    if stride < 1 or any(b - a != stride for a, b in itertools.pairwise(r)):
+        return None
+    out = (r[0] // (stride * pp)) * stride + r[0] % stride
+    return out if out < world // pp else None
 
 
 def _job_id(config: AgentConfig) -> str:
@@ -215,10 +264,16 @@ def _warn_stage(stage: int, pp: int) -> None:
 
 
 def detect(
-    model: Any = None, mesh: Any = None, config: AgentConfig | None = None, *, job_id: str | None = None
+    model: Any = None,
+    mesh: Any = None,
+    config: AgentConfig | None = None,
+    *,
+    job_id: str | None = None,
+    stages: Sequence[Any] = (),
 ) -> Topology:
     """Build this rank's Topology; never raises for a missing source, falls back to env and 1s.
-    ``job_id``: keep this one (a re-detection) instead of deciding it again."""
+    ``job_id``: keep this one (a re-detection) instead of deciding it again. ``stages``: the pipeline
+    stages this rank built or runs."""
     config = config or AgentConfig()
     initialized = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if initialized else _env_int("RANK", 0)
@@ -240,11 +295,18 @@ def detect(
         (rs, rr), (ss, sr) = atomic["dp_replicate"], atomic["dp_shard"]
         coords["dp"] = dims.get("dp", (rs * ss, rr * ss + sr))
         coords["tp"], coords["pp"] = atomic["tp"], atomic["pp"]
-    elif (dp := _dp_group_size(model)) is not None:
-        coords["dp"] = (dp, rank % dp)
-        atomic["dp_replicate"] = coords["dp"]
+    elif (dp := _dp_group(model)) is not None:
+        coords["dp"] = atomic["dp_replicate"] = dp
+    pipe = _pipeline([*stages, model] if _stage_index(model) is not None else stages, world)
+    if pipe is not None and coords["pp"][0] == 1 and pipe.size > 1:
+        coords["pp"] = atomic["pp"] = (pipe.size, pipe.rank)
+        tp = config.tp or coords["tp"][0]
+        if coords["dp"][0] == 1 and tp == 1 and pipe.replica is not None and world > pipe.size:
+            coords["dp"] = atomic["dp_replicate"] = (world // pipe.size, pipe.replica)  # its replicas
     degree = {d: getattr(config, d) or coords[d][0] for d in _MESH_DIMS}
     stage = config.pp_stage
+    if stage is None and pipe is not None:
+        stage = pipe.stages[0] if pipe.stages[0] < pipe.size else pipe.rank
     if stage is None:
         stage = _stage_index(model)
     pp_known = config.pp is not None or coords["pp"][0] > 1
@@ -277,4 +339,5 @@ def detect(
         dp_shard_rank=atomic["dp_shard"][1],
         cp_rank=atomic["cp"][1],
         mesh_dims=",".join(f"{n}={dims[n][0]}" for n in names if n in dims),
+        pp_stages=",".join(map(str, pipe.stages)) if pipe is not None else "",
     )

@@ -1,5 +1,6 @@
 """What says how this rank is parallel, when it appears after attach: the default process group, a
-data-parallel wrapper (DDP, FSDP, FSDP2's ``fully_shard``, ``replicate``) or a DeviceMesh.
+data-parallel wrapper (DDP, FSDP, FSDP2's ``fully_shard``, ``replicate``), a DeviceMesh or a pipeline
+stage (built, or run by a schedule: a stage built before attach).
 
 A program often attaches before these exist (``hpar-agent run`` attaches at ``init_process_group``; the
 HF Trainer and Lightning wrap the model in DDP after it; ``init_device_mesh`` creates the group inside
@@ -26,7 +27,7 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
-from hpar_agent.torch_compat import parallel
+from hpar_agent.torch_compat import parallel, pipelining
 
 log = logging.getLogger("hpar_agent")
 
@@ -49,6 +50,7 @@ class _State:
         self.listeners: list[Listener] = []
         self.wrapper: weakref.ReferenceType[Any] | None = None
         self.meshes: list[weakref.ReferenceType[Any]] = []
+        self.stages: list[weakref.ReferenceType[Any]] = []  # pipeline stages built or run, oldest first
         self.kinds: list[str] = []  # kinds notified, in order (bounded)
         self.errors: list[BaseException] = []
         self.held: list[Any] = []  # sources not yet re-detected from (strong references)
@@ -59,10 +61,13 @@ _state = _State()
 
 # ---------------------------------------------------------------------------------------------- sources
 def notify(kind: str, obj: Any = None) -> None:
-    """A hook saw ``kind`` ("process_group", "wrapper", "mesh") built, or the default group about to
-    be destroyed ("destroy"); never raises."""
+    """A hook saw ``kind`` ("process_group", "wrapper", "mesh") built, a pipeline stage built or a
+    schedule's stages ("stage": one stage or a list), or the default group about to be destroyed
+    ("destroy"); never raises."""
     try:
-        if kind == "wrapper" and obj is not None:
+        if kind == "stage" and obj is not None:
+            _add_stages(obj if isinstance(obj, list) else [obj])
+        elif kind == "wrapper" and obj is not None:
             _state.wrapper = weakref.ref(obj)
         elif kind == "mesh" and obj is not None:
             _state.meshes = [
@@ -77,10 +82,15 @@ def notify(kind: str, obj: Any = None) -> None:
         for fn in list(_state.listeners):
             fn(kind)
         if kind == "destroy":  # what was built on the group goes with it (a later group is a new job)
-            _state.wrapper, _state.meshes = None, []
+            _state.wrapper, _state.meshes, _state.stages = None, [], []
             _state.held.clear()
     except Exception as exc:
         _error(exc)
+
+
+def _add_stages(new: list[Any]) -> None:
+    alive = [r for r in _state.stages if r() is not None and all(r() is not s for s in new)]
+    _state.stages = [*alive, *(weakref.ref(s) for s in new)][-MAX_MESHES:]
 
 
 def _error(exc: BaseException) -> None:
@@ -110,6 +120,16 @@ def mesh(world_size: int | None = None) -> Any:
         if best is None or key > best:
             best, chosen = key, m
     return chosen
+
+
+def stages() -> list[Any]:
+    """This rank's pipeline stages: of the stages built or run and still alive, those on the newest
+    one's pipeline group (a program that rebuilds its pipeline drops the old stages)."""
+    alive = [s for s in (r() for r in _state.stages) if s is not None]
+    if not alive:
+        return []
+    group = pipelining.stage_group(alive[-1])
+    return [s for s in alive if pipelining.stage_group(s) is group]
 
 
 def seen() -> list[str]:
@@ -174,6 +194,7 @@ def uninstall(owner: object) -> None:
             cancel_after_import(name, then)
         _state.waiting.clear()
         _state.wrapper, _state.meshes, _state.kinds = None, [], []  # nothing watched them meanwhile
+        _state.stages = []
         _state.held.clear()
 
 
@@ -191,9 +212,7 @@ def _patch_point(module: ModuleType, *, point: parallel.HookPoint) -> None:
     if orig is None or getattr(orig, TAG, None) is not None:
         return  # torch moved it, or patched already
 
-    @functools.wraps(orig)
-    def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig(self, *args, **kwargs)
+    def tell(self: Any, args: tuple[Any, ...]) -> None:
         try:
             src = point.source(self, args)
         except Exception as exc:
@@ -201,6 +220,14 @@ def _patch_point(module: ModuleType, *, point: parallel.HookPoint) -> None:
         else:
             if src is not None:
                 notify(point.kind, src)
+
+    @functools.wraps(orig)
+    def hooked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if point.before:
+            tell(self, args)
+        out = orig(self, *args, **kwargs)
+        if not point.before:
+            tell(self, args)
         return out
 
     setattr(hooked, TAG, orig)

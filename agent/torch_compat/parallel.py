@@ -5,7 +5,8 @@ Each hook point is a method of a class, looked up when the object is built, so p
 catches every construction however the program imported the name: ``DistributedDataParallel`` and
 FSDP1's ``FullyShardedDataParallel`` (the wrapper itself), the state ``init`` of FSDP2's
 ``fully_shard`` and of the composable ``replicate`` (the module it was applied to: the parameters are
-sharded right after, on the agent thread's next pass they are DTensors) and ``DeviceMesh``. Modules
+sharded right after, on the agent thread's next pass they are DTensors), ``DeviceMesh`` and the
+pipelining stages and schedules (``torch_compat.pipelining``). Modules
 are named, never imported here: the watcher patches a class once its module has been imported.
 
 The readers below reach private names of those objects (the default store, a mesh's flattened dims,
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hpar_agent.torch_compat import pipelining
+
 
 @dataclass(frozen=True)
 class HookPoint:
@@ -29,8 +32,9 @@ class HookPoint:
     module: str
     cls: str
     method: str
-    kind: str  # "wrapper" | "mesh"
+    kind: str  # "wrapper" | "mesh" | "stage"
     source: Callable[[Any, tuple[Any, ...]], Any]
+    before: bool = False  # read the source before the method runs (a schedule's step may never return)
 
 
 def _self(obj: Any, args: tuple[Any, ...]) -> Any:
@@ -62,6 +66,14 @@ HOOK_POINTS = (
     ),
     HookPoint(REPLICATE_MODULE, "_ReplicateState", "init", "wrapper", _first_module),
     HookPoint("torch.distributed.device_mesh", "DeviceMesh", "__init__", "mesh", _self),
+    # a pipeline stage built after attach; a schedule's stages at its init or first step (a stage
+    # built before attach)
+    HookPoint(pipelining.STAGE_MODULE, pipelining.STAGE_BASE, "__init__", "stage", _self),
+    *(
+        HookPoint(pipelining.SCHEDULE_MODULE, cls, method, "stage", pipelining.stages_once, method == "step")
+        for cls in pipelining.SCHEDULE_CLASSES
+        for method in ("__init__", "step")
+    ),
 )
 #: The modules that define ``init_process_group`` (``torch.distributed`` re-exports c10d's).
 PROCESS_GROUP_MODULES = ("torch.distributed.distributed_c10d", "torch.distributed")

@@ -138,6 +138,17 @@ def test_a_pipeline_hang_names_the_stage_the_chain_of_waits_ends_at(tmp_path: Pa
         p2p = {(r, w["op"], w["peer"]) for w in d["waits"] for r in w["waiting"]}
         assert (3, "recv", 2) in p2p and (0, "recv", 1) in p2p, d["waits"]
     assert any("faulty_gpipe.py" in f and "time.sleep(3600)" in f for f in hangs[2]["details"]["stack"])
+    for r in range(4):  # the program's own PipelineStage says each rank's stage (no mesh, no HPAR_PP_STAGE)
+        assert hangs[r]["pp_stage"] == r, hangs[r]
+        summary = json.loads((run_dir / f"summary.rank{r}.json").read_text())
+        topo = summary["topology"]
+        assert (summary["pp_stage"], topo["pp"], topo["pp_rank"], topo["pp_stages"], topo["dp"]) == (
+            r,
+            "4",
+            str(r),
+            str(r),
+            "1",
+        ), topo
     named = [x for x in out.splitlines() if x.startswith("  culprit")]
     assert len(named) == 1 and named[0].startswith("  culprit: rank 2 (Hang: "), out[-3000:]
     assert "point to point" in named[0] and "time.sleep(3600)" in named[0]

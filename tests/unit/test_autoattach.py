@@ -117,6 +117,7 @@ def test_a_process_that_never_trains_is_never_observed(tmp_path: Path) -> None:
         "hpar_agent.topology_watch",
         "hpar_agent.torch_compat",
         "hpar_agent.torch_compat.parallel",
+        "hpar_agent.torch_compat.pipelining",  # the stage hook points' names (standard library only)
         "hpar_agent.torch_compat.dynamo",
     }, loaded
     assert "hpar_agent.autoattach" in loaded  # armed all the same

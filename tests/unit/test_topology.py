@@ -12,7 +12,7 @@ import textwrap
 
 from torch import nn
 
-from hpar_agent.topology import Topology, _atomic_coords, mesh_dim_names
+from hpar_agent.topology import Topology, _atomic_coords, mesh_dim_names, replica
 from testkit.ports import free_port
 
 
@@ -61,6 +61,15 @@ def test_coords_and_info_labels() -> None:
     assert Topology(dp=2, dp_rank=1).coords()["dp_replicate"] == 1  # dp given alone (HPAR_DP, old callers)
     labels = t.info_labels()
     assert (labels["dp_replicate"], labels["dp_shard"], labels["mesh_dims"]) == ("2", "2", "x")
+
+
+def test_a_pipelines_place_among_its_replicas() -> None:
+    assert [replica(r, 2, 4) for r in ([0, 1], [2, 3])] == [0, 1]  # rank = replica * pp + stage
+    assert [replica(r, 2, 4) for r in ([0, 2], [3, 1])] == [0, 1]  # rank = stage * dp + replica
+    assert [replica(r, 4, 8) for r in ([0, 1, 2, 3], [4, 5, 6, 7], [1, 3, 5, 7])] == [0, 1, 1]
+    assert replica([0, 2], 2, 8) == 0 and replica([5, 7], 2, 8) == 3  # pp 2 of tp x dp 4 (stride 2)
+    assert replica([0, 1, 3], 3, 6) is None and replica([0, 1], 2, 3) is None  # no regular layout
+    assert replica([4], 1, 8) == 4
 
 
 _RANK = textwrap.dedent(

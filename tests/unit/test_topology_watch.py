@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -124,17 +125,21 @@ def test_a_redetection_still_due_runs_before_the_group_is_destroyed(agent: Agent
 
 def test_detach_restores_every_patch() -> None:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.pipelining import schedules, stage
 
     before = (
         DeviceMesh.__init__,
         torch.nn.parallel.DistributedDataParallel.__init__,
         dist.init_process_group,
         dist.destroy_process_group,
+        stage._PipelineStageBase.__init__,
+        schedules.PipelineScheduleMulti.step,
     )
     a = hpar_agent.attach(metrics_port=-1, traces="none", event_log=False, interval=3600, detectors=False)
     try:
         assert getattr(DeviceMesh.__init__, topology_watch.TAG, None) is before[0]
         assert getattr(dist.init_process_group, topology_watch.TAG, None) is before[2]
+        assert getattr(schedules.PipelineScheduleMulti.step, topology_watch.TAG, None) is before[5]
     finally:
         hpar_agent.detach()
     assert not a.started
@@ -143,6 +148,8 @@ def test_detach_restores_every_patch() -> None:
         torch.nn.parallel.DistributedDataParallel.__init__,
         dist.init_process_group,
         dist.destroy_process_group,
+        stage._PipelineStageBase.__init__,
+        schedules.PipelineScheduleMulti.step,
     )
     assert after == before
 
@@ -166,3 +173,59 @@ def test_the_wrapper_built_around_the_given_model_is_read_not_another(tmp_path: 
     finally:
         hpar_agent.detach()
         dist.destroy_process_group()
+
+
+def _stage(index: int, num: int, group: Any = None) -> Any:
+    from torch.distributed.pipelining import PipelineStage
+
+    return PipelineStage(torch.nn.Linear(4, 4), index, num, torch.device("cpu"), group=group)
+
+
+def test_a_pipeline_stage_after_attach_is_the_ranks_stage(agent: Agent, tmp_path: Path) -> None:
+    """A plain pipelining program (no mesh, no HPAR_PP_STAGE): the stage it builds says pp, the rank's
+    place in the pipeline and its stage, on every series at once."""
+    _group()
+    agent.tick()
+    assert (agent.topology.pp, agent.topology.pp_stage) == (1, 0)
+    _stage(RANK, WORLD)
+    topo = agent.topology
+    assert (topo.pp, topo.pp_rank, topo.pp_stage, topo.pp_stages, topo.dp) == (WORLD, RANK, RANK, "1", 1)
+    labels = {"rank": str(RANK), "pp_stage": str(RANK)}
+    assert agent.registry.get_sample_value("hpar_steps_total", labels) == 0.0
+    assert "stage" in agent.component("topology").summary()["sources"]
+
+
+def test_an_interleaved_schedule_built_after_attach_on_stages_built_before(tmp_path: Path) -> None:
+    """Two stages a rank (1 and 5 of 8 on 4 ranks), built before ``attach(model)``: the schedule built
+    after it says them; pp_stage is the rank's first stage, its place in the pipeline."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    _group()
+    stages = [_stage(RANK, 2 * WORLD), _stage(RANK + WORLD, 2 * WORLD)]
+    a = hpar_agent.attach(
+        stages[0].submod,
+        metrics_port=-1,
+        traces="none",
+        run_dir=str(tmp_path),
+        interval=3600,
+        detectors=False,
+    )
+    try:
+        assert a.topology.pp == 1
+        ScheduleInterleaved1F1B(stages, n_microbatches=4)
+        topo = a.topology
+        assert (topo.pp, topo.pp_rank, topo.pp_stage, topo.pp_stages) == (WORLD, RANK, RANK, "1,5")
+    finally:
+        hpar_agent.detach()
+        dist.destroy_process_group()
+
+
+def test_dp_x_pp_without_a_mesh_reads_the_replicas_from_the_pipeline_group(agent: Agent) -> None:
+    """2 pipelines of 2 stages, stage-major (rank = stage * dp + replica): rank 1 is stage 0 of
+    pipeline 1 ([1, 3]); the ranks outside its pipeline are its replicas."""
+    _group()
+    pipes = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    _stage(0, 2, group=pipes[1])
+    topo = agent.topology
+    assert (topo.pp, topo.pp_rank, topo.pp_stage, topo.dp, topo.dp_rank) == (2, 0, 0, 2, 1)
+    assert (topo.dp_replicate, topo.dp_replicate_rank) == (2, 1)

@@ -97,6 +97,23 @@ def test_a_schedule_s_stages(group: None) -> None:
     assert pipelining.schedule_stages(SimpleNamespace()) == []
 
 
+def test_what_a_stage_says_and_where_its_hooks_are(group: None) -> None:
+    """The names the topology watch patches exist (a rename would leave every rank at stage 0)."""
+    import importlib
+
+    from torch.distributed.pipelining import PipelineStage
+
+    stage = PipelineStage(torch.nn.Linear(4, 4), 0, 1, torch.device("cpu"))
+    assert pipelining.stage_info(stage) == pipelining.StageInfo(0, 1, 0, 1, (0,))
+    assert pipelining.stage_info(SimpleNamespace(stage_index=0)) is None
+    points = [p for p in parallel.HOOK_POINTS if p.kind == "stage"]
+    assert len(points) == 5
+    for p in points:
+        cls = getattr(importlib.import_module(p.module), p.cls)
+        assert p.method in cls.__dict__, (p.cls, p.method)
+        assert isinstance(stage, cls) or p.module == pipelining.SCHEDULE_MODULE
+
+
 def test_queue_callback_runs_at_the_end_of_the_backward() -> None:
     queue = autograd.queue_callback()
     order: list[str] = []
