@@ -57,7 +57,7 @@ def between(lo: int, hi: int) -> Bounds:
     return Bounds(lambda v: lo <= v <= hi, f"{lo}..{hi}")
 
 
-def _valid_host(v: str) -> bool:
+def valid_host(v: str) -> bool:
     try:
         ipaddress.ip_address(v.strip("[]"))
         return True
@@ -168,7 +168,7 @@ class AgentConfig:
     metrics_addr: str = setting(
         "0.0.0.0",
         env="HPAR_METRICS_ADDR",
-        bounds=Bounds(_valid_host, "an IP address or a host name"),
+        bounds=Bounds(valid_host, "an IP address or a host name"),
         help="Bind address of the Prometheus endpoint.",
     )
     port_fallback: bool = setting(

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpar_agent.config import AgentConfig, near_misses
+from hpar_agent.config import AgentConfig, near_misses, valid_host
 from hpar_agent.safefiles import NotRegularError, open_regular, read_regular
 
 #: The settings that secure the endpoint (field -> variable): set but empty, or misspelt, they close it.
@@ -106,6 +106,12 @@ def load_security(config: AgentConfig, environ: Mapping[str, str] | None = None)
         raise WebConfigError(
             "; ".join(f"{name} is not a setting: did you mean {meant}?" for name, meant in misses)
             + " (the endpoint serves nothing until it is renamed or unset)"
+        )
+    addr = env.get("HPAR_METRICS_ADDR")
+    if addr is not None and not valid_host(addr):  # the loader would fall back to every interface
+        raise WebConfigError(
+            f"HPAR_METRICS_ADDR={addr!r} is not an IP address or a host name (the endpoint serves nothing "
+            "rather than on every interface)"
         )
     for field_name, env_name in SECURITY_ENV.items():
         value = getattr(config, field_name)

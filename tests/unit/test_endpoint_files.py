@@ -106,6 +106,14 @@ def test_a_misspelt_security_setting_closes_the_endpoint_naming_both(
     assert f"{typo} (did you mean {meant}?): no such setting (closes the metrics endpoint)" in settings.detail
 
 
+@pytest.mark.parametrize("addr", ["", "not a host!"])
+def test_an_invalid_bind_address_closes_the_endpoint_instead_of_serving_every_interface(
+    addr, attach, monkeypatch, caplog
+):
+    monkeypatch.setenv("HPAR_METRICS_ADDR", addr)  # used to be warned, then served on 0.0.0.0
+    _refused(caplog, attach, ["HPAR_METRICS_ADDR=", "serves nothing rather than on every interface"])
+
+
 def test_doctor_says_a_fifo_web_config_is_a_fifo_and_returns(tmp_path):
     env = {**os.environ, "HPAR_WEB_CONFIG": _fifo(tmp_path / "web.yml")}
     res = subprocess.run(
