@@ -17,12 +17,15 @@ import torch
 
 from hpar_agent.agent import Agent
 from hpar_agent.collectors.gpu_health import GpuHealthCollector
+from hpar_agent.collectors.memory import NvmlCollector
+from hpar_agent.crossrank import Exchange
 from hpar_agent.detectors.base import Verdict
 from hpar_agent.detectors.cluster import CollectiveMismatch, Straggler
 from hpar_agent.detectors.component import payload
 from hpar_agent.detectors.snapshot import PeerView, Snapshot
 from hpar_agent.tools.culprits import culprit_lines
 from hpar_agent.topology import Topology
+from tests.unit.harness import alert_events, inert, make_agent, steps
 from tests.unit.test_gpu_health import FakeNvml
 
 SINCE = time.mktime((2026, 12, 6, 14, 2, 11, 0, 0, -1))
@@ -135,3 +138,47 @@ def test_only_detectors_whose_culprits_a_gpu_can_cause_get_it(agent: Agent) -> N
     peers = {r: {"gh": _gh(1980, throttled=r == 3)} for r in range(4)}
     st = _fire(agent, {"culprits": [3]}, _snap(peers), cls=CollectiveMismatch)
     assert st.active and "culprit_gpu" not in st.details  # a mismatched collective is the program's
+
+
+def _gpu(throttled: bool) -> tuple[Any, Any]:
+    """This rank's health and NVML collectors holding a reading (never installed: no NVML call)."""
+    health = inert(GpuHealthCollector)()
+    health.__dict__.update(
+        up=True,
+        gpu="3",
+        values={"clock_max": {"sm": 1980e6}, "power_limit": 700.0},
+        throttled_since={"hw_slowdown": SINCE} if throttled else {},
+    )
+    nvml = inert(NvmlCollector)()
+    nvml.__dict__.update(values={"clocks": {"sm": (1410 if throttled else 1980) * 1e6}, "temperature": 60.0})
+    return health, nvml
+
+
+def test_the_health_travels_through_the_store_to_the_rank_that_judges(store: Any, tmp_path: Any) -> None:
+    """Collector state -> snapshot -> ``s`` in the c10d store -> the peer's read -> the verdict's details."""
+    ranks = [
+        make_agent(
+            tmp_path,
+            rank=r,
+            world=2,
+            comps=(steps(10), *_gpu(throttled=r == 1)),
+            exchange=Exchange(store, "job", r),
+            coords={"dp": r, "dpn": 2},
+        )
+        for r in range(2)
+    ]
+    t0 = 3.0 * (time.time() // 3.0)
+    for now in (t0, t0 + 1):  # publish, then read
+        for _agent, det in ranks:
+            det.poll(now)
+    agent, det = ranks[0]
+    assert det.snapshot.exchange.fresh and det.snapshot.exchange.peers[1]["gh"]["th"] == {
+        "hw_slowdown": SINCE
+    }
+    d = det.detector(Straggler)
+    for _ in range(d.confirm):
+        det.book.update(d, Verdict(True, 0.4, {"culprits": [1]}), det.snapshot)
+    (event,) = [e for e in alert_events(agent) if e["alert"] == "Straggler"]
+    assert event["details"]["culprit_gpu"]["1"]["line"] == (
+        "rank 1: hw_slowdown since 14:02:11, SM clock 1,410 MHz against 1,980 (peers' median)"
+    )
