@@ -11,7 +11,7 @@ key per step), and a reader fetches only the purposes it compares:
 
 | purpose | holds | set | read from |
 |---|---|---|---|
-| ``s`` | coordinates, step, settled compile fingerprint, parameter-checksum digests (~0.3 KB) | every exchange | every comparison peer |
+| ``s`` | coordinates, step, settled compile fingerprint, parameter-checksum digests, GPU health (~0.4 KB) | every exchange | every comparison peer |
 | ``fr`` | the last flight-recorder entries, packed (``signals.pack_fr``, ~4 KB at 256 entries) | every exchange | every comparison peer |
 | ``gs`` | tp gradient samples (``collectors.gradsync``) | when they change | the tp peers |
 | ``ck`` | parameter checksums by name (~0.2 KB a parameter over 3 steps) | when they change | the dp/tp peers, only when their digests in ``s`` disagree |

@@ -4,7 +4,8 @@ One state machine for all alerts: ``confirm`` consecutive active verdicts fire, 
 resolve. Firing increments ``hpar_alerts_total``, collects evidence, writes a JSONL ``alert`` event
 naming the evidence, logs one rate-limited line, hands the alert to the user's callbacks and puts an
 event on the next completed step's span (marking it anomalous so its trace is kept); a firing alert that
-names other culprits writes an ``updated`` event. ``hpar_alert_active`` is exported for every catalogued
+names other culprits writes an ``updated`` event. A verdict of a detector whose culprits may be a GPU's
+doing (``Detector.gpu_culprits``) gets their GPU health against their peers' (``gpu_culprit``). ``hpar_alert_active`` is exported for every catalogued
 alert from the first scrape, so rules see 0 rather than absence.
 """
 
@@ -20,6 +21,7 @@ from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
 from hpar_agent.alert_callbacks import Alert
+from hpar_agent.detectors.gpu_culprit import culprit_gpu, culprit_gpu_text
 from hpar_agent.evidence import Evidence, main_stack
 from hpar_agent.thresholds import COMPONENT_DEFAULTS
 
@@ -81,6 +83,13 @@ class AlertBook:
                 self.evidence.start_memory_history(step=snap.steps_done)
             else:
                 self.evidence.stop_memory_history()
+        if verdict.active and d.gpu_culprits and culprits(verdict.details):
+            try:
+                gpu = culprit_gpu(culprits(verdict.details), snap.exchange)
+                if gpu:
+                    verdict.details = {**verdict.details, "culprit_gpu": gpu}
+            except Exception as exc:
+                self.on_error(exc)
         st = self.states[d.name]
         st.judged += 1
         st.value = verdict.value
@@ -158,7 +167,11 @@ class AlertBook:
         named = culprits(st.details)
         if state == "updated":
             log.info(
-                "hpar_agent: alert %s on rank %d: culprit rank(s) %s", d.name, snap.rank, _ranks_text(named)
+                "hpar_agent: alert %s on rank %d: culprit rank(s) %s%s",
+                d.name,
+                snap.rank,
+                _ranks_text(named),
+                culprit_gpu_text(st.details),
             )
             return
         ctx.dispatch_alert(self.alert(d, st, state, snap.rank, snap.steps_done))
@@ -172,7 +185,7 @@ class AlertBook:
         if st.logged:
             log.log(
                 level,
-                "hpar_agent: alert %s %s on rank %d stage %d (value %.4g, threshold %.4g)%s%s%s",
+                "hpar_agent: alert %s %s on rank %d stage %d (value %.4g, threshold %.4g)%s%s%s%s",
                 d.name,
                 state,
                 snap.rank,
@@ -180,6 +193,7 @@ class AlertBook:
                 st.value,
                 limit(d, st),
                 f"; culprit rank(s) {_ranks_text(named)}" if state == "firing" and named else "",
+                culprit_gpu_text(st.details) if state == "firing" else "",
                 _site_text(st.details) if state == "firing" else "",
                 f"; evidence: {', '.join(st.evidence)}" if state == "firing" and st.evidence else "",
             )

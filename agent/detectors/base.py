@@ -75,6 +75,9 @@ class Detector:
     clear: ClassVar[int] = 1  # consecutive inactive evaluations before resolving
     #: The details key of the py-spy stack taken when the alert fires: what the rank was doing then.
     stack_detail: ClassVar[str] = "stack"
+    #: Its culprits may be a GPU's doing (slow, hung or gone): the alert book adds their GPU health
+    #: against their peers' to its details (``gpu_culprit``).
+    gpu_culprits: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -202,6 +202,7 @@ class ReplicaDivergence(Detector):
     """
 
     name = "ReplicaDivergence"
+    gpu_culprits = True
     threshold_param = "every_steps"
     cross_rank = True
 
@@ -438,6 +439,7 @@ class Straggler(Detector):
     """
 
     name = "Straggler"
+    gpu_culprits = True
     threshold_param = "max_lag_ratio"
     cross_rank = True
     confirm = 2

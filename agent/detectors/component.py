@@ -39,11 +39,13 @@ WARMUP_STEP = 3
 
 
 def payload(snap: Snapshot, detectors: Iterable[Detector]) -> Payload:
-    """This rank's payload by purpose (``crossrank``'s table): its coordinates and step in ``s``, and
-    what each cross-rank detector publishes."""
+    """This rank's payload by purpose (``crossrank``'s table): its coordinates, step and GPU health in
+    ``s``, and what each cross-rank detector publishes."""
     topo = snap.topology
     parts: Payload = {p: {} for p in PURPOSES}
     parts["s"] = {"c": {**snap.coords, "dp": topo.dp_rank, "stage": topo.pp_stage}, "step": snap.steps_done}
+    if snap.gpu is not None:  # what a verdict naming this rank quotes of its GPU (``gpu_culprit``)
+        parts["s"]["gh"] = snap.gpu.packed()
     for d in detectors:
         if d.cross_rank:
             gil.pause_point()  # each publish is up to a few ms (FR entries packed, checksums summed)

@@ -45,6 +45,7 @@ class Hang(Detector):
     """
 
     name = "Hang"
+    gpu_culprits = True
     threshold_param = "timeout_s"
     evidence = ("pyspy", "fr")
     cross_rank = True
@@ -175,6 +176,7 @@ class RankGone(Detector):
     """
 
     name = "RankGone"
+    gpu_culprits = True
     threshold_param = "silent_s"
     cross_rank = True
     confirm = 2  # a pass apart: a job that fails everywhere at once (gloo) ends its ranks within it

@@ -117,6 +117,7 @@ class Snapshot:
     collectives: src.CollectiveState = src.NO_COLLECTIVES
     grad_sync: src.GradSyncState | None = None
     binding: Binding | None = None  # the CPU binding against the GPU's ideal CPUs (read once at attach)
+    gpu: src.GpuHealth | None = None  # this rank's GPU health (None: no GPU, or not read)
     model: Any = None  # the user's model: its metadata only (parameter dtypes, wrappers' hooks)
     evidence_on: bool = False  # evidence is collected (``AgentConfig.evidence``)
     stopping: bool = False  # the agent stops: this is its last pass

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.collectors.compile import CompileCollector
+from hpar_agent.collectors.gpu_health import GpuHealthCollector
 from hpar_agent.collectors.gradsync import GradSyncCollector
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
 from hpar_agent.collectors.steps import StepCollector
@@ -411,3 +412,65 @@ def cpu_binding(ctx: AgentContext) -> Binding | None:
     """The rank's CPU binding against its GPU's ideal CPUs (NVML, read once at attach); None without."""
     c = ctx.find(NvmlCollector)
     return c.binding if c is not None else None
+
+
+# ------------------------------------------------------------------------------------------ gpu health
+class GpuHealth(NamedTuple):
+    """This rank's GPU as its peers compare it when a verdict names it (``gpu_culprit``): a handful of
+    numbers, carried in the exchange's ``s`` as ``packed()`` (short keys: ~0.1 KB). None: not known."""
+
+    gpu: str  # the NVML index
+    sm_mhz: float | None
+    sm_max_mhz: float | None
+    throttles: Mapping[str, float]  # slowing throttle reason -> unix time it became active
+    temp_c: float | None
+    power_w: float | None
+    power_limit_w: float | None
+    ecc_uncorrected: int  # volatile uncorrected ECC errors
+    xid_events: int  # Xid critical errors seen since attach
+    last_xid: int | None  # the last one's code
+
+    def packed(self) -> dict[str, Any]:
+        """The payload's form: None fields left out, numbers rounded (a few dozen bytes of JSON)."""
+        out: dict[str, Any] = {"g": self.gpu}
+        for key, v in (
+            ("sm", self.sm_mhz),
+            ("smx", self.sm_max_mhz),
+            ("tc", self.temp_c),
+            ("w", self.power_w),
+            ("wl", self.power_limit_w),
+        ):
+            if v is not None:
+                out[key] = round(float(v))
+        if self.throttles:
+            out["th"] = {r: round(t) for r, t in sorted(self.throttles.items())}
+        if self.ecc_uncorrected:
+            out["ecc"] = self.ecc_uncorrected
+        if self.xid_events:
+            out["xid"] = [self.xid_events, self.last_xid]
+        return out
+
+
+def gpu_health(ctx: AgentContext) -> GpuHealth | None:
+    """This rank's GPU health from the health and NVML collectors; None without a GPU (CPU hosts, no
+    NVML): nothing is published, and a verdict naming this rank says nothing of its GPU."""
+    c = ctx.find(GpuHealthCollector)
+    if c is None or not c.up:
+        return None
+    nv = ctx.find(NvmlCollector)
+    v = nv.values if nv is not None else {}
+    sm = (v.get("clocks") or {}).get("sm")
+    top = (c.values.get("clock_max") or {}).get("sm")
+    last = c.last_xid
+    return GpuHealth(
+        gpu=c.gpu,
+        sm_mhz=sm / 1e6 if sm else None,
+        sm_max_mhz=top / 1e6 if top else None,
+        throttles=dict(c.throttled_since),
+        temp_c=v.get("temperature"),
+        power_w=v.get("power"),
+        power_limit_w=c.values.get("power_limit"),
+        ecc_uncorrected=int((v.get("ecc") or {}).get("uncorrected") or 0),
+        xid_events=sum(c.xids.values()),
+        last_xid=last[0] if last is not None else None,
+    )

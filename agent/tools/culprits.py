@@ -2,7 +2,8 @@
 
 Two sources, both in the run directory:
 - every rank's event log: the firing (and ``updated``) events of cross-rank alerts carry
-  ``details.culprits``, the ranks judged to be the cause; the culprit's own Hang event carries its stack;
+  ``details.culprits``, the ranks judged to be the cause (``details.culprit_gpu``: their GPU health
+  against their peers'); the culprit's own Hang event carries its stack;
 - every rank's state file (``rankstate``) and the exits ``hpar-agent run`` saw (``exits.ExitWatcher``):
   how each rank ended and when, so the first to fail is named, not the first to notice.
 """
@@ -126,6 +127,22 @@ def _why(c: Culprits) -> str:
     }.get(c.alert, "")
 
 
+def _gpu_lines(c: Culprits) -> list[str]:
+    """Each culprit's GPU health against its peers' (``details.culprit_gpu``), as the rank that read the
+    most peers' health saw it; none where no rank knew it (CPU hosts)."""
+    out = []
+    for r in sorted(c.culprits)[:8]:
+        seen = [
+            g[str(r)]
+            for d in c.details.values()
+            if isinstance(g := d.get("culprit_gpu"), dict) and isinstance(g.get(str(r)), dict)
+        ]
+        if seen:
+            best = max(seen, key=lambda e: int((e.get("peers_median") or {}).get("ranks") or 0))
+            out.append(str(best.get("line", "")))
+    return [line for line in out if line]
+
+
 def _wait(ranks: list[int]) -> str:
     return "waits" if len(set(ranks)) == 1 else "wait"
 
@@ -154,6 +171,7 @@ def culprit_lines(events: Iterable[Mapping[str, Any]]) -> list[str]:
                 f"  culprit: {ranks_text(c.culprits)} ({name}{': ' + why if why else ''}; "
                 f"raised on {ranks_text(c.raised_on)})"
             )
+            lines += [f"    {text}" for text in _gpu_lines(c)]
         else:
             why = c.unknown[-1] if c.unknown else "no rank named one"
             lines.append(f"  {name} on {ranks_text(c.raised_on)}: culprit unknown ({why})")

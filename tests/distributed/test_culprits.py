@@ -252,4 +252,5 @@ def test_one_slow_rank_under_a_dozen_buckets_a_step_is_named_alone(
     slow = _alerts(run_dir, "Straggler")
     assert sorted(slow) == [2], out[-3000:]
     assert slow[2]["details"]["culprits"] == [2] and slow[2]["value"] > 0.25
+    assert "culprit_gpu" not in slow[2]["details"]  # CPU ranks publish no GPU health: nothing to quote
     assert "  culprit: rank 2 (Straggler" in out
