@@ -26,7 +26,8 @@ from hpar_agent.collectors.memory import NvmlCollector
 from hpar_agent.component import Component
 
 READ_EVERY_S = 10.0
-#: Throttle reasons that slow a GPU down (the power cap is normal at full load; idle is no slowdown).
+#: Throttle reasons that slow a GPU down (idle is no slowdown). The power cap is among them, since a
+#: culprit's line compares it with its peers', but it is normal at full load: GpuThrottled leaves it out.
 SLOWING = frozenset({"hw_slowdown", "hw_thermal", "sw_thermal", "hw_power_brake", "sw_power_cap"})
 MAX_XIDS = 16  # distinct Xid codes a rank keeps a series for (the label's bound)
 MAX_EVENTS_A_PASS = 64
