@@ -485,11 +485,19 @@ def low_precision_reductions(
     return [e for e in entries if e[0] in pgs and "reduce" in e[2] and _min_bits(e[4]) < param_bits]
 
 
+def waited_between(cum: Mapping[int, int], t0: int, t1: int) -> int:
+    """ns waited in p2p between two of a rank's times whose ``pipeline_p2p.waited_by`` values ``cum`` holds (0 when
+    either is unknown)."""
+    a, b = cum.get(t0, -1), cum.get(t1, -1)
+    return b - a if a >= 0 and b >= a else 0
+
+
 def step_delays(
     entries_by_rank: Mapping[int, Sequence[FrEntry]],
     step_ends: Sequence[int],
     stage_of: Mapping[int, int] | None = None,
     after: int = 0,
+    waited: Mapping[int, Mapping[int, int]] | None = None,
 ) -> dict[int, dict[int, float]]:
     """Per rank and step: the time the others waited for it in that step, as a share of the reference
     rank's time to the same collective, its last of the step (rank -> {the step's end, ns: share}).
@@ -517,6 +525,7 @@ def step_delays(
     if len(entries_by_rank) < 2 or len(step_ends) < 2:
         return {}
     stage_of = stage_of or {}
+    waited = waited or {}
     ordered = {r: sorted(es, key=lambda e: e[5]) for r, es in entries_by_rank.items() if es}
     if len(ordered) < 2:
         return {}
@@ -538,16 +547,17 @@ def step_delays(
             if e[5] > last.get(k, 0):
                 last[k] = e[5]
     # (kind, stage, seq) -> pg uid -> [(rank, step, arrival, ns since its previous op's last arrival,
-    # ns since its own previous arrival)]
-    at: dict[tuple[str, int, int], dict[str, list[tuple[int, int, int, int, int]]]] = {}
+    # ns since its own previous arrival, ns it waited in p2p since then)]
+    at: dict[tuple[str, int, int], dict[str, list[tuple[int, int, int, int, int, int]]]] = {}
     for r, pairs in spans.items():
         stage = stage_of.get(r, 0)
+        cum = waited.get(r, {})
         for prev, e in pairs:
             t = e[5]
             i = bisect.bisect_left(ends, t)
             op_key = (e[0].split("@", 1)[0], stage, e[1])
             at.setdefault(op_key, {}).setdefault(e[0], []).append(
-                (r, i, t, t - last[(prev[0], prev[1])], t - prev[5])
+                (r, i, t, t - last[(prev[0], prev[1])], t - prev[5], waited_between(cum, prev[5], t))
             )
     excess: dict[tuple[int, int], float] = {}  # (rank, step) -> work over the reference's, summed
     late: dict[tuple[int, int], float] = {}  # (rank, step) -> the most it arrived after the reference
@@ -559,7 +569,7 @@ def step_delays(
         went_on = sum(1 for g in holders.values() for x in g if x[3] < 0)
         burst = 2 * went_on > sum(1 for g in holders.values() for x in g if x[3] != x[4])
         groups = {
-            uid: [(r, i, t, own if burst else max(0, blocked)) for r, i, t, blocked, own in g]
+            uid: [(r, i, t, max(0, (own if burst else blocked) - p2p)) for r, i, t, blocked, own, p2p in g]
             for uid, g in holders.items()
         }
         arrivals = {uid: sorted(x[2] for x in g) for uid, g in groups.items()}
@@ -628,6 +638,32 @@ def delay_score(shares: Sequence[float]) -> float:
         return 0.0
     m = median(shares)
     return m / (1.0 + m)
+
+
+def own_work(ends: Sequence[int], cum: Sequence[int]) -> list[tuple[int, float]]:
+    """(step end ns, seconds of the rank's own work in the step): the step's time less what it waited in
+    p2p (``cum``: ``pipeline_p2p.waited_by`` at each end); steps where that is unknown are left out."""
+    return [
+        (t1, (t1 - t0 - (c1 - c0)) / 1e9)
+        for (t0, c0), (t1, c1) in pairwise(zip(ends, cum, strict=True))
+        if c0 >= 0 and c1 >= c0
+    ]
+
+
+def stage_lags(works: Mapping[int, Sequence[float]]) -> dict[int, float]:
+    """rank -> its pipeline lag from (baseline, now, step time now) of its own work a step (step time
+    less p2p waits; the baseline: its first warm steps): how much its work grew past its baseline
+    beyond the median growth of the other ranks (a machine-wide slowdown changes every rank alike), as
+    a share of the step: what the pipeline waits for it each step. A stage slower by design from the
+    start scores 0; a stage of a few ms whose time doubles under load scores a few %."""
+    change = {r: w[1] / w[0] for r, w in works.items() if w[0] > 0 and w[1] > 0 and w[2] > 0}
+    out: dict[int, float] = {}
+    for r in change:
+        others = sorted(v for o, v in change.items() if o != r)
+        if others:
+            base, now, step = works[r]
+            out[r] = max(0.0, now - base * median(others)) / step
+    return out
 
 
 # ------------------------------------------------------------------------------------------ latency
