@@ -549,6 +549,7 @@ def step_delays(
     # (kind, stage, seq) -> pg uid -> [(rank, step, arrival, ns since its previous op's last arrival,
     # ns since its own previous arrival, ns it waited in p2p since then)]
     at: dict[tuple[str, int, int], dict[str, list[tuple[int, int, int, int, int, int]]]] = {}
+    piped: dict[tuple[int, int], int] = {}  # (rank, step) -> ns it waited in p2p in the step
     for r, pairs in spans.items():
         stage = stage_of.get(r, 0)
         cum = waited.get(r, {})
@@ -556,12 +557,16 @@ def step_delays(
             t = e[5]
             i = bisect.bisect_left(ends, t)
             op_key = (e[0].split("@", 1)[0], stage, e[1])
+            p2p = waited_between(cum, prev[5], t)
+            if p2p:
+                piped[(r, i)] = piped.get((r, i), 0) + p2p
             at.setdefault(op_key, {}).setdefault(e[0], []).append(
-                (r, i, t, t - last[(prev[0], prev[1])], t - prev[5], waited_between(cum, prev[5], t))
+                (r, i, t, t - last[(prev[0], prev[1])], t - prev[5], p2p)
             )
     excess: dict[tuple[int, int], float] = {}  # (rank, step) -> work over the reference's, summed
     late: dict[tuple[int, int], float] = {}  # (rank, step) -> the most it arrived after the reference
     reach: dict[tuple[int, int], tuple[int, float]] = {}  # (rank, step) -> its last arrival, the reference's
+    mates: dict[tuple[int, int], list[int]] = {}  # (rank, step) -> the ranks its reference is of
     for (label, *_), holders in at.items():
         # most ranks that were not the last at their previous op entered this one before that op could
         # complete: enqueued without waiting (an async burst, DDP's buckets), so each rank's work is its
@@ -583,6 +588,10 @@ def step_delays(
                 if not across:  # the members of a gradient group are the replicas: compared within it
                     ref_t, ref_w = _median_of_others(arrivals[uid], t), _median_of_others(works[uid], w)
                 key = (r, i)
+                if piped and key not in mates:  # whose p2p waits make its reference's
+                    mates[key] = [
+                        x[0] for u, gg in groups.items() if (u != uid if across else u == uid) for x in gg
+                    ]
                 if w > ref_w:
                     excess[key] = excess.get(key, 0) + w - ref_w
                 late[key] = max(late.get(key, 0), t - ref_t)
@@ -590,7 +599,12 @@ def step_delays(
                     reach[key] = (t, ref_t)
     out: dict[int, dict[int, float]] = {}
     for (r, i), lt in late.items():
-        base = reach[(r, i)][1] - ends[i - 1]  # the reference rank's time to this rank's last collective
+        # the reference rank's time to this rank's last collective; a pipeline stage's less the median
+        # p2p wait of the ranks it is of (the stage's replicas), so that a stage 1.5x slower scores 0.5
+        # a step as a rank of a data-parallel job does, not a pp-th of it
+        span = reach[(r, i)][1] - ends[i - 1]
+        others = sorted(piped.get((q, i), 0) for q in mates.get((r, i), ()) if q != r)
+        base = span - min(median(others), 0.9 * span) if others else span
         if base > 0:
             out.setdefault(r, {})[ends[i]] = min(excess.get((r, i), 0), max(0, lt)) / base
     return out
