@@ -257,7 +257,8 @@ class AnatomyCollector(Component):
         self.shares = {p: sums[p] / total for p in PHASES if p in seen}
         th = self.ctx.config.thresholds if self.ctx is not None else {}
         straggler, lag, slow_rank = self._straggler()
-        pipeline_wait = self._pipeline_wait(hist)
+        # the stage Straggler names is the one the others wait for, whatever its own bubble
+        pipeline_wait = 0.0 if straggler and slow_rank is None else self._pipeline_wait(hist)
         verdict = bottleneck(
             self.shares,
             straggler=straggler,

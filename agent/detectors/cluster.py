@@ -473,7 +473,9 @@ class Straggler(Detector):
         entries = snap.collectives.fr_entries
         if entries:
             out["fr"] = {"pw": waited_by(log, [e[5] for e in entries])}
-        if snap.topology.dp <= 1 and (works := self._own_work(snap, log)) is not None:
+        topo = snap.topology
+        pure = topo.dp <= 1 and topo.tp <= 1 and topo.cp <= 1  # no collective waits in its work
+        if pure and (works := self._own_work(snap, log)) is not None:
             out["s"] = {"pwork": [round(w, 6) for w in works]}
         return out
 

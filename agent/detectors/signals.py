@@ -599,16 +599,26 @@ def step_delays(
                     reach[key] = (t, ref_t)
     out: dict[int, dict[int, float]] = {}
     for (r, i), lt in late.items():
-        # the reference rank's time to this rank's last collective; a pipeline stage's less the median
-        # p2p wait of the ranks it is of (the stage's replicas), so that a stage 1.5x slower scores 0.5
-        # a step as a rank of a data-parallel job does, not a pp-th of it
+        # the reference rank's time to this rank's last collective; for a pipeline stage whose delay
+        # holds the step back by PIPELINE_MIN_SHARE or more, less the median p2p wait of the ranks it
+        # is compared with (the stage's replicas), so that a stage 1.5x slower scores 0.5 a step as a
+        # rank of a data-parallel job does, not a pp-th of it; a smaller delay is not magnified
         span = reach[(r, i)][1] - ends[i - 1]
+        if span <= 0:
+            continue
+        delay = min(excess.get((r, i), 0), max(0, lt))
         others = sorted(piped.get((q, i), 0) for q in mates.get((r, i), ()) if q != r)
-        base = span - min(median(others), 0.9 * span) if others else span
-        if base > 0:
-            out.setdefault(r, {})[ends[i]] = min(excess.get((r, i), 0), max(0, lt)) / base
+        base = (
+            span - min(median(others), 0.9 * span) if others and delay >= PIPELINE_MIN_SHARE * span else span
+        )
+        out.setdefault(r, {})[ends[i]] = delay / base
     return out
 
+
+#: a pipeline stage's delay is a share of its replicas' own work (their step less their p2p waits)
+#: only from this share of the step on: a stage of a tiny model waits most of its step, and a few %
+#: of the step late against its replica is no bottleneck
+PIPELINE_MIN_SHARE = 0.1
 
 _MODEL_PARALLEL = ("tp", "cp")  # groups whose members hold different parts of one replica
 
