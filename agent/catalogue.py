@@ -174,6 +174,7 @@ GOODPUT_CAUSES: tuple[str, ...] = (
 VERDICTS: tuple[str, ...] = (
     "input-bound",
     "host-bound",
+    "pipeline-bound",
     "compute-bound",
     "communication-bound",
     "slow-rank",
@@ -316,7 +317,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "hpar_step_bottleneck",
         "gauge",
-        "1 for this rank's current bottleneck verdict (input-bound, host-bound, compute-bound, communication-bound, slow-rank, unknown: the phases explain too little of the step), 0 for the others.",
+        "1 for this rank's current bottleneck verdict (input-bound, host-bound, pipeline-bound, compute-bound, communication-bound, slow-rank, unknown: the phases explain too little of the step), 0 for the others.",
         VERDICT,
     ),
     _m(

@@ -214,10 +214,11 @@ COMPONENT_DEFAULTS: dict[str, float] = {p.name: p.default for p in COMPONENT_PAR
 COMPONENT_THRESHOLDS = tuple(COMPONENT_DEFAULTS)
 
 #: the step anatomy's bottleneck verdict (``anatomy.<param>``): the share of step time at or above
-#: which a rank is input-bound / host-bound / communication-bound, and the share the measured phases
+#: which a rank is input-bound / pipeline-bound (its p2p waits) / host-bound / communication-bound, and the share the measured phases
 #: must explain for compute-bound (below it, and no other cause reached: unknown)
 ANATOMY_DEFAULTS: dict[str, float] = {
     "input_share": 0.2,
+    "pipeline_share": 0.2,
     "host_share": 0.2,
     "comm_share": 0.3,
     "min_explained": 0.6,

@@ -159,7 +159,7 @@ def overview() -> Board:
     table(
         b,
         "Bottleneck by rank",
-        "Each rank's current verdict: input-bound, host-bound, compute-bound, communication-bound, slow-rank, or "
+        "Each rank's current verdict: input-bound, pipeline-bound, host-bound, compute-bound, communication-bound, slow-rank, or "
         "unknown when the phases explain too little of the step (the reason is in the rank's summary).",
         [Q(f"max by (rank, pp_stage, verdict) (hpar_step_bottleneck{{{SEL}}}) == 1", instant=True)],
     )

@@ -6,8 +6,9 @@ per step a forward of 4 compute segments, each ending in a tp all-reduce that bl
 their gradients are ready, without waiting (DDP); the step ends for every rank when the last bucket's
 reduction completes, plus the optimizer. With ``pp`` stages (dp x pp) a replica's forward goes
 through its stages in turn and its backward back (each stage waits for its neighbour's activations
-or gradients, p2p, which the flight recorder does not show), each stage's buckets over its own
-backward; ``stage_work`` makes a stage slower by design. A rank's compute is its ``factor`` (a slow GPU: 1.5) x a
+or gradients, p2p, which the flight recorder does not show: each rank publishes the time it waited
+in p2p by each of its entries, ``pw``, as the agent's pipelining wrapper times it), each stage's
+buckets over its own backward; ``stage_work`` makes a stage slower by design. A rank's compute is its ``factor`` (a slow GPU: 1.5) x a
 fixed per-GPU speed (``gpu_sigma``) x per-segment noise (lognormal ``sigma``, with ``spike_p`` spikes
 of ``spike`` x). Every ``steps_per_pass`` steps an exchange: each rank's last ``window`` entries are
 what its peers read (``crossrank.plan``), and each judged rank's own ``Straggler`` (kept from pass to
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from hpar_agent.collectors.pipeline_p2p import waited_by
 from hpar_agent.crossrank import Grid, plan
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
@@ -93,6 +95,9 @@ class StragglerSim:
         self.window = min(src.WIDEST * job.window, max(job.window, WINDOW_STEPS * self.ops + 1))
         self.keep = self.window // self.ops + 2  # steps whose entries a window can hold
         self.times: list[np.ndarray] = []  # per step: (ops, ranks) enqueue ns
+        #: per step with pp: (4, ranks): the exits of its two p2p waits and the ns waited by each
+        self.waits: list[np.ndarray] = []
+        self.waited = np.zeros(n, dtype=np.int64)  # ns each rank waited in p2p so far
         self.ends: list[int] = []  # step end ns (every rank's step hook)
         self.step = 0
         self.now_ns = T0_NS
@@ -132,7 +137,9 @@ class StragglerSim:
         if job.pp > 1:  # forward through the stages, then backward back: each waits for its neighbour
             own = self._compute(FORWARD_S).reshape(job.dp, job.pp)
             at = np.full(job.dp, start, dtype=np.int64)
+            begun = np.zeros((job.dp, job.pp), dtype=np.int64)  # when each stage's activations came
             for st in range(job.pp):
+                begun[:, st] = at
                 at = at + own[:, st] + int(COMM_S * 1e9)
             grads = self._compute(BACKWARD_S).reshape(job.dp, job.pp)
             ready = np.zeros((job.dp, job.pp), dtype=np.int64)  # when each stage may start its backward
@@ -140,6 +147,10 @@ class StragglerSim:
                 ready[:, st] = at
                 at = at + grads[:, st] + int(COMM_S * 1e9)
             cursor = ready.reshape(-1)
+            fwd_done = (begun + own).reshape(-1)
+            first = self.waited + (begun.reshape(-1) - start)  # waited for the activations
+            self.waited = first + np.maximum(0, cursor - fwd_done)  # ... and for the gradients
+            self.waits.append(np.stack([begun.reshape(-1), first, cursor, self.waited]))
             for _ in range(job.buckets):  # the stage's buckets over its backward
                 cursor = cursor + (grads.reshape(-1) // job.buckets)
                 rows.append(cursor)
@@ -164,6 +175,8 @@ class StragglerSim:
         self.ends.append(end)
         if len(self.times) > self.keep:
             self.times.pop(0)
+        if len(self.waits) > self.keep:
+            self.waits.pop(0)
         self.now_ns = end
         self.step += 1
 
@@ -186,7 +199,11 @@ class StragglerSim:
         def payload(q: int) -> dict[str, Any]:
             if q not in cache:
                 c = self.coords[q]
-                cache[q] = {"c": {**c, "dp": c["dp_replicate"], "stage": c["pp"]}, "fr": self.entries(q)}
+                fr = self.entries(q)
+                cache[q] = {"c": {**c, "dp": c["dp_replicate"], "stage": c["pp"]}, "fr": fr}
+                if self.waits:
+                    log = [(int(w[i, q]), int(w[i + 1, q])) for w in self.waits for i in (0, 2)]
+                    cache[q]["pw"] = waited_by(log, [e[5] for e in fr])
             return cache[q]
 
         out = {}

@@ -46,6 +46,7 @@ from hpar_agent.collectors.anatomy_hooks import AnatomyHooks
 from hpar_agent.collectors.collectives import CollectiveCollector
 from hpar_agent.collectors.phases import OPT1, Event, cpu_phases, exposed_ns, gpu_phases, host_waits
 from hpar_agent.collectors.pipeline import PipelineCollector
+from hpar_agent.collectors.pipeline_p2p import waited_by
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.collectors.verdict import bottleneck
 from hpar_agent.component import Component
@@ -91,6 +92,7 @@ class AnatomyCollector(Component):
         self.slow_rank: int | None = None  # the peer a slow-rank verdict names (None: this rank, or none)
         self.evidence: dict[str, Any] = {}
         self.shares: dict[str, float] = {}
+        self.spans_ns: dict[int, tuple[int, int]] = {}  # step -> (start ns, end ns) of the recent steps
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
@@ -215,6 +217,10 @@ class AnatomyCollector(Component):
         for phase, secs in phases.items():
             self.hists[phase].observe(secs)
         self.history.append((rec.step, step_s, phases, loader))
+        self.spans_ns[rec.step] = (rec.start_ns, rec.end_ns)
+        if len(self.spans_ns) > 2 * WINDOW:
+            for step in list(self.spans_ns)[:-WINDOW]:
+                del self.spans_ns[step]
         if len(self.history) > 2 * WINDOW:
             del self.history[:-WINDOW]
         ctx = self.ctx
@@ -251,10 +257,13 @@ class AnatomyCollector(Component):
         self.shares = {p: sums[p] / total for p in PHASES if p in seen}
         th = self.ctx.config.thresholds if self.ctx is not None else {}
         straggler, lag, slow_rank = self._straggler()
+        # the stage Straggler names is the one the others wait for, whatever its own bubble
+        pipeline_wait = 0.0 if straggler and slow_rank is None else self._pipeline_wait(hist)
         verdict = bottleneck(
             self.shares,
             straggler=straggler,
             thresholds={k: float(th.get(f"anatomy.{k}", v)) for k, v in ANATOMY_DEFAULTS.items()},
+            pipeline_wait=pipeline_wait,
         )
         self.verdict = verdict.name
         rank = self.ctx.topology.rank if self.ctx is not None else 0
@@ -268,9 +277,24 @@ class AnatomyCollector(Component):
         }
         if lag is not None:
             self.evidence["straggler_lag_ratio"] = round(lag, 4)
+        if pipeline_wait:
+            self.evidence["pipeline_wait_share"] = round(pipeline_wait, 4)
         self.slow_rank = slow_rank if self.verdict == "slow-rank" else None
         if self.verdict == "slow-rank":
             self.evidence["slow_rank"] = rank if slow_rank is None else slow_rank
+
+    def _pipeline_wait(self, hist: list[tuple[int, float, dict[str, float], float]]) -> float:
+        """The share of the judged steps' time the training thread waited in pipeline p2p ops (the
+        pipelining wrapper's waits, ``P2PTracker.waited``); 0 without them."""
+        c = self.ctx.find(CollectiveCollector) if self.ctx is not None else None
+        log = list(c.p2p.waited) if c is not None else []
+        spans = [self.spans_ns[h[0]] for h in hist if h[0] in self.spans_ns]
+        if not log or not spans:
+            return 0.0
+        waited = waited_by(log, [t for span in spans for t in span])
+        total = sum(t1 - t0 for t0, t1 in spans)
+        got = sum(max(0, b - a) for a, b in zip(waited[0::2], waited[1::2], strict=True) if a >= 0)
+        return got / total if total > 0 else 0.0
 
     def _reason(self, verdict: str, reason: str, forward: bool, steps: set[int]) -> str:
         """The verdict's reason; an unknown one says where the rest of the step went where the agent

@@ -6,7 +6,9 @@ runs on (their entries are ``pp``). The ops the training thread waits in now (an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hpar_agent import gil
@@ -27,6 +29,17 @@ from hpar_agent.torch_compat.p2p import (
 
 #: Process groups whose backend is remembered (cleared when full).
 MAX_GROUPS = 64
+#: Waits remembered for ``waited_by``: a few seconds of a pipeline's p2p waits (16 a step for GPipe's 4
+#: microbatches), as (exit ns, the ns waited in p2p so far).
+MAX_WAITS = 4096
+
+
+def waited_by(log: Sequence[tuple[int, int]], times_ns: Sequence[int]) -> list[int]:
+    """For each time (ns since the epoch): the ns a rank had waited in p2p by then, from its wait log
+    ((exit ns, ns waited so far), oldest first); -1 before the log's first wait (unknown). The
+    difference of two is what it waited between them: waits for a pipeline neighbour, not its work."""
+    exits = [t for t, _ in log]
+    return [log[i - 1][1] if (i := bisect.bisect_right(exits, t)) else -1 for t in times_ns]
 
 
 class P2PTracker:
@@ -43,6 +56,7 @@ class P2PTracker:
         #: (wait entered ns, the ops it blocks on) while the training thread waits in p2p ops
         self.waiting: tuple[int, list[Op]] | None = None
         self.timeout_s: float | None = None  # the shortest timeout of the groups p2p ran on
+        self.waited: deque[tuple[int, int]] = deque(maxlen=MAX_WAITS)  # (exit ns, ns waited so far)
 
     def process(
         self,
@@ -100,6 +114,9 @@ class P2PTracker:
 
     def _wait(self, rec: WaitRecord, finish: Callable[[Op, float], None]) -> None:
         _, t_enter, done, t_exit = rec
+        if t_exit > t_enter:
+            total = self.waited[-1][1] if self.waited else 0
+            self.waited.append((t_exit, total + t_exit - t_enter))
         for wid, was_done in waits_of(done):
             ops = self.pending.pop(wid, [])
             if wid in self.untimed:  # counted at issue; in flight until now

@@ -19,13 +19,20 @@ class Verdict(NamedTuple):
 
 
 def bottleneck(
-    shares: Mapping[str, float], *, straggler: bool = False, thresholds: Mapping[str, float] | None = None
+    shares: Mapping[str, float],
+    *,
+    straggler: bool = False,
+    thresholds: Mapping[str, float] | None = None,
+    pipeline_wait: float = 0.0,
 ) -> Verdict:
     """The verdict from phase shares of step time (``thresholds``: ``ANATOMY_DEFAULTS``' keys).
 
     A cause is named when its phase reaches its threshold: input first (a rank whose loader is slow
     also arrives last at collectives, the Straggler signal, and the loader is the cause to name), then
-    host work between steps, a slow rank, exposed communication. compute-bound is what is left only
+    host work between steps, a slow rank, exposed communication. ``pipeline_wait``: the share of step
+    time this rank's training thread waited in pipeline p2p ops (its neighbours' activations or
+    gradients); from ``pipeline_share`` on the rank is pipeline-bound, named before host (a stage's
+    wait for its first activations is in the host phase) and before a slow rank (it is the one waiting). compute-bound is what is left only
     when the measured phases explain at least ``min_explained`` of the step: else the time is
     somewhere the phases do not see, and the verdict is unknown."""
     th = {**ANATOMY_DEFAULTS, **(thresholds or {})}
@@ -38,6 +45,12 @@ def bottleneck(
 
     if why := over("data_wait", "input_share"):
         return Verdict("input-bound", why)
+    if pipeline_wait >= th["pipeline_share"]:
+        return Verdict(
+            "pipeline-bound",
+            f"waits for its pipeline neighbours (p2p) are {pipeline_wait:.0%} of the step "
+            f"(anatomy.pipeline_share {th['pipeline_share']:.0%})",
+        )
     if why := over("host", "host_share"):
         return Verdict("host-bound", why)
     if straggler:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import pairwise
+from statistics import median
 from typing import TYPE_CHECKING, Any
 
 from hpar_agent import gil
 from hpar_agent.buffer import BoundedBuffer
+from hpar_agent.collectors.pipeline_p2p import waited_by
 from hpar_agent.context import Conclusion
 from hpar_agent.detectors import signals as sig
 from hpar_agent.detectors import sources as src
@@ -452,11 +455,58 @@ class Straggler(Detector):
         self.slowest: tuple[int, float] | None = None  # (rank, lag ratio) of the job's confirmed slow rank
         self._slow_candidate: int | None = None
         self._slow_streak = 0
+        self.work: dict[int, float] = {}  # step end ns -> this rank's own work (p2p waits out), seconds
+        #: (since, median work of its first warm steps, the last of those steps' end ns)
+        self.work_base: tuple[int, float, int] | None = None
 
     def step_hook(self, tick: StepTick) -> None:
         if self.warm_ns is None and tick.step + 1 >= self.p("warmup_steps"):
             self.warm_ns = tick.t_ns
         self.ends.append(tick.t_ns)
+
+    def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
+        """A pipeline stage's p2p waits, so its peers count them as waits, not its work: at each of its
+        flight-recorder entries, the ns waited in p2p by then (``pw``, aligned with ``fr``); and its own
+        work a step, baseline and now (``pwork``, seconds)."""
+        log = snap.collectives.p2p_waited
+        if not log:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        entries = snap.collectives.fr_entries
+        if entries:
+            out["fr"] = {"pw": waited_by(log, [e[5] for e in entries])}
+        topo = snap.topology
+        pure = topo.dp <= 1 and topo.tp <= 1 and topo.cp <= 1  # no collective waits in its work
+        if pure and (works := self._own_work(snap, log)) is not None:
+            out["s"] = {"pwork": [round(w, 6) for w in works]}
+        return out
+
+    def _own_work(self, snap: Snapshot, log: Sequence[tuple[int, int]]) -> tuple[float, ...] | None:
+        """(baseline, now, step): the median own work a step of this rank's first ``min_window_steps``
+        warm steps, of its last ``window_steps`` after those (at least ``min_window_steps``: a
+        descheduled moment is a few steps of them), and the median step time of the latter; None until
+        both are measured."""
+        if self.warm_ns is None:
+            return None
+        since = max(self.warm_ns, int(snap.warmup.last_ts * 1e9))
+        last = max(self.work, default=0)
+        ends = [t for t in self.ends if t >= since and t >= last]
+        gil.pause_point()
+        self.work.update(sig.own_work(ends, waited_by(log, ends)))
+        n, keep = int(self.p("min_window_steps")), int(self.p("window_steps"))
+        self.work = dict(sorted((t, w) for t, w in self.work.items() if t >= since)[-keep - n :])
+        if self.work_base is not None and self.work_base[0] != since:
+            self.work_base = None  # compiled again: a new baseline
+        if self.work_base is None and len(self.work) >= n:
+            first = list(self.work.items())[:n]
+            self.work_base = (since, median(w for _, w in first), first[-1][0])
+        if self.work_base is None:
+            return None
+        after = [(t, w) for t, w in self.work.items() if t > self.work_base[2]][-keep:]
+        if len(after) < n:
+            return None
+        steps = [b - a for (a, _), (b, _) in pairwise(after)]
+        return self.work_base[1], median(w for _, w in after), median(steps) / 1e9
 
     def conclusion(self, active: bool, value: float) -> Conclusion:
         """For the step anatomy's slow-rank verdict: this rank's own alert, else the peer it confirmed
@@ -472,24 +522,38 @@ class Straggler(Detector):
         if not snap.warmup.warmed_up(int(self.p("quiet_steps")), int(self.p("max_busy_steps"))):
             return None  # ranks compiling at different speeds (a rank that started late still compiles)
         fr, _sizes = snap.exchange.fr
-        if snap.rank not in fr or len(fr) < 2:
+        peers = snap.exchange.peers
+        works = {r: [float(x) for x in p["pwork"]] for r, p in peers.items() if _triple(p.get("pwork"))}
+        stage_scores = sig.stage_lags(works) if len(works) >= 2 else {}
+        if (snap.rank not in fr or len(fr) < 2) and snap.rank not in stage_scores:
             return None
-        since = max(self.warm_ns or 0, int(snap.warmup.last_ts * 1e9))
-        ends = [t for t in self.ends if t >= since]
-        gil.pause_point()
-        stages = {r: int(p.get("c", {}).get("stage", 0) or 0) for r, p in snap.exchange.peers.items()}
-        measured = max((t for v in self.shares.values() for t in v), default=0)
-        self._keep(sig.step_delays(fr, ends, stages, after=measured), since)
-        scores = {
-            r: sig.delay_score(list(v.values()))
-            for r, v in self.shares.items()
-            if r in fr and len(v) >= self.p("min_window_steps")
-        }
+        scores: dict[int, float] = {}
+        seen: set[int] = set()
+        if snap.rank in fr and len(fr) >= 2:
+            since = max(self.warm_ns or 0, int(snap.warmup.last_ts * 1e9))
+            ends = [t for t in self.ends if t >= since]
+            gil.pause_point()
+            stages = {r: int(p.get("c", {}).get("stage", 0) or 0) for r, p in peers.items()}
+            measured = max((t for v in self.shares.values() for t in v), default=0)
+            waited = {
+                r: dict(zip((e[5] for e in es), pw, strict=True))
+                for r, es in fr.items()
+                if isinstance(pw := peers.get(r, {}).get("pw"), list) and len(pw) == len(es)
+            }
+            self._keep(sig.step_delays(fr, ends, stages, after=measured, waited=waited), since)
+            scores = {
+                r: sig.delay_score(list(v.values()))
+                for r, v in self.shares.items()
+                if r in fr and len(v) >= self.p("min_window_steps")
+            }
+            seen = _seen_whole(fr, snap)
+        for r, v in stage_scores.items():  # a stage that became slower than its own baseline
+            scores[r] = max(scores.get(r, 0.0), v)
+            seen.add(r)
         if snap.rank not in scores:
             return None
         self._note_slowest(scores)
         limit = self.p("max_lag_ratio")
-        seen = _seen_whole(fr, snap)
         slow = sorted(r for r, v in scores.items() if v > limit and r in seen)
         ratio = scores[snap.rank]
         return Verdict(
@@ -500,6 +564,11 @@ class Straggler(Detector):
                 "culprits": slow,
                 "victims": sorted(seen - set(slow)) if slow else [],
                 "lags": {str(r): round(v, 3) for r, v in sorted(scores.items())},
+                **(
+                    {"stage_changed": changed}
+                    if (changed := [r for r in slow if stage_scores.get(r, 0) > limit])
+                    else {}
+                ),
             },
         )
 
@@ -523,6 +592,10 @@ class Straggler(Detector):
         self._slow_streak = self._slow_streak + 1 if worst == self._slow_candidate else 1
         self._slow_candidate = worst
         self.slowest = (worst, lags[worst]) if self._slow_streak >= self.confirm else None
+
+
+def _triple(v: Any) -> bool:
+    return isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) for x in v)
 
 
 def _seen_whole(fr: dict[int, list[sig.FrEntry]], snap: Snapshot) -> set[int]:

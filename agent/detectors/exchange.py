@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from hpar_agent import gil
+from hpar_agent import gil, topology_watch
 from hpar_agent.crossrank import (
     EVERY_EXCHANGE,
     PURPOSES,
@@ -31,6 +31,7 @@ from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.snapshot import PeerView
 from hpar_agent.thresholds import COMPONENT_DEFAULTS
 from hpar_agent.topology import mesh_dim_names, mesh_from_model
+from hpar_agent.torch_compat import pipelining
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -271,7 +272,8 @@ class CrossRankExchange:
     def _plan(self) -> PeerPlan:
         """Worked out once per mesh (``DeviceMesh.mesh`` builds a tensor each time it is read)."""
         ctx = self._ctx()
-        key = (id(ctx.mesh), id(ctx.model), ctx.topology.rank, ctx.topology.world_size)
+        topo = ctx.topology
+        key = (id(ctx.mesh), id(ctx.model), topo.rank, topo.world_size, topo.pp, topo.dp, topo.tp)
         if self._plan_of is None or self._plan_of[0] != key:
             mesh = ctx.mesh if ctx.mesh is not None else mesh_from_model(ctx.model)
             self._plan_of = (key, plan(self._grid(mesh), ctx.topology.rank, nodes=node_sizes()))
@@ -280,8 +282,9 @@ class CrossRankExchange:
 
     def _grid(self, mesh: Any) -> Grid:
         """The mesh's layout when it holds every rank; else ranks laid out over (pp, dp, tp) row-major
-        as torchtitan and ``init_device_mesh`` do, or all ranks in one dim when the degrees do not
-        cover the world."""
+        as torchtitan and ``init_device_mesh`` do (over (dp, pp) where the pipelines' stages say each
+        pipeline holds consecutive ranks), or all ranks in one dim when the degrees do not cover the
+        world."""
         ctx = self._ctx()
         topo = ctx.topology
         if mesh is not None:
@@ -291,7 +294,11 @@ class CrossRankExchange:
                     return grid
             except Exception as exc:
                 log.debug("hpar_agent: mesh layout unreadable (%s); using the topology's degrees", exc)
-        dims = [(d, n) for d, n in (("pp", topo.pp), ("dp", topo.dp), ("tp", topo.tp)) if n > 1]
+        order = ("pp", "dp", "tp")
+        if topo.pp > 1 and topo.dp > 1 and topo.tp == 1 and _consecutive_pipeline():
+            order = ("dp", "pp", "tp")  # pipelines of consecutive ranks (``rank = replica * pp + stage``)
+        degrees = {"pp": topo.pp, "dp": topo.dp, "tp": topo.tp}
+        dims = [(d, degrees[d]) for d in order if degrees[d] > 1]
         if math.prod(n for _, n in dims) != topo.world_size:
             dims = [("world", topo.world_size)]
         return Grid.row_major(dims)
@@ -342,6 +349,15 @@ class CrossRankExchange:
         if self.ctx is None:
             raise RuntimeError("the cross-rank exchange is not installed")
         return self.ctx
+
+
+def _consecutive_pipeline() -> bool:
+    """Whether this rank's pipeline group holds consecutive ranks (``rank = replica * pp + stage``), as
+    its pipelining stages say (each rank's own, the same answer on every rank of a regular layout)."""
+    stages = topology_watch.stages()
+    info = pipelining.stage_info(stages[0]) if stages else None
+    ranks = sorted(info.group_ranks) if info is not None else []
+    return len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1
 
 
 def _store_failed(exc: BaseException) -> bool:

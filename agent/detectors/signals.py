@@ -485,11 +485,19 @@ def low_precision_reductions(
     return [e for e in entries if e[0] in pgs and "reduce" in e[2] and _min_bits(e[4]) < param_bits]
 
 
+def waited_between(cum: Mapping[int, int], t0: int, t1: int) -> int:
+    """ns waited in p2p between two of a rank's times whose ``pipeline_p2p.waited_by`` values ``cum`` holds (0 when
+    either is unknown)."""
+    a, b = cum.get(t0, -1), cum.get(t1, -1)
+    return b - a if a >= 0 and b >= a else 0
+
+
 def step_delays(
     entries_by_rank: Mapping[int, Sequence[FrEntry]],
     step_ends: Sequence[int],
     stage_of: Mapping[int, int] | None = None,
     after: int = 0,
+    waited: Mapping[int, Mapping[int, int]] | None = None,
 ) -> dict[int, dict[int, float]]:
     """Per rank and step: the time the others waited for it in that step, as a share of the reference
     rank's time to the same collective, its last of the step (rank -> {the step's end, ns: share}).
@@ -517,6 +525,7 @@ def step_delays(
     if len(entries_by_rank) < 2 or len(step_ends) < 2:
         return {}
     stage_of = stage_of or {}
+    waited = waited or {}
     ordered = {r: sorted(es, key=lambda e: e[5]) for r, es in entries_by_rank.items() if es}
     if len(ordered) < 2:
         return {}
@@ -538,20 +547,26 @@ def step_delays(
             if e[5] > last.get(k, 0):
                 last[k] = e[5]
     # (kind, stage, seq) -> pg uid -> [(rank, step, arrival, ns since its previous op's last arrival,
-    # ns since its own previous arrival)]
-    at: dict[tuple[str, int, int], dict[str, list[tuple[int, int, int, int, int]]]] = {}
+    # ns since its own previous arrival, ns it waited in p2p since then)]
+    at: dict[tuple[str, int, int], dict[str, list[tuple[int, int, int, int, int, int]]]] = {}
+    piped: dict[tuple[int, int], int] = {}  # (rank, step) -> ns it waited in p2p in the step
     for r, pairs in spans.items():
         stage = stage_of.get(r, 0)
+        cum = waited.get(r, {})
         for prev, e in pairs:
             t = e[5]
             i = bisect.bisect_left(ends, t)
             op_key = (e[0].split("@", 1)[0], stage, e[1])
+            p2p = waited_between(cum, prev[5], t)
+            if p2p:
+                piped[(r, i)] = piped.get((r, i), 0) + p2p
             at.setdefault(op_key, {}).setdefault(e[0], []).append(
-                (r, i, t, t - last[(prev[0], prev[1])], t - prev[5])
+                (r, i, t, t - last[(prev[0], prev[1])], t - prev[5], p2p)
             )
     excess: dict[tuple[int, int], float] = {}  # (rank, step) -> work over the reference's, summed
     late: dict[tuple[int, int], float] = {}  # (rank, step) -> the most it arrived after the reference
     reach: dict[tuple[int, int], tuple[int, float]] = {}  # (rank, step) -> its last arrival, the reference's
+    mates: dict[tuple[int, int], list[int]] = {}  # (rank, step) -> the ranks its reference is of
     for (label, *_), holders in at.items():
         # most ranks that were not the last at their previous op entered this one before that op could
         # complete: enqueued without waiting (an async burst, DDP's buckets), so each rank's work is its
@@ -559,7 +574,7 @@ def step_delays(
         went_on = sum(1 for g in holders.values() for x in g if x[3] < 0)
         burst = 2 * went_on > sum(1 for g in holders.values() for x in g if x[3] != x[4])
         groups = {
-            uid: [(r, i, t, own if burst else max(0, blocked)) for r, i, t, blocked, own in g]
+            uid: [(r, i, t, max(0, (own if burst else blocked) - p2p)) for r, i, t, blocked, own, p2p in g]
             for uid, g in holders.items()
         }
         arrivals = {uid: sorted(x[2] for x in g) for uid, g in groups.items()}
@@ -573,6 +588,10 @@ def step_delays(
                 if not across:  # the members of a gradient group are the replicas: compared within it
                     ref_t, ref_w = _median_of_others(arrivals[uid], t), _median_of_others(works[uid], w)
                 key = (r, i)
+                if piped and key not in mates:  # whose p2p waits make its reference's
+                    mates[key] = [
+                        x[0] for u, gg in groups.items() if (u != uid if across else u == uid) for x in gg
+                    ]
                 if w > ref_w:
                     excess[key] = excess.get(key, 0) + w - ref_w
                 late[key] = max(late.get(key, 0), t - ref_t)
@@ -580,11 +599,26 @@ def step_delays(
                     reach[key] = (t, ref_t)
     out: dict[int, dict[int, float]] = {}
     for (r, i), lt in late.items():
-        base = reach[(r, i)][1] - ends[i - 1]  # the reference rank's time to this rank's last collective
-        if base > 0:
-            out.setdefault(r, {})[ends[i]] = min(excess.get((r, i), 0), max(0, lt)) / base
+        # the reference rank's time to this rank's last collective; for a pipeline stage whose delay
+        # holds the step back by PIPELINE_MIN_SHARE or more, less the median p2p wait of the ranks it
+        # is compared with (the stage's replicas), so that a stage 1.5x slower scores 0.5 a step as a
+        # rank of a data-parallel job does, not a pp-th of it; a smaller delay is not magnified
+        span = reach[(r, i)][1] - ends[i - 1]
+        if span <= 0:
+            continue
+        delay = min(excess.get((r, i), 0), max(0, lt))
+        others = sorted(piped.get((q, i), 0) for q in mates.get((r, i), ()) if q != r)
+        base = (
+            span - min(median(others), 0.9 * span) if others and delay >= PIPELINE_MIN_SHARE * span else span
+        )
+        out.setdefault(r, {})[ends[i]] = delay / base
     return out
 
+
+#: a pipeline stage's delay is a share of its replicas' own work (their step less their p2p waits)
+#: only from this share of the step on: a stage of a tiny model waits most of its step, and a few %
+#: of the step late against its replica is no bottleneck
+PIPELINE_MIN_SHARE = 0.1
 
 _MODEL_PARALLEL = ("tp", "cp")  # groups whose members hold different parts of one replica
 
@@ -628,6 +662,32 @@ def delay_score(shares: Sequence[float]) -> float:
         return 0.0
     m = median(shares)
     return m / (1.0 + m)
+
+
+def own_work(ends: Sequence[int], cum: Sequence[int]) -> list[tuple[int, float]]:
+    """(step end ns, seconds of the rank's own work in the step): the step's time less what it waited in
+    p2p (``cum``: ``pipeline_p2p.waited_by`` at each end); steps where that is unknown are left out."""
+    return [
+        (t1, (t1 - t0 - (c1 - c0)) / 1e9)
+        for (t0, c0), (t1, c1) in pairwise(zip(ends, cum, strict=True))
+        if c0 >= 0 and c1 >= c0
+    ]
+
+
+def stage_lags(works: Mapping[int, Sequence[float]]) -> dict[int, float]:
+    """rank -> its pipeline lag from (baseline, now, step time now) of its own work a step (step time
+    less p2p waits; the baseline: its first warm steps): how much its work grew past its baseline
+    beyond the median growth of the other ranks (a machine-wide slowdown changes every rank alike), as
+    a share of the step: what the pipeline waits for it each step. A stage slower by design from the
+    start scores 0; a stage of a few ms whose time doubles under load scores a few %."""
+    change = {r: w[1] / w[0] for r, w in works.items() if w[0] > 0 and w[1] > 0 and w[2] > 0}
+    out: dict[int, float] = {}
+    for r in change:
+        others = sorted(v for o, v in change.items() if o != r)
+        if others:
+            base, now, step = works[r]
+            out[r] = max(0.0, now - base * median(others)) / step
+    return out
 
 
 # ------------------------------------------------------------------------------------------ latency

@@ -161,6 +161,8 @@ class CollectiveState(NamedTuple):
     pg_timeout_s: float | None
     fr_entries: Sequence[FrEntry]  # the last flight-recorder entries (``fr_entries``)
     p2p_waits: Sequence[P2PWait] = ()  # the p2p ops the training thread waits in now, one per peer
+    #: (exit ns, ns waited in p2p so far) of its last waits (``signals.waited_by`` reads it)
+    p2p_waited: Sequence[tuple[int, int]] = ()
 
 
 NO_COLLECTIVES = CollectiveState(0, [], {}, {}, None, [])
@@ -191,6 +193,7 @@ def collective_state(
         pg_timeout_s=float(timeout) if timeout is not None and timeout > 0 else None,
         fr_entries=(window or FrWindow()).entries(c, coords, limit, span_ns),
         p2p_waits=waiting_in(c),
+        p2p_waited=list(c.p2p.waited),
     )
 
 

@@ -115,11 +115,14 @@ def _why(c: Culprits) -> str:
         lags = [
             v for d in c.details.values() for r, v in (d.get("lags") or {}).items() if int(r) in c.culprits
         ]
-        return (
-            f"the others wait for them at every collective ({min(lags):.2f}-{max(lags):.2f} of wall time)"
-            if lags
-            else ""
+        staged = {r for d in c.details.values() for r in d.get("stage_changed") or ()}
+        where = (
+            "their pipeline neighbours wait for them: their own work a step (p2p waits out) grew past "
+            "their baseline"
+            if set(c.culprits) <= staged
+            else "the others wait for them at every collective"
         )
+        return f"{where} ({min(lags):.2f}-{max(lags):.2f} of wall time)" if lags else ""
     return {
         "ReplicaDivergence": "their parameters differ from the majority of their replicas",
         "CompileDivergence": "they compiled graphs their stage's majority did not",

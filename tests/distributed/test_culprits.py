@@ -254,3 +254,81 @@ def test_one_slow_rank_under_a_dozen_buckets_a_step_is_named_alone(
     assert slow[2]["details"]["culprits"] == [2] and slow[2]["value"] > 0.25
     assert "culprit_gpu" not in slow[2]["details"]  # CPU ranks publish no GPU health: nothing to quote
     assert "  culprit: rank 2 (Straggler" in out
+
+
+SLOW_STAGES = {  # name -> (ranks, faulty_gpipe.py's arguments), run together by ``slow_stages``
+    "pp4": (4, "300 --slow-rank 2 --slow-ms 60 --slow-from 100"),  # stage 2 slower from step 100
+    "dp2xpp2": (4, "250 --dp 2 --slow-rank 3 --slow-ms 60"),  # replica 1's stage 1, from the start
+    "by-design": (4, "300 --heavy-last-ms 15"),  # the last stage works 15 ms more, from the start
+}
+
+
+@pytest.fixture(scope="session")
+def slow_stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
+    """The three GPipe runs of ``SLOW_STAGES``, started together (12 small CPU ranks)."""
+    tmp = tmp_path_factory.mktemp("slow-stages")
+    procs = {}
+    for name, (nproc, args) in SLOW_STAGES.items():
+        procs[name] = subprocess.Popen(
+            run_cmd(_torchrun(nproc, *args.split(), script=SCRIPTS / "faulty_gpipe.py")),
+            env=clean_env(tmp / name),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    out = {}
+    for name, proc in procs.items():
+        try:
+            _, err = proc.communicate(timeout=480)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        out[name] = (tmp / name, err)
+    return out
+
+
+def _verdicts(run_dir: Path) -> dict[int, str]:
+    return {
+        r: json.loads((run_dir / f"summary.rank{r}.json").read_text())["components"]["anatomy"]["verdict"]
+        for r in range(4)
+    }
+
+
+def test_a_pipeline_stage_that_became_slower_is_named_and_its_neighbours_are_pipeline_bound(
+    slow_stages: dict[str, tuple[Path, str]],
+) -> None:
+    """A plain GPipe program, 4 stages: stage 2 works 60 ms more a step from step 100. Its neighbours
+    wait for it in p2p (their waits, not their work); its own work grew past its baseline: Straggler
+    names rank 2 alone, and the stages that wait are pipeline-bound, not host- or compute-bound."""
+    run_dir, out = slow_stages["pp4"]
+    slow = _alerts(run_dir, "Straggler")
+    assert sorted(slow) == [2], out[-3000:]
+    assert slow[2]["details"]["culprits"] == [2] and slow[2]["details"]["stage_changed"] == [2]
+    named = [x for x in out.splitlines() if x.startswith("  culprit")]
+    assert named == [named[0]] and named[0].startswith("  culprit: rank 2 (Straggler: their pipeline"), out
+    verdicts = _verdicts(run_dir)
+    assert [verdicts[r] for r in (0, 1, 3)] == ["pipeline-bound"] * 3, verdicts
+    assert verdicts[2] == "slow-rank", verdicts
+
+
+def test_a_slow_stage_of_one_replica_is_named_against_its_replica_not_its_waiting_neighbour(
+    slow_stages: dict[str, tuple[Path, str]],
+) -> None:
+    """dp2 x pp2 (rank = replica * 2 + stage): rank 3, replica 1's stage 1, works 60 ms more a step
+    from the start. Rank 2, its stage 0, waits for its gradients and so reaches its all-reduce late;
+    net of that p2p wait it is on time: rank 3 is named alone, against its replica rank 1."""
+    run_dir, out = slow_stages["dp2xpp2"]
+    slow = _alerts(run_dir, "Straggler")
+    assert sorted(slow) == [3], out[-3000:]
+    assert slow[3]["details"]["culprits"] == [3]
+    named = [x for x in out.splitlines() if x.startswith("  culprit")]
+    assert named == [named[0]] and named[0].startswith("  culprit: rank 3 (Straggler"), out[-3000:]
+    assert _verdicts(run_dir)[2] == "pipeline-bound"
+
+
+def test_a_stage_slower_by_design_is_no_culprit(slow_stages: dict[str, tuple[Path, str]]) -> None:
+    """The last of 4 stages works 15 ms more a step from the start: the others wait for it every step,
+    as designed; its work never changed against its baseline. No Straggler, no culprit."""
+    run_dir, out = slow_stages["by-design"]
+    assert _alerts(run_dir, "Straggler") == {}, out[-3000:]
+    assert not [x for x in out.splitlines() if x.startswith("  culprit")], out[-3000:]

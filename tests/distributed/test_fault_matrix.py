@@ -272,7 +272,7 @@ def test_dtype_mismatch_attributed_to_the_bf16_rank(ddp: Run) -> None:
 def test_slow_collective_shows_as_the_late_rank(ddp: Run) -> None:
     fired = ddp.fired("Straggler")
     assert set(fired) == {1}, fired  # gloo has no collective durations: arrival skew names the late rank
-    assert ddp.summary(0)["components"]["detectors"]["Straggler"]["value"] <= 0.0  # rank 0 only waited
+    assert ddp.summary(0)["components"]["detectors"]["Straggler"]["value"] < 0.01  # rank 0 only waited
 
 
 # ------------------------------------------------------------------------------------------ clean

@@ -65,6 +65,10 @@ DOMAIN: dict[str, tuple[str, ...]] = {
     cat.BACKEND: ("inductor",),
     cat.GROUP: ("dp",),
     cat.CULPRIT: ("3",),
+    cat.CAUSE: ("compile", "wait"),
+    cat.GPU: ("0",),
+    cat.WHICH: ("current", "max"),
+    cat.XID: ("79",),
 }
 BUCKETS = (0.01, 0.1, 1.0)
 #: 0/1 state gauges (the simulator keeps 0 and 1 as they are).

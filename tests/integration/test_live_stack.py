@@ -293,6 +293,8 @@ def test_every_shipped_rule_evaluates_cleanly_on_live_data(leak: Run) -> None:
     assert {r["name"] for r in rules if r["type"] == "alerting"} == {a.name for a in cat.ALERTS} | {
         "GpuMemoryNearFull",
         "GpuEccErrors",
+        "GpuHardwareErrors",
+        "GpuThrottled",
         "HparAgentDown",
         "HparAgentErrors",
         "InputBound",

@@ -47,19 +47,21 @@ def test_each_verdict_says_why_and_the_thresholds_are_the_declared_ones() -> Non
     )
     assert set(DEFAULTS) == {
         "anatomy.input_share",
+        "anatomy.pipeline_share",
         "anatomy.host_share",
         "anatomy.comm_share",
         "anatomy.min_explained",
     }
     assert {
-        bottleneck(s, straggler=st).name
-        for s, st in [
-            ({"data_wait": 1}, False),
-            ({"host": 1}, False),
-            ({}, True),
-            ({"comm_exposed": 1}, False),
-            ({}, False),
-            ({"forward": 1}, False),
+        bottleneck(s, straggler=st, pipeline_wait=pw).name
+        for s, st, pw in [
+            ({"data_wait": 1}, False, 0.0),
+            ({"host": 1}, False, 0.0),
+            ({}, False, 0.5),
+            ({}, True, 0.0),
+            ({"comm_exposed": 1}, False, 0.0),
+            ({}, False, 0.0),
+            ({"forward": 1}, False, 0.0),
         ]
     } == set(VERDICTS)
 
@@ -97,3 +99,13 @@ def test_slow_rank_across_the_run_directorys_summaries() -> None:
         (1, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1)),
     ]
     assert slow_rank_across(named) == {"rank": 1, "source": "straggler", "ranks_naming_it": 2, "ranks": 2}
+
+
+def test_a_stage_that_waits_for_its_pipeline_neighbours_is_pipeline_bound() -> None:
+    """A stage whose first forward waits for activations shows it as host time, and a peer's slow
+    stage makes the job slow-rank: waiting in p2p for 20 % of the step or more says what it is."""
+    shares = {"host": 0.27, "forward": 0.01, "backward": 0.01}
+    v = bottleneck(shares, straggler=True, pipeline_wait=0.9)
+    assert v.name == "pipeline-bound" and "90%" in v.reason
+    assert bottleneck(shares, straggler=True, pipeline_wait=0.1).name == "host-bound"
+    assert bottleneck({"data_wait": 0.5}, pipeline_wait=0.9).name == "input-bound"

@@ -1,10 +1,13 @@
 """A plain pipeline program (torch.distributed.pipelining, GPipe, one stage per rank, gloo, CPU, SGD) that
 knows nothing of hpar_agent, with one planted fault.
 
-``python faulty_gpipe.py STEPS [--dp N] [--sleep-rank R --at S] [--timeout-s T]``: ``--dp`` pipeline
-replicas (rank = replica * stages + stage) whose stages all-reduce their gradients; at step S rank R
-sleeps before its pipeline step (the stage after it waits for its activations, the stage before it
-for its gradients, its replicas in the all-reduce). ``--timeout-s``: the process group's timeout.
+``python faulty_gpipe.py STEPS [--dp N] [--sleep-rank R --at S] [--slow-rank R --slow-ms N --slow-from S]
+[--heavy-last-ms N] [--timeout-s T]``: ``--dp`` pipeline replicas (rank = replica * stages + stage) whose
+stages all-reduce their gradients; at step S rank R sleeps before its pipeline step (the stage after it
+waits for its activations, the stage before it for its gradients, its replicas in the all-reduce).
+``--slow-rank``: from step ``--slow-from`` on, that rank's stage works N ms more a step (spread over its
+forwards); ``--heavy-last-ms``: every last stage works N ms more a step from the start (slower by design).
+``--timeout-s``: the process group's timeout.
 """
 
 import argparse
@@ -20,6 +23,10 @@ p.add_argument("steps", type=int)
 p.add_argument("--dp", type=int, default=1)
 p.add_argument("--sleep-rank", type=int, default=-1)
 p.add_argument("--at", type=int, default=40)
+p.add_argument("--slow-rank", type=int, default=-1)
+p.add_argument("--slow-ms", type=float, default=0.0)
+p.add_argument("--slow-from", type=int, default=0)
+p.add_argument("--heavy-last-ms", type=float, default=0.0)
 p.add_argument("--timeout-s", type=float, default=1800)
 a = p.parse_args()
 
@@ -33,12 +40,26 @@ pipes = [dist.new_group([d * stages + s for s in range(stages)], timeout=timeout
 dps = [dist.new_group([d * stages + s for d in range(a.dp)], timeout=timeout) for s in range(stages)]
 torch.manual_seed(stage_idx)
 block = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU())
+MICRO = 4
+now = {"step": 0}
+
+
+def _work(_module, _inputs):  # extra work in every forward of this stage, between its p2p ops
+    ms = a.heavy_last_ms if stage_idx == stages - 1 else 0.0
+    if rank == a.slow_rank and now["step"] >= a.slow_from:
+        ms += a.slow_ms
+    if ms:
+        time.sleep(ms / 1000 / MICRO)
+
+
+block.register_forward_pre_hook(_work)
 stage = PipelineStage(block, stage_idx, stages, torch.device("cpu"), group=pipes[replica])
-schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=lambda out, y: (out - y).pow(2).mean())
+schedule = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=lambda out, y: (out - y).pow(2).mean())
 opt = torch.optim.SGD(block.parameters(), lr=1e-3)
 for step in range(a.steps):
     if step == a.at and rank == a.sleep_rank:
         time.sleep(3600)
+    now["step"] = step
     opt.zero_grad()
     x, y = torch.randn(16, 32), torch.randn(16, 32)
     if stage_idx == 0:

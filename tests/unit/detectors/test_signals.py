@@ -8,6 +8,7 @@ import json
 import pytest
 
 from hpar_agent import catalogue as cat
+from hpar_agent.collectors.pipeline_p2p import waited_by
 from hpar_agent.detectors import signals as sig
 
 MiB = 1 << 20
@@ -395,3 +396,64 @@ def test_entry_bytes_cached_gives_the_same_answers(sizes: str, dtypes: str, expe
     assert sig.entry_bytes(e) == expect
     assert sig.entry_bytes(e) == expect  # a cache hit
     assert sig._message_bytes.cache_info().hits >= 1
+
+
+def _dp_pp(slow: float, steps: int = 12) -> tuple[dict, list[int], dict[int, dict[int, int]]]:
+    """dp2 x pp2 (rank = replica * 2 + stage), one microbatch a step: stage 0 works 10 ms, waits for
+    stage 1's 20 ms (rank 3's ``slow`` times that), works 10 ms more, then each stage all-reduces with
+    its replica. Returns (entries, step ends, rank -> entry time -> ns waited in p2p by then)."""
+    ms = 1_000_000
+    entries: dict[int, list[tuple]] = {r: [] for r in range(4)}
+    cum = dict.fromkeys(range(4), 0)
+    waited: dict[int, dict[int, int]] = {r: {} for r in range(4)}
+    start, ends = 1_700_000_000_000_000_000, []
+    for seq in range(steps):
+        arrive = {}
+        for replica in (0, 1):
+            s0, s1 = replica * 2, replica * 2 + 1
+            work1 = int(20 * ms * (slow if s1 == 3 else 1.0))
+            cum[s1] += 10 * ms  # stage 1 waits for stage 0's activations
+            arrive[s1] = start + 10 * ms + work1
+            cum[s0] += work1  # stage 0 waits for stage 1's gradients
+            arrive[s0] = arrive[s1] + 10 * ms
+        for r, t in arrive.items():
+            entries[r].append((f"dp@{r % 2}", seq, "allreduce", "[[8]]", "Float", t))
+            waited[r][t] = cum[r]
+        start = max(arrive.values()) + ms
+        ends.append(start)
+    return entries, ends, waited
+
+
+def test_step_delays_count_a_stages_p2p_waits_as_waits_not_its_work() -> None:
+    """Rank 3 (stage 1 of replica 1) works 2x: its stage-0 neighbour, rank 2, waits for it and reaches
+    its all-reduce 20 ms after rank 0 does. Counted as work, rank 2 is named with it; net of its p2p
+    waits, rank 3 alone."""
+    entries, ends, waited = _dp_pp(2.0)
+    stages = {r: r % 2 for r in range(4)}
+    naive = sig.step_delays(entries, ends, stages)
+    assert sig.delay_score(list(naive[2].values())) > 0.25  # the old view: the waiting stage is late
+    shares = sig.step_delays(entries, ends, stages, waited=waited)
+    scores = {r: sig.delay_score(list(v.values())) for r, v in shares.items()}
+    assert scores[3] > 0.25 and max(scores[r] for r in (0, 1, 2)) < 0.05, scores
+
+
+def test_waited_by_reads_the_cumulative_p2p_wait_at_each_time() -> None:
+    log = [(100, 5), (200, 15), (300, 40)]
+    assert waited_by(log, [50, 100, 250, 400]) == [-1, 5, 15, 40]
+    assert sig.waited_between({100: 5, 300: 40}, 100, 300) == 35
+    assert sig.waited_between({100: -1, 300: 40}, 100, 300) == 0
+
+
+def test_own_work_is_the_step_less_its_p2p_waits() -> None:
+    ends, cum = [0, 100_000_000, 200_000_000, 300_000_000], [-1, 10_000_000, 70_000_000, 80_000_000]
+    assert sig.own_work(ends, cum) == [(200_000_000, 0.04), (300_000_000, 0.09)]
+
+
+def test_stage_lags_name_a_change_against_its_baseline_not_a_stage_slow_by_design() -> None:
+    # stage 3 does 30 % more work from the start; stage 2 became 2x slower; the machine 10 % slower
+    works = {0: (0.01, 0.011, 0.05), 1: (0.01, 0.011, 0.05), 2: (0.01, 0.022, 0.05), 3: (0.013, 0.0143, 0.05)}
+    lags = sig.stage_lags(works)
+    assert lags[2] == pytest.approx(0.011 / 0.05) and max(lags[r] for r in (0, 1, 3)) < 0.01
+    # a 2 ms stage that doubled in a 50 ms step: 4 % of the step, far under the threshold
+    small = {0: (0.01, 0.01, 0.05), 1: (0.002, 0.004, 0.05), 2: (0.01, 0.01, 0.05)}
+    assert sig.stage_lags(small)[1] == pytest.approx(0.04)

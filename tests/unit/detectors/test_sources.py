@@ -80,7 +80,11 @@ def test_without_collectors_every_reader_reads_no_data() -> None:
     assert (
         src.memory_state(ctx) == ({}, {}) and src.latency_histograms(ctx) == {} and src.fr_entries(ctx) == []
     )
-    assert src.collective_state(ctx) == (0, [], {}, {}, None, [], ()) and src.step_state(ctx) == (0, 0.0, [])
+    assert src.collective_state(ctx) == (0, [], {}, {}, None, [], (), ()) and src.step_state(ctx) == (
+        0,
+        0.0,
+        [],
+    )
     assert src.grad_sync(ctx) is None and src.cpu_binding(ctx) is None
 
 
