@@ -177,7 +177,9 @@ def analyse(
             )
     if roots:
         victims = sorted(r for r in held if _reaches(r, set(roots), waits_for))
-        return HangVerdict("missing", roots, victims, listed)
+        # the waits for someone; an op every member entered (a culprit's own, its completion not yet
+        # recorded) explains nothing here
+        return HangVerdict("missing", roots, victims, [w for w in listed if w["missing"]])
     if blockers:  # every rank waited for waits too: a cycle of ranks in different collectives
         return _desync(states, members, sorted(blockers | held), listed, p2p=p2p)
     # every member of each group with a long wait has entered it: ops differ, or the collective is stuck

@@ -24,6 +24,7 @@ def test_a_culprit_whose_last_word_shows_an_op_in_flight_is_still_the_culprit() 
     states = {r: {"default_pg": _gs(46, 45)} for r in (0, 1, 3)} | {2: {"default_pg": _gs(45, 44)}}
     v = analyse(states, {"default_pg": [0, 1, 2, 3]})
     assert (v.kind, v.culprits, v.victims) == ("missing", [2], [0, 1, 3])
+    assert [w["seq"] for w in v.waits] == [46]  # its own #45, which every member entered, explains nothing
 
 
 def test_a_rank_never_heard_of_is_missing_from_its_groups() -> None:
