@@ -52,7 +52,7 @@ DOMAIN: dict[str, tuple[str, ...]] = {
     cat.TRIGGER: ("recompile",),
     cat.CACHE: ("fx_graph",),
     cat.RESULT: ("hit", "miss"),
-    cat.KIND: ("allocated",),
+    cat.KIND: ("allocated", "pending"),
     cat.SOURCE: ("allocator", "rss"),
     cat.BUFFER: ("steps",),
     cat.CLOCK: ("sm",),
