@@ -134,9 +134,10 @@ def test_pipeline_phases_come_from_its_chunks(anatomy_runs: dict[str, Path]) -> 
         # a stage waits for its neighbour ~40 % of a 1F1B step of 4 microbatches on 2 CPU ranks: the
         # verdict says so (pipeline-bound: its p2p waits are 20 % of the step or more), or, where the load
         # shortened the waits, compute-bound, or unknown with a reason naming the bubble; never host-bound
-        assert a["verdict"] in ("pipeline-bound", "compute-bound") or "pipeline's bubble" in a["evidence"][
-            "reason"
-        ], a
+        assert (
+            a["verdict"] in ("pipeline-bound", "compute-bound")
+            or "pipeline's bubble" in a["evidence"]["reason"]
+        ), a
         for phase in ("forward", "backward"):  # 4 microbatches per step, each a chunk of this stage
             per_chunk = chunks[f"{rank}/{phase}"]
             assert 2 * per_chunk < a["phase_seconds_p50"][phase] < a["step_seconds_p50"], (phase, a, chunks)
