@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hpar_agent.tools import units
+from hpar_agent.tools import goodput_view, units
 from hpar_agent.tools.run_files import read_summaries
 
 
@@ -379,12 +379,23 @@ def _slow_rank_line(ranks: list[dict[str, Any]], name: str = "anatomy") -> list[
     return [f"  one slow rank: rank {slow['rank']} ({ev})"]
 
 
+def _render_goodput(name: str, ranks: list[dict[str, Any]]) -> list[str]:
+    """Each rank's share of its wall time that trained, and the largest causes of the rest."""
+    lines = [f"{name}:"]
+    for r in ranks:
+        line = goodput_view.closing_line([r])
+        if line:
+            lines.append(f"  rank {r.get('rank')}: {line}")
+    return lines if len(lines) > 1 else []
+
+
 RENDERERS: dict[str, Any] = {
     "anatomy": _render_anatomy,
     "compile": _render_compile,
     "collectives": _render_collectives,
     "detectors": _render_detectors,
     "memory": _render_memory,
+    "goodput": _render_goodput,
     "nvml": lambda _name, _ranks: [],
 }
 

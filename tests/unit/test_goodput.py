@@ -143,6 +143,15 @@ def test_closing_line_names_the_biggest_losses_with_the_culprit() -> None:
     assert fig is not None and {t.name for t in fig.data} >= {"productive", "waiting for rank 2", "compile"}
 
 
+def test_the_run_summary_gives_each_ranks_goodput_in_words(tmp_path: Path) -> None:
+    from hpar_agent.tools.summary import render_summary
+
+    ranks = [_summary(0, 71, wait2=18, compile=6, data_wait=3, host=2), _summary(1, 90, compile=10)]
+    text = render_summary({}, ranks, tmp_path, 1.0, 0)
+    assert "  rank 0: goodput 71 %: lost waiting for rank 2 18 %, compile 6 %" in text
+    assert "  rank 1: goodput 90 %: lost compile 10 %" in text and '"wall_seconds"' not in text
+
+
 def test_earlier_attempts_add_their_seconds_and_the_restart_between(tmp_path: Path) -> None:
     first = Ledger(start_ns=100 * S)
     first.step(102 * S, 110 * S, Shares())  # startup 2 s, then 8 s of steps
