@@ -106,7 +106,7 @@ class CompileDivergence(Detector):
         if unknown:
             details["culprit_unknown"] = "; ".join(unknown)
             details["split"] = splits
-        return Verdict(odd, float(differ), details)
+        return Verdict(odd, float(differ), details, threshold=0.0)  # fires on any differing fingerprint
 
 
 class ChecksumSampler:
@@ -286,7 +286,7 @@ class ReplicaDivergence(Detector):
         details: dict[str, Any] = {**bad, "culprits": sorted(culprits)}
         if unknown:
             details["culprit_unknown"] = unknown
-        return Verdict(bool(bad), float(sum(b["count"] for b in bad.values())), details)
+        return Verdict(bool(bad), float(sum(b["count"] for b in bad.values())), details, threshold=0.0)
 
 
 def _grad_pgs(snap: Snapshot, entries: Sequence[sig.FrEntry]) -> list[str]:
@@ -415,7 +415,9 @@ class CollectiveMismatch(Detector):
             "param_bits": self.param_bits,
             "culprits": sorted({*self.odd_peers, *([snap.rank] if unconfirmed else [])}),
         }
-        return Verdict(bool(self.cross or unconfirmed), float(len(self.cross) + len(unconfirmed)), details)
+        return Verdict(
+            bool(self.cross or unconfirmed), float(len(self.cross) + len(unconfirmed)), details, threshold=0.0
+        )
 
 
 class Straggler(Detector):

@@ -49,6 +49,8 @@ def test_compile_divergence_attributed_to_minority(store: Any, tmp_path: Any) ->
     assert actives == [0.0, 0.0, 1.0]
     assert sample(ranks[2][1], "hpar_detector_value", "CompileDivergence") == 2.0
     assert ranks[2][1].states["CompileDivergence"].fired == 1 and CompileDivergence.confirm == 2
+    # the value (differing fingerprints) is compared with 0, not with the warm-up parameter
+    assert ranks[2][1].active_alerts()[0].threshold == 0.0
 
 
 def test_compile_divergence_waits_for_every_rank_of_the_stage(store: Any, tmp_path: Any) -> None:
