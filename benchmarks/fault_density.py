@@ -21,17 +21,9 @@ import time
 from typing import Any
 
 from hpar_agent.detectors.cluster import CompileDivergence, ReplicaDivergence
-from testkit.detection_sim import SimRank, job, judge, named, raised
+from testkit.detection_sim import diverge, job, judge, named, raised
 
 DETECTORS = {"replica": ReplicaDivergence, "compile": CompileDivergence}
-
-
-def _diverge(detector: type, ranks: list[SimRank], wrong: set[int]) -> None:
-    for r in wrong:
-        if detector is ReplicaDivergence:
-            ranks[r].checksum = 2.0
-        else:
-            ranks[r].fingerprint = 2
 
 
 def cases(n: int) -> list[tuple[str, str, list[tuple[str, int]], set[int], bool]]:
@@ -61,7 +53,7 @@ def cases(n: int) -> list[tuple[str, str, list[tuple[str, int]], set[int], bool]
 def run_case(det: str, dims: list[tuple[str, int]], wrong: set[int], dense: bool) -> dict[str, Any]:
     grid, ranks = job(dims)
     detector = DETECTORS[det]
-    _diverge(detector, ranks, wrong)
+    diverge(detector, ranks, wrong)
     t0 = time.perf_counter()
     verdicts = judge(detector, grid, ranks)
     seconds = time.perf_counter() - t0

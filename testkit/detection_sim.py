@@ -201,3 +201,15 @@ def raised(verdicts: Mapping[int, Verdict]) -> set[int]:
 def named(verdicts: Mapping[int, Verdict]) -> set[int]:
     """Every rank some active verdict names as a culprit."""
     return {c for v in verdicts.values() if v.active for c in v.details.get("culprits") or ()}
+
+
+def diverge(detector: type, ranks: list[SimRank], wrong: set[int]) -> None:
+    """Make ``wrong`` ranks disagree with the rest for ``detector``: another parameter checksum
+    (ReplicaDivergence) or another compiled-graph fingerprint (CompileDivergence)."""
+    from hpar_agent.detectors.cluster import ReplicaDivergence
+
+    for r in wrong:
+        if detector is ReplicaDivergence:
+            ranks[r].checksum = 2.0
+        else:
+            ranks[r].fingerprint = 2

@@ -22,7 +22,7 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from hpar_agent.collectors.memory import NvmlCollector
+from hpar_agent.collectors.memory import NvmlCollector, device_handle, nvml_init
 from hpar_agent.component import Component
 
 READ_EVERY_S = 10.0
@@ -74,23 +74,11 @@ class GpuHealthCollector(Component):
         if getattr(ctx.device, "type", "cpu") != "cuda":
             return
         try:
-            nv: Any = self._nvml
-            if nv is None:
-                import pynvml
-
-                nv = pynvml
-            nv.nvmlInit()
-            self._nvml = nv
+            nv = self._nvml = nvml_init(self._nvml)
         except Exception:  # no driver or no nvidia-ml-py: a normal state, nothing to export
             return
-        from hpar_agent.device import nvml_index
-
-        index = nvml_index(ctx.device)
         try:
-            if isinstance(index, str):
-                self._handle = nv.nvmlDeviceGetHandleByUUID(index)
-            else:
-                self._handle = nv.nvmlDeviceGetHandleByIndex(index)
+            self._handle = device_handle(nv, ctx.device)
             self.gpu = str(nv.nvmlDeviceGetIndex(self._handle))
         except Exception as exc:
             self.record_error(exc)
@@ -260,18 +248,18 @@ class GpuHealthCollector(Component):
                 f.add(fam, [gpu, label], value)
             return fam
 
+        def single(name: str, key: str) -> Metric:
+            fam = f.gauge(name)
+            if key in v:
+                f.add(fam, [gpu], v[key])
+            return fam
+
         yield labelled("hpar_gpu_clock_max_hertz", "clock_max")
-        limit = f.gauge("hpar_gpu_power_limit_watts")
-        if "power_limit" in v:
-            f.add(limit, [gpu], v["power_limit"])
-        yield limit
+        yield single("hpar_gpu_power_limit_watts", "power_limit")
         yield labelled("hpar_gpu_pcie_link_generation", "pcie_gen")
         yield labelled("hpar_gpu_pcie_link_width", "pcie_width")
         yield labelled("hpar_gpu_retired_pages", "retired")
-        pending = f.gauge("hpar_gpu_retired_pages_pending")
-        if "retired_pending" in v:
-            f.add(pending, [gpu], v["retired_pending"])
-        yield pending
+        yield single("hpar_gpu_retired_pages_pending", "retired_pending")
         yield labelled("hpar_gpu_remapped_rows", "remapped")
         yield labelled("hpar_gpu_nvlink_errors_total", "nvlink")
         xid = f.counter("hpar_gpu_xid_events_total")

@@ -85,6 +85,30 @@ def _call(nv: Any, fn: str, handle: Any, *consts: str) -> Any:
     return getattr(nv, fn)(handle, *(getattr(nv, c) for c in consts))
 
 
+def nvml_init(nv: Any = None) -> Any:
+    """NVML started: ``nv`` (a stand-in in tests), else ``pynvml``; raises without a driver or the
+    package (a normal state for the callers, not an error)."""
+    if nv is None:
+        import pynvml
+
+        nv = pynvml
+    nv.nvmlInit()
+    return nv
+
+
+def device_handle(nv: Any, device: Any) -> Any:
+    """The NVML handle of this rank's device (``agent.device``, fixed at attach): never the reading
+    thread's current device, which is device 0 on every thread the agent starts."""
+    from hpar_agent.device import nvml_index
+
+    if getattr(device, "type", "cpu") != "cuda":
+        raise RuntimeError("this rank has no GPU")  # a CPU rank on a GPU host: no GPU series
+    index = nvml_index(device)
+    if isinstance(index, str):
+        return nv.nvmlDeviceGetHandleByUUID(index)
+    return nv.nvmlDeviceGetHandleByIndex(index)
+
+
 class NvmlCollector(Component):
     """NVML device and process telemetry for this rank's GPU."""
 
@@ -113,14 +137,8 @@ class NvmlCollector(Component):
     def _install(self) -> None:
         ctx = self.require_ctx()
         try:
-            nv: Any = self._nvml
-            if nv is None:
-                import pynvml
-
-                nv = pynvml
-            nv.nvmlInit()
-            self._nvml = nv
-            self._handle = self._device_handle(nv, ctx.device)
+            nv = self._nvml = nvml_init(self._nvml)
+            self._handle = device_handle(nv, ctx.device)
             self.up = True
             self._read_identity(nv, self._handle)
         except Exception:  # no driver, no GPU, no nvidia-ml-py: a normal state, not an error
@@ -131,19 +149,6 @@ class NvmlCollector(Component):
                     pass
             self.up = False
             self._handle = None
-
-    @staticmethod
-    def _device_handle(nv: Any, device: Any) -> Any:
-        """The NVML handle of this rank's device (``agent.device``, fixed at attach): never the reading
-        thread's current device, which is device 0 on every thread the agent starts."""
-        from hpar_agent.device import nvml_index
-
-        if getattr(device, "type", "cpu") != "cuda":
-            raise RuntimeError("this rank has no GPU")  # a CPU rank on a GPU host: no GPU series
-        index = nvml_index(device)
-        if isinstance(index, str):
-            return nv.nvmlDeviceGetHandleByUUID(index)
-        return nv.nvmlDeviceGetHandleByIndex(index)
 
     def _read_identity(self, nv: Any, handle: Any) -> None:
         """The GPU's NVML index and UUID, read once: labels of ``hpar_rank_info`` (the UUID is what

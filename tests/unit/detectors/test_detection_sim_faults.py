@@ -13,17 +13,9 @@ from hpar_agent.detectors.liveness import RankGone
 from hpar_agent.detectors.snapshot import PeerView, Snapshot
 from hpar_agent.thresholds import COMPONENT_DEFAULTS
 from hpar_agent.topology import Topology
-from testkit.detection_sim import SimRank, job, judge, named, raised
+from testkit.detection_sim import diverge, job, judge, named, raised
 
 N = 1024
-
-
-def _diverge(detector: type, ranks: list[SimRank], wrong: set[int]) -> None:
-    for r in wrong:
-        if detector is ReplicaDivergence:
-            ranks[r].checksum = 2.0
-        else:
-            ranks[r].fingerprint = 2
 
 
 def _splits(verdicts: dict[int, Verdict]) -> set[int]:
@@ -52,7 +44,7 @@ def test_peers_never_share_a_local_gpu_index_at_any_size() -> None:
 def test_a_fault_on_one_gpu_of_every_node_is_named_at_a_blind_size(detector: type, n: int) -> None:
     grid, ranks = job([("dp", n)])
     wrong = {r for r in range(n) if r % 8 == 3}  # local GPU 3 of every node
-    _diverge(detector, ranks, wrong)
+    diverge(detector, ranks, wrong)
     verdicts = judge(detector, grid, ranks)
     assert raised(verdicts) == wrong and named(verdicts) == wrong and not _splits(verdicts)
 
@@ -63,7 +55,7 @@ def test_half_the_job_diverged_names_no_healthy_rank_and_reports_the_split(detec
     the wrong way nowhere; with no clear majority the verdict names no one and says so."""
     grid, ranks = job([("dp", N)])
     wrong = set(range(N // 2))
-    _diverge(detector, ranks, wrong)
+    diverge(detector, ranks, wrong)
     verdicts = judge(detector, grid, ranks)
     assert named(verdicts) <= wrong
     split = _splits(verdicts)
@@ -78,7 +70,7 @@ def test_every_other_rank_diverged_is_reported_as_a_split(detector: type) -> Non
     healthy rank would be outvoted 4 to 1 by four diverged peers)."""
     grid, ranks = job([("dp", N)])
     wrong = set(range(0, N, 2))
-    _diverge(detector, ranks, wrong)
+    diverge(detector, ranks, wrong)
     verdicts = judge(detector, grid, ranks)
     assert named(verdicts) == set() and _splits(verdicts) == set(range(N))
 
@@ -87,7 +79,7 @@ def test_every_other_rank_diverged_is_reported_as_a_split(detector: type) -> Non
 def test_scattered_faults_are_named_exactly(detector: type) -> None:
     grid, ranks = job([("dp", N)])
     wrong = {(i * 389 + 17) % N for i in range(24)}  # 24 ranks spread over the job
-    _diverge(detector, ranks, wrong)
+    diverge(detector, ranks, wrong)
     verdicts = judge(detector, grid, ranks)
     assert named(verdicts) == wrong
     assert raised(verdicts) - wrong == _splits(verdicts) - wrong  # healthy: only a 3-2 split, no culprit
@@ -99,7 +91,7 @@ def test_a_node_that_compiled_differently_in_dp_x_tp_is_named_not_its_dp_peers()
     all 12 would be the 4 healthy dp peers; along dp each node rank is outvoted 4 to 1."""
     grid, ranks = job([("dp", N // 8), ("tp", 8)])
     node = set(range(296, 304))
-    _diverge(CompileDivergence, ranks, node)
+    diverge(CompileDivergence, ranks, node)
     verdicts = judge(CompileDivergence, grid, ranks)
     assert raised(verdicts) == node and named(verdicts) == node
 
