@@ -56,5 +56,6 @@ def test_memory_leak_names_the_line_that_keeps_the_tensor(tmp_path: Path) -> Non
     assert d["site"] == f"nanogpt.py:{line} in main", d
     kept = d["site_live_bytes"] / (LEAK_MIB * MiB)
     assert kept == int(kept) and abs(kept - d["site_steps"]) <= 1, d  # one kept tensor a step recorded
-    assert d["site_growth_bytes_per_step"] == pytest.approx(LEAK_MIB * MiB, rel=1 / d["site_steps"])
+    # live over steps: a step more or fewer than recorded, so the tolerance is just over one step's share
+    assert d["site_growth_bytes_per_step"] == pytest.approx(LEAK_MIB * MiB, rel=1.001 / d["site_steps"])
     assert "stack" not in d  # the py-spy stack is what the loop did at firing, not the site
