@@ -112,14 +112,6 @@ class Cadence:
         k = min(int(u), self.polls - 1)
         return k, (u - k) * self.window_s
 
-    def publish_lag(self, reader: int, peer: int, pass_s: float) -> float:
-        """Seconds from ``peer``'s publish of an exchange to ``reader``'s read of it: a rank publishes at
-        its offset ``k`` passes after the capture and reads ``polls`` passes after its own publish
-        (``pass_s``: the agent's interval), so a live peer's payload is this old at the read."""
-        k_reader, off_reader = self.offset(reader)
-        k_peer, off_peer = self.offset(peer)
-        return (self.polls + k_reader - k_peer) * pass_s + off_reader - off_peer
-
 
 def cadence(ranks: int, exchange_s: float, interval_s: float) -> Cadence:
     """The exchange's pace for a job of ``ranks``, given ``detectors.exchange_s`` and the agent's interval.
