@@ -12,7 +12,7 @@ key per step), and a reader fetches only the purposes it compares:
 | purpose | holds | set | read from |
 |---|---|---|---|
 | ``s`` | coordinates, step, settled compile fingerprint, parameter-checksum digests, GPU health (~0.4 KB) | every exchange | every comparison peer |
-| ``fr`` | the last flight-recorder entries, packed (``signals.pack_fr``, ~4 KB at 256 entries) | every exchange | every comparison peer |
+| ``fr`` | the last flight-recorder entries, packed (``signals.pack_fr``: ~10 bytes an entry, 2.7 KB at 256, 9.6 KB at the 1,024 of a window spanning 3 steps of many collectives) | every exchange | every comparison peer |
 | ``gs`` | tp gradient samples (``collectors.gradsync``) | when they change | the tp peers |
 | ``ck`` | parameter checksums by name (~0.2 KB a parameter over 3 steps) | when they change | the dp/tp peers, only when their digests in ``s`` disagree |
 
@@ -34,7 +34,7 @@ none of its members' peers, so every one of its ranks is named, not only its edg
 
 No rank reads every rank: what needs the whole job (the distinct fingerprints of a stage, a rank's step
 time against the job's median) is left to the Prometheus rules over the per-rank series
-(``deploy/prometheus/rules``). Per exchange a rank sets ~4 KB and gets ~4 KB from each of at most
+(``deploy/prometheus/rules``). Per exchange a rank sets 3-12 KB and gets as much from each of at most
 ``PEERS_PER_DIM`` peers per dim, whatever the job's size; the store serves 2 requests per rank
 (``docs/capacity.md``, section 5, has the figures).
 
@@ -111,14 +111,6 @@ class Cadence:
         u = (rank * _GOLDEN) % 1.0 * self.polls
         k = min(int(u), self.polls - 1)
         return k, (u - k) * self.window_s
-
-    def publish_lag(self, reader: int, peer: int, pass_s: float) -> float:
-        """Seconds from ``peer``'s publish of an exchange to ``reader``'s read of it: a rank publishes at
-        its offset ``k`` passes after the capture and reads ``polls`` passes after its own publish
-        (``pass_s``: the agent's interval), so a live peer's payload is this old at the read."""
-        k_reader, off_reader = self.offset(reader)
-        k_peer, off_peer = self.offset(peer)
-        return (self.polls + k_reader - k_peer) * pass_s + off_reader - off_peer
 
 
 def cadence(ranks: int, exchange_s: float, interval_s: float) -> Cadence:

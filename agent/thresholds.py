@@ -168,9 +168,9 @@ DETECTOR_PARAMS: dict[str, tuple[Param, ...]] = {
         Param(
             "silent_s",
             6,
-            "a peer silent this long is judged, seconds, once it also missed more than one exchange "
-            "(its payload at this rank's read over an exchange interval and 2 s older than the "
-            "cadence makes a live peer's)",
+            "a peer is named only once a read of the store made this long after its last payload, "
+            "seconds, or two exchange intervals and 1 s if longer, shows nothing newer (a live peer "
+            "that missed one exchange is never that silent)",
         ),
     ),
     "GradSyncIncomplete": (

@@ -5,10 +5,13 @@ old all-peers scheme, side by side.
 One ``TCPStore`` server, alone in its process, and N simulated ranks: threads in ``--procs`` worker
 processes, each rank with its own client socket, as every rank of a job opens its own
 (``crossrank.open_store``). Each rank's payload is made by the agent's own builder
-(``detectors.component.payload`` of a real agent without its thread, whose collectors hold what a rank of
-the reference trainer holds after 30 steps: a 256-entry flight-recorder window of the layout's
-collectives, checksums of the reference GPT's parameters at 3 steps, tp gradient samples), and it
-reads what the agent reads (``crossrank.plan(...).wants()``, through ``crossrank.Exchange``).
+(``detectors.component.payload`` of a real agent without its thread), at the largest the agent
+publishes: its collectors hold the flight recorder's last 2,048 collectives of a transformer of
+``FR_BLOCKS`` blocks (over 341 a step with tp or FSDP, so the published window is at its cap of 1,024
+entries; 256 for DDP alone) ``FR_STEP0`` steps into a run, on a pipeline stage its p2p waits at each
+entry (``pw``), a GPU throttled twice with ECC errors and an Xid (``gh``), and the reference GPT's
+parameter checksums at 3 steps and tp gradient samples; and it reads what the agent reads
+(``crossrank.plan(...).wants()``, through ``crossrank.Exchange``).
 
 A round is the agent's exchange: every rank sets its blobs at one instant (``publish``), then every
 rank gets its peers' (``read``; the agent reads a poll later). Payloads are encoded before that instant
@@ -44,6 +47,7 @@ runs up to ``--all-max`` ranks (at 1,024 one round of it moves ~20 GB, more memo
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -73,46 +77,75 @@ AGENT_INTERVAL_S = 1.0  # the agent's default interval (HPAR_INTERVAL): its pass
 
 
 # ------------------------------------------------------------------------------------------ payloads
-def _fr_window(dims: dict[str, int], n: int = 256) -> list[dict[str, Any]]:
-    """A rank's last ``n`` collectives in the reference trainer's shapes: per step, tp all-reduces of
-    activations (forward and backward of each of 4 blocks, 2 microbatches), then the dp gradient
-    reduction: one all-reduce bucket (DDP), or per block a dp_shard all-gather and reduce-scatter plus a
-    dp_replicate all-reduce (HSDP)."""
+#: Transformer blocks of the flight-recorder schedule: with tp (or FSDP's dp_shard) a step holds more
+#: than 341 collectives, so the window a rank publishes spans 3 steps only at its cap, 1,024 entries
+#: (``sources.WIDEST`` x 256), the most the agent publishes. A DDP-only rank (32 buckets) publishes 256.
+FR_BLOCKS = 64
+#: Steps the template rank's run is in for its sequence numbers and p2p wait totals (their digits count).
+FR_STEP0 = 10_000
+#: Seconds a pipeline stage waits in p2p per microbatch and direction (its published ``pw`` totals).
+P2P_WAIT_S = 0.005
+
+
+def _fr_window(dims: dict[str, int], n: int = 2048) -> tuple[list[dict[str, Any]], float]:
+    """A rank's last ``n`` collectives (the collector keeps 2,048) ``FR_STEP0`` steps into a run, and
+    its step time: per step, for each of 2 microbatches and ``FR_BLOCKS`` blocks, the tp all-reduces of
+    activations (2 forward, 2 backward) or FSDP's dp_shard all-gathers (forward, backward); then the
+    gradient reduction: DDP's all-reduce buckets (one per 2 blocks, sizes varying), or per block a
+    dp_shard reduce-scatter and a dp_replicate all-reduce (HSDP)."""
     per_step: list[tuple[str, str, list[list[int]]]] = []
     for _mb in range(2):
-        for _block in range(4):
+        for _block in range(FR_BLOCKS):
             if dims.get("tp", 1) > 1:
-                per_step += [("tp", "all_reduce", [[8, 32, 64]]), ("tp", "all_reduce", [[8, 32, 64]])]
+                per_step += [("tp", "all_reduce", [[8, 32, 64]])] * 4
             if dims.get("dp_shard", 1) > 1:
-                per_step.append(("dp_shard", "_allgather_base", [[14848]]))
-    for _block in range(4):
+                per_step += [("dp_shard", "_allgather_base", [[14848]])] * 2
+    for block in range(FR_BLOCKS):
         if dims.get("dp_shard", 1) > 1:
             per_step += [
                 ("dp_shard", "_reduce_scatter_base", [[14848]]),
                 ("dp_replicate", "all_reduce", [[1856]]),
             ]
-    if "dp" in dims:
-        per_step.append(("dp", "all_reduce", [[118016]]))
+        elif "dp" in dims and block % 2 == 0:
+            per_step.append(("dp", "all_reduce", [[118016 + 256 * (block % 7)]]))
     out: list[dict[str, Any]] = []
-    seq: dict[str, int] = {}
+    seq = {pg: FR_STEP0 * sum(1 for g, *_ in per_step if g == pg) for pg, *_ in per_step}
     t = 1_796_000_000_000_000_000
-    while len(out) < n:
+    starts = []
+    while len(out) < n + len(per_step):
+        starts.append(t)
         for pg, op, sizes in per_step:
             t += 1_500_000 + (len(out) * 7919) % 900_000  # 1.5-2.4 ms apart
-            seq[pg] = seq.get(pg, 0) + 1
+            seq[pg] += 1
             out.append(
                 {
                     "pg": pg,
                     "seq": seq[pg],
                     "op": op,
                     "is_p2p": False,
-                    "record_id": len(out),
+                    "record_id": FR_STEP0 * len(per_step) + len(out),
                     "input_sizes": sizes,
                     "input_dtypes": ["Float"],
                     "time_created_ns": t,
                 }
             )
-    return out[-n:]
+    return out[-n:], statistics.median(b - a for a, b in itertools.pairwise(starts)) / 1e9
+
+
+def _p2p_waits(window: list[dict[str, Any]], step_s: float) -> deque[tuple[int, int]]:
+    """A pipeline stage's p2p wait log over the window's time ((exit ns, ns waited so far), as the
+    pipelining wrapper keeps it): 2 microbatches x forward and backward waits a step, ``P2P_WAIT_S``
+    each, totals of a run ``FR_STEP0`` steps in."""
+    from hpar_agent.collectors.pipeline_p2p import MAX_WAITS
+
+    wait_ns, step_ns = int(P2P_WAIT_S * 1e9), int(step_s * 1e9)
+    first, last = window[0]["time_created_ns"], window[-1]["time_created_ns"]
+    log: deque[tuple[int, int]] = deque(maxlen=MAX_WAITS)
+    total = FR_STEP0 * 4 * wait_ns
+    for t in range(first - step_ns, last + step_ns, step_ns // 4):
+        total += wait_ns
+        log.append((t, total))
+    return log
 
 
 def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
@@ -124,7 +157,9 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
     from hpar_agent.collectors.collective_state import PgState
     from hpar_agent.collectors.collectives import CollectiveCollector
     from hpar_agent.collectors.compile import CompileCollector
+    from hpar_agent.collectors.gpu_health import GpuHealthCollector
     from hpar_agent.collectors.gradsync import GradSyncCollector
+    from hpar_agent.collectors.memory import NvmlCollector
     from hpar_agent.collectors.steps import StepCollector
     from hpar_agent.component import Component
     from hpar_agent.crossrank import Exchange
@@ -194,17 +229,36 @@ def template_parts(layout: str, n: int) -> dict[str, dict[str, Any]]:
         if tp > 1
         else {}
     )
-    window = _fr_window(dims)
+    window, step_s = _fr_window(dims)
     last = {e["pg"]: e["seq"] for e in window}  # each group's last collective, entered and completed
+    collectives = holding(
+        CollectiveCollector,
+        recent_entries=deque(window, maxlen=2048),
+        pgs={pg: PgState(last_enqueued=seq, last_completed=seq) for pg, seq in last.items()},
+    )
+    if dims.get("pp", 1) > 1:  # a pipeline stage publishes its p2p waits at each entry (``pw``)
+        collectives.p2p.waited = _p2p_waits(window, step_s)  # type: ignore[attr-defined]
+    now = time.time()
     for comp in (
-        holding(StepCollector, count=STEPS, total=STEPS, last_step_ts=time.time(), durations=[0.3] * 8),
+        holding(StepCollector, count=STEPS, total=STEPS, last_step_ts=now, durations=[step_s] * 8),
         holding(CompileCollector, fingerprint=1022026788184957),
-        holding(
-            CollectiveCollector,
-            recent_entries=deque(window, maxlen=2048),
-            pgs={pg: PgState(last_enqueued=seq, last_completed=seq) for pg, seq in last.items()},
-        ),
+        collectives,
         holding(GradSyncCollector, tp_samples=samples),
+        # its GPU's health at its largest: throttled twice, uncorrected ECC errors, an Xid (``gh``)
+        holding(
+            NvmlCollector,
+            up=True,
+            values={"clocks": {"sm": 1.41e9}, "temperature": 87, "power": 699.6, "ecc": {"uncorrected": 12}},
+        ),
+        holding(
+            GpuHealthCollector,
+            up=True,
+            gpu="7",
+            values={"clock_max": {"sm": 1.98e9}, "power_limit": 700.0},
+            xids={79: 3},
+            last_xid=(79, now - 60),
+            throttled_since={"hw_slowdown": now - 120, "sw_thermal": now - 60},
+        ),
     ):
         agent.add_component(comp)
     det = DetectorsComponent(exchange=Exchange(HashStore(), "bench", 0))

@@ -11,7 +11,7 @@ timing (``benchmarks/store_load.py`` measures those).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,3 +213,70 @@ def diverge(detector: type, ranks: list[SimRank], wrong: set[int]) -> None:
             ranks[r].checksum = 2.0
         else:
             ranks[r].fingerprint = 2
+
+
+def silence_named(
+    n: int,
+    subject: int,
+    publishes: Callable[[int], float | None],
+    exchanges: int,
+    ident: tuple[int, str, int] = (0, "another-host", 0),
+) -> dict[int, list[float]]:
+    """RankGone on the ranks that read ``subject`` in a dp job of ``n`` ranks, pass after pass over
+    ``exchanges`` exchanges of the agent's cadence (``crossrank.cadence`` at the default exchange
+    interval and a 1 s pass): every rank publishes exchange e at its offset (capture at e x interval,
+    then its pass and offset into the window), ``subject`` at ``publishes(e)`` seconds after that (None:
+    not at all); each reader reads its peers at its own offset ``polls`` passes after its publish, and
+    a re-read of one peer's ``s`` (``PeerView.fetch``) sees the store as it is at the end of the pass's
+    windows. reader -> the times (seconds since the epoch of the first capture) of the passes whose
+    verdict named ``subject``, whose process is ``ident`` (pid, host, start ticks: on another host by
+    default, its process unknown)."""
+    from hpar_agent.crossrank import cadence
+    from hpar_agent.detectors.liveness import RankGone
+    from hpar_agent.thresholds import COMPONENT_DEFAULTS
+
+    cad = cadence(n, COMPONENT_DEFAULTS["exchange_s"], 1.0)
+    every, grid = cad.interval_s, Grid.row_major([("dp", n)])
+    epoch = 1_796_000_000.0
+
+    def due(q: int, e: int) -> float:
+        k, off = cad.offset(q)
+        return e * every + k + off
+
+    def last(q: int, at: float) -> dict[str, Any] | None:
+        """``q``'s ``s`` in the store at ``at`` (seconds since the first capture)."""
+        late = [0.0 if q != subject else publishes(e) for e in range(exchanges + 1)]
+        times = [due(q, e) + d for e, d in enumerate(late) if d is not None]
+        t = max((x for x in times if x <= at), default=None)
+        return None if t is None else {"t": epoch + t, "step": 40, "id": list(ident)}
+
+    out: dict[int, list[float]] = {}
+    for r in plan(grid, subject).peers:  # who reads ``subject`` (symmetric: the ranks it reads)
+        peers = plan(grid, r).peers
+        detector = RankGone()
+        k, off = cad.offset(r)
+        reads = [e * every + cad.polls + k + off for e in range(exchanges + 1)]
+        seen: dict[int, dict[str, Any]] = {}
+        read_ok_at = 0.0
+        named_at: list[float] = []
+        for tick in range(int(exchanges * every)):
+            for at in (a for a in reads if tick <= a < tick + 1):
+                seen = {q: p for q in peers if (p := last(q, at)) is not None}
+                read_ok_at = epoch + at
+            if not seen:
+                continue
+            end = tick + 2 * cad.window_s  # the pass's windows over: the detectors evaluate
+
+            def fetch(purpose: str, wanted: Iterable[int], end: float = end) -> dict[int, dict[str, Any]]:
+                return {q: p for q in wanted if (p := last(q, end)) is not None} if purpose == "s" else {}
+
+            view = PeerView(seen=seen, read_ok_at=read_ok_at, interval_s=every, fetch=fetch)
+            snap = Snapshot(
+                now=epoch + tick, topology=Topology(rank=r, world_size=n), coords={}, exchange=view
+            )
+            verdict = detector.evaluate(snap)
+            if verdict is not None and verdict.active:
+                assert verdict.details["culprits"] == [subject], verdict.details
+                named_at.append(end)
+        out[r] = named_at
+    return out

@@ -203,7 +203,7 @@ class StragglerSim:
                 cache[q] = {"c": {**c, "dp": c["dp_replicate"], "stage": c["pp"]}, "fr": fr}
                 if self.waits:
                     log = [(int(w[i, q]), int(w[i + 1, q])) for w in self.waits for i in (0, 2)]
-                    cache[q]["pw"] = waited_by(log, [e[5] for e in fr])
+                    cache[q]["pw"] = sig.pack_totals(waited_by(log, [e[5] for e in fr]))  # as published
             return cache[q]
 
         out = {}

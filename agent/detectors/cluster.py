@@ -476,7 +476,7 @@ class Straggler(Detector):
         out: dict[str, dict[str, Any]] = {}
         entries = snap.collectives.fr_entries
         if entries:
-            out["fr"] = {"pw": waited_by(log, [e[5] for e in entries])}
+            out["fr"] = {"pw": sig.pack_totals(waited_by(log, [e[5] for e in entries]))}
         topo = snap.topology
         pure = topo.dp <= 1 and topo.tp <= 1 and topo.cp <= 1  # no collective waits in its work
         if pure and (works := self._own_work(snap, log)) is not None:
@@ -540,7 +540,7 @@ class Straggler(Detector):
             waited = {
                 r: dict(zip((e[5] for e in es), pw, strict=True))
                 for r, es in fr.items()
-                if isinstance(pw := peers.get(r, {}).get("pw"), list) and len(pw) == len(es)
+                if (pw := sig.unpack_totals(peers.get(r, {}).get("pw"))) is not None and len(pw) == len(es)
             }
             self._keep(sig.step_delays(fr, ends, stages, after=measured, waited=waited), since)
             scores = {

@@ -4,7 +4,6 @@ last read brought, the goodbye at detach, and the back-off after the store faile
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -170,9 +169,6 @@ class CrossRankExchange:
                 read_ok_at=self.read_ok_at,
                 interval_s=cad.interval_s,
                 fetch=self.fetch,
-                publish_lag=functools.partial(
-                    cad.publish_lag, self._ctx().topology.rank, pass_s=self._ctx().config.interval
-                ),
             )
             self._view = (key, view)
         return self._view[1]
@@ -252,15 +248,22 @@ class CrossRankExchange:
 
     def fetch(self, purpose: str, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
         """``purpose``'s blobs of ``ranks`` now (this rank's own as it published it), whatever their
-        age; ranks that have none are left out. Never waits for a key."""
+        age; ranks that have none are left out, and all of them while the store fails (backing off, as
+        after a failed exchange). Never waits for a key."""
         ranks = list(ranks)
         out: dict[int, dict[str, Any]] = {}
-        if self.exchange is None:
+        if self.exchange is None or not self.up():
             return out
         rank = self._ctx().topology.rank
         if rank in ranks and purpose in self.exchange.own:
             out[rank] = self.exchange.own[purpose]
-        out.update(self.exchange.read({purpose: ranks}).get(purpose, {}))
+        try:
+            out.update(self.exchange.read({purpose: ranks}).get(purpose, {}))
+        except Exception as exc:
+            if not _store_failed(exc):
+                raise
+            self.back_off()
+            log.debug("hpar_agent: store read of %s failed (%s)", purpose, exc)
         return out
 
     # ------------------------------------------------------------------------------------ peers

@@ -153,18 +153,25 @@ def _group_size(label: str, topo: Topology) -> int | None:
     return {"default_pg": topo.world_size, "dp": topo.dp, "tp": topo.tp, "pp": topo.pp}.get(label.lower())
 
 
-#: Seconds a live peer's publish, or this rank's read, may come after the cadence's time (a late pass).
-LATE_S = 2.0
+#: Seconds a live peer's publish may come after the cadence's time (a late pass), on top of an exchange
+#: it missed: a peer is named only past ``2 x interval + LATE_S`` of silence (``RankGone.bound``).
+LATE_S = 1.0
 
 
 class RankGone(Detector):
     """A comparison peer that stopped publishing and whose process is gone, stopped, or out of sight.
 
-    Every rank publishes its payload at each exchange (3 s) and says goodbye when it detaches (``bye``:
-    a clean end, or how it ended: an uncaught exception, a signal). A peer whose last payload is older
-    than ``silent_s`` and missed an exchange beyond one (``_missed``) and that never said goodbye
-    cleanly is named (``details.culprits``), with how far
-    it got (its last step) and what its process is where this rank can see it (``rankstate.proc_state``:
+    Every rank publishes its payload at each exchange (3 s; longer past 1,024 ranks) and says goodbye
+    when it detaches (``bye``: a clean end, or how it ended: an uncaught exception, a signal). A peer is
+    named (``details.culprits``) once a read of the store made more than ``bound`` seconds after its last
+    payload (two exchange intervals and ``LATE_S``, or ``silent_s`` if longer) still shows nothing newer,
+    and it never said goodbye cleanly: this rank's last read of its comparison peers where that read came
+    so late, else a read of that peer's ``s`` alone, made at the first pass past the bound (``_silent``;
+    once, kept until a newer payload). A live peer that missed one exchange and was a late pass on the
+    next is never named; a dead one is named within a pass of the bound by every rank that reads it,
+    whatever the cadence's offsets (where a rank's read of an exchange comes up to two phases after a
+    peer's publish: 15.5 s at 8,192 ranks) and on this host or another alike. Reported with how far it
+    got (its last step) and what its process is where this rank can see it (``rankstate.proc_state``:
     on the same host ``gone``, ``zombie``, ``stopped``; a process that still runs only has a late agent
     thread and is not named; on another host the process is unknown). A peer that ended by an exception
     is named a pass later (``confirm``). A peer whose ending is a consequence of the incident (its
@@ -185,32 +192,62 @@ class RankGone(Detector):
         super().__init__(thresholds)
         pid = os.getpid()
         self.me = [pid, socket.gethostname(), rankstate.start_ticks(pid) or 0]
+        self.heard: dict[int, dict[str, Any]] = {}  # peer -> its ``s`` re-read, newer than the last read's
+        self.absent: dict[
+            int, float
+        ] = {}  # peer -> its last payload's time, a re-read past the bound found last
 
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         return {"s": {"id": self.me}}
 
-    def _missed(self, snap: Snapshot, rank: int, payload: Mapping[str, Any]) -> bool:
-        """Whether the peer's last payload is older than ``silent_s`` and, at this rank's last read, more
-        than one exchange and ``LATE_S`` older than the cadence says a live peer's is (``publish_lag``):
-        a live peer one exchange late is never judged, a dead one is at the second exchange it missed,
-        on this host or another alike."""
+    def bound(self, snap: Snapshot) -> float:
+        """Seconds of silence past which a peer is judged: a live peer's payload is at most an exchange
+        interval old, two when it missed one exchange, ``LATE_S`` more when it was late on the next."""
+        return max(self.p("silent_s"), 2 * snap.exchange.interval_s + LATE_S)
+
+    def _silent(self, snap: Snapshot, rank: int, payload: Mapping[str, Any], bound: float) -> bool:
+        """Whether a read of the store made over ``bound`` seconds after ``payload``'s publish shows nothing
+        of the peer newer: the last read of the peers where it came that late, else the peer's ``s`` read
+        now (a newer one goes to ``heard``; a read that failed says nothing)."""
         ex = snap.exchange
         t = float(payload.get("t", snap.now))
-        late = ex.read_ok_at - t - ex.publish_lag(rank)
-        return snap.now - t > self.p("silent_s") and late > ex.interval_s + LATE_S
+        if snap.now - t <= bound:
+            return False
+        if ex.read_ok_at - t > bound or self.absent.get(rank) == t:
+            return True
+        got = ex.fetch("s", [rank]).get(rank)
+        if got is None:
+            return False  # the store did not answer: the next pass asks again
+        if float(got.get("t", 0.0)) > t:
+            self.heard[rank] = got
+            return False
+        self.absent[rank] = t
+        return True
+
+    def _last_word(self, rank: int, seen: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The peer's newest payload: the last read's, or a newer one re-read (``heard``)."""
+        heard = self.heard.get(rank)
+        if heard is None or float(heard.get("t", 0.0)) <= float(seen.get("t", 0.0)):
+            self.heard.pop(rank, None)
+            return seen
+        return heard
 
     def evaluate(self, snap: Snapshot) -> Verdict | None:
         ex = snap.exchange
         limit = max(self.p("silent_s"), 2 * ex.interval_s)
         if not ex.seen or snap.now - ex.read_ok_at > limit / 2 or snap.stopping:
             return None  # no recent read of the store, or this rank ends too: nothing more to say
+        bound = self.bound(snap)
         gone: dict[str, dict[str, Any]] = {}
-        for r, p in ex.seen.items():
+        for r, seen in ex.seen.items():
             if r == snap.rank:
                 continue
+            p = self._last_word(r, seen)
+            if self.absent.get(r, p.get("t")) != p.get("t"):
+                del self.absent[r]  # a newer payload since the re-read
             bye = str(p.get("bye") or "")
             silent = snap.now - float(p.get("t", snap.now))
-            if bye == "exit" or (not bye and not self._missed(snap, r, p)):
+            if bye == "exit" or (not bye and not self._silent(snap, r, p, bound)):
                 continue
             pid, host, ticks = [*(p.get("id") or []), 0, "", 0][:3]
             proc = rankstate.proc_state(int(pid or 0), int(ticks) or None, str(host)) if not bye else ""

@@ -286,24 +286,29 @@ _SIZE_FREE_OPS = ("all_to_all", "alltoall", "gather", "scatter", "barrier")
 
 
 def pack_fr(entries: Sequence[FrEntry]) -> dict[str, Any]:
-    """Entries for the cross-rank exchange: each distinct (pg, op, sizes, dtypes) once, then three ints
-    per entry (its kind's index, seq, time since the previous entry). A job repeats a few kinds over
-    thousands of collectives, and every rank decodes every peer's window at each exchange: as 6-field
-    lists the payload was ~120 KB of JSON a poll on 4 CPU ranks (this is a sixth of it)."""
+    """Entries for the cross-rank exchange: each distinct (pg, op, sizes, dtypes) once, then three small
+    ints per entry: its kind's index, its seq less its group's seq before it in the window (1 in a steady
+    run; a group's first entry: its seq), and the µs since the previous entry (``u0``: the first's).
+    A job repeats a few kinds over thousands of collectives and every rank reads every peer's window at
+    each exchange: as 6-field lists ~120 KB of JSON a poll on 4 CPU ranks; with seqs and ns ~18 bytes an
+    entry (18.8 KB at the window's 1,024); ~10 now. Times keep µs (floored): lags are judged in ms."""
     kinds: dict[tuple[str, str, str, str], int] = {}
     flat: list[int] = []
-    prev = t0 = entries[0][5] if entries else 0
+    last: dict[str, int] = {}
+    prev = u0 = entries[0][5] // 1000 if entries else 0
     for pg, seq, op, sizes, dtypes, t in entries:
         k = kinds.setdefault((pg, op, sizes, dtypes), len(kinds))
-        flat += (k, seq, t - prev)
-        prev = t
-    return {"k": list(kinds), "e": flat, "t0": t0}
+        u = t // 1000
+        flat += (k, seq - last.get(pg, 0), u - prev)
+        last[pg] = seq
+        prev = u
+    return {"k": list(kinds), "e": flat, "u0": u0}
 
 
 def unpack_fr(packed: Any) -> list[FrEntry]:
-    """``pack_fr``'s inverse (a list of 6-field lists, the older form, is read as well, and a list of
-    tuples, already unpacked, is returned as it is); [] for anything malformed: a peer's payload must
-    never break this rank's detectors."""
+    """``pack_fr``'s inverse, times in ns (a list of 6-field lists, the older form, is read as well, and a
+    list of tuples, already unpacked, is returned as it is); [] for anything malformed: a peer's payload
+    must never break this rank's detectors."""
     if isinstance(packed, list):
         if not packed or isinstance(packed[0], tuple):
             return packed
@@ -311,16 +316,33 @@ def unpack_fr(packed: Any) -> list[FrEntry]:
     try:
         kinds = [tuple(k) for k in packed["k"]]
         flat = packed["e"]
-        if len(flat) % 3 or min(flat[0::3], default=0) < 0:
+        if len(flat) % 3 or min(flat[0::3], default=0) < 0 or any(len(k) != 4 for k in kinds):
             return []
-        times = itertools.accumulate(flat[2::3], initial=int(packed["t0"]))
+        times = itertools.accumulate(flat[2::3], initial=int(packed["u0"]))
         next(times)
-        return [
-            (kd[0], seq, kd[1], kd[2], kd[3], t)
-            for kd, seq, t in zip(map(kinds.__getitem__, flat[0::3]), flat[1::3], times, strict=True)
-        ]
+        last: dict[str, int] = {}
+        out: list[FrEntry] = []
+        for kd, d, u in zip(map(kinds.__getitem__, flat[0::3]), flat[1::3], times, strict=True):
+            seq = last[kd[0]] = last.get(kd[0], 0) + d
+            out.append((kd[0], seq, kd[1], kd[2], kd[3], u * 1000))
+        return out
     except (KeyError, IndexError, TypeError, ValueError):
         return []
+
+
+def pack_totals(values: Sequence[int]) -> dict[str, list[int]]:
+    """Running totals, one per flight-recorder entry (``pipeline_p2p.waited_by``: ns waited in p2p so
+    far), for the exchange: the first and then each one's increase, mostly 0 (no p2p wait between two
+    collectives), where a long run's totals are 12-13 digits each."""
+    return {"d": [b - a for a, b in pairwise([0, *values])]}
+
+
+def unpack_totals(packed: Any) -> list[int] | None:
+    """``pack_totals``' inverse; None for anything malformed."""
+    d = packed.get("d") if isinstance(packed, dict) else None
+    if not isinstance(d, list) or not all(type(x) is int for x in d):
+        return None
+    return list(itertools.accumulate(d))
 
 
 def common_collectives(

@@ -34,10 +34,6 @@ def _fetch_nothing(purpose: str, ranks: Iterable[int]) -> dict[int, dict[str, An
     return {}
 
 
-def _no_lag(rank: int) -> float:
-    return 1.0
-
-
 class CompileWarmup(NamedTuple):
     """Compile activity (a compile started, ended or added a graph) as tracked up to this pass, for the
     detectors that must not judge compile warm-up."""
@@ -64,8 +60,8 @@ class PeerView:
     (``fresh``: read in this pass), every comparison peer's last ``s`` however old (``seen``: a stopped
     rank's last word), this rank's comparison peers by mesh dim, when a read last succeeded and the
     exchange's interval. ``fetch`` is the one thing read on demand (checksums by name, only when digests
-    disagree: the store serves it). ``publish_lag(peer)``: seconds by which a peer's publish of an
-    exchange precedes this rank's read of it, by the cadence's offsets (``crossrank.Cadence``)."""
+    disagree; a silent peer's ``s``, once past RankGone's bound: the store serves it; a failed read
+    leaves the rank out)."""
 
     peers: Mapping[int, dict[str, Any]] = field(default_factory=dict)
     fresh: bool = False
@@ -74,7 +70,6 @@ class PeerView:
     read_ok_at: float = 0.0
     interval_s: float = 3.0
     fetch: Fetch = _fetch_nothing
-    publish_lag: Callable[[int], float] = _no_lag
 
     @cached_property
     def fr(self) -> tuple[dict[int, list[sig.FrEntry]], dict[str, int]]:

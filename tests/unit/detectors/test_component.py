@@ -387,6 +387,28 @@ def test_a_read_before_the_store_failed_is_judged_once_not_through_the_back_off(
     assert fresh == [False, True, True, False]  # read at passes 2 and 3, none in the back-off
 
 
+class _FailingGets(_FailingSets):
+    """A store whose reads fail as torch's do when the store's host went away."""
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        raise torch.distributed.DistStoreError("store gone")
+
+
+def test_a_read_on_demand_that_fails_says_nothing_and_backs_the_exchange_off(
+    store: Any, tmp_path: Any
+) -> None:
+    """RankGone's read of a silent peer's ``s`` (and ReplicaDivergence's checksums by name) when the
+    store's host went away: nothing read (the peer is not judged on it), no agent error, and no store
+    call during the back-off."""
+    store.set("hpar/job/x/s/1", '{"t":1.0}')
+    ex = Exchange(_FailingGets(store, 9), "job", 0)
+    agent, det = make_agent(tmp_path, rank=0, world=2, comps=(steps(1),), exchange=ex)
+    det.crossrank.begin(time.time())
+    assert det.crossrank.fetch("s", [1]) == {} and not det.crossrank.up()
+    ex.store = None  # any store call now would raise
+    assert det.crossrank.fetch("s", [1]) == {} and dict(agent.errors) == {}
+
+
 def test_the_stores_host_waits_at_exit_for_its_peers_goodbyes(store: Any, tmp_path: Any) -> None:
     """Rank 0 hosts the store (no torchrun agent store): its exit closes it, so it waits (bounded) for the
     peers it saw to say goodbye; a peer stopping makes no read of the store, only its goodbye."""

@@ -4,16 +4,16 @@ faulty ranks, or no culprit and the split; never a healthy rank."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from hpar_agent.crossrank import Grid, cadence, plan, select
 from hpar_agent.detectors.base import Verdict
 from hpar_agent.detectors.cluster import CompileDivergence, ReplicaDivergence
-from hpar_agent.detectors.liveness import RankGone
-from hpar_agent.detectors.snapshot import PeerView, Snapshot
+from hpar_agent.detectors.liveness import LATE_S
 from hpar_agent.thresholds import COMPONENT_DEFAULTS
-from hpar_agent.topology import Topology
-from testkit.detection_sim import diverge, job, judge, named, raised
+from testkit.detection_sim import diverge, job, judge, named, raised, silence_named
 
 N = 1024
 
@@ -96,49 +96,27 @@ def test_a_node_that_compiled_differently_in_dp_x_tp_is_named_not_its_dp_peers()
     assert raised(verdicts) == node and named(verdicts) == node
 
 
-@pytest.mark.parametrize("n", [2_048, 4_096])
-def test_a_peer_one_exchange_late_is_never_gone_and_a_dead_one_is_named_at_its_second_miss(n: int) -> None:
-    """At 2,048 and 4,096 ranks the exchange paces itself (4 s and 8 s, spread over 2 and 4 passes): a
-    peer's payload is up to 7.5 s old at a read on time. Rank 1,000, a pass late on one exchange, is
-    judged by each of its readers at every pass until the next read; dead after its publish, it is
-    named by every reader at the read of the second exchange it missed. Its readers are on other
-    hosts (the process unknown): the margin alone decides."""
-    grid, _ = job([("dp", n)])
+@pytest.mark.parametrize("n", [1_024, 8_192])
+def test_a_peer_one_exchange_late_is_never_gone_and_a_dead_one_is_named_two_exchanges_after(n: int) -> None:
+    """The exchange every 3 s at 1,024 ranks, 16 s at 8,192 (a phase over 8 passes: a rank reads a
+    peer's publish 0.5-15.5 s after it). Rank 1,000, alive, skips exchange 2 and is a late pass (0.99 s)
+    on exchange 3, or publishes exchange 2 one exchange and 0.99 s late: none of its readers (on other
+    hosts: the margin alone decides) ever names it. Dead after its publish of exchange 2, every reader
+    names it within a pass of 2 exchanges and 1 s (``RankGone.bound``) after that publish, whatever
+    its offset, never before, and at every pass from then on."""
     cad = cadence(n, COMPONENT_DEFAULTS["exchange_s"], 1.0)
-    every = cad.interval_s
-    late, read_at = 1_000, 1_796_000_000.0
-
-    def verdicts(missed: int, behind_s: float, after_s: float) -> dict[int, Verdict]:
-        out = {}
-        for r in plan(grid, late).peers:  # who reads rank 1,000 (symmetric: the ranks it reads)
-            seen = {
-                q: {
-                    "t": read_at
-                    - cad.publish_lag(r, q, 1.0)
-                    - (missed * every + behind_s if q == late else 0),
-                    "step": 40,
-                    "id": [4242, "another-host", 1],
-                }
-                for q in plan(grid, r).peers
-            }
-            view = PeerView(
-                seen=seen,
-                read_ok_at=read_at,
-                interval_s=every,
-                publish_lag=lambda q, r=r: cad.publish_lag(r, q, 1.0),
-            )
-            snap = Snapshot(
-                now=read_at + after_s, topology=Topology(rank=r, world_size=n), coords={}, exchange=view
-            )
-            got = RankGone().evaluate(snap)
-            assert got is not None
-            out[r] = got
-        return out
-
-    assert every == {2_048: 4.0, 4_096: 8.0}[n]
-    for after_s in (0.0, every - 1.0):  # every pass from one read to the pass before the next
-        assert (
-            raised(verdicts(1, 1.0, after_s)) == set()
-        )  # an exchange and a pass late: silent up to 2I + 7.5 s
-    dead = verdicts(2, 0.0, 0.0)
-    assert raised(dead) == set(plan(grid, late).peers) and named(dead) == {late}
+    every, late = cad.interval_s, 1_000
+    readers = set(plan(Grid.row_major([("dp", n)]), late).peers)
+    assert every == {1_024: 3.0, 8_192: 16.0}[n] and len(readers) == 4
+    skipped = silence_named(n, late, lambda e: None if e == 2 else (LATE_S - 0.01 if e == 3 else 0.0), 7)
+    delayed = silence_named(n, late, lambda e: every + LATE_S - 0.01 if e == 2 else 0.0, 7)
+    assert set(skipped) == set(delayed) == readers
+    assert all(not at for at in (*skipped.values(), *delayed.values()))
+    dead = silence_named(n, late, lambda e: 0.0 if e <= 2 else None, 7)
+    k, off = cad.offset(late)
+    last = 2 * every + k + off  # its last publish
+    bound = 2 * every + LATE_S
+    assert set(dead) == readers
+    after = {r: at[0] - last for r, at in dead.items()}
+    assert all(bound < a <= bound + 1 + 2 * cad.window_s for a in after.values()), after
+    assert all(len(at) >= every and all(b - a == 1 for a, b in pairwise(at)) for at in dead.values())

@@ -45,14 +45,14 @@ def test_a_silent_peer_whose_process_is_stopped_is_named(sleeper: Any) -> None:
     now = time.time()
     os.kill(sleeper.pid, signal.SIGSTOP)
     time.sleep(0.2)
-    v = RankGone().evaluate(_ctx({1: _payload(now - 8, sleeper.pid)}, now))
+    v = RankGone().evaluate(_ctx({1: _payload(now - 9, sleeper.pid)}, now))
     assert v is not None and v.active and v.details["culprits"] == [1]
     assert v.details["ranks"]["1"]["process"] == "stopped" and v.details["ranks"]["1"]["last_step"] == 40
 
 
 def test_a_silent_peer_whose_process_runs_is_only_late() -> None:
     now = time.time()
-    v = RankGone().evaluate(_ctx({1: _payload(now - 8, os.getpid())}, now))
+    v = RankGone().evaluate(_ctx({1: _payload(now - 9, os.getpid())}, now))
     assert v is not None and not v.active
 
 
@@ -62,8 +62,8 @@ def test_a_silent_peer_that_is_gone_or_elsewhere_is_named(sleeper: Any) -> None:
     sleeper.kill()
     sleeper.wait()
     seen = {
-        1: {**_payload(now - 8, sleeper.pid), "id": [sleeper.pid, HOST, ticks]},
-        2: _payload(now - 9, 12345, host="another-host"),
+        1: {**_payload(now - 9, sleeper.pid), "id": [sleeper.pid, HOST, ticks]},
+        2: _payload(now - 10, 12345, host="another-host"),
     }
     v = RankGone().evaluate(_ctx(seen, now))
     assert v is not None and v.details["culprits"] == [1, 2]
@@ -74,9 +74,39 @@ def test_a_silent_peer_that_is_gone_or_elsewhere_is_named(sleeper: Any) -> None:
 def test_a_peer_is_judged_only_past_two_exchanges_and_a_clean_goodbye_never(sleeper: Any) -> None:
     now = time.time()
     os.kill(sleeper.pid, signal.SIGSTOP)
-    seen = {1: _payload(now - 5, sleeper.pid), 2: _payload(now - 60, sleeper.pid, bye="exit")}
+    seen = {1: _payload(now - 6.9, sleeper.pid), 2: _payload(now - 60, sleeper.pid, bye="exit")}
     v = RankGone().evaluate(_ctx(seen, now))
-    assert v is not None and not v.active  # 5 s < max(6 s, 2 x 3 s); a rank that finished is not gone
+    assert v is not None and not v.active  # 6.9 s < 2 x 3 s + 1 s; a rank that finished is not gone
+
+
+def test_a_peer_silent_past_the_bound_since_the_last_read_is_read_again_once() -> None:
+    """The last read came 7 s after the peer's payload (its reader's offset): at 7.5 s of silence its
+    ``s`` alone is read again. A newer payload (it was late) names nothing; the same one names it, and
+    later passes ask the store nothing more until a newer payload comes."""
+    now = time.time()
+    old = _payload(now - 7.5, 12345, host="another-host")
+    store: dict[int, dict[str, Any]] = {1: _payload(now - 0.5, 12345, host="another-host")}
+    asked: list[list[int]] = []
+
+    def fetch(purpose: str, ranks: Any) -> dict[int, dict[str, Any]]:
+        asked.append(list(ranks))
+        return {r: store[r] for r in ranks if r in store} if purpose == "s" else {}
+
+    def snap(at: float) -> Snapshot:
+        view = PeerView(seen={1: old}, read_ok_at=now - 0.5, interval_s=3.0, fetch=fetch)
+        return Snapshot(now=at, topology=Topology(rank=0), coords={}, exchange=view)
+
+    gone = RankGone()
+    v = gone.evaluate(snap(now))
+    assert v is not None and not v.active and asked == [[1]]
+    v = gone.evaluate(snap(now + 1))  # the newer payload is its last word: 1.5 s old
+    assert v is not None and not v.active and asked == [[1]]
+    store[1] = old  # dead: the store holds the same payload
+    gone = RankGone()
+    assert [gone.evaluate(snap(now + i)).details["culprits"] for i in range(3)] == [[1]] * 3  # type: ignore[union-attr]
+    assert asked == [[1], [1]]
+    store.clear()  # the store did not answer: nothing is said of the peer
+    assert RankGone().evaluate(snap(now)).details["culprits"] == []  # type: ignore[union-attr]
 
 
 def test_a_goodbye_with_an_exception_names_the_rank_at_once() -> None:

@@ -201,21 +201,38 @@ def _window(n: int) -> list[tuple]:
     return out
 
 
+def _us(entries: list[tuple]) -> list[tuple]:
+    """The entries as the exchange carries them: times floored to the µs."""
+    return [(*e[:5], e[5] // 1000 * 1000) for e in entries]
+
+
 def test_pack_fr_round_trips_through_json_storing_each_kind_once() -> None:
     entries = _window(40)
     packed = json.loads(json.dumps(sig.pack_fr(entries)))
     back = sig.unpack_fr(packed)
-    assert back == entries and all(type(e) is tuple for e in back)
+    assert back == _us(entries) and all(type(e) is tuple for e in back)
     assert len(packed["k"]) == len({(e[0], e[2], e[3], e[4]) for e in entries}) == 4
     assert len(packed["e"]) == 3 * len(entries)
 
 
 def test_pack_fr_is_much_smaller_than_lists_for_a_repetitive_window() -> None:
-    entries = _window(256)
+    """A run 10 million collectives in (7-digit seqs), entries ms apart: each entry's seq is its group's
+    last plus 1 and its time a few µs digits, ~10 bytes where seq and ns took ~18."""
+    entries = [(e[0], e[1] + 10_000_000, *e[2:]) for e in _window(1024)]
     packed = json.dumps(sig.pack_fr(entries), separators=(",", ":"))
     lists = json.dumps([list(e) for e in entries], separators=(",", ":"))
-    assert len(packed) < len(lists) / 3
-    assert sig.unpack_fr(json.loads(packed)) == entries
+    assert len(packed) < len(lists) / 6 and len(packed) < 10.5 * 1024
+    seqs = json.loads(packed)["e"][1::3]  # each group's first (dp: entry 0, tp: 3) whole, then +1
+    assert seqs[0] == seqs[3] == 10_000_000 and set(seqs[1:3] + seqs[4:]) == {1}
+    assert sig.unpack_fr(json.loads(packed)) == _us(entries)
+
+
+def test_running_totals_travel_as_their_increases() -> None:
+    totals = [-1, -1, 5_000_000, 5_000_000, 412_000_000_000, 412_000_000_000, 412_005_000_000]
+    packed = json.loads(json.dumps(sig.pack_totals(totals)))
+    assert sig.unpack_totals(packed) == totals and packed["d"][3] == 0
+    for bad in (None, [1, 2], {"d": "x"}, {"d": [1, "2"]}, {"d": [1.5]}):
+        assert sig.unpack_totals(bad) is None, bad
 
 
 def test_pack_fr_of_nothing_is_nothing() -> None:
@@ -230,13 +247,15 @@ def test_unpack_fr_of_malformed_payloads_is_empty_and_never_raises() -> None:
         None,
         17,
         {},
-        {"k": [kind], "e": [5, 0, 0], "t0": 0},  # kind index out of range
-        {"k": [kind], "e": [0, 0, 0]},  # no t0
-        {"e": [0, 0, 0], "t0": 0},  # no kinds
-        {"k": [kind], "t0": 0},  # no entries
-        {"k": [["dp@0,0"]], "e": [0, 0, 0], "t0": 0},  # a kind short of fields
-        {"k": 3, "e": [0, 0, 0], "t0": 0},
-        {"k": [kind], "e": [0, 0, 0], "t0": "soon"},
+        {"k": [kind], "e": [5, 0, 0], "u0": 0},  # kind index out of range
+        {"k": [kind], "e": [0, 0, 0]},  # no u0
+        {"k": [kind], "e": [0, 0, 0], "t0": 0},  # the older form (seqs and ns): read as nothing
+        {"e": [0, 0, 0], "u0": 0},  # no kinds
+        {"k": [kind], "u0": 0},  # no entries
+        {"k": [["dp@0,0"]], "e": [0, 0, 0], "u0": 0},  # a kind short of fields
+        {"k": 3, "e": [0, 0, 0], "u0": 0},
+        {"k": [kind], "e": [0, 0, 0], "u0": "soon"},
+        {"k": [kind], "e": [0, "1", 0], "u0": 0},  # a seq that is no number
     ):
         assert sig.unpack_fr(bad) == [], bad
 
