@@ -160,15 +160,20 @@ class MfuCollector(Component):
         return model if isinstance(model, torch.nn.Module) else None
 
     def _eager_root(self) -> Any:
-        """The model's root whose hooks run outside torch.compile: the step anatomy's root once its
-        forward fired there, else the torch.compile wrapper given to ``attach``; or None."""
+        """The model's root whose calls can be seen outside torch.compile: the step anatomy's root once
+        its forward fired there, else that root or the model given to ``attach`` when it is torch.compile's
+        wrapper or compiled in place (``Module.compile()``); or None."""
         ctx = self.ctx
         anatomy = ctx.find(AnatomyCollector) if ctx is not None else None
         root = anatomy.hooks.root if anatomy is not None else None
         if root is not None and root.module is not None and root.fired:
             return root.module
-        model = ctx.model if ctx is not None else None
-        return model if fake_model.is_compile_wrapper(model) else None
+        for m in (root.module if root is not None else None, self._model()):
+            if m is not None and (
+                fake_model.is_compile_wrapper(m) or fake_model.compiled_call(m) is not None
+            ):
+                return m
+        return None
 
     def _leave(self) -> None:
         if self._hook is not None:

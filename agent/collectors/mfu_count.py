@@ -2,7 +2,8 @@
 
 - The inputs: during the counted step a forward pre-hook on the model's root (a module whose hooks run
   outside torch.compile: the step anatomy's root once its forward fired, or the torch.compile wrapper
-  given to ``attach``) records each call's tensor shapes (``InputCapture``; O(µs) a call, one step).
+  given to ``attach``), or for a root compiled in place (``Module.compile()``) a wrapper of its compiled
+  call, records each call's tensor shapes (``InputCapture``; O(µs) a call, one step).
 - The flop counter on fake tensors (``torch_compat.fake_model``), on the agent thread: the forward and
   backward of a hook-free copy of the module for each recorded call, no real work, no recompile.
 - When that cannot run (a parameter sharded as a DTensor by tensor parallelism or FSDP2, an op without a
@@ -37,12 +38,19 @@ class InputCapture:
         import torch
 
         self.module = module
-        self._handle = module.register_forward_pre_hook(torch.compiler.disable(self._pre), with_kwargs=True)
+        if fake_model.compiled_call(module) is not None:  # Module.compile() on it: hooks would be traced
+            self._handle = fake_model.record_compiled_calls(module, self._pre)
+        else:
+            pre = torch.compiler.disable(self._pre)  # type: ignore[no-untyped-call]
+            self._handle = module.register_forward_pre_hook(pre, with_kwargs=True)
 
     def stop(self) -> None:
         if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+            handle, self._handle = self._handle, None
+            if callable(handle):  # record_compiled_calls' undo
+                handle()
+            else:
+                handle.remove()
             self.done = True
 
     def _pre(self, module: Any, args: Any, kwargs: Any) -> None:

@@ -16,7 +16,7 @@ module hooks the training thread would run meanwhile. Checked on torch 2.13 (CPU
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 #: Operator namespaces of process-group work: refused during the fake run.
@@ -47,12 +47,35 @@ def is_compile_wrapper(module: Any) -> bool:
     return "_orig_mod" in getattr(module, "__dict__", {}).get("_modules", {})
 
 
+def compiled_call(module: Any) -> Any:
+    """The compiled call ``Module.compile()`` gave ``module`` itself (its hooks then run inside dynamo's
+    graph), or None."""
+    return getattr(module, "__dict__", {}).get("_compiled_call_impl")
+
+
+def record_compiled_calls(module: Any, record: Callable[[Any, Any, Any], None]) -> Callable[[], None]:
+    """Have ``record(module, args, kwargs)`` see each call of ``module``'s compiled call, outside dynamo
+    (``Module.__call__`` reads the attribute before entering the compiled code, which stays as it is);
+    returns what puts the compiled call back."""
+    fn = compiled_call(module)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        record(module, args, kwargs)
+        return fn(*args, **kwargs)
+
+    module.__dict__["_compiled_call_impl"] = call
+
+    def undo() -> None:
+        if module.__dict__.get("_compiled_call_impl") is call:
+            module.__dict__["_compiled_call_impl"] = fn
+
+    return undo
+
+
 def has_compiled(module: Any) -> bool:
     """Whether ``module`` or a module inside it is compiled (a torch.compile wrapper, or
     ``Module.compile()``): true even when dynamo took every graph from its cache and compiled none."""
-    return any(
-        is_compile_wrapper(m) or m.__dict__.get("_compiled_call_impl") is not None for m in module.modules()
-    )
+    return any(is_compile_wrapper(m) or compiled_call(m) is not None for m in module.modules())
 
 
 def _check_plain(tensors: Iterable[Any]) -> None:
@@ -120,7 +143,7 @@ def count_flops(module: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
 
     model = fake_copy(module, fake)
     counter = FlopCounterMode(display=False)
-    counter.mod_tracker = _NoModuleTracking()
+    counter.mod_tracker = _NoModuleTracking()  # type: ignore[assignment]
     with mode, counter, NoCollectives(), torch.enable_grad():  # type: ignore[no-untyped-call]
         for args, kwargs in calls:
             out = model(*[_make(a) for a in args], **{k: _make(v) for k, v in kwargs.items()})

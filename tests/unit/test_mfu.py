@@ -23,8 +23,9 @@ ARGS = ModelArgs(vocab=256, dim=64, heads=4, layers=2, seq_len=32)
 
 
 def _train(tmp_path: Path, compiled: str = "", attach_wrapper: bool = False, prepare: Any = None) -> dict:
-    """Train the GPT a few steps with the agent; ``compiled``: "model" (torch.compile of the whole model)
-    or "blocks" (``Module.compile()`` per block, as hpar_trainer does). Returns the summary's MFU part,
+    """Train the GPT a few steps with the agent; ``compiled``: "model" (torch.compile of the whole model),
+    "blocks" (``Module.compile()`` per block, as hpar_trainer does) or "self" (``Module.compile()`` of the
+    whole model: its hooks are traced). Returns the summary's MFU part,
     the 6N count and the compile counters once the count is in (after the counted step) and at the end."""
     from torch._dynamo.utils import counters
 
@@ -37,6 +38,8 @@ def _train(tmp_path: Path, compiled: str = "", attach_wrapper: bool = False, pre
     if compiled == "blocks":
         for block in model.layers.values():
             block.compile(backend="aot_eager")
+    if compiled == "self":
+        model.compile(backend="aot_eager")
     fwd = torch.compile(model, backend="aot_eager") if compiled == "model" else model
     agent = hpar_agent.attach(
         fwd if attach_wrapper else model,
@@ -84,13 +87,13 @@ def test_flops_per_step_are_counted_once_on_a_steady_step(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    ("compiled", "attach_wrapper"), [("model", False), ("model", True), ("blocks", False)]
+    ("compiled", "attach_wrapper"), [("model", False), ("model", True), ("blocks", False), ("self", False)]
 )
 def test_a_compiled_model_is_counted_on_fake_tensors_without_recompiling(
     tmp_path: Path, compiled: str, attach_wrapper: bool
 ) -> None:
     """torch.compile of the model (attached unwrapped, the anatomy's root then found at the wrapper, or
-    the wrapper itself) and per-block compile: the same FLOPs as the eager count of the same model and
+    the wrapper itself), per-block compile and ``Module.compile()`` of the whole model: the same FLOPs as the eager count of the same model and
     batch, and dynamo compiles nothing more once warmed up (the count ran between the two readings)."""
     got = _train(tmp_path, compiled, attach_wrapper)
     assert got["mfu"]["flops_per_step"] == _eager_count(), got["mfu"]
