@@ -6,11 +6,11 @@ parameter, buffer and child dicts (fake tensors of the same shape, dtype and dev
 agent's, the user's, DDP's), and no compiled call (``Module.compile()``'s ``_compiled_call_impl``); a
 torch.compile wrapper (``OptimizedModule``) and a DDP wrapper are replaced by the module they wrap.
 Running the original compiled code under the counter's dispatch modes would recompile it (dynamo
-guards on them); the copy never enters dynamo. A parameter that is a tensor subclass (DTensor of
-tensor or fully-sharded data parallel) is refused: its ops would redistribute over the process groups.
+guards on them); the copy never enters dynamo. A parameter that is a tensor subclass (a DTensor of
+tensor parallelism or FSDP2, FSDP's FlatParameter) is refused: its ops would go over the process groups.
 An op of a process group inside the forward raises instead of running (a collective from the agent
 thread would desynchronise the ranks). The counter runs without its per-module tracking, whose global
-module hooks the training thread would run meanwhile. Checked on torch 2.13 (CPU) and 2.11.
+module hooks the training thread would run meanwhile. Checked on torch 2.13 (CPU).
 """
 
 from __future__ import annotations
