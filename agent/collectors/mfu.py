@@ -90,7 +90,7 @@ class MfuCollector(Component):
         self._done = False
         self._steps: StepCollector | None = None
         self._compile: CompileCollector | None = None
-        self._capture = InputCapture()  # a compiled model's inputs in the counted step
+        self._capture = InputCapture(self.record_error)  # a compiled model's inputs in the counted step
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)

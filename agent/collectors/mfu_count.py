@@ -25,7 +25,8 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 class InputCapture:
     """The forward pre-hook on the root for the counted step, and the calls it recorded."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_error: Any) -> None:
+        self.on_error = on_error  # counts a failure of the hook (it never raises into the training loop)
         self.module: Any = None
         self.calls: list[Call] = []
         self.done = False  # the counted step ended: ``calls`` is complete
@@ -54,6 +55,12 @@ class InputCapture:
             self.done = True
 
     def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
+        try:
+            self._record(args, kwargs)
+        except Exception as exc:
+            self.on_error(exc)
+
+    def _record(self, args: Any, kwargs: Any) -> None:
         if len(self.calls) >= MAX_CALLS:
             return
         if not self.calls:

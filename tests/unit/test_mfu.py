@@ -172,6 +172,17 @@ def test_the_fake_run_refuses_a_process_group_op_in_the_forward() -> None:
     )
 
 
+def test_the_input_hook_counts_its_failure_and_never_raises() -> None:
+    from hpar_agent.collectors.mfu_count import InputCapture
+
+    errors: list[BaseException] = []
+    cap = InputCapture(errors.append)
+    cap._pre(None, (torch.zeros(2, 3),), None)  # kwargs None: reading them fails inside the hook
+    assert len(errors) == 1 and cap.calls == []
+    cap._pre(None, (torch.zeros(2, 3),), {})
+    assert len(cap.calls) == 1 and cap.calls[0][0][0][0] == (2, 3)
+
+
 def test_peak_table() -> None:
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12
     assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
