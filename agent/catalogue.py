@@ -274,7 +274,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "hpar_model_flops_per_step",
         "gauge",
-        "The model's FLOPs in one step of this rank (its pipeline stage's part), counted once with torch's flop counter on a steady step; absent for a torch.compile'd model.",
+        "The model's FLOPs in one step of this rank (its pipeline stage's part), counted once: torch's flop counter on a steady step (a torch.compile'd model: on a copy on fake tensors), else 6N + 12 L H Q T a token (docs/metrics.md#mfu).",
     ),
     _m(
         "hpar_mfu",

@@ -126,6 +126,20 @@ def test_compare_flags_the_straggler(
     ), out
 
 
+def test_each_pipeline_stage_counts_its_own_part_of_the_compiled_model(anatomy_runs: dict[str, Path]) -> None:
+    """The pp run compiles every block (eager backend): each stage's FLOPs per step come from the flop
+    counter on a fake copy of its own module, for its 4 microbatches: 6 x its Linear weights a token
+    (the CPU attention kernel has no flop formula), stage 1 with the head; the count compiles nothing."""
+    dim, vocab, tokens = 64, 128, 64 * 32  # --dim 64, the trainer's vocab; --global-batch 64 x seq 32
+    blocks = 2 * 12 * dim * dim  # 4 layers, 2 a stage: q, k, v, o, mlp in and out
+    for rank, weights in ((0, blocks), (1, blocks + dim * vocab)):
+        comps = json.loads((anatomy_runs["pp"] / f"summary.rank{rank}.json").read_text())["components"]
+        mfu = comps["mfu"]
+        assert mfu["method"] == "flop counter on fake tensors" and "4 call(s)" in mfu["reason"], mfu
+        assert mfu["flops_per_step"] == 6 * weights * tokens, mfu
+        assert not comps["compile"]["recompiles"], comps["compile"]
+
+
 def test_pipeline_phases_come_from_its_chunks(anatomy_runs: dict[str, Path]) -> None:
     for rank in (0, 1):
         comps = json.loads((anatomy_runs["pp"] / f"summary.rank{rank}.json").read_text())["components"]

@@ -88,6 +88,24 @@ def test_collectives_and_pipeline_series(live):
         assert _value(text, "hpar_alert_active", alert="Hang") == 0
 
 
+def test_each_stage_exports_its_flops_from_the_transformer_count(live):
+    """Tensor-parallel blocks hold DTensor parameters, which the flop counter's fake copy refuses: each
+    rank counts 6N + 12 L H Q T a token from its stage's structure (N its local shard of the Linear
+    weights, H Q its half of the heads) and exports it with its stage's label."""
+    run, scrapes, _rc = live
+    dim, vocab, seq, tokens = 64, 128, 32, 16 * 32  # the trainer's defaults; dp 1: the whole batch
+    attention = 12 * 2 * (dim // 2) * seq  # 2 blocks a stage, half the width a tp rank
+    blocks = 2 * 12 * dim * dim // 2
+    for rank, text in enumerate(scrapes):
+        stage = rank // 2
+        n = blocks + (dim * vocab if stage == 1 else 0)  # the last stage holds the (unsharded) head
+        expected = tokens * (6 * n + attention)
+        assert _value(text, "hpar_model_flops_per_step", pp_stage=str(stage), rank=str(rank)) == expected
+    for r in load_rank_summaries(run.run_dir):
+        assert r["components"]["mfu"]["method"] == "transformer blocks", r["components"]["mfu"]
+        assert "DTensor" in r["components"]["mfu"]["reason"], r["components"]["mfu"]
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (.ci/setup installs it)")
 def test_promtool_accepts_every_scrape(live):
     _run, scrapes, _rc = live
