@@ -7,7 +7,8 @@ The count (``method`` in the summary):
   steady step, the ``COUNT_STEP``-th: the step boundary before it enters the counter and the one after
   leaves it (the training thread's only cost: that one step runs under the counter, every op counted,
   and a global forward pre-hook for that step reads the autocast dtype at the first module call);
-- a torch.compile'd model (the counter's dispatch modes would recompile it): the flop counter over a
+- a torch.compile'd model (the counter's dispatch modes would recompile it), or one with sharded
+  parameters (the counter sees a DTensor's global shapes: tp times this rank's work): the flop counter over a
   hook-free copy of the model on fake tensors, on the agent thread, for the inputs that the counted
   step's forward calls had (``mfu_count``); no real work, no recompile;
 - when the counter cannot run on the copy: 6 N + 12 L H Q T FLOPs a token from the model's structure
@@ -123,13 +124,14 @@ class MfuCollector(Component):
         self._done = True
         comp = self._compile = self._compile or (self.ctx.find(CompileCollector) if self.ctx else None)
         root = self._eager_root()
+        models = [m for m in (self._model(), root) if m is not None]
         if (comp is not None and (comp.capture.compiled or comp.graphs_compiled)) or any(
-            fake_model.has_compiled(m) for m in (self._model(), root) if m is not None
-        ):
+            fake_model.has_compiled(m) or fake_model.has_sharded(m) for m in models
+        ):  # counted on the agent thread; a sharded model by its local shards (transformer_flops)
             if root is None:
                 self.reason = (
-                    "unknown: a torch.compile'd model whose root module's forward never ran outside "
-                    "torch.compile (no input shapes to count with)"
+                    "unknown: a torch.compile'd or sharded model whose root module's forward never ran "
+                    "outside torch.compile (no input shapes to count with)"
                 )
             else:
                 self._capture.start(root)

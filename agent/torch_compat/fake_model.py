@@ -78,6 +78,14 @@ def has_compiled(module: Any) -> bool:
     return any(is_compile_wrapper(m) or compiled_call(m) is not None for m in module.modules())
 
 
+def has_sharded(module: Any) -> bool:
+    """Whether a parameter of ``module`` is a tensor subclass (a DTensor of tensor parallelism or FSDP2,
+    FSDP's FlatParameter): torch's flop counter sees a DTensor's global shape, not this rank's work."""
+    import torch
+
+    return any(type(p) not in (torch.Tensor, torch.nn.Parameter) for p in module.parameters())
+
+
 def _check_plain(tensors: Iterable[Any]) -> None:
     import torch
 

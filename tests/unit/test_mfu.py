@@ -189,3 +189,41 @@ def test_peak_table() -> None:
     assert peak_flops("NVIDIA H200", "tf32") == 494.7e12
     assert peak_flops("NVIDIA GeForce GTX 1080", "bf16") is None
     assert dtype_name(torch.float32, tf32=True) == "tf32" and dtype_name(torch.bfloat16, tf32=False) == "bf16"
+
+
+SHARDED = """
+import json, sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+import hpar_agent
+from hpar_agent.collectors.mfu import COUNT_STEP
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+model = parallelize_module(
+    nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}
+)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+agent = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=sys.argv[1], detectors=False)
+for _ in range(COUNT_STEP + 3):
+    model(torch.randn(4, 8, 16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    agent.tick()
+hpar_agent.detach()
+dist.destroy_process_group()
+"""
+
+
+def test_an_eager_model_with_dtensor_parameters_is_counted_by_its_local_shards(tmp_path: Path) -> None:
+    """torch's flop counter sees a DTensor's global shapes (tp times a rank's own work), so an eager
+    tensor-parallel model goes the compiled models' way: its fake copy is refused and the transformer
+    count takes this rank's shards (here a 1-rank mesh: 6 N a token, N the two Linears' weights)."""
+    res = subprocess.run(
+        [sys.executable, "-c", SHARDED, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    mfu = json.loads((tmp_path / "summary.rank0.json").read_text())["components"]["mfu"]
+    assert mfu["method"] == "transformer blocks", mfu
+    assert "DTensor" in mfu["reason"], mfu
+    assert mfu["flops_per_step"] == 4 * 8 * 6 * (16 * 32 + 32 * 16), mfu
