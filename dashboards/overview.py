@@ -71,32 +71,33 @@ def overview() -> Board:
     ts(
         b,
         "MFU (model FLOPs utilization)",
-        "Model FLOP/s over peak FLOP/s, summed over the run's ranks: rate(hpar_tokens_total) x "
-        "hpar_model_flops_per_token / hpar_peak_flops. Both gauges are what the training loop reports "
-        "(agent.report_flops; hpar_trainer: 6 x its local parameters per token, --peak-tflops); no data "
-        "until they are reported. Dense estimate: attention's sequence-length FLOPs are left out.",
+        "The mean over the run's ranks of hpar_mfu: the agent's count of the model's FLOPs a step (torch's "
+        "flop counter once, or 6N + 12LHQT from the model's structure) over the median step time and the "
+        "GPU's dense peak for the dtype (docs/metrics.md#mfu); absent on CPU and on GPUs outside the peak "
+        "table. 'reported': what the training loop reports instead (agent.report_flops; hpar_trainer: 6 x "
+        "its local parameters per token, --peak-tflops), summed over the ranks.",
         [
+            Q(f"avg by (job_id) ({with_job_id(f'hpar_mfu{{{SEL}}}')})", "MFU {{job_id}}"),
             Q(
                 f"sum by (job_id) ({with_job_id(f'rate(hpar_tokens_total{{{SEL}}}[{RI}]) * on (job, instance, rank) hpar_model_flops_per_token{{{SEL}}}')}) "
                 f"/ sum by (job_id) ({with_job_id(f'hpar_peak_flops{{{SEL}}}')})",
-                "MFU {{job_id}}",
-            )
+                "MFU {{job_id}} (reported)",
+            ),
         ],
         "percentunit",
     )
     ts(
         b,
         "Lowest-MFU $topn ranks",
-        "Per-rank MFU (see MFU) of the $topn ranks with the lowest minimum in the time range.",
+        "Each rank's hpar_mfu (see MFU), the $topn ranks with the lowest minimum in the time range; beside "
+        "it hpar_mfu_at_clock, against the peak at the current SM clock: a throttled GPU reads higher there, "
+        "a rank that waits for its peers reads low in both.",
         [
+            Q(worst(f"hpar_mfu{{{SEL}}}", best=True), "rank {{rank}} stage {{pp_stage}}"),
             Q(
-                worst(
-                    f"rate(hpar_tokens_total{{{SEL}}}[{RI}]) * on (job, instance, rank) "
-                    f"hpar_model_flops_per_token{{{SEL}}} / on (job, instance, rank) hpar_peak_flops{{{SEL}}}",
-                    best=True,
-                ),
-                "rank {{rank}}",
-            )
+                worst(f"hpar_mfu{{{SEL}}}", best=True, draw=f"hpar_mfu_at_clock{{{SEL}}}"),
+                "rank {{rank}} stage {{pp_stage}} at clock",
+            ),
         ],
         "percentunit",
     )

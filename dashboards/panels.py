@@ -41,14 +41,16 @@ def with_job_id(expr: str) -> str:
     return f"({expr}) * on (job, instance, rank) group_left (job_id) {RANK_INFO}"
 
 
-def worst(expr: str, best: bool = False, join: bool = True) -> str:
+def worst(expr: str, best: bool = False, join: bool = True, draw: str = "") -> str:
     """The ``$topn`` series of ``expr`` with the highest (``best``: lowest) peak over the dashboard's
     time range. The set is chosen once, at the range's end (``@ end()``), so a range query draws at
     most ``$topn`` series; a bare ``topk`` would pick new ranks at every step. ``join``: restrict to
-    ``$job_id`` (needs ``job``, ``instance`` and ``rank``; recording rules keep no ``instance``)."""
+    ``$job_id`` (needs ``job``, ``instance`` and ``rank``; recording rules keep no ``instance``).
+    ``draw``: a series with the same labels to draw for that set instead of ``expr``."""
     e = with_job_id(expr) if join else expr
+    d = (with_job_id(draw) if join else draw) if draw else e
     fn, over = ("bottomk", "min_over_time") if best else ("topk", "max_over_time")
-    return f"{e} and {fn}($topn, {over}(({e})[$__range:$__interval] @ end()))"
+    return f"{d} and {fn}($topn, {over}(({e})[$__range:$__interval] @ end()))"
 
 
 @dataclass

@@ -195,5 +195,6 @@ def test_heatmaps_annotations_rank_table_mfu_and_job_id() -> None:
         re.search(r"max by \(([^)]*)\)", t["expr"])[1].split(", ")
     )
     assert "DCGM_FI_DEV_GPU_UTIL * on (UUID)" in table["description"]
-    assert "hpar_peak_flops" in overview["MFU (model FLOPs utilization)"]["targets"][0]["expr"]
+    mfu = [t["expr"] for t in overview["MFU (model FLOPs utilization)"]["targets"]]
+    assert "hpar_mfu{" in mfu[0] and "hpar_peak_flops" in mfu[1], mfu  # the agent's count, then the reported
     assert "hpar_tokens_total" in overview["Tokens per second"]["targets"][0]["expr"]
