@@ -86,7 +86,7 @@ def test_dense_faults_name_only_slow_ranks_or_report_the_split(n: int, layout: s
         "every other": set(range(0, n, 2)),
         "scattered": set(range(7, n, n // 64)),
     }[layout]
-    judged = {r + d for r in range(0, n, n // 96) for d in (0, 1)}  # dense: a sample, slow and healthy
+    judged = {r + d for r in range(0, n, n // 48) for d in (0, 1)}  # dense: a sample, slow and healthy
     job = Job(dp=n, buckets=2, noise=MILD, slow=dict.fromkeys(slow, 1.5))
     fire, name, history = _run(job, passes=2, judged=judged if layout != "scattered" else None)
     splits = _splits(history)
@@ -112,7 +112,7 @@ def test_half_the_replicas_slow_in_dp_x_tp_and_pp_x_dp_names_only_slow_ranks_or_
     tp, pp = (8, 1) if "tp" in layout else (1, 4)
     dp, per = N // tp // pp, tp * pp
     slow = set(range(N // 2))
-    judged = {r for rep in range(0, dp, dp // 16) for r in range(rep * per, rep * per + per)}
+    judged = {r for rep in range(0, dp, dp // 8) for r in range(rep * per, rep * per + per)}
     stages = {3: 1.3} if pp > 1 else {}
     job = Job(dp=dp, tp=tp, pp=pp, buckets=2, noise=MILD, slow=dict.fromkeys(slow, 1.5), stage_work=stages)
     fire, name, history = _run(job, passes=2, judged=judged)
