@@ -5,7 +5,7 @@ on the offending rank's own series and no rank has to be a coordinator that coul
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import pairwise
 from statistics import median
 from typing import TYPE_CHECKING, Any
@@ -438,7 +438,12 @@ class Straggler(Detector):
 
     Culprits are the ranks over ``max_lag_ratio`` whose waits this rank can see: the members of its
     own groups, and of any model-parallel group (tp, cp) it reads whole; a rank of another replica is
-    a reference only (its tp peers are not read, so what it waited for is not known). Confirmed on two
+    a reference only (its tp peers are not read, so what it waited for is not known). The reference,
+    the median of the others, is a slow rank where slow ones are half or more of them: a rank ahead of
+    its reference scores below 0 (``signals.pace``), and where one is ahead past ``max_lag_ratio`` the
+    compared ranks split into a slower and a faster side (``signals.slow_culprits``). Culprits are
+    named only where the faster side is at least as large; else none: the alert is raised on the
+    slower side's ranks with ``culprit_unknown`` ("no majority") and ``split``. Confirmed on two
     consecutive exchanges. Value: this rank's score. Clock skew between hosts adds to every lag: keep
     hosts NTP/PTP-synced (typical skew << step time).
     """
@@ -529,7 +534,7 @@ class Straggler(Detector):
         stage_scores = sig.stage_lags(works) if len(works) >= 2 else {}
         if (snap.rank not in fr or len(fr) < 2) and snap.rank not in stage_scores:
             return None
-        scores: dict[int, float] = {}
+        paces: dict[int, float] = {}  # rank -> its score, negative for a rank ahead (``signals.pace``)
         seen: set[int] = set()
         if snap.rank in fr and len(fr) >= 2:
             since = max(self.warm_ns or 0, int(snap.warmup.last_ts * 1e9))
@@ -543,29 +548,32 @@ class Straggler(Detector):
                 if (pw := sig.unpack_totals(peers.get(r, {}).get("pw"))) is not None and len(pw) == len(es)
             }
             self._keep(sig.step_delays(fr, ends, stages, after=measured, waited=waited), since)
-            scores = {
-                r: sig.delay_score(list(v.values()))
+            paces = {
+                r: sig.pace(list(v.values()))
                 for r, v in self.shares.items()
                 if r in fr and len(v) >= self.p("min_window_steps")
             }
             seen = _seen_whole(fr, snap)
         for r, v in stage_scores.items():  # a stage that became slower than its own baseline
-            scores[r] = max(scores.get(r, 0.0), v)
+            paces[r] = max(paces.get(r, 0.0), v)
             seen.add(r)
-        if snap.rank not in scores:
+        if snap.rank not in paces:
             return None
-        self._note_slowest(scores)
+        scores = {r: max(0.0, v) for r, v in paces.items()}
         limit = self.p("max_lag_ratio")
-        slow = sorted(r for r, v in scores.items() if v > limit and r in seen)
+        verdict = sig.slow_culprits(paces, _units(fr, paces), seen, limit)
+        slow = verdict["culprits"]
+        self._note_slowest({r: scores[r] for r in slow})
         ratio = scores[snap.rank]
+        split = verdict.get("split")
         return Verdict(
-            ratio > limit,
+            snap.rank in split["slower"] if split else ratio > limit,
             ratio,
             {
                 "steps": len(self.shares.get(snap.rank, {})),
-                "culprits": slow,
+                **verdict,
                 "victims": sorted(seen - set(slow)) if slow else [],
-                "lags": {str(r): round(v, 3) for r, v in sorted(scores.items())},
+                "lags": {str(r): round(v, 3) for r, v in sorted(paces.items())},  # < 0: ahead
                 **(
                     {"stage_changed": changed}
                     if (changed := [r for r in slow if stage_scores.get(r, 0) > limit])
@@ -585,8 +593,9 @@ class Straggler(Detector):
                 self.shares[r] = dict(sorted((t, v) for t, v in held.items() if t >= since)[-keep:])
 
     def _note_slowest(self, lags: dict[int, float]) -> None:
-        """The job's slow rank as every rank sees it (the step anatomy names it): the rank with the
-        largest lag, past ``max_lag_ratio`` on ``confirm`` consecutive judgements."""
+        """The job's slow rank as every rank sees it (the step anatomy names it): the culprit with the
+        largest lag, past ``max_lag_ratio`` on ``confirm`` consecutive judgements (none where the
+        culprit is unknown, nor a rank of another replica whose waits this rank does not see)."""
         worst = max(lags, key=lags.__getitem__) if lags else None
         if worst is None or lags[worst] <= self.p("max_lag_ratio"):
             self.slowest, self._slow_streak = None, 0
@@ -600,18 +609,35 @@ def _triple(v: Any) -> bool:
     return isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) for x in v)
 
 
+def _units(fr: dict[int, list[sig.FrEntry]], ranks: Iterable[int]) -> list[list[int]]:
+    """``ranks`` joined by the model-parallel groups (tp, cp) they entered together: the ranks of one
+    replica's piece, which wait for each other, weighed as one against the other replicas."""
+    unit = {r: {r} for r in ranks}
+    for members in _model_parallel_members(fr).values():
+        joined = set().union(*(unit[r] for r in members if r in unit))
+        for r in joined:
+            unit[r] = joined
+    return [sorted(u) for u in {id(u): u for u in unit.values()}.values()]
+
+
+def _model_parallel_members(fr: dict[int, list[sig.FrEntry]]) -> dict[str, set[int]]:
+    """pg uid -> the ranks read that entered it, for the model-parallel groups (tp, cp)."""
+    members: dict[str, set[int]] = {}
+    for r, entries in fr.items():
+        for uid in {e[0] for e in entries}:
+            if sig.model_parallel_dim(src.pg_label(uid)):
+                members.setdefault(uid, set()).add(r)
+    return members
+
+
 def _seen_whole(fr: dict[int, list[sig.FrEntry]], snap: Snapshot) -> set[int]:
     """The ranks read whose waits this rank can see: every model-parallel group they entered (tp, cp)
     has all its members read. Waits in a gradient group (dp) end for all its members at once."""
     topo = snap.topology
     size = {"tp": topo.tp, "cp": topo.cp}
-    members: dict[str, set[int]] = {}
-    for r, entries in fr.items():
-        for e in entries:
-            members.setdefault(e[0], set()).add(r)
     short = {
         uid
-        for uid, rs in members.items()
-        if (dim := sig.model_parallel_dim(src.pg_label(uid))) and len(rs) < size[dim]
+        for uid, rs in _model_parallel_members(fr).items()
+        if len(rs) < size[sig.model_parallel_dim(src.pg_label(uid)) or "tp"]
     }
     return {r for r, entries in fr.items() if not any(e[0] in short for e in entries)}

@@ -13,7 +13,7 @@ import hashlib
 import itertools
 import math
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from itertools import pairwise
 from statistics import median
 from typing import Any
@@ -543,6 +543,10 @@ def step_delays(
     group slow across all its compute is late against the other replicas), ranks of one group with
     each other. A rank 1.5x slower than the reference scores 0.5 a step; ``delay_score`` makes that the
     share of its own step time the others waited (0.33).
+
+    A rank ahead of its reference (its work under it, its arrivals before it, by the same two bounds)
+    gets a negative share: how much of the reference's time it waited for it (a rank among 1.5x slower
+    ones: -0.33). Where that is seen, the reference is a slow rank (``pace_sides``).
     """
     if len(entries_by_rank) < 2 or len(step_ends) < 2:
         return {}
@@ -587,6 +591,8 @@ def step_delays(
             )
     excess: dict[tuple[int, int], float] = {}  # (rank, step) -> work over the reference's, summed
     late: dict[tuple[int, int], float] = {}  # (rank, step) -> the most it arrived after the reference
+    short: dict[tuple[int, int], float] = {}  # (rank, step) -> work under the reference's, summed
+    early: dict[tuple[int, int], float] = {}  # (rank, step) -> the most it arrived before the reference
     reach: dict[tuple[int, int], tuple[int, float]] = {}  # (rank, step) -> its last arrival, the reference's
     mates: dict[tuple[int, int], list[int]] = {}  # (rank, step) -> the ranks its reference is of
     for (label, *_), holders in at.items():
@@ -616,7 +622,10 @@ def step_delays(
                     ]
                 if w > ref_w:
                     excess[key] = excess.get(key, 0) + w - ref_w
+                elif w < ref_w:
+                    short[key] = short.get(key, 0) + ref_w - w
                 late[key] = max(late.get(key, 0), t - ref_t)
+                early[key] = max(early.get(key, 0), ref_t - t)
                 if t > reach.get(key, (0, 0.0))[0]:
                     reach[key] = (t, ref_t)
     out: dict[int, dict[int, float]] = {}
@@ -629,11 +638,14 @@ def step_delays(
         if span <= 0:
             continue
         delay = min(excess.get((r, i), 0), max(0, lt))
+        lead = min(short.get((r, i), 0), early[(r, i)])  # the same bounds on how much it is ahead
         others = sorted(piped.get((q, i), 0) for q in mates.get((r, i), ()) if q != r)
         base = (
-            span - min(median(others), 0.9 * span) if others and delay >= PIPELINE_MIN_SHARE * span else span
+            span - min(median(others), 0.9 * span)
+            if others and max(delay, lead) >= PIPELINE_MIN_SHARE * span
+            else span
         )
-        out.setdefault(r, {})[ends[i]] = delay / base
+        out.setdefault(r, {})[ends[i]] = (delay - lead) / base
     return out
 
 
@@ -678,12 +690,68 @@ def _replica_median(groups: Sequence[Sequence[int]]) -> float:
 
 def delay_score(shares: Sequence[float]) -> float:
     """A rank's score from its per-step shares (``step_delays``): of the median share m, ``m / (1 + m)``,
-    the part of its own step time the others waited for it (1.5x slower: 0.33; 1.1x: 0.09). The median
-    over steps: one spike, a checkpoint pause or a descheduled process, fills a step, not half of them."""
+    the part of its own step time the others waited for it (1.5x slower: 0.33; 1.1x: 0.09), 0 for a
+    rank ahead. The median over steps: one spike, a checkpoint pause or a descheduled process, fills a
+    step, not half of them."""
+    return max(0.0, pace(shares))
+
+
+def pace(shares: Sequence[float]) -> float:
+    """``delay_score`` with a sign: for a rank ahead of its reference, minus the part of the
+    reference's time it waited for it (a rank among 1.5x slower ones: -0.33, what they score against
+    it), so that paces of one view are on one scale."""
     if not shares:
         return 0.0
     m = median(shares)
-    return m / (1.0 + m)
+    return m / (1.0 + m) if m > 0 else m
+
+
+def pace_sides(
+    paces: Mapping[int, float], units: Sequence[Sequence[int]], limit: float
+) -> tuple[list[list[int]], list[list[int]]] | None:
+    """The compared ranks split by pace (``pace``), (slower units, faster units), where the fastest is
+    ahead of its reference by more than ``limit`` (it waits for the median of the others more than
+    that share of their step: they are slow); None where none is. ``units``: ranks that wait for each
+    other (a tp group read whole: one replica's piece) count as one, as slow as its slowest member, so
+    that a replica is weighed as one against the other replicas. The split is at the middle of the
+    paces' range: healthy ranks and 1.5x slower ones are 0.33-0.53 apart, whichever side the
+    references are on. Why not a gap alone: GPUs that differ by a fixed few % spread a view's paces
+    over 0.3 with no two sides; a rank that far ahead is as rare there as one that far behind."""
+    by_unit = [
+        (max(paces[r] for r in u if r in paces), sorted(u)) for u in units if any(r in paces for r in u)
+    ]
+    lo = min((p for p, _ in by_unit), default=0.0)
+    if lo >= -limit:
+        return None
+    mid = (lo + max(p for p, _ in by_unit)) / 2
+    return [u for p, u in by_unit if p > mid], [u for p, u in by_unit if p <= mid]
+
+
+def slow_culprits(
+    paces: Mapping[int, float], units: Sequence[Sequence[int]], nameable: Collection[int], limit: float
+) -> dict[str, Any]:
+    """``{"culprits": [...]}``: the ``nameable`` ranks whose pace is over ``limit``, where the faster
+    side holds at least as many units as the slower (``pace_sides``): each slower one is then compared
+    with a faster one, the median of the others (4-4 of eight, 3-2 of five). Where the slower side
+    holds more (3-2 of five the other way, half the job slow), its ranks are compared with slow ones
+    and score low or nothing: no culprit is named, ``culprit_unknown`` says so ("no majority") and
+    ``split`` holds the sides (``slower``, ``faster``: ranks)."""
+    over = sorted(r for r in nameable if paces.get(r, 0.0) > limit)
+    sides = pace_sides(paces, units, limit)
+    if sides is None:
+        return {"culprits": over}
+    slower, faster = sides
+    slow = sorted(r for u in slower for r in u)
+    if len(faster) >= len(slower):
+        return {"culprits": [r for r in over if r in set(slow)]}
+    fast = sorted(r for u in faster for r in u)
+    return {
+        "culprits": [],
+        "culprit_unknown": f"no majority: the slower side, ranks {slow}, outnumbers the faster, ranks "
+        f"{fast} (split {len(slower)}-{len(faster)}), so it is measured against slow ranks: which of "
+        "it are stragglers is unknown",
+        "split": {"slower": slow, "faster": fast},
+    }
 
 
 def own_work(ends: Sequence[int], cum: Sequence[int]) -> list[tuple[int, float]]:

@@ -62,20 +62,63 @@ def test_a_block_of_slow_ranks_is_named_whole(slow: set[int]) -> None:
     assert _run(job)[:2] == (slow, slow)
 
 
+def _splits(history: list[dict[int, Any]]) -> dict[int, dict[str, list[int]]]:
+    """rank -> the split its last active verdict reported with no culprit ("no majority")."""
+    out = {}
+    for r, v in history[-1].items():
+        if v.active and "split" in v.details:
+            assert not v.details["culprits"] and v.details["culprit_unknown"].startswith("no majority")
+            out[r] = v.details["split"]
+    return out
+
+
 @pytest.mark.parametrize("n", [N, 8192])
 @pytest.mark.parametrize("layout", ["half", "every other", "scattered"])
-def test_dense_faults_name_only_slow_ranks(n: int, layout: str) -> None:
+def test_dense_faults_name_only_slow_ranks_or_report_the_split(n: int, layout: str) -> None:
+    """Half the job slow (ranks 0 to n/2), every other rank slow, or 64 scattered, each 1.5x. Every
+    slow rank judged raises the alert and no healthy one does; each names only slow ranks (itself
+    among them), or, where its view's slower side is larger than the faster (3-2 of five), names
+    none and reports the split, whose slower side is slow ranks and faster side healthy ones. Every
+    other rank: each slow rank's five split 3-2 (the first peer offset odd, the second even), so all
+    report the split; the scattered ones are named exactly."""
     slow = {
         "half": set(range(n // 2)),
         "every other": set(range(0, n, 2)),
-        "scattered": set(range(7, n, n // 32)),
+        "scattered": set(range(7, n, n // 64)),
     }[layout]
-    judged = {r + d for r in range(0, n, n // 96) for d in (0, 1)}  # dense: a sample, slow and healthy
+    judged = {r + d for r in range(0, n, n // 48) for d in (0, 1)}  # dense: a sample, slow and healthy
     job = Job(dp=n, buckets=2, noise=MILD, slow=dict.fromkeys(slow, 1.5))
-    fire, name, _ = _run(job, passes=2, judged=judged if layout != "scattered" else None)
-    assert name <= slow and fire <= slow
-    if layout == "scattered":  # 32 slow ranks among healthy ones: every one named
-        assert name == slow
+    fire, name, history = _run(job, passes=2, judged=judged if layout != "scattered" else None)
+    splits = _splits(history)
+    assert all(set(s["slower"]) <= slow and not set(s["faster"]) & slow for s in splits.values())
+    if layout == "scattered":
+        assert fire == name == slow and not splits
+        return
+    assert fire == slow & judged and name <= slow
+    assert all(r in splits or r in history[-1][r].details["culprits"] for r in fire)
+    if layout == "half":
+        assert splits and name  # both: where the view's faster side is larger, named
+    else:
+        assert set(splits) == fire and not name
+
+
+@pytest.mark.parametrize("layout", ["dp128 x tp8", "pp4 x dp256"])
+def test_half_the_replicas_slow_in_dp_x_tp_and_pp_x_dp_names_only_slow_ranks_or_the_split(
+    layout: str,
+) -> None:
+    """The first half of the replicas 1.5x slower (a tp group, or a pipeline's stages, slow whole): a
+    tp group read whole is one replica against its four dp peers, a stage compared with its replicas
+    at the same stage. Slow replicas raise, healthy ones do not, splits are right."""
+    tp, pp = (8, 1) if "tp" in layout else (1, 4)
+    dp, per = N // tp // pp, tp * pp
+    slow = set(range(N // 2))
+    judged = {r for rep in range(0, dp, dp // 8) for r in range(rep * per, rep * per + per)}
+    stages = {3: 1.3} if pp > 1 else {}
+    job = Job(dp=dp, tp=tp, pp=pp, buckets=2, noise=MILD, slow=dict.fromkeys(slow, 1.5), stage_work=stages)
+    fire, name, history = _run(job, passes=2, judged=judged)
+    splits = _splits(history)
+    assert fire == slow & judged and name <= slow and splits
+    assert all(set(s["slower"]) <= slow and not set(s["faster"]) & slow for s in splits.values())
 
 
 @pytest.mark.parametrize("tp", [4, 8])

@@ -169,6 +169,50 @@ def test_step_delays_judge_only_steps_every_window_covers_and_not_again() -> Non
 def test_delay_score_is_the_median_share_of_the_ranks_own_time() -> None:
     assert sig.delay_score([0.5] * 9 + [40.0]) == pytest.approx(1 / 3)  # one 5x spike is one step
     assert sig.delay_score([]) == 0.0
+    assert sig.delay_score([-0.3] * 5) == 0.0 and sig.pace([-0.3] * 5) == pytest.approx(-0.3)
+
+
+def test_a_rank_among_slower_ones_is_ahead_by_what_they_would_score_against_it() -> None:
+    """Ranks 1-3 of four are 1.5x slower: rank 0's reference, the median of the others, is a slow
+    rank; it is ahead by a third of that rank's step (-0.33), what a 1.5x rank scores against healthy
+    ones. The slow ranks, compared with two slow and one healthy, score nothing."""
+    entries, ends = _steps({1: 1.5, 2: 1.5, 3: 1.5}, n_ranks=4)
+    paces = {r: sig.pace(list(v.values())) for r, v in sig.step_delays(entries, ends).items()}
+    assert paces[0] == pytest.approx(-1 / 3, abs=0.02) and all(abs(paces[r]) < 0.01 for r in (1, 2, 3))
+
+
+def _culprits(paces: dict[int, float], units: list[list[int]] | None = None) -> dict:
+    return sig.slow_culprits(paces, units or [[r] for r in paces], set(paces), 0.25)
+
+
+def test_slow_ranks_are_named_only_where_the_faster_side_is_at_least_as_large() -> None:
+    """Paces of 1.5x slower ranks among healthy ones, as a view of five (or eight) sees them: named
+    where each slower rank's reference (the median of the others) is a faster rank; where the slower
+    side is larger, no culprit: "no majority" and the split, slower side first."""
+    assert _culprits({0: 0.0, 1: 0.0, 2: 0.01, 3: 0.0, 4: 0.33}) == {"culprits": [4]}  # 4-1
+    assert _culprits({0: -0.2, 1: -0.19, 2: -0.2, 3: 0.33, 4: 0.34}) == {"culprits": [3, 4]}  # 3-2
+    eight = {r: -0.33 if r < 4 else 0.33 for r in range(8)}  # 4-4: each slow rank's others are 4-3
+    assert _culprits(eight) == {"culprits": [4, 5, 6, 7]}
+    for paces, slower in [
+        ({0: -0.33, 1: -0.34, 2: 0.17, 3: 0.16, 4: 0.17}, [2, 3, 4]),  # 2-3: slow references
+        ({0: -0.33, 1: 0.0, 2: 0.01, 3: 0.0, 4: -0.01}, [1, 2, 3, 4]),  # 1-4: slow all but one
+        ({r: 0.3 if r > 2 else -0.33 for r in range(8)}, [3, 4, 5, 6, 7]),  # 3-5 of eight
+    ]:
+        got = _culprits(paces)
+        assert got["culprits"] == [] and got["culprit_unknown"].startswith("no majority"), got
+        assert got["split"] == {"slower": slower, "faster": sorted(set(paces) - set(slower))}
+    # a tp group slow across its compute is one replica against four: named whole
+    group = {r: 0.33 for r in range(8)} | {r: 0.0 for r in (8, 9, 10, 11)}
+    units = [list(range(8)), [8], [9], [10], [11]]
+    assert _culprits(group, units) == {"culprits": list(range(8))}
+    ahead = {r: 0.0 for r in range(8)} | {8: -0.33, 9: -0.34, 10: 0.01, 11: 0.0}  # 2 replicas of 5
+    assert _culprits(ahead, units)["split"] == {"slower": [*range(8), 10, 11], "faster": [8, 9]}
+
+
+def test_gpus_a_few_percent_apart_make_no_split() -> None:
+    """Paces spread over 0.3 with no two sides (fixed per-GPU speeds), none ahead past the limit."""
+    paces = {0: -0.22, 1: -0.05, 2: 0.0, 3: 0.06, 4: 0.1}
+    assert sig.pace_sides(paces, [[r] for r in paces], 0.25) is None and _culprits(paces) == {"culprits": []}
 
 
 def test_hang_timeout_and_warmup() -> None:
