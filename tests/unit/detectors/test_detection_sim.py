@@ -24,10 +24,10 @@ N = 1024
 
 
 def _run(
-    job: Job, passes: int = 3, judged: set[int] | None = None
+    job: Job, passes: int = 3, judged: set[int] | None = None, fill: bool = True
 ) -> tuple[set[int], set[int], list[dict[int, Any]]]:
     sim = StragglerSim(job, cover(job) if judged is None else judged)
-    history = sim.run(passes)
+    history = sim.run(passes, fill=fill)
     return fired(history), named_in(history), history
 
 
@@ -172,3 +172,20 @@ def test_pp4_x_dp256_a_stage_slower_by_design_is_no_culprit_a_slow_rank_is_named
         assert _run(job)[:2] == (set(), set())
     job = Job(dp=256, pp=4, buckets=2, noise=MILD, stage_work={3: 1.3}, slow={4 * 100 + 2: factor})
     assert _run(job)[:2] == ({402}, {402})
+
+
+@pytest.mark.parametrize(("stages", "factor"), [(16, 2.0), (64, 3.0)])
+def test_a_pure_pipeline_of_any_size_names_a_stage_that_became_slower(stages: int, factor: float) -> None:
+    """A pure pipeline (dp 1) of 16 and 64 stages, GPipe with as many microbatches as stages, the last
+    stage 30 % more work by design: from step 100 one stage works 2x (3x at 64 stages, where the hops'
+    transfers are a larger part of the step) as long. Each stage reads four others' own work a step
+    (beyond ``WHOLE_GROUP`` ranks no stage was read: nothing was named); the slow one is named alone,
+    the one slower by design never, and without a slow stage nothing is."""
+    slow = stages // 2 + 1
+    job = Job(dp=1, pp=stages, microbatches=stages, noise=MILD, stage_work={stages - 1: 1.3}, slow_from=100)
+    if stages == 16:
+        assert _run(job, passes=20, fill=False)[:2] == (set(), set())
+    job = Job(**{**job.__dict__, "slow": {slow: factor}})
+    fire, name, history = _run(job, passes=20, fill=False)
+    assert (fire, name) == ({slow}, {slow}), history[-1].get(slow)
+    assert history[-1][slow].details["stage_changed"] == [slow]
