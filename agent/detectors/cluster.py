@@ -554,7 +554,9 @@ class Straggler(Detector):
             seen.add(r)
         if snap.rank not in scores:
             return None
-        self._note_slowest(scores)
+        # of the ranks whose waits this rank sees: a rank of another replica that waits for its own
+        # slow tp peer (unread) looks slow from here, and is that peer's victim
+        self._note_slowest({r: v for r, v in scores.items() if r in seen})
         limit = self.p("max_lag_ratio")
         slow = sorted(r for r, v in scores.items() if v > limit and r in seen)
         ratio = scores[snap.rank]
@@ -585,8 +587,9 @@ class Straggler(Detector):
                 self.shares[r] = dict(sorted((t, v) for t, v in held.items() if t >= since)[-keep:])
 
     def _note_slowest(self, lags: dict[int, float]) -> None:
-        """The job's slow rank as every rank sees it (the step anatomy names it): the rank with the
-        largest lag, past ``max_lag_ratio`` on ``confirm`` consecutive judgements."""
+        """The job's slow rank as this rank sees it (the step anatomy names it): of the ranks whose waits
+        it sees, the one with the largest lag, past ``max_lag_ratio`` on ``confirm`` consecutive
+        judgements."""
         worst = max(lags, key=lags.__getitem__) if lags else None
         if worst is None or lags[worst] <= self.p("max_lag_ratio"):
             self.slowest, self._slow_streak = None, 0

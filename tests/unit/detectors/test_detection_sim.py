@@ -94,6 +94,24 @@ def test_dp_x_tp_names_the_slow_rank_not_its_tp_peers_and_a_slow_tp_group_whole(
     assert _run(job)[:2] == (group, group)
 
 
+def test_the_slow_rank_each_rank_names_is_one_whose_waits_it_sees() -> None:
+    """dp2 x tp2, rank 3 3x slow: rank 2, its tp peer, waits for it and reaches its all-reduce with
+    rank 0 late. Rank 0 reads ranks 1 and 2, not rank 3, so it cannot see what rank 2 waited for (it
+    scores rank 2 at 0.39): the slow rank it names (its step verdict's ``slow_rank``) is none, never
+    rank 2. Rank 1 reads rank 3 but not its tp peer, so it cannot tell whether rank 3 waited either:
+    none. Rank 3, which reads its whole tp group, names itself."""
+    sim = StragglerSim(Job(dp=2, tp=2, noise=MILD, slow={3: 3.0}))
+    history = sim.run(4)
+    assert (fired(history), named_in(history)) == ({3}, {3})
+    assert history[-1][0].details["lags"]["2"] > 0.25  # what rank 0 would have named
+    assert {r: (d.slowest or (None,))[0] for r, d in sim.detectors.items()} == {
+        0: None,
+        1: None,
+        2: None,
+        3: 3,
+    }
+
+
 def test_many_collectives_a_step_are_judged() -> None:
     """160 collectives a step: the window widens to 3 steps (481 entries, not 256) and the steps
     measured add up over the exchanges."""
