@@ -309,6 +309,10 @@ def test_a_pipeline_stage_that_became_slower_is_named_and_its_neighbours_are_pip
     verdicts = _verdicts(run_dir)
     assert [verdicts[r] for r in (0, 1, 3)] == ["pipeline-bound"] * 3, verdicts
     assert verdicts[2] == "slow-rank", verdicts
+    for r in range(4):  # each stage's chunks timed, though the program never calls watch_pipeline()
+        pipe = json.loads((run_dir / f"summary.rank{r}.json").read_text())["components"]["pipeline"]
+        assert {f"{r}/forward", f"{r}/backward"} <= set(pipe["chunk_seconds_p50"]), pipe
+        assert pipe["bubble_ratio_mean"] is not None, pipe
 
 
 def test_a_slow_stage_of_one_replica_is_named_against_its_replica_not_its_waiting_neighbour(
