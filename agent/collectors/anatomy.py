@@ -89,9 +89,7 @@ class AnatomyCollector(Component):
         ] = []  # (step, step s, phases, loader s)
         self.verdict: str | None = None
         self._unjudged = False  # steps finished by on_step, judged in end_pass
-        self.slow_rank: int | None = (
-            None  # the peer a waits-for-slow-rank verdict names (None: this rank, or none)
-        )
+        self.slow_rank: int | None = None  # the slow peer a verdict names (None: this rank, or none)
         self.evidence: dict[str, Any] = {}
         self.shares: dict[str, float] = {}
         self.spans_ns: dict[int, tuple[int, int]] = {}  # step -> (start ns, end ns) of the recent steps

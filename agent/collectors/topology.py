@@ -14,10 +14,11 @@ if TYPE_CHECKING:
 
 class TopologyWatch(Component):
     """Re-detects the agent's topology when a process group, a data-parallel wrapper, a mesh or a
-    pipeline stage appeared (whose chunks it has timed at once, ``_time_chunks``): right then on the training thread when no pass is in progress (a short job may end, and
-    destroy its group, before the next pass), and again at the next pass (first in poll order: the
-    rest of that pass sees the new topology), when what the source built is complete (FSDP2 shards
-    the parameters after the state's ``init``)."""
+    pipeline stage appeared (a stage's chunks it times at once, ``_time_chunks``): right then on the
+    training thread when no pass is in progress (a short job may end, and destroy its group, before
+    the next pass), and again at the next pass (first in poll order: the rest of that pass sees the
+    new topology), when what the source built is complete (FSDP2 shards the parameters after the
+    state's ``init``)."""
 
     name = "topology"
 
