@@ -35,11 +35,12 @@ def bottleneck(
     host work between steps, a slow rank, exposed communication. ``straggler``: the job has one slow
     rank, this one, or ``slow_peer`` where another: a rank that waits for it (in a collective, its
     gradient all-reduce or a tp all-reduce) is its victim, waits-for-slow-rank, never slow-rank itself.
-    ``pipeline_wait``: the share of step time this rank's training thread waited in pipeline p2p ops (its neighbours' activations or
-    gradients); from ``pipeline_share`` on the rank is pipeline-bound, named before host (a stage's
-    wait for its first activations is in the host phase) and before a slow rank (it is the one waiting). compute-bound is what is left only
-    when the measured phases explain at least ``min_explained`` of the step: else the time is
-    somewhere the phases do not see, and the verdict is unknown."""
+    ``pipeline_wait``: the share of step time this rank's training thread waited in pipeline p2p ops
+    (its neighbours' activations or gradients); from ``pipeline_share`` on the rank is pipeline-bound,
+    named before host (a stage's wait for its first activations is in the host phase) and before a
+    slow rank (it is the one waiting). compute-bound is what is left only when the measured phases
+    explain at least ``min_explained`` of the step: else the time is somewhere the phases do not see,
+    and the verdict is unknown."""
     th = {**ANATOMY_DEFAULTS, **(thresholds or {})}
 
     def over(phase: str, key: str) -> str | None:
