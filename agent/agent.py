@@ -332,7 +332,8 @@ class Agent:
                     setattr(self, attr, v)
 
     def watch_pipeline(self, stages: Iterable[Any] = (), schedule: Any = None) -> None:
-        """Time every forward/backward chunk of these PipelineStages, or of the schedule's stages."""
+        """Time every forward/backward chunk of these PipelineStages, or of the schedule's stages (the
+        stages a program builds after attach, or a schedule runs, are timed without it)."""
         pipe = self.context.find(PipelineCollector)
         if pipe is None:
             return

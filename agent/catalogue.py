@@ -178,6 +178,7 @@ VERDICTS: tuple[str, ...] = (
     "compute-bound",
     "communication-bound",
     "slow-rank",
+    "waits-for-slow-rank",
     "unknown",
 )
 
@@ -311,13 +312,13 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "hpar_step_slow_rank",
         "gauge",
-        "The rank a slow-rank verdict names: the job's slowest rank, on every rank (the cross-rank Straggler exchange); absent otherwise.",
+        "The job's slowest rank, on the rank itself (verdict slow-rank) and on the ranks that wait for it (waits-for-slow-rank), from the cross-rank Straggler exchange; absent otherwise.",
         unit="",
     ),
     _m(
         "hpar_step_bottleneck",
         "gauge",
-        "1 for this rank's current bottleneck verdict (input-bound, host-bound, pipeline-bound, compute-bound, communication-bound, slow-rank, unknown: the phases explain too little of the step), 0 for the others.",
+        "1 for this rank's current bottleneck verdict (input-bound, host-bound, pipeline-bound, compute-bound, communication-bound, slow-rank, waits-for-slow-rank: a victim of the slow rank, unknown: the phases explain too little of the step), 0 for the others.",
         VERDICT,
     ),
     _m(

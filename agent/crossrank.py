@@ -17,7 +17,8 @@ key per step), and a reader fetches only the purposes it compares:
 | ``ck`` | parameter checksums by name (~0.2 KB a parameter over 3 steps) | when they change | the dp/tp peers, only when their digests in ``s`` disagree |
 
 Comparison peers (``plan``): along every mesh dim but ``pp`` (stages hold different graphs and
-parameters), the members of this rank's group on that dim: all of them in a group of up to
+parameters; a pure pipeline reads the ``s`` of the stages ``select`` picks, with their own work a step),
+the members of this rank's group on that dim: all of them in a group of up to
 ``WHOLE_GROUP`` (8), else the four at +-n/5 and +-2n/5 in the group's order (``select``), moved
 to the next offset that is not a multiple of the node size (8, and ``LOCAL_WORLD_SIZE``), so that
 peers sit on other local GPU indices (``unaligned``). The choice is
@@ -275,7 +276,8 @@ def _stride(members: Sequence[int]) -> int | None:
 class PeerPlan:
     """One rank's comparison peers by mesh dim (itself never among them), and in a job of up to
     ``WHOLE_GROUP`` ranks every other rank (``world``: their ``s`` is read too, so a hang's culprit on
-    another dim or stage is seen)."""
+    another dim or stage is seen); in a pure pipeline of more stages, the stages ``select`` picks (their
+    ``s`` holds their own work a step, which a slow stage is judged against)."""
 
     rank: int
     groups: Mapping[str, tuple[int, ...]]
@@ -316,6 +318,10 @@ def plan(
         if size > 1 and dim not in skipped
     }
     world = tuple(r for r in grid.ranks if r != rank) if len(grid.ranks) <= WHOLE_GROUP else ()
+    if not world and not groups and "pp" in grid.names:
+        # a pure pipeline past WHOLE_GROUP stages: the stages ``select`` picks, for their ``s`` (each
+        # stage's own work a step, against which Straggler judges a stage that became slower)
+        world = tuple(select(grid.group(rank, "pp"), rank, k, nodes=sizes))
     return PeerPlan(rank, groups, world)
 
 

@@ -8,7 +8,10 @@ reduction completes, plus the optimizer. With ``pp`` stages (dp x pp) a replica'
 through its stages in turn and its backward back (each stage waits for its neighbour's activations
 or gradients, p2p, which the flight recorder does not show: each rank publishes the time it waited
 in p2p by each of its entries, ``pw``, as the agent's pipelining wrapper times it), each stage's
-buckets over its own backward; ``stage_work`` makes a stage slower by design. A rank's compute is its ``factor`` (a slow GPU: 1.5) x a
+buckets over its own backward; ``stage_work`` makes a stage slower by design. A pure pipeline (``dp`` 1):
+no collectives; each stage's step ends after its own backward and optimizer, and its waits for
+activations and gradients are counted from its previous step's end; each rank publishes its own work
+a step (``pwork``, from its ``Straggler.publish``). A rank's compute is its ``factor`` (a slow GPU: 1.5) x a
 fixed per-GPU speed (``gpu_sigma``) x per-segment noise (lognormal ``sigma``, with ``spike_p`` spikes
 of ``spike`` x). Every ``steps_per_pass`` steps an exchange: each rank's last ``window`` entries are
 what its peers read (``crossrank.plan``), and each judged rank's own ``Straggler`` (kept from pass to
@@ -64,6 +67,8 @@ class Job:
     slow: Mapping[int, float] = field(default_factory=dict)  # rank -> compute factor (1.5: 1.5x slower)
     pp: int = 1  # pipeline stages (dp x pp, pp innermost): one microbatch through the stages
     stage_work: Mapping[int, float] = field(default_factory=dict)  # stage -> its compute by design (1.3)
+    slow_from: int = 0  # the step from which ``slow`` applies
+    microbatches: int = 1  # a pure pipeline's (dp 1) microbatches a step
     window: int = 256  # flight-recorder entries each rank publishes (at least; ``StragglerSim.window``)
     steps_per_pass: int = 10  # 0.3 s steps, an exchange every 3 s
     seed: int = 0
@@ -85,8 +90,8 @@ class StragglerSim:
         self.speed = (
             np.exp(self.rng.normal(0.0, job.noise.gpu_sigma, n)) if job.noise.gpu_sigma else np.ones(n)
         )
-        for r, f in job.slow.items():
-            self.speed[r] *= f
+        if not job.slow_from:
+            self._slow_down()
         for r in range(n):
             self.speed[r] *= job.stage_work.get(r % job.pp, 1.0)
         self.coords = [self._coords(r) for r in range(n)]
@@ -99,6 +104,8 @@ class StragglerSim:
         self.waits: list[np.ndarray] = []
         self.waited = np.zeros(n, dtype=np.int64)  # ns each rank waited in p2p so far
         self.ends: list[int] = []  # step end ns (every rank's step hook)
+        #: a pure pipeline's step end ns of each rank (each stage's own), the last step's first
+        self.rank_ends = np.full(n, T0_NS, dtype=np.int64)
         self.step = 0
         self.now_ns = T0_NS
         ranks = range(n) if judged is None else judged
@@ -107,6 +114,15 @@ class StragglerSim:
         self.plans = {r: plan(self.grid, r) for r in ranks}
         self.verdicts: dict[int, Verdict] = {}
         self.uids = [self._uids(r) for r in range(n)]
+
+    @property
+    def pure(self) -> bool:
+        """A pure pipeline: stages only, no collective."""
+        return self.job.pp > 1 and self.job.dp == 1 and self.job.tp == 1
+
+    def _slow_down(self) -> None:
+        for r, f in self.job.slow.items():
+            self.speed[r] *= f
 
     def _coords(self, r: int) -> dict[str, int]:
         if self.job.pp > 1:
@@ -131,6 +147,11 @@ class StragglerSim:
 
     def run_step(self) -> None:
         job = self.job
+        if job.slow_from and self.step == job.slow_from:
+            self._slow_down()
+        if self.pure:
+            self._pure_step()
+            return
         start = self.now_ns
         cursor = np.full(job.n, start, dtype=np.int64)
         rows = []
@@ -169,6 +190,47 @@ class StragglerSim:
             rows.append(cursor)
         self._close_step(rows, cursor)
 
+    def _pure_step(self) -> None:
+        """One GPipe step of a pure pipeline over ``microbatches``: every forward, then every backward.
+        A stage runs a microbatch's forward once its activations have come (stage 0: at once) and it is
+        done with its previous work (its last step, for the first), the last stage each backward after
+        its forwards, the others once the gradients have come; a stage's step ends after its last
+        backward and the optimizer. Its waits for activations and gradients are logged as the
+        pipelining wrapper times them: (exit ns, ns waited so far)."""
+        n, m, comm = self.job.n, self.job.microbatches, int(COMM_S * 1e9)
+        fwd = (self._compute(FORWARD_S) // m).tolist()
+        bwd = (self._compute(BACKWARD_S) // m).tolist()
+        free = [int(t) for t in self.rank_ends]  # when each stage is done with its previous work
+        waited = [int(w) for w in self.waited]
+        log: list[list[int]] = [[] for _ in range(n)]
+
+        def run(st: int, come: int | None, work: int) -> int:
+            if come is not None and come > free[st]:  # it waits for its neighbour
+                waited[st] += come - free[st]
+                log[st] += [come, waited[st]]
+                free[st] = come
+            free[st] += work
+            return free[st]
+
+        for _ in range(m):
+            done = None
+            for st in range(n):
+                done = run(st, None if done is None else done + comm, fwd[st])
+        for _ in range(m):
+            done = None
+            for st in reversed(range(n)):
+                done = run(st, None if done is None else done + comm, bwd[st])
+        width = max(len(x) for x in log)
+        rows = np.array([x + x[-2:] * ((width - len(x)) // 2) if x else [0, 0] * (width // 2) for x in log])
+        self.waits.append(rows.T)
+        if len(self.waits) > self.job.steps_per_pass + 2:  # what a publish reads: the steps since the last
+            self.waits.pop(0)
+        self.waited = np.array(waited, dtype=np.int64)
+        self.rank_ends = np.array(free, dtype=np.int64) + int(OPTIMIZER_S * 1e9)
+        self.ends.append(int(self.rank_ends.max()))
+        self.now_ns = int(self.rank_ends.max())
+        self.step += 1
+
     def _close_step(self, rows: list[np.ndarray], cursor: np.ndarray) -> None:
         end = int(cursor.max()) + int((COMM_S + OPTIMIZER_S) * 1e9)
         self.times.append(np.stack(rows))
@@ -199,16 +261,26 @@ class StragglerSim:
         def payload(q: int) -> dict[str, Any]:
             if q not in cache:
                 c = self.coords[q]
+                cache[q] = {"c": {**c, "dp": c["dp_replicate"], "stage": c["pp"]}}
+                log = [(int(w[i, q]), int(w[i + 1, q])) for w in self.waits for i in range(0, len(w), 2)]
+                log = [x for x in log if x[0]]  # a stage that did not wait
+                if self.pure:  # its own work a step, as its detector publishes it in ``s``
+                    det = self.detectors.get(q)
+                    state = src.NO_COLLECTIVES._replace(p2p_waited=log)
+                    own = det.publish(self._snapshot(q, {}, state)) if det is not None else {}
+                    cache[q].update(own.get("s", {}))
+                    return cache[q]
                 fr = self.entries(q)
-                cache[q] = {"c": {**c, "dp": c["dp_replicate"], "stage": c["pp"]}, "fr": fr}
+                cache[q]["fr"] = fr
                 if self.waits:
-                    log = [(int(w[i, q]), int(w[i + 1, q])) for w in self.waits for i in (0, 2)]
                     cache[q]["pw"] = sig.pack_totals(waited_by(log, [e[5] for e in fr]))  # as published
             return cache[q]
 
         out = {}
         for r, det in self.detectors.items():
             peers = {q: payload(q) for q in (*self.plans[r].peers, r)}
+            for q in self.plans[r].world:  # read for their ``s`` alone
+                peers.setdefault(q, {k: v for k, v in payload(q).items() if k not in ("fr", "pw")})
             snap = self._snapshot(r, peers)
             v = det.evaluate(snap)
             if v is not None:
@@ -216,7 +288,9 @@ class StragglerSim:
         self.verdicts = out
         return out
 
-    def _snapshot(self, r: int, peers: dict[int, dict[str, Any]]) -> Snapshot:
+    def _snapshot(
+        self, r: int, peers: dict[int, dict[str, Any]], collectives: src.CollectiveState = src.NO_COLLECTIVES
+    ) -> Snapshot:
         c = self.coords[r]
         topo = Topology(
             rank=r,
@@ -237,6 +311,7 @@ class StragglerSim:
             coords=c,
             steps_done=self.step,
             warmup=CompileWarmup(quiet_steps=self.step),
+            collectives=collectives,
             exchange=view,
         )
 
@@ -247,8 +322,9 @@ class StragglerSim:
         for p in range(passes):
             for _ in range(self.keep if p == 0 and fill else self.job.steps_per_pass):
                 self.run_step()
-                for det in self.detectors.values():
-                    det.step_hook(StepTick(self.step - 1, self.ends[-1], None, self.job.n))
+                for r, det in self.detectors.items():
+                    end = int(self.rank_ends[r]) if self.pure else self.ends[-1]
+                    det.step_hook(StepTick(self.step - 1, end, None, self.job.n))
             out.append(self.exchange())
         return out
 

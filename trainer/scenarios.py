@@ -73,7 +73,11 @@ INJECT_STEP = 3
 FROM_START = {"divergent-graph", "ddp-nesting", "tp-grad-skip"}
 
 #: the demo: 4 CPU ranks, tp2 x pp2 with compiled blocks.
-DEMO_ARGS = "--dp 1 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --compile aot_eager --steps 40 --log-every 5".split()
+DEMO_STEPS = 40
+DEMO_ARGS = (
+    f"--dp 1 --tp 2 --pp 2 --schedule 1f1b --microbatches 4 --compile aot_eager --steps {DEMO_STEPS} "
+    "--log-every 5"
+).split()
 
 
 def layout(injection: str, nproc: int) -> list[str]:
@@ -111,8 +115,12 @@ def diagnose_argv(
 
 
 def demo_argv(*, steps: int = 0, inject: Sequence[str] = (), extra: Sequence[str] = ()) -> list[str]:
-    """Trainer argv of the demo (without the summary path: see ``with_out``); ``extra`` flags last."""
+    """Trainer argv of the demo (without the summary path: see ``with_out``); ``extra`` flags last. With
+    an injection and no ``steps``, at least the fault matrix's steps for it: the demo's 40 end before a
+    cross-rank detector has judged twice (a straggler was named by nobody)."""
     argv = list(DEMO_ARGS)
+    if not steps and inject:
+        steps = max(DEMO_STEPS, *(STEPS.get(name, DEFAULT_STEPS) for name in inject))
     if steps:
         argv += ["--steps", str(steps)]
     for name in inject:

@@ -48,7 +48,7 @@ from hpar_agent.collectors.phases import OPT1, Event, cpu_phases, exposed_ns, gp
 from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.pipeline_p2p import waited_by
 from hpar_agent.collectors.steps import StepCollector
-from hpar_agent.collectors.verdict import bottleneck
+from hpar_agent.collectors.verdict import NAMING, bottleneck
 from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import SpanRecord, StepRecord
@@ -89,7 +89,7 @@ class AnatomyCollector(Component):
         ] = []  # (step, step s, phases, loader s)
         self.verdict: str | None = None
         self._unjudged = False  # steps finished by on_step, judged in end_pass
-        self.slow_rank: int | None = None  # the peer a slow-rank verdict names (None: this rank, or none)
+        self.slow_rank: int | None = None  # the slow peer a verdict names (None: this rank, or none)
         self.evidence: dict[str, Any] = {}
         self.shares: dict[str, float] = {}
         self.spans_ns: dict[int, tuple[int, int]] = {}  # step -> (start ns, end ns) of the recent steps
@@ -264,6 +264,7 @@ class AnatomyCollector(Component):
             straggler=straggler,
             thresholds={k: float(th.get(f"anatomy.{k}", v)) for k, v in ANATOMY_DEFAULTS.items()},
             pipeline_wait=pipeline_wait,
+            slow_peer=slow_rank,
         )
         self.verdict = verdict.name
         rank = self.ctx.topology.rank if self.ctx is not None else 0
@@ -279,8 +280,8 @@ class AnatomyCollector(Component):
             self.evidence["straggler_lag_ratio"] = round(lag, 4)
         if pipeline_wait:
             self.evidence["pipeline_wait_share"] = round(pipeline_wait, 4)
-        self.slow_rank = slow_rank if self.verdict == "slow-rank" else None
-        if self.verdict == "slow-rank":
+        self.slow_rank = slow_rank if self.verdict in NAMING else None
+        if self.verdict in NAMING:
             self.evidence["slow_rank"] = rank if slow_rank is None else slow_rank
 
     def _pipeline_wait(self, hist: list[tuple[int, float, dict[str, float], float]]) -> float:
@@ -346,7 +347,7 @@ class AnatomyCollector(Component):
                 f.add(b, [v], 1.0 if v == self.verdict else 0.0)
         yield b
         sr = f.gauge("hpar_step_slow_rank")
-        if self.verdict == "slow-rank":
+        if self.verdict in NAMING:
             rank = self.ctx.topology.rank if self.ctx is not None else 0
             f.add(sr, [], float(rank if self.slow_rank is None else self.slow_rank))
         yield sr

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hpar_agent import topology_watch as watch
+from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.component import Component
 
 if TYPE_CHECKING:
@@ -13,10 +14,11 @@ if TYPE_CHECKING:
 
 class TopologyWatch(Component):
     """Re-detects the agent's topology when a process group, a data-parallel wrapper, a mesh or a
-    pipeline stage appeared: right then on the training thread when no pass is in progress (a short job may end, and
-    destroy its group, before the next pass), and again at the next pass (first in poll order: the
-    rest of that pass sees the new topology), when what the source built is complete (FSDP2 shards
-    the parameters after the state's ``init``)."""
+    pipeline stage appeared (a stage's chunks it times at once, ``_time_chunks``): right then on the
+    training thread when no pass is in progress (a short job may end, and destroy its group, before
+    the next pass), and again at the next pass (first in poll order: the rest of that pass sees the
+    new topology), when what the source built is complete (FSDP2 shards the parameters after the
+    state's ``init``)."""
 
     name = "topology"
 
@@ -43,9 +45,23 @@ class TopologyWatch(Component):
             if self.due:
                 self._redetect(wait=True)
             return
+        if kind == "stage":
+            self._time_chunks()
         self.due = True
         if self.require_ctx().redetect(wait=False):
             self.redetects += 1
+
+    def _time_chunks(self) -> None:
+        """Time the chunks of the stages a pipelining program builds or a schedule runs, as
+        ``Agent.watch_pipeline`` does (idempotent), with no call of the program's: at the stage's
+        construction, or the schedule's construction or first step (before it runs), so no chunk of a
+        step is timed without its others. Once a stage; a chunk then costs a timestamp and an append."""
+        pipe = self.require_ctx().find(PipelineCollector)
+        if pipe is not None:
+            try:
+                pipe.watch(watch.stages())
+            except Exception as exc:
+                pipe.record_error(exc)
 
     def poll(self, now: float) -> None:
         for exc in watch.take_errors():

@@ -11,6 +11,8 @@ from hpar_agent.thresholds import ANATOMY_DEFAULTS
 
 DEFAULTS = {f"anatomy.{k}": v for k, v in ANATOMY_DEFAULTS.items()}  # overridable as thresholds
 COMPUTE = ("forward", "backward", "optimizer")
+#: the verdicts that name the job's slow rank (``evidence.slow_rank``): its own, and its victims'
+NAMING = ("slow-rank", "waits-for-slow-rank")
 
 
 class Verdict(NamedTuple):
@@ -24,17 +26,21 @@ def bottleneck(
     straggler: bool = False,
     thresholds: Mapping[str, float] | None = None,
     pipeline_wait: float = 0.0,
+    slow_peer: int | None = None,
 ) -> Verdict:
     """The verdict from phase shares of step time (``thresholds``: ``ANATOMY_DEFAULTS``' keys).
 
     A cause is named when its phase reaches its threshold: input first (a rank whose loader is slow
     also arrives last at collectives, the Straggler signal, and the loader is the cause to name), then
-    host work between steps, a slow rank, exposed communication. ``pipeline_wait``: the share of step
-    time this rank's training thread waited in pipeline p2p ops (its neighbours' activations or
-    gradients); from ``pipeline_share`` on the rank is pipeline-bound, named before host (a stage's
-    wait for its first activations is in the host phase) and before a slow rank (it is the one waiting). compute-bound is what is left only
-    when the measured phases explain at least ``min_explained`` of the step: else the time is
-    somewhere the phases do not see, and the verdict is unknown."""
+    host work between steps, a slow rank, exposed communication. ``straggler``: the job has one slow
+    rank, this one, or ``slow_peer`` where another: a rank that waits for it (in a collective, its
+    gradient all-reduce or a tp all-reduce) is its victim, waits-for-slow-rank, never slow-rank itself.
+    ``pipeline_wait``: the share of step time this rank's training thread waited in pipeline p2p ops
+    (its neighbours' activations or gradients); from ``pipeline_share`` on the rank is pipeline-bound,
+    named before host (a stage's wait for its first activations is in the host phase) and before a
+    slow rank (it is the one waiting). compute-bound is what is left only when the measured phases
+    explain at least ``min_explained`` of the step: else the time is somewhere the phases do not see,
+    and the verdict is unknown."""
     th = {**ANATOMY_DEFAULTS, **(thresholds or {})}
 
     def over(phase: str, key: str) -> str | None:
@@ -53,8 +59,12 @@ def bottleneck(
         )
     if why := over("host", "host_share"):
         return Verdict("host-bound", why)
+    if straggler and slow_peer is not None:
+        return Verdict(
+            "waits-for-slow-rank", f"waits for rank {slow_peer}, which the Straggler detector names slow"
+        )
     if straggler:
-        return Verdict("slow-rank", "the Straggler detector names one slow rank")
+        return Verdict("slow-rank", "the Straggler detector names this rank slow")
     if why := over("comm_exposed", "comm_share"):
         return Verdict("communication-bound", why)
     explained = sum(shares.values())
@@ -88,7 +98,7 @@ def slow_rank_across(ranks: Iterable[tuple[Any, Any, dict[str, Any]]]) -> dict[s
     named: dict[int, int] = {}
     for _r, _stage, d in ranks:
         ev = d.get("evidence") or {}
-        if d.get("verdict") == "slow-rank" and isinstance(ev.get("slow_rank"), int):
+        if d.get("verdict") in NAMING and isinstance(ev.get("slow_rank"), int):
             named[ev["slow_rank"]] = named.get(ev["slow_rank"], 0) + 1
     if named:
         rank = max(named, key=named.__getitem__)

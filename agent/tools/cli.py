@@ -207,7 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the reference trainer on 4 CPU ranks with the agent attached")
     demo.add_argument("--run-dir", help="output directory (default hpar-runs/demo-<time>)")
-    demo.add_argument("--steps", type=int, default=0, help="training steps (default 40)")
+    demo.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="training steps (default 40; with --inject, the fault matrix's steps for it: 100 for most)",
+    )
     demo.add_argument("--nproc", type=int, default=4, help=argparse.SUPPRESS)
     demo.add_argument("--inject", action="append", help="inject a failure mode (see hpar-train --help)")
     demo.add_argument(

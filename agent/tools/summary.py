@@ -402,14 +402,14 @@ RENDERERS: dict[str, Any] = {
 
 def _holding(ranks: list[dict[str, Any]], name: str) -> list[str]:
     """The ranks that hold the others back: those bound by their own input or host work, and the slow
-    rank a slow-rank verdict names (a rank waiting for it, its tp peer, is a victim, not named)."""
+    rank a slow-rank or waits-for-slow-rank verdict names (a rank waiting for it is a victim, not named)."""
     out: set[int] = set()
     for r in ranks:
         a = r.get("components", {}).get(name) or {}
         verdict, ev = a.get("verdict"), a.get("evidence") or {}
         if verdict in ("input-bound", "host-bound"):
             out.add(int(r.get("rank", -1)))
-        elif verdict == "slow-rank":
+        elif verdict in ("slow-rank", "waits-for-slow-rank"):
             slow = ev.get("slow_rank")
             out.add(int(slow) if isinstance(slow, int) else int(r.get("rank", -1)))
     return [str(r) for r in sorted(out)]

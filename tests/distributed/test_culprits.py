@@ -309,6 +309,10 @@ def test_a_pipeline_stage_that_became_slower_is_named_and_its_neighbours_are_pip
     verdicts = _verdicts(run_dir)
     assert [verdicts[r] for r in (0, 1, 3)] == ["pipeline-bound"] * 3, verdicts
     assert verdicts[2] == "slow-rank", verdicts
+    for r in range(4):  # each stage's chunks timed, though the program never calls watch_pipeline()
+        pipe = json.loads((run_dir / f"summary.rank{r}.json").read_text())["components"]["pipeline"]
+        assert {f"{r}/forward", f"{r}/backward"} <= set(pipe["chunk_seconds_p50"]), pipe
+        assert pipe["bubble_ratio_mean"] is not None, pipe
 
 
 def test_a_slow_stage_of_one_replica_is_named_against_its_replica_not_its_waiting_neighbour(
@@ -316,14 +320,20 @@ def test_a_slow_stage_of_one_replica_is_named_against_its_replica_not_its_waitin
 ) -> None:
     """dp2 x pp2 (rank = replica * 2 + stage): rank 3, replica 1's stage 1, works 60 ms more a step
     from the start. Rank 2, its stage 0, waits for its gradients and so reaches its all-reduce late;
-    net of that p2p wait it is on time: rank 3 is named alone, against its replica rank 1."""
+    net of that p2p wait it is on time: rank 3 is named alone, against its replica rank 1. Rank 1
+    waits for it in the gradient all-reduce: its verdict says so (a victim), and only rank 3 is said
+    to hold the others back."""
+    from hpar_agent.tools.summary import _holding, load_rank_summaries
+
     run_dir, out = slow_stages["dp2xpp2"]
     slow = _alerts(run_dir, "Straggler")
     assert sorted(slow) == [3], out[-3000:]
     assert slow[3]["details"]["culprits"] == [3]
     named = [x for x in out.splitlines() if x.startswith("  culprit")]
     assert named == [named[0]] and named[0].startswith("  culprit: rank 3 (Straggler"), out[-3000:]
-    assert _verdicts(run_dir)[2] == "pipeline-bound"
+    verdicts = _verdicts(run_dir)
+    assert (verdicts[1], verdicts[2], verdicts[3]) == ("waits-for-slow-rank", "pipeline-bound", "slow-rank")
+    assert _holding(load_rank_summaries(run_dir), "anatomy") == ["3"], verdicts
 
 
 def test_a_stage_slower_by_design_is_no_culprit(slow_stages: dict[str, tuple[Path, str]]) -> None:

@@ -196,6 +196,9 @@ def test_straggler_on_the_inject_rank(combined: Run) -> None:
     digests = [(r, 0, combined.summary(r)["components"]["anatomy"]) for r in range(4)]
     slow = slow_rank_across(digests)
     assert slow is not None and slow["rank"] == 3, (slow, [d["evidence"] for *_, d in digests])
+    # only rank 3 is slow-rank; its tp peer and its dp replica wait for it: never called slow themselves
+    assert [r for r, _s, d in digests if d["verdict"] == "slow-rank"] in ([3], []), digests
+    assert all(d["evidence"].get("slow_rank", 3) == 3 for *_, d in digests), digests
 
 
 # ------------------------------------------------------------------------------------------ hang

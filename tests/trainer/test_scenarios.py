@@ -54,6 +54,11 @@ def test_the_demo_run():
         ["straggler", "tensor-leak"],
         "gpipe",
     )
+    # an injection runs at least the fault matrix's steps for it: 40 ended before Straggler judged twice
+    steps = [
+        getattr(sc.check(sc.demo_argv(inject=[name]), 4)[0], "steps", None) for name in ("straggler", "hang")
+    ]
+    assert steps == [100, 40]
 
 
 def test_a_bad_run_is_one_line():

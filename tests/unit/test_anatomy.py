@@ -538,8 +538,9 @@ def test_comm_exposed_waits_for_the_steps_collectives() -> None:
 
 
 def test_a_peer_the_straggler_exchange_names_is_the_slow_rank(tmp_path, monkeypatch) -> None:
-    """On a rank that is not slow itself, the verdict names the peer its Straggler detector found the
-    slowest past the threshold on two consecutive judgements; the gauge carries its rank."""
+    """On a rank that is not slow itself, the verdict says it waits for the peer its Straggler detector
+    found the slowest past the threshold on two consecutive judgements (a victim, never slow-rank); the
+    gauge carries the slow peer's rank."""
     from prometheus_client import generate_latest
 
     from hpar_agent.agent_thread import AgentThread
@@ -557,9 +558,11 @@ def test_a_peer_the_straggler_exchange_names_is_the_slow_rank(tmp_path, monkeypa
         _loop(model, 4)
         a.tick()
         ev = a.component("anatomy").summary()["evidence"]
-        assert a.component("anatomy").verdict == "slow-rank" and ev["slow_rank"] == 3, ev
+        assert a.component("anatomy").verdict == "waits-for-slow-rank" and ev["slow_rank"] == 3, ev
+        assert ev["reason"] == "waits for rank 3, which the Straggler detector names slow", ev
         text = generate_latest(a.registry).decode()
         assert 'hpar_step_slow_rank{pp_stage="0",rank="0"} 3.0' in text
+        assert 'hpar_step_bottleneck{pp_stage="0",rank="0",verdict="slow-rank"} 0.0' in text
         straggler._note_slowest({0: 0.0, 3: 0.1})  # recovered
         assert straggler.slowest is None
     finally:

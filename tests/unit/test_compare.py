@@ -508,9 +508,9 @@ def test_the_traces_are_read_in_bounded_memory() -> None:
 
 
 def test_a_slow_ranks_waiting_tp_peer_is_not_said_to_hold_the_others_back(tmp_path: Path) -> None:
-    """Both ranks' verdicts are slow-rank, each naming rank 1 (the demo's straggler run: rank 3 slow,
-    its tp peer rank 2 waiting): only rank 1 holds the others back."""
-    run = _run(tmp_path / "a", verdicts=("slow-rank", "slow-rank"))
+    """Rank 1's verdict is slow-rank, rank 0's waits-for-slow-rank, each naming rank 1 (the demo's
+    straggler run: rank 3 slow, its tp peer rank 2 waiting): only rank 1 holds the others back."""
+    run = _run(tmp_path / "a", verdicts=("waits-for-slow-rank", "slow-rank"))
     for path in run.glob("summary.rank*.json"):
         s = json.loads(path.read_text())
         s["components"]["anatomy"]["evidence"]["slow_rank"] = 1

@@ -210,6 +210,23 @@ def test_what_a_rank_reads_does_not_grow_with_the_job() -> None:
             assert {len(plan(grid, r).peers) for r in (0, n // 2, n - 1)} == {want}
 
 
+def test_a_pure_pipeline_of_any_size_reads_a_bounded_few_stages_s() -> None:
+    """Stages hold different graphs: no comparison group along pp. A pure pipeline (every other dim 1)
+    still reads some stages' ``s`` (their own work a step, which Straggler judges a stage against):
+    every other stage up to ``WHOLE_GROUP`` ranks, past that the four ``select`` picks, symmetric;
+    its ``fr`` from nobody. A dp x pp job past ``WHOLE_GROUP`` reads no other stage."""
+    for n in (4, 16, 64, 1024):
+        grid = Grid.row_major([("pp", n)])
+        for rank in (0, n // 2 + 1, n - 1):
+            p = plan(grid, rank)
+            assert p.groups == {} and p.wants() == {
+                "s": list(p.world) if n <= WHOLE_GROUP else sorted(p.world)
+            }
+            assert len(p.world) == min(n - 1, PEERS_PER_DIM if n > WHOLE_GROUP else n) and rank not in p.world
+            assert all(rank in plan(grid, q).world for q in p.world)
+    assert plan(Grid.row_major([("dp", 8), ("pp", 4)]), 5).world == ()
+
+
 def test_hsdp_replicas_of_one_shard_are_compared() -> None:
     grid = Grid.row_major(LAYOUTS["hsdp"])
     p = plan(grid, 8 * 5 + 3)  # replica 5, shard 3

@@ -187,12 +187,20 @@ def test_a_pipeline_stage_after_attach_is_the_ranks_stage(agent: Agent, tmp_path
     _group()
     agent.tick()
     assert (agent.topology.pp, agent.topology.pp_stage) == (1, 0)
-    _stage(RANK, WORLD)
+    stage = _stage(RANK, WORLD)
     topo = agent.topology
     assert (topo.pp, topo.pp_rank, topo.pp_stage, topo.pp_stages, topo.dp) == (WORLD, RANK, RANK, "1", 1)
     labels = {"rank": str(RANK), "pp_stage": str(RANK)}
     assert agent.registry.get_sample_value("hpar_steps_total", labels) == 0.0
     assert "stage" in agent.component("topology").summary()["sources"]
+    # its chunks are timed with no watch_pipeline() call (the program knows nothing of the agent)
+    pipe = agent.component("pipeline")
+    assert [(s is stage, m) for s, m in pipe.wrapped] == [
+        (True, "forward_one_chunk"),
+        (True, "backward_one_chunk"),
+    ]
+    agent.watch_pipeline([stage])  # a program that calls it too: wrapped once
+    assert len(pipe.wrapped) == 2
 
 
 def test_an_interleaved_schedule_built_after_attach_on_stages_built_before(tmp_path: Path) -> None:
@@ -215,9 +223,11 @@ def test_an_interleaved_schedule_built_after_attach_on_stages_built_before(tmp_p
         ScheduleInterleaved1F1B(stages, n_microbatches=4)
         topo = a.topology
         assert (topo.pp, topo.pp_rank, topo.pp_stage, topo.pp_stages) == (WORLD, RANK, RANK, "1,5")
+        assert {id(s) for s, _m in a.component("pipeline").wrapped} == {id(s) for s in stages}  # chunks timed
     finally:
         hpar_agent.detach()
         dist.destroy_process_group()
+    assert all("forward_one_chunk" not in vars(s) for s in stages)  # the wrappers go with the agent
 
 
 def test_dp_x_pp_without_a_mesh_reads_the_replicas_from_the_pipeline_group(agent: Agent) -> None:

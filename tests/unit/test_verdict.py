@@ -53,13 +53,14 @@ def test_each_verdict_says_why_and_the_thresholds_are_the_declared_ones() -> Non
         "anatomy.min_explained",
     }
     assert {
-        bottleneck(s, straggler=st, pipeline_wait=pw).name
+        bottleneck(s, straggler=bool(st), pipeline_wait=pw, slow_peer=None if st is True else st).name
         for s, st, pw in [
             ({"data_wait": 1}, False, 0.0),
             ({"host": 1}, False, 0.0),
             ({}, False, 0.5),
             ({}, True, 0.0),
             ({"comm_exposed": 1}, False, 0.0),
+            ({"comm_exposed": 1}, 3, 0.0),
             ({}, False, 0.0),
             ({"forward": 1}, False, 0.0),
         ]
@@ -93,12 +94,23 @@ def test_slow_rank_across_the_run_directorys_summaries() -> None:
     # longer compute but nobody waits for it (its own stage in a pipeline, or overlap): not named
     assert slow_rank_across([(0, 0, digest(0.2, 0.0)), (1, 0, digest(2.2, 0.0))]) is None
     assert slow_rank_across([(0, 0, digest(2.2, 0.0)), (1, 1, digest(0.2, 2.0))]) is None  # other stages
-    # the live verdicts name it: taken as they are
+    # the live verdicts name it, the slow rank's own and its victim's: taken as they are
     named = [
-        (0, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1)),
+        (0, 0, digest(0.2, 0.1, "waits-for-slow-rank", slow_rank=1)),
         (1, 0, digest(0.2, 0.1, "slow-rank", slow_rank=1)),
     ]
     assert slow_rank_across(named) == {"rank": 1, "source": "straggler", "ranks_naming_it": 2, "ranks": 2}
+
+
+def test_a_rank_that_waits_for_the_slow_rank_is_its_victim_not_slow() -> None:
+    """The job's slow rank is another (the Straggler exchange names rank 3): this rank waits for it in a
+    collective (its dp replica in the gradient all-reduce, its tp peer in the tp all-reduces), so its
+    verdict says it waits and whom for, never slow-rank; the slow rank's own verdict is slow-rank."""
+    shares = {"forward": 0.6, "comm_exposed": 0.1}
+    victim = bottleneck(shares, straggler=True, slow_peer=3)
+    assert victim == ("waits-for-slow-rank", "waits for rank 3, which the Straggler detector names slow")
+    assert bottleneck(shares, straggler=True).name == "slow-rank"
+    assert bottleneck(shares, straggler=True, slow_peer=3, pipeline_wait=0.5).name == "pipeline-bound"
 
 
 def test_a_stage_that_waits_for_its_pipeline_neighbours_is_pipeline_bound() -> None:

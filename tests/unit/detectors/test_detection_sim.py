@@ -24,10 +24,10 @@ N = 1024
 
 
 def _run(
-    job: Job, passes: int = 3, judged: set[int] | None = None
+    job: Job, passes: int = 3, judged: set[int] | None = None, fill: bool = True
 ) -> tuple[set[int], set[int], list[dict[int, Any]]]:
     sim = StragglerSim(job, cover(job) if judged is None else judged)
-    history = sim.run(passes)
+    history = sim.run(passes, fill=fill)
     return fired(history), named_in(history), history
 
 
@@ -137,6 +137,24 @@ def test_dp_x_tp_names_the_slow_rank_not_its_tp_peers_and_a_slow_tp_group_whole(
     assert _run(job)[:2] == (group, group)
 
 
+def test_the_slow_rank_each_rank_names_is_one_whose_waits_it_sees() -> None:
+    """dp2 x tp2, rank 3 3x slow: rank 2, its tp peer, waits for it and reaches its all-reduce with
+    rank 0 late. Rank 0 reads ranks 1 and 2, not rank 3, so it cannot see what rank 2 waited for (it
+    scores rank 2 at 0.39): the slow rank it names (its step verdict's ``slow_rank``) is none, never
+    rank 2. Rank 1 reads rank 3 but not its tp peer, so it cannot tell whether rank 3 waited either:
+    none. Rank 3, which reads its whole tp group, names itself."""
+    sim = StragglerSim(Job(dp=2, tp=2, noise=MILD, slow={3: 3.0}))
+    history = sim.run(4)
+    assert (fired(history), named_in(history)) == ({3}, {3})
+    assert history[-1][0].details["lags"]["2"] > 0.25  # what rank 0 would have named
+    assert {r: (d.slowest or (None,))[0] for r, d in sim.detectors.items()} == {
+        0: None,
+        1: None,
+        2: None,
+        3: 3,
+    }
+
+
 def test_many_collectives_a_step_are_judged() -> None:
     """160 collectives a step: the window widens to 3 steps (481 entries, not 256) and the steps
     measured add up over the exchanges."""
@@ -215,3 +233,20 @@ def test_pp4_x_dp256_a_stage_slower_by_design_is_no_culprit_a_slow_rank_is_named
         assert _run(job)[:2] == (set(), set())
     job = Job(dp=256, pp=4, buckets=2, noise=MILD, stage_work={3: 1.3}, slow={4 * 100 + 2: factor})
     assert _run(job)[:2] == ({402}, {402})
+
+
+@pytest.mark.parametrize(("stages", "factor"), [(16, 2.0), (64, 3.0)])
+def test_a_pure_pipeline_of_any_size_names_a_stage_that_became_slower(stages: int, factor: float) -> None:
+    """A pure pipeline (dp 1) of 16 and 64 stages, GPipe with as many microbatches as stages, the last
+    stage 30 % more work by design: from step 100 one stage works 2x (3x at 64 stages, where the hops'
+    transfers are a larger part of the step) as long. Each stage reads four others' own work a step
+    (beyond ``WHOLE_GROUP`` ranks no stage was read: nothing was named); the slow one is named alone,
+    the one slower by design never, and without a slow stage nothing is."""
+    slow = stages // 2 + 1
+    job = Job(dp=1, pp=stages, microbatches=stages, noise=MILD, stage_work={stages - 1: 1.3}, slow_from=100)
+    if stages == 16:
+        assert _run(job, passes=20, fill=False)[:2] == (set(), set())
+    job = Job(**{**job.__dict__, "slow": {slow: factor}})
+    fire, name, history = _run(job, passes=20, fill=False)
+    assert (fire, name) == ({slow}, {slow}), history[-1].get(slow)
+    assert history[-1][slow].details["stage_changed"] == [slow]
