@@ -21,6 +21,7 @@ hook: one would cost every submodule call a hook call and change what torch.comp
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Iterable
 from typing import Any
 
@@ -73,7 +74,8 @@ def candidates(frame: Any, module_cls: type, skip: Iterable[Any] = ()) -> list[A
         for value in list(frame.f_locals.values()):
             take(value)
             attrs = getattr(value, "__dict__", None)
-            if isinstance(attrs, dict) and not isinstance(value, (module_cls, type)):
+            # not into a Python module's namespace: torch.distributed's deprecated reduce_op warns when looked at
+            if isinstance(attrs, dict) and not isinstance(value, (module_cls, type, types.ModuleType)):
                 for attr in list(attrs.values()):
                     take(attr)
         frame = frame.f_back

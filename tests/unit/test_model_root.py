@@ -236,3 +236,16 @@ def test_find_root_reads_a_trainers_attributes_and_their_lists() -> None:
         torch.optim.SGD(trainer.by_name["other"].parameters(), lr=0.1), torch.nn.Module
     )
     assert hidden is None
+
+
+def test_the_search_does_not_look_into_python_modules(recwarn: pytest.WarningsRecorder) -> None:
+    """A frame that holds ``torch.distributed`` (a script's ``import torch.distributed as dist``): its
+    namespace is not searched, so its deprecated ``reduce_op`` never prints a FutureWarning into the
+    user's output."""
+    import sys
+
+    net = torch.nn.Linear(2, 2)
+    distributed = dist  # noqa: F841 (held by the frame the search reads)
+    found = model_root.candidates(sys._getframe(), torch.nn.Module)
+    assert found and found[0] is net
+    assert not [w for w in recwarn if "reduce_op" in str(w.message)], [str(w.message) for w in recwarn]
