@@ -73,18 +73,10 @@ def overview() -> Board:
         "MFU (model FLOPs utilization)",
         "The mean over the run's ranks of hpar_mfu: the agent's count of the model's FLOPs a step (torch's "
         "flop counter once, or 6N + 12LHQT from the model's structure) over the median step time and the "
-        "GPU's dense peak for the dtype (docs/metrics.md#mfu); absent on CPU and on GPUs outside the peak "
-        "table. 'reported': what the training loop reports instead (agent.report_flops; hpar_trainer: 6 x "
-        "its local parameters per token, --peak-tflops), summed over the ranks.",
-        [
-            Q(f"avg by (job_id) ({with_job_id(f'hpar_mfu{{{SEL}}}')})", "MFU {{job_id}}"),
-            Q(
-                f"sum by (job_id) ({with_job_id(f'rate(hpar_tokens_total{{{SEL}}}[{RI}]) * on (job, instance, rank) hpar_model_flops_per_token{{{SEL}}}')}) "
-                f"/ sum by (job_id) ({with_job_id(f'hpar_peak_flops{{{SEL}}}')})",
-                "MFU {{job_id}} (reported)",
-            ),
-        ],
+        "GPU's dense peak for the dtype (docs/metrics.md#mfu); absent on GPUs outside the peak table.",
+        [Q(f"avg by (job_id) ({with_job_id(f'hpar_mfu{{{SEL}}}')})", "MFU {{job_id}}")],
         "percentunit",
+        gpu=True,
     )
     ts(
         b,
@@ -98,6 +90,22 @@ def overview() -> Board:
                 worst(f"hpar_mfu{{{SEL}}}", best=True, draw=f"hpar_mfu_at_clock{{{SEL}}}"),
                 "rank {{rank}} stage {{pp_stage}} at clock",
             ),
+        ],
+        "percentunit",
+        gpu=True,
+    )
+    ts(
+        b,
+        "MFU reported by the training loop",
+        "Model FLOP/s over peak FLOP/s as the training loop reports them, summed over the run's ranks: "
+        "rate(hpar_tokens_total) x hpar_model_flops_per_token / hpar_peak_flops (agent.report_flops; "
+        "hpar_trainer: 6 x its local parameters per token, --peak-tflops); no data until they are reported.",
+        [
+            Q(
+                f"sum by (job_id) ({with_job_id(f'rate(hpar_tokens_total{{{SEL}}}[{RI}]) * on (job, instance, rank) hpar_model_flops_per_token{{{SEL}}}')}) "
+                f"/ sum by (job_id) ({with_job_id(f'hpar_peak_flops{{{SEL}}}')})",
+                "MFU {{job_id}} (reported)",
+            )
         ],
         "percentunit",
     )
