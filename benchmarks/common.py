@@ -438,3 +438,18 @@ def title(r: dict[str, Any], what: str) -> str:
     return (
         f"\n=== {what} ({r['device']}, torch {r['torch']}, {r['cpu_count']} cores, {r['wall_s']:.0f} s) ==="
     )
+
+
+def write_rows(path: str, module: str, argv: list[str] | None, rows: list[dict[str, Any]]) -> None:
+    """A table-printing benchmark's rows to ``path`` as JSON, with the date, machine and command."""
+    import datetime
+    import platform
+
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "machine": platform.platform(),
+        "python": sys.version.split()[0],
+        "command": f"python -m benchmarks.{module} " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({**meta, "rows": rows}, fh, indent=1)

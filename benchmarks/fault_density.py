@@ -13,13 +13,11 @@ the same cases at 1,024 ranks in CI.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import sys
 import time
 from typing import Any
 
+from benchmarks.common import write_rows
 from hpar_agent.detectors.cluster import CompileDivergence, ReplicaDivergence
 from testkit.detection_sim import diverge, job, judge, named, raised
 
@@ -95,14 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json:
-        meta = {
-            "date": datetime.date.today().isoformat(),
-            "machine": platform.platform(),
-            "python": sys.version.split()[0],
-            "command": "python -m benchmarks.fault_density " + " ".join(argv or sys.argv[1:]),
-        }
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({**meta, "rows": rows}, fh, indent=1)
+        write_rows(args.json, "fault_density", argv, rows)
     return 0 if all(r["ok"] for r in rows) else 1
 
 

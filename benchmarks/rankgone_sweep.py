@@ -11,11 +11,10 @@ and was a late pass on the next, or was one exchange and a late pass late on one
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import statistics
 import sys
+
+from benchmarks.common import write_rows
 
 
 def sweep(n: int, subjects: int) -> dict[str, float]:
@@ -75,14 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json:
-        meta = {
-            "date": datetime.date.today().isoformat(),
-            "machine": platform.platform(),
-            "python": sys.version.split()[0],
-            "command": "python -m benchmarks.rankgone_sweep " + " ".join(argv or sys.argv[1:]),
-        }
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({**meta, "rows": rows}, fh, indent=1)
+        write_rows(args.json, "rankgone_sweep", argv, rows)
     return 1 if bad else 0
 
 
