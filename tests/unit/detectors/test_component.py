@@ -438,6 +438,15 @@ def test_a_failed_store_call_costs_one_exchange_at_most_so_no_peer_names_the_ran
     assert calls == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]  # every failed set is a call: one an exchange
 
 
+def test_a_publish_after_a_failed_one_sets_the_payloads_set_only_when_changed(store: Any) -> None:
+    ex = Exchange(_SetFailsOnce(store, 1), "job", 0)
+    parts = {"s": {"step": 1}, "gs": {"g": [1.0]}}  # ``gs`` is set only when it changed
+    with pytest.raises(torch.distributed.DistStoreError):
+        ex.publish(parts)
+    ex.publish(parts)
+    assert Exchange(store, "job", 1).read({"gs": [0]})["gs"][0]["g"] == [1.0]
+
+
 class _FailingGets(_FailingSets):
     """A store whose reads fail as torch's do when the store's host went away."""
 
