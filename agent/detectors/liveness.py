@@ -154,7 +154,8 @@ def _group_size(label: str, topo: Topology) -> int | None:
 
 
 #: Seconds a live peer's publish may come after the cadence's time (a late pass), on top of an exchange
-#: it missed: a peer is named only past ``2 x interval + LATE_S`` of silence (``RankGone.bound``).
+#: it missed: a peer is named only once a read made ``2 x interval + LATE_S`` after its last payload
+#: shows nothing newer (``RankGone.bound``).
 LATE_S = 1.0
 
 
@@ -166,15 +167,18 @@ class RankGone(Detector):
     named (``details.culprits``) once a read of the store made more than ``bound`` seconds after its last
     payload (two exchange intervals and ``LATE_S``, or ``silent_s`` if longer) still shows nothing newer,
     and it never said goodbye cleanly: this rank's last read of its comparison peers where that read came
-    so late, else a read of that peer's ``s`` alone, made at the first pass past the bound (``_silent``;
-    once, kept until a newer payload). A live peer that missed one exchange and was a late pass on the
-    next is never named; a dead one is named within a pass of the bound by every rank that reads it,
-    whatever the cadence's offsets (where a rank's read of an exchange comes up to two phases after a
-    peer's publish: 15.5 s at 8,192 ranks) and on this host or another alike. Reported with how far it
+    so late, else a read of that peer's ``s`` alone, made at the first pass whose clock (``PeerView.clock``,
+    after the pass's waits) is past the bound (``_silent``; once, kept until a newer payload). A live peer
+    that missed one exchange and was a late pass on the next is never named: that is the floor, as a peer
+    on another host that died right after a publish cannot be told from it sooner. A dead one is named
+    within a pass of the bound by every rank that reads it, at once (no confirming pass: the bound is
+    the margin), whatever the cadence's offsets (where a rank's read of an exchange comes up to two
+    phases after a peer's publish: 15.5 s at 8,192 ranks) and on this host or another alike. Reported with how far it
     got (its last step) and what its process is where this rank can see it (``rankstate.proc_state``:
     on the same host ``gone``, ``zombie``, ``stopped``; a process that still runs only has a late agent
-    thread and is not named; on another host the process is unknown). A peer that ended by an exception
-    is named a pass later (``confirm``). A peer whose ending is a consequence of the incident (its
+    thread and is not named; on another host the process is unknown). A peer that said goodbye ending
+    otherwise than cleanly is named at the second pass that sees it (``ended``: a job that fails
+    everywhere at once, as gloo's does, ends this rank within it). A peer whose ending is a consequence of the incident (its
     collective or p2p op timed out, its peer closed the connection, the launcher terminated it after
     another peer went: ``endings``) is a victim (``details.victims``), never named: RankGone fires only
     for a peer that went on its own. Judged only while this rank's own reads of the store succeed: a store that went
@@ -186,7 +190,6 @@ class RankGone(Detector):
     gpu_culprits = True
     threshold_param = "silent_s"
     cross_rank = True
-    confirm = 2  # a pass apart: a job that fails everywhere at once (gloo) ends its ranks within it
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         super().__init__(thresholds)
@@ -196,6 +199,7 @@ class RankGone(Detector):
         self.absent: dict[
             int, float
         ] = {}  # peer -> its last payload's time, a re-read past the bound found last
+        self.ended: dict[int, float] = {}  # peer -> the time of its goodbye, seen ended at an earlier pass
 
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         return {"s": {"id": self.me}}
@@ -208,13 +212,15 @@ class RankGone(Detector):
     def _silent(self, snap: Snapshot, rank: int, payload: Mapping[str, Any], bound: float) -> bool:
         """Whether a read of the store made over ``bound`` seconds after ``payload``'s publish shows nothing
         of the peer newer: the last read of the peers where it came that late, else the peer's ``s`` read
-        now (a newer one goes to ``heard``; a read that failed says nothing)."""
+        now where the clock is past the bound (a newer one goes to ``heard``; a read that failed says
+        nothing). The clock, not the pass's start: a pass waits up to half the agent's interval for its
+        offsets, and judging from its start named a dead peer that much later."""
         ex = snap.exchange
         t = float(payload.get("t", snap.now))
-        if snap.now - t <= bound:
-            return False
         if ex.read_ok_at - t > bound or self.absent.get(rank) == t:
             return True
+        if ex.clock() - t <= bound:
+            return False
         got = ex.fetch("s", [rank]).get(rank)
         if got is None:
             return False  # the store did not answer: the next pass asks again
@@ -239,6 +245,7 @@ class RankGone(Detector):
             return None  # no recent read of the store, or this rank ends too: nothing more to say
         bound = self.bound(snap)
         gone: dict[str, dict[str, Any]] = {}
+        held: set[int] = set()  # ended, first seen so in this pass
         for r, seen in ex.seen.items():
             if r == snap.rank:
                 continue
@@ -253,6 +260,10 @@ class RankGone(Detector):
             proc = rankstate.proc_state(int(pid or 0), int(ticks) or None, str(host)) if not bye else ""
             if proc == "running":
                 continue  # its process runs: its agent thread is late, the rank is not gone
+            t = float(p.get("t", 0.0))
+            if bye and self.ended.get(r) != t:
+                self.ended[r] = t
+                held.add(r)
             gone[str(r)] = {
                 "silent_s": round(silent, 1),
                 "last_step": p.get("step"),
@@ -261,6 +272,7 @@ class RankGone(Detector):
                 "ended": bye,
             }
         culprits, victims = _causes(gone)
+        culprits = [r for r in culprits if r not in held]
         details: dict[str, Any] = {"culprits": culprits, "ranks": gone}
         if victims:
             details["victims"] = victims
