@@ -272,20 +272,18 @@ def silence_named(
             def fetch(purpose: str, wanted: Iterable[int], end: float = end) -> dict[int, dict[str, Any]]:
                 return {q: p for q in wanted if (p := last(q, end)) is not None} if purpose == "s" else {}
 
-            view = PeerView(
-                seen=seen,
-                read_ok_at=read_ok_at,
-                interval_s=every,
-                fetch=fetch,
-                clock=lambda end=end: epoch + end,
-            )
+            def clock(at: float = epoch + end) -> float:
+                return at
+
+            view = PeerView(seen=seen, read_ok_at=read_ok_at, interval_s=every, fetch=fetch, clock=clock)
             snap = Snapshot(
                 now=epoch + tick, topology=Topology(rank=r, world_size=n), coords={}, exchange=view
             )
             verdict = detector.evaluate(snap)
-            streak = streak + 1 if verdict is not None and verdict.active else 0
-            if streak:
-                assert verdict is not None and verdict.details["culprits"] == [subject], verdict.details
+            active = verdict is not None and verdict.active
+            streak = streak + 1 if active else 0
+            if verdict is not None and active:
+                assert verdict.details["culprits"] == [subject], verdict.details
             if streak >= detector.confirm:
                 named_at.append(end)
         out[r] = named_at

@@ -253,7 +253,7 @@ class RankGone(Detector):
             if self.absent.get(r, p.get("t")) != p.get("t"):
                 del self.absent[r]  # a newer payload since the re-read
             bye = str(p.get("bye") or "")
-            silent = snap.now - float(p.get("t", snap.now))
+            silent = ex.clock() - float(p.get("t", snap.now))  # as judged (``_silent``)
             if bye == "exit" or (not bye and not self._silent(snap, r, p, bound)):
                 continue
             pid, host, ticks = [*(p.get("id") or []), 0, "", 0][:3]
