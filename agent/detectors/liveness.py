@@ -173,16 +173,17 @@ class RankGone(Detector):
     on another host that died right after a publish cannot be told from it sooner. A dead one is named
     within a pass of the bound by every rank that reads it, at once (no confirming pass: the bound is
     the margin), whatever the cadence's offsets (where a rank's read of an exchange comes up to two
-    phases after a peer's publish: 15.5 s at 8,192 ranks) and on this host or another alike. Reported with how far it
-    got (its last step) and what its process is where this rank can see it (``rankstate.proc_state``:
-    on the same host ``gone``, ``zombie``, ``stopped``; a process that still runs only has a late agent
-    thread and is not named; on another host the process is unknown). A peer that said goodbye ending
-    otherwise than cleanly is named at the second pass that sees it (``ended``: a job that fails
-    everywhere at once, as gloo's does, ends this rank within it). A peer whose ending is a consequence of the incident (its
-    collective or p2p op timed out, its peer closed the connection, the launcher terminated it after
-    another peer went: ``endings``) is a victim (``details.victims``), never named: RankGone fires only
-    for a peer that went on its own. Judged only while this rank's own reads of the store succeed: a store that went
-    away (its host exited first) says nothing of the peers. Value: peers named. Raised on the ranks
+    phases after a peer's publish: 15.5 s at 8,192 ranks) and on this host or another alike. Reported
+    with how far it got (its last step) and what its process is where this rank can see it
+    (``rankstate.proc_state``: on the same host ``gone``, ``zombie``, ``stopped``; a process that still
+    runs only has a late agent thread and is not named; on another host the process is unknown). A peer
+    that said goodbye ending otherwise than cleanly is named at the second pass that sees it (``ended``:
+    a job that fails everywhere at once, as gloo's does, ends this rank within it). A peer whose ending
+    is a consequence of the incident (its collective or p2p op timed out, its peer closed the
+    connection, the launcher terminated it after another peer went: ``endings``) is a victim
+    (``details.victims``), never named: RankGone fires only for a peer that went on its own. Judged only
+    while this rank's own reads of the store succeed: a store that went away (its host exited first)
+    says nothing of the peers. Value: peers named. Raised on the ranks
     that see it, never on the rank that is gone.
     """
 
@@ -214,7 +215,7 @@ class RankGone(Detector):
         of the peer newer: the last read of the peers where it came that late, else the peer's ``s`` read
         now where the clock is past the bound (a newer one goes to ``heard``; a read that failed says
         nothing). The clock, not the pass's start: a pass waits up to half the agent's interval for its
-        offsets, and judging from its start named a dead peer that much later."""
+        offsets, and judging from its start would name a dead peer up to that much later."""
         ex = snap.exchange
         t = float(payload.get("t", snap.now))
         if ex.read_ok_at - t > bound or self.absent.get(rank) == t:
@@ -253,7 +254,6 @@ class RankGone(Detector):
             if self.absent.get(r, p.get("t")) != p.get("t"):
                 del self.absent[r]  # a newer payload since the re-read
             bye = str(p.get("bye") or "")
-            silent = ex.clock() - float(p.get("t", snap.now))  # as judged (``_silent``)
             if bye == "exit" or (not bye and not self._silent(snap, r, p, bound)):
                 continue
             pid, host, ticks = [*(p.get("id") or []), 0, "", 0][:3]
@@ -265,7 +265,7 @@ class RankGone(Detector):
                 self.ended[r] = t
                 held.add(r)
             gone[str(r)] = {
-                "silent_s": round(silent, 1),
+                "silent_s": round(ex.clock() - float(p.get("t", snap.now)), 1),  # as judged
                 "last_step": p.get("step"),
                 "host": host,
                 "process": proc or ("ended" if bye else "unknown (another host)"),
