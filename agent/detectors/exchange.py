@@ -173,6 +173,7 @@ class CrossRankExchange:
                 read_ok_at=self.read_ok_at,
                 interval_s=cad.interval_s,
                 fetch=self.fetch,
+                pass_s=self._ctx().config.interval,
             )
             self._view = (key, view)
         return self._view[1]

@@ -153,7 +153,8 @@ def _group_size(label: str, topo: Topology) -> int | None:
     return {"default_pg": topo.world_size, "dp": topo.dp, "tp": topo.tp, "pp": topo.pp}.get(label.lower())
 
 
-#: Seconds a live peer's publish may come after the cadence's time (a late pass), on top of an exchange
+#: Seconds a live peer's publish may come after the cadence's time (a late pass: a pass starts at most
+#: an agent interval late, the next tick, so the agent's interval where longer), on top of an exchange
 #: it missed: a peer is named only once a read made ``2 x interval + LATE_S`` after its last payload
 #: shows nothing newer (``RankGone.bound``).
 LATE_S = 1.0
@@ -165,7 +166,7 @@ class RankGone(Detector):
     Every rank publishes its payload at each exchange (3 s; longer past 1,024 ranks) and says goodbye
     when it detaches (``bye``: a clean end, or how it ended: an uncaught exception, a signal). A peer is
     named (``details.culprits``) once a read of the store made more than ``bound`` seconds after its last
-    payload (two exchange intervals and ``LATE_S``, or ``silent_s`` if longer) still shows nothing newer,
+    payload (two exchange intervals and a late pass, or ``silent_s`` if longer) still shows nothing newer,
     and it never said goodbye cleanly: this rank's last read of its comparison peers where that read came
     so late, else a read of that peer's ``s`` alone, made at the first pass whose clock (``PeerView.clock``,
     after the pass's waits) is past the bound (``_silent``; once, kept until a newer payload). A live peer
@@ -207,8 +208,10 @@ class RankGone(Detector):
 
     def bound(self, snap: Snapshot) -> float:
         """Seconds of silence past which a peer is judged: a live peer's payload is at most an exchange
-        interval old, two when it missed one exchange, ``LATE_S`` more when it was late on the next."""
-        return max(self.p("silent_s"), 2 * snap.exchange.interval_s + LATE_S)
+        interval old, two when it missed one exchange, a late pass more (``LATE_S``, or the agent's
+        interval where longer) when it was late on the next."""
+        ex = snap.exchange
+        return max(self.p("silent_s"), 2 * ex.interval_s + max(LATE_S, ex.pass_s))
 
     def _silent(self, snap: Snapshot, rank: int, payload: Mapping[str, Any], bound: float) -> bool:
         """Whether a read of the store made over ``bound`` seconds after ``payload``'s publish shows nothing

@@ -63,7 +63,8 @@ class PeerView:
     exchange's interval. ``fetch`` is the one thing read on demand (checksums by name, only when digests
     disagree; a silent peer's ``s``, once past RankGone's bound: the store serves it; a failed read
     leaves the rank out). ``clock`` tells the wall-clock time of a ``fetch`` made now (the pass has
-    waited for its offsets since its start: a read's age is judged from when it is made)."""
+    waited for its offsets since its start: a read's age is judged from when it is made); ``pass_s`` is
+    the agent's interval (a late pass is up to that late)."""
 
     peers: Mapping[int, dict[str, Any]] = field(default_factory=dict)
     fresh: bool = False
@@ -73,6 +74,7 @@ class PeerView:
     interval_s: float = 3.0
     fetch: Fetch = _fetch_nothing
     clock: Callable[[], float] = time.time
+    pass_s: float = 1.0
 
     @cached_property
     def fr(self) -> tuple[dict[int, list[sig.FrEntry]], dict[str, int]]:

@@ -131,6 +131,22 @@ def test_a_silent_peer_is_judged_at_the_time_of_the_re_read_not_the_passs_start(
     assert verdict(0.6).details["culprits"] == [1] and asked == [[1]]
 
 
+def test_a_late_pass_is_an_agent_interval_where_that_is_longer_than_a_second() -> None:
+    """HPAR_INTERVAL=5: the exchange every 5 s, and a live peer's pass up to 5 s late (a pass starts at
+    the next tick): 14 s of silence is one exchange and a late pass, 15.5 s is more."""
+    now = time.time()
+
+    def culprits(silent: float) -> Any:
+        old = _payload(now - silent, 12345, host="another-host")
+        view = PeerView(
+            seen={1: old}, read_ok_at=now, interval_s=5.0, fetch=lambda p, rs: {1: old}, pass_s=5.0
+        )
+        v = RankGone().evaluate(Snapshot(now=now, topology=Topology(rank=0), coords={}, exchange=view))
+        return v.details["culprits"] if v is not None else None
+
+    assert culprits(14.0) == [] and culprits(15.5) == [1]
+
+
 def test_a_goodbye_with_an_exception_names_the_rank_at_the_next_pass() -> None:
     """No silence to wait for; the pass that first sees the ending names no one (a job that fails
     everywhere at once ends the judging rank within it), the next one names the rank."""
