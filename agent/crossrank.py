@@ -360,8 +360,13 @@ class Exchange:
 
     def publish(self, parts: Mapping[str, Mapping[str, Any]], always: Iterable[str] = EVERY_EXCHANGE) -> int:
         """Set each purpose's blob in one round trip: those in ``always`` every time, the others only
-        when their content changed. Returns the bytes set."""
-        return self.send(self.encode(parts, always))
+        when their content changed. Returns the bytes set. After a failed set, the next publish sets
+        every purpose again (those set only when changed would be lost until they change)."""
+        try:
+            return self.send(self.encode(parts, always))
+        except Exception:
+            self._sent.clear()
+            raise
 
     def encode(
         self, parts: Mapping[str, Mapping[str, Any]], always: Iterable[str] = EVERY_EXCHANGE

@@ -169,8 +169,8 @@ DETECTOR_PARAMS: dict[str, tuple[Param, ...]] = {
             "silent_s",
             6,
             "a peer is named only once a read of the store made this long after its last payload, "
-            "seconds, or two exchange intervals and 1 s if longer, shows nothing newer (a live peer "
-            "that missed one exchange is never that silent)",
+            "seconds, or two exchange intervals and a late pass (1 s, or the agent's interval if longer) "
+            "if longer, shows nothing newer (a live peer that missed one exchange is never that silent)",
         ),
     ),
     "GradSyncIncomplete": (

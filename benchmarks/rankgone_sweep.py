@@ -1,8 +1,9 @@
 """RankGone's margin and time to name across job sizes, in the detection simulation
 (``testkit.detection_sim.silence_named``: the real detector on the exchange's real cadence, a 1 s pass):
-for ranks spread over the cadence's offsets, the seconds from a dead rank's last publish to each of
-its readers' first verdict naming it, and the verdicts naming a live rank that skipped one exchange
-and was a late pass on the next, or was one exchange and a late pass late on one.
+for ranks spread over the cadence's offsets, the seconds from a dead rank's last publish to the pass
+at which each of its readers' alert fires (its first verdict naming it, the detector's ``confirm``
+counted), and the verdicts naming a live rank that skipped one exchange and was a late pass on the
+next, or was one exchange and a late pass late on one.
 
     python -m benchmarks.rankgone_sweep                         # 1,024 to 8,192 ranks, 16 ranks each
     python -m benchmarks.rankgone_sweep --ranks 8192 --subjects 64

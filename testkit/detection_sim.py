@@ -227,9 +227,10 @@ def silence_named(
     interval and a 1 s pass): every rank publishes exchange e at its offset (capture at e x interval,
     then its pass and offset into the window), ``subject`` at ``publishes(e)`` seconds after that (None:
     not at all); each reader reads its peers at its own offset ``polls`` passes after its publish, and
-    a re-read of one peer's ``s`` (``PeerView.fetch``) sees the store as it is at the end of the pass's
-    windows. reader -> the times (seconds since the epoch of the first capture) of the passes whose
-    verdict named ``subject``, whose process is ``ident`` (pid, host, start ticks: on another host by
+    a re-read of one peer's ``s`` (``PeerView.fetch``) is made, and ``PeerView.clock`` reads, at the end
+    of the pass's windows. reader -> the times (seconds since the epoch of the first capture) of the
+    passes whose verdict named ``subject`` and would fire (from the detector's ``confirm``-th active
+    verdict in a row on), whose process is ``ident`` (pid, host, start ticks: on another host by
     default, its process unknown)."""
     from hpar_agent.crossrank import cadence
     from hpar_agent.detectors.liveness import RankGone
@@ -259,6 +260,7 @@ def silence_named(
         seen: dict[int, dict[str, Any]] = {}
         read_ok_at = 0.0
         named_at: list[float] = []
+        streak = 0
         for tick in range(int(exchanges * every)):
             for at in (a for a in reads if tick <= a < tick + 1):
                 seen = {q: p for q in peers if (p := last(q, at)) is not None}
@@ -270,13 +272,19 @@ def silence_named(
             def fetch(purpose: str, wanted: Iterable[int], end: float = end) -> dict[int, dict[str, Any]]:
                 return {q: p for q in wanted if (p := last(q, end)) is not None} if purpose == "s" else {}
 
-            view = PeerView(seen=seen, read_ok_at=read_ok_at, interval_s=every, fetch=fetch)
+            def clock(at: float = epoch + end) -> float:
+                return at
+
+            view = PeerView(seen=seen, read_ok_at=read_ok_at, interval_s=every, fetch=fetch, clock=clock)
             snap = Snapshot(
                 now=epoch + tick, topology=Topology(rank=r, world_size=n), coords={}, exchange=view
             )
             verdict = detector.evaluate(snap)
-            if verdict is not None and verdict.active:
+            active = verdict is not None and verdict.active
+            streak = streak + 1 if active else 0
+            if verdict is not None and active:
                 assert verdict.details["culprits"] == [subject], verdict.details
+            if streak >= detector.confirm:
                 named_at.append(end)
         out[r] = named_at
     return out

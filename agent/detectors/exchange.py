@@ -1,6 +1,7 @@
 """This rank's side of the detectors' cross-rank exchange through the job's c10d store (``crossrank``
 says what travels and why the store): when to capture, publish and read, the store client, what the
-last read brought, the goodbye at detach, and the back-off after the store failed."""
+last read brought, the goodbye at detach, and the pause until the next exchange after a store call
+failed."""
 
 from __future__ import annotations
 
@@ -37,9 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hpar_agent")
 
-#: Seconds without an exchange after the store failed: torch logs every failed store call with its C++
-#: stack on stderr, and a store whose host exited fails every call.
-STORE_BACKOFF_S = 30.0
 #: Seconds the store's host waits at exit for its peers' goodbyes (they end within a few passes of it).
 BYE_WAIT_S = 1.0
 
@@ -67,7 +65,7 @@ class CrossRankExchange:
         self.fresh = False  # ``peers`` was read in this pass
         self.seen: dict[int, dict[str, Any]] = {}  # every comparison peer's last ``s``, however old
         self.read_ok_at = 0.0  # time of the last read of the store that succeeded
-        self._store_down_until = 0.0  # no exchange before then: the store failed (its host may be gone)
+        self._store_down_until = 0.0  # no store call before then (the next slot): a store call failed
         self._store_tried = exchange is not None
         self._own_store = False
         self._last_exchange = -1e18
@@ -99,11 +97,17 @@ class CrossRankExchange:
         self.fresh = False
 
     def up(self) -> bool:
-        """Not backing off after a failure of the store."""
+        """Not paused after a failed store call (``back_off``)."""
         return self.now >= self._store_down_until
 
     def back_off(self) -> None:
-        self._store_down_until = self.now + STORE_BACKOFF_S  # torch prints each failed store call
+        """No store call until the next exchange slot: torch prints a line for each failed store call (a
+        store whose host exited fails every one), so a failing store costs a line an exchange; a
+        transient failure costs this rank one exchange at most, and a live peer one exchange late is
+        never named by RankGone. A longer pause would get a rank whose store call failed once named
+        gone by its peers while it trains."""
+        every = self.cadence().interval_s
+        self._store_down_until = (self._slot_of(self.now, every) + 1) * every
 
     def run(
         self, token: tuple[Any, ...], confirming: Callable[[], bool], payload: Callable[[], Payload]
@@ -169,6 +173,7 @@ class CrossRankExchange:
                 read_ok_at=self.read_ok_at,
                 interval_s=cad.interval_s,
                 fetch=self.fetch,
+                pass_s=self._ctx().config.interval,
             )
             self._view = (key, view)
         return self._view[1]
@@ -248,8 +253,8 @@ class CrossRankExchange:
 
     def fetch(self, purpose: str, ranks: Iterable[int]) -> dict[int, dict[str, Any]]:
         """``purpose``'s blobs of ``ranks`` now (this rank's own as it published it), whatever their
-        age; ranks that have none are left out, and all of them while the store fails (backing off, as
-        after a failed exchange). Never waits for a key."""
+        age; ranks that have none are left out, and all of them while the store fails (until the next
+        exchange slot, as after a failed exchange: ``back_off``). Never waits for a key."""
         ranks = list(ranks)
         out: dict[int, dict[str, Any]] = {}
         if self.exchange is None or not self.up():

@@ -153,8 +153,10 @@ def _group_size(label: str, topo: Topology) -> int | None:
     return {"default_pg": topo.world_size, "dp": topo.dp, "tp": topo.tp, "pp": topo.pp}.get(label.lower())
 
 
-#: Seconds a live peer's publish may come after the cadence's time (a late pass), on top of an exchange
-#: it missed: a peer is named only past ``2 x interval + LATE_S`` of silence (``RankGone.bound``).
+#: Seconds a live peer's publish may come after the cadence's time (a late pass: a pass starts at most
+#: an agent interval late, the next tick, so the agent's interval where longer), on top of an exchange
+#: it missed: a peer is named only once a read made ``2 x interval + LATE_S`` after its last payload
+#: shows nothing newer (``RankGone.bound``).
 LATE_S = 1.0
 
 
@@ -164,21 +166,25 @@ class RankGone(Detector):
     Every rank publishes its payload at each exchange (3 s; longer past 1,024 ranks) and says goodbye
     when it detaches (``bye``: a clean end, or how it ended: an uncaught exception, a signal). A peer is
     named (``details.culprits``) once a read of the store made more than ``bound`` seconds after its last
-    payload (two exchange intervals and ``LATE_S``, or ``silent_s`` if longer) still shows nothing newer,
+    payload (two exchange intervals and a late pass, or ``silent_s`` if longer) still shows nothing newer,
     and it never said goodbye cleanly: this rank's last read of its comparison peers where that read came
-    so late, else a read of that peer's ``s`` alone, made at the first pass past the bound (``_silent``;
-    once, kept until a newer payload). A live peer that missed one exchange and was a late pass on the
-    next is never named; a dead one is named within a pass of the bound by every rank that reads it,
-    whatever the cadence's offsets (where a rank's read of an exchange comes up to two phases after a
-    peer's publish: 15.5 s at 8,192 ranks) and on this host or another alike. Reported with how far it
-    got (its last step) and what its process is where this rank can see it (``rankstate.proc_state``:
-    on the same host ``gone``, ``zombie``, ``stopped``; a process that still runs only has a late agent
-    thread and is not named; on another host the process is unknown). A peer that ended by an exception
-    is named a pass later (``confirm``). A peer whose ending is a consequence of the incident (its
-    collective or p2p op timed out, its peer closed the connection, the launcher terminated it after
-    another peer went: ``endings``) is a victim (``details.victims``), never named: RankGone fires only
-    for a peer that went on its own. Judged only while this rank's own reads of the store succeed: a store that went
-    away (its host exited first) says nothing of the peers. Value: peers named. Raised on the ranks
+    so late, else a read of that peer's ``s`` alone, made at the first pass whose clock (``PeerView.clock``,
+    after the pass's waits) is past the bound (``_silent``; once, kept until a newer payload). A live peer
+    that missed one exchange and was a late pass on the next is never named: that is the floor, as a peer
+    on another host that died right after a publish cannot be told from it sooner. A dead one is named
+    within a pass of the bound by every rank that reads it, at once (no confirming pass: the bound is
+    the margin), whatever the cadence's offsets (where a rank's read of an exchange comes up to two
+    phases after a peer's publish: 15.5 s at 8,192 ranks) and on this host or another alike. Reported
+    with how far it got (its last step) and what its process is where this rank can see it
+    (``rankstate.proc_state``: on the same host ``gone``, ``zombie``, ``stopped``; a process that still
+    runs only has a late agent thread and is not named; on another host the process is unknown). A peer
+    that said goodbye ending otherwise than cleanly is named at the second pass that sees it (``ended``:
+    a job that fails everywhere at once, as gloo's does, ends this rank within it). A peer whose ending
+    is a consequence of the incident (its collective or p2p op timed out, its peer closed the
+    connection, the launcher terminated it after another peer went: ``endings``) is a victim
+    (``details.victims``), never named: RankGone fires only for a peer that went on its own. Judged only
+    while this rank's own reads of the store succeed: a store that went away (its host exited first)
+    says nothing of the peers. Value: peers named. Raised on the ranks
     that see it, never on the rank that is gone.
     """
 
@@ -186,7 +192,6 @@ class RankGone(Detector):
     gpu_culprits = True
     threshold_param = "silent_s"
     cross_rank = True
-    confirm = 2  # a pass apart: a job that fails everywhere at once (gloo) ends its ranks within it
 
     def __init__(self, thresholds: dict[str, float] | None = None) -> None:
         super().__init__(thresholds)
@@ -196,25 +201,30 @@ class RankGone(Detector):
         self.absent: dict[
             int, float
         ] = {}  # peer -> its last payload's time, a re-read past the bound found last
+        self.ended: dict[int, float] = {}  # peer -> the time of its goodbye, seen ended at an earlier pass
 
     def publish(self, snap: Snapshot) -> dict[str, dict[str, Any]]:
         return {"s": {"id": self.me}}
 
     def bound(self, snap: Snapshot) -> float:
         """Seconds of silence past which a peer is judged: a live peer's payload is at most an exchange
-        interval old, two when it missed one exchange, ``LATE_S`` more when it was late on the next."""
-        return max(self.p("silent_s"), 2 * snap.exchange.interval_s + LATE_S)
+        interval old, two when it missed one exchange, a late pass more (``LATE_S``, or the agent's
+        interval where longer) when it was late on the next."""
+        ex = snap.exchange
+        return max(self.p("silent_s"), 2 * ex.interval_s + max(LATE_S, ex.pass_s))
 
     def _silent(self, snap: Snapshot, rank: int, payload: Mapping[str, Any], bound: float) -> bool:
         """Whether a read of the store made over ``bound`` seconds after ``payload``'s publish shows nothing
         of the peer newer: the last read of the peers where it came that late, else the peer's ``s`` read
-        now (a newer one goes to ``heard``; a read that failed says nothing)."""
+        now where the clock is past the bound (a newer one goes to ``heard``; a read that failed says
+        nothing). The clock, not the pass's start: a pass waits up to half the agent's interval for its
+        offsets, and judging from its start would name a dead peer up to that much later."""
         ex = snap.exchange
         t = float(payload.get("t", snap.now))
-        if snap.now - t <= bound:
-            return False
         if ex.read_ok_at - t > bound or self.absent.get(rank) == t:
             return True
+        if ex.clock() - t <= bound:
+            return False
         got = ex.fetch("s", [rank]).get(rank)
         if got is None:
             return False  # the store did not answer: the next pass asks again
@@ -239,6 +249,7 @@ class RankGone(Detector):
             return None  # no recent read of the store, or this rank ends too: nothing more to say
         bound = self.bound(snap)
         gone: dict[str, dict[str, Any]] = {}
+        held: set[int] = set()  # ended, first seen so in this pass
         for r, seen in ex.seen.items():
             if r == snap.rank:
                 continue
@@ -246,21 +257,25 @@ class RankGone(Detector):
             if self.absent.get(r, p.get("t")) != p.get("t"):
                 del self.absent[r]  # a newer payload since the re-read
             bye = str(p.get("bye") or "")
-            silent = snap.now - float(p.get("t", snap.now))
             if bye == "exit" or (not bye and not self._silent(snap, r, p, bound)):
                 continue
             pid, host, ticks = [*(p.get("id") or []), 0, "", 0][:3]
             proc = rankstate.proc_state(int(pid or 0), int(ticks) or None, str(host)) if not bye else ""
             if proc == "running":
                 continue  # its process runs: its agent thread is late, the rank is not gone
+            t = float(p.get("t", 0.0))
+            if bye and self.ended.get(r) != t:
+                self.ended[r] = t
+                held.add(r)
             gone[str(r)] = {
-                "silent_s": round(silent, 1),
+                "silent_s": round(ex.clock() - float(p.get("t", snap.now)), 1),  # as judged
                 "last_step": p.get("step"),
                 "host": host,
                 "process": proc or ("ended" if bye else "unknown (another host)"),
                 "ended": bye,
             }
         culprits, victims = _causes(gone)
+        culprits = [r for r in culprits if r not in held]
         details: dict[str, Any] = {"culprits": culprits, "ranks": gone}
         if victims:
             details["victims"] = victims

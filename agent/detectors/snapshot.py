@@ -11,6 +11,7 @@ every detector of the pass: read them, never change them.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -61,7 +62,9 @@ class PeerView:
     rank's last word), this rank's comparison peers by mesh dim, when a read last succeeded and the
     exchange's interval. ``fetch`` is the one thing read on demand (checksums by name, only when digests
     disagree; a silent peer's ``s``, once past RankGone's bound: the store serves it; a failed read
-    leaves the rank out)."""
+    leaves the rank out). ``clock`` tells the wall-clock time of a ``fetch`` made now (the pass has
+    waited for its offsets since its start: a read's age is judged from when it is made); ``pass_s`` is
+    the agent's interval (a late pass is up to that late)."""
 
     peers: Mapping[int, dict[str, Any]] = field(default_factory=dict)
     fresh: bool = False
@@ -70,6 +73,8 @@ class PeerView:
     read_ok_at: float = 0.0
     interval_s: float = 3.0
     fetch: Fetch = _fetch_nothing
+    clock: Callable[[], float] = time.time
+    pass_s: float = 1.0
 
     @cached_property
     def fr(self) -> tuple[dict[int, list[sig.FrEntry]], dict[str, int]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -369,7 +370,7 @@ class _FailingSets:
         return getattr(self.store, name)
 
 
-def test_a_read_before_the_store_failed_is_judged_once_not_through_the_back_off(
+def test_a_read_before_the_store_failed_is_judged_once_not_through_the_pause(
     store: Any, tmp_path: Any
 ) -> None:
     def rank(r: int) -> tuple[Agent, DetectorsComponent]:
@@ -377,14 +378,73 @@ def test_a_read_before_the_store_failed_is_judged_once_not_through_the_back_off(
         th = {"detectors.exchange_s": 0.0}
         return make_agent(tmp_path / str(r), rank=r, world=2, comps=(steps(10),), exchange=exchange, **th)
 
-    (agent, det), (peer, _) = rank(0), rank(1)
+    (agent, det), (_, peer) = rank(0), rank(1)
+    t0 = time.time() // 1 - 20  # ticks in the past: no pass waits
     fresh = []
-    for _ in range(4):
-        peer.tick()
-        agent.tick()
+    for i in range(4):
+        peer.poll(t0 + i)
+        det.poll(t0 + i)
         fresh.append(det.snapshot.exchange.fresh)
-    assert agent.errors["detectors"] == 1  # the third pass's publish: the exchange backs off
-    assert fresh == [False, True, True, False]  # read at passes 2 and 3, none in the back-off
+    # the third pass's publish fails, and again at the next exchange (every pass here): one call each
+    assert agent.errors["detectors"] == 2
+    assert fresh == [False, True, True, False]  # read at passes 2 and 3, not again after the failure
+
+
+class _SetFailsOnce:
+    """A store whose ``fail``-th set fails, as a timeout of this rank's store connection does; the
+    calls before and after it work."""
+
+    def __init__(self, store: Any, fail: int) -> None:
+        self.store, self.fail, self.sets = store, fail, 0
+
+    def multi_set(self, keys: list[str], values: list[str]) -> None:
+        self.sets += 1
+        if self.sets == self.fail:
+            raise torch.distributed.DistStoreError("wait timeout after 5000ms")
+        self.store.multi_set(keys, values)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_a_failed_store_call_costs_one_exchange_at_most_so_no_peer_names_the_rank_gone(
+    store: Any, tmp_path: Any
+) -> None:
+    """One failed publish: the exchange calls the store again at its next slot, so this rank's payloads
+    are never more than two exchange intervals apart, a silence RankGone never names (a live peer one
+    exchange late, ``test_detection_sim_faults``); its peers' re-read finds the newer payload. A store
+    that fails every call gets one call an exchange (torch prints a line for each)."""
+    ex = Exchange(_SetFailsOnce(store, 3), "job", 0)
+    agent, det = make_agent(tmp_path, rank=0, world=2, comps=(steps(10),), exchange=ex)
+    every = det.crossrank.cadence().interval_s  # 3 s at 2 ranks
+    t0 = every * (time.time() // every - 20)  # a slot start in the past: no pass waits
+    at = []
+    for i in range(int(6 * every)):
+        det.poll(t0 + i)
+        if ex.published > len(at):
+            at.append(i)
+    assert agent.errors["detectors"] == 1 and ex.store.sets == 6
+    assert at == [0, 3, 9, 12, 15]  # the third publish (pass 6) failed: published again at the next slot
+    assert max(b - a for a, b in pairwise(at)) == 2 * every
+
+    down = _FailingSets(store, 0)
+    agent, det = make_agent(
+        tmp_path / "down", rank=0, world=2, comps=(steps(10),), exchange=Exchange(down, "job", 0)
+    )
+    calls = []
+    for i in range(int(4 * every)):
+        det.poll(t0 + i)
+        calls.append(agent.errors["detectors"])
+    assert calls == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4]  # every failed set is a call: one an exchange
+
+
+def test_a_publish_after_a_failed_one_sets_the_payloads_set_only_when_changed(store: Any) -> None:
+    ex = Exchange(_SetFailsOnce(store, 1), "job", 0)
+    parts = {"s": {"step": 1}, "gs": {"g": [1.0]}}  # ``gs`` is set only when it changed
+    with pytest.raises(torch.distributed.DistStoreError):
+        ex.publish(parts)
+    ex.publish(parts)
+    assert Exchange(store, "job", 1).read({"gs": [0]})["gs"][0]["g"] == [1.0]
 
 
 class _FailingGets(_FailingSets):

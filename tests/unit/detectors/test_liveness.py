@@ -109,13 +109,55 @@ def test_a_peer_silent_past_the_bound_since_the_last_read_is_read_again_once() -
     assert RankGone().evaluate(snap(now)).details["culprits"] == []  # type: ignore[union-attr]
 
 
-def test_a_goodbye_with_an_exception_names_the_rank_at_once() -> None:
+def test_a_silent_peer_is_judged_at_the_time_of_the_re_read_not_the_passs_start() -> None:
+    """6.5 s of silence at the pass's start (bound: 2 x 3 s + 1 s); the pass waited for its offsets, and
+    its re-read of the peer comes 7.1 s after the peer's payload: the peer is named in this pass, not
+    at the next. A re-read 6.9 s after asks the store nothing."""
+    now = time.time()
+    old = _payload(now - 6.5, 12345, host="another-host")
+    asked: list[list[int]] = []
+
+    def fetch(purpose: str, ranks: Any) -> dict[int, dict[str, Any]]:
+        asked.append(list(ranks))
+        return {r: old for r in ranks}
+
+    def verdict(waited: float) -> Any:
+        view = PeerView(
+            seen={1: old}, read_ok_at=now - 3, interval_s=3.0, fetch=fetch, clock=lambda: now + waited
+        )
+        return RankGone().evaluate(Snapshot(now=now, topology=Topology(rank=0), coords={}, exchange=view))
+
+    assert verdict(0.4).details["culprits"] == [] and asked == []
+    assert verdict(0.6).details["culprits"] == [1] and asked == [[1]]
+
+
+def test_a_late_pass_is_an_agent_interval_where_that_is_longer_than_a_second() -> None:
+    """HPAR_INTERVAL=5: the exchange every 5 s, and a live peer's pass up to 5 s late (a pass starts at
+    the next tick): 14 s of silence is one exchange and a late pass, 15.5 s is more."""
+    now = time.time()
+
+    def culprits(silent: float) -> Any:
+        old = _payload(now - silent, 12345, host="another-host")
+        view = PeerView(
+            seen={1: old}, read_ok_at=now, interval_s=5.0, fetch=lambda p, rs: {1: old}, pass_s=5.0
+        )
+        v = RankGone().evaluate(Snapshot(now=now, topology=Topology(rank=0), coords={}, exchange=view))
+        return v.details["culprits"] if v is not None else None
+
+    assert culprits(14.0) == [] and culprits(15.5) == [1]
+
+
+def test_a_goodbye_with_an_exception_names_the_rank_at_the_next_pass() -> None:
+    """No silence to wait for; the pass that first sees the ending names no one (a job that fails
+    everywhere at once ends the judging rank within it), the next one names the rank."""
     now = time.time()
     seen = {
         1: _payload(now - 0.5, 999_999, bye="exception: RuntimeError: CUDA error: an illegal memory access")
     }
-    v = RankGone().evaluate(_ctx(seen, now))
-    assert v is not None and v.details["culprits"] == [1]
+    gone = RankGone()
+    first, v = gone.evaluate(_ctx(seen, now)), gone.evaluate(_ctx(seen, now + 1))
+    assert first is not None and not first.active and first.details["culprits"] == []
+    assert v is not None and v.active and v.details["culprits"] == [1]
     assert v.details["ranks"]["1"]["ended"].startswith("exception: RuntimeError")
 
 
@@ -157,7 +199,10 @@ def test_a_peer_that_ended_of_a_communication_timeout_is_a_victim_never_named() 
     # one that went on its own is named; the launcher's SIGTERM to the others after it is a consequence
     seen[0] = _payload(now - 1, 999_990, bye="exception: ValueError: bad batch")
     seen[2] = _payload(now - 1, 999_992, bye="signal: SIGTERM")
-    v = RankGone().evaluate(_ctx(seen, now, rank=4))
+    gone = RankGone()
+    held = gone.evaluate(_ctx(seen, now, rank=4))  # the pass that first sees them end names no one
+    assert held is not None and not held.active and held.details["victims"] == [1, 2, 3]
+    v = gone.evaluate(_ctx(seen, now + 1, rank=4))
     assert v is not None and v.active and (v.details["culprits"], v.details["victims"]) == ([0], [1, 2, 3])
     assert v.value == 1.0
 
