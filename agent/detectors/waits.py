@@ -20,7 +20,9 @@ on each member, so in a program that runs the same collectives on every rank the
 Ranks also meet point to point (a pipeline's send/recv): a rank that waits in p2p ops (``P2PWait``:
 the op, its peer, since when) waits for that peer, an edge like a collective's. Chains form: the last
 stage waits for a stage's activations, the earlier stages for their successor's gradients, and the
-rank the chain ends at, waiting for nobody (asleep in Python), is the culprit.
+rank the chain ends at, waiting for nobody (asleep in Python), is the culprit. A chain that leaves the
+ranks read (a pipeline of more stages than a rank's comparison peers cover) is followed on demand
+(``chain_reads``: the ranks to read next).
 """
 
 from __future__ import annotations
@@ -85,6 +87,34 @@ def p2p_waits(ops: Sequence[tuple[str, int, str]], age_s: float) -> list[P2PWait
         if peer >= 0:
             by.setdefault((peer, pg), set()).add(op)
     return [P2PWait("+".join(sorted(o)), peer, pg, age_s) for (peer, pg), o in sorted(by.items())]
+
+
+def chain_reads(
+    p2p: Mapping[int, Sequence[P2PWait]],
+    known: Collection[int],
+    min_wait_s: float,
+    world: int,
+    width: int,
+    limit: int,
+) -> list[int]:
+    """The ranks to read next to follow the chains of p2p waits that leave ``known``: each unknown peer
+    a wait of ``min_wait_s`` or more points at, then up to ``width - 1`` ranks on from it at the same
+    step (a pipeline's chain goes on stage after stage the same way, so one read covers ``width`` hops),
+    stopping at a known rank or the world's end; the peers first, at most ``limit`` ranks in all."""
+    first: list[int] = []
+    more: list[int] = []
+    for r, ws in sorted(p2p.items()):
+        for w in ws:
+            if w.age_s < min_wait_s or w.peer in known or w.peer == r or not 0 <= w.peer < world:
+                continue
+            first.append(w.peer)
+            step = w.peer - r
+            for i in range(1, width):
+                q = w.peer + i * step
+                if not 0 <= q < world or q in known:
+                    break
+                more.append(q)
+    return list(dict.fromkeys([*first, *more]))[:limit]
 
 
 @dataclass
@@ -173,7 +203,7 @@ def analyse(
                 [],
                 sorted(waiting),
                 listed,
-                note=f"the chain of waits leaves this rank's comparison peers at {unseen[:8]}",
+                note=f"the chain of waits leaves the ranks read at {unseen[:8]}",
             )
     if roots:
         victims = sorted(r for r in held if _reaches(r, set(roots), waits_for))
