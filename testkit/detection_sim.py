@@ -315,12 +315,16 @@ def silence_named(
     return out
 
 
-def hang_in_pipeline(grid: Grid, ranks: list[SimRank], culprit: int, age_s: float = 60.0) -> None:
+def hang_in_pipeline(
+    grid: Grid, ranks: list[SimRank], culprit: int, age_s: float = 60.0, held: int | None = None
+) -> None:
     """``culprit`` stops (asleep in Python) mid-step, as a GPipe step leaves its pipeline: the stages
     before it wait for their successor's gradients (the one just before in its send to it), the stages
     after it for their predecessor's activations. With dp, every other replica's ranks finish their
     backward and wait in their stage's dp all-reduce (seq 41) for the stuck pipeline's rank of that
-    stage, which never entered it."""
+    stage, which never entered it; but where ``held`` names another replica's rank of the culprit's
+    stage, that replica's earlier stages wait for their successor's gradients instead (its all-reduce
+    ends the stage's backward, before it sends them)."""
     line = grid.group(culprit, "pp")
     at = line.index(culprit)
     for i, r in enumerate(line):
@@ -335,3 +339,8 @@ def hang_in_pipeline(grid: Grid, ranks: list[SimRank], culprit: int, age_s: floa
             uid = src.group_key_of("dp", sr.coords)
             stuck = sr.rank in line
             sr.groups = {uid: GroupState(40, 40) if stuck else GroupState(41, 40, "all_reduce", age_s)}
+    if held is not None:
+        other = grid.group(held, "pp")
+        for i, r in enumerate(other[: other.index(held)]):
+            ranks[r].p2p = [P2PWait("recv", other[i + 1], "pp", age_s)]
+            ranks[r].groups = {uid: GroupState(40, 40) for uid in ranks[r].groups}

@@ -15,7 +15,8 @@ on each member, so in a program that runs the same collectives on every rank the
   on some ranks), and the side that runs a different op from the majority is the culprit;
 - when every member entered the same collective and it does not complete, no rank is missing: the
   collective itself is stuck (``stuck``: the transport, NCCL, a link), and the culprit is unknown;
-- members that this rank cannot see (beyond its comparison peers) leave the culprit unknown.
+- members that this rank cannot see (beyond its comparison peers) leave the culprit unknown, and a rank
+  others wait for that waits in such a collective itself is no culprit (it may wait for one of them).
 
 Ranks also meet point to point (a pipeline's send/recv): a rank that waits in p2p ops (``P2PWait``:
 the op, its peer, since when) waits for that peer, an edge like a collective's. Chains form: the last
@@ -159,6 +160,7 @@ def analyse(
     waits_for: dict[int, set[int]] = {}
     waits: dict[tuple[Any, ...], dict[str, Any]] = {}
     beyond = False
+    outside: dict[int, str] = {}  # rank -> a group it waits in for members beyond the ranks in view
     for r, ws in (p2p or {}).items():
         for pw in ws:
             if pw.age_s < min_wait_s or pw.peer == r or pw.peer < 0:
@@ -175,6 +177,12 @@ def analyse(
                 continue
             missing = [m for m in members.get(uid, ()) if m != r and _enq(states, m, uid) < st.enq]
             waits_for.setdefault(r, set()).update(missing)
+            if (
+                not missing
+                and not (complete or {}).get(uid, True)
+                and all(_enq(states, m, uid) <= st.enq for m in members.get(uid, ()))
+            ):
+                outside[r] = uid  # none in view is behind, none past it: it waits for one beyond
             w = waits.setdefault(
                 (uid, st.enq), {"pg": uid, "seq": st.enq, "op": st.op, "waiting": [], "missing": []}
             )
@@ -195,16 +203,16 @@ def analyse(
         w["waiting"].sort()
     roots = sorted(blockers - held)  # what the others wait for and that waits for nobody behind it
     unseen = [r for r in roots if seen is not None and r not in seen]  # a p2p peer never heard of
-    if unseen:
-        roots = [r for r in roots if r not in unseen]
+    away = [r for r in roots if r in outside]  # in a collective whose missing members are out of view
+    if unseen or away:
+        roots = [r for r in roots if r not in unseen and r not in away]
         if not roots:
-            return HangVerdict(
-                "unknown",
-                [],
-                sorted(waiting),
-                listed,
-                note=f"the chain of waits leaves the ranks read at {unseen[:8]}",
-            )
+            why = [f"the chain of waits leaves the ranks read at {unseen[:8]}"] if unseen else []
+            why += [
+                f"rank {r} waits in {outside[r].split('@', 1)[0]} for members beyond the ranks read"
+                for r in away[:4]
+            ]
+            return HangVerdict("unknown", [], sorted(waiting), listed, note="; ".join(why))
     if roots:
         victims = sorted(r for r in held if _reaches(r, set(roots), waits_for))
         # the waits for someone; an op every member entered (a culprit's own, its completion not yet

@@ -245,6 +245,26 @@ def test_a_stage_that_hangs_in_dp4_x_pp16_is_named_by_every_rank(order: str) -> 
         assert (v.details["kind"], v.details["culprits"]) == ("missing", [culprit]), (r, v.details)
 
 
+def test_a_rank_that_waits_in_a_collective_for_ranks_it_cannot_see_is_no_culprit() -> None:
+    """dp16 x pp16, stage 8 of replica 0 asleep; replica 1's rank of stage 8 waits in its dp all-reduce
+    for it, and replica 1's earlier stages for that rank's gradients. A rank whose dp peers (4 of 16)
+    miss replica 0 follows its chain to replica 1's stage-8 rank, which waits in a collective for
+    members it cannot see: no culprit, "unknown" and why (as for the other replicas' ranks that wait in
+    their dp all-reduce for replica 0 out of view); the ranks that see replica 0 name its stage 8. Never
+    replica 1's."""
+    grid, ranks = job([("pp", 16), ("dp", 16)])
+    culprit, held = 8 * 16, 8 * 16 + 1
+    hang_in_pipeline(grid, ranks, culprit, held=held)
+    verdicts = judge(Hang, grid, ranks, stalled_s=60.0, timeout_s=30)
+    assert named(verdicts) == {culprit}
+    assert all(v.details["culprits"] == [culprit] for r, v in verdicts.items() if r % 16 == 0)  # its pipeline
+    unknown = {r: v.details["note"] for r, v in verdicts.items() if v.details["kind"] == "unknown"}
+    assert unknown and all("beyond" in note for note in unknown.values())  # the members out of view
+    assert any(
+        note == f"rank {held} waits in dp for members beyond the ranks read" for note in unknown.values()
+    )
+
+
 def test_a_chain_longer_than_a_pass_reads_is_unknown_then_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the store read once a pass for the chain (and not at all), a stage whose chain still leaves
     the ranks read says so and names no one; the stages kept as the chain is followed bring the rest

@@ -167,3 +167,18 @@ def test_the_ranks_read_next_follow_each_chain_on_at_its_step() -> None:
     assert got == [4, 9, 16, 10, 11, 12]  # the peers first; rank 0's chain stops at known rank 8
     assert chain_reads(p2p, {0, 3, 8, 20}, 1.0, 24, 3, limit=2) == [4, 9]
     assert chain_reads({23: [_pw("recv", 22)], 22: []}, {22, 23}, 1.0, 24, 8, 64) == []
+
+
+def test_a_rank_waited_for_that_waits_in_a_collective_beyond_view_is_no_culprit() -> None:
+    # rank 0 waits point to point for rank 1, which waits in dp all-reduce #41 with members out of view
+    # (its group incomplete, none in view behind it): it may wait for one of them
+    states = {0: {}, 1: {"dp@a": _gs(41, 40)}}
+    v = analyse(states, {"dp@a": [1]}, {"dp@a": False}, p2p={0: [_pw("recv", 1)]}, seen=[0, 1])
+    assert (v.kind, v.culprits) == (
+        "unknown",
+        [],
+    ) and v.note == "rank 1 waits in dp for members beyond the ranks read"
+    # a member in view past its seq: its last word is older than its op's completion, it waits for nobody
+    states = {0: {}, 1: {"dp@a": _gs(41, 40)}, 2: {"dp@a": _gs(42, 41)}}
+    v = analyse(states, {"dp@a": [1, 2]}, {"dp@a": False}, p2p={0: [_pw("recv", 1)]}, seen=[0, 1, 2])
+    assert (v.kind, v.culprits) == ("missing", [1])
