@@ -17,6 +17,7 @@ from typing import Any
 
 from hpar_agent.collectors.collective_state import PgState
 from hpar_agent.collectors.collectives import CollectiveCollector
+from hpar_agent.collectors.fr_ledger import Op
 from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.config import AgentConfig
 from hpar_agent.context import AgentContext
@@ -26,7 +27,7 @@ from hpar_agent.detectors import sources as src
 from hpar_agent.detectors.base import Detector, Verdict
 from hpar_agent.detectors.feed import DetectorFeed
 from hpar_agent.detectors.snapshot import Fetch, PeerView, Snapshot
-from hpar_agent.detectors.waits import GroupState
+from hpar_agent.detectors.waits import GroupState, P2PWait
 from hpar_agent.topology import Topology
 
 STEP_NS = 300_000_000  # 0.3 s steps
@@ -46,6 +47,7 @@ class SimRank:
     skipped: int | None = None  # the dp collective seq it never entered (the others wait in it)
     silent_s: float = 0.0  # seconds since its last publish (0: publishing)
     groups: dict[str, GroupState] = field(default_factory=dict)
+    p2p: list[P2PWait] = field(default_factory=list)  # the pipeline's send/recv it blocks in
 
 
 def job(dims: list[tuple[str, int]]) -> tuple[Grid, list[SimRank]]:
@@ -56,7 +58,13 @@ def job(dims: list[tuple[str, int]]) -> tuple[Grid, list[SimRank]]:
         pos, c = r, {}
         for name, size in reversed(dims):
             pos, c[name] = divmod(pos, size)
-        coords = {"dp_replicate": c.get("dp", 0), "dp_shard": 0, "cp": 0, "tp": c.get("tp", 0), "pp": 0}
+        coords = {
+            "dp_replicate": c.get("dp", 0),
+            "dp_shard": 0,
+            "cp": 0,
+            "tp": c.get("tp", 0),
+            "pp": c.get("pp", 0),
+        }
         ranks.append(SimRank(r, coords))
     return grid, ranks
 
@@ -136,10 +144,17 @@ def snapshot(
 
 
 def judge(
-    detector: type[Detector], grid: Grid, ranks: list[SimRank], stalled_s: float = 0.0, **thresholds: float
+    detector: type[Detector],
+    grid: Grid,
+    ranks: list[SimRank],
+    stalled_s: float = 0.0,
+    fetched: dict[int, list[list[int]]] | None = None,
+    passes: int = 1,
+    **thresholds: float,
 ) -> dict[int, Verdict]:
-    """rank -> its verdict from a fresh ``detector`` on the payloads of its comparison peers (every rank's
-    last step ``stalled_s`` ago)."""
+    """rank -> the verdict of its last of ``passes`` passes of a fresh ``detector`` on the payloads of
+    its comparison peers (every rank's last step ``stalled_s`` ago). ``fetched``, where given, gets each
+    rank's reads on demand (``PeerView.fetch``: the ranks of each)."""
     now = time.time()
     dims = dict(zip(grid.names, grid.shape, strict=True))
     entries = _timelines(ranks, dims)
@@ -151,7 +166,7 @@ def judge(
         checksums[r.rank] = {"cks": {str(STEPS): sums}, "sk": ckeys}
         payloads[r.rank] = {
             "t": now - r.silent_s,
-            "c": {**r.coords, "dp": r.coords["dp_replicate"], "stage": 0},
+            "c": {**r.coords, "dp": r.coords["dp_replicate"], "stage": r.coords["pp"]},
             "step": STEPS,
             "fp": r.fingerprint,
             "cd": {str(STEPS): sig.checksum_digests(sums, ckeys)},
@@ -159,14 +174,23 @@ def judge(
             "q": {uid: st.pack() for uid, st in _states(r, entries[r.rank], now).items()},
             "id": [0, "another-host", 0],
         }
-
-    def fetch(purpose: str, wanted: Iterable[int]) -> dict[int, dict[str, Any]]:
-        return {q: checksums[q] for q in wanted if q in checksums} if purpose == "ck" else {}
+        if r.p2p:
+            payloads[r.rank]["w"] = [w.pack() for w in r.p2p]
 
     out = {}
     for r in ranks:
+        reads = (fetched if fetched is not None else {}).setdefault(r.rank, [])
+
+        def fetch(
+            purpose: str, wanted: Iterable[int], reads: list[list[int]] = reads
+        ) -> dict[int, dict[str, Any]]:
+            got = {"ck": checksums, "s": payloads}.get(purpose, {})
+            wanted = sorted(set(wanted))
+            reads.append(wanted)
+            return {q: got[q] for q in wanted if q in got}
+
         p: PeerPlan = plan(grid, r.rank)
-        seen = {q: payloads[q] for q in (*p.peers, r.rank)}
+        seen = {q: payloads[q] for q in (*p.wants().get("s", ()), r.rank)}
         fresh = {q: v for q, v in seen.items() if v["t"] >= now - 30}
         topo = Topology(
             rank=r.rank,
@@ -174,20 +198,29 @@ def judge(
             job_id="sim",
             dp=dims.get("dp", 1),
             tp=dims.get("tp", 1),
+            pp=dims.get("pp", 1),
             dp_rank=r.coords["dp_replicate"],
             dp_replicate=dims.get("dp", 1),
             tp_rank=r.coords["tp"],
+            pp_rank=r.coords["pp"],
+            pp_stage=r.coords["pp"],
         )
         collector = CollectiveCollector()  # never installed: it holds what the test gives it
         for uid, st in _states(r, entries[r.rank], now).items():
             label = src.pg_label(uid)
             collector.pgs[label] = PgState(last_enqueued=st.enq, last_completed=st.done, oldest_age=st.age_s)
             collector.recent_entries.append({"pg": label, "seq": st.enq, "op": st.op, "is_p2p": False})
+        if r.p2p:
+            t_enter = time.time_ns() - int(min(w.age_s for w in r.p2p) * 1e9)
+            ops = [Op(w.pg, o, 0, 0, 0, t_enter, "cpu", None, w.peer) for w in r.p2p for o in w.op.split("+")]
+            collector.p2p.waiting = (t_enter, ops)
         steps = StepCollector()  # as it stands after STEPS steps of STEP_NS, the last ``stalled_s`` ago
         steps.total, steps.last_step_ts, steps.durations = STEPS, now - stalled_s, [STEP_NS / 1e9] * 64
         ctx = AgentContext(config=AgentConfig(), topology=topo, components=[steps, collector])
         snap = snapshot(ctx, now, fresh, seen, p.groups, fetch)
-        verdict = detector({f"{detector.name}.{k}": v for k, v in thresholds.items()}).evaluate(snap)
+        judging = detector({f"{detector.name}.{k}": v for k, v in thresholds.items()})
+        for _ in range(passes):
+            verdict = judging.evaluate(snap)
         if verdict is not None:
             out[r.rank] = verdict
     return out
@@ -288,3 +321,34 @@ def silence_named(
                 named_at.append(end)
         out[r] = named_at
     return out
+
+
+def hang_in_pipeline(
+    grid: Grid, ranks: list[SimRank], culprit: int, age_s: float = 60.0, held: int | None = None
+) -> None:
+    """``culprit`` stops (asleep in Python) mid-step, as a GPipe step leaves its pipeline: the stages
+    before it wait for their successor's gradients (the one just before in its send to it), the stages
+    after it for their predecessor's activations. With dp, every other replica's ranks finish their
+    backward and wait in their stage's dp all-reduce (seq 41) for the stuck pipeline's rank of that
+    stage, which never entered it; but where ``held`` names another replica's rank of the culprit's
+    stage, that replica's earlier stages wait for their successor's gradients instead (its all-reduce
+    ends the stage's backward, before it sends them)."""
+    line = grid.group(culprit, "pp")
+    at = line.index(culprit)
+    for i, r in enumerate(line):
+        if i < at - 1:
+            ranks[r].p2p = [P2PWait("recv", line[i + 1], "pp", age_s)]
+        elif i == at - 1:
+            ranks[r].p2p = [P2PWait("send", culprit, "pp", age_s)]
+        elif i > at:
+            ranks[r].p2p = [P2PWait("recv", line[i - 1], "pp", age_s)]
+    if "dp" in grid.names:
+        for sr in ranks:
+            uid = src.group_key_of("dp", sr.coords)
+            stuck = sr.rank in line
+            sr.groups = {uid: GroupState(40, 40) if stuck else GroupState(41, 40, "all_reduce", age_s)}
+    if held is not None:
+        other = grid.group(held, "pp")
+        for i, r in enumerate(other[: other.index(held)]):
+            ranks[r].p2p = [P2PWait("recv", other[i + 1], "pp", age_s)]
+            ranks[r].groups = {uid: GroupState(40, 40) for uid in ranks[r].groups}

@@ -24,6 +24,7 @@ from hpar_agent.component import Component
 from hpar_agent.histogram import Histogram
 from hpar_agent.spans import LazySpan, SpanRecord, StepRecord
 from hpar_agent.streams import StreamCap, stream_label
+from hpar_agent.torch_compat import pipelining
 
 if TYPE_CHECKING:
     from hpar_agent.context import AgentContext
@@ -70,9 +71,12 @@ class PipelineCollector(Component):
         self.buffer.capacity = ctx.config.buffer_size
 
     def watch(self, stages: list[Any], schedule: Any = None) -> None:
-        """Wrap the one-chunk methods of each stage (idempotent)."""
-        if schedule is not None:
-            self.schedule = type(schedule).__name__
+        """Wrap the one-chunk methods of each stage (idempotent). The schedule's class name is
+        ``schedule``'s, else that of the schedule the topology watch saw running the stages."""
+        name = type(schedule).__name__ if schedule is not None else ""
+        name = name or next((n for s in stages if (n := pipelining.schedule_name(s))), "")
+        if name:
+            self.schedule = name
         for stage in stages:
             for method, phase in _METHODS:
                 orig = getattr(stage, method, None)

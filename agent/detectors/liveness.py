@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from hpar_agent.topology import Topology
 
 
+#: Where a chain of p2p waits leaves the ranks read, Hang reads the ranks it goes through on demand: at
+#: most this many reads of the store a pass, each of at most ``CHAIN_RANKS`` ranks' ``s`` (~0.4 KB
+#: each), the peer a wait points at and up to ``CHAIN_WIDTH - 1`` ranks on at the same step.
+CHAIN_READS = 4
+CHAIN_RANKS = 64
+CHAIN_WIDTH = 8
+
+
 class Hang(Detector):
     """A rank stuck in or missing a collective or a p2p op: an op in flight, or no step, for too long.
 
@@ -37,7 +45,9 @@ class Hang(Detector):
     its groups' collectives), the ranks the others wait for and that
     wait for nobody are named (``details.culprits``; ``victims``: the ranks waiting); each rank's p2p
     waits (``w`` in ``s``: the pipeline's send/recv it blocks in, and the peer) are edges too, so the
-    end of a pipeline's chain of waits is named; or ranks in
+    end of a pipeline's chain of waits is named (where the chain leaves the ranks read, as in a
+    pipeline of more stages than a rank's comparison peers cover, the ranks it goes through are read
+    on demand: ``_follow``); or ranks in
     different collectives (``kind`` desync, each side's op), or a collective every member entered
     (``stuck``: culprit unknown). Judged from half the timeout on, so the firing event carries them;
     once named, kept until the hang clears: peers ending at the process group's timeout, after it fired,
@@ -56,6 +66,7 @@ class Hang(Detector):
         self.named: waits.HangVerdict | None = (
             None  # the verdict that named culprits, kept while the hang lasts
         )
+        self.chain: dict[int, Mapping[str, Any]] = {}  # ranks read on demand that wait (``_follow``)
 
     def timeout(self, snap: Snapshot) -> float:
         if self.explicit:
@@ -93,6 +104,7 @@ class Hang(Detector):
         }
         if value <= timeout / 2:
             self.named = None
+            self.chain = {}
         else:
             verdict = self.named or self.culprits(snap, min_wait_s=min(timeout / 4, 10.0))
             if verdict.culprits and value > timeout:
@@ -110,30 +122,33 @@ class Hang(Detector):
         return Verdict(value > timeout, value, details, threshold=timeout)
 
     def culprits(self, snap: Snapshot, min_wait_s: float) -> waits.HangVerdict:
-        """``waits.analyse`` over this rank (its state now) and the last word of each comparison peer."""
+        """``waits.analyse`` over this rank (its state now), the last word of each comparison peer, and
+        the ranks read on demand where a chain of p2p waits leaves those (``_follow``)."""
         topo, rank = snap.topology, snap.rank
         states: dict[int, dict[str, waits.GroupState]] = {}
         p2p: dict[int, list[waits.P2PWait]] = {}
         coords: dict[int, dict[str, Any]] = {}
         for r, p in snap.exchange.seen.items():
-            q, c, w = p.get("q") or {}, p.get("c"), p.get("w") or []
-            if r == rank or not isinstance(q, dict) or not isinstance(c, dict) or not isinstance(w, list):
-                continue
-            states[r] = {
-                str(uid): st for uid, v in q.items() if (st := waits.GroupState.unpack(v)) is not None
-            }
-            p2p[r] = [pw for v in w if (pw := waits.P2PWait.unpack(v)) is not None]
-            coords[r] = c
+            if r != rank:
+                _take(r, p, states, p2p, coords)
         states[rank] = dict(snap.collectives.groups)
         p2p[rank] = list(snap.collectives.p2p_waits)
         coords[rank] = dict(snap.coords)
         silent = {dim: [r for r in peers if r not in coords] for dim, peers in snap.exchange.groups.items()}
+        unfollowed = self._follow(
+            snap, min_wait_s, states, p2p, coords, {r for rs in silent.values() for r in rs}
+        )
         members: dict[str, list[int]] = {}
         complete: dict[str, bool] = {}
+        by_key: dict[str, dict[str, list[int]]] = {}  # label -> group id -> the ranks of those coordinates
         for uid in sorted({u for groups in states.values() for u in groups}):
             label = src.pg_label(uid)
             if src.group_key_of(label, coords[rank]) != label:  # a mesh group: members by coordinates
-                ms = [r for r, c in coords.items() if src.group_key_of(label, c) == uid]
+                if label not in by_key:
+                    by_key[label] = {}
+                    for r, c in coords.items():
+                        by_key[label].setdefault(src.group_key_of(label, c), []).append(r)
+                ms = list(by_key[label].get(uid, ()))
                 if uid == src.group_key_of(label, coords[rank]):  # this rank's own: peers never heard of too
                     ms += silent.get(label, [])
             elif label == "default_pg":  # the world: every rank heard of, and every peer never heard of
@@ -145,7 +160,64 @@ class Hang(Detector):
             size = _group_size(label, topo)
             complete[uid] = len(ms) >= size if size else len(coords) >= topo.world_size
         seen = set(coords) | {r for rs in silent.values() for r in rs}
-        return waits.analyse(states, members, complete, min_wait_s, p2p=p2p, seen=seen)
+        verdict = waits.analyse(states, members, complete, min_wait_s, p2p=p2p, seen=seen)
+        if verdict.kind == "unknown" and unfollowed:
+            verdict.note += f" (read on demand: {CHAIN_READS} reads this pass, the next goes on)"
+        return verdict
+
+    def _follow(
+        self,
+        snap: Snapshot,
+        min_wait_s: float,
+        states: dict[int, dict[str, waits.GroupState]],
+        p2p: dict[int, list[waits.P2PWait]],
+        coords: dict[int, dict[str, Any]],
+        silent: set[int],
+    ) -> bool:
+        """Add the ranks a chain of p2p waits goes through beyond the ranks read (a pipeline of more
+        stages than the comparison peers cover): their ``s`` read on demand, ``CHAIN_READS`` reads of
+        at most ``CHAIN_RANKS`` ranks a pass (``waits.chain_reads``). A rank that waits is kept while
+        the hang lasts (``chain``: it stays where it is stuck), so a longer chain is followed on over
+        the next passes; the others (a culprit among them) are read again each pass. True when the
+        reads ran out with ranks still to read."""
+        for r, p in self.chain.items():
+            if r not in coords:
+                _take(r, p, states, p2p, coords)
+        asked: set[int] = set()
+        for _ in range(CHAIN_READS):
+            known = set(coords) | silent | asked
+            want = waits.chain_reads(
+                p2p, known, min_wait_s, snap.topology.world_size, CHAIN_WIDTH, CHAIN_RANKS
+            )
+            if not want:
+                return False
+            asked.update(want)
+            for r, p in snap.exchange.fetch("s", want).items():
+                if (
+                    r != snap.rank
+                    and _take(r, p, states, p2p, coords)
+                    and any(w.age_s >= min_wait_s for w in p2p[r])
+                ):
+                    self.chain[r] = p
+        known = set(coords) | silent | asked
+        return bool(waits.chain_reads(p2p, known, min_wait_s, snap.topology.world_size, 1, 1))
+
+
+def _take(
+    r: int,
+    p: Mapping[str, Any],
+    states: dict[int, dict[str, waits.GroupState]],
+    p2p: dict[int, list[waits.P2PWait]],
+    coords: dict[int, dict[str, Any]],
+) -> bool:
+    """Add a peer's ``s`` (its groups' states, its p2p waits, its coordinates); False for a malformed one."""
+    q, c, w = p.get("q") or {}, p.get("c"), p.get("w") or []
+    if not isinstance(q, dict) or not isinstance(c, dict) or not isinstance(w, list):
+        return False
+    states[r] = {str(uid): st for uid, v in q.items() if (st := waits.GroupState.unpack(v)) is not None}
+    p2p[r] = [pw for v in w if (pw := waits.P2PWait.unpack(v)) is not None]
+    coords[r] = c
+    return True
 
 
 def _group_size(label: str, topo: Topology) -> int | None:

@@ -61,10 +61,11 @@ class PeerView:
     (``fresh``: read in this pass), every comparison peer's last ``s`` however old (``seen``: a stopped
     rank's last word), this rank's comparison peers by mesh dim, when a read last succeeded and the
     exchange's interval. ``fetch`` is the one thing read on demand (checksums by name, only when digests
-    disagree; a silent peer's ``s``, once past RankGone's bound: the store serves it; a failed read
-    leaves the rank out). ``clock`` tells the wall-clock time of a ``fetch`` made now (the pass has
-    waited for its offsets since its start: a read's age is judged from when it is made); ``pass_s`` is
-    the agent's interval (a late pass is up to that late)."""
+    disagree; a silent peer's ``s``, once past RankGone's bound; the ``s`` of the ranks a hang's chain
+    of p2p waits goes through beyond the peers: the store serves it; a failed read leaves the rank
+    out). ``clock`` tells the wall-clock time of a ``fetch`` made now (the pass has waited for its
+    offsets since its start: a read's age is judged from when it is made); ``pass_s`` is the agent's
+    interval (a late pass is up to that late)."""
 
     peers: Mapping[int, dict[str, Any]] = field(default_factory=dict)
     fresh: bool = False

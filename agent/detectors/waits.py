@@ -15,12 +15,15 @@ on each member, so in a program that runs the same collectives on every rank the
   on some ranks), and the side that runs a different op from the majority is the culprit;
 - when every member entered the same collective and it does not complete, no rank is missing: the
   collective itself is stuck (``stuck``: the transport, NCCL, a link), and the culprit is unknown;
-- members that this rank cannot see (beyond its comparison peers) leave the culprit unknown.
+- members that this rank cannot see (beyond its comparison peers) leave the culprit unknown, and a rank
+  others wait for that waits in such a collective itself is no culprit (it may wait for one of them).
 
 Ranks also meet point to point (a pipeline's send/recv): a rank that waits in p2p ops (``P2PWait``:
 the op, its peer, since when) waits for that peer, an edge like a collective's. Chains form: the last
 stage waits for a stage's activations, the earlier stages for their successor's gradients, and the
-rank the chain ends at, waiting for nobody (asleep in Python), is the culprit.
+rank the chain ends at, waiting for nobody (asleep in Python), is the culprit. A chain that leaves the
+ranks read (a pipeline of more stages than a rank's comparison peers cover) is followed on demand
+(``chain_reads``: the ranks to read next).
 """
 
 from __future__ import annotations
@@ -87,6 +90,34 @@ def p2p_waits(ops: Sequence[tuple[str, int, str]], age_s: float) -> list[P2PWait
     return [P2PWait("+".join(sorted(o)), peer, pg, age_s) for (peer, pg), o in sorted(by.items())]
 
 
+def chain_reads(
+    p2p: Mapping[int, Sequence[P2PWait]],
+    known: Collection[int],
+    min_wait_s: float,
+    world: int,
+    width: int,
+    limit: int,
+) -> list[int]:
+    """The ranks to read next to follow the chains of p2p waits that leave ``known``: each unknown peer
+    a wait of ``min_wait_s`` or more points at, then up to ``width - 1`` ranks on from it at the same
+    step (a pipeline's chain goes on stage after stage the same way, so one read covers ``width`` hops),
+    stopping at a known rank or the world's end; the peers first, at most ``limit`` ranks in all."""
+    first: list[int] = []
+    more: list[int] = []
+    for r, ws in sorted(p2p.items()):
+        for w in ws:
+            if w.age_s < min_wait_s or w.peer in known or w.peer == r or not 0 <= w.peer < world:
+                continue
+            first.append(w.peer)
+            step = w.peer - r
+            for i in range(1, width):
+                q = w.peer + i * step
+                if not 0 <= q < world or q in known:
+                    break
+                more.append(q)
+    return list(dict.fromkeys([*first, *more]))[:limit]
+
+
 @dataclass
 class HangVerdict:
     """``kind``: missing | desync | stuck | none | unknown. ``waits``: each (group, seq) some ranks wait
@@ -129,6 +160,7 @@ def analyse(
     waits_for: dict[int, set[int]] = {}
     waits: dict[tuple[Any, ...], dict[str, Any]] = {}
     beyond = False
+    outside: dict[int, str] = {}  # rank -> a group it waits in for members beyond the ranks in view
     for r, ws in (p2p or {}).items():
         for pw in ws:
             if pw.age_s < min_wait_s or pw.peer == r or pw.peer < 0:
@@ -145,6 +177,12 @@ def analyse(
                 continue
             missing = [m for m in members.get(uid, ()) if m != r and _enq(states, m, uid) < st.enq]
             waits_for.setdefault(r, set()).update(missing)
+            if (
+                not missing
+                and not (complete or {}).get(uid, True)
+                and all(_enq(states, m, uid) <= st.enq for m in members.get(uid, ()))
+            ):
+                outside[r] = uid  # none in view is behind, none past it: it waits for one beyond
             w = waits.setdefault(
                 (uid, st.enq), {"pg": uid, "seq": st.enq, "op": st.op, "waiting": [], "missing": []}
             )
@@ -165,16 +203,16 @@ def analyse(
         w["waiting"].sort()
     roots = sorted(blockers - held)  # what the others wait for and that waits for nobody behind it
     unseen = [r for r in roots if seen is not None and r not in seen]  # a p2p peer never heard of
-    if unseen:
-        roots = [r for r in roots if r not in unseen]
+    away = [r for r in roots if r in outside]  # in a collective whose missing members are out of view
+    if unseen or away:
+        roots = [r for r in roots if r not in unseen and r not in away]
         if not roots:
-            return HangVerdict(
-                "unknown",
-                [],
-                sorted(waiting),
-                listed,
-                note=f"the chain of waits leaves this rank's comparison peers at {unseen[:8]}",
-            )
+            why = [f"the chain of waits leaves the ranks read at {unseen[:8]}"] if unseen else []
+            why += [
+                f"rank {r} waits in {outside[r].split('@', 1)[0]} for members beyond the ranks read"
+                for r in away[:4]
+            ]
+            return HangVerdict("unknown", [], sorted(waiting), listed, note="; ".join(why))
     if roots:
         victims = sorted(r for r in held if _reaches(r, set(roots), waits_for))
         # the waits for someone; an op every member entered (a culprit's own, its completion not yet

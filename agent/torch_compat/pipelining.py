@@ -19,6 +19,8 @@ SCHEDULE_MODULE = "torch.distributed.pipelining.schedules"
 SCHEDULE_CLASSES = ("PipelineScheduleSingle", "PipelineScheduleMulti")
 #: Set on a schedule whose stages the topology watch was told of (``stages_once``).
 _SEEN = "_hpar_stages_seen"
+#: Set on each stage ``stages_once`` found: the class name of the schedule that runs it (``schedule_name``).
+_SCHEDULE = "_hpar_schedule"
 
 
 def schedule_stages(schedule: Any) -> list[Any]:
@@ -29,14 +31,27 @@ def schedule_stages(schedule: Any) -> list[Any]:
 
 def stages_once(schedule: Any, args: tuple[Any, ...] = ()) -> list[Any] | None:
     """The schedule's stages the first time it is asked of ``schedule`` (its ``__init__`` or its first
-    ``step``), None after: the per-step hook costs one attribute read."""
+    ``step``), None after: the per-step hook costs one attribute read. Each stage is marked with the
+    schedule's class name (``schedule_name``)."""
     if getattr(schedule, _SEEN, False):
         return None
     try:
         setattr(schedule, _SEEN, True)
     except Exception:
         return None
-    return schedule_stages(schedule) or None
+    stages = schedule_stages(schedule)
+    for stage in stages:
+        try:
+            setattr(stage, _SCHEDULE, type(schedule).__name__)
+        except Exception:
+            pass  # a stage that takes no attribute: its schedule goes unnamed
+    return stages or None
+
+
+def schedule_name(stage: Any) -> str:
+    """The class name of the schedule ``stages_once`` found running ``stage`` ("" where none did)."""
+    name = getattr(stage, _SCHEDULE, "")
+    return name if isinstance(name, str) else ""
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,11 @@ def test_a_pipeline_stage_after_attach_is_the_ranks_stage(agent: Agent, tmp_path
     ]
     agent.watch_pipeline([stage])  # a program that calls it too: wrapped once
     assert len(pipe.wrapped) == 2
+    assert pipe.summary()["schedule"] == ""  # no schedule runs it yet
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    ScheduleGPipe(stage, n_microbatches=2)  # the summary names the schedule as watch_pipeline() does
+    assert pipe.summary()["schedule"] == "ScheduleGPipe" and len(pipe.wrapped) == 2
 
 
 def test_an_interleaved_schedule_built_after_attach_on_stages_built_before(tmp_path: Path) -> None:
@@ -224,6 +229,7 @@ def test_an_interleaved_schedule_built_after_attach_on_stages_built_before(tmp_p
         topo = a.topology
         assert (topo.pp, topo.pp_rank, topo.pp_stage, topo.pp_stages) == (WORLD, RANK, RANK, "1,5")
         assert {id(s) for s, _m in a.component("pipeline").wrapped} == {id(s) for s in stages}  # chunks timed
+        assert a.component("pipeline").summary()["schedule"] == "ScheduleInterleaved1F1B"
     finally:
         hpar_agent.detach()
         dist.destroy_process_group()

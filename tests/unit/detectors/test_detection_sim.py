@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
+from hpar_agent.detectors import liveness
 from hpar_agent.detectors.cluster import CompileDivergence, ReplicaDivergence
 from hpar_agent.detectors.liveness import Hang, RankGone
 from hpar_agent.detectors.sources import group_key_of
 from hpar_agent.detectors.waits import GroupState
-from testkit.detection_sim import job, judge, named, raised
+from testkit.detection_sim import hang_in_pipeline, job, judge, named, raised
 from testkit.straggler_sim import HEAVY, HEAVY_GPUS, MILD, Job, Noise, StragglerSim, cover, fired
 from testkit.straggler_sim import named as named_in
 
@@ -202,6 +203,85 @@ def test_a_skipped_collective_names_the_rank_the_others_wait_for() -> None:
     assert named(verdicts) == {300}
     assert naming == {300, *(p for p in range(N) if 300 in _peers(grid, p))}
     assert all(v.details["kind"] == "unknown" for r, v in verdicts.items() if r not in naming)
+
+
+def _pipeline_hang(
+    dims: list[tuple[str, int]], culprit: int, passes: int = 1
+) -> tuple[dict[int, Any], dict[int, list[list[int]]]]:
+    grid, ranks = job(dims)
+    hang_in_pipeline(grid, ranks, culprit)
+    fetched: dict[int, list[list[int]]] = {}
+    verdicts = judge(Hang, grid, ranks, stalled_s=60.0, fetched=fetched, passes=passes, timeout_s=30)
+    assert raised(verdicts) == set(grid.ranks)  # every rank is stalled
+    return verdicts, fetched
+
+
+@pytest.mark.parametrize("stages", [16, 64])
+@pytest.mark.parametrize("where", ["middle", "last"])
+def test_a_stage_that_hangs_in_a_long_pipeline_is_named_by_every_stage(stages: int, where: str) -> None:
+    """A pure pipeline of 16 or 64 stages, one stage asleep mid-step: each stage reads four others' ``s``,
+    and the chain of waits from it (a stage's successor, its successor's...) goes through stages it
+    does not read. Each stage reads those on demand, the peer a wait points at and seven more on at
+    the same step a read, and names the stage asleep, the ones in between victims, within one pass."""
+    culprit = stages // 2 if where == "middle" else stages - 1
+    verdicts, fetched = _pipeline_hang([("pp", stages)], culprit)
+    for r, v in verdicts.items():
+        assert (v.details["kind"], v.details["culprits"]) == ("missing", [culprit]), (r, v.details)
+        assert v.details["role"] == ("culprit" if r == culprit else "victim"), (r, v.details)
+    assert max(len(reads) for reads in fetched.values()) <= liveness.CHAIN_READS
+    assert max(len(ranks) for reads in fetched.values() for ranks in reads) <= liveness.CHAIN_RANKS
+
+
+@pytest.mark.parametrize("order", ["pp x dp", "dp x pp"])
+def test_a_stage_that_hangs_in_dp4_x_pp16_is_named_by_every_rank(order: str) -> None:
+    """dp4 x pp16 (pp outermost as torchtitan lays it out, or pipelines of consecutive ranks): stage 8 of
+    replica 2 asleep. Its pipeline's stages wait point to point; the other replicas' ranks wait in
+    their stage's dp all-reduce for the stuck pipeline's rank of it, which waits for its neighbour in
+    turn: every one of the 64 ranks names the rank asleep."""
+    dims = [("pp", 16), ("dp", 4)] if order == "pp x dp" else [("dp", 4), ("pp", 16)]
+    culprit = 8 * 4 + 2 if order == "pp x dp" else 2 * 16 + 8
+    verdicts, _ = _pipeline_hang(dims, culprit)
+    for r, v in verdicts.items():
+        assert (v.details["kind"], v.details["culprits"]) == ("missing", [culprit]), (r, v.details)
+
+
+def test_a_rank_that_waits_in_a_collective_for_ranks_it_cannot_see_is_no_culprit() -> None:
+    """dp16 x pp16, stage 8 of replica 0 asleep; replica 1's rank of stage 8 waits in its dp all-reduce
+    for it, and replica 1's earlier stages for that rank's gradients. A rank whose dp peers (4 of 16)
+    miss replica 0 follows its chain to replica 1's stage-8 rank, which waits in a collective for
+    members it cannot see: no culprit, "unknown" and why (as for the other replicas' ranks that wait in
+    their dp all-reduce for replica 0 out of view); the ranks that see replica 0 name its stage 8. Never
+    replica 1's."""
+    grid, ranks = job([("pp", 16), ("dp", 16)])
+    culprit, held = 8 * 16, 8 * 16 + 1
+    hang_in_pipeline(grid, ranks, culprit, held=held)
+    verdicts = judge(Hang, grid, ranks, stalled_s=60.0, timeout_s=30)
+    assert named(verdicts) == {culprit}
+    assert all(v.details["culprits"] == [culprit] for r, v in verdicts.items() if r % 16 == 0)  # its pipeline
+    unknown = {r: v.details["note"] for r, v in verdicts.items() if v.details["kind"] == "unknown"}
+    assert unknown and all("beyond" in note for note in unknown.values())  # the members out of view
+    assert any(
+        note == f"rank {held} waits in dp for members beyond the ranks read" for note in unknown.values()
+    )
+
+
+def test_a_chain_longer_than_a_pass_reads_is_unknown_then_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the store read once a pass for the chain (and not at all), a stage whose chain still leaves
+    the ranks read says so and names no one; the stages kept as the chain is followed bring the rest
+    in over the next passes. Never a stage in between."""
+    monkeypatch.setattr(liveness, "CHAIN_READS", 0)
+    verdicts, _ = _pipeline_hang([("pp", 64)], 63)
+    assert named(verdicts) == set() and all(v.details["kind"] == "unknown" for v in verdicts.values())
+    assert "the chain of waits leaves the ranks read at" in verdicts[0].details["note"]
+    monkeypatch.setattr(liveness, "CHAIN_READS", 1)
+    for passes in (1, 2, 3):
+        verdicts, _ = _pipeline_hang([("pp", 64)], 63, passes=passes)
+        assert named(verdicts) <= {63}
+        unknown = {r for r, v in verdicts.items() if v.details["kind"] == "unknown"}
+        assert all("the next goes on" in verdicts[r].details["note"] for r in unknown)
+        if passes == 1:
+            assert unknown  # one read of eight stages on does not reach the end from every stage
+    assert not unknown and named(verdicts) == {63}
 
 
 def test_a_dead_rank_is_named_by_its_peers_only() -> None:

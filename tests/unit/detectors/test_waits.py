@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpar_agent.detectors.waits import GroupState, P2PWait, analyse, p2p_text, p2p_waits
+from hpar_agent.detectors.waits import GroupState, P2PWait, analyse, chain_reads, p2p_text, p2p_waits
 
 
 def _gs(enq: int, done: int | None = None, op: str = "all_reduce", age: float = 30.0) -> GroupState:
@@ -152,3 +152,33 @@ def test_short_p2p_waits_and_a_batch_with_one_peer() -> None:
     (w,) = p2p_waits([("send", 1, "pp"), ("recv", 1, "pp"), ("recv", -1, "pp")], 3.0)
     assert w == P2PWait("recv+send", 1, "pp", 3.0) and P2PWait.unpack(w.pack()) == w
     assert P2PWait.unpack(["recv"]) is None
+
+
+def test_the_ranks_read_next_follow_each_chain_on_at_its_step() -> None:
+    # ranks 0 and 8 known; rank 0 waits for rank 4 (a pipeline of stride 4), rank 8 for rank 9, rank 20
+    # for rank 16 (the chain goes down); a short wait and a wait for a known rank lead nowhere
+    p2p = {
+        0: [_pw("recv", 4)],
+        8: [_pw("recv", 9), _pw("send", 12, age=0.5)],
+        20: [_pw("recv", 16)],
+        3: [_pw("recv", 8)],
+    }
+    got = chain_reads(p2p, known={0, 3, 8, 20}, min_wait_s=1.0, world=24, width=3, limit=64)
+    assert got == [4, 9, 16, 10, 11, 12]  # the peers first; rank 0's chain stops at known rank 8
+    assert chain_reads(p2p, {0, 3, 8, 20}, 1.0, 24, 3, limit=2) == [4, 9]
+    assert chain_reads({23: [_pw("recv", 22)], 22: []}, {22, 23}, 1.0, 24, 8, 64) == []
+
+
+def test_a_rank_waited_for_that_waits_in_a_collective_beyond_view_is_no_culprit() -> None:
+    # rank 0 waits point to point for rank 1, which waits in dp all-reduce #41 with members out of view
+    # (its group incomplete, none in view behind it): it may wait for one of them
+    states = {0: {}, 1: {"dp@a": _gs(41, 40)}}
+    v = analyse(states, {"dp@a": [1]}, {"dp@a": False}, p2p={0: [_pw("recv", 1)]}, seen=[0, 1])
+    assert (v.kind, v.culprits) == (
+        "unknown",
+        [],
+    ) and v.note == "rank 1 waits in dp for members beyond the ranks read"
+    # a member in view past its seq: its last word is older than its op's completion, it waits for nobody
+    states = {0: {}, 1: {"dp@a": _gs(41, 40)}, 2: {"dp@a": _gs(42, 41)}}
+    v = analyse(states, {"dp@a": [1, 2]}, {"dp@a": False}, p2p={0: [_pw("recv", 1)]}, seen=[0, 1, 2])
+    assert (v.kind, v.culprits) == ("missing", [1])
