@@ -26,7 +26,10 @@ depend on the simulation. Past ``--threads`` (1,024) a thread goes through sever
 (``crossrank.cadence`` at the default ``detectors.exchange_s`` and interval: each rank's operation at
 its offset, over one pass's window up to 1,024 ranks, over several passes past that, a pass
 ``interval`` seconds apart); ``--spread S`` instead spreads it over S seconds (0: all at once, as
-the old scheme did), ``--spread 0 agent`` runs both side by side.
+the old scheme did), ``--spread 0 agent`` runs both side by side. Blobs go compressed as the agent
+sends them (``crossrank.COMPRESS_ABOVE``); ``--plain`` also runs each case with every blob plain JSON,
+side by side. Before the rounds it prints what one rank's agent thread spends per exchange encoding its
+payload and decoding its peers' (``codec_us``), compressed and plain.
 
 Worst case for the agent's scheme: every purpose is set at every round (checksums and tp samples
 change only every 10 steps). ``--scheme all`` is the scheme before: one merged payload per rank under
@@ -37,6 +40,7 @@ and group creation do), in the idle seconds between rounds and during the two ph
     python -m benchmarks.store_load                                  # 64, 256, 1024 ranks; 4 layouts; both schemes
     python -m benchmarks.store_load --ranks 1024 --scheme peers --spread 0 agent   # the agent's spread against none
     python -m benchmarks.store_load --ranks 4096 --scheme peers
+    python -m benchmarks.store_load --ranks 1024 --layouts dp_tp --scheme peers --plain   # compressed against plain
     python -m benchmarks.store_load --ranks 8 --layouts dp_tp --rounds 2 --json out.json   # a quick check
 
 Layouts (N ranks): ``dp`` (dp=N), ``dp_tp`` (dp=N/8 x tp=8), ``pp_dp_tp`` (the reference trainer's
@@ -303,7 +307,7 @@ class _Rank:
         self.ex: Any = None
         self.wants: dict[str, list[int]] = {}
         self.ages: dict[str, float] = {}
-        self.items: list[tuple[str, str]] = []
+        self.items: list[tuple[str, bytes]] = []
         self.raw: list[Any] = []
 
     def offset(self, case: dict[str, Any]) -> float:
@@ -313,9 +317,11 @@ class _Rank:
         return k * AGENT_INTERVAL_S + off
 
     def phase(self, name: str, case: dict[str, Any]) -> None:
+        from hpar_agent import crossrank
         from hpar_agent.crossrank import EVERY_EXCHANGE, PURPOSES, Exchange, Grid, plan
 
         if name == "setup":
+            crossrank.COMPRESS_ABOVE = case["compress_above"]  # every rank of this process runs the case
             self.ex = Exchange(self.store, case["job"], self.rank)
             grid = Grid.row_major(LAYOUTS[case["layout"]](case["n"]))
             if case["scheme"] == "all":
@@ -510,8 +516,13 @@ class Ranks:
         self.cases: list[tuple[dict[str, Any], dict[str, list[tuple[float, float]]]]] = []
         self.job = 0
 
-    def run(self, layout: str, scheme: str, rounds: int, spread: float | None = 0.0) -> dict[str, Any]:
-        """One case; ``spread`` None: the agent's cadence, else each phase spread over that many seconds."""
+    def run(
+        self, layout: str, scheme: str, rounds: int, spread: float | None = 0.0, plain: bool = False
+    ) -> dict[str, Any]:
+        """One case; ``spread`` None: the agent's cadence, else each phase spread over that many seconds;
+        ``plain``: every blob set as plain JSON (the agent compresses those over ``COMPRESS_ABOVE``)."""
+        from hpar_agent.crossrank import COMPRESS_ABOVE
+
         cad = pace(self.n, spread)
         parts = template_parts(layout, self.n)
         merged: dict[str, Any] = {}
@@ -527,6 +538,7 @@ class Ranks:
             "merged": merged,
             "rounds": rounds,
             "cadence": cad,
+            "compress_above": sys.maxsize if plain else COMPRESS_ABOVE,
         }
         spans: dict[str, list[tuple[float, float]]] = {"idle": [], "publish": [], "read": [], "other": []}
         cpu = 0.0  # the store's CPU seconds in the publish and read phases
@@ -556,6 +568,7 @@ class Ranks:
             "layout": layout,
             "ranks": self.n,
             "scheme": scheme,
+            "blobs": "plain" if plain else "zlib",
             "rounds": rounds,
             "spread": _spread(cad, spread),
             "window_s": cad.window_s,
@@ -606,6 +619,44 @@ def _figures(
     }
 
 
+def codec_us(layout: str, n: int, repeats: int = 30) -> dict[str, float]:
+    """What one rank's agent thread spends per exchange on the exchange's codec at the largest payloads:
+    ``Exchange.encode`` of every purpose and ``Exchange.decode`` of what it reads of its comparison peers
+    (``plan(...).wants()``, every peer holding the same payload), compressed as the agent sends and with
+    every blob plain, side by side; the median of ``repeats`` in µs. Single-threaded, in this process."""
+    from torch.distributed import HashStore
+
+    from hpar_agent import crossrank
+    from hpar_agent.crossrank import PURPOSES, Exchange, Grid, plan
+
+    parts = template_parts(layout, n)
+    wants = plan(Grid.row_major(LAYOUTS[layout](n)), 0).wants()
+    readers = sorted({r for ranks in wants.values() for r in ranks})
+    out: dict[str, float] = {}
+    saved = crossrank.COMPRESS_ABOVE
+    try:
+        for suffix, above in (("", saved), ("_plain", sys.maxsize)):
+            crossrank.COMPRESS_ABOVE = above
+            store = HashStore()
+            for r in readers:
+                Exchange(store, "codec", r).publish(parts)
+            me = Exchange(store, "codec", 0)
+            raw = me.fetch(wants)
+            enc, dec = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                me.encode(parts, always=PURPOSES)
+                t1 = time.perf_counter()
+                me.decode(raw)
+                dec.append(time.perf_counter() - t1)
+                enc.append(t1 - t0)
+            out[f"encode{suffix}_us"] = statistics.median(enc) * 1e6
+            out[f"decode{suffix}_us"] = statistics.median(dec) * 1e6
+    finally:
+        crossrank.COMPRESS_ABOVE = saved
+    return out
+
+
 def pace(n: int, spread: float | None) -> Any:
     """The ``crossrank.Cadence`` the ranks follow: the agent's for ``n`` ranks (``spread`` None), else
     one window of ``spread`` seconds."""
@@ -639,7 +690,7 @@ def _row(r: dict[str, Any]) -> str:
     i, d = r["idle_ms"], r["during_ms"]
     ranks = f"{r['ranks']:,}" + (f" ({r['threads']:,} threads)" if r["threads"] < r["ranks"] else "")
     return (
-        f"| {ranks} | {r['layout']} | {r['scheme']} | {r['spread']} "
+        f"| {ranks} | {r['layout']} | {r['scheme']} | {r['blobs']} | {r['spread']} "
         f"| {r['kb_set_per_rank']:.1f} | {r['kb_got_per_rank']:.1f} "
         f"| {r['mb_per_round']:.1f} | {r['store_cpu_ms_per_round']:.0f} "
         f"| {r['round_s']:.3f} ({r['publish_s']:.3f} + {r['read_s']:.3f}) "
@@ -684,6 +735,9 @@ def main(argv: list[str] | None = None) -> int:
         default=-10,
         help="niceness of the store's and the prober's processes (below 0 needs root)",
     )
+    ap.add_argument(
+        "--plain", action="store_true", help="also run each case with every blob plain JSON, side by side"
+    )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     # The store's server looks up each client's name as it accepts it; on a host whose DNS does not
@@ -703,10 +757,20 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     print(
-        "| ranks | layout | scheme | spread s per pass | KB set / rank | KB got / rank | MB / round | store CPU ms / round "
+        "| ranks | layout | scheme | blobs | spread s per pass | KB set / rank | KB got / rank | MB / round | store CPU ms / round "
         "| round s (publish + read) | unrelated idle ms (median / p99) | during (median / p99 / max) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    if "peers" in schemes:
+        for n in args.ranks:
+            for layout in args.layouts:
+                c = codec_us(layout, n)
+                print(
+                    f"# {n:,} ranks, {layout}: a rank's agent thread per exchange, encode + decode "
+                    f"{c['encode_us']:.0f} + {c['decode_us']:.0f} us compressed, "
+                    f"{c['encode_plain_us']:.0f} + {c['decode_plain_us']:.0f} us plain",
+                    flush=True,
+                )
     out = []
     for n in args.ranks:
         ranks = Ranks(n, args.procs, args.threads, args.nice, args.store_nice)
@@ -715,7 +779,8 @@ def main(argv: list[str] | None = None) -> int:
                 if scheme == "all" and n > args.all_max:
                     continue
                 for spread in args.spread if scheme == "peers" else [0.0]:
-                    ranks.run(layout, scheme, args.rounds, spread)
+                    for plain in (False, True) if args.plain else (False,):
+                        ranks.run(layout, scheme, args.rounds, spread, plain)
         for r in ranks.close():
             out.append(r)
             print(_row(r), flush=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from datetime import timedelta
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hpar_agent.crossrank import (
+    COMPRESS_ABOVE,
     PEERS_PER_DIM,
     READS,
     SPREAD_PER_RANK_S,
@@ -25,6 +27,7 @@ from hpar_agent.crossrank import (
     cadence,
     plan,
     select,
+    unpack,
 )
 from hpar_agent.detectors.base import StepTick
 
@@ -96,6 +99,45 @@ def test_bytes_are_counted_both_ways(store: Any) -> None:
     sent = b.publish(PARTS)
     a.read({p: [1] for p in PARTS})
     assert b.bytes_out == sent == a.bytes_in > 0
+
+
+BIG = {  # a flight-recorder window's worth of packed entries: over COMPRESS_ABOVE as JSON
+    "fr": {"fr": {"k": [["tp", "all_reduce"]], "e": [v % 7 for v in range(3072)], "u0": 17}},
+    "s": {"step": 3, "fp": 1022026788184957},
+}
+
+
+def test_large_blobs_travel_compressed_and_decode_to_the_same_payload(store: Any) -> None:
+    a, b = Exchange(store, "j", 0), Exchange(store, "j", 1)
+    sent = b.publish(BIG)
+    plain = json.dumps(b.own["fr"], separators=(",", ":")).encode()
+    raw_fr, raw_s = store.get("hpar/j/x/fr/1"), store.get("hpar/j/x/s/1")
+    assert len(plain) > COMPRESS_ABOVE and raw_fr[:1] != b"{" and len(raw_fr) < len(plain) / 4
+    assert json.loads(raw_s) == b.own["s"]  # a small blob stays plain JSON
+    got = a.read({"s": [1], "fr": [1]})
+    assert got == {"s": {1: b.own["s"]}, "fr": {1: b.own["fr"]}}
+    assert {k: v for k, v in got["fr"][1].items() if k != "t"} == BIG["fr"]
+    assert sent == b.bytes_out == a.bytes_in == len(raw_fr) + len(raw_s)  # the bytes the store moved
+
+
+def test_malformed_blobs_are_dropped_and_the_rest_kept(store: Any) -> None:
+    good = Exchange(store, "j", 1)
+    good.publish(BIG)
+    packed = zlib.compress(json.dumps({"t": 1.0, "x": "y" * 5000}).encode(), 1)
+    bad = {
+        2: b"not json",
+        3: b"x\x01garbage",  # a zlib header, then no stream
+        4: packed[: len(packed) // 2],  # a compressed blob cut short
+        5: zlib.compress(b"[1, 2, 3]"),  # compressed JSON that is no payload
+        6: zlib.compress(b"{" + b" " * (2 << 20) + b"}"),  # inflates past max_bytes
+        7: b"{\xff",  # not UTF-8
+    }
+    for r, blob in bad.items():
+        store.set(f"hpar/j/x/fr/{r}", blob)
+    reader = Exchange(store, "j", 0)
+    got = reader.read({"fr": [1, *bad]})
+    assert set(got["fr"]) == {1} and got["fr"][1] == good.own["fr"]
+    assert unpack(zlib.compress(b'{"a":1}'), 7) == {"a": 1} and unpack(zlib.compress(b'{"a":1}'), 6) is None
 
 
 # ------------------------------------------------------------------------------------------ cadence

@@ -65,11 +65,17 @@ def test_the_agents_scheme_is_spread_by_the_agents_own_cadence() -> None:
 def test_a_small_run_measures_both_schemes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RES_OPTIONS", "timeout:1 attempts:1")  # what main() would set, restored after
     out = tmp_path / "store.json"
-    assert store_load.main(["--ranks", "16", "--layouts", "dp_tp", "--rounds", "1", "--json", str(out)]) == 0
-    rows = {r["scheme"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"peers", "all"} and all(r["errors"] == 0 for r in rows.values())
+    argv = ["--ranks", "16", "--layouts", "dp_tp", "--rounds", "1", "--plain", "--json", str(out)]
+    assert store_load.main(argv) == 0
+    every = json.loads(out.read_text())
+    rows = {r["scheme"]: r for r in every if r["blobs"] == "zlib"}
+    assert set(rows) == {"peers", "all"} and all(r["errors"] == 0 for r in every)
+    plain = {r["scheme"]: r for r in every if r["blobs"] == "plain"}
+    # the agent's blobs travel compressed: a third of the bytes of the same case set plain, side by side
+    assert rows["peers"]["kb_got_per_rank"] < plain["peers"]["kb_got_per_rank"] / 2.5
+    assert rows["peers"]["kb_set_per_rank"] < plain["peers"]["kb_set_per_rank"] / 2.5
     # 8 of its 15 stage-mates, s and fr (gs of its 7 tp peers), where the old scheme read every purpose
-    assert rows["peers"]["kb_got_per_rank"] < rows["all"]["kb_got_per_rank"] / 3
+    assert plain["peers"]["kb_got_per_rank"] < plain["all"]["kb_got_per_rank"] / 3
     assert rows["peers"]["round_s"] > 0 and rows["peers"]["idle_ms"]["n"] > 0
     assert rows["peers"]["window_s"] == cadence(16, 3.0, 1.0).window_s and rows["peers"]["spread"].startswith(
         "agent"
