@@ -146,6 +146,23 @@ def _gpu_lines(c: Culprits) -> list[str]:
     return [line for line in out if line]
 
 
+def _could_not_tell(c: Culprits) -> str:
+    """The raising ranks whose last word named nobody, and why: where a culprit is named by some ranks
+    only (the others' view of the job did not reach it), the line says so rather than hide them."""
+    silent = sorted(r for r, d in c.details.items() if not d.get("culprits"))
+    if not silent:
+        return ""
+    why = next(
+        (
+            str(w if isinstance(w, str) else "; ".join(map(str, w)))
+            for r in reversed(silent)
+            if (w := c.details[r].get("culprit_unknown") or c.details[r].get("note"))
+        ),
+        "",
+    )
+    return f"; {ranks_text(silent)} could not tell{': ' + short(why) if why else ''}"
+
+
 def _wait(ranks: list[int]) -> str:
     return "waits" if len(set(ranks)) == 1 else "wait"
 
@@ -172,7 +189,7 @@ def culprit_lines(events: Iterable[Mapping[str, Any]]) -> list[str]:
             why = _why(c)
             lines.append(
                 f"  culprit: {ranks_text(c.culprits)} ({name}{': ' + why if why else ''}; "
-                f"raised on {ranks_text(c.raised_on)})"
+                f"raised on {ranks_text(c.raised_on)}{_could_not_tell(c)})"
             )
             lines += [f"    {text}" for text in _gpu_lines(c)]
         else:

@@ -131,6 +131,26 @@ def test_culprit_lines_come_in_the_order_the_alerts_first_fired() -> None:
     assert len(lines) == 3  # a resolution names nobody
 
 
+def test_a_culprit_line_says_which_raising_ranks_could_not_tell() -> None:
+    events = [
+        _alert(0, "Hang", 10.0, culprits=[5], kind="missing"),
+        _alert(
+            1,
+            "Hang",
+            10.2,
+            culprits=[],
+            culprit_unknown="rank 9 waits in dp for members beyond the ranks read",
+        ),
+        _alert(2, "Hang", 10.3, culprits=[5], kind="missing"),
+    ]
+    (line,) = culprit_lines(events)
+    assert line.startswith("  culprit: rank 5 (Hang")
+    assert line.endswith(
+        "raised on ranks 0, 1, 2; rank 1 could not tell: rank 9 waits in dp for members beyond the ranks read)"
+    )
+    assert culprit_lines(events[:1] + events[2:])[0].endswith("raised on ranks 0, 2)")
+
+
 def test_the_first_to_end_is_not_the_culprit_when_an_alert_named_one(tmp_path: Path) -> None:
     from hpar_agent.tools.culprits import Ending, ending_lines
 
