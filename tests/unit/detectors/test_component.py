@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
@@ -356,15 +357,16 @@ def test_a_very_large_job_spreads_a_phase_over_passes_and_reads_after_every_publ
 
 
 class _FailingSets:
-    """A store whose sets fail after ``ok`` of them (its host went away mid-run); reads still work."""
+    """A store whose sets fail where ``fails(n)`` says of the n-th (from 1): after the first few, as
+    when its host went away mid-run, or once, as a timeout of this rank's store connection; reads work."""
 
-    def __init__(self, store: Any, ok: int) -> None:
-        self.store, self.ok = store, ok
+    def __init__(self, store: Any, fails: Callable[[int], bool]) -> None:
+        self.store, self.fails, self.sets = store, fails, 0
 
     def multi_set(self, keys: list[str], values: list[str]) -> None:
-        if self.ok <= 0:
-            raise RuntimeError("store gone")
-        self.ok -= 1
+        self.sets += 1
+        if self.fails(self.sets):
+            raise torch.distributed.DistStoreError("store gone")
         self.store.multi_set(keys, values)
 
     def __getattr__(self, name: str) -> Any:
@@ -375,7 +377,7 @@ def test_a_read_before_the_store_failed_is_judged_once_not_through_the_pause(
     store: Any, tmp_path: Any
 ) -> None:
     def rank(r: int) -> tuple[Agent, DetectorsComponent]:
-        exchange = Exchange(_FailingSets(store, 2) if r == 0 else store, "job", r)
+        exchange = Exchange(_FailingSets(store, lambda n: n > 2) if r == 0 else store, "job", r)
         th = {"detectors.exchange_s": 0.0}
         return make_agent(tmp_path / str(r), rank=r, world=2, comps=(steps(10),), exchange=exchange, **th)
 
@@ -391,23 +393,6 @@ def test_a_read_before_the_store_failed_is_judged_once_not_through_the_pause(
     assert fresh == [False, True, True, False]  # read at passes 2 and 3, not again after the failure
 
 
-class _SetFailsOnce:
-    """A store whose ``fail``-th set fails, as a timeout of this rank's store connection does; the
-    calls before and after it work."""
-
-    def __init__(self, store: Any, fail: int) -> None:
-        self.store, self.fail, self.sets = store, fail, 0
-
-    def multi_set(self, keys: list[str], values: list[str]) -> None:
-        self.sets += 1
-        if self.sets == self.fail:
-            raise torch.distributed.DistStoreError("wait timeout after 5000ms")
-        self.store.multi_set(keys, values)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
-
-
 def test_a_failed_store_call_costs_one_exchange_at_most_so_no_peer_names_the_rank_gone(
     store: Any, tmp_path: Any
 ) -> None:
@@ -415,7 +400,7 @@ def test_a_failed_store_call_costs_one_exchange_at_most_so_no_peer_names_the_ran
     are never more than two exchange intervals apart, a silence RankGone never names (a live peer one
     exchange late, ``test_detection_sim_faults``); its peers' re-read finds the newer payload. A store
     that fails every call gets one call an exchange (torch prints a line for each)."""
-    ex = Exchange(_SetFailsOnce(store, 3), "job", 0)
+    ex = Exchange(_FailingSets(store, lambda n: n == 3), "job", 0)
     agent, det = make_agent(tmp_path, rank=0, world=2, comps=(steps(10),), exchange=ex)
     every = det.crossrank.cadence().interval_s  # 3 s at 2 ranks
     t0 = every * (time.time() // every - 20)  # a slot start in the past: no pass waits
@@ -428,7 +413,7 @@ def test_a_failed_store_call_costs_one_exchange_at_most_so_no_peer_names_the_ran
     assert at == [0, 3, 9, 12, 15]  # the third publish (pass 6) failed: published again at the next slot
     assert max(b - a for a, b in pairwise(at)) == 2 * every
 
-    down = _FailingSets(store, 0)
+    down = _FailingSets(store, lambda n: True)
     agent, det = make_agent(
         tmp_path / "down", rank=0, world=2, comps=(steps(10),), exchange=Exchange(down, "job", 0)
     )
@@ -440,7 +425,7 @@ def test_a_failed_store_call_costs_one_exchange_at_most_so_no_peer_names_the_ran
 
 
 def test_a_publish_after_a_failed_one_sets_the_payloads_set_only_when_changed(store: Any) -> None:
-    ex = Exchange(_SetFailsOnce(store, 1), "job", 0)
+    ex = Exchange(_FailingSets(store, lambda n: n == 1), "job", 0)
     parts = {"s": {"step": 1}, "gs": {"g": [1.0]}}  # ``gs`` is set only when it changed
     with pytest.raises(torch.distributed.DistStoreError):
         ex.publish(parts)
@@ -462,7 +447,7 @@ def test_a_read_on_demand_that_fails_says_nothing_and_backs_the_exchange_off(
     store's host went away: nothing read (the peer is not judged on it), no agent error, and no store
     call during the back-off."""
     store.set("hpar/job/x/s/1", '{"t":1.0}')
-    ex = Exchange(_FailingGets(store, 9), "job", 0)
+    ex = Exchange(_FailingGets(store, lambda n: False), "job", 0)
     agent, det = make_agent(tmp_path, rank=0, world=2, comps=(steps(1),), exchange=ex)
     det.crossrank.begin(time.time())
     assert det.crossrank.fetch("s", [1]) == {} and not det.crossrank.up()
