@@ -254,6 +254,7 @@ def silence_named(
     publishes: Callable[[int], float | None],
     exchanges: int,
     ident: tuple[int, str, int] = (0, "another-host", 0),
+    skew: float = 0.0,
 ) -> dict[int, list[float]]:
     """RankGone on the ranks that read ``subject`` in a dp job of ``n`` ranks, pass after pass over
     ``exchanges`` exchanges of the agent's cadence (``crossrank.cadence`` at the default exchange
@@ -264,7 +265,8 @@ def silence_named(
     of the pass's windows. reader -> the times (seconds since the epoch of the first capture) of the
     passes whose verdict named ``subject`` and would fire (from the detector's ``confirm``-th active
     verdict in a row on), whose process is ``ident`` (pid, host, start ticks: on another host by
-    default, its process unknown)."""
+    default, its process unknown). ``skew``: seconds ``subject``'s host clock runs behind the readers':
+    it publishes on its own clock's slots, that much later by theirs, stamped as if on time."""
     from hpar_agent.crossrank import cadence
     from hpar_agent.detectors.liveness import RankGone
     from hpar_agent.thresholds import COMPONENT_DEFAULTS
@@ -280,9 +282,9 @@ def silence_named(
     def last(q: int, at: float) -> dict[str, Any] | None:
         """``q``'s ``s`` in the store at ``at`` (seconds since the first capture)."""
         late = [0.0 if q != subject else publishes(e) for e in range(exchanges + 1)]
-        times = [due(q, e) + d for e, d in enumerate(late) if d is not None]
-        t = max((x for x in times if x <= at), default=None)
-        return None if t is None else {"t": epoch + t, "step": 40, "id": list(ident)}
+        behind = skew if q == subject else 0.0
+        times = [due(q, e) + d for e, d in enumerate(late) if d is not None and due(q, e) + d + behind <= at]
+        return None if not times else {"t": epoch + max(times), "step": 40, "id": list(ident)}
 
     out: dict[int, list[float]] = {}
     for r in plan(grid, subject).peers:  # who reads ``subject`` (symmetric: the ranks it reads)

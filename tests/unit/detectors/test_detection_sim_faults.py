@@ -122,3 +122,19 @@ def test_a_peer_one_exchange_late_is_never_gone_and_a_dead_one_is_named_two_exch
     assert all(bound < a <= bound + 1 for a in after.values()), after
     assert n != 2_048 or max(after.values()) <= 10.0
     assert all(len(at) >= every and all(b - a == 1 for a, b in pairwise(at)) for at in dead.values())
+
+
+def test_a_live_peer_whose_host_clock_runs_behind_is_named_only_past_the_late_pass_margin() -> None:
+    """Host clock skew comes out of the late-pass margin (docs/alerts.md): a live peer on another host
+    whose clock runs an exchange interval behind the readers' and publishes on time, or 0.9 s behind and
+    misses one exchange, is never named; 1.5 s behind with a missed exchange, it is (NTP keeps hosts
+    within milliseconds)."""
+    n, subject = 1_024, 1_000
+    every = cadence(n, COMPONENT_DEFAULTS["exchange_s"], 1.0).interval_s
+    readers = set(plan(Grid.row_major([("dp", n)]), subject).peers)
+    on_time = silence_named(n, subject, lambda e: 0.0, 7, skew=every - 0.01)
+    skipped = silence_named(n, subject, lambda e: None if e == 2 else 0.0, 7, skew=LATE_S - 0.1)
+    assert set(on_time) == set(skipped) == readers
+    assert all(not at for at in (*on_time.values(), *skipped.values()))
+    past = silence_named(n, subject, lambda e: None if e == 2 else 0.0, 7, skew=LATE_S + 0.5)
+    assert set(past) == readers and all(past.values())
