@@ -137,10 +137,9 @@ class MfuCollector(Component):
                 self._capture.start(root)
             return
         import torch
-        from torch.utils.flop_counter import FlopCounterMode
 
-        mode = FlopCounterMode(display=False)
-        mode.__enter__()  # type: ignore[no-untyped-call]
+        mode = fake_model.flop_counter()
+        mode.__enter__()
         self._mode = mode
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._first_forward)
 

@@ -132,7 +132,6 @@ def count_flops(module: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     class NoCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -150,8 +149,7 @@ def count_flops(module: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
         return f
 
     model = fake_copy(module, fake)
-    counter = FlopCounterMode(display=False)
-    counter.mod_tracker = _NoModuleTracking()  # type: ignore[assignment]
+    counter = flop_counter()
     with mode, counter, NoCollectives(), torch.enable_grad():  # type: ignore[no-untyped-call]
         for args, kwargs in calls:
             out = model(*[_make(a) for a in args], **{k: _make(v) for k, v in kwargs.items()})
@@ -161,9 +159,21 @@ def count_flops(module: Any, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
     return float(counter.get_total_flops())
 
 
+def flop_counter() -> Any:
+    """torch's flop counter (``FlopCounterMode``) counting the total alone, which is all the agent reads.
+    Its per-module tracker would add global module hooks while it is on, and with them a multi-grad hook
+    on every module's inputs and outputs: ``torch.autograd.grad`` over a leaf input then raises ("A leaf
+    node was passed to _will_engine_execute_node", pytorch#131753: a gradient penalty, a zero-bubble
+    pipeline's input backward), and on the agent thread the training thread's modules would run them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    counter.mod_tracker = _NoModuleTracking()  # type: ignore[assignment]
+    return counter
+
+
 class _NoModuleTracking:
-    """Stands in for the counter's per-module tracker, which adds global module hooks while the counter
-    is on: the training thread's modules would run them (dynamo compiling their frames) during the count."""
+    """Stands in for the counter's per-module tracker (``flop_counter``): every op counts to Global."""
 
     parents = frozenset({"Global"})
 

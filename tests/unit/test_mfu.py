@@ -86,6 +86,30 @@ def test_flops_per_step_are_counted_once_on_a_steady_step(tmp_path: Path) -> Non
     assert got["mfu"]["mfu"] is None and got["mfu"]["peak_flops"] is None  # no GPU: no peak
 
 
+def test_a_gradient_penalty_trains_through_the_counted_step(tmp_path: Path) -> None:
+    """``torch.autograd.grad`` over a leaf input (a gradient penalty; a zero-bubble pipeline's input
+    backward) in the counted step: the flop counter's per-module tracker made it raise (pytorch#131753);
+    the step trains and is counted, its penalty's double backward included."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    run = tmp_path / "penalty"
+    hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(run), detectors=False)
+    try:
+        for _ in range(COUNT_STEP + 3):
+            x = torch.randn(32, 16, requires_grad=True)
+            out = model(x)
+            (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            (out.mean() + grad.pow(2).sum(1).sub(1).pow(2).mean()).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        hpar_agent.detach()
+    mfu = json.loads((run / "summary.rank0.json").read_text())["components"]["mfu"]
+    forward = 2 * 32 * (16 * 64 + 64)
+    assert mfu["method"] == "flop counter" and mfu["flops_per_step"] > 3 * forward, mfu
+
+
 @pytest.mark.parametrize(
     ("compiled", "attach_wrapper"), [("model", False), ("model", True), ("blocks", False), ("self", False)]
 )
