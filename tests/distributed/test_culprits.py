@@ -135,16 +135,28 @@ def test_the_ranks_a_hang_ends_by_timeout_are_its_victims_not_a_second_culprit(
     assert any(x.startswith("  first to end abnormally: rank ") for x in out.splitlines()), out[-3000:]
 
 
-def test_a_pipeline_hang_names_the_stage_the_chain_of_waits_ends_at(tmp_path: Path) -> None:
-    """A plain GPipe program, 4 stages on 4 ranks: stage 2 sleeps at step 20. Stage 3 waits for its
-    activations, stage 1 (in its send, then its recv) for it, stage 0 for stage 1: every rank's Hang
-    names rank 2 with its own line from py-spy, before gloo's 12 s timeout ends the others, and the
-    run names one culprit."""
+@pytest.mark.parametrize(
+    ("schedule", "stages", "waits"),
+    [
+        ("GPipe", "{r}", {(3, "recv", 2), (0, "recv", 1)}),
+        ("InterleavedZeroBubble", "{r},{r4}", {(3, "recv", 2), (1, "recv", 0), (0, "recv", 3)}),
+    ],
+    ids=["gpipe", "zero-bubble"],
+)
+def test_a_pipeline_hang_names_the_stage_the_chain_of_waits_ends_at(
+    tmp_path: Path, schedule: str, stages: str, waits: set[tuple[int, str, int]]
+) -> None:
+    """A plain pipeline program, 4 ranks: rank 2 sleeps at step 20. GPipe (a stage a rank: stage 3 waits
+    for its activations, stage 1 (in its send, then its recv) for it, stage 0 for stage 1) and a
+    zero-bubble schedule (two stages a rank, looped: rank 0's stage 4 waits for rank 3, which waits for
+    rank 2; its input backward is ``autograd.grad`` over the stage's input): every rank's Hang names rank
+    2 with its own line from py-spy, before gloo's 12 s timeout ends the others, and the run names one
+    culprit."""
     run_dir, out = _run(
         tmp_path,
         "pipeline",
         4,
-        *"60 --sleep-rank 2 --at 20 --timeout-s 12".split(),
+        *f"60 --sleep-rank 2 --at 20 --timeout-s 12 --schedule {schedule}".split(),
         script=SCRIPTS / "faulty_gpipe.py",
     )
     hangs = _alerts(run_dir, "Hang")
@@ -154,7 +166,7 @@ def test_a_pipeline_hang_names_the_stage_the_chain_of_waits_ends_at(tmp_path: Pa
         assert (d["kind"], d["culprits"], d["victims"]) == ("missing", [2], [0, 1, 3]), (r, d)
         assert e["threshold"] == pytest.approx(9.6) and e["value"] < 12.0  # 80 % of the pg timeout
         p2p = {(r, w["op"], w["peer"]) for w in d["waits"] for r in w["waiting"]}
-        assert (3, "recv", 2) in p2p and (0, "recv", 1) in p2p, d["waits"]
+        assert waits <= p2p, d["waits"]
     assert any("faulty_gpipe.py" in f and "time.sleep(3600)" in f for f in hangs[2]["details"]["stack"])
     for r in range(4):  # the program's own PipelineStage says each rank's stage (no mesh, no HPAR_PP_STAGE)
         assert hangs[r]["pp_stage"] == r, hangs[r]
@@ -164,9 +176,10 @@ def test_a_pipeline_hang_names_the_stage_the_chain_of_waits_ends_at(tmp_path: Pa
             r,
             "4",
             str(r),
-            str(r),
+            stages.format(r=r, r4=r + 4),
             "1",
         ), topo
+        assert summary["components"]["pipeline"]["schedule"] == f"Schedule{schedule}"
     named = [x for x in out.splitlines() if x.startswith("  culprit")]
     assert len(named) == 1 and named[0].startswith("  culprit: rank 2 (Hang: "), out[-3000:]
     assert "point to point" in named[0] and "time.sleep(3600)" in named[0]

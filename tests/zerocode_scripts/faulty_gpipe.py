@@ -2,7 +2,10 @@
 knows nothing of hpar_agent, with one planted fault.
 
 ``python faulty_gpipe.py STEPS [--dp N] [--sleep-rank R --at S] [--slow-rank R --slow-ms N --slow-from S]
-[--heavy-last-ms N] [--timeout-s T]``: ``--dp`` pipeline replicas (rank = replica * stages + stage) whose
+[--heavy-last-ms N] [--timeout-s T] [--schedule NAME]``: ``--schedule`` another of torch's schedules (the
+class name less ``Schedule``); a multi-stage one (``InterleavedZeroBubble``, ``Interleaved1F1B``,
+``LoopedBFS``) gets two stages a rank, the looped placement (rank r: stages r and r + ranks of the
+pipeline). ``--dp`` pipeline replicas (rank = replica * stages + stage) whose
 stages all-reduce their gradients; at step S rank R sleeps before its pipeline step (the stage after it
 waits for its activations, the stage before it for its gradients, its replicas in the all-reduce).
 ``--slow-rank``: from step ``--slow-from`` on, that rank's stage works N ms more a step (spread over its
@@ -16,7 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, schedules
 
 p = argparse.ArgumentParser()
 p.add_argument("steps", type=int)
@@ -28,6 +31,7 @@ p.add_argument("--slow-ms", type=float, default=0.0)
 p.add_argument("--slow-from", type=int, default=0)
 p.add_argument("--heavy-last-ms", type=float, default=0.0)
 p.add_argument("--timeout-s", type=float, default=1800)
+p.add_argument("--schedule", default="GPipe")
 a = p.parse_args()
 
 torch.set_num_threads(1)
@@ -38,9 +42,11 @@ replica, stage_idx = divmod(rank, stages)
 timeout = datetime.timedelta(seconds=a.timeout_s)
 pipes = [dist.new_group([d * stages + s for s in range(stages)], timeout=timeout) for d in range(a.dp)]
 dps = [dist.new_group([d * stages + s for d in range(a.dp)], timeout=timeout) for s in range(stages)]
+cls = getattr(schedules, "Schedule" + a.schedule)
+per_rank = 2 if issubclass(cls, schedules.PipelineScheduleMulti) else 1
 torch.manual_seed(stage_idx)
-block = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU())
-MICRO = 4
+blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(per_rank)]
+MICRO = 4 * per_rank
 now = {"step": 0}
 
 
@@ -52,10 +58,15 @@ def _work(_module, _inputs):  # extra work in every forward of this stage, betwe
         time.sleep(ms / 1000 / MICRO)
 
 
-block.register_forward_pre_hook(_work)
-stage = PipelineStage(block, stage_idx, stages, torch.device("cpu"), group=pipes[replica])
-schedule = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=lambda out, y: (out - y).pow(2).mean())
-opt = torch.optim.SGD(block.parameters(), lr=1e-3)
+blocks[0].register_forward_pre_hook(_work)
+built = [
+    PipelineStage(b, stage_idx + j * stages, stages * per_rank, torch.device("cpu"), group=pipes[replica])
+    for j, b in enumerate(blocks)
+]
+loss_fn = lambda out, y: (out - y).pow(2).mean()  # noqa: E731
+schedule = cls(built if per_rank > 1 else built[0], n_microbatches=MICRO, loss_fn=loss_fn)
+params = [p for b in blocks for p in b.parameters()]
+opt = torch.optim.SGD(params, lr=1e-3)
 for step in range(a.steps):
     if step == a.at and rank == a.sleep_rank:
         time.sleep(3600)
@@ -69,7 +80,7 @@ for step in range(a.steps):
     else:
         schedule.step()
     if a.dp > 1:
-        for p in block.parameters():
+        for p in params:
             dist.all_reduce(p.grad, group=dps[stage_idx])
     opt.step()
 dist.destroy_process_group()
