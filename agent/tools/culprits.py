@@ -211,6 +211,8 @@ class Ending:
     #: what its ending says of the incident (``endings``): "communication" (a timeout, a closed or reset
     #: connection, an abort), "signal" (one a launcher sends the ranks still running), "" (its own)
     cause: str = ""
+    #: the exception it raised where that was its own (not a communication failure), else ""
+    error: str = ""
 
 
 def endings(run_dir: Path, exits: Mapping[int, Exit] | None = None) -> list[Ending]:
@@ -246,7 +248,10 @@ def endings(run_dir: Path, exits: Mapping[int, Exit] | None = None) -> list[Endi
             if endings_of.launcher_signal(said)
             else ""
         )
-        out.append(Ending(rec.rank, rec.world, how, rec.steps, t, not clean, cause))
+        own = rec.end == "exception" and not endings_of.communication_failure(rec.text)
+        out.append(
+            Ending(rec.rank, rec.world, how, rec.steps, t, not clean, cause, short(rec.text) if own else "")
+        )
     return sorted(out, key=lambda e: (e.t is None, e.t or 0.0, e.rank))
 
 
@@ -275,6 +280,11 @@ def failure_lines(ended: Iterable[Ending], blamed: bool = False, forwarded: bool
             f"  culprit unknown: the first to end abnormally, rank {first.rank}, ended of {why}, and no "
             f"alert named the rank the waits pointed to: {what}"
         ]
+    elif _same_error_everywhere(failed):
+        lines = [
+            f"  culprit unknown: every rank ended of the same error of its own, so it is not one rank's "
+            f"(the program, its inputs or its setup): {what}, first on rank {first.rank}"
+        ]
     else:
         lines = [f"  culprit: rank {first.rank}, the first to end abnormally: {what}"]
     if rest:
@@ -286,6 +296,20 @@ def failure_lines(ended: Iterable[Ending], blamed: bool = False, forwarded: bool
             + (f"; and {len(hows) - 2} other endings" if len(hows) > 2 else "")
         )
     return lines
+
+
+def _same_error_everywhere(failed: list[Ending]) -> bool:
+    """Whether every rank of a job of several raised one and the same exception of its own (a bad
+    argument, a missing file, a feature the backend lacks; the launcher may have terminated the later
+    ones after they raised): naming the rank that happened to end first would send its user to one
+    machine for a fault they all share."""
+    first = failed[0]
+    return (
+        first.world > 1
+        and len({e.rank for e in failed}) == first.world
+        and len({e.error for e in failed}) == 1
+        and first.error != ""
+    )
 
 
 def ending_lines(

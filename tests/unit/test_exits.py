@@ -172,6 +172,19 @@ def test_the_first_to_end_is_not_the_culprit_when_an_alert_named_one(tmp_path: P
     assert ending_lines([own, *ended], [])[0].startswith("  culprit: rank 0, the first to end abnormally")
     assert ending_lines(ended[1:], [])[0].startswith("  culprit: rank 2, the first to end abnormally")
     assert ending_lines(ended[1:], [], forwarded=True)[0].startswith("  culprit unknown:")
+    # every rank raised the same error of its own: no rank is named for it
+    # every rank raised the same error of its own (the launcher terminated the later one): no rank named
+    error = "exception: TypeError: needs NCCL"
+    alike = [
+        Ending(1, 2, f"{error} (exit code 1)", 0, None, True, "", error),
+        Ending(0, 2, f"{error} (killed by signal 15 (SIGTERM))", 0, None, True, "signal", error),
+    ]
+    (line, _then) = ending_lines(alike, [])
+    assert line.startswith("  culprit unknown: every rank ended of the same error of its own"), line
+    assert line.endswith("needs NCCL (exit code 1), at step 0, first on rank 1"), line
+    assert ending_lines([alike[0]], [])[0].startswith("  culprit: rank 1, the first")  # rank 0 did not end
+    other = Ending(0, 2, "exception: ValueError: bad batch (exit code 1)", 3, None, True, "", "ValueError")
+    assert ending_lines([alike[0], other], [])[0].startswith("  culprit: rank 1, the first")
     assert os.path.basename(rankstate.file_name(3)) == "state.rank3"
 
 
