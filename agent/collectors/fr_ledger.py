@@ -97,6 +97,12 @@ class _Decoded:
     dtypes: str
 
 
+def _texts(sizes: Any, dtypes: Any) -> tuple[str, str]:
+    """An entry's sizes and dtypes as the text the detectors compare (``"[[64]]"``, ``"Float"``)."""
+    sizes_text = sizes if isinstance(sizes, str) else str(sizes)
+    return sizes_text, dtypes if isinstance(dtypes, str) else ",".join(map(str, dtypes or ()))
+
+
 @dataclass(slots=True)
 class Update:
     """What one full read of one recorder yields (plain data)."""
@@ -242,8 +248,7 @@ class Ledger:
         # Text, not the dump's nested lists: a dict of atomic values is not tracked by the garbage
         # collector, while 2,048 kept entries of 7 lists each, renewed every read, push the
         # interpreter into a full collection (hundreds of ms in a large heap) every ~30 s of a CPU run.
-        sizes_text = sizes if isinstance(sizes, str) else str(sizes)
-        dtypes_text = dtypes if isinstance(dtypes, str) else ",".join(map(str, dtypes or ()))
+        sizes_text, dtypes_text = _texts(sizes, dtypes)
         key = (rec, pname, sizes_text, dtypes_text, str(e.get("output_sizes")), str(e.get("output_dtypes")))
         dec = self._decoded.get(key)
         if dec is None:
@@ -251,9 +256,12 @@ class Ledger:
                 self._decoded.clear()
             nbytes = entry_bytes(sizes, dtypes)
             out_bytes = entry_bytes(e.get("output_sizes"), e.get("output_dtypes"))
+            op = op_label(pname)
+            if op == "scatter":  # only the root records an input: compare what every member receives
+                sizes_text, dtypes_text = _texts(e.get("output_sizes"), e.get("output_dtypes"))
             dec = self._decoded[key] = _Decoded(
                 pname,
-                op_label(pname),
+                op,
                 entry_backend(pname, rec),
                 nbytes,
                 max(nbytes, out_bytes),

@@ -495,6 +495,25 @@ def test_kept_entries_are_invisible_to_the_garbage_collector(fake):
     assert e[3:5] == ("[[64]]", "Float")
 
 
+def test_a_scatter_is_compared_by_what_every_member_receives(fake):
+    """Only a scatter's root records an input (DTensor's ``distribute_tensor`` scatters each TP shard
+    from rank 0): the entries the detectors compare carry its output, so the root and the others agree
+    and CollectiveMismatch sees nothing (it fired on every rank of a clean FSDP2 x TP program)."""
+    from hpar_agent.detectors import signals, sources
+
+    rec, agent, c = fake
+    rec.add(0, 2, "3", "mesh_tp", 1, name="gloo:scatter", n=128)
+    rec.entries[-1].update(input_sizes=[[2, 128]], output_sizes=[[128]])  # the root: every chunk
+    agent.tick()
+    (root,) = sources.fr_entries(agent.context, 1)
+    rec.entries[-1].update(input_sizes=[], input_dtypes=[], record_id=1)  # another member: no input
+    c._ledger._decoded.clear()
+    agent.tick()
+    other = sources.fr_entries(agent.context, 2)[-1]
+    assert root[3:5] == other[3:5] == ("[[128]]", "Float"), (root, other)
+    assert signals.collective_mismatches({0: [root], 1: [other]}) == {}
+
+
 def test_entries_of_one_shape_are_decoded_once_and_counted_each(fake, monkeypatch):
     """A loop repeats a few collectives: their name and shapes are decoded once per distinct text, and
     every entry still counts; a different output (an all-gather's) is another shape; a full cache starts over."""
