@@ -6,6 +6,7 @@ gloo ranks under torchrun, a single-process loop without an optimizer, a script 
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -29,9 +30,9 @@ STEPS = 4
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def torchrun(script: str, *args: str, launcher: str = "module") -> list[str]:
+def torchrun(script: str, *args: str, launcher: str = "module", nproc: int = 2) -> list[str]:
     head = [str(TORCHRUN)] if launcher == "torchrun" else [sys.executable, "-m", "torch.distributed.run"]
-    return [*head, "--standalone", "--nproc-per-node=2", str(SCRIPTS / script), *args]
+    return [*head, "--standalone", f"--nproc-per-node={nproc}", str(SCRIPTS / script), *args]
 
 
 def _assert_every_rank_observed(
@@ -127,6 +128,32 @@ def test_fsdp2(tmp_path: Path) -> None:
     proc = hpar_run(tmp_path, torchrun("fsdp2_train.py", str(STEPS)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_every_rank_observed(tmp_path, proc, degrees={"dp": "2", "dp_shard": "2", "dp_replicate": "1"})
+
+
+def test_a_clean_2d_fsdp_tp_program_raises_no_alert(tmp_path: Path) -> None:
+    """(c') FSDP2 over dp and TP over tp on a named 2 x 2 mesh, compiled, 4 ranks: every rank observed
+    with its degrees, the cross-rank detectors judged (exchanges over ~10 s), and no alert on any rank:
+    the TP shards' scatters from rank 0 are no CollectiveMismatch."""
+    proc = hpar_run(tmp_path, torchrun("fsdp_tp_train.py", "120", nproc=4), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = summaries(tmp_path)
+    assert sorted(ranks) == [0, 1, 2, 3], proc.stderr[-3000:]
+    for r, s in ranks.items():
+        topo = s["topology"]
+        assert (topo["dp"], topo["tp"], topo["dp_rank"], topo["tp_rank"]) == (
+            "2",
+            "2",
+            str(r // 2),
+            str(r % 2),
+        )
+        judged = s["components"]["detectors"]
+        assert judged["CollectiveMismatch"]["judged"] > 0 and judged["CollectiveMismatch"]["fired"] == 0, (
+            judged
+        )
+        assert s["errors"] == {}, s["errors"]
+    events = [json.loads(x) for p in tmp_path.glob("events.rank*.jsonl") for x in p.read_text().splitlines()]
+    alerts = [e for e in events if e.get("kind") == "alert"]
+    assert len(events) > 4 and alerts == [], alerts[:3]
 
 
 def test_loop_without_optimizer_says_so_once(tmp_path: Path) -> None:
