@@ -148,12 +148,13 @@ def rank_lines(run_dir: Path, ended: Sequence[Ending] = ()) -> list[str]:
         topo = r.get("topology", {})
         p50 = comps.get("steps", {}).get("step_seconds_p50")
         attached = comps.get("zerocode", {}).get("attached_at", "attach()")
+        inner = "".join(f", {d} {topo[d]}" for d in ("tp", "cp") if str(topo.get(d, "1")) != "1")
         pp = f", pp {topo['pp']} stage {r.get('pp_stage')}" if str(topo.get("pp", "1")) != "1" else ""
         per_rank.append(
             (
                 int(r.get("rank") or 0),
                 f"  rank {r.get('rank')}/{topo.get('world_size', '?')} ({topo.get('backend', '?')}, dp "
-                f"{topo.get('dp', '?')}{pp}): {n} steps, step p50 {'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, "
+                f"{topo.get('dp', '?')}{inner}{pp}): {n} steps, step p50 {'-' if p50 is None else f'{p50 * 1e3:.1f} ms'}, "
                 f"attached at {attached}, agent errors {err}, metrics {r.get('metrics_url') or '-'}",
             )
         )

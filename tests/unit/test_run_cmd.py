@@ -90,16 +90,17 @@ def test_end_of_run_says_how_many_ranks_were_observed_and_names_the_missing(tmp_
     assert lines[3].startswith("  rank 2/3 (gloo, dp 3): 7 steps") and len(lines) == 4
 
 
-def test_end_of_run_says_each_ranks_pipeline_stage(tmp_path: Path) -> None:
+def test_end_of_run_says_each_ranks_degrees_and_pipeline_stage(tmp_path: Path) -> None:
     _write_summaries(tmp_path, 2, [0, 1])
     for r in (0, 1):
         path = tmp_path / f"summary.rank{r}.json"
         summary = json.loads(path.read_text())
         summary["pp_stage"], summary["topology"]["pp"], summary["topology"]["dp"] = r, "2", "1"
+        summary["topology"]["tp"] = "2" if r else "1"
         path.write_text(json.dumps(summary))
     lines = rank_lines(tmp_path)
     assert lines[1].startswith("  rank 0/2 (gloo, dp 1, pp 2 stage 0): 5 steps"), lines
-    assert lines[2].startswith("  rank 1/2 (gloo, dp 1, pp 2 stage 1): 6 steps"), lines
+    assert lines[2].startswith("  rank 1/2 (gloo, dp 1, tp 2, pp 2 stage 1): 6 steps"), lines
 
 
 def test_end_of_run_totals_many_ranks(tmp_path: Path) -> None:
