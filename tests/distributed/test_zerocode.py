@@ -6,7 +6,6 @@ gloo ranks under torchrun, a single-process loop without an optimizer, a script 
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hpar_agent.collectors.zerocode import NO_STEPS
 from hpar_agent.tools.run_cmd import NOT_ATTACHED
 from testkit.ports import free_base_port
-from testkit.zerocode import attach_event, clean_env, hpar_run, run_cmd, summaries
+from testkit.zerocode import attach_event, clean_env, events, hpar_run, run_cmd, summaries
 
 pytestmark = pytest.mark.distributed
 
@@ -151,9 +150,9 @@ def test_a_clean_2d_fsdp_tp_program_raises_no_alert(tmp_path: Path) -> None:
             judged
         )
         assert s["errors"] == {}, s["errors"]
-    events = [json.loads(x) for p in tmp_path.glob("events.rank*.jsonl") for x in p.read_text().splitlines()]
-    alerts = [e for e in events if e.get("kind") == "alert"]
-    assert len(events) > 4 and alerts == [], alerts[:3]
+    every = [e for r in range(4) for e in events(tmp_path, r)]
+    alerts = [e for e in every if e.get("kind") == "alert"]
+    assert len(every) > 4 and alerts == [], alerts[:3]
 
 
 def test_loop_without_optimizer_says_so_once(tmp_path: Path) -> None:
