@@ -4,6 +4,7 @@ on the offending rank's own series and no rank has to be a coordinator that coul
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import pairwise
@@ -420,6 +421,12 @@ class CollectiveMismatch(Detector):
         )
 
 
+#: Steps a rank's count may fall behind (or run ahead of) the judging rank's before Straggler sets it
+#: aside as idle, and the seconds of clock skew between hosts allowed for in comparing them.
+IDLE_STEPS = 3
+IDLE_SKEW_S = 1.0
+
+
 class Straggler(Detector):
     """One rank (or a block of them) persistently slower than its peers, holding everyone at every
     collective.
@@ -530,6 +537,14 @@ class Straggler(Detector):
             return None  # ranks compiling at different speeds (a rank that started late still compiles)
         fr, _sizes = snap.exchange.fr
         peers = snap.exchange.peers
+        idle = self._idle(snap)
+        if snap.rank in idle:
+            self.shares.clear()
+            return Verdict(False, 0.0)  # it waits for the others, none of which is slow for that
+        if idle:
+            fr = {r: es for r, es in fr.items() if r not in idle}
+            for r in idle:
+                self.shares.pop(r, None)
         works = {r: [float(x) for x in p["pwork"]] for r, p in peers.items() if _triple(p.get("pwork"))}
         stage_scores = sig.stage_lags(works) if len(works) >= 2 else {}
         if (snap.rank not in fr or len(fr) < 2) and snap.rank not in stage_scores:
@@ -581,6 +596,28 @@ class Straggler(Detector):
                 ),
             },
         )
+
+    def _idle(self, snap: Snapshot) -> set[int]:
+        """Ranks whose step count fell ``IDLE_STEPS`` behind this rank's at the time they published it
+        (less ``IDLE_SKEW_S`` for the hosts' clocks), or this rank where a peer is that far ahead: out of
+        data under DDP's ``Join``, which shadows the others' collectives at once, such a rank arrives
+        first at every collective and waits there for ranks that are not slow but still have batches.
+        It is no reference for the others' pace, nor judged by it. Synchronous ranks are within a step
+        of each other."""
+        counts = {
+            r: (p["step"], float(p.get("t", 0)))
+            for r, p in snap.exchange.peers.items()
+            if r != snap.rank and isinstance(p.get("step"), int)
+        }
+        if any(n - snap.steps_done >= IDLE_STEPS for n, _ in counts.values()):
+            return {snap.rank}
+        ends, done = self.ends, snap.steps_done
+        idle = set()
+        for r, (n, t) in counts.items():
+            i = bisect.bisect_right(ends, int((t - IDLE_SKEW_S) * 1e9))
+            if i and done - (len(ends) - i) - n >= IDLE_STEPS:  # i = 0: before the steps kept
+                idle.add(r)
+        return idle
 
     def _keep(self, measured: dict[int, dict[int, float]], since: int) -> None:
         """Add this exchange's measured steps; keep the last ``window_steps`` of each rank (and none from

@@ -184,6 +184,64 @@ def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: A
     assert sample(ranks[2][1], "hpar_detector_value", "Straggler") > 0.1
 
 
+def _straggler_ranks(
+    store: Any, tmp_path: Any, early: int, stops_at: int | None, late: int | None = None
+) -> list[Any]:
+    """Three dp ranks, 20 steps of 0.3 s with 4 all-reduces each: ``early`` reaches every all-reduce
+    80 ms before the others (``late``, 80 ms after them), and stops counting steps at ``stops_at``."""
+    step, t0 = 300_000_000, int((time.time() - 8) * 1e9)
+    ranks = []
+    for r in range(3):
+        shift = -80_000_000 if r == early else 80_000_000 if r == late else 0
+        entries = deque(
+            {
+                "pg": "dp",
+                "seq": i,
+                "op": "all_reduce",
+                "is_p2p": False,
+                "input_sizes": [[4]],
+                "input_dtypes": ["Float"],
+                "time": (t0 + (i // 4) * step + i * 1_000_000 + shift) / 1e9,
+            }
+            for i in range(80)
+        )
+        n = stops_at if r == early and stops_at is not None else 20
+        agent, det = make_agent(
+            tmp_path,
+            rank=r,
+            world=3,
+            comps=(steps(n), Fake("collectives", recent_entries=entries)),
+            exchange=Exchange(store, "job", r),
+            coords={"dp": r, "dpn": 3},
+            **{"detectors.exchange_s": 0.0},
+        )
+        agent.config.evidence = False
+        for s in range(n):  # each step ends 0.2 s in, after its 4 all-reduces
+            det.detector(Straggler).step_hook(StepTick(s, t0 + s * step + 200_000_000, None, 0))
+        ranks.append((agent, det))
+    for _ in range(3):
+        for agent, _det in ranks:
+            agent.tick()
+    return ranks
+
+
+def test_straggler_sets_aside_a_rank_that_stopped_stepping(store: Any, tmp_path: Any) -> None:
+    # DDP's Join with uneven inputs: the rank out of data steps no more and shadows the others'
+    # all-reduces at once, so it is first at each; the two still training, on time with each other,
+    # were a 2-1 "slower side" and fired Straggler with no culprit
+    ranks = _straggler_ranks(store, tmp_path, early=0, stops_at=5)
+    assert [d.states["Straggler"].fired for _, d in ranks] == [0, 0, 0]
+    # every rank sets rank 0 aside, rank 0 itself too (its verdict is inactive, value 0)
+    assert [d.detector(Straggler)._idle(d.snapshot) for _, d in ranks] == [{0}, {0}, {0}]
+    assert [d.states["Straggler"].judged > 0 for _, d in ranks] == [True, True, True]
+
+
+def test_straggler_still_names_a_slow_rank_beside_one_that_stopped(store: Any, tmp_path: Any) -> None:
+    ranks = _straggler_ranks(store, tmp_path, early=0, stops_at=5, late=2)
+    assert [sample(d, "hpar_alert_active", "Straggler") for _, d in ranks] == [0.0, 0.0, 1.0]
+    assert ranks[2][1].states["Straggler"].details["culprits"] == [2]
+
+
 def test_straggler_ignores_a_late_ranks_compile_warmup(store: Any, tmp_path: Any) -> None:
     # The clean dp2 x pp2 run with rank 1 starting 10 s late: it still compiled through its step 3, so
     # in steps 3-8 its peers waited for it (lag ratio 0.67 over 11 collectives) and Straggler fired.
