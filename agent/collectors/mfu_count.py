@@ -79,16 +79,30 @@ def _values(call: Call) -> list[Any]:
 
 
 def tokens(calls: list[Call]) -> tuple[int, int]:
-    """(tokens, sequence length) of the recorded calls: the first input tensor of each is (batch, seq, ...)."""
+    """(tokens, sequence length) of the recorded calls: the first input of each that is token ids
+    (integers, batch x seq) or embeddings (floats, batch x seq x width); a (batch, features) input has no
+    sequence."""
     total, seq = 0, 0
     for call in calls:
         first = next(
-            (v for v in _values(call) if isinstance(v, fake_model.TensorSpec) and len(v[0]) >= 2), None
+            (v for v in _values(call) if isinstance(v, fake_model.TensorSpec) and _is_sequence(v)), None
         )
         if first is not None:
             total += first[0][0] * first[0][1]
             seq = first[0][1]
     return total, seq
+
+
+def _is_sequence(v: fake_model.TensorSpec) -> bool:
+    floating = v[1].is_floating_point or v[1].is_complex
+    return len(v[0]) >= (3 if floating else 2)
+
+
+def _weights(linear: Any) -> int:
+    """The weights an ``nn.Linear`` multiplies with on this rank: a DTensor's by ``_local_numel``, else
+    its features (FSDP's views of its flat parameter hold a shard, or nothing, between steps)."""
+    w = linear.weight
+    return _local_numel(w) if hasattr(w, "to_local") else int(linear.in_features * linear.out_features)
 
 
 def _local_numel(p: Any) -> int:
@@ -114,8 +128,8 @@ def transformer_flops(module: Any, calls: list[Call]) -> tuple[float, str]:
     import torch
 
     module = fake_model.unwrap(module)
-    linears = {id(m.weight): m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)}
-    n = sum(_local_numel(w) for w in linears.values())
+    linears = {id(m.weight): m for m in module.modules() if isinstance(m, torch.nn.Linear)}
+    n = sum(_weights(m) for m in linears.values())
     containers = [m for m in module.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
     blocks = max(
         (
@@ -127,9 +141,15 @@ def transformer_flops(module: Any, calls: list[Call]) -> tuple[float, str]:
     )
     first = next((x for x in blocks[0].modules() if isinstance(x, torch.nn.Linear)), None) if blocks else None
     # the model width; a tensor-parallel shard of the first Linear multiplies with its share of the heads
-    width = first.in_features * _local_numel(first.weight) // first.weight.numel() if first is not None else 0
+    width = (
+        first.in_features * _weights(first) // (first.in_features * first.out_features)
+        if first is not None
+        else 0
+    )
     count, seq = tokens(calls)
     if not (n and count):
-        raise ValueError("no Linear weights or no recorded input of shape (batch, seq, ...)")
+        raise ValueError(
+            "no Linear weights, or no recorded input of token ids (batch, seq) or embeddings (batch, seq, width)"
+        )
     per_token = 6 * n + 12 * len(blocks) * width * seq
     return float(count * per_token), f"N={n}, L={len(blocks)}, HQ={width}, T={seq}, tokens={count}"

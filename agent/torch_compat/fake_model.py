@@ -99,6 +99,7 @@ def _check_plain(tensors: Iterable[Any]) -> None:
 def fake_copy(module: Any, fake: Any) -> Any:
     """A copy of ``module``'s tree whose tensors are ``fake(t)``, without hooks or compiled calls."""
     import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     memo: dict[int, Any] = {}
 
@@ -106,6 +107,11 @@ def fake_copy(module: Any, fake: Any) -> Any:
         m = unwrap(m)
         if id(m) in memo:
             return memo[id(m)]
+        if isinstance(m, FSDP):
+            raise Refused(
+                "an FSDP wrapper (FullyShardedDataParallel): a copy would share its flat-parameter "
+                "state, which its forward changes under the training's backward"
+            )
         _check_plain(m._parameters.values())
         _check_plain(m._buffers.values())
         c = copy.copy(m)

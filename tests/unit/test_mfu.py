@@ -196,6 +196,51 @@ def test_the_fake_run_refuses_a_process_group_op_in_the_forward() -> None:
     )
 
 
+FSDP1 = """
+import json, sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+import hpar_agent
+from hpar_agent.collectors.mfu import COUNT_STEP
+dist.init_process_group("gloo")
+model = FSDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)), device_id=torch.device("cpu"),
+             use_orig_params=True)
+fwd = torch.compile(model, backend="aot_eager")
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+agent = hpar_agent.attach(model, metrics_port=0, traces="none", run_dir=sys.argv[1], detectors=False)
+for step in range(COUNT_STEP + 4):
+    fwd(torch.randn(4, int(sys.argv[2]), 16) if sys.argv[2] != "0" else torch.randn(4, 16)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    agent.tick()
+hpar_agent.detach()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("seq", [8, 0], ids=["sequence", "no-sequence"])
+def test_a_compiled_fsdp_wrapper_trains_through_the_count(tmp_path: Path, seq: int) -> None:
+    """A copy of FSDP's wrapper shares its flat-parameter state: under ``hpar-agent run`` its fake forward
+    on the agent thread changed it during the training's backward, which died ("Expects to only be
+    called in the post-backward"). It is refused; the count takes the Linears' features (FSDP's views
+    hold this rank's shard between steps: N was half), and an input of (batch, features) is no sequence
+    of tokens: unknown, where it counted the features as a sequence."""
+    script = tmp_path / "fsdp1.py"
+    script.write_text(FSDP1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    res = subprocess.run(
+        [*cmd, str(script), str(tmp_path), str(seq)], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    mfu = json.loads((tmp_path / "summary.rank0.json").read_text())["components"]["mfu"]
+    assert "FullyShardedDataParallel" in mfu["reason"], mfu
+    if seq:
+        assert mfu["method"] == "transformer blocks", mfu
+        assert mfu["flops_per_step"] == 4 * seq * 6 * (16 * 64 + 64 * 16), mfu
+    else:
+        assert mfu["flops_per_step"] is None and mfu["reason"].startswith("unknown"), mfu
+
+
 def test_the_input_hook_counts_its_failure_and_never_raises() -> None:
     from hpar_agent.collectors.mfu_count import InputCapture
 
