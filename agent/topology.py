@@ -45,8 +45,22 @@ FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 
-#: Dim names torch gives the meshes it makes itself (``replicate``'s default mesh) -> the dims they are.
-DIM_ALIASES = {"replicate": "dp_replicate", "shard": "dp_shard"}
+#: Dim names torch gives the meshes it makes itself (``replicate``'s default mesh), and the other names
+#: programs give them (Megatron's data, tensor, pipeline, context; "model" for tensor parallel) -> the
+#: dims they are.
+DIM_ALIASES = {
+    "replicate": "dp_replicate",
+    "shard": "dp_shard",
+    "data": "dp",
+    "model": "tp",
+    "tensor": "tp",
+    "pipeline": "pp",
+    "pipe": "pp",
+    "context": "cp",
+}
+#: Every dim name the topology reads; a mesh dim of another name is warned about once.
+KNOWN_DIMS = frozenset({*ATOMIC_DIMS, *FLATTENED_DIMS, "dp"})
+_warned_dims: set[str] = set()
 
 log = logging.getLogger("hpar_agent")
 JOB_ID_KEY = "hpar/job_id"
@@ -135,7 +149,7 @@ def _shard_dim_names(model: Any) -> set[str]:
         names = p.device_mesh.mesh_dim_names or ()
         for i, pl in enumerate(p.placements):
             if parallel.is_shard(pl):
-                sharded.add(names[i] if i < len(names) else f"#{i}")
+                sharded.add(DIM_ALIASES.get(names[i], names[i]) if i < len(names) else f"#{i}")
     return sharded
 
 
@@ -281,6 +295,15 @@ def detect(
     coords = {d: (1, 0) for d in _MESH_DIMS}  # dim -> (degree, coordinate)
     mesh = mesh if mesh is not None else mesh_from_model(model)
     names = mesh_dim_names(mesh, model)
+    for name in set(names) - KNOWN_DIMS - _warned_dims:
+        _warned_dims.add(name)
+        log.warning(
+            "hpar_agent: mesh dim %r is none of %s (nor %s): its degree counts in no label; name the "
+            "dims so, or set HPAR_DP / HPAR_TP / HPAR_PP",
+            name,
+            ", ".join(sorted(KNOWN_DIMS)),
+            ", ".join(sorted(DIM_ALIASES)),
+        )
     dims: dict[str, tuple[int, int]] = {}
     try:
         dims = {name: (mesh.size(i), mesh.get_local_rank(i)) for i, name in enumerate(names)}

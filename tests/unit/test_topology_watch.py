@@ -89,6 +89,23 @@ def test_a_named_mesh_sets_every_degree_and_its_slices_do_not_win(agent: Agent) 
     assert (topo.dp, topo.tp, topo.dp_rank, topo.tp_rank, topo.mesh_dims) == (2, 2, 0, 1, "dp=2,tp=2")
 
 
+def test_a_mesh_named_data_and_model_is_dp_and_tp(agent: Agent, caplog: pytest.LogCaptureFixture) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _group()
+    init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "model"))  # read as dp=1, tp=1 before
+    agent.tick()
+    topo = agent.topology
+    assert (topo.dp, topo.tp, topo.dp_rank, topo.tp_rank, topo.dp_replicate) == (2, 2, 0, 1, 2)
+    assert not [r for r in caplog.records if "mesh dim" in r.getMessage()]
+    init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "experts"))  # a name no label has: said once
+    agent.tick()
+    agent.tick()
+    (said,) = [r.getMessage() for r in caplog.records if "mesh dim" in r.getMessage()]
+    assert "'experts'" in said and "HPAR_TP" in said
+    assert (agent.topology.dp, agent.topology.tp) == (2, 1)
+
+
 def test_fully_shard_on_its_default_mesh_is_dp_shard(agent: Agent) -> None:
     from torch.distributed.fsdp import fully_shard
 
