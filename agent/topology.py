@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from hpar_agent.config import AgentConfig
 from hpar_agent.torch_compat import parallel, pipelining
+from hpar_agent.torch_compat.fr_decode import DIM_ALIASES
 
 _MESH_DIMS = ("dp", "tp", "pp")
 #: Atomic data/context/model-parallel dims (torchtitan's names), outermost first.
@@ -45,19 +46,6 @@ FLATTENED_DIMS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 
-#: Dim names torch gives the meshes it makes itself (``replicate``'s default mesh), and the other names
-#: programs give them (Megatron's data, tensor, pipeline, context; "model" for tensor parallel) -> the
-#: dims they are.
-DIM_ALIASES = {
-    "replicate": "dp_replicate",
-    "shard": "dp_shard",
-    "data": "dp",
-    "model": "tp",
-    "tensor": "tp",
-    "pipeline": "pp",
-    "pipe": "pp",
-    "context": "cp",
-}
 #: Every dim name the topology reads; a mesh dim of another name is warned about once.
 KNOWN_DIMS = frozenset({*ATOMIC_DIMS, *FLATTENED_DIMS, "dp"})
 _warned_dims: set[str] = set()

@@ -106,11 +106,27 @@ def p2p_peer(profiling_name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+#: Mesh dim names torch gives the meshes it makes itself (``replicate``'s default mesh), and the other
+#: names programs give them (Megatron's data, tensor, pipeline, context; "model" for tensor parallel)
+#: -> the dims they are (torchtitan's names), for the topology and the groups' labels alike.
+DIM_ALIASES = {
+    "replicate": "dp_replicate",
+    "shard": "dp_shard",
+    "data": "dp",
+    "model": "tp",
+    "tensor": "tp",
+    "pipeline": "pp",
+    "pipe": "pp",
+    "context": "cp",
+}
+
+
 def pg_label(name: str, desc: str) -> str:
-    """FR ``process_group`` [name, desc] -> ``pg``: mesh_dp -> dp, default_pg, else a short key."""
+    """FR ``process_group`` [name, desc] -> ``pg``: mesh_dp -> dp (mesh_data -> dp: ``DIM_ALIASES``),
+    default_pg, else a short key."""
     desc = str(desc or "")
     if desc.startswith("mesh_") and len(desc) > 5:
-        desc = desc[5:]
+        desc = DIM_ALIASES.get(desc[5:], desc[5:])
     if desc in ("", "undefined"):
         return f"pg{name}" if name != "" else UNKNOWN_PG
     return re.sub(r"[^a-zA-Z0-9_]", "_", desc)[:32]
