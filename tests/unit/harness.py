@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from typing import Any
 
 from hpar_agent.agent import Agent
@@ -108,4 +109,22 @@ def alert_events(agent: Agent) -> list[dict]:
 def steps(total: int, last_ts: float | None = None) -> Fake:
     return Fake(
         "steps", total=total, last_step_ts=time.time() if last_ts is None else last_ts, durations=[0.3] * 8
+    )
+
+
+def dp_all_reduces(t0_ns: int, shift_ns: int = 0, bf16_at: int = -1, n: int = 80) -> deque:
+    """A rank's flight-recorder entries of ``n`` dp all-reduces, 4 a 0.3 s step from ``t0_ns``, each
+    ``shift_ns`` late (early, below 0); all-reduce ``bf16_at`` in bf16."""
+    step = 300_000_000
+    return deque(
+        {
+            "pg": "dp",
+            "seq": i,
+            "op": "all_reduce",
+            "is_p2p": False,
+            "input_sizes": [[4]],
+            "input_dtypes": ["BFloat16" if i == bf16_at else "Float"],
+            "time": (t0_ns + (i // 4) * step + i * 1_000_000 + shift_ns) / 1e9,
+        }
+        for i in range(n)
     )

@@ -428,25 +428,12 @@ def test_compile_divergence_in_dp2_x_tp2_is_judged_over_the_whole_stage(store: A
 
 
 def test_collective_mismatch_and_straggler_on_sampled_dp_peers(store: Any, tmp_path: Any) -> None:
-    from collections import deque
-
-    from tests.unit.harness import Fake, steps
+    from tests.unit.harness import Fake, dp_all_reduces, steps
 
     step = 300_000_000
 
     def comps(r: int) -> Any:
-        entries = deque(
-            {
-                "pg": "dp",
-                "seq": i,
-                "op": "all_reduce",
-                "is_p2p": False,
-                "input_sizes": [[4]],
-                "input_dtypes": ["BFloat16" if (r == 0 and i == 7) else "Float"],
-                "time": ((i // 4) * step + i * 1_000_000 + (80_000_000 if r == 5 else 0)) / 1e9,
-            }
-            for i in range(80)
-        )
+        entries = dp_all_reduces(0, 80_000_000 if r == 5 else 0, 7 if r == 0 else -1)
         return steps(10), Fake("collectives", recent_entries=entries)
 
     from hpar_agent.detectors.cluster import Straggler

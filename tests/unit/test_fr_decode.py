@@ -50,7 +50,10 @@ def test_op_and_pg_labels():
     assert d.p2p_peer("gloo:all_reduce") is None
     assert d.pg_label("1", "mesh_dp") == "dp"
     assert d.pg_label("3", "mesh_tp") == "tp"
-    assert (d.pg_label("4", "mesh_data"), d.pg_label("5", "mesh_model")) == ("dp", "tp")  # Megatron-style names
+    assert (d.pg_label("4", "mesh_data"), d.pg_label("5", "mesh_model")) == (
+        "dp",
+        "tp",
+    )  # Megatron-style names
     assert d.pg_label("0", "default_pg") == "default_pg"
     assert d.pg_label("7", "undefined") == "pg7"
     assert d.pg_label("8", "my group/1") == "my_group_1"

@@ -24,7 +24,7 @@ from hpar_agent.detectors.cluster import (
     intended_reduce_bits,
     shard_key,
 )
-from tests.unit.harness import Fake, make_agent, sample, steps
+from tests.unit.harness import Fake, dp_all_reduces, make_agent, sample, steps
 
 
 def test_compile_divergence_attributed_to_minority(store: Any, tmp_path: Any) -> None:
@@ -143,69 +143,21 @@ def test_replica_divergence_in_sync_compares_digests_only(store: Any, tmp_path: 
         assert set(det.snapshot.exchange.peers[1 - min(det.snapshot.rank, 1)]["cd"]) == {"10"}
 
 
-def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: Any) -> None:
-    step = 300_000_000
-    ranks = []
-    for r in range(3):
-        entries = deque(
-            {
-                "pg": "dp",
-                "seq": i,
-                "op": "all_reduce",
-                "is_p2p": False,
-                "input_sizes": [[4]],
-                "input_dtypes": ["BFloat16" if (r == 0 and i == 7) else "Float"],
-                "time": ((i // 4) * step + i * 1_000_000 + (80_000_000 if r == 2 else 0)) / 1e9,
-            }
-            for i in range(80)
-        )
-        coll = Fake("collectives", recent_entries=entries)
-        ranks.append(
-            make_agent(
-                tmp_path,
-                rank=r,
-                world=3,
-                comps=(steps(10), coll),
-                exchange=Exchange(store, "job", r),
-                coords={"dp": r, "dpn": 3},
-                **{"detectors.exchange_s": 0.0},
-            )
-        )
-    for agent, det in ranks:
-        agent.config.evidence = False
-        for s in range(20):  # each step ends 0.2 s in, after its 4 all-reduces
-            det.detector(Straggler).step_hook(StepTick(s, s * step + 200_000_000, None, 0))
-    for _ in range(3):
-        for agent, _det in ranks:
-            agent.tick()
-    assert [sample(d, "hpar_alert_active", "CollectiveMismatch") for _, d in ranks] == [1.0, 0.0, 0.0]
-    assert ranks[0][1].states["CollectiveMismatch"].details["mismatched"][0]["seq"] == 7
-    assert [sample(d, "hpar_alert_active", "Straggler") for _, d in ranks] == [0.0, 0.0, 1.0]
-    assert sample(ranks[2][1], "hpar_detector_value", "Straggler") > 0.1
-
-
-def _straggler_ranks(
-    store: Any, tmp_path: Any, early: int, stops_at: int | None, late: int | None = None
+def _three_dp_ranks(
+    store: Any,
+    tmp_path: Any,
+    shift_ms: dict[int, int],
+    stops_at: dict[int, int] | None = None,
+    bf16_at: int = -1,
 ) -> list[Any]:
-    """Three dp ranks, 20 steps of 0.3 s with 4 all-reduces each: ``early`` reaches every all-reduce
-    80 ms before the others (``late``, 80 ms after them), and stops counting steps at ``stops_at``."""
+    """Three dp ranks, 20 steps of 0.3 s with 4 all-reduces each, every rank ticked 3 times: a rank of
+    ``shift_ms`` reaches every all-reduce that much late (early, below 0), one of ``stops_at`` counts
+    no step after that one, and rank 0 reduces all-reduce ``bf16_at`` in bf16."""
     step, t0 = 300_000_000, int((time.time() - 8) * 1e9)
     ranks = []
     for r in range(3):
-        shift = -80_000_000 if r == early else 80_000_000 if r == late else 0
-        entries = deque(
-            {
-                "pg": "dp",
-                "seq": i,
-                "op": "all_reduce",
-                "is_p2p": False,
-                "input_sizes": [[4]],
-                "input_dtypes": ["Float"],
-                "time": (t0 + (i // 4) * step + i * 1_000_000 + shift) / 1e9,
-            }
-            for i in range(80)
-        )
-        n = stops_at if r == early and stops_at is not None else 20
+        entries = dp_all_reduces(t0, shift_ms.get(r, 0) * 1_000_000, bf16_at if r == 0 else -1)
+        n = (stops_at or {}).get(r, 20)
         agent, det = make_agent(
             tmp_path,
             rank=r,
@@ -225,11 +177,19 @@ def _straggler_ranks(
     return ranks
 
 
+def test_collective_mismatch_and_straggler_through_store(store: Any, tmp_path: Any) -> None:
+    ranks = _three_dp_ranks(store, tmp_path, shift_ms={2: 80}, bf16_at=7)
+    assert [sample(d, "hpar_alert_active", "CollectiveMismatch") for _, d in ranks] == [1.0, 0.0, 0.0]
+    assert ranks[0][1].states["CollectiveMismatch"].details["mismatched"][0]["seq"] == 7
+    assert [sample(d, "hpar_alert_active", "Straggler") for _, d in ranks] == [0.0, 0.0, 1.0]
+    assert sample(ranks[2][1], "hpar_detector_value", "Straggler") > 0.1
+
+
 def test_straggler_sets_aside_a_rank_that_stopped_stepping(store: Any, tmp_path: Any) -> None:
     # DDP's Join with uneven inputs: the rank out of data steps no more and shadows the others'
     # all-reduces at once, so it is first at each; the two still training, on time with each other,
     # were a 2-1 "slower side" and fired Straggler with no culprit
-    ranks = _straggler_ranks(store, tmp_path, early=0, stops_at=5)
+    ranks = _three_dp_ranks(store, tmp_path, shift_ms={0: -80}, stops_at={0: 5})
     assert [d.states["Straggler"].fired for _, d in ranks] == [0, 0, 0]
     # every rank sets rank 0 aside, rank 0 itself too (its verdict is inactive, value 0)
     assert [d.detector(Straggler)._idle(d.snapshot) for _, d in ranks] == [{0}, {0}, {0}]
@@ -237,7 +197,7 @@ def test_straggler_sets_aside_a_rank_that_stopped_stepping(store: Any, tmp_path:
 
 
 def test_straggler_still_names_a_slow_rank_beside_one_that_stopped(store: Any, tmp_path: Any) -> None:
-    ranks = _straggler_ranks(store, tmp_path, early=0, stops_at=5, late=2)
+    ranks = _three_dp_ranks(store, tmp_path, shift_ms={0: -80, 2: 80}, stops_at={0: 5})
     assert [sample(d, "hpar_alert_active", "Straggler") for _, d in ranks] == [0.0, 0.0, 1.0]
     assert ranks[2][1].states["Straggler"].details["culprits"] == [2]
 
