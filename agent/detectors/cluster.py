@@ -421,9 +421,7 @@ class CollectiveMismatch(Detector):
         )
 
 
-#: Steps a rank's count may fall behind (or run ahead of) the judging rank's before Straggler sets it
-#: aside as idle, and the seconds of clock skew between hosts allowed for in comparing them.
-IDLE_STEPS = 3
+#: Seconds of clock skew between hosts allowed for in reading a peer as idle (``sig.IDLE_STEPS`` behind).
 IDLE_SKEW_S = 1.0
 
 
@@ -598,7 +596,7 @@ class Straggler(Detector):
         )
 
     def _idle(self, snap: Snapshot) -> set[int]:
-        """Ranks whose step count fell ``IDLE_STEPS`` behind this rank's at the time they published it
+        """Ranks whose step count fell ``sig.IDLE_STEPS`` behind this rank's at the time they published it
         (less ``IDLE_SKEW_S`` for the hosts' clocks), or this rank where a peer is that far ahead: out of
         data under DDP's ``Join``, which shadows the others' collectives at once, such a rank arrives
         first at every collective and waits there for ranks that are not slow but still have batches.
@@ -609,13 +607,13 @@ class Straggler(Detector):
             for r, p in snap.exchange.peers.items()
             if r != snap.rank and isinstance(p.get("step"), int)
         }
-        if any(n - snap.steps_done >= IDLE_STEPS for n, _ in counts.values()):
+        if sig.steps_behind(snap.exchange.peers, snap.rank, snap.steps_done) >= sig.IDLE_STEPS:
             return {snap.rank}
         ends, done = self.ends, snap.steps_done
         idle = set()
         for r, (n, t) in counts.items():
             i = bisect.bisect_right(ends, int((t - IDLE_SKEW_S) * 1e9))
-            if i and done - (len(ends) - i) - n >= IDLE_STEPS:  # i = 0: before the steps kept
+            if i and done - (len(ends) - i) - n >= sig.IDLE_STEPS:  # i = 0: before the steps kept
                 idle.add(r)
         return idle
 

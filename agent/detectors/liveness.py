@@ -92,12 +92,16 @@ class Hang(Detector):
         stalled = sig.stalled_seconds(
             snap.now, snap.last_step_ts, snap.steps_done, int(self.p("warmup_steps"))
         )
+        behind = sig.steps_behind(snap.exchange.peers, snap.rank, snap.steps_done)
+        if behind >= sig.IDLE_STEPS:  # idle, not hung: its peers step on without it (DDP's Join)
+            stalled = 0.0
         inflight = snap.collectives.oldest_inflight
         pg, age = max(inflight.items(), key=lambda kv: kv[1], default=("", 0.0))
         timeout = self.timeout(snap)
         value = max(stalled, age)
         details: dict[str, Any] = {
             "no_step_s": stalled,
+            **({"peers_ahead_steps": behind} if behind >= sig.IDLE_STEPS else {}),
             "oldest_inflight_s": age,
             "pg": pg,
             "timeout_s": timeout,

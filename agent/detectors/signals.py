@@ -805,6 +805,18 @@ def bucket_of(bounds: Sequence[float], value: float) -> int:
 # ------------------------------------------------------------------------------------------ hang
 
 
+#: Steps a rank's count may fall behind a peer's before it reads as idle (it stopped stepping while the
+#: others go on: out of data under DDP's ``Join``): synchronous ranks are within a step of each other.
+IDLE_STEPS = 3
+
+
+def steps_behind(peers: Mapping[int, Mapping[str, Any]], rank: int, steps_done: int) -> int:
+    """How many steps the furthest peer (its published count) is ahead of this rank, 0 if none is: a
+    peer's count is older than this rank's, never newer, so this is never more than the truth."""
+    counts = [p["step"] for r, p in peers.items() if r != rank and isinstance(p.get("step"), int)]
+    return max(0, max(counts, default=steps_done) - steps_done)
+
+
 def stalled_seconds(now: float, last_step_ts: float, steps_done: int, warmup_steps: int) -> float:
     """Seconds since the last step completed; 0 until warm-up (the first steps compile for minutes)."""
     if steps_done < warmup_steps or last_step_ts <= 0:

@@ -226,3 +226,28 @@ def test_endings_tell_a_consequence_from_a_cause() -> None:
     assert endings.launcher_signal("killed by signal 15 (SIGTERM)") and not endings.launcher_signal(
         "killed by signal 9 (SIGKILL)"
     )
+
+
+def test_a_rank_its_peers_step_on_without_is_idle_not_hung() -> None:
+    """Out of data under DDP's Join, a rank steps no more while it shadows its peers' collectives: its
+    Hang fired at 60 s without a step, with no op in flight and the job training on."""
+    from hpar_agent.detectors.liveness import Hang
+
+    now = time.time()
+
+    def judge(peer_step: int) -> Any:
+        view = PeerView(peers={1: {"t": now - 1, "step": peer_step}}, seen={}, read_ok_at=now)
+        snap = Snapshot(
+            now=now,
+            topology=Topology(rank=0, world_size=2),
+            coords={},
+            steps_done=100,
+            last_step_ts=now - 90,
+            exchange=view,
+        )
+        return Hang().evaluate(snap)
+
+    idle = judge(2600)
+    assert not idle.active and idle.details["peers_ahead_steps"] == 2500 and idle.details["no_step_s"] == 0
+    hung = judge(101)  # a peer a step ahead: waiting for this rank, whose 90 s without a step are a hang
+    assert hung.active and hung.details["no_step_s"] >= 90
