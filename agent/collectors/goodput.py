@@ -195,13 +195,16 @@ class GoodputCollector(Component):
             if rec.step in by_step:
                 step_s, phases, loader = by_step[rec.step]
                 # no forward timed (the model not known yet): the time inside the loader is the data wait
-                data = phases.get("data_wait", 0.0 if "forward" in phases else loader)
+                timed = "forward" in phases
+                data = phases.get("data_wait", 0.0 if timed else loader)
+                host = phases.get("host", 0.0)
+                if not timed and self.ledger.steps == 0:
+                    # the model found at this first step's optimizer step: all of it but the loader and the
+                    # optimizer step is the program's set-up since attach (its own forward and backward too:
+                    # one step's compute lost, against set-up of any length counted productive)
+                    host = max(0.0, step_s - data - phases.get("optimizer", 0.0))
                 if step_s > 0:
-                    shares = Shares(
-                        data / step_s,
-                        phases.get("host", 0.0) / step_s,
-                        phases.get("comm_exposed", 0.0) / step_s,
-                    )
+                    shares = Shares(data / step_s, host / step_s, phases.get("comm_exposed", 0.0) / step_s)
                     self._learn(shares)
             if self.base_step is None:  # resumed from the last checkpoint an earlier attempt saved, or anew
                 self.base_step = att.last_save_step() if att is not None and self.resumed else 0

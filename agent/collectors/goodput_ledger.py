@@ -143,19 +143,17 @@ class Ledger:
         in_ckpt = self._fixed(lo, hi, ckpt, compiles)
         rem = total - seconds(exposed_ns([*ckpt, *compiles], [], lo, hi))
         self.covered_ns = hi
-        host = min(max(0.0, shares.host * total - in_ckpt), rem)
-        if first:
+        host = max(0.0, shares.host * total - in_ckpt)
+        if recomputed:  # all of it but its set-up (the first step's host time)
+            host = min(host, rem) if first else 0.0
             self.lost["startup"] += host
-            rem -= host
-        if recomputed:
-            self.lost["recomputed"] += max(0.0, rem)
+            self.lost["recomputed"] += max(0.0, rem - host)
             return
         data = min(max(0.0, shares.data_wait) * total, rem)
         rem -= data
-        if not first:
-            host = min(host, rem)
-            self.lost["host"] += host
-            rem -= host
+        host = min(host, rem)
+        self.lost["startup" if first else "host"] += host
+        rem -= host
         comm = min(max(0.0, shares.comm) * total, rem)
         rem -= comm
         self.lost["data_wait"] += data

@@ -97,6 +97,9 @@ def test_causes_add_up_to_the_wall_time_of_the_whole_program(runs: dict[str, Run
         # from before the program's first line to its detach: nothing of the program left out
         assert led["start"] <= res["t0"] and res["t_detach"] <= led["end"] <= res["t_end"], (led, res)
         assert led["steps"] == RUNS[cause][1], led
+        # the program's set-up after attach, to its loop, is startup, whether or not the model was known
+        # before its first step (found at the first optimizer step when there is no DDP wrapper)
+        assert led["lost_seconds"]["startup"] >= res["t_loop"] - res["t0"] - 0.02, (led, res)
 
 
 def test_a_slow_loader_is_data_wait(runs: dict[str, Run]) -> None:
