@@ -9,7 +9,8 @@
 - data loader: ``_BaseDataLoaderIter.__next__`` wrapped while attached (time inside the loader).
 
 Every hook is a no-op while torch.compile traces, and on the steps without detail
-(``StepCollector.stride``), and never raises into the training loop. On CUDA each mark also records a
+(``StepCollector.stride``), and never raises into the training loop; the forward hooks also without
+grad (an evaluation between steps is time between steps). On CUDA each mark also records a
 CUDA event on the rank's device's current stream (the agent thread resolves it, never synchronizing).
 """
 
@@ -66,6 +67,7 @@ class AnatomyHooks:
         self._loader_patch: tuple[Any, Any] | None = None
         self._dist_on: Any = _never
         self._compiling: Any = _never
+        self._grad_on: Any = _never  # torch.is_grad_enabled: a forward without it is no training step's
         self._queue_callback: Any = None
         self._module_cls: Any = None
         self.event: Any = None  # torch.cuda.Event on CUDA
@@ -80,6 +82,7 @@ class AnatomyHooks:
         if dist is not None and dist.is_available():
             self._dist_on = dist.is_initialized
         self._compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
+        self._grad_on = torch.is_grad_enabled
         self._queue_callback = autograd.queue_callback()
         self._module_cls = torch.nn.Module
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -192,15 +195,16 @@ class AnatomyHooks:
     def _fwd_pre(self, module: Any, args: Any) -> None:
         steps = self._steps
         # compiling first: traced, the hook then reads nothing torch.compile would guard on (a guard on
-        # ``detailed`` recompiles the model when the detail stride toggles it)
-        if self._compiling() or (steps is not None and not steps.detailed):
+        # ``detailed`` recompiles the model when the detail stride toggles it). Without grad (an
+        # evaluation between steps) the forward is the time between steps, not the next step's forward.
+        if self._compiling() or (steps is not None and not steps.detailed) or not self._grad_on():
             return
         self.root.fired = True
         self._mark(self._step(), FWD0)
 
     def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
         steps = self._steps
-        if self._compiling() or (steps is not None and not steps.detailed):
+        if self._compiling() or (steps is not None and not steps.detailed) or not self._grad_on():
             return
         self._mark(self._step(), FWD1)
         try:

@@ -255,16 +255,23 @@ STEP_RUSAGE_ATTRS = (
 )
 
 
-def cpu_wait_ns(tid: int | None) -> int | None:
-    """Nanoseconds the thread ``tid`` of this process has spent runnable but waiting for a CPU
-    (``/proc/self/task/<tid>/schedstat``, second field); None where there is none."""
+def schedstat(tid: int | None) -> tuple[int, int] | None:
+    """Nanoseconds the thread ``tid`` of this process has spent on a CPU and runnable but waiting for
+    one (``/proc/self/task/<tid>/schedstat``'s first two fields); None where there is none."""
     if tid is None:
         return None
     try:
         with open(f"/proc/self/task/{tid}/schedstat") as f:
-            return int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
+            run, wait = f.read().split()[:2]
+        return int(run), int(wait)
+    except (OSError, ValueError):
         return None
+
+
+def cpu_wait_ns(tid: int | None) -> int | None:
+    """Nanoseconds the thread ``tid`` has spent runnable but waiting for a CPU (``schedstat``)."""
+    st = schedstat(tid)
+    return st[1] if st is not None else None
 
 
 def _rusage() -> tuple[int, int, int, int]:

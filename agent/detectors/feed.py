@@ -69,6 +69,7 @@ class DetectorFeed:
             steps_done=steps_done,
             last_step_ts=last_step_ts,
             step_durations=durations,
+            thread_cpu_s=self._read(ctx, src.thread_cpu_s, None),
             warmup=self._warmup(now, steps_done),
             compile=comp,
             memory=self._read(ctx, lambda c: src.memory_state(c, self.memory_window), src.NO_MEMORY),

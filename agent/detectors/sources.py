@@ -19,7 +19,7 @@ from hpar_agent.collectors.compile import CompileCollector
 from hpar_agent.collectors.gpu_health import GpuHealthCollector
 from hpar_agent.collectors.gradsync import GradSyncCollector
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
-from hpar_agent.collectors.steps import StepCollector
+from hpar_agent.collectors.steps import StepCollector, schedstat
 from hpar_agent.detectors.signals import FrEntry
 from hpar_agent.detectors.waits import GroupState, P2PWait, p2p_waits
 from hpar_agent.topology import ATOMIC_DIMS, FLATTENED_DIMS
@@ -46,6 +46,14 @@ def step_state(ctx: AgentContext) -> tuple[int, float, list[float]]:
     if c is None:
         return 0, 0.0, []
     return max(c.count, c.total), c.last_step_ts, c.durations[-RECENT_STEPS:]
+
+
+def thread_cpu_s(ctx: AgentContext) -> float | None:
+    """Seconds the training thread has spent on a CPU (``steps.schedstat``); None before its first step
+    or where there is no schedstat."""
+    c = ctx.find(StepCollector)
+    st = schedstat(c.tid) if c is not None else None
+    return st[0] / 1e9 if st is not None else None
 
 
 # ------------------------------------------------------------------------------------------ compile
