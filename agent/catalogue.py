@@ -247,6 +247,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "Unix time at which the last step completed.",
         unit="seconds",
     ),
+    _m(
+        "hpar_last_progress_timestamp_seconds",
+        "gauge",
+        "Unix time at which this rank last made progress: a step, or its training thread working on a CPU"
+        " (5 % of a pass or more: an evaluation between steps) or compiling since.",
+        unit="seconds",
+    ),
     _m("hpar_tokens_total", "counter", "Tokens processed, as reported by the training loop."),
     _m(
         "hpar_model_flops_per_token",

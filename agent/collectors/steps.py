@@ -11,6 +11,12 @@ CPU ranks, detailing every 5th step cut the agent thread's CPU a pass by ~30 %).
 ``stride``-th step gets it once the loop runs faster than ``detail_rate`` steps a second: the
 boundary sets ``detailed`` for the step it opens, and those hooks return at once on the other steps.
 Step times, counts and bytes still cover every step.
+
+Progress (``last_progress_ts``, ``hpar_last_progress_timestamp_seconds``, what Hang's and the rules' "no
+step" read): a step, or between steps the training thread working on a CPU (``BUSY_SHARE`` of a pass or
+more: an evaluation, a checkpoint's serialization; its ``schedstat``, read once a pass on the agent
+thread) or a torch.compile compile open (inductor's workers leave the thread waiting). A thread blocked
+in a sleep, a lock, I/O or a collective's wait uses next to none of a CPU.
 """
 
 from __future__ import annotations
@@ -75,6 +81,10 @@ class StepCollector(Component):
         self.tid: int | None = None  # the training thread (the first to mark a step)
         # (monotonic ns, ns the training thread had waited for a CPU) at the first pass after a step
         self.wait_origin: tuple[int, int] | None = None
+        self.busy_ts = 0.0  # unix time the training thread was last seen working or compiling
+        self.cpu_share: float | None = None  # its share of a CPU between the last two passes
+        self._cpu_mark: tuple[int, int] | None = None  # (monotonic ns, its ns on a CPU) at the last pass
+        self._compile: Any = None  # the compile collector (``open_compiles``), found at the first pass
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
@@ -145,8 +155,30 @@ class StepCollector(Component):
             del self.durations[:-RECENT_STEPS]
             self._completed.append(rec)
         self.stride = detail_stride(self.durations, ctx.config.detail_rate, every)
-        if self.wait_origin is None and (wait := cpu_wait_ns(self.tid)) is not None:
-            self.wait_origin = (time.monotonic_ns(), wait)
+        st, mono = schedstat(self.tid), time.monotonic_ns()
+        if self.wait_origin is None and st is not None:
+            self.wait_origin = (mono, st[1])
+        self._track_progress(ctx, st, mono)
+
+    def _track_progress(self, ctx: AgentContext, st: tuple[int, int] | None, mono: int) -> None:
+        """Whether the training thread worked (``BUSY_SHARE``) or compiled since the last pass."""
+        last, self._cpu_mark = self._cpu_mark, ((mono, st[0]) if st is not None else None)
+        self.cpu_share = None
+        if st is not None and last is not None and mono > last[0]:
+            self.cpu_share = (st[0] - last[1]) / (mono - last[0])
+        if self._compile is None:
+            from hpar_agent.collectors.compile import CompileCollector
+
+            self._compile = ctx.find(CompileCollector) or False
+        compiling = bool(self._compile) and self._compile.open_compiles > 0
+        if compiling or (self.cpu_share is not None and self.cpu_share >= BUSY_SHARE):
+            self.busy_ts = time.time()
+
+    @property
+    def last_progress_ts(self) -> float:
+        """Unix time of the last progress: a step, or the thread working or compiling since; 0 before the
+        first step."""
+        return max(self.last_step_ts, self.busy_ts) if self.total else 0.0
 
     def cpu_wait_share(self) -> float | None:
         """The share of the time since the first step that the training thread spent runnable but
@@ -174,6 +206,10 @@ class StepCollector(Component):
         g = f.gauge("hpar_last_step_timestamp_seconds")
         if self.total:
             f.add(g, [], self.last_step_ts)
+        yield g
+        g = f.gauge("hpar_last_progress_timestamp_seconds")
+        if self.total:
+            f.add(g, [], self.last_progress_ts)
         yield g
         t = f.counter("hpar_tokens_total")
         f.add(t, [], self.tokens_total)
@@ -224,6 +260,9 @@ def innermost_optimizer(opt: Any) -> Any:
         opt = inner
     return opt
 
+
+#: The training thread's share of a CPU between two passes at or above which it works between steps.
+BUSY_SHARE = 0.05
 
 #: Recent steps the step rate for ``detail_stride`` is taken from, and how many it needs.
 RATE_WINDOW, RATE_MIN_STEPS = 64, 8

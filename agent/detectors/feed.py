@@ -58,6 +58,8 @@ class DetectorFeed:
         """The collectors' state now, with ``exchange``: what the exchange holds before this pass's turn
         (a payload is built from this snapshot; ``complete`` adds what the turn read)."""
         steps_done, last_step_ts, durations = src.step_state(ctx)
+        unknown: tuple[float, float | None] = (last_step_ts, None)
+        progress_ts, cpu_share = self._read(ctx, src.progress, unknown)
         topo = ctx.topology
         coords = topo.coords()
         comp = self._read(ctx, src.compile_state, None)
@@ -69,7 +71,8 @@ class DetectorFeed:
             steps_done=steps_done,
             last_step_ts=last_step_ts,
             step_durations=durations,
-            thread_cpu_s=self._read(ctx, src.thread_cpu_s, None),
+            last_progress_ts=progress_ts,
+            thread_cpu_share=cpu_share,
             warmup=self._warmup(now, steps_done),
             compile=comp,
             memory=self._read(ctx, lambda c: src.memory_state(c, self.memory_window), src.NO_MEMORY),

@@ -31,10 +31,6 @@ if TYPE_CHECKING:
 CHAIN_READS = 4
 CHAIN_RANKS = 64
 CHAIN_WIDTH = 8
-#: The training thread's share of a CPU between two passes at or above which it is working between steps
-#: (an evaluation, a checkpoint's serialization), not hung: a thread blocked in a lock, a sleep, I/O or a
-#: collective's wait uses next to none of it (gloo's and the data loader's waits sleep).
-BUSY_SHARE = 0.05
 
 
 class Hang(Detector):
@@ -71,9 +67,6 @@ class Hang(Detector):
             None  # the verdict that named culprits, kept while the hang lasts
         )
         self.chain: dict[int, Mapping[str, Any]] = {}  # ranks read on demand that wait (``_follow``)
-        self._cpu: tuple[float, float] | None = None  # (now, the training thread's CPU seconds) last pass
-        self.busy_ts = 0.0  # when the training thread was last seen working (``BUSY_SHARE``)
-        self.cpu_share: float | None = None  # its share of a CPU between the last two passes
 
     def timeout(self, snap: Snapshot) -> float:
         if self.explicit:
@@ -95,23 +88,10 @@ class Hang(Detector):
         """While this rank's Hang is active (the goodput ledger counts the time as ``hang``)."""
         return Conclusion(True, None, float(value)) if active else None
 
-    def _track_busy(self, snap: Snapshot) -> None:
-        """Whether the training thread worked since the last pass: it ran on a CPU ``BUSY_SHARE`` of the
-        time or more (``busy_ts``, ``cpu_share``)."""
-        cpu, last = snap.thread_cpu_s, self._cpu
-        self._cpu = (snap.now, cpu) if cpu is not None else None
-        self.cpu_share = None
-        if cpu is None or last is None or snap.now <= last[0]:
-            return
-        self.cpu_share = (cpu - last[1]) / (snap.now - last[0])
-        if self.cpu_share >= BUSY_SHARE:
-            self.busy_ts = snap.now
-
     def evaluate(self, snap: Snapshot) -> Verdict | None:
-        self._track_busy(snap)
-        # no step is no progress only while the training thread neither works between steps nor compiles
-        # (inductor's compile workers leave it waiting; ``warmup.last_ts`` is now while a compile is open)
-        last = max(snap.last_step_ts, self.busy_ts, snap.warmup.last_ts) if snap.last_step_ts > 0 else 0.0
+        # no step is no progress only while the training thread neither works between steps (an
+        # evaluation) nor compiles: ``StepCollector.last_progress_ts``
+        last = max(snap.last_step_ts, snap.last_progress_ts)
         stalled = sig.stalled_seconds(snap.now, last, snap.steps_done, int(self.p("warmup_steps")))
         behind = sig.steps_behind(snap.exchange.peers, snap.rank, snap.steps_done)
         if behind >= sig.IDLE_STEPS:  # idle, not hung: its peers step on without it (DDP's Join)
@@ -124,7 +104,7 @@ class Hang(Detector):
             "no_step_s": stalled,
             **({"peers_ahead_steps": behind} if behind >= sig.IDLE_STEPS else {}),
             "oldest_inflight_s": age,
-            **({"thread_cpu_share": round(self.cpu_share, 4)} if self.cpu_share is not None else {}),
+            **({"thread_cpu_share": round(share, 4)} if (share := snap.thread_cpu_share) is not None else {}),
             "pg": pg,
             "timeout_s": timeout,
         }

@@ -112,7 +112,8 @@ class Snapshot:
     steps_done: int = 0
     last_step_ts: float = 0.0  # unix time of the last step
     step_durations: Sequence[float] = ()  # recent step durations, seconds
-    thread_cpu_s: float | None = None  # the training thread's seconds on a CPU so far (None: unknown)
+    last_progress_ts: float = 0.0  # unix time of the last step, or since it of work or a compile
+    thread_cpu_share: float | None = None  # the training thread's share of a CPU over the last pass
     warmup: CompileWarmup = NO_WARMUP
     compile: src.CompileState | None = None  # None without a compile collector
     memory: src.MemoryState = src.NO_MEMORY

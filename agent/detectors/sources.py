@@ -19,7 +19,7 @@ from hpar_agent.collectors.compile import CompileCollector
 from hpar_agent.collectors.gpu_health import GpuHealthCollector
 from hpar_agent.collectors.gradsync import GradSyncCollector
 from hpar_agent.collectors.memory import MemoryCollector, NvmlCollector
-from hpar_agent.collectors.steps import StepCollector, schedstat
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.detectors.signals import FrEntry
 from hpar_agent.detectors.waits import GroupState, P2PWait, p2p_waits
 from hpar_agent.topology import ATOMIC_DIMS, FLATTENED_DIMS
@@ -48,12 +48,11 @@ def step_state(ctx: AgentContext) -> tuple[int, float, list[float]]:
     return max(c.count, c.total), c.last_step_ts, c.durations[-RECENT_STEPS:]
 
 
-def thread_cpu_s(ctx: AgentContext) -> float | None:
-    """Seconds the training thread has spent on a CPU (``steps.schedstat``); None before its first step
-    or where there is no schedstat."""
+def progress(ctx: AgentContext) -> tuple[float, float | None]:
+    """(unix time of the last progress, the training thread's share of a CPU over the last pass): the
+    step collector's ``last_progress_ts`` and ``cpu_share``."""
     c = ctx.find(StepCollector)
-    st = schedstat(c.tid) if c is not None else None
-    return st[0] / 1e9 if st is not None else None
+    return (c.last_progress_ts, c.cpu_share) if c is not None else (0.0, None)
 
 
 # ------------------------------------------------------------------------------------------ compile
