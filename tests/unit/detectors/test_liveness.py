@@ -17,6 +17,7 @@ from hpar_agent import rankstate
 from hpar_agent.detectors.liveness import RankGone
 from hpar_agent.detectors.snapshot import PeerView, Snapshot
 from hpar_agent.topology import Topology
+from tests.unit.conftest import train_linear
 
 HOST = socket.gethostname()
 
@@ -278,11 +279,7 @@ def test_work_or_a_compile_between_steps_is_progress_and_a_sleep_is_not(tmp_path
 
     watcher = threading.Thread(target=watch, daemon=True)
     try:
-        model = torch.nn.Linear(64, 64)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for _ in range(3):
-            model(torch.randn(8, 64)).sum().backward()
-            opt.step()
+        train_linear(3)
         steps = agent.component("steps")
         watcher.start()
         doing[0] = "work"
