@@ -59,7 +59,9 @@ class Evidence:
         self._last: dict[str, float] = {}
         self._said: set[str] = set()
         self.history_started = False
-        self.history_step: int | None = None  # the step at which the recording began
+        self.history_step: int | None = None  # the training thread's step count as the recording began
+        self.snapshot_step: int | None = None  # and as the last allocator snapshot was taken
+        self._steps_now: Callable[[], int] | None = None  # that count, read live
         self.history_why = (  # why there is no snapshot with history, when there is none
             "the allocator's history was not recording when the alert fired (confirmed at once)"
         )
@@ -189,9 +191,12 @@ class Evidence:
         except (OSError, subprocess.TimeoutExpired) as exc:
             self._say_once("pyspy-record", f"py-spy record failed ({exc}); no profile")
 
-    def start_memory_history(self, max_entries: int = 100_000, step: int | None = None) -> bool:
-        """Start recording CUDA allocations with stacks (lazily: only once a leak is suspected), at
-        ``step`` (the steps done)."""
+    def start_memory_history(
+        self, max_entries: int = 100_000, steps_now: Callable[[], int] | None = None
+    ) -> bool:
+        """Start recording CUDA allocations with stacks (lazily: only once a leak is suspected).
+        ``steps_now``: the training thread's step count, read as the recording starts and as the
+        snapshot is taken (a pass's count is older than either by up to a pass's steps)."""
         if self.history_started or not self.enabled:
             if not self.enabled:
                 self.history_why = "evidence collection is off (HPAR_EVIDENCE)"
@@ -206,7 +211,8 @@ class Evidence:
             self._say_once("history", self.history_why)
             return False
         self.history_started = True
-        self.history_step = step
+        self._steps_now = steps_now
+        self.history_step = steps_now() if steps_now is not None else None
         return True
 
     def stop_memory_history(self) -> None:
@@ -232,6 +238,7 @@ class Evidence:
                     f"{self.max_files} evidence files at most)"
                 )
                 return []
+            self.snapshot_step = self._steps_now() if self._steps_now is not None else None
             snap = cuda_memory.snapshot(self.device)
             data = pickle.dumps(snap)
         except Exception as exc:
@@ -245,13 +252,14 @@ class Evidence:
         return [path] if path else []
 
     def take_snapshot(self) -> tuple[dict[str, Any] | None, int | None, str]:
-        """(the last allocator snapshot, the step its history began at, why there is none), once: it
+        """(the last allocator snapshot, the steps its history recorded, why there is none), once: it
         can be large."""
         snap, self.last_snapshot = self.last_snapshot, None
         why = self.history_why
         if snap is None and self.enabled and not cuda_memory.cuda_initialized():
             why = "this process uses no CUDA device: no allocator history (CPU)"
-        return snap, self.history_step, why
+        began, taken = self.history_step, self.snapshot_step
+        return snap, (taken - began if began is not None and taken is not None else None), why
 
     def save(self, tag: str, kind: str, ext: str, data: bytes, limit: str = "") -> list[str]:
         """``data`` as one file of ``kind``, under the rate limit ``limit`` (default: ``kind``): the

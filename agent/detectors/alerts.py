@@ -21,6 +21,7 @@ from prometheus_client.core import Metric
 
 from hpar_agent import catalogue as cat
 from hpar_agent.alert_callbacks import Alert
+from hpar_agent.collectors.steps import StepCollector
 from hpar_agent.detectors.gpu_culprit import culprit_gpu, culprit_gpu_text
 from hpar_agent.evidence import Evidence, main_stack
 from hpar_agent.thresholds import COMPONENT_DEFAULTS
@@ -76,11 +77,16 @@ class AlertBook:
         if self.evidence is None:
             self.evidence = ctx.evidence
 
+    def _steps_now(self) -> int:
+        """The training thread's step count now (``StepCollector.count``)."""
+        steps = self.ctx.find(StepCollector) if self.ctx is not None else None
+        return steps.count if steps is not None else 0
+
     def update(self, d: Detector, verdict: Verdict, snap: Snapshot) -> None:
         """Apply one verdict of ``d``: its request about the allocator's history, then the state machine."""
         if verdict.memory_history is not None and self.evidence is not None:
             if verdict.memory_history:
-                self.evidence.start_memory_history(step=snap.steps_done)
+                self.evidence.start_memory_history(steps_now=self._steps_now)
             else:
                 self.evidence.stop_memory_history()
         if verdict.active and d.gpu_culprits and culprits(verdict.details):

@@ -193,7 +193,7 @@ class MemoryLeak(Detector):
         history recorded (``memory_forensics.leak_site``), or ``site: "unknown"`` and why."""
         if evidence is None:
             return {"site": "unknown", "site_unknown": "evidence collection is off (HPAR_EVIDENCE)"}
-        recorded, since, why = evidence.take_snapshot()  # taken either way: a snapshot can be large
+        recorded, steps, why = evidence.take_snapshot()  # taken either way: a snapshot can be large
         source = details.get("source")
         if source not in DEVICE_SOURCES:
             why = f"the memory that grew is the host's ({source}): the CUDA allocator's history covers device memory only"
@@ -201,8 +201,7 @@ class MemoryLeak(Detector):
             from hpar_agent.memory_forensics import leak_site
 
             index = getattr(evidence.device, "index", None)
-            steps = snap.steps_done - since if since is not None else 0
-            return leak_site(recorded, index, steps, value)
+            return leak_site(recorded, index, steps or 0, value)
         return {"site": "unknown", "site_unknown": why}
 
     @staticmethod
