@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -194,6 +195,8 @@ class CompileCollector(Component):
         for d in (self._open, notes.breaks, notes.recompile_text, notes.frames):
             if len(d) > MAX_NOTES:
                 d.clear()
+        if self._open and self._steps is not None:  # a compile open is progress (its workers leave
+            self._steps.busy_ts = time.time()  # the training thread waiting): ``StepCollector``
 
     def _count(self, deltas: list[tuple[tuple[Any, ...], int]]) -> None:
         """Dynamo's counters' increases into the collector's (graph breaks from dynamo's own count: the

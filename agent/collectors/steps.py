@@ -81,10 +81,10 @@ class StepCollector(Component):
         self.tid: int | None = None  # the training thread (the first to mark a step)
         # (monotonic ns, ns the training thread had waited for a CPU) at the first pass after a step
         self.wait_origin: tuple[int, int] | None = None
-        self.busy_ts = 0.0  # unix time the training thread was last seen working or compiling
+        self.busy_ts = 0.0  # unix time the training thread was last seen working (or compiling: set by
+        # the compile collector)
         self.cpu_share: float | None = None  # its share of a CPU between the last two passes
         self._cpu_mark: tuple[int, int] | None = None  # (monotonic ns, its ns on a CPU) at the last pass
-        self._compile: Any = None  # the compile collector (``open_compiles``), found at the first pass
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
@@ -158,21 +158,16 @@ class StepCollector(Component):
         st, mono = schedstat(self.tid), time.monotonic_ns()
         if self.wait_origin is None and st is not None:
             self.wait_origin = (mono, st[1])
-        self._track_progress(ctx, st, mono)
+        self._track_progress(st, mono)
 
-    def _track_progress(self, ctx: AgentContext, st: tuple[int, int] | None, mono: int) -> None:
-        """Whether the training thread worked (``BUSY_SHARE``) or compiled since the last pass."""
+    def _track_progress(self, st: tuple[int, int] | None, mono: int) -> None:
+        """Whether the training thread worked since the last pass (``BUSY_SHARE``)."""
         last, self._cpu_mark = self._cpu_mark, ((mono, st[0]) if st is not None else None)
         self.cpu_share = None
         if st is not None and last is not None and mono > last[0]:
             self.cpu_share = (st[0] - last[1]) / (mono - last[0])
-        if self._compile is None:
-            from hpar_agent.collectors.compile import CompileCollector
-
-            self._compile = ctx.find(CompileCollector) or False
-        compiling = bool(self._compile) and self._compile.open_compiles > 0
-        if compiling or (self.cpu_share is not None and self.cpu_share >= BUSY_SHARE):
-            self.busy_ts = time.time()
+            if self.cpu_share >= BUSY_SHARE:
+                self.busy_ts = time.time()
 
     @property
     def last_progress_ts(self) -> float:
