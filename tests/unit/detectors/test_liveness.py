@@ -286,7 +286,8 @@ def test_work_or_a_compile_between_steps_is_progress_and_a_sleep_is_not(tmp_path
         x, t_end = torch.randn(256, 256), time.time() + 2.5
         while time.time() < t_end:  # an evaluation's work
             torch.mm(x, x)
-        assert steps.last_progress_ts >= t_end - 0.5 > steps.last_step_ts + 2
+        # progress marked during the work, 1 s or more after the last step (whatever the passes' timing)
+        assert steps.last_progress_ts > steps.last_step_ts + 1.0
 
         def slow_backend(gm: Any, inputs: Any) -> Any:
             time.sleep(2.5)
