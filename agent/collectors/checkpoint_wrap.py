@@ -9,7 +9,8 @@ the thread that made it (the goodput ledger keeps those of the training thread).
 original: its checkpoints count as host time.
 
 Each call appends one ``(start ns, end ns, native thread id, save, steps done)`` record: two clock reads,
-an attribute read and a put.
+an attribute read and a put. While the outermost call runs, ``open`` holds its thread: a checkpoint in
+progress is progress to Hang (a save of minutes writes, or waits on its writer threads, between steps).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class CheckpointWrap:
         self._patched: list[tuple[Any, str, Any]] = []  # (module, name, original)
         self._depth = threading.local()
         self.steps_done: Callable[[], int] = _no_steps
+        self.open: dict[int, int] = {}  # native thread id -> start ns of its outermost call in progress
 
     def install(self, capacity: int, steps_done: Callable[[], int] | None = None) -> None:
         self.buffer.capacity = capacity
@@ -66,12 +68,14 @@ class CheckpointWrap:
         orig = getattr(mod, name, None)
         if orig is None or not callable(orig) or getattr(orig, "_hpar_orig", None) is not None:
             return
-        put, depth, wrap = self.buffer.put, self._depth, self
+        put, depth, wrap, opened = self.buffer.put, self._depth, self, self.open
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             level = getattr(depth, "n", 0)
             depth.n = level + 1
-            t0 = time.time_ns()
+            t0, tid = time.time_ns(), threading.get_native_id()
+            if level == 0:
+                opened[tid] = t0
             out = None
             try:
                 out = orig(*args, **kwargs)
@@ -79,9 +83,10 @@ class CheckpointWrap:
             finally:
                 depth.n = level
                 if level == 0:
+                    opened.pop(tid, None)
                     try:
                         if counts is None or counts(args, out):
-                            put((t0, time.time_ns(), threading.get_native_id(), save, wrap.steps_done()))
+                            put((t0, time.time_ns(), tid, save, wrap.steps_done()))
                     except Exception:  # never into the training loop
                         pass
 

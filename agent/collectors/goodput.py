@@ -99,6 +99,8 @@ class GoodputCollector(Component):
     # ------------------------------------------------------------------------------------ agent thread
     def poll(self, now: float) -> None:
         tid = self._steps.tid if self._steps is not None else None
+        if tid is not None and tid in self.ckpt.open and self._steps is not None:
+            self._steps.busy_ts = time.time()  # a checkpoint in progress is progress (``StepCollector``)
         new = self.ckpt.buffer.drain()
         for _t0, _t1, _thread, save, done in new:
             if save:

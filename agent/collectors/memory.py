@@ -291,6 +291,7 @@ class MemoryCollector(Component):
         self.last_post: dict[str, int] = {}
         self.rss: int | None = None
         self.allocator: dict[str, float] = {}
+        self.served: int | None = None  # allocations the allocator has served since the process began
         self.device_free: int | None = None  # device memory no process holds
         self.headroom: int | None = (
             None  # what this process can still allocate (hpar_gpu_memory_headroom_bytes)
@@ -360,6 +361,7 @@ class MemoryCollector(Component):
     def _read_allocator(self) -> None:
         if self._cuda_ready():
             s = self._cuda.memory_stats(self._device)
+            self.served = s.get("allocation.all.allocated")  # a count: progress's motion (steps.py)
             self.allocator = {
                 key: float(s.get(stat, 0))
                 for key, stat in (

@@ -14,9 +14,14 @@ Step times, counts and bytes still cover every step.
 
 Progress (``last_progress_ts``, ``hpar_last_progress_timestamp_seconds``, what Hang's and the rules' "no
 step" read): a step, or between steps the training thread working on a CPU (``BUSY_SHARE`` of a pass or
-more: an evaluation, a checkpoint's serialization; its ``schedstat``, read once a pass on the agent
-thread) or a torch.compile compile open (inductor's workers leave the thread waiting). A thread blocked
-in a sleep, a lock, I/O or a collective's wait uses next to none of a CPU.
+more: an evaluation; its ``schedstat``, read once a pass on the agent thread), a torch.compile compile
+open (inductor's workers leave the thread waiting; set by the compile collector) or a checkpoint save or
+load in progress (set by the goodput collector). A thread blocked in a sleep, a lock, I/O or a
+collective's wait uses next to none of a CPU. On a GPU, a thread waiting
+for the device spins on a CPU (CUDA's default schedule while the process has fewer contexts than CPUs):
+there, a busy pass is progress only if the thread ran Python (it switched out to hand the GIL over) or
+the caching allocator served an allocation since the last pass (``_motion``); a wait for a kernel that
+never ends does neither.
 """
 
 from __future__ import annotations
@@ -78,13 +83,14 @@ class StepCollector(Component):
         self.durations: list[float] = []  # the last RECENT_STEPS, for the summary and the detail stride
         self._completed: list[StepRecord] = []
         self.rusage = _rusage()  # (minor, major faults, voluntary, involuntary switches) at the last boundary
-        self.tid: int | None = None  # the training thread (the first to mark a step)
+        self.tid: int | None = None  # the training thread's native id (the first to mark a step)
         # (monotonic ns, ns the training thread had waited for a CPU) at the first pass after a step
         self.wait_origin: tuple[int, int] | None = None
-        self.busy_ts = 0.0  # unix time the training thread was last seen working (or compiling: set by
-        # the compile collector)
+        self.busy_ts = 0.0  # unix time the training thread was last seen working (compiling or in a
+        # checkpoint: set by the compile and goodput collectors)
         self.cpu_share: float | None = None  # its share of a CPU between the last two passes
-        self._cpu_mark: tuple[int, int] | None = None  # (monotonic ns, its ns on a CPU) at the last pass
+        # (monotonic ns, its ns on a CPU, ``_motion``) at the last pass
+        self._cpu_mark: tuple[int, int, Any] | None = None
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
@@ -161,13 +167,27 @@ class StepCollector(Component):
         self._track_progress(st, mono)
 
     def _track_progress(self, st: tuple[int, int] | None, mono: int) -> None:
-        """Whether the training thread worked since the last pass (``BUSY_SHARE``)."""
-        last, self._cpu_mark = self._cpu_mark, ((mono, st[0]) if st is not None else None)
+        """Whether the training thread worked since the last pass (``BUSY_SHARE``; on a GPU, and moved:
+        ``_motion``)."""
+        motion = self._motion()
+        last, self._cpu_mark = self._cpu_mark, ((mono, st[0], motion) if st is not None else None)
         self.cpu_share = None
         if st is not None and last is not None and mono > last[0]:
             self.cpu_share = (st[0] - last[1]) / (mono - last[0])
-            if self.cpu_share >= BUSY_SHARE:
+            if self.cpu_share >= BUSY_SHARE and (motion is None or motion != last[2]):
                 self.busy_ts = time.time()
+
+    def _motion(self) -> tuple[int, int] | None:
+        """On a rank whose CUDA is in use: the training thread's voluntary context switches (running
+        Python, it gives the GIL up to the agent thread's pass and waits to take it back) and the caching
+        allocator's count of allocations served, both of which a thread spinning in a CUDA wait leaves
+        as they were. None on a CPU rank or where either is unknown (the CPU alone tells work then)."""
+        from hpar_agent.collectors.memory import MemoryCollector
+
+        mem = self.ctx.find(MemoryCollector) if self.ctx is not None else None
+        served = mem.served if mem is not None else None
+        switches = voluntary_switches(self.tid) if served is not None else None
+        return (switches, served) if switches is not None and served is not None else None
 
     @property
     def last_progress_ts(self) -> float:
@@ -300,6 +320,21 @@ def schedstat(tid: int | None) -> tuple[int, int] | None:
         return int(run), int(wait)
     except (OSError, ValueError):
         return None
+
+
+def voluntary_switches(tid: int | None) -> int | None:
+    """The thread ``tid``'s voluntary context switches (``/proc/self/task/<tid>/status``); None where
+    there is none."""
+    if tid is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def cpu_wait_ns(tid: int | None) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import signal
 import socket
@@ -254,35 +255,64 @@ def test_a_rank_its_peers_step_on_without_is_idle_not_hung() -> None:
     assert hung.active and hung.details["no_step_s"] >= 90
 
 
+class _Phases:
+    """A real agent (Hang after 1 s without progress) and a watcher that records, every 0.1 s, what the
+    training thread is doing and whether Hang is active."""
+
+    def __init__(self, tmp_path: Any) -> None:
+        import threading
+
+        import hpar_agent
+
+        self.agent = hpar_agent.attach(
+            metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=0.2, evidence=False,
+            thresholds={"Hang.timeout_s": 1.0},
+        )  # fmt: skip
+        self.seen: list[tuple[str, bool]] = []
+        self.doing = "steps"
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            self.seen.append((self.doing, any(a.name == "Hang" for a in self.agent.active_alerts())))
+
+    def __enter__(self) -> _Phases:
+        train_linear(3)
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import hpar_agent
+
+        self._stop.set()
+        if self._watcher.is_alive():
+            self._watcher.join()
+        hpar_agent.detach()
+
+    def hung_in(self) -> set[str]:
+        return {doing for doing, hang in self.seen if hang}
+
+
+class _SlowDisk(io.BytesIO):
+    """A file whose writes wait on the disk (a network file system): the thread saving uses no CPU."""
+
+    def write(self, b: Any) -> int:
+        time.sleep(0.25)
+        return super().write(b)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="no per-thread schedstat")
-def test_work_or_a_compile_between_steps_is_progress_and_a_sleep_is_not(tmp_path: Any) -> None:
+def test_work_a_compile_or_a_checkpoint_between_steps_is_progress_and_a_sleep_is_not(tmp_path: Any) -> None:
     """An evaluation of minutes between training steps fired a critical Hang on every rank (no step for
     the timeout). The training thread working on a CPU (its schedstat) is progress, and so is a compile
-    that leaves it waiting (a backend that sleeps, as inductor's workers do); a sleep is not."""
-    import threading
-
+    that leaves it waiting (a backend that sleeps, as inductor's workers do) and a checkpoint save that
+    waits on its disk; a sleep is not."""
     import torch
 
-    import hpar_agent
-
-    agent = hpar_agent.attach(
-        metrics_port=-1, traces="none", run_dir=str(tmp_path), interval=0.2, evidence=False,
-        thresholds={"Hang.timeout_s": 1.0},
-    )  # fmt: skip
-    seen: list[tuple[str, bool]] = []  # (what the training thread does, Hang active), every 0.1 s
-    doing = ["steps"]
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.wait(0.1):
-            seen.append((doing[0], any(a.name == "Hang" for a in agent.active_alerts())))
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    try:
-        train_linear(3)
-        steps = agent.component("steps")
-        watcher.start()
-        doing[0] = "work"
+    with _Phases(tmp_path) as ph:
+        steps = ph.agent.component("steps")
+        ph.doing = "work"
         x, t_end = torch.randn(256, 256), time.time() + 2.5
         while time.time() < t_end:  # an evaluation's work
             torch.mm(x, x)
@@ -293,14 +323,54 @@ def test_work_or_a_compile_between_steps_is_progress_and_a_sleep_is_not(tmp_path
             time.sleep(2.5)
             return gm.forward
 
-        doing[0] = "compile"
+        ph.doing = "compile"
         torch.compile(lambda t: t * 2 + 1, backend=slow_backend)(x)
-        doing[0] = "sleep"
+        ph.doing = "checkpoint"
+        disk = _SlowDisk()
+        torch.save({f"w{i}": torch.randn(64, 64) for i in range(4)}, disk)
+        assert disk.tell() > 0
+        ph.doing = "sleep"
         time.sleep(2.5)  # blocked
-    finally:
+    assert ph.hung_in() == {"sleep"}, ph.seen
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="no per-thread schedstat")
+def test_on_a_gpu_rank_a_busy_thread_that_does_not_move_is_not_progress(tmp_path: Any) -> None:
+    """On a GPU the thread waiting for a kernel spins on a CPU; a kernel that never ends left Hang
+    silent. There a busy pass is progress only if the thread ran Python (handing the GIL over to the
+    agent thread) or the allocator's count of allocations served moved: one long C call with the count
+    held still (a GPU rank's wait, here a CPU matmul) is a hang, Python work or the count moving is not.
+    tests/gpu/test_hang.py: the real wait."""
+    import threading
+
+    import torch
+
+    with _Phases(tmp_path) as ph:
+        memory = ph.agent.component("memory")
+        memory.served = 1  # what a GPU rank's allocator read gives (a CPU rank reads none)
+        t, n = time.perf_counter(), 1024
+        torch.mm(torch.randn(n, n), torch.randn(n, n))
+        n = min(8192, int(n * (5.0 / max(time.perf_counter() - t, 1e-4)) ** (1 / 3)))
+        a = torch.randn(n, n)
+        ph.doing = "one call"
+        t = time.perf_counter()
+        torch.mm(a, a)  # seconds in one call: its frame stays where it is
+        one_call_s = time.perf_counter() - t
+        for ph.doing in ("settle", "python"):  # the first second: the Hang of the call clears
+            t_end = time.time() + (1.0 if ph.doing == "settle" else 2.0)
+            while time.time() < t_end:
+                sorted(range(1000), key=lambda i: -i)
+        stop = threading.Event()
+
+        def serve() -> None:  # the allocator serving allocations, as a GPU evaluation's do
+            while not stop.wait(0.05):
+                memory.served += 1
+
+        feeder = threading.Thread(target=serve, daemon=True)
+        feeder.start()
+        ph.doing = "one call, allocating"
+        torch.mm(a, a)
         stop.set()
-        if watcher.is_alive():
-            watcher.join()
-        hpar_agent.detach()
-    assert not [s for s in seen if s[1] and s[0] != "sleep"], seen
-    assert ("sleep", True) in seen, seen
+        feeder.join()
+    assert one_call_s > 1.6, one_call_s  # the call outlasted the timeout with a pass to spare
+    assert ph.hung_in() - {"settle"} == {"one call"}, ph.seen
