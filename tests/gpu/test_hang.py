@@ -24,9 +24,9 @@ EVAL_S, STUCK_S, TIMEOUT_S = 4.0, 5.0, 1.5
 def _kernel_seconds(seconds: float) -> None:
     """Enqueue ``seconds`` of ``torch.cuda._sleep`` on the current stream (calibrated here)."""
     t = time.perf_counter()
-    torch.cuda._sleep(10**7)
+    torch.cuda._sleep(10**8)
     torch.cuda.synchronize()
-    per_cycle = (time.perf_counter() - t) / 10**7
+    per_cycle = (time.perf_counter() - t) / 10**8
     for _ in range(int(seconds)):
         torch.cuda._sleep(int(1.0 / per_cycle))
     torch.cuda._sleep(int((seconds % 1.0) / per_cycle) + 1)
