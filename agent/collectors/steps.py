@@ -90,7 +90,7 @@ class StepCollector(Component):
         # checkpoint: set by the compile and goodput collectors)
         self.cpu_share: float | None = None  # its share of a CPU between the last two passes
         # (monotonic ns, its ns on a CPU, ``_motion``) at the last pass
-        self._cpu_mark: tuple[int, int, Any] | None = None
+        self._cpu_mark: tuple[int, int, tuple[int, int] | None] | None = None
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)

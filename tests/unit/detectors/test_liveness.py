@@ -356,10 +356,12 @@ def test_on_a_gpu_rank_a_busy_thread_that_does_not_move_is_not_progress(tmp_path
         t = time.perf_counter()
         torch.mm(a, a)  # seconds in one call: its frame stays where it is
         one_call_s = time.perf_counter() - t
-        for ph.doing in ("settle", "python"):  # the first second: the Hang of the call clears
-            t_end = time.time() + (1.0 if ph.doing == "settle" else 2.0)
-            while time.time() < t_end:
-                sorted(range(1000), key=lambda i: -i)
+        ph.doing, t_end = "settle", time.time() + 30.0  # Python work until the call's Hang clears
+        while ph.seen[-1][1] and time.time() < t_end:
+            sorted(range(1000), key=lambda i: -i)
+        ph.doing, t_end = "python", time.time() + 2.0
+        while time.time() < t_end:
+            sorted(range(1000), key=lambda i: -i)
         stop = threading.Event()
 
         def serve() -> None:  # the allocator serving allocations, as a GPU evaluation's do
