@@ -345,7 +345,8 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "hpar_pp_bubble_ratio",
         "gauge",
-        "Idle fraction of the last step on this stage: 1 - busy / step time.",
+        "Idle fraction of the last step on this stage: 1 - busy / step time (a step with an evaluation "
+        "leaves it as it was).",
         unit="ratio",
     ),
     # collectives

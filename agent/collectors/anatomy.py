@@ -23,7 +23,8 @@ bounded buffer: forward and backward from hooks on the model's root module (the 
 optimizer phase from the global optimizer step pre-hook to the step boundary, and the time inside the
 data loader. Pipeline schedules: forward/backward are the pipeline collector's chunk times (CUDA events
 there on a GPU), data wait and host end at the first stage-0 forward chunk (CPU clock). The steps a
-fast loop leaves without detail (``StepCollector.stride``) get no phases.
+fast loop leaves without detail (``StepCollector.stride``) get no phases; a step that held an evaluation
+(forwards without grad, a pipeline's evaluation chunks) gets them, on the CPU clock, and is not judged.
 
 Clock: on CPU, wall clock. On CUDA wall-clock phases would be launch times (the time shows up wherever
 the CPU next waits for the GPU, e.g. a loss ``.item()`` in the data wait), so each hook also records a
@@ -44,7 +45,7 @@ from prometheus_client.core import Metric
 from hpar_agent import catalogue as cat
 from hpar_agent.collectors.anatomy_hooks import AnatomyHooks
 from hpar_agent.collectors.collectives import CollectiveCollector
-from hpar_agent.collectors.phases import OPT1, Event, cpu_phases, exposed_ns, gpu_phases, host_waits
+from hpar_agent.collectors.phases import EVAL, OPT1, Event, cpu_phases, exposed_ns, gpu_phases, host_waits
 from hpar_agent.collectors.pipeline import PipelineCollector
 from hpar_agent.collectors.pipeline_p2p import waited_by
 from hpar_agent.collectors.steps import StepCollector
@@ -93,6 +94,7 @@ class AnatomyCollector(Component):
         self.evidence: dict[str, Any] = {}
         self.shares: dict[str, float] = {}
         self.spans_ns: dict[int, tuple[int, int]] = {}  # step -> (start ns, end ns) of the recent steps
+        self.evaluated: set[int] = set()  # recent steps that held an evaluation: host time, not judged
 
     def install(self, ctx: AgentContext) -> None:
         super().install(ctx)
@@ -148,7 +150,12 @@ class AnatomyCollector(Component):
             step_s = rec.duration_s
             pipe = self._pipe
             piped = pipe is not None and bool(getattr(pipe, "wrapped", None))
-            if end is not None and self._last_end_event is not None and not piped:
+            evaluated = any(e[0] == EVAL for e in events) or (
+                pipe is not None and piped and rec.step in pipe.eval_end_ns
+            )
+            if evaluated:  # on CUDA its forwards keep the stream busy: the host's clock says how long it took
+                self.evaluated.add(rec.step)
+            if end is not None and self._last_end_event is not None and not piped and not evaluated:
                 try:
                     phases, spans, loader, step_s = gpu_phases(
                         rec.start_ns, events, self._last_end_event, end
@@ -232,18 +239,25 @@ class AnatomyCollector(Component):
         self, rec: StepRecord, events: list[tuple[int, int, int, Any]]
     ) -> tuple[dict[str, float], list[tuple[str, int, int]], float]:
         """Phase seconds of one step from CPU wall-clock times (``phases.cpu_phases``); under a pipeline
-        schedule forward and backward are the stage's chunks, and only stage 0 waits for data."""
+        schedule forward and backward are the stage's chunks, and only stage 0 waits for data. The host
+        time ends at the first stage-0 forward chunk, on a later stage at the end of an evaluation the
+        step began with (its chunks are no step's: ``PipelineCollector``)."""
         pipe = self._pipe
         chunks = None
         if pipe is not None and getattr(pipe, "wrapped", None):
             self.hooks.forward_source = "pipeline-chunks"
-            chunks = (pipe.phase_by_step.pop(rec.step, {}), pipe.first_forward_ns.pop(rec.step, None))
+            first = pipe.first_forward_ns.pop(rec.step, None)
+            chunks = (pipe.phase_by_step.pop(rec.step, {}), first or pipe.eval_end_ns.get(rec.step))
         return cpu_phases(rec.start_ns, rec.end_ns, events, chunks)
 
     def _judged_steps(self) -> list[tuple[int, float, dict[str, float], float]]:
-        """The recent steps after warm-up, and of those the ones with a forward timed where there are
-        any (under ``hpar-agent run`` the steps before the model was found have none)."""
+        """The recent steps after warm-up and without an evaluation, and of those the ones with a forward
+        timed where there are any (under ``hpar-agent run`` the steps before the model was found have
+        none)."""
         recent = self.history[-WINDOW:]
+        if self.evaluated:  # an evaluation's host time is the job's (goodput), not the training step's
+            self.evaluated &= {h[0] for h in self.history}
+            recent = [h for h in recent if h[0] not in self.evaluated] or recent
         hist = [h for h in recent if h[0] >= WARMUP_STEPS] or recent
         return [h for h in hist if "forward" in h[2]] or hist
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from hpar_agent import topology_watch as watch
 from hpar_agent.buffer import BoundedBuffer
 from hpar_agent.collectors import model_root
-from hpar_agent.collectors.phases import BWD0, BWD1, FWD0, FWD1, LOAD, OPT0, OPT1, SYNC1
+from hpar_agent.collectors.phases import BWD0, BWD1, EVAL, FWD0, FWD1, LOAD, OPT0, OPT1, SYNC1
 from hpar_agent.torch_compat import autograd, dataloader
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class AnatomyHooks:
         self._dist_on: Any = _never
         self._compiling: Any = _never
         self._grad_on: Any = _never  # torch.is_grad_enabled: a forward without it is no training step's
+        self._eval_step = -1  # the last step an evaluation was marked in
         self._queue_callback: Any = None
         self._module_cls: Any = None
         self.event: Any = None  # torch.cuda.Event on CUDA
@@ -196,8 +197,17 @@ class AnatomyHooks:
         steps = self._steps
         # compiling first: traced, the hook then reads nothing torch.compile would guard on (a guard on
         # ``detailed`` recompiles the model when the detail stride toggles it). Without grad (an
-        # evaluation between steps) the forward is the time between steps, not the next step's forward.
-        if self._compiling() or (steps is not None and not steps.detailed) or not self._grad_on():
+        # evaluation between steps) the forward is the time between steps, not the next step's forward,
+        # and its step gets the detail whatever the stride: its phases say where that time went.
+        if self._compiling():
+            return
+        if not self._grad_on():
+            step = self._step()
+            if steps is not None and step != self._eval_step:  # once a step: an evaluation runs many
+                self._eval_step, steps.detailed = step, True
+                self.buffer.put((step, EVAL, time.time_ns(), 0, None))
+            return
+        if steps is not None and not steps.detailed:
             return
         self.root.fired = True
         self._mark(self._step(), FWD0)

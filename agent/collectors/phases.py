@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-FWD0, FWD1, BWD0, BWD1, OPT0, LOAD, OPT1, SYNC1 = range(8)
+FWD0, FWD1, BWD0, BWD1, OPT0, LOAD, OPT1, SYNC1, EVAL = range(9)  # EVAL: the step held an evaluation
 
 Event = tuple[int, int, int, Any]
 Interval = tuple[int, int]

@@ -5,6 +5,10 @@ Every pipelining schedule (GPipe, 1F1B, interleaved) calls ``PipelineStage.forwa
 (stage, microbatch, phase, time) for all of them. On CUDA the time comes from CUDA events resolved on
 the agent thread with ``query()``; the training thread never synchronizes. On a fast loop only the
 steps with detail (``StepCollector.stride``) are timed, and the bubble ratio is theirs.
+
+A forward chunk run without grad or by a schedule with no backward (``schedule.eval()``, an evaluation
+between steps) is no training step's: only its end is kept (``eval_end_ns``), where the anatomy ends the
+step's host time; its step gets the detail whatever the stride, and no bubble ratio.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class PipelineCollector(Component):
         # per step: chunk seconds by phase and the first stage-0 forward's start (read by the anatomy)
         self.phase_by_step: dict[int, dict[str, float]] = {}
         self.first_forward_ns: dict[int, int] = {}
+        self.eval_end_ns: dict[int, int] = {}  # per step: the end of its last evaluation chunk
         self.intervals_by_step: dict[
             int, list[tuple[int, int]]
         ] = {}  # chunk (t0, t1): the anatomy's busy time
@@ -104,9 +109,24 @@ class PipelineCollector(Component):
         cpu_stream = stream_label(None)
         stage_index = int(getattr(stage, "stage_index", 0))
         steps = self.ctx.find(StepCollector) if self.ctx is not None else None
+        import torch
+
+        grad_on = torch.is_grad_enabled
 
         @functools.wraps(orig)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if phase == "forward" and not (grad_on() and getattr(stage, "has_backward", True)):
+                out = orig(*args, **kwargs)  # an evaluation's chunk: its end only, on the CPU clock
+                try:
+                    if steps is not None:
+                        steps.detailed = True  # whatever the stride: its phases say where the time went
+                    step = steps.count if steps is not None else 0
+                    buffer.put(
+                        (step, stage_index, -1, "eval", cpu_stream, 0, time.time_ns(), None, None, None)
+                    )
+                except Exception as exc:
+                    self.record_error(exc)
+                return out
             if steps is not None and not steps.detailed:  # a step without detail (StepCollector.stride)
                 return orig(*args, **kwargs)
             # The bookkeeping never raises into the schedule: a failure is counted and the chunk runs.
@@ -152,6 +172,9 @@ class PipelineCollector(Component):
         self._pending = []
         for item in items:
             step, stage_index, chunk, phase, stream, t0, t1, e0, e1, handle = item
+            if phase == "eval":
+                self.eval_end_ns[step] = max(t1, self.eval_end_ns.get(step, t1))
+                continue
             if e1 is not None:
                 if not e1.query():
                     self._pending.append(item)
@@ -183,11 +206,11 @@ class PipelineCollector(Component):
         busy = self.busy_by_step.pop(rec.step, None)
         for s in [s for s in self.busy_by_step if s < rec.step - 64]:
             del self.busy_by_step[s]
-        for d in (self.phase_by_step, self.first_forward_ns, self.intervals_by_step):
+        for d in (self.phase_by_step, self.first_forward_ns, self.intervals_by_step, self.eval_end_ns):
             for s in [s for s in d if s < rec.step - 64]:
                 del d[s]
-        if busy is None or rec.duration_s <= 0:
-            return
+        if busy is None or rec.duration_s <= 0 or rec.step in self.eval_end_ns:
+            return  # no chunk timed, or an evaluation's time in the step: no bubble of the schedule
         self.last_busy = busy
         self.last_bubble = min(1.0, max(0.0, 1.0 - busy / rec.duration_s))
         self.bubbles.append((rec.step, self.last_bubble))

@@ -4,11 +4,14 @@ torch.distributed.checkpoint every 4 steps. Each run's planted cause is its larg
 (the imports of a few-second program), the slow rank is named, and every rank's causes add up to its
 wall time, which spans the whole program. And a job under ``torchrun --max-restarts 1`` whose first
 attempt crashes (``goodput_restart.py``): its accounting spans both attempts, with the restart between
-them and the steps done again. The five runs start together and share one fixture."""
+them and the steps done again. A plain pipeline program (``faulty_gpipe.py``) that evaluates through its
+schedule between steps: the evaluation is host time on every stage. The six runs start together and
+share one fixture."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +22,7 @@ import pytest
 from hpar_agent.tools.goodput_view import closing_line
 from hpar_agent.tools.report import render
 from hpar_agent.tools.run_files import load_run
-from testkit.zerocode import clean_env, summaries
+from testkit.zerocode import clean_env, run_cmd, summaries
 
 pytestmark = pytest.mark.distributed
 
@@ -29,12 +32,14 @@ SCRIPT = SCRIPTS / "goodput_causes.py"
 RUNS = {"slow-data": (1, 8), "recompile": (1, 6), "checkpoint": (1, 8), "slow-rank": (4, 60)}
 RESTART_STEPS = 16  # the crash comes before step 10; the second attempt resumes at 8
 SLOW = 2  # the script's slow rank
+PP_EVAL = "30 --eval-at 10 --eval-batches 80"  # faulty_gpipe.py: ~2 s of evaluation before step 10
 
 
 class Run:
     def __init__(self, base: Path) -> None:
         self.run_dir, self.out = base / "run", base / "out"
         self.out.mkdir(parents=True)
+        self.text = ""  # what the program printed
 
     def ledgers(self) -> dict[int, dict[str, Any]]:
         return {r: s["components"]["goodput"] for r, s in summaries(self.run_dir).items()}
@@ -74,9 +79,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         stderr=subprocess.STDOUT,
         text=True,
     )
+    run = out["pp-eval"] = Run(base / "pp-eval")
+    procs["pp-eval"] = subprocess.Popen(
+        run_cmd([*[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
+                 str(SCRIPTS / "faulty_gpipe.py"), *PP_EVAL.split()]),
+        env=clean_env(run.run_dir, HPAR_METRICS_PORT="-1", HPAR_TRACES="none"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
     for cause, proc in procs.items():
         text, _ = proc.communicate(timeout=400)
         assert proc.returncode == 0, (cause, text[-3000:])
+        out[cause].text = text
     return out
 
 
@@ -164,3 +179,18 @@ def test_a_restarted_job_keeps_the_first_attempts_time(runs: dict[str, Run]) -> 
         total = led["productive_seconds"] + sum(lost.values())
         assert abs(total - led["wall_seconds"]) <= 0.01 * led["wall_seconds"], led
         assert led["wall_seconds"] == pytest.approx(led["end"] - led["start"], rel=0.01), led
+
+
+def test_an_evaluation_through_the_pipeline_schedule_is_host_time_on_every_stage(
+    runs: dict[str, Run],
+) -> None:
+    """``schedule.eval()`` runs the stages' forward chunks: they are no training step's compute (they
+    were productive time, and the last stage's bubble), and the evaluation is host time on each stage."""
+    run = runs["pp-eval"]
+    evaluated = {int(r): float(s) for r, s in re.findall(r"rank (\d+): evaluated for ([\d.]+) s", run.text)}
+    ledgers = run.ledgers()
+    assert sorted(evaluated) == sorted(ledgers) == [0, 1], run.text[-3000:]
+    for rank, led in ledgers.items():
+        assert led["steps"] == 30, led
+        # all of the evaluation but the agent's 10 ms of slack at its edges
+        assert led["lost_seconds"].get("host", 0.0) >= evaluated[rank] - 0.05, (rank, evaluated, led)

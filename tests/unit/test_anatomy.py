@@ -24,7 +24,8 @@ class Slow(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(self.fwd_s)
         h = self.lin(x)
-        h.register_hook(lambda g: time.sleep(self.bwd_s))  # runs inside the model's backward
+        if h.requires_grad:  # not under no_grad (an evaluation)
+            h.register_hook(lambda g: time.sleep(self.bwd_s))  # runs inside the model's backward
         return h * 2.0
 
 
@@ -134,6 +135,36 @@ def test_a_fast_loop_gets_phases_on_every_strideth_step_only(agent, monkeypatch)
     a.tick()
     assert anatomy.hists["forward"].count == 3 and anatomy.hists["backward"].count == 3
     assert steps.total == 9
+
+
+def test_an_evaluation_on_a_step_without_detail_gives_that_step_its_detail(agent, monkeypatch) -> None:
+    """With ``StepCollector.stride`` 3, step 4 has no detail; an evaluation (forwards without grad and
+    0.2 s of their work) before it gives it the detail, and the evaluation is its host time, not its
+    forward. Without it, the step would get the recent steps' shares: the 0.2 s counted as compute. The
+    verdict leaves the step out: the evaluation is not the training step's bottleneck."""
+    from hpar_agent.agent_thread import AgentThread
+
+    monkeypatch.setattr(AgentThread, "_run", lambda self: None)  # a pass would reset the stride
+    model = Slow(0.0, 0.0)
+    a = agent(model)
+    steps, anatomy = a.component("steps"), a.component("anatomy")
+    steps.stride = 3
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i in range(9):
+        if i == 4:
+            with torch.no_grad():
+                model(torch.randn(2, 4))
+                time.sleep(0.2)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert sorted({item[0] for item in anatomy.hooks.buffer._items}) == [0, 3, 4, 6]
+    a.tick()
+    phases = {h[0]: h[2] for h in anatomy.history}
+    assert sorted(phases) == [0, 3, 4, 6], phases
+    assert phases[4]["host"] >= 0.2 and phases[4]["forward"] < 0.1, phases[4]
+    # the verdict judges the training steps after warm-up (3 and 6): the evaluation is the job's time
+    assert anatomy.evaluated == {4} and anatomy.evidence["steps"] == 2, anatomy.evidence
 
 
 @pytest.mark.parametrize(
@@ -594,7 +625,7 @@ def test_a_pipeline_stage_mostly_waiting_is_unknown_and_the_reason_names_the_bub
 
     ms = 1_000_000
     pipe = SimpleNamespace(
-        wrapped=True, phase_by_step={}, first_forward_ns={}, intervals_by_step={}, bubbles=[]
+        wrapped=True, phase_by_step={}, first_forward_ns={}, intervals_by_step={}, eval_end_ns={}, bubbles=[]
     )
     c = AnatomyCollector()
     c._pipe = pipe

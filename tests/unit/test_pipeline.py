@@ -52,6 +52,44 @@ def test_pipeline_chunks_of_a_step_without_detail_are_not_timed(tmp_path):
         agent.stop()
 
 
+def test_an_evaluations_chunks_are_no_steps_and_end_its_host_time(tmp_path):
+    """A forward chunk without grad, or of a schedule with no backward (``schedule.eval()``), is no
+    training chunk: it is kept only as the end of the step's evaluation, even on a step without detail
+    (which it gives the detail), and that step gets no bubble ratio."""
+    from types import SimpleNamespace
+
+    from hpar_agent.spans import StepRecord
+
+    agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    agent.start()
+    try:
+        pipe, steps = agent.component("pipeline"), agent.component("steps")
+        stage = SimpleNamespace(device=None, stage_index=1, has_backward=True)
+        forward = pipe._wrap(stage, lambda *a, **k: "ran", "forward")
+        steps.detailed = False
+        steps.count = 4
+        with torch.no_grad():
+            assert forward(0) == "ran"  # an evaluation under no_grad
+        assert steps.detailed
+        stage.has_backward = False  # schedule.eval() with grad on
+        assert forward(1) == "ran"
+        stage.has_backward = True
+        t_eval = time.time_ns()
+        assert forward(0) == "ran"  # the step's own training chunk
+        pipe.poll(time.time())
+        assert 0 < pipe.eval_end_ns[4] <= t_eval
+        assert pipe.phase_by_step[4].keys() == {"forward"} and pipe.first_forward_ns == {}  # stage 1
+        assert sum(h.count for h in pipe.hists.values()) == 1  # the evaluation's chunks are not timed
+        s = 10**9
+        pipe.on_step(StepRecord(step=4, start_ns=s, end_ns=3 * s))
+        assert pipe.bubbles == [] and pipe.last_bubble is None
+        pipe.busy_by_step[5] = 1.0
+        pipe.on_step(StepRecord(step=5, start_ns=3 * s, end_ns=5 * s))
+        assert pipe.bubbles == [(5, 0.5)]
+    finally:
+        agent.stop()
+
+
 class _Stream:
     stream_id, cuda_stream = 3, 0x7F3A00001000
 

@@ -2,7 +2,7 @@
 knows nothing of hpar_agent, with one planted fault.
 
 ``python faulty_gpipe.py STEPS [--dp N] [--sleep-rank R --at S] [--slow-rank R --slow-ms N --slow-from S]
-[--heavy-last-ms N] [--timeout-s T] [--schedule NAME]``: ``--schedule`` another of torch's schedules (the
+[--heavy-last-ms N] [--timeout-s T] [--schedule NAME] [--eval-at S --eval-batches N]``: ``--schedule`` another of torch's schedules (the
 class name less ``Schedule``); a multi-stage one (``InterleavedZeroBubble``, ``Interleaved1F1B``,
 ``LoopedBFS``) gets two stages a rank, the looped placement (rank r: stages r and r + ranks of the
 pipeline). ``--dp`` pipeline replicas (rank = replica * stages + stage) whose
@@ -10,7 +10,9 @@ stages all-reduce their gradients; at step S rank R sleeps before its pipeline s
 waits for its activations, the stage before it for its gradients, its replicas in the all-reduce).
 ``--slow-rank``: from step ``--slow-from`` on, that rank's stage works N ms more a step (spread over its
 forwards); ``--heavy-last-ms``: every last stage works N ms more a step from the start (slower by design).
-``--timeout-s``: the process group's timeout.
+``--timeout-s``: the process group's timeout. ``--eval-at``: before step S every rank evaluates N
+batches (``schedule.eval()`` under ``no_grad``, 20 ms of work in each of stage 0's forwards) and prints
+``rank R: evaluated for SECONDS s``.
 """
 
 import argparse
@@ -32,6 +34,8 @@ p.add_argument("--slow-from", type=int, default=0)
 p.add_argument("--heavy-last-ms", type=float, default=0.0)
 p.add_argument("--timeout-s", type=float, default=1800)
 p.add_argument("--schedule", default="GPipe")
+p.add_argument("--eval-at", type=int, default=-1)
+p.add_argument("--eval-batches", type=int, default=0)
 a = p.parse_args()
 
 torch.set_num_threads(1)
@@ -47,13 +51,16 @@ per_rank = 2 if issubclass(cls, schedules.PipelineScheduleMulti) else 1
 torch.manual_seed(stage_idx)
 blocks = [torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()) for _ in range(per_rank)]
 MICRO = 4 * per_rank
-now = {"step": 0}
+now = {"step": 0, "eval": False}
 
 
 def _work(_module, _inputs):  # extra work in every forward of this stage, between its p2p ops
     ms = a.heavy_last_ms if stage_idx == stages - 1 else 0.0
     if rank == a.slow_rank and now["step"] >= a.slow_from:
         ms += a.slow_ms
+    if now["eval"] and stage_idx == 0:
+        _ = [torch.randn(64, 64) @ torch.randn(64, 64) for _ in range(4)]  # the CPU works, as an eval does
+        ms += 20.0 * per_rank
     if ms:
         time.sleep(ms / 1000 / MICRO)
 
@@ -71,6 +78,19 @@ for step in range(a.steps):
     if step == a.at and rank == a.sleep_rank:
         time.sleep(3600)
     now["step"] = step
+    if step == a.eval_at:
+        now["eval"], t_eval = True, time.time()
+        with torch.no_grad():
+            for _ in range(a.eval_batches):
+                x, y = torch.randn(16, 32), torch.randn(16, 32)
+                if stage_idx == 0:
+                    schedule.eval(x)
+                elif stage_idx == stages - 1:
+                    schedule.eval(target=y, losses=[])
+                else:
+                    schedule.eval()
+        now["eval"] = False
+        print(f"rank {rank}: evaluated for {time.time() - t_eval:.3f} s", flush=True)
     opt.zero_grad()
     x, y = torch.randn(16, 32), torch.randn(16, 32)
     if stage_idx == 0:
