@@ -56,6 +56,7 @@ CLEAN_ARGS = [*SHAPE, "--steps", str(CLEAN_STEPS)]
 START_TIMEOUT = 180  # torchrun up to every rank serving /metrics (all waits fit pytest-timeout's 600 s)
 RUN_TIMEOUT = 300  # first scrape to MemoryLeak firing, or to the clean run's end
 GPU_MARK = "Needs a CUDA GPU."
+STEP_RATIOS = ("rank:hpar_goodput:ratio5m", "rank_phase:hpar_step_phase_duration_seconds:ratio5m")
 #: Panels without data in the leak run on CPU although they are not GPU-only, and why.
 NO_DATA_ON_CPU = {
     "Compile-cache hit ratio": "hpar_dynamo_cache_events_total counts AOTAutograd / FX graph cache "
@@ -199,6 +200,14 @@ def leak(stack: PromStack, tmp_path_factory: pytest.TempPathFactory) -> Run:
             return stack.webhook.alerts(alertname="MemoryLeak", job=LEAK_JOB)
 
         wait_for(delivered, 30, "MemoryLeak at the Alertmanager webhook")
+
+        def recorded() -> bool:
+            """The ratios of accounted steps have a value: they need two scrapes of series that start a
+            step or two behind the clock, and a fast leak can page before that."""
+            _alive(run)
+            return all(finite_values(stack.query(f'{r}{{job="{LEAK_JOB}"}}')) for r in STEP_RATIOS)
+
+        wait_for(recorded, 60, "the goodput and step-phase ratios recorded")
         end = time.time()
         notes = list(stack.webhook.notifications)
     except BaseException:
