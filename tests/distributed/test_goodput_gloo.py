@@ -192,5 +192,6 @@ def test_an_evaluation_through_the_pipeline_schedule_is_host_time_on_every_stage
     assert sorted(evaluated) == sorted(ledgers) == [0, 1], run.text[-3000:]
     for rank, led in ledgers.items():
         assert led["steps"] == 30, led
-        # all of the evaluation but the agent's 10 ms of slack at its edges
-        assert led["lost_seconds"].get("host", 0.0) >= evaluated[rank] - 0.05, (rank, evaluated, led)
+        # the evaluation (~1.6 s): at least 90 % of it, whatever a loaded machine does at its edges (the
+        # last stage's host time ends at its last evaluation chunk, before the program's own clock read)
+        assert led["lost_seconds"].get("host", 0.0) >= 0.9 * evaluated[rank], (rank, evaluated, led)
