@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hpar_agent.config import AgentConfig
-from hpar_agent.torch_compat import parallel, pipelining
+from hpar_agent.torch_compat import flight_recorder, parallel, pipelining
 from hpar_agent.torch_compat.fr_decode import DIM_ALIASES
 
 _MESH_DIMS = ("dp", "tp", "pp")
@@ -327,7 +327,7 @@ def detect(
         stage = None
     if stage is None:
         stage = coords["pp"][1]
-    backend = dist.get_backend() if initialized else "none"
+    backend = flight_recorder.group_backend(None) if initialized else "none"
     return Topology(
         rank=rank,
         world_size=world,

@@ -144,10 +144,20 @@ def group_name(group: Any) -> tuple[str, str]:
 
 
 def group_backend(group: Any) -> str:
+    """The backend a group's collectives run through on this host's accelerator. A group made without
+    naming one (a bare ``init_process_group()``, ``init_device_mesh``) is "undefined" to
+    ``get_backend``, and one given a map "cpu:gloo,cuda:nccl": both are read from the group's map,
+    its CUDA entry where CUDA is available (the NCCL checks depend on it), else its CPU one."""
     try:
+        import torch
         import torch.distributed as dist
 
-        return str(dist.get_backend(group))
+        name = str(dist.get_backend(group))
+        if name != "undefined" and ":" not in name:
+            return name
+        pairs = dict(p.split(":", 1) for p in str(dist.get_backend_config(group)).split(",") if ":" in p)
+        device = "cuda" if "cuda" in pairs and torch.cuda.is_available() else "cpu"
+        return pairs.get(device, name)
     except Exception:
         return "unknown"
 
@@ -161,8 +171,7 @@ def group_timeout_s(group: Any) -> float | None:
         import torch.distributed as dist
 
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        backend = str(dist.get_backend(pg))
-        device = torch.device("cuda" if backend == "nccl" else "cpu")
+        device = torch.device("cuda" if group_backend(pg) == "nccl" else "cpu")
         t = pg._get_backend(device).options._timeout.total_seconds()
         return float(t) if t > 0 else None
     except Exception:

@@ -114,12 +114,12 @@ def test_ddp_under_torchrun_scraped_mid_run(tmp_path: Path) -> None:
 
 
 def test_tp_dtensor(tmp_path: Path) -> None:
-    """(b) TP with DTensor: ``init_device_mesh`` creates the process group itself (with no backend
-    named, which ``dist.get_backend()`` reports as "undefined")."""
+    """(b) TP with DTensor: ``init_device_mesh`` creates the process group itself, with no backend
+    named (``dist.get_backend()`` says "undefined"): the label names the one its CPU tensors use."""
     proc = hpar_run(tmp_path, torchrun("tp_train.py", str(STEPS)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     # an unnamed mesh says nothing of which dim it is: the degrees stay unknown (1), never guessed
-    _assert_every_rank_observed(tmp_path, proc, backend="undefined", degrees={"dp": "1", "tp": "1"})
+    _assert_every_rank_observed(tmp_path, proc, backend="gloo", degrees={"dp": "1", "tp": "1"})
 
 
 def test_fsdp2(tmp_path: Path) -> None:

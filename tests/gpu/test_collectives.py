@@ -9,11 +9,15 @@ CUDA-event pair (~7-15 µs of its own) is a small part of it: there the two must
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -98,3 +102,50 @@ def test_every_collective_is_timed_and_agrees_with_the_profiler(
             ratio = statistics.median(e["duration_ms"] for e in timed) * 1e3 / (work_us / REPS)
             assert 0.7 < ratio < 1.6, f"{op} {nbytes}: flight recorder / profiler device time {ratio:.3f}"
     assert not agent.errors, dict(agent.errors)
+
+
+UNNAMED = """
+import json, sys, time
+import torch, torch.distributed as dist
+import hpar_agent
+from tests.gpu.helpers import sample_sum
+
+torch.cuda.set_device(0)
+dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)  # no backend named
+agent = hpar_agent.attach(None, metrics_port=-1, traces="none", interval=3600.0, run_dir=sys.argv[1])
+x = torch.ones(1 << 20, device="cuda")
+dist.all_reduce(x)
+torch.cuda.synchronize()
+agent.tick()  # the group is seen and timed from here
+before = sample_sum(agent, "hpar_collective_duration_seconds_count", op="all_reduce")
+for _ in range(10):
+    dist.all_reduce(x, op=dist.ReduceOp.AVG)
+torch.cuda.synchronize()
+deadline, counted = time.monotonic() + 15, 0.0
+while counted < 10 and time.monotonic() < deadline:
+    time.sleep(0.1)
+    agent.tick()
+    counted = sample_sum(agent, "hpar_collective_duration_seconds_count", op="all_reduce") - before
+print(json.dumps({"torch": str(dist.get_backend()), "agent": agent.topology.backend, "counted": counted,
+                  "errors": dict(agent.errors)}))
+hpar_agent.detach()
+dist.destroy_process_group()
+"""
+
+
+def test_a_group_made_without_naming_a_backend_is_timed_as_the_nccl_one_it_is(tmp_path: Path) -> None:
+    """A bare ``init_process_group()`` (and ``init_device_mesh``) leaves the backend "undefined" to
+    ``dist.get_backend``; on CUDA its collectives run through NCCL, and the agent labels and times
+    them as NCCL's (a group read as not NCCL gets no timing: nothing would be counted)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", UNNAMED, str(tmp_path / "agent")],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["torch"] == "undefined", got  # what the agent must see through
+    assert got["agent"] == "nccl" and got["errors"] == {}, got
+    assert got["counted"] == 10, got

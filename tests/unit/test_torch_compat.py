@@ -166,3 +166,24 @@ def test_doctor_s_probes() -> None:
     assert probe.resolves(probe.HOOKS["dynamo callbacks"])
     assert not probe.resolves("torch.no_such_module.thing") and not probe.resolves("torch.cuda.no_such_name")
     assert fr.can_enable_timing() == hasattr(dist.ProcessGroup, "_enable_collectives_timing")
+
+
+@pytest.mark.parametrize("backend", [None, "cpu:gloo", "gloo"])
+def test_a_group_s_backend_is_the_one_its_tensors_use_whether_named_mapped_or_left_undefined(
+    backend: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``get_backend`` says "undefined" for a group made without a backend (a bare
+    ``init_process_group()``, ``init_device_mesh``): the NCCL checks read the group's device map."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
+    try:
+        assert fr.group_backend(None) == "gloo"
+        assert fr.group_timeout_s(None) is not None  # read from the gloo backend's options
+        if backend is None:
+            assert str(dist.get_backend()) == "undefined"  # what the helper stands in for
+            # the map a CUDA host gets: its collectives on CUDA tensors run through NCCL
+            monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:nccl")
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+            assert fr.group_backend(None) == "nccl"
+    finally:
+        dist.destroy_process_group()
