@@ -1,7 +1,8 @@
 """The step anatomy's training-thread side: hooks that append ``(step, code, epoch ns, ...)`` marks.
 
 - forward: pre-hook (prepended: the user's own pre-hooks count as forward) and post-hook on the
-  model's root module only (``model_root.Root``; global module hooks would cost µs per submodule call);
+  model's root module only (``model_root.Root``; global module hooks would cost µs per submodule call),
+  and where the root is a wrapper (DDP) a pre-hook on the module it wraps that marks evaluations only;
 - backward: at forward exit, a hook on the output tensor marks the start of that backward and queues
   an autograd-engine callback (``queue_callback``, as DDP does) that marks its end; on the CPU clock a
   second callback, queued by that one and so run after DDP's/FSDP's, ends their wait (``SYNC1``);
@@ -60,7 +61,7 @@ class AnatomyHooks:
     def __init__(self) -> None:
         self.ctx: AgentContext | None = None
         self.buffer: BoundedBuffer[Mark] = BoundedBuffer("anatomy", 1 << 16)
-        self.root = model_root.Root(self._fwd_pre, self._fwd_post)
+        self.root = model_root.Root(self._fwd_pre, self._fwd_post, self._eval_pre)
         self.forward_source = "none"  # where forward times come from: module-hooks, pipeline-chunks
         self._steps: StepCollector | None = None
         self._handles: list[Any] = []  # the optimizer hooks
@@ -202,15 +203,23 @@ class AnatomyHooks:
         if self._compiling():
             return
         if not self._grad_on():
-            step = self._step()
-            if steps is not None and step != self._eval_step:  # once a step: an evaluation runs many
-                self._eval_step, steps.detailed = step, True
-                self.buffer.put((step, EVAL, time.time_ns(), 0, None))
+            self._evaluating(steps)
             return
         if steps is not None and not steps.detailed:
             return
         self.root.fired = True
         self._mark(self._step(), FWD0)
+
+    def _eval_pre(self, module: Any, args: Any) -> None:
+        """On the module a wrapper root wraps: only its forwards without grad (an evaluation) count."""
+        if not self._compiling() and not self._grad_on():
+            self._evaluating(self._steps)
+
+    def _evaluating(self, steps: StepCollector | None) -> None:
+        step = self._step()
+        if steps is not None and step != self._eval_step:  # once a step: an evaluation runs many
+            self._eval_step, steps.detailed = step, True
+            self.buffer.put((step, EVAL, time.time_ns(), 0, None))
 
     def _fwd_post(self, module: Any, args: Any, out: Any) -> None:
         steps = self._steps

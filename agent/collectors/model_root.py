@@ -82,6 +82,20 @@ def candidates(frame: Any, module_cls: type, skip: Iterable[Any] = ()) -> list[A
     return out
 
 
+def wrapped(module: Any) -> Any:
+    """The module a wrapper wraps (DDP, DataParallel, FSDP1, DeepSpeed's engine: ``.module``, holding
+    every parameter of the wrapper), else None: a model's own submodule named ``module`` holds only some,
+    and may run without grad inside a training step (a frozen encoder)."""
+    inner: Any = getattr(module, "module", None)
+    if inner is module or not callable(getattr(inner, "register_forward_pre_hook", None)):
+        return None
+    try:
+        params = {id(p) for p in module.parameters()}
+        return inner if params and params == {id(p) for p in inner.parameters()} else None
+    except Exception:
+        return None
+
+
 def find_root(optimizer: Any, module_cls: type, skip: Iterable[Any] = (), frame: Any = None) -> Any:
     """The model the frames above hold whose parameters the optimizer steps, or None."""
     ids = param_ids(optimizer)
@@ -99,8 +113,9 @@ class Root:
 
     Training thread only (hooks, the optimizer's pre-hook, ``topology_watch``'s listeners)."""
 
-    def __init__(self, fwd_pre: Any, fwd_post: Any) -> None:
+    def __init__(self, fwd_pre: Any, fwd_post: Any, eval_pre: Any = None) -> None:
         self.fwd_pre, self.fwd_post = fwd_pre, fwd_post  # the anatomy's hooks, put on each root taken
+        self.eval_pre = eval_pre  # on the module a wrapper root wraps: an evaluation may call it directly
         self.module: Any = None
         self.found_by = ""  # "attach(model)", "wrapper" or "optimizer step"
         self.class_name = ""
@@ -119,6 +134,10 @@ class Root:
             # prepended: its output hook must precede FSDP's/replicate's (see AnatomyHooks.fwd_post)
             module.register_forward_hook(self.fwd_post, prepend=True),
         ]
+        inner = wrapped(module)
+        if inner is not None and self.eval_pre is not None:
+            # an evaluation through the wrapped module (``ddp.module(x)``, as the HF Trainer evaluates)
+            self._handles.append(inner.register_forward_pre_hook(self.eval_pre))
         self.module, self.found_by, self.fired = module, how, False
         self.class_name = type(module).__name__
         self._taken_at = step

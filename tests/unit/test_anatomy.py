@@ -137,15 +137,31 @@ def test_a_fast_loop_gets_phases_on_every_strideth_step_only(agent, monkeypatch)
     assert steps.total == 9
 
 
-def test_an_evaluation_on_a_step_without_detail_gives_that_step_its_detail(agent, monkeypatch) -> None:
+class Wrapper(torch.nn.Module):
+    """A data-parallel wrapper's shape (DDP, DeepSpeed's engine): ``.module`` holds every parameter."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+@pytest.mark.parametrize("through", ["model", "wrapped module"])
+def test_an_evaluation_on_a_step_without_detail_gives_that_step_its_detail(
+    agent, monkeypatch, through
+) -> None:
     """With ``StepCollector.stride`` 3, step 4 has no detail; an evaluation (forwards without grad and
     0.2 s of their work) before it gives it the detail, and the evaluation is its host time, not its
     forward. Without it, the step would get the recent steps' shares: the 0.2 s counted as compute. The
-    verdict leaves the step out: the evaluation is not the training step's bottleneck."""
+    verdict leaves the step out: the evaluation is not the training step's bottleneck. The same when the
+    root is a wrapper and the evaluation calls the module it wraps (``ddp.module(x)``, the HF Trainer's)."""
     from hpar_agent.agent_thread import AgentThread
 
     monkeypatch.setattr(AgentThread, "_run", lambda self: None)  # a pass would reset the stride
-    model = Slow(0.0, 0.0)
+    inner = Slow(0.0, 0.0)
+    model = inner if through == "model" else Wrapper(inner)
     a = agent(model)
     steps, anatomy = a.component("steps"), a.component("anatomy")
     steps.stride = 3
@@ -153,7 +169,7 @@ def test_an_evaluation_on_a_step_without_detail_gives_that_step_its_detail(agent
     for i in range(9):
         if i == 4:
             with torch.no_grad():
-                model(torch.randn(2, 4))
+                inner(torch.randn(2, 4))
                 time.sleep(0.2)
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
@@ -165,6 +181,31 @@ def test_an_evaluation_on_a_step_without_detail_gives_that_step_its_detail(agent
     assert phases[4]["host"] >= 0.2 and phases[4]["forward"] < 0.2, phases[4]  # the 0.2 s is not forward
     # the verdict judges the training steps after warm-up (3 and 6): the evaluation is the job's time
     assert anatomy.evaluated == {4} and anatomy.evidence["steps"] == 2, anatomy.evidence
+
+
+class Frozen(torch.nn.Module):
+    """A model with a frozen submodule named ``module`` run without grad inside its training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(4, 4).requires_grad_(False)
+        self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            x = self.module(x)
+        return self.head(x)
+
+
+def test_a_frozen_submodule_named_module_run_without_grad_is_no_evaluation(agent) -> None:
+    """Only a wrapper's ``.module`` (holding every parameter) is watched for evaluations: a model's own
+    submodule of that name runs without grad inside every training step."""
+    model = Frozen()
+    a = agent(model)
+    _loop(model, 6)
+    a.tick()
+    anatomy = a.component("anatomy")
+    assert anatomy.evaluated == set() and len(anatomy.history) == 6, (anatomy.evaluated, anatomy.history)
 
 
 @pytest.mark.parametrize(
