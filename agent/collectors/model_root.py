@@ -83,13 +83,14 @@ def candidates(frame: Any, module_cls: type, skip: Iterable[Any] = ()) -> list[A
 
 
 def wrapped(module: Any) -> Any:
-    """The module a wrapper wraps (DDP, DataParallel, FSDP1, DeepSpeed's engine: ``.module``, holding
-    every parameter of the wrapper), else None: a model's own submodule named ``module`` holds only some,
-    and may run without grad inside a training step (a frozen encoder)."""
-    inner: Any = getattr(module, "module", None)
-    if inner is module or not callable(getattr(inner, "register_forward_pre_hook", None)):
-        return None
+    """The module a wrapper wraps (DDP, DataParallel, FSDP1, DeepSpeed's engine: its submodule
+    ``module``, holding every parameter of the wrapper), else None: a model's own submodule of that name
+    holds only some, and may run without grad inside a training step (a frozen encoder). Read from the
+    wrapper's own submodules: ``torch.compile``'s wrapper forwards ``.module`` to the model it compiled."""
     try:
+        inner: Any = vars(module).get("_modules", {}).get("module")
+        if inner is None or inner is module:
+            return None
         params = {id(p) for p in module.parameters()}
         return inner if params and params == {id(p) for p in inner.parameters()} else None
     except Exception:
@@ -134,9 +135,11 @@ class Root:
             # prepended: its output hook must precede FSDP's/replicate's (see AnatomyHooks.fwd_post)
             module.register_forward_hook(self.fwd_post, prepend=True),
         ]
-        inner = wrapped(module)
-        if inner is not None and self.eval_pre is not None:
-            # an evaluation through the wrapped module (``ddp.module(x)``, as the HF Trainer evaluates)
+        # An evaluation through the wrapped module (``ddp.module(x)``, as the HF Trainer evaluates). Not on
+        # a root found at an optimizer step: forwards ran, and code torch.compile traced through that module
+        # would recompile for a new hook.
+        inner = wrapped(module) if self.eval_pre is not None and how != "optimizer step" else None
+        if inner is not None:
             self._handles.append(inner.register_forward_pre_hook(self.eval_pre))
         self.module, self.found_by, self.fired = module, how, False
         self.class_name = type(module).__name__

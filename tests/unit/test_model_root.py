@@ -181,12 +181,13 @@ def test_a_ddp_built_before_attach_is_the_root_from_step_0(attach) -> None:
         agent = attach()
         comp = agent.component("anatomy")
         assert comp.hooks.root.module is ddp
+        assert len(ddp.module._forward_pre_hooks) == 1  # evaluations through ddp.module are marked
         train(ddp)
         a = anatomy(agent)
         assert a["model"] == {"class": "DistributedDataParallel", "found_by": "wrapper"}, a
         assert comp.hists["forward"].count == STEPS
         hpar_agent.detach()
-        assert not ddp._forward_pre_hooks and not ddp._forward_hooks
+        assert not ddp._forward_pre_hooks and not ddp._forward_hooks and not ddp.module._forward_pre_hooks
         assert comp.hooks._on_source not in topology_watch._state.listeners
     finally:
         topology_watch.uninstall("shim")
@@ -210,6 +211,27 @@ def test_a_compiled_model_is_timed_at_its_compiled_wrapper(attach) -> None:
     a = anatomy(agent)
     assert a["model"] == {"class": "OptimizedModule", "found_by": "optimizer step"}, a
     assert "forward" in a["phase_seconds_p50"] and a["verdict"] != "unknown", a
+
+
+def test_a_compiled_wrapper_found_at_the_optimizer_step_compiles_nothing_again(attach) -> None:
+    """``torch.compile`` of a wrapper (``.module`` holding every parameter, as DDP's): the root taken at
+    the optimizer step is the compiled wrapper, whose ``.module`` (forwarded to the wrapper's) runs
+    inside the compiled code: no hook goes on it, and nothing compiles again."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    wrapper = Holder(model)
+    wrapper.module = wrapper.inner  # a second name for it, as DDP's
+    compiled = torch.compile(wrapper, backend="eager")
+    assert model_root.wrapped(wrapper) is model and model_root.wrapped(compiled) is None
+    agent = attach()
+    opt = train(model, steps=1, call=compiled)
+    graphs = counters["stats"]["unique_graphs"]
+    train(model, steps=8, call=compiled, opt=opt)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert anatomy(agent)["model"] == {"class": "OptimizedModule", "found_by": "optimizer step"}
+    assert not model._forward_pre_hooks
 
 
 def test_find_root_takes_the_outermost_holder_with_most_parameters() -> None:
