@@ -82,6 +82,11 @@ SPECS: dict[str, Spec] = {
     "hf_trainer_accelerate": Spec(
         _accelerate(str(PROGRAMS / "hf_trainer.py"), "--steps", "8"), needs="transformers"
     ),
+    # evaluations at steps the detail stride (20 at these ~9 ms steps) does not pick
+    "hf_trainer_eval": Spec(
+        _torchrun(str(PROGRAMS / "hf_trainer.py"), *"--steps 160 --eval-every 37 --eval-size 1200".split()),
+        needs="transformers",
+    ),
     # The same launchers with the program calling hpar_agent.attach() itself (no hpar-agent run).
     "attach_torchrun": Spec(_torchrun(TRAIN, "env", "--steps", "6", "--attach"), zero_code=False),
     "attach_mp_spawn": Spec(_py(TRAIN, "spawn", "--steps", "6", "--attach"), zero_code=False),

@@ -113,6 +113,19 @@ def test_no_alert_but_the_planted_faults(compat_run: CompatRun, name: str) -> No
             assert alerts.get(r, set()) == set(), (r, alerts)
 
 
+def test_an_hf_trainer_evaluation_is_host_time_on_every_rank(compat_run: CompatRun) -> None:
+    """The Trainer evaluates through the model DDP wraps, not the wrapper whose forward the agent times,
+    at steps the detail stride leaves without detail: each rank's evaluation is lost host time in
+    goodput (it was counted with the recent steps' shares, mostly productive). Its batch fetches count
+    as data wait: the bound leaves room for them."""
+    run = compat_run("hf_trainer_eval")
+    results = run.results()
+    for r, s in run.summaries().items():
+        goodput, evaluated = s["components"]["goodput"], results[r]["evaluated_s"]
+        assert s["components"]["steps"]["detail_stride"] > 1, s["components"]["steps"]  # else all detailed
+        assert evaluated > 0.5 and goodput["lost_seconds"]["host"] >= 0.8 * evaluated, (r, evaluated, goodput)
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_nothing_of_the_agent_in_the_output_but_its_own_lines(compat_run: CompatRun, name: str) -> None:
     run = compat_run(name)

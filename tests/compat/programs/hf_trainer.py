@@ -1,12 +1,15 @@
 """A tiny GPT-2 (built from a config: nothing downloaded) trained by the Hugging Face ``Trainer``. Under
 torchrun or ``accelerate launch`` the Trainer creates the process group itself (building the
 TrainingArguments) and wraps the model in DDP (in ``train``). ``python hf_trainer.py [--steps N]
-[--compile BACKEND] [--device cuda] [--attach]`` (on CUDA the group is NCCL's; ``--attach``:
-``hpar_agent.attach(model)`` once the Trainer is built, before ``train``)."""
+[--compile BACKEND] [--device cuda] [--attach] [--eval-every N --eval-size M]`` (on CUDA the group is
+NCCL's; ``--attach``: ``hpar_agent.attach(model)`` once the Trainer is built, before ``train``;
+``--eval-every``: the Trainer evaluates M sequences every N steps, through the model DDP wraps, and the
+seconds in ``Trainer.evaluate`` are the result's ``evaluated_s``)."""
 
 import argparse
 import os
 import tempfile
+import time
 
 import torch
 from _result import dump
@@ -33,6 +36,8 @@ def main() -> None:
     p.add_argument("--compile", default="")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--attach", action="store_true")
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-size", type=int, default=0)
     args = p.parse_args()
     cpu = args.device == "cpu"
     torch.set_num_threads(1)
@@ -55,8 +60,24 @@ def main() -> None:
             seed=0,
             torch_compile=bool(args.compile),
             torch_compile_backend=args.compile or None,
+            eval_strategy="steps" if args.eval_every else "no",
+            eval_steps=args.eval_every or None,
+            per_device_eval_batch_size=4,
         )
-        trainer = Trainer(model=model, args=targs, train_dataset=Tokens(64, 16, cfg.vocab_size))
+        evals = Tokens(args.eval_size, 16, cfg.vocab_size) if args.eval_every else None
+        trainer = Trainer(
+            model=model, args=targs, train_dataset=Tokens(64, 16, cfg.vocab_size), eval_dataset=evals
+        )
+        evaluate, evaluated = trainer.evaluate, [0.0]
+
+        def timed(*a: object, **kw: object) -> dict:
+            t0 = time.perf_counter()
+            try:
+                return evaluate(*a, **kw)
+            finally:
+                evaluated[0] += time.perf_counter() - t0
+
+        trainer.evaluate = timed
         if args.attach:
             import hpar_agent
 
@@ -70,6 +91,7 @@ def main() -> None:
             int(trainer.state.global_step),
             dp=world,
             backend=str(torch.distributed.get_backend()) if group else "none",
+            evaluated_s=evaluated[0],
         )
 
 
