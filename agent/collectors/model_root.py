@@ -83,7 +83,7 @@ def candidates(frame: Any, module_cls: type, skip: Iterable[Any] = ()) -> list[A
 
 
 def wrapped(module: Any) -> Any:
-    """The module a wrapper wraps (DDP, DataParallel, FSDP1, DeepSpeed's engine: its submodule
+    """The module a wrapper wraps (DDP, DataParallel, DeepSpeed's engine: its submodule
     ``module``, holding every parameter of the wrapper), else None: a model's own submodule of that name
     holds only some, and may run without grad inside a training step (a frozen encoder). Read from the
     wrapper's own submodules: ``torch.compile``'s wrapper forwards ``.module`` to the model it compiled."""
