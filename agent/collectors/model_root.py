@@ -137,7 +137,7 @@ class Root:
         ]
         # An evaluation through the wrapped module (``ddp.module(x)``, as the HF Trainer evaluates). Not on
         # a root found at an optimizer step: forwards ran, and code torch.compile traced through that module
-        # would recompile for a new hook.
+        # would not run a hook added now (dynamo skips hook guards by default) or would recompile for it.
         inner = wrapped(module) if self.eval_pre is not None and how != "optimizer step" else None
         if inner is not None:
             self._handles.append(inner.register_forward_pre_hook(self.eval_pre))

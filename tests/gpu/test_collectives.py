@@ -114,9 +114,7 @@ torch.cuda.set_device(0)
 dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)  # no backend named
 agent = hpar_agent.attach(None, metrics_port=-1, traces="none", interval=3600.0, run_dir=sys.argv[1])
 x = torch.ones(1 << 20, device="cuda")
-dist.all_reduce(x)
-torch.cuda.synchronize()
-agent.tick()  # the group is seen and timed from here
+agent.tick()  # the group is seen and timed from here, before its first collective
 before = sample_sum(agent, "hpar_collective_duration_seconds_count", op="all_reduce")
 for _ in range(10):
     dist.all_reduce(x, op=dist.ReduceOp.AVG)

@@ -234,6 +234,28 @@ def test_a_compiled_wrapper_found_at_the_optimizer_step_compiles_nothing_again(a
     assert not model._forward_pre_hooks
 
 
+def test_a_wrapper_found_at_the_optimizer_step_puts_no_hook_on_the_compiled_model_it_wraps(attach) -> None:
+    """A wrapper the loop calls, of a model compiled in place (``model.compile()``: its hooks run inside
+    the compiled code), found at the first optimizer step: a hook added to that model then would not run
+    (dynamo skips hook guards by default) or would recompile it, so none is added and an evaluation
+    through it goes unmarked."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = Holder(torch.nn.Linear(4, 4))  # a module of a user's file: dynamo compiles its forward
+    model.compile(backend="eager")
+    wrapper = Holder(model)
+    wrapper.module = wrapper.inner
+    assert model_root.wrapped(wrapper) is model
+    agent = attach()
+    opt = train(model, steps=1, call=wrapper)
+    graphs = counters["stats"]["unique_graphs"]
+    train(model, steps=8, call=wrapper, opt=opt)
+    assert anatomy(agent)["model"] == {"class": "Holder", "found_by": "optimizer step"}
+    assert not model._forward_pre_hooks
+    assert counters["stats"]["unique_graphs"] == graphs > 0
+
+
 def test_find_root_takes_the_outermost_holder_with_most_parameters() -> None:
     a, b = Net(), Net()
     outer = Holder(a)
