@@ -270,7 +270,7 @@ class AnatomyCollector(Component):
         seen = {p for h in hist for p in h[2]}
         self.shares = {p: sums[p] / total for p in PHASES if p in seen}
         th = self.ctx.config.thresholds if self.ctx is not None else {}
-        straggler, lag, slow_rank = self._straggler()
+        known, straggler, lag, slow_rank = self._straggler()
         # the stage Straggler names is the one the others wait for, whatever its own bubble
         pipeline_wait = 0.0 if straggler and slow_rank is None else self._pipeline_wait(hist)
         verdict = bottleneck(
@@ -279,6 +279,7 @@ class AnatomyCollector(Component):
             thresholds={k: float(th.get(f"anatomy.{k}", v)) for k, v in ANATOMY_DEFAULTS.items()},
             pipeline_wait=pipeline_wait,
             slow_peer=slow_rank,
+            straggler_known=known,
         )
         self.verdict = verdict.name
         rank = self.ctx.topology.rank if self.ctx is not None else 0
@@ -340,13 +341,16 @@ class AnatomyCollector(Component):
             f"{root.found_by}) never ran outside torch.compile"
         )
 
-    def _straggler(self) -> tuple[bool, float | None, int | None]:
-        """Whether the job has one slow rank, its arrival lag at collectives and which rank (None: this
+    def _straggler(self) -> tuple[bool, bool, float | None, int | None]:
+        """Whether it is known if the job has a slow rank (a single rank has none; else the Straggler
+        detector has judged), whether it has, its arrival lag at collectives and which rank (None: this
         one), as the Straggler detector concluded (``AgentContext.conclusions``)."""
-        sr = self.ctx.conclusions.get("Straggler") if self.ctx is not None else None
+        ctx = self.ctx
+        sr = ctx.conclusions.get("Straggler") if ctx is not None else None
+        known = sr is not None or ctx is None or ctx.topology.world_size <= 1
         if sr is None or not (sr.here or sr.peer is not None):
-            return False, None, None
-        return True, sr.value, None if sr.here else sr.peer
+            return known, False, None, None
+        return known, True, sr.value, None if sr.here else sr.peer
 
     def collect(self) -> Iterable[Metric]:
         f = self.require_ctx().families

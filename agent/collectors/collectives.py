@@ -178,8 +178,13 @@ class CollectiveCollector(Component):
 
     def _sync_groups(self) -> None:
         """Size and global ranks of every process group not seen yet (busbw, p2p peers): what the
-        ledger, torch-free, cannot ask torch itself."""
-        for pg in fr.process_groups():
+        ledger, torch-free, cannot ask torch itself. And the default group's timeout, as it appears:
+        a program that only sends and receives on gloo leaves no flight-recorder entry to read it from
+        (gloo records no send/recv), and Hang must fire before that timeout ends the ranks."""
+        groups = fr.process_groups()
+        if groups and not self._groups_seen and (t := fr.group_timeout_s(None)) is not None:
+            self.pg_timeout_s = t if self.pg_timeout_s is None else min(self.pg_timeout_s, t)
+        for pg in groups:
             if id(pg) in self._groups_seen:
                 continue
             self._groups_seen.add(id(pg))

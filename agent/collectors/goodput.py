@@ -7,7 +7,8 @@ end (``compile``), and the checkpoint calls this collector times itself (``check
 training-thread cost it adds, two clock reads a checkpoint call). The culprit of a wait is the one the
 Straggler detector concluded (``AgentContext.conclusions``): while it names a peer, this rank's exposed
 communication is waiting for that peer; else it is the step's own communication (productive), once no
-culprit was named within ``goodput_ledger.UNDECIDED_STEPS`` steps. While the Hang alert is active, the
+culprit was named within ``goodput_ledger.UNDECIDED_STEPS`` steps. Before the detector has judged at all
+(a run shorter than its window, or the detectors off) it stays undecided, and the summary says so. While the Hang alert is active, the
 time since the last accounted step is hang. Earlier attempts in the same run directory (a restart) are
 added, with ``restart`` and ``recomputed`` (``goodput_attempts``).
 
@@ -136,10 +137,12 @@ class GoodputCollector(Component):
         now = time.time_ns()
         if not self.pending:
             if self._hung():
-                self.ledger.decide(self._culprit())
+                if (culprit := self._culprit()) is not None or self._judged():
+                    self.ledger.decide(culprit)
                 self.ledger.span(now, "hang", self.ckpt_calls, self._compiles())
             elif ctx.stopping:  # the program's end after its last step, or a run that never stepped
-                self.ledger.decide(None)
+                if self._judged():
+                    self.ledger.decide(None)
                 rest = "other" if self.ledger.steps else "startup"
                 self.ledger.span(now, rest, self.ckpt_calls, self._compiles())
         if ctx.run_dir and (ctx.stopping or now - self._written_ns >= WRITE_EVERY_NS):
@@ -171,6 +174,12 @@ class GoodputCollector(Component):
             return False
         return HANG_ALERT in ctx.conclusions
 
+    def _judged(self) -> bool:
+        """Whether the Straggler detector has judged (a single rank needs none): until then exposed
+        communication may be a wait for a slow rank (``Ledger.step``)."""
+        ctx = self.ctx
+        return ctx is None or ctx.topology.world_size <= 1 or "Straggler" in ctx.conclusions
+
     def _culprit(self) -> int | None:
         """The peer the Straggler detector names as the job's slow rank (None on that rank itself)."""
         sr = self.ctx.conclusions.get("Straggler") if self.ctx is not None else None
@@ -181,7 +190,7 @@ class GoodputCollector(Component):
         anatomy = self._anatomy
         mark = anatomy.span_watermark_ns() if anatomy is not None else None
         by_step: dict[int, tuple[float, dict[str, float], float]] | None = None
-        culprit = self._culprit()
+        culprit, judged = self._culprit(), self._judged()
         ckpt, compiles = merged(self.ckpt_calls), merged(self._compiles())  # once a pass, not a step
         att = self.attempts
         seen = att.steps_seen() if att is not None else 0
@@ -212,7 +221,7 @@ class GoodputCollector(Component):
                 self.base_step = att.last_save_step() if att is not None and self.resumed else 0
             again = self.base_step + rec.step < seen
             led = self.ledger
-            led.step(rec.start_ns, rec.end_ns, shares, culprit, ckpt, compiles, again)
+            led.step(rec.start_ns, rec.end_ns, shares, culprit, ckpt, compiles, again, judged)
 
     def _learn(self, s: Shares) -> None:
         w, o = SHARE_WEIGHT, self.shares
@@ -235,6 +244,7 @@ class GoodputCollector(Component):
             own.start_ns, own.covered_ns, own.productive, dict(own.lost), dict(own.wait_by), own.steps
         )
         out.undecided.extend(own.undecided)
+        out.older = own.older
         if self.earlier is not None:
             out.add(self.earlier)
         return out

@@ -11,7 +11,8 @@ exposed communication (the step anatomy's shares of the step, applied to the ste
 checkpoint is taken out of the host share, where it runs), and what is left: productive, the step's own
 compute. Exposed communication is a wait for the culprit when one is named; while none is, the last
 ``UNDECIDED_STEPS`` steps' of it stay undecided (the one part of the wall time in no cause yet), a wait
-for the culprit if one is named in time, else productive: the step's own communication. Pure functions of their inputs: the goodput collector and the tests share it.
+for the culprit if one is named in time, else productive: the step's own communication. Before the
+Straggler detector has judged at all (``judged``), none of it is decided: a short run can end so. Pure functions of their inputs: the goodput collector and the tests share it.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Ledger:
     #: exposed communication of the recent steps no culprit was named for yet: a wait if one is named
     #: within UNDECIDED_STEPS steps, else the step's own communication (productive)
     undecided: deque[float] = field(default_factory=deque)
+    older: float = 0.0  # the undecided seconds of steps before those, while nothing was judged
 
     def __post_init__(self) -> None:
         self.covered_ns = max(self.covered_ns, self.start_ns)
@@ -77,10 +79,15 @@ class Ledger:
     def decide(self, culprit: int | None = None) -> None:
         """The undecided seconds: waits for ``culprit``, or (None) productive."""
         if culprit is None:
-            self.productive += sum(self.undecided)
+            self.productive += self.pending()
         else:
-            self._wait(sum(self.undecided), culprit)
+            self._wait(self.pending(), culprit)
         self.undecided.clear()
+        self.older = 0.0
+
+    def pending(self) -> float:
+        """The undecided seconds."""
+        return self.older + sum(self.undecided)
 
     def ratio(self) -> float | None:
         wall = self.wall
@@ -125,10 +132,12 @@ class Ledger:
         ckpt: Sequence[Interval] = (),
         compiles: Sequence[Interval] = (),
         recomputed: bool = False,
+        judged: bool = True,
     ) -> None:
         """One step. Before the first one, the time since the process started is startup; in the first
         one, so is its host time before the forward (process group, model and loader set-up when the
-        agent attached before them). ``recomputed``: an earlier attempt did this step already, so all of
+        agent attached before them). ``judged``: whether the Straggler detector has judged (a single rank
+        needs none). ``recomputed``: an earlier attempt did this step already, so all of
         it but its checkpoints, compiles and set-up is ``recomputed``. ``ckpt`` and ``compiles``: sorted and
         disjoint (``merged``)."""
         first = self.steps == 0
@@ -161,9 +170,15 @@ class Ledger:
             self.decide(culprit)
             self._wait(comm, culprit)
         else:
+            if judged and self.older:  # judged: no slow rank in the steps it saw first
+                self.productive, self.older = self.productive + self.older, 0.0
             self.undecided.append(comm)
             if len(self.undecided) > UNDECIDED_STEPS:
-                self.productive += self.undecided.popleft()
+                old = self.undecided.popleft()
+                if judged:
+                    self.productive += old
+                else:
+                    self.older += old
         self.productive += max(0.0, rem)
 
     def add(self, other: Ledger) -> None:
@@ -171,6 +186,7 @@ class Ledger:
         ``covered_ns`` is then no instant, only ``wall`` means something)."""
         self.covered_ns += other.covered_ns - other.start_ns
         self.productive += other.productive
+        self.older += other.pending()
         for cause, secs in other.lost.items():
             self.lost[cause] = self.lost.get(cause, 0.0) + secs
         for r, secs in other.wait_by.items():
@@ -194,11 +210,12 @@ class Ledger:
             lost=lost,
             wait_by=wait_by,
             steps=int(d.get("steps") or 0),  # type: ignore[call-overload]
+            older=float(d.get("undecided_seconds") or 0.0),  # type: ignore[arg-type]
         )
 
     def to_dict(self) -> dict[str, object]:
         return {
-            "undecided_seconds": round(sum(self.undecided), 6),
+            "undecided_seconds": round(self.pending(), 6),
             "start": self.start_ns / 1e9,
             "end": self.covered_ns / 1e9,
             "wall_seconds": round(self.wall, 6),

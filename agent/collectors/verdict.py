@@ -27,6 +27,7 @@ def bottleneck(
     thresholds: Mapping[str, float] | None = None,
     pipeline_wait: float = 0.0,
     slow_peer: int | None = None,
+    straggler_known: bool = True,
 ) -> Verdict:
     """The verdict from phase shares of step time (``thresholds``: ``ANATOMY_DEFAULTS``' keys).
 
@@ -35,6 +36,8 @@ def bottleneck(
     host work between steps, a slow rank, exposed communication. ``straggler``: the job has one slow
     rank, this one, or ``slow_peer`` where another: a rank that waits for it (in a collective, its
     gradient all-reduce or a tp all-reduce) is its victim, waits-for-slow-rank, never slow-rank itself.
+    ``straggler_known``: the Straggler detector has judged; until then exposed communication may be a
+    wait for a slow rank as well as the step's own, and the verdict it would give is unknown.
     ``pipeline_wait``: the share of step time this rank's training thread waited in pipeline p2p ops
     (its neighbours' activations or gradients); from ``pipeline_share`` on the rank is pipeline-bound,
     named before host (a stage's wait for its first activations is in the host phase) and before a
@@ -66,6 +69,12 @@ def bottleneck(
     if straggler:
         return Verdict("slow-rank", "the Straggler detector names this rank slow")
     if why := over("comm_exposed", "comm_share"):
+        if not straggler_known:
+            return Verdict(
+                "unknown",
+                f"{why}: its own communication or a wait for a slow rank, not known before the "
+                "Straggler detector has judged (detectors off, or too few steps yet)",
+            )
         return Verdict("communication-bound", why)
     explained = sum(shares.values())
     if explained < th["min_explained"]:

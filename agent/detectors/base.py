@@ -131,7 +131,8 @@ class Detector:
     def conclusion(self, active: bool, value: float) -> Conclusion | None:
         """What the rest of the agent may read of this detector's judgement after each pass, given its
         alert's state (active, value) (``AgentContext.conclusions[name]``: the step anatomy's slow-rank
-        verdict reads Straggler's). None: it publishes nothing."""
+        verdict reads Straggler's). None: it publishes nothing. Asked only once the detector has given
+        ``confirm`` verdicts: before that, the rest of the agent reads its judgement as not known."""
         return None
 
 

@@ -183,11 +183,12 @@ class DetectorsComponent(Component):
 
     def _publish_conclusions(self, ctx: AgentContext) -> None:
         """Each detector's conclusion after the pass (``Detector.conclusion``), for the rest of the
-        agent: ``AgentContext.conclusions`` by alert."""
+        agent: ``AgentContext.conclusions`` by alert. None before the detector has given ``confirm``
+        verdicts: until it could have fired, its silence is no judgement (a run shorter than its window)."""
         for d in self.detectors:
             try:
                 st = self.states[d.name]
-                got = d.conclusion(st.active, st.value)
+                got = d.conclusion(st.active, st.value) if st.judged >= d.confirm else None
             except Exception as exc:
                 ctx.record_error(self.name, exc)
                 continue

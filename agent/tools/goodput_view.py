@@ -22,6 +22,8 @@ WORDS = {
     "recomputed": "recomputed steps",
     "other": "other",
 }
+#: Exposed communication no Straggler verdict told apart: the rank's own, or a wait for a slow rank.
+UNDECIDED = "undecided"
 LINE_PARTS = 4  # lost shares the closing line names
 MIN_SHARE = 0.005  # smaller ones are left out of the line
 
@@ -33,8 +35,10 @@ def ledger(summary: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def parts(led: Mapping[str, Any]) -> dict[str, float]:
     """One rank's seconds by part: ``productive``, each cause, the waits split by culprit
-    (``wait:<rank>``; ``wait`` what no culprit was named for)."""
+    (``wait:<rank>``; ``wait`` what no culprit was named for), and ``undecided``."""
     out = {"productive": float(led.get("productive_seconds") or 0)}
+    if (undecided := float(led.get("undecided_seconds") or 0)) > 1e-9:
+        out[UNDECIDED] = undecided
     lost = led.get("lost_seconds") or {}
     by = {str(k): float(v) for k, v in (led.get("wait_by_culprit") or {}).items()}
     for cause in GOODPUT_CAUSES:
@@ -51,6 +55,8 @@ def parts(led: Mapping[str, Any]) -> dict[str, float]:
 def label(part: str) -> str:
     if part.startswith("wait:"):
         return f"waiting for rank {part[5:]}"
+    if part == UNDECIDED:
+        return "undecided (own communication or waiting: no Straggler verdict)"
     return WORDS.get(part, part)
 
 
@@ -69,15 +75,24 @@ def job_parts(summaries: Iterable[Mapping[str, Any]]) -> tuple[float, dict[str, 
 
 def closing_line(summaries: Iterable[Mapping[str, Any]]) -> str | None:
     """``goodput 71 %: lost waiting for rank 2 18 %, compile 6 %, data 3 %`` over the job's ranks, or
-    None when no rank kept a ledger."""
+    None when no rank kept a ledger. Where the ranks ended with exposed communication undecided (no
+    Straggler verdict), the goodput is the range it leaves: ``goodput 20-75 % (55 % undecided: ...)``."""
     wall, total = job_parts(summaries)
     if wall <= 0:
         return None
-    lost = sorted(((v / wall, k) for k, v in total.items() if k != "productive"), reverse=True)
+    lost = sorted(
+        ((v / wall, k) for k, v in total.items() if k not in ("productive", UNDECIDED)), reverse=True
+    )
     named = [
         f"{label(k)} {share:.0%}".replace("%", " %") for share, k in lost[:LINE_PARTS] if share >= MIN_SHARE
     ]
-    head = f"goodput {total.get('productive', 0.0) / wall:.0%}".replace("%", " %")
+    low, open_ = total.get("productive", 0.0) / wall, total.get(UNDECIDED, 0.0) / wall
+    head = f"goodput {low:.0%}".replace("%", " %")
+    if open_ >= MIN_SHARE:
+        head = (
+            f"goodput {100 * low:.0f}-{100 * (low + open_):.0f} % ({100 * open_:.0f} % exposed communication "
+            "undecided: its own or a wait for a slow rank, the Straggler detector had not judged)"
+        )
     return f"{head}: lost {', '.join(named)}" if named else head
 
 

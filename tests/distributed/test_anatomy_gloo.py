@@ -69,8 +69,10 @@ def test_slow_data_is_input_bound_on_the_injected_rank(anatomy_runs: dict[str, P
 
 def test_clean_run_has_every_phase_and_no_planted_cause(anatomy_runs: dict[str, Path]) -> None:
     """A clean run measures every phase on both ranks, and names no cause nobody planted. Whether its
-    ranks are compute- or communication-bound depends on how the shared cores schedule them (two gloo
-    ranks wait for each other's slices): the planted-cause tests (test_verdicts.py) check those."""
+    ranks are compute-bound or mostly in exposed communication depends on how the shared cores schedule
+    them (two gloo ranks wait for each other's slices), and in 12 steps the Straggler detector cannot
+    judge whether that is a wait for a slow rank (unknown, with that reason): the planted-cause tests
+    (test_verdicts.py) check the verdicts."""
     for rank in (0, 1):
         a = _anatomy(anatomy_runs["clean"], rank)
         assert set(a["phase_seconds_p50"]) == {
@@ -81,7 +83,9 @@ def test_clean_run_has_every_phase_and_no_planted_cause(anatomy_runs: dict[str, 
             "optimizer",
             "comm_exposed",
         }
-        assert a["verdict"] in ("compute-bound", "communication-bound"), a
+        assert a["verdict"] in ("compute-bound", "communication-bound", "unknown"), a
+        if a["verdict"] == "unknown":
+            assert a["evidence"]["reason"].startswith("comm_exposed is "), a
         assert a["model"]["found_by"] == "attach(model)" and a["model"]["class"].endswith("GPT"), a
 
 

@@ -495,7 +495,7 @@ def test_the_rank_straggler_names_is_the_slow_rank(tmp_path, monkeypatch) -> Non
     a = hpar_agent.attach(model, metrics_port=-1, traces="none", run_dir=str(tmp_path))
     try:
         st = a.component("detectors").states["Straggler"]
-        st.active, st.value = True, 0.4
+        st.active, st.value, st.judged = True, 0.4, 2  # confirmed on two verdicts
         _loop(model, 4)
         a.tick()
         s = a.component("anatomy").summary()
@@ -623,6 +623,7 @@ def test_a_peer_the_straggler_exchange_names_is_the_slow_rank(tmp_path, monkeypa
     try:
         det = a.component("detectors")
         straggler = next(d for d in det.detectors if d.name == "Straggler")
+        det.states["Straggler"].judged = 2  # the two verdicts that noted these
         straggler._note_slowest({0: -0.1, 3: 0.45})
         assert straggler.slowest is None  # once is not confirmed
         straggler._note_slowest({0: -0.1, 3: 0.5})

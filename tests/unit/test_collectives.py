@@ -580,3 +580,27 @@ def test_the_p2p_ops_a_wait_blocks_in_are_what_the_rank_waits_in_until_it_return
     assert tracker.timeout_s == 12.0  # the group's own timeout: no FR entry of gloo p2p says it
     tracker.process([("wait", t0 + 5, (101, True, 102, False), t0 + 9)], stats, False, lambda o, s: None)
     assert tracker.waiting_in() is None
+
+
+def test_the_default_group_s_timeout_bounds_hang_before_any_collective(tmp_path) -> None:
+    """A program that only sends and receives on gloo leaves no flight-recorder entry (gloo records
+    no send/recv) to read its group's timeout from: the default group's is read as it appears, so
+    Hang fires (at 80 % of it) before that timeout ends the ranks. A hand-written 3-rank pipeline
+    with a 30 s timeout and one rank asleep: Hang had 60 s and never fired; now 24 s."""
+    import datetime
+
+    from hpar_agent.detectors.liveness import Hang
+
+    dist.init_process_group(
+        "gloo", rank=0, world_size=1, store=dist.HashStore(), timeout=datetime.timedelta(seconds=30)
+    )
+    agent = Agent(metrics_port=-1, traces="none", run_dir=str(tmp_path))
+    try:
+        agent.start()
+        agent.tick()
+        assert agent.component("collectives").pg_timeout_s == 30.0
+        det = agent.component("detectors")
+        assert det.detector(Hang).timeout(det.snapshot) == pytest.approx(24.0)
+    finally:
+        agent.stop()
+        dist.destroy_process_group()

@@ -52,6 +52,28 @@ def test_communication_with_no_culprit_named_in_time_is_productive() -> None:
     assert led.lost["wait"] == 0 and led.productive == pytest.approx(n) == pytest.approx(led.wall)
 
 
+def test_communication_before_the_straggler_detector_judged_stays_undecided_until_it_does() -> None:
+    """Before any Straggler verdict a wait for a slow rank cannot be told from the step's own
+    communication: none of it is productive, however many steps; a first clear verdict makes the older
+    steps' productive, a culprit named takes all of it; an earlier attempt's undecided seconds stay so."""
+    n = UNDECIDED_STEPS + 8
+    led = Ledger(start_ns=0)
+    for i in range(n):
+        led.step(i * S, (i + 1) * S, Shares(0.0, 0.0, 0.5), judged=False)
+    assert led.productive == pytest.approx(n * 0.5) and led.pending() == pytest.approx(n * 0.5)
+    assert led.to_dict()["undecided_seconds"] == pytest.approx(n * 0.5)
+    assert Ledger.from_dict(led.to_dict()).pending() == pytest.approx(n * 0.5)  # an earlier attempt's
+    named = Ledger(start_ns=0)
+    for i in range(n):
+        named.step(i * S, (i + 1) * S, Shares(0.0, 0.0, 0.5), judged=False)
+    named.step(n * S, (n + 1) * S, Shares(0.0, 0.0, 0.5), culprit=1)
+    assert named.wait_by == {1: pytest.approx((n + 1) * 0.5)} and named.pending() == 0
+    led.step(n * S, (n + 1) * S, Shares(0.0, 0.0, 0.5))  # judged: nobody slow
+    # the steps' compute, the comm of the 8 older steps and of the one the new step pushed out, its compute
+    assert led.productive == pytest.approx(n * 0.5 + 8 * 0.5 + 0.5 + 0.5)
+    assert led.pending() == pytest.approx(UNDECIDED_STEPS * 0.5)  # the recent ones wait as before
+
+
 def test_a_checkpoint_comes_out_of_the_host_share_and_overlaps_count_once() -> None:
     led = Ledger(start_ns=0, covered_ns=0)
     led.step(0, S, Shares())  # the first step
@@ -141,6 +163,14 @@ def test_closing_line_names_the_biggest_losses_with_the_culprit() -> None:
     assert goodput_view.closing_line([{"components": {}}]) is None
     fig = goodput_view.figure({0: ranks[0], 1: ranks[1]})
     assert fig is not None and {t.name for t in fig.data} >= {"productive", "waiting for rank 2", "compile"}
+
+
+def test_closing_line_gives_the_range_an_undecided_share_leaves() -> None:
+    ranks = [_summary(0, 20, other=25), _summary(1, 75, other=25)]
+    ranks[0]["components"]["goodput"].update(undecided_seconds=55.0, wall_seconds=100.0)  # type: ignore[union-attr]
+    line = goodput_view.closing_line(ranks)
+    assert line is not None and line.startswith("goodput 48-75 % (28 % exposed communication undecided")
+    assert line.endswith(": lost other 25 %") and "undecided" not in line.split(": lost")[1]
 
 
 def test_the_run_summary_gives_each_ranks_goodput_in_words(tmp_path: Path) -> None:

@@ -28,6 +28,16 @@ def test_verdict_on_synthetic_shares(shares, straggler, verdict) -> None:
     assert bottleneck(shares, straggler=straggler).name == verdict
 
 
+def test_exposed_communication_is_not_named_before_the_straggler_detector_judged() -> None:
+    """Until then a victim of a slow rank and a rank slowed by its own communication look the same."""
+    shares = {"data_wait": 0.05, "comm_exposed": 0.8, "forward": 0.1}
+    v = bottleneck(shares, straggler_known=False)
+    assert v.name == "unknown" and v.reason.startswith("comm_exposed is 80% of the step")
+    assert "not known before the Straggler detector has judged" in v.reason
+    assert bottleneck(shares).name == "communication-bound"
+    assert bottleneck({"forward": 0.7, "comm_exposed": 0.1}, straggler_known=False).name == "compute-bound"
+
+
 def test_each_verdict_says_why_and_the_thresholds_are_the_declared_ones() -> None:
     v = bottleneck({"data_wait": 0.05, "forward": 0.3, "backward": 0.2})
     assert v == ("unknown", "the phases explain 55% of the step (anatomy.min_explained 60%)")

@@ -500,3 +500,24 @@ def test_the_component_names_no_detector_and_every_alert_has_one() -> None:
     source = inspect.getsource(component)
     assert [a for a in catalogue.ALERT_NAMES if a in source] == []
     assert [c.name for c in detector_classes()] == list(catalogue.ALERT_NAMES)
+
+
+def test_a_detector_s_conclusion_is_read_only_once_it_could_have_fired(tmp_path: Any) -> None:
+    """Before ``confirm`` verdicts a detector's silence is no judgement: the rest of the agent (the
+    step anatomy's verdict, the goodput ledger) reads Straggler's conclusion as not known yet, not as
+    "nobody is slow"."""
+    from hpar_agent.context import Conclusion
+
+    _agent, det = make_agent(tmp_path, world=2)
+    ctx = det.require_ctx()
+    st = det.states["Straggler"]
+    for judged in (0, 1):
+        st.judged = judged
+        det._publish_conclusions(ctx)
+        assert "Straggler" not in ctx.conclusions, judged
+    st.judged = 2
+    det._publish_conclusions(ctx)
+    assert ctx.conclusions["Straggler"] == Conclusion()  # judged: nobody slow
+    st.active, st.value = True, 0.4
+    det._publish_conclusions(ctx)
+    assert ctx.conclusions["Straggler"] == Conclusion(True, None, 0.4)
