@@ -34,6 +34,7 @@ class Runs:
 
     def __init__(self, base: Path) -> None:
         self.base, self.done = base, {}
+        self.goodput: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}  # the same runs' ledgers
 
     def __call__(self, cause: str, arm: str) -> dict[int, dict[str, Any]]:
         if (cause, arm) not in self.done:
@@ -58,6 +59,9 @@ class Runs:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, check=False)
             assert proc.returncode == 0, proc.stderr[-3000:]
             self.done[(cause, arm)] = {r: s["components"]["anatomy"] for r, s in summaries(run_dir).items()}
+            self.goodput[(cause, arm)] = {
+                r: s["components"]["goodput"] for r, s in summaries(run_dir).items()
+            }
         return self.done[(cause, arm)]
 
 
@@ -105,3 +109,14 @@ def test_the_planted_seconds_are_in_the_named_phase(runs: Runs) -> None:
         assert (
             runs("slow-peer", arm)[0]["phase_seconds_p50"]["comm_exposed"] >= 0.1
         )  # rank 0 waits for rank 1
+
+
+def test_a_slow_peer_s_victim_keeps_its_waits_undecided_without_a_straggler_verdict(runs: Runs) -> None:
+    """With the detectors off nobody judges whether rank 0's exposed communication is its own or a wait
+    for rank 1: none of it is productive, none a wait for a culprit; it stays undecided (its 0.2 s a
+    step, less what the shared cores blur)."""
+    for arm in ARMS:
+        runs("slow-peer", arm)
+        led = runs.goodput[("slow-peer", arm)][0]
+        assert led["wait_by_culprit"] == {} and "wait" not in led["lost_seconds"], (arm, led)
+        assert led["undecided_seconds"] >= 6 * 0.2 * 0.8, (arm, led)
