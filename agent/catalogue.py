@@ -313,7 +313,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m(
         "hpar_goodput_ratio",
         "gauge",
-        "Productive seconds over the wall time accounted since the process started.",
+        "Productive seconds over the wall time accounted since the process started (a lower bound while exposed communication waits undecided for a Straggler verdict).",
         unit="ratio",
     ),
     _m(
