@@ -62,6 +62,7 @@ SPECS: dict[str, Spec] = {
         ),
         faults={1: "Straggler"},
     ),
+    "ddp_gan": Spec(_torchrun(str(PROGRAMS / "gan.py"), "--steps", "12")),
     "single_process": Spec(
         _py(TRAIN, "single", "--steps", "8", "--compile", "eager"), world=1, compile_backend="eager"
     ),
