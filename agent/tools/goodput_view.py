@@ -87,11 +87,12 @@ def closing_line(summaries: Iterable[Mapping[str, Any]]) -> str | None:
         f"{label(k)} {share:.0%}".replace("%", " %") for share, k in lost[:LINE_PARTS] if share >= MIN_SHARE
     ]
     low, open_ = total.get("productive", 0.0) / wall, total.get(UNDECIDED, 0.0) / wall
-    head = f"goodput {low:.0%}".replace("%", " %")
-    if open_ >= MIN_SHARE:
+    lo, hi = f"{100 * low:.0f}", f"{100 * (low + open_):.0f}"
+    head = f"goodput {lo} %"
+    if hi != lo:  # a range only where the undecided share moves the rounded figure
         head = (
-            f"goodput {100 * low:.0f}-{100 * (low + open_):.0f} % ({100 * open_:.0f} % exposed communication "
-            "undecided: its own or a wait for a slow rank, the Straggler detector had not judged)"
+            f"goodput {lo}-{hi} % ({100 * open_:.0f} % exposed communication undecided: its own or a "
+            "wait for a slow rank, the Straggler detector had not judged)"
         )
     return f"{head}: lost {', '.join(named)}" if named else head
 

@@ -171,6 +171,8 @@ def test_closing_line_gives_the_range_an_undecided_share_leaves() -> None:
     line = goodput_view.closing_line(ranks)
     assert line is not None and line.startswith("goodput 48-75 % (28 % exposed communication undecided")
     assert line.endswith(": lost other 25 %") and "undecided" not in line.split(": lost")[1]
+    ranks[0]["components"]["goodput"].update(undecided_seconds=1.0, wall_seconds=46.94)  # type: ignore[union-attr]
+    assert goodput_view.closing_line(ranks) == "goodput 65 %: lost other 34 %"  # 64.7-65.3: no "65-65 %"
 
 
 def test_the_run_summary_gives_each_ranks_goodput_in_words(tmp_path: Path) -> None:
