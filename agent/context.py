@@ -94,10 +94,7 @@ class AgentContext:
     #: for a pass in progress (else give up at once), ``in_pass`` from a component's poll
     redetect: Callable[..., bool] = _no_redetect
     device: Any = None  # torch.device of this rank (see hpar_agent.device)
-    model: Any = None  # the model given to attach
-    #: without one (``hpar-agent run``): the root the step anatomy found, a data-parallel wrapper or the
-    #: module holding the optimizer's parameters (``model_root``), set on the training thread as found
-    found_model: Any = None
+    model: Any = None
     optimizer: Any = None
     mesh: Any = None
     run_dir: str = ""
@@ -109,11 +106,6 @@ class AgentContext:
     #: thread), "signal: SIGTERM", else "" (a clean exit or detach)
     exit_reason: str = ""
     _evidence: Evidence | None = field(default=None, repr=False)
-
-    @property
-    def training_model(self) -> Any:
-        """The model the detectors read parameters of: the one given to attach, else the one found."""
-        return self.model if self.model is not None else self.found_model
 
     @property
     def evidence(self) -> Evidence:

@@ -138,8 +138,6 @@ class AnatomyHooks:
         """Time the forward and backward of ``module`` from now on (training thread, rare)."""
         self.root.take(module, how, self._step())
         self.forward_source = "module-hooks"
-        if self.ctx is not None and self.ctx.model is None:
-            self.ctx.found_model = module  # the detectors that read parameters read this one
         device = self.ctx.device if self.ctx is not None else None
         try:
             on_cuda = next(module.parameters()).device.type == "cuda"

@@ -66,17 +66,6 @@ def _is_dp(label: str) -> bool:
     return label.startswith("dp")
 
 
-#: Labels of groups known not to be data-parallel (``default_pg`` is dp only when it is the only group).
-NOT_DP = ("tp", "pp", "cp", "ep", "default_pg")
-
-
-def _dp_unknown(reduced: Mapping[str, int]) -> bool:
-    """No dp group among the step's reductions, but one of them on a group of unknown role (a
-    ``new_group`` of the program's own, as a pipeline's replicas all-reduce on): its elements may be the
-    gradient's, so the step's coverage is unknown, not 0."""
-    return not any(_is_dp(pg) for pg in reduced) and any(not pg.startswith(NOT_DP) for pg in reduced)
-
-
 def required_elements(params: Iterable[Any], model: Any = None) -> int:
     """Gradient elements the dp groups must reduce for these parameters (see the module docstring).
     An unnamed mesh of an FSDP ``model`` is named as topology names it (dp_shard, HSDP's two dims)."""
@@ -283,21 +272,9 @@ class GradSyncCollector(Component):
         self.tp_history.append((step, cov))
         del self.tp_history[:-64]
 
-    def _stepped(self) -> Any:
-        """The optimizer whose step defines the step, once it stepped (None before)."""
-        steps = self.require_ctx().find(StepCollector)
-        return steps.optimizer() if steps is not None and steps.optimizer is not None else None
-
     def _params(self) -> list[Any]:
-        """The parameters whose gradients the dp groups must reduce: the attached model's; without one
-        (``hpar-agent run``) the stepping optimizer's, which a wrapper nested wrongly leaves partly
-        outside it (the wrapper the step anatomy found would hold only what it reduces)."""
         ctx = self.require_ctx()
-        model = ctx.model
-        if model is None and (opt := self._stepped()) is not None:
-            return [p for g in getattr(opt, "param_groups", ()) for p in g.get("params", ())]
-        model = ctx.training_model
-        params = list(model.parameters()) if hasattr(model, "parameters") else []
+        params = list(ctx.model.parameters()) if hasattr(ctx.model, "parameters") else []
         pipe = ctx.find(PipelineCollector)
         for stage, _ in getattr(pipe, "wrapped", ()):  # further pipeline chunks of this rank
             submod = getattr(stage, "submod", None)
@@ -308,15 +285,12 @@ class GradSyncCollector(Component):
     def poll(self, now: float) -> None:
         if self._tp_params:
             self._resolve_tp()
-        ctx = self.require_ctx()
-        coll = ctx.find(CollectiveCollector)
-        if not self.dp_up and ctx.topology.dp > 1 and (ctx.found_model or self._stepped()) is not None:
-            self.dp_up = self.up = True  # under ``hpar-agent run``: a wrapper found, or an optimizer stepped
+        coll = self.require_ctx().find(CollectiveCollector)
         if not self.dp_up or coll is None:
             return
         if now - self._required_at >= REQUIRED_EVERY_S:
             self._required_at = now
-            self.required = required_elements(self._params(), self.require_ctx().training_model)
+            self.required = required_elements(self._params(), getattr(self.ctx, "model", None))
         if self.required <= 0:
             return
         through = coll.read_through_ns()
@@ -335,9 +309,6 @@ class GradSyncCollector(Component):
             dp = sum(n for pg, n in reduced.items() if _is_dp(pg))
             if not any(_is_dp(pg) for pg in reduced) and "default_pg" in reduced and len(reduced) == 1:
                 dp = reduced["default_pg"]  # a plain DDP job without a mesh: the default group is dp
-            elif _dp_unknown(reduced):
-                self.judged = step  # no verdict: which group is dp is not known
-                continue
             self.judged = step
             self.coverage = dp / self.required
             self.history.append((step, self.coverage))

@@ -130,7 +130,7 @@ class DetectorsComponent(Component):
         ctx = self.ctx
         if ctx is None or not self._stepping:
             return
-        tick = StepTick(step, t_ns, ctx.training_model, ctx.topology.world_size)
+        tick = StepTick(step, t_ns, ctx.model, ctx.topology.world_size)
         for d in self._stepping:
             try:
                 d.step_hook(tick)

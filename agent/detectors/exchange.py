@@ -281,10 +281,9 @@ class CrossRankExchange:
         """Worked out once per mesh (``DeviceMesh.mesh`` builds a tensor each time it is read)."""
         ctx = self._ctx()
         topo = ctx.topology
-        model = ctx.training_model
-        key = (id(ctx.mesh), id(model), topo.rank, topo.world_size, topo.pp, topo.dp, topo.tp)
+        key = (id(ctx.mesh), id(ctx.model), topo.rank, topo.world_size, topo.pp, topo.dp, topo.tp)
         if self._plan_of is None or self._plan_of[0] != key:
-            mesh = ctx.mesh if ctx.mesh is not None else mesh_from_model(model)
+            mesh = ctx.mesh if ctx.mesh is not None else mesh_from_model(ctx.model)
             self._plan_of = (key, plan(self._grid(mesh), ctx.topology.rank, nodes=node_sizes()))
             self.seen = {r: p for r, p in self.seen.items() if r in self._plan_of[1].peers}
         return self._plan_of[1]
@@ -298,7 +297,7 @@ class CrossRankExchange:
         topo = ctx.topology
         if mesh is not None:
             try:
-                grid = Grid.from_mesh(mesh, mesh_dim_names(mesh, ctx.training_model))
+                grid = Grid.from_mesh(mesh, mesh_dim_names(mesh, ctx.model))
                 if len(grid.ranks) == topo.world_size:
                     return grid
             except Exception as exc:

@@ -84,7 +84,7 @@ class DetectorFeed:
             grad_sync=self._read(ctx, src.grad_sync, None),
             binding=self._read(ctx, src.cpu_binding, None),
             gpu=self._read(ctx, src.gpu_health, None),
-            model=ctx.training_model,
+            model=ctx.model,
             evidence_on=evidence_on,
             stopping=ctx.stopping,
             exchange=exchange if exchange is not None else PeerView(),

@@ -149,29 +149,10 @@ def test_a_clean_2d_fsdp_tp_program_raises_no_alert(tmp_path: Path) -> None:
         assert judged["CollectiveMismatch"]["judged"] > 0 and judged["CollectiveMismatch"]["fired"] == 0, (
             judged
         )
-        # gradient-sync coverage is judged without attach(model): the stepping optimizer's parameters
-        assert judged["GradSyncIncomplete"]["judged"] > 0, judged["GradSyncIncomplete"]
-        assert judged["ReplicaDivergence"]["judged"] > 0, judged["ReplicaDivergence"]  # its samples too
-        assert s["components"]["gradsync"]["coverage_min"] >= 0.99, s["components"]["gradsync"]
         assert s["errors"] == {}, s["errors"]
     every = [e for r in range(4) for e in events(tmp_path, r)]
     alerts = [e for e in every if e.get("kind") == "alert"]
     assert len(every) > 4 and alerts == [], alerts[:3]
-
-
-def test_a_ddp_wrapper_nested_wrongly_fires_grad_sync_incomplete_without_attach(tmp_path: Path) -> None:
-    """(c'') Only the first block inside DDP: under ``hpar-agent run`` the gradient the step must
-    reduce is the stepping optimizer's parameters' (the wrapper the step anatomy finds holds only what
-    it reduces), so the coverage is the wrapped share, 1,088 of 5,313 elements, on every rank."""
-    proc = hpar_run(tmp_path, torchrun("ddp_nested_wrongly.py", "40"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = summaries(tmp_path)
-    assert sorted(ranks) == [0, 1], proc.stderr[-3000:]
-    for s in ranks.values():
-        gs = s["components"]["gradsync"]
-        assert gs["required_elements"] == 5313 and gs["coverage_min"] == pytest.approx(1088 / 5313), gs
-        assert s["components"]["detectors"]["GradSyncIncomplete"]["fired"] >= 1
-    assert "culprit: ranks 0, 1 (GradSyncIncomplete" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_loop_without_optimizer_says_so_once(tmp_path: Path) -> None:

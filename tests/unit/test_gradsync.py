@@ -91,24 +91,6 @@ def test_whole_partial_and_compressed_steps(fake) -> None:  # noqa: F811
     assert _sample(agent, "hpar_detector_value", {"alert": "GradSyncIncomplete"}) == pytest.approx(0.6)
 
 
-def test_reductions_on_a_group_of_unknown_role_give_no_verdict(fake) -> None:  # noqa: F811
-    """A pipeline's replicas all-reducing their gradients on a ``new_group`` of their own (label
-    ``pg3``): which group is dp is not known, so the step has no coverage (it read 0 and fired); a
-    step that reduced nothing at all, or only over tp, still reads 0."""
-    rec, agent, _ = fake
-    gs = _coverage_agent(agent, nn.Linear(4, 4))  # 20 elements
-    agent.step()
-    rec.add(0, 1, "3", "", 1, n=20)  # an unnamed group: pg3
-    agent.step()
-    agent.tick()
-    assert gs.judged == 1 and gs.coverage is None
-    assert _sample(agent, "hpar_alert_active", {"alert": "GradSyncIncomplete"}) == 0.0
-    rec.add(1, 2, "4", "mesh_tp", 1, n=1000)
-    agent.step()
-    agent.tick()
-    assert gs.judged == 2 and gs.coverage == 0.0
-
-
 def test_step_waits_until_its_collectives_are_read(fake) -> None:  # noqa: F811
     rec, agent, coll = fake
     gs = _coverage_agent(agent, nn.Linear(4, 4))
