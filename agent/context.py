@@ -107,6 +107,11 @@ class AgentContext:
     exit_reason: str = ""
     _evidence: Evidence | None = field(default=None, repr=False)
 
+    def judged(self, alert: str) -> bool:
+        """Whether a cross-rank detector's judgement is known: it has published a conclusion (after
+        ``confirm`` verdicts), or the job is one rank, with nobody to compare."""
+        return alert in self.conclusions or self.topology.world_size <= 1
+
     @property
     def evidence(self) -> Evidence:
         """The rank's one evidence writer (alerts and out-of-memory records share its limits and its

@@ -347,7 +347,7 @@ class AnatomyCollector(Component):
         one), as the Straggler detector concluded (``AgentContext.conclusions``)."""
         ctx = self.ctx
         sr = ctx.conclusions.get("Straggler") if ctx is not None else None
-        known = sr is not None or ctx is None or ctx.topology.world_size <= 1
+        known = ctx is None or ctx.judged("Straggler")
         if sr is None or not (sr.here or sr.peer is not None):
             return known, False, None, None
         return known, True, sr.value, None if sr.here else sr.peer

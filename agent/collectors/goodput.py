@@ -8,8 +8,8 @@ training-thread cost it adds, two clock reads a checkpoint call). The culprit of
 Straggler detector concluded (``AgentContext.conclusions``): while it names a peer, this rank's exposed
 communication is waiting for that peer; else it is the step's own communication (productive), once no
 culprit was named within ``goodput_ledger.UNDECIDED_STEPS`` steps. Before the detector has judged at all
-(a run shorter than its window, or the detectors off) it stays undecided, and the summary says so. While the Hang alert is active, the
-time since the last accounted step is hang. Earlier attempts in the same run directory (a restart) are
+(a run shorter than its window, or the detectors off) it stays undecided, and the summary says so.
+While the Hang alert is active, the time since the last accounted step is hang. Earlier attempts in the same run directory (a restart) are
 added, with ``restart`` and ``recomputed`` (``goodput_attempts``).
 
 A step is accounted once the anatomy has finished it (its CUDA events and collectives read), so the
@@ -175,10 +175,9 @@ class GoodputCollector(Component):
         return HANG_ALERT in ctx.conclusions
 
     def _judged(self) -> bool:
-        """Whether the Straggler detector has judged (a single rank needs none): until then exposed
-        communication may be a wait for a slow rank (``Ledger.step``)."""
-        ctx = self.ctx
-        return ctx is None or ctx.topology.world_size <= 1 or "Straggler" in ctx.conclusions
+        """Whether the Straggler detector has judged: until then exposed communication may be a wait
+        for a slow rank (``Ledger.step``)."""
+        return self.ctx is None or self.ctx.judged("Straggler")
 
     def _culprit(self) -> int | None:
         """The peer the Straggler detector names as the job's slow rank (None on that rank itself)."""

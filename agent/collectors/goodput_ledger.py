@@ -12,7 +12,8 @@ checkpoint is taken out of the host share, where it runs), and what is left: pro
 compute. Exposed communication is a wait for the culprit when one is named; while none is, the last
 ``UNDECIDED_STEPS`` steps' of it stay undecided (the one part of the wall time in no cause yet), a wait
 for the culprit if one is named in time, else productive: the step's own communication. Before the
-Straggler detector has judged at all (``judged``), none of it is decided: a short run can end so. Pure functions of their inputs: the goodput collector and the tests share it.
+Straggler detector has judged at all (``judged``), none of it is decided: a short run can end so.
+Pure functions of their inputs: the goodput collector and the tests share it.
 """
 
 from __future__ import annotations
